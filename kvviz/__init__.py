@@ -1,0 +1,22 @@
+"""kvviz: see where a KV cache (past_key_values) makes a model's numbers differ from a full forward, and why.
+
+Usable from a notebook:
+
+    import kvviz
+    lm = kvviz.load_model("default", dtype="bfloat16")
+    res = kvviz.run_split(lm, kvviz.SplitConfig(prompt="The capital of France is", split=3))
+    res.verdict, res.explanation
+    kvviz.figures.split_heatmap(res, metric="relative")
+"""
+from .dtypes import DTYPE_NAMES, machine_eps, parse_dtype, resolve_device
+from .errors import KvvizError
+from .loading import ATTN_CHOICES, DEFAULT_SPEC, LoadedModel, cache_dir, clear_cache, load_model, parse_spec
+from .split import MODES, SplitConfig, SplitResult, run_split
+from .tiny import TINY_ARCHS
+
+__all__ = [
+    "ATTN_CHOICES", "DEFAULT_SPEC", "DTYPE_NAMES", "KvvizError", "LoadedModel", "MODES", "SplitConfig",
+    "SplitResult", "TINY_ARCHS", "cache_dir", "clear_cache", "load_model", "machine_eps", "parse_dtype",
+    "parse_spec", "resolve_device", "run_split",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,127 @@
+"""Command line: `python -m kvviz split ...` (more subcommands as the pages land)."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .dtypes import DTYPE_NAMES
+from .errors import KvvizError
+from .inputs import MASK_MODES, POSITION_MODES
+from .loading import ATTN_CHOICES
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, non-zero exit
+        self.exit(2, f"kvviz: error: {message}\n")
+
+
+def _progress_to_stderr(quiet: bool):
+    if quiet:
+        return None
+    last = {"msg": None}
+
+    def report(frac: float, msg: str) -> None:
+        if msg != last["msg"]:
+            last["msg"] = msg
+            print(f"[{frac * 100:3.0f}%] {msg}", file=sys.stderr, flush=True)
+
+    return report
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default", help="default | tiny:<arch> | hub id | folder | file.gguf")
+    p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES)
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N | mps")
+    p.add_argument("--attn", default="auto", choices=ATTN_CHOICES, help="attention implementation")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run the model's own Python code (off by default; only for models you trust)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m kvviz", description="Where does a KV cache change a model's numbers, and why?")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+    sp = sub.add_parser("split", help="full forward vs prefix cached + rest through past_key_values")
+    _model_args(sp)
+    sp.add_argument("--prompt", required=True)
+    sp.add_argument("--split", type=int, required=True, help="prompt tokens [0, K) go to the cache")
+    sp.add_argument("--mode", default="chunk", choices=("chunk", "step"))
+    sp.add_argument("--left-pad", type=int, default=0)
+    sp.add_argument("--position-ids", default="auto", choices=POSITION_MODES)
+    sp.add_argument("--attention-mask", default="full", choices=MASK_MODES)
+    return parser
+
+
+def _load(args):
+    from .loading import load_model
+
+    return load_model(args.model, args.dtype, args.device, args.attn, trust_remote_code=args.trust_remote_code,
+                      progress=_progress_to_stderr(args.quiet))
+
+
+def cmd_split(args) -> int:
+    from .jsonout import dumps
+    from .split import SplitConfig, run_split
+
+    if args.left_pad < 0:
+        raise KvvizError(f"--left-pad must be 0 or more, not {args.left_pad}")
+    lm = _load(args)
+    cfg = SplitConfig(prompt=args.prompt, split=args.split, mode=args.mode, left_pad=args.left_pad,
+                      position_ids=args.position_ids, attention_mask=args.attention_mask)
+    res = run_split(lm, cfg, progress=_progress_to_stderr(args.quiet))
+    if args.json:
+        print(dumps(res.to_dict()))
+        return 0
+    print(split_summary(res))
+    return 0
+
+
+def split_summary(res) -> str:
+    s = res.settings
+    lines = [f"model: {res.model['description']}",
+             f"dtype {s['dtype']} on {s['device']}, attention {s['attention']}, mode {s['mode']}, "
+             f"left pad {s['left_pad']}, position ids {s['position_ids']}, mask {s['attention_mask']}",
+             f"cached tokens [0, {s['split']}): {''.join(res.tokens[:s['split']])!r}",
+             f"compared tokens: {''.join(res.compared_tokens)!r}", ""]
+    m = res.main
+    if m.has_cache:
+        rel = m.hidden["relative"].max(axis=1)
+        mx = m.hidden["max_abs"].max(axis=1)
+        lines.append(f"{'hidden state':<28}{'max |Δ|':>12}{'relative':>12}{'× eps':>10}")
+        eps_units = m.hidden["eps_units"].max(axis=1)
+        for lab, a, r, e in zip(res.layer_labels, mx, rel, eps_units):
+            lines.append(f"{lab:<28}{a:>12.3g}{r:>12.3g}{e:>10.3g}")
+        lg = m.logits
+        lines += ["", f"logits: max |Δ| {lg['max_abs'].max():.3g}, max KL {lg['kl'].max():.3g}, argmax agrees at "
+                      f"{int(lg['argmax_agree'].sum())}/{len(lg['argmax_agree'])} positions",
+                  "K/V elements differing: " + ", ".join(
+                      f"L{r['layer'] + 1} {r['keys_differ']}+{r['values_differ']}/{r['keys_total'] + r['values_total']}"
+                      for r in m.kv)]
+    if res.float64 is not None:
+        lines.append(f"float64 rerun: max relative gap {res.float64.max_relative:.3g}")
+    lines += ["", f"verdict: {res.verdict.upper()}", res.explanation]
+    return "\n".join(lines)
+
+
+COMMANDS = {"split": cmd_split}
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return 2
+    try:
+        return COMMANDS[args.command](args)
+    except KvvizError as e:
+        print(f"kvviz: error: {e}", file=sys.stderr)
+        return 1
+    except MemoryError:
+        print("kvviz: error: out of memory; use a shorter prompt, a smaller model or a 16-bit dtype", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130

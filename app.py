@@ -9,7 +9,7 @@ st.set_page_config(page_title="kvviz", page_icon="🔍", layout="wide")
 
 PAGES = [
     st.Page("pages/home.py", title="About kvviz", icon="🏠", default=True),
-    st.Page("pages/split_point.py", title="Split point", icon="✂️", url_path="split"),
+    st.Page("pages/split_point.py", title="Split point", icon="✂️"),
 ]
 
 nav = st.navigation(PAGES)

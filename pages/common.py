@@ -29,6 +29,20 @@ class ModelChoice:
         return json.dumps(self.__dict__, sort_keys=True)
 
 
+def ensure_navigation() -> None:
+    """Call first in every page. Streamlit runs a fresh server's very first request the old way (a script from
+    pages/ on its own, without app.py) when that request is a deep link such as /split_point, because a pages/
+    folder exists. app.py's st.navigation switches that off for good; here we switch it off and rerun so the
+    page always runs inside app.py, with the shared sidebar."""
+    try:
+        from streamlit.runtime.pages_manager import PagesManager
+    except ImportError:  # pragma: no cover - other Streamlit versions
+        return
+    if PagesManager.uses_pages_directory or "model_choice" not in st.session_state:
+        PagesManager.uses_pages_directory = False
+        st.rerun()
+
+
 def sidebar() -> ModelChoice:
     """Draw the shared sidebar; its widgets keep their values across pages through session state."""
     ss = st.session_state

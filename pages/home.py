@@ -1,5 +1,9 @@
 import streamlit as st
 
+from pages.common import ensure_navigation
+
+ensure_navigation()
+
 st.title("kvviz: why does the KV cache change my numbers?")
 st.markdown("""
 When a model runs with a **KV cache** (`past_key_values`), it computes the new tokens against stored keys and

@@ -6,7 +6,9 @@ from kvviz import figures
 from kvviz.inputs import MASK_MODES, POSITION_MODES, encode
 from kvviz.jsonout import dumps
 from kvviz.metrics import HIDDEN_METRICS
-from pages.common import load, progress_bar, run_cached, show_error, show_verdict, token_strip
+from pages.common import ensure_navigation, load, progress_bar, run_cached, show_error, show_verdict, token_strip
+
+ensure_navigation()
 
 DEFAULT_PROMPT = "The capital of France is Paris, and the capital of Italy is"
 
@@ -82,21 +84,21 @@ m3.metric("float64 rerun", "—" if f64 is None else f"{f64.max_relative:.3g}",
 m4.metric("next token agrees", f"{int(res.main.logits['argmax_agree'].sum())}/{len(res.compared)}")
 
 v1, v2 = st.columns([2, 1])
-metric = v1.selectbox("Metric", list(HIDDEN_METRICS), key="split_metric", format_func=figures.METRIC_TITLES.get,
+metric = v1.selectbox("Metric", list(HIDDEN_METRICS), index=2, key="split_metric", format_func=figures.METRIC_TITLES.get,
                       help="; ".join(f"{figures.METRIC_TITLES[k]}: {v}" for k, v in HIDDEN_METRICS.items()))
 log = v2.toggle("Log colour scale", True, key="split_log")
-st.plotly_chart(figures.split_heatmap(res, metric, log), use_container_width=True, key="split_heatmap")
-st.plotly_chart(figures.layer_lines(res, metric, log), use_container_width=True, key="split_lines")
+st.plotly_chart(figures.split_heatmap(res, metric, log), width="stretch", key="split_heatmap")
+st.plotly_chart(figures.layer_lines(res, metric, log), width="stretch", key="split_lines")
 
 t1, t2, t3 = st.tabs(["Logits per position", "Last position: describe()", "Keys / values per layer"])
 with t1:
-    st.dataframe(figures.logits_frame(res), hide_index=True, use_container_width=True)
+    st.dataframe(figures.logits_frame(res), hide_index=True, width="stretch")
 with t2:
     st.caption("As in seed 003: summary statistics of the last compared position's logits without and with past.")
-    st.dataframe(figures.describe_frame(res), use_container_width=True)
+    st.dataframe(figures.describe_frame(res), width="stretch")
 with t3:
     st.caption("Keys and values in the cache after the cached run vs the full forward's (pad positions excluded).")
-    st.dataframe(figures.kv_frame(res), hide_index=True, use_container_width=True)
+    st.dataframe(figures.kv_frame(res), hide_index=True, width="stretch")
 for note in res.notes:
     st.caption(f"ℹ️ {note}")
 st.download_button("Download result (JSON)", dumps(res.to_dict()), file_name="kvviz-split.json",

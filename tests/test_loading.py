@@ -1,0 +1,116 @@
+"""Loading: specs, tiny models through the folder path, the model cache, clear errors."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvviz
+from kvviz.errors import KvvizError
+from kvviz.loading import parse_spec, tiny_folder
+
+
+def test_tiny_models_are_saved_and_loaded_as_folders(kvviz_cache):
+    folder = tiny_folder("llama")
+    assert Path(folder).is_relative_to(kvviz_cache)
+    assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+    assert json.loads((folder / "kvviz-tiny.json").read_text())["arch"] == "llama"
+    a = kvviz.load_model(str(folder), "float32", "cpu")  # the same model through the plain folder path
+    b = kvviz.load_model("tiny:llama", "float32", "cpu")
+    assert a is not b
+    for (n1, p1), (n2, p2) in zip(a.model.named_parameters(), b.model.named_parameters()):
+        assert n1 == n2 and torch.equal(p1, p2)
+
+
+@pytest.mark.parametrize("arch", kvviz.TINY_ARCHS)
+def test_each_tiny_arch_loads_fast_with_its_quirks(arch):
+    lm = kvviz.load_model(f"tiny:{arch}", "float32", "cpu")
+    assert lm.arch == arch
+    assert lm.n_layers == 4
+    cfg = lm.config
+    if arch in ("llama", "qwen2", "mistral", "gemma2"):
+        assert cfg.num_key_value_heads < cfg.num_attention_heads  # grouped KV heads
+    if arch in ("mistral", "gemma2"):
+        assert cfg.sliding_window == 8
+    if arch == "gemma2":
+        assert set(cfg.layer_types) == {"sliding_attention", "full_attention"}
+    if arch == "roberta":
+        assert not cfg.is_decoder
+
+
+def test_cache_is_keyed_and_models_are_never_mutated():
+    f32 = kvviz.load_model("tiny:qwen2", "float32", "cpu")
+    before = {n: p.clone() for n, p in f32.model.named_parameters()}
+    f16 = kvviz.load_model("tiny:qwen2", "float16", "cpu")
+    bf16 = kvviz.load_model("tiny:qwen2", "bfloat16", "cpu")
+    eager = kvviz.load_model("tiny:qwen2", "float32", "cpu", "eager")
+    assert len({id(f32), id(f16), id(bf16), id(eager)}) == 4
+    assert kvviz.load_model("tiny:qwen2", "float32", "cpu") is f32
+    assert next(f32.model.parameters()).dtype == torch.float32
+    assert next(f16.model.parameters()).dtype == torch.float16
+    assert eager.attn_implementation == "eager" and f32.attn_implementation == "sdpa"
+    for n, p in f32.model.named_parameters():
+        assert torch.equal(p, before[n])
+
+
+def test_float64_eager_uses_exact_attention():
+    lm = kvviz.load_model("tiny:llama", "float64", "cpu", "eager")
+    assert lm.attn_implementation == "kvviz_exact_eager"
+    assert any("exact float64" in w for w in lm.warnings)
+    f32 = kvviz.load_model("tiny:llama", "float32", "cpu", "eager")
+    assert f32.attn_implementation == "eager"  # 16/32-bit runs keep the model's real eager
+
+
+@pytest.mark.parametrize("spec, msg", [
+    ("", "no model given"),
+    ("tiny:nope", "unknown tiny architecture"),
+    ("/definitely/not/here", "not found"),
+    ("no such model!", "unknown model"),
+    ("missing.gguf", "GGUF file not found"),
+])
+def test_bad_specs(spec, msg):
+    with pytest.raises(KvvizError, match=msg):
+        parse_spec(spec)
+
+
+def test_folder_without_config(tmp_path):
+    with pytest.raises(KvvizError, match="no config.json"):
+        kvviz.load_model(str(tmp_path), "float32", "cpu")
+
+
+def test_hub_id_offline_fails_fast(monkeypatch):
+    import time
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    t = time.perf_counter()
+    with pytest.raises(KvvizError, match="not in the local Hugging Face cache"):
+        kvviz.load_model("someone/not-a-cached-model", "float32", "cpu")
+    assert time.perf_counter() - t < 10
+
+
+def test_bad_dtype_device_attention():
+    with pytest.raises(KvvizError, match="unknown dtype"):
+        kvviz.load_model("tiny:gpt2", "float8", "cpu")
+    with pytest.raises(KvvizError, match="unknown device"):
+        kvviz.load_model("tiny:gpt2", "float32", "tpu9")
+    if not torch.cuda.is_available():
+        with pytest.raises(KvvizError, match="no CUDA GPU"):
+            kvviz.load_model("tiny:gpt2", "float32", "cuda")
+    with pytest.raises(KvvizError, match="unknown attention"):
+        kvviz.load_model("tiny:gpt2", "float32", "cpu", "magic")
+
+
+def test_trust_remote_code_is_off_by_default_and_warned_when_on():
+    lm = kvviz.load_model("tiny:gpt2", "float32", "cpu")
+    assert not lm.trust_remote_code and not any("trust_remote_code" in w for w in lm.warnings)
+    on = kvviz.load_model("tiny:gpt2", "float32", "cpu", trust_remote_code=True)
+    assert on is not lm and on.trust_remote_code
+    assert any("trust_remote_code is on" in w for w in on.warnings)
+
+
+def test_cache_dir_honours_xdg(monkeypatch, tmp_path):
+    from kvviz.loading import cache_dir
+
+    monkeypatch.delenv("KVVIZ_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cache_dir() == tmp_path / "kvviz"

@@ -30,8 +30,12 @@ $(STAMP): requirements.txt Makefile
 	  $(PYTHON) -m venv $(VENV); \
 	  if $(BIN)/python -c "import torch" >/dev/null 2>&1; then echo ">> torch already in $(VENV)"; \
 	  elif command -v nvidia-smi >/dev/null 2>&1; then echo ">> NVIDIA GPU: installing torch with CUDA"; $(PIP) install torch; \
-	  elif $(PIP) install --no-index "torch==$(TORCH_CPU_VERSION)" >/dev/null 2>&1; then echo ">> installed local CPU wheel torch==$(TORCH_CPU_VERSION)"; \
-	  else echo ">> installing CPU-only torch from $(TORCH_CPU_INDEX)"; $(PIP) install torch --index-url $(TORCH_CPU_INDEX); fi; \
+	  elif $(PIP) download -q --no-deps --no-index -d $(VENV)/.torch-probe "torch==$(TORCH_CPU_VERSION)" >/dev/null 2>&1; then \
+	    echo ">> installing the local CPU wheel torch==$(TORCH_CPU_VERSION)"; rm -rf $(VENV)/.torch-probe; \
+	    $(PIP) install -q "torch==$(TORCH_CPU_VERSION)" 2>&1 | grep -v "is ignored: it is neither" || true; \
+	  else echo ">> installing CPU-only torch from $(TORCH_CPU_INDEX)"; \
+	    $(PIP) install torch --index-url $(TORCH_CPU_INDEX) --extra-index-url https://pypi.org/simple; fi; \
+	  $(BIN)/python -c "import torch; print('>> torch', torch.__version__)"; \
 	fi
 	$(PIP) install -q -r requirements.txt 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
 	$(BIN)/python -c "import torch, transformers, streamlit, plotly, pandas, gguf, accelerate"

@@ -5,11 +5,12 @@ import streamlit as st
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-st.set_page_config(page_title="kvviz", page_icon="🔍", layout="wide")
+st.set_page_config(page_title="kvviz", page_icon=":material/troubleshoot:", layout="wide")
 
 PAGES = [
-    st.Page("pages/home.py", title="About kvviz", icon="🏠", default=True),
-    st.Page("pages/split_point.py", title="Split point", icon="✂️"),
+    st.Page("pages/home.py", title="About kvviz", icon=":material/home:", default=True),
+    st.Page("pages/split_point.py", title="Split point", icon=":material/content_cut:"),
+    st.Page("pages/greedy_paths.py", title="Greedy paths", icon=":material/call_split:"),
 ]
 
 nav = st.navigation(PAGES)

@@ -122,3 +122,127 @@ def kv_frame(res: SplitResult) -> pd.DataFrame:
         "values max |Δ|": r["values_max_abs"],
     } for r in res.main.kv]
     return pd.DataFrame(rows)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Greedy paths
+
+def primary_pair(res, a: str = "no_cache", b: str = "cache"):
+    """The pair the views lead with: no_cache vs cache when both ran, else the first pair that parts."""
+    try:
+        return res.pair(a, b)
+    except KeyError:
+        parting = [p for p in res.pairs if p.first_divergence is not None]
+        return (parting or res.pairs)[0]
+
+
+def first_parting(res) -> int | None:
+    steps = [p.first_divergence for p in res.pairs if p.first_divergence is not None]
+    return min(steps) if steps else None
+
+
+def greedy_margins(res) -> go.Figure:
+    """Each path's top-1 minus top-2 logit per step; divergences marked; unsettled preview steps hollow."""
+    fig = go.Figure()
+    for p in res.paths.values():
+        symbols = None
+        if p.settled is not None:
+            symbols = ["circle" if s else "circle-open" for s in p.settled]
+        fig.add_trace(go.Scatter(
+            x=list(range(len(p.margins))), y=p.margins, mode="lines+markers", name=p.label,
+            marker=dict(symbol=symbols, size=7), customdata=[[t, s] for t, s in zip(p.tokens, p.top2)],
+            hovertemplate="step %{x}: chose %{customdata[0]!r} over %{customdata[1]!r}<br>margin %{y:.4g}"
+                          "<extra>" + p.name + "</extra>"))
+    for pr in res.pairs:
+        if pr.first_divergence is not None:
+            fig.add_vline(x=pr.first_divergence, line_dash="dot", line_color="#c0392b")
+    t = first_parting(res)
+    if t is not None:
+        fig.add_annotation(x=t, y=1, yref="paper", text=f"first parting: step {t}", showarrow=False,
+                           font=dict(color="#c0392b"), xanchor="left")
+    fig.update_layout(title=f"Top-2 margin per step — {res.settings['dtype']} on {res.settings['device']}",
+                      xaxis_title="step", yaxis_title="top-1 − top-2 logit", height=380,
+                      margin=dict(l=10, r=10, t=60, b=10), legend=dict(orientation="h", y=-0.3))
+    fig.update_yaxes(type="log", exponentformat="power")
+    return fig
+
+
+def greedy_heatmap(res, pair=None, log: bool = True) -> go.Figure:
+    """Layers × steps: relative gap of the last token's hidden state between two paths."""
+    pair = pair or primary_pair(res)
+    a = res.paths[pair.a]
+    n = pair.hidden_relative.shape[1]
+    labels = [f"{t}: {short(a.tokens[t])}" for t in range(n)]
+    title = (f"Last token's hidden state, {pair.a} vs {pair.b} (relative gap) — {res.settings['dtype']} on "
+             f"{res.settings['device']}")
+    fig = heatmap(pair.hidden_relative, labels, res.layer_labels, title, "relative gap", log, x_title="step")
+    if pair.first_divergence is not None:
+        fig.add_vline(x=pair.first_divergence - 0.5, line_color="#c0392b", line_width=2)
+        fig.add_annotation(x=pair.first_divergence, y=1.02, yref="paper", showarrow=False, text="paths part",
+                           font=dict(color="#c0392b"))
+    return fig
+
+
+def greedy_reference_gap(res) -> go.Figure | None:
+    """For each path, max |Δ logit| against the float64 reference path per step (while they saw the same tokens)."""
+    if "float64" not in res.paths:
+        return None
+    fig = go.Figure()
+    for p in res.paths.values():
+        if p.float64_gap is None:
+            continue
+        fig.add_trace(go.Scatter(x=list(range(len(p.float64_gap))), y=p.float64_gap, mode="lines+markers",
+                                 name=p.label))
+    fig.update_layout(title="Distance from the float64 reference: is the cache path further from the truth?",
+                      xaxis_title="step", yaxis_title="max |Δ logit| vs float64", height=360,
+                      margin=dict(l=10, r=10, t=60, b=10), legend=dict(orientation="h", y=-0.3))
+    fig.update_yaxes(type="log", exponentformat="power")
+    return fig
+
+
+def greedy_step_frame(res) -> pd.DataFrame:
+    pair = primary_pair(res)
+    n = res.steps
+    data: dict = {"step": list(range(n))}
+    for p in res.paths.values():
+        data[f"{p.name} token"] = p.tokens[:n]
+        data[f"{p.name} margin"] = p.margins[:n]
+        if p.settled is not None:
+            data[f"{p.name} settled"] = p.settled[:n]
+    data[f"max |Δ logit| {pair.a}/{pair.b}"] = pair.max_abs_logit[:n]
+    data[f"KL {pair.a}/{pair.b}"] = pair.kl[:n]
+    data["same history"] = pair.same_history[:n]
+    return pd.DataFrame(data)
+
+
+def greedy_pairs_frame(res) -> pd.DataFrame:
+    return pd.DataFrame([{
+        "paths": f"{p.a} vs {p.b}",
+        "first parting step": p.first_divergence,
+        "tokens there": "" if p.first_divergence is None else f"{p.a_token!r} / {p.b_token!r}",
+        "verdict": p.verdict or "same tokens",
+        "float64 replay gap": p.float64_gap,
+        "max |Δ logit| before parting": max(p.max_abs_logit[: (p.first_divergence or len(p.max_abs_logit)) + 1]),
+    } for p in res.pairs])
+
+
+def texts_html(res) -> str:
+    """Each path's continuation, the first token where it parts from the others shaded red."""
+    import html
+
+    t = first_parting(res)
+    rows = []
+    for p in res.paths.values():
+        parts = []
+        for i, tok in enumerate(p.tokens):
+            text = html.escape(tok).replace("\n", "⏎<br>")
+            if t is not None and i == t:
+                parts.append(f'<span style="background:#f8c9c4;border-bottom:2px solid #c0392b">{text}</span>')
+            elif t is not None and i > t:
+                parts.append(f'<span style="color:#777">{text}</span>')
+            else:
+                parts.append(text)
+        rows.append(f'<div style="margin:4px 0"><b>{html.escape(p.label)}</b><div style="font-family:monospace;'
+                    f'white-space:pre-wrap;background:#f7f7f7;padding:6px;border-radius:4px">{"".join(parts)}'
+                    f"</div></div>")
+    return "".join(rows)

@@ -21,6 +21,8 @@ closes, it was precision; if it stays, it is logic.
 **Pages**
 * **Split point** — feed a prefix, cache it, feed the rest: where (layer × token) and how much the numbers differ
   from one full forward, against the dtype's machine epsilon, with a verdict.
+* **Greedy paths** — decode with and without cache (and with `generate()`, and the loop people write): the texts
+  side by side, the step where they part, the top-2 margin there, and the verdict for that step.
 
 Pick the model, dtype, device and attention implementation in the sidebar; they apply to every page.
 """)

@@ -12,7 +12,7 @@ ensure_navigation()
 
 DEFAULT_PROMPT = "The capital of France is Paris, and the capital of Italy is"
 
-st.title("✂️ Split point")
+st.title("Split point")
 st.caption("Feed tokens [0, k) and cache them, then feed the rest through past_key_values; compare every hidden "
            "state, the logits and the keys/values with one full forward without cache.")
 

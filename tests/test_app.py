@@ -88,3 +88,33 @@ def test_split_page_roberta_says_no_cache():
     text = alerts(at)
     assert "Verdict: logic" in text and "no cache" in text
     assert len(at.get("plotly_chart")) == 0
+
+
+def test_greedy_page_decodes_and_views_do_not_rerun(monkeypatch):
+    import kvviz.greedy as g
+
+    calls = []
+    real = g.run_greedy
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr("kvviz.greedy.run_greedy", counting)  # the page imports it afresh on every run
+    at = start("pages/greedy_paths.py")
+    at.number_input(key="greedy_n").set_value(8)
+    at.number_input(key="greedy_pad").set_value(3)
+    at.multiselect(key="greedy_paths").set_value(["no_cache", "cache", "user_loop"])
+    at.run()
+    assert not at.exception
+    text = alerts(at)
+    assert "Verdict: logic" in text  # the user loop with left padding parts from the others
+    assert len(at.get("plotly_chart")) == 2
+    n_calls = len(calls)
+    assert n_calls == 2  # the default settings, then ours
+    at.toggle(key="greedy_log").set_value(False).run()
+    at.selectbox(key="greedy_pair").set_value("cache vs user_loop").run()
+    assert not at.exception and len(calls) == n_calls
+    # bad input: 0 new tokens is refused by the widget; an empty prompt is a message
+    at.text_area(key="greedy_prompt").input(" ").run()
+    assert not at.exception and "empty" in alerts(at)

@@ -32,3 +32,15 @@ def test_split_page_draws_heatmap_with_default_model(server, artifacts):
         no_exception(page)
         assert "step" in page.locator(".js-plotly-plot").first.inner_text()
         page.screenshot(path=str(artifacts / "split-default-step.png"), full_page=True)
+
+
+def test_greedy_page_in_browser(server, artifacts):
+    with browser() as b:
+        page = b.new_page(viewport={"width": 1400, "height": 2400})
+        page.goto(server + "/greedy_paths")
+        page.wait_for_selector(".js-plotly-plot", timeout=240_000)
+        wait_idle(page)
+        no_exception(page)
+        assert page.get_by_text("no cache (full forward each step)").count() >= 1
+        assert page.locator(".js-plotly-plot").count() >= 2
+        page.screenshot(path=str(artifacts / "greedy-default.png"), full_page=True)

@@ -67,3 +67,31 @@ def test_bad_argument_types_exit_2():
     p = subprocess.run([sys.executable, "-m", "kvviz", "split", "--prompt", "x", "--split", "1", "--dtype", "int4"],
                        capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 2 and "invalid choice" in p.stderr
+
+
+def test_greedy_json(capsys):
+    code, out, err = run_cli(capsys, "greedy", "--model", "tiny:gpt2", "--prompt", "Hello there", "--max-new-tokens",
+                             "6", "--left-pad", "2", "--paths", "no_cache,cache,generate,user_loop,float64",
+                             "--json", "--quiet")
+    assert code == 0, err
+    d = json.loads(out)
+    assert set(d["paths"]) == {"no_cache", "cache", "generate", "user_loop", "float64"}
+    assert all(len(p["token_ids"]) == 6 for p in d["paths"].values())
+    assert all(p["forwards"] == 6 for p in d["paths"].values())
+    assert len(d["pairs"]) == 10
+    user = [p for p in d["pairs"] if "user_loop" in (p["a"], p["b"]) and p["first_divergence"] is not None]
+    assert user and all(p["verdict"] == "logic" for p in user)
+
+
+def test_greedy_fast_summary(capsys):
+    code, out, err = run_cli(capsys, "greedy", "--model", "tiny:llama", "--prompt", "Hello there",
+                             "--max-new-tokens", "6", "--fast", "--dtype", "bfloat16", "--quiet")
+    assert code == 0
+    assert "FAST PREVIEW" in out and "fast preview" in out
+
+
+@pytest.mark.parametrize("n", ["0", "100000"])
+def test_greedy_bad_token_counts(capsys, n):
+    code, out, err = run_cli(capsys, "greedy", "--model", "tiny:gpt2", "--prompt", "x", "--max-new-tokens", n,
+                             "--quiet")
+    assert code == 1 and "between 1 and" in err and len(err.strip().splitlines()) == 1

@@ -9,9 +9,10 @@ from kvviz.loading import clear_cache, default_gguf_path
 pytestmark = pytest.mark.slow
 
 
-def test_default_model_converts_once_then_loads_from_cache(kvviz_cache):
+def test_default_model_converts_once_then_loads_from_cache(tmp_path, monkeypatch):
+    kvviz_cache = tmp_path / "kvviz-cache"  # its own empty cache: the first load must convert
+    monkeypatch.setenv("KVVIZ_CACHE", str(kvviz_cache))
     clear_cache()
-    was_converted = bool(list((kvviz_cache / "gguf").glob("SmolLM2-*/kvviz.json")))
     msgs = []
     t0 = time.perf_counter()
     lm = kvviz.load_model("default", "float32", "cpu", progress=lambda f, m: msgs.append(m))
@@ -29,7 +30,7 @@ def test_default_model_converts_once_then_loads_from_cache(kvviz_cache):
     t1 = time.perf_counter()
     lm2 = kvviz.load_model("default", "float32", "cpu", progress=lambda f, m: msgs2.append(m))
     second = time.perf_counter() - t1
-    assert was_converted or any("Dequantizing" in m for m in msgs)  # a fresh cache converts on the first load
+    assert any("Dequantizing" in m for m in msgs)  # the empty cache converts on the first load
     assert not any("Dequantizing" in m for m in msgs2)
     assert second < first
     for (n1, p1), (n2, p2) in zip(lm.model.named_parameters(), lm2.model.named_parameters()):
@@ -39,3 +40,4 @@ def test_default_model_converts_once_then_loads_from_cache(kvviz_cache):
     assert res.verdict in ("precision", "identical")
     assert res.main.hidden["relative"].shape == (31, len(res.tokens) - 8)
     assert res.main.cached_top1[-1].strip() == "Rome"
+    clear_cache()  # later tests load from the session's own cache again

@@ -1,0 +1,492 @@
+"""Greedy decoding along several paths, and where (and why) they part.
+
+Paths:
+  no_cache   a full forward over the whole sequence at every step (exactly the loop of seed 000);
+  cache      prefill, then one token at a time through past_key_values with a correct mask and position ids
+             (position ids `omit` reproduces the bug of seeds 000/002 with left padding);
+  generate   model.generate(do_sample=False), same number of new tokens, EOS does not stop it;
+  user_loop  the cached loop as people write it (seed 000): prefill with the mask, then only the new token;
+  float64    the no_cache loop on a float64 copy of the model: the reference "truth".
+
+Exact by default: every path does its own forwards, shaped exactly as the naive loops shape them, and kvviz only
+keeps what the views need (last position's logits, last token's hidden state per layer), on the device.
+`fast` previews the no_cache (and float64) paths with one teacher-forced forward over the cache path's tokens and
+only runs its own forwards after it parts from them; steps whose top-2 margin is within the measured gap are marked
+not settled.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+from .dtypes import dtype_name, float64_device, machine_eps
+from .errors import KvvizError
+from .inputs import POSITION_MODES, PromptInputs, build_inputs, check_mode, pad_token_id, positions_from_mask
+from .loading import LoadedModel, load_model
+from .metrics import hidden_divergence
+from .split import FLOAT64_CLOSED_REL, layer_labels
+
+PATHS = ("no_cache", "cache", "generate", "user_loop", "float64")
+DEFAULT_PATHS = ("no_cache", "cache", "generate")
+MAX_NEW_TOKENS = 1024
+PATH_LABELS = {
+    "no_cache": "no cache (full forward each step)",
+    "cache": "cache (past_key_values)",
+    "generate": "model.generate",
+    "user_loop": "user loop (seed 000)",
+    "float64": "float64 reference (no cache)",
+}
+# Run cheap paths first so that `stop_at_divergence` can cut the expensive ones short.
+_RUN_ORDER = ("cache", "generate", "user_loop", "no_cache", "float64")
+
+Progress = Callable[[float, str], None]
+
+
+@dataclass
+class GreedyConfig:
+    prompt: str
+    max_new_tokens: int = 20
+    left_pad: int = 0
+    position_ids: str = "auto"  # for the `cache` path
+    paths: tuple[str, ...] = DEFAULT_PATHS
+    fast: bool = False
+    stop_at_divergence: bool = False
+
+    def validate(self) -> None:
+        check_mode(self.position_ids, POSITION_MODES, "position-ids mode")
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
+            raise KvvizError(f"the number of new tokens must be a whole number, not {self.max_new_tokens!r}")
+        if not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
+            raise KvvizError(f"new tokens must be between 1 and {MAX_NEW_TOKENS}, not {self.max_new_tokens}")
+        paths = tuple(dict.fromkeys(self.paths))
+        bad = [p for p in paths if p not in PATHS]
+        if bad:
+            raise KvvizError(f"unknown path '{bad[0]}'; choose from {', '.join(PATHS)}")
+        if len(paths) < 2:
+            raise KvvizError("choose at least two paths to compare")
+        self.paths = paths
+
+
+@dataclass
+class PathRun:
+    """One path's decoding. Device tensors (`logits`, `hidden`) stay out of the serialised result."""
+
+    name: str
+    token_ids: list[int]
+    margins: list[float]
+    top2_ids: list[int]
+    forwards: int
+    seconds: float
+    preview: bool = False
+    settled: list[bool] | None = None
+    logits: torch.Tensor | None = field(default=None, repr=False)  # [steps, vocab]
+    hidden: torch.Tensor | None = field(default=None, repr=False)  # [steps, n_hidden, hidden]
+
+    @property
+    def label(self) -> str:
+        return PATH_LABELS[self.name] + (" — fast preview" if self.preview else "")
+
+
+@dataclass
+class PathResult:
+    name: str
+    label: str
+    token_ids: list[int]
+    tokens: list[str]
+    text: str
+    margins: list[float]
+    top2: list[str]
+    forwards: int
+    seconds: float
+    preview: bool
+    settled: list[bool] | None
+    float64_gap: list[float | None] | None = None  # max |Δ logit| vs the float64 path while histories agree
+
+
+@dataclass
+class PairResult:
+    a: str
+    b: str
+    first_divergence: int | None
+    a_token: str | None
+    b_token: str | None
+    max_abs_logit: list[float]
+    kl: list[float]
+    hidden_relative: np.ndarray  # [n_hidden, steps]
+    same_history: list[bool]  # per step: both paths fed the same tokens so far
+    verdict: str | None = None
+    explanation: str | None = None
+    float64_gap: float | None = None
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["hidden_relative"] = self.hidden_relative.tolist()
+        return d
+
+
+@dataclass
+class GreedyResult:
+    settings: dict
+    model: dict
+    prompt_tokens: list[str]
+    layer_labels: list[str]
+    paths: dict[str, PathResult]
+    pairs: list[PairResult]
+    notes: list[str]
+    elapsed_s: float
+
+    def pair(self, a: str, b: str) -> PairResult:
+        for p in self.pairs:
+            if {p.a, p.b} == {a, b}:
+                return p
+        raise KeyError((a, b))
+
+    @property
+    def steps(self) -> int:
+        return min(len(p.token_ids) for p in self.paths.values())
+
+    def to_dict(self) -> dict:
+        return {"settings": self.settings, "model": self.model, "prompt_tokens": self.prompt_tokens,
+                "layer_labels": self.layer_labels, "paths": {k: asdict(v) for k, v in self.paths.items()},
+                "pairs": [p.to_dict() for p in self.pairs], "notes": self.notes, "elapsed_s": self.elapsed_s}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One forward helpers
+
+
+def _last(out) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last position's logits and its hidden state in every returned layer: [vocab], [n_hidden, H]."""
+    return out.logits[0, -1], torch.stack([h[0, -1] for h in out.hidden_states])
+
+
+def _top2(logits: torch.Tensor) -> tuple[int, int, float]:
+    v, i = logits.topk(2)
+    return int(i[0]), int(i[1]), float(v[0].double() - v[1].double())
+
+
+class _Recorder:
+    def __init__(self, name: str, n: int, on_step: Callable[[], None]):
+        self.name, self.n, self.on_step = name, n, on_step
+        self.tokens: list[int] = []
+        self.margins: list[float] = []
+        self.top2: list[int] = []
+        self.logits: list[torch.Tensor] = []
+        self.hidden: list[torch.Tensor] = []
+        self.forwards = 0
+        self.t0 = time.perf_counter()
+
+    def add(self, logits: torch.Tensor, hidden: torch.Tensor, token: int | None = None) -> int:
+        t1, t2, margin = _top2(logits)
+        self.tokens.append(t1 if token is None else token)
+        self.margins.append(margin)
+        self.top2.append(t2)
+        self.logits.append(logits)
+        self.hidden.append(hidden)
+        self.on_step()
+        return self.tokens[-1]
+
+    def done(self, **kw) -> PathRun:
+        return PathRun(self.name, self.tokens, self.margins, self.top2, self.forwards, time.perf_counter() - self.t0,
+                       logits=torch.stack(self.logits), hidden=torch.stack(self.hidden), **kw)
+
+
+def _grow(ids, mask, pos, token: int):
+    dev = ids.device
+    ids = torch.cat([ids, torch.tensor([[token]], device=dev)], 1)
+    mask = torch.cat([mask, torch.ones((1, 1), dtype=mask.dtype, device=dev)], 1)
+    pos = torch.cat([pos, pos[:, -1:] + 1], 1)
+    return ids, mask, pos
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The paths
+
+
+def _no_cache(lm: LoadedModel, inp: PromptInputs, n: int, rec: _Recorder, forced: list[int] | None = None,
+              ids=None, mask=None, pos=None) -> None:
+    """A full forward over the sequence so far at every step (seed 000's loop); `forced` feeds given tokens."""
+    ids, mask, pos = (inp.ids, inp.mask, inp.positions) if ids is None else (ids, mask, pos)
+    for t in range(n):
+        out = lm.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False,
+                       output_hidden_states=True)
+        rec.forwards += 1
+        tok = rec.add(*_last(out), token=forced[t] if forced is not None and t < len(forced) else None)
+        if t < n - 1:
+            ids, mask, pos = _grow(ids, mask, pos, tok)
+
+
+def _cache(lm: LoadedModel, inp: PromptInputs, n: int, rec: _Recorder, positions: str = "auto",
+           forced: list[int] | None = None) -> None:
+    """Prefill, then one token at a time through the cache with the full mask and (auto) position ids."""
+    model = lm.model
+    out = model(input_ids=inp.ids, attention_mask=inp.mask, position_ids=inp.positions, use_cache=True,
+                output_hidden_states=True)
+    rec.forwards += 1
+    cache, mask, last_pos = out.past_key_values, inp.mask, inp.positions[:, -1:]
+    for t in range(n):
+        tok = rec.add(*_last(out), token=forced[t] if forced is not None and t < len(forced) else None)
+        if t == n - 1:
+            break
+        mask = torch.cat([mask, torch.ones((1, 1), dtype=mask.dtype, device=mask.device)], 1)
+        last_pos = last_pos + 1
+        out = model(input_ids=torch.tensor([[tok]], device=inp.ids.device), attention_mask=mask,
+                    position_ids=last_pos if positions == "auto" else None, past_key_values=cache, use_cache=True,
+                    output_hidden_states=True)
+        rec.forwards += 1
+        cache = out.past_key_values
+
+
+def _user_loop(lm: LoadedModel, inp: PromptInputs, n: int, rec: _Recorder, forced: list[int] | None = None) -> None:
+    """Seed 000's cached loop: the prompt with its mask, then only the new token (no mask, no position ids)."""
+    model = lm.model
+    out = model(input_ids=inp.ids, attention_mask=inp.mask, use_cache=True, output_hidden_states=True)
+    rec.forwards += 1
+    cache = out.past_key_values
+    for t in range(n):
+        tok = rec.add(*_last(out), token=forced[t] if forced is not None and t < len(forced) else None)
+        if t == n - 1:
+            break
+        out = model(input_ids=torch.tensor([[tok]], device=inp.ids.device), past_key_values=cache, use_cache=True,
+                    output_hidden_states=True)
+        rec.forwards += 1
+        cache = out.past_key_values
+
+
+def _generate(lm: LoadedModel, inp: PromptInputs, n: int, rec: _Recorder) -> None:
+    from transformers import GenerationConfig
+
+    gc = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=n, min_new_tokens=0, eos_token_id=[],
+                          pad_token_id=pad_token_id(lm.tokenizer), output_logits=True, output_hidden_states=True,
+                          return_dict_in_generate=True, use_cache=True)
+    out = lm.model.generate(input_ids=inp.ids, attention_mask=inp.mask, generation_config=gc)
+    rec.forwards = len(out.logits)
+    new = out.sequences[0, inp.ids.shape[1]:].tolist()
+    for t, logits in enumerate(out.logits):
+        hidden = torch.stack([h[0, -1] for h in out.hidden_states[t]])
+        rec.add(logits[0], hidden, token=int(new[t]))
+
+
+def _fast_no_cache(lm: LoadedModel, inp: PromptInputs, n: int, rec: _Recorder, guide: PathRun) -> PathRun:
+    """Preview of the no-cache loop: one teacher-forced forward over the guide's tokens gives every step's
+    no-cache logits at once; own full forwards only after the first step where the argmax differs."""
+    g = guide.token_ids[:n]
+    ids = torch.cat([inp.ids, torch.tensor([g[:-1]], device=inp.ids.device, dtype=inp.ids.dtype)], 1) \
+        if n > 1 else inp.ids
+    mask = torch.cat([inp.mask, torch.ones((1, ids.shape[1] - inp.ids.shape[1]), dtype=inp.mask.dtype,
+                                           device=inp.mask.device)], 1)
+    pos = positions_from_mask(mask)
+    out = lm.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, output_hidden_states=True)
+    rec.forwards += 1
+    start = inp.ids.shape[1] - 1
+    logits_all = out.logits[0, start:start + n]
+    hidden_all = torch.stack([h[0, start:start + n] for h in out.hidden_states], 1)  # [n, n_hidden, H]
+    eps = machine_eps(lm.dtype)
+    settled: list[bool] = []
+    ok = True
+    diverged = None
+    for t in range(n):
+        tok = rec.add(logits_all[t], hidden_all[t])
+        if guide.logits is not None and guide.logits.dtype == logits_all.dtype:
+            gap = float((logits_all[t].double() - guide.logits[t].double()).abs().max())
+        else:
+            gap = 0.0
+        floor = 4 * eps * float(logits_all[t].abs().max())
+        ok = ok and rec.margins[-1] > 2 * max(gap, floor)
+        settled.append(ok)
+        if tok != g[t]:
+            diverged = t
+            break
+    if diverged is not None and diverged < n - 1:
+        own_ids, own_mask, own_pos = _grow(ids[:, : inp.ids.shape[1] + diverged], mask[:, : inp.ids.shape[1] + diverged],
+                                           pos[:, : inp.ids.shape[1] + diverged], rec.tokens[-1])
+        before = len(rec.tokens)
+        _no_cache(lm, inp, n - diverged - 1, rec, ids=own_ids, mask=own_mask, pos=own_pos)
+        settled += [ok] * (len(rec.tokens) - before)
+    return rec.done(preview=True, settled=settled)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Comparing paths
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    for t, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return t
+    return None
+
+
+def _compare(a: PathRun, b: PathRun, eps: float) -> PairResult:
+    n = min(len(a.token_ids), len(b.token_ids))
+    div = first_divergence(a.token_ids[:n], b.token_ids[:n])
+    dev = a.logits.device
+    la, lb = a.logits[:n].to(torch.float64), b.logits[:n].to(dev, torch.float64)
+    lsa, lsb = torch.log_softmax(la, -1), torch.log_softmax(lb, -1)
+    kl = (lsa.exp() * (lsa - lsb)).sum(-1).clamp_min(0)
+    hd = hidden_divergence(a.hidden[:n].transpose(0, 1), b.hidden[:n].to(dev).transpose(0, 1), eps)
+    same = [div is None or t <= div for t in range(n)]
+    return PairResult(a.name, b.name, div, None, None, (lb - la).abs().amax(-1).cpu().tolist(), kl.cpu().tolist(),
+                      hd["relative"].cpu().numpy(), same)
+
+
+def _replay(lm: LoadedModel, inp: PromptInputs, path: str, forced: list[int], positions: str) -> torch.Tensor:
+    """The logits a path computes after being fed `forced` tokens: the same computation pattern, given tokens."""
+    rec = _Recorder(path, len(forced) + 1, lambda: None)
+    n = len(forced) + 1
+    if path in ("no_cache", "float64"):
+        _no_cache(lm, inp, n, rec, forced=forced)
+    elif path in ("cache", "generate"):
+        _cache(lm, inp, n, rec, positions=positions if path == "cache" else "auto", forced=forced)
+    else:
+        _user_loop(lm, inp, n, rec, forced=forced)
+    return rec.logits[-1]
+
+
+def _explain(pair: PairResult, runs: dict[str, PathRun], lm: LoadedModel, cfg: GreedyConfig,
+             lm64: LoadedModel, inp64: PromptInputs) -> None:
+    t = pair.first_divergence
+    a, b = runs[pair.a], runs[pair.b]
+    tok = lm.tokenizer.decode
+    pair.a_token, pair.b_token = tok([a.token_ids[t]]), tok([b.token_ids[t]])
+    name_a = f"{pair.a_token!r} (id {a.token_ids[t]})"
+    name_b = f"{pair.b_token!r} (id {b.token_ids[t]})"
+    forced = a.token_ids[:t]
+    la = _replay(lm64, inp64, pair.a, forced, cfg.position_ids).double()
+    lb = _replay(lm64, inp64, pair.b, forced, cfg.position_ids).double()
+    gap64 = float((la - lb).abs().max() / la.abs().max().clamp_min(1e-300))
+    pair.float64_gap = gap64
+    ma, mb = a.margins[t], b.margins[t]
+    head = (f"At step {t} {PATH_LABELS[pair.a]} chose {name_a} and {PATH_LABELS[pair.b]} chose "
+            f"{name_b}; their top-2 margins there were {ma:.3g} and {mb:.3g}, and the logits differed by up "
+            f"to {pair.max_abs_logit[t]:.3g}.")
+    if gap64 <= FLOAT64_CLOSED_REL:
+        pair.verdict = "precision"
+        pair.explanation = (head + f" Replayed in float64 on the same tokens, the two computations agree to "
+                                   f"{gap64:.2g} (relative): a near tie flipped by rounding, not a bug.")
+    else:
+        pair.verdict = "logic"
+        cause = ""
+        if "user_loop" in (pair.a, pair.b) and cfg.left_pad:
+            cause = (" The user loop passes no mask or position ids after the prompt, so with left padding the new "
+                     "tokens attend to pads and are numbered from the cache length.")
+        elif "cache" in (pair.a, pair.b) and cfg.position_ids == "omit" and cfg.left_pad:
+            cause = " The cache path omits position ids, so the new tokens are numbered counting the pads."
+        pair.explanation = (head + f" Replayed in float64 on the same tokens they still differ by {gap64:.3g} "
+                                   f"(relative): a logic difference, not rounding." + cause)
+
+
+def run_greedy(lm: LoadedModel, cfg: GreedyConfig, progress: Progress | None = None,
+               reference: LoadedModel | None = None) -> GreedyResult:
+    """Decode greedily along cfg.paths and compare every pair of paths (see the module docstring)."""
+    progress = progress or (lambda f, m: None)
+    t_start = time.perf_counter()
+    cfg.validate()
+    n = cfg.max_new_tokens
+    inp = build_inputs(lm, cfg.prompt, cfg.left_pad, extra_tokens=n)
+    lm64 = reference  # the float64 model: the float64 path and the verdicts; loaded only when needed
+    eps = machine_eps(lm.dtype)
+    order = [p for p in _RUN_ORDER if p in cfg.paths]
+    if cfg.fast and "cache" not in order and ({"no_cache", "float64"} & set(order)):
+        order.insert(0, "cache")  # the preview is guided by the cache path
+    total = len(order) * n
+    done = [0]
+
+    def step_done(name: str) -> Callable[[], None]:
+        def f() -> None:
+            done[0] += 1
+            progress(min(0.9, 0.9 * done[0] / total), f"{PATH_LABELS[name]}: step {done[0] % n or n}/{n}")
+        return f
+
+    runs: dict[str, PathRun] = {}
+    limit = n
+    with torch.inference_mode():
+        for name in order:
+            steps = limit
+            rec = _Recorder(name, steps, step_done(name))
+            if name == "float64":
+                lm64 = lm64 or load_model(lm.spec, "float64", float64_device(lm.device), lm.attn_requested,
+                                          trust_remote_code=lm.trust_remote_code)
+                inp64 = build_inputs(lm64, cfg.prompt, cfg.left_pad, extra_tokens=n)
+                with lm64.lock:
+                    if cfg.fast and "cache" in runs:
+                        run = _fast_no_cache(lm64, inp64, steps, rec, runs["cache"])
+                    else:
+                        _no_cache(lm64, inp64, steps, rec)
+                        run = rec.done()
+                run.logits = run.logits.to(lm.device)
+                run.hidden = run.hidden.to(lm.device)
+            else:
+                with lm.lock:
+                    if name == "no_cache":
+                        if cfg.fast and "cache" in runs:
+                            run = _fast_no_cache(lm, inp, steps, rec, runs["cache"])
+                        else:
+                            _no_cache(lm, inp, steps, rec)
+                            run = rec.done()
+                    elif name == "cache":
+                        _cache(lm, inp, steps, rec, cfg.position_ids)
+                        run = rec.done()
+                    elif name == "generate":
+                        _generate(lm, inp, steps, rec)
+                        run = rec.done()
+                    else:
+                        _user_loop(lm, inp, steps, rec)
+                        run = rec.done()
+            runs[name] = run
+            if cfg.stop_at_divergence:
+                for other in runs.values():
+                    d = first_divergence(other.token_ids, run.token_ids)
+                    if d is not None:
+                        limit = min(limit, d + 1)
+    if cfg.stop_at_divergence:
+        for r in runs.values():
+            k = min(limit, len(r.token_ids))
+            r.token_ids, r.margins, r.top2_ids = r.token_ids[:k], r.margins[:k], r.top2_ids[:k]
+            r.logits, r.hidden = r.logits[:k], r.hidden[:k]
+            if r.settled is not None:
+                r.settled = r.settled[:k]
+    names = [p for p in cfg.paths if p in runs]
+    pairs = [_compare(runs[a], runs[b], eps) for i, a in enumerate(names) for b in names[i + 1:]]
+    diverging = [p for p in pairs if p.first_divergence is not None]
+    if diverging:
+        progress(0.92, "Replaying the first divergences in float64 for the verdicts…")
+        lm64 = lm64 or load_model(lm.spec, "float64", float64_device(lm.device), lm.attn_requested,
+                                  trust_remote_code=lm.trust_remote_code)
+        inp64 = build_inputs(lm64, cfg.prompt, cfg.left_pad, extra_tokens=n)
+        with torch.inference_mode(), lm64.lock:
+            for p in diverging:
+                _explain(p, runs, lm, cfg, lm64, inp64)
+    tok = lm.tokenizer
+    results: dict[str, PathResult] = {}
+    ref = runs.get("float64")
+    for name in names:
+        r = runs[name]
+        gap = None
+        if ref is not None and name != "float64":
+            m = min(len(r.token_ids), len(ref.token_ids))
+            div = first_divergence(r.token_ids[:m], ref.token_ids[:m])
+            d = (r.logits[:m].double() - ref.logits[:m].double()).abs().amax(-1).cpu().tolist()
+            gap = [v if div is None or t <= div else None for t, v in enumerate(d)]
+        results[name] = PathResult(
+            name=name, label=r.label, token_ids=r.token_ids, tokens=[tok.decode([i]) for i in r.token_ids],
+            text=tok.decode(r.token_ids), margins=r.margins, top2=[tok.decode([i]) for i in r.top2_ids],
+            forwards=r.forwards, seconds=r.seconds, preview=r.preview, settled=r.settled, float64_gap=gap)
+    progress(1.0, "Done")
+    settings = asdict(cfg) | {"dtype": dtype_name(lm.dtype), "device": str(lm.device),
+                              "attention": lm.attn_implementation, "model": lm.spec}
+    settings["paths"] = list(cfg.paths)
+    notes = list(lm.warnings)
+    if "generate" in runs and lm.dtype == torch.float64:
+        notes.append("generate() casts the logits it returns to float32, so its logits carry float32 rounding "
+                     "(~1e-7 relative); its tokens and hidden states are float64")
+    if cfg.fast:
+        notes.append("fast preview: the no-cache logits come from one teacher-forced forward over the cache path's "
+                     "tokens; steps marked not settled have a top-2 margin within the measured gap")
+    return GreedyResult(settings=settings, model=lm.summary(), prompt_tokens=inp.token_texts,
+                        layer_labels=layer_labels(runs[names[0]].hidden.shape[1]), paths=results, pairs=pairs,
+                        notes=notes, elapsed_s=time.perf_counter() - t_start)

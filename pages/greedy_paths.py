@@ -1,0 +1,84 @@
+"""Page: greedy decoding with and without cache, where the paths part and why."""
+import streamlit as st
+
+import kvviz
+from kvviz import figures
+from kvviz.greedy import DEFAULT_PATHS, MAX_NEW_TOKENS, PATH_LABELS, PATHS, GreedyConfig, run_greedy
+from kvviz.inputs import POSITION_MODES
+from kvviz.jsonout import dumps
+from pages.common import ensure_navigation, load, progress_bar, run_cached, show_error, show_verdict
+
+ensure_navigation()
+
+st.title("Greedy paths")
+st.caption("Decode greedily without cache, with cache, with generate() (and the loop people write): the texts side "
+           "by side, the step where they part, how close that decision was, and whether it is rounding or logic.")
+
+choice = st.session_state["model_choice"]
+lm = load(choice)
+if lm is None:
+    st.stop()
+
+prompt = st.text_area("Prompt", "This is a ", key="greedy_prompt", height=80)
+c1, c2, c3 = st.columns(3)
+n_new = c1.number_input("New tokens", 1, MAX_NEW_TOKENS, 24, key="greedy_n")
+left_pad = c2.number_input("Left padding", 0, 64, 0, key="greedy_pad")
+pos_mode = c3.radio("Position ids (cache path)", POSITION_MODES, horizontal=True, key="greedy_pos")
+paths = st.multiselect("Paths", PATHS, default=list(DEFAULT_PATHS), key="greedy_paths",
+                       format_func=PATH_LABELS.get)
+o1, o2 = st.columns(2)
+fast = o1.toggle("Fast preview (teacher-forced no-cache path)", False, key="greedy_fast",
+                 help="One full forward over the cache path's tokens gives every step's no-cache logits; own "
+                      "forwards only after the paths part. Steps whose margin is within the gap are not settled.")
+stop = o2.toggle("Stop at the first divergence", False, key="greedy_stop")
+
+cfg = GreedyConfig(prompt=prompt, max_new_tokens=int(n_new), left_pad=int(left_pad), position_ids=pos_mode,
+                   paths=tuple(paths), fast=fast, stop_at_divergence=stop)
+key = {"model": choice.key, "cfg": cfg.__dict__}
+
+
+def compute():
+    with progress_bar("Decoding…") as report:
+        return run_greedy(lm, cfg, progress=report)
+
+
+try:
+    res = run_cached("greedy", key, compute)
+except Exception as e:  # noqa: BLE001
+    show_error(e)
+    st.stop()
+
+parting = [p for p in res.pairs if p.first_divergence is not None]
+if not parting:
+    st.success(f"All {len(res.paths)} paths chose the same {res.steps} tokens.")
+else:
+    first = min(parting, key=lambda p: p.first_divergence)
+    show_verdict(first.verdict, first.explanation)
+st.markdown(figures.texts_html(res), unsafe_allow_html=True)
+if res.settings["fast"]:
+    st.caption("⚡ Fast preview: hollow markers are steps not settled (margin within the measured gap).")
+
+st.plotly_chart(figures.greedy_margins(res), width="stretch", key="greedy_margin_chart")
+pair_names = [f"{p.a} vs {p.b}" for p in res.pairs]
+primary = figures.primary_pair(res)
+sel = st.selectbox("Hidden-state heatmap for", pair_names, index=res.pairs.index(primary), key="greedy_pair")
+log = st.toggle("Log colour scale", True, key="greedy_log")
+st.plotly_chart(figures.greedy_heatmap(res, res.pairs[pair_names.index(sel)], log), width="stretch",
+                key="greedy_heatmap")
+ref = figures.greedy_reference_gap(res)
+if ref is not None:
+    st.plotly_chart(ref, width="stretch", key="greedy_ref_chart")
+t1, t2, t3 = st.tabs(["Per step", "Pairs", "Forwards and time"])
+with t1:
+    st.dataframe(figures.greedy_step_frame(res), hide_index=True, width="stretch")
+with t2:
+    st.dataframe(figures.greedy_pairs_frame(res), hide_index=True, width="stretch")
+    for p in parting:
+        st.caption(f"**{p.a} vs {p.b}** — {p.explanation}")
+with t3:
+    st.dataframe([{"path": p.label, "forwards": p.forwards, "seconds": round(p.seconds, 3)}
+                  for p in res.paths.values()], hide_index=True, width="stretch")
+for note in res.notes:
+    st.caption(f"ℹ️ {note}")
+st.download_button("Download result (JSON)", dumps(res.to_dict()), file_name="kvviz-greedy.json",
+                   mime="application/json")

@@ -1,0 +1,188 @@
+"""Greedy paths on tiny models: exact paths equal naive loops bit for bit; fast previews; verdicts."""
+import pytest
+import torch
+
+import kvviz
+from kvviz.errors import KvvizError
+from kvviz.greedy import PATHS, GreedyConfig, run_greedy
+
+PROMPT = "Once upon a time, there"
+N = 12
+
+
+def naive_no_cache(model, ids, n):
+    """Seed 000's loop without cache, as people write it."""
+    logits = []
+    with torch.no_grad():
+        for _ in range(n):
+            out = model(ids)
+            logits.append(out.logits[0, -1])
+            ids = torch.hstack((ids, torch.argmax(out.logits[0, -1]).unsqueeze(0).unsqueeze(0)))
+    return ids, torch.stack(logits)
+
+
+def naive_cache(model, ids, n):
+    """Seed 000's loop with cache."""
+    logits, cached = [], None
+    tokens = ids
+    with torch.no_grad():
+        for _ in range(n):
+            if cached is None:
+                out = model(tokens, use_cache=True)
+            else:
+                out = model(tokens[:, -1:], past_key_values=cached, use_cache=True)
+            cached = out.past_key_values
+            logits.append(out.logits[0, -1])
+            tokens = torch.hstack((tokens, torch.argmax(out.logits[0, -1]).unsqueeze(0).unsqueeze(0)))
+    return tokens, torch.stack(logits)
+
+
+def ids_of(lm, prompt):
+    return torch.tensor([lm.tokenizer(prompt)["input_ids"]])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "mistral"])
+def test_exact_paths_equal_naive_loops_bit_for_bit(arch, dtype):
+    lm = kvviz.load_model(f"tiny:{arch}", dtype, "cpu")
+    res = run_greedy(lm, GreedyConfig(PROMPT, N, paths=("no_cache", "cache", "generate")))
+    ids = ids_of(lm, PROMPT)
+    nc_ids, nc_logits = naive_no_cache(lm.model, ids, N)
+    c_ids, c_logits = naive_cache(lm.model, ids, N)
+    assert res.paths["no_cache"].token_ids == nc_ids[0, ids.shape[1]:].tolist()
+    assert res.paths["cache"].token_ids == c_ids[0, ids.shape[1]:].tolist()
+    # logit for logit: kvviz's captured logits are the naive loops' logits, bitwise
+    from kvviz.greedy import _Recorder, _cache, _no_cache  # the same functions run_greedy uses
+    from kvviz.inputs import build_inputs
+
+    inp = build_inputs(lm, PROMPT, 0, N)
+    rec = _Recorder("no_cache", N, lambda: None)
+    with torch.inference_mode():
+        _no_cache(lm, inp, N, rec)
+    assert torch.equal(torch.stack(rec.logits), nc_logits)
+    rec = _Recorder("cache", N, lambda: None)
+    with torch.inference_mode():
+        _cache(lm, inp, N, rec)
+    assert torch.equal(torch.stack(rec.logits), c_logits)
+    assert res.paths["no_cache"].forwards == N and res.paths["cache"].forwards == N
+    assert res.paths["generate"].forwards == N
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2", "gemma2"])
+def test_float64_all_paths_agree(arch):
+    lm = kvviz.load_model(f"tiny:{arch}", "float64", "cpu")
+    res = run_greedy(lm, GreedyConfig(PROMPT, N, paths=PATHS))
+    toks = {p.name: p.token_ids for p in res.paths.values()}
+    assert len({tuple(t) for t in toks.values()}) == 1, toks
+    for pair in res.pairs:
+        assert pair.first_divergence is None
+        assert pair.hidden_relative.max() <= 1e-10
+        if "generate" in (pair.a, pair.b):
+            # generate() itself casts the logits it hands out to float32
+            assert max(pair.max_abs_logit) <= 1e-5
+        else:
+            assert max(pair.max_abs_logit) <= 1e-10
+    assert any("float32" in n for n in res.notes)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gpt_neox"])
+def test_fast_equals_exact_where_settled(arch, dtype):
+    lm = kvviz.load_model(f"tiny:{arch}", dtype, "cpu")
+    exact = run_greedy(lm, GreedyConfig(PROMPT, 20, paths=("no_cache", "cache", "float64")))
+    fast = run_greedy(lm, GreedyConfig(PROMPT, 20, paths=("no_cache", "cache", "float64"), fast=True))
+    for name in ("no_cache", "float64"):
+        f, e = fast.paths[name], exact.paths[name]
+        assert f.preview and f.settled is not None and len(f.settled) == 20
+        assert "fast preview" in f.label
+        for t, ok in enumerate(f.settled):
+            if ok:
+                assert f.token_ids[t] == e.token_ids[t], (name, t)
+        # fewer forwards than the exact loop: one teacher-forced forward plus the steps after parting
+        div = next((t for t, (a, b) in enumerate(zip(f.token_ids, fast.paths["cache"].token_ids)) if a != b), None)
+        expected = 1 if div is None else 1 + (20 - div - 1)
+        assert f.forwards == expected
+    assert fast.paths["cache"].token_ids == exact.paths["cache"].token_ids
+
+
+def test_user_loop_with_left_padding_parts_with_logic():
+    lm = kvviz.load_model("tiny:gpt2", "float32", "cpu")
+    res = run_greedy(lm, GreedyConfig(PROMPT, N, left_pad=3, paths=("no_cache", "cache", "user_loop")))
+    pair = res.pair("no_cache", "user_loop")
+    assert pair.first_divergence is not None
+    assert pair.verdict == "logic" and pair.float64_gap > 1e-3
+    assert "left padding" in pair.explanation
+    assert res.pair("no_cache", "cache").first_divergence is None or res.pair("no_cache", "cache").verdict != "logic"
+
+
+def test_user_loop_without_padding_matches_cache():
+    lm = kvviz.load_model("tiny:llama", "float32", "cpu")
+    res = run_greedy(lm, GreedyConfig(PROMPT, N, paths=("cache", "user_loop")))
+    assert res.paths["cache"].token_ids == res.paths["user_loop"].token_ids
+
+
+def test_omitted_positions_in_cache_path_with_padding_is_logic():
+    lm = kvviz.load_model("tiny:gpt2", "float32", "cpu")
+    res = run_greedy(lm, GreedyConfig(PROMPT, N, left_pad=4, position_ids="omit", paths=("no_cache", "cache")))
+    pair = res.pair("no_cache", "cache")
+    assert pair.first_divergence is not None and pair.verdict == "logic"
+
+
+@pytest.mark.parametrize("arch, prompt", [("llama", "a"), ("gpt2", "Bonjour"), ("gpt_neox", "1, 2, 3,")])
+def test_bfloat16_near_tie_flip_is_precision(arch, prompt):
+    # bfloat16 no-cache and cache decoding part on these prompts (found by search, deterministic on CPU)
+    lm = kvviz.load_model(f"tiny:{arch}", "bfloat16", "cpu")
+    res = run_greedy(lm, GreedyConfig(prompt, 32, paths=("no_cache", "cache")))
+    pair = res.pair("no_cache", "cache")
+    assert pair.first_divergence is not None
+    t = pair.first_divergence
+    assert pair.verdict == "precision" and pair.float64_gap <= 1e-9
+    assert "near tie" in pair.explanation
+    # a near tie: the chosen token's margin is within the gap between the two paths' logits
+    assert min(res.paths["no_cache"].margins[t], res.paths["cache"].margins[t]) <= 2 * pair.max_abs_logit[t]
+    assert all(pair.same_history[: t + 1]) and not any(pair.same_history[t + 1:])
+
+
+def test_stop_at_divergence_truncates():
+    lm = kvviz.load_model("tiny:gpt2", "float32", "cpu")
+    res = run_greedy(lm, GreedyConfig(PROMPT, 20, left_pad=3, paths=("cache", "user_loop"), stop_at_divergence=True))
+    d = res.pair("cache", "user_loop").first_divergence
+    assert d is not None
+    assert all(len(p.token_ids) == d + 1 for p in res.paths.values())
+
+
+def test_result_json_has_everything():
+    from kvviz.jsonout import dumps
+    import json
+
+    lm = kvviz.load_model("tiny:llama", "bfloat16", "cpu")
+    res = run_greedy(lm, GreedyConfig(PROMPT, 6, paths=("no_cache", "cache", "float64")))
+    d = json.loads(dumps(res.to_dict()))
+    assert set(d["paths"]) == {"no_cache", "cache", "float64"}
+    for p in d["paths"].values():
+        assert len(p["token_ids"]) == 6 and len(p["margins"]) == 6 and p["forwards"] >= 1 and p["seconds"] > 0
+    assert d["paths"]["cache"]["float64_gap"][0] is not None
+    pair = d["pairs"][0]
+    assert len(pair["hidden_relative"]) == len(d["layer_labels"]) == 5
+    assert len(pair["hidden_relative"][0]) == 6
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(max_new_tokens=0), "between 1 and"),
+    (dict(max_new_tokens=100000), "between 1 and"),
+    (dict(paths=("cache",)), "at least two"),
+    (dict(paths=("cache", "beam")), "unknown path"),
+    (dict(left_pad=-1), "left padding"),
+    (dict(prompt=""), "empty"),
+])
+def test_bad_greedy_input(kw, msg):
+    lm = kvviz.load_model("tiny:gpt2", "float32", "cpu")
+    cfg = dict(prompt=PROMPT, max_new_tokens=4, paths=("no_cache", "cache")) | kw
+    with pytest.raises(KvvizError, match=msg):
+        run_greedy(lm, GreedyConfig(**cfg))
+
+
+def test_context_overflow_counts_new_tokens():
+    lm = kvviz.load_model("tiny:gpt2", "float32", "cpu")
+    with pytest.raises(KvvizError, match="context"):
+        run_greedy(lm, GreedyConfig("x" * 500, 100, paths=("no_cache", "cache")))

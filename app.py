@@ -11,6 +11,9 @@ PAGES = [
     st.Page("pages/home.py", title="About kvviz", icon=":material/home:", default=True),
     st.Page("pages/split_point.py", title="Split point", icon=":material/content_cut:"),
     st.Page("pages/greedy_paths.py", title="Greedy paths", icon=":material/call_split:"),
+    st.Page("pages/dtypes_lab.py", title="Dtypes side by side", icon=":material/stacked_line_chart:"),
+    st.Page("pages/padding_lab.py", title="Padding and batching", icon=":material/grid_on:"),
+    st.Page("pages/cache_reuse.py", title="Prompt-cache reuse", icon=":material/recycling:"),
 ]
 
 nav = st.navigation(PAGES)

@@ -61,6 +61,27 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma-separated: no_cache,cache,generate,user_loop,float64")
     gp.add_argument("--fast", action="store_true", help="preview the no-cache path by teacher forcing")
     gp.add_argument("--stop-at-divergence", action="store_true")
+    dp = sub.add_parser("dtypes", help="the split comparison in several dtypes, over one prompt or a prompt set")
+    _model_args(dp)
+    src = dp.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt")
+    src.add_argument("--prompts", help="'builtin', 'builtin:<category>', or a .txt (one a line) / .jsonl file")
+    dp.add_argument("--limit", type=int, default=None, help="at most this many prompts")
+    dp.add_argument("--dtypes", default="float32,float16,bfloat16", help="compared with float64 (always run)")
+    dp.add_argument("--split", default="last", help="'last' (all but the last token cached), 'half', or K")
+    dp.add_argument("--mode", default="chunk", choices=("chunk", "step"))
+
+    pp = sub.add_parser("padding", help="alone / left-padded / in a batch × cache settings: precision or logic")
+    _model_args(pp)
+    pp.add_argument("--prompt", required=True)
+    pp.add_argument("--split", type=int, default=None, help="default: half the prompt")
+    pp.add_argument("--left-pad", type=int, default=4)
+
+    rp = sub.add_parser("reuse", help="a prompt cache reused for several continuations (seed 001)")
+    _model_args(rp)
+    rp.add_argument("--prefix", required=True)
+    rp.add_argument("--continuation", action="append", required=True, help="repeat for several")
+    rp.add_argument("--max-new-tokens", type=int, default=12)
     return parser
 
 
@@ -151,7 +172,75 @@ def greedy_summary(res) -> str:
     return "\n".join(lines)
 
 
-COMMANDS = {"split": cmd_split, "greedy": cmd_greedy}
+def cmd_dtypes(args) -> int:
+    from .jsonout import dumps
+    from .lab import run_dtypes
+    from .prompts import load_prompts
+
+    if args.split not in ("last", "half"):
+        try:
+            args.split = int(args.split)
+        except ValueError:
+            raise KvvizError(f"--split must be 'last', 'half' or a number, not {args.split!r}") from None
+        if args.split < 1:
+            raise KvvizError(f"--split must be 1 or more, not {args.split}")
+    prompts = [args.prompt] if args.prompt is not None else load_prompts(args.prompts, args.limit)
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    res = run_dtypes(args.model, prompts, dtypes, args.device, args.attn, split=args.split, mode=args.mode,
+                     trust_remote_code=args.trust_remote_code, progress=_progress_to_stderr(args.quiet))
+    if args.json:
+        print(dumps(res.to_dict()))
+        return 0
+    print(f"model: {res.model['description']}; device {res.settings['device']}; {len(res.prompts)} prompts, "
+          f"split {res.settings['split']}")
+    print("\nmax |Δ| per layer, mean over prompts (as seed 000 averages):")
+    print(res.stat("max_abs", "mean").to_string(float_format=lambda v: f"{v:.3g}"))
+    print("\nin units of each dtype's epsilon, max over prompts:")
+    print(res.stat("eps_units", "max").to_string(float_format=lambda v: f"{v:.3g}"))
+    print("\nverdicts:")
+    print(res.verdict_counts().to_string())
+    return 0
+
+
+def cmd_padding(args) -> int:
+    from .jsonout import dumps
+    from .lab import run_padding
+
+    if args.left_pad < 0:
+        raise KvvizError(f"--left-pad must be 0 or more, not {args.left_pad}")
+    lm = _load(args)
+    res = run_padding(lm, args.prompt, args.split, args.left_pad, progress=_progress_to_stderr(args.quiet))
+    if args.json:
+        print(dumps(res.to_dict()))
+        return 0
+    import pandas as pd
+
+    with pd.option_context("display.width", 200, "display.max_columns", 20):
+        print(f"{res.settings['dtype']} on {res.settings['device']}; prompt split at {res.settings['split']}; "
+              f"left pad {res.settings['left_pad']}")
+        print("\nverdicts:\n" + res.grid().to_string())
+        print("\nrelative gap of the hidden states vs the prompt alone without cache:\n"
+              + res.grid("hidden_relative").to_string(float_format=lambda v: f"{v:.2g}"))
+    return 0
+
+
+def cmd_reuse(args) -> int:
+    from .jsonout import dumps
+    from .lab import run_reuse
+
+    lm = _load(args)
+    res = run_reuse(lm, args.prefix, args.continuation, args.max_new_tokens, progress=_progress_to_stderr(args.quiet))
+    if args.json:
+        print(dumps(res.to_dict()))
+        return 0
+    for r in res.runs:
+        div = "same tokens" if r["first_divergence"] is None else f"parts at step {r['first_divergence']}"
+        print(f"[{r['index']}] {r['strategy']:<9} {r['verdict']:<9} {div:<16} {r['continuation']!r} → {r['text']!r}")
+    return 0
+
+
+COMMANDS = {"split": cmd_split, "greedy": cmd_greedy, "dtypes": cmd_dtypes, "padding": cmd_padding,
+            "reuse": cmd_reuse}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,3 +260,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # output piped into `head`: not an error
+        sys.stderr.close()
+        return 0

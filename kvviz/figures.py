@@ -246,3 +246,59 @@ def texts_html(res) -> str:
                     f'white-space:pre-wrap;background:#f7f7f7;padding:6px;border-radius:4px">{"".join(parts)}'
                     f"</div></div>")
     return "".join(rows)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Precision lab
+
+DTYPE_COLORS = {"float64": "#555555", "float32": "#1f77b4", "float16": "#ff7f0e", "bfloat16": "#2ca02c"}
+VERDICT_COLORS = {"identical": "#cfe8cf", "precision": "#cfe3fa", "logic": "#f8c9c4"}
+
+
+def dtype_curves(res, metric: str = "max_abs", how: str = "mean") -> go.Figure:
+    """Per-layer curves, one per dtype, on one log-scale chart (mean or max over the prompt set)."""
+    table = res.stat(metric, how)
+    fig = go.Figure()
+    for d in res.dtypes:
+        y = table[d].to_numpy(dtype=float)
+        fig.add_trace(go.Scatter(x=list(table.index), y=np.where(y > 0, y, np.nan), mode="lines+markers", name=d,
+                                 line=dict(color=DTYPE_COLORS.get(d)), connectgaps=False,
+                                 hovertemplate="%{x}<br>" + d + ": %{y:.3g}<extra></extra>"))
+    n = len(res.prompts)
+    what = METRIC_TITLES.get(metric, metric)
+    fig.update_layout(title=f"{what} per layer, {how} over {n} prompt{'s' if n != 1 else ''} — device "
+                            f"{res.settings['device']} (float64 on {res.settings['float64_device']})",
+                      xaxis_title="hidden state", yaxis_title=what, height=420, margin=dict(l=10, r=10, t=60, b=10),
+                      legend=dict(orientation="h", y=-0.35))
+    fig.update_yaxes(type="log", exponentformat="power")
+    return fig
+
+
+def padding_grid(res, value: str = "hidden_relative") -> go.Figure:
+    """Placements × scenarios: each cell coloured by its verdict, with the gap written in it."""
+    from .lab import PLACEMENTS, SCENARIOS
+
+    verdicts = res.grid("verdict")
+    vals = res.grid(value)
+    f64 = res.grid("float64_relative")
+    cols = [s[0] for s in SCENARIOS]
+    code = {"identical": 0, "precision": 1, "logic": 2}
+    z = [[code[verdicts.loc[p, c]] for c in cols] for p in PLACEMENTS]
+    text = [[f"<b>{verdicts.loc[p, c]}</b><br>{vals.loc[p, c]:.2g}<br>float64: {f64.loc[p, c]:.1g}" for c in cols]
+            for p in PLACEMENTS]
+    scale = [[0, VERDICT_COLORS["identical"]], [0.33, VERDICT_COLORS["identical"]],
+             [0.34, VERDICT_COLORS["precision"]], [0.66, VERDICT_COLORS["precision"]],
+             [0.67, VERDICT_COLORS["logic"]], [1, VERDICT_COLORS["logic"]]]
+    fig = go.Figure(go.Heatmap(z=z, x=cols, y=list(PLACEMENTS), text=text, texttemplate="%{text}", zmin=0, zmax=2,
+                               colorscale=scale, showscale=False, hoverinfo="text", xgap=3, ygap=3))
+    fig.update_layout(title=f"Relative gap vs the prompt alone without cache — {res.settings['dtype']} on "
+                            f"{res.settings['device']}", height=360, margin=dict(l=10, r=10, t=60, b=10))
+    fig.update_yaxes(autorange="reversed")
+    return fig
+
+
+def reuse_frame(res) -> pd.DataFrame:
+    df = res.table()
+    df["first_divergence"] = df["first_divergence"].map(lambda v: "—" if v is None or v != v else int(v))
+    return df.rename(columns={"first_divergence": "parts from fresh at step", "logits_relative": "logit gap",
+                              "float64_relative": "float64 gap"})

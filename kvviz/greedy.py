@@ -85,6 +85,7 @@ class PathRun:
     settled: list[bool] | None = None
     logits: torch.Tensor | None = field(default=None, repr=False)  # [steps, vocab]
     hidden: torch.Tensor | None = field(default=None, repr=False)  # [steps, n_hidden, hidden]
+    log_probs: torch.Tensor | None = field(default=None, repr=False)  # float64, computed once for the pairs
 
     @property
     def label(self) -> str:
@@ -165,8 +166,13 @@ def _last(out) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _top2(logits: torch.Tensor) -> tuple[int, int, float]:
-    v, i = logits.topk(2)
-    return int(i[0]), int(i[1]), float(v[0].double() - v[1].double())
+    """The greedy choice exactly as argmax makes it (on ties topk may pick another index), the runner-up and the
+    margin between them (0 for a tie, common in 16-bit dtypes)."""
+    t1 = int(logits.argmax())
+    rest = logits.clone()
+    rest[t1] = float("-inf")
+    t2 = int(rest.argmax())
+    return t1, t2, float(logits[t1].double() - logits[t2].double())
 
 
 class _Recorder:
@@ -321,12 +327,18 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None
 
 
+def _log_probs(run: PathRun) -> torch.Tensor:
+    if run.log_probs is None:
+        run.log_probs = torch.log_softmax(run.logits.to(torch.float64), -1)
+    return run.log_probs
+
+
 def _compare(a: PathRun, b: PathRun, eps: float) -> PairResult:
     n = min(len(a.token_ids), len(b.token_ids))
     div = first_divergence(a.token_ids[:n], b.token_ids[:n])
     dev = a.logits.device
     la, lb = a.logits[:n].to(torch.float64), b.logits[:n].to(dev, torch.float64)
-    lsa, lsb = torch.log_softmax(la, -1), torch.log_softmax(lb, -1)
+    lsa, lsb = _log_probs(a)[:n], _log_probs(b)[:n].to(dev)
     kl = (lsa.exp() * (lsa - lsb)).sum(-1).clamp_min(0)
     hd = hidden_divergence(a.hidden[:n].transpose(0, 1), b.hidden[:n].to(dev).transpose(0, 1), eps)
     same = [div is None or t <= div for t in range(n)]
@@ -334,21 +346,44 @@ def _compare(a: PathRun, b: PathRun, eps: float) -> PairResult:
                       hd["relative"].cpu().numpy(), same)
 
 
-def _replay(lm: LoadedModel, inp: PromptInputs, path: str, forced: list[int], positions: str) -> torch.Tensor:
-    """The logits a path computes after being fed `forced` tokens: the same computation pattern, given tokens."""
-    rec = _Recorder(path, len(forced) + 1, lambda: None)
-    n = len(forced) + 1
+def _logic(path: str, positions: str) -> str:
+    """Which computation a path's logits come from, as far as exact arithmetic is concerned."""
     if path in ("no_cache", "float64"):
-        _no_cache(lm, inp, n, rec, forced=forced)
-    elif path in ("cache", "generate"):
-        _cache(lm, inp, n, rec, positions=positions if path == "cache" else "auto", forced=forced)
-    else:
-        _user_loop(lm, inp, n, rec, forced=forced)
-    return rec.logits[-1]
+        return "full"
+    if path == "user_loop":
+        return "user"
+    return "cached_omit" if path == "cache" and positions == "omit" else "cached"
+
+
+def _replay(lm: LoadedModel, inp: PromptInputs, logic: str, forced: list[int]) -> torch.Tensor:
+    """The logits a computation gives after being fed `forced` tokens, with the masks and position ids that path
+    uses. Run in float64, where shapes do not matter, so the fed tokens go in one chunk."""
+    model, dev = lm.model, inp.ids.device
+    extra = torch.tensor([forced], dtype=inp.ids.dtype, device=dev)
+    mask = torch.cat([inp.mask, torch.ones_like(extra)], 1)
+    if logic == "full":
+        return model(input_ids=torch.cat([inp.ids, extra], 1), attention_mask=mask,
+                     position_ids=positions_from_mask(mask), use_cache=False, logits_to_keep=1).logits[0, -1]
+    user = logic == "user"
+    out = model(input_ids=inp.ids, attention_mask=inp.mask, position_ids=None if user else inp.positions,
+                use_cache=True, logits_to_keep=1)
+    if not forced:
+        return out.logits[0, -1]
+    pos = inp.positions[:, -1:] + torch.arange(1, len(forced) + 1, device=dev)
+    return model(input_ids=extra, attention_mask=None if user else mask,
+                 position_ids=None if logic in ("user", "cached_omit") else pos,
+                 past_key_values=out.past_key_values, use_cache=True, logits_to_keep=1).logits[0, -1]
+
+
+def _replay_memo(memo: dict, lm64, inp64, logic: str, forced: list[int]) -> torch.Tensor:
+    key = (logic, tuple(forced))
+    if key not in memo:
+        memo[key] = _replay(lm64, inp64, logic, forced).double()
+    return memo[key]
 
 
 def _explain(pair: PairResult, runs: dict[str, PathRun], lm: LoadedModel, cfg: GreedyConfig,
-             lm64: LoadedModel, inp64: PromptInputs) -> None:
+             lm64: LoadedModel, inp64: PromptInputs, memo: dict) -> None:
     t = pair.first_divergence
     a, b = runs[pair.a], runs[pair.b]
     tok = lm.tokenizer.decode
@@ -356,8 +391,8 @@ def _explain(pair: PairResult, runs: dict[str, PathRun], lm: LoadedModel, cfg: G
     name_a = f"{pair.a_token!r} (id {a.token_ids[t]})"
     name_b = f"{pair.b_token!r} (id {b.token_ids[t]})"
     forced = a.token_ids[:t]
-    la = _replay(lm64, inp64, pair.a, forced, cfg.position_ids).double()
-    lb = _replay(lm64, inp64, pair.b, forced, cfg.position_ids).double()
+    la, lb = (_replay_memo(memo, lm64, inp64, _logic(name, cfg.position_ids), forced)
+              for name in (pair.a, pair.b))
     gap64 = float((la - lb).abs().max() / la.abs().max().clamp_min(1e-300))
     pair.float64_gap = gap64
     ma, mb = a.margins[t], b.margins[t]
@@ -458,9 +493,10 @@ def run_greedy(lm: LoadedModel, cfg: GreedyConfig, progress: Progress | None = N
         lm64 = lm64 or load_model(lm.spec, "float64", float64_device(lm.device), lm.attn_requested,
                                   trust_remote_code=lm.trust_remote_code)
         inp64 = build_inputs(lm64, cfg.prompt, cfg.left_pad, extra_tokens=n)
+        memo: dict = {}
         with torch.inference_mode(), lm64.lock:
             for p in diverging:
-                _explain(p, runs, lm, cfg, lm64, inp64)
+                _explain(p, runs, lm, cfg, lm64, inp64, memo)
     tok = lm.tokenizer
     results: dict[str, PathResult] = {}
     ref = runs.get("float64")

@@ -285,30 +285,52 @@ def verdict_for(cfg: SplitConfig, main: Comparison, f64: Comparison | None) -> t
         f"float64, where rounding could explain at most ~1e-12. Likely cause: {_likely_cause(cfg, main)}.")
 
 
+def check_split(n_tokens: int, split: int) -> None:
+    if n_tokens < 2:
+        raise KvvizError("the prompt is a single token; a split needs at least 2 tokens")
+    if not 1 <= split <= n_tokens - 1:
+        raise KvvizError(f"split {split} is outside the prompt: choose 1 to {n_tokens - 1} "
+                         f"(the prompt has {n_tokens} tokens; at least one must go to the cache and one after it)")
+
+
+def compare_split(lm: LoadedModel, cfg: SplitConfig, progress: Progress | None = None) -> Comparison:
+    """The numbers of one split scenario in lm's dtype, without a verdict."""
+    cfg.validate()
+    inp = build_inputs(lm, cfg.prompt, cfg.left_pad)
+    check_split(inp.n_tokens, cfg.split)
+    return _run(lm, cfg, inp, progress or (lambda f, m: None))
+
+
+def float64_model(lm: LoadedModel) -> LoadedModel:
+    """The float64 twin of `lm` (same spec and attention; on the CPU where the device has no float64)."""
+    if lm.dtype == torch.float64:
+        return lm
+    return load_model(lm.spec, "float64", float64_device(lm.device), lm.attn_requested,
+                      trust_remote_code=lm.trust_remote_code)
+
+
 def run_split(lm: LoadedModel, cfg: SplitConfig, progress: Progress | None = None,
-              reference: LoadedModel | None = None) -> SplitResult:
+              reference: LoadedModel | None = None, float64_comparison: Comparison | None = None) -> SplitResult:
     """Compare the full forward with the cached path for `cfg`; rerun in float64 for the verdict if needed.
 
-    reference: the float64 model to use for the verdict (loaded from the same spec when not given)."""
+    reference: the float64 model to use for the verdict (loaded from the same spec when not given);
+    float64_comparison: the same scenario already run in float64 (the dtype lab runs it once for all dtypes)."""
     progress = progress or (lambda f, m: None)
     t0 = time.perf_counter()
     cfg.validate()
     inp = build_inputs(lm, cfg.prompt, cfg.left_pad)
     L = inp.n_tokens
-    if L < 2:
-        raise KvvizError(f"the prompt is a single token; a split needs at least 2 tokens")
-    if not 1 <= cfg.split <= L - 1:
-        raise KvvizError(f"split {cfg.split} is outside the prompt: choose 1 to {L - 1} "
-                         f"(the prompt has {L} tokens; at least one must go to the cache and one after it)")
+    check_split(L, cfg.split)
     main = _run(lm, cfg, inp, lambda f, m: progress(0.7 * f, m))
     f64 = None
     if main.has_cache and not main.identical:
         if lm.dtype == torch.float64:
             f64 = main
+        elif float64_comparison is not None:
+            f64 = float64_comparison
         else:
             progress(0.7, "Rerunning the same scenario in float64 for the verdict…")
-            ref_lm = reference or load_model(lm.spec, "float64", float64_device(lm.device), lm.attn_requested,
-                                             trust_remote_code=lm.trust_remote_code)
+            ref_lm = reference or float64_model(lm)
             f64 = _run(ref_lm, cfg, build_inputs(ref_lm, cfg.prompt, cfg.left_pad),
                        lambda f, m: progress(0.7 + 0.3 * f, f"float64: {m}"))
     verdict, explanation = verdict_for(cfg, main, f64)

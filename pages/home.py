@@ -23,6 +23,11 @@ closes, it was precision; if it stays, it is logic.
   from one full forward, against the dtype's machine epsilon, with a verdict.
 * **Greedy paths** — decode with and without cache (and with `generate()`, and the loop people write): the texts
   side by side, the step where they part, the top-2 margin there, and the verdict for that step.
+* **Dtypes side by side** — float64, float32, float16 and bfloat16 per layer on one chart, raw and in units of each
+  dtype's epsilon, for one prompt or averaged over a prompt set (built in, or your own file).
+* **Padding and batching** — the same prompt alone, left-padded and in a batch, with cache settings right and
+  wrong: which effect is precision and which is logic.
+* **Prompt-cache reuse** — one prefix cache reused for several continuations: deep copy, reused object, none.
 
 Pick the model, dtype, device and attention implementation in the sidebar; they apply to every page.
 """)

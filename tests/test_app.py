@@ -118,3 +118,32 @@ def test_greedy_page_decodes_and_views_do_not_rerun(monkeypatch):
     # bad input: 0 new tokens is refused by the widget; an empty prompt is a message
     at.text_area(key="greedy_prompt").input(" ").run()
     assert not at.exception and "empty" in alerts(at)
+
+
+def test_dtypes_page_set_and_views():
+    at = start("pages/dtypes_lab.py")
+    assert not at.exception
+    assert len(at.get("plotly_chart")) == 1
+    at.radio(key="dt_source").set_value("built-in set").run()
+    at.number_input(key="dt_limit").set_value(4).run()
+    assert not at.exception and len(at.get("plotly_chart")) == 1
+    store = at.session_state["_results_dtypes"]
+    n = len(store)
+    at.radio(key="dt_metric").set_value("eps_units").run()
+    at.radio(key="dt_how").set_value("max").run()
+    assert not at.exception and len(at.session_state["_results_dtypes"]) == n  # views did not recompute
+
+
+def test_padding_and_reuse_pages():
+    at = start("pages/padding_lab.py")
+    assert not at.exception and len(at.get("plotly_chart")) == 1
+    at.number_input(key="pad_pad").set_value(2).run()
+    assert not at.exception
+    at.text_area(key="pad_prompt").input("").run()
+    assert not at.exception and "empty" in alerts(at)
+    at = start("pages/cache_reuse.py", model="tiny:llama")
+    assert not at.exception
+    text = alerts(at)
+    assert "reused" in text and "logic" in text
+    at.text_area(key="reuse_conts").input("   ").run()
+    assert not at.exception and "at least one continuation" in alerts(at)

@@ -95,3 +95,57 @@ def test_greedy_bad_token_counts(capsys, n):
     code, out, err = run_cli(capsys, "greedy", "--model", "tiny:gpt2", "--prompt", "x", "--max-new-tokens", n,
                              "--quiet")
     assert code == 1 and "between 1 and" in err and len(err.strip().splitlines()) == 1
+
+
+def test_dtypes_prompt_set_json_and_progress(capsys, tmp_path):
+    f = tmp_path / "p.txt"
+    f.write_text("Hello world\nSecond prompt here\nA third one, longer than the others\n")
+    code, out, err = run_cli(capsys, "dtypes", "--model", "tiny:qwen2", "--prompts", str(f), "--limit", "2",
+                             "--dtypes", "float32,bfloat16", "--json")
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["n_prompts"] == 2 and d["dtypes"] == ["float64", "float32", "bfloat16"]
+    for how in ("mean", "max"):
+        assert len(d["per_layer"]["max_abs"][how]["bfloat16"]) == 5
+    assert "Prompt 2/2" in err  # progress on stderr
+
+
+def test_dtypes_builtin_summary(capsys):
+    code, out, err = run_cli(capsys, "dtypes", "--model", "tiny:llama", "--prompts", "builtin", "--limit", "3",
+                             "--quiet")
+    assert code == 0 and "layers" not in err
+    assert "mean over prompts" in out and "float16" in out and "verdicts" in out
+
+
+def test_padding_and_reuse_cli(capsys):
+    code, out, err = run_cli(capsys, "padding", "--model", "tiny:gpt2", "--prompt", "Hello world, caching",
+                             "--left-pad", "3", "--json", "--quiet")
+    assert code == 0
+    cells = json.loads(out)["cells"]
+    assert len(cells) == 15 and {c["verdict"] for c in cells} >= {"logic", "precision"}
+    code, out, err = run_cli(capsys, "reuse", "--model", "tiny:llama", "--prefix", "Story:", "--continuation",
+                             " Once", "--continuation", " The cat", "--max-new-tokens", "6", "--quiet")
+    assert code == 0 and "reused" in out and "logic" in out
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["dtypes", "--model", "tiny:gpt2", "--prompts", "/no/such/file.txt"], "not found"),
+    (["dtypes", "--model", "tiny:gpt2", "--prompts", "builtin", "--limit", "0"], "limit"),
+    (["dtypes", "--model", "tiny:gpt2", "--prompt", "x y z", "--split", "soon"], "--split"),
+    (["padding", "--model", "tiny:gpt2", "--prompt", "Hello", "--left-pad", "-2"], "left-pad"),
+    (["reuse", "--model", "tiny:gpt2", "--prefix", "a", "--continuation", " b", "--max-new-tokens", "0"],
+     "between 1 and"),
+])
+def test_lab_bad_input(capsys, args, msg):
+    code, out, err = run_cli(capsys, *args, "--quiet")
+    assert code == 1 and msg in err and len(err.strip().splitlines()) == 1
+
+
+def test_non_utf8_and_empty_prompt_files(capsys, tmp_path):
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"\xff\xfe\xfa not text")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    for f, msg in ((bad, "not UTF-8"), (empty, "no prompts")):
+        code, out, err = run_cli(capsys, "dtypes", "--model", "tiny:gpt2", "--prompts", str(f), "--quiet")
+        assert code == 1 and msg in err

@@ -1,0 +1,53 @@
+"""Page: one prompt cache reused for several continuations (seed 001)."""
+import streamlit as st
+
+from kvviz import figures
+from kvviz.lab import REUSE_STRATEGIES, run_reuse
+from pages.common import ensure_navigation, load, progress_bar, run_cached, show_error
+
+ensure_navigation()
+
+st.title("Prompt-cache reuse")
+st.caption("Cache a shared prefix once and reuse it for several continuations: (a) a deep copy per continuation, "
+           "(b) the same cache object again after an earlier continuation grew it (the common bug), (c) no prefix "
+           "cache at all. Greedy texts side by side, where they part from (c), and why.")
+
+choice = st.session_state["model_choice"]
+lm = load(choice)
+if lm is None:
+    st.stop()
+prefix = st.text_area("Shared prefix", "You are a helpful assistant. Answer in one short sentence.\n",
+                      key="reuse_prefix", height=70)
+conts = st.text_area("Continuations (one a line; write \\n for a line break)",
+                     "Q: What is the capital of France?\\nA:\nQ: What colour is the sky?\\nA:\n"
+                     "Q: How many legs does a spider have?\\nA:", key="reuse_conts", height=110)
+n = st.number_input("New tokens per continuation", 1, 256, 12, key="reuse_n")
+merged = [c.replace("\\n", "\n") for c in conts.splitlines() if c.strip()]
+
+
+def compute():
+    with progress_bar("Decoding…") as report:
+        return run_reuse(lm, prefix, merged, int(n), progress=report)
+
+
+try:
+    res = run_cached("reuse", {"model": choice.key, "prefix": prefix, "conts": merged, "n": int(n)}, compute)
+except Exception as e:  # noqa: BLE001
+    show_error(e)
+    st.stop()
+
+for i, cont in enumerate(res.settings["continuations"]):
+    st.markdown(f"**Continuation {i + 1}:** `{cont!r}`")
+    cols = st.columns(3)
+    for col, (strategy, desc) in zip(cols, REUSE_STRATEGIES.items()):
+        run = next(r for r in res.runs if r["index"] == i and r["strategy"] == strategy)
+        box = {"identical": col.success, "precision": col.info, "logic": col.error}[run["verdict"]]
+        parts = "same tokens as fresh" if run["first_divergence"] is None else \
+            f"parts from fresh at step {run['first_divergence']}"
+        box(f"**{strategy}** — {run['verdict']}, {parts}\n\n{run['text']!r}")
+        col.caption(desc)
+st.subheader("All runs")
+st.dataframe(figures.reuse_frame(res), hide_index=True, width="stretch")
+st.caption("Verdicts: the largest relative logit gap to the fresh run while both saw the same tokens, and the same "
+           "in float64: a gap that closes in float64 is precision, one that stays is logic. "
+           f"{res.settings['dtype']} on {res.settings['device']}.")

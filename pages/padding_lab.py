@@ -1,0 +1,51 @@
+"""Page: the same prompt alone, left-padded and in a batch, with cache settings right and wrong."""
+import streamlit as st
+
+from kvviz import figures
+from kvviz.lab import run_padding
+from pages.common import ensure_navigation, load, progress_bar, run_cached, show_error
+
+ensure_navigation()
+
+st.title("Padding and batching")
+st.caption("Why does left padding or batching change the output? Every cell is the prompt's hidden states compared "
+           "with the prompt alone, without cache and without padding; the colour is the verdict from rerunning that "
+           "very cell in float64.")
+
+choice = st.session_state["model_choice"]
+lm = load(choice)
+if lm is None:
+    st.stop()
+prompt = st.text_area("Prompt", "The capital of France is Paris, and the capital of Italy is", key="pad_prompt",
+                      height=80)
+c1, c2 = st.columns(2)
+left_pad = c1.number_input("Left padding (pad tokens)", 0, 64, 4, key="pad_pad")
+split = c2.number_input("Split point (0 = half the prompt)", 0, 4096, 0, key="pad_split")
+
+
+def compute():
+    with progress_bar("Running the grid…") as report:
+        return run_padding(lm, prompt, int(split) or None, int(left_pad), progress=report)
+
+
+try:
+    res = run_cached("padding", {"model": choice.key, "prompt": prompt, "pad": int(left_pad), "split": int(split)},
+                     compute)
+except Exception as e:  # noqa: BLE001
+    show_error(e)
+    st.stop()
+
+value = st.radio("Number in the cells", ["hidden_relative", "logits_relative"], horizontal=True, key="pad_value",
+                 format_func={"hidden_relative": "hidden states", "logits_relative": "logits"}.get)
+st.plotly_chart(figures.padding_grid(res, value), width="stretch", key="pad_grid")
+st.markdown("""
+* **no cache** — padding or batching alone: other matrix shapes, so rounding differs — *precision*.
+* **cache** — correct position ids and mask: still only rounding.
+* **positions omitted** — with pads the model numbers the new tokens from the cache length, counting the pads —
+  *logic*.
+* **mask new-only** — transformers lines a short mask up with the first positions and pads it with zeros, so the new
+  tokens cannot see the latest keys — *logic*, even without padding.
+""")
+st.dataframe(res.grid("verdict"), width="stretch")
+st.caption(f"Split at token {res.settings['split']} of {len(res.tokens)}; {res.settings['dtype']} on "
+           f"{res.settings['device']}; batch companions of {res.settings['companions']} tokens.")

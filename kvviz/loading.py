@@ -24,9 +24,9 @@ from typing import Callable
 
 import torch
 
-from . import exact_attention
 from .dtypes import dtype_name, parse_dtype, resolve_device, supports_dtype
 from .errors import KvvizError
+from .float64 import keep_float64
 from .tiny import TINY_ARCHS, TINY_VERSION, build_tiny
 
 Progress = Callable[[float, str], None]
@@ -354,10 +354,10 @@ def _load(ms: ModelSpec, dt: torch.dtype, dev: torch.device, attn: str, trust_re
         notes.append("trust_remote_code is on: this model's own Python code from its folder or repo will run")
     progress(0.5, f"Loading weights as {dtype_name(dt)}…")
     model, tok = _load_folder(folder if folder is not None else ms.ref, ms, dt, attn, trust_remote_code)
-    if dt == torch.float64 and model.config._attn_implementation == "eager" and exact_attention.eager_upcasts(model):
-        model.set_attn_implementation(exact_attention.register())
-        notes.append("float64: eager attention replaced by an exact float64 one (the model's own eager runs its "
-                     "softmax in float32)")
+    if dt == torch.float64:
+        keep_float64(model)
+        notes.append("float64: transformers' float32 upcasts (RMSNorm, eager softmax) are kept in float64, so the "
+                     "reference carries no float32 rounding")
     progress(0.85, f"Moving to {dev}…")
     try:
         model.to(dev)

@@ -44,3 +44,23 @@ def test_greedy_page_in_browser(server, artifacts):
         assert page.get_by_text("no cache (full forward each step)").count() >= 1
         assert page.locator(".js-plotly-plot").count() >= 2
         page.screenshot(path=str(artifacts / "greedy-default.png"), full_page=True)
+
+
+@pytest.mark.parametrize("path, name", [
+    ("dtypes_lab", "dtypes"),
+    ("padding_lab", "padding"),
+    ("cache_reuse", "reuse"),
+])
+def test_lab_pages_in_browser(server, artifacts, path, name):
+    with browser() as b:
+        page = b.new_page(viewport={"width": 1400, "height": 2000})
+        page.goto(server + "/" + path)
+        page.wait_for_selector('[data-testid="stMainBlockContainer"]', timeout=60_000)
+        wait_idle(page)
+        if name != "reuse":
+            page.wait_for_selector(".js-plotly-plot", timeout=240_000)
+        else:
+            page.get_by_text("All runs").first.wait_for(timeout=240_000)
+        wait_idle(page)
+        no_exception(page)
+        page.screenshot(path=str(artifacts / f"{name}-default.png"), full_page=True)

@@ -40,4 +40,12 @@ def test_default_model_converts_once_then_loads_from_cache(tmp_path, monkeypatch
     assert res.verdict in ("precision", "identical")
     assert res.main.hidden["relative"].shape == (31, len(res.tokens) - 8)
     assert res.main.cached_top1[-1].strip() == "Rome"
+    # float64 on the real model: cached and uncached agree to 1e-10, also where float32 upcasts used to flip bits
+    lm64 = kvviz.load_model("default", "float64", "cpu")
+    for prompt, mode in [("Inflation means that over time the same amount of money buys", "chunk"),
+                         ("The capital of France is Paris, and the capital of Italy is", "step")]:
+        n = len(lm64.tokenizer(prompt)["input_ids"])
+        r = kvviz.run_split(lm64, kvviz.SplitConfig(prompt, n - 1 if mode == "chunk" else 4, mode=mode))
+        assert r.main.hidden["relative"].max() <= 1e-12 and r.main.logits["max_abs"].max() <= 1e-10
+        assert r.verdict in ("identical", "precision")
     clear_cache()  # later tests load from the session's own cache again

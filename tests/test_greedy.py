@@ -128,10 +128,11 @@ def test_omitted_positions_in_cache_path_with_padding_is_logic():
     assert pair.first_divergence is not None and pair.verdict == "logic"
 
 
-@pytest.mark.parametrize("arch, prompt", [("llama", "a"), ("gpt2", "Bonjour"), ("gpt_neox", "1, 2, 3,")])
-def test_bfloat16_near_tie_flip_is_precision(arch, prompt):
-    # bfloat16 no-cache and cache decoding part on these prompts (found by search, deterministic on CPU)
-    lm = kvviz.load_model(f"tiny:{arch}", "bfloat16", "cpu")
+@pytest.mark.parametrize("arch, dtype, prompt", [("llama", "bfloat16", "Bonjour"), ("gpt2", "bfloat16", "Bonjour"),
+                                                 ("gpt_neox", "float16", "Once upon a time, there")])
+def test_16bit_near_tie_flip_is_precision(arch, dtype, prompt):
+    # 16-bit no-cache and cache decoding part on these prompts (found by search, deterministic on this CPU)
+    lm = kvviz.load_model(f"tiny:{arch}", dtype, "cpu")
     res = run_greedy(lm, GreedyConfig(prompt, 32, paths=("no_cache", "cache")))
     pair = res.pair("no_cache", "cache")
     assert pair.first_divergence is not None

@@ -53,12 +53,27 @@ def test_cache_is_keyed_and_models_are_never_mutated():
         assert torch.equal(p, before[n])
 
 
-def test_float64_eager_uses_exact_attention():
+def test_float64_models_stay_float64():
+    import torch
+
     lm = kvviz.load_model("tiny:llama", "float64", "cpu", "eager")
-    assert lm.attn_implementation == "kvviz_exact_eager"
-    assert any("exact float64" in w for w in lm.warnings)
+    assert lm.attn_implementation == "eager"
+    assert any("kept in float64" in w for w in lm.warnings)
+    norm = lm.model.model.norm  # LlamaRMSNorm casts to float32 inside; under kvviz it must not round
+    x = torch.randn(1, 3, 64, dtype=torch.float64)
+    with torch.inference_mode():
+        ours = lm.model.forward.__wrapped__  # the plain forward, to show the difference the wrapper makes
+        from kvviz.float64 import KeepFloat64
+
+        with KeepFloat64():
+            exact = norm(x)
+        plain = norm(x)
+    expected = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon) * norm.weight
+    assert (exact - expected).abs().max() < 1e-15
+    assert (plain - expected).abs().max() > 1e-12  # the float32 round trip transformers does on its own
+    assert callable(ours)
     f32 = kvviz.load_model("tiny:llama", "float32", "cpu", "eager")
-    assert f32.attn_implementation == "eager"  # 16/32-bit runs keep the model's real eager
+    assert not getattr(f32.model.forward, "_kvviz_float64", False)  # 16/32-bit runs keep transformers" own casts
 
 
 @pytest.mark.parametrize("spec, msg", [

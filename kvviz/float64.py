@@ -1,0 +1,55 @@
+"""Keep a float64 model in float64.
+
+transformers "upcasts" in many places so that 16-bit models stay accurate: RMSNorm runs in float32
+(`x.to(torch.float32)`, `x.float()`), eager attention takes its softmax with `dtype=torch.float32`. For a float64
+model every such upcast is a *down*cast that rounds to float32 (~6e-8), and two runs whose inputs differ by 1e-16
+can round to different float32 neighbours. The float64 reference would then carry float32 noise and could even
+flip a verdict. While a kvviz float64 model runs, this mode turns float64 → float32 casts into no-ops, so the
+computation stays float64 end to end (the same maths, the precision the reference promises).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_SOFTMAXES = {torch.softmax, torch.log_softmax, torch.nn.functional.softmax, torch.nn.functional.log_softmax,
+              torch.Tensor.softmax, torch.Tensor.log_softmax}
+
+
+def _is64(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.dtype == torch.float64
+
+
+class KeepFloat64(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if args and _is64(args[0]):
+            if func is torch.Tensor.float:
+                return args[0]
+            if func is torch.Tensor.to:
+                if kwargs.get("dtype") == torch.float32:
+                    kwargs = {k: v for k, v in kwargs.items() if k != "dtype"}
+                if any(a is torch.float32 for a in args[1:]):
+                    args = tuple(a for a in args if a is not torch.float32)
+                if len(args) == 1 and not kwargs:
+                    return args[0]
+            elif func in _SOFTMAXES and kwargs.get("dtype") == torch.float32:
+                kwargs = {k: v for k, v in kwargs.items() if k != "dtype"}
+        return func(*args, **kwargs)
+
+
+def keep_float64(model) -> None:
+    """Make `model` (a freshly loaded float64 model, not yet shared) run under KeepFloat64."""
+    if getattr(model.forward, "_kvviz_float64", False):
+        return
+    inner = model.forward
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        with KeepFloat64():
+            return inner(*args, **kwargs)
+
+    forward._kvviz_float64 = True
+    model.forward = forward

@@ -6,7 +6,7 @@ import os
 import sys
 
 from .dtypes import DTYPE_NAMES
-from .errors import KvvizError
+from .errors import OUT_OF_MEMORY_HINT, KvvizError, free_memory, is_out_of_memory
 from .inputs import MASK_MODES, POSITION_MODES
 from .loading import ATTN_CHOICES
 
@@ -255,8 +255,11 @@ def main(argv: list[str] | None = None) -> int:
     except KvvizError as e:
         print(f"kvviz: error: {e}", file=sys.stderr)
         return 1
-    except MemoryError:
-        print("kvviz: error: out of memory; use a shorter prompt, a smaller model or a 16-bit dtype", file=sys.stderr)
+    except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        if not is_out_of_memory(e):
+            raise
+        free_memory(e)
+        print(f"kvviz: error: {OUT_OF_MEMORY_HINT}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

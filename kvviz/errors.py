@@ -6,3 +6,31 @@ class KvvizError(Exception):
 
     def __init__(self, message: str):
         super().__init__(" ".join(str(message).split()))
+
+
+OUT_OF_MEMORY_HINT = ("out of memory; use a shorter prompt, fewer new tokens or prompts, a 16-bit dtype or a smaller "
+                      "model")
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """MemoryError, or torch's OutOfMemoryError (a RuntimeError) on any device."""
+    return isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and "out of memory" in str(e).lower())
+
+
+def free_memory(error: BaseException | None = None) -> None:
+    """Give memory back after an out-of-memory error, so the next run can start clean. The error's traceback holds
+    the failed run's frames (and their tensors): clear them first."""
+    import gc
+    import traceback
+
+    if error is not None and error.__traceback__ is not None:
+        traceback.clear_frames(error.__traceback__)
+
+    gc.collect()
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except ImportError:  # pragma: no cover
+        pass

@@ -419,7 +419,9 @@ def _load_folder(where, ms: ModelSpec, dt: torch.dtype, attn: str, trust_remote_
         raise KvvizError(f"could not load {ms.ref}: {msg}") from None
     except ImportError as e:
         raise KvvizError(f"attention implementation '{attn}' is not available here: {_first_line(e)}") from None
-    except (OSError, RuntimeError, KeyError) as e:
+    except KvvizError:
+        raise
+    except Exception as e:  # noqa: BLE001 - OSError, SafetensorError, RuntimeError…: a missing or damaged file
         raise KvvizError(f"could not load the weights of {ms.ref} (missing or damaged file?): "
                          f"{_first_line(e)}") from None
     try:

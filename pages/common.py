@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import streamlit as st
 
 import kvviz
-from kvviz.errors import KvvizError
+from kvviz.errors import OUT_OF_MEMORY_HINT, KvvizError, free_memory, is_out_of_memory
 
 PRESETS = ["default"] + [f"tiny:{a}" for a in kvviz.TINY_ARCHS] + ["other…"]
 DEVICES = ["auto", "cpu", "cuda", "mps"]
@@ -76,22 +76,12 @@ def show_error(e: BaseException) -> None:
     """One clear line for the user; the app keeps working."""
     if isinstance(e, KvvizError):
         st.error(str(e), icon="⚠️")
-    elif isinstance(e, (MemoryError,)) or "out of memory" in str(e).lower():
-        _free_memory()
-        st.error("Out of memory: use a shorter prompt, fewer tokens, a 16-bit dtype or a smaller model.", icon="⚠️")
+    elif is_out_of_memory(e):
+        free_memory(e)
+        st.error(OUT_OF_MEMORY_HINT[0].upper() + OUT_OF_MEMORY_HINT[1:] + ".", icon="⚠️")
     else:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         st.error(f"Unexpected error ({type(e).__name__}): {first}", icon="⚠️")
-
-
-def _free_memory() -> None:
-    import gc
-
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 @contextlib.contextmanager

@@ -1,0 +1,192 @@
+"""Bad input, across the pages and the CLI: one clear line, no traceback, the app keeps working, and no partial
+result shown as if it were complete."""
+import os
+import shutil
+
+import pytest
+import torch
+from streamlit.testing.v1 import AppTest
+
+import kvviz
+from kvviz.cli import main
+from kvviz.errors import KvvizError
+from kvviz.loading import tiny_folder
+
+from conftest import ROOT
+
+
+@pytest.fixture(scope="module")
+def bad(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bad-models")
+    (d / "broken.gguf").write_bytes(b"GGUF" + os.urandom(300))
+    shutil.copytree(tiny_folder("llama"), d / "truncated")
+    st = d / "truncated" / "model.safetensors"
+    st.write_bytes(st.read_bytes()[: st.stat().st_size // 2])
+    (d / "noconfig").mkdir()
+    (d / "noconfig" / "weights.bin").write_bytes(b"\0" * 16)
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("vit", hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=32).save_pretrained(d / "nohead")
+    (d / "notes.txt").write_text("not a model")
+    return d
+
+
+MODEL_CASES = [  # (spec under the bad folder or as is, expected words)
+    ("{bad}/broken.gguf", "could not read GGUF file"),
+    ("{bad}/truncated", "missing or damaged file"),
+    ("{bad}/noconfig", "no config.json"),
+    ("{bad}/nohead", "no causal-LM head"),
+    ("{bad}/notes.txt", "not a .gguf model"),
+    ("someone/unknown-model-xyz", "not in the local Hugging Face cache"),
+    ("tiny:nonexistent", "unknown tiny architecture"),
+]
+
+
+@pytest.mark.parametrize("spec, words", MODEL_CASES)
+def test_bad_models_library(bad, spec, words):
+    with pytest.raises(KvvizError, match=words):
+        kvviz.load_model(spec.format(bad=bad), "float32", "cpu")
+
+
+@pytest.mark.parametrize("spec, words", MODEL_CASES)
+def test_bad_models_cli(bad, capsys, spec, words):
+    code = main(["split", "--model", spec.format(bad=bad), "--prompt", "Hello world", "--split", "2", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 1 and words in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_attention_not_installed(capsys):
+    with pytest.raises(KvvizError, match="flash_attention_2"):
+        kvviz.load_model("tiny:llama", "float32", "cpu", "flash_attention_2")
+    code = main(["split", "--model", "tiny:llama", "--prompt", "Hello world", "--split", "2", "--attn",
+                 "flash_attention_2", "--quiet"])
+    assert code == 1 and "not available" in capsys.readouterr().err
+
+
+def test_dtype_the_device_cannot_run():
+    with pytest.raises(KvvizError, match="float64 is not supported on mps"):
+        kvviz.load_model("tiny:llama", "float64", torch.device("mps"))
+    if not torch.cuda.is_available():
+        with pytest.raises(KvvizError, match="no CUDA GPU"):
+            kvviz.load_model("tiny:llama", "float16", "cuda")
+
+
+def test_one_megabyte_prompt(capsys):
+    lm = kvviz.load_model("tiny:gpt2", "float32", "cpu")
+    big = "word " * 210_000
+    with pytest.raises(KvvizError, match="at most 100,000"):
+        kvviz.run_split(lm, kvviz.SplitConfig(big, 3))
+    code = main(["split", "--model", "tiny:gpt2", "--prompt", big, "--split", "3", "--quiet"])
+    assert code == 1 and "characters" in capsys.readouterr().err
+
+
+def test_split_equal_to_length():
+    lm = kvviz.load_model("tiny:gpt2", "float32", "cpu")
+    n = len(lm.tokenizer("Hello")["input_ids"])
+    with pytest.raises(KvvizError, match="outside the prompt"):
+        kvviz.run_split(lm, kvviz.SplitConfig("Hello", n))
+
+
+def test_out_of_memory_is_one_line_and_frees(monkeypatch, capsys):
+    import kvviz.split as split_mod
+
+    def boom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(split_mod, "_run", boom)
+    freed = []
+    monkeypatch.setattr("kvviz.cli.free_memory", lambda e=None: freed.append(e))
+    code = main(["split", "--model", "tiny:gpt2", "--prompt", "Hello world", "--split", "2", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 1 and "out of memory" in err and "shorter prompt" in err and freed
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The same in the app: a message, no exception, no charts, and the app works again afterwards
+
+
+def app(page: str) -> AppTest:
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
+    at.session_state["model_preset"] = "tiny:gpt2"
+    at.run()
+    at.switch_page(page)
+    at.run()
+    assert not at.exception
+    return at
+
+
+def messages(at) -> str:
+    return " | ".join(e.value for e in list(at.error) + list(at.warning) + list(at.info))
+
+
+def recovers(at) -> None:
+    at.selectbox(key="model_preset").set_value("tiny:gpt2").run()
+    at.selectbox(key="attn").set_value("auto").run()
+    assert not at.exception and len(at.get("plotly_chart")) >= 1
+
+
+@pytest.mark.parametrize("spec, words", MODEL_CASES)
+def test_bad_models_in_the_app(bad, spec, words):
+    at = app("pages/split_point.py")
+    at.selectbox(key="model_preset").set_value("other…").run()
+    at.text_input(key="model_other").input(spec.format(bad=bad)).run()
+    assert not at.exception
+    assert words in messages(at)
+    assert len(at.get("plotly_chart")) == 0
+    recovers(at)
+
+
+def test_attention_not_installed_in_the_app():
+    at = app("pages/split_point.py")
+    at.selectbox(key="attn").set_value("flash_attention_2").run()
+    assert not at.exception and "not available" in messages(at)
+    assert len(at.get("plotly_chart")) == 0
+    recovers(at)
+
+
+@pytest.mark.parametrize("prompt, words", [
+    ("", "empty"),
+    ("  \n\t  ", "empty"),
+    ("word " * 210_000, "at most 100,000"),
+    ("x" * 600, "longer than the model's context"),
+])
+def test_bad_prompts_in_the_app(prompt, words):
+    at = app("pages/split_point.py")
+    at.text_area(key="split_prompt").input(prompt).run()
+    assert not at.exception and words in messages(at)
+    assert len(at.get("plotly_chart")) == 0
+    at.text_area(key="split_prompt").input("A fine prompt again").run()
+    assert not at.exception and len(at.get("plotly_chart")) == 2
+
+
+def test_out_of_memory_in_the_app(monkeypatch):
+    import kvviz.split as split_mod
+
+    real = split_mod._run
+    monkeypatch.setattr(split_mod, "_run", lambda *a, **k: (_ for _ in ()).throw(
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")))
+    at = app("pages/split_point.py")
+    assert not at.exception
+    assert "Out of memory" in messages(at) and "shorter prompt" in messages(at)
+    assert len(at.get("plotly_chart")) == 0
+    monkeypatch.setattr(split_mod, "_run", real)
+    at.slider(key="split_k").set_value(3).run()
+    assert not at.exception and len(at.get("plotly_chart")) == 2
+
+
+def test_greedy_page_context_overflow_in_the_app():
+    at = app("pages/greedy_paths.py")
+    at.text_area(key="greedy_prompt").input("y" * 500).run()
+    at.number_input(key="greedy_n").set_value(200).run()
+    assert not at.exception and "context" in messages(at)
+    assert len(at.get("plotly_chart")) == 0
+
+
+def test_bad_upload_in_the_dtypes_page():
+    from kvviz.prompts import parse_prompts
+
+    # the page hands uploads to parse_prompts; its messages are what the page shows
+    for data, words in ((b"\xff\xfe\xfa", "not UTF-8"), (b"", "no prompts")):
+        with pytest.raises(KvvizError, match=words):
+            parse_prompts(data, "upload.txt")

@@ -129,3 +129,66 @@ def test_cache_dir_honours_xdg(monkeypatch, tmp_path):
     monkeypatch.delenv("KVVIZ_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert cache_dir() == tmp_path / "kvviz"
+
+
+def test_concurrent_runs_on_one_cached_model_match_a_single_run():
+    import threading
+
+    from kvviz.greedy import GreedyConfig, run_greedy
+    from kvviz.split import SplitConfig, run_split
+
+    lm = kvviz.load_model("tiny:llama", "bfloat16", "cpu")
+    before = {n: p.clone() for n, p in lm.model.named_parameters()}
+    cfg = SplitConfig("Hello world, caching is fun! 123", 9, left_pad=2)
+    alone = run_split(lm, cfg)
+    alone_g = run_greedy(lm, GreedyConfig("Hello", 8, paths=("no_cache", "cache")))
+    results, errors = [], []
+
+    def work(i):
+        try:
+            if i % 2:
+                results.append(("split", run_split(lm, cfg)))
+            else:
+                results.append(("greedy", run_greedy(lm, GreedyConfig("Hello", 8, paths=("no_cache", "cache")))))
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(results) == 8
+    for kind, r in results:
+        if kind == "split":
+            for m in alone.main.hidden:
+                assert (r.main.hidden[m] == alone.main.hidden[m]).all()
+            assert r.verdict == alone.verdict
+        else:
+            assert r.paths["cache"].token_ids == alone_g.paths["cache"].token_ids
+            assert r.paths["no_cache"].margins == alone_g.paths["no_cache"].margins
+    for n, p in lm.model.named_parameters():
+        assert torch.equal(p, before[n]), n
+    assert lm.model.dtype == torch.bfloat16 and not lm.model.training
+
+
+def test_safe_defaults_in_config_and_code():
+    import re
+    import tomllib
+
+    from conftest import ROOT
+
+    cfg = tomllib.loads((ROOT / ".streamlit" / "config.toml").read_text())
+    assert cfg["server"]["address"] == "127.0.0.1"
+    assert cfg["server"]["enableXsrfProtection"] is True
+    assert cfg["browser"]["gatherUsageStats"] is False
+    code = {p: p.read_text() for p in list((ROOT / "kvviz").rglob("*.py")) + list((ROOT / "pages").glob("*.py"))
+            + [ROOT / "app.py"]}
+    for path, text in code.items():
+        assert not re.search(r"^\s*import pickle|^\s*from pickle|torch\.load\((?![^)]*weights_only=True)", text,
+                             re.M), path
+        assert not re.search(r"trust_remote_code\s*=\s*True", text), path
+    # streamlit stays out of the library
+    for path, text in code.items():
+        if "kvviz" in path.parts:
+            assert not re.search(r"^\s*(import|from) streamlit", text, re.M), path

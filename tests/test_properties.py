@@ -1,0 +1,59 @@
+"""Property tests: random prompts, splits, paddings, modes and dtypes never crash; float64 stays exact."""
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import kvviz
+from kvviz.errors import KvvizError
+from kvviz.split import SplitConfig, run_split
+
+CAUSAL = [a for a in kvviz.TINY_ARCHS if a != "roberta"]
+text = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=0, max_size=40)
+common = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@common
+@given(arch=st.sampled_from(kvviz.TINY_ARCHS), dtype=st.sampled_from(kvviz.DTYPE_NAMES), prompt=text,
+       split=st.integers(-3, 60), pad=st.integers(-2, 12), mode=st.sampled_from(["chunk", "step"]),
+       pos=st.sampled_from(["auto", "omit"]), mask=st.sampled_from(["full", "new-only"]))
+def test_split_never_crashes(arch, dtype, prompt, split, pad, mode, pos, mask):
+    lm = kvviz.load_model(f"tiny:{arch}", dtype, "cpu")
+    try:
+        res = run_split(lm, SplitConfig(prompt, split, mode, pad, pos, mask))
+    except KvvizError as e:
+        assert str(e) and "\n" not in str(e)
+        return
+    assert res.verdict in ("identical", "precision", "logic")
+    if res.main.has_cache:
+        assert res.main.hidden["max_abs"].shape[1] == len(res.tokens) - split
+        assert (res.main.hidden["max_abs"] >= 0).all()
+
+
+@common
+@given(arch=st.sampled_from(CAUSAL), prompt=st.text(min_size=2, max_size=40), data=st.data(),
+       pad=st.integers(0, 8), mode=st.sampled_from(["chunk", "step"]))
+def test_float64_divergence_stays_below_1e10(arch, prompt, data, pad, mode):
+    lm = kvviz.load_model(f"tiny:{arch}", "float64", "cpu")
+    n = len(lm.tokenizer(prompt)["input_ids"])
+    if n < 2:
+        return
+    split = data.draw(st.integers(1, n - 1))
+    res = run_split(lm, SplitConfig(prompt, split, mode, pad))  # correct positions and mask
+    assert res.main.hidden["max_abs"].max() <= 1e-10
+    assert res.main.logits["max_abs"].max() <= 1e-10
+    assert res.verdict in ("identical", "precision")
+
+
+@settings(max_examples=25, deadline=None)
+@given(arch=st.sampled_from(CAUSAL), dtype=st.sampled_from(["float32", "bfloat16"]), prompt=text,
+       n=st.integers(-1, 12), pad=st.integers(0, 4), fast=st.booleans())
+def test_greedy_never_crashes(arch, dtype, prompt, n, pad, fast):
+    from kvviz.greedy import GreedyConfig, run_greedy
+
+    lm = kvviz.load_model(f"tiny:{arch}", dtype, "cpu")
+    try:
+        res = run_greedy(lm, GreedyConfig(prompt, n, pad, paths=("no_cache", "cache", "user_loop"), fast=fast))
+    except KvvizError as e:
+        assert str(e) and "\n" not in str(e)
+        return
+    assert all(len(p.token_ids) == n for p in res.paths.values())

@@ -144,14 +144,16 @@ def first_parting(res) -> int | None:
 def greedy_margins(res) -> go.Figure:
     """Each path's top-1 minus top-2 logit per step; divergences marked; unsettled preview steps hollow."""
     fig = go.Figure()
+    positive = [m for p in res.paths.values() for m in p.margins if m > 0]
+    floor = min(positive) / 10 if positive else 1e-6  # exact ties (margin 0) are drawn here, as crosses
     for p in res.paths.values():
-        symbols = None
-        if p.settled is not None:
-            symbols = ["circle" if s else "circle-open" for s in p.settled]
+        settled = p.settled or [True] * len(p.margins)
+        symbols = ["x" if m == 0 else ("circle" if s else "circle-open") for m, s in zip(p.margins, settled)]
         fig.add_trace(go.Scatter(
-            x=list(range(len(p.margins))), y=p.margins, mode="lines+markers", name=p.label,
-            marker=dict(symbol=symbols, size=7), customdata=[[t, s] for t, s in zip(p.tokens, p.top2)],
-            hovertemplate="step %{x}: chose %{customdata[0]!r} over %{customdata[1]!r}<br>margin %{y:.4g}"
+            x=list(range(len(p.margins))), y=[m if m > 0 else floor for m in p.margins], mode="lines+markers",
+            name=p.label, marker=dict(symbol=symbols, size=7),
+            customdata=[[t, s, f"{m:.4g}" if m > 0 else "0 (a tie)"] for t, s, m in zip(p.tokens, p.top2, p.margins)],
+            hovertemplate="step %{x}: chose %{customdata[0]!r} over %{customdata[1]!r}<br>margin %{customdata[2]}"
                           "<extra>" + p.name + "</extra>"))
     for pr in res.pairs:
         if pr.first_divergence is not None:

@@ -3,24 +3,17 @@ import streamlit as st
 
 from kvviz import figures
 from kvviz.lab import REUSE_STRATEGIES, run_reuse
-from pages.common import ensure_navigation, load, progress_bar, run_cached, show_error
+from pages.common import page, progress_bar, run_cached, show_error
 
-ensure_navigation()
-
-st.title("Prompt-cache reuse")
-st.caption("Cache a shared prefix once and reuse it for several continuations: (a) a deep copy per continuation, "
-           "(b) the same cache object again after an earlier continuation grew it (the common bug), (c) no prefix "
-           "cache at all. Greedy texts side by side, where they part from (c), and why.")
-
-choice = st.session_state["model_choice"]
-lm = load(choice)
-if lm is None:
-    st.stop()
+choice, lm = page("Prompt-cache reuse",
+                  "Cache a shared prefix once and reuse it for several continuations: (a) a deep copy per continuation, "
+                  "(b) the same cache object again after an earlier continuation grew it (the common bug), (c) no prefix "
+                  "cache at all. Greedy texts side by side, where they part from (c), and why.")
 prefix = st.text_area("Shared prefix", "You are a helpful assistant. Answer in one short sentence.\n",
-                      key="reuse_prefix", height=70)
+                         key="reuse_prefix", height=70)
 conts = st.text_area("Continuations (one a line; write \\n for a line break)",
-                     "Q: What is the capital of France?\\nA:\nQ: What colour is the sky?\\nA:\n"
-                     "Q: How many legs does a spider have?\\nA:", key="reuse_conts", height=110)
+                        "Q: What is the capital of France?\\nA:\nQ: What colour is the sky?\\nA:\n"
+                        "Q: How many legs does a spider have?\\nA:", key="reuse_conts", height=110)
 n = st.number_input("New tokens per continuation", 1, 256, 12, key="reuse_n")
 merged = [c.replace("\\n", "\n") for c in conts.splitlines() if c.strip()]
 

@@ -118,6 +118,24 @@ def load(choice: ModelChoice) -> kvviz.LoadedModel | None:
     return lm
 
 
+def page(title: str, caption: str, needs_model: bool = True):
+    """Every page's start: run inside app.py, title and caption, the sidebar's choice and (if needed) its model.
+    Stops the page with a message when the model cannot be loaded."""
+    ensure_navigation()
+    st.title(title)
+    st.caption(caption)
+    choice = st.session_state["model_choice"]
+    if not needs_model:
+        if not choice.spec:
+            st.info("Pick a model in the sidebar.")
+            st.stop()
+        return choice, None
+    lm = load(choice)
+    if lm is None:
+        st.stop()
+    return choice, lm
+
+
 def run_cached(name: str, key_parts: dict, compute):
     """Run `compute()` once per distinct inputs in this session; view-only reruns reuse the stored result."""
     store = st.session_state.setdefault(f"_results_{name}", {})

@@ -5,18 +5,12 @@ import kvviz
 from kvviz import figures
 from kvviz.lab import run_dtypes
 from kvviz.prompts import builtin_prompts, parse_prompts
-from pages.common import ensure_navigation, progress_bar, run_cached, show_error
+from pages.common import page, progress_bar, run_cached, show_error
 
-ensure_navigation()
-
-st.title("Dtypes side by side")
-st.caption("How fast does the cached-vs-full gap grow across layers in float16, bfloat16 and float32, raw and in "
-           "units of each dtype's machine epsilon? float64 is the reference every verdict is checked against.")
-
-choice = st.session_state["model_choice"]
-if not choice.spec:
-    st.info("Pick a model in the sidebar.")
-    st.stop()
+choice, _ = page("Dtypes side by side",
+                 "How fast does the cached-vs-full gap grow across layers in float16, bfloat16 and float32, raw and in "
+                 "units of each dtype's machine epsilon? float64 is the reference every verdict is checked against.",
+                 needs_model=False)
 
 source = st.radio("Prompts", ["one prompt", "built-in set", "upload a file"], horizontal=True, key="dt_source")
 prompts: list[str] = []

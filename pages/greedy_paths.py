@@ -6,18 +6,11 @@ from kvviz import figures
 from kvviz.greedy import DEFAULT_PATHS, MAX_NEW_TOKENS, PATH_LABELS, PATHS, GreedyConfig, run_greedy
 from kvviz.inputs import POSITION_MODES
 from kvviz.jsonout import dumps
-from pages.common import ensure_navigation, load, progress_bar, run_cached, show_error, show_verdict
+from pages.common import page, progress_bar, run_cached, show_error, show_verdict
 
-ensure_navigation()
-
-st.title("Greedy paths")
-st.caption("Decode greedily without cache, with cache, with generate() (and the loop people write): the texts side "
-           "by side, the step where they part, how close that decision was, and whether it is rounding or logic.")
-
-choice = st.session_state["model_choice"]
-lm = load(choice)
-if lm is None:
-    st.stop()
+choice, lm = page("Greedy paths",
+                  "Decode greedily without cache, with cache, with generate() (and the loop people write): the texts side "
+                  "by side, the step where they part, how close that decision was, and whether it is rounding or logic.")
 
 prompt = st.text_area("Prompt", "This is a ", key="greedy_prompt", height=80)
 c1, c2, c3 = st.columns(3)

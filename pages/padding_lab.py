@@ -3,21 +3,14 @@ import streamlit as st
 
 from kvviz import figures
 from kvviz.lab import run_padding
-from pages.common import ensure_navigation, load, progress_bar, run_cached, show_error
+from pages.common import page, progress_bar, run_cached, show_error
 
-ensure_navigation()
-
-st.title("Padding and batching")
-st.caption("Why does left padding or batching change the output? Every cell is the prompt's hidden states compared "
-           "with the prompt alone, without cache and without padding; the colour is the verdict from rerunning that "
-           "very cell in float64.")
-
-choice = st.session_state["model_choice"]
-lm = load(choice)
-if lm is None:
-    st.stop()
+choice, lm = page("Padding and batching",
+                  "Why does left padding or batching change the output? Every cell is the prompt's hidden states compared "
+                  "with the prompt alone, without cache and without padding; the colour is the verdict from rerunning that "
+                  "very cell in float64.")
 prompt = st.text_area("Prompt", "The capital of France is Paris, and the capital of Italy is", key="pad_prompt",
-                      height=80)
+                         height=80)
 c1, c2 = st.columns(2)
 left_pad = c1.number_input("Left padding (pad tokens)", 0, 64, 4, key="pad_pad")
 split = c2.number_input("Split point (0 = half the prompt)", 0, 4096, 0, key="pad_split")

@@ -6,20 +6,13 @@ from kvviz import figures
 from kvviz.inputs import MASK_MODES, POSITION_MODES, encode
 from kvviz.jsonout import dumps
 from kvviz.metrics import HIDDEN_METRICS
-from pages.common import ensure_navigation, load, progress_bar, run_cached, show_error, show_verdict, token_strip
-
-ensure_navigation()
+from pages.common import page, progress_bar, run_cached, show_error, show_verdict, token_strip
 
 DEFAULT_PROMPT = "The capital of France is Paris, and the capital of Italy is"
 
-st.title("Split point")
-st.caption("Feed tokens [0, k) and cache them, then feed the rest through past_key_values; compare every hidden "
-           "state, the logits and the keys/values with one full forward without cache.")
-
-choice = st.session_state["model_choice"]
-lm = load(choice)
-if lm is None:
-    st.stop()
+choice, lm = page("Split point",
+                  "Feed tokens [0, k) and cache them, then feed the rest through past_key_values; compare every hidden "
+                  "state, the logits and the keys/values with one full forward without cache.")
 
 prompt = st.text_area("Prompt", DEFAULT_PROMPT, key="split_prompt", height=90)
 try:

@@ -95,23 +95,32 @@ def main() -> int:
         fast_cfg = GreedyConfig(PROMPT, args.tokens, paths=paths, fast=True)
         naive_s, exact_s, fast_s = [], [], []
         run_greedy(lm, GreedyConfig(PROMPT, 2, paths=paths))  # warm-up
-        for _ in range(args.repeats):  # interleaved, so drifts in machine load hit all three alike
-            t, naive = timed(lambda: naive_script(lm.model, lm.tokenizer, PROMPT, args.tokens))
-            naive_s.append(t)
-            t, exact = timed(lambda: run_greedy(lm, exact_cfg))
-            exact_s.append(t)
-            t, fast = timed(lambda: run_greedy(lm, fast_cfg))
-            fast_s.append(t)
+        for r in range(args.repeats):
+            # interleaved, and in alternating order, so drifts in machine speed hit all three alike
+            jobs = [("naive", lambda: naive_script(lm.model, lm.tokenizer, PROMPT, args.tokens)),
+                    ("exact", lambda: run_greedy(lm, exact_cfg)), ("fast", lambda: run_greedy(lm, fast_cfg))]
+            for name, job in (jobs if r % 2 == 0 else jobs[::-1]):
+                t, out = timed(job)
+                {"naive": naive_s, "exact": exact_s, "fast": fast_s}[name].append(t)
+                if name == "naive":
+                    naive = out
+                elif name == "exact":
+                    exact = out
+                else:
+                    fast = out
         n_prompt = len(lm.tokenizer(PROMPT)["input_ids"])
         same = naive[0][n_prompt:] == exact.paths["no_cache"].token_ids and \
             naive[1][n_prompt:] == exact.paths["cache"].token_ids
-        row = dict(dtype=dtype, naive=min(naive_s), exact=min(exact_s), fast=min(fast_s), same_tokens=same,
+        row = dict(dtype=dtype, naive=statistics.median(naive_s), exact=statistics.median(exact_s),
+                   fast=statistics.median(fast_s), same_tokens=same,
                    parting=exact.pair("no_cache", "cache").first_divergence,
                    forwards_exact=sum(p.forwards for p in exact.paths.values()),
                    forwards_fast=sum(p.forwards for p in fast.paths.values()),
                    unsettled=fast.paths["no_cache"].settled.count(False))
-        row["exact_ratio"] = row["exact"] / row["naive"]
-        row["fast_ratio"] = row["fast"] / row["naive"]
+        # the ratio of each repeat (measured back to back), then the median: robust to a machine that drifts
+        row["exact_ratio"] = statistics.median(e / n for e, n in zip(exact_s, naive_s))
+        row["fast_ratio"] = statistics.median(f / n for f, n in zip(fast_s, naive_s))
+        row["spread"] = f"{min(naive_s):.1f}–{max(naive_s):.1f} s"
         rows.append(row)
         print(f"{dtype:>9}: naive {row['naive']:.2f} s | kvviz exact {row['exact']:.2f} s "
               f"({row['exact_ratio']:.2f}x) | kvviz fast {row['fast']:.2f} s ({row['fast_ratio']:.2f}x) | "
@@ -124,14 +133,15 @@ def main() -> int:
             if new:
                 f.write("# Benchmarks\n\nGreedy comparison (`bench/greedy_bench.py`): kvviz's no_cache, cache and "
                         "generate paths vs the naive script of seed 000 doing the same three loops, same process, "
-                        "best of the repeats. Ratios below 1 mean kvviz is faster.\n")
+                        "medians over the repeats (each repeat's ratio measured back to back, order alternating). Ratios below 1 mean "
+                        "kvviz is faster.\n")
             f.write(f"\n## {time.strftime('%Y-%m-%d')} — {machine()}\n\n"
-                    f"model `{args.model}`, {args.tokens} new tokens, prompt \"{PROMPT}\", best of {args.repeats}\n\n"
-                    "| dtype | naive script | kvviz exact | ratio | kvviz fast | ratio | forwards exact / fast | "
+                    f"model `{args.model}`, {args.tokens} new tokens, prompt \"{PROMPT}\", median of {args.repeats}\n\n"
+                    "| dtype | naive script (range) | kvviz exact | ratio | kvviz fast | ratio | forwards exact / fast | "
                     "no_cache vs cache part at | fast steps not settled | exact tokens = naive |\n"
                     "|---|---|---|---|---|---|---|---|---|---|\n")
             for r in rows:
-                f.write(f"| {r['dtype']} | {r['naive']:.2f} s | {r['exact']:.2f} s | {r['exact_ratio']:.2f}× | "
+                f.write(f"| {r['dtype']} | {r['naive']:.2f} s ({r['spread']}) | {r['exact']:.2f} s | {r['exact_ratio']:.2f}× | "
                         f"{r['fast']:.2f} s | {r['fast_ratio']:.2f}× | {r['forwards_exact']} / {r['forwards_fast']} | "
                         f"{r['parting']} | {r['unsettled']} | {r['same_tokens']} |\n")
         print(f"written to {out}")

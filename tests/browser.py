@@ -26,7 +26,8 @@ def free_port() -> int:
 def streamlit_server(env_extra: dict | None = None):
     port = free_port()
     env = dict(os.environ, **(env_extra or {}))
-    log = open(ROOT / "test-artifacts" / f"streamlit-{port}.log", "w")
+    log_path = ROOT / "test-artifacts" / f"streamlit-{port}.log"
+    log = open(log_path, "w")
     proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", str(ROOT / "app.py"),
                              "--server.port", str(port), "--server.headless", "true"],
                             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -44,7 +45,7 @@ def streamlit_server(env_extra: dict | None = None):
                 raise RuntimeError("streamlit exited early; see test-artifacts")
         else:
             raise RuntimeError("streamlit did not start within 60 s")
-        yield url
+        yield url, log_path
     finally:
         proc.terminate()
         try:

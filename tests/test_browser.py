@@ -8,8 +8,10 @@ pytestmark = pytest.mark.browser
 
 @pytest.fixture(scope="module")
 def server():
-    with streamlit_server() as url:
+    with streamlit_server() as (url, log):
         yield url
+    text = log.read_text()
+    assert "Traceback" not in text, "the server logged an exception; see " + str(log)
 
 
 def test_split_page_draws_heatmap_with_default_model(server, artifacts):

@@ -229,25 +229,31 @@ def greedy_pairs_frame(res) -> pd.DataFrame:
 
 
 def texts_html(res) -> str:
-    """Each path's continuation, the first token where it parts from the others shaded red."""
+    """The paths' continuations side by side. Every token where a path parts from another is shaded red (hover:
+    from which path); the first parting of all is also underlined."""
     import html
 
-    t = first_parting(res)
-    rows = []
+    first = first_parting(res)
+    marks: dict[str, dict[int, list[str]]] = {name: {} for name in res.paths}
+    for pr in res.pairs:
+        if pr.first_divergence is not None:
+            marks[pr.a].setdefault(pr.first_divergence, []).append(pr.b)
+            marks[pr.b].setdefault(pr.first_divergence, []).append(pr.a)
+    cols = []
     for p in res.paths.values():
         parts = []
         for i, tok in enumerate(p.tokens):
             text = html.escape(tok).replace("\n", "⏎<br>")
-            if t is not None and i == t:
-                parts.append(f'<span style="background:#f8c9c4;border-bottom:2px solid #c0392b">{text}</span>')
-            elif t is not None and i > t:
-                parts.append(f'<span style="color:#777">{text}</span>')
+            if i in marks[p.name]:
+                line = "border-bottom:2px solid #c0392b;" if i == first else ""
+                title = html.escape(f"step {i}: parts from {', '.join(marks[p.name][i])}")
+                parts.append(f'<span title="{title}" style="background:#f8c9c4;{line}">{text}</span>')
             else:
                 parts.append(text)
-        rows.append(f'<div style="margin:4px 0"><b>{html.escape(p.label)}</b><div style="font-family:monospace;'
-                    f'white-space:pre-wrap;background:#f7f7f7;padding:6px;border-radius:4px">{"".join(parts)}'
-                    f"</div></div>")
-    return "".join(rows)
+        cols.append(f'<div style="flex:1 1 0;min-width:180px"><b>{html.escape(p.label)}</b>'
+                    f'<div style="font-family:monospace;white-space:pre-wrap;background:#f7f7f7;padding:6px;'
+                    f'border-radius:4px">{"".join(parts)}</div></div>')
+    return f'<div style="display:flex;gap:10px;flex-wrap:wrap">{"".join(cols)}</div>'
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -21,6 +21,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 PROMPT = "Hello world, caching is fun! 123"
 
+# Property tests explore the same examples on every run, so CI is reproducible (and a failure can be replayed).
+from hypothesis import settings as _hyp_settings  # noqa: E402
+
+_hyp_settings.register_profile("kvviz", derandomize=True, database=None, print_blob=True)
+_hyp_settings.load_profile("kvviz")
+
 
 @pytest.fixture(scope="session")
 def artifacts() -> Path:

@@ -23,17 +23,22 @@ def alerts(at) -> str:
     return " | ".join(e.value for e in list(at.error) + list(at.warning) + list(at.info) + list(at.success))
 
 
-@pytest.fixture
-def count_runs(monkeypatch):
+def count_calls(monkeypatch, module, name: str) -> list:
+    """Replace module.name by a wrapper that records each call (pages look the function up on every run)."""
     calls = []
-    real = kvviz.run_split
+    real = getattr(module, name)
 
     def counting(*a, **k):
         calls.append(1)
         return real(*a, **k)
 
-    monkeypatch.setattr(kvviz, "run_split", counting)
+    monkeypatch.setattr(module, name, counting)
     return calls
+
+
+@pytest.fixture
+def count_runs(monkeypatch):
+    return count_calls(monkeypatch, kvviz, "run_split")
 
 
 def test_home_page_runs():
@@ -93,14 +98,7 @@ def test_split_page_roberta_says_no_cache():
 def test_greedy_page_decodes_and_views_do_not_rerun(monkeypatch):
     import kvviz.greedy as g
 
-    calls = []
-    real = g.run_greedy
-
-    def counting(*a, **k):
-        calls.append(1)
-        return real(*a, **k)
-
-    monkeypatch.setattr("kvviz.greedy.run_greedy", counting)  # the page imports it afresh on every run
+    calls = count_calls(monkeypatch, g, "run_greedy")
     at = start("pages/greedy_paths.py")
     at.number_input(key="greedy_n").set_value(8)
     at.number_input(key="greedy_pad").set_value(3)

@@ -307,6 +307,6 @@ def padding_grid(res, value: str = "hidden_relative") -> go.Figure:
 
 def reuse_frame(res) -> pd.DataFrame:
     df = res.table()
-    df["first_divergence"] = df["first_divergence"].map(lambda v: "—" if v is None or v != v else int(v))
+    df["first_divergence"] = df["first_divergence"].astype("Int64")  # empty where the tokens never part
     return df.rename(columns={"first_divergence": "parts from fresh at step", "logits_relative": "logit gap",
                               "float64_relative": "float64 gap"})

@@ -41,6 +41,10 @@ def test_split_lines_and_tables(split_res):
     assert len(figures.logits_frame(split_res)) == len(split_res.compared)
     assert list(figures.describe_frame(split_res).columns) == ["without past", "with past", "absolute Δ", "relative Δ"]
     assert len(figures.kv_frame(split_res)) == 4
+    import pyarrow as pa
+
+    for f in (figures.logits_frame(split_res), figures.describe_frame(split_res), figures.kv_frame(split_res)):
+        pa.Table.from_pandas(f)  # st.dataframe's conversion must not need its "automatic fixes"
 
 
 def test_greedy_figures():
@@ -55,6 +59,10 @@ def test_greedy_figures():
     html = figures.texts_html(res)
     assert html.count("<b>") == 4 and "#f8c9c4" in html  # the first differing token is highlighted
     assert len(figures.greedy_step_frame(res)) == 10
+    import pyarrow as pa
+
+    pa.Table.from_pandas(figures.greedy_step_frame(res))
+    pa.Table.from_pandas(figures.greedy_pairs_frame(res))
     assert "user_loop" in " ".join(figures.greedy_pairs_frame(res)["paths"])
 
 
@@ -67,3 +75,9 @@ def test_lab_figures():
     assert np.array(grid.data[0].z).shape == (3, 5) and "cpu" in grid.layout.title.text
     frame = figures.reuse_frame(run_reuse(lm, "S:", [" a", " b"], 3))
     assert len(frame) == 6 and "verdict" in frame.columns
+    assert str(frame["parts from fresh at step"].dtype) == "Int64"  # one type per column: Arrow can send it
+    import pyarrow as pa
+
+    for f in (frame, figures.greedy_pairs_frame(run_greedy(lm, GreedyConfig("Hi", 4, left_pad=2,
+                                                                             paths=("cache", "user_loop"))))):
+        pa.Table.from_pandas(f)  # what st.dataframe does; raises on mixed-type columns

@@ -186,9 +186,7 @@ def _run(lm: LoadedModel, cfg: SplitConfig, inp: PromptInputs, progress: Progres
     comp = Comparison(dtype=dtype_name(lm.dtype), device=str(lm.device), attention=lm.attn_implementation,
                       has_cache=True)
     with lm.lock, torch.inference_mode():
-        progress(0.1, "Full forward without cache…")
-        ref = _forward(model, inp.ids, inp.mask, inp.positions, None)
-        progress(0.3, "Prefix forward…")
+        progress(0.1, "Prefix forward…")
         pre = _forward(model, inp.ids[:, :a0], inp.mask[:, :a0], inp.positions[:, :a0], None, hidden=False)
         past = pre.past_key_values
         if past is None or not _cache_layers(past):
@@ -199,6 +197,8 @@ def _run(lm: LoadedModel, cfg: SplitConfig, inp: PromptInputs, progress: Progres
             full_h = _forward(model, inp.ids, inp.mask, None, None).hidden_states[-1][0, P:a0]
             comp.bidirectional_change = float((full_h.double() - pre_h.double()).abs().max().item())
             return comp
+        progress(0.3, "Full forward without cache…")
+        ref = _forward(model, inp.ids, inp.mask, inp.positions, None)
         ref_hidden = torch.stack([h[0, a0:] for h in ref.hidden_states])  # [n_hidden, n_rest, H]
         ref_logits = ref.logits[0, a0:]
         if cfg.mode == "chunk":

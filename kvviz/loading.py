@@ -282,11 +282,6 @@ def clear_cache() -> None:
         _CACHE.clear()
 
 
-def cached_models() -> list[tuple]:
-    with _CACHE_LOCK:
-        return list(_CACHE)
-
-
 def load_model(spec: str = DEFAULT_SPEC, dtype="float32", device: str | torch.device = "auto",
                attn_implementation: str | None = None, trust_remote_code: bool = False,
                progress: Progress | None = None) -> LoadedModel:

@@ -293,14 +293,6 @@ def check_split(n_tokens: int, split: int) -> None:
                          f"(the prompt has {n_tokens} tokens; at least one must go to the cache and one after it)")
 
 
-def compare_split(lm: LoadedModel, cfg: SplitConfig, progress: Progress | None = None) -> Comparison:
-    """The numbers of one split scenario in lm's dtype, without a verdict."""
-    cfg.validate()
-    inp = build_inputs(lm, cfg.prompt, cfg.left_pad)
-    check_split(inp.n_tokens, cfg.split)
-    return _run(lm, cfg, inp, progress or (lambda f, m: None))
-
-
 def float64_model(lm: LoadedModel) -> LoadedModel:
     """The float64 twin of `lm` (same spec and attention; on the CPU where the device has no float64)."""
     if lm.dtype == torch.float64:

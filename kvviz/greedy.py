@@ -28,7 +28,7 @@ from .errors import KvvizError
 from .inputs import POSITION_MODES, PromptInputs, build_inputs, check_mode, pad_token_id, positions_from_mask
 from .loading import LoadedModel, load_model
 from .metrics import hidden_divergence
-from .split import FLOAT64_CLOSED_REL, layer_labels
+from .split import classify, layer_labels
 
 PATHS = ("no_cache", "cache", "generate", "user_loop", "float64")
 DEFAULT_PATHS = ("no_cache", "cache", "generate")
@@ -399,12 +399,11 @@ def _explain(pair: PairResult, runs: dict[str, PathRun], lm: LoadedModel, cfg: G
     head = (f"At step {t} {PATH_LABELS[pair.a]} chose {name_a} and {PATH_LABELS[pair.b]} chose "
             f"{name_b}; their top-2 margins there were {ma:.3g} and {mb:.3g}, and the logits differed by up "
             f"to {pair.max_abs_logit[t]:.3g}.")
-    if gap64 <= FLOAT64_CLOSED_REL:
-        pair.verdict = "precision"
+    pair.verdict = classify(False, gap64)  # the tokens differ, so the bits do
+    if pair.verdict == "precision":
         pair.explanation = (head + f" Replayed in float64 on the same tokens, the two computations agree to "
                                    f"{gap64:.2g} (relative): a near tie flipped by rounding, not a bug.")
     else:
-        pair.verdict = "logic"
         cause = ""
         if "user_loop" in (pair.a, pair.b) and cfg.left_pad:
             cause = (" The user loop passes no mask or position ids after the prompt, so with left padding the new "

@@ -20,8 +20,7 @@ from .greedy import first_divergence
 from .inputs import encode, pad_token_id, positions_from_mask, token_texts, validate_prompt
 from .loading import LoadedModel, load_model
 from .metrics import hidden_divergence
-from .split import (FLOAT64_CLOSED_REL, Comparison, SplitConfig, SplitResult, _run, check_split, float64_model,
-                    layer_labels, run_split)
+from .split import SplitConfig, SplitResult, check_split, classify, float64_model, run_split
 
 Progress = Callable[[float, str], None]
 VERDICTS = ("identical", "precision", "logic")
@@ -36,12 +35,6 @@ def _eta(t0: float, done: int, total: int) -> str:
         return ""
     left = (time.perf_counter() - t0) / done * (total - done)
     return f", about {left:.0f} s left" if left >= 1 else ", almost done"
-
-
-def _verdict(gap: float, gap64: float, same_bits: bool) -> str:
-    if same_bits:
-        return "identical"
-    return "precision" if gap64 <= FLOAT64_CLOSED_REL else "logic"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -270,7 +263,7 @@ def run_padding(lm: LoadedModel, prompt: str, split: int | None = None, left_pad
         c64 = f64[(placement, label)]
         gap64 = max(c64["hidden_relative"], c64["logits_relative"])
         cells.append({"placement": placement, "scenario": label, **c, "float64_relative": gap64,
-                      "verdict": _verdict(c["hidden_relative"], gap64, c["bitwise_equal"])})
+                      "verdict": classify(c["bitwise_equal"], gap64)})
     progress(1.0, "Done")
     return PaddingResult(settings={"prompt": prompt, "split": k, "left_pad": left_pad, "dtype": dtype_name(lm.dtype),
                                    "device": str(lm.device), "model": lm.spec,
@@ -381,7 +374,7 @@ def run_reuse(lm: LoadedModel, prefix: str, continuations: list[str], max_new_to
             same = strategy == "fresh" or (div is None and torch.equal(logits, ref_logits))
             runs.append({"continuation": cont, "index": i, "strategy": strategy, "token_ids": toks,
                          "text": tok.decode(toks), "first_divergence": div, "logits_relative": rel,
-                         "float64_relative": rel64, "verdict": _verdict(rel, rel64, same)})
+                         "float64_relative": rel64, "verdict": classify(same, rel64)})
     progress(1.0, "Done")
     return ReuseResult(settings={"prefix": prefix, "continuations": conts, "max_new_tokens": max_new_tokens,
                                  "dtype": dtype_name(lm.dtype), "device": str(lm.device), "model": lm.spec},

@@ -1,6 +1,7 @@
 """Prompt sets: the built-in set shipped with kvviz, and users' .txt / .jsonl files."""
 from __future__ import annotations
 
+import functools
 import json
 from importlib import resources
 from pathlib import Path
@@ -10,11 +11,16 @@ from .errors import KvvizError
 BUILTIN = "builtin"
 
 
+@functools.lru_cache(maxsize=1)
+def _builtin_rows() -> tuple[tuple[str, str], ...]:
+    text = resources.files("kvviz").joinpath("data/prompts.jsonl").read_text(encoding="utf-8")
+    return tuple((r["category"], r["prompt"]) for r in map(json.loads, filter(str.strip, text.splitlines())))
+
+
 def builtin_prompts(category: str | None = None) -> list[dict]:
     """The built-in set: [{"category": ..., "prompt": ...}], written for kvviz (prose, code, lists, dialogue,
-    several languages, facts, instructions, odd inputs)."""
-    text = resources.files("kvviz").joinpath("data/prompts.jsonl").read_text(encoding="utf-8")
-    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    several languages, facts, instructions, odd inputs). Read once per process."""
+    rows = [{"category": c, "prompt": p} for c, p in _builtin_rows()]
     if category:
         rows = [r for r in rows if r["category"] == category]
     return rows

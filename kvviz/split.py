@@ -180,7 +180,7 @@ def compare_caches(ref_cache, got_cache, total: int, pad: int) -> list[dict]:
 
 def _run(lm: LoadedModel, cfg: SplitConfig, inp: PromptInputs, progress: Progress) -> Comparison:
     model = lm.model
-    P, L, k = inp.pad, inp.n_tokens, cfg.split
+    P, k = inp.pad, cfg.split
     a0 = P + k  # absolute index of the first compared token
     eps = machine_eps(lm.dtype)
     comp = Comparison(dtype=dtype_name(lm.dtype), device=str(lm.device), attention=lm.attn_implementation,
@@ -262,18 +262,28 @@ def _likely_cause(cfg: SplitConfig, comp: Comparison) -> str:
     return "; and ".join(causes)
 
 
+def classify(bitwise_equal: bool, float64_gap: float) -> str:
+    """kvviz's one rule: `identical` when the bits agree; else rerun in float64 — a gap that closes is `precision`,
+    a gap that stays is `logic`. Every verdict in kvviz (split, greedy, lab) comes from here."""
+    if bitwise_equal:
+        return "identical"
+    return "precision" if float64_gap <= FLOAT64_CLOSED_REL else "logic"
+
+
 def verdict_for(cfg: SplitConfig, main: Comparison, f64: Comparison | None) -> tuple[str, str]:
     if not main.has_cache:
         change = main.bidirectional_change
         extra = f" Appending the rest moved the prefix's last hidden state by up to {change:.3g}." if change else ""
         return "logic", f"Logic, not rounding: {_likely_cause(cfg, main)}.{extra} Do not use past_key_values here."
-    if main.identical:
+    assert main.identical or f64 is not None, "a gap needs its float64 rerun"
+    gap64 = f64.max_relative if f64 is not None else 0.0
+    verdict = classify(main.identical, gap64)
+    if verdict == "identical":
         return "identical", ("Identical, bit for bit: with this prompt and split the cached run computes exactly what "
                              "the full forward computes.")
-    assert f64 is not None
-    gap, gap64 = main.max_relative, f64.max_relative
+    gap = main.max_relative
     eps = machine_eps(getattr(torch, main.dtype))
-    if gap64 <= FLOAT64_CLOSED_REL:
+    if verdict == "precision":
         return "precision", (
             f"Rounding, not a bug. In {main.dtype} the cached run multiplies matrices of other shapes, so numbers are "
             f"added in another order and round differently: the largest gap is {gap:.3g} of the value's size, "
@@ -331,7 +341,6 @@ def run_split(lm: LoadedModel, cfg: SplitConfig, progress: Progress | None = Non
                               "attention": lm.attn_implementation, "model": lm.spec}
     return SplitResult(settings=settings, model=lm.summary(), tokens=inp.token_texts, token_ids=inp.token_ids,
                        compared=list(range(cfg.split, L)),
-                       layer_labels=layer_labels(lm.n_layers + 1) if not main.hidden else
-                       layer_labels(main.hidden["max_abs"].shape[0]),
+                       layer_labels=layer_labels(lm.n_layers + 1),
                        main=main, float64=f64, verdict=verdict, explanation=explanation, notes=list(lm.warnings),
                        elapsed_s=time.perf_counter() - t0)

@@ -1,7 +1,6 @@
 """Page: greedy decoding with and without cache, where the paths part and why."""
 import streamlit as st
 
-import kvviz
 from kvviz import figures
 from kvviz.greedy import DEFAULT_PATHS, MAX_NEW_TOKENS, PATH_LABELS, PATHS, GreedyConfig, run_greedy
 from kvviz.inputs import POSITION_MODES

@@ -85,3 +85,13 @@ def wait_idle(page, timeout_s: float = 180) -> None:
 def no_exception(page) -> None:
     assert page.locator('[data-testid="stException"]').count() == 0, "a Streamlit exception box is shown"
     assert page.get_by_text("Traceback").count() == 0
+
+
+def open_page(b, url: str, height: int = 1800, ready: str = ".js-plotly-plot", timeout_ms: int = 240_000):
+    """A new page at `url`, waited on until `ready` shows and the script is idle, with no exception box."""
+    page = b.new_page(viewport={"width": 1400, "height": height})
+    page.goto(url)
+    page.wait_for_selector(ready, timeout=timeout_ms)
+    wait_idle(page)
+    no_exception(page)
+    return page

@@ -1,7 +1,7 @@
 """Real browser: `streamlit run app.py`, headless Chromium via playwright; screenshots in test-artifacts/."""
 import pytest
 
-from browser import browser, no_exception, streamlit_server, wait_idle
+from browser import browser, no_exception, open_page, streamlit_server, wait_idle
 
 pytestmark = pytest.mark.browser
 
@@ -16,11 +16,7 @@ def server():
 
 def test_split_page_draws_heatmap_with_default_model(server, artifacts):
     with browser() as b:
-        page = b.new_page(viewport={"width": 1400, "height": 1800})
-        page.goto(server + "/split_point")
-        page.wait_for_selector(".js-plotly-plot", timeout=240_000)
-        wait_idle(page)
-        no_exception(page)
+        page = open_page(b, server + "/split_point")
         assert page.get_by_text("Verdict:").count() >= 1
         # the heatmap is really drawn: a plotly heatmap trace with its colour bar
         assert page.locator(".js-plotly-plot .heatmaplayer").count() >= 1 or \
@@ -38,11 +34,7 @@ def test_split_page_draws_heatmap_with_default_model(server, artifacts):
 
 def test_greedy_page_in_browser(server, artifacts):
     with browser() as b:
-        page = b.new_page(viewport={"width": 1400, "height": 2400})
-        page.goto(server + "/greedy_paths")
-        page.wait_for_selector(".js-plotly-plot", timeout=240_000)
-        wait_idle(page)
-        no_exception(page)
+        page = open_page(b, server + "/greedy_paths", height=2400)
         assert page.get_by_text("no cache (full forward each step)").count() >= 1
         assert page.locator(".js-plotly-plot").count() >= 2
         page.screenshot(path=str(artifacts / "greedy-default.png"), full_page=True)
@@ -67,10 +59,7 @@ CHANGES = {  # a control to change on each page, and what to see after it
 ])
 def test_lab_pages_in_browser(server, artifacts, path, name):
     with browser() as b:
-        page = b.new_page(viewport={"width": 1400, "height": 2000})
-        page.goto(server + "/" + path)
-        page.wait_for_selector('[data-testid="stMainBlockContainer"]', timeout=60_000)
-        wait_idle(page)
+        page = open_page(b, server + "/" + path, height=2000, ready='[data-testid="stMainBlockContainer"]')
         if name != "reuse":
             page.wait_for_selector(".js-plotly-plot", timeout=240_000)
         else:

@@ -33,7 +33,7 @@ def test_default_model_converts_once_then_loads_from_cache(tmp_path, monkeypatch
     assert any("Dequantizing" in m for m in msgs)  # the empty cache converts on the first load
     assert not any("Dequantizing" in m for m in msgs2)
     assert second < first
-    for (n1, p1), (n2, p2) in zip(lm.model.named_parameters(), lm2.model.named_parameters()):
+    for (n1, p1), (_, p2) in zip(lm.model.named_parameters(), lm2.model.named_parameters()):
         assert (p1 == p2).all(), n1
 
     res = kvviz.run_split(lm2, kvviz.SplitConfig("The capital of France is Paris, and the capital of Italy is", 8))

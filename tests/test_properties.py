@@ -1,5 +1,4 @@
 """Property tests: random prompts, splits, paddings, modes and dtypes never crash; float64 stays exact."""
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -443,8 +443,7 @@ def run_greedy(lm: LoadedModel, cfg: GreedyConfig, progress: Progress | None = N
             steps = limit
             rec = _Recorder(name, steps, step_done(name))
             if name == "float64":
-                lm64 = lm64 or load_model(lm.spec, "float64", float64_device(lm.device), lm.attn_requested,
-                                          trust_remote_code=lm.trust_remote_code)
+                lm64 = lm64 or lm.reference()
                 inp64 = build_inputs(lm64, cfg.prompt, cfg.left_pad, extra_tokens=n)
                 with lm64.lock:
                     if cfg.fast and "cache" in runs:
@@ -489,8 +488,7 @@ def run_greedy(lm: LoadedModel, cfg: GreedyConfig, progress: Progress | None = N
     diverging = [p for p in pairs if p.first_divergence is not None]
     if diverging:
         progress(0.92, "Replaying the first divergences in float64 for the verdicts…")
-        lm64 = lm64 or load_model(lm.spec, "float64", float64_device(lm.device), lm.attn_requested,
-                                  trust_remote_code=lm.trust_remote_code)
+        lm64 = lm64 or lm.reference()
         inp64 = build_inputs(lm64, cfg.prompt, cfg.left_pad, extra_tokens=n)
         memo: dict = {}
         with torch.inference_mode(), lm64.lock:
@@ -513,7 +511,7 @@ def run_greedy(lm: LoadedModel, cfg: GreedyConfig, progress: Progress | None = N
             forwards=r.forwards, seconds=r.seconds, preview=r.preview, settled=r.settled, float64_gap=gap)
     progress(1.0, "Done")
     settings = asdict(cfg) | {"dtype": dtype_name(lm.dtype), "device": str(lm.device),
-                              "attention": lm.attn_implementation, "model": lm.spec}
+                              "attention": lm.attn_implementation, "model": lm.name}
     settings["paths"] = list(cfg.paths)
     notes = list(lm.warnings)
     if "generate" in runs and lm.dtype == torch.float64:

@@ -123,7 +123,7 @@ def run_dtypes(spec: str, prompts: list[str], dtypes=DTYPE_NAMES, device="auto",
         cfg = SplitConfig(prompt=prompt, split=split_point(n, split), mode=mode)
         f64_res = run_split(lm64, cfg)
         if not f64_res.main.has_cache:
-            raise KvvizError(f"{lm64.spec} returns no cache (a bidirectional model): nothing to compare per dtype")
+            raise KvvizError(f"{lm64.name} returns no cache (a bidirectional model): nothing to compare per dtype")
         kept_prompts.append(prompt)
         labels = f64_res.layer_labels
         for d in names:
@@ -203,7 +203,7 @@ def _scenario(lm: LoadedModel, rows, target: int, extra_pad: int, k: int, use_ca
         return torch.stack([h[target, c:] for h in out.hidden_states]), out.logits[target, c:]
     pre = model(input_ids=ids[:, :c], attention_mask=mask[:, :c], position_ids=pos[:, :c], use_cache=True)
     if pre.past_key_values is None:
-        raise KvvizError(f"{lm.spec} returns no cache (a bidirectional model): past_key_values cannot be used")
+        raise KvvizError(f"{lm.name} returns no cache (a bidirectional model): past_key_values cannot be used")
     out = model(input_ids=ids[:, c:], attention_mask=mask if mask_mode == "full" else mask[:, c:],
                 position_ids=pos[:, c:] if pos_mode == "auto" else None, past_key_values=pre.past_key_values,
                 use_cache=True, output_hidden_states=True)
@@ -266,7 +266,7 @@ def run_padding(lm: LoadedModel, prompt: str, split: int | None = None, left_pad
                       "verdict": classify(c["bitwise_equal"], gap64)})
     progress(1.0, "Done")
     return PaddingResult(settings={"prompt": prompt, "split": k, "left_pad": left_pad, "dtype": dtype_name(lm.dtype),
-                                   "device": str(lm.device), "model": lm.spec,
+                                   "device": str(lm.device), "model": lm.name,
                                    "companions": [len(c) for c in comp_ids]},
                          model=lm.summary(), tokens=token_texts(lm.tokenizer, ids), compared=list(range(k, len(ids))),
                          cells=cells)
@@ -323,7 +323,7 @@ def _reuse_runs(lm: LoadedModel, prefix: list[int], conts: list[list[int]], n: i
     with lm.lock, torch.inference_mode():
         pre = model(input_ids=torch.tensor([prefix], device=dev), use_cache=True)
         if pre.past_key_values is None:
-            raise KvvizError(f"{lm.spec} returns no cache (a bidirectional model): past_key_values cannot be used")
+            raise KvvizError(f"{lm.name} returns no cache (a bidirectional model): past_key_values cannot be used")
         shared = copy.deepcopy(pre.past_key_values)  # the object every continuation of (b) reuses
         for i, cont in enumerate(conts):
             c = torch.tensor([cont], device=dev)
@@ -377,5 +377,5 @@ def run_reuse(lm: LoadedModel, prefix: str, continuations: list[str], max_new_to
                          "float64_relative": rel64, "verdict": classify(same, rel64)})
     progress(1.0, "Done")
     return ReuseResult(settings={"prefix": prefix, "continuations": conts, "max_new_tokens": max_new_tokens,
-                                 "dtype": dtype_name(lm.dtype), "device": str(lm.device), "model": lm.spec},
+                                 "dtype": dtype_name(lm.dtype), "device": str(lm.device), "model": lm.name},
                        model=lm.summary(), prefix_tokens=token_texts(tok, prefix_ids), runs=runs)

@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from .dtypes import dtype_name, parse_dtype, resolve_device, supports_dtype
+from .dtypes import dtype_name, float64_device, parse_dtype, resolve_device, supports_dtype
 from .errors import KvvizError
 from .float64 import keep_float64
 from .tiny import TINY_ARCHS, TINY_VERSION, build_tiny
@@ -54,19 +54,42 @@ def cache_dir() -> Path:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    kind: str  # default | tiny | folder | gguf | hub
+    """A parsed model choice, carried whole from the sidebar or the CLI to the forward pass (never re-parsed).
+
+    kind: default | tiny | folder | gguf | hub; ref: the resolved reference (an absolute path for folder/gguf, the
+    arch for tiny, the repo id for hub); label: what the user typed, for display and JSON."""
+
+    kind: str
     ref: str
+    label: str = ""
 
     @property
-    def key(self) -> str:
-        return f"{self.kind}:{self.ref}"
+    def key(self) -> tuple[str, str]:
+        """Identity for caching: the label is only how it was written."""
+        return (self.kind, self.ref)
+
+    @property
+    def display(self) -> str:
+        return self.label or (DEFAULT_SPEC if self.kind == "default" else
+                              f"tiny:{self.ref}" if self.kind == "tiny" else self.ref)
+
+    def __str__(self) -> str:
+        return self.display
 
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*(/[A-Za-z0-9][A-Za-z0-9_.\-]*)?$")
 
 
-def parse_spec(spec: str) -> ModelSpec:
-    s = (spec or "").strip()
+def parse_spec(spec: "str | ModelSpec") -> ModelSpec:
+    """Parse what a user typed. A ModelSpec passes through unchanged (it is never rebuilt from a string)."""
+    if isinstance(spec, ModelSpec):
+        return spec
+    s = (spec or "").strip() if isinstance(spec, str) else ""
+    ms = _parse(s)
+    return ModelSpec(ms.kind, ms.ref, s)
+
+
+def _parse(s: str) -> ModelSpec:
     if not s:
         raise KvvizError("no model given; use 'default', 'tiny:<arch>', a hub id, a model folder or a .gguf file")
     if s.lower() == DEFAULT_SPEC:
@@ -210,9 +233,11 @@ def _first_line(e: BaseException) -> str:
 
 @dataclass
 class LoadedModel:
-    """A model ready for kvviz: never mutated once built. `lock` serialises runs on it."""
+    """A model ready for kvviz: never mutated once built. `lock` serialises runs on it.
 
-    spec: str
+    `spec` is the parsed ModelSpec it was loaded from; `twin()` gives the same model in another dtype."""
+
+    spec: ModelSpec
     model: object
     tokenizer: object
     dtype: torch.dtype
@@ -228,6 +253,24 @@ class LoadedModel:
     @property
     def config(self):
         return self.model.config
+
+    @property
+    def name(self) -> str:
+        """How the user wrote the model (for display and JSON)."""
+        return self.spec.display
+
+    def twin(self, dtype="float64", device: "str | torch.device | None" = None) -> "LoadedModel":
+        """The same model (same weights source, attention request, remote-code choice) in another dtype, from the
+        cache. float64 goes to the CPU where this device has no float64 (MPS)."""
+        dt = parse_dtype(dtype)
+        if dt == self.dtype and device is None:
+            return self
+        dev = device if device is not None else (float64_device(self.device) if dt == torch.float64 else self.device)
+        return load_model(self.spec, dt, dev, self.attn_requested, trust_remote_code=self.trust_remote_code)
+
+    def reference(self) -> "LoadedModel":
+        """The float64 reference of this model (itself when it is float64)."""
+        return self.twin("float64")
 
     @property
     def arch(self) -> str:
@@ -251,7 +294,8 @@ class LoadedModel:
     def summary(self) -> dict:
         cfg = self.model.config
         return {
-            "spec": self.spec,
+            "spec": self.name,
+            "spec_kind": self.spec.kind,
             "description": self.description,
             "architecture": self.arch,
             "layers": self.n_layers,
@@ -267,7 +311,7 @@ class LoadedModel:
 
 _CACHE: "OrderedDict[tuple, LoadedModel]" = OrderedDict()
 _CACHE_LOCK = threading.Lock()
-_KEY_LOCKS: dict[tuple, threading.Lock] = {}
+_KEY_LOCKS: dict[tuple, list] = {}  # key -> [lock, number of loaders waiting on it]; removed when none wait
 
 
 def _max_cached() -> int:
@@ -282,7 +326,7 @@ def clear_cache() -> None:
         _CACHE.clear()
 
 
-def load_model(spec: str = DEFAULT_SPEC, dtype="float32", device: str | torch.device = "auto",
+def load_model(spec: "str | ModelSpec" = DEFAULT_SPEC, dtype="float32", device: str | torch.device = "auto",
                attn_implementation: str | None = None, trust_remote_code: bool = False,
                progress: Progress | None = None) -> LoadedModel:
     """Load (or fetch from the cache) a model for kvviz.
@@ -304,17 +348,24 @@ def load_model(spec: str = DEFAULT_SPEC, dtype="float32", device: str | torch.de
         if key in _CACHE:
             _CACHE.move_to_end(key)
             return _CACHE[key]
-        key_lock = _KEY_LOCKS.setdefault(key, threading.Lock())
-    with key_lock:  # one load per key even if several sessions ask at once
-        with _CACHE_LOCK:
-            if key in _CACHE:
-                return _CACHE[key]
-        lm = _load(ms, dt, dev, attn, trust_remote_code, progress)
-        with _CACHE_LOCK:
-            _CACHE[key] = lm
-            while len(_CACHE) > _max_cached():
-                _CACHE.popitem(last=False)
-    return lm
+        entry = _KEY_LOCKS.setdefault(key, [threading.Lock(), 0])
+        entry[1] += 1
+    try:
+        with entry[0]:  # one load per key even if several sessions ask at once
+            with _CACHE_LOCK:
+                if key in _CACHE:
+                    return _CACHE[key]
+            lm = _load(ms, dt, dev, attn, trust_remote_code, progress)
+            with _CACHE_LOCK:
+                _CACHE[key] = lm
+                while len(_CACHE) > _max_cached():
+                    _CACHE.popitem(last=False)
+        return lm
+    finally:
+        with _CACHE_LOCK:  # the lock table holds only keys being loaded right now: it cannot grow without bound
+            entry[1] -= 1
+            if entry[1] == 0 and _KEY_LOCKS.get(key) is entry:
+                del _KEY_LOCKS[key]
 
 
 def _load(ms: ModelSpec, dt: torch.dtype, dev: torch.device, attn: str, trust_remote_code: bool,
@@ -363,7 +414,7 @@ def _load(ms: ModelSpec, dt: torch.dtype, dev: torch.device, attn: str, trust_re
     if tok.pad_token_id is None:
         notes.append("the tokenizer has no pad token: kvviz pads with the EOS token (masked out)")
     progress(1.0, "Model ready")
-    return LoadedModel(spec=ms.key if ms.kind != "default" else DEFAULT_SPEC, model=model, tokenizer=tok, dtype=dt,
+    return LoadedModel(spec=ms, model=model, tokenizer=tok, dtype=dt,
                        device=dev, attn_requested=attn, attn_implementation=model.config._attn_implementation,
                        description=description, source=source, trust_remote_code=bool(trust_remote_code),
                        warnings=notes)
@@ -383,7 +434,9 @@ def _load_folder(where, ms: ModelSpec, dt: torch.dtype, attn: str, trust_remote_
     _quiet_transformers()
 
     kwargs: dict = dict(trust_remote_code=bool(trust_remote_code))
-    if ms.kind == "hub":
+    if ms.kind != "hub":
+        kwargs["local_files_only"] = True  # a local folder never falls back to the hub
+    else:
         try:
             AutoConfig.from_pretrained(where, local_files_only=True, trust_remote_code=bool(trust_remote_code))
             kwargs["local_files_only"] = True

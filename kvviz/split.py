@@ -305,10 +305,7 @@ def check_split(n_tokens: int, split: int) -> None:
 
 def float64_model(lm: LoadedModel) -> LoadedModel:
     """The float64 twin of `lm` (same spec and attention; on the CPU where the device has no float64)."""
-    if lm.dtype == torch.float64:
-        return lm
-    return load_model(lm.spec, "float64", float64_device(lm.device), lm.attn_requested,
-                      trust_remote_code=lm.trust_remote_code)
+    return lm.reference()
 
 
 def run_split(lm: LoadedModel, cfg: SplitConfig, progress: Progress | None = None,
@@ -338,7 +335,7 @@ def run_split(lm: LoadedModel, cfg: SplitConfig, progress: Progress | None = Non
     verdict, explanation = verdict_for(cfg, main, f64)
     progress(1.0, "Done")
     settings = asdict(cfg) | {"dtype": dtype_name(lm.dtype), "device": str(lm.device),
-                              "attention": lm.attn_implementation, "model": lm.spec}
+                              "attention": lm.attn_implementation, "model": lm.name}
     return SplitResult(settings=settings, model=lm.summary(), tokens=inp.token_texts, token_ids=inp.token_ids,
                        compared=list(range(cfg.split, L)),
                        layer_labels=layer_labels(lm.n_layers + 1),

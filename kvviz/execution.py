@@ -1,0 +1,246 @@
+"""The execution seam: the one place where kvviz builds forward and generate calls.
+
+Every scenario (split, greedy, dtypes, padding, reuse, and the views that come after them) runs its model through
+an `Executor`: the inputs, attention mask, position ids, cache object and model kwargs are assembled here, and the
+settings that change *how* a model runs are applied here, for the duration of a run only:
+
+* `ExecSettings.cache`     which cache object the cached paths start from ("dynamic": the model's own default);
+* `ExecSettings.compile`   torch.compile of the forward ("off" by default);
+* `ExecSettings.flags`     global precision flags (TF32, reduced-precision reductions, deterministic algorithms…);
+* `ExecSettings.invariant` the invariant mode: ops whose result can depend on how many rows are computed together
+                           are replaced by fixed-order ones.
+
+Extensions plug in without touching the scenarios: `register_cache_kind(name, factory)` adds a cache kind,
+`register_run_context(factory)` adds something entered around every run (precision flags, op overrides) and
+`register_compiler(factory)` supplies compiled forwards. Whatever a run context changes it must restore on exit,
+also on error: `Executor.session()` enters them in an ExitStack.
+
+A loaded model is shared (between pages, sessions and threads) and never mutated: `session()` holds the model's
+lock, so runs on one model take turns, and nothing here writes to the model or its config.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field, replace
+from typing import Callable, ContextManager, Iterator
+
+import torch
+
+from .errors import KvvizError
+from .loading import LoadedModel
+
+DEFAULT_CACHE = "dynamic"
+COMPILE_OFF = "off"
+
+CacheFactory = Callable[[LoadedModel, int, int], object]  # (lm, batch size, max length) -> a Cache object
+RunContextFactory = Callable[["ExecSettings", LoadedModel], "ContextManager | None"]
+CompilerFactory = Callable[[LoadedModel, str], Callable]  # (lm, mode) -> a callable with the model's signature
+
+_CACHE_KINDS: dict[str, CacheFactory | None] = {DEFAULT_CACHE: None}
+_RUN_CONTEXTS: list[RunContextFactory] = []
+_COMPILER: list[CompilerFactory] = []
+_SETTINGS_CHECKS: list[Callable[["ExecSettings"], None]] = []
+
+
+def register_cache_kind(name: str, factory: CacheFactory) -> None:
+    """Add a cache kind: `factory(lm, batch, max_len)` returns a fresh cache object for one run."""
+    _CACHE_KINDS[name] = factory
+
+
+def register_run_context(factory: RunContextFactory) -> None:
+    """Add a context entered around every run: `factory(settings, lm)` returns a context manager or None."""
+    if factory not in _RUN_CONTEXTS:
+        _RUN_CONTEXTS.append(factory)
+
+
+def register_compiler(factory: CompilerFactory) -> None:
+    _COMPILER[:] = [factory]
+
+
+def register_settings_check(check: Callable[["ExecSettings"], None]) -> None:
+    """Add a validation of ExecSettings (e.g. known flag names); it raises KvvizError with one line."""
+    if check not in _SETTINGS_CHECKS:
+        _SETTINGS_CHECKS.append(check)
+
+
+def cache_kinds() -> tuple[str, ...]:
+    _load_extensions()
+    return tuple(_CACHE_KINDS)
+
+
+@dataclass(frozen=True)
+class ExecSettings:
+    """How a model runs, beyond the model itself (which the LoadedModel fixes: weights, dtype, device, attention)."""
+
+    cache: str = DEFAULT_CACHE
+    compile: str = COMPILE_OFF
+    flags: tuple[str, ...] = ()
+    invariant: bool = False
+
+    def validate(self) -> "ExecSettings":
+        _load_extensions()
+        if self.cache not in _CACHE_KINDS:
+            raise KvvizError(f"unknown cache kind '{self.cache}'; choose one of {', '.join(_CACHE_KINDS)}")
+        if self.compile != COMPILE_OFF and not _COMPILER:
+            raise KvvizError("torch.compile is not available in this kvviz build")
+        for check in _SETTINGS_CHECKS:
+            check(self)
+        return self
+
+    def with_(self, **changes) -> "ExecSettings":
+        return replace(self, **changes)
+
+    @property
+    def is_default(self) -> bool:
+        return self == ExecSettings()
+
+    def label(self) -> str:
+        parts = [f"cache {self.cache}"]
+        if self.compile != COMPILE_OFF:
+            parts.append(f"compile {self.compile}")
+        if self.flags:
+            parts.append("flags " + ",".join(self.flags))
+        if self.invariant:
+            parts.append("invariant")
+        return ", ".join(parts)
+
+    def to_dict(self) -> dict:
+        return {"cache": self.cache, "compile": self.compile, "flags": list(self.flags), "invariant": self.invariant}
+
+
+DEFAULT_SETTINGS = ExecSettings()
+
+
+@dataclass
+class Executor:
+    """Runs one loaded model under one ExecSettings. Build it per run; it is cheap.
+
+    max_len: the longest sequence (padding included) any cached call of this run will reach; static caches are
+    sized from it."""
+
+    lm: LoadedModel
+    settings: ExecSettings = DEFAULT_SETTINGS
+    max_len: int | None = None
+    forwards: int = 0
+    _call: Callable | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.settings = (self.settings or DEFAULT_SETTINGS).validate()
+
+    @property
+    def model(self):
+        return self.lm.model
+
+    # -- the run --------------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator["Executor"]:
+        """The model's lock, inference mode, and every registered run context (restored on exit, also on error)."""
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(self.lm.lock)
+            stack.enter_context(torch.inference_mode())
+            for factory in list(_RUN_CONTEXTS):
+                cm = factory(self.settings, self.lm)
+                if cm is not None:
+                    stack.enter_context(cm)
+            yield self
+
+    def _callable(self) -> Callable:
+        if self._call is None:
+            if self.settings.compile != COMPILE_OFF:
+                self._call = _COMPILER[0](self.lm, self.settings.compile)
+            else:
+                self._call = self.lm.model
+        return self._call
+
+    # -- building calls -------------------------------------------------------------------------------------------
+
+    def new_cache(self, batch: int = 1, max_len: int | None = None):
+        """A fresh cache object of the settings' kind; None for "dynamic" (the model makes its own)."""
+        factory = _CACHE_KINDS[self.settings.cache]
+        if factory is None:
+            return None
+        n = max_len or self.max_len
+        if n is None:
+            raise KvvizError(f"a {self.settings.cache} cache needs the run's maximum length")
+        return factory(self.lm, batch, n)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                cache=None, *, use_cache: bool = True, hidden: bool = True, logits_to_keep: int | None = None,
+                fresh_cache: bool = True):
+        """One model call. cache: the past (None: start a new one of the settings' kind when use_cache and
+        fresh_cache). mask/positions None are left out (the model then infers them, as a user's loop would)."""
+        kwargs: dict = dict(input_ids=ids, use_cache=use_cache, output_hidden_states=hidden, return_dict=True)
+        if mask is not None:
+            kwargs["attention_mask"] = mask
+        if positions is not None:
+            kwargs["position_ids"] = positions
+        if cache is None and use_cache and fresh_cache:
+            cache = self.new_cache(ids.shape[0])
+        if cache is not None:
+            kwargs["past_key_values"] = cache
+        if logits_to_keep is not None:
+            kwargs["logits_to_keep"] = logits_to_keep
+        self.forwards += 1
+        return self._callable()(**kwargs)
+
+    def generate(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, pad_token_id: int,
+                 hidden: bool = True, logits: bool = True, **extra):
+        """model.generate(do_sample=False) for exactly max_new_tokens (EOS does not stop it), under the settings'
+        cache kind; transformers' own compile of the decode step is left off unless compile is asked for."""
+        from transformers import GenerationConfig
+
+        gc = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=max_new_tokens, min_new_tokens=0,
+                              eos_token_id=[], pad_token_id=pad_token_id, output_logits=logits,
+                              output_hidden_states=hidden, return_dict_in_generate=True, use_cache=True)
+        kwargs: dict = dict(input_ids=ids, attention_mask=mask, generation_config=gc)
+        cache = self.new_cache(ids.shape[0], max_len=ids.shape[1] + max_new_tokens)
+        if cache is not None:
+            kwargs["past_key_values"] = cache
+        if self.settings.compile == COMPILE_OFF:
+            kwargs["disable_compile"] = True
+        kwargs.update(extra)
+        self.forwards += max_new_tokens
+        return self.model.generate(**kwargs)
+
+
+def executor(lm: LoadedModel, settings: ExecSettings | None = None, max_len: int | None = None) -> Executor:
+    return Executor(lm, settings or DEFAULT_SETTINGS, max_len)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Cache contents, whatever the cache class
+
+
+def cache_layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(keys, values) of every layer that holds any, for any transformers 5 cache object."""
+    if cache is None:
+        return []
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        self_cache = getattr(cache, "self_attention_cache", None)
+        layers = getattr(self_cache, "layers", [])
+    return [(layer.keys, layer.values) for layer in layers if getattr(layer, "keys", None) is not None]
+
+
+def has_cache(out) -> bool:
+    """Did the model return a usable cache? (Bidirectional models, e.g. RoBERTa without is_decoder, return none.)"""
+    return getattr(out, "past_key_values", None) is not None and bool(cache_layers(out.past_key_values))
+
+
+_EXTENSIONS_LOADED = [False]
+
+
+def _load_extensions() -> None:
+    """Import the modules that register cache kinds, run contexts and compilers (once; missing ones are skipped)."""
+    if _EXTENSIONS_LOADED[0]:
+        return
+    _EXTENSIONS_LOADED[0] = True
+    import importlib
+
+    for name in ("kvviz.backends", "kvviz.invariant"):
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise

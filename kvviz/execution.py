@@ -238,7 +238,7 @@ def _load_extensions() -> None:
     _EXTENSIONS_LOADED[0] = True
     import importlib
 
-    for name in ("kvviz.backends", "kvviz.invariant"):
+    for name in ("kvviz.backends", "kvviz.quant", "kvviz.invariant"):
         try:
             importlib.import_module(name)
         except ModuleNotFoundError as e:

@@ -31,13 +31,24 @@ def precision_flags() -> dict:
     return flags
 
 
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
 def device_name(device: str | torch.device | None = None) -> str:
     dev = torch.device(device) if device is not None else None
     if dev is not None and dev.type == "cuda" and torch.cuda.is_available():
         return torch.cuda.get_device_name(dev)
     if dev is not None and dev.type == "mps":
         return "Apple MPS"
-    return platform.processor() or platform.machine() or "cpu"
+    return cpu_name()
 
 
 def environment(device: str | torch.device | None = None) -> dict:
@@ -55,7 +66,7 @@ def environment(device: str | torch.device | None = None) -> dict:
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "device": str(device) if device is not None else None,
         "device_name": device_name(device),
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu_name(),
         "platform": platform.platform(terse=True),
         "flags": precision_flags(),
     }

@@ -217,6 +217,12 @@ def greedy_step_frame(res) -> pd.DataFrame:
     return pd.DataFrame(data)
 
 
+def _upto(pair) -> int:
+    """Steps up to and including the first parting (all steps when the pair never parts; 1 when it parts at 0)."""
+    n = len(pair.max_abs_logit)
+    return n if pair.first_divergence is None else min(n, pair.first_divergence + 1)
+
+
 def greedy_pairs_frame(res) -> pd.DataFrame:
     return pd.DataFrame([{
         "paths": f"{p.a} vs {p.b}",
@@ -224,7 +230,7 @@ def greedy_pairs_frame(res) -> pd.DataFrame:
         "tokens there": "" if p.first_divergence is None else f"{p.a_token!r} / {p.b_token!r}",
         "verdict": p.verdict or "same tokens",
         "float64 replay gap": p.float64_gap,
-        "max |Δ logit| before parting": max(p.max_abs_logit[: (p.first_divergence or len(p.max_abs_logit)) + 1]),
+        "max |Δ logit| up to parting": max(p.max_abs_logit[: _upto(p)]),
     } for p in res.pairs])
 
 

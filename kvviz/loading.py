@@ -27,7 +27,7 @@ import torch
 from .dtypes import dtype_name, float64_device, parse_dtype, resolve_device, supports_dtype
 from .errors import KvvizError
 from .float64 import keep_float64
-from .tiny import TINY_ARCHS, TINY_VERSION, build_tiny
+from .tiny import TINY_MODELS, TINY_VERSION, build_tiny
 
 Progress = Callable[[float, str], None]
 
@@ -96,8 +96,8 @@ def _parse(s: str) -> ModelSpec:
         return ModelSpec("default", DEFAULT_GGUF)
     if s.lower().startswith("tiny:"):
         arch = s.split(":", 1)[1].strip().lower()
-        if arch not in TINY_ARCHS:
-            raise KvvizError(f"unknown tiny architecture '{arch}'; choose one of {', '.join(TINY_ARCHS)}")
+        if arch not in TINY_MODELS:
+            raise KvvizError(f"unknown tiny model '{arch}'; choose one of {', '.join(TINY_MODELS)}")
         return ModelSpec("tiny", arch)
     p = Path(s).expanduser()
     if s.lower().endswith(".gguf"):
@@ -386,7 +386,9 @@ def _load(ms: ModelSpec, dt: torch.dtype, dev: torch.device, attn: str, trust_re
         source = str(folder)
     elif ms.kind == "tiny":
         folder = tiny_folder(ms.ref)
-        description = f"tiny synthetic {ms.ref} (seeded random weights, byte-level tokenizer)"
+        description = (f"tiny synthetic {ms.ref} (seeded random weights, byte-level tokenizer)" if ms.ref != "tie" else
+                       "tiny constructed near tie: a llama whose top two tokens 'a' and 'b' differ by 2^-12 of a "
+                       "weight, so 16-bit dtypes tie them exactly")
         source = str(folder)
     elif ms.kind == "folder":
         folder = Path(ms.ref)

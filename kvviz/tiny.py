@@ -40,6 +40,15 @@ TINY_CONFIGS: dict[str, dict] = {
 
 TINY_ARCHS = tuple(TINY_CONFIGS)
 
+# Constructed models: a tiny architecture whose weights are then set by hand to show one effect on any machine.
+#   tie: a llama whose two top tokens ("a", "b") differ by 2^-12 of a weight: float32/float64 choose "b" by a margin
+#        of ~2e-3, while in float16/bfloat16 both weights round to the same number, the logits tie exactly and argmax
+#        takes the first, "a". A 16-bit greedy flip that happens on every CPU and GPU, whatever the kernels.
+TINY_CONSTRUCTED: dict[str, str] = {"tie": "llama"}
+TINY_MODELS = TINY_ARCHS + tuple(TINY_CONSTRUCTED)
+TIE_TOKENS = ("a", "b")
+TIE_DELTA = 2.0 ** -12  # exact in float32, below half an ulp of 1.0 in float16 (2^-11) and bfloat16 (2^-8)
+
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 
 
@@ -70,6 +79,26 @@ def tiny_config(arch: str):
     return AutoConfig.for_model(arch, **kwargs)
 
 
+def _construct_tie(model, tokenizer) -> None:
+    """Residual dimension 0 carries a constant C through every layer (its embedding column is C, every layer's
+    output rows for it are 0), so after the final norm h[0] ≈ C / rms > 0 at every position. lm_head reads only
+    that dimension for "a" (weight 1) and "b" (weight 1 + 2^-12); every other token does not read it."""
+    import torch
+
+    a, b = (tokenizer.convert_tokens_to_ids(t) for t in TIE_TOKENS)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 16.0
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[0, :] = 0.0
+            layer.mlp.down_proj.weight[0, :] = 0.0
+        head = model.lm_head.weight
+        head[:, 0] = 0.0
+        head[a] = 0.0
+        head[b] = 0.0
+        head[a, 0] = 1.0
+        head[b, 0] = 1.0 + TIE_DELTA
+
+
 def build_tiny(arch: str, folder: Path) -> Path:
     """Write a tiny model with seeded random weights to `folder` (atomically) and return it."""
     import torch
@@ -84,7 +113,7 @@ def build_tiny(arch: str, folder: Path) -> Path:
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{arch}-", dir=folder.parent))
     try:
-        config = tiny_config(arch)
+        config = tiny_config(TINY_CONSTRUCTED.get(arch, arch))
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(TINY_SEED)
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -93,8 +122,11 @@ def build_tiny(arch: str, folder: Path) -> Path:
                 for name, p in model.named_parameters():
                     if p.ndim >= 2:
                         p.normal_(0.0, 0.08 if "embed" not in name and "wte" not in name else 1.0)
+        tokenizer = _byte_tokenizer()
+        if arch == "tie":
+            _construct_tie(model, tokenizer)
         model.save_pretrained(tmp)
-        _byte_tokenizer().save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
         (tmp / "kvviz-tiny.json").write_text(json.dumps({"arch": arch, "seed": TINY_SEED, "version": TINY_VERSION}))
         try:
             os.replace(tmp, folder)

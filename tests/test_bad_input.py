@@ -39,7 +39,7 @@ MODEL_CASES = [  # (spec under the bad folder or as is, expected words)
     ("{bad}/nohead", "no causal-LM head"),
     ("{bad}/notes.txt", "not a .gguf model"),
     ("someone/unknown-model-xyz", "not in the local Hugging Face cache"),
-    ("tiny:nonexistent", "unknown tiny architecture"),
+    ("tiny:nonexistent", "unknown tiny model"),
 ]
 
 

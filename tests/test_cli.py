@@ -49,7 +49,7 @@ def test_split_summary_is_readable(capsys):
     (["split", "--model", "tiny:gpt2", "--prompt", "  ", "--split", "1"], "empty"),
     (["split", "--model", "tiny:gpt2", "--prompt", PROMPT, "--split", "3", "--left-pad", "-1"], "left-pad"),
     (["split", "--model", "nowhere/../x", "--prompt", PROMPT, "--split", "3"], "not found"),
-    (["split", "--model", "tiny:bert", "--prompt", PROMPT, "--split", "3"], "unknown tiny architecture"),
+    (["split", "--model", "tiny:bert", "--prompt", PROMPT, "--split", "3"], "unknown tiny model"),
 ])
 def test_bad_input_one_line_nonzero(capsys, args, msg):
     code, out, err = run_cli(capsys, *args, "--quiet")

@@ -78,7 +78,7 @@ def test_float64_models_stay_float64():
 
 @pytest.mark.parametrize("spec, msg", [
     ("", "no model given"),
-    ("tiny:nope", "unknown tiny architecture"),
+    ("tiny:nope", "unknown tiny model"),
     ("/definitely/not/here", "not found"),
     ("no such model!", "unknown model"),
     ("missing.gguf", "GGUF file not found"),

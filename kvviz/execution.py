@@ -244,3 +244,39 @@ def _load_extensions() -> None:
         except ModuleNotFoundError as e:
             if e.name != name:
                 raise
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# What every result records about how it was run
+
+
+class Keyed:
+    """Typed settings read as attributes; `settings["dtype"]` still works for older callers."""
+
+    def __getitem__(self, name: str):
+        try:
+            return getattr(self, name)
+        except AttributeError:
+            raise KeyError(name) from None
+
+    def get(self, name: str, default=None):
+        return getattr(self, name, default)
+
+
+@dataclass(frozen=True)
+class RunInfo(Keyed):
+    """The model side of a run: which model (as the user wrote it), in which dtype, where, with which attention."""
+
+    model: str = ""
+    spec_kind: str = ""
+    dtype: str = ""
+    device: str = ""
+    attention: str = ""
+    execution: ExecSettings = DEFAULT_SETTINGS
+
+    @classmethod
+    def of(cls, lm: LoadedModel, settings: ExecSettings | None = None) -> "RunInfo":
+        from .dtypes import dtype_name
+
+        return cls(model=lm.name, spec_kind=lm.spec.kind, dtype=dtype_name(lm.dtype), device=str(lm.device),
+                   attention=lm.attn_implementation, execution=settings or DEFAULT_SETTINGS)

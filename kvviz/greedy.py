@@ -17,16 +17,17 @@ not settled.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Callable
 
 import numpy as np
 import torch
 
-from .dtypes import dtype_name, float64_device, machine_eps
+from .dtypes import machine_eps
 from .errors import KvvizError
 from .inputs import POSITION_MODES, PromptInputs, build_inputs, check_mode, pad_token_id, positions_from_mask
-from .loading import LoadedModel, load_model
+from .execution import DEFAULT_SETTINGS, ExecSettings, Executor, Keyed, RunInfo
+from .loading import LoadedModel
 from .metrics import hidden_divergence
 from .split import classify, layer_labels
 
@@ -69,6 +70,40 @@ class GreedyConfig:
         if len(paths) < 2:
             raise KvvizError("choose at least two paths to compare")
         self.paths = paths
+
+
+@dataclass(frozen=True)
+class GreedySettings(Keyed):
+    """Everything a greedy result was computed with: GreedyConfig's fields and RunInfo's."""
+
+    prompt: str
+    max_new_tokens: int
+    left_pad: int
+    position_ids: str
+    paths: tuple[str, ...]
+    fast: bool
+    stop_at_divergence: bool
+    model: str
+    spec_kind: str
+    dtype: str
+    device: str
+    attention: str
+    execution: ExecSettings = DEFAULT_SETTINGS
+
+    @classmethod
+    def of(cls, cfg: GreedyConfig, run: RunInfo) -> "GreedySettings":
+        return cls(**{f.name: getattr(cfg, f.name) for f in fields(GreedyConfig)},
+                   **{f.name: getattr(run, f.name) for f in fields(RunInfo)})
+
+    @property
+    def config(self) -> GreedyConfig:
+        return GreedyConfig(**{f.name: getattr(self, f.name) for f in fields(GreedyConfig)})
+
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["paths"] = list(self.paths)
+        d["execution"] = self.execution.to_dict()
+        return d
 
 
 @dataclass
@@ -131,7 +166,7 @@ class PairResult:
 
 @dataclass
 class GreedyResult:
-    settings: dict
+    settings: GreedySettings
     model: dict
     prompt_tokens: list[str]
     layer_labels: list[str]
@@ -151,7 +186,7 @@ class GreedyResult:
         return min(len(p.token_ids) for p in self.paths.values())
 
     def to_dict(self) -> dict:
-        return {"settings": self.settings, "model": self.model, "prompt_tokens": self.prompt_tokens,
+        return {"settings": self.settings.to_dict(), "model": self.model, "prompt_tokens": self.prompt_tokens,
                 "layer_labels": self.layer_labels, "paths": {k: asdict(v) for k, v in self.paths.items()},
                 "pairs": [p.to_dict() for p in self.pairs], "notes": self.notes, "elapsed_s": self.elapsed_s}
 
@@ -213,25 +248,22 @@ def _grow(ids, mask, pos, token: int):
 # The paths
 
 
-def _no_cache(lm: LoadedModel, inp: PromptInputs, n: int, rec: _Recorder, forced: list[int] | None = None,
+def _no_cache(ex: Executor, inp: PromptInputs, n: int, rec: _Recorder, forced: list[int] | None = None,
               ids=None, mask=None, pos=None) -> None:
     """A full forward over the sequence so far at every step (seed 000's loop); `forced` feeds given tokens."""
     ids, mask, pos = (inp.ids, inp.mask, inp.positions) if ids is None else (ids, mask, pos)
     for t in range(n):
-        out = lm.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False,
-                       output_hidden_states=True)
+        out = ex.forward(ids, mask, pos, use_cache=False)
         rec.forwards += 1
         tok = rec.add(*_last(out), token=forced[t] if forced is not None and t < len(forced) else None)
         if t < n - 1:
             ids, mask, pos = _grow(ids, mask, pos, tok)
 
 
-def _cache(lm: LoadedModel, inp: PromptInputs, n: int, rec: _Recorder, positions: str = "auto",
+def _cache(ex: Executor, inp: PromptInputs, n: int, rec: _Recorder, positions: str = "auto",
            forced: list[int] | None = None) -> None:
     """Prefill, then one token at a time through the cache with the full mask and (auto) position ids."""
-    model = lm.model
-    out = model(input_ids=inp.ids, attention_mask=inp.mask, position_ids=inp.positions, use_cache=True,
-                output_hidden_states=True)
+    out = ex.forward(inp.ids, inp.mask, inp.positions)
     rec.forwards += 1
     cache, mask, last_pos = out.past_key_values, inp.mask, inp.positions[:, -1:]
     for t in range(n):
@@ -240,36 +272,28 @@ def _cache(lm: LoadedModel, inp: PromptInputs, n: int, rec: _Recorder, positions
             break
         mask = torch.cat([mask, torch.ones((1, 1), dtype=mask.dtype, device=mask.device)], 1)
         last_pos = last_pos + 1
-        out = model(input_ids=torch.tensor([[tok]], device=inp.ids.device), attention_mask=mask,
-                    position_ids=last_pos if positions == "auto" else None, past_key_values=cache, use_cache=True,
-                    output_hidden_states=True)
+        out = ex.forward(torch.tensor([[tok]], device=inp.ids.device), mask,
+                         last_pos if positions == "auto" else None, cache)
         rec.forwards += 1
         cache = out.past_key_values
 
 
-def _user_loop(lm: LoadedModel, inp: PromptInputs, n: int, rec: _Recorder, forced: list[int] | None = None) -> None:
+def _user_loop(ex: Executor, inp: PromptInputs, n: int, rec: _Recorder, forced: list[int] | None = None) -> None:
     """Seed 000's cached loop: the prompt with its mask, then only the new token (no mask, no position ids)."""
-    model = lm.model
-    out = model(input_ids=inp.ids, attention_mask=inp.mask, use_cache=True, output_hidden_states=True)
+    out = ex.forward(inp.ids, inp.mask)
     rec.forwards += 1
     cache = out.past_key_values
     for t in range(n):
         tok = rec.add(*_last(out), token=forced[t] if forced is not None and t < len(forced) else None)
         if t == n - 1:
             break
-        out = model(input_ids=torch.tensor([[tok]], device=inp.ids.device), past_key_values=cache, use_cache=True,
-                    output_hidden_states=True)
+        out = ex.forward(torch.tensor([[tok]], device=inp.ids.device), cache=cache)
         rec.forwards += 1
         cache = out.past_key_values
 
 
-def _generate(lm: LoadedModel, inp: PromptInputs, n: int, rec: _Recorder) -> None:
-    from transformers import GenerationConfig
-
-    gc = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=n, min_new_tokens=0, eos_token_id=[],
-                          pad_token_id=pad_token_id(lm.tokenizer), output_logits=True, output_hidden_states=True,
-                          return_dict_in_generate=True, use_cache=True)
-    out = lm.model.generate(input_ids=inp.ids, attention_mask=inp.mask, generation_config=gc)
+def _generate(ex: Executor, inp: PromptInputs, n: int, rec: _Recorder) -> None:
+    out = ex.generate(inp.ids, inp.mask, n, pad_token_id(ex.lm.tokenizer))
     rec.forwards = len(out.logits)
     new = out.sequences[0, inp.ids.shape[1]:].tolist()
     for t, logits in enumerate(out.logits):
@@ -277,7 +301,7 @@ def _generate(lm: LoadedModel, inp: PromptInputs, n: int, rec: _Recorder) -> Non
         rec.add(logits[0], hidden, token=int(new[t]))
 
 
-def _fast_no_cache(lm: LoadedModel, inp: PromptInputs, n: int, rec: _Recorder, guide: PathRun) -> PathRun:
+def _fast_no_cache(ex: Executor, inp: PromptInputs, n: int, rec: _Recorder, guide: PathRun) -> PathRun:
     """Preview of the no-cache loop: one teacher-forced forward over the guide's tokens gives every step's
     no-cache logits at once; own full forwards only after the first step where the argmax differs."""
     g = guide.token_ids[:n]
@@ -286,12 +310,12 @@ def _fast_no_cache(lm: LoadedModel, inp: PromptInputs, n: int, rec: _Recorder, g
     mask = torch.cat([inp.mask, torch.ones((1, ids.shape[1] - inp.ids.shape[1]), dtype=inp.mask.dtype,
                                            device=inp.mask.device)], 1)
     pos = positions_from_mask(mask)
-    out = lm.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, output_hidden_states=True)
+    out = ex.forward(ids, mask, pos, use_cache=False)
     rec.forwards += 1
     start = inp.ids.shape[1] - 1
     logits_all = out.logits[0, start:start + n]
     hidden_all = torch.stack([h[0, start:start + n] for h in out.hidden_states], 1)  # [n, n_hidden, H]
-    eps = machine_eps(lm.dtype)
+    eps = machine_eps(ex.lm.dtype)
     settled: list[bool] = []
     ok = True
     diverged = None
@@ -311,7 +335,7 @@ def _fast_no_cache(lm: LoadedModel, inp: PromptInputs, n: int, rec: _Recorder, g
         own_ids, own_mask, own_pos = _grow(ids[:, : inp.ids.shape[1] + diverged], mask[:, : inp.ids.shape[1] + diverged],
                                            pos[:, : inp.ids.shape[1] + diverged], rec.tokens[-1])
         before = len(rec.tokens)
-        _no_cache(lm, inp, n - diverged - 1, rec, ids=own_ids, mask=own_mask, pos=own_pos)
+        _no_cache(ex, inp, n - diverged - 1, rec, ids=own_ids, mask=own_mask, pos=own_pos)
         settled += [ok] * (len(rec.tokens) - before)
     return rec.done(preview=True, settled=settled)
 
@@ -355,35 +379,33 @@ def _logic(path: str, positions: str) -> str:
     return "cached_omit" if path == "cache" and positions == "omit" else "cached"
 
 
-def _replay(lm: LoadedModel, inp: PromptInputs, logic: str, forced: list[int]) -> torch.Tensor:
+def _replay(ex: Executor, inp: PromptInputs, logic: str, forced: list[int]) -> torch.Tensor:
     """The logits a computation gives after being fed `forced` tokens, with the masks and position ids that path
     uses. Run in float64, where shapes do not matter, so the fed tokens go in one chunk."""
-    model, dev = lm.model, inp.ids.device
+    dev = inp.ids.device
     extra = torch.tensor([forced], dtype=inp.ids.dtype, device=dev)
     mask = torch.cat([inp.mask, torch.ones_like(extra)], 1)
     if logic == "full":
-        return model(input_ids=torch.cat([inp.ids, extra], 1), attention_mask=mask,
-                     position_ids=positions_from_mask(mask), use_cache=False, logits_to_keep=1).logits[0, -1]
+        return ex.forward(torch.cat([inp.ids, extra], 1), mask, positions_from_mask(mask), use_cache=False,
+                          hidden=False, logits_to_keep=1).logits[0, -1]
     user = logic == "user"
-    out = model(input_ids=inp.ids, attention_mask=inp.mask, position_ids=None if user else inp.positions,
-                use_cache=True, logits_to_keep=1)
+    out = ex.forward(inp.ids, inp.mask, None if user else inp.positions, hidden=False, logits_to_keep=1)
     if not forced:
         return out.logits[0, -1]
     pos = inp.positions[:, -1:] + torch.arange(1, len(forced) + 1, device=dev)
-    return model(input_ids=extra, attention_mask=None if user else mask,
-                 position_ids=None if logic in ("user", "cached_omit") else pos,
-                 past_key_values=out.past_key_values, use_cache=True, logits_to_keep=1).logits[0, -1]
+    return ex.forward(extra, None if user else mask, None if logic in ("user", "cached_omit") else pos,
+                      out.past_key_values, hidden=False, logits_to_keep=1).logits[0, -1]
 
 
-def _replay_memo(memo: dict, lm64, inp64, logic: str, forced: list[int]) -> torch.Tensor:
+def _replay_memo(memo: dict, ex64: Executor, inp64, logic: str, forced: list[int]) -> torch.Tensor:
     key = (logic, tuple(forced))
     if key not in memo:
-        memo[key] = _replay(lm64, inp64, logic, forced).double()
+        memo[key] = _replay(ex64, inp64, logic, forced).double()
     return memo[key]
 
 
 def _explain(pair: PairResult, runs: dict[str, PathRun], lm: LoadedModel, cfg: GreedyConfig,
-             lm64: LoadedModel, inp64: PromptInputs, memo: dict) -> None:
+             ex64: Executor, inp64: PromptInputs, memo: dict) -> None:
     t = pair.first_divergence
     a, b = runs[pair.a], runs[pair.b]
     tok = lm.tokenizer.decode
@@ -391,7 +413,7 @@ def _explain(pair: PairResult, runs: dict[str, PathRun], lm: LoadedModel, cfg: G
     name_a = f"{pair.a_token!r} (id {a.token_ids[t]})"
     name_b = f"{pair.b_token!r} (id {b.token_ids[t]})"
     forced = a.token_ids[:t]
-    la, lb = (_replay_memo(memo, lm64, inp64, _logic(name, cfg.position_ids), forced)
+    la, lb = (_replay_memo(memo, ex64, inp64, _logic(name, cfg.position_ids), forced)
               for name in (pair.a, pair.b))
     gap64 = float((la - lb).abs().max() / la.abs().max().clamp_min(1e-300))
     pair.float64_gap = gap64
@@ -414,86 +436,93 @@ def _explain(pair: PairResult, runs: dict[str, PathRun], lm: LoadedModel, cfg: G
                                    f"(relative): a logic difference, not rounding." + cause)
 
 
-def run_greedy(lm: LoadedModel, cfg: GreedyConfig, progress: Progress | None = None,
-               reference: LoadedModel | None = None) -> GreedyResult:
-    """Decode greedily along cfg.paths and compare every pair of paths (see the module docstring)."""
-    progress = progress or (lambda f, m: None)
-    t_start = time.perf_counter()
-    cfg.validate()
-    n = cfg.max_new_tokens
-    inp = build_inputs(lm, cfg.prompt, cfg.left_pad, extra_tokens=n)
-    lm64 = reference  # the float64 model: the float64 path and the verdicts; loaded only when needed
-    eps = machine_eps(lm.dtype)
+class _Progress:
+    """Step counting across paths: "cache: step 3/20", with the share of the run done."""
+
+    def __init__(self, progress: Progress, n_paths: int, n: int):
+        self.progress, self.total, self.n, self.done = progress, max(1, n_paths * n), n, 0
+
+    def step(self, name: str) -> Callable[[], None]:
+        def f() -> None:
+            self.done += 1
+            self.progress(min(0.9, 0.9 * self.done / self.total),
+                          f"{PATH_LABELS[name]}: step {self.done % self.n or self.n}/{self.n}")
+        return f
+
+
+def _run_path(name: str, ex: Executor, inp: PromptInputs, steps: int, rec: _Recorder, cfg: GreedyConfig,
+              runs: dict[str, PathRun]) -> PathRun:
+    """One path on `ex` (the float64 path gets a float64 executor and inputs)."""
+    guided = cfg.fast and "cache" in runs and name in ("no_cache", "float64")
+    with ex.session():
+        if guided:
+            return _fast_no_cache(ex, inp, steps, rec, runs["cache"])
+        if name in ("no_cache", "float64"):
+            _no_cache(ex, inp, steps, rec)
+        elif name == "cache":
+            _cache(ex, inp, steps, rec, cfg.position_ids)
+        elif name == "generate":
+            _generate(ex, inp, steps, rec)
+        else:
+            _user_loop(ex, inp, steps, rec)
+    return rec.done()
+
+
+def _truncate(runs: dict[str, PathRun], limit: int) -> None:
+    for r in runs.values():
+        k = min(limit, len(r.token_ids))
+        r.token_ids, r.margins, r.top2_ids = r.token_ids[:k], r.margins[:k], r.top2_ids[:k]
+        r.logits, r.hidden = r.logits[:k], r.hidden[:k]
+        if r.settled is not None:
+            r.settled = r.settled[:k]
+
+
+class _Float64:
+    """The float64 side of a greedy run, built only when needed: model, executor and inputs."""
+
+    def __init__(self, lm: LoadedModel, cfg: GreedyConfig, settings: ExecSettings, reference: LoadedModel | None):
+        self.lm, self.cfg, self.settings, self.given = lm, cfg, settings.with_(compile="off"), reference
+        self._ex: Executor | None = None
+        self.inp: PromptInputs | None = None
+
+    @property
+    def ex(self) -> Executor:
+        if self._ex is None:
+            lm64 = self.given or self.lm.reference()
+            self.inp = build_inputs(lm64, self.cfg.prompt, self.cfg.left_pad, extra_tokens=self.cfg.max_new_tokens)
+            self._ex = Executor(lm64, self.settings, max_len=self.inp.total + self.cfg.max_new_tokens)
+        return self._ex
+
+
+def _decode_paths(lm: LoadedModel, cfg: GreedyConfig, settings: ExecSettings, inp: PromptInputs, f64: _Float64,
+                  progress: Progress) -> dict[str, PathRun]:
     order = [p for p in _RUN_ORDER if p in cfg.paths]
     if cfg.fast and "cache" not in order and ({"no_cache", "float64"} & set(order)):
         order.insert(0, "cache")  # the preview is guided by the cache path
-    total = len(order) * n
-    done = [0]
-
-    def step_done(name: str) -> Callable[[], None]:
-        def f() -> None:
-            done[0] += 1
-            progress(min(0.9, 0.9 * done[0] / total), f"{PATH_LABELS[name]}: step {done[0] % n or n}/{n}")
-        return f
-
+    n = cfg.max_new_tokens
+    counter = _Progress(progress, len(order), n)
+    ex = Executor(lm, settings, max_len=inp.total + n)
     runs: dict[str, PathRun] = {}
     limit = n
-    with torch.inference_mode():
-        for name in order:
-            steps = limit
-            rec = _Recorder(name, steps, step_done(name))
-            if name == "float64":
-                lm64 = lm64 or lm.reference()
-                inp64 = build_inputs(lm64, cfg.prompt, cfg.left_pad, extra_tokens=n)
-                with lm64.lock:
-                    if cfg.fast and "cache" in runs:
-                        run = _fast_no_cache(lm64, inp64, steps, rec, runs["cache"])
-                    else:
-                        _no_cache(lm64, inp64, steps, rec)
-                        run = rec.done()
-                run.logits = run.logits.to(lm.device)
-                run.hidden = run.hidden.to(lm.device)
-            else:
-                with lm.lock:
-                    if name == "no_cache":
-                        if cfg.fast and "cache" in runs:
-                            run = _fast_no_cache(lm, inp, steps, rec, runs["cache"])
-                        else:
-                            _no_cache(lm, inp, steps, rec)
-                            run = rec.done()
-                    elif name == "cache":
-                        _cache(lm, inp, steps, rec, cfg.position_ids)
-                        run = rec.done()
-                    elif name == "generate":
-                        _generate(lm, inp, steps, rec)
-                        run = rec.done()
-                    else:
-                        _user_loop(lm, inp, steps, rec)
-                        run = rec.done()
-            runs[name] = run
-            if cfg.stop_at_divergence:
-                for other in runs.values():
-                    d = first_divergence(other.token_ids, run.token_ids)
-                    if d is not None:
-                        limit = min(limit, d + 1)
+    for name in order:
+        rec = _Recorder(name, limit, counter.step(name))
+        if name == "float64":
+            run = _run_path(name, f64.ex, f64.inp, limit, rec, cfg, runs)
+            run.logits, run.hidden = run.logits.to(lm.device), run.hidden.to(lm.device)
+        else:
+            run = _run_path(name, ex, inp, limit, rec, cfg, runs)
+        runs[name] = run
+        if cfg.stop_at_divergence:
+            for other in runs.values():
+                d = first_divergence(other.token_ids, run.token_ids)
+                if d is not None:
+                    limit = min(limit, d + 1)
     if cfg.stop_at_divergence:
-        for r in runs.values():
-            k = min(limit, len(r.token_ids))
-            r.token_ids, r.margins, r.top2_ids = r.token_ids[:k], r.margins[:k], r.top2_ids[:k]
-            r.logits, r.hidden = r.logits[:k], r.hidden[:k]
-            if r.settled is not None:
-                r.settled = r.settled[:k]
-    names = [p for p in cfg.paths if p in runs]
-    pairs = [_compare(runs[a], runs[b], eps) for i, a in enumerate(names) for b in names[i + 1:]]
-    diverging = [p for p in pairs if p.first_divergence is not None]
-    if diverging:
-        progress(0.92, "Replaying the first divergences in float64 for the verdicts…")
-        lm64 = lm64 or lm.reference()
-        inp64 = build_inputs(lm64, cfg.prompt, cfg.left_pad, extra_tokens=n)
-        memo: dict = {}
-        with torch.inference_mode(), lm64.lock:
-            for p in diverging:
-                _explain(p, runs, lm, cfg, lm64, inp64, memo)
+        _truncate(runs, limit)
+    return runs
+
+
+def _path_results(lm: LoadedModel, runs: dict[str, PathRun], names: list[str]) -> dict[str, PathResult]:
     tok = lm.tokenizer
     results: dict[str, PathResult] = {}
     ref = runs.get("float64")
@@ -509,10 +538,10 @@ def run_greedy(lm: LoadedModel, cfg: GreedyConfig, progress: Progress | None = N
             name=name, label=r.label, token_ids=r.token_ids, tokens=[tok.decode([i]) for i in r.token_ids],
             text=tok.decode(r.token_ids), margins=r.margins, top2=[tok.decode([i]) for i in r.top2_ids],
             forwards=r.forwards, seconds=r.seconds, preview=r.preview, settled=r.settled, float64_gap=gap)
-    progress(1.0, "Done")
-    settings = asdict(cfg) | {"dtype": dtype_name(lm.dtype), "device": str(lm.device),
-                              "attention": lm.attn_implementation, "model": lm.name}
-    settings["paths"] = list(cfg.paths)
+    return results
+
+
+def _notes(lm: LoadedModel, cfg: GreedyConfig, runs: dict[str, PathRun]) -> list[str]:
     notes = list(lm.warnings)
     if "generate" in runs and lm.dtype == torch.float64:
         notes.append("generate() casts the logits it returns to float32, so its logits carry float32 rounding "
@@ -520,6 +549,33 @@ def run_greedy(lm: LoadedModel, cfg: GreedyConfig, progress: Progress | None = N
     if cfg.fast:
         notes.append("fast preview: the no-cache logits come from one teacher-forced forward over the cache path's "
                      "tokens; steps marked not settled have a top-2 margin within the measured gap")
-    return GreedyResult(settings=settings, model=lm.summary(), prompt_tokens=inp.token_texts,
-                        layer_labels=layer_labels(runs[names[0]].hidden.shape[1]), paths=results, pairs=pairs,
-                        notes=notes, elapsed_s=time.perf_counter() - t_start)
+    return notes
+
+
+def run_greedy(lm: LoadedModel, cfg: GreedyConfig, progress: Progress | None = None,
+               reference: LoadedModel | None = None, settings: ExecSettings | None = None) -> GreedyResult:
+    """Decode greedily along cfg.paths and compare every pair of paths (see the module docstring).
+
+    reference: the float64 model (lm.reference() when not given); settings: how the model runs (cache kind,
+    compile, flags, invariant mode) - the float64 path and replays use the same settings without compile."""
+    progress = progress or (lambda f, m: None)
+    settings = (settings or DEFAULT_SETTINGS).validate()
+    t_start = time.perf_counter()
+    cfg.validate()
+    inp = build_inputs(lm, cfg.prompt, cfg.left_pad, extra_tokens=cfg.max_new_tokens)
+    f64 = _Float64(lm, cfg, settings, reference)
+    runs = _decode_paths(lm, cfg, settings, inp, f64, progress)
+    names = [p for p in cfg.paths if p in runs]
+    pairs = [_compare(runs[a], runs[b], machine_eps(lm.dtype)) for i, a in enumerate(names) for b in names[i + 1:]]
+    diverging = [p for p in pairs if p.first_divergence is not None]
+    if diverging:
+        progress(0.92, "Replaying the first divergences in float64 for the verdicts…")
+        memo: dict = {}
+        with f64.ex.session():
+            for p in diverging:
+                _explain(p, runs, lm, cfg, f64.ex, f64.inp, memo)
+    progress(1.0, "Done")
+    return GreedyResult(settings=GreedySettings.of(cfg, RunInfo.of(lm, settings)), model=lm.summary(),
+                        prompt_tokens=inp.token_texts, layer_labels=layer_labels(runs[names[0]].hidden.shape[1]),
+                        paths=_path_results(lm, runs, names), pairs=pairs, notes=_notes(lm, cfg, runs),
+                        elapsed_s=time.perf_counter() - t_start)

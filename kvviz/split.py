@@ -11,16 +11,17 @@ float64) or `logic` (it stays in float64, or the model returns no cache at all).
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Callable
 
 import numpy as np
 import torch
 
-from .dtypes import dtype_name, float64_device, machine_eps
+from .dtypes import dtype_name, machine_eps
 from .errors import KvvizError
 from .inputs import MASK_MODES, POSITION_MODES, PromptInputs, build_inputs, check_mode
-from .loading import LoadedModel, load_model
+from .execution import DEFAULT_SETTINGS, ExecSettings, Executor, Keyed, RunInfo, cache_layers, has_cache
+from .loading import LoadedModel
 from .metrics import HIDDEN_METRICS as HIDDEN_METRIC_LABELS
 from .metrics import describe_table, hidden_divergence, logits_divergence, tensor_diff
 
@@ -47,6 +48,37 @@ class SplitConfig:
             raise KvvizError(f"the split must be a whole number, not {self.split!r}")
         if not isinstance(self.left_pad, int) or self.left_pad < 0:
             raise KvvizError(f"left padding must be 0 or more, not {self.left_pad}")
+
+
+@dataclass(frozen=True)
+class SplitSettings(Keyed):
+    """Everything a split result was computed with: the scenario (SplitConfig's fields) and the run (RunInfo's)."""
+
+    prompt: str
+    split: int
+    mode: str
+    left_pad: int
+    position_ids: str
+    attention_mask: str
+    model: str
+    spec_kind: str
+    dtype: str
+    device: str
+    attention: str
+    execution: ExecSettings = DEFAULT_SETTINGS
+
+    @classmethod
+    def of(cls, cfg: SplitConfig, run: RunInfo) -> "SplitSettings":
+        return cls(**asdict(cfg), **{f.name: getattr(run, f.name) for f in fields(RunInfo)})
+
+    @property
+    def config(self) -> SplitConfig:
+        return SplitConfig(self.prompt, self.split, self.mode, self.left_pad, self.position_ids, self.attention_mask)
+
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["execution"] = self.execution.to_dict()
+        return d
 
 
 @dataclass
@@ -95,7 +127,7 @@ class Comparison:
 
 @dataclass
 class SplitResult:
-    settings: dict
+    settings: SplitSettings
     model: dict
     tokens: list[str]
     token_ids: list[int]
@@ -114,11 +146,11 @@ class SplitResult:
 
     def to_dict(self) -> dict:
         return {
-            "settings": self.settings,
+            "settings": self.settings.to_dict(),
             "model": self.model,
             "tokens": self.tokens,
             "token_ids": self.token_ids,
-            "cached_tokens": self.tokens[: self.settings["split"]],
+            "cached_tokens": self.tokens[: self.settings.split],
             "compared_positions": self.compared,
             "compared_tokens": self.compared_tokens,
             "layer_labels": self.layer_labels,
@@ -139,33 +171,12 @@ def layer_labels(n_hidden: int) -> list[str]:
     return labels
 
 
-def _forward(model, ids, mask, positions, past, hidden: bool = True):
-    kwargs = dict(input_ids=ids, use_cache=True, output_hidden_states=hidden, return_dict=True)
-    if mask is not None:
-        kwargs["attention_mask"] = mask
-    if positions is not None:
-        kwargs["position_ids"] = positions
-    if past is not None:
-        kwargs["past_key_values"] = past
-    return model(**kwargs)
-
-
-def _cache_layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    if cache is None:
-        return []
-    layers = getattr(cache, "layers", None)
-    if layers is None:
-        self_cache = getattr(cache, "self_attention_cache", None)
-        layers = getattr(self_cache, "layers", [])
-    return [(layer.keys, layer.values) for layer in layers if getattr(layer, "keys", None) is not None]
-
-
 def compare_caches(ref_cache, got_cache, total: int, pad: int) -> list[dict]:
     """Per layer: elements of K and V that differ (non-pad positions), and the max |Δ|.
 
     Sliding-window layers keep only the last positions; both caches then hold the same trailing slots."""
     rows = []
-    for i, ((rk, rv), (gk, gv)) in enumerate(zip(_cache_layers(ref_cache), _cache_layers(got_cache))):
+    for i, ((rk, rv), (gk, gv)) in enumerate(zip(cache_layers(ref_cache), cache_layers(got_cache))):
         n = min(rk.shape[-2], gk.shape[-2])
         first_abs = total - n  # absolute position of the first compared slot
         skip = max(0, pad - first_abs)
@@ -178,63 +189,76 @@ def compare_caches(ref_cache, got_cache, total: int, pad: int) -> list[dict]:
     return rows
 
 
-def _run(lm: LoadedModel, cfg: SplitConfig, inp: PromptInputs, progress: Progress) -> Comparison:
-    model = lm.model
-    P, k = inp.pad, cfg.split
-    a0 = P + k  # absolute index of the first compared token
-    eps = machine_eps(lm.dtype)
+def _bidirectional(ex: Executor, inp: PromptInputs, a0: int, comp: Comparison) -> Comparison:
+    """transformers returns no cache for a bidirectional model (e.g. RoBERTa without is_decoder). Show why a cache
+    cannot work: appending the rest changes what the prefix tokens compute."""
+    P = inp.pad
+    pre_h = ex.forward(inp.ids[:, :a0], inp.mask[:, :a0], use_cache=False).hidden_states[-1][0, P:a0]
+    full_h = ex.forward(inp.ids, inp.mask, use_cache=False).hidden_states[-1][0, P:a0]
+    comp.has_cache = False
+    comp.bidirectional_change = float((full_h.double() - pre_h.double()).abs().max().item())
+    return comp
+
+
+def _rest_through_cache(ex: Executor, cfg: SplitConfig, inp: PromptInputs, a0: int, past, progress: Progress):
+    """Feed tokens [a0, total) through `past`, in one chunk or one by one, with the position ids and mask the user
+    chose. Returns hidden states [n_hidden, n_rest, H], logits [n_rest, V] and the grown cache."""
+    def positions(start: int, end: int):
+        return inp.positions[:, start:end] if cfg.position_ids == "auto" else None
+
+    if cfg.mode == "chunk":
+        progress(0.5, "Rest through the cache, one chunk…")
+        got = ex.forward(inp.ids[:, a0:], _mask(cfg, inp, a0, inp.total), positions(a0, inp.total), past)
+        return torch.stack([h[0] for h in got.hidden_states]), got.logits[0], got.past_key_values
+    hs, lg = [], []
+    cache = past
+    for j, a in enumerate(range(a0, inp.total)):
+        progress(0.4 + 0.5 * j / max(1, inp.total - a0), f"Rest through the cache, token {j + 1}…")
+        out = ex.forward(inp.ids[:, a:a + 1], _mask(cfg, inp, a, a + 1), positions(a, a + 1), cache)
+        cache = out.past_key_values
+        hs.append(torch.stack([h[0, -1] for h in out.hidden_states]))
+        lg.append(out.logits[0, -1])
+    return torch.stack(hs, dim=1), torch.stack(lg), cache
+
+
+def _measure(lm: LoadedModel, comp: Comparison, ref, a0: int, got_hidden, got_logits, cache, inp) -> None:
+    """Every metric, computed on the device; only the small matrices come to the host."""
+    ref_hidden = torch.stack([h[0, a0:] for h in ref.hidden_states])  # [n_hidden, n_rest, H]
+    ref_logits = ref.logits[0, a0:]
+    if got_hidden.shape != ref_hidden.shape:
+        raise KvvizError(f"the cached run returned hidden states of shape {tuple(got_hidden.shape)}, "
+                         f"expected {tuple(ref_hidden.shape)}")
+    hd = hidden_divergence(ref_hidden, got_hidden, machine_eps(lm.dtype))
+    ld = logits_divergence(ref_logits, got_logits)
+    ref_lmax = ref_logits.double().abs().amax(-1)
+    ld["relative"] = ld["max_abs"] / ref_lmax.clamp_min(torch.finfo(torch.float64).tiny)
+    comp.hidden = {name: t.cpu().numpy() for name, t in hd.items()}
+    top1 = {name: ld.pop(name).cpu().tolist() for name in ("ref_top1", "got_top1")}
+    comp.logits = {name: t.cpu().numpy() for name, t in ld.items()}
+    comp.reference_top1 = [lm.tokenizer.decode([i]) for i in top1["ref_top1"]]
+    comp.cached_top1 = [lm.tokenizer.decode([i]) for i in top1["got_top1"]]
+    comp.describe = describe_table(ref_logits[-1], got_logits[-1])
+    comp.kv = compare_caches(ref.past_key_values, cache, inp.total, inp.pad)
+
+
+def _run(lm: LoadedModel, cfg: SplitConfig, inp: PromptInputs, progress: Progress,
+         settings: ExecSettings = DEFAULT_SETTINGS) -> Comparison:
+    """One run of the scenario in lm's dtype: the prefix with correct inputs, the rest through its cache, and one
+    full forward as the reference."""
+    a0 = inp.pad + cfg.split  # absolute index of the first compared token
     comp = Comparison(dtype=dtype_name(lm.dtype), device=str(lm.device), attention=lm.attn_implementation,
                       has_cache=True)
-    with lm.lock, torch.inference_mode():
+    ex = Executor(lm, settings, max_len=inp.total)
+    with ex.session():
         progress(0.1, "Prefix forward…")
-        pre = _forward(model, inp.ids[:, :a0], inp.mask[:, :a0], inp.positions[:, :a0], None, hidden=False)
-        past = pre.past_key_values
-        if past is None or not _cache_layers(past):
-            # transformers returns no cache for a bidirectional model (e.g. RoBERTa without is_decoder). Show why a
-            # cache cannot work: appending the rest changes what the prefix tokens compute.
-            comp.has_cache = False
-            pre_h = _forward(model, inp.ids[:, :a0], inp.mask[:, :a0], None, None).hidden_states[-1][0, P:a0]
-            full_h = _forward(model, inp.ids, inp.mask, None, None).hidden_states[-1][0, P:a0]
-            comp.bidirectional_change = float((full_h.double() - pre_h.double()).abs().max().item())
-            return comp
+        pre = ex.forward(inp.ids[:, :a0], inp.mask[:, :a0], inp.positions[:, :a0], hidden=False)
+        if not has_cache(pre):
+            return _bidirectional(ex, inp, a0, comp)
         progress(0.3, "Full forward without cache…")
-        ref = _forward(model, inp.ids, inp.mask, inp.positions, None)
-        ref_hidden = torch.stack([h[0, a0:] for h in ref.hidden_states])  # [n_hidden, n_rest, H]
-        ref_logits = ref.logits[0, a0:]
-        if cfg.mode == "chunk":
-            progress(0.5, "Rest through the cache, one chunk…")
-            got = _forward(model, inp.ids[:, a0:], _mask(cfg, inp, a0, inp.total),
-                           inp.positions[:, a0:] if cfg.position_ids == "auto" else None, past)
-            got_hidden = torch.stack([h[0] for h in got.hidden_states])
-            got_logits = got.logits[0]
-            cache = got.past_key_values
-        else:
-            hs, lg = [], []
-            cache = past
-            for j, a in enumerate(range(a0, inp.total)):
-                progress(0.4 + 0.5 * j / max(1, inp.total - a0), f"Rest through the cache, token {j + 1}…")
-                out = _forward(model, inp.ids[:, a:a + 1], _mask(cfg, inp, a, a + 1),
-                               inp.positions[:, a:a + 1] if cfg.position_ids == "auto" else None, cache)
-                cache = out.past_key_values
-                hs.append(torch.stack([h[0, -1] for h in out.hidden_states]))
-                lg.append(out.logits[0, -1])
-            got_hidden = torch.stack(hs, dim=1)
-            got_logits = torch.stack(lg)
-        if got_hidden.shape != ref_hidden.shape:
-            raise KvvizError(f"the cached run returned hidden states of shape {tuple(got_hidden.shape)}, "
-                             f"expected {tuple(ref_hidden.shape)}")
+        ref = ex.forward(inp.ids, inp.mask, inp.positions)
+        got_hidden, got_logits, cache = _rest_through_cache(ex, cfg, inp, a0, pre.past_key_values, progress)
         progress(0.9, "Measuring…")
-        hd = hidden_divergence(ref_hidden, got_hidden, eps)
-        ld = logits_divergence(ref_logits, got_logits)
-        ref_lmax = ref_logits.double().abs().amax(-1)
-        ld["relative"] = ld["max_abs"] / ref_lmax.clamp_min(torch.finfo(torch.float64).tiny)
-        comp.hidden = {name: t.cpu().numpy() for name, t in hd.items()}
-        top1 = {name: ld.pop(name).cpu().tolist() for name in ("ref_top1", "got_top1")}
-        comp.logits = {name: t.cpu().numpy() for name, t in ld.items()}
-        comp.reference_top1 = [lm.tokenizer.decode([i]) for i in top1["ref_top1"]]
-        comp.cached_top1 = [lm.tokenizer.decode([i]) for i in top1["got_top1"]]
-        comp.describe = describe_table(ref_logits[-1], got_logits[-1])
-        comp.kv = compare_caches(ref.past_key_values, cache, inp.total, P)
+        _measure(lm, comp, ref, a0, got_hidden, got_logits, cache, inp)
     return comp
 
 
@@ -283,6 +307,13 @@ def verdict_for(cfg: SplitConfig, main: Comparison, f64: Comparison | None) -> t
                              "the full forward computes.")
     gap = main.max_relative
     eps = machine_eps(getattr(torch, main.dtype))
+    if main.dtype == "float64":
+        if verdict == "precision":
+            return "precision", (f"This run is float64, kvviz's reference precision: the gap of {gap:.3g} of the "
+                                 f"value's size is float64 rounding ({gap / eps:.3g}× its epsilon), far below "
+                                 f"anything a logic error leaves, so the logic is right.")
+        return "logic", (f"Logic, not rounding: even in float64 (kvviz's reference precision) the gap is {gap:.3g} "
+                         f"of the value's size. Likely cause: {_likely_cause(cfg, main)}.")
     if verdict == "precision":
         return "precision", (
             f"Rounding, not a bug. In {main.dtype} the cached run multiplies matrices of other shapes, so numbers are "
@@ -305,22 +336,25 @@ def check_split(n_tokens: int, split: int) -> None:
 
 def float64_model(lm: LoadedModel) -> LoadedModel:
     """The float64 twin of `lm` (same spec and attention; on the CPU where the device has no float64)."""
-    return lm.reference()
+    return lm.reference()  # kept for older callers
 
 
 def run_split(lm: LoadedModel, cfg: SplitConfig, progress: Progress | None = None,
-              reference: LoadedModel | None = None, float64_comparison: Comparison | None = None) -> SplitResult:
+              reference: LoadedModel | None = None, float64_comparison: Comparison | None = None,
+              settings: ExecSettings | None = None) -> SplitResult:
     """Compare the full forward with the cached path for `cfg`; rerun in float64 for the verdict if needed.
 
-    reference: the float64 model to use for the verdict (loaded from the same spec when not given);
-    float64_comparison: the same scenario already run in float64 (the dtype lab runs it once for all dtypes)."""
+    reference: the float64 model to use for the verdict (lm.reference() when not given);
+    float64_comparison: the same scenario already run in float64 (the dtype sweep runs it once for all dtypes);
+    settings: how the model runs (cache kind, compile, flags, invariant mode); the float64 rerun uses the same
+    settings without compile."""
     progress = progress or (lambda f, m: None)
+    settings = (settings or DEFAULT_SETTINGS).validate()
     t0 = time.perf_counter()
     cfg.validate()
     inp = build_inputs(lm, cfg.prompt, cfg.left_pad)
-    L = inp.n_tokens
-    check_split(L, cfg.split)
-    main = _run(lm, cfg, inp, lambda f, m: progress(0.7 * f, m))
+    check_split(inp.n_tokens, cfg.split)
+    main = _run(lm, cfg, inp, lambda f, m: progress(0.7 * f, m), settings)
     f64 = None
     if main.has_cache and not main.identical:
         if lm.dtype == torch.float64:
@@ -329,15 +363,12 @@ def run_split(lm: LoadedModel, cfg: SplitConfig, progress: Progress | None = Non
             f64 = float64_comparison
         else:
             progress(0.7, "Rerunning the same scenario in float64 for the verdict…")
-            ref_lm = reference or float64_model(lm)
+            ref_lm = reference or lm.reference()
             f64 = _run(ref_lm, cfg, build_inputs(ref_lm, cfg.prompt, cfg.left_pad),
-                       lambda f, m: progress(0.7 + 0.3 * f, f"float64: {m}"))
+                       lambda f, m: progress(0.7 + 0.3 * f, f"float64: {m}"), settings.with_(compile="off"))
     verdict, explanation = verdict_for(cfg, main, f64)
     progress(1.0, "Done")
-    settings = asdict(cfg) | {"dtype": dtype_name(lm.dtype), "device": str(lm.device),
-                              "attention": lm.attn_implementation, "model": lm.name}
-    return SplitResult(settings=settings, model=lm.summary(), tokens=inp.token_texts, token_ids=inp.token_ids,
-                       compared=list(range(cfg.split, L)),
-                       layer_labels=layer_labels(lm.n_layers + 1),
-                       main=main, float64=f64, verdict=verdict, explanation=explanation, notes=list(lm.warnings),
-                       elapsed_s=time.perf_counter() - t0)
+    return SplitResult(settings=SplitSettings.of(cfg, RunInfo.of(lm, settings)), model=lm.summary(),
+                       tokens=inp.token_texts, token_ids=inp.token_ids, compared=list(range(cfg.split, inp.n_tokens)),
+                       layer_labels=layer_labels(lm.n_layers + 1), main=main, float64=f64, verdict=verdict,
+                       explanation=explanation, notes=list(lm.warnings), elapsed_s=time.perf_counter() - t0)

@@ -52,17 +52,19 @@ def test_exact_paths_equal_naive_loops_bit_for_bit(arch, dtype):
     assert res.paths["no_cache"].token_ids == nc_ids[0, ids.shape[1]:].tolist()
     assert res.paths["cache"].token_ids == c_ids[0, ids.shape[1]:].tolist()
     # logit for logit: kvviz's captured logits are the naive loops' logits, bitwise
+    from kvviz.execution import Executor
     from kvviz.greedy import _Recorder, _cache, _no_cache  # the same functions run_greedy uses
     from kvviz.inputs import build_inputs
 
     inp = build_inputs(lm, PROMPT, 0, N)
+    ex = Executor(lm)
     rec = _Recorder("no_cache", N, lambda: None)
-    with torch.inference_mode():
-        _no_cache(lm, inp, N, rec)
+    with ex.session():
+        _no_cache(ex, inp, N, rec)
     assert torch.equal(torch.stack(rec.logits), nc_logits)
     rec = _Recorder("cache", N, lambda: None)
-    with torch.inference_mode():
-        _cache(lm, inp, N, rec)
+    with ex.session():
+        _cache(ex, inp, N, rec)
     assert torch.equal(torch.stack(rec.logits), c_logits)
     assert res.paths["no_cache"].forwards == N and res.paths["cache"].forwards == N
     assert res.paths["generate"].forwards == N
@@ -128,20 +130,30 @@ def test_omitted_positions_in_cache_path_with_padding_is_logic():
     assert pair.first_divergence is not None and pair.verdict == "logic"
 
 
-@pytest.mark.parametrize("arch, dtype, prompt", [("llama", "bfloat16", "Bonjour"), ("gpt2", "bfloat16", "Bonjour"),
-                                                 ("gpt_neox", "float16", "Once upon a time, there")])
-def test_16bit_near_tie_flip_is_precision(arch, dtype, prompt):
-    # 16-bit no-cache and cache decoding part on these prompts (found by search, deterministic on this CPU)
-    lm = kvviz.load_model(f"tiny:{arch}", dtype, "cpu")
-    res = run_greedy(lm, GreedyConfig(prompt, 32, paths=("no_cache", "cache")))
-    pair = res.pair("no_cache", "cache")
-    assert pair.first_divergence is not None
-    t = pair.first_divergence
-    assert pair.verdict == "precision" and pair.float64_gap <= 1e-9
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("prompt", ["Bonjour", "Once upon a time, there", "x"])
+def test_constructed_16bit_tie_flip_is_precision(dtype, prompt):
+    # tiny:tie is built so that "a" and "b" differ by 2^-12 of a weight: 16-bit rounds both weights to the same
+    # number, so the logits tie exactly and argmax takes "a"; float64 chooses "b". Certain on every CPU and GPU.
+    lm = kvviz.load_model("tiny:tie", dtype, "cpu")
+    res = run_greedy(lm, GreedyConfig(prompt, 4, paths=("no_cache", "cache", "float64")))
+    assert res.paths["no_cache"].text == "aaaa" and res.paths["cache"].text == "aaaa"
+    assert res.paths["float64"].text == "bbbb"
+    assert res.paths["no_cache"].margins[0] == 0.0  # an exact tie in 16-bit
+    assert res.paths["float64"].margins[0] > 1e-3   # a clear (small) preference in float64
+    pair = res.pair("no_cache", "float64")
+    assert pair.first_divergence == 0 and (pair.a_token, pair.b_token) == ("a", "b")
+    assert pair.verdict == "precision" and pair.float64_gap == 0.0
     assert "near tie" in pair.explanation
-    # a near tie: the chosen token's margin is within the gap between the two paths' logits
-    assert min(res.paths["no_cache"].margins[t], res.paths["cache"].margins[t]) <= 2 * pair.max_abs_logit[t]
-    assert all(pair.same_history[: t + 1]) and not any(pair.same_history[t + 1:])
+    assert res.pair("no_cache", "cache").first_divergence is None
+
+
+def test_constructed_tie_does_not_flip_in_float32():
+    lm = kvviz.load_model("tiny:tie", "float32", "cpu")
+    res = run_greedy(lm, GreedyConfig("Hello", 3, paths=("no_cache", "cache", "float64")))
+    assert {p.text for p in res.paths.values()} == {"bbb"}
+    assert all(p.first_divergence is None for p in res.pairs)
+    assert min(res.paths["no_cache"].margins) > 1e-3
 
 
 def test_stop_at_divergence_truncates():

@@ -85,10 +85,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _spec(args):
+    """The model spec, parsed once from --model and carried whole from here on."""
+    from .loading import parse_spec
+
+    if not hasattr(args, "spec"):
+        args.spec = parse_spec(args.model)
+    return args.spec
+
+
 def _load(args):
     from .loading import load_model
 
-    return load_model(args.model, args.dtype, args.device, args.attn, trust_remote_code=args.trust_remote_code,
+    return load_model(_spec(args), args.dtype, args.device, args.attn, trust_remote_code=args.trust_remote_code,
                       progress=_progress_to_stderr(args.quiet))
 
 
@@ -112,9 +121,9 @@ def cmd_split(args) -> int:
 def split_summary(res) -> str:
     s = res.settings
     lines = [f"model: {res.model['description']}",
-             f"dtype {s['dtype']} on {s['device']}, attention {s['attention']}, mode {s['mode']}, "
-             f"left pad {s['left_pad']}, position ids {s['position_ids']}, mask {s['attention_mask']}",
-             f"cached tokens [0, {s['split']}): {''.join(res.tokens[:s['split']])!r}",
+             f"dtype {s.dtype} on {s.device}, attention {s.attention}, mode {s.mode}, "
+             f"left pad {s.left_pad}, position ids {s.position_ids}, mask {s.attention_mask}",
+             f"cached tokens [0, {s.split}): {''.join(res.tokens[:s.split])!r}",
              f"compared tokens: {''.join(res.compared_tokens)!r}", ""]
     m = res.main
     if m.has_cache:
@@ -156,8 +165,8 @@ def cmd_greedy(args) -> int:
 def greedy_summary(res) -> str:
     s = res.settings
     lines = [f"model: {res.model['description']}",
-             f"dtype {s['dtype']} on {s['device']}, {s['max_new_tokens']} new tokens, left pad {s['left_pad']}"
-             + (", FAST PREVIEW" if s["fast"] else ""), ""]
+             f"dtype {s.dtype} on {s.device}, {s.max_new_tokens} new tokens, left pad {s.left_pad}"
+             + (", FAST PREVIEW" if s.fast else ""), ""]
     for p in res.paths.values():
         unsettled = "" if p.settled is None else f", {p.settled.count(False)} steps not settled"
         lines.append(f"[{p.label}] {p.forwards} forwards, {p.seconds:.2f} s{unsettled}")
@@ -174,7 +183,7 @@ def greedy_summary(res) -> str:
 
 def cmd_dtypes(args) -> int:
     from .jsonout import dumps
-    from .lab import run_dtypes
+    from .dtype_sweep import run_dtypes
     from .prompts import load_prompts
 
     if args.split not in ("last", "half"):
@@ -186,13 +195,13 @@ def cmd_dtypes(args) -> int:
             raise KvvizError(f"--split must be 1 or more, not {args.split}")
     prompts = [args.prompt] if args.prompt is not None else load_prompts(args.prompts, args.limit)
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-    res = run_dtypes(args.model, prompts, dtypes, args.device, args.attn, split=args.split, mode=args.mode,
+    res = run_dtypes(_spec(args), prompts, dtypes, args.device, args.attn, split=args.split, mode=args.mode,
                      trust_remote_code=args.trust_remote_code, progress=_progress_to_stderr(args.quiet))
     if args.json:
         print(dumps(res.to_dict()))
         return 0
-    print(f"model: {res.model['description']}; device {res.settings['device']}; {len(res.prompts)} prompts, "
-          f"split {res.settings['split']}")
+    print(f"model: {res.model['description']}; device {res.settings.device}; {len(res.prompts)} prompts, "
+          f"split {res.settings.split}")
     print("\nmax |Δ| per layer, mean over prompts (as seed 000 averages):")
     print(res.stat("max_abs", "mean").to_string(float_format=lambda v: f"{v:.3g}"))
     print("\nin units of each dtype's epsilon, max over prompts:")
@@ -204,7 +213,7 @@ def cmd_dtypes(args) -> int:
 
 def cmd_padding(args) -> int:
     from .jsonout import dumps
-    from .lab import run_padding
+    from .padding import run_padding
 
     if args.left_pad < 0:
         raise KvvizError(f"--left-pad must be 0 or more, not {args.left_pad}")
@@ -216,8 +225,8 @@ def cmd_padding(args) -> int:
     import pandas as pd
 
     with pd.option_context("display.width", 200, "display.max_columns", 20):
-        print(f"{res.settings['dtype']} on {res.settings['device']}; prompt split at {res.settings['split']}; "
-              f"left pad {res.settings['left_pad']}")
+        print(f"{res.settings.dtype} on {res.settings.device}; prompt split at {res.settings.split}; "
+              f"left pad {res.settings.left_pad}")
         print("\nverdicts:\n" + res.grid().to_string())
         print("\nrelative gap of the hidden states vs the prompt alone without cache:\n"
               + res.grid("hidden_relative").to_string(float_format=lambda v: f"{v:.2g}"))
@@ -226,7 +235,7 @@ def cmd_padding(args) -> int:
 
 def cmd_reuse(args) -> int:
     from .jsonout import dumps
-    from .lab import run_reuse
+    from .reuse import run_reuse
 
     lm = _load(args)
     res = run_reuse(lm, args.prefix, args.continuation, args.max_new_tokens, progress=_progress_to_stderr(args.quiet))

@@ -34,7 +34,7 @@ for i, cont in enumerate(res.settings["continuations"]):
     cols = st.columns(3)
     for col, (strategy, desc) in zip(cols, REUSE_STRATEGIES.items()):
         run = next(r for r in res.runs if r["index"] == i and r["strategy"] == strategy)
-        box = {"identical": col.success, "precision": col.info, "logic": col.error}[run["verdict"]]
+        box = {"identical": col.success, "precision": col.info, "logic": col.error}.get(run["verdict"], col.info)
         parts = "same tokens as fresh" if run["first_divergence"] is None else \
             f"parts from fresh at step {run['first_divergence']}"
         box(f"**{strategy}** — {run['verdict']}, {parts}\n\n{run['text']!r}")

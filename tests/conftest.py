@@ -16,7 +16,10 @@ if _CACHE is None:
 
     _CACHE = Path(tempfile.mkdtemp(prefix="kvviz-test-cache-"))
 os.environ["KVVIZ_CACHE"] = str(_CACHE)
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# A Hugging Face cache of the tests' own (tests/test_routes.py lays a hub model out in it), set before anything
+# imports huggingface_hub, which reads it once; offline as on the target machines.
+os.environ["HF_HUB_CACHE"] = str(_CACHE / "hf-hub")
+os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 PROMPT = "Hello world, caching is fun! 123"

@@ -11,17 +11,35 @@ text = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",))
 common = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
+def expected_split_error(lm, prompt, split, pad):
+    """The message fragment a bad split input must give, or None for a valid input."""
+    if pad < 0:  # settings are checked before the prompt
+        return "left padding"
+    if not prompt.strip():
+        return "empty"
+    n = len(lm.tokenizer(prompt)["input_ids"])
+    if n < 2:
+        return "single token"
+    if not 1 <= split <= n - 1:
+        return "outside the prompt"
+    return None
+
+
 @common
 @given(arch=st.sampled_from(kvviz.TINY_ARCHS), dtype=st.sampled_from(kvviz.DTYPE_NAMES), prompt=text,
        split=st.integers(-3, 60), pad=st.integers(-2, 12), mode=st.sampled_from(["chunk", "step"]),
        pos=st.sampled_from(["auto", "omit"]), mask=st.sampled_from(["full", "new-only"]))
 def test_split_never_crashes(arch, dtype, prompt, split, pad, mode, pos, mask):
     lm = kvviz.load_model(f"tiny:{arch}", dtype, "cpu")
+    expected = expected_split_error(lm, prompt, split, pad)
     try:
         res = run_split(lm, SplitConfig(prompt, split, mode, pad, pos, mask))
     except KvvizError as e:
-        assert str(e) and "\n" not in str(e)
+        # the only errors are the bad-input messages this input deserves, in one line
+        assert expected is not None, f"unexpected error: {e}"
+        assert expected in str(e) and "\n" not in str(e)
         return
+    assert expected is None, f"expected an error about {expected!r}"
     assert res.verdict in ("identical", "precision", "logic")
     if res.main.has_cache:
         assert res.main.hidden["max_abs"].shape[1] == len(res.tokens) - split
@@ -50,9 +68,12 @@ def test_greedy_never_crashes(arch, dtype, prompt, n, pad, fast):
     from kvviz.greedy import GreedyConfig, run_greedy
 
     lm = kvviz.load_model(f"tiny:{arch}", dtype, "cpu")
+    expected = "new tokens must be between" if n < 1 else "empty" if not prompt.strip() else None
     try:
         res = run_greedy(lm, GreedyConfig(prompt, n, pad, paths=("no_cache", "cache", "user_loop"), fast=fast))
     except KvvizError as e:
-        assert str(e) and "\n" not in str(e)
+        assert expected is not None, f"unexpected error: {e}"
+        assert expected in str(e) and "\n" not in str(e)
         return
+    assert expected is None, f"expected an error about {expected!r}"
     assert all(len(p.token_ids) == n for p in res.paths.values())

@@ -11,7 +11,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PIP := $(BIN)/python -m pip --disable-pip-version-check
 PYTEST_ARGS ?=
 
-.PHONY: run test setup setup-dev browser bench clean-venv
+.PHONY: run test setup setup-dev browser bench gpu-check clean-venv
 
 run: setup
 	$(BIN)/python -m streamlit run app.py
@@ -61,6 +61,10 @@ test: setup-dev
 
 bench: setup
 	$(BIN)/python bench/greedy_bench.py
+
+# On a CUDA machine: the library tests with device auto + the greedy benchmark, reported in docs/gpu.md.
+gpu-check: $(DEVSTAMP)
+	$(BIN)/python bench/gpu_check.py
 
 clean-venv:
 	rm -rf $(VENV)

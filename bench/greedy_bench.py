@@ -85,6 +85,7 @@ def main() -> int:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--write", action="store_true", help="append the figures to docs/benchmarks.md")
+    ap.add_argument("--json", default=None, help="also write the rows as JSON to this file")
     args = ap.parse_args()
     rows = []
     for dtype in args.dtypes.split(","):
@@ -126,6 +127,11 @@ def main() -> int:
               f"({row['exact_ratio']:.2f}x) | kvviz fast {row['fast']:.2f} s ({row['fast_ratio']:.2f}x) | "
               f"forwards exact/fast {row['forwards_exact']}/{row['forwards_fast']} | no_cache vs cache part at "
               f"{row['parting']} | exact tokens = naive tokens: {same}", flush=True)
+    if args.json:
+        import json
+
+        Path(args.json).write_text(json.dumps({"machine": machine(), "model": args.model, "tokens": args.tokens,
+                                               "repeats": args.repeats, "rows": rows}, indent=1))
     if args.write:
         out = ROOT / "docs" / "benchmarks.md"
         new = not out.exists()

@@ -23,6 +23,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 PROMPT = "Hello world, caching is fun! 123"
+# The device library tests run on: cpu by default (CI); `make gpu-check` sets KVVIZ_TEST_DEVICE=auto on a GPU machine.
+DEVICE = os.environ.get("KVVIZ_TEST_DEVICE", "cpu")
 
 # Property tests explore the same examples on every run, so CI is reproducible (and a failure can be replayed).
 from hypothesis import settings as _hyp_settings  # noqa: E402

@@ -12,7 +12,7 @@ from kvviz.cli import main
 from kvviz.errors import KvvizError
 from kvviz.loading import tiny_folder
 
-from conftest import ROOT
+from conftest import ROOT, DEVICE
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ MODEL_CASES = [  # (spec under the bad folder or as is, expected words)
 @pytest.mark.parametrize("spec, words", MODEL_CASES)
 def test_bad_models_library(bad, spec, words):
     with pytest.raises(KvvizError, match=words):
-        kvviz.load_model(spec.format(bad=bad), "float32", "cpu")
+        kvviz.load_model(spec.format(bad=bad), "float32", DEVICE)
 
 
 @pytest.mark.parametrize("spec, words", MODEL_CASES)
@@ -58,7 +58,7 @@ def test_bad_models_cli(bad, capsys, spec, words):
 
 def test_attention_not_installed(capsys):
     with pytest.raises(KvvizError, match="flash_attention_2"):
-        kvviz.load_model("tiny:llama", "float32", "cpu", "flash_attention_2")
+        kvviz.load_model("tiny:llama", "float32", DEVICE, "flash_attention_2")
     code = main(["split", "--model", "tiny:llama", "--prompt", "Hello world", "--split", "2", "--attn",
                  "flash_attention_2", "--quiet"])
     assert code == 1 and "not available" in capsys.readouterr().err
@@ -73,7 +73,7 @@ def test_dtype_the_device_cannot_run():
 
 
 def test_one_megabyte_prompt(capsys):
-    lm = kvviz.load_model("tiny:gpt2", "float32", "cpu")
+    lm = kvviz.load_model("tiny:gpt2", "float32", DEVICE)
     big = "word " * 210_000
     with pytest.raises(KvvizError, match="at most 100,000"):
         kvviz.run_split(lm, kvviz.SplitConfig(big, 3))
@@ -82,7 +82,7 @@ def test_one_megabyte_prompt(capsys):
 
 
 def test_split_equal_to_length():
-    lm = kvviz.load_model("tiny:gpt2", "float32", "cpu")
+    lm = kvviz.load_model("tiny:gpt2", "float32", DEVICE)
     n = len(lm.tokenizer("Hello")["input_ids"])
     with pytest.raises(KvvizError, match="outside the prompt"):
         kvviz.run_split(lm, kvviz.SplitConfig("Hello", n))

@@ -7,6 +7,7 @@ import kvviz
 from kvviz.loading import clear_cache, default_gguf_path
 
 pytestmark = pytest.mark.slow
+from conftest import DEVICE
 
 
 def test_default_model_converts_once_then_loads_from_cache(tmp_path, monkeypatch):
@@ -15,7 +16,7 @@ def test_default_model_converts_once_then_loads_from_cache(tmp_path, monkeypatch
     clear_cache()
     msgs = []
     t0 = time.perf_counter()
-    lm = kvviz.load_model("default", "float32", "cpu", progress=lambda f, m: msgs.append(m))
+    lm = kvviz.load_model("default", "float32", DEVICE, progress=lambda f, m: msgs.append(m))
     first = time.perf_counter() - t0
     conv = list((kvviz_cache / "gguf").glob("SmolLM2-135M-Instruct.Q4_1-*"))
     assert len(conv) == 1 and (conv[0] / "model.safetensors").is_file()
@@ -28,7 +29,7 @@ def test_default_model_converts_once_then_loads_from_cache(tmp_path, monkeypatch
     clear_cache()
     msgs2 = []
     t1 = time.perf_counter()
-    lm2 = kvviz.load_model("default", "float32", "cpu", progress=lambda f, m: msgs2.append(m))
+    lm2 = kvviz.load_model("default", "float32", DEVICE, progress=lambda f, m: msgs2.append(m))
     second = time.perf_counter() - t1
     assert any("Dequantizing" in m for m in msgs)  # the empty cache converts on the first load
     assert not any("Dequantizing" in m for m in msgs2)
@@ -41,7 +42,7 @@ def test_default_model_converts_once_then_loads_from_cache(tmp_path, monkeypatch
     assert res.main.hidden["relative"].shape == (31, len(res.tokens) - 8)
     assert res.main.cached_top1[-1].strip() == "Rome"
     # float64 on the real model: cached and uncached agree to 1e-10, also where float32 upcasts used to flip bits
-    lm64 = kvviz.load_model("default", "float64", "cpu")
+    lm64 = kvviz.load_model("default", "float64", DEVICE)
     for prompt, mode in [("Inflation means that over time the same amount of money buys", "chunk"),
                          ("The capital of France is Paris, and the capital of Italy is", "step")]:
         n = len(lm64.tokenizer(prompt)["input_ids"])

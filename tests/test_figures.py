@@ -6,11 +6,12 @@ import kvviz
 from kvviz import figures
 from kvviz.greedy import GreedyConfig, run_greedy
 from kvviz.lab import run_dtypes, run_padding, run_reuse
+from conftest import DEVICE
 
 
 @pytest.fixture(scope="module")
 def split_res():
-    lm = kvviz.load_model("tiny:llama", "bfloat16", "cpu")
+    lm = kvviz.load_model("tiny:llama", "bfloat16", DEVICE)
     return kvviz.run_split(lm, kvviz.SplitConfig("Hello world, caching is fun!", 8))
 
 
@@ -25,7 +26,7 @@ def test_split_heatmap(split_res):
     hover = np.array(hm.customdata, dtype=object)
     assert hover[0, 0][1] == "embeddings" and hover[0, 0][2] == "0 (bitwise equal)"
     assert list(fig.layout.xaxis.ticktext)[0].startswith("8:")
-    assert "cpu" in fig.layout.title.text and "bfloat16" in fig.layout.title.text
+    assert DEVICE in fig.layout.title.text and "bfloat16" in fig.layout.title.text
     lin = figures.split_heatmap(split_res, "max_abs", log=False)
     np.testing.assert_allclose(np.array(lin.data[0].z, dtype=float), split_res.main.hidden["max_abs"])
     with pytest.raises(ValueError):
@@ -48,7 +49,7 @@ def test_split_lines_and_tables(split_res):
 
 
 def test_greedy_figures():
-    lm = kvviz.load_model("tiny:gpt2", "float32", "cpu")
+    lm = kvviz.load_model("tiny:gpt2", "float32", DEVICE)
     res = run_greedy(lm, GreedyConfig("Hello", 10, left_pad=3, paths=("no_cache", "cache", "user_loop", "float64")))
     m = figures.greedy_margins(res)
     assert len(m.data) == 4 and m.layout.yaxis.type == "log"
@@ -67,12 +68,12 @@ def test_greedy_figures():
 
 
 def test_lab_figures():
-    res = run_dtypes("tiny:gpt2", ["Hello world", "Another prompt"], ["float32"], device="cpu")
+    res = run_dtypes("tiny:gpt2", ["Hello world", "Another prompt"], ["float32"], device=DEVICE)
     fig = figures.dtype_curves(res, "eps_units", "max")
     assert [t.name for t in fig.data] == ["float64", "float32"] and "device cpu" in fig.layout.title.text
-    lm = kvviz.load_model("tiny:gpt2", "float32", "cpu")
+    lm = kvviz.load_model("tiny:gpt2", "float32", DEVICE)
     grid = figures.padding_grid(run_padding(lm, "Hello world, caching", left_pad=2))
-    assert np.array(grid.data[0].z).shape == (3, 5) and "cpu" in grid.layout.title.text
+    assert np.array(grid.data[0].z).shape == (3, 5) and DEVICE in grid.layout.title.text
     frame = figures.reuse_frame(run_reuse(lm, "S:", [" a", " b"], 3))
     assert len(frame) == 6 and "verdict" in frame.columns
     assert str(frame["parts from fresh at step"].dtype) == "Int64"  # one type per column: Arrow can send it

@@ -5,6 +5,7 @@ import torch
 import kvviz
 from kvviz.errors import KvvizError
 from kvviz.greedy import PATHS, GreedyConfig, run_greedy
+from conftest import DEVICE
 
 PROMPT = "Once upon a time, there"
 N = 12
@@ -38,13 +39,13 @@ def naive_cache(model, ids, n):
 
 
 def ids_of(lm, prompt):
-    return torch.tensor([lm.tokenizer(prompt)["input_ids"]])
+    return torch.tensor([lm.tokenizer(prompt)["input_ids"]], device=lm.device)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "mistral"])
 def test_exact_paths_equal_naive_loops_bit_for_bit(arch, dtype):
-    lm = kvviz.load_model(f"tiny:{arch}", dtype, "cpu")
+    lm = kvviz.load_model(f"tiny:{arch}", dtype, DEVICE)
     res = run_greedy(lm, GreedyConfig(PROMPT, N, paths=("no_cache", "cache", "generate")))
     ids = ids_of(lm, PROMPT)
     nc_ids, nc_logits = naive_no_cache(lm.model, ids, N)
@@ -72,7 +73,7 @@ def test_exact_paths_equal_naive_loops_bit_for_bit(arch, dtype):
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2", "gemma2"])
 def test_float64_all_paths_agree(arch):
-    lm = kvviz.load_model(f"tiny:{arch}", "float64", "cpu")
+    lm = kvviz.load_model(f"tiny:{arch}", "float64", DEVICE)
     res = run_greedy(lm, GreedyConfig(PROMPT, N, paths=PATHS))
     toks = {p.name: p.token_ids for p in res.paths.values()}
     assert len({tuple(t) for t in toks.values()}) == 1, toks
@@ -90,7 +91,7 @@ def test_float64_all_paths_agree(arch):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "gpt_neox"])
 def test_fast_equals_exact_where_settled(arch, dtype):
-    lm = kvviz.load_model(f"tiny:{arch}", dtype, "cpu")
+    lm = kvviz.load_model(f"tiny:{arch}", dtype, DEVICE)
     exact = run_greedy(lm, GreedyConfig(PROMPT, 20, paths=("no_cache", "cache", "float64")))
     fast = run_greedy(lm, GreedyConfig(PROMPT, 20, paths=("no_cache", "cache", "float64"), fast=True))
     for name in ("no_cache", "float64"):
@@ -108,7 +109,7 @@ def test_fast_equals_exact_where_settled(arch, dtype):
 
 
 def test_user_loop_with_left_padding_parts_with_logic():
-    lm = kvviz.load_model("tiny:gpt2", "float32", "cpu")
+    lm = kvviz.load_model("tiny:gpt2", "float32", DEVICE)
     res = run_greedy(lm, GreedyConfig(PROMPT, N, left_pad=3, paths=("no_cache", "cache", "user_loop")))
     pair = res.pair("no_cache", "user_loop")
     assert pair.first_divergence is not None
@@ -118,13 +119,13 @@ def test_user_loop_with_left_padding_parts_with_logic():
 
 
 def test_user_loop_without_padding_matches_cache():
-    lm = kvviz.load_model("tiny:llama", "float32", "cpu")
+    lm = kvviz.load_model("tiny:llama", "float32", DEVICE)
     res = run_greedy(lm, GreedyConfig(PROMPT, N, paths=("cache", "user_loop")))
     assert res.paths["cache"].token_ids == res.paths["user_loop"].token_ids
 
 
 def test_omitted_positions_in_cache_path_with_padding_is_logic():
-    lm = kvviz.load_model("tiny:gpt2", "float32", "cpu")
+    lm = kvviz.load_model("tiny:gpt2", "float32", DEVICE)
     res = run_greedy(lm, GreedyConfig(PROMPT, N, left_pad=4, position_ids="omit", paths=("no_cache", "cache")))
     pair = res.pair("no_cache", "cache")
     assert pair.first_divergence is not None and pair.verdict == "logic"
@@ -135,7 +136,7 @@ def test_omitted_positions_in_cache_path_with_padding_is_logic():
 def test_constructed_16bit_tie_flip_is_precision(dtype, prompt):
     # tiny:tie is built so that "a" and "b" differ by 2^-12 of a weight: 16-bit rounds both weights to the same
     # number, so the logits tie exactly and argmax takes "a"; float64 chooses "b". Certain on every CPU and GPU.
-    lm = kvviz.load_model("tiny:tie", dtype, "cpu")
+    lm = kvviz.load_model("tiny:tie", dtype, DEVICE)
     res = run_greedy(lm, GreedyConfig(prompt, 4, paths=("no_cache", "cache", "float64")))
     assert res.paths["no_cache"].text == "aaaa" and res.paths["cache"].text == "aaaa"
     assert res.paths["float64"].text == "bbbb"
@@ -149,7 +150,7 @@ def test_constructed_16bit_tie_flip_is_precision(dtype, prompt):
 
 
 def test_constructed_tie_does_not_flip_in_float32():
-    lm = kvviz.load_model("tiny:tie", "float32", "cpu")
+    lm = kvviz.load_model("tiny:tie", "float32", DEVICE)
     res = run_greedy(lm, GreedyConfig("Hello", 3, paths=("no_cache", "cache", "float64")))
     assert {p.text for p in res.paths.values()} == {"bbb"}
     assert all(p.first_divergence is None for p in res.pairs)
@@ -157,7 +158,7 @@ def test_constructed_tie_does_not_flip_in_float32():
 
 
 def test_stop_at_divergence_truncates():
-    lm = kvviz.load_model("tiny:gpt2", "float32", "cpu")
+    lm = kvviz.load_model("tiny:gpt2", "float32", DEVICE)
     res = run_greedy(lm, GreedyConfig(PROMPT, 20, left_pad=3, paths=("cache", "user_loop"), stop_at_divergence=True))
     d = res.pair("cache", "user_loop").first_divergence
     assert d is not None
@@ -168,7 +169,7 @@ def test_result_json_has_everything():
     from kvviz.jsonout import dumps
     import json
 
-    lm = kvviz.load_model("tiny:llama", "bfloat16", "cpu")
+    lm = kvviz.load_model("tiny:llama", "bfloat16", DEVICE)
     res = run_greedy(lm, GreedyConfig(PROMPT, 6, paths=("no_cache", "cache", "float64")))
     d = json.loads(dumps(res.to_dict()))
     assert set(d["paths"]) == {"no_cache", "cache", "float64"}
@@ -189,13 +190,13 @@ def test_result_json_has_everything():
     (dict(prompt=""), "empty"),
 ])
 def test_bad_greedy_input(kw, msg):
-    lm = kvviz.load_model("tiny:gpt2", "float32", "cpu")
+    lm = kvviz.load_model("tiny:gpt2", "float32", DEVICE)
     cfg = dict(prompt=PROMPT, max_new_tokens=4, paths=("no_cache", "cache")) | kw
     with pytest.raises(KvvizError, match=msg):
         run_greedy(lm, GreedyConfig(**cfg))
 
 
 def test_context_overflow_counts_new_tokens():
-    lm = kvviz.load_model("tiny:gpt2", "float32", "cpu")
+    lm = kvviz.load_model("tiny:gpt2", "float32", DEVICE)
     with pytest.raises(KvvizError, match="context"):
         run_greedy(lm, GreedyConfig("x" * 500, 100, paths=("no_cache", "cache")))

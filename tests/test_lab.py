@@ -10,6 +10,7 @@ from kvviz.lab import PLACEMENTS, SCENARIOS, run_dtypes, run_padding, run_reuse
 from kvviz.prompts import builtin_prompts, load_prompts, parse_prompts
 from kvviz.split import SplitConfig, run_split
 import kvviz.jsonout  # noqa: E402,F401
+from conftest import DEVICE
 
 PROMPTS = ["Hello world, caching is fun", "def f(x):\n    return x", "Bonjour tout le monde", "1, 2, 3, 4, 5,"]
 
@@ -25,10 +26,10 @@ def test_builtin_set_is_large_and_varied():
 
 
 def test_dtypes_set_average_equals_mean_of_single_runs():
-    res = run_dtypes("tiny:llama", PROMPTS, ["float32", "bfloat16"], device="cpu")
+    res = run_dtypes("tiny:llama", PROMPTS, ["float32", "bfloat16"], device=DEVICE)
     assert res.dtypes == ["float64", "float32", "bfloat16"]
     for d in res.dtypes:
-        lm = kvviz.load_model("tiny:llama", d, "cpu")
+        lm = kvviz.load_model("tiny:llama", d, DEVICE)
         singles = []
         for p in PROMPTS:
             n = len(lm.tokenizer(p)["input_ids"])
@@ -48,18 +49,18 @@ def test_dtypes_set_average_equals_mean_of_single_runs():
 
 
 def test_dtypes_single_prompt_keeps_full_results():
-    res = run_dtypes("tiny:gpt2", PROMPTS[:1], ["float16"], device="cpu", split="half")
+    res = run_dtypes("tiny:gpt2", PROMPTS[:1], ["float16"], device=DEVICE, split="half")
     assert set(res.single) == {"float64", "float16"}
     assert res.single["float16"].main.hidden["max_abs"].shape[0] == 5
 
 
 def test_dtypes_roberta_says_no_cache():
     with pytest.raises(KvvizError, match="no cache"):
-        run_dtypes("tiny:roberta", PROMPTS[:1], ["float32"], device="cpu")
+        run_dtypes("tiny:roberta", PROMPTS[:1], ["float32"], device=DEVICE)
 
 
 def test_padding_grid_tells_precision_from_logic():
-    lm = kvviz.load_model("tiny:gpt2", "float32", "cpu")
+    lm = kvviz.load_model("tiny:gpt2", "float32", DEVICE)
     res = run_padding(lm, "Hello world, caching is fun!", left_pad=3)
     grid = res.grid()
     assert list(grid.index) == list(PLACEMENTS) and list(grid.columns) == [s[0] for s in SCENARIOS]
@@ -79,7 +80,7 @@ def test_padding_grid_tells_precision_from_logic():
 
 
 def test_reuse_after_growth_is_logic():
-    lm = kvviz.load_model("tiny:llama", "float32", "cpu")
+    lm = kvviz.load_model("tiny:llama", "float32", DEVICE)
     res = run_reuse(lm, "Story: ", [" Once upon", " The cat", " A dog ran"], 8)
     by = {(r["index"], r["strategy"]): r for r in res.runs}
     for i in range(3):

@@ -9,14 +9,16 @@ import kvviz
 from kvviz.errors import KvvizError
 from kvviz.loading import parse_spec, tiny_folder
 
+from conftest import DEVICE
+
 
 def test_tiny_models_are_saved_and_loaded_as_folders(kvviz_cache):
     folder = tiny_folder("llama")
     assert Path(folder).is_relative_to(kvviz_cache)
     assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
     assert json.loads((folder / "kvviz-tiny.json").read_text())["arch"] == "llama"
-    a = kvviz.load_model(str(folder), "float32", "cpu")  # the same model through the plain folder path
-    b = kvviz.load_model("tiny:llama", "float32", "cpu")
+    a = kvviz.load_model(str(folder), "float32", DEVICE)  # the same model through the plain folder path
+    b = kvviz.load_model("tiny:llama", "float32", DEVICE)
     assert a is not b
     for (n1, p1), (n2, p2) in zip(a.model.named_parameters(), b.model.named_parameters()):
         assert n1 == n2 and torch.equal(p1, p2)
@@ -24,7 +26,7 @@ def test_tiny_models_are_saved_and_loaded_as_folders(kvviz_cache):
 
 @pytest.mark.parametrize("arch", kvviz.TINY_ARCHS)
 def test_each_tiny_arch_loads_fast_with_its_quirks(arch):
-    lm = kvviz.load_model(f"tiny:{arch}", "float32", "cpu")
+    lm = kvviz.load_model(f"tiny:{arch}", "float32", DEVICE)
     assert lm.arch == arch
     assert lm.n_layers == 4
     cfg = lm.config
@@ -39,13 +41,13 @@ def test_each_tiny_arch_loads_fast_with_its_quirks(arch):
 
 
 def test_cache_is_keyed_and_models_are_never_mutated():
-    f32 = kvviz.load_model("tiny:qwen2", "float32", "cpu")
+    f32 = kvviz.load_model("tiny:qwen2", "float32", DEVICE)
     before = {n: p.clone() for n, p in f32.model.named_parameters()}
-    f16 = kvviz.load_model("tiny:qwen2", "float16", "cpu")
-    bf16 = kvviz.load_model("tiny:qwen2", "bfloat16", "cpu")
-    eager = kvviz.load_model("tiny:qwen2", "float32", "cpu", "eager")
+    f16 = kvviz.load_model("tiny:qwen2", "float16", DEVICE)
+    bf16 = kvviz.load_model("tiny:qwen2", "bfloat16", DEVICE)
+    eager = kvviz.load_model("tiny:qwen2", "float32", DEVICE, "eager")
     assert len({id(f32), id(f16), id(bf16), id(eager)}) == 4
-    assert kvviz.load_model("tiny:qwen2", "float32", "cpu") is f32
+    assert kvviz.load_model("tiny:qwen2", "float32", DEVICE) is f32
     assert next(f32.model.parameters()).dtype == torch.float32
     assert next(f16.model.parameters()).dtype == torch.float16
     assert eager.attn_implementation == "eager" and f32.attn_implementation == "sdpa"
@@ -56,11 +58,11 @@ def test_cache_is_keyed_and_models_are_never_mutated():
 def test_float64_models_stay_float64():
     import torch
 
-    lm = kvviz.load_model("tiny:llama", "float64", "cpu", "eager")
+    lm = kvviz.load_model("tiny:llama", "float64", DEVICE, "eager")
     assert lm.attn_implementation == "eager"
     assert any("kept in float64" in w for w in lm.warnings)
     norm = lm.model.model.norm  # LlamaRMSNorm casts to float32 inside; under kvviz it must not round
-    x = torch.randn(1, 3, 64, dtype=torch.float64)
+    x = torch.randn(1, 3, 64, dtype=torch.float64, device=lm.device)
     with torch.inference_mode():
         from kvviz.float64 import KeepFloat64
 
@@ -71,7 +73,7 @@ def test_float64_models_stay_float64():
     assert (exact - expected).abs().max() < 1e-15
     assert (plain - expected).abs().max() > 1e-12  # the float32 round trip transformers does on its own
     assert getattr(lm.model.forward, "_kvviz_float64", False)  # the loaded float64 model runs under the mode
-    f32 = kvviz.load_model("tiny:llama", "float32", "cpu", "eager")
+    f32 = kvviz.load_model("tiny:llama", "float32", DEVICE, "eager")
     assert not getattr(f32.model.forward, "_kvviz_float64", False)  # 16/32-bit runs keep transformers" own casts
 
 
@@ -89,7 +91,7 @@ def test_bad_specs(spec, msg):
 
 def test_folder_without_config(tmp_path):
     with pytest.raises(KvvizError, match="no config.json"):
-        kvviz.load_model(str(tmp_path), "float32", "cpu")
+        kvviz.load_model(str(tmp_path), "float32", DEVICE)
 
 
 def test_hub_id_offline_fails_fast(monkeypatch):
@@ -98,26 +100,26 @@ def test_hub_id_offline_fails_fast(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     t = time.perf_counter()
     with pytest.raises(KvvizError, match="not in the local Hugging Face cache"):
-        kvviz.load_model("someone/not-a-cached-model", "float32", "cpu")
+        kvviz.load_model("someone/not-a-cached-model", "float32", DEVICE)
     assert time.perf_counter() - t < 10
 
 
 def test_bad_dtype_device_attention():
     with pytest.raises(KvvizError, match="unknown dtype"):
-        kvviz.load_model("tiny:gpt2", "float8", "cpu")
+        kvviz.load_model("tiny:gpt2", "float8", DEVICE)
     with pytest.raises(KvvizError, match="unknown device"):
         kvviz.load_model("tiny:gpt2", "float32", "tpu9")
     if not torch.cuda.is_available():
         with pytest.raises(KvvizError, match="no CUDA GPU"):
             kvviz.load_model("tiny:gpt2", "float32", "cuda")
     with pytest.raises(KvvizError, match="unknown attention"):
-        kvviz.load_model("tiny:gpt2", "float32", "cpu", "magic")
+        kvviz.load_model("tiny:gpt2", "float32", DEVICE, "magic")
 
 
 def test_trust_remote_code_is_off_by_default_and_warned_when_on():
-    lm = kvviz.load_model("tiny:gpt2", "float32", "cpu")
+    lm = kvviz.load_model("tiny:gpt2", "float32", DEVICE)
     assert not lm.trust_remote_code and not any("trust_remote_code" in w for w in lm.warnings)
-    on = kvviz.load_model("tiny:gpt2", "float32", "cpu", trust_remote_code=True)
+    on = kvviz.load_model("tiny:gpt2", "float32", DEVICE, trust_remote_code=True)
     assert on is not lm and on.trust_remote_code
     assert any("trust_remote_code is on" in w for w in on.warnings)
 
@@ -136,7 +138,7 @@ def test_concurrent_runs_on_one_cached_model_match_a_single_run():
     from kvviz.greedy import GreedyConfig, run_greedy
     from kvviz.split import SplitConfig, run_split
 
-    lm = kvviz.load_model("tiny:llama", "bfloat16", "cpu")
+    lm = kvviz.load_model("tiny:llama", "bfloat16", DEVICE)
     before = {n: p.clone() for n, p in lm.model.named_parameters()}
     cfg = SplitConfig("Hello world, caching is fun! 123", 9, left_pad=2)
     alone = run_split(lm, cfg)

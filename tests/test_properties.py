@@ -5,6 +5,7 @@ from hypothesis import strategies as st
 import kvviz
 from kvviz.errors import KvvizError
 from kvviz.split import SplitConfig, run_split
+from conftest import DEVICE
 
 CAUSAL = [a for a in kvviz.TINY_ARCHS if a != "roberta"]
 text = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=0, max_size=40)
@@ -30,7 +31,7 @@ def expected_split_error(lm, prompt, split, pad):
        split=st.integers(-3, 60), pad=st.integers(-2, 12), mode=st.sampled_from(["chunk", "step"]),
        pos=st.sampled_from(["auto", "omit"]), mask=st.sampled_from(["full", "new-only"]))
 def test_split_never_crashes(arch, dtype, prompt, split, pad, mode, pos, mask):
-    lm = kvviz.load_model(f"tiny:{arch}", dtype, "cpu")
+    lm = kvviz.load_model(f"tiny:{arch}", dtype, DEVICE)
     expected = expected_split_error(lm, prompt, split, pad)
     try:
         res = run_split(lm, SplitConfig(prompt, split, mode, pad, pos, mask))
@@ -50,7 +51,7 @@ def test_split_never_crashes(arch, dtype, prompt, split, pad, mode, pos, mask):
 @given(arch=st.sampled_from(CAUSAL), prompt=st.text(min_size=2, max_size=40), data=st.data(),
        pad=st.integers(0, 8), mode=st.sampled_from(["chunk", "step"]))
 def test_float64_divergence_stays_below_1e10(arch, prompt, data, pad, mode):
-    lm = kvviz.load_model(f"tiny:{arch}", "float64", "cpu")
+    lm = kvviz.load_model(f"tiny:{arch}", "float64", DEVICE)
     n = len(lm.tokenizer(prompt)["input_ids"])
     if n < 2:
         return
@@ -67,7 +68,7 @@ def test_float64_divergence_stays_below_1e10(arch, prompt, data, pad, mode):
 def test_greedy_never_crashes(arch, dtype, prompt, n, pad, fast):
     from kvviz.greedy import GreedyConfig, run_greedy
 
-    lm = kvviz.load_model(f"tiny:{arch}", dtype, "cpu")
+    lm = kvviz.load_model(f"tiny:{arch}", dtype, DEVICE)
     expected = "new tokens must be between" if n < 1 else "empty" if not prompt.strip() else None
     try:
         res = run_greedy(lm, GreedyConfig(prompt, n, pad, paths=("no_cache", "cache", "user_loop"), fast=fast))

@@ -13,6 +13,7 @@ import pytest
 import kvviz
 from kvviz.cli import main
 from kvviz.loading import default_gguf_path, tiny_folder
+from conftest import DEVICE
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "Hello world, caching is fun! 123"
@@ -54,7 +55,7 @@ ROUTES = ["folder_model", "hub_model", "gguf_model"]
 
 
 def run_cli(capsys, *argv) -> dict:
-    code = main([*argv, "--json", "--quiet", "--device", "cpu"])
+    code = main([*argv, "--json", "--quiet", "--device", DEVICE])
     out, err = capsys.readouterr()
     assert code == 0, err
     return json.loads(out)
@@ -170,7 +171,7 @@ def test_a_broken_local_folder_never_falls_back_to_the_hub(tmp_path, capsys):
 
 
 def test_twin_keeps_the_route(folder_model):
-    lm = kvviz.load_model(folder_model, "bfloat16", "cpu")
+    lm = kvviz.load_model(folder_model, "bfloat16", DEVICE)
     ref = lm.reference()
     assert ref.spec == lm.spec and ref.dtype.is_floating_point and str(ref.dtype) == "torch.float64"
     assert ref.reference() is ref and lm.twin("bfloat16") is lm

@@ -7,13 +7,13 @@ import kvviz
 from kvviz.errors import KvvizError
 from kvviz.split import FLOAT64_CLOSED_REL, SplitConfig, run_split
 
-from conftest import PROMPT
+from conftest import PROMPT, DEVICE
 
 CAUSAL = [a for a in kvviz.TINY_ARCHS if a != "roberta"]
 
 
 def lm(arch, dtype="float32"):
-    return kvviz.load_model(f"tiny:{arch}", dtype, "cpu")
+    return kvviz.load_model(f"tiny:{arch}", dtype, DEVICE)
 
 
 @pytest.mark.parametrize("mode", ["chunk", "step"])

@@ -1,0 +1,106 @@
+"""`make gpu-check`: the library tests with device auto on a CUDA machine, plus the greedy benchmark, written up
+as a short report (device, versions, pass/fail, ratios) in docs/gpu.md.
+
+    python bench/gpu_check.py [--out docs/gpu.md] [--tokens 64] [--repeats 3] [--no-bench]
+
+The browser and Streamlit tests are left out (they test the app, not the numbers). On a machine without CUDA it
+says so and runs nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+APP_TESTS = ("tests/test_app.py", "tests/test_browser.py", "tests/test_streamlit_internals.py")
+
+
+def run_tests(extra: list[str]) -> dict:
+    """pytest -m 'not browser' with KVVIZ_TEST_DEVICE=auto; counts and the failing tests from its JUnit XML."""
+    xml = Path(tempfile.mkdtemp()) / "junit.xml"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "not browser", "-p", "no:cacheprovider", f"--junitxml={xml}",
+           *[f"--ignore={t}" for t in APP_TESTS], *extra]
+    env = dict(os.environ, KVVIZ_TEST_DEVICE="auto", HF_HUB_OFFLINE="1")
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    took = time.perf_counter() - t0
+    print(proc.stdout[-4000:], proc.stderr[-2000:], sep="\n", flush=True)
+    if not xml.exists():
+        return {"tests": 0, "failures": 0, "errors": 1, "skipped": 0, "failed": ["pytest did not run"], "seconds": took}
+    suite = ET.parse(xml).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    failed = [f"{c.get('classname')}::{c.get('name')}" for c in suite.iter("testcase")
+              if c.find("failure") is not None or c.find("error") is not None]
+    return {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")} | {
+        "failed": failed, "seconds": took}
+
+
+def run_bench(tokens: int, repeats: int) -> dict | None:
+    out = Path(tempfile.mkdtemp()) / "bench.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "greedy_bench.py"), "--device", "cuda", "--tokens", str(tokens),
+           "--repeats", str(repeats), "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    print(proc.stdout[-3000:], proc.stderr[-2000:], sep="\n", flush=True)
+    return json.loads(out.read_text()) if out.exists() else None
+
+
+def report(env: dict, tests: dict, bench: dict | None) -> str:
+    passed = tests["tests"] - tests["failures"] - tests["errors"] - tests["skipped"]
+    lines = [f"\n## {time.strftime('%Y-%m-%d')} — {env['device_name']}\n",
+             f"torch {env['torch']} (CUDA {env['cuda']}, cuDNN {env['cudnn']}), transformers {env['transformers']}, "
+             f"kvviz {env['kvviz']}, Python {env['python']}; CPU {env['cpu']}.\n",
+             f"Library tests with `KVVIZ_TEST_DEVICE=auto` (browser/app tests left out): **{passed} passed**, "
+             f"{tests['failures']} failed, {tests['errors']} errors, {tests['skipped']} skipped, "
+             f"{tests['seconds']:.0f} s."]
+    lines += [f"- failed: `{name}`" for name in tests["failed"]]
+    flags = env["flags"]
+    lines.append(f"\nPrecision flags during the run: TF32 matmul {flags['cuda_matmul_allow_tf32']}, "
+                 f"float32 matmul precision {flags['float32_matmul_precision']}, deterministic "
+                 f"{flags['deterministic_algorithms']}.")
+    if bench:
+        lines += ["", f"Greedy benchmark (`bench/greedy_bench.py --device cuda`, model `{bench['model']}`, "
+                      f"{bench['tokens']} new tokens, median of {bench['repeats']}):", "",
+                  "| dtype | naive script | kvviz exact | ratio | kvviz fast | ratio | exact tokens = naive |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['dtype']} | {r['naive']:.2f} s | {r['exact']:.2f} s | {r['exact_ratio']:.2f}× | "
+                  f"{r['fast']:.2f} s | {r['fast_ratio']:.2f}× | {r['same_tokens']} |" for r in bench["rows"]]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=str(ROOT / "docs" / "gpu.md"))
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-bench", action="store_true")
+    ap.add_argument("pytest_args", nargs="*", help="extra pytest arguments (e.g. -k split)")
+    args = ap.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu-check: no CUDA GPU here; nothing to check (the CPU suite is `make test`)", file=sys.stderr)
+        return 1
+    from kvviz.environment import environment
+
+    env = environment("cuda")
+    tests = run_tests(args.pytest_args)
+    bench = None if args.no_bench else run_bench(args.tokens, args.repeats)
+    out = Path(args.out)
+    head = "" if out.exists() else ("# kvviz on a GPU\n\nWritten by `make gpu-check` (bench/gpu_check.py): the library "
+                                    "tests with device auto, and the greedy benchmark against the naive script.\n")
+    with open(out, "a", encoding="utf-8") as f:
+        f.write(head + report(env, tests, bench))
+    print(f"written to {out}")
+    return 0 if not tests["failed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

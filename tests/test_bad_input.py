@@ -5,7 +5,6 @@ import shutil
 
 import pytest
 import torch
-from streamlit.testing.v1 import AppTest
 
 import kvviz
 from kvviz.cli import main
@@ -106,7 +105,9 @@ def test_out_of_memory_is_one_line_and_frees(monkeypatch, capsys):
 # The same in the app: a message, no exception, no charts, and the app works again afterwards
 
 
-def app(page: str) -> AppTest:
+def app(page: str):
+    from streamlit.testing.v1 import AppTest  # here, so the library tests above run where Streamlit is absent
+
     at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
     at.session_state["model_preset"] = "tiny:gpt2"
     at.run()

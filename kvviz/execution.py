@@ -53,6 +53,11 @@ def register_run_context(factory: RunContextFactory) -> None:
         _RUN_CONTEXTS.append(factory)
 
 
+def unregister_run_context(factory: RunContextFactory) -> None:
+    if factory in _RUN_CONTEXTS:
+        _RUN_CONTEXTS.remove(factory)
+
+
 def register_compiler(factory: CompilerFactory) -> None:
     _COMPILER[:] = [factory]
 

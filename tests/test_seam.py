@@ -1,0 +1,130 @@
+"""The execution seam: one place builds every call; settings apply for one run and are restored, also on error."""
+import contextlib
+import threading
+
+import pytest
+import torch
+
+import kvviz
+from kvviz import execution, loading
+from kvviz.errors import KvvizError
+from kvviz.execution import ExecSettings, Executor, register_run_context, unregister_run_context
+from kvviz.greedy import GreedyConfig, run_greedy
+from kvviz.split import SplitConfig, run_split
+
+from conftest import DEVICE, PROMPT
+
+
+def test_settings_validate_and_describe_themselves():
+    assert ExecSettings().is_default and ExecSettings().label() == "cache dynamic"
+    with pytest.raises(KvvizError, match="unknown cache kind 'nope'"):
+        ExecSettings(cache="nope").validate()
+    s = ExecSettings(invariant=True)
+    assert s.with_(invariant=False).is_default and s.to_dict()["invariant"] is True
+
+
+def test_every_scenario_runs_through_the_executor(monkeypatch):
+    """Count Executor.forward calls: split, greedy, padding and reuse all go through it (no hand-built calls)."""
+    calls = []
+    real = Executor.forward
+
+    def counting(self, *a, **k):
+        calls.append(type(self).__name__)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(Executor, "forward", counting)
+    lm = kvviz.load_model("tiny:llama", "float32", DEVICE)
+    run_split(lm, SplitConfig(PROMPT, split=5, mode="step"))
+    n_split = len(calls)
+    assert n_split >= 3 + (len(lm.tokenizer(PROMPT)["input_ids"]) - 5)  # prefix, full, every step
+    run_greedy(lm, GreedyConfig(PROMPT, 3, paths=("no_cache", "cache")))
+    assert len(calls) - n_split == 3 + 3  # 3 full forwards + prefill and 2 decode steps
+    from kvviz.padding import run_padding
+    from kvviz.reuse import run_reuse
+
+    before = len(calls)
+    run_padding(lm, PROMPT, left_pad=0)
+    assert len(calls) > before
+    before = len(calls)
+    run_reuse(lm, "Answer.", [" Q?"], 2)
+    assert len(calls) > before
+
+
+def test_a_run_context_is_entered_per_run_and_restored_after_an_error():
+    state = {"inside": 0, "entered": 0}
+
+    @contextlib.contextmanager
+    def marker():
+        state["inside"] += 1
+        state["entered"] += 1
+        try:
+            yield
+        finally:
+            state["inside"] -= 1
+
+    def factory(settings, lm):
+        return marker() if settings.invariant else None
+
+    register_run_context(factory)
+    try:
+        lm = kvviz.load_model("tiny:gpt2", "float32", DEVICE)
+        ex = Executor(lm, ExecSettings(invariant=True))
+        with pytest.raises(RuntimeError, match="boom"):
+            with ex.session():
+                assert state["inside"] == 1
+                raise RuntimeError("boom")
+        assert state == {"inside": 0, "entered": 1}
+        with Executor(lm).session():  # default settings: the context is not entered
+            assert state["inside"] == 0
+        assert not lm.lock._is_owned()  # the model's lock is released after the error too
+    finally:
+        unregister_run_context(factory)
+
+
+def test_the_session_holds_the_models_lock_and_inference_mode():
+    lm = kvviz.load_model("tiny:gpt2", "float32", DEVICE)
+    seen = []
+    with Executor(lm).session():
+        seen.append(torch.is_inference_mode_enabled())
+        t = threading.Thread(target=lambda: seen.append(lm.lock.acquire(blocking=False)))
+        t.start()
+        t.join()
+    assert seen == [True, False]  # another thread could not take the model while a run held it
+
+
+def test_the_load_lock_table_stays_empty_between_loads():
+    for arch in ("llama", "gpt2", "qwen2"):
+        kvviz.load_model(f"tiny:{arch}", "bfloat16", DEVICE)
+    assert loading._KEY_LOCKS == {}
+    # concurrent loads of one key share one lock, and it is gone afterwards
+    kvviz.clear_cache()
+    out = []
+    threads = [threading.Thread(target=lambda: out.append(kvviz.load_model("tiny:mistral", "float16", DEVICE)))
+               for _ in range(4)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert len({id(m) for m in out}) == 1 and loading._KEY_LOCKS == {}
+
+
+def test_a_pair_parting_at_step_zero_reads_as_parting():
+    from kvviz import figures
+
+    lm = kvviz.load_model("tiny:tie", "bfloat16", DEVICE)
+    res = run_greedy(lm, GreedyConfig("Hi", 3, paths=("no_cache", "float64")))
+    pair = res.pair("no_cache", "float64")
+    assert pair.first_divergence == 0
+    row = figures.greedy_pairs_frame(res).iloc[0]
+    assert row["first parting step"] == 0
+    assert row["max |Δ logit| up to parting"] == pair.max_abs_logit[0]
+
+
+def test_results_carry_typed_settings():
+    lm = kvviz.load_model("tiny:llama", "bfloat16", DEVICE)
+    res = run_split(lm, SplitConfig(PROMPT, split=4), settings=ExecSettings())
+    s = res.settings
+    assert (s.dtype, s.split, s.model, s.spec_kind) == ("bfloat16", 4, "tiny:llama", "tiny")
+    assert s.execution == ExecSettings() and s["dtype"] == "bfloat16"
+    assert s.config == SplitConfig(PROMPT, split=4)
+    assert res.to_dict()["settings"]["execution"] == {"cache": "dynamic", "compile": "off", "flags": [],
+                                                      "invariant": False}
+    assert execution.RunInfo.of(lm).device == str(lm.device)

@@ -36,6 +36,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attn", default="auto", choices=ATTN_CHOICES, help="attention implementation")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="run the model's own Python code (off by default; only for models you trust)")
+    p.add_argument("--invariant", action="store_true",
+                   help="run in invariant mode: every op computes a row the same way however many rows it sees, so a "
+                        "cached run equals the full forward bit for bit wherever the logic is right")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
@@ -94,6 +97,13 @@ def _spec(args):
     return args.spec
 
 
+def _settings(args):
+    """How the model runs (kvviz.execution.ExecSettings), from the common options."""
+    from .execution import ExecSettings
+
+    return ExecSettings(invariant=bool(getattr(args, "invariant", False))).validate()
+
+
 def _load(args):
     from .loading import load_model
 
@@ -110,7 +120,7 @@ def cmd_split(args) -> int:
     lm = _load(args)
     cfg = SplitConfig(prompt=args.prompt, split=args.split, mode=args.mode, left_pad=args.left_pad,
                       position_ids=args.position_ids, attention_mask=args.attention_mask)
-    res = run_split(lm, cfg, progress=_progress_to_stderr(args.quiet))
+    res = run_split(lm, cfg, progress=_progress_to_stderr(args.quiet), settings=_settings(args))
     if args.json:
         print(dumps(res.to_dict()))
         return 0
@@ -142,6 +152,8 @@ def split_summary(res) -> str:
     if res.float64 is not None:
         lines.append(f"float64 rerun: max relative gap {res.float64.max_relative:.3g}")
     lines += ["", f"verdict: {res.verdict.upper()}", res.explanation]
+    if res.proof:
+        lines.append(res.proof)
     return "\n".join(lines)
 
 
@@ -157,7 +169,7 @@ def cmd_greedy(args) -> int:
                        stop_at_divergence=args.stop_at_divergence)
     cfg.validate()  # before loading the model: bad arguments fail at once
     lm = _load(args)
-    res = run_greedy(lm, cfg, progress=_progress_to_stderr(args.quiet))
+    res = run_greedy(lm, cfg, progress=_progress_to_stderr(args.quiet), settings=_settings(args))
     print(dumps(res.to_dict()) if args.json else greedy_summary(res))
     return 0
 
@@ -196,7 +208,8 @@ def cmd_dtypes(args) -> int:
     prompts = [args.prompt] if args.prompt is not None else load_prompts(args.prompts, args.limit)
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     res = run_dtypes(_spec(args), prompts, dtypes, args.device, args.attn, split=args.split, mode=args.mode,
-                     trust_remote_code=args.trust_remote_code, progress=_progress_to_stderr(args.quiet))
+                     trust_remote_code=args.trust_remote_code, progress=_progress_to_stderr(args.quiet),
+                     settings=_settings(args))
     if args.json:
         print(dumps(res.to_dict()))
         return 0
@@ -218,7 +231,8 @@ def cmd_padding(args) -> int:
     if args.left_pad < 0:
         raise KvvizError(f"--left-pad must be 0 or more, not {args.left_pad}")
     lm = _load(args)
-    res = run_padding(lm, args.prompt, args.split, args.left_pad, progress=_progress_to_stderr(args.quiet))
+    res = run_padding(lm, args.prompt, args.split, args.left_pad, progress=_progress_to_stderr(args.quiet),
+                      settings=_settings(args))
     if args.json:
         print(dumps(res.to_dict()))
         return 0
@@ -238,7 +252,8 @@ def cmd_reuse(args) -> int:
     from .reuse import run_reuse
 
     lm = _load(args)
-    res = run_reuse(lm, args.prefix, args.continuation, args.max_new_tokens, progress=_progress_to_stderr(args.quiet))
+    res = run_reuse(lm, args.prefix, args.continuation, args.max_new_tokens, progress=_progress_to_stderr(args.quiet),
+                    settings=_settings(args))
     if args.json:
         print(dumps(res.to_dict()))
         return 0

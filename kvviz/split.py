@@ -139,6 +139,14 @@ class SplitResult:
     explanation: str
     notes: list[str]
     elapsed_s: float
+    invariant: Comparison | None = None  # the same scenario in invariant mode: the proof of a precision verdict
+    proof: str | None = None  # one line: what the invariant run shows
+
+    @property
+    def proved(self) -> bool | None:
+        """True: in invariant mode the gap is exactly 0 (precision, proved); False: a gap survives it; None: not
+        checked."""
+        return None if self.invariant is None else self.invariant.identical
 
     @property
     def compared_tokens(self) -> list[str]:
@@ -159,6 +167,9 @@ class SplitResult:
             "verdict": self.verdict,
             "explanation": self.explanation,
             "float64_evidence": self.float64.to_dict() if self.float64 is not None else None,
+            "invariant_check": self.invariant.to_dict() if self.invariant is not None else None,
+            "proved": self.proved,
+            "proof": self.proof,
             "notes": self.notes,
             "elapsed_s": self.elapsed_s,
         }
@@ -339,15 +350,32 @@ def float64_model(lm: LoadedModel) -> LoadedModel:
     return lm.reference()  # kept for older callers
 
 
+def proof_line(verdict: str, main: Comparison, inv: Comparison, settings: ExecSettings) -> str:
+    """What the invariant run says about the verdict, in one line."""
+    if settings.invariant:
+        return ("This run is in invariant mode: every kernel computes each row the same way however many rows or "
+                "keys it sees" + (", and the gap is exactly 0." if main.identical else
+                                  f"; a gap of {main.max_abs:.3g} survives, so it is not reduction order."))
+    if inv.identical:
+        if verdict == "precision":
+            return (f"Precision — proved: in invariant mode (each row computed by the same kernel in the same order "
+                    f"whatever the shape) the gap is exactly 0, against {main.max_abs:.3g} in the normal run; "
+                    f"reduction order alone made it.")
+        return "In invariant mode the gap is exactly 0 as well."
+    return (f"In invariant mode a gap of {inv.max_abs:.3g} survives (normal run: {main.max_abs:.3g}): not reduction "
+            f"order alone" + (" — logic." if verdict == "logic" else "; use the bisector to see where it starts."))
+
+
 def run_split(lm: LoadedModel, cfg: SplitConfig, progress: Progress | None = None,
               reference: LoadedModel | None = None, float64_comparison: Comparison | None = None,
-              settings: ExecSettings | None = None) -> SplitResult:
+              settings: ExecSettings | None = None, prove: bool | None = None) -> SplitResult:
     """Compare the full forward with the cached path for `cfg`; rerun in float64 for the verdict if needed.
 
     reference: the float64 model to use for the verdict (lm.reference() when not given);
     float64_comparison: the same scenario already run in float64 (the dtype sweep runs it once for all dtypes);
     settings: how the model runs (cache kind, compile, flags, invariant mode); the float64 rerun uses the same
-    settings without compile."""
+    settings without compile. prove: also run the scenario in invariant mode (default: when the verdict is
+    precision), so a precision verdict comes with its proof (the gap is exactly 0 there)."""
     progress = progress or (lambda f, m: None)
     settings = (settings or DEFAULT_SETTINGS).validate()
     t0 = time.perf_counter()
@@ -367,8 +395,16 @@ def run_split(lm: LoadedModel, cfg: SplitConfig, progress: Progress | None = Non
             f64 = _run(ref_lm, cfg, build_inputs(ref_lm, cfg.prompt, cfg.left_pad),
                        lambda f, m: progress(0.7 + 0.3 * f, f"float64: {m}"), settings.with_(compile="off"))
     verdict, explanation = verdict_for(cfg, main, f64)
+    inv, proof = None, None
+    if main.has_cache and (settings.invariant or (prove if prove is not None else verdict == "precision")):
+        inv = main if settings.invariant else None
+        if inv is None:
+            progress(0.95, "Rerunning in invariant mode for the proof…")
+            inv = _run(lm, cfg, inp, lambda f, m: None, settings.with_(invariant=True, compile="off"))
+        proof = proof_line(verdict, main, inv, settings)
     progress(1.0, "Done")
     return SplitResult(settings=SplitSettings.of(cfg, RunInfo.of(lm, settings)), model=lm.summary(),
                        tokens=inp.token_texts, token_ids=inp.token_ids, compared=list(range(cfg.split, inp.n_tokens)),
                        layer_labels=layer_labels(lm.n_layers + 1), main=main, float64=f64, verdict=verdict,
-                       explanation=explanation, notes=list(lm.warnings), elapsed_s=time.perf_counter() - t0)
+                       explanation=explanation, notes=list(lm.warnings), elapsed_s=time.perf_counter() - t0,
+                       invariant=inv, proof=proof)

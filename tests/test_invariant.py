@@ -1,0 +1,141 @@
+"""Invariant mode: cached and full forwards agree bit for bit wherever the logic is right (every tiny architecture,
+sliding windows past the window, 16-bit dtypes, chunk and step, greedy paths, alone vs in a padded batch); logic
+errors keep their gap; nothing stays switched on after a run."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kvviz
+from kvviz import invariant
+from kvviz.execution import ExecSettings, Executor
+from kvviz.greedy import GreedyConfig, run_greedy
+from kvviz.padding import run_padding
+from kvviz.split import SplitConfig, run_split
+
+from conftest import DEVICE, PROMPT
+
+INV = ExecSettings(invariant=True)
+CAUSAL = [a for a in kvviz.TINY_ARCHS if a != "roberta"]
+
+
+def assert_bitwise(res):
+    m = res.main
+    assert m.has_cache and m.identical
+    assert m.hidden["max_abs"].max() == 0 and m.logits["max_abs"].max() == 0
+    assert all(r["keys_differ"] == 0 and r["values_differ"] == 0 and r["keys_total"] > 0 for r in m.kv)
+    assert res.verdict == "identical"
+
+
+@pytest.mark.parametrize("mode", ["chunk", "step"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", CAUSAL)
+def test_cached_equals_full_bit_for_bit(arch, dtype, mode):
+    lm = kvviz.load_model(f"tiny:{arch}", dtype, DEVICE)
+    prompt = PROMPT * 2 if arch in ("mistral", "gemma2") else PROMPT  # past the sliding window of 8
+    res = run_split(lm, SplitConfig(prompt, split=11, mode=mode, left_pad=2), settings=INV)
+    assert_bitwise(res)
+    assert "gap is exactly 0" in res.proof and res.settings.execution.invariant
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_float16_too(arch):
+    lm = kvviz.load_model(f"tiny:{arch}", "float16", DEVICE)
+    assert_bitwise(run_split(lm, SplitConfig(PROMPT * 2, split=20, mode="step"), settings=INV))
+
+
+@pytest.mark.slow
+def test_default_model_bfloat16_step():
+    lm = kvviz.load_model("default", "bfloat16", DEVICE)
+    res = run_split(lm, SplitConfig("The capital of France is Paris, and the capital of Italy is", split=6,
+                                    mode="step"), settings=INV)
+    assert_bitwise(res)
+
+
+@pytest.mark.parametrize("kw, cause", [
+    (dict(left_pad=3, position_ids="omit"), "position ids were omitted"),
+    (dict(attention_mask="new-only"), "attention mask covered only the new tokens"),
+    (dict(left_pad=2, attention_mask="new-only", mode="step"), "attention mask covered only the new tokens"),
+])
+def test_logic_errors_keep_their_gap(kw, cause):
+    lm = kvviz.load_model("tiny:llama", "bfloat16", DEVICE)
+    res = run_split(lm, SplitConfig(PROMPT, split=8, **kw), settings=INV)
+    assert res.verdict == "logic" and cause in res.explanation
+    assert res.main.max_abs > 1e-2 and res.float64.max_relative > 1e-3
+    assert "survives" in res.proof and res.proved is False
+
+
+def test_bidirectional_model_stays_logic():
+    res = run_split(kvviz.load_model("tiny:roberta", "bfloat16", DEVICE), SplitConfig(PROMPT, split=8), settings=INV)
+    assert res.verdict == "logic" and not res.main.has_cache
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_a_normal_run_comes_with_its_proof(arch):
+    lm = kvviz.load_model(f"tiny:{arch}", "bfloat16", DEVICE)
+    res = run_split(lm, SplitConfig(PROMPT, split=8, mode="step"), prove=True)
+    assert res.invariant is not None and res.invariant.identical and res.proved is True
+    assert res.verdict in ("identical", "precision")
+    expected = "Precision — proved" if res.verdict == "precision" else "exactly 0 as well"
+    assert expected in res.proof
+    d = res.to_dict()
+    assert d["proved"] is True and d["invariant_check"]["identical"] is True
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma2"])
+def test_greedy_paths_identical_token_for_token(arch):
+    lm = kvviz.load_model(f"tiny:{arch}", "bfloat16", DEVICE)
+    res = run_greedy(lm, GreedyConfig("Once upon a time, there", 10, paths=("no_cache", "cache", "generate")),
+                     settings=INV)
+    for pair in res.pairs:
+        assert pair.first_divergence is None and max(pair.max_abs_logit) == 0.0, (pair.a, pair.b)
+
+
+def test_alone_equals_left_padded_and_batched():
+    lm = kvviz.load_model("tiny:qwen2", "bfloat16", DEVICE)
+    res = run_padding(lm, "Once upon a time, there", left_pad=3, settings=INV)
+    bitwise = res.grid("bitwise_equal")
+    for placement in ("alone", "left-padded", "in a batch"):
+        assert bitwise.loc[placement, "no cache"] and bitwise.loc[placement, "cache"]
+    assert res.grid().loc["left-padded", "cache, positions omitted"] == "logic"
+
+
+def test_nothing_stays_on_after_a_run_or_an_error():
+    lm = kvviz.load_model("tiny:llama", "float32", DEVICE)
+    run_split(lm, SplitConfig(PROMPT, split=5), settings=INV)
+    assert not invariant.active() and torch._C._len_torch_function_stack() == 0
+    with pytest.raises(RuntimeError, match="boom"):
+        with Executor(lm, INV).session():
+            assert invariant.active() and torch._C._len_torch_function_stack() == 1
+            raise RuntimeError("boom")
+    assert not invariant.active() and torch._C._len_torch_function_stack() == 0
+    # and the ops are the plain ones again: F.linear is one batched call, not one per row
+    x, w = torch.randn(5, 8), torch.randn(3, 8)
+    assert torch.equal(F.linear(x, w), torch.mm(x, w.t()))
+
+
+def test_invariant_mode_is_per_thread():
+    import threading
+
+    seen = []
+    with invariant.invariant_mode():
+        t = threading.Thread(target=lambda: seen.append((invariant.active(), torch._C._len_torch_function_stack())))
+        t.start()
+        t.join()
+        assert invariant.active()
+    assert seen == [(False, 0)]
+
+
+def test_fixed_order_ops_do_not_depend_on_shape():
+    torch.manual_seed(0)
+    a, b = torch.randn(7, 33, dtype=torch.bfloat16), torch.randn(33, 5, dtype=torch.bfloat16)
+    full = invariant.fixed_order_matmul(a, b)
+    assert all(torch.equal(invariant.fixed_order_matmul(a[i:i + 1], b), full[i:i + 1]) for i in range(7))
+    assert torch.equal(invariant.fixed_order_matmul(a, b[:, :2]), full[:, :2])  # fewer columns, same bits
+    # masked keys (weight exactly 0) appended to a row change nothing
+    p = torch.softmax(torch.randn(1, 4), -1)
+    v = torch.randn(4, 6)
+    padded = invariant.fixed_order_matmul(torch.cat([p, torch.zeros(1, 3)], 1), torch.cat([v, torch.randn(3, 6)]))
+    assert torch.equal(padded, invariant.fixed_order_matmul(p, v))
+    x = torch.randn(3, 5)
+    masked = torch.cat([x, torch.full((3, 4), torch.finfo(torch.float32).min)], 1)
+    assert torch.equal(invariant.fixed_order_softmax(masked)[:, :5], invariant.fixed_order_softmax(x))

@@ -80,6 +80,22 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--split", type=int, default=None, help="default: half the prompt")
     pp.add_argument("--left-pad", type=int, default=4)
 
+    bp = sub.add_parser("bisect", help="name the first module whose output differs between the cached run and the "
+                                       "full forward")
+    _model_args(bp)
+    bp.add_argument("--prompt", required=True)
+    bp.add_argument("--split", type=int, required=True)
+    bp.add_argument("--mode", default="chunk", choices=("chunk", "step"))
+    bp.add_argument("--left-pad", type=int, default=0)
+    bp.add_argument("--position-ids", default="auto", choices=POSITION_MODES)
+    bp.add_argument("--attention-mask", default="full", choices=MASK_MODES)
+
+    tp = sub.add_parser("loading-trap", help="from_pretrained(dtype=16-bit) vs float32 + .to(16-bit): two models")
+    _model_args(tp)
+    tp.add_argument("--prompt", default="This is a ")
+    tp.add_argument("--max-new-tokens", type=int, default=24)
+    tp.add_argument("--cast-dtype", default="bfloat16", choices=("bfloat16", "float16"))
+
     rp = sub.add_parser("reuse", help="a prompt cache reused for several continuations (seed 001)")
     _model_args(rp)
     rp.add_argument("--prefix", required=True)
@@ -263,8 +279,41 @@ def cmd_reuse(args) -> int:
     return 0
 
 
+def cmd_bisect(args) -> int:
+    from .bisect import run_bisect
+    from .jsonout import dumps
+    from .split import SplitConfig
+
+    cfg = SplitConfig(prompt=args.prompt, split=args.split, mode=args.mode, left_pad=args.left_pad,
+                      position_ids=args.position_ids, attention_mask=args.attention_mask)
+    cfg.validate()
+    res = run_bisect(_load(args), cfg, _settings(args))
+    if args.json:
+        print(dumps(res.to_dict()))
+        return 0
+    for g in res.modules:
+        mark = "  <- first difference" if res.first is not None and g.name == res.first.name else ""
+        print(f"{g.name:<48} {g.kind:<18} max |Δ| {g.max_abs:<10.3g}{mark}")
+    print("\n" + res.explanation)
+    return 0
+
+
+def cmd_loading_trap(args) -> int:
+    from .jsonout import dumps
+    from .loading_trap import run_loading_trap
+
+    res = run_loading_trap(_load(args), args.prompt, args.max_new_tokens, args.cast_dtype)
+    if args.json:
+        print(dumps(res.to_dict()))
+        return 0
+    print(f"from_pretrained(dtype={args.cast_dtype}): {res.loaded_text!r}")
+    print(f"float32 + .to({args.cast_dtype}):     {res.cast_text!r}")
+    print(f"\nverdict: {res.verdict.upper()}\n{res.explanation}")
+    return 0
+
+
 COMMANDS = {"split": cmd_split, "greedy": cmd_greedy, "dtypes": cmd_dtypes, "padding": cmd_padding,
-            "reuse": cmd_reuse}
+            "reuse": cmd_reuse, "bisect": cmd_bisect, "loading-trap": cmd_loading_trap}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,6 +14,7 @@ PAGES = [
     st.Page("pages/dtypes_lab.py", title="Dtypes side by side", icon=":material/stacked_line_chart:"),
     st.Page("pages/padding_lab.py", title="Padding and batching", icon=":material/grid_on:"),
     st.Page("pages/cache_reuse.py", title="Prompt-cache reuse", icon=":material/recycling:"),
+    st.Page("pages/loading_trap.py", title="Loading trap", icon=":material/swap_horiz:"),
 ]
 
 nav = st.navigation(PAGES)

@@ -10,13 +10,15 @@ Usable from a notebook:
 """
 from .dtypes import DTYPE_NAMES, machine_eps, parse_dtype, resolve_device
 from .errors import KvvizError
-from .loading import ATTN_CHOICES, DEFAULT_SPEC, LoadedModel, cache_dir, clear_cache, load_model, parse_spec
+from .execution import ExecSettings, Executor
+from .loading import ATTN_CHOICES, DEFAULT_SPEC, LoadedModel, ModelSpec, cache_dir, clear_cache, load_model, parse_spec
 from .split import MODES, SplitConfig, SplitResult, run_split
-from .tiny import TINY_ARCHS
+from .tiny import TINY_ARCHS, TINY_MODELS
 
 __all__ = [
-    "ATTN_CHOICES", "DEFAULT_SPEC", "DTYPE_NAMES", "KvvizError", "LoadedModel", "MODES", "SplitConfig",
-    "SplitResult", "TINY_ARCHS", "cache_dir", "clear_cache", "load_model", "machine_eps", "parse_dtype",
+    "ATTN_CHOICES", "DEFAULT_SPEC", "DTYPE_NAMES", "ExecSettings", "Executor", "KvvizError", "LoadedModel", "MODES",
+    "ModelSpec", "SplitConfig",
+    "SplitResult", "TINY_ARCHS", "TINY_MODELS", "cache_dir", "clear_cache", "load_model", "machine_eps", "parse_dtype",
     "parse_spec", "resolve_device", "run_split",
 ]
 __version__ = "0.1.0"

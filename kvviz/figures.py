@@ -65,8 +65,8 @@ def split_heatmap(res: SplitResult, metric: str = "relative", log: bool = True) 
     if metric not in HIDDEN_METRICS:
         raise ValueError(f"unknown metric {metric}; choose one of {', '.join(HIDDEN_METRICS)}")
     labels = [f"{i}: {short(res.tokens[i])}" for i in res.compared]
-    title = (f"{METRIC_TITLES[metric]}: cached vs full forward — {res.settings['dtype']} on "
-             f"{res.settings['device']}, split {res.settings['split']} ({res.settings['mode']})")
+    title = (f"{METRIC_TITLES[metric]}: cached vs full forward — {res.settings.dtype} on "
+             f"{res.settings.device}, split {res.settings.split} ({res.settings.mode})")
     return heatmap(res.main.hidden[metric], labels, res.layer_labels, title, METRIC_TITLES[metric], log)
 
 
@@ -86,7 +86,7 @@ def layer_lines(res: SplitResult, metric: str = "relative", log: bool = True) ->
                                  line=dict(dash=dash)))
         fig.add_trace(go.Scatter(x=x, y=m.mean(axis=1), mode="lines+markers", name=f"mean over tokens{suffix}",
                                  line=dict(dash=dash)))
-    fig.update_layout(title=f"{METRIC_TITLES[metric]} per layer — {res.settings['dtype']} on {res.settings['device']}",
+    fig.update_layout(title=f"{METRIC_TITLES[metric]} per layer — {res.settings.dtype} on {res.settings.device}",
                       xaxis_title="hidden state", yaxis_title=METRIC_TITLES[metric], height=380,
                       margin=dict(l=10, r=10, t=60, b=10), legend=dict(orientation="h", y=-0.35))
     if log:
@@ -162,7 +162,7 @@ def greedy_margins(res) -> go.Figure:
     if t is not None:
         fig.add_annotation(x=t, y=1, yref="paper", text=f"first parting: step {t}", showarrow=False,
                            font=dict(color="#c0392b"), xanchor="left")
-    fig.update_layout(title=f"Top-2 margin per step — {res.settings['dtype']} on {res.settings['device']}",
+    fig.update_layout(title=f"Top-2 margin per step — {res.settings.dtype} on {res.settings.device}",
                       xaxis_title="step", yaxis_title="top-1 − top-2 logit", height=380,
                       margin=dict(l=10, r=10, t=60, b=10), legend=dict(orientation="h", y=-0.3))
     fig.update_yaxes(type="log", exponentformat="power")
@@ -175,8 +175,8 @@ def greedy_heatmap(res, pair=None, log: bool = True) -> go.Figure:
     a = res.paths[pair.a]
     n = pair.hidden_relative.shape[1]
     labels = [f"{t}: {short(a.tokens[t])}" for t in range(n)]
-    title = (f"Last token's hidden state, {pair.a} vs {pair.b} (relative gap) — {res.settings['dtype']} on "
-             f"{res.settings['device']}")
+    title = (f"Last token's hidden state, {pair.a} vs {pair.b} (relative gap) — {res.settings.dtype} on "
+             f"{res.settings.device}")
     fig = heatmap(pair.hidden_relative, labels, res.layer_labels, title, "relative gap", log, x_title="step")
     if pair.first_divergence is not None:
         fig.add_vline(x=pair.first_divergence - 0.5, line_color="#c0392b", line_width=2)
@@ -281,7 +281,7 @@ def dtype_curves(res, metric: str = "max_abs", how: str = "mean") -> go.Figure:
     n = len(res.prompts)
     what = METRIC_TITLES.get(metric, metric)
     fig.update_layout(title=f"{what} per layer, {how} over {n} prompt{'s' if n != 1 else ''} — device "
-                            f"{res.settings['device']} (float64 on {res.settings['float64_device']})",
+                            f"{res.settings.device} (float64 on {res.settings.float64_device})",
                       xaxis_title="hidden state", yaxis_title=what, height=420, margin=dict(l=10, r=10, t=60, b=10),
                       legend=dict(orientation="h", y=-0.35))
     fig.update_yaxes(type="log", exponentformat="power")
@@ -305,8 +305,8 @@ def padding_grid(res, value: str = "hidden_relative") -> go.Figure:
              [0.67, VERDICT_COLORS["logic"]], [1, VERDICT_COLORS["logic"]]]
     fig = go.Figure(go.Heatmap(z=z, x=cols, y=list(PLACEMENTS), text=text, texttemplate="%{text}", zmin=0, zmax=2,
                                colorscale=scale, showscale=False, hoverinfo="text", xgap=3, ygap=3))
-    fig.update_layout(title=f"Relative gap vs the prompt alone without cache — {res.settings['dtype']} on "
-                            f"{res.settings['device']}", height=360, margin=dict(l=10, r=10, t=60, b=10))
+    fig.update_layout(title=f"Relative gap vs the prompt alone without cache — {res.settings.dtype} on "
+                            f"{res.settings.device}", height=360, margin=dict(l=10, r=10, t=60, b=10))
     fig.update_yaxes(autorange="reversed")
     return fig
 

@@ -2,7 +2,7 @@
 import streamlit as st
 
 from kvviz import figures
-from kvviz.lab import REUSE_STRATEGIES, run_reuse
+from kvviz.reuse import REUSE_STRATEGIES, run_reuse
 from pages.common import page, progress_bar, run_cached, show_error
 
 choice, lm = page("Prompt-cache reuse",
@@ -20,7 +20,7 @@ merged = [c.replace("\\n", "\n") for c in conts.splitlines() if c.strip()]
 
 def compute():
     with progress_bar("Decoding…") as report:
-        return run_reuse(lm, prefix, merged, int(n), progress=report)
+        return run_reuse(lm, prefix, merged, int(n), progress=report, settings=choice.settings)
 
 
 try:
@@ -29,7 +29,7 @@ except Exception as e:  # noqa: BLE001
     show_error(e)
     st.stop()
 
-for i, cont in enumerate(res.settings["continuations"]):
+for i, cont in enumerate(res.settings.continuations):
     st.markdown(f"**Continuation {i + 1}:** `{cont!r}`")
     cols = st.columns(3)
     for col, (strategy, desc) in zip(cols, REUSE_STRATEGIES.items()):
@@ -43,4 +43,4 @@ st.subheader("All runs")
 st.dataframe(figures.reuse_frame(res), hide_index=True, width="stretch")
 st.caption("Verdicts: the largest relative logit gap to the fresh run while both saw the same tokens, and the same "
            "in float64: a gap that closes in float64 is precision, one that stays is logic. "
-           f"{res.settings['dtype']} on {res.settings['device']}.")
+           f"{res.settings.dtype} on {res.settings.device}.")

@@ -11,6 +11,7 @@ import streamlit as st
 
 import kvviz
 from kvviz.errors import OUT_OF_MEMORY_HINT, KvvizError, free_memory, is_out_of_memory
+from kvviz.execution import ExecSettings
 
 PRESETS = ["default"] + [f"tiny:{a}" for a in kvviz.TINY_ARCHS] + ["other…"]
 DEVICES = ["auto", "cpu", "cuda", "mps"]
@@ -18,15 +19,29 @@ DEVICES = ["auto", "cpu", "cuda", "mps"]
 
 @dataclass(frozen=True)
 class ModelChoice:
-    spec: str
+    spec: str  # what the user typed or picked; parsed once into a ModelSpec by `model_spec`
     dtype: str
     device: str
     attn: str
     trust_remote_code: bool
+    invariant: bool = False
 
     @property
     def key(self) -> str:
         return json.dumps(self.__dict__, sort_keys=True)
+
+    def key_without(self, *fields: str) -> str:
+        """The result-cache key of a page that ignores some sidebar fields (e.g. the dtype sweep ignores dtype)."""
+        return json.dumps({k: v for k, v in self.__dict__.items() if k not in fields}, sort_keys=True)
+
+    @property
+    def model_spec(self) -> kvviz.ModelSpec:
+        """The typed model, parsed once (kvviz.parse_spec) and then carried whole to the library."""
+        return kvviz.parse_spec(self.spec)
+
+    @property
+    def settings(self) -> ExecSettings:
+        return ExecSettings(invariant=self.invariant)
 
 
 def ensure_navigation() -> None:
@@ -52,6 +67,7 @@ def sidebar() -> ModelChoice:
     ss.setdefault("device", "auto")
     ss.setdefault("attn", "auto")
     ss.setdefault("trust_remote_code", False)
+    ss.setdefault("invariant", False)
     with st.sidebar:
         st.header("Model")
         st.selectbox("Model", PRESETS, key="model_preset",
@@ -68,8 +84,12 @@ def sidebar() -> ModelChoice:
                     help="Let a model folder or hub repo run its own Python code. Off unless you trust it.")
         if ss.trust_remote_code:
             st.warning("Remote code is on: a model's own Python files will run on this machine.")
+        st.checkbox("Invariant mode", key="invariant",
+                    help="Compute every row the same way however many rows or keys a kernel sees (per-row matrix "
+                         "products, fixed-order softmax and attention). A cached run then equals the full forward "
+                         "bit for bit wherever the logic is right: a gap that survives is logic, proved.")
     spec = ss.model_other.strip() if ss.model_preset == "other…" else ss.model_preset
-    return ModelChoice(spec, ss.dtype, ss.device, ss.attn, bool(ss.trust_remote_code))
+    return ModelChoice(spec, ss.dtype, ss.device, ss.attn, bool(ss.trust_remote_code), bool(ss.invariant))
 
 
 def show_error(e: BaseException) -> None:
@@ -105,7 +125,7 @@ def load(choice: ModelChoice) -> kvviz.LoadedModel | None:
         return None
     try:
         with progress_bar(f"Loading {choice.spec} ({choice.dtype})…") as report:
-            lm = kvviz.load_model(choice.spec, choice.dtype, choice.device, choice.attn,
+            lm = kvviz.load_model(choice.model_spec, choice.dtype, choice.device, choice.attn,
                                   trust_remote_code=choice.trust_remote_code, progress=report)
     except Exception as e:  # noqa: BLE001 - every failure becomes one line
         show_error(e)
@@ -150,8 +170,9 @@ def run_cached(name: str, key_parts: dict, compute):
 VERDICT_STYLE = {"identical": st.success, "precision": st.info, "logic": st.error}
 
 
-def show_verdict(verdict: str, explanation: str) -> None:
-    VERDICT_STYLE.get(verdict, st.warning)(f"**Verdict: {verdict}.** {explanation}")
+def show_verdict(verdict: str, explanation: str, proof: str | None = None) -> None:
+    VERDICT_STYLE.get(verdict, st.warning)(f"**Verdict: {verdict}.** {explanation}"
+                                           + (f"\n\n🔒 {proof}" if proof else ""))
 
 
 def token_strip(tokens: list[str], split: int | None = None, highlight: int | None = None) -> str:

@@ -3,7 +3,7 @@ import streamlit as st
 
 import kvviz
 from kvviz import figures
-from kvviz.lab import run_dtypes
+from kvviz.dtype_sweep import run_dtypes
 from kvviz.prompts import builtin_prompts, parse_prompts
 from pages.common import page, progress_bar, run_cached, show_error
 
@@ -51,12 +51,12 @@ mode = c3.radio("Feed the rest", ["chunk", "step"], horizontal=True, key="dt_mod
 
 def compute():
     with progress_bar(f"Running {len(prompts)} prompt(s) × {len(dtypes) + 1} dtypes…") as report:
-        return run_dtypes(choice.spec, prompts, dtypes, choice.device, choice.attn, split=split, mode=mode,
-                          trust_remote_code=choice.trust_remote_code, progress=report)
+        return run_dtypes(choice.model_spec, prompts, dtypes, choice.device, choice.attn, split=split, mode=mode,
+                          trust_remote_code=choice.trust_remote_code, progress=report, settings=choice.settings)
 
 
 try:
-    res = run_cached("dtypes", {"model": choice.key, "prompts": prompts, "dtypes": dtypes, "split": split,
+    res = run_cached("dtypes", {"model": choice.key_without("dtype"), "prompts": prompts, "dtypes": dtypes, "split": split,
                                 "mode": mode}, compute)
 except Exception as e:  # noqa: BLE001
     show_error(e)
@@ -71,7 +71,7 @@ st.subheader(f"Layers × dtypes ({how} over {len(res.prompts)} prompt{'s' if len
 st.dataframe(res.stat(metric, how).style.format("{:.3g}"), width="stretch")
 st.subheader("Verdicts")
 st.dataframe(res.verdict_counts(), width="stretch")
-st.caption(f"Device: {res.settings['device']}; float64 reference on {res.settings['float64_device']}. On a CPU some "
+st.caption(f"Device: {res.settings.device}; float64 reference on {res.settings.float64_device}. On a CPU some "
            "16-bit kernels compute in float32 and round once at the end, unlike GPU kernels, so 16-bit gaps here can "
            "be smaller (or exactly zero) where a GPU shows them. Computed in "
            f"{res.elapsed_s:.1f} s.")

@@ -31,7 +31,7 @@ key = {"model": choice.key, "cfg": cfg.__dict__}
 
 def compute():
     with progress_bar("Decoding…") as report:
-        return run_greedy(lm, cfg, progress=report)
+        return run_greedy(lm, cfg, progress=report, settings=choice.settings)
 
 
 try:
@@ -42,12 +42,14 @@ except Exception as e:  # noqa: BLE001
 
 parting = [p for p in res.pairs if p.first_divergence is not None]
 if not parting:
-    st.success(f"All {len(res.paths)} paths chose the same {res.steps} tokens.")
+    st.success(f"All {len(res.paths)} paths chose the same {res.steps} tokens."
+               + (" Invariant mode is on: the paths' logits agree bit for bit wherever their logic is the same."
+                  if choice.invariant else ""))
 else:
     first = min(parting, key=lambda p: p.first_divergence)
     show_verdict(first.verdict, first.explanation)
 st.markdown(figures.texts_html(res), unsafe_allow_html=True)
-if res.settings["fast"]:
+if res.settings.fast:
     st.caption("⚡ Fast preview: hollow markers are steps not settled (margin within the measured gap).")
 
 st.plotly_chart(figures.greedy_margins(res), width="stretch", key="greedy_margin_chart")

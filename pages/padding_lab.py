@@ -2,7 +2,7 @@
 import streamlit as st
 
 from kvviz import figures
-from kvviz.lab import run_padding
+from kvviz.padding import run_padding
 from pages.common import page, progress_bar, run_cached, show_error
 
 choice, lm = page("Padding and batching",
@@ -18,7 +18,8 @@ split = c2.number_input("Split point (0 = half the prompt)", 0, 4096, 0, key="pa
 
 def compute():
     with progress_bar("Running the grid…") as report:
-        return run_padding(lm, prompt, int(split) or None, int(left_pad), progress=report)
+        return run_padding(lm, prompt, int(split) or None, int(left_pad), progress=report,
+                           settings=choice.settings)
 
 
 try:
@@ -40,5 +41,5 @@ st.markdown("""
   tokens cannot see the latest keys — *logic*, even without padding.
 """)
 st.dataframe(res.grid("verdict"), width="stretch")
-st.caption(f"Split at token {res.settings['split']} of {len(res.tokens)}; {res.settings['dtype']} on "
-           f"{res.settings['device']}; batch companions of {res.settings['companions']} tokens.")
+st.caption(f"Split at token {res.settings.split} of {len(res.tokens)}; {res.settings.dtype} on "
+           f"{res.settings.device}; batch companions of {res.settings.companions} tokens.")

@@ -55,7 +55,7 @@ cfg = kvviz.SplitConfig(prompt=prompt, split=int(split), mode=mode, left_pad=int
 
 def compute():
     with progress_bar("Comparing…") as report:
-        return kvviz.run_split(lm, cfg, progress=report)
+        return kvviz.run_split(lm, cfg, progress=report, settings=choice.settings)
 
 
 try:
@@ -64,14 +64,19 @@ except Exception as e:  # noqa: BLE001 - one line, the app keeps working
     show_error(e)
     st.stop()
 
-show_verdict(res.verdict, res.explanation)
+show_verdict(res.verdict, res.explanation, res.proof)
 if not res.main.has_cache:
     st.stop()
+if res.invariant is not None and not choice.invariant:
+    n1, n2 = st.columns(2)
+    n1.metric("normal run: largest |Δ|", f"{res.main.max_abs:.3g}")
+    n2.metric("invariant mode: largest |Δ|", f"{res.invariant.max_abs:.3g}",
+              help="The same scenario with every row computed the same way whatever the shape")
 
 f64 = res.float64
 m1, m2, m3, m4 = st.columns(4)
 m1.metric("largest relative gap", f"{res.main.max_relative:.3g}")
-m2.metric(f"× ε of {res.settings['dtype']}", f"{res.main.max_relative / kvviz.machine_eps(lm.dtype):.3g}")
+m2.metric(f"× ε of {res.settings.dtype}", f"{res.main.max_relative / kvviz.machine_eps(lm.dtype):.3g}")
 m3.metric("float64 rerun", "—" if f64 is None else f"{f64.max_relative:.3g}",
           help="The same scenario in float64: the evidence for the verdict")
 m4.metric("next token agrees", f"{int(res.main.logits['argmax_agree'].sum())}/{len(res.compared)}")
@@ -92,8 +97,23 @@ with t2:
 with t3:
     st.caption("Keys and values in the cache after the cached run vs the full forward's (pad positions excluded).")
     st.dataframe(figures.kv_frame(res), hide_index=True, width="stretch")
+with st.expander("Where does it start? (bisector)"):
+    st.caption("Hooks every module in the full forward and the cached run and names the first whose output differs "
+               "for the compared tokens. In invariant mode, a surviving gap starts there.")
+    if st.button("Find the first differing module", key="split_bisect"):
+        from kvviz.bisect import run_bisect
+
+        try:
+            b = run_cached("bisect", {"model": choice.key, "cfg": cfg.__dict__},
+                           lambda: run_bisect(lm, cfg, choice.settings))
+        except Exception as e:  # noqa: BLE001
+            show_error(e)
+        else:
+            st.markdown(b.explanation)
+            st.dataframe([{"module": g.name, "kind": g.kind, "layer": g.layer, "max |Δ|": g.max_abs}
+                          for g in b.modules], hide_index=True, width="stretch")
 for note in res.notes:
     st.caption(f"ℹ️ {note}")
 st.download_button("Download result (JSON)", dumps(res.to_dict()), file_name="kvviz-split.json",
                    mime="application/json")
-st.caption(f"Computed in {res.elapsed_s:.2f} s on {res.settings['device']}.")
+st.caption(f"Computed in {res.elapsed_s:.2f} s on {res.settings.device}.")

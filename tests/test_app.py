@@ -145,3 +145,38 @@ def test_padding_and_reuse_pages():
     assert "reused" in text and "logic" in text
     at.text_area(key="reuse_conts").input("   ").run()
     assert not at.exception and "at least one continuation" in alerts(at)
+
+
+def test_a_folder_model_typed_into_other(tmp_path, count_runs):
+    """The route users take with their own model: a folder typed into "other…", through the Split point page
+    with a real gap (so the float64 rerun loads the folder again, from the parsed spec)."""
+    import shutil
+
+    from kvviz.loading import tiny_folder
+
+    folder = tmp_path / "my-model"
+    shutil.copytree(tiny_folder("llama"), folder, ignore=shutil.ignore_patterns("kvviz-tiny.json"))
+    at = start("pages/split_point.py", model="other…", model_other=str(folder), split_pad=3, split_pos="omit")
+    text = alerts(at)
+    assert "Verdict: logic" in text and "position ids were omitted" in text
+    assert "model path not found" not in text and len(count_runs) == 1
+    assert any("local model folder my-model" in c.value for c in at.sidebar.caption)
+
+
+def test_invariant_mode_from_the_sidebar_proves_the_verdict():
+    at = start("pages/split_point.py", model="tiny:llama", dtype="bfloat16", invariant=True, split_mode="step")
+    text = alerts(at)
+    assert "Verdict: identical" in text and "the gap is exactly 0" in text
+
+
+def test_the_dtype_sweep_ignores_the_sidebar_dtype():
+    at = start("pages/dtypes_lab.py", model="tiny:llama")
+    n = len(at.session_state["_results_dtypes"])
+    at.sidebar.selectbox(key="dtype").set_value("bfloat16").run()
+    assert not at.exception and len(at.session_state["_results_dtypes"]) == n  # no new result: not rerun
+
+
+def test_loading_trap_page():
+    at = start("pages/loading_trap.py", model="tiny:llama", trap_n=4)
+    assert "different models" in alerts(at).lower() or "two different models" in alerts(at)
+    assert len(at.text) == 2

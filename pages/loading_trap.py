@@ -1,0 +1,38 @@
+"""Page: from_pretrained(dtype=16-bit) vs float32 + .to(16-bit): two different models."""
+import streamlit as st
+
+from kvviz.loading_trap import run_loading_trap
+from pages.common import page, progress_bar, run_cached, show_error, show_verdict
+
+choice, lm = page("Loading trap",
+                  "Loading a model in float32 and calling .to(bfloat16) also casts buffers such as the rotary "
+                  "frequencies, which from_pretrained(dtype=bfloat16) keeps in float32: two different models, whose "
+                  "greedy texts can part although no cache is involved.")
+prompt = st.text_area("Prompt", "This is a ", key="trap_prompt", height=70)
+c1, c2 = st.columns(2)
+n = c1.number_input("New tokens", 1, 256, 24, key="trap_n")
+dtype = c2.radio("16-bit dtype", ["bfloat16", "float16"], horizontal=True, key="trap_dtype")
+
+
+def compute():
+    with progress_bar("Decoding with both models…"):
+        return run_loading_trap(lm, prompt, int(n), dtype)
+
+
+try:
+    res = run_cached("trap", {"model": choice.key_without("dtype"), "prompt": prompt, "n": int(n), "dtype": dtype},
+                     compute)
+except Exception as e:  # noqa: BLE001
+    show_error(e)
+    st.stop()
+show_verdict({"different models": "logic", "same model": "identical"}.get(res.verdict, res.verdict),
+             res.explanation)
+a, b = st.columns(2)
+a.markdown(f"**from_pretrained(dtype={dtype})**")
+a.text(res.loaded_text)
+b.markdown(f"**float32, then .to({dtype})**")
+b.text(res.cast_text)
+if res.buffers:
+    st.dataframe([{"buffer": x.name, "from_pretrained": x.loaded_dtype, ".to()": x.cast_dtype, "max |Δ|": x.max_abs}
+                  for x in res.buffers], hide_index=True, width="stretch")
+st.line_chart({"max |Δ logit| per step": res.max_abs_logit})

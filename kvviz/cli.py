@@ -96,6 +96,28 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--max-new-tokens", type=int, default=24)
     tp.add_argument("--cast-dtype", default="bfloat16", choices=("bfloat16", "float16"))
 
+    mp = sub.add_parser("matrix", help="attention × cache kind × compile × precision flags, repeated: which "
+                                       "settings change greedy decoding, and how")
+    _model_args(mp)
+    mp.add_argument("--prompt", default=None, help="the prompt (row 0); required unless --preset seed004")
+    mp.add_argument("--preset", choices=("seed004",), default=None,
+                    help="seed004: a short left-padded prompt batched with one longer than the sliding window, "
+                         "generating past the window")
+    mp.add_argument("--max-new-tokens", type=int, default=16)
+    mp.add_argument("--attn-list", "--attns", dest="attns", default="eager,sdpa",
+                    help="comma-separated attention implementations (eager,sdpa,flex_attention,flash_attention_2)")
+    mp.add_argument("--cache", default="dynamic,static",
+                    help="comma-separated: dynamic,static,offloaded,offloaded_static,quantized")
+    mp.add_argument("--compile", default="off", help="comma-separated: off,default,reduce-overhead,max-autotune")
+    mp.add_argument("--flags", action="append", default=None,
+                    help="one flag set per option, comma-separated inside: tf32, no-bf16-reduced-reduction, "
+                         "no-fp16-reduced-reduction, deterministic, sdpa=math|flash|efficient|cudnn; 'none' for "
+                         "no flags (repeat --flags for several sets)")
+    mp.add_argument("--repeats", type=int, default=2)
+    mp.add_argument("--left-pad", type=int, default=0)
+    mp.add_argument("--position-ids", default="auto", choices=POSITION_MODES)
+    mp.add_argument("--batch-with", action="append", default=[], help="another prompt in the batch (repeatable)")
+
     rp = sub.add_parser("reuse", help="a prompt cache reused for several continuations (seed 001)")
     _model_args(rp)
     rp.add_argument("--prefix", required=True)
@@ -312,8 +334,43 @@ def cmd_loading_trap(args) -> int:
     return 0
 
 
+def _split_list(text: str) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+
+
+def cmd_matrix(args) -> int:
+    from .jsonout import dumps
+    from .matrix import MatrixConfig, run_matrix, seed004_config
+
+    flag_sets = tuple(() if f.strip() in ("", "none") else _split_list(f) for f in (args.flags or ["none"]))
+    if args.preset == "seed004":
+        lm = _load(args)
+        cfg = seed004_config(lm, args.max_new_tokens if args.max_new_tokens != 16 else None)
+    else:
+        if not args.prompt:
+            raise KvvizError("give --prompt TEXT (or --preset seed004)")
+        cfg = MatrixConfig(prompt=args.prompt, max_new_tokens=args.max_new_tokens, attentions=_split_list(args.attns),
+                           caches=_split_list(args.cache), compiles=_split_list(args.compile), flag_sets=flag_sets,
+                           repeats=args.repeats, left_pad=args.left_pad, position_ids=args.position_ids,
+                           batch_with=tuple(args.batch_with))
+        cfg.validate()  # bad axes fail before any model loads
+        lm = _load(args)
+    res = run_matrix(lm, cfg, trust_remote_code=args.trust_remote_code, progress=_progress_to_stderr(args.quiet))
+    if args.json:
+        print(dumps(res.to_dict()))
+        return 0
+    print(f"reference (eager, no cache): {res.reference['text']!r}")
+    for c in res.cells:
+        what = f"ERROR: {c.error}" if c.error else (
+            f"{c.verdict:<16} part at {c.first_divergence}  distinct {c.distinct_outputs}  max |Δ logit| "
+            f"{c.max_abs_logit:.3g}  {c.seconds_per_token * 1000:.1f} ms/token"
+            + (f"  compiled frames {c.compiled['frames']}" if c.compiled and c.compiled['requested'] else ""))
+        print(f"{c.label:<58} {what}")
+    return 0
+
+
 COMMANDS = {"split": cmd_split, "greedy": cmd_greedy, "dtypes": cmd_dtypes, "padding": cmd_padding,
-            "reuse": cmd_reuse, "bisect": cmd_bisect, "loading-trap": cmd_loading_trap}
+            "reuse": cmd_reuse, "bisect": cmd_bisect, "matrix": cmd_matrix, "loading-trap": cmd_loading_trap}
 
 
 def main(argv: list[str] | None = None) -> int:

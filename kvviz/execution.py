@@ -96,6 +96,11 @@ class ExecSettings:
         return replace(self, **changes)
 
     @property
+    def lossy(self) -> bool:
+        """A quantized cache changes the numbers by design: its gaps are "lossy", not precision or logic."""
+        return self.cache.startswith("quantized")
+
+    @property
     def is_default(self) -> bool:
         return self == ExecSettings()
 
@@ -225,12 +230,20 @@ def cache_layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     if layers is None:
         self_cache = getattr(cache, "self_attention_cache", None)
         layers = getattr(self_cache, "layers", [])
-    return [(layer.keys, layer.values) for layer in layers if getattr(layer, "keys", None) is not None]
+    # quantized layers keep their keys quantized elsewhere (an empty `keys`): nothing comparable is stored in the clear
+    return [(layer.keys, layer.values) for layer in layers
+            if getattr(layer, "keys", None) is not None and layer.keys.dim() >= 3]
 
 
 def has_cache(out) -> bool:
     """Did the model return a usable cache? (Bidirectional models, e.g. RoBERTa without is_decoder, return none.)"""
-    return getattr(out, "past_key_values", None) is not None and bool(cache_layers(out.past_key_values))
+    cache = getattr(out, "past_key_values", None)
+    if cache is None:
+        return False
+    try:
+        return int(cache.get_seq_length()) > 0
+    except (AttributeError, TypeError):
+        return bool(cache_layers(cache))
 
 
 _EXTENSIONS_LOADED = [False]

@@ -15,6 +15,7 @@ PAGES = [
     st.Page("pages/padding_lab.py", title="Padding and batching", icon=":material/grid_on:"),
     st.Page("pages/cache_reuse.py", title="Prompt-cache reuse", icon=":material/recycling:"),
     st.Page("pages/loading_trap.py", title="Loading trap", icon=":material/swap_horiz:"),
+    st.Page("pages/backends.py", title="Backends & compile", icon=":material/memory:"),
 ]
 
 nav = st.navigation(PAGES)

@@ -100,7 +100,9 @@ with t3:
 with st.expander("Where does it start? (bisector)"):
     st.caption("Hooks every module in the full forward and the cached run and names the first whose output differs "
                "for the compared tokens. In invariant mode, a surviving gap starts there.")
-    if st.button("Find the first differing module", key="split_bisect"):
+    st.button("Find the first differing module", key="split_bisect",
+              on_click=lambda k=repr(cfg.__dict__) + choice.key: st.session_state.__setitem__("split_bisect_for", k))
+    if st.session_state.get("split_bisect_for") == repr(cfg.__dict__) + choice.key:
         from kvviz.bisect import run_bisect
 
         try:

@@ -180,3 +180,30 @@ def test_loading_trap_page():
     at = start("pages/loading_trap.py", model="tiny:llama", trap_n=4)
     assert "different models" in alerts(at).lower() or "two different models" in alerts(at)
     assert len(at.text) == 2
+
+
+def test_backends_page_runs_on_click_and_views_do_not_rerun(monkeypatch):
+    from kvviz import matrix
+
+    calls = count_calls(monkeypatch, matrix, "run_matrix")
+    at = start("pages/backends.py", model="tiny:llama", mx_n=3, mx_rep=1)
+    assert not at.exception and len(at.get("plotly_chart")) == 0  # nothing runs before the click
+    at.button(key="mx_run").click().run()
+    assert not at.exception, at.exception
+    assert len(at.get("plotly_chart")) == 2
+    n = len(at.session_state["_results_matrix"])
+    at.selectbox(key="mx_cell").set_value(at.selectbox(key="mx_cell").options[-1]).run()
+    assert not at.exception and len(at.session_state["_results_matrix"]) == n  # picking a cell reruns nothing
+
+
+def test_seed004_preset_and_bisector_buttons():
+    at = start("pages/backends.py", model="tiny:mistral")
+    at.button(key="mx_preset").click().run()
+    assert not at.exception and at.text_area(key="mx_batch").value  # the long companion prompt is filled in
+    assert at.number_input(key="mx_n").value > 8  # past the window of 8
+    at = start("pages/backends.py", model="tiny:llama")
+    at.button(key="mx_preset").click().run()
+    assert "no sliding window" in alerts(at)
+    at = start("pages/split_point.py", model="tiny:llama", split_pad=3, split_pos="omit", invariant=True)
+    at.button(key="split_bisect").click().run()
+    assert not at.exception and any("rotary" in m.value for m in at.markdown)

@@ -1,0 +1,89 @@
+"""Page: attention × cache kind × compile × precision flags, repeated - the seed-004 matrix."""
+import streamlit as st
+
+from kvviz import figures
+from kvviz.backends import CACHE_KINDS, COMPILE_MODES
+from kvviz.matrix import MatrixConfig, run_matrix, seed004_config
+from pages.common import page, progress_bar, run_cached, show_error
+
+FLAG_SETS = {"none": (), "tf32": ("tf32",), "deterministic": ("deterministic",),
+             "no reduced-precision reductions": ("no-bf16-reduced-reduction", "no-fp16-reduced-reduction"),
+             "sdpa=math": ("sdpa=math",)}
+
+choice, lm = page("Backends & compile",
+                  "Greedy decoding under each attention implementation × cache kind × torch.compile × precision "
+                  "flags, repeated, against the eager no-cache loop: which settings change the text, by how much, "
+                  "and whether repeats even agree. Settings that cannot run here are grey cells with their reason.")
+
+def use_seed004() -> None:
+    """Fill the controls with the seed-004 scenario (a callback: it runs before the widgets are drawn)."""
+    try:
+        p = seed004_config(lm)
+    except Exception as e:  # noqa: BLE001
+        st.session_state["mx_preset_error"] = str(e)
+        return
+    st.session_state.update(mx_prompt=p.prompt, mx_batch="\n".join(p.batch_with), mx_n=p.max_new_tokens,
+                            mx_attn=list(p.attentions), mx_cache=list(p.caches), mx_preset_error=None)
+
+
+st.button("Seed-004 preset: a short left-padded prompt batched with one longer than the sliding window",
+          key="mx_preset", on_click=use_seed004)
+if st.session_state.get("mx_preset_error"):
+    st.error(st.session_state["mx_preset_error"], icon="⚠️")
+prompt = st.text_area("Prompt (row 0)", "The capital of France is Paris, and the capital of Italy is",
+                      key="mx_prompt", height=70)
+batch = st.text_area("Batch it with (one prompt a line; empty: alone)", "", key="mx_batch", height=60)
+c1, c2, c3, c4 = st.columns(4)
+n = c1.number_input("New tokens", 1, 256, 16, key="mx_n")
+repeats = c2.number_input("Repeats", 1, 20, 2, key="mx_rep")
+left_pad = c3.number_input("Left padding", 0, 64, 0, key="mx_pad")
+pos = c4.radio("Position ids", ["auto", "omit"], horizontal=True, key="mx_pos")
+a1, a2, a3, a4 = st.columns(4)
+attns = a1.multiselect("Attention", ["eager", "sdpa", "flex_attention", "flash_attention_2"], ["eager", "sdpa"],
+                       key="mx_attn")
+caches = a2.multiselect("Cache kind", list(CACHE_KINDS), ["dynamic", "static"], key="mx_cache")
+compiles = a3.multiselect("torch.compile", list(COMPILE_MODES), ["off"], key="mx_compile",
+                          help="Compiling takes a while the first time (about a minute on a CPU).")
+flags = a4.multiselect("Precision flags", list(FLAG_SETS), ["none"], key="mx_flags")
+cfg = MatrixConfig(prompt=prompt, max_new_tokens=int(n), attentions=tuple(attns), caches=tuple(caches),
+                   compiles=tuple(compiles), flag_sets=tuple(FLAG_SETS[f] for f in flags), repeats=int(repeats),
+                   left_pad=int(left_pad), position_ids=pos,
+                   batch_with=tuple(t for t in batch.splitlines() if t.strip()))
+st.caption(f"{len(cfg.cells())} cells × {int(repeats)} repeats, each {int(n)} tokens.")
+key = {"model": choice.key_without("attn"), "cfg": repr(cfg)}
+st.button("Run the matrix", type="primary", key="mx_run",
+          on_click=lambda k=repr(key): st.session_state.__setitem__("mx_ran", k))
+if st.session_state.get("mx_ran") != repr(key):  # the matrix is long: it runs on the click, views reuse it
+    st.info("Pick the axes and press **Run the matrix**.")
+    st.stop()
+
+
+def compute():
+    with progress_bar("Running the cells…") as report:
+        return run_matrix(lm, cfg, trust_remote_code=choice.trust_remote_code, progress=report)
+
+
+try:
+    res = run_cached("matrix", key, compute)
+except Exception as e:  # noqa: BLE001
+    show_error(e)
+    st.stop()
+
+st.plotly_chart(figures.matrix_grid(res), width="stretch", key="mx_grid")
+st.caption(f"Reference (eager, no cache, {res.settings['dtype']}): “{res.reference['text']}”. float64 reference: "
+           f"“{res.reference['float64_text']}”.")
+labels = [c.label for c in res.cells]
+pick = st.selectbox("Cell details", labels, key="mx_cell")
+cell = res.cells[labels.index(pick)]
+if cell.error:
+    st.warning(f"This combination cannot run here: {cell.error}")
+else:
+    st.plotly_chart(figures.matrix_cell_steps(cell), width="stretch", key="mx_steps")
+    t1, t2 = st.columns(2)
+    t1.markdown("**This cell**")
+    t1.text(cell.text)
+    t2.markdown("**Reference**")
+    t2.text(res.reference["text"])
+env = res.environment
+st.caption(f"torch {env['torch']}, transformers {env['transformers']}, {env['device_name']}; computed in "
+           f"{res.elapsed_s:.1f} s.")

@@ -182,12 +182,10 @@ def test_loading_trap_page():
     assert len(at.text) == 2
 
 
-def test_backends_page_runs_on_click_and_views_do_not_rerun(monkeypatch):
-    from kvviz import matrix
-
-    calls = count_calls(monkeypatch, matrix, "run_matrix")
+def test_backends_page_runs_on_click_and_views_do_not_rerun():
     at = start("pages/backends.py", model="tiny:llama", mx_n=3, mx_rep=1)
     assert not at.exception and len(at.get("plotly_chart")) == 0  # nothing runs before the click
+    assert "_results_matrix" not in at.session_state
     at.button(key="mx_run").click().run()
     assert not at.exception, at.exception
     assert len(at.get("plotly_chart")) == 2

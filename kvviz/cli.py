@@ -118,6 +118,25 @@ def build_parser() -> argparse.ArgumentParser:
     mp.add_argument("--position-ids", default="auto", choices=POSITION_MODES)
     mp.add_argument("--batch-with", action="append", default=[], help="another prompt in the batch (repeatable)")
 
+    cp = sub.add_parser("cache", help="the KV cache as an object: save, load (continue and compare), size")
+    csub = cp.add_subparsers(dest="cache_command", parser_class=_Parser)
+    cs = csub.add_parser("save", help="write the cache of a prompt to a safetensors file")
+    _model_args(cs)
+    cs.add_argument("--prompt", required=True)
+    cs.add_argument("--out", required=True, help="FILE.safetensors")
+    cl = csub.add_parser("load", help="reload a saved cache, continue with text, compare with a fresh cache")
+    _model_args(cl)
+    cl.add_argument("--file", required=True)
+    cl.add_argument("--continue", dest="cont", required=True, help="text fed after the cached tokens")
+    cz = csub.add_parser("size", help="bytes per token, the formula and the live cache's measured size")
+    _model_args(cz)
+    cz.add_argument("--tokens", type=int, required=True)
+    cz.add_argument("--batch", type=int, default=1)
+    cz.add_argument("--no-measure", action="store_true", help="formula only (no forward)")
+
+    kp = sub.add_parser("check", help="is this model cache-safe? a battery of float64 checks")
+    _model_args(kp)
+
     rp = sub.add_parser("reuse", help="a prompt cache reused for several continuations (seed 001)")
     _model_args(rp)
     rp.add_argument("--prefix", required=True)
@@ -369,8 +388,56 @@ def cmd_matrix(args) -> int:
     return 0
 
 
+def cmd_cache(args) -> int:
+    from .jsonout import dumps
+
+    if args.cache_command is None:
+        raise KvvizError("choose a cache command: save, load or size")
+    lm = _load(args)
+    if args.cache_command == "save":
+        from .kvcache import save_cache
+
+        meta = save_cache(lm, args.prompt, args.out)
+        out = {"file": args.out, "n_tokens": meta["n_tokens"], "layers": len(meta["layers"]),
+               "fingerprint": meta["fingerprint"]}
+        print(dumps(out) if args.json else f"saved {meta['n_tokens']} tokens × {len(meta['layers'])} layers to "
+                                           f"{args.out}")
+    elif args.cache_command == "load":
+        from .kvcache import continue_and_compare, load_cache
+
+        res = continue_and_compare(lm, load_cache(lm, args.file), args.cont)
+        print(dumps(res.to_dict()) if args.json else
+              f"reloaded {res.n_cached} cached tokens, continued with {len(res.continuation_tokens)}: "
+              f"bitwise equal to a fresh cache: {res.bitwise_equal} (largest gap: logits {res.max_abs_logits:.3g}, "
+              f"hidden {res.max_abs_hidden:.3g}, K/V {res.max_abs_kv:.3g})")
+    else:
+        from .cachesize import size_report
+
+        rep = size_report(lm, args.tokens, args.batch, measure=not args.no_measure)
+        print(dumps(rep.to_dict()) if args.json else
+              f"{rep.model} in {rep.dtype}: {rep.per_token_bytes:,} bytes per token; {args.tokens} tokens × batch "
+              f"{args.batch}: formula {rep.formula_bytes:,} bytes, measured "
+              f"{'—' if rep.measured_bytes is None else f'{rep.measured_bytes:,}'} bytes"
+              + (f" ({rep.note})" if rep.note else ""))
+    return 0
+
+
+def cmd_check(args) -> int:
+    from .check import run_check
+    from .jsonout import dumps
+
+    card = run_check(_load(args), progress=_progress_to_stderr(args.quiet))
+    if args.json:
+        print(dumps(card.to_dict()))
+        return 0
+    for c in card.checks:
+        print(f"[{c.status:^5}] {c.name:<34} {c.evidence}")
+    print(f"\noverall: {card.overall.upper()} — {card.summary}")
+    return 0
+
+
 COMMANDS = {"split": cmd_split, "greedy": cmd_greedy, "dtypes": cmd_dtypes, "padding": cmd_padding,
-            "reuse": cmd_reuse, "bisect": cmd_bisect, "matrix": cmd_matrix, "loading-trap": cmd_loading_trap}
+            "reuse": cmd_reuse, "bisect": cmd_bisect, "matrix": cmd_matrix, "cache": cmd_cache, "check": cmd_check, "loading-trap": cmd_loading_trap}
 
 
 def main(argv: list[str] | None = None) -> int:

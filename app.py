@@ -16,6 +16,8 @@ PAGES = [
     st.Page("pages/cache_reuse.py", title="Prompt-cache reuse", icon=":material/recycling:"),
     st.Page("pages/loading_trap.py", title="Loading trap", icon=":material/swap_horiz:"),
     st.Page("pages/backends.py", title="Backends & compile", icon=":material/memory:"),
+    st.Page("pages/kv_cache.py", title="KV cache", icon=":material/database:"),
+    st.Page("pages/cache_safety.py", title="Is my model cache-safe?", icon=":material/verified_user:"),
 ]
 
 nav = st.navigation(PAGES)

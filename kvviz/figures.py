@@ -379,3 +379,18 @@ def matrix_cell_steps(cell) -> go.Figure:
                       height=340, margin=dict(l=10, r=10, t=60, b=10), legend=dict(orientation="h", y=-0.3))
     fig.update_yaxes(type="log", exponentformat="power")
     return fig
+
+
+def cache_growth(rows: list[dict], log: bool = True) -> go.Figure:
+    """KV-cache bytes against context length, one line per model × dtype (rows from kvviz.cachesize.growth)."""
+    fig = go.Figure()
+    keys = list(dict.fromkeys((r["model"], r["dtype"]) for r in rows))
+    for model, dtype in keys:
+        pts = [r for r in rows if r["model"] == model and r["dtype"] == dtype]
+        fig.add_trace(go.Scatter(x=[r["tokens"] for r in pts], y=[r["bytes"] / 2 ** 20 for r in pts],
+                                 mode="lines", name=f"{model} · {dtype}"))
+    fig.update_layout(title="KV cache size against context length (batch 1)", xaxis_title="tokens in the cache",
+                      yaxis_title="MiB", height=400, margin=dict(l=10, r=10, t=60, b=10))
+    if log:
+        fig.update_yaxes(type="log", exponentformat="power")
+    return fig

@@ -205,3 +205,22 @@ def test_seed004_preset_and_bisector_buttons():
     at = start("pages/split_point.py", model="tiny:llama", split_pad=3, split_pos="omit", invariant=True)
     at.button(key="split_bisect").click().run()
     assert not at.exception and any("rotary" in m.value for m in at.markdown)
+
+
+def test_kv_cache_page_saves_loads_and_sizes():
+    from kvviz.kvcache import save_cache_bytes
+
+    at = start("pages/kv_cache.py", model="tiny:gemma2", kv_tokens=40)
+    assert not at.exception
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["formula"] == metrics["measured (live cache)"]
+    assert len(at.get("download_button")) == 1 and len(at.get("plotly_chart")) == 1
+    data, _ = save_cache_bytes(kvviz.load_model("tiny:gemma2", "float32", "auto"), "The capital of France is")
+    assert data[8:9] == b"{"
+
+
+def test_cache_safety_page():
+    at = start("pages/cache_safety.py", model="tiny:roberta")
+    assert "UNSAFE" in alerts(at)
+    at = start("pages/cache_safety.py", model="tiny:llama")
+    assert "SAFE" in alerts(at) and "UNSAFE" not in alerts(at)

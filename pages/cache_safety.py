@@ -1,0 +1,27 @@
+"""Page: is my model cache-safe? The battery of float64 checks, one line of evidence each."""
+import streamlit as st
+
+from kvviz.check import run_check
+from pages.common import page, progress_bar, run_cached, show_error
+
+choice, lm = page("Is my model cache-safe?",
+                  "Each check runs on the float64 copy of the model, where rounding cannot hide or fake a gap: "
+                  "cached vs full, left padding, batching, prompt-cache reuse, past the sliding window, causal or "
+                  "not, its own code, quantized weights.")
+
+
+def compute():
+    with progress_bar("Running the checks…") as report:
+        return run_check(lm, progress=report)
+
+
+try:
+    card = run_cached("check", {"model": choice.key_without("dtype", "invariant")}, compute)
+except Exception as e:  # noqa: BLE001
+    show_error(e)
+    st.stop()
+{"safe": st.success, "lossy": st.warning, "unsafe": st.error}[card.overall](
+    f"**{card.overall.upper()}** — {card.summary}")
+icons = {"pass": "✅", "fail": "❌", "n/a": "➖", "note": "ℹ️"}
+st.dataframe([{"": icons.get(c.status, ""), "check": c.name, "status": c.status, "evidence": c.evidence}
+              for c in card.checks], hide_index=True, width="stretch")

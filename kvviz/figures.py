@@ -32,10 +32,15 @@ def _log_matrix(z: np.ndarray) -> np.ndarray:
     return out
 
 
+ZERO_COLOUR = "#b0bec5"  # exact zeros on log-scale maps: bitwise equal
+
+
 def heatmap(z: np.ndarray, x_labels: list[str], y_labels: list[str], title: str, value_name: str,
             log: bool = True, x_title: str = "token") -> go.Figure:
-    """A layers × positions heatmap; hover shows token, layer and the exact value."""
+    """A layers × positions heatmap; hover shows token, layer and the exact value. On a log scale exact zeros
+    (bitwise equal) get their own colour and legend entry; an all-zero map says so and keeps its full axes."""
     z = np.asarray(z, dtype=float)
+    zero = z == 0
     shown = _log_matrix(z) if log else z
     hover = np.empty(z.shape, dtype=object)
     for i, y in enumerate(y_labels):
@@ -46,16 +51,29 @@ def heatmap(z: np.ndarray, x_labels: list[str], y_labels: list[str], title: str,
         lo, hi = math.floor(np.nanmin(shown)), math.ceil(np.nanmax(shown))
         ticks = list(range(lo, hi + 1)) if hi > lo else [lo]
         colorbar.update(tickvals=ticks, ticktext=[f"1e{t}" for t in ticks], title=value_name)
-    fig = go.Figure(go.Heatmap(
-        z=shown, x=list(range(len(x_labels))), y=list(range(len(y_labels))), customdata=hover,
-        colorscale="Viridis", colorbar=colorbar, hoverongaps=False,
-        hovertemplate="token %{customdata[0]}<br>%{customdata[1]}<br>" + value_name + ": %{customdata[2]}"
-                      "<extra></extra>"))
-    fig.update_layout(title=title, xaxis_title=x_title, yaxis_title="hidden state", height=max(360, 16 * len(y_labels)
-                                                                                              + 160),
-                      margin=dict(l=10, r=10, t=60, b=10), plot_bgcolor="#f3f3f3")
-    fig.update_xaxes(tickmode="array", tickvals=list(range(len(x_labels))), ticktext=x_labels, tickangle=-45)
-    fig.update_yaxes(tickmode="array", tickvals=list(range(len(y_labels))), ticktext=y_labels, autorange="reversed")
+    template = ("token %{customdata[0]}<br>%{customdata[1]}<br>" + value_name + ": %{customdata[2]}<extra></extra>"
+                ).replace("token ", "" if x_title != "token" else "token ")
+    xs, ys = list(range(len(x_labels))), list(range(len(y_labels)))
+    fig = go.Figure()
+    if not (log and zero.all()):
+        fig.add_trace(go.Heatmap(z=shown, x=xs, y=ys, customdata=hover, colorscale="Viridis", colorbar=colorbar,
+                                 hoverongaps=False, hovertemplate=template, showscale=not zero.all()))
+    if log and zero.any():
+        fig.add_trace(go.Heatmap(z=np.where(zero, 1.0, np.nan), x=xs, y=ys, customdata=hover, showscale=False,
+                                 colorscale=[[0, ZERO_COLOUR], [1, ZERO_COLOUR]], hoverongaps=False,
+                                 hovertemplate=template))
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name="0: bitwise equal", showlegend=True,
+                                 marker=dict(symbol="square", size=12, color=ZERO_COLOUR)))
+    if zero.all():
+        title += " — bitwise identical: 0 everywhere"
+    fig.update_layout(title=title, xaxis_title=x_title, yaxis_title="hidden state",
+                      height=max(360, 16 * len(y_labels) + 160), margin=dict(l=10, r=10, t=60, b=10),
+                      plot_bgcolor="#f3f3f3", legend=dict(orientation="h", y=-0.25))
+    step = max(1, len(x_labels) // 40)  # long prompts: thin the labels
+    fig.update_xaxes(tickmode="array", tickvals=xs[::step], ticktext=x_labels[::step], tickangle=-45,
+                     range=[-0.5, len(x_labels) - 0.5])
+    fig.update_yaxes(tickmode="array", tickvals=ys, ticktext=y_labels, autorange="reversed",
+                     range=[len(y_labels) - 0.5, -0.5])
     return fig
 
 
@@ -70,27 +88,45 @@ def split_heatmap(res: SplitResult, metric: str = "relative", log: bool = True) 
     return heatmap(res.main.hidden[metric], labels, res.layer_labels, title, METRIC_TITLES[metric], log)
 
 
+def _floor_zeros(values, floor: float) -> list[float]:
+    return [v if v > 0 else floor for v in values]
+
+
 def layer_lines(res: SplitResult, metric: str = "relative", log: bool = True) -> go.Figure:
-    """Per layer: the worst and the mean over compared positions, with the float64 rerun as a dashed line."""
+    """Per layer: the worst and the mean over compared positions, with the float64 rerun dashed. In ε units every
+    line is in the run dtype's ε (the float64 rerun too, so it can never look worse than it is); on a log axis
+    exact zeros sit on a labelled "0" floor instead of dropping off the chart."""
     fig = go.Figure()
     x = res.layer_labels
     runs = [(res.main, "")]
     if res.float64 is not None and res.float64 is not res.main:
         runs.append((res.float64, " (float64 rerun)"))
+    import torch as _torch
+
+    eps_run = _torch.finfo(getattr(_torch, res.settings.dtype)).eps
+    series = []
     for comp, suffix in runs:
         if not comp.has_cache:
             continue
-        m = comp.hidden[metric]
+        m = comp.hidden["relative"] / eps_run if metric == "eps_units" else comp.hidden[metric]
+        series.append((m, suffix))
+    positive = [v for m, _ in series for v in np.ravel(m) if v > 0]
+    floor = min(positive) / 10 if positive else 1e-20
+    for m, suffix in series:
         dash = "dash" if suffix else None
-        fig.add_trace(go.Scatter(x=x, y=m.max(axis=1), mode="lines+markers", name=f"max over tokens{suffix}",
-                                 line=dict(dash=dash)))
-        fig.add_trace(go.Scatter(x=x, y=m.mean(axis=1), mode="lines+markers", name=f"mean over tokens{suffix}",
-                                 line=dict(dash=dash)))
-    fig.update_layout(title=f"{METRIC_TITLES[metric]} per layer — {res.settings.dtype} on {res.settings.device}",
-                      xaxis_title="hidden state", yaxis_title=METRIC_TITLES[metric], height=380,
+        for how, values in (("max", m.max(axis=1)), ("mean", m.mean(axis=1))):
+            fig.add_trace(go.Scatter(x=x, y=_floor_zeros(values, floor) if log else values, mode="lines+markers",
+                                     name=f"{how} over tokens{suffix}", line=dict(dash=dash),
+                                     customdata=values, hovertemplate="%{x}: %{customdata:.4g}<extra></extra>"))
+    unit = f" (in {res.settings.dtype}'s ε)" if metric == "eps_units" else ""
+    fig.update_layout(title=f"{METRIC_TITLES[metric]}{unit} per layer — {res.settings.dtype} on {res.settings.device}",
+                      xaxis_title="hidden state", yaxis_title=METRIC_TITLES[metric] + unit, height=380,
                       margin=dict(l=10, r=10, t=60, b=10), legend=dict(orientation="h", y=-0.35))
     if log:
         fig.update_yaxes(type="log", exponentformat="power")
+        if any((np.asarray(m) == 0).any() for m, _ in series):
+            fig.add_hline(y=floor, line_dash="dot", line_color="#888", annotation_text="0 (bitwise equal)",
+                          annotation_position="bottom right")
     return fig
 
 

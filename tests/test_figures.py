@@ -5,7 +5,9 @@ import pytest
 import kvviz
 from kvviz import figures
 from kvviz.greedy import GreedyConfig, run_greedy
-from kvviz.lab import run_dtypes, run_padding, run_reuse
+from kvviz.dtype_sweep import run_dtypes
+from kvviz.padding import run_padding
+from kvviz.reuse import run_reuse
 from conftest import DEVICE
 
 
@@ -15,28 +17,58 @@ def split_res():
     return kvviz.run_split(lm, kvviz.SplitConfig("Hello world, caching is fun!", 8))
 
 
-def test_split_heatmap(split_res):
-    fig = figures.split_heatmap(split_res, "relative", log=True)
-    hm = fig.data[0]
-    z = np.array(hm.z, dtype=float)
-    assert z.shape == split_res.main.hidden["relative"].shape
-    raw = split_res.main.hidden["relative"]
+def test_heatmap_draws_zeros_in_their_own_colour():
+    z = np.array([[0.0, 1e-3], [1e-6, 0.0]])
+    fig = figures.heatmap(z, ["a", "b"], ["embeddings", "layer 1"], "t", "relative gap", log=True)
+    main, zeros, legend = fig.data
+    np.testing.assert_allclose(np.array(main.z, dtype=float)[z > 0], np.log10(z[z > 0]))
+    assert np.isnan(np.array(main.z, dtype=float)[z == 0]).all()
+    assert (np.array(zeros.z, dtype=float)[z == 0] == 1).all() and np.isnan(np.array(zeros.z, dtype=float)[z > 0]).all()
+    assert legend.name == "0: bitwise equal" and legend.showlegend
+    hover = np.array(main.customdata, dtype=object)
+    assert hover[0, 0][2] == "0 (bitwise equal)" and hover[0, 1][2] == "0.001"
+    assert "bitwise identical" not in fig.layout.title.text
+
+
+def test_an_identical_comparison_is_drawn_plainly():
+    """Invariant mode makes the comparison bitwise identical on any machine: the full layer axis, an all-zero map
+    in the zero colour, and the note."""
+    lm = kvviz.load_model("tiny:llama", "bfloat16", DEVICE)
+    res = kvviz.run_split(lm, kvviz.SplitConfig("Hello world, caching is fun!", 8),
+                          settings=kvviz.ExecSettings(invariant=True))
+    fig = figures.split_heatmap(res, "relative", log=True)
+    assert "bitwise identical: 0 everywhere" in fig.layout.title.text
+    assert list(fig.layout.yaxis.ticktext) == res.layer_labels and len(res.layer_labels) == 5
+    assert len(fig.layout.xaxis.ticktext) == len(res.compared)
+    assert (np.array(fig.data[0].z, dtype=float) == 1).all()  # every cell in the zero colour
+    lines = figures.layer_lines(res, "relative")
+    assert any("0 (bitwise equal)" in (a.text or "") for a in lines.layout.annotations)
+
+
+def test_split_heatmap_with_a_gap():
+    lm = kvviz.load_model("tiny:llama", "bfloat16", DEVICE)
+    res = kvviz.run_split(lm, kvviz.SplitConfig("Hello world, caching is fun!", 8, left_pad=3, position_ids="omit"))
+    fig = figures.split_heatmap(res, "relative", log=True)
+    raw = res.main.hidden["relative"]
+    z = np.array(fig.data[0].z, dtype=float)
     np.testing.assert_allclose(z[raw > 0], np.log10(raw[raw > 0]))
-    assert np.isnan(z[raw == 0]).all()  # exact zeros drawn blank, said so on hover
-    hover = np.array(hm.customdata, dtype=object)
-    assert hover[0, 0][1] == "embeddings" and hover[0, 0][2] == "0 (bitwise equal)"
     assert list(fig.layout.xaxis.ticktext)[0].startswith("8:")
     assert DEVICE in fig.layout.title.text and "bfloat16" in fig.layout.title.text
-    lin = figures.split_heatmap(split_res, "max_abs", log=False)
-    np.testing.assert_allclose(np.array(lin.data[0].z, dtype=float), split_res.main.hidden["max_abs"])
+    lin = figures.split_heatmap(res, "max_abs", log=False)
+    np.testing.assert_allclose(np.array(lin.data[0].z, dtype=float), res.main.hidden["max_abs"])
     with pytest.raises(ValueError):
-        figures.split_heatmap(split_res, "nonsense")
+        figures.split_heatmap(res, "nonsense")
+    # in ε units the float64 rerun is drawn in bfloat16's ε, like the run itself
+    eps = figures.layer_lines(res, "eps_units")
+    f64 = [t for t in eps.data if "float64" in t.name][0]
+    np.testing.assert_allclose(f64.customdata, res.float64.hidden["relative"].max(axis=1) / 2 ** -7)
 
 
 def test_split_lines_and_tables(split_res):
     fig = figures.layer_lines(split_res, "eps_units")
     assert fig.layout.yaxis.type == "log"
-    np.testing.assert_allclose(fig.data[0].y, split_res.main.hidden["eps_units"].max(axis=1))
+    np.testing.assert_allclose(fig.data[0].customdata, split_res.main.hidden["eps_units"].max(axis=1))
+    assert min(fig.data[0].y) > 0  # zeros sit on the labelled floor, not off the log axis
     if split_res.float64 is not None:
         assert any("float64" in t.name for t in fig.data)
     assert len(figures.logits_frame(split_res)) == len(split_res.compared)

@@ -40,6 +40,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="run in invariant mode: every op computes a row the same way however many rows it sees, so a "
                         "cached run equals the full forward bit for bit wherever the logic is right")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
+    p.add_argument("--json-out", default=None, help="also save the result as JSON (with the environment) to this file")
+    p.add_argument("--html", default=None, help="also write a self-contained HTML report to this file")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 
@@ -54,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--left-pad", type=int, default=0)
     sp.add_argument("--position-ids", default="auto", choices=POSITION_MODES)
     sp.add_argument("--attention-mask", default="full", choices=MASK_MODES)
+    sp.add_argument("--repro", default=None, help="also write a standalone repro script (torch + transformers only)")
     gp = sub.add_parser("greedy", help="greedy decoding with and without cache: where the paths part and why")
     _model_args(gp)
     gp.add_argument("--prompt", required=True)
@@ -134,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     cz.add_argument("--batch", type=int, default=1)
     cz.add_argument("--no-measure", action="store_true", help="formula only (no forward)")
 
+    op = sub.add_parser("open", help="show a saved result (JSON export) without running any model")
+    op.add_argument("file")
+
     kp = sub.add_parser("check", help="is this model cache-safe? a battery of float64 checks")
     _model_args(kp)
 
@@ -168,6 +174,53 @@ def _load(args):
                       progress=_progress_to_stderr(args.quiet))
 
 
+def _exports(args, res, lm=None) -> None:
+    """--json-out, --html (every view) and --repro (split): written after the run; a message on stderr for each."""
+    from pathlib import Path
+
+    from .export import export_json, html_report
+
+    fp = None
+    if lm is not None:
+        from .kvcache import fingerprint
+
+        fp = fingerprint(lm)
+    for flag, make in (("json_out", lambda: export_json(res, fp)), ("html", lambda: html_report(res))):
+        target = getattr(args, flag, None)
+        if target:
+            _write(Path(target), make(), args)
+    if getattr(args, "repro", None):
+        from .repro import repro_script
+
+        _write(Path(args.repro), repro_script(res, lm, Path(args.repro).name), args)
+
+
+def _write(path, text: str, args) -> None:
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as e:
+        raise KvvizError(f"could not write {path}: {e.strerror or e}") from None
+    if not args.quiet:
+        print(f"written: {path}", file=sys.stderr)
+
+
+def cmd_open(args) -> int:
+    from pathlib import Path
+
+    from .export import open_result
+
+    p = Path(args.file)
+    if not p.is_file():
+        raise KvvizError(f"no such file: {p}")
+    opened = open_result(p.read_bytes())
+    res = opened.result
+    summary = {"split": split_summary, "greedy": greedy_summary}.get(opened.view)
+    print(summary(res) if summary else f"a {opened.view} result of {res.settings['model']}")
+    print("\nenvironment: " + ("the same as here" if not opened.environment_differences else
+                                "differs from here — " + "; ".join(opened.environment_differences)))
+    return 0
+
+
 def cmd_split(args) -> int:
     from .jsonout import dumps
     from .split import SplitConfig, run_split
@@ -178,6 +231,7 @@ def cmd_split(args) -> int:
     cfg = SplitConfig(prompt=args.prompt, split=args.split, mode=args.mode, left_pad=args.left_pad,
                       position_ids=args.position_ids, attention_mask=args.attention_mask)
     res = run_split(lm, cfg, progress=_progress_to_stderr(args.quiet), settings=_settings(args))
+    _exports(args, res, lm)
     if args.json:
         print(dumps(res.to_dict()))
         return 0
@@ -227,6 +281,7 @@ def cmd_greedy(args) -> int:
     cfg.validate()  # before loading the model: bad arguments fail at once
     lm = _load(args)
     res = run_greedy(lm, cfg, progress=_progress_to_stderr(args.quiet), settings=_settings(args))
+    _exports(args, res, lm)
     print(dumps(res.to_dict()) if args.json else greedy_summary(res))
     return 0
 
@@ -267,6 +322,7 @@ def cmd_dtypes(args) -> int:
     res = run_dtypes(_spec(args), prompts, dtypes, args.device, args.attn, split=args.split, mode=args.mode,
                      trust_remote_code=args.trust_remote_code, progress=_progress_to_stderr(args.quiet),
                      settings=_settings(args))
+    _exports(args, res)
     if args.json:
         print(dumps(res.to_dict()))
         return 0
@@ -290,6 +346,7 @@ def cmd_padding(args) -> int:
     lm = _load(args)
     res = run_padding(lm, args.prompt, args.split, args.left_pad, progress=_progress_to_stderr(args.quiet),
                       settings=_settings(args))
+    _exports(args, res, lm)
     if args.json:
         print(dumps(res.to_dict()))
         return 0
@@ -311,6 +368,7 @@ def cmd_reuse(args) -> int:
     lm = _load(args)
     res = run_reuse(lm, args.prefix, args.continuation, args.max_new_tokens, progress=_progress_to_stderr(args.quiet),
                     settings=_settings(args))
+    _exports(args, res, lm)
     if args.json:
         print(dumps(res.to_dict()))
         return 0
@@ -375,6 +433,7 @@ def cmd_matrix(args) -> int:
         cfg.validate()  # bad axes fail before any model loads
         lm = _load(args)
     res = run_matrix(lm, cfg, trust_remote_code=args.trust_remote_code, progress=_progress_to_stderr(args.quiet))
+    _exports(args, res, lm)
     if args.json:
         print(dumps(res.to_dict()))
         return 0
@@ -437,7 +496,7 @@ def cmd_check(args) -> int:
 
 
 COMMANDS = {"split": cmd_split, "greedy": cmd_greedy, "dtypes": cmd_dtypes, "padding": cmd_padding,
-            "reuse": cmd_reuse, "bisect": cmd_bisect, "matrix": cmd_matrix, "cache": cmd_cache, "check": cmd_check, "loading-trap": cmd_loading_trap}
+            "reuse": cmd_reuse, "bisect": cmd_bisect, "matrix": cmd_matrix, "open": cmd_open, "cache": cmd_cache, "check": cmd_check, "loading-trap": cmd_loading_trap}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,135 @@
+"""Exports: JSON with the environment that reopens without any model, self-contained HTML, repro scripts that
+reproduce the key figure bit for bit."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import kvviz
+from kvviz import figures
+from kvviz.cli import main
+from kvviz.dtype_sweep import run_dtypes
+from kvviz.errors import KvvizError
+from kvviz.export import export_json, html_report, open_result
+from kvviz.greedy import GreedyConfig, run_greedy
+from kvviz.padding import run_padding
+from kvviz.repro import key_figure, repro_script
+from kvviz.reuse import run_reuse
+
+from conftest import DEVICE, PROMPT
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return kvviz.load_model("tiny:llama", "bfloat16", DEVICE)
+
+
+@pytest.fixture(scope="module")
+def results(lm):
+    return {
+        "split": kvviz.run_split(lm, kvviz.SplitConfig(PROMPT, 8, left_pad=2, position_ids="omit")),
+        "greedy": run_greedy(lm, GreedyConfig("Hello", 4, paths=("no_cache", "cache", "float64"))),
+        "dtypes": run_dtypes(lm, [PROMPT], ["float32", "bfloat16"]),
+        "padding": run_padding(lm, PROMPT, left_pad=2),
+        "reuse": run_reuse(lm, "Answer.", [" Q?", " R?"], 3),
+    }
+
+
+@pytest.mark.parametrize("view", ["split", "greedy", "dtypes", "padding", "reuse"])
+def test_json_round_trip_without_a_model(results, view, monkeypatch):
+    res = results[view]
+    text = export_json(res)
+    head = json.loads(text)["kvviz_result"]
+    assert head["view"] == view and head["environment"]["torch"] and "flags" in head["environment"]
+    monkeypatch.setattr(kvviz.loading, "_load", lambda *a, **k: pytest.fail("opening a result loaded a model"))
+    opened = open_result(text)
+    assert opened.view == view and opened.environment_differences == []
+    assert export_json(opened.result) == text.replace(json.dumps(head, ensure_ascii=False), json.dumps(
+        json.loads(export_json(opened.result))["kvviz_result"], ensure_ascii=False))
+
+
+def test_reopened_results_draw_the_same_figures(results):
+    split = open_result(export_json(results["split"])).result
+    a, b = figures.split_heatmap(results["split"]), figures.split_heatmap(split)
+    np.testing.assert_array_equal(np.array(a.data[0].z, dtype=float), np.array(b.data[0].z, dtype=float))
+    assert split.verdict == results["split"].verdict and split.settings.execution.is_default
+    greedy = open_result(export_json(results["greedy"])).result
+    assert figures.greedy_pairs_frame(greedy).equals(figures.greedy_pairs_frame(results["greedy"]))
+    dt = open_result(export_json(results["dtypes"])).result
+    assert dt.stat("max_abs", "max").equals(results["dtypes"].stat("max_abs", "max"))
+
+
+def test_environment_differences_are_named(results):
+    d = json.loads(export_json(results["split"]))
+    d["kvviz_result"]["environment"]["torch"] = "1.0.0"
+    d["kvviz_result"]["environment"]["flags"]["cuda_matmul_allow_tf32"] = True
+    diffs = open_result(json.dumps(d)).environment_differences
+    assert any(x.startswith("torch: 1.0.0 there") for x in diffs) and any("allow_tf32" in x for x in diffs)
+
+
+@pytest.mark.parametrize("data, msg", [
+    ("not json", "not JSON"), ("{}", "not a kvviz result"),
+    ('{"kvviz_result": {"view": "split", "format": 99}}', "format 99"),
+    ('{"kvviz_result": {"view": "nope", "format": 1}}', "unknown view"),
+    ('{"kvviz_result": {"view": "split", "format": 1}, "settings": {}}', "incomplete or damaged"),
+])
+def test_bad_files_are_one_line_errors(data, msg):
+    with pytest.raises(KvvizError, match=msg):
+        open_result(data)
+
+
+@pytest.mark.parametrize("view", ["split", "greedy", "dtypes", "padding", "reuse"])
+def test_html_report_is_self_contained(results, view):
+    page = html_report(results[view])
+    assert 'src="http' not in page and "<script" in page or view == "reuse"
+    assert "Verdict:" in page and "Environment" in page
+    if view != "reuse":
+        assert "plotly" in page.lower() and page.count("Plotly.newPlot") >= 1
+
+
+@pytest.mark.parametrize("arch, dtype, kw", [
+    ("llama", "bfloat16", dict(mode="step", left_pad=2, position_ids="omit")),
+    ("gpt2", "float32", dict(mode="chunk")),
+    ("gemma2", "float16", dict(mode="step", attention_mask="new-only")),
+    ("llama", "float64", dict(mode="chunk", left_pad=1)),
+])
+def test_repro_script_reproduces_the_figure_bit_for_bit(arch, dtype, kw, tmp_path):
+    m = kvviz.load_model(f"tiny:{arch}", dtype, DEVICE)
+    res = kvviz.run_split(m, kvviz.SplitConfig(PROMPT, 9, **kw))
+    script = tmp_path / "repro.py"
+    script.write_text(repro_script(res, m))
+    assert "import kvviz" not in script.read_text() and "from kvviz" not in script.read_text()
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert out.returncode == 0, out.stderr[-500:]
+    assert out.stdout.strip().splitlines()[-1] == f"max |Δ logits| = {key_figure(res)!r}"
+
+
+def test_repro_refuses_what_it_cannot_rebuild(lm, results):
+    with pytest.raises(KvvizError, match="split view"):
+        repro_script(results["greedy"], lm)
+    inv = kvviz.run_split(lm, kvviz.SplitConfig(PROMPT, 8), settings=kvviz.ExecSettings(invariant=True))
+    with pytest.raises(KvvizError, match="invariant"):
+        repro_script(inv, lm)
+
+
+def test_cli_exports_and_open(tmp_path, capsys):
+    j, h, r = tmp_path / "r.json", tmp_path / "r.html", tmp_path / "r.py"
+    assert main(["split", "--model", "tiny:llama", "--prompt", PROMPT, "--split", "6", "--dtype", "bfloat16",
+                 "--device", DEVICE, "--quiet", "--json-out", str(j), "--html", str(h), "--repro", str(r)]) == 0
+    assert json.loads(j.read_text())["kvviz_result"]["model_fingerprint"]["architecture"] == "llama"
+    assert "Plotly" in h.read_text() and "max |Δ logits|" in r.read_text()
+    capsys.readouterr()
+    assert main(["open", str(j)]) == 0
+    out = capsys.readouterr().out
+    assert "verdict:" in out and "environment: the same as here" in out
+    for cmd in (["greedy", "--prompt", "Hi", "--max-new-tokens", "2"], ["padding", "--prompt", PROMPT],
+                ["reuse", "--prefix", "A.", "--continuation", " B", "--max-new-tokens", "2"],
+                ["dtypes", "--prompt", PROMPT, "--dtypes", "float32"]):
+        out_json = tmp_path / f"{cmd[0]}.json"
+        assert main([*cmd, "--model", "tiny:gpt2", "--device", DEVICE, "--quiet", "--json-out", str(out_json),
+                     "--html", str(tmp_path / f"{cmd[0]}.html")]) == 0
+        assert open_result(out_json.read_text()).view == cmd[0]

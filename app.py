@@ -18,6 +18,7 @@ PAGES = [
     st.Page("pages/backends.py", title="Backends & compile", icon=":material/memory:"),
     st.Page("pages/kv_cache.py", title="KV cache", icon=":material/database:"),
     st.Page("pages/cache_safety.py", title="Is my model cache-safe?", icon=":material/verified_user:"),
+    st.Page("pages/open_result.py", title="Open a result", icon=":material/folder_open:"),
 ]
 
 nav = st.navigation(PAGES)

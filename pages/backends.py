@@ -4,7 +4,7 @@ import streamlit as st
 from kvviz import figures
 from kvviz.backends import CACHE_KINDS, COMPILE_MODES
 from kvviz.matrix import MatrixConfig, run_matrix, seed004_config
-from pages.common import page, progress_bar, run_cached, show_error
+from pages.common import exports, page, progress_bar, run_cached, show_error
 
 FLAG_SETS = {"none": (), "tf32": ("tf32",), "deterministic": ("deterministic",),
              "no reduced-precision reductions": ("no-bf16-reduced-reduction", "no-fp16-reduced-reduction"),
@@ -87,3 +87,4 @@ else:
 env = res.environment
 st.caption(f"torch {env['torch']}, transformers {env['transformers']}, {env['device_name']}; computed in "
            f"{res.elapsed_s:.1f} s.")
+exports(res, "matrix", lm)

@@ -3,7 +3,7 @@ import streamlit as st
 
 from kvviz import figures
 from kvviz.reuse import REUSE_STRATEGIES, run_reuse
-from pages.common import page, progress_bar, run_cached, show_error
+from pages.common import exports, page, progress_bar, run_cached, show_error
 
 choice, lm = page("Prompt-cache reuse",
                   "Cache a shared prefix once and reuse it for several continuations: (a) a deep copy per continuation, "
@@ -44,3 +44,4 @@ st.dataframe(figures.reuse_frame(res), hide_index=True, width="stretch")
 st.caption("Verdicts: the largest relative logit gap to the fresh run while both saw the same tokens, and the same "
            "in float64: a gap that closes in float64 is precision, one that stays is logic. "
            f"{res.settings.dtype} on {res.settings.device}.")
+exports(res, "reuse", lm)

@@ -167,6 +167,29 @@ def run_cached(name: str, key_parts: dict, compute):
     return store[key]
 
 
+def exports(res, name: str, lm=None) -> None:
+    """Every page's downloads: the result as JSON (with the environment), a self-contained HTML report and, for
+    the split view, a standalone repro script. Built on click only, so views stay cheap."""
+    from kvviz.export import export_json, html_report
+
+    cols = st.columns(3)
+    fp = None
+    if lm is not None:
+        from kvviz.kvcache import fingerprint
+
+        fp = fingerprint(lm)
+    cols[0].download_button("Result (JSON)", lambda: export_json(res, fp), file_name=f"kvviz-{name}.json",
+                            mime="application/json", key=f"dl_json_{name}", on_click="ignore")
+    cols[1].download_button("Report (HTML)", lambda: html_report(res), file_name=f"kvviz-{name}.html",
+                            mime="text/html", key=f"dl_html_{name}", on_click="ignore")
+    if name == "split" and lm is not None and res.settings.execution.is_default and res.main.has_cache:
+        from kvviz.repro import repro_script
+
+        cols[2].download_button("Repro script (Python)", lambda: repro_script(res, lm, "kvviz_repro.py"),
+                                file_name="kvviz_repro.py", mime="text/x-python", key="dl_repro_split",
+                                on_click="ignore")
+
+
 VERDICT_STYLE = {"identical": st.success, "precision": st.info, "logic": st.error}
 
 

@@ -5,7 +5,7 @@ import kvviz
 from kvviz import figures
 from kvviz.dtype_sweep import run_dtypes
 from kvviz.prompts import builtin_prompts, parse_prompts
-from pages.common import page, progress_bar, run_cached, show_error
+from pages.common import exports, page, progress_bar, run_cached, show_error
 
 choice, _ = page("Dtypes side by side",
                  "How fast does the cached-vs-full gap grow across layers in float16, bfloat16 and float32, raw and in "
@@ -75,3 +75,4 @@ st.caption(f"Device: {res.settings.device}; float64 reference on {res.settings.f
            "16-bit kernels compute in float32 and round once at the end, unlike GPU kernels, so 16-bit gaps here can "
            "be smaller (or exactly zero) where a GPU shows them. Computed in "
            f"{res.elapsed_s:.1f} s.")
+exports(res, "dtypes", None)

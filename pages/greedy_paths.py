@@ -4,8 +4,7 @@ import streamlit as st
 from kvviz import figures
 from kvviz.greedy import DEFAULT_PATHS, MAX_NEW_TOKENS, PATH_LABELS, PATHS, GreedyConfig, run_greedy
 from kvviz.inputs import POSITION_MODES
-from kvviz.jsonout import dumps
-from pages.common import page, progress_bar, run_cached, show_error, show_verdict
+from pages.common import exports, page, progress_bar, run_cached, show_error, show_verdict
 
 choice, lm = page("Greedy paths",
                   "Decode greedily without cache, with cache, with generate() (and the loop people write): the texts side "
@@ -74,5 +73,4 @@ with t3:
                   for p in res.paths.values()], hide_index=True, width="stretch")
 for note in res.notes:
     st.caption(f"ℹ️ {note}")
-st.download_button("Download result (JSON)", dumps(res.to_dict()), file_name="kvviz-greedy.json",
-                   mime="application/json")
+exports(res, "greedy", lm)

@@ -3,7 +3,7 @@ import streamlit as st
 
 from kvviz import figures
 from kvviz.padding import run_padding
-from pages.common import page, progress_bar, run_cached, show_error
+from pages.common import exports, page, progress_bar, run_cached, show_error
 
 choice, lm = page("Padding and batching",
                   "Why does left padding or batching change the output? Every cell is the prompt's hidden states compared "
@@ -43,3 +43,4 @@ st.markdown("""
 st.dataframe(res.grid("verdict"), width="stretch")
 st.caption(f"Split at token {res.settings.split} of {len(res.tokens)}; {res.settings.dtype} on "
            f"{res.settings.device}; batch companions of {res.settings.companions} tokens.")
+exports(res, "padding", lm)

@@ -4,9 +4,8 @@ import streamlit as st
 import kvviz
 from kvviz import figures
 from kvviz.inputs import MASK_MODES, POSITION_MODES, encode
-from kvviz.jsonout import dumps
 from kvviz.metrics import HIDDEN_METRICS
-from pages.common import page, progress_bar, run_cached, show_error, show_verdict, token_strip
+from pages.common import exports, page, progress_bar, run_cached, show_error, show_verdict, token_strip
 
 DEFAULT_PROMPT = "The capital of France is Paris, and the capital of Italy is"
 
@@ -116,6 +115,5 @@ with st.expander("Where does it start? (bisector)"):
                           for g in b.modules], hide_index=True, width="stretch")
 for note in res.notes:
     st.caption(f"ℹ️ {note}")
-st.download_button("Download result (JSON)", dumps(res.to_dict()), file_name="kvviz-split.json",
-                   mime="application/json")
+exports(res, "split", lm)
 st.caption(f"Computed in {res.elapsed_s:.2f} s on {res.settings.device}.")

@@ -224,3 +224,13 @@ def test_cache_safety_page():
     assert "UNSAFE" in alerts(at)
     at = start("pages/cache_safety.py", model="tiny:llama")
     assert "SAFE" in alerts(at) and "UNSAFE" not in alerts(at)
+
+
+def test_every_page_offers_its_exports():
+    for path, state in [("pages/split_point.py", {}), ("pages/greedy_paths.py", {"greedy_n": 3}),
+                        ("pages/padding_lab.py", {}), ("pages/cache_reuse.py", {"reuse_n": 2})]:
+        at = start(path, model="tiny:llama", **state)
+        labels = [b.label for b in at.get("download_button")]
+        assert "Result (JSON)" in labels and "Report (HTML)" in labels, (path, labels)
+        if path.endswith("split_point.py"):
+            assert "Repro script (Python)" in labels

@@ -1,0 +1,43 @@
+"""Page: open a result exported by kvviz (JSON) and look at it again - no model is loaded or run."""
+import streamlit as st
+
+from kvviz import figures
+from kvviz.export import _verdict_text, main_figures, open_result
+from pages.common import exports, page, show_error, show_verdict
+
+page("Open a result",
+     "A result downloaded from any page (Result JSON) opens here as it was: verdict, charts and tables, without "
+     "loading or running any model. If it was computed with other versions or on another device, it says so.",
+     needs_model=False)
+up = st.file_uploader("A kvviz result (.json)", type=["json"], key="open_upload")
+if up is None:
+    st.info("Upload a result file exported from one of the pages (or with `python -m kvviz … --json-out FILE`).")
+    st.stop()
+try:
+    opened = open_result(up.getvalue())
+except Exception as e:  # noqa: BLE001
+    show_error(e)
+    st.stop()
+res = opened.result
+settings = res.settings if isinstance(res.settings, dict) else res.settings.to_dict()
+st.caption(f"A **{opened.view}** result of `{settings.get('model')}` in {settings.get('dtype', '—')} on "
+           f"{settings.get('device', '—')}.")
+if opened.environment_differences:
+    st.warning("Computed elsewhere — its numbers may not be reproduced bit for bit here: "
+               + "; ".join(opened.environment_differences[:6]), icon="ℹ️")
+verdict, text = _verdict_text(res)
+if opened.view in ("split", "greedy"):
+    show_verdict(verdict, text)
+for i, fig in enumerate(main_figures(res)):
+    st.plotly_chart(fig, width="stretch", key=f"open_fig_{i}")
+if opened.view == "dtypes":
+    st.dataframe(res.verdict_counts(), width="stretch")
+elif opened.view == "padding":
+    st.dataframe(res.grid("verdict"), width="stretch")
+elif opened.view == "reuse":
+    st.dataframe(figures.reuse_frame(res), hide_index=True, width="stretch")
+elif opened.view == "split" and res.main.has_cache:
+    st.dataframe(figures.logits_frame(res), hide_index=True, width="stretch")
+with st.expander("Settings"):
+    st.json(settings)
+exports(res, f"{opened.view}-reopened")

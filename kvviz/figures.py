@@ -289,12 +289,12 @@ def texts_html(res) -> str:
             if i in marks[p.name]:
                 line = "border-bottom:2px solid #c0392b;" if i == first else ""
                 title = html.escape(f"step {i}: parts from {', '.join(marks[p.name][i])}")
-                parts.append(f'<span title="{title}" style="background:#f8c9c4;{line}">{text}</span>')
+                parts.append(f'<span title="{title}" style="background:#f8c9c4;color:#111;{line}">{text}</span>')
             else:
                 parts.append(text)
         cols.append(f'<div style="flex:1 1 0;min-width:180px"><b>{html.escape(p.label)}</b>'
-                    f'<div style="font-family:monospace;white-space:pre-wrap;background:#f7f7f7;padding:6px;'
-                    f'border-radius:4px">{"".join(parts)}</div></div>')
+                    f'<div style="font-family:monospace;white-space:pre-wrap;background:#f7f7f7;color:#111;'
+                    f'padding:6px;border-radius:4px">{"".join(parts)}</div></div>')
     return f'<div style="display:flex;gap:10px;flex-wrap:wrap">{"".join(cols)}</div>'
 
 

@@ -29,6 +29,7 @@ from .inputs import POSITION_MODES, PromptInputs, build_inputs, check_mode, pad_
 from .execution import DEFAULT_SETTINGS, ExecSettings, Executor, Keyed, RunInfo
 from .loading import LoadedModel
 from .metrics import hidden_divergence
+from .text import display_tokens
 from .split import classify, layer_labels
 
 PATHS = ("no_cache", "cache", "generate", "user_loop", "float64")
@@ -38,7 +39,7 @@ PATH_LABELS = {
     "no_cache": "no cache (full forward each step)",
     "cache": "cache (past_key_values)",
     "generate": "model.generate",
-    "user_loop": "user loop (seed 000)",
+    "user_loop": "the loop people write (no mask or positions after the prompt)",
     "float64": "float64 reference (no cache)",
 }
 # Run cheap paths first so that `stop_at_divergence` can cut the expensive ones short.
@@ -535,7 +536,7 @@ def _path_results(lm: LoadedModel, runs: dict[str, PathRun], names: list[str]) -
             d = (r.logits[:m].double() - ref.logits[:m].double()).abs().amax(-1).cpu().tolist()
             gap = [v if div is None or t <= div else None for t, v in enumerate(d)]
         results[name] = PathResult(
-            name=name, label=r.label, token_ids=r.token_ids, tokens=[tok.decode([i]) for i in r.token_ids],
+            name=name, label=r.label, token_ids=r.token_ids, tokens=display_tokens(tok, r.token_ids),
             text=tok.decode(r.token_ids), margins=r.margins, top2=[tok.decode([i]) for i in r.top2_ids],
             forwards=r.forwards, seconds=r.seconds, preview=r.preview, settled=r.settled, float64_gap=gap)
     return results

@@ -46,7 +46,10 @@ def pad_token_id(tokenizer) -> int:
 
 
 def token_texts(tokenizer, ids: list[int]) -> list[str]:
-    return [tokenizer.decode([i]) for i in ids]
+    """One display string per token; multi-byte characters split over several tokens are shown whole."""
+    from .text import display_tokens
+
+    return display_tokens(tokenizer, ids)
 
 
 def validate_prompt(prompt) -> str:

@@ -26,7 +26,7 @@ def use_seed004() -> None:
                             mx_attn=list(p.attentions), mx_cache=list(p.caches), mx_preset_error=None)
 
 
-st.button("Seed-004 preset: a short left-padded prompt batched with one longer than the sliding window",
+st.button("Sliding-window preset (the torch.compile report): a short left-padded prompt batched with one longer than the window",
           key="mx_preset", on_click=use_seed004)
 if st.session_state.get("mx_preset_error"):
     st.error(st.session_state["mx_preset_error"], icon="⚠️")

@@ -1,4 +1,4 @@
-"""Page: one prompt cache reused for several continuations (seed 001)."""
+"""Page: one prompt cache reused for several continuations ."""
 import streamlit as st
 
 from kvviz import figures
@@ -6,9 +6,10 @@ from kvviz.reuse import REUSE_STRATEGIES, run_reuse
 from pages.common import exports, page, progress_bar, run_cached, show_error
 
 choice, lm = page("Prompt-cache reuse",
-                  "Cache a shared prefix once and reuse it for several continuations: (a) a deep copy per continuation, "
-                  "(b) the same cache object again after an earlier continuation grew it (the common bug), (c) no prefix "
-                  "cache at all. Greedy texts side by side, where they part from (c), and why.")
+                  "Cache a shared prefix once and reuse it for several continuations: **deepcopy** (a copy of the "
+                  "prefix cache per continuation), **reused** (the same cache object again after an earlier "
+                  "continuation grew it - the common bug), against **fresh** (no prefix cache: the reference). "
+                  "Greedy texts side by side, where they part from fresh, and why.")
 prefix = st.text_area("Shared prefix", "You are a helpful assistant. Answer in one short sentence.\n",
                          key="reuse_prefix", height=70)
 conts = st.text_area("Continuations (one a line; write \\n for a line break)",
@@ -30,14 +31,19 @@ except Exception as e:  # noqa: BLE001
     st.stop()
 
 for i, cont in enumerate(res.settings.continuations):
-    st.markdown(f"**Continuation {i + 1}:** `{cont!r}`")
+    st.markdown(f"**Continuation {i + 1}**")
+    st.text(cont)
     cols = st.columns(3)
     for col, (strategy, desc) in zip(cols, REUSE_STRATEGIES.items()):
         run = next(r for r in res.runs if r["index"] == i and r["strategy"] == strategy)
-        box = {"identical": col.success, "precision": col.info, "logic": col.error}.get(run["verdict"], col.info)
-        parts = "same tokens as fresh" if run["first_divergence"] is None else \
-            f"parts from fresh at step {run['first_divergence']}"
-        box(f"**{strategy}** — {run['verdict']}, {parts}\n\n{run['text']!r}")
+        if strategy == "fresh":
+            col.markdown("**fresh** — the reference")
+        else:
+            parts = ("same tokens as fresh" if run["first_divergence"] is None else
+                     f"parts from fresh at step {run['first_divergence']}")
+            box = {"identical": col.success, "precision": col.info, "logic": col.error}.get(run["verdict"], col.info)
+            box(f"**{strategy}** — {run['verdict']}, {parts}")
+        col.text(run["text"])
         col.caption(desc)
 st.subheader("All runs")
 st.dataframe(figures.reuse_frame(res), hide_index=True, width="stretch")

@@ -45,7 +45,7 @@ c1, c2, c3 = st.columns(3)
 dtypes = c1.multiselect("Dtypes (float64 always runs)", ["float32", "float16", "bfloat16"],
                         default=["float32", "float16", "bfloat16"], key="dt_dtypes")
 split = c2.selectbox("Split", ["last", "half"], key="dt_split",
-                     format_func={"last": "all but the last token cached (seed 000)", "half": "half cached"}.get)
+                     format_func={"last": "all but the last token cached", "half": "half cached"}.get)
 mode = c3.radio("Feed the rest", ["chunk", "step"], horizontal=True, key="dt_mode")
 
 

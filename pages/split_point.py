@@ -43,7 +43,7 @@ with c2:
     left_pad = st.number_input("Left padding (pad tokens before the prompt)", 0, 64, 0, key="split_pad")
     pos_mode = st.radio("Position ids for the rest", POSITION_MODES, horizontal=True, key="split_pos",
                         help="auto: derived from the attention mask, as generate() does. omit: let the model count "
-                             "from the cache length (the bug of seeds 000 and 002 when the prompt is left-padded).")
+                             "from the cache length (wrong when the prompt is left-padded: the pads get counted; see docs/guide.md).")
     mask_mode = st.radio("Attention mask for the rest", MASK_MODES, horizontal=True, key="split_mask",
                          help="full: past + new tokens (correct). new-only: only the new tokens, a common mistake "
                               "that transformers accepts silently.")
@@ -91,7 +91,7 @@ t1, t2, t3 = st.tabs(["Logits per position", "Last position: describe()", "Keys 
 with t1:
     st.dataframe(figures.logits_frame(res), hide_index=True, width="stretch")
 with t2:
-    st.caption("As in seed 003: summary statistics of the last compared position's logits without and with past.")
+    st.caption("pandas describe() of of the last compared position's logits without and with past.")
     st.dataframe(figures.describe_frame(res), width="stretch")
 with t3:
     st.caption("Keys and values in the cache after the cached run vs the full forward's (pad positions excluded).")

@@ -19,10 +19,13 @@ PAGES = [
     st.Page("pages/kv_cache.py", title="KV cache", icon=":material/database:"),
     st.Page("pages/cache_safety.py", title="Is my model cache-safe?", icon=":material/verified_user:"),
     st.Page("pages/open_result.py", title="Open a result", icon=":material/folder_open:"),
+    st.Page("pages/guide.py", title="Guide", icon=":material/menu_book:"),
+    st.Page("pages/glossary.py", title="Glossary", icon=":material/dictionary:"),
 ]
 
 nav = st.navigation(PAGES)
-from pages.common import sidebar  # noqa: E402  (after set_page_config)
+from pages.common import remember, sidebar  # noqa: E402  (after set_page_config)
 
+remember()  # page controls survive page switches and come from a link
 st.session_state["model_choice"] = sidebar()
 nav.run()

@@ -26,6 +26,8 @@ def use_seed004() -> None:
                             mx_attn=list(p.attentions), mx_cache=list(p.caches), mx_preset_error=None)
 
 
+if st.session_state.pop("_mx_apply_preset", False):  # opened from a Home preset
+    use_seed004()
 st.button("Sliding-window preset (the torch.compile report): a short left-padded prompt batched with one longer than the window",
           key="mx_preset", on_click=use_seed004)
 if st.session_state.get("mx_preset_error"):

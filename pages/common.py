@@ -13,7 +13,7 @@ import kvviz
 from kvviz.errors import OUT_OF_MEMORY_HINT, KvvizError, free_memory, is_out_of_memory
 from kvviz.execution import ExecSettings
 
-PRESETS = ["default"] + [f"tiny:{a}" for a in kvviz.TINY_ARCHS] + ["other…"]
+PRESETS = ["default"] + [f"tiny:{a}" for a in kvviz.TINY_MODELS] + ["other…"]
 DEVICES = ["auto", "cpu", "cuda", "mps"]
 
 
@@ -138,12 +138,106 @@ def load(choice: ModelChoice) -> kvviz.LoadedModel | None:
     return lm
 
 
+# Page controls persist across page switches and live in the URL. Streamlit forgets the state of widgets that a run
+# did not draw, so app.py stashes every page control at the start of each run (`remember`), and a page restores its
+# own before drawing them (`restore`). The URL carries the sidebar and the current page's controls as JSON values.
+PAGE_PREFIXES = ("split_", "greedy_", "dt_", "pad_", "reuse_", "mx_", "kv_", "trap_")
+SIDEBAR_KEYS = ("model_preset", "model_other", "dtype", "device", "attn", "trust_remote_code", "invariant",
+                "presenter")
+_NOT_IN_URL = ("kv_upload", "dt_upload", "mx_run", "mx_preset", "split_bisect", "open_upload")
+
+
+def _persistable(key: str) -> bool:
+    return (key.startswith(PAGE_PREFIXES) or key in SIDEBAR_KEYS) and key not in _NOT_IN_URL \
+        and not key.startswith(("dl_", "_"))
+
+
+def remember() -> None:
+    """Called by app.py at the start of every run: stash the controls' current values (and read a link's once)."""
+    ss = st.session_state
+    stash = ss.setdefault("_stash", {})
+    if not ss.get("_url_read"):
+        ss["_url_read"] = True
+        bad = []
+        for k, v in st.query_params.items():
+            if not _persistable(k) or k == "trust_remote_code":  # a link never turns remote code on
+                continue
+            try:
+                stash[k] = json.loads(v)
+            except (json.JSONDecodeError, TypeError):
+                bad.append(k)
+        for k in SIDEBAR_KEYS:
+            if k in stash and k not in ss:
+                ss[k] = stash[k]
+        if bad:
+            ss["_url_note"] = f"Some settings in the link could not be read and use their defaults: {', '.join(bad)}"
+    for k in list(ss.keys()):
+        if _persistable(k):
+            try:
+                json.dumps(ss[k])
+            except TypeError:
+                continue
+            stash[k] = ss[k]
+
+
+def restore(prefix: str) -> None:
+    """Before a page draws its controls: bring back the values it had (or a link gave)."""
+    ss = st.session_state
+    for k, v in ss.get("_stash", {}).items():
+        if k.startswith(prefix) and k not in ss:
+            ss[k] = v
+    pending = ss.pop("_pending_controls", None)  # a Home preset
+    if pending:
+        ss.update({k: v for k, v in pending.items() if k.startswith(prefix)})
+
+
+def sync_url(prefix: str) -> None:
+    """The sidebar and this page's controls as query parameters: the address is a link to this exact view."""
+    stash = st.session_state.get("_stash", {})
+    want = {k: json.dumps(v) for k, v in stash.items()
+            if (k in SIDEBAR_KEYS or k.startswith(prefix)) and k != "trust_remote_code"}
+    try:
+        current = dict(st.query_params.items())
+        if current != want:
+            st.query_params.from_dict(want)
+    except Exception:  # noqa: BLE001 - the URL is a convenience; never break a page over it
+        pass
+
+
+def copy_link() -> None:
+    with st.popover("Copy link", icon=":material/link:"):
+        url = getattr(st.context, "url", "") or ""
+        query = "&".join(f"{k}={v}" for k, v in st.query_params.items())
+        from urllib.parse import quote
+
+        st.caption("This address opens this page with these settings (it runs once, then as usual):")
+        st.code(url.split("?")[0] + ("?" + "&".join(f"{k}={quote(v)}" for k, v in st.query_params.items())
+                                     if query else ""), language=None)
+
+
+PREFIX_OF_PAGE = {"split_point": "split_", "greedy_paths": "greedy_", "dtypes_lab": "dt_", "padding_lab": "pad_",
+                  "cache_reuse": "reuse_", "backends": "mx_", "kv_cache": "kv_", "loading_trap": "trap_"}
+
+
 def page(title: str, caption: str, needs_model: bool = True):
     """Every page's start: run inside app.py, title and caption, the sidebar's choice and (if needed) its model.
     Stops the page with a message when the model cannot be loaded."""
     ensure_navigation()
-    st.title(title)
+    import inspect
+    from pathlib import Path
+
+    name = Path(inspect.stack()[1].filename).stem
+    prefix = PREFIX_OF_PAGE.get(name)
+    if prefix:
+        restore(prefix)
+        sync_url(prefix)
+    t1, t2 = st.columns([6, 1])
+    t1.title(title)
+    with t2:
+        copy_link()
     st.caption(caption)
+    if st.session_state.get("_url_note"):
+        st.info(st.session_state.pop("_url_note"), icon="ℹ️")
     choice = st.session_state["model_choice"]
     if not needs_model:
         if not choice.spec:

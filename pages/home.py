@@ -1,8 +1,11 @@
 import streamlit as st
 
+from kvviz.presets import PRESETS, preset_state
 from pages.common import ensure_navigation
 
 ensure_navigation()
+if st.session_state.get("_goto"):
+    st.switch_page(st.session_state.pop("_goto"))
 
 st.title("kvviz: why does the KV cache change my numbers?")
 st.markdown("""
@@ -16,18 +19,41 @@ they sometimes don't, for two very different reasons:
   mask that covers only the new tokens, or a model that is not causal at all (RoBERTa).
 
 kvviz tells them apart the way a numerical analyst would: **rerun the very same scenario in float64**. If the gap
-closes, it was precision; if it stays, it is logic.
+closes, it was precision; if it stays, it is logic. **Invariant mode** (sidebar) goes one step further and proves
+it: with every row computed the same way whatever the shape, a precision gap becomes exactly zero.
+""")
+st.subheader("Start with a scenario")
+st.caption("One click sets the model, the dtype and the page's controls. Each shows its effect on any machine.")
 
-**Pages**
+
+def go(p) -> None:
+    state = preset_state(p)
+    st.session_state.update({k: v for k, v in state.items() if k in ("model_preset", "dtype", "invariant")})
+    st.session_state["_pending_controls"] = p.controls
+    if p.controls.get("_mx_preset"):
+        st.session_state["_mx_apply_preset"] = True
+    st.session_state["_goto"] = p.page
+
+
+cols = st.columns(2)
+for i, p in enumerate(PRESETS):
+    with cols[i % 2].container(border=True):
+        st.markdown(f"**{p.title}**")
+        st.caption(p.what)
+        st.button("Open", key=f"preset_{p.key}", on_click=go, args=(p,))
+
+st.subheader("Pages")
+st.markdown("""
 * **Split point** — feed a prefix, cache it, feed the rest: where (layer × token) and how much the numbers differ
-  from one full forward, against the dtype's machine epsilon, with a verdict.
+  from one full forward, against the dtype's machine epsilon, with a verdict and its proof; a bisector names the
+  first module that differs.
 * **Greedy paths** — decode with and without cache (and with `generate()`, and the loop people write): the texts
   side by side, the step where they part, the top-2 margin there, and the verdict for that step.
-* **Dtypes side by side** — float64, float32, float16 and bfloat16 per layer on one chart, raw and in units of each
-  dtype's epsilon, for one prompt or averaged over a prompt set (built in, or your own file).
-* **Padding and batching** — the same prompt alone, left-padded and in a batch, with cache settings right and
-  wrong: which effect is precision and which is logic.
-* **Prompt-cache reuse** — one prefix cache reused for several continuations: deep copy, reused object, none.
+* **Dtypes side by side**, **Padding and batching**, **Prompt-cache reuse**, **Loading trap** — the classic traps.
+* **Backends & compile** — attention kinds × cache kinds × torch.compile × precision flags, repeated.
+* **KV cache** — save a cache, load it back, continue, compare; sizes. **Is my model cache-safe?** — one card.
+* **Open a result** — look at a downloaded result again, no model needed.
 
-Pick the model, dtype, device and attention implementation in the sidebar; they apply to every page.
+The **Guide** page tells where each scenario comes from and how to read the numbers; the **Glossary** explains the
+terms. Pick the model, dtype, device and attention implementation in the sidebar; they apply to every page.
 """)

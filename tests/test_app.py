@@ -234,3 +234,61 @@ def test_every_page_offers_its_exports():
         assert "Result (JSON)" in labels and "Report (HTML)" in labels, (path, labels)
         if path.endswith("split_point.py"):
             assert "Repro script (Python)" in labels
+
+
+@pytest.mark.parametrize("key, expect", [
+    ("tie", "Verdict: precision"), ("padding", "Verdict: logic"), ("newonly", "Verdict: logic"),
+    ("bidirectional", "Verdict: logic"), ("proof", "gap is exactly 0"),
+])
+def test_home_presets_show_their_effect(key, expect):
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
+    at.run()
+    at.button(key=f"preset_{key}").click().run()
+    assert not at.exception, at.exception
+    assert expect in alerts(at)
+    if key == "tie":  # the 16-bit tie flips "b" to "a" at the first step
+        assert "'a'" in alerts(at) and "'b'" in alerts(at)
+
+
+def test_home_presets_for_the_sweep_and_the_window():
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
+    at.run()
+    at.button(key="preset_window").click().run()
+    assert not at.exception and at.text_area(key="mx_batch").value and at.number_input(key="mx_n").value > 8
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
+    at.run()
+    at.button(key="preset_layers").click().run()
+    assert not at.exception and len(at.get("plotly_chart")) >= 1
+
+
+def test_guide_and_glossary_pages():
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=60)
+    at.run()
+    at.switch_page("pages/guide.py").run()
+    assert not at.exception and any("float64" in m.value for m in at.markdown)
+    at.switch_page("pages/glossary.py").run()
+    assert not at.exception and any("Machine epsilon" in m.value for m in at.markdown)
+
+
+def test_page_settings_survive_a_page_switch():
+    at = start("pages/split_point.py", model="tiny:llama")
+    at.radio(key="split_mode").set_value("step").run()
+    at.number_input(key="split_pad").set_value(3).run()
+    at.switch_page("pages/greedy_paths.py").run()
+    assert not at.exception
+    at.switch_page("pages/split_point.py").run()
+    assert at.radio(key="split_mode").value == "step" and at.number_input(key="split_pad").value == 3
+    assert at.query_params["split_mode"] == ['"step"'] or at.query_params["split_mode"] == '"step"'
+
+
+def test_a_link_opens_the_exact_view_and_bad_parameters_fall_back():
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
+    at.query_params.update({"model_preset": '"tiny:gpt2"', "split_mode": '"step"', "split_pad": "3",
+                            "split_pos": '"omit"', "split_mask": "{broken"})
+    at.run()
+    at.switch_page("pages/split_point.py").run()
+    assert not at.exception, at.exception
+    assert at.radio(key="split_mode").value == "step" and at.radio(key="split_pos").value == "omit"
+    assert at.radio(key="split_mask").value == "full"  # the unreadable one: its default
+    text = alerts(at)
+    assert "Verdict: logic" in text and "split_mask" in text and "could not be read" in text

@@ -68,6 +68,7 @@ def sidebar() -> ModelChoice:
     ss.setdefault("attn", "auto")
     ss.setdefault("trust_remote_code", False)
     ss.setdefault("invariant", False)
+    ss.setdefault("presenter", False)
     with st.sidebar:
         st.header("Model")
         st.selectbox("Model", PRESETS, key="model_preset",
@@ -84,6 +85,8 @@ def sidebar() -> ModelChoice:
                     help="Let a model folder or hub repo run its own Python code. Off unless you trust it.")
         if ss.trust_remote_code:
             st.warning("Remote code is on: a model's own Python files will run on this machine.")
+        st.toggle("Presenter mode", key="presenter",
+                  help="For a room: larger text in the page and the charts, less space around them.")
         st.checkbox("Invariant mode", key="invariant",
                     help="Compute every row the same way however many rows or keys a kernel sees (per-row matrix "
                          "products, fixed-order softmax and attention). A cached run then equals the full forward "
@@ -215,6 +218,15 @@ def copy_link() -> None:
                                      if query else ""), language=None)
 
 
+# Presenter mode: larger text everywhere (chart text too: the stylesheet overrides plotly's inline sizes), less
+# padding at the top so the verdict and the first chart share the first screen at 1280×720.
+PRESENTER_CSS = """<style>
+.block-container {padding-top: 1.2rem !important; padding-bottom: 1rem !important;}
+.block-container p, .block-container li, .block-container label {font-size: 1.12rem !important;}
+.js-plotly-plot .main-svg text {font-size: 15px !important;}
+.js-plotly-plot .main-svg .gtitle {font-size: 18px !important;}
+</style>"""
+
 PREFIX_OF_PAGE = {"split_point": "split_", "greedy_paths": "greedy_", "dtypes_lab": "dt_", "padding_lab": "pad_",
                   "cache_reuse": "reuse_", "backends": "mx_", "kv_cache": "kv_", "loading_trap": "trap_"}
 
@@ -231,6 +243,8 @@ def page(title: str, caption: str, needs_model: bool = True):
     if prefix:
         restore(prefix)
         sync_url(prefix)
+    if st.session_state.get("presenter"):
+        st.markdown(PRESENTER_CSS, unsafe_allow_html=True)
     t1, t2 = st.columns([6, 1])
     t1.title(title)
     with t2:

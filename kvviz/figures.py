@@ -36,7 +36,7 @@ ZERO_COLOUR = "#b0bec5"  # exact zeros on log-scale maps: bitwise equal
 
 
 def heatmap(z: np.ndarray, x_labels: list[str], y_labels: list[str], title: str, value_name: str,
-            log: bool = True, x_title: str = "token") -> go.Figure:
+            log: bool = True, x_title: str = "token", zrange: tuple[float, float] | None = None) -> go.Figure:
     """A layers × positions heatmap; hover shows token, layer and the exact value. On a log scale exact zeros
     (bitwise equal) get their own colour and legend entry; an all-zero map says so and keeps its full axes."""
     z = np.asarray(z, dtype=float)
@@ -50,6 +50,9 @@ def heatmap(z: np.ndarray, x_labels: list[str], y_labels: list[str], title: str,
     if log and np.isfinite(shown).any():
         lo, hi = math.floor(np.nanmin(shown)), math.ceil(np.nanmax(shown))
         ticks = list(range(lo, hi + 1)) if hi > lo else [lo]
+        if zrange is not None:
+            lo, hi = zrange
+            ticks = list(range(math.floor(lo), math.ceil(hi) + 1)) if hi > lo else [math.floor(lo)]
         colorbar.update(tickvals=ticks, ticktext=[f"1e{t}" for t in ticks], title=value_name)
     template = ("token %{customdata[0]}<br>%{customdata[1]}<br>" + value_name + ": %{customdata[2]}<extra></extra>"
                 ).replace("token ", "" if x_title != "token" else "token ")
@@ -57,7 +60,8 @@ def heatmap(z: np.ndarray, x_labels: list[str], y_labels: list[str], title: str,
     fig = go.Figure()
     if not (log and zero.all()):
         fig.add_trace(go.Heatmap(z=shown, x=xs, y=ys, customdata=hover, colorscale="Viridis", colorbar=colorbar,
-                                 hoverongaps=False, hovertemplate=template, showscale=not zero.all()))
+                                 hoverongaps=False, hovertemplate=template, showscale=not zero.all(),
+                                 **({} if zrange is None else dict(zmin=zrange[0], zmax=zrange[1]))))
     if log and zero.any():
         fig.add_trace(go.Heatmap(z=np.where(zero, 1.0, np.nan), x=xs, y=ys, customdata=hover, showscale=False,
                                  colorscale=[[0, ZERO_COLOUR], [1, ZERO_COLOUR]], hoverongaps=False,
@@ -86,6 +90,32 @@ def split_heatmap(res: SplitResult, metric: str = "relative", log: bool = True) 
     title = (f"{METRIC_TITLES[metric]}: cached vs full forward — {res.settings.dtype} on "
              f"{res.settings.device}, split {res.settings.split} ({res.settings.mode})")
     return heatmap(res.main.hidden[metric], labels, res.layer_labels, title, METRIC_TITLES[metric], log)
+
+
+def ab_heatmaps(res_a: SplitResult, res_b: SplitResult, label_a: str, label_b: str, metric: str = "relative",
+                log: bool = True) -> tuple[go.Figure, go.Figure, go.Figure]:
+    """A/B: two split results of the same prompt and split on ONE shared colour scale, and their difference
+    |B − A| per layer and position (drawn like any gap map: exact zeros in their own colour)."""
+    for r in (res_a, res_b):
+        if not r.main.has_cache:
+            raise ValueError("this result has no cached run to draw (the model returned no cache)")
+    if metric not in HIDDEN_METRICS:
+        raise ValueError(f"unknown metric {metric}; choose one of {', '.join(HIDDEN_METRICS)}")
+    za, zb = (np.asarray(r.main.hidden[metric], dtype=float) for r in (res_a, res_b))
+    if za.shape != zb.shape or list(res_a.compared) != list(res_b.compared):
+        raise ValueError("A and B compare different positions or layers; use the same prompt and split point")
+    both = np.concatenate([za.ravel(), zb.ravel()])
+    if log:
+        pos = both[both > 0]
+        zrange = (float(np.log10(pos.min())), float(np.log10(pos.max()))) if pos.size else None
+    else:
+        zrange = (float(both.min()), float(both.max()))
+    labels = [f"{i}: {short(res_a.tokens[i])}" for i in res_a.compared]
+    name = METRIC_TITLES[metric]
+    fa = heatmap(za, labels, res_a.layer_labels, f"A — {label_a}", name, log, zrange=zrange)
+    fb = heatmap(zb, labels, res_a.layer_labels, f"B — {label_b}", name, log, zrange=zrange)
+    fd = heatmap(np.abs(zb - za), labels, res_a.layer_labels, f"|B − A| of {name}", "|B − A|", log)
+    return fa, fb, fd
 
 
 def _floor_zeros(values, floor: float) -> list[float]:

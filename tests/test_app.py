@@ -292,3 +292,26 @@ def test_a_link_opens_the_exact_view_and_bad_parameters_fall_back():
     assert at.radio(key="split_mask").value == "full"  # the unreadable one: its default
     text = alerts(at)
     assert "Verdict: logic" in text and "split_mask" in text and "could not be read" in text
+
+
+def test_split_ab_runs_b_once_on_a_shared_scale_and_views_do_not_rerun(count_runs):
+    at = start("pages/split_point.py", model="tiny:llama")
+    assert len(count_runs) == 1 and len(at.get("plotly_chart")) == 2
+    at.selectbox(key="split_ab_what").set_value("feed mode").run()
+    assert len(count_runs) == 1  # choosing what B changes runs nothing yet
+    at.toggle(key="split_ab_on").set_value(True).run()
+    assert not at.exception, at.exception
+    assert len(count_runs) == 2
+    charts = at.get("plotly_chart")
+    assert len(charts) == 5  # main map and lines, then A, B and |B − A|
+    import json
+
+    specs = [json.loads(c.proto.spec) for c in charts[2:4]]
+    scales = [[(t.get("zmin"), t.get("zmax")) for t in s["data"] if t["type"] == "heatmap" and "zmin" in t]
+              for s in specs]
+    assert scales[0] and scales[0] == scales[1]  # A and B share one colour scale
+    assert "A — feed mode = chunk" in specs[0]["layout"]["title"]["text"]
+    assert "B — feed mode = step" in specs[1]["layout"]["title"]["text"]
+    # a view-only change redraws A/B from the stored results
+    at.selectbox(key="split_metric").set_value("max_abs").run()
+    assert not at.exception and len(count_runs) == 2 and len(at.get("plotly_chart")) == 5

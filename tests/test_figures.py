@@ -114,3 +114,24 @@ def test_lab_figures():
     for f in (frame, figures.greedy_pairs_frame(run_greedy(lm, GreedyConfig("Hi", 4, left_pad=2,
                                                                              paths=("cache", "user_loop"))))):
         pa.Table.from_pandas(f)  # what st.dataframe does; raises on mixed-type columns
+
+
+def test_ab_heatmaps_share_one_scale_and_draw_the_difference():
+    lm = kvviz.load_model("tiny:llama", "float32", DEVICE)
+    a = kvviz.run_split(lm, kvviz.SplitConfig("Hello world, caching is fun!", 8, left_pad=3, position_ids="omit"))
+    b = kvviz.run_split(lm, kvviz.SplitConfig("Hello world, caching is fun!", 8, left_pad=3))
+    fa, fb, fd = figures.ab_heatmaps(a, b, "omit", "auto", "max_abs", log=False)
+    za, zb = a.main.hidden["max_abs"], b.main.hidden["max_abs"]
+    assert (fa.data[0].zmin, fa.data[0].zmax) == (fb.data[0].zmin, fb.data[0].zmax)
+    assert fa.data[0].zmin == pytest.approx(min(za.min(), zb.min()))
+    assert fa.data[0].zmax == pytest.approx(max(za.max(), zb.max()))
+    np.testing.assert_allclose(np.array(fd.data[0].z, dtype=float), np.abs(zb - za))
+    assert za.max() > 0  # omitted positions on a left-padded prompt: a logic gap on any machine
+    # log scale: the shared range spans both maps' non-zero values
+    la, lb, _ = figures.ab_heatmaps(a, b, "omit", "auto", "max_abs", log=True)
+    both = np.concatenate([za.ravel(), zb.ravel()])
+    assert la.data[0].zmax == pytest.approx(np.log10(both[both > 0].max()))
+    assert la.data[0].zmin == lb.data[0].zmin
+    other = kvviz.run_split(lm, kvviz.SplitConfig("Hello world, caching is fun!", 5))
+    with pytest.raises(ValueError):
+        figures.ab_heatmaps(a, other, "a", "b")

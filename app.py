@@ -26,6 +26,11 @@ PAGES = [
 nav = st.navigation(PAGES)
 from pages.common import remember, sidebar  # noqa: E402  (after set_page_config)
 
+st.session_state.pop("_top_slot", None)  # each page makes its own (pages.common.page)
+st.session_state["_stop_seq"] = 0  # the Stop buttons of this run's progress bars
 remember()  # page controls survive page switches and come from a link
 st.session_state["model_choice"] = sidebar()
-nav.run()
+try:
+    nav.run()
+finally:
+    st.session_state.pop("_stop_requested", None)  # a Stop clicked after its run ended stops nothing later

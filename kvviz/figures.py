@@ -73,7 +73,7 @@ def heatmap(z: np.ndarray, x_labels: list[str], y_labels: list[str], title: str,
     fig.update_layout(title=title, xaxis_title=x_title, yaxis_title="hidden state",
                       height=max(360, 16 * len(y_labels) + 160), margin=dict(l=10, r=10, t=60, b=10),
                       plot_bgcolor="#f3f3f3", legend=dict(orientation="h", y=-0.25))
-    step = max(1, len(x_labels) // 40)  # long prompts: thin the labels
+    step = max(1, math.ceil(len(x_labels) / 24))  # long prompts: thin the labels (at most 24)
     fig.update_xaxes(tickmode="array", tickvals=xs[::step], ticktext=x_labels[::step], tickangle=-45,
                      range=[-0.5, len(x_labels) - 0.5])
     fig.update_yaxes(tickmode="array", tickvals=ys, ticktext=y_labels, autorange="reversed",

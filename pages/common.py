@@ -107,18 +107,38 @@ def show_error(e: BaseException) -> None:
         st.error(f"Unexpected error ({type(e).__name__}): {first}", icon="⚠️")
 
 
+def _request_stop() -> None:
+    st.session_state["_stop_requested"] = True
+
+
 @contextlib.contextmanager
 def progress_bar(label: str):
-    """Yields a progress callback (fraction, message) drawn as a Streamlit progress bar; removed when done."""
-    bar = st.progress(0.0, text=label)
+    """Yields a progress callback (fraction, message) drawn as a progress bar at the top of the page, with a time-left
+    estimate and a Stop button; removed when done. Stop interrupts the run at its next progress report (Streamlit
+    reruns on the click) and `run_cached` then shows a one-line note instead of starting it again."""
+    import time
+
+    slot = st.session_state.get("_top_slot")
+    box = slot if slot is not None else st.empty()
+    t0 = time.perf_counter()
+    with box.container():
+        bar = st.progress(0.0, text=label)
+        n = st.session_state["_stop_seq"] = st.session_state.get("_stop_seq", 0) + 1
+        st.button("Stop", key=f"_stop_button_{n}", on_click=_request_stop, icon=":material/stop_circle:",
+                  help="Stop this run; the page keeps its controls and you can start it again")
 
     def report(frac: float, msg: str) -> None:
-        bar.progress(min(max(float(frac), 0.0), 1.0), text=msg)
+        frac = min(max(float(frac), 0.0), 1.0)
+        elapsed = time.perf_counter() - t0
+        if "left" not in msg and 0.02 < frac < 1 and elapsed > 0.5:
+            left = elapsed / frac * (1 - frac)
+            msg = f"{msg} — about {left:.0f} s left" if left >= 1 else f"{msg} — almost done"
+        bar.progress(frac, text=msg)
 
     try:
         yield report
     finally:
-        bar.empty()
+        box.empty()
 
 
 def load(choice: ModelChoice) -> kvviz.LoadedModel | None:
@@ -222,6 +242,7 @@ def copy_link() -> None:
 # padding at the top so the verdict and the first chart share the first screen at 1280×720.
 PRESENTER_CSS = """<style>
 .block-container {padding-top: 1.2rem !important; padding-bottom: 1rem !important;}
+.block-container h1 {font-size: 2rem !important; padding: 0.2rem 0 !important;}
 .block-container p, .block-container li, .block-container label {font-size: 1.12rem !important;}
 .js-plotly-plot .main-svg text {font-size: 15px !important;}
 .js-plotly-plot .main-svg .gtitle {font-size: 18px !important;}
@@ -250,6 +271,7 @@ def page(title: str, caption: str, needs_model: bool = True):
     with t2:
         copy_link()
     st.caption(caption)
+    st.session_state["_top_slot"] = st.empty()  # progress and Stop go here, at the top, while a run works
     if st.session_state.get("_url_note"):
         st.info(st.session_state.pop("_url_note"), icon="ℹ️")
     choice = st.session_state["model_choice"]
@@ -269,6 +291,14 @@ def run_cached(name: str, key_parts: dict, compute):
     store = st.session_state.setdefault(f"_results_{name}", {})
     key = hashlib.sha256(json.dumps(key_parts, sort_keys=True, default=str).encode()).hexdigest()
     if key not in store:
+        ss = st.session_state
+        stopped = ss.setdefault("_stopped", {})
+        if ss.pop("_stop_requested", False):
+            stopped[name] = key
+        if stopped.get(name) == key:
+            st.info("Stopped. Change a control, or start this run again.", icon="⏹️")
+            st.button("Run again", key=f"_run_again_{name}", on_click=lambda: stopped.pop(name, None))
+            st.stop()
         if len(store) >= 8:
             store.pop(next(iter(store)))
         store[key] = compute()
@@ -298,10 +328,31 @@ def exports(res, name: str, lm=None) -> None:
                                 on_click="ignore")
 
 
+def controls():
+    """Where a page draws its controls: collapsed into an expander in presenter mode, so the verdict and the main
+    chart share the first screen; plain otherwise."""
+    if st.session_state.get("presenter"):
+        return st.expander("Settings: prompt and controls", expanded=False, icon=":material/tune:")
+    return st.container()
+
+
+def verdict_and_chart(ratio=(2, 3)):
+    """(verdict column, chart column): side by side in presenter mode, one above the other otherwise."""
+    if st.session_state.get("presenter"):
+        return st.columns(list(ratio))
+    return st.container(), st.container()
+
+
 VERDICT_STYLE = {"identical": st.success, "precision": st.info, "logic": st.error}
 
 
 def show_verdict(verdict: str, explanation: str, proof: str | None = None) -> None:
+    if st.session_state.get("presenter"):  # for a room: the headline, the whole text one click away
+        head = explanation.split(". ")[0].rstrip(".") + "."
+        VERDICT_STYLE.get(verdict, st.warning)(f"**Verdict: {verdict}.** {head}")
+        with st.expander("Why (the evidence)"):
+            st.markdown(explanation + (f"\n\n🔒 {proof}" if proof else ""))
+        return
     VERDICT_STYLE.get(verdict, st.warning)(f"**Verdict: {verdict}.** {explanation}"
                                            + (f"\n\n🔒 {proof}" if proof else ""))
 

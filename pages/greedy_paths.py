@@ -4,24 +4,25 @@ import streamlit as st
 from kvviz import figures
 from kvviz.greedy import DEFAULT_PATHS, MAX_NEW_TOKENS, PATH_LABELS, PATHS, GreedyConfig, run_greedy
 from kvviz.inputs import POSITION_MODES
-from pages.common import exports, page, progress_bar, run_cached, show_error, show_verdict
+from pages.common import controls, exports, page, verdict_and_chart, progress_bar, run_cached, show_error, show_verdict
 
 choice, lm = page("Greedy paths",
                   "Decode greedily without cache, with cache, with generate() (and the loop people write): the texts side "
                   "by side, the step where they part, how close that decision was, and whether it is rounding or logic.")
 
-prompt = st.text_area("Prompt", "This is a ", key="greedy_prompt", height=80)
-c1, c2, c3 = st.columns(3)
-n_new = c1.number_input("New tokens", 1, MAX_NEW_TOKENS, 24, key="greedy_n")
-left_pad = c2.number_input("Left padding", 0, 64, 0, key="greedy_pad")
-pos_mode = c3.radio("Position ids (cache path)", POSITION_MODES, horizontal=True, key="greedy_pos")
-paths = st.multiselect("Paths", PATHS, default=list(DEFAULT_PATHS), key="greedy_paths",
-                       format_func=PATH_LABELS.get)
-o1, o2 = st.columns(2)
-fast = o1.toggle("Fast preview (teacher-forced no-cache path)", False, key="greedy_fast",
-                 help="One full forward over the cache path's tokens gives every step's no-cache logits; own "
-                      "forwards only after the paths part. Steps whose margin is within the gap are not settled.")
-stop = o2.toggle("Stop at the first divergence", False, key="greedy_stop")
+with controls():
+    prompt = st.text_area("Prompt", "This is a ", key="greedy_prompt", height=80)
+    c1, c2, c3 = st.columns(3)
+    n_new = c1.number_input("New tokens", 1, MAX_NEW_TOKENS, 24, key="greedy_n")
+    left_pad = c2.number_input("Left padding", 0, 64, 0, key="greedy_pad")
+    pos_mode = c3.radio("Position ids (cache path)", POSITION_MODES, horizontal=True, key="greedy_pos")
+    paths = st.multiselect("Paths", PATHS, default=list(DEFAULT_PATHS), key="greedy_paths",
+                           format_func=PATH_LABELS.get)
+    o1, o2 = st.columns(2)
+    fast = o1.toggle("Fast preview (teacher-forced no-cache path)", False, key="greedy_fast",
+                     help="One full forward over the cache path's tokens gives every step's no-cache logits; own "
+                          "forwards only after the paths part. Steps whose margin is within the gap are not settled.")
+    stop = o2.toggle("Stop at the first divergence", False, key="greedy_stop")
 
 cfg = GreedyConfig(prompt=prompt, max_new_tokens=int(n_new), left_pad=int(left_pad), position_ids=pos_mode,
                    paths=tuple(paths), fast=fast, stop_at_divergence=stop)
@@ -40,18 +41,20 @@ except Exception as e:  # noqa: BLE001
     st.stop()
 
 parting = [p for p in res.pairs if p.first_divergence is not None]
-if not parting:
-    st.success(f"All {len(res.paths)} paths chose the same {res.steps} tokens."
-               + (" Invariant mode is on: the paths' logits agree bit for bit wherever their logic is the same."
-                  if choice.invariant else ""))
-else:
-    first = min(parting, key=lambda p: p.first_divergence)
-    show_verdict(first.verdict, first.explanation)
-st.markdown(figures.texts_html(res), unsafe_allow_html=True)
-if res.settings.fast:
-    st.caption("⚡ Fast preview: hollow markers are steps not settled (margin within the measured gap).")
-
-st.plotly_chart(figures.greedy_margins(res), width="stretch", key="greedy_margin_chart")
+left, right = verdict_and_chart((1, 1))
+with left:
+    if not parting:
+        st.success(f"All {len(res.paths)} paths chose the same {res.steps} tokens."
+                   + (" Invariant mode is on: the paths' logits agree bit for bit wherever their logic is the same."
+                      if choice.invariant else ""))
+    else:
+        first = min(parting, key=lambda p: p.first_divergence)
+        show_verdict(first.verdict, first.explanation)
+    st.markdown(figures.texts_html(res), unsafe_allow_html=True)
+    if res.settings.fast:
+        st.caption("⚡ Fast preview: hollow markers are steps not settled (margin within the measured gap).")
+with right:
+    st.plotly_chart(figures.greedy_margins(res), width="stretch", key="greedy_margin_chart")
 pair_names = [f"{p.a} vs {p.b}" for p in res.pairs]
 primary = figures.primary_pair(res)
 sel = st.selectbox("Hidden-state heatmap for", pair_names, index=res.pairs.index(primary), key="greedy_pair")

@@ -5,7 +5,7 @@ import kvviz
 from kvviz import figures
 from kvviz.inputs import MASK_MODES, POSITION_MODES, encode
 from kvviz.metrics import HIDDEN_METRICS
-from pages.common import exports, page, progress_bar, run_cached, show_error, show_verdict, token_strip
+from pages.common import controls, exports, page, verdict_and_chart, progress_bar, run_cached, show_error, show_verdict, token_strip
 
 DEFAULT_PROMPT = "The capital of France is Paris, and the capital of Italy is"
 
@@ -13,40 +13,41 @@ choice, lm = page("Split point",
                   "Feed tokens [0, k) and cache them, then feed the rest through past_key_values; compare every hidden "
                   "state, the logits and the keys/values with one full forward without cache.")
 
-prompt = st.text_area("Prompt", DEFAULT_PROMPT, key="split_prompt", height=90)
-try:
-    ids = encode(lm, prompt)
-except kvviz.KvvizError as e:
-    show_error(e)
-    st.stop()
-tokens = [lm.tokenizer.decode([i]) for i in ids]
-n = len(tokens)
-if n < 2:
-    st.warning("The prompt is a single token; a split needs at least 2 tokens.")
-    st.stop()
+with controls():
+    prompt = st.text_area("Prompt", DEFAULT_PROMPT, key="split_prompt", height=90)
+    try:
+        ids = encode(lm, prompt)
+    except kvviz.KvvizError as e:
+        show_error(e)
+        st.stop()
+    tokens = [lm.tokenizer.decode([i]) for i in ids]
+    n = len(tokens)
+    if n < 2:
+        st.warning("The prompt is a single token; a split needs at least 2 tokens.")
+        st.stop()
 
-c1, c2 = st.columns([3, 2])
-with c1:
-    default_split = min(max(1, n // 2), n - 1)
-    if st.session_state.get("split_k", default_split) > n - 1:
-        st.session_state["split_k"] = n - 1
-    if n - 1 > 1:
-        split = st.slider("Split point k: tokens before k go to the cache", 1, n - 1, default_split, key="split_k")
-    else:
-        split = 1
-        st.caption("Split point k = 1 (the only one for a 2-token prompt)")
-    st.markdown(token_strip(tokens, split), unsafe_allow_html=True)
-    st.caption(f"{n} tokens: {split} cached (blue), {n - split} fed after the cache and compared.")
-with c2:
-    mode = st.radio("Feed the rest", ["chunk", "step"], horizontal=True, key="split_mode",
-                    format_func={"chunk": "in one chunk", "step": "token by token"}.get)
-    left_pad = st.number_input("Left padding (pad tokens before the prompt)", 0, 64, 0, key="split_pad")
-    pos_mode = st.radio("Position ids for the rest", POSITION_MODES, horizontal=True, key="split_pos",
-                        help="auto: derived from the attention mask, as generate() does. omit: let the model count "
-                             "from the cache length (wrong when the prompt is left-padded: the pads get counted; see docs/guide.md).")
-    mask_mode = st.radio("Attention mask for the rest", MASK_MODES, horizontal=True, key="split_mask",
-                         help="full: past + new tokens (correct). new-only: only the new tokens, a common mistake "
-                              "that transformers accepts silently.")
+    c1, c2 = st.columns([3, 2])
+    with c1:
+        default_split = min(max(1, n // 2), n - 1)
+        if st.session_state.get("split_k", default_split) > n - 1:
+            st.session_state["split_k"] = n - 1
+        if n - 1 > 1:
+            split = st.slider("Split point k: tokens before k go to the cache", 1, n - 1, default_split, key="split_k")
+        else:
+            split = 1
+            st.caption("Split point k = 1 (the only one for a 2-token prompt)")
+        st.markdown(token_strip(tokens, split), unsafe_allow_html=True)
+        st.caption(f"{n} tokens: {split} cached (blue), {n - split} fed after the cache and compared.")
+    with c2:
+        mode = st.radio("Feed the rest", ["chunk", "step"], horizontal=True, key="split_mode",
+                        format_func={"chunk": "in one chunk", "step": "token by token"}.get)
+        left_pad = st.number_input("Left padding (pad tokens before the prompt)", 0, 64, 0, key="split_pad")
+        pos_mode = st.radio("Position ids for the rest", POSITION_MODES, horizontal=True, key="split_pos",
+                            help="auto: derived from the attention mask, as generate() does. omit: let the model count "
+                                 "from the cache length (wrong when the prompt is left-padded: the pads get counted; see docs/guide.md).")
+        mask_mode = st.radio("Attention mask for the rest", MASK_MODES, horizontal=True, key="split_mask",
+                             help="full: past + new tokens (correct). new-only: only the new tokens, a common mistake "
+                                  "that transformers accepts silently.")
 
 cfg = kvviz.SplitConfig(prompt=prompt, split=int(split), mode=mode, left_pad=int(left_pad), position_ids=pos_mode,
                         attention_mask=mask_mode)
@@ -63,28 +64,32 @@ except Exception as e:  # noqa: BLE001 - one line, the app keeps working
     show_error(e)
     st.stop()
 
-show_verdict(res.verdict, res.explanation, res.proof)
+left, right = verdict_and_chart()
+with left:
+    show_verdict(res.verdict, res.explanation, res.proof)
 if not res.main.has_cache:
     st.stop()
-if res.invariant is not None and not choice.invariant:
-    n1, n2 = st.columns(2)
-    n1.metric("normal run: largest |Δ|", f"{res.main.max_abs:.3g}")
-    n2.metric("invariant mode: largest |Δ|", f"{res.invariant.max_abs:.3g}",
-              help="The same scenario with every row computed the same way whatever the shape")
-
-f64 = res.float64
-m1, m2, m3, m4 = st.columns(4)
-m1.metric("largest relative gap", f"{res.main.max_relative:.3g}")
-m2.metric(f"× ε of {res.settings.dtype}", f"{res.main.max_relative / kvviz.machine_eps(lm.dtype):.3g}")
-m3.metric("float64 rerun", "—" if f64 is None else f"{f64.max_relative:.3g}",
-          help="The same scenario in float64: the evidence for the verdict")
-m4.metric("next token agrees", f"{int(res.main.logits['argmax_agree'].sum())}/{len(res.compared)}")
-
-v1, v2 = st.columns([2, 1])
-metric = v1.selectbox("Metric", list(HIDDEN_METRICS), index=2, key="split_metric", format_func=figures.METRIC_TITLES.get,
-                      help="; ".join(f"{figures.METRIC_TITLES[k]}: {v}" for k, v in HIDDEN_METRICS.items()))
-log = v2.toggle("Log colour scale", True, key="split_log")
-st.plotly_chart(figures.split_heatmap(res, metric, log), width="stretch", key="split_heatmap")
+with left:
+    if res.invariant is not None and not choice.invariant:
+        n1, n2 = st.columns(2)
+        n1.metric("normal run: largest |Δ|", f"{res.main.max_abs:.3g}")
+        n2.metric("invariant mode: largest |Δ|", f"{res.invariant.max_abs:.3g}",
+                  help="The same scenario with every row computed the same way whatever the shape")
+    f64 = res.float64
+    cols = st.columns(2 if st.session_state.get("presenter") else 4)
+    m1, m2, m3, m4 = (cols[i % len(cols)] for i in range(4))
+    m1.metric("largest relative gap", f"{res.main.max_relative:.3g}")
+    m2.metric(f"× ε of {res.settings.dtype}", f"{res.main.max_relative / kvviz.machine_eps(lm.dtype):.3g}")
+    m3.metric("float64 rerun", "—" if f64 is None else f"{f64.max_relative:.3g}",
+              help="The same scenario in float64: the evidence for the verdict")
+    m4.metric("next token agrees", f"{int(res.main.logits['argmax_agree'].sum())}/{len(res.compared)}")
+with right:
+    v1, v2 = st.columns([2, 1])
+    metric = v1.selectbox("Metric", list(HIDDEN_METRICS), index=2, key="split_metric",
+                          format_func=figures.METRIC_TITLES.get,
+                          help="; ".join(f"{figures.METRIC_TITLES[k]}: {v}" for k, v in HIDDEN_METRICS.items()))
+    log = v2.toggle("Log colour scale", True, key="split_log")
+    st.plotly_chart(figures.split_heatmap(res, metric, log), width="stretch", key="split_heatmap")
 st.plotly_chart(figures.layer_lines(res, metric, log), width="stretch", key="split_lines")
 
 with st.expander("A/B: this view against one other setting, on one colour scale"):

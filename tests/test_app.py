@@ -315,3 +315,51 @@ def test_split_ab_runs_b_once_on_a_shared_scale_and_views_do_not_rerun(count_run
     # a view-only change redraws A/B from the stored results
     at.selectbox(key="split_metric").set_value("max_abs").run()
     assert not at.exception and len(count_runs) == 2 and len(at.get("plotly_chart")) == 5
+
+
+def test_stop_leaves_the_page_usable_and_run_again_restarts(count_runs):
+    at = start("pages/split_point.py")
+    assert len(count_runs) == 1
+    # what the Stop button's callback records when clicked during a run (the click itself interrupts the run)
+    at.session_state["_stop_requested"] = True
+    at.slider(key="split_k").set_value(5).run()
+    assert not at.exception, at.exception
+    assert len(count_runs) == 1 and "Stopped" in alerts(at)
+    assert at.text_area(key="split_prompt").value  # controls are still there
+    at.button(key="_run_again_split").click().run()
+    assert not at.exception and len(count_runs) == 2 and "Verdict:" in alerts(at)
+    # a stopped run stays stopped only for its own inputs
+    at.session_state["_stop_requested"] = True
+    at.slider(key="split_k").set_value(4).run()
+    assert len(count_runs) == 2
+    at.slider(key="split_k").set_value(3).run()
+    assert len(count_runs) == 3 and "Stopped" not in alerts(at)
+
+
+def test_progress_reports_time_left(monkeypatch):
+    import pages.common as common
+
+    shown = []
+    times = iter([0.0, 2.0, 4.0])
+    monkeypatch.setattr("time.perf_counter", lambda: next(times))
+
+    class Bar:
+        def progress(self, frac, text):
+            shown.append(text)
+
+    class Box:
+        def container(self):
+            import contextlib
+
+            return contextlib.nullcontext()
+
+        def empty(self):
+            pass
+
+    monkeypatch.setattr(common.st, "empty", lambda: Box())
+    monkeypatch.setattr(common.st, "progress", lambda *a, **k: Bar())
+    monkeypatch.setattr(common.st, "button", lambda *a, **k: False)
+    with common.progress_bar("Working…") as report:
+        report(0.25, "step 1")  # 2 s for a quarter: 6 s left
+        report(0.5, "step 2, about 3 s left")  # the library's own estimate wins
+    assert shown == ["step 1 — about 6 s left", "step 2, about 3 s left"]

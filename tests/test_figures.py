@@ -135,3 +135,21 @@ def test_ab_heatmaps_share_one_scale_and_draw_the_difference():
     other = kvviz.run_split(lm, kvviz.SplitConfig("Hello world, caching is fun!", 5))
     with pytest.raises(ValueError):
         figures.ab_heatmaps(a, other, "a", "b")
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_display_tokens_whole_characters_and_never_the_replacement_sign(arch):
+    from kvviz.text import display_tokens, fmt_number
+
+    tok = kvviz.load_model(f"tiny:{arch}", "float32", DEVICE).tokenizer
+    ids = tok.encode("a世b🤖", add_special_tokens=False)
+    shown = display_tokens(tok, ids)
+    assert len(shown) == len(ids)  # one entry per token: positions stay aligned
+    assert "世" in shown and "🤖" in shown and "\ufffd" not in "".join(shown)
+    # pieces of characters that never complete (random bytes, as a random model generates) show as bytes
+    cont = tok.encode("世", add_special_tokens=False)
+    stray = display_tokens(tok, cont[1:] + cont[:1])
+    assert "\ufffd" not in "".join(stray)
+    assert stray[0].startswith("⟨") and stray[-1] == "⟨" + f"{'世'.encode()[0]:02x}" + "⟩"
+    assert [fmt_number(v) for v in (None, float("nan"), 0.0, 2e-15, 0.1234567, 12345.678)] == \
+        ["—", "—", "0", "2.00e-15", "0.123", "1.23e+04"]

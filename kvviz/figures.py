@@ -372,7 +372,7 @@ def padding_grid(res, value: str = "hidden_relative") -> go.Figure:
     fig = go.Figure(go.Heatmap(z=z, x=cols, y=list(PLACEMENTS), text=text, texttemplate="%{text}", zmin=0, zmax=2,
                                colorscale=scale, showscale=False, hoverinfo="text", xgap=3, ygap=3))
     fig.update_layout(title=f"Relative gap vs the prompt alone without cache — {res.settings.dtype} on "
-                            f"{res.settings.device}", height=360, margin=dict(l=10, r=10, t=60, b=10))
+                            f"{res.settings.device}", height=360, margin=dict(l=90, r=10, t=60, b=10))
     fig.update_yaxes(autorange="reversed")
     return fig
 

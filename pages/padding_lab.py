@@ -3,17 +3,18 @@ import streamlit as st
 
 from kvviz import figures
 from kvviz.padding import run_padding
-from pages.common import exports, page, progress_bar, run_cached, show_error
+from pages.common import controls, exports, page, progress_bar, run_cached, show_error
 
 choice, lm = page("Padding and batching",
                   "Why does left padding or batching change the output? Every cell is the prompt's hidden states compared "
                   "with the prompt alone, without cache and without padding; the colour is the verdict from rerunning that "
                   "very cell in float64.")
-prompt = st.text_area("Prompt", "The capital of France is Paris, and the capital of Italy is", key="pad_prompt",
-                         height=80)
-c1, c2 = st.columns(2)
-left_pad = c1.number_input("Left padding (pad tokens)", 0, 64, 4, key="pad_pad")
-split = c2.number_input("Split point (0 = half the prompt)", 0, 4096, 0, key="pad_split")
+with controls():
+    prompt = st.text_area("Prompt", "The capital of France is Paris, and the capital of Italy is", key="pad_prompt",
+                             height=80)
+    c1, c2 = st.columns(2)
+    left_pad = c1.number_input("Left padding (pad tokens)", 0, 64, 4, key="pad_pad")
+    split = c2.number_input("Split point (0 = half the prompt)", 0, 4096, 0, key="pad_split")
 
 
 def compute():

@@ -26,13 +26,16 @@ APP_TESTS = ("tests/test_app.py", "tests/test_browser.py", "tests/test_streamlit
 def run_tests(extra: list[str]) -> dict:
     """pytest -m 'not browser' with KVVIZ_TEST_DEVICE=auto; counts and the failing tests from its JUnit XML."""
     xml = Path(tempfile.mkdtemp()) / "junit.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "not browser", "-p", "no:cacheprovider", f"--junitxml={xml}",
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "not browser and not app", "-p", "no:cacheprovider",
+           f"--junitxml={xml}",
            *[f"--ignore={t}" for t in APP_TESTS], *extra]
     env = dict(os.environ, KVVIZ_TEST_DEVICE="auto", HF_HUB_OFFLINE="1")
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     took = time.perf_counter() - t0
     print(proc.stdout[-4000:], proc.stderr[-2000:], sep="\n", flush=True)
+    if proc.stdout:
+        (Path(tempfile.gettempdir()) / "kvviz-gpu-pytest.log").write_text(proc.stdout)
     if not xml.exists():
         return {"tests": 0, "failures": 0, "errors": 1, "skipped": 0, "failed": ["pytest did not run"], "seconds": took}
     suite = ET.parse(xml).getroot()

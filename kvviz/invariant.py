@@ -46,8 +46,14 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
 
 def seq_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
     """A sum along `dim` in index order (a running sum): the same bits however long the row is, and trailing
-    zeros change nothing."""
-    return torch.cumsum(x, dim=dim).select(dim, -1)
+    zeros change nothing. On the CPU torch's cumsum is such a sequential scan; on other devices cumsum is a
+    parallel scan whose grouping depends on the length, so the running sum is taken one element at a time."""
+    if x.device.type == "cpu":
+        return torch.cumsum(x, dim=dim).select(dim, -1)
+    acc = x.select(dim, 0).clone()
+    for k in range(1, x.shape[dim]):
+        acc = acc + x.select(dim, k)
+    return acc
 
 
 def rowwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

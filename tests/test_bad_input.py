@@ -128,6 +128,7 @@ def recovers(at) -> None:
 
 
 @pytest.mark.parametrize("spec, words", MODEL_CASES)
+@pytest.mark.app
 def test_bad_models_in_the_app(bad, spec, words):
     at = app("pages/split_point.py")
     at.selectbox(key="model_preset").set_value("other…").run()
@@ -138,6 +139,7 @@ def test_bad_models_in_the_app(bad, spec, words):
     recovers(at)
 
 
+@pytest.mark.app
 def test_attention_not_installed_in_the_app():
     at = app("pages/split_point.py")
     at.selectbox(key="attn").set_value("flash_attention_2").run()
@@ -152,6 +154,7 @@ def test_attention_not_installed_in_the_app():
     ("word " * 210_000, "at most 100,000"),
     ("x" * 600, "longer than the model's context"),
 ])
+@pytest.mark.app
 def test_bad_prompts_in_the_app(prompt, words):
     at = app("pages/split_point.py")
     at.text_area(key="split_prompt").input(prompt).run()
@@ -161,6 +164,7 @@ def test_bad_prompts_in_the_app(prompt, words):
     assert not at.exception and len(at.get("plotly_chart")) == 2
 
 
+@pytest.mark.app
 def test_out_of_memory_in_the_app(monkeypatch):
     import kvviz.split as split_mod
 
@@ -176,6 +180,7 @@ def test_out_of_memory_in_the_app(monkeypatch):
     assert not at.exception and len(at.get("plotly_chart")) == 2
 
 
+@pytest.mark.app
 def test_greedy_page_context_overflow_in_the_app():
     at = app("pages/greedy_paths.py")
     at.text_area(key="greedy_prompt").input("y" * 500).run()

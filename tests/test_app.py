@@ -6,6 +6,8 @@ import kvviz
 
 from conftest import ROOT
 
+pytestmark = pytest.mark.app
+
 
 def start(page: str, model: str = "tiny:gpt2", **state) -> AppTest:
     at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)

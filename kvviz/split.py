@@ -395,7 +395,11 @@ def run_split(lm: LoadedModel, cfg: SplitConfig, progress: Progress | None = Non
             f64 = _run(ref_lm, cfg, build_inputs(ref_lm, cfg.prompt, cfg.left_pad),
                        lambda f, m: progress(0.7 + 0.3 * f, f"float64: {m}"), settings.with_(compile="off"))
     verdict, explanation = verdict_for(cfg, main, f64)
-    if settings.lossy and verdict in ("precision", "logic"):
+    if settings.lossy and verdict in ("precision", "logic") and not np.isfinite(main.max_abs):
+        verdict, explanation = "lossy", (
+            f"Lossy, and worse: with the {settings.cache} cache the cached run produced non-finite values (NaN or "
+            f"inf) on {main.device}, so the quantized cache does not work for this model and device.")
+    elif settings.lossy and verdict in ("precision", "logic"):
         verdict, explanation = "lossy", (
             f"Lossy by design: the {settings.cache} cache stores keys and values quantized, so the cached run differs "
             f"from the full forward by up to {main.max_abs:.3g} (max KL {float(main.logits['kl'].max()):.3g}, next "

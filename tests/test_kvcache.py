@@ -172,8 +172,12 @@ def test_default_model_is_safe():
 def test_quantized_kv_cache_is_lossy_with_numbers():
     res = run_split(lm("llama", "float32"), SplitConfig(PROMPT, split=10, mode="step"),
                     settings=ExecSettings(cache="quantized"))
-    assert res.verdict == "lossy" and "quantized" in res.explanation
-    assert res.main.max_abs > 1e-4 and float(res.main.logits["kl"].max()) > 0
+    assert res.verdict == "lossy"
+    if res.settings.device == "cpu":
+        assert "quantized" in res.explanation
+        assert res.main.max_abs > 1e-4 and float(res.main.logits["kl"].max()) > 0
+    else:  # seen on an H100 (torch 2.11, transformers 5.23): the fp8 cache gives NaN there; kvviz must say so
+        assert "quantized" in res.explanation or "non-finite" in res.explanation
 
 
 def test_cli_cache_and_check(tmp_path, capsys):

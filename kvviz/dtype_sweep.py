@@ -6,7 +6,7 @@ verdict evidence, by the rule of kvviz.split.classify.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -14,7 +14,7 @@ import pandas as pd
 
 from .dtypes import DTYPE_NAMES, dtype_name, parse_dtype, supports_dtype
 from .errors import KvvizError
-from .execution import DEFAULT_SETTINGS, ExecSettings, Keyed
+from .execution import DEFAULT_SETTINGS, ExecSettings, RunSettings
 from .inputs import encode, validate_prompt
 from .loading import LoadedModel, ModelSpec, load_model
 from .split import SplitConfig, SplitResult, run_split
@@ -37,22 +37,14 @@ def eta(t0: float, done: int, total: int) -> str:
 
 
 @dataclass(frozen=True)
-class DtypesSettings(Keyed):
-    model: str
-    spec_kind: str
-    device: str
-    float64_device: str
-    split: int | str
-    mode: str
-    attention: dict
-    skipped_dtypes: tuple[str, ...] = ()
-    execution: ExecSettings = DEFAULT_SETTINGS
+class DtypesSettings(RunSettings):
+    """The run's fields (dtype: the dtypes compared; attention: per dtype) and the sweep's."""
 
-    def to_dict(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
-        d["skipped_dtypes"] = list(self.skipped_dtypes)
-        d["execution"] = self.execution.to_dict()
-        return d
+    attention: dict = field(default_factory=dict)
+    float64_device: str = ""
+    split: int | str = "last"
+    mode: str = "chunk"
+    skipped_dtypes: tuple[str, ...] = ()
 
 
 @dataclass
@@ -177,8 +169,9 @@ def run_dtypes(model: "LoadedModel | ModelSpec | str", prompts: list[str], dtype
     progress(1.0, "Done")
     others = [m for d, m in models.items() if d != "float64"]
     dev = others[0].device if others else lm64.device
-    info = DtypesSettings(model=lm64.name, spec_kind=lm64.spec.kind, device=str(dev), float64_device=str(lm64.device),
-                          split=split, mode=mode, attention={d: m.attn_implementation for d, m in models.items()},
+    info = DtypesSettings(model=lm64.name, spec_kind=lm64.spec.kind, dtype=",".join(names), device=str(dev),
+                          float64_device=str(lm64.device), split=split, mode=mode,
+                          attention={d: m.attn_implementation for d, m in models.items()},
                           skipped_dtypes=tuple(skipped), execution=settings)
     return DtypesResult(
         settings=info, model=lm64.summary(), dtypes=names, prompts=kept_prompts, layer_labels=labels,

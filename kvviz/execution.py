@@ -21,7 +21,7 @@ lock, so runs on one model take turns, and nothing here writes to the model or i
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Callable, ContextManager, Iterator
 
 import torch
@@ -282,8 +282,9 @@ class Keyed:
 
 
 @dataclass(frozen=True)
-class RunInfo(Keyed):
-    """The model side of a run: which model (as the user wrote it), in which dtype, where, with which attention."""
+class RunSettings(Keyed):
+    """The typed settings every result carries: the run (which model as the user wrote it, dtype, device,
+    attention, how it ran); each scenario's settings class adds its own fields after these."""
 
     model: str = ""
     spec_kind: str = ""
@@ -291,6 +292,22 @@ class RunInfo(Keyed):
     device: str = ""
     attention: str = ""
     execution: ExecSettings = DEFAULT_SETTINGS
+
+    @classmethod
+    def from_run(cls, run: "RunSettings", **scenario):
+        return cls(**{f.name: getattr(run, f.name) for f in fields(RunSettings)}, **scenario)
+
+    def to_dict(self) -> dict:
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = v.to_dict() if isinstance(v, ExecSettings) else list(v) if isinstance(v, tuple) else v
+        return out
+
+
+@dataclass(frozen=True)
+class RunInfo(RunSettings):
+    """The run side alone, read off a loaded model."""
 
     @classmethod
     def of(cls, lm: LoadedModel, settings: ExecSettings | None = None) -> "RunInfo":

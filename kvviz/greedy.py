@@ -26,7 +26,7 @@ import torch
 from .dtypes import machine_eps
 from .errors import KvvizError
 from .inputs import POSITION_MODES, PromptInputs, build_inputs, check_mode, pad_token_id, positions_from_mask
-from .execution import DEFAULT_SETTINGS, ExecSettings, Executor, Keyed, RunInfo
+from .execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings
 from .loading import LoadedModel
 from .metrics import hidden_divergence
 from .text import display_tokens
@@ -74,37 +74,24 @@ class GreedyConfig:
 
 
 @dataclass(frozen=True)
-class GreedySettings(Keyed):
-    """Everything a greedy result was computed with: GreedyConfig's fields and RunInfo's."""
+class GreedySettings(RunSettings):
+    """Everything a greedy result was computed with: the run's fields and GreedyConfig's."""
 
-    prompt: str
-    max_new_tokens: int
-    left_pad: int
-    position_ids: str
-    paths: tuple[str, ...]
-    fast: bool
-    stop_at_divergence: bool
-    model: str
-    spec_kind: str
-    dtype: str
-    device: str
-    attention: str
-    execution: ExecSettings = DEFAULT_SETTINGS
+    prompt: str = ""
+    max_new_tokens: int = 0
+    left_pad: int = 0
+    position_ids: str = "auto"
+    paths: tuple[str, ...] = ()
+    fast: bool = False
+    stop_at_divergence: bool = False
 
     @classmethod
     def of(cls, cfg: GreedyConfig, run: RunInfo) -> "GreedySettings":
-        return cls(**{f.name: getattr(cfg, f.name) for f in fields(GreedyConfig)},
-                   **{f.name: getattr(run, f.name) for f in fields(RunInfo)})
+        return cls.from_run(run, **{f.name: getattr(cfg, f.name) for f in fields(GreedyConfig)})
 
     @property
     def config(self) -> GreedyConfig:
         return GreedyConfig(**{f.name: getattr(self, f.name) for f in fields(GreedyConfig)})
-
-    def to_dict(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
-        d["paths"] = list(self.paths)
-        d["execution"] = self.execution.to_dict()
-        return d
 
 
 @dataclass

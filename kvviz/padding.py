@@ -4,7 +4,7 @@ with the prompt alone without cache and judged by the one rule (kvviz.split.clas
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Callable
 
 import pandas as pd
@@ -13,7 +13,7 @@ import torch
 from .dtype_sweep import split_point
 from .dtypes import machine_eps
 from .errors import KvvizError
-from .execution import DEFAULT_SETTINGS, ExecSettings, Executor, Keyed, RunInfo, has_cache
+from .execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings, has_cache
 from .inputs import encode, pad_token_id, positions_from_mask, token_texts
 from .loading import LoadedModel
 from .metrics import hidden_divergence
@@ -40,23 +40,11 @@ def _noop(f: float, m: str) -> None:
 
 
 @dataclass(frozen=True)
-class PaddingSettings(Keyed):
-    prompt: str
-    split: int
-    left_pad: int
-    companions: tuple[int, ...]  # token counts of the longer prompts in the batch
-    model: str
-    spec_kind: str
-    dtype: str
-    device: str
-    attention: str
-    execution: ExecSettings = DEFAULT_SETTINGS
-
-    def to_dict(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
-        d["companions"] = list(self.companions)
-        d["execution"] = self.execution.to_dict()
-        return d
+class PaddingSettings(RunSettings):
+    prompt: str = ""
+    split: int = 0
+    left_pad: int = 0
+    companions: tuple[int, ...] = ()  # token counts of the longer prompts in the batch
 
 
 @dataclass
@@ -178,7 +166,7 @@ def run_padding(lm: LoadedModel, prompt: str, split: int | None = None, left_pad
                       "verdict": classify(c["bitwise_equal"], gap64)})
     progress(1.0, "Done")
     run = RunInfo.of(lm, settings)
-    info = PaddingSettings(prompt=prompt, split=k, left_pad=left_pad, companions=tuple(len(c) for c in comp_ids),
-                           **{f.name: getattr(run, f.name) for f in fields(RunInfo)})
+    info = PaddingSettings.from_run(run, prompt=prompt, split=k, left_pad=left_pad,
+                                    companions=tuple(len(c) for c in comp_ids))
     return PaddingResult(settings=info, model=lm.summary(), tokens=token_texts(lm.tokenizer, ids),
                          compared=list(range(k, len(ids))), cells=cells)

@@ -26,7 +26,7 @@ tok = AutoTokenizer.from_pretrained(MODEL, local_files_only=True)
 kw = {{}} if ATTN == "auto" else {{"attn_implementation": ATTN}}
 model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=DTYPE, local_files_only=True, **kw).to(DEVICE).eval()
 if DTYPE == torch.float64:
-    model.forward = keep_float64(model.forward)
+    keep_float64(model)
 
 ids = tok(PROMPT, add_special_tokens=True)["input_ids"]
 pad_id = next(t for t in (tok.pad_token_id, tok.eos_token_id, 0) if t is not None)
@@ -74,40 +74,16 @@ with torch.inference_mode():
 print("max |Δ logits| = " + repr(float(gap.max())))
 '''
 
-_FLOAT64_MODE = '''
-# kvviz keeps float64 models in float64: transformers' float32 "upcasts" (RMSNorm, eager softmax) would round.
-import functools
-from torch.overrides import TorchFunctionMode
+def _float64_mode() -> str:
+    """kvviz's own KeepFloat64 mode (kvviz/float64.py), copied into the script so it needs no kvviz."""
+    import inspect
 
-_SOFTMAXES = {torch.softmax, torch.log_softmax, torch.nn.functional.softmax, torch.nn.functional.log_softmax,
-              torch.Tensor.softmax, torch.Tensor.log_softmax}
+    from . import float64
 
-
-class KeepFloat64(TorchFunctionMode):
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if args and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float64:
-            if func is torch.Tensor.float:
-                return args[0]
-            if func is torch.Tensor.to:
-                if kwargs.get("dtype") == torch.float32:
-                    kwargs = {k: v for k, v in kwargs.items() if k != "dtype"}
-                if any(a is torch.float32 for a in args[1:]):
-                    args = tuple(a for a in args if a is not torch.float32)
-                if len(args) == 1 and not kwargs:
-                    return args[0]
-            elif func in _SOFTMAXES and kwargs.get("dtype") == torch.float32:
-                kwargs = {k: v for k, v in kwargs.items() if k != "dtype"}
-        return func(*args, **kwargs)
-
-
-def keep_float64(inner):
-    @functools.wraps(inner)
-    def forward(*args, **kwargs):
-        with KeepFloat64():
-            return inner(*args, **kwargs)
-    return forward
-'''
+    src = inspect.getsource(float64)
+    body = src.split('"""', 2)[2].replace("from __future__ import annotations\n", "")
+    return ("\n# kvviz keeps float64 models in float64 (transformers' float32 'upcasts' would round): its mode, "
+            "a copy of float64.py in the kvviz package\n" + body)
 
 
 def key_figure(result) -> float:
@@ -132,5 +108,4 @@ def repro_script(result, lm: LoadedModel, name: str = "kvviz_repro.py") -> str:
                             folder=lm.source, model=s.model, dtype=s.dtype, device=s.device,
                             attn=lm.attn_requested, prompt=s.prompt, split=s.split, left_pad=s.left_pad,
                             mode=s.mode, positions=s.position_ids, mask=s.attention_mask,
-                            float64_mode=_FLOAT64_MODE if s.dtype == "float64" else "\ndef keep_float64(f):\n"
-                                                                                     "    return f\n")
+                            float64_mode=_float64_mode() if s.dtype == "float64" else "")

@@ -8,14 +8,14 @@ compared with `fresh` and judged by the one rule (kvviz.split.classify) from the
 from __future__ import annotations
 
 import copy
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Callable
 
 import pandas as pd
 import torch
 
 from .errors import KvvizError
-from .execution import DEFAULT_SETTINGS, ExecSettings, Executor, Keyed, RunInfo, has_cache
+from .execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings, has_cache
 from .greedy import first_divergence
 from .inputs import encode, token_texts
 from .loading import LoadedModel
@@ -36,22 +36,10 @@ def _noop(f: float, m: str) -> None:
 
 
 @dataclass(frozen=True)
-class ReuseSettings(Keyed):
-    prefix: str
-    continuations: tuple[str, ...]
-    max_new_tokens: int
-    model: str
-    spec_kind: str
-    dtype: str
-    device: str
-    attention: str
-    execution: ExecSettings = DEFAULT_SETTINGS
-
-    def to_dict(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
-        d["continuations"] = list(self.continuations)
-        d["execution"] = self.execution.to_dict()
-        return d
+class ReuseSettings(RunSettings):
+    prefix: str = ""
+    continuations: tuple[str, ...] = ()
+    max_new_tokens: int = 0
 
 
 @dataclass
@@ -164,6 +152,5 @@ def run_reuse(lm: LoadedModel, prefix: str, continuations: list[str], max_new_to
                                "verdict": classify(same, rel64)})
     progress(1.0, "Done")
     run = RunInfo.of(lm, settings)
-    info = ReuseSettings(prefix=prefix, continuations=tuple(conts), max_new_tokens=max_new_tokens,
-                         **{f.name: getattr(run, f.name) for f in fields(RunInfo)})
+    info = ReuseSettings.from_run(run, prefix=prefix, continuations=tuple(conts), max_new_tokens=max_new_tokens)
     return ReuseResult(settings=info, model=lm.summary(), prefix_tokens=token_texts(tok, prefix_ids), runs=runs)

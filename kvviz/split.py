@@ -11,7 +11,7 @@ float64) or `logic` (it stays in float64, or the model returns no cache at all).
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -20,7 +20,7 @@ import torch
 from .dtypes import dtype_name, machine_eps
 from .errors import KvvizError
 from .inputs import MASK_MODES, POSITION_MODES, PromptInputs, build_inputs, check_mode
-from .execution import DEFAULT_SETTINGS, ExecSettings, Executor, Keyed, RunInfo, cache_layers, has_cache
+from .execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings, cache_layers, has_cache
 from .loading import LoadedModel
 from .metrics import HIDDEN_METRICS as HIDDEN_METRIC_LABELS
 from .metrics import describe_table, hidden_divergence, logits_divergence, tensor_diff
@@ -51,34 +51,23 @@ class SplitConfig:
 
 
 @dataclass(frozen=True)
-class SplitSettings(Keyed):
-    """Everything a split result was computed with: the scenario (SplitConfig's fields) and the run (RunInfo's)."""
+class SplitSettings(RunSettings):
+    """Everything a split result was computed with: the run's fields and SplitConfig's."""
 
-    prompt: str
-    split: int
-    mode: str
-    left_pad: int
-    position_ids: str
-    attention_mask: str
-    model: str
-    spec_kind: str
-    dtype: str
-    device: str
-    attention: str
-    execution: ExecSettings = DEFAULT_SETTINGS
+    prompt: str = ""
+    split: int = 0
+    mode: str = "chunk"
+    left_pad: int = 0
+    position_ids: str = "auto"
+    attention_mask: str = "full"
 
     @classmethod
     def of(cls, cfg: SplitConfig, run: RunInfo) -> "SplitSettings":
-        return cls(**asdict(cfg), **{f.name: getattr(run, f.name) for f in fields(RunInfo)})
+        return cls.from_run(run, **asdict(cfg))
 
     @property
     def config(self) -> SplitConfig:
         return SplitConfig(self.prompt, self.split, self.mode, self.left_pad, self.position_ids, self.attention_mask)
-
-    def to_dict(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
-        d["execution"] = self.execution.to_dict()
-        return d
 
 
 @dataclass

@@ -29,11 +29,16 @@ def _progress_to_stderr(quiet: bool):
     return report
 
 
-def _model_args(p: argparse.ArgumentParser) -> None:
+def _model_args(p: argparse.ArgumentParser, attn_list: bool = False) -> None:
     p.add_argument("--model", default="default", help="default | tiny:<arch> | hub id | folder | file.gguf")
     p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N | mps")
-    p.add_argument("--attn", default="auto", choices=ATTN_CHOICES, help="attention implementation")
+    if attn_list:  # the matrix: a comma-separated list of attention implementations, one grid column each
+        p.add_argument("--attn", "--attns", dest="attns", default="eager,sdpa",
+                       help="comma-separated: eager,sdpa,flex_attention,flash_attention_2")
+        p.set_defaults(attn="auto")
+    else:
+        p.add_argument("--attn", default="auto", choices=ATTN_CHOICES, help="attention implementation")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="run the model's own Python code (off by default; only for models you trust)")
     p.add_argument("--invariant", action="store_true",
@@ -101,14 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     mp = sub.add_parser("matrix", help="attention × cache kind × compile × precision flags, repeated: which "
                                        "settings change greedy decoding, and how")
-    _model_args(mp)
+    _model_args(mp, attn_list=True)
     mp.add_argument("--prompt", default=None, help="the prompt (row 0); required unless --preset seed004")
     mp.add_argument("--preset", choices=("seed004",), default=None,
                     help="seed004: a short left-padded prompt batched with one longer than the sliding window, "
                          "generating past the window")
     mp.add_argument("--max-new-tokens", type=int, default=16)
-    mp.add_argument("--attn-list", "--attns", dest="attns", default="eager,sdpa",
-                    help="comma-separated attention implementations (eager,sdpa,flex_attention,flash_attention_2)")
     mp.add_argument("--cache", default="dynamic,static",
                     help="comma-separated: dynamic,static,offloaded,offloaded_static,quantized")
     mp.add_argument("--compile", default="off", help="comma-separated: off,default,reduce-overhead,max-autotune")
@@ -423,13 +426,14 @@ def cmd_matrix(args) -> int:
     if args.preset == "seed004":
         lm = _load(args)
         cfg = seed004_config(lm, args.max_new_tokens if args.max_new_tokens != 16 else None)
+        cfg.invariant = bool(args.invariant)
     else:
         if not args.prompt:
             raise KvvizError("give --prompt TEXT (or --preset seed004)")
         cfg = MatrixConfig(prompt=args.prompt, max_new_tokens=args.max_new_tokens, attentions=_split_list(args.attns),
                            caches=_split_list(args.cache), compiles=_split_list(args.compile), flag_sets=flag_sets,
                            repeats=args.repeats, left_pad=args.left_pad, position_ids=args.position_ids,
-                           batch_with=tuple(args.batch_with))
+                           batch_with=tuple(args.batch_with), invariant=bool(args.invariant))
         cfg.validate()  # bad axes fail before any model loads
         lm = _load(args)
     res = run_matrix(lm, cfg, trust_remote_code=args.trust_remote_code, progress=_progress_to_stderr(args.quiet))

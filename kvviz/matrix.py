@@ -50,6 +50,7 @@ class MatrixConfig:
     left_pad: int = 0
     position_ids: str = "auto"
     batch_with: tuple[str, ...] = ()
+    invariant: bool = False  # every cell in invariant mode
 
     def validate(self) -> None:
         check_mode(self.position_ids, POSITION_MODES, "position-ids mode")
@@ -208,7 +209,7 @@ class _Runner:
     def reference(self, n: int) -> tuple[list[int], torch.Tensor, PromptInputs, list[int], torch.Tensor]:
         lm = self.model("eager")
         inp, ids, mask = _batch(lm, self.cfg, n)
-        with Executor(lm).session() as ex:
+        with Executor(lm, ExecSettings(invariant=self.cfg.invariant)).session() as ex:
             toks, logits = _no_cache_loop(ex, ids, mask, n)
         lm64 = lm.reference()
         _, ids64, mask64 = _batch(lm64, self.cfg, n)
@@ -237,7 +238,8 @@ def _run_cell(runner: _Runner, cell: Cell, ref: tuple, n: int, progress: Callabl
     from .backends import compile_stats, is_lossy
 
     cfg = runner.cfg
-    settings = ExecSettings(cache=cell.cache, compile=cell.compile, flags=tuple(cell.flags))
+    settings = ExecSettings(cache=cell.cache, compile=cell.compile, flags=tuple(cell.flags),
+                            invariant=runner.cfg.invariant)
     lm = runner.model(cell.attention)
     cell.attention_used = lm.attn_implementation
     ref_toks, ref_logits, inp, _, _ = ref
@@ -319,7 +321,7 @@ def run_matrix(spec, prompt_or_cfg: "str | MatrixConfig", dtype="float32", devic
                   "max_new_tokens": n, "repeats": cfg.repeats, "left_pad": cfg.left_pad,
                   "position_ids": cfg.position_ids, "batch_with": list(cfg.batch_with),
                   "attentions": list(cfg.attentions), "caches": list(cfg.caches), "compiles": list(cfg.compiles),
-                  "flag_sets": [list(f) for f in cfg.flag_sets]},
+                  "flag_sets": [list(f) for f in cfg.flag_sets], "invariant": cfg.invariant},
         environment=environment(lm.device),
         reference={"path": "eager no-cache loop", "tokens": ref_toks, "text": lm.tokenizer.decode(ref_toks),
                    "float64_tokens": toks64, "float64_text": lm.tokenizer.decode(toks64),

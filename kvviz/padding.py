@@ -141,10 +141,11 @@ def _companions(lm: LoadedModel, ids: list[int], companions: list[str] | None, l
 
 def run_padding(lm: LoadedModel, prompt: str, split: int | None = None, left_pad: int = 4,
                 companions: list[str] | None = None, progress: Progress | None = None,
-                settings: ExecSettings | None = None) -> PaddingResult:
+                settings: ExecSettings | None = None, prove: bool = True) -> PaddingResult:
     """The same prompt alone, left-padded, and in a batch with longer prompts; with and without cache, position
     ids auto or omitted, mask full or new-only. Each cell is compared with the prompt alone, no cache, no padding.
-    With left_pad 0 the "left-padded" placement is the same as "alone" and is left out."""
+    With left_pad 0 the "left-padded" placement is the same as "alone" and is left out. prove: when a cell is
+    "precision", rerun the grid in invariant mode; each cell's `proved` says whether its gap is exactly 0 there."""
     progress = progress or _noop
     settings = (settings or DEFAULT_SETTINGS).validate()
     if isinstance(left_pad, bool) or not isinstance(left_pad, int) or left_pad < 0:
@@ -163,7 +164,13 @@ def run_padding(lm: LoadedModel, prompt: str, split: int | None = None, left_pad
         c64 = f64[(placement, label)]
         gap64 = max(c64["hidden_relative"], c64["logits_relative"])
         cells.append({"placement": placement, "scenario": label, **c, "float64_relative": gap64,
-                      "verdict": classify(c["bitwise_equal"], gap64)})
+                      "verdict": classify(c["bitwise_equal"], gap64), "proved": None})
+    if prove and not settings.invariant and any(c["verdict"] == "precision" for c in cells):
+        progress(0.8, "Rerunning the grid in invariant mode for the proof…")
+        inv = _padding_cells(lm, settings.with_(invariant=True, compile="off"), ids, comp_ids, k, left_pad)
+        for c in cells:
+            if c["verdict"] == "precision":
+                c["proved"] = inv[(c["placement"], c["scenario"])]["bitwise_equal"]
     progress(1.0, "Done")
     run = RunInfo.of(lm, settings)
     info = PaddingSettings.from_run(run, prompt=prompt, split=k, left_pad=left_pad,

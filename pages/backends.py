@@ -50,7 +50,7 @@ flags = a4.multiselect("Precision flags", list(FLAG_SETS), ["none"], key="mx_fla
 cfg = MatrixConfig(prompt=prompt, max_new_tokens=int(n), attentions=tuple(attns), caches=tuple(caches),
                    compiles=tuple(compiles), flag_sets=tuple(FLAG_SETS[f] for f in flags), repeats=int(repeats),
                    left_pad=int(left_pad), position_ids=pos,
-                   batch_with=tuple(t for t in batch.splitlines() if t.strip()))
+                   batch_with=tuple(t for t in batch.splitlines() if t.strip()), invariant=choice.invariant)
 st.caption(f"{len(cfg.cells())} cells × {int(repeats)} repeats, each {int(n)} tokens.")
 key = {"model": choice.key_without("attn"), "cfg": repr(cfg)}
 st.button("Run the matrix", type="primary", key="mx_run",

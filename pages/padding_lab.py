@@ -42,6 +42,13 @@ st.markdown("""
   tokens cannot see the latest keys — *logic*, even without padding.
 """)
 st.dataframe(res.grid("verdict"), width="stretch")
+proved = [c for c in res.cells if c["proved"] is not None]
+if proved:
+    n_ok = sum(c["proved"] for c in proved)
+    st.success(f"🔒 Precision — proved for {n_ok} of {len(proved)} precision cells: in invariant mode (every row "
+               "computed the same way whatever the shape) their gap is exactly 0.")
+if choice.invariant:
+    st.info("🔒 Invariant mode is on: cells whose logic is right are bit for bit the prompt alone; the rest is logic.")
 st.caption(f"Split at token {res.settings.split} of {len(res.tokens)}; {res.settings.dtype} on "
            f"{res.settings.device}; batch companions of {res.settings.companions} tokens.")
 exports(res, "padding", lm)

@@ -139,3 +139,19 @@ def test_fixed_order_ops_do_not_depend_on_shape():
     x = torch.randn(3, 5)
     masked = torch.cat([x, torch.full((3, 4), torch.finfo(torch.float32).min)], 1)
     assert torch.equal(invariant.fixed_order_softmax(masked)[:, :5], invariant.fixed_order_softmax(x))
+
+
+def test_padding_precision_cells_come_with_their_proof():
+    lm = kvviz.load_model("tiny:llama", "bfloat16", DEVICE)
+    res = run_padding(lm, "Once upon a time, there", left_pad=3)
+    for c in res.cells:
+        assert c["proved"] is (True if c["verdict"] == "precision" else None)
+
+
+def test_matrix_in_invariant_mode_is_identical_everywhere():
+    from kvviz.matrix import MatrixConfig, run_matrix
+
+    cfg = MatrixConfig("Hello there", 5, attentions=("eager", "sdpa"), caches=("dynamic", "static"), repeats=1,
+                       invariant=True)
+    res = run_matrix("tiny:llama", cfg, "bfloat16", DEVICE)
+    assert [c.verdict for c in res.cells] == ["identical"] * 4 and res.settings["invariant"] is True

@@ -60,6 +60,7 @@ class DtypesResult:
     verdicts: dict[str, list[str]]
     elapsed_s: float
     single: dict[str, SplitResult] = field(default_factory=dict)  # full results when the set is one prompt
+    proved: dict[str, list] = field(default_factory=dict)  # per dtype and prompt: proved in invariant mode (or None)
 
     METRICS = ("max_abs", "relative", "eps_units")
 
@@ -81,7 +82,7 @@ class DtypesResult:
             "per_layer": {m: {how: {d: self.stat(m, how)[d].tolist() for d in self.dtypes}
                               for how in ("mean", "max")} for m in self.METRICS},
             "per_prompt": {m: {d: v.tolist() for d, v in by.items()} for m, by in self.per_prompt.items()},
-            "logits_max_abs": self.logits_max_abs, "verdicts": self.verdicts,
+            "logits_max_abs": self.logits_max_abs, "verdicts": self.verdicts, "proved": self.proved,
             "verdict_counts": {d: dict(zip(VERDICTS, counts[d].tolist())) for d in counts.columns},
             "elapsed_s": self.elapsed_s,
         }
@@ -117,8 +118,10 @@ class _Collector:
         self.per_prompt = {m: {d: [] for d in names} for m in DtypesResult.METRICS}
         self.logits_max = {d: [] for d in names}
         self.verdicts = {d: [] for d in names}
+        self.proved = {d: [] for d in names}
 
     def add(self, d: str, res: SplitResult, reference: bool) -> None:
+        self.proved[d].append(None if reference else res.proved)
         for m in DtypesResult.METRICS:
             self.per_prompt[m][d].append(res.main.hidden[m].max(axis=1))
         self.logits_max[d].append(float(res.main.logits["max_abs"].max()))
@@ -128,10 +131,11 @@ class _Collector:
 def run_dtypes(model: "LoadedModel | ModelSpec | str", prompts: list[str], dtypes=DTYPE_NAMES, device="auto",
                attn: str | None = None, split: int | str = "last", mode: str = "chunk",
                trust_remote_code: bool = False, progress: Progress | None = None,
-               settings: ExecSettings | None = None) -> DtypesResult:
+               settings: ExecSettings | None = None, prove: bool | None = None) -> DtypesResult:
     """The split comparison for several dtypes over a set of prompts; float64 runs once per prompt and serves as
     every dtype's verdict evidence. `model`: a loaded model (any dtype: its twins are used; device, attn and
-    trust_remote_code are then taken from it) or a spec."""
+    trust_remote_code are then taken from it) or a spec. prove: each precision verdict also runs in invariant mode
+    (default: for a single prompt)."""
     progress = progress or _noop
     settings = (settings or DEFAULT_SETTINGS).validate()
     t0 = time.perf_counter()
@@ -159,7 +163,9 @@ def run_dtypes(model: "LoadedModel | ModelSpec | str", prompts: list[str], dtype
         kept_prompts.append(prompt)
         labels = f64_res.layer_labels
         for d in names:
-            res = f64_res if d == "float64" else run_split(models[d], cfg, float64_comparison=f64_res.main, prove=False,
+            res = f64_res if d == "float64" else run_split(models[d], cfg, float64_comparison=f64_res.main,
+                                                          prove=None if (prove or (prove is None
+                                                                                   and len(prompts) == 1)) else False,
                                                           settings=settings)
             out.add(d, res, reference=d == "float64")
             if len(prompts) == 1:
@@ -176,5 +182,6 @@ def run_dtypes(model: "LoadedModel | ModelSpec | str", prompts: list[str], dtype
     return DtypesResult(
         settings=info, model=lm64.summary(), dtypes=names, prompts=kept_prompts, layer_labels=labels,
         per_prompt={m: {d: np.array(v) for d, v in by.items()} for m, by in out.per_prompt.items()},
-        logits_max_abs=out.logits_max, verdicts=out.verdicts, elapsed_s=time.perf_counter() - t0, single=single)
+        logits_max_abs=out.logits_max, verdicts=out.verdicts, elapsed_s=time.perf_counter() - t0, single=single,
+        proved=out.proved)
 

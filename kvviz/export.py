@@ -141,7 +141,7 @@ def _dtypes(d: dict):
     return DtypesResult(settings=_typed(DtypesSettings, d["settings"], skipped_dtypes=tuple), model=d["model"],
                         dtypes=d["dtypes"], prompts=d["prompts"], layer_labels=d["layer_labels"],
                         per_prompt=per_prompt, logits_max_abs=d["logits_max_abs"], verdicts=d["verdicts"],
-                        elapsed_s=d.get("elapsed_s", 0.0))
+                        elapsed_s=d.get("elapsed_s", 0.0), proved=d.get("proved", {}))
 
 
 def _padding(d: dict):

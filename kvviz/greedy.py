@@ -145,6 +145,8 @@ class PairResult:
     verdict: str | None = None
     explanation: str | None = None
     float64_gap: float | None = None
+    proved: bool | None = None  # invariant mode: do the two paths agree bit for bit there? (None: not checked)
+    proof: str | None = None
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -540,12 +542,38 @@ def _notes(lm: LoadedModel, cfg: GreedyConfig, runs: dict[str, PathRun]) -> list
     return notes
 
 
+def prove_pairs(lm: LoadedModel, cfg: GreedyConfig, settings: ExecSettings, inp: PromptInputs,
+                pairs: list[PairResult], progress: Progress) -> None:
+    """Rerun the paths of `pairs` (same-dtype pairs: the float64 path is another dtype, not another order) in
+    invariant mode and say for each pair whether it agrees bit for bit there: proved precision, or logic."""
+    todo = [p for p in pairs if "float64" not in (p.a, p.b)]
+    if not todo:
+        return
+    names = tuple(n for n in _RUN_ORDER if any(n in (p.a, p.b) for p in todo))
+    progress(0.95, "Rerunning the paths in invariant mode for the proof…")
+    inv_cfg = GreedyConfig(cfg.prompt, cfg.max_new_tokens, cfg.left_pad, cfg.position_ids, names)
+    runs = _decode_paths(lm, inv_cfg, settings.with_(invariant=True, compile="off"), inp, None, lambda f, m: None)
+    for p in todo:
+        a, b = runs[p.a], runs[p.b]
+        p.proved = a.token_ids == b.token_ids and torch.equal(a.logits, b.logits.to(a.logits.device))
+        if p.proved:
+            p.proof = ("Precision — proved: in invariant mode (every row computed the same way whatever the shape) "
+                       f"{p.a} and {p.b} agree bit for bit at every step.")
+        else:
+            d = first_divergence(a.token_ids, b.token_ids)
+            p.proof = (f"In invariant mode {p.a} and {p.b} still differ"
+                       + (f" (they part at step {d})" if d is not None else "") + ": not reduction order - logic.")
+
+
 def run_greedy(lm: LoadedModel, cfg: GreedyConfig, progress: Progress | None = None,
-               reference: LoadedModel | None = None, settings: ExecSettings | None = None) -> GreedyResult:
+               reference: LoadedModel | None = None, settings: ExecSettings | None = None,
+               prove: bool | None = None) -> GreedyResult:
     """Decode greedily along cfg.paths and compare every pair of paths (see the module docstring).
 
     reference: the float64 model (lm.reference() when not given); settings: how the model runs (cache kind,
-    compile, flags, invariant mode) - the float64 path and replays use the same settings without compile."""
+    compile, flags, invariant mode) - the float64 path and replays use the same settings without compile.
+    prove: rerun the same-dtype paths in invariant mode and mark each pair proved or not (default: when a pair
+    parts with a precision verdict)."""
     progress = progress or (lambda f, m: None)
     settings = (settings or DEFAULT_SETTINGS).validate()
     t_start = time.perf_counter()
@@ -562,6 +590,9 @@ def run_greedy(lm: LoadedModel, cfg: GreedyConfig, progress: Progress | None = N
         with f64.ex.session():
             for p in diverging:
                 _explain(p, runs, lm, cfg, f64.ex, f64.inp, memo)
+    if not settings.invariant and (prove if prove is not None else
+                                   any(p.verdict == "precision" and "float64" not in (p.a, p.b) for p in pairs)):
+        prove_pairs(lm, cfg, settings, inp, pairs, progress)
     progress(1.0, "Done")
     return GreedyResult(settings=GreedySettings.of(cfg, RunInfo.of(lm, settings)), model=lm.summary(),
                         prompt_tokens=inp.token_texts, layer_labels=layer_labels(runs[names[0]].hidden.shape[1]),

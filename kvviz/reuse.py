@@ -122,8 +122,11 @@ def _check(lm: LoadedModel, prefix: str, continuations: list[str], max_new_token
 
 
 def run_reuse(lm: LoadedModel, prefix: str, continuations: list[str], max_new_tokens: int = 12,
-              progress: Progress | None = None, settings: ExecSettings | None = None) -> ReuseResult:
-    """A shared prefix cached once and reused for several continuations, three ways, against a fresh prefill."""
+              progress: Progress | None = None, settings: ExecSettings | None = None,
+              prove: bool | None = None) -> ReuseResult:
+    """A shared prefix cached once and reused for several continuations, three ways, against a fresh prefill.
+    prove: rerun in invariant mode and mark each way `proved` (bit for bit the fresh run there) - by default when a
+    way is "precision"."""
     progress = progress or _noop
     settings = (settings or DEFAULT_SETTINGS).validate()
     conts, prefix_ids, cont_ids = _check(lm, prefix, continuations, max_new_tokens)
@@ -143,13 +146,20 @@ def run_reuse(lm: LoadedModel, prefix: str, continuations: list[str], max_new_to
                    "text": tok.decode(toks)}
             if strategy == REFERENCE:
                 runs.append(row | {"first_divergence": None, "logits_relative": None, "float64_relative": None,
-                                   "verdict": "reference"})
+                                   "verdict": "reference", "proved": None})
                 continue
             div, rel = _relative_gap(toks, logits, ref_toks, ref_logits)
             _, rel64 = _relative_gap(*f64[(i, strategy)], *f64[(i, REFERENCE)])
             same = div is None and torch.equal(logits, ref_logits)
             runs.append(row | {"first_divergence": div, "logits_relative": rel, "float64_relative": rel64,
-                               "verdict": classify(same, rel64)})
+                               "verdict": classify(same, rel64), "proved": None})
+    if not settings.invariant and (prove if prove is not None else any(r["verdict"] == "precision" for r in runs)):
+        progress(0.9, "Rerunning in invariant mode for the proof…")
+        inv = _reuse_runs(lm, settings.with_(invariant=True, compile="off"), prefix_ids, cont_ids, max_new_tokens)
+        for r in runs:
+            if r["strategy"] != REFERENCE:
+                (t, lg), (tf, lgf) = inv[(r["index"], r["strategy"])], inv[(r["index"], REFERENCE)]
+                r["proved"] = t == tf and torch.equal(lg, lgf)
     progress(1.0, "Done")
     run = RunInfo.of(lm, settings)
     info = ReuseSettings.from_run(run, prefix=prefix, continuations=tuple(conts), max_new_tokens=max_new_tokens)

@@ -49,7 +49,7 @@ with left:
                       if choice.invariant else ""))
     else:
         first = min(parting, key=lambda p: p.first_divergence)
-        show_verdict(first.verdict, first.explanation)
+        show_verdict(first.verdict, first.explanation, first.proof)
     st.markdown(figures.texts_html(res), unsafe_allow_html=True)
     if res.settings.fast:
         st.caption("⚡ Fast preview: hollow markers are steps not settled (margin within the measured gap).")
@@ -70,7 +70,7 @@ with t1:
 with t2:
     st.dataframe(figures.greedy_pairs_frame(res), hide_index=True, width="stretch")
     for p in parting:
-        st.caption(f"**{p.a} vs {p.b}** — {p.explanation}")
+        st.caption(f"**{p.a} vs {p.b}** — {p.explanation}" + (f" 🔒 {p.proof}" if p.proof else ""))
 with t3:
     st.dataframe([{"path": p.label, "forwards": p.forwards, "seconds": round(p.seconds, 3)}
                   for p in res.paths.values()], hide_index=True, width="stretch")

@@ -155,3 +155,34 @@ def test_matrix_in_invariant_mode_is_identical_everywhere():
                        invariant=True)
     res = run_matrix("tiny:llama", cfg, "bfloat16", DEVICE)
     assert [c.verdict for c in res.cells] == ["identical"] * 4 and res.settings["invariant"] is True
+
+
+def test_greedy_pairs_are_proved_or_shown_to_be_logic():
+    lm = kvviz.load_model("tiny:llama", "bfloat16", DEVICE)
+    res = run_greedy(lm, GreedyConfig("Once upon a time", 6, left_pad=3,
+                                      paths=("no_cache", "cache", "generate", "user_loop", "float64")), prove=True)
+    proved = {(p.a, p.b): p.proved for p in res.pairs}
+    assert proved[("no_cache", "cache")] is True and proved[("cache", "generate")] is True
+    assert proved[("cache", "user_loop")] is False  # no positions after a left-padded prompt: logic
+    assert all(v is None for (a, b), v in proved.items() if "float64" in (a, b))  # another dtype, not another order
+    pair = res.pair("no_cache", "cache")
+    assert "Precision — proved" in pair.proof
+
+
+def test_reuse_ways_are_proved_or_shown_to_be_logic():
+    from kvviz.reuse import run_reuse
+
+    lm = kvviz.load_model("tiny:llama", "bfloat16", DEVICE)
+    res = run_reuse(lm, "Answer briefly.", [" Q: 2+2?", " Q: sky?"], 4, prove=True)
+    by = {(r["index"], r["strategy"]): r["proved"] for r in res.runs}
+    assert by[(0, "deepcopy")] is True and by[(1, "deepcopy")] is True
+    assert by[(1, "reused")] is False and by[(0, "fresh")] is None
+
+
+def test_single_prompt_dtype_sweep_proves_its_precision_verdicts():
+    from kvviz.dtype_sweep import run_dtypes
+
+    res = run_dtypes(kvviz.load_model("tiny:llama", "bfloat16", DEVICE), [PROMPT], ["float32", "bfloat16"])
+    for d in ("float32", "bfloat16"):
+        assert res.proved[d] == [True if res.verdicts[d][0] == "precision" else None]
+    assert res.proved["float64"] == [None]

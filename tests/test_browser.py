@@ -244,6 +244,7 @@ def test_open_a_result_shows_the_page_without_a_model(server, artifacts, tmp_pat
         wait_idle(page)
         no_exception(page)
         assert page.get_by_text(f"Verdict: {res.verdict}.").count() >= 1
+        page.wait_for_selector(".js-plotly-plot", timeout=60_000)  # charts render after the verdict; wait for them
         assert page.locator(".js-plotly-plot").count() >= 1
         assert page.locator('[data-testid="stSidebar"]').get_by_text("Loaded:").count() == 0
         assert page.locator('[data-testid="stAlert"]:has-text("nonexistent")').count() == 0

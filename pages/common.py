@@ -311,12 +311,13 @@ def exports(res, name: str, lm=None) -> None:
     from kvviz.export import export_json, html_report
 
     cols = st.columns(3)
-    fp = None
-    if lm is not None:
+
+    def as_json() -> str:  # the model fingerprint (hashes the vocabulary) only when the download is asked for
         from kvviz.kvcache import fingerprint
 
-        fp = fingerprint(lm)
-    cols[0].download_button("Result (JSON)", lambda: export_json(res, fp), file_name=f"kvviz-{name}.json",
+        return export_json(res, fingerprint(lm) if lm is not None else None)
+
+    cols[0].download_button("Result (JSON)", as_json, file_name=f"kvviz-{name}.json",
                             mime="application/json", key=f"dl_json_{name}", on_click="ignore")
     cols[1].download_button("Report (HTML)", lambda: html_report(res), file_name=f"kvviz-{name}.html",
                             mime="text/html", key=f"dl_html_{name}", on_click="ignore")

@@ -68,14 +68,14 @@ def _offloaded(lm: LoadedModel, batch: int, max_len: int):
 
 
 def quantized_cache(lm: LoadedModel, backend: str = "fp8", nbits: int | None = None,
-                    residual_length: int | None = None):
+                    residual_length: int | None = None, q_group_size: int | None = None):
     """transformers' QuantizedCache with `backend` (fp8 needs no package; quanto and hqq need theirs)."""
     from transformers import QuantizedCache
 
     if backend not in QUANT_BACKENDS:
         raise KvvizError(f"unknown quantized-cache backend '{backend}'; choose one of {', '.join(QUANT_BACKENDS)}")
-    kwargs = {} if backend == "fp8" else {k: v for k, v in (("nbits", nbits), ("residual_length", residual_length))
-                                          if v is not None}
+    kwargs = {} if backend == "fp8" else {k: v for k, v in (("nbits", nbits), ("residual_length", residual_length),
+                                                            ("q_group_size", q_group_size)) if v is not None}
     try:
         return QuantizedCache(backend=backend, config=lm.config, **kwargs)
     except ImportError as e:

@@ -5,6 +5,12 @@ Checks: cached vs full forward (one chunk, and token by token); left padding wit
 padded batch; a prompt cache reused through a deep copy; past the sliding window (if the model has one); whether
 the model is causal at all (a bidirectional model returns no cache: unsafe); whether it ships its own code; whether
 its weights are quantized (then the cache is at best `lossy` against an unquantized run).
+
+A quantized model - the card run with `weights="int8"|"int4"` (optimum-quanto, weight-only) and/or a quantized KV
+cache (`kv="quanto:int4"`, ...) - gets the float64 logic battery on its unquantized float64 twin (quantization does
+not change the cache code) plus the quantized run against the unquantized one: per-step KL, the greedy agreement
+length and the largest gap per layer, with `overall` `lossy` and those numbers. A checkpoint that arrives quantized
+(its config carries a quantization_config) has no unquantized twin here: the card says so.
 """
 from __future__ import annotations
 
@@ -90,9 +96,32 @@ def _window_check(lm64: LoadedModel) -> Check:
                       f"token by token past the window of {window}")
 
 
-def run_check(lm: LoadedModel, progress=None) -> CheckCard:
-    """The cache-safety card of `lm`'s model (its float64 twin runs the checks)."""
+def _quantized_check(lm: LoadedModel, kv: str, weights: str, progress) -> Check:
+    from .quant import QuantConfig, run_quant
+
+    cfg = QuantConfig(PROMPT, kv=kv, weights=weights, max_new_tokens=16)
+    res = run_quant(lm, cfg, progress=progress)
+    if res.bitwise_equal:
+        return Check(f"quantized ({cfg.label})", "pass", res.explanation, 0.0)
+    agree = (f"greedy agrees for all {res.steps} tokens" if res.agreement >= res.steps
+             else f"greedy agrees for {res.agreement} of {res.steps} tokens")
+    layer = (f"largest hidden gap at {res.worst_layer} ({max(res.layer_relative):.3g} of its scale)"
+             if res.worst_layer != "—" else "no hidden state moves (only the head)")
+    return Check(f"quantized ({cfg.label})", "note",
+                 f"lossy against the unquantized {lm.name}: {agree}; per-step KL mean {res.kl_mean:.3g}, max "
+                 f"{res.kl_max:.3g}; {layer}", res.kl_max)
+
+
+def run_check(lm: LoadedModel, progress=None, weights: str = "none", kv: str = "none") -> CheckCard:
+    """The cache-safety card of `lm`'s model (its float64 twin runs the checks). weights / kv: check the model
+    with quantized weights (int8, int4) and/or a quantized KV cache (see kvviz.quant): the card is then at best
+    `lossy`, with the measured loss."""
+    from .quant import QuantConfig
+
     progress = progress or (lambda f, m: None)
+    quantized = (weights or "none") != "none" or (kv or "none") != "none"
+    if quantized:
+        QuantConfig(PROMPT, kv=kv or "none", weights=weights or "none").validate()  # bad choices fail first
     lm64 = lm.reference()
     checks: list[Check] = []
     progress(0.05, "Is the model causal?")
@@ -122,14 +151,27 @@ def run_check(lm: LoadedModel, progress=None) -> CheckCard:
         checks.append(_window_check(lm64))
     checks.append(_remote_code(lm))
     quant = getattr(lm.config, "quantization_config", None)
-    checks.append(Check("quantized weights", "note" if quant else "pass",
-                        f"the weights are quantized ({quant}): compare with an unquantized run - lossy"
-                        if quant else "the weights are not quantized"))
+    if quant:
+        checks.append(Check("quantized weights", "note", f"the checkpoint arrives quantized "
+                            f"({getattr(quant, 'quant_method', None) or quant}): kvviz has no unquantized twin of it "
+                            f"to measure against - lossy; load the unquantized checkpoint and check it with "
+                            f"quantized weights to measure the loss"))
+    if quantized:
+        if any(c.status == "fail" and c.name == "causal attention" for c in checks):
+            checks.append(Check("quantized", "n/a", "not measured: the model returns no cache"))
+        else:
+            progress(0.9, "the quantized run against the unquantized one")
+            checks.append(_quantized_check(lm, kv or "none", weights or "none",
+                                           lambda f, m: progress(0.9 + 0.09 * f, m)))
+    elif not quant:
+        checks.append(Check("quantized weights", "pass", "the weights are not quantized"))
     failed = [c for c in checks if c.status == "fail"]
-    overall = "unsafe" if failed else ("lossy" if quant else "safe")
+    lossy = bool(quant) or any(c.name.startswith("quantized (") and c.status == "note" for c in checks)
+    overall = "unsafe" if failed else ("lossy" if lossy else "safe")
     summary = ({"safe": "Safe: with correct masks and position ids, every cached path computes what the full "
                         "forward computes (to float64 rounding).",
-                "lossy": "Lossy: the cache logic is right, but the quantized weights change the numbers.",
+                "lossy": "Lossy: the cache logic is right, but quantization changes the numbers: "
+                         + "; ".join(c.evidence for c in checks if c.name.startswith("quantized")) + ".",
                 "unsafe": "Unsafe: " + "; ".join(f"{c.name} — {c.evidence}" for c in failed) + "."}[overall])
     progress(1.0, "Done")
     return CheckCard(model=lm.name, overall=overall, checks=checks, summary=summary)

@@ -145,6 +145,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     kp = sub.add_parser("check", help="is this model cache-safe? a battery of float64 checks")
     _model_args(kp)
+    kp.add_argument("--weights", default="none", choices=("none", "int8", "int4"),
+                    help="check the model with weight-only quantized linear layers (optimum-quanto)")
+    kp.add_argument("--kv", default="none", help="check with a quantized KV cache: fp8, quanto:int4, quanto:int2, "
+                                                 "hqq:int4, hqq:int2, hqq:int8")
+
+    qp = sub.add_parser("quant", help="a quantized KV cache and/or quantized weights against the unquantized run: "
+                                      "per-step KL, greedy agreement, gap per layer")
+    _model_args(qp)
+    qp.add_argument("--prompt", required=True)
+    qp.add_argument("--kv", default="none", help="fp8, quanto:int4, quanto:int2, hqq:int4, hqq:int2, hqq:int8, none")
+    qp.add_argument("--residual", type=int, default=8, help="tokens kept unquantized in the KV cache's residual")
+    qp.add_argument("--weights", default="none", choices=("none", "int8", "int4"))
+    qp.add_argument("--max-new-tokens", type=int, default=24)
 
     rp = sub.add_parser("reuse", help="a prompt cache reused for several continuations (seed 001)")
     _model_args(rp)
@@ -489,7 +502,11 @@ def cmd_check(args) -> int:
     from .check import run_check
     from .jsonout import dumps
 
-    card = run_check(_load(args), progress=_progress_to_stderr(args.quiet))
+    from .quant import QuantConfig
+
+    if args.weights != "none" or args.kv != "none":
+        QuantConfig("x", kv=args.kv, weights=args.weights).validate()  # bad choices fail before any model loads
+    card = run_check(_load(args), progress=_progress_to_stderr(args.quiet), weights=args.weights, kv=args.kv)
     if args.json:
         print(dumps(card.to_dict()))
         return 0
@@ -499,7 +516,32 @@ def cmd_check(args) -> int:
     return 0
 
 
-COMMANDS = {"split": cmd_split, "greedy": cmd_greedy, "dtypes": cmd_dtypes, "padding": cmd_padding,
+def cmd_quant(args) -> int:
+    from .jsonout import dumps
+    from .quant import QuantConfig, run_quant
+
+    cfg = QuantConfig(args.prompt, kv=args.kv, residual_length=args.residual, weights=args.weights,
+                      max_new_tokens=args.max_new_tokens)
+    cfg.validate()
+    lm = _load(args)
+    res = run_quant(lm, cfg, progress=_progress_to_stderr(args.quiet))
+    _exports(args, res, lm)
+    if args.json:
+        print(dumps(res.to_dict()))
+        return 0
+    print(f"unquantized: {res.reference_text!r}")
+    print(f"quantized:   {res.quantized_text!r}")
+    print(f"greedy agreement: {res.agreement} of {res.steps} tokens; KL per step mean {res.kl_mean:.3g}, "
+          f"max {res.kl_max:.3g}")
+    for name, a, r in zip(res.layers, res.layer_max_abs, res.layer_relative):
+        print(f"  {name:<28} max |Δ| {a:<10.3g} relative {r:.3g}")
+    for note in res.notes:
+        print(f"note: {note}")
+    print(f"\nverdict: {res.verdict.upper()}\n{res.explanation}")
+    return 0
+
+
+COMMANDS = {"quant": cmd_quant, "split": cmd_split, "greedy": cmd_greedy, "dtypes": cmd_dtypes, "padding": cmd_padding,
             "reuse": cmd_reuse, "bisect": cmd_bisect, "matrix": cmd_matrix, "open": cmd_open, "cache": cmd_cache, "check": cmd_check, "loading-trap": cmd_loading_trap}
 
 

@@ -148,7 +148,7 @@ class Executor:
         """The model's lock, inference mode, and every registered run context (restored on exit, also on error)."""
         with contextlib.ExitStack() as stack:
             stack.enter_context(self.lm.lock)
-            stack.enter_context(torch.inference_mode())
+            stack.enter_context(torch.inference_mode() if self.lm.inference_mode else torch.no_grad())
             for factory in list(_RUN_CONTEXTS):
                 cm = factory(self.settings, self.lm)
                 if cm is not None:

@@ -18,13 +18,13 @@ from .execution import ExecSettings
 from .jsonout import dumps
 
 FORMAT = 1
-VIEWS = ("split", "greedy", "dtypes", "padding", "reuse", "matrix")
+VIEWS = ("split", "greedy", "dtypes", "padding", "reuse", "matrix", "quant")
 
 
 def view_of(result) -> str:
     name = type(result).__name__
     views = {"SplitResult": "split", "GreedyResult": "greedy", "DtypesResult": "dtypes", "PaddingResult": "padding",
-             "ReuseResult": "reuse", "MatrixResult": "matrix"}
+             "ReuseResult": "reuse", "MatrixResult": "matrix", "QuantResult": "quant"}
     if name not in views:
         raise KvvizError(f"cannot export a {name}")
     return views[name]
@@ -165,8 +165,15 @@ def _matrix(d: dict):
                         cells=[_typed(Cell, c) for c in d["cells"]], elapsed_s=d.get("elapsed_s", 0.0))
 
 
+def _quant(d: dict):
+    from .quant import QuantResult, QuantSettings
+
+    d = {k: v for k, v in d.items() if k not in ("kl_max", "kl_mean", "worst_layer")}
+    return QuantResult(**{**d, "settings": _typed(QuantSettings, d["settings"])})
+
+
 _BUILDERS = {"split": _split, "greedy": _greedy, "dtypes": _dtypes, "padding": _padding, "reuse": _reuse,
-             "matrix": _matrix}
+             "matrix": _matrix, "quant": _quant}
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -190,6 +197,8 @@ def main_figures(result) -> list:
         return [figures.padding_grid(result, "hidden_relative")]
     if view == "matrix":
         return [figures.matrix_grid(result)]
+    if view == "quant":
+        return [figures.quant_steps(result), figures.quant_layers(result)]
     return []
 
 
@@ -209,6 +218,8 @@ def _verdict_text(result) -> tuple[str, str]:
         return "see the grid", result.grid().to_html()
     if view == "reuse":
         return "see the table", result.table().to_html(index=False)
+    if view == "quant":
+        return result.verdict, result.explanation
     counts = {}
     for c in result.cells:
         counts[c.verdict or "error"] = counts.get(c.verdict or "error", 0) + 1

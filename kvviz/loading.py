@@ -248,6 +248,7 @@ class LoadedModel:
     source: str
     trust_remote_code: bool = False
     warnings: list[str] = field(default_factory=list)
+    inference_mode: bool = True  # False for models whose tensors cannot run under torch.inference_mode (quanto int4)
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     @property

@@ -2,21 +2,28 @@
 import streamlit as st
 
 from kvviz.check import run_check
-from pages.common import page, progress_bar, run_cached, show_error
+from kvviz.quant import KV_CHOICES, WEIGHT_CHOICES
+from pages.common import controls, page, progress_bar, run_cached, show_error
 
 choice, lm = page("Is my model cache-safe?",
                   "Each check runs on the float64 copy of the model, where rounding cannot hide or fake a gap: "
                   "cached vs full, left padding, batching, prompt-cache reuse, past the sliding window, causal or "
                   "not, its own code, quantized weights.")
+with controls():
+    c1, c2 = st.columns(2)
+    weights = c1.selectbox("Check with quantized weights", WEIGHT_CHOICES, key="check_weights",
+                           help="int8 / int4 weight-only (optimum-quanto): the card then measures the loss against "
+                                "the unquantized model.")
+    kv = c2.selectbox("Check with a quantized KV cache", KV_CHOICES, key="check_kv")
 
 
 def compute():
     with progress_bar("Running the checks…") as report:
-        return run_check(lm, progress=report)
+        return run_check(lm, progress=report, weights=weights, kv=kv)
 
 
 try:
-    card = run_cached("check", {"model": choice.key_without("dtype", "invariant")}, compute)
+    card = run_cached("check", {"model": choice.key_without("invariant"), "weights": weights, "kv": kv}, compute)
 except Exception as e:  # noqa: BLE001
     show_error(e)
     st.stop()

@@ -164,7 +164,7 @@ def load(choice: ModelChoice) -> kvviz.LoadedModel | None:
 # Page controls persist across page switches and live in the URL. Streamlit forgets the state of widgets that a run
 # did not draw, so app.py stashes every page control at the start of each run (`remember`), and a page restores its
 # own before drawing them (`restore`). The URL carries the sidebar and the current page's controls as JSON values.
-PAGE_PREFIXES = ("split_", "greedy_", "dt_", "pad_", "reuse_", "mx_", "kv_", "trap_")
+PAGE_PREFIXES = ("split_", "greedy_", "dt_", "pad_", "reuse_", "mx_", "kv_", "trap_", "quant_", "check_")
 SIDEBAR_KEYS = ("model_preset", "model_other", "dtype", "device", "attn", "trust_remote_code", "invariant",
                 "presenter")
 _NOT_IN_URL = ("kv_upload", "dt_upload", "mx_run", "mx_preset", "split_bisect", "open_upload")
@@ -249,7 +249,8 @@ PRESENTER_CSS = """<style>
 </style>"""
 
 PREFIX_OF_PAGE = {"split_point": "split_", "greedy_paths": "greedy_", "dtypes_lab": "dt_", "padding_lab": "pad_",
-                  "cache_reuse": "reuse_", "backends": "mx_", "kv_cache": "kv_", "loading_trap": "trap_"}
+                  "cache_reuse": "reuse_", "backends": "mx_", "kv_cache": "kv_", "loading_trap": "trap_", "quantized": "quant_",
+                  "cache_safety": "check_"}
 
 
 def page(title: str, caption: str, needs_model: bool = True):

@@ -1,0 +1,155 @@
+"""Quantized KV caches and quantized weights against the unquantized run (kvviz.quant), the card, CLI and page."""
+import json
+
+import pytest
+import torch
+
+import kvviz
+from kvviz import quant
+from kvviz.check import run_check
+from kvviz.cli import main
+from kvviz.errors import KvvizError
+from kvviz.export import export_json, html_report, open_result
+from kvviz.quant import QuantConfig, parse_kv, quantize_weights, run_quant
+
+from conftest import DEVICE
+
+PROMPT = "The museum guard knew every painting in the building"
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return kvviz.load_model("tiny:llama", device=DEVICE)
+
+
+def test_kv_choices_parse_and_bad_ones_are_one_line():
+    assert parse_kv("quanto:int4") == ("quanto", 4)
+    assert parse_kv("hqq:int2") == ("hqq", 2)
+    assert parse_kv("fp8") == ("fp8", None)
+    for bad, words in (("quanto:int3", "no 3-bit mode"), ("zip:int4", "unknown quantized KV cache"),
+                       ("hqq", "bit width")):
+        with pytest.raises(KvvizError, match=words):
+            parse_kv(bad)
+    with pytest.raises(KvvizError, match="nothing is quantized"):
+        QuantConfig(PROMPT, kv="none", weights="none").validate()
+    with pytest.raises(KvvizError, match="residual length"):
+        QuantConfig(PROMPT, residual_length=0).validate()
+
+
+@pytest.mark.parametrize("kv", ["quanto:int4", "quanto:int2", "hqq:int4", "fp8"])
+def test_quantized_kv_cache_is_lossy_after_the_prefill(llama, kv):
+    n = 10
+    res = run_quant(llama, QuantConfig(PROMPT, kv=kv, residual_length=2, max_new_tokens=n))
+    assert res.verdict == "lossy" and not res.bitwise_equal
+    assert len(res.kl) == len(res.logits_max_abs) == len(res.argmax_agree) == n
+    assert len(res.layers) == len(res.layer_relative) == llama.n_layers + 1
+    # the prefill's own forward reads the keys unquantized: the first step is the unquantized computation exactly
+    assert res.kl[0] == 0.0 and res.logits_max_abs[0] == 0.0 and res.argmax_agree[0]
+    # decode steps read the quantized past
+    assert max(res.logits_max_abs[1:]) > 0 and res.kl_max > 0
+    assert res.layer_relative[0] == 0.0  # embeddings of the same tokens cannot move
+    assert max(res.layer_relative) > 0
+    assert 1 <= res.agreement <= n
+    assert res.reference_tokens[:res.agreement] == res.quantized_tokens[:res.agreement]
+    if res.agreement < n:
+        assert res.reference_tokens[res.agreement] != res.quantized_tokens[res.agreement]
+    assert "Lossy by design" in res.explanation and f"{res.agreement}" in res.explanation
+
+
+def test_fewer_bits_lose_more(llama):
+    r4 = run_quant(llama, QuantConfig(PROMPT, kv="quanto:int4", residual_length=1, max_new_tokens=8))
+    r2 = run_quant(llama, QuantConfig(PROMPT, kv="quanto:int2", residual_length=1, max_new_tokens=8))
+    assert r2.kl_mean > r4.kl_mean
+    assert max(r2.layer_relative) > max(r4.layer_relative)
+
+
+def test_a_missing_package_gives_a_clear_message(llama, monkeypatch):
+    monkeypatch.setattr(quant, "package_available", lambda backend: backend not in ("quanto", "hqq"))
+    with pytest.raises(KvvizError, match="needs the package optimum-quanto, which is not installed"):
+        run_quant(llama, QuantConfig(PROMPT, kv="quanto:int4"))
+    with pytest.raises(KvvizError, match="needs the package hqq"):
+        run_quant(llama, QuantConfig(PROMPT, kv="hqq:int2"))
+    with pytest.raises(KvvizError, match="int8 weights needs the package optimum-quanto"):
+        run_quant(llama, QuantConfig(PROMPT, kv="none", weights="int8"))
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_weights_leave_the_shared_model_alone(llama, scheme):
+    ids = torch.tensor([[3, 7, 11, 19]], device=llama.device)
+    with torch.no_grad():
+        before = llama.model(ids).logits.clone()
+    q = quantize_weights(llama, scheme)
+    assert q is not llama and q.model is not llama.model
+    assert type(llama.model.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+    assert type(q.model.model.layers[0].self_attn.q_proj).__name__ == "QLinear"
+    assert any(f"{scheme} weights: 29 of 29 linear layers" in w for w in q.warnings)
+    assert quantize_weights(llama, scheme) is q  # kept: a page rerun does not quantize again
+    res = run_quant(llama, QuantConfig(PROMPT, kv="none", weights=scheme, max_new_tokens=6))
+    assert res.verdict == "lossy"
+    assert res.kl[0] > 0  # quantized weights change the very first step
+    assert res.layer_relative[0] == 0.0 and max(res.layer_relative[1:]) > 0
+    with torch.no_grad():
+        assert torch.equal(llama.model(ids).logits, before)
+
+
+def test_weights_on_conv1d_models_and_float64_are_explained():
+    gpt2 = kvviz.load_model("tiny:gpt2", device=DEVICE)
+    q = quantize_weights(gpt2, "int8")
+    note = [w for w in q.warnings if "int8 weights" in w][0]
+    assert "1 of 17 linear layers" in note and "Conv1D" in note
+    res = run_quant(gpt2, QuantConfig(PROMPT, kv="none", weights="int8", max_new_tokens=4))
+    assert res.worst_layer == "—" and "only the output head" in res.explanation  # only lm_head was quantized
+    with pytest.raises(KvvizError, match="not float64"):
+        quantize_weights(gpt2.reference(), "int8")
+
+
+def test_the_card_reports_a_quantized_model_as_lossy(llama):
+    card = run_check(llama, weights="int8")
+    assert card.overall == "lossy"
+    q = [c for c in card.checks if c.name.startswith("quantized (")]
+    assert len(q) == 1 and q[0].status == "note" and "per-step KL" in q[0].evidence
+    assert q[0].figure > 0 and "per-step KL" in card.summary
+    assert all(c.status != "fail" for c in card.checks)
+    # a bidirectional model stays unsafe, quantized or not
+    rob = run_check(kvviz.load_model("tiny:roberta", device=DEVICE), kv="quanto:int4")
+    assert rob.overall == "unsafe"
+
+
+def test_export_round_trip_and_report(llama):
+    res = run_quant(llama, QuantConfig(PROMPT, kv="hqq:int4", residual_length=2, max_new_tokens=5))
+    opened = open_result(export_json(res))
+    assert opened.view == "quant"
+    back = opened.result
+    assert back.kl == res.kl and back.agreement == res.agreement and back.settings.kv == "hqq:int4"
+    assert back.explanation == res.explanation and back.worst_layer == res.worst_layer
+    page = html_report(res)
+    assert "Verdict: lossy" in page and "plotly" in page and "KL(unquantized" in page
+
+
+def test_cli_quant_and_check(capsys, tmp_path):
+    out = tmp_path / "q.json"
+    assert main(["quant", "--model", "tiny:llama", "--device", DEVICE, "--prompt", PROMPT, "--kv", "quanto:int2",
+                 "--residual", "1", "--max-new-tokens", "6", "--json", "--quiet", "--json-out", str(out)]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["verdict"] == "lossy" and len(d["kl"]) == 6 and d["settings"]["kv"] == "quanto:int2"
+    assert json.loads(out.read_text())["kvviz_result"]["view"] == "quant"
+    assert main(["quant", "--model", "tiny:llama", "--prompt", "x", "--kv", "quanto:int8"]) == 1
+    assert "no 8-bit mode" in capsys.readouterr().err
+    assert main(["check", "--model", "tiny:llama", "--device", DEVICE, "--weights", "int8", "--json", "--quiet"]) == 0
+    assert json.loads(capsys.readouterr().out)["overall"] == "lossy"
+
+
+@pytest.mark.app
+def test_quantized_page_and_card_controls():
+    from test_app import alerts, start
+
+    at = start("pages/quantized.py", model="tiny:llama", quant_residual=2, quant_n=6)
+    assert "Verdict: lossy" in alerts(at)
+    assert len(at.get("plotly_chart")) == 2
+    assert at.metric[0].value.endswith("/ 6")
+    at.selectbox(key="quant_kv").set_value("none").run()
+    assert not at.exception and "nothing is quantized" in alerts(at)
+    at.selectbox(key="quant_weights").set_value("int8").run()
+    assert not at.exception and "Verdict: lossy" in alerts(at)
+    at = start("pages/cache_safety.py", model="tiny:llama", check_weights="int8")
+    assert "LOSSY" in alerts(at)

@@ -72,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma-separated: no_cache,cache,generate,user_loop,float64")
     gp.add_argument("--fast", action="store_true", help="preview the no-cache path by teacher forcing")
     gp.add_argument("--stop-at-divergence", action="store_true")
+    gp.add_argument("--repro", default=None, help="also write a standalone repro script (torch + transformers only)")
     dp = sub.add_parser("dtypes", help="the split comparison in several dtypes, over one prompt or a prompt set")
     _model_args(dp)
     src = dp.add_mutually_exclusive_group(required=True)
@@ -81,12 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("--dtypes", default="float32,float16,bfloat16", help="compared with float64 (always run)")
     dp.add_argument("--split", default="last", help="'last' (all but the last token cached), 'half', or K")
     dp.add_argument("--mode", default="chunk", choices=("chunk", "step"))
+    dp.add_argument("--repro", default=None, help="also write a standalone repro script (torch + transformers only)")
 
     pp = sub.add_parser("padding", help="alone / left-padded / in a batch × cache settings: precision or logic")
     _model_args(pp)
     pp.add_argument("--prompt", required=True)
     pp.add_argument("--split", type=int, default=None, help="default: half the prompt")
     pp.add_argument("--left-pad", type=int, default=4)
+    pp.add_argument("--repro", default=None, help="also write a standalone repro script (torch + transformers only)")
 
     bp = sub.add_parser("bisect", help="name the first module whose output differs between the cached run and the "
                                        "full forward")
@@ -164,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--prefix", required=True)
     rp.add_argument("--continuation", action="append", required=True, help="repeat for several")
     rp.add_argument("--max-new-tokens", type=int, default=12)
+    rp.add_argument("--repro", default=None, help="also write a standalone repro script (torch + transformers only)")
     return parser
 
 
@@ -191,7 +195,8 @@ def _load(args):
 
 
 def _exports(args, res, lm=None) -> None:
-    """--json-out, --html (every view) and --repro (split): written after the run; a message on stderr for each."""
+    """--json-out, --html (every view) and --repro (split, greedy, dtypes, padding, reuse): written after the run; a
+    message on stderr for each."""
     from pathlib import Path
 
     from .export import export_json, html_report
@@ -338,7 +343,11 @@ def cmd_dtypes(args) -> int:
     res = run_dtypes(_spec(args), prompts, dtypes, args.device, args.attn, split=args.split, mode=args.mode,
                      trust_remote_code=args.trust_remote_code, progress=_progress_to_stderr(args.quiet),
                      settings=_settings(args))
-    _exports(args, res)
+    from .loading import load_model
+
+    lm64 = load_model(_spec(args), "float64", res.settings.float64_device, args.attn,
+                      trust_remote_code=args.trust_remote_code)  # already loaded by the sweep: its twin
+    _exports(args, res, lm64)
     if args.json:
         print(dumps(res.to_dict()))
         return 0

@@ -1,6 +1,15 @@
-"""Repro scripts: a standalone Python file (torch and transformers only, no kvviz) that rebuilds a split scenario
-and prints its key figures; its last line `max |Δ logits| = <repr>` equals the result's figure bit for bit on the
-same machine (same model folder, dtype, device, attention implementation, inputs, masks and position ids).
+"""Repro scripts: a standalone Python file (torch and transformers only, no kvviz) that rebuilds a scenario and
+prints its key figures; its last line `max |Δ logits| = <repr>` equals the result's figure bit for bit on the same
+machine (same model folder, dtype, device, attention implementation, inputs, masks and position ids).
+
+Each view's script makes exactly the model calls kvviz made (same shapes, same masks and position ids, same
+cache objects in the same order), so the numbers agree to the last bit, not just closely:
+  split    the prefix cached, the rest in one chunk or token by token, vs one full forward;
+  greedy   the no-cache loop vs the cached loop (the figure: the largest |Δ logit| while both saw the same tokens);
+  dtypes   the split comparison per dtype (float64 aside) and prompt (the figure: the largest over all);
+  padding  the prompt alone, left-padded and in a batch, every cache setting (the figure: the largest over cells);
+  reuse    fresh / deep-copied / reused prefix cache per continuation (the figure: the largest against fresh while
+           the tokens agree).
 """
 from __future__ import annotations
 
@@ -8,71 +17,327 @@ from .errors import KvvizError
 from .export import view_of
 from .loading import LoadedModel
 
-_TEMPLATE = '''"""kvviz repro: {title}
+VIEWS = ("split", "greedy", "dtypes", "padding", "reuse")
+
+_HEADER = '''"""kvviz repro: {title}
 Standalone: needs only torch and transformers. Run: python {name}
 """
+import copy
+
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 MODEL = {folder!r}  # the model folder kvviz loaded ({model})
-DTYPE = torch.{dtype}
 DEVICE = {device!r}
 ATTN = {attn!r}
-PROMPT = {prompt!r}
-SPLIT, LEFT_PAD, MODE = {split!r}, {left_pad!r}, {mode!r}
-POSITIONS, MASK = {positions!r}, {mask!r}  # "auto"/"omit" position ids; "full"/"new-only" mask for the rest
 {float64_mode}
 tok = AutoTokenizer.from_pretrained(MODEL, local_files_only=True)
-kw = {{}} if ATTN == "auto" else {{"attn_implementation": ATTN}}
-model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=DTYPE, local_files_only=True, **kw).to(DEVICE).eval()
-if DTYPE == torch.float64:
-    keep_float64(model)
-
-ids = tok(PROMPT, add_special_tokens=True)["input_ids"]
-pad_id = next(t for t in (tok.pad_token_id, tok.eos_token_id, 0) if t is not None)
-input_ids = torch.tensor([[pad_id] * LEFT_PAD + ids], device=DEVICE)
-mask = torch.tensor([[0] * LEFT_PAD + [1] * len(ids)], device=DEVICE)
-positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
-a0, total = LEFT_PAD + SPLIT, LEFT_PAD + len(ids)
 
 
-def forward(i, m, p, past):
-    kw = dict(input_ids=i, use_cache=True, output_hidden_states=True, return_dict=True)
-    if m is not None:
-        kw["attention_mask"] = m
-    if p is not None:
-        kw["position_ids"] = p
+def load(dtype):
+    kw = {{}} if ATTN == "auto" else {{"attn_implementation": ATTN}}
+    m = AutoModelForCausalLM.from_pretrained(MODEL, dtype=dtype, local_files_only=True, **kw).to(DEVICE).eval()
+    if dtype == torch.float64:
+        keep_float64(m)
+    return m
+
+
+def forward(model, ids, mask=None, positions=None, past=None, use_cache=True, hidden=True):
+    """One model call, as kvviz makes it: mask / positions / past left out when None."""
+    kw = dict(input_ids=ids, use_cache=use_cache, output_hidden_states=hidden, return_dict=True)
+    if mask is not None:
+        kw["attention_mask"] = mask
+    if positions is not None:
+        kw["position_ids"] = positions
     if past is not None:
         kw["past_key_values"] = past
     return model(**kw)
 
 
-def rest_mask(start, end):
-    return mask[:, :end] if MASK == "full" else mask[:, start:end]
+def positions_from(mask):
+    return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
 
 
-def rest_positions(start, end):
-    return positions[:, start:end] if POSITIONS == "auto" else None
+def split_gap(model, ids, split, left_pad=0, mode="chunk", positions_mode="auto", mask_mode="full"):
+    """The split comparison: the prefix [0, split) cached, the rest fed through the cache, vs one full forward.
+    Returns the per-token max |Δ logit| (float64) and whether the next token agrees."""
+    pad_id = next(t for t in (tok.pad_token_id, tok.eos_token_id, 0) if t is not None)
+    input_ids = torch.tensor([[pad_id] * left_pad + ids], device=DEVICE)
+    mask = torch.tensor([[0] * left_pad + [1] * len(ids)], device=DEVICE)
+    positions = positions_from(mask)
+    a0, total = left_pad + split, left_pad + len(ids)
 
+    def rest_mask(start, end):
+        return mask[:, :end] if mask_mode == "full" else mask[:, start:end]
 
-with torch.inference_mode():
-    past = forward(input_ids[:, :a0], mask[:, :a0], positions[:, :a0], None).past_key_values
-    ref = forward(input_ids, mask, positions, None).logits[0, a0:]
-    if MODE == "chunk":
-        got = forward(input_ids[:, a0:], rest_mask(a0, total), rest_positions(a0, total), past).logits[0]
+    def rest_positions(start, end):
+        return positions[:, start:end] if positions_mode == "auto" else None
+
+    past = forward(model, input_ids[:, :a0], mask[:, :a0], positions[:, :a0]).past_key_values
+    ref = forward(model, input_ids, mask, positions).logits[0, a0:]
+    if mode == "chunk":
+        got = forward(model, input_ids[:, a0:], rest_mask(a0, total), rest_positions(a0, total), past).logits[0]
     else:
         rows, cache = [], past
         for a in range(a0, total):
-            out = forward(input_ids[:, a:a + 1], rest_mask(a, a + 1), rest_positions(a, a + 1), cache)
+            out = forward(model, input_ids[:, a:a + 1], rest_mask(a, a + 1), rest_positions(a, a + 1), cache)
             cache = out.past_key_values
             rows.append(out.logits[0, -1])
         got = torch.stack(rows)
-    gap = (got.double() - ref.double()).abs().amax(-1)
-    print("compared tokens:", [tok.decode([i]) for i in ids[SPLIT:]])
-    print("max |Δ logit| per compared token:", [float(g) for g in gap])
-    print("next token agrees:", (got.argmax(-1) == ref.argmax(-1)).tolist())
+    return (got.double() - ref.double()).abs().amax(-1), (got.argmax(-1) == ref.argmax(-1))
+
+'''
+
+_SPLIT = '''
+DTYPE = torch.{dtype}
+PROMPT = {prompt!r}
+SPLIT, LEFT_PAD, MODE = {split!r}, {left_pad!r}, {mode!r}
+POSITIONS, MASK = {positions!r}, {mask!r}  # "auto"/"omit" position ids; "full"/"new-only" mask for the rest
+
+model = load(DTYPE)
+ids = tok(PROMPT, add_special_tokens=True)["input_ids"]
+with torch.inference_mode():
+    gap, agree = split_gap(model, ids, SPLIT, LEFT_PAD, MODE, POSITIONS, MASK)
+print("compared tokens:", [tok.decode([i]) for i in ids[SPLIT:]])
+print("max |Δ logit| per compared token:", [float(g) for g in gap])
+print("next token agrees:", agree.tolist())
 print("max |Δ logits| = " + repr(float(gap.max())))
 '''
+
+_GREEDY = '''
+DTYPE = torch.{dtype}
+PROMPT_IDS = {ids!r}  # {prompt!r}
+LEFT_PAD, STEPS, POSITIONS = {left_pad!r}, {steps!r}, {positions!r}  # POSITIONS: the cached loop's position ids
+
+model = load(DTYPE)
+pad_id = next(t for t in (tok.pad_token_id, tok.eos_token_id, 0) if t is not None)
+input_ids = torch.tensor([[pad_id] * LEFT_PAD + PROMPT_IDS], device=DEVICE)
+mask = torch.tensor([[0] * LEFT_PAD + [1] * len(PROMPT_IDS)], device=DEVICE)
+positions = positions_from(mask)
+
+
+def no_cache_loop():
+    """A full forward over the whole sequence at every step."""
+    ids, m, p, toks, logits = input_ids, mask, positions, [], []
+    for t in range(STEPS):
+        lg = forward(model, ids, m, p, use_cache=False).logits[0, -1]
+        toks.append(int(lg.argmax()))
+        logits.append(lg)
+        ids = torch.cat([ids, torch.tensor([[toks[-1]]], device=DEVICE)], 1)
+        m = torch.cat([m, torch.ones((1, 1), dtype=m.dtype, device=DEVICE)], 1)
+        p = torch.cat([p, p[:, -1:] + 1], 1)
+    return toks, torch.stack(logits)
+
+
+def cached_loop():
+    """Prefill, then one token at a time through past_key_values with the full mask (and position ids)."""
+    out = forward(model, input_ids, mask, positions)
+    cache, m, last, toks, logits = out.past_key_values, mask, positions[:, -1:], [], []
+    for t in range(STEPS):
+        lg = out.logits[0, -1]
+        toks.append(int(lg.argmax()))
+        logits.append(lg)
+        if t == STEPS - 1:
+            break
+        m = torch.cat([m, torch.ones((1, 1), dtype=m.dtype, device=DEVICE)], 1)
+        last = last + 1
+        out = forward(model, torch.tensor([[toks[-1]]], device=DEVICE), m, last if POSITIONS == "auto" else None,
+                      cache)
+        cache = out.past_key_values
+    return toks, torch.stack(logits)
+
+
+with torch.inference_mode():
+    a_toks, a_logits = no_cache_loop()
+    b_toks, b_logits = cached_loop()
+    parting = next((t for t, (x, y) in enumerate(zip(a_toks, b_toks)) if x != y), None)
+    upto = STEPS if parting is None else parting + 1  # while both loops saw the same tokens
+    gap = (b_logits[:upto].double() - a_logits[:upto].double()).abs().amax(-1)
+print("no cache:", repr(tok.decode(a_toks)))
+print("cache:   ", repr(tok.decode(b_toks)))
+print("first parting step:", parting)
+print("max |Δ logit| per step:", [float(g) for g in gap])
+print("max |Δ logits| = " + repr(float(gap.max())))
+'''
+
+_DTYPES = '''
+DTYPES = {dtypes!r}  # float64 is kvviz's reference and left out of the figure
+PROMPTS = {prompts!r}  # (prompt, token ids, split)
+MODE = {mode!r}
+
+worst = {{}}
+for name in DTYPES:
+    model = load(getattr(torch, name))
+    with torch.inference_mode():
+        gaps = [float(split_gap(model, ids, k, mode=MODE)[0].max()) for _, ids, k in PROMPTS]
+    worst[name] = max(gaps)
+    print(f"{{name}}: max |Δ logit| per prompt {{gaps}}")
+    del model
+print("max |Δ logits| = " + repr(max(worst.values())))
+'''
+
+_PADDING = '''
+DTYPE = torch.{dtype}
+PROMPT_IDS = {ids!r}  # {prompt!r}
+COMPANION_IDS = {companions!r}  # the batch-mates, each longer than the prompt
+SPLIT, LEFT_PAD = {split!r}, {left_pad!r}
+PLACEMENTS = {placements!r}
+SCENARIOS = {scenarios!r}  # (label, use cache, position ids, attention mask)
+
+model = load(DTYPE)
+pad_id = next(t for t in (tok.pad_token_id, tok.eos_token_id, 0) if t is not None)
+
+
+def batch(rows, extra_pad):
+    width = max(len(r) for r in rows) + extra_pad
+    ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows], device=DEVICE)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=DEVICE)
+    return ids, mask, positions_from(mask), width - len(rows[0])
+
+
+def scenario(rows, extra_pad, use_cache, pos_mode, mask_mode):
+    """The prompt's (row 0's) logits for its tokens [SPLIT, end)."""
+    ids, mask, pos, pad = batch(rows, extra_pad)
+    c = pad + SPLIT
+    if not use_cache:
+        return forward(model, ids, mask, pos, use_cache=False).logits[0, c:]
+    pre = forward(model, ids[:, :c], mask[:, :c], pos[:, :c], hidden=False)
+    out = forward(model, ids[:, c:], mask if mask_mode == "full" else mask[:, c:],
+                  pos[:, c:] if pos_mode == "auto" else None, pre.past_key_values)
+    return out.logits[0]
+
+
+worst = 0.0
+with torch.inference_mode():
+    ref = forward(model, torch.tensor([PROMPT_IDS], device=DEVICE), use_cache=False).logits[0, SPLIT:]
+    for placement in PLACEMENTS:
+        rows = [PROMPT_IDS] + (COMPANION_IDS if placement == "in a batch" else [])
+        extra = LEFT_PAD if placement == "left-padded" else 0
+        for label, use_cache, pos_mode, mask_mode in SCENARIOS:
+            lg = scenario(rows, extra, use_cache, pos_mode, mask_mode)
+            gap = float((lg.double() - ref.double()).abs().amax(-1).max())
+            worst = max(worst, gap)
+            print(f"{{placement:<12}} {{label:<28}} max |Δ logit| {{gap!r}}")
+print("max |Δ logits| = " + repr(worst))
+'''
+
+_REUSE = '''
+DTYPE = torch.{dtype}
+PREFIX_IDS = {prefix_ids!r}  # {prefix!r}
+CONTINUATION_IDS = {cont_ids!r}  # {continuations!r}
+STEPS = {steps!r}
+
+model = load(DTYPE)
+
+
+def decode_after(cache, ids):
+    """Feed ids through cache (positions from the cache length, as people do), then decode STEPS tokens."""
+    out = forward(model, ids, past=cache, hidden=False)
+    toks, logits = [], []
+    for t in range(STEPS):
+        lg = out.logits[0, -1]
+        toks.append(int(lg.argmax()))
+        logits.append(lg)
+        if t < STEPS - 1:
+            out = forward(model, torch.tensor([[toks[-1]]], device=DEVICE), past=out.past_key_values, hidden=False)
+    return toks, torch.stack(logits)
+
+
+worst = 0.0
+with torch.inference_mode():
+    pre = forward(model, torch.tensor([PREFIX_IDS], device=DEVICE), hidden=False)
+    shared = copy.deepcopy(pre.past_key_values)  # the one cache object "reused" grows
+    for cont in CONTINUATION_IDS:
+        c = torch.tensor([cont], device=DEVICE)
+        runs = {{"fresh": decode_after(None, torch.tensor([PREFIX_IDS + cont], device=DEVICE)),
+                "deepcopy": decode_after(copy.deepcopy(pre.past_key_values), c),
+                "reused": decode_after(shared, c)}}
+        ref_toks, ref_logits = runs["fresh"]
+        for way in ("deepcopy", "reused"):
+            toks, logits = runs[way]
+            parting = next((t for t, (x, y) in enumerate(zip(toks, ref_toks)) if x != y), None)
+            upto = STEPS if parting is None else parting + 1
+            gap = float((logits[:upto].double() - ref_logits[:upto].double()).abs().amax(-1).max())
+            worst = max(worst, gap)
+            print(f"{{way:<9}} {{tok.decode(toks)!r}} vs fresh {{tok.decode(ref_toks)!r}}: max |Δ logit| {{gap!r}}")
+print("max |Δ logits| = " + repr(worst))
+'''
+
+
+def _check(result) -> str:
+    view = view_of(result)
+    if view not in VIEWS:
+        raise KvvizError(f"repro scripts are written for {', '.join(VIEWS)}; this {view} result has its JSON and "
+                         "HTML exports")
+    s = result.settings
+    if not s.execution.is_default:
+        raise KvvizError(f"a repro script rebuilds the plain run; this one used {s.execution.label()} "
+                         "(invariant mode, cache kinds and flags live in kvviz)")
+    if view == "split" and not result.main.has_cache:
+        raise KvvizError("this model returns no cache: there is no cached run to reproduce")
+    if view == "greedy":
+        if not {"no_cache", "cache"} <= set(s.paths):
+            raise KvvizError("the greedy repro compares the no-cache loop with the cached loop; run both paths")
+        if s.fast:
+            raise KvvizError("this greedy result used the fast preview; the repro rebuilds the exact loops, so run "
+                             "without fast")
+    if view == "dtypes" and not [d for d in result.dtypes if d != "float64" and d not in s.skipped_dtypes]:
+        raise KvvizError("the sweep has no dtype besides float64 to reproduce")
+    return view
+
+
+def repro_script(result, lm: LoadedModel, name: str = "kvviz_repro.py") -> str:
+    """A standalone script for a split, greedy, dtypes, padding or reuse result computed with `lm` (the default
+    execution settings; for dtypes, any dtype of the same model)."""
+    view = _check(result)
+    s = result.settings
+    uses64 = s.dtype == "float64" and view != "dtypes"
+    head = dict(name=name, folder=lm.source, model=s.model, device=s.device, attn=lm.attn_requested,
+                float64_mode=_float64_mode() if uses64 else "\n\ndef keep_float64(model):  # not needed here\n"
+                                                             "    pass\n")
+    if view == "split":
+        title = f"split of {s.model} at {s.split} ({s.mode}), {s.dtype} on {s.device}"
+        body = _SPLIT.format(dtype=s.dtype, prompt=s.prompt, split=s.split, left_pad=s.left_pad, mode=s.mode,
+                             positions=s.position_ids, mask=s.attention_mask)
+    elif view == "greedy":
+        from .inputs import encode
+
+        title = f"greedy decoding of {s.model}, no cache vs cache, {result.steps} steps, {s.dtype} on {s.device}"
+        body = _GREEDY.format(dtype=s.dtype, ids=encode(lm, s.prompt), prompt=s.prompt, left_pad=s.left_pad,
+                              steps=result.steps, positions=s.position_ids)
+    elif view == "dtypes":
+        from .inputs import encode
+        from .dtype_sweep import split_point
+
+        prompts = []
+        for p in result.prompts:
+            ids = encode(lm, p)
+            prompts.append((p, ids, split_point(len(ids), s.split)))
+        dtypes = [d for d in result.dtypes if d != "float64" and d not in s.skipped_dtypes]
+        title = f"the split comparison of {s.model} in {', '.join(dtypes)} over {len(prompts)} prompt(s) on {s.device}"
+        body = _DTYPES.format(dtypes=dtypes, prompts=prompts, mode=s.mode)
+    elif view == "padding":
+        from .inputs import encode
+        from .padding import PLACEMENTS, SCENARIOS, _companions
+
+        ids = encode(lm, s.prompt)
+        comps = _companions(lm, ids, None, s.left_pad)
+        if tuple(len(c) for c in comps) != tuple(s.companions):
+            raise KvvizError("this padding result used other batch companions than kvviz's default ones")
+        title = f"padding and batching of {s.model}, {s.dtype} on {s.device}"
+        body = _PADDING.format(dtype=s.dtype, ids=ids, prompt=s.prompt, companions=comps, split=s.split,
+                               left_pad=s.left_pad, placements=tuple(p for p in PLACEMENTS
+                                                                     if p != "left-padded" or s.left_pad > 0),
+                               scenarios=SCENARIOS)
+    else:
+        from .reuse import _check as reuse_inputs
+
+        conts, prefix_ids, cont_ids = reuse_inputs(lm, s.prefix, list(s.continuations), s.max_new_tokens)
+        title = f"prompt-cache reuse with {s.model}, {len(conts)} continuation(s), {s.dtype} on {s.device}"
+        body = _REUSE.format(dtype=s.dtype, prefix_ids=prefix_ids, prefix=s.prefix, cont_ids=cont_ids,
+                             continuations=conts, steps=s.max_new_tokens)
+    return _HEADER.format(title=title, **head) + body
+
 
 def _float64_mode() -> str:
     """kvviz's own KeepFloat64 mode (kvviz/float64.py), copied into the script so it needs no kvviz."""
@@ -87,25 +352,16 @@ def _float64_mode() -> str:
 
 
 def key_figure(result) -> float:
-    """The figure a repro script's last line reproduces: split: max |Δ| of the compared logits."""
-    if view_of(result) != "split":
-        raise KvvizError("repro scripts are written for the split view")
-    return float(result.main.logits["max_abs"].max())
-
-
-def repro_script(result, lm: LoadedModel, name: str = "kvviz_repro.py") -> str:
-    """A standalone script for a split result computed with `lm` (the default execution settings)."""
-    if view_of(result) != "split":
-        raise KvvizError("repro scripts are written for the split view (greedy, dtypes, padding and reuse: export "
-                         "the JSON or the HTML report)")
-    s = result.settings
-    if not s.execution.is_default:
-        raise KvvizError(f"a repro script rebuilds the plain run; this one used {s.execution.label()} "
-                         "(invariant mode, cache kinds and flags live in kvviz)")
-    if not result.main.has_cache:
-        raise KvvizError("this model returns no cache: there is no cached run to reproduce")
-    return _TEMPLATE.format(title=f"split of {s.model} at {s.split} ({s.mode}), {s.dtype} on {s.device}", name=name,
-                            folder=lm.source, model=s.model, dtype=s.dtype, device=s.device,
-                            attn=lm.attn_requested, prompt=s.prompt, split=s.split, left_pad=s.left_pad,
-                            mode=s.mode, positions=s.position_ids, mask=s.attention_mask,
-                            float64_mode=_float64_mode() if s.dtype == "float64" else "")
+    """The figure a repro script's last line reproduces (see the module's docstring)."""
+    view = _check(result)
+    if view == "split":
+        return float(result.main.logits["max_abs"].max())
+    if view == "greedy":
+        pair = result.pair("no_cache", "cache")
+        return max(g for g, same in zip(pair.max_abs_logit, pair.same_history) if same)
+    if view == "dtypes":
+        return max(max(v) for d, v in result.logits_max_abs.items()
+                   if d != "float64" and d not in result.settings.skipped_dtypes)
+    if view == "padding":
+        return max(c["logits_max_abs"] for c in result.cells)
+    return max(r["logits_max_abs"] for r in result.runs if r["strategy"] != "fresh")

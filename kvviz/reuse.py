@@ -93,12 +93,18 @@ def _reuse_runs(lm: LoadedModel, settings: ExecSettings, prefix: list[int], cont
     return res
 
 
-def _relative_gap(toks, logits, ref_toks, ref_logits) -> tuple[int | None, float]:
-    """First parting step and the largest relative logits gap while both saw the same tokens."""
+def _gaps(toks, logits, ref_toks, ref_logits) -> tuple[int | None, float, float]:
+    """First parting step, the largest relative and absolute logits gaps while both saw the same tokens."""
     div = first_divergence(toks, ref_toks)
     upto = len(toks) if div is None else div + 1
     a, b = logits[:upto].double(), ref_logits[:upto].double()
-    return div, float(((a - b).abs().amax(-1) / b.abs().amax(-1)).max())
+    gap = (a - b).abs().amax(-1)
+    return div, float((gap / b.abs().amax(-1)).max()), float(gap.max())
+
+
+def _relative_gap(toks, logits, ref_toks, ref_logits) -> tuple[int | None, float]:
+    div, rel, _ = _gaps(toks, logits, ref_toks, ref_logits)
+    return div, rel
 
 
 def _check(lm: LoadedModel, prefix: str, continuations: list[str], max_new_tokens: int):
@@ -145,13 +151,14 @@ def run_reuse(lm: LoadedModel, prefix: str, continuations: list[str], max_new_to
             row = {"continuation": cont, "index": i, "strategy": strategy, "token_ids": toks,
                    "text": tok.decode(toks)}
             if strategy == REFERENCE:
-                runs.append(row | {"first_divergence": None, "logits_relative": None, "float64_relative": None,
-                                   "verdict": "reference", "proved": None})
+                runs.append(row | {"first_divergence": None, "logits_relative": None, "logits_max_abs": None,
+                                   "float64_relative": None, "verdict": "reference", "proved": None})
                 continue
-            div, rel = _relative_gap(toks, logits, ref_toks, ref_logits)
+            div, rel, gap = _gaps(toks, logits, ref_toks, ref_logits)
             _, rel64 = _relative_gap(*f64[(i, strategy)], *f64[(i, REFERENCE)])
             same = div is None and torch.equal(logits, ref_logits)
-            runs.append(row | {"first_divergence": div, "logits_relative": rel, "float64_relative": rel64,
+            runs.append(row | {"first_divergence": div, "logits_relative": rel, "logits_max_abs": gap,
+                               "float64_relative": rel64,
                                "verdict": classify(same, rel64), "proved": None})
     if not settings.invariant and (prove if prove is not None else any(r["verdict"] == "precision" for r in runs)):
         progress(0.9, "Rerunning in invariant mode for the proof…")

@@ -307,8 +307,8 @@ def run_cached(name: str, key_parts: dict, compute):
 
 
 def exports(res, name: str, lm=None) -> None:
-    """Every page's downloads: the result as JSON (with the environment), a self-contained HTML report and, for
-    the split view, a standalone repro script. Built on click only, so views stay cheap."""
+    """Every page's downloads: the result as JSON (with the environment), a self-contained HTML report and (split,
+    greedy, dtypes, padding, reuse) a standalone repro script. Built on click only, so views stay cheap."""
     from kvviz.export import export_json, html_report
 
     cols = st.columns(3)
@@ -322,12 +322,21 @@ def exports(res, name: str, lm=None) -> None:
                             mime="application/json", key=f"dl_json_{name}", on_click="ignore")
     cols[1].download_button("Report (HTML)", lambda: html_report(res), file_name=f"kvviz-{name}.html",
                             mime="text/html", key=f"dl_html_{name}", on_click="ignore")
-    if name == "split" and lm is not None and res.settings.execution.is_default and res.main.has_cache:
-        from kvviz.repro import repro_script
+    if lm is not None:
+        from kvviz.repro import VIEWS, repro_script, _check
 
-        cols[2].download_button("Repro script (Python)", lambda: repro_script(res, lm, "kvviz_repro.py"),
-                                file_name="kvviz_repro.py", mime="text/x-python", key="dl_repro_split",
-                                on_click="ignore")
+        try:
+            why = None if name in VIEWS and _check(res) else "not for this view"
+        except KvvizError as e:
+            why = str(e)
+        if why is None:
+            cols[2].download_button("Repro script (Python)", lambda: repro_script(res, lm, f"kvviz_repro_{name}.py"),
+                                    file_name=f"kvviz_repro_{name}.py", mime="text/x-python",
+                                    key=f"dl_repro_{name}", on_click="ignore",
+                                    help="A standalone script (torch + transformers only) that rebuilds this run; "
+                                         "its last line equals this result's max |Δ logits| bit for bit here.")
+        elif name in VIEWS:
+            cols[2].caption(f"No repro script: {why}")
 
 
 def controls():

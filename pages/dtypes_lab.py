@@ -80,4 +80,9 @@ st.caption(f"Device: {res.settings.device}; float64 reference on {res.settings.f
            "16-bit kernels compute in float32 and round once at the end, unlike GPU kernels, so 16-bit gaps here can "
            "be smaller (or exactly zero) where a GPU shows them. Computed in "
            f"{res.elapsed_s:.1f} s.")
-exports(res, "dtypes", None)
+try:  # the sweep's own float64 model (loaded already): its source and tokenizer build the repro script
+    lm64 = kvviz.load_model(choice.model_spec, "float64", res.settings.float64_device, choice.attn,
+                            trust_remote_code=choice.trust_remote_code)
+except Exception:  # noqa: BLE001 - the exports then go without the fingerprint and the script
+    lm64 = None
+exports(res, "dtypes", lm64)

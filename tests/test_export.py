@@ -109,8 +109,10 @@ def test_repro_script_reproduces_the_figure_bit_for_bit(arch, dtype, kw, tmp_pat
 
 
 def test_repro_refuses_what_it_cannot_rebuild(lm, results):
-    with pytest.raises(KvvizError, match="split view"):
-        repro_script(results["greedy"], lm)
+    from kvviz.quant import QuantConfig, run_quant
+
+    with pytest.raises(KvvizError, match="JSON and HTML exports"):
+        repro_script(run_quant(lm, QuantConfig(PROMPT, kv="fp8", max_new_tokens=2)), lm)
     inv = kvviz.run_split(lm, kvviz.SplitConfig(PROMPT, 8), settings=kvviz.ExecSettings(invariant=True))
     with pytest.raises(KvvizError, match="invariant"):
         repro_script(inv, lm)
@@ -130,6 +132,55 @@ def test_cli_exports_and_open(tmp_path, capsys):
                 ["reuse", "--prefix", "A.", "--continuation", " B", "--max-new-tokens", "2"],
                 ["dtypes", "--prompt", PROMPT, "--dtypes", "float32"]):
         out_json = tmp_path / f"{cmd[0]}.json"
+        script = tmp_path / f"{cmd[0]}.py"
         assert main([*cmd, "--model", "tiny:gpt2", "--device", DEVICE, "--quiet", "--json-out", str(out_json),
-                     "--html", str(tmp_path / f"{cmd[0]}.html")]) == 0
+                     "--html", str(tmp_path / f"{cmd[0]}.html"), "--repro", str(script)]) == 0
         assert open_result(out_json.read_text()).view == cmd[0]
+        assert script.read_text().rstrip().endswith('print("max |Δ logits| = " + repr(' +
+                                                    ("float(gap.max())))" if cmd[0] == "greedy" else
+                                                     "max(worst.values())))" if cmd[0] == "dtypes" else "worst))"))
+
+
+def test_repro_scripts_of_every_view_reproduce_their_figure_bit_for_bit(tmp_path):
+    """greedy, dtypes, padding and reuse: each script makes kvviz's calls, so its last line is the figure exactly."""
+    from kvviz.dtype_sweep import run_dtypes
+    from kvviz.greedy import GreedyConfig, run_greedy
+    from kvviz.padding import run_padding
+    from kvviz.reuse import run_reuse
+
+    gpt2 = kvviz.load_model("tiny:gpt2", "float32", DEVICE)
+    llama = kvviz.load_model("tiny:llama", "bfloat16", DEVICE)
+    gemma = kvviz.load_model("tiny:gemma2", "float16", DEVICE)
+    cases = {
+        "greedy": (run_greedy(gpt2, GreedyConfig(PROMPT, max_new_tokens=6, left_pad=2)), gpt2),
+        "padding": (run_padding(llama, PROMPT, left_pad=3), llama),
+        "reuse": (run_reuse(gemma, "Answer briefly.", [" Q: 2+2? A:", " Q: sky? A:"], 4), gemma),
+        "dtypes": (run_dtypes(llama, [PROMPT, "Another prompt"], ["float32", "bfloat16"], split="half"), llama),
+    }
+    procs = {}
+    for view, (res, m) in cases.items():
+        script = tmp_path / f"{view}.py"
+        script.write_text(repro_script(res, m, script.name))
+        text = script.read_text()
+        assert "import kvviz" not in text and "from kvviz" not in text
+        procs[view] = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    for view, p in procs.items():  # two at a time on two cores would be no faster: all four run together
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, (view, err[-500:])
+        res = cases[view][0]
+        assert out.strip().splitlines()[-1] == f"max |Δ logits| = {key_figure(res)!r}", view
+    # the padding figure includes the logic cells (positions omitted with pads): far from zero on any machine
+    assert key_figure(cases["padding"][0]) > 0.01
+    assert key_figure(cases["reuse"][0]) > 0  # "reused" saw the earlier continuation: logic, a real gap
+
+
+def test_repro_refuses_fast_greedy_and_views_without_a_script(lm):
+    from kvviz.greedy import GreedyConfig, run_greedy
+
+    fast = run_greedy(lm, GreedyConfig(PROMPT, max_new_tokens=3, fast=True))
+    with pytest.raises(KvvizError, match="fast"):
+        repro_script(fast, lm)
+    only = run_greedy(lm, GreedyConfig(PROMPT, max_new_tokens=3, paths=("cache", "generate")))
+    with pytest.raises(KvvizError, match="no-cache loop"):
+        repro_script(only, lm)

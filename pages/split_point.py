@@ -32,7 +32,13 @@ with controls():
         if st.session_state.get("split_k", default_split) > n - 1:
             st.session_state["split_k"] = n - 1
         if n - 1 > 1:
-            split = st.slider("Split point k: tokens before k go to the cache", 1, n - 1, default_split, key="split_k")
+            ss = st.session_state
+            ss.setdefault("split_k", default_split)
+            ss["split_k_typed"] = ss["split_k"]  # the typed box shows the slider's k; typing moves the slider
+            s1, s2 = st.columns([4, 1])
+            split = s1.slider("Split point k: tokens before k go to the cache", 1, n - 1, key="split_k")
+            s2.number_input("k", 1, n - 1, key="split_k_typed", help="Type k exactly (long prompts)",
+                            on_change=lambda: ss.update(split_k=int(ss["split_k_typed"])))
         else:
             split = 1
             st.caption("Split point k = 1 (the only one for a 2-token prompt)")

@@ -58,10 +58,16 @@ def test_split_page_controls_and_view_only_changes(count_runs):
     # changing the split reruns the comparison
     at.slider(key="split_k").set_value(5).run()
     assert not at.exception and len(count_runs) == 2
+    # k typed as a number moves the slider and runs that split
+    at.number_input(key="split_k_typed").set_value(3).run()
+    assert not at.exception and at.slider(key="split_k").value == 3 and len(count_runs) == 3
+    assert "3 cached" in " ".join(c.value for c in at.caption)
+    at.slider(key="split_k").set_value(6).run()
+    assert at.number_input(key="split_k_typed").value == 6 and len(count_runs) == 4
     # changing only the metric or the colour scale re-renders without running the model
     at.selectbox(key="split_metric").set_value("eps_units").run()
     at.toggle(key="split_log").set_value(False).run()
-    assert not at.exception and len(count_runs) == 2
+    assert not at.exception and len(count_runs) == 4
     assert len(at.get("plotly_chart")) == 2
     # a left-padded prompt with omitted position ids on gpt2: the page says logic
     at.number_input(key="split_pad").set_value(3).run()

@@ -3,19 +3,20 @@ import streamlit as st
 
 from kvviz import figures
 from kvviz.reuse import REUSE_STRATEGIES, run_reuse
-from pages.common import exports, page, progress_bar, run_cached, show_error
+from pages.common import controls, exports, page, progress_bar, run_cached, show_error, show_verdict
 
 choice, lm = page("Prompt-cache reuse",
                   "Cache a shared prefix once and reuse it for several continuations: **deepcopy** (a copy of the "
                   "prefix cache per continuation), **reused** (the same cache object again after an earlier "
                   "continuation grew it - the common bug), against **fresh** (no prefix cache: the reference). "
                   "Greedy texts side by side, where they part from fresh, and why.")
-prefix = st.text_area("Shared prefix", "You are a helpful assistant. Answer in one short sentence.\n",
-                         key="reuse_prefix", height=70)
-conts = st.text_area("Continuations (one a line; write \\n for a line break)",
-                        "Q: What is the capital of France?\\nA:\nQ: What colour is the sky?\\nA:\n"
-                        "Q: How many legs does a spider have?\\nA:", key="reuse_conts", height=110)
-n = st.number_input("New tokens per continuation", 1, 256, 12, key="reuse_n")
+with controls():
+    prefix = st.text_area("Shared prefix", "You are a helpful assistant. Answer in one short sentence.\n",
+                             key="reuse_prefix", height=70)
+    conts = st.text_area("Continuations (one a line; write \\n for a line break)",
+                            "Q: What is the capital of France?\\nA:\nQ: What colour is the sky?\\nA:\n"
+                            "Q: How many legs does a spider have?\\nA:", key="reuse_conts", height=110)
+    n = st.number_input("New tokens per continuation", 1, 256, 12, key="reuse_n")
 merged = [c.replace("\\n", "\n") for c in conts.splitlines() if c.strip()]
 
 
@@ -30,6 +31,17 @@ except Exception as e:  # noqa: BLE001
     show_error(e)
     st.stop()
 
+ways = [r for r in res.runs if r["strategy"] != "fresh"]
+worst = next((v for v in ("logic", "precision", "identical") if any(r["verdict"] == v for r in ways)), "identical")
+bad = sorted({r["strategy"] for r in ways if r["verdict"] == worst})
+show_verdict(worst, {"logic": f"Logic: {' and '.join(bad)} compute{'s' if len(bad) == 1 else ''} something else "
+                              "than a fresh prefill (the gap stays in float64)"
+                              + (": the reused cache still holds the earlier continuations' tokens. Deep-copy the "
+                                 "prefix cache for every continuation." if bad == ["reused"] else "."),
+                     "precision": f"Precision: {' and '.join(bad)} differ from a fresh prefill only by rounding (the "
+                                  "gap closes in float64); the reuse logic is right.",
+                     "identical": "Identical: every way of reusing the prefix gives the fresh run's numbers bit for "
+                                  "bit."}[worst])
 for i, cont in enumerate(res.settings.continuations):
     st.markdown(f"**Continuation {i + 1}**")
     st.text(cont)

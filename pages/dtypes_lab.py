@@ -5,48 +5,49 @@ import kvviz
 from kvviz import figures
 from kvviz.dtype_sweep import run_dtypes
 from kvviz.prompts import builtin_prompts, parse_prompts
-from pages.common import exports, page, progress_bar, run_cached, show_error
+from pages.common import controls, exports, page, progress_bar, run_cached, show_error, verdict_and_chart
 
 choice, _ = page("Dtypes side by side",
                  "How fast does the cached-vs-full gap grow across layers in float16, bfloat16 and float32, raw and in "
                  "units of each dtype's machine epsilon? float64 is the reference every verdict is checked against.",
                  needs_model=False)
 
-source = st.radio("Prompts", ["one prompt", "built-in set", "upload a file"], horizontal=True, key="dt_source")
-prompts: list[str] = []
-try:
-    if source == "one prompt":
-        prompts = [st.text_area("Prompt", "The capital of France is Paris, and the capital of Italy is",
-                                key="dt_prompt", height=80)]
-    elif source == "built-in set":
-        rows = builtin_prompts()
-        cats = sorted({r["category"] for r in rows})
-        c1, c2 = st.columns([3, 1])
-        picked = c1.multiselect("Categories", cats, default=cats, key="dt_cats")
-        pool = [r["prompt"] for r in rows if r["category"] in picked]
-        limit = c2.number_input("How many", 1, max(1, len(pool)), min(20, max(1, len(pool))), key="dt_limit")
-        prompts = pool[: int(limit)]
-        st.caption(f"{len(pool)} built-in prompts in these categories (prose, code, lists, dialogue, several "
-                   f"languages…); running the first {len(prompts)}.")
-    else:
-        up = st.file_uploader("A .txt file (one prompt a line) or .jsonl ({\"prompt\": …} a line)",
-                              type=["txt", "jsonl"], key="dt_upload")
-        if up is None:
-            st.info("Upload a prompt file to run it.")
-            st.stop()
-        prompts = parse_prompts(up.getvalue(), up.name)
-        limit = st.number_input("How many", 1, len(prompts), min(20, len(prompts)), key="dt_up_limit")
-        prompts = prompts[: int(limit)]
-except kvviz.KvvizError as e:
-    show_error(e)
-    st.stop()
+with controls():
+    source = st.radio("Prompts", ["one prompt", "built-in set", "upload a file"], horizontal=True, key="dt_source")
+    prompts: list[str] = []
+    try:
+        if source == "one prompt":
+            prompts = [st.text_area("Prompt", "The capital of France is Paris, and the capital of Italy is",
+                                    key="dt_prompt", height=80)]
+        elif source == "built-in set":
+            rows = builtin_prompts()
+            cats = sorted({r["category"] for r in rows})
+            c1, c2 = st.columns([3, 1])
+            picked = c1.multiselect("Categories", cats, default=cats, key="dt_cats")
+            pool = [r["prompt"] for r in rows if r["category"] in picked]
+            limit = c2.number_input("How many", 1, max(1, len(pool)), min(20, max(1, len(pool))), key="dt_limit")
+            prompts = pool[: int(limit)]
+            st.caption(f"{len(pool)} built-in prompts in these categories (prose, code, lists, dialogue, several "
+                       f"languages…); running the first {len(prompts)}.")
+        else:
+            up = st.file_uploader("A .txt file (one prompt a line) or .jsonl ({\"prompt\": …} a line)",
+                                  type=["txt", "jsonl"], key="dt_upload")
+            if up is None:
+                st.info("Upload a prompt file to run it.")
+                st.stop()
+            prompts = parse_prompts(up.getvalue(), up.name)
+            limit = st.number_input("How many", 1, len(prompts), min(20, len(prompts)), key="dt_up_limit")
+            prompts = prompts[: int(limit)]
+    except kvviz.KvvizError as e:
+        show_error(e)
+        st.stop()
 
-c1, c2, c3 = st.columns(3)
-dtypes = c1.multiselect("Dtypes (float64 always runs)", ["float32", "float16", "bfloat16"],
-                        default=["float32", "float16", "bfloat16"], key="dt_dtypes")
-split = c2.selectbox("Split", ["last", "half"], key="dt_split",
-                     format_func={"last": "all but the last token cached", "half": "half cached"}.get)
-mode = c3.radio("Feed the rest", ["chunk", "step"], horizontal=True, key="dt_mode")
+    c1, c2, c3 = st.columns(3)
+    dtypes = c1.multiselect("Dtypes (float64 always runs)", ["float32", "float16", "bfloat16"],
+                            default=["float32", "float16", "bfloat16"], key="dt_dtypes")
+    split = c2.selectbox("Split", ["last", "half"], key="dt_split",
+                         format_func={"last": "all but the last token cached", "half": "half cached"}.get)
+    mode = c3.radio("Feed the rest", ["chunk", "step"], horizontal=True, key="dt_mode")
 
 
 def compute():
@@ -62,15 +63,18 @@ except Exception as e:  # noqa: BLE001
     show_error(e)
     st.stop()
 
-v1, v2 = st.columns(2)
-metric = v1.radio("Show", ["max_abs", "eps_units"], horizontal=True, key="dt_metric",
-                  format_func={"max_abs": "raw max |Δ|", "eps_units": "in units of each dtype's ε"}.get)
-how = v2.radio("Over the prompts", ["mean", "max"], horizontal=True, key="dt_how")
-st.plotly_chart(figures.dtype_curves(res, metric, how), width="stretch", key="dt_chart")
+left, right = verdict_and_chart((1, 2))
+with left:
+    counts = res.verdict_counts()
+    st.markdown("**Verdicts per dtype** (float64 is the reference)")
+    st.dataframe(counts, width="stretch")
+    metric = st.radio("Show", ["max_abs", "eps_units"], horizontal=True, key="dt_metric",
+                      format_func={"max_abs": "raw max |Δ|", "eps_units": "in units of each dtype's ε"}.get)
+    how = st.radio("Over the prompts", ["mean", "max"], horizontal=True, key="dt_how")
+with right:
+    st.plotly_chart(figures.dtype_curves(res, metric, how), width="stretch", key="dt_chart")
 st.subheader(f"Layers × dtypes ({how} over {len(res.prompts)} prompt{'s' if len(res.prompts) != 1 else ''})")
 st.dataframe(res.stat(metric, how).style.format("{:.3g}"), width="stretch")
-st.subheader("Verdicts")
-st.dataframe(res.verdict_counts(), width="stretch")
 checked = [(d, x) for d, xs in res.proved.items() for x in xs if x is not None]
 if checked:
     ok = sum(1 for _, x in checked if x)

@@ -2,16 +2,17 @@
 import streamlit as st
 
 from kvviz.loading_trap import run_loading_trap
-from pages.common import page, progress_bar, run_cached, show_error, show_verdict
+from pages.common import controls, page, progress_bar, run_cached, show_error, show_verdict, verdict_and_chart
 
 choice, lm = page("Loading trap",
                   "Loading a model in float32 and calling .to(bfloat16) also casts buffers such as the rotary "
                   "frequencies, which from_pretrained(dtype=bfloat16) keeps in float32: two different models, whose "
                   "greedy texts can part although no cache is involved.")
-prompt = st.text_area("Prompt", "This is a ", key="trap_prompt", height=70)
-c1, c2 = st.columns(2)
-n = c1.number_input("New tokens", 1, 256, 24, key="trap_n")
-dtype = c2.radio("16-bit dtype", ["bfloat16", "float16"], horizontal=True, key="trap_dtype")
+with controls():
+    prompt = st.text_area("Prompt", "This is a ", key="trap_prompt", height=70)
+    c1, c2 = st.columns(2)
+    n = c1.number_input("New tokens", 1, 256, 24, key="trap_n")
+    dtype = c2.radio("16-bit dtype", ["bfloat16", "float16"], horizontal=True, key="trap_dtype")
 
 
 def compute():
@@ -25,8 +26,12 @@ try:
 except Exception as e:  # noqa: BLE001
     show_error(e)
     st.stop()
-show_verdict({"different models": "logic", "same model": "identical"}.get(res.verdict, res.verdict),
-             res.explanation)
+left, right = verdict_and_chart()
+with left:
+    show_verdict({"different models": "logic", "same model": "identical"}.get(res.verdict, res.verdict),
+                 res.explanation)
+with right:
+    st.line_chart({"max |Δ logit| per step": res.max_abs_logit}, x_label="step", y_label="max |Δ logit|")
 a, b = st.columns(2)
 a.markdown(f"**from_pretrained(dtype={dtype})**")
 a.text(res.loaded_text)
@@ -35,4 +40,3 @@ b.text(res.cast_text)
 if res.buffers:
     st.dataframe([{"buffer": x.name, "from_pretrained": x.loaded_dtype, ".to()": x.cast_dtype, "max |Δ|": x.max_abs}
                   for x in res.buffers], hide_index=True, width="stretch")
-st.line_chart({"max |Δ logit| per step": res.max_abs_logit})

@@ -251,6 +251,39 @@ def greedy_heatmap(res, pair=None, log: bool = True) -> go.Figure:
     return fig
 
 
+def ab_greedy_heatmaps(res_a, res_b, label_a: str, label_b: str, log: bool = True,
+                       pair: tuple[str, str] = ("no_cache", "cache")) -> tuple[go.Figure, go.Figure, go.Figure]:
+    """A/B for greedy decoding: the same pair of paths (default no cache vs cache) under two settings, layers ×
+    steps on ONE shared colour scale, and |B − A| over the steps both ran."""
+    try:
+        pa, pb = res_a.pair(*pair), res_b.pair(*pair)
+    except KeyError:
+        raise ValueError(f"both results need the paths {pair[0]} and {pair[1]}") from None
+    za, zb = np.asarray(pa.hidden_relative, dtype=float), np.asarray(pb.hidden_relative, dtype=float)
+    if za.shape[0] != zb.shape[0]:
+        raise ValueError("A and B have different numbers of layers; compare settings of the same model")
+    n = min(za.shape[1], zb.shape[1])
+    za, zb = za[:, :n], zb[:, :n]
+    both = np.concatenate([za.ravel(), zb.ravel()])
+    if log:
+        pos = both[both > 0]
+        zrange = (float(np.log10(pos.min())), float(np.log10(pos.max()))) if pos.size else None
+    else:
+        zrange = (float(both.min()), float(both.max()))
+    ta, tb = res_a.paths[pair[0]].tokens, res_b.paths[pair[0]].tokens
+    name = f"{pair[0]} vs {pair[1]}: relative gap"
+    fa = heatmap(za, [f"{t}: {short(ta[t])}" for t in range(n)], res_a.layer_labels, f"A — {label_a}", name, log,
+                 zrange=zrange, x_title="step")
+    fb = heatmap(zb, [f"{t}: {short(tb[t])}" for t in range(n)], res_a.layer_labels, f"B — {label_b}", name, log,
+                 zrange=zrange, x_title="step")
+    fd = heatmap(np.abs(zb - za), [str(t) for t in range(n)], res_a.layer_labels, "|B − A| of the relative gap",
+                 "|B − A|", log, x_title="step")
+    for f, p in ((fa, pa), (fb, pb)):
+        if p.first_divergence is not None and p.first_divergence < n:
+            f.add_vline(x=p.first_divergence - 0.5, line_color="#c0392b", line_width=2)
+    return fa, fb, fd
+
+
 def greedy_reference_gap(res) -> go.Figure | None:
     """For each path, max |Δ logit| against the float64 reference path per step (while they saw the same tokens)."""
     if "float64" not in res.paths:

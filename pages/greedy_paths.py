@@ -61,6 +61,55 @@ sel = st.selectbox("Hidden-state heatmap for", pair_names, index=res.pairs.index
 log = st.toggle("Log colour scale", True, key="greedy_log")
 st.plotly_chart(figures.greedy_heatmap(res, res.pairs[pair_names.index(sel)], log), width="stretch",
                 key="greedy_heatmap")
+with st.expander("A/B: this decoding against one other setting, on one colour scale"):
+    import kvviz
+
+    AB = {"dtype": [d for d in kvviz.DTYPE_NAMES if d != choice.dtype],
+          "attention": [a for a in kvviz.ATTN_CHOICES if a not in ("auto", choice.attn)],
+          "invariant mode": ["off" if choice.invariant else "on"],
+          "position ids (cache path)": [m for m in POSITION_MODES if m != pos_mode]}
+    a1, a2, a3 = st.columns([2, 2, 1])
+    what = a1.selectbox("Change", list(AB), key="greedy_ab_what")
+    other = a2.selectbox("B", AB[what], key=f"greedy_ab_{what.split()[0]}")
+    show_ab = a3.toggle("Run B", False, key="greedy_ab_on", help="Decodes once more with B's setting")
+    if show_ab and other is not None:
+        cfg_b, lm_b, settings_b = cfg, lm, choice.settings
+        if what == "dtype":
+            lm_b = lm.twin(other)
+        elif what == "attention":
+            lm_b = kvviz.load_model(choice.model_spec, choice.dtype, choice.device, other,
+                                    trust_remote_code=choice.trust_remote_code)
+        elif what == "invariant mode":
+            settings_b = kvviz.ExecSettings(invariant=other == "on")
+        else:
+            cfg_b = GreedyConfig(**{**cfg.__dict__, "position_ids": other})
+
+        def compute_b():
+            with progress_bar(f"B: {what} = {other}…") as report:
+                return run_greedy(lm_b, cfg_b, progress=report, settings=settings_b)
+
+        def parting_of(r):
+            p = r.pair("no_cache", "cache")
+            return "same tokens" if p.first_divergence is None else f"part at step {p.first_divergence}"
+
+        try:
+            res_b = run_cached("greedy_ab", {**key, "ab": [what, other]}, compute_b)
+            label_a = {"dtype": choice.dtype, "attention": lm.attn_implementation,
+                       "invariant mode": "on" if choice.invariant else "off",
+                       "position ids (cache path)": pos_mode}[what]
+            figs = figures.ab_greedy_heatmaps(res, res_b, f"{what} = {label_a}: {parting_of(res)}",
+                                              f"{what} = {other}: {parting_of(res_b)}", log)
+        except Exception as e:  # noqa: BLE001
+            show_error(e)
+        else:
+            b1, b2 = st.columns(2)
+            b1.plotly_chart(figs[0], width="stretch", key="greedy_ab_a")
+            b2.plotly_chart(figs[1], width="stretch", key="greedy_ab_b")
+            st.plotly_chart(figs[2], width="stretch", key="greedy_ab_diff")
+            b1.text(res.paths["cache"].text)
+            b2.text(res_b.paths["cache"].text)
+            st.caption("No cache vs cache in both; same colour scale on both maps, the third is their difference; "
+                       "the red line marks where each pair's texts part. Under each map: the cached path's text.")
 ref = figures.greedy_reference_gap(res)
 if ref is not None:
     st.plotly_chart(ref, width="stretch", key="greedy_ref_chart")

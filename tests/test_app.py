@@ -1,4 +1,6 @@
 """Streamlit AppTest: the pages run, react to their controls, and show bad input as one message."""
+import json
+
 import pytest
 from streamlit.testing.v1 import AppTest
 
@@ -371,3 +373,20 @@ def test_progress_reports_time_left(monkeypatch):
         report(0.25, "step 1")  # 2 s for a quarter: 6 s left
         report(0.5, "step 2, about 3 s left")  # the library's own estimate wins
     assert shown == ["step 1 — about 6 s left", "step 2, about 3 s left"]
+
+
+def test_greedy_ab_runs_b_once_on_a_shared_scale():
+    """A: positions auto, B: positions omitted with left padding (a logic gap on any machine): both maps share B's
+    colour range, and view-only changes do not rerun B."""
+    at = start("pages/greedy_paths.py", model="tiny:llama", greedy_n=5, greedy_pad=2)
+    at.selectbox(key="greedy_ab_what").set_value("position ids (cache path)").run()
+    at.toggle(key="greedy_ab_on").set_value(True).run()
+    assert not at.exception, at.exception
+    figs = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+    ab = {f["layout"]["title"]["text"][0]: f for f in figs
+          if f["layout"].get("title", {}).get("text", "").startswith(("A —", "B —"))}
+    assert set(ab) == {"A", "B"} and "position ids (cache path) = omit" in ab["B"]["layout"]["title"]["text"]
+    za, zb = ab["A"]["data"][0], ab["B"]["data"][0]
+    assert zb["zmax"] > -3  # the logic gap: relative gaps far above rounding
+    assert (za["zmin"], za["zmax"]) == (zb["zmin"], zb["zmax"])  # one shared colour scale
+    assert any(f["layout"].get("title", {}).get("text", "").startswith("|B − A|") for f in figs)

@@ -45,7 +45,7 @@ $(STAMP): requirements.txt Makefile
 setup-dev: $(DEVSTAMP) browser
 
 $(DEVSTAMP): $(STAMP) requirements-dev.txt
-	$(PIP) install -q -r requirements-dev.txt 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
+	DISABLE_CUDA=1 $(PIP) install -q -r requirements-dev.txt 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
 	$(BIN)/python -c "import pytest, hypothesis, playwright"
 	@touch $(DEVSTAMP)
 

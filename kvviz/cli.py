@@ -148,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     kp = sub.add_parser("check", help="is this model cache-safe? a battery of float64 checks")
     _model_args(kp)
-    kp.add_argument("--weights", default="none", choices=("none", "int8", "int4"),
+    kp.add_argument("--weights", default="none", choices=("none", "int8", "int4", "bnb-int8", "bnb-nf4"),
                     help="check the model with weight-only quantized linear layers (optimum-quanto)")
     kp.add_argument("--kv", default="none", help="check with a quantized KV cache: fp8, quanto:int4, quanto:int2, "
                                                  "hqq:int4, hqq:int2, hqq:int8")
@@ -159,7 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     qp.add_argument("--prompt", required=True)
     qp.add_argument("--kv", default="none", help="fp8, quanto:int4, quanto:int2, hqq:int4, hqq:int2, hqq:int8, none")
     qp.add_argument("--residual", type=int, default=8, help="tokens kept unquantized in the KV cache's residual")
-    qp.add_argument("--weights", default="none", choices=("none", "int8", "int4"))
+    qp.add_argument("--weights", default="none", choices=("none", "int8", "int4", "bnb-int8", "bnb-nf4"),
+                    help="int8/int4: optimum-quanto weight-only (CPU and CUDA); bnb-int8/bnb-nf4: bitsandbytes (CUDA)")
     qp.add_argument("--max-new-tokens", type=int, default=24)
 
     rp = sub.add_parser("reuse", help="a prompt cache reused for several continuations (seed 001)")

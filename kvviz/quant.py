@@ -18,7 +18,8 @@ so the first step always agrees; decode steps read the quantized past.
 Weights: `int8` / `int4` weight-only quantization of every nn.Linear with optimum-quanto (CPU and CUDA), applied to
 a private deep copy of the model: the shared model is never changed. Models whose projections are not nn.Linear
 (GPT-2's Conv1D) keep those in full precision; kvviz says how many layers were quantized. bitsandbytes is CUDA
-only and not used here.
+only: `bnb-int8` / `bnb-nf4` reload the model's own files with transformers' BitsAndBytesConfig on a CUDA GPU, and
+say so in one line anywhere else.
 
 Combinations that cannot run here (a package that is not installed, a bit width the backend lacks) raise KvvizError
 with a one-line message naming the package or the choices.
@@ -49,7 +50,7 @@ Progress = Callable[[float, str], None]
 
 KV_BACKENDS = {"quanto": (2, 4), "hqq": (2, 4, 8), "fp8": ()}
 KV_CHOICES = ("none", "fp8", "quanto:int4", "quanto:int2", "hqq:int4", "hqq:int2", "hqq:int8")
-WEIGHT_CHOICES = ("none", "int8", "int4")
+WEIGHT_CHOICES = ("none", "int8", "int4", "bnb-int8", "bnb-nf4")
 PACKAGES = {"quanto": ("optimum.quanto", "optimum-quanto"), "hqq": ("hqq", "hqq")}
 DEFAULT_RESIDUAL = 8
 MAX_NEW_TOKENS = 256
@@ -133,12 +134,22 @@ def quantize_weights(lm: LoadedModel, scheme: str, progress: Progress | None = N
     if lm.dtype == torch.float64:
         raise KvvizError("quantized weights need a float32, float16 or bfloat16 model, not float64 (kvviz's "
                          "reference); pick another dtype")
-    _need("quanto", f"{scheme} weights")
+    if scheme.startswith("bnb-"):
+        _need_bnb(lm, scheme)
+    else:
+        _need("quanto", f"{scheme} weights")
     key = (lm.spec.key, str(lm.dtype), str(lm.device), lm.attn_implementation, id(lm.model), scheme)
     with _WEIGHTS_LOCK:
         if key in _WEIGHTS:
             _WEIGHTS.move_to_end(key)
             return _WEIGHTS[key]
+    if scheme.startswith("bnb-"):
+        q = _bnb_weights(lm, scheme, progress)
+        with _WEIGHTS_LOCK:
+            _WEIGHTS[key] = q
+            while len(_WEIGHTS) > 2:
+                _WEIGHTS.popitem(last=False)
+        return q
     from optimum.quanto import freeze, qint4, qint8, quantize
 
     progress(0.05, f"Copying the model to quantize its weights to {scheme}…")
@@ -169,6 +180,39 @@ def quantize_weights(lm: LoadedModel, scheme: str, progress: Progress | None = N
             _WEIGHTS.popitem(last=False)
     progress(1.0, "Quantized")
     return q
+
+
+def _need_bnb(lm: LoadedModel, scheme: str) -> None:
+    if lm.device.type != "cuda":
+        raise KvvizError(f"{scheme} weights use bitsandbytes, which needs a CUDA GPU; this run is on "
+                         f"{lm.device.type}: pick int8 or int4 (optimum-quanto) instead")
+    try:
+        importlib.import_module("bitsandbytes")
+    except Exception:  # noqa: BLE001
+        raise KvvizError(f"{scheme} weights need the package bitsandbytes, which is not installed here "
+                         f"(pip install bitsandbytes)") from None
+
+
+def _bnb_weights(lm: LoadedModel, scheme: str, progress: Progress) -> LoadedModel:
+    """The model's own files loaded again with a BitsAndBytesConfig (CUDA only): 8-bit or 4-bit NF4 weights."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    progress(0.1, f"Loading {lm.name} again with bitsandbytes {scheme[4:]} weights…")
+    qc = (BitsAndBytesConfig(load_in_8bit=True) if scheme == "bnb-int8" else
+          BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=lm.dtype))
+    kw = dict(dtype=lm.dtype, quantization_config=qc, device_map={"": lm.device.index or 0},
+              trust_remote_code=lm.trust_remote_code, local_files_only=lm.spec.kind != "hub")
+    if lm.attn_requested != "auto":
+        kw["attn_implementation"] = lm.attn_requested
+    try:
+        model = AutoModelForCausalLM.from_pretrained(lm.source, **kw).eval()
+    except Exception as e:  # noqa: BLE001 - bitsandbytes' own limits
+        raise KvvizError(f"bitsandbytes could not load {lm.name} as {scheme}: "
+                         f"{(str(e).splitlines() or [type(e).__name__])[0][:200]}") from None
+    note = f"{scheme} weights: the model's files reloaded with bitsandbytes ({scheme[4:]}) on {lm.device}"
+    progress(1.0, "Quantized")
+    return replace(lm, model=model, description=f"{lm.description}; {note}", warnings=list(lm.warnings) + [note],
+                   lock=threading.RLock())
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -31,8 +31,10 @@ with controls():
                                help="The newest tokens stay unquantized until the residual fills; then everything "
                                     "is quantized together.", disabled=kv in ("none", "fp8"))
     weights = c3.selectbox("Quantized weights", WEIGHT_CHOICES, key="quant_weights",
-                           format_func=lambda w: "none" if w == "none" else f"{w} weight-only (optimum-quanto)"
-                           + ("" if package_available("quanto") else " — not installed"))
+                           format_func=lambda w: "none" if w == "none" else (
+                               f"{w[4:]} (bitsandbytes, CUDA only)" if w.startswith("bnb-") else
+                               f"{w} weight-only (optimum-quanto)"
+                               + ("" if package_available("quanto") else " — not installed")))
     n = c4.number_input("New tokens", 2, 256, 24, key="quant_n")
 
 cfg = QuantConfig(prompt, kv=kv, residual_length=int(residual), weights=weights, max_new_tokens=int(n))

@@ -73,6 +73,17 @@ def test_a_missing_package_gives_a_clear_message(llama, monkeypatch):
         run_quant(llama, QuantConfig(PROMPT, kv="none", weights="int8"))
 
 
+def test_bitsandbytes_weights_say_what_they_need(llama, monkeypatch):
+    if llama.device.type != "cuda":
+        with pytest.raises(KvvizError, match="bitsandbytes, which needs a CUDA GPU; this run is on cpu"):
+            run_quant(llama, QuantConfig(PROMPT, kv="none", weights="bnb-nf4"))
+    monkeypatch.setattr(quant.importlib, "import_module",
+                        lambda name: (_ for _ in ()).throw(ImportError(name)))
+    fake = type("LM", (), {"device": torch.device("cuda", 0), "name": "m"})()
+    with pytest.raises(KvvizError, match="need the package bitsandbytes"):
+        quant._need_bnb(fake, "bnb-int8")
+
+
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_quantized_weights_leave_the_shared_model_alone(llama, scheme):
     ids = torch.tensor([[3, 7, 11, 19]], device=llama.device)

@@ -42,4 +42,13 @@ logic is right, which proves a precision verdict.
 must be counted from the first real token, not from the start of the padded row.
 
 **Attention mask** — which keys a token may look at. With a cache it must cover the cached tokens and the new ones.
+
+**Quantized KV cache** — keys and values stored in fewer bits (int4, int2, fp8) in groups that share a scale; the
+newest tokens (the **residual**, e.g. 8) stay in full precision until it fills. Saves memory; changes the numbers.
+
+**Weight-only quantization (int8 / int4)** — the linear layers' weights stored in 8 or 4 bits and expanded when
+used; activations stay in the model's dtype.
+
+**Teacher forcing** — feeding both runs the same tokens (here the unquantized run's) so every step compares the same
+context; **greedy agreement** is the other view: each run on its own tokens, counted until the texts part.
 """)

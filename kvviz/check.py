@@ -14,7 +14,7 @@ length and the largest gap per layer, with `overall` `lossy` and those numbers. 
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 
@@ -42,6 +42,7 @@ class CheckCard:
     overall: str
     checks: list[Check]
     summary: str
+    settings: dict = field(default_factory=dict)  # model, dtype, device, weights, kv: what the card was run with
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -174,7 +175,11 @@ def run_check(lm: LoadedModel, progress=None, weights: str = "none", kv: str = "
                          + "; ".join(c.evidence for c in checks if c.name.startswith("quantized")) + ".",
                 "unsafe": "Unsafe: " + "; ".join(f"{c.name} — {c.evidence}" for c in failed) + "."}[overall])
     progress(1.0, "Done")
-    return CheckCard(model=lm.name, overall=overall, checks=checks, summary=summary)
+    from .dtypes import dtype_name
+
+    return CheckCard(model=lm.name, overall=overall, checks=checks, summary=summary,
+                     settings={"model": lm.name, "dtype": dtype_name(lm.dtype), "device": str(lm.device),
+                               "weights": weights or "none", "kv": kv or "none"})
 
 
 

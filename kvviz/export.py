@@ -18,13 +18,14 @@ from .execution import ExecSettings
 from .jsonout import dumps
 
 FORMAT = 1
-VIEWS = ("split", "greedy", "dtypes", "padding", "reuse", "matrix", "quant")
+VIEWS = ("split", "greedy", "dtypes", "padding", "reuse", "matrix", "quant", "loading_trap", "check")
 
 
 def view_of(result) -> str:
     name = type(result).__name__
     views = {"SplitResult": "split", "GreedyResult": "greedy", "DtypesResult": "dtypes", "PaddingResult": "padding",
-             "ReuseResult": "reuse", "MatrixResult": "matrix", "QuantResult": "quant"}
+             "ReuseResult": "reuse", "MatrixResult": "matrix", "QuantResult": "quant",
+             "LoadingTrapResult": "loading_trap", "CheckCard": "check"}
     if name not in views:
         raise KvvizError(f"cannot export a {name}")
     return views[name]
@@ -172,7 +173,19 @@ def _quant(d: dict):
     return QuantResult(**{**d, "settings": _typed(QuantSettings, d["settings"])})
 
 
-_BUILDERS = {"split": _split, "greedy": _greedy, "dtypes": _dtypes, "padding": _padding, "reuse": _reuse,
+def _loading_trap(d: dict):
+    from .loading_trap import BufferDiff, LoadingTrapResult
+
+    return LoadingTrapResult(**{**d, "buffers": [BufferDiff(**b) for b in d["buffers"]]})
+
+
+def _check(d: dict):
+    from .check import Check, CheckCard
+
+    return CheckCard(**{**d, "checks": [Check(**c) for c in d["checks"]]})
+
+
+_BUILDERS = {"loading_trap": _loading_trap, "check": _check, "split": _split, "greedy": _greedy, "dtypes": _dtypes, "padding": _padding, "reuse": _reuse,
              "matrix": _matrix, "quant": _quant}
 
 
@@ -199,6 +212,8 @@ def main_figures(result) -> list:
         return [figures.matrix_grid(result)]
     if view == "quant":
         return [figures.quant_steps(result), figures.quant_layers(result)]
+    if view == "loading_trap":
+        return [figures.loading_trap_steps(result)]
     return []
 
 
@@ -218,8 +233,11 @@ def _verdict_text(result) -> tuple[str, str]:
         return "see the grid", result.grid().to_html()
     if view == "reuse":
         return "see the table", result.table().to_html(index=False)
-    if view == "quant":
+    if view in ("quant", "loading_trap"):
         return result.verdict, result.explanation
+    if view == "check":
+        rows = "".join(f"<tr><td>{c.status}</td><td>{c.name}</td><td>{c.evidence}</td></tr>" for c in result.checks)
+        return result.overall, f"{result.summary}<table>{rows}</table>"
     counts = {}
     for c in result.cells:
         counts[c.verdict or "error"] = counts.get(c.verdict or "error", 0) + 1
@@ -234,7 +252,8 @@ def html_report(result) -> str:
 
     view = view_of(result)
     verdict, text = _verdict_text(result)
-    settings = result.settings if isinstance(result.settings, dict) else result.settings.to_dict()
+    settings = getattr(result, "settings", None) or {"model": getattr(result, "model", "")}
+    settings = settings if isinstance(settings, dict) else settings.to_dict()
     env = environment(_device(result))
     figs = main_figures(result)
     parts = [pio.to_html(f, include_plotlyjs=(i == 0), full_html=False) for i, f in enumerate(figs)]
@@ -242,7 +261,7 @@ def html_report(result) -> str:
                    for k, v in settings.items())
     env_rows = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>"
                        for k, v in env.items() if k != "flags")
-    body_text = text if view in ("dtypes", "padding", "reuse") else html.escape(text)
+    body_text = text if view in ("dtypes", "padding", "reuse", "check") else html.escape(text)
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>kvviz — {view}</title>
 <style>body{{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#111;
 background:#fff}}th{{text-align:left;padding-right:1em;vertical-align:top}}td,th{{font-size:14px}}

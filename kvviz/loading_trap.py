@@ -115,7 +115,8 @@ def run_loading_trap(lm: LoadedModel, prompt: str = "This is a ", max_new_tokens
                 f"two different models: .to() also casts non-persistent buffers - {names}. The rotary angles then "
                 f"differ, {parted}. Not the cache and not reduction order: load with from_pretrained(dtype=...) to "
                 f"compare like with like.")
-    return LoadingTrapResult(settings={"model": lm.name, "dtype": dtype_name(dt), "prompt": prompt,
+    return LoadingTrapResult(settings={"model": lm.name, "dtype": dtype_name(dt), "device": str(lm.device),
+                                       "prompt": prompt,
                                        "max_new_tokens": max_new_tokens},
                              buffers=buffers, loaded_tokens=a_toks, cast_tokens=b_toks,
                              loaded_text=tok.decode(a_toks), cast_text=tok.decode(b_toks), first_divergence=div,

@@ -3,7 +3,7 @@ import streamlit as st
 
 from kvviz.check import run_check
 from kvviz.quant import KV_CHOICES, WEIGHT_CHOICES
-from pages.common import controls, page, progress_bar, run_cached, show_error
+from pages.common import controls, exports, page, progress_bar, run_cached, show_error
 
 choice, lm = page("Is my model cache-safe?",
                   "Each check runs on the float64 copy of the model, where rounding cannot hide or fake a gap: "
@@ -32,3 +32,4 @@ except Exception as e:  # noqa: BLE001
 icons = {"pass": "✅", "fail": "❌", "n/a": "➖", "note": "ℹ️"}
 st.dataframe([{"": icons.get(c.status, ""), "check": c.name, "status": c.status, "evidence": c.evidence}
               for c in card.checks], hide_index=True, width="stretch")
+exports(card, "check", lm)

@@ -1,8 +1,10 @@
 """Page: from_pretrained(dtype=16-bit) vs float32 + .to(16-bit): two different models."""
 import streamlit as st
 
+from kvviz import figures
+
 from kvviz.loading_trap import run_loading_trap
-from pages.common import controls, page, progress_bar, run_cached, show_error, show_verdict, verdict_and_chart
+from pages.common import controls, exports, page, progress_bar, run_cached, show_error, show_verdict, verdict_and_chart
 
 choice, lm = page("Loading trap",
                   "Loading a model in float32 and calling .to(bfloat16) also casts buffers such as the rotary "
@@ -31,7 +33,7 @@ with left:
     show_verdict({"different models": "logic", "same model": "identical"}.get(res.verdict, res.verdict),
                  res.explanation)
 with right:
-    st.line_chart({"max |Δ logit| per step": res.max_abs_logit}, x_label="step", y_label="max |Δ logit|")
+    st.plotly_chart(figures.loading_trap_steps(res), width="stretch", key="trap_chart")
 a, b = st.columns(2)
 a.markdown(f"**from_pretrained(dtype={dtype})**")
 a.text(res.loaded_text)
@@ -40,3 +42,4 @@ b.text(res.cast_text)
 if res.buffers:
     st.dataframe([{"buffer": x.name, "from_pretrained": x.loaded_dtype, ".to()": x.cast_dtype, "max |Δ|": x.max_abs}
                   for x in res.buffers], hide_index=True, width="stretch")
+exports(res, "loading_trap", lm)

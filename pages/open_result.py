@@ -26,8 +26,11 @@ if opened.environment_differences:
     st.warning("Computed elsewhere — its numbers may not be reproduced bit for bit here: "
                + "; ".join(opened.environment_differences[:6]), icon="ℹ️")
 verdict, text = _verdict_text(res)
-if opened.view in ("split", "greedy"):
-    show_verdict(verdict, text)
+if opened.view in ("split", "greedy", "quant", "loading_trap"):
+    show_verdict({"different models": "logic", "same model": "identical"}.get(verdict, verdict), text)
+elif opened.view == "check":
+    {"safe": st.success, "lossy": st.warning, "unsafe": st.error}.get(res.overall, st.info)(
+        f"**{res.overall.upper()}** — {res.summary}")
 for i, fig in enumerate(main_figures(res)):
     st.plotly_chart(fig, width="stretch", key=f"open_fig_{i}")
 if opened.view == "dtypes":
@@ -36,6 +39,15 @@ elif opened.view == "padding":
     st.dataframe(res.grid("verdict"), width="stretch")
 elif opened.view == "reuse":
     st.dataframe(figures.reuse_frame(res), hide_index=True, width="stretch")
+elif opened.view == "quant":
+    st.dataframe(figures.quant_frame(res), hide_index=True, width="stretch")
+elif opened.view == "check":
+    st.dataframe([{"status": c.status, "check": c.name, "evidence": c.evidence} for c in res.checks],
+                 hide_index=True, width="stretch")
+elif opened.view == "loading_trap":
+    a, b = st.columns(2)
+    a.text(res.loaded_text)
+    b.text(res.cast_text)
 elif opened.view == "split" and res.main.has_cache:
     st.dataframe(figures.logits_frame(res), hide_index=True, width="stretch")
 with st.expander("Settings"):

@@ -237,13 +237,14 @@ def test_cache_safety_page():
 
 
 def test_every_page_offers_its_exports():
-    for path, state in [("pages/split_point.py", {}), ("pages/greedy_paths.py", {"greedy_n": 3}),
-                        ("pages/padding_lab.py", {}), ("pages/cache_reuse.py", {"reuse_n": 2})]:
-        at = start(path, model="tiny:llama", **state)
+    repro = ("split_point", "greedy_paths", "padding_lab", "cache_reuse", "dtypes_lab")
+    for path, state in [("split_point", {}), ("greedy_paths", {"greedy_n": 3}), ("padding_lab", {}),
+                        ("cache_reuse", {"reuse_n": 2}), ("dtypes_lab", {"dt_dtypes": ["bfloat16"]}),
+                        ("loading_trap", {"trap_n": 3}), ("quantized", {"quant_n": 3}), ("cache_safety", {})]:
+        at = start(f"pages/{path}.py", model="tiny:llama", **state)
         labels = [b.label for b in at.get("download_button")]
         assert "Result (JSON)" in labels and "Report (HTML)" in labels, (path, labels)
-        if path.endswith("split_point.py"):
-            assert "Repro script (Python)" in labels
+        assert ("Repro script (Python)" in labels) == (path in repro), (path, labels)
 
 
 @pytest.mark.parametrize("key, expect", [

@@ -184,3 +184,17 @@ def test_repro_refuses_fast_greedy_and_views_without_a_script(lm):
     only = run_greedy(lm, GreedyConfig(PROMPT, max_new_tokens=3, paths=("cache", "generate")))
     with pytest.raises(KvvizError, match="no-cache loop"):
         repro_script(only, lm)
+
+
+def test_loading_trap_and_check_card_export_and_reopen(lm):
+    from kvviz.check import run_check
+    from kvviz.loading_trap import run_loading_trap
+
+    for res, view in ((run_loading_trap(lm, "Hello", 3, "bfloat16"), "loading_trap"), (run_check(lm), "check")):
+        text = export_json(res)
+        opened = open_result(text)
+        assert opened.view == view and opened.result.to_dict() == res.to_dict()
+        page = html_report(opened.result)
+        verdict = res.verdict if view == "loading_trap" else res.overall
+        assert f"<b>Verdict: {verdict}.</b>" in page and f"kvviz — {view}" in page
+    assert opened.result.settings["device"] == str(lm.device)

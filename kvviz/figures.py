@@ -118,6 +118,14 @@ def ab_heatmaps(res_a: SplitResult, res_b: SplitResult, label_a: str, label_b: s
     return fa, fb, fd
 
 
+def _zero_floor(fig: go.Figure, floor: float, text: str) -> None:
+    """The dotted "0" floor of a log axis with its label at the floor (plotly's add_hline annotation reads a log
+    axis' y as an exponent and would put the label near 1)."""
+    fig.add_hline(y=floor, line_dash="dot", line_color="#888")
+    fig.add_annotation(x=1, xref="paper", y=float(np.log10(floor)), yref="y", text=text, showarrow=False,
+                       xanchor="right", yanchor="bottom", font=dict(color="#888"))
+
+
 def _floor_zeros(values, floor: float) -> list[float]:
     return [v if v > 0 else floor for v in values]
 
@@ -155,8 +163,7 @@ def layer_lines(res: SplitResult, metric: str = "relative", log: bool = True) ->
     if log:
         fig.update_yaxes(type="log", exponentformat="power")
         if any((np.asarray(m) == 0).any() for m, _ in series):
-            fig.add_hline(y=floor, line_dash="dot", line_color="#888", annotation_text="0 (bitwise equal)",
-                          annotation_position="bottom right")
+            _zero_floor(fig, floor, "0 (bitwise equal)")
     return fig
 
 
@@ -513,10 +520,9 @@ def quant_steps(res) -> go.Figure:
         hovertemplate="step %{x}: KL %{customdata[0]}<br>max |Δ logit| %{customdata[1]}<br>next token: "
                       "%{customdata[2]}<extra></extra>"))
     fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", marker=dict(symbol="x", size=8, color="#444"),
-                             name="× the quantized run would choose another token"))
+                             name="× another next token"))
     if positive and len(positive) < len(res.kl):
-        fig.add_hline(y=floor, line_dash="dot", line_color="#888", annotation_text="0 (identical)",
-                      annotation_position="bottom right")
+        _zero_floor(fig, floor, "0 (identical)")
     if res.agreement < res.steps:
         fig.add_vline(x=res.agreement, line_dash="dash", line_color="#c0392b")
         fig.add_annotation(x=res.agreement, y=1, yref="paper", showarrow=False, xanchor="left",
@@ -569,8 +575,7 @@ def loading_trap_steps(res) -> go.Figure:
     fig = go.Figure(go.Scatter(x=list(range(len(res.max_abs_logit))), y=_floor_zeros(res.max_abs_logit, floor),
                                mode="lines+markers", name="max |Δ logit|"))
     if positive and len(positive) < len(res.max_abs_logit):
-        fig.add_hline(y=floor, line_dash="dot", line_color="#888", annotation_text="0 (identical)",
-                      annotation_position="bottom right")
+        _zero_floor(fig, floor, "0 (identical)")
     if res.first_divergence is not None:
         fig.add_vline(x=res.first_divergence, line_dash="dash", line_color="#c0392b")
         fig.add_annotation(x=res.first_divergence, y=1, yref="paper", showarrow=False, xanchor="left",

@@ -55,10 +55,9 @@ except Exception as e:  # noqa: BLE001
 left, right = verdict_and_chart()
 with left:
     show_verdict("lossy" if res.verdict == "lossy" else "identical", res.explanation)
-    m1, m2, m3 = st.columns(3)
-    m1.metric("Greedy agreement", f"{res.agreement} / {res.steps}")
-    m2.metric("Max KL per step", f"{res.kl_max:.3g}")
-    m3.metric("Worst layer", res.worst_layer)
+    m1, m2 = st.columns(2)
+    m1.metric("Greedy agreement", f"{res.agreement} / {res.steps}", help="Tokens before the texts part")
+    m2.metric("Max KL", f"{res.kl_max:.3g}", help="The largest per-step KL(unquantized ‖ quantized)")
 with right:
     st.plotly_chart(figures.quant_steps(res), width="stretch", key="quant_steps_chart")
 st.plotly_chart(figures.quant_layers(res), width="stretch", key="quant_layers_chart")

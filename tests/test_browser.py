@@ -189,7 +189,7 @@ def test_presenter_mode_fits_verdict_and_chart_and_custom_html_is_readable(serve
 def test_every_page_in_presenter_mode(server, artifacts):
     with browser() as b:
         ctx = b.new_context(viewport={"width": 1280, "height": 720}, color_scheme="dark")
-        for path in ("", "dtypes_lab", "padding_lab", "cache_reuse", "loading_trap", "backends", "kv_cache",
+        for path in ("", "dtypes_lab", "padding_lab", "cache_reuse", "loading_trap", "backends", "kv_cache", "quantized",
                      "cache_safety", "open_result", "guide", "glossary"):
             page = ctx.new_page()
             page.goto(link(server, path))

@@ -164,3 +164,22 @@ def test_quantized_page_and_card_controls():
     assert not at.exception and "Verdict: lossy" in alerts(at)
     at = start("pages/cache_safety.py", model="tiny:llama", check_weights="int8")
     assert "LOSSY" in alerts(at)
+
+
+def test_quant_figures_draw_exact_zeros_on_a_labelled_floor(llama):
+    import math
+
+    from kvviz import figures
+
+    res = run_quant(llama, QuantConfig(PROMPT, kv="quanto:int2", residual_length=1, max_new_tokens=6))
+    fig = figures.quant_steps(res)
+    floor = min(k for k in res.kl if k > 0) / 10
+    assert fig.data[0].y[0] == floor  # step 0 (exactly 0) sits on the floor, not off the chart
+    label = [a for a in fig.layout.annotations if a.text == "0 (identical)"]
+    assert len(label) == 1 and math.isclose(label[0].y, math.log10(floor))  # log axis: y is the exponent
+    names = [t.name for t in fig.data]
+    assert "KL per step" in names and "× another next token" in names
+    bars = figures.quant_layers(res)
+    assert list(bars.data[0].x) == res.layers and bars.data[0].marker.color[0] == "#b0bec5"  # embeddings: 0
+    frame = figures.quant_frame(res)
+    assert list(frame["step"]) == list(range(6)) and frame["KL"][0] == "0"

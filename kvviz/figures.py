@@ -164,6 +164,7 @@ def layer_lines(res: SplitResult, metric: str = "relative", log: bool = True) ->
         fig.update_yaxes(type="log", exponentformat="power")
         if any((np.asarray(m) == 0).any() for m, _ in series):
             _zero_floor(fig, floor, "0 (bitwise equal)")
+    _thin_x(fig, list(x))
     return fig
 
 
@@ -375,15 +376,39 @@ DTYPE_COLORS = {"float64": "#555555", "float32": "#1f77b4", "float16": "#ff7f0e"
 VERDICT_COLORS = {"identical": "#cfe8cf", "precision": "#cfe3fa", "logic": "#f8c9c4"}
 
 
+def _thin_x(fig: go.Figure, labels: list[str], most: int = 16) -> None:
+    """At most `most` category labels on the x axis (every k-th, and the last), so long axes stay legible."""
+    if len(labels) > most:
+        step = -(-len(labels) // most)
+        keep = list(labels[::step]) + ([labels[-1]] if (len(labels) - 1) % step else [])
+        fig.update_xaxes(tickmode="array", tickvals=keep, ticktext=keep)
+
+
 def dtype_curves(res, metric: str = "max_abs", how: str = "mean") -> go.Figure:
-    """Per-layer curves, one per dtype, on one log-scale chart (mean or max over the prompt set)."""
+    """Per-layer curves, one per dtype, on one log-scale chart (mean or max over the prompt set). In ε units every
+    dtype is in its own ε, except the float64 reference: it is drawn in the finest compared dtype's ε (so it cannot
+    look worse than the dtypes it checks) and says so. Exact zeros sit on a labelled "0" floor."""
+    import torch as _torch
+
     table = res.stat(metric, how)
-    fig = go.Figure()
+    series = []
+    others = [d for d in res.dtypes if d != "float64"]
     for d in res.dtypes:
         y = table[d].to_numpy(dtype=float)
-        fig.add_trace(go.Scatter(x=list(table.index), y=np.where(y > 0, y, np.nan), mode="lines+markers", name=d,
-                                 line=dict(color=DTYPE_COLORS.get(d)), connectgaps=False,
-                                 hovertemplate="%{x}<br>" + d + ": %{y:.3g}<extra></extra>"))
+        name = d
+        if metric == "eps_units" and d == "float64" and others:
+            finest = min(others, key=lambda o: _torch.finfo(getattr(_torch, o)).eps)
+            y = res.stat("relative", how)[d].to_numpy(dtype=float) / _torch.finfo(getattr(_torch, finest)).eps
+            name = f"float64 (in {finest}'s ε)"
+        series.append((d, name, y))
+    positive = [v for _, _, y in series for v in y if v > 0]
+    floor = min(positive) / 10 if positive else 1e-20
+    fig = go.Figure()
+    for d, name, y in series:
+        fig.add_trace(go.Scatter(x=list(table.index), y=_floor_zeros(y, floor), mode="lines+markers", name=name,
+                                 line=dict(color=DTYPE_COLORS.get(d), dash="dash" if d == "float64" else None),
+                                 customdata=[f"{v:.3g}" if v > 0 else "0 (bitwise equal)" for v in y],
+                                 hovertemplate="%{x}<br>" + name + ": %{customdata}<extra></extra>"))
     n = len(res.prompts)
     what = METRIC_TITLES.get(metric, metric)
     fig.update_layout(title=f"{what} per layer, {how} over {n} prompt{'s' if n != 1 else ''} — device "
@@ -391,6 +416,9 @@ def dtype_curves(res, metric: str = "max_abs", how: str = "mean") -> go.Figure:
                       xaxis_title="hidden state", yaxis_title=what, height=420, margin=dict(l=10, r=10, t=60, b=10),
                       legend=dict(orientation="h", y=-0.35))
     fig.update_yaxes(type="log", exponentformat="power")
+    if any(v == 0 for _, _, y in series for v in y):
+        _zero_floor(fig, floor, "0 (bitwise equal)")
+    _thin_x(fig, list(table.index))
     return fig
 
 
@@ -551,6 +579,7 @@ def quant_layers(res) -> go.Figure:
     fig.update_layout(title=f"Largest hidden-state gap per layer over the steps — {res.label}",
                       yaxis_title="max |Δ| / max |unquantized|", height=360, margin=dict(l=10, r=10, t=60, b=10))
     fig.update_yaxes(type="log", exponentformat="power")
+    _thin_x(fig, list(res.layers))
     return fig
 
 

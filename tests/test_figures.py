@@ -102,7 +102,18 @@ def test_greedy_figures():
 def test_lab_figures():
     res = run_dtypes("tiny:gpt2", ["Hello world", "Another prompt"], ["float32"], device=DEVICE)
     fig = figures.dtype_curves(res, "eps_units", "max")
-    assert [t.name for t in fig.data] == ["float64", "float32"]
+    assert [t.name for t in fig.data] == ["float64 (in float32's ε)", "float32"]
+    # the reference is in float32's ε, never in its own (where it would look worse than the dtypes it checks)
+    rel64 = res.stat("relative", "max")["float64"].to_numpy()
+    shown = np.array(fig.data[0].y, dtype=float)
+    np.testing.assert_allclose(shown[rel64 > 0], rel64[rel64 > 0] / np.finfo(np.float32).eps)
+    assert (shown[rel64 > 0] < 1).all()  # far below one float32 rounding
+    raw = figures.dtype_curves(res, "max_abs", "max")
+    assert [t.name for t in raw.data] == ["float64", "float32"]
+    zeros = res.stat("max_abs", "max")["float32"].to_numpy() == 0
+    assert zeros[0]  # the embeddings of the same tokens are identical by construction, on any machine
+    assert any(a.text == "0 (bitwise equal)" for a in raw.layout.annotations)  # drawn on the labelled floor
+    assert not np.isnan(np.array(raw.data[1].y, dtype=float)).any()  # no gaps, no vertical drops
     assert f"device {res.settings.device}" in fig.layout.title.text
     lm = kvviz.load_model("tiny:gpt2", "float32", DEVICE)
     grid = figures.padding_grid(run_padding(lm, "Hello world, caching", left_pad=2))

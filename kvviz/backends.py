@@ -88,7 +88,11 @@ def quantized_cache(lm: LoadedModel, backend: str = "fp8", nbits: int | None = N
 
 def _quantized_factory(backend: str):
     def make(lm: LoadedModel, batch: int, max_len: int):
-        return quantized_cache(lm, backend)
+        if backend == "fp8":
+            return quantized_cache(lm, backend)
+        from .quant import kv_group_size  # a group that divides kv_heads x head_dim (tiny models: 32)
+
+        return quantized_cache(lm, backend, q_group_size=kv_group_size(lm))
     return make
 
 

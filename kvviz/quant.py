@@ -309,7 +309,8 @@ class QuantResult:
         return d
 
 
-def _decode(ex: Executor, inp: PromptInputs, n: int, cache, forced: list[int] | None = None):
+def _decode(ex: Executor, inp: PromptInputs, n: int, cache, forced: list[int] | None = None,
+            on_step: Callable[[int], None] | None = None):
     """Prefill, then one token at a time through `cache` (None: a dynamic cache) with the full mask and positions.
     Returns the tokens, the last position's logits [n, V] and hidden states [n, L+1, H], all on the device."""
     out = ex.forward(inp.ids, inp.mask, inp.positions, cache, fresh_cache=False)
@@ -321,6 +322,8 @@ def _decode(ex: Executor, inp: PromptInputs, n: int, cache, forced: list[int] | 
         hidden.append(torch.stack([h[0, -1] for h in out.hidden_states]))
         tok = forced[t] if forced is not None else int(lg.argmax())
         tokens.append(tok)
+        if on_step is not None:
+            on_step(t)
         if t == n - 1:
             break
         mask = torch.cat([mask, torch.ones((1, 1), dtype=mask.dtype, device=mask.device)], 1)
@@ -346,18 +349,22 @@ def run_quant(lm: LoadedModel, cfg: QuantConfig, progress: Progress | None = Non
     def cache():
         return quantized_kv_cache(qlm, cfg.kv, cfg.residual_length) if backend != "none" else None
 
+    def steps(lo: float, what: str):  # per-step progress: a Stop click lands within one token
+        return lambda t: progress(lo + 0.25 * (t + 1) / n, f"{what}: token {t + 1} of {n}")
+
     progress(0.2, "The unquantized run (dynamic cache)…")
     ex_ref = Executor(lm, DEFAULT_SETTINGS)
     with ex_ref.session():
-        ref_tokens, ref_logits, ref_hidden = _decode(ex_ref, inp, n, None)
+        ref_tokens, ref_logits, ref_hidden = _decode(ex_ref, inp, n, None, on_step=steps(0.2, "unquantized"))
     qinp = inp if qlm.device == lm.device else build_inputs(qlm, cfg.prompt, extra_tokens=n)
     ex_q = Executor(qlm, DEFAULT_SETTINGS)
     progress(0.45, f"The quantized run along the unquantized tokens ({cfg.label})…")
     with ex_q.session():
-        _, tf_logits, tf_hidden = _decode(ex_q, qinp, n, cache(), forced=ref_tokens)
+        _, tf_logits, tf_hidden = _decode(ex_q, qinp, n, cache(), forced=ref_tokens,
+                                          on_step=steps(0.45, "quantized, teacher forced"))
         progress(0.7, f"The quantized run on its own tokens ({cfg.label})…")
-        q_tokens, _, _ = _decode(ex_q, qinp, n, cache())
-    progress(0.9, "Measuring…")
+        q_tokens, _, _ = _decode(ex_q, qinp, n, cache(), on_step=steps(0.7, "quantized, free running"))
+    progress(0.95, "Measuring…")
     with torch.inference_mode():
         ld = logits_divergence(ref_logits, tf_logits)
         eps = torch.finfo(lm.dtype).eps

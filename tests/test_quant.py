@@ -183,3 +183,20 @@ def test_quant_figures_draw_exact_zeros_on_a_labelled_floor(llama):
     assert list(bars.data[0].x) == res.layers and bars.data[0].marker.color[0] == "#b0bec5"  # embeddings: 0
     frame = figures.quant_frame(res)
     assert list(frame["step"]) == list(range(6)) and frame["KL"][0] == "0"
+
+
+def test_quantized_cache_kinds_on_the_seam_and_progress_per_token(llama):
+    """The seam's quantized:quanto / quantized:hqq cache kinds pick a group size that fits the model (tiny models have
+    kv_heads x head_dim = 32, below transformers' default group of 64), and run_quant reports every token."""
+    from kvviz.execution import ExecSettings
+    from kvviz.greedy import GreedyConfig, run_greedy
+
+    assert quant.kv_group_size(llama) == 32
+    for kind in ("quantized:quanto", "quantized:hqq"):
+        res = run_greedy(llama, GreedyConfig(PROMPT, 3, paths=("no_cache", "cache")), settings=ExecSettings(cache=kind))
+        assert res.steps == 3 and res.settings.execution.lossy
+    seen = []
+    run_quant(llama, QuantConfig(PROMPT, max_new_tokens=3), progress=lambda f, m: seen.append((f, m)))
+    fractions = [f for f, _ in seen]
+    assert fractions == sorted(fractions) and fractions[-1] == 1.0
+    assert sum("token" in m for _, m in seen) == 9  # three passes of three tokens

@@ -199,4 +199,4 @@ def test_quantized_cache_kinds_on_the_seam_and_progress_per_token(llama):
     run_quant(llama, QuantConfig(PROMPT, max_new_tokens=3), progress=lambda f, m: seen.append((f, m)))
     fractions = [f for f, _ in seen]
     assert fractions == sorted(fractions) and fractions[-1] == 1.0
-    assert sum("token" in m for _, m in seen) == 9  # three passes of three tokens
+    assert sum(m.endswith(" of 3") for _, m in seen) == 9  # three passes of three tokens

@@ -44,6 +44,8 @@ def _model_args(p: argparse.ArgumentParser, attn_list: bool = False) -> None:
     p.add_argument("--invariant", action="store_true",
                    help="run in invariant mode: every op computes a row the same way however many rows it sees, so a "
                         "cached run equals the full forward bit for bit wherever the logic is right")
+    p.add_argument("--no-proof", action="store_true",
+                   help="skip the invariant-mode rerun that proves precision verdicts (faster; verdicts stay)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
     p.add_argument("--json-out", default=None, help="also save the result as JSON (with the environment) to this file")
     p.add_argument("--html", default=None, help="also write a self-contained HTML report to this file")
@@ -252,7 +254,8 @@ def cmd_split(args) -> int:
     lm = _load(args)
     cfg = SplitConfig(prompt=args.prompt, split=args.split, mode=args.mode, left_pad=args.left_pad,
                       position_ids=args.position_ids, attention_mask=args.attention_mask)
-    res = run_split(lm, cfg, progress=_progress_to_stderr(args.quiet), settings=_settings(args))
+    res = run_split(lm, cfg, progress=_progress_to_stderr(args.quiet), settings=_settings(args),
+                    prove=False if args.no_proof else None)
     _exports(args, res, lm)
     if args.json:
         print(dumps(res.to_dict()))
@@ -302,7 +305,8 @@ def cmd_greedy(args) -> int:
                        stop_at_divergence=args.stop_at_divergence)
     cfg.validate()  # before loading the model: bad arguments fail at once
     lm = _load(args)
-    res = run_greedy(lm, cfg, progress=_progress_to_stderr(args.quiet), settings=_settings(args))
+    res = run_greedy(lm, cfg, progress=_progress_to_stderr(args.quiet), settings=_settings(args),
+                     prove=False if args.no_proof else None)
     _exports(args, res, lm)
     print(dumps(res.to_dict()) if args.json else greedy_summary(res))
     return 0
@@ -343,7 +347,7 @@ def cmd_dtypes(args) -> int:
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     res = run_dtypes(_spec(args), prompts, dtypes, args.device, args.attn, split=args.split, mode=args.mode,
                      trust_remote_code=args.trust_remote_code, progress=_progress_to_stderr(args.quiet),
-                     settings=_settings(args))
+                     settings=_settings(args), prove=False if args.no_proof else None)
     from .loading import load_model
 
     lm64 = load_model(_spec(args), "float64", res.settings.float64_device, args.attn,
@@ -371,7 +375,7 @@ def cmd_padding(args) -> int:
         raise KvvizError(f"--left-pad must be 0 or more, not {args.left_pad}")
     lm = _load(args)
     res = run_padding(lm, args.prompt, args.split, args.left_pad, progress=_progress_to_stderr(args.quiet),
-                      settings=_settings(args))
+                      settings=_settings(args), prove=not args.no_proof)
     _exports(args, res, lm)
     if args.json:
         print(dumps(res.to_dict()))
@@ -393,7 +397,7 @@ def cmd_reuse(args) -> int:
 
     lm = _load(args)
     res = run_reuse(lm, args.prefix, args.continuation, args.max_new_tokens, progress=_progress_to_stderr(args.quiet),
-                    settings=_settings(args))
+                    settings=_settings(args), prove=False if args.no_proof else None)
     _exports(args, res, lm)
     if args.json:
         print(dumps(res.to_dict()))

@@ -149,3 +149,26 @@ def test_non_utf8_and_empty_prompt_files(capsys, tmp_path):
     for f, msg in ((bad, "not UTF-8"), (empty, "no prompts")):
         code, out, err = run_cli(capsys, "dtypes", "--model", "tiny:gpt2", "--prompts", str(f), "--quiet")
         assert code == 1 and msg in err
+
+
+def test_no_proof_skips_the_invariant_rerun(monkeypatch, capsys):
+    import kvviz.padding
+    import kvviz.reuse
+
+    seen = {}
+    for mod, name in ((kvviz.padding, "run_padding"), (kvviz.reuse, "run_reuse")):
+        real = getattr(mod, name)
+
+        def spy(*a, _real=real, _name=name, **k):
+            seen[_name] = k.get("prove")
+            return _real(*a, **k)
+
+        monkeypatch.setattr(mod, name, spy)
+    assert main(["padding", "--model", "tiny:gpt2", "--prompt", "Hello world, caching", "--no-proof", "--json",
+                 "--quiet"]) == 0
+    assert all(c["proved"] is None for c in json.loads(capsys.readouterr().out)["cells"])
+    assert main(["reuse", "--model", "tiny:gpt2", "--prefix", "A.", "--continuation", " B", "--max-new-tokens", "2",
+                 "--no-proof", "--json", "--quiet"]) == 0
+    assert seen == {"run_padding": False, "run_reuse": False}
+    assert main(["padding", "--model", "tiny:gpt2", "--prompt", "Hello world, caching", "--json", "--quiet"]) == 0
+    assert seen["run_padding"] is True

@@ -75,7 +75,8 @@ def _decode_after(ex: Executor, cache, cont: torch.Tensor, n: int) -> tuple[list
     return toks, torch.stack(logits)
 
 
-def _reuse_runs(lm: LoadedModel, settings: ExecSettings, prefix: list[int], conts: list[list[int]], n: int) -> dict:
+def _reuse_runs(lm: LoadedModel, settings: ExecSettings, prefix: list[int], conts: list[list[int]], n: int,
+                ways: tuple[str, ...] = tuple(REUSE_STRATEGIES)) -> dict:
     dev = lm.device
     longest = len(prefix) + sum(len(c) + n for c in conts)
     ex = Executor(lm, settings, max_len=longest)
@@ -88,8 +89,10 @@ def _reuse_runs(lm: LoadedModel, settings: ExecSettings, prefix: list[int], cont
         for i, cont in enumerate(conts):
             c = torch.tensor([cont], device=dev)
             res[(i, "fresh")] = _decode_after(ex, None, torch.tensor([prefix + cont], device=dev), n)
-            res[(i, "deepcopy")] = _decode_after(ex, copy.deepcopy(pre.past_key_values), c, n)
-            res[(i, "reused")] = _decode_after(ex, shared, c, n)
+            if "deepcopy" in ways:
+                res[(i, "deepcopy")] = _decode_after(ex, copy.deepcopy(pre.past_key_values), c, n)
+            if "reused" in ways:
+                res[(i, "reused")] = _decode_after(ex, shared, c, n)
     return res
 
 
@@ -129,24 +132,28 @@ def _check(lm: LoadedModel, prefix: str, continuations: list[str], max_new_token
 
 def run_reuse(lm: LoadedModel, prefix: str, continuations: list[str], max_new_tokens: int = 12,
               progress: Progress | None = None, settings: ExecSettings | None = None,
-              prove: bool | None = None) -> ReuseResult:
+              prove: bool | None = None, ways: tuple[str, ...] = tuple(REUSE_STRATEGIES)) -> ReuseResult:
     """A shared prefix cached once and reused for several continuations, three ways, against a fresh prefill.
     prove: rerun in invariant mode and mark each way `proved` (bit for bit the fresh run there) - by default when a
-    way is "precision"."""
+    way is "precision". ways: a subset of fresh/deepcopy/reused to run (fresh, the reference, always runs)."""
     progress = progress or _noop
     settings = (settings or DEFAULT_SETTINGS).validate()
     conts, prefix_ids, cont_ids = _check(lm, prefix, continuations, max_new_tokens)
     progress(0.1, f"Decoding {len(conts)} continuation(s) three ways…")
-    main = _reuse_runs(lm, settings, prefix_ids, cont_ids, max_new_tokens)
+    bad = [w for w in ways if w not in REUSE_STRATEGIES]
+    if bad:
+        raise KvvizError(f"unknown way '{bad[0]}'; choose from {', '.join(REUSE_STRATEGIES)}")
+    ways = tuple(w for w in REUSE_STRATEGIES if w in ways or w == REFERENCE)
+    main = _reuse_runs(lm, settings, prefix_ids, cont_ids, max_new_tokens, ways)
     lm64 = lm.reference()
     progress(0.55, "The same in float64…")
     f64 = main if lm64 is lm else _reuse_runs(lm64, settings.with_(compile="off"), prefix_ids, cont_ids,
-                                               max_new_tokens)
+                                               max_new_tokens, ways)
     runs = []
     tok = lm.tokenizer
     for i, cont in enumerate(conts):
         ref_toks, ref_logits = main[(i, REFERENCE)]
-        for strategy in REUSE_STRATEGIES:
+        for strategy in ways:
             toks, logits = main[(i, strategy)]
             row = {"continuation": cont, "index": i, "strategy": strategy, "token_ids": toks,
                    "text": tok.decode(toks)}
@@ -162,7 +169,8 @@ def run_reuse(lm: LoadedModel, prefix: str, continuations: list[str], max_new_to
                                "verdict": classify(same, rel64), "proved": None})
     if not settings.invariant and (prove if prove is not None else any(r["verdict"] == "precision" for r in runs)):
         progress(0.9, "Rerunning in invariant mode for the proof…")
-        inv = _reuse_runs(lm, settings.with_(invariant=True, compile="off"), prefix_ids, cont_ids, max_new_tokens)
+        inv = _reuse_runs(lm, settings.with_(invariant=True, compile="off"), prefix_ids, cont_ids, max_new_tokens,
+                          ways)
         for r in runs:
             if r["strategy"] != REFERENCE:
                 (t, lg), (tf, lgf) = inv[(r["index"], r["strategy"])], inv[(r["index"], REFERENCE)]

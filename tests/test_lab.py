@@ -119,3 +119,13 @@ def test_load_prompts_errors(tmp_path):
         load_prompts(tmp_path / "missing.txt")
     with pytest.raises(KvvizError, match="limit"):
         load_prompts("builtin", 0)
+
+
+def test_reuse_runs_only_the_ways_asked_for():
+    from kvviz.reuse import run_reuse
+
+    lm = kvviz.load_model("tiny:gpt2", "float32", DEVICE)
+    res = run_reuse(lm, "Answer.", [" Q?", " R?"], 2, ways=("deepcopy",))
+    assert [r["strategy"] for r in res.runs] == ["fresh", "deepcopy"] * 2
+    with pytest.raises(kvviz.KvvizError, match="unknown way"):
+        run_reuse(lm, "Answer.", [" Q?"], 2, ways=("copy",))

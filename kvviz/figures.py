@@ -92,6 +92,15 @@ def split_heatmap(res: SplitResult, metric: str = "relative", log: bool = True) 
     return heatmap(res.main.hidden[metric], labels, res.layer_labels, title, METRIC_TITLES[metric], log)
 
 
+def _shared_range(za: np.ndarray, zb: np.ndarray, log: bool) -> tuple[float, float] | None:
+    """One colour range for two maps (log10 of the positive values on a log scale; None when all are zero)."""
+    both = np.concatenate([za.ravel(), zb.ravel()])
+    if log:
+        pos = both[both > 0]
+        return (float(np.log10(pos.min())), float(np.log10(pos.max()))) if pos.size else None
+    return float(both.min()), float(both.max())
+
+
 def ab_heatmaps(res_a: SplitResult, res_b: SplitResult, label_a: str, label_b: str, metric: str = "relative",
                 log: bool = True) -> tuple[go.Figure, go.Figure, go.Figure]:
     """A/B: two split results of the same prompt and split on ONE shared colour scale, and their difference
@@ -104,12 +113,7 @@ def ab_heatmaps(res_a: SplitResult, res_b: SplitResult, label_a: str, label_b: s
     za, zb = (np.asarray(r.main.hidden[metric], dtype=float) for r in (res_a, res_b))
     if za.shape != zb.shape or list(res_a.compared) != list(res_b.compared):
         raise ValueError("A and B compare different positions or layers; use the same prompt and split point")
-    both = np.concatenate([za.ravel(), zb.ravel()])
-    if log:
-        pos = both[both > 0]
-        zrange = (float(np.log10(pos.min())), float(np.log10(pos.max()))) if pos.size else None
-    else:
-        zrange = (float(both.min()), float(both.max()))
+    zrange = _shared_range(za, zb, log)
     labels = [f"{i}: {short(res_a.tokens[i])}" for i in res_a.compared]
     name = METRIC_TITLES[metric]
     fa = heatmap(za, labels, res_a.layer_labels, f"A — {label_a}", name, log, zrange=zrange)
@@ -272,12 +276,7 @@ def ab_greedy_heatmaps(res_a, res_b, label_a: str, label_b: str, log: bool = Tru
         raise ValueError("A and B have different numbers of layers; compare settings of the same model")
     n = min(za.shape[1], zb.shape[1])
     za, zb = za[:, :n], zb[:, :n]
-    both = np.concatenate([za.ravel(), zb.ravel()])
-    if log:
-        pos = both[both > 0]
-        zrange = (float(np.log10(pos.min())), float(np.log10(pos.max()))) if pos.size else None
-    else:
-        zrange = (float(both.min()), float(both.max()))
+    zrange = _shared_range(za, zb, log)
     ta, tb = res_a.paths[pair[0]].tokens, res_b.paths[pair[0]].tokens
     name = f"{pair[0]} vs {pair[1]}: relative gap"
     fa = heatmap(za, [f"{t}: {short(ta[t])}" for t in range(n)], res_a.layer_labels, f"A — {label_a}", name, log,

@@ -339,6 +339,41 @@ def exports(res, name: str, lm=None) -> None:
             cols[2].caption(f"No repro script: {why}")
 
 
+def ab_controls(prefix: str, choice: "ModelChoice", lm, scenario: dict[str, list[str]], help_text: str):
+    """The A/B row every view shares: which setting to change (dtype, attention, invariant mode, plus the view's own
+    `scenario` settings) and B's value. Returns None until "Run B" is on, else (what, other, lm_b, settings_b):
+    the model and execution settings B runs with (for a scenario setting, the caller changes its own config)."""
+    AB = {"dtype": [d for d in kvviz.DTYPE_NAMES if d != choice.dtype],
+          "attention": [a for a in kvviz.ATTN_CHOICES if a not in ("auto", choice.attn)],
+          "invariant mode": ["off" if choice.invariant else "on"], **scenario}
+    a1, a2, a3 = st.columns([2, 2, 1])
+    what = a1.selectbox("Change", list(AB), key=f"{prefix}_ab_what")
+    other = a2.selectbox("B", AB[what], key=f"{prefix}_ab_{what.split()[0]}")
+    if not a3.toggle("Run B", False, key=f"{prefix}_ab_on", help=help_text) or other is None:
+        return None
+    lm_b, settings_b = lm, choice.settings
+    if what == "dtype":
+        lm_b = lm.twin(other)
+    elif what == "attention":
+        lm_b = kvviz.load_model(choice.model_spec, choice.dtype, choice.device, other,
+                                trust_remote_code=choice.trust_remote_code)
+    elif what == "invariant mode":
+        settings_b = ExecSettings(invariant=other == "on")
+    return what, other, lm_b, settings_b
+
+
+def show_ab(figs, prefix: str, caption: str, texts: tuple[str, str] | None = None) -> None:
+    """A and B side by side on their shared scale, |B − A| below (and each side's text under its map)."""
+    b1, b2 = st.columns(2)
+    b1.plotly_chart(figs[0], width="stretch", key=f"{prefix}_ab_a")
+    b2.plotly_chart(figs[1], width="stretch", key=f"{prefix}_ab_b")
+    if texts is not None:
+        b1.text(texts[0])
+        b2.text(texts[1])
+    st.plotly_chart(figs[2], width="stretch", key=f"{prefix}_ab_diff")
+    st.caption(caption)
+
+
 def controls():
     """Where a page draws its controls: collapsed into an expander in presenter mode, so the verdict and the main
     chart share the first screen; plain otherwise."""

@@ -4,7 +4,7 @@ import streamlit as st
 from kvviz import figures
 from kvviz.greedy import DEFAULT_PATHS, MAX_NEW_TOKENS, PATH_LABELS, PATHS, GreedyConfig, run_greedy
 from kvviz.inputs import POSITION_MODES
-from pages.common import controls, exports, page, verdict_and_chart, progress_bar, run_cached, show_error, show_verdict
+from pages.common import ab_controls, controls, show_ab, exports, page, verdict_and_chart, progress_bar, run_cached, show_error, show_verdict
 
 choice, lm = page("Greedy paths",
                   "Decode greedily without cache, with cache, with generate() (and the loop people write): the texts side "
@@ -62,27 +62,11 @@ log = st.toggle("Log colour scale", True, key="greedy_log")
 st.plotly_chart(figures.greedy_heatmap(res, res.pairs[pair_names.index(sel)], log), width="stretch",
                 key="greedy_heatmap")
 with st.expander("A/B: this decoding against one other setting, on one colour scale"):
-    import kvviz
-
-    AB = {"dtype": [d for d in kvviz.DTYPE_NAMES if d != choice.dtype],
-          "attention": [a for a in kvviz.ATTN_CHOICES if a not in ("auto", choice.attn)],
-          "invariant mode": ["off" if choice.invariant else "on"],
-          "position ids (cache path)": [m for m in POSITION_MODES if m != pos_mode]}
-    a1, a2, a3 = st.columns([2, 2, 1])
-    what = a1.selectbox("Change", list(AB), key="greedy_ab_what")
-    other = a2.selectbox("B", AB[what], key=f"greedy_ab_{what.split()[0]}")
-    show_ab = a3.toggle("Run B", False, key="greedy_ab_on", help="Decodes once more with B's setting")
-    if show_ab and other is not None:
-        cfg_b, lm_b, settings_b = cfg, lm, choice.settings
-        if what == "dtype":
-            lm_b = lm.twin(other)
-        elif what == "attention":
-            lm_b = kvviz.load_model(choice.model_spec, choice.dtype, choice.device, other,
-                                    trust_remote_code=choice.trust_remote_code)
-        elif what == "invariant mode":
-            settings_b = kvviz.ExecSettings(invariant=other == "on")
-        else:
-            cfg_b = GreedyConfig(**{**cfg.__dict__, "position_ids": other})
+    ab = ab_controls("greedy", choice, lm, {"position ids (cache path)": [m for m in POSITION_MODES if m != pos_mode]},
+                     "Decodes once more with B's setting")
+    if ab is not None:
+        what, other, lm_b, settings_b = ab
+        cfg_b = GreedyConfig(**{**cfg.__dict__, "position_ids": other}) if what.startswith("position") else cfg
 
         def compute_b():
             with progress_bar(f"B: {what} = {other}…") as report:
@@ -102,14 +86,9 @@ with st.expander("A/B: this decoding against one other setting, on one colour sc
         except Exception as e:  # noqa: BLE001
             show_error(e)
         else:
-            b1, b2 = st.columns(2)
-            b1.plotly_chart(figs[0], width="stretch", key="greedy_ab_a")
-            b2.plotly_chart(figs[1], width="stretch", key="greedy_ab_b")
-            st.plotly_chart(figs[2], width="stretch", key="greedy_ab_diff")
-            b1.text(res.paths["cache"].text)
-            b2.text(res_b.paths["cache"].text)
-            st.caption("No cache vs cache in both; same colour scale on both maps, the third is their difference; "
-                       "the red line marks where each pair's texts part. Under each map: the cached path's text.")
+            show_ab(figs, "greedy", "No cache vs cache in both; same colour scale on both maps, the third is their "
+                                    "difference; the red line marks where each pair's texts part. Under each map: "
+                                    "the cached path's text.", (res.paths["cache"].text, res_b.paths["cache"].text))
 ref = figures.greedy_reference_gap(res)
 if ref is not None:
     st.plotly_chart(ref, width="stretch", key="greedy_ref_chart")

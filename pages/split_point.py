@@ -5,7 +5,7 @@ import kvviz
 from kvviz import figures
 from kvviz.inputs import MASK_MODES, POSITION_MODES, encode
 from kvviz.metrics import HIDDEN_METRICS
-from pages.common import controls, exports, page, verdict_and_chart, progress_bar, run_cached, show_error, show_verdict, token_strip
+from pages.common import ab_controls, controls, show_ab, exports, page, verdict_and_chart, progress_bar, run_cached, show_error, show_verdict, token_strip
 
 DEFAULT_PROMPT = "The capital of France is Paris, and the capital of Italy is"
 
@@ -99,25 +99,11 @@ with right:
 st.plotly_chart(figures.layer_lines(res, metric, log), width="stretch", key="split_lines")
 
 with st.expander("A/B: this view against one other setting, on one colour scale"):
-    AB = {"dtype": [d for d in kvviz.DTYPE_NAMES if d != choice.dtype],
-          "feed mode": [m for m in ("chunk", "step") if m != mode],
-          "attention": [a for a in kvviz.ATTN_CHOICES if a not in ("auto", choice.attn)],
-          "invariant mode": ["off" if choice.invariant else "on"]}
-    a1, a2, a3 = st.columns([2, 2, 1])
-    what = a1.selectbox("Change", list(AB), key="split_ab_what")
-    other = a2.selectbox("B", AB[what], key=f"split_ab_{what.replace(' ', '_')}")
-    show_ab = a3.toggle("Run B", False, key="split_ab_on", help="Runs the model once more with B's setting")
-    if show_ab and other is not None:
-        cfg_b, lm_b, settings_b = cfg, lm, choice.settings
-        if what == "dtype":
-            lm_b = lm.twin(other)
-        elif what == "feed mode":
-            cfg_b = kvviz.SplitConfig(**{**cfg.__dict__, "mode": other})
-        elif what == "attention":
-            lm_b = kvviz.load_model(choice.model_spec, choice.dtype, choice.device, other,
-                                    trust_remote_code=choice.trust_remote_code)
-        else:
-            settings_b = kvviz.ExecSettings(invariant=other == "on")
+    ab = ab_controls("split", choice, lm, {"feed mode": [m for m in ("chunk", "step") if m != mode]},
+                     "Runs the model once more with B's setting")
+    if ab is not None:
+        what, other, lm_b, settings_b = ab
+        cfg_b = kvviz.SplitConfig(**{**cfg.__dict__, "mode": other}) if what == "feed mode" else cfg
 
         def compute_b():
             with progress_bar(f"B: {what} = {other}…") as report:
@@ -132,12 +118,8 @@ with st.expander("A/B: this view against one other setting, on one colour scale"
         except Exception as e:  # noqa: BLE001
             show_error(e)
         else:
-            b1, b2 = st.columns(2)
-            b1.plotly_chart(figs[0], width="stretch", key="split_ab_a")
-            b2.plotly_chart(figs[1], width="stretch", key="split_ab_b")
-            st.plotly_chart(figs[2], width="stretch", key="split_ab_diff")
-            st.caption(f"A largest |Δ| {res.main.max_abs:.4g}, B {res_b.main.max_abs:.4g}. "
-                       "Same colour scale on both maps; the third map is their difference.")
+            show_ab(figs, "split", f"A largest |Δ| {res.main.max_abs:.4g}, B {res_b.main.max_abs:.4g}. Same colour "
+                                   "scale on both maps; the third map is their difference.")
 
 t1, t2, t3 = st.tabs(["Logits per position", "Last position: describe()", "Keys / values per layer"])
 with t1:

@@ -112,9 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     mp = sub.add_parser("matrix", help="attention × cache kind × compile × precision flags, repeated: which "
                                        "settings change greedy decoding, and how")
     _model_args(mp, attn_list=True)
-    mp.add_argument("--prompt", default=None, help="the prompt (row 0); required unless --preset seed004")
-    mp.add_argument("--preset", choices=("seed004",), default=None,
-                    help="seed004: a short left-padded prompt batched with one longer than the sliding window, "
+    mp.add_argument("--prompt", default=None, help="the prompt (row 0); required unless --preset sliding-window")
+    mp.add_argument("--preset", choices=("sliding-window", "seed004"), default=None,
+                    help="sliding-window (alias seed004, the torch.compile report): a short left-padded prompt "
+                         "batched with one longer than the sliding window, "
                          "generating past the window")
     mp.add_argument("--max-new-tokens", type=int, default=16)
     mp.add_argument("--cache", default="dynamic,static",
@@ -165,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="int8/int4: optimum-quanto weight-only (CPU and CUDA); bnb-int8/bnb-nf4: bitsandbytes (CUDA)")
     qp.add_argument("--max-new-tokens", type=int, default=24)
 
-    rp = sub.add_parser("reuse", help="a prompt cache reused for several continuations (seed 001)")
+    rp = sub.add_parser("reuse", help="a prompt cache reused for several continuations: fresh, deep copy, reused")
     _model_args(rp)
     rp.add_argument("--prefix", required=True)
     rp.add_argument("--continuation", action="append", required=True, help="repeat for several")
@@ -358,7 +359,7 @@ def cmd_dtypes(args) -> int:
         return 0
     print(f"model: {res.model['description']}; device {res.settings.device}; {len(res.prompts)} prompts, "
           f"split {res.settings.split}")
-    print("\nmax |Δ| per layer, mean over prompts (as seed 000 averages):")
+    print("\nmax |Δ| per layer, mean over prompts:")
     print(res.stat("max_abs", "mean").to_string(float_format=lambda v: f"{v:.3g}"))
     print("\nin units of each dtype's epsilon, max over prompts:")
     print(res.stat("eps_units", "max").to_string(float_format=lambda v: f"{v:.3g}"))
@@ -450,13 +451,13 @@ def cmd_matrix(args) -> int:
     from .matrix import MatrixConfig, run_matrix, seed004_config
 
     flag_sets = tuple(() if f.strip() in ("", "none") else _split_list(f) for f in (args.flags or ["none"]))
-    if args.preset == "seed004":
+    if args.preset in ("sliding-window", "seed004"):
         lm = _load(args)
         cfg = seed004_config(lm, args.max_new_tokens if args.max_new_tokens != 16 else None)
         cfg.invariant = bool(args.invariant)
     else:
         if not args.prompt:
-            raise KvvizError("give --prompt TEXT (or --preset seed004)")
+            raise KvvizError("give --prompt TEXT (or --preset sliding-window)")
         cfg = MatrixConfig(prompt=args.prompt, max_new_tokens=args.max_new_tokens, attentions=_split_list(args.attns),
                            caches=_split_list(args.cache), compiles=_split_list(args.compile), flag_sets=flag_sets,
                            repeats=args.repeats, left_pad=args.left_pad, position_ids=args.position_ids,

@@ -334,7 +334,8 @@ def seed004_config(lm: LoadedModel, max_new_tokens: int | None = None) -> Matrix
     generating past the window, over attention kinds and dynamic/static caches."""
     window = getattr(lm.config, "sliding_window", None)
     if not window:
-        raise KvvizError(f"{lm.name} has no sliding window; the seed-004 preset needs a model with one "
+        raise KvvizError(f"{lm.name} has no sliding window; the sliding-window preset (torch.compile report) needs "
+                         f"a model with one "
                          f"(e.g. tiny:mistral, tiny:gemma2)")
     long_prompt = SEED004_PROMPT
     while len(encode(lm, long_prompt)) <= window:

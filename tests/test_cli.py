@@ -172,3 +172,9 @@ def test_no_proof_skips_the_invariant_rerun(monkeypatch, capsys):
     assert seen == {"run_padding": False, "run_reuse": False}
     assert main(["padding", "--model", "tiny:gpt2", "--prompt", "Hello world, caching", "--json", "--quiet"]) == 0
     assert seen["run_padding"] is True
+
+
+def test_matrix_sliding_window_preset_names_what_it_needs(capsys):
+    assert main(["matrix", "--model", "tiny:llama", "--preset", "sliding-window", "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "no sliding window" in err and "tiny:mistral" in err and "seed" not in err

@@ -108,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--prompt", default="This is a ")
     tp.add_argument("--max-new-tokens", type=int, default=24)
     tp.add_argument("--cast-dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    tp.add_argument("--repro", default=None, help="also write a standalone repro script (torch + transformers only)")
 
     mp = sub.add_parser("matrix", help="attention × cache kind × compile × precision flags, repeated: which "
                                        "settings change greedy decoding, and how")
@@ -165,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     qp.add_argument("--weights", default="none", choices=("none", "int8", "int4", "bnb-int8", "bnb-nf4"),
                     help="int8/int4: optimum-quanto weight-only (CPU and CUDA); bnb-int8/bnb-nf4: bitsandbytes (CUDA)")
     qp.add_argument("--max-new-tokens", type=int, default=24)
+    qp.add_argument("--repro", default=None, help="also write a standalone repro script (torch + transformers only)")
 
     rp = sub.add_parser("reuse", help="a prompt cache reused for several continuations: fresh, deep copy, reused")
     _model_args(rp)
@@ -199,8 +201,8 @@ def _load(args):
 
 
 def _exports(args, res, lm=None) -> None:
-    """--json-out, --html (every view) and --repro (split, greedy, dtypes, padding, reuse): written after the run; a
-    message on stderr for each."""
+    """--json-out, --html (every view) and --repro (split, greedy, dtypes, padding, reuse, loading-trap, quant):
+    written after the run; a message on stderr for each."""
     from pathlib import Path
 
     from .export import export_json, html_report
@@ -432,7 +434,9 @@ def cmd_loading_trap(args) -> int:
     from .jsonout import dumps
     from .loading_trap import run_loading_trap
 
-    res = run_loading_trap(_load(args), args.prompt, args.max_new_tokens, args.cast_dtype)
+    lm = _load(args)
+    res = run_loading_trap(lm, args.prompt, args.max_new_tokens, args.cast_dtype)
+    _exports(args, res, lm)
     if args.json:
         print(dumps(res.to_dict()))
         return 0

@@ -9,7 +9,12 @@ cache objects in the same order), so the numbers agree to the last bit, not just
   dtypes   the split comparison per dtype (float64 aside) and prompt (the figure: the largest over all);
   padding  the prompt alone, left-padded and in a batch, every cache setting (the figure: the largest over cells);
   reuse    fresh / deep-copied / reused prefix cache per continuation (the figure: the largest against fresh while
-           the tokens agree).
+           the tokens agree);
+  loading_trap  from_pretrained(dtype) vs float32 + .to(dtype), greedy without cache (the figure: the largest over
+           the steps);
+  quant    the unquantized run vs the quantized one teacher forced on its tokens (the figure: the largest over the
+           steps). This script also needs the quantization package the result used (optimum-quanto or hqq; fp8
+           needs none).
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ from .errors import KvvizError
 from .export import view_of
 from .loading import LoadedModel
 
-VIEWS = ("split", "greedy", "dtypes", "padding", "reuse")
+VIEWS = ("split", "greedy", "dtypes", "padding", "reuse", "loading_trap", "quant")
 
 _HEADER = '''"""kvviz repro: {title}
 Standalone: needs only torch and transformers. Run: python {name}
@@ -264,15 +269,107 @@ print("max |Δ logits| = " + repr(worst))
 '''
 
 
+_TRAP = '''
+DTYPE = torch.{dtype}
+PROMPT_IDS = {ids!r}  # {prompt!r}
+STEPS = {steps!r}
+
+
+def greedy(model):
+    """A full forward at every step (no cache), the mask given, positions left to the model."""
+    ids = torch.tensor([PROMPT_IDS], device=DEVICE)
+    mask = torch.ones_like(ids)
+    toks, logits = [], []
+    for _ in range(STEPS):
+        lg = forward(model, ids, mask, use_cache=False, hidden=False).logits[0, -1]
+        toks.append(int(lg.argmax()))
+        logits.append(lg.double())
+        ids = torch.cat([ids, torch.tensor([[toks[-1]]], device=DEVICE)], 1)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+    return toks, torch.stack(logits)
+
+
+with torch.inference_mode():
+    a_toks, a_logits = greedy(load(DTYPE))  # from_pretrained(dtype=...)
+    b_toks, b_logits = greedy(load(torch.float32).to(DTYPE))  # float32, then .to(dtype)
+gap = (a_logits - b_logits).abs().amax(-1)
+print("from_pretrained(dtype):", repr(tok.decode(a_toks)))
+print("float32 + .to(dtype):  ", repr(tok.decode(b_toks)))
+print("max |Δ logit| per step:", [float(g) for g in gap])
+print("max |Δ logits| = " + repr(float(gap.max())))
+'''
+
+_QUANT = '''
+DTYPE = torch.{dtype}
+PROMPT_IDS = {ids!r}  # {prompt!r}
+STEPS = {steps!r}
+KV = {kv!r}  # (backend, nbits, residual length, group size) or None
+WEIGHTS = {weights!r}  # "int8" / "int4" weight-only (optimum-quanto) or None
+
+input_ids = torch.tensor([PROMPT_IDS], device=DEVICE)
+mask = torch.ones_like(input_ids)
+positions = positions_from(mask)
+
+
+def decode(model, cache, forced=None):
+    """Prefill, then one token at a time through `cache` (None: the model's dynamic cache), mask and positions."""
+    out = forward(model, input_ids, mask, positions, cache)
+    cache, m, last, toks, logits = out.past_key_values, mask, positions[:, -1:], [], []
+    for t in range(STEPS):
+        lg = out.logits[0, -1]
+        toks.append(forced[t] if forced is not None else int(lg.argmax()))
+        logits.append(lg)
+        if t == STEPS - 1:
+            break
+        m = torch.cat([m, torch.ones((1, 1), dtype=m.dtype, device=DEVICE)], 1)
+        last = last + 1
+        out = forward(model, torch.tensor([[toks[-1]]], device=DEVICE), m, last, cache)
+        cache = out.past_key_values
+    return toks, torch.stack(logits)
+
+
+def quantized_cache(model):
+    if KV is None:
+        return None
+    from transformers import QuantizedCache
+
+    backend, nbits, residual, group = KV
+    if backend == "fp8":
+        return QuantizedCache(backend="fp8", config=model.config)
+    return QuantizedCache(backend=backend, config=model.config, nbits=nbits, residual_length=residual,
+                          q_group_size=group)
+
+
+model = load(DTYPE)
+with torch.no_grad():
+    ref_toks, ref_logits = decode(model, None)
+    if WEIGHTS is not None:
+        from optimum.quanto import freeze, qint4, qint8, quantize
+
+        model = load(DTYPE)
+        quantize(model, weights={{"int8": qint8, "int4": qint4}}[WEIGHTS])
+        freeze(model)
+    _, q_logits = decode(model, quantized_cache(model), forced=ref_toks)
+gap = (q_logits.double() - ref_logits.double()).abs().amax(-1)
+print("unquantized:", repr(tok.decode(ref_toks)))
+print("max |Δ logit| per step (quantized, teacher forced):", [float(g) for g in gap])
+print("max |Δ logits| = " + repr(float(gap.max())))
+'''
+
+
 def _check(result) -> str:
     view = view_of(result)
     if view not in VIEWS:
         raise KvvizError(f"repro scripts are written for {', '.join(VIEWS)}; this {view} result has its JSON and "
                          "HTML exports")
     s = result.settings
+    if view == "loading_trap":
+        return view
     if not s.execution.is_default:
         raise KvvizError(f"a repro script rebuilds the plain run; this one used {s.execution.label()} "
                          "(invariant mode, cache kinds and flags live in kvviz)")
+    if view == "quant" and s.weights.startswith("bnb-"):
+        raise KvvizError("bitsandbytes weights load through kvviz's CUDA path; no script for them")
     if view == "split" and not result.main.has_cache:
         raise KvvizError("this model returns no cache: there is no cached run to reproduce")
     if view == "greedy":
@@ -291,10 +388,18 @@ def repro_script(result, lm: LoadedModel, name: str = "kvviz_repro.py") -> str:
     execution settings; for dtypes, any dtype of the same model)."""
     view = _check(result)
     s = result.settings
+    if view == "loading_trap":
+        from .inputs import encode
+
+        title = f"from_pretrained(dtype={s['dtype']}) vs float32 + .to({s['dtype']}) for {s['model']}"
+        body = _TRAP.format(dtype=s["dtype"], ids=encode(lm, s["prompt"]), prompt=s["prompt"],
+                            steps=s["max_new_tokens"])
+        return _HEADER.format(title=title, name=name, folder=lm.source, model=s["model"],
+                              device=s.get("device", str(lm.device)), attn=lm.attn_requested,
+                              float64_mode=_NO_FLOAT64) + body
     uses64 = s.dtype == "float64" and view != "dtypes"
     head = dict(name=name, folder=lm.source, model=s.model, device=s.device, attn=lm.attn_requested,
-                float64_mode=_float64_mode() if uses64 else "\n\ndef keep_float64(model):  # not needed here\n"
-                                                             "    pass\n")
+                float64_mode=_float64_mode() if uses64 else _NO_FLOAT64)
     if view == "split":
         title = f"split of {s.model} at {s.split} ({s.mode}), {s.dtype} on {s.device}"
         body = _SPLIT.format(dtype=s.dtype, prompt=s.prompt, split=s.split, left_pad=s.left_pad, mode=s.mode,
@@ -329,6 +434,15 @@ def repro_script(result, lm: LoadedModel, name: str = "kvviz_repro.py") -> str:
                                left_pad=s.left_pad, placements=tuple(p for p in PLACEMENTS
                                                                      if p != "left-padded" or s.left_pad > 0),
                                scenarios=SCENARIOS)
+    elif view == "quant":
+        from .inputs import encode
+        from .quant import kv_group_size, parse_kv
+
+        backend, nbits = parse_kv(s.kv)
+        kv = None if backend == "none" else (backend, nbits, s.residual_length, kv_group_size(lm))
+        title = f"{s.model} unquantized vs {result.label}, {s.dtype} on {s.device}"
+        body = _QUANT.format(dtype=s.dtype, ids=encode(lm, s.prompt), prompt=s.prompt, steps=s.max_new_tokens,
+                             kv=kv, weights=None if s.weights == "none" else s.weights)
     else:
         from .reuse import _check as reuse_inputs
 
@@ -337,6 +451,9 @@ def repro_script(result, lm: LoadedModel, name: str = "kvviz_repro.py") -> str:
         body = _REUSE.format(dtype=s.dtype, prefix_ids=prefix_ids, prefix=s.prefix, cont_ids=cont_ids,
                              continuations=conts, steps=s.max_new_tokens)
     return _HEADER.format(title=title, **head) + body
+
+
+_NO_FLOAT64 = "\n\ndef keep_float64(model):  # not needed here\n    pass\n"
 
 
 def _float64_mode() -> str:
@@ -364,4 +481,8 @@ def key_figure(result) -> float:
                    if d != "float64" and d not in result.settings.skipped_dtypes)
     if view == "padding":
         return max(c["logits_max_abs"] for c in result.cells)
+    if view == "loading_trap":
+        return max(result.max_abs_logit)
+    if view == "quant":
+        return max(result.logits_max_abs)
     return max(r["logits_max_abs"] for r in result.runs if r["strategy"] != "fresh")

@@ -109,10 +109,11 @@ def test_repro_script_reproduces_the_figure_bit_for_bit(arch, dtype, kw, tmp_pat
 
 
 def test_repro_refuses_what_it_cannot_rebuild(lm, results):
-    from kvviz.quant import QuantConfig, run_quant
+    from kvviz.matrix import MatrixConfig, run_matrix
 
+    grid = run_matrix(lm, MatrixConfig("Hi", 2, attentions=("eager",), caches=("dynamic",), repeats=1))
     with pytest.raises(KvvizError, match="JSON and HTML exports"):
-        repro_script(run_quant(lm, QuantConfig(PROMPT, kv="fp8", max_new_tokens=2)), lm)
+        repro_script(grid, lm)
     inv = kvviz.run_split(lm, kvviz.SplitConfig(PROMPT, 8), settings=kvviz.ExecSettings(invariant=True))
     with pytest.raises(KvvizError, match="invariant"):
         repro_script(inv, lm)
@@ -130,19 +131,24 @@ def test_cli_exports_and_open(tmp_path, capsys):
     assert "verdict:" in out and "environment: the same as here" in out
     for cmd in (["greedy", "--prompt", "Hi", "--max-new-tokens", "2"], ["padding", "--prompt", PROMPT],
                 ["reuse", "--prefix", "A.", "--continuation", " B", "--max-new-tokens", "2"],
-                ["dtypes", "--prompt", PROMPT, "--dtypes", "float32"]):
+                ["dtypes", "--prompt", PROMPT, "--dtypes", "float32"],
+                ["loading-trap", "--prompt", PROMPT, "--max-new-tokens", "2"],
+                ["quant", "--prompt", PROMPT, "--kv", "fp8", "--max-new-tokens", "2"]):
         out_json = tmp_path / f"{cmd[0]}.json"
         script = tmp_path / f"{cmd[0]}.py"
-        assert main([*cmd, "--model", "tiny:gpt2", "--device", DEVICE, "--quiet", "--json-out", str(out_json),
+        assert main([*cmd, "--model", "tiny:llama", "--device", DEVICE, "--quiet", "--json-out", str(out_json),
                      "--html", str(tmp_path / f"{cmd[0]}.html"), "--repro", str(script)]) == 0
-        assert open_result(out_json.read_text()).view == cmd[0]
-        assert script.read_text().rstrip().endswith('print("max |Δ logits| = " + repr(' +
-                                                    ("float(gap.max())))" if cmd[0] == "greedy" else
-                                                     "max(worst.values())))" if cmd[0] == "dtypes" else "worst))"))
+        assert open_result(out_json.read_text()).view == cmd[0].replace("-", "_")
+        last = script.read_text().rstrip().splitlines()[-1]
+        assert last.startswith('print("max |Δ logits| = " + repr('), (cmd[0], last)
+        compile(script.read_text(), str(script), "exec")  # a valid Python file
 
 
 def test_repro_scripts_of_every_view_reproduce_their_figure_bit_for_bit(tmp_path):
-    """greedy, dtypes, padding and reuse: each script makes kvviz's calls, so its last line is the figure exactly."""
+    """greedy, dtypes, padding, reuse, loading trap and quantized: each script makes kvviz's calls, so its last line
+    is the figure exactly."""
+    from kvviz.loading_trap import run_loading_trap
+    from kvviz.quant import QuantConfig, run_quant
     from kvviz.dtype_sweep import run_dtypes
     from kvviz.greedy import GreedyConfig, run_greedy
     from kvviz.padding import run_padding
@@ -156,6 +162,9 @@ def test_repro_scripts_of_every_view_reproduce_their_figure_bit_for_bit(tmp_path
         "padding": (run_padding(llama, PROMPT, left_pad=3), llama),
         "reuse": (run_reuse(gemma, "Answer briefly.", [" Q: 2+2? A:", " Q: sky? A:"], 4), gemma),
         "dtypes": (run_dtypes(llama, [PROMPT, "Another prompt"], ["float32", "bfloat16"], split="half"), llama),
+        "loading_trap": (run_loading_trap(gpt2, PROMPT, 4, "float16"), gpt2),
+        "quant": (run_quant(llama, QuantConfig(PROMPT, kv="quanto:int2", residual_length=2, weights="int8",
+                                               max_new_tokens=4)), llama),
     }
     procs = {}
     for view, (res, m) in cases.items():
@@ -173,6 +182,7 @@ def test_repro_scripts_of_every_view_reproduce_their_figure_bit_for_bit(tmp_path
     # the padding figure includes the logic cells (positions omitted with pads): far from zero on any machine
     assert key_figure(cases["padding"][0]) > 0.01
     assert key_figure(cases["reuse"][0]) > 0  # "reused" saw the earlier continuation: logic, a real gap
+    assert key_figure(cases["quant"][0]) > 0  # int2 keys and int8 weights: lossy by design
 
 
 def test_repro_refuses_fast_greedy_and_views_without_a_script(lm):

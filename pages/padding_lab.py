@@ -3,7 +3,7 @@ import streamlit as st
 
 from kvviz import figures
 from kvviz.padding import run_padding
-from pages.common import controls, exports, page, progress_bar, run_cached, show_error
+from pages.common import ab_controls, controls, exports, page, progress_bar, run_cached, show_ab, show_error
 
 choice, lm = page("Padding and batching",
                   "Why does left padding or batching change the output? Every cell is the prompt's hidden states compared "
@@ -42,6 +42,27 @@ st.markdown("""
   tokens cannot see the latest keys — *logic*, even without padding.
 """)
 st.dataframe(res.grid("verdict"), width="stretch")
+with st.expander("A/B: this grid against one other setting, on one colour scale"):
+    ab = ab_controls("pad", choice, lm, {}, "Runs the grid once more with B's setting")
+    if ab is not None:
+        what, other, lm_b, settings_b = ab
+
+        def compute_b():
+            with progress_bar(f"B: {what} = {other}…") as report:
+                return run_padding(lm_b, prompt, int(split) or None, int(left_pad), progress=report,
+                                   settings=settings_b)
+
+        try:
+            res_b = run_cached("padding_ab", {"model": choice.key, "prompt": prompt, "pad": int(left_pad),
+                                              "split": int(split), "ab": [what, other]}, compute_b)
+            label_a = {"dtype": choice.dtype, "attention": lm.attn_implementation,
+                       "invariant mode": "on" if choice.invariant else "off"}[what]
+            figs = figures.ab_padding_grids(res, res_b, f"{what} = {label_a}", f"{what} = {other}", value)
+        except Exception as e:  # noqa: BLE001
+            show_error(e)
+        else:
+            show_ab(figs, "pad", "The cells' relative gaps (log₁₀) on one colour scale; exact zeros are written 0 "
+                                 "and left grey; the third grid is |B − A|.")
 proved = [c for c in res.cells if c["proved"] is not None]
 if proved:
     n_ok = sum(c["proved"] for c in proved)

@@ -391,3 +391,14 @@ def test_greedy_ab_runs_b_once_on_a_shared_scale():
     assert zb["zmax"] > -3  # the logic gap: relative gaps far above rounding
     assert (za["zmin"], za["zmax"]) == (zb["zmin"], zb["zmax"])  # one shared colour scale
     assert any(f["layout"].get("title", {}).get("text", "").startswith("|B − A|") for f in figs)
+
+
+def test_padding_page_without_padding_and_its_ab():
+    at = start("pages/padding_lab.py", model="tiny:llama", pad_pad=0)
+    grid = json.loads(at.get("plotly_chart")[0].proto.spec)
+    assert grid["data"][0]["y"] == ["alone", "in a batch"]  # no "left-padded" row at padding 0
+    at.selectbox(key="pad_ab_what").set_value("invariant mode").run()
+    at.toggle(key="pad_ab_on").set_value(True).run()
+    assert not at.exception, at.exception
+    titles = [json.loads(c.proto.spec)["layout"]["title"]["text"] for c in at.get("plotly_chart")]
+    assert "B — invariant mode = on" in titles and "|B − A| of the relative gap" in titles

@@ -165,3 +165,20 @@ def test_display_tokens_whole_characters_and_never_the_replacement_sign(arch):
     assert stray[0].startswith("⟨") and stray[-1] == "⟨" + f"{'世'.encode()[0]:02x}" + "⟩"
     assert [fmt_number(v) for v in (None, float("nan"), 0.0, 2e-15, 0.1234567, 12345.678)] == \
         ["—", "—", "0", "2.00e-15", "0.123", "1.23e+04"]
+
+
+def test_padding_grid_without_padding_and_its_ab():
+    """No padding: no "left-padded" row (it would be "alone" again), in the grid and its A/B; A and B share one
+    colour range."""
+    from kvviz.padding import run_padding
+
+    lm = kvviz.load_model("tiny:gpt2", "float32", DEVICE)
+    res = run_padding(lm, "Hello world, caching", left_pad=0, prove=False)
+    fig = figures.padding_grid(res)
+    assert list(fig.data[0].y) == ["alone", "in a batch"]
+    b = run_padding(lm.twin("bfloat16"), "Hello world, caching", left_pad=0, prove=False)
+    fa, fb, fd = figures.ab_padding_grids(res, b, "float32", "bfloat16")
+    assert list(fa.data[0].y) == ["alone", "in a batch"]
+    assert (fa.data[0].zmin, fa.data[0].zmax) == (fb.data[0].zmin, fb.data[0].zmax)
+    assert fa.data[0].zmax > -2  # the logic cells (mask new-only) are far above rounding on any machine
+    assert "|B − A|" in fd.layout.title.text

@@ -421,6 +421,34 @@ def dtype_curves(res, metric: str = "max_abs", how: str = "mean") -> go.Figure:
     return fig
 
 
+def ab_dtype_curves(res_a, res_b, label_a: str, label_b: str, metric: str = "max_abs", how: str = "mean"
+                    ) -> tuple[go.Figure, go.Figure, go.Figure]:
+    """A/B for the dtype sweep: both charts on ONE y range, and |B − A| per dtype and layer."""
+    fa, fb = dtype_curves(res_a, metric, how), dtype_curves(res_b, metric, how)
+    ys = [v for f in (fa, fb) for t in f.data for v in (t.y or ()) if v is not None and v > 0]
+    if ys:
+        rng = [math.floor(math.log10(min(ys))), math.ceil(math.log10(max(ys)))]
+        for f in (fa, fb):
+            f.update_yaxes(range=rng)
+    fa.update_layout(title=f"A — {label_a}")
+    fb.update_layout(title=f"B — {label_b}")
+    ta, tb = res_a.stat(metric, how), res_b.stat(metric, how)
+    fd = go.Figure()
+    for d in [d for d in res_a.dtypes if d in res_b.dtypes]:
+        diff = np.abs(tb[d].to_numpy(dtype=float) - ta[d].to_numpy(dtype=float))
+        positive = diff[diff > 0]
+        floor = positive.min() / 10 if positive.size else 1e-20
+        fd.add_trace(go.Scatter(x=list(ta.index), y=_floor_zeros(diff, floor), mode="lines+markers", name=d,
+                                line=dict(color=DTYPE_COLORS.get(d)),
+                                customdata=[f"{v:.3g}" if v > 0 else "0 (bitwise equal)" for v in diff],
+                                hovertemplate="%{x}<br>" + d + ": %{customdata}<extra></extra>"))
+    fd.update_layout(title=f"|B − A| of {METRIC_TITLES.get(metric, metric)} per layer", height=380,
+                     margin=dict(l=10, r=10, t=60, b=10), legend=dict(orientation="h", y=-0.35))
+    fd.update_yaxes(type="log", exponentformat="power")
+    _thin_x(fd, list(ta.index))
+    return fa, fb, fd
+
+
 def padding_grid(res, value: str = "hidden_relative") -> go.Figure:
     """Placements × scenarios: each cell coloured by its verdict, with the gap written in it (placements that do
     not apply - "left-padded" with no padding - are left out)."""
@@ -473,6 +501,22 @@ def ab_padding_grids(res_a, res_b, label_a: str, label_b: str, value: str = "hid
 
     return (grid(za, res_a, f"A — {label_a}"), grid(zb, res_b, f"B — {label_b}"),
             grid(np.abs(zb - za), res_a, "|B − A| of the relative gap", verdicts=False))
+
+
+def ab_reuse_frame(res_a, res_b) -> pd.DataFrame:
+    """A/B for prompt-cache reuse: per continuation and way, A's and B's verdict, gap to fresh and text."""
+    from .text import fmt_number
+
+    b = {(r["index"], r["strategy"]): r for r in res_b.runs}
+    rows = []
+    for r in res_a.runs:
+        o = b.get((r["index"], r["strategy"]))
+        if o is None:
+            continue
+        rows.append({"continuation": r["index"] + 1, "way": r["strategy"], "A verdict": r["verdict"],
+                     "B verdict": o["verdict"], "A gap to fresh": fmt_number(r["logits_relative"]),
+                     "B gap to fresh": fmt_number(o["logits_relative"]), "A text": r["text"], "B text": o["text"]})
+    return pd.DataFrame(rows)
 
 
 def reuse_frame(res) -> pd.DataFrame:

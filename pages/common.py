@@ -339,19 +339,25 @@ def exports(res, name: str, lm=None) -> None:
             cols[2].caption(f"No repro script: {why}")
 
 
-def ab_controls(prefix: str, choice: "ModelChoice", lm, scenario: dict[str, list[str]], help_text: str):
+def ab_controls(prefix: str, choice: "ModelChoice", lm, scenario: dict[str, list[str]], help_text: str,
+                exclude: tuple[str, ...] = ()):
     """The A/B row every view shares: which setting to change (dtype, attention, invariant mode, plus the view's own
     `scenario` settings) and B's value. Returns None until "Run B" is on, else (what, other, lm_b, settings_b):
     the model and execution settings B runs with (for a scenario setting, the caller changes its own config)."""
     AB = {"dtype": [d for d in kvviz.DTYPE_NAMES if d != choice.dtype],
           "attention": [a for a in kvviz.ATTN_CHOICES if a not in ("auto", choice.attn)],
           "invariant mode": ["off" if choice.invariant else "on"], **scenario}
+    AB = {k: v for k, v in AB.items() if k not in exclude}
     a1, a2, a3 = st.columns([2, 2, 1])
     what = a1.selectbox("Change", list(AB), key=f"{prefix}_ab_what")
     other = a2.selectbox("B", AB[what], key=f"{prefix}_ab_{what.split()[0]}")
     if not a3.toggle("Run B", False, key=f"{prefix}_ab_on", help=help_text) or other is None:
         return None
     lm_b, settings_b = lm, choice.settings
+    if lm is None:  # the view loads its own models (the dtype sweep): B's attention is passed to it
+        if what == "invariant mode":
+            settings_b = ExecSettings(invariant=other == "on")
+        return what, other, None, settings_b
     if what == "dtype":
         lm_b = lm.twin(other)
     elif what == "attention":

@@ -402,3 +402,24 @@ def test_padding_page_without_padding_and_its_ab():
     assert not at.exception, at.exception
     titles = [json.loads(c.proto.spec)["layout"]["title"]["text"] for c in at.get("plotly_chart")]
     assert "B — invariant mode = on" in titles and "|B − A| of the relative gap" in titles
+
+
+def test_dtypes_and_reuse_ab():
+    at = start("pages/dtypes_lab.py", model="tiny:llama", dt_dtypes=["bfloat16"])
+    at.selectbox(key="dt_ab_what").set_value("feed mode").run()
+    at.toggle(key="dt_ab_on").set_value(True).run()
+    assert not at.exception, at.exception
+    figs = {json.loads(c.proto.spec)["layout"]["title"]["text"]: json.loads(c.proto.spec)
+            for c in at.get("plotly_chart")}
+    a = next(f for t, f in figs.items() if t.startswith("A —"))
+    b = next(f for t, f in figs.items() if t.startswith("B — feed mode = step"))
+    assert a["layout"]["yaxis"]["range"] == b["layout"]["yaxis"]["range"]  # one scale for A and B
+    assert any(t.startswith("|B − A|") for t in figs)
+    at = start("pages/cache_reuse.py", model="tiny:llama", reuse_n=2)
+    at.selectbox(key="reuse_ab_what").set_value("dtype").run()
+    at.selectbox(key="reuse_ab_dtype").set_value("bfloat16").run()
+    at.toggle(key="reuse_ab_on").set_value(True).run()
+    assert not at.exception, at.exception
+    table = at.dataframe[0].value
+    assert list(table.columns[:4]) == ["continuation", "way", "A verdict", "B verdict"]
+    assert set(table["way"]) == {"fresh", "deepcopy", "reused"} and len(table) == 9

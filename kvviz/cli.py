@@ -130,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     mp.add_argument("--left-pad", type=int, default=0)
     mp.add_argument("--position-ids", default="auto", choices=POSITION_MODES)
     mp.add_argument("--batch-with", action="append", default=[], help="another prompt in the batch (repeatable)")
+    mp.add_argument("--repro", default=None, help="also write a standalone repro script of the cells run without "
+                                                   "torch.compile (torch + transformers only)")
 
     cp = sub.add_parser("cache", help="the KV cache as an object: save, load (continue and compare), size")
     csub = cp.add_subparsers(dest="cache_command", parser_class=_Parser)

@@ -14,7 +14,10 @@ cache objects in the same order), so the numbers agree to the last bit, not just
            the steps);
   quant    the unquantized run vs the quantized one teacher forced on its tokens (the figure: the largest over the
            steps). This script also needs the quantization package the result used (optimum-quanto or hqq; fp8
-           needs none).
+           needs none);
+  matrix   every cell that ran without torch.compile (attention × cache kind × precision flags) against the eager
+           no-cache loop (the figure: the largest cell's max |Δ logit|); compiled cells are left out (compiled
+           kernels are not a bit-for-bit contract) and the script says which.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from .errors import KvvizError
 from .export import view_of
 from .loading import LoadedModel
 
-VIEWS = ("split", "greedy", "dtypes", "padding", "reuse", "loading_trap", "quant")
+VIEWS = ("split", "greedy", "dtypes", "padding", "reuse", "loading_trap", "quant", "matrix")
 
 _HEADER = '''"""kvviz repro: {title}
 Standalone: needs only torch and transformers. Run: python {name}
@@ -42,6 +45,15 @@ tok = AutoTokenizer.from_pretrained(MODEL, local_files_only=True)
 def load(dtype):
     kw = {{}} if ATTN == "auto" else {{"attn_implementation": ATTN}}
     m = AutoModelForCausalLM.from_pretrained(MODEL, dtype=dtype, local_files_only=True, **kw).to(DEVICE).eval()
+    if dtype == torch.float64:
+        keep_float64(m)
+    return m
+
+
+def load_attn(dtype, attention):
+    """The model with a given attention implementation (the backends matrix loads one per implementation)."""
+    m = AutoModelForCausalLM.from_pretrained(MODEL, dtype=dtype, local_files_only=True,
+                                             attn_implementation=attention).to(DEVICE).eval()
     if dtype == torch.float64:
         keep_float64(m)
     return m
@@ -357,6 +369,141 @@ print("max |Δ logits| = " + repr(float(gap.max())))
 '''
 
 
+_MATRIX = '''
+DTYPE = torch.{dtype}
+ROWS = {rows!r}  # row 0 is the prompt {prompt!r}; the others are its batch-mates
+LEFT_PAD, STEPS, POSITIONS = {left_pad!r}, {steps!r}, {positions!r}
+CELLS = {cells!r}  # (attention, cache kind, precision flags): the cells that ran without torch.compile
+SKIPPED = {skipped!r}  # compiled or failed cells: not rebuilt here
+QUANT_GROUP = {group!r}  # the quantized caches' group size kvviz chose (it must divide kv_heads x head_dim)
+import contextlib
+
+from transformers import DynamicCache, GenerationConfig, QuantizedCache, StaticCache
+
+pad_id = next(t for t in (tok.pad_token_id, tok.eos_token_id, 0) if t is not None)
+width = max(len(r) for r in ROWS) + LEFT_PAD
+IDS = torch.tensor([[pad_id] * (width - len(r)) + r for r in ROWS], device=DEVICE)
+MASK = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in ROWS], device=DEVICE)
+
+
+def no_cache_loop(model):
+    """The reference: a full forward each step; every row grows greedily; row 0's logits."""
+    ids, mask, logits, toks = IDS, MASK, [], []
+    for _ in range(STEPS):
+        lg = forward(model, ids, mask, positions_from(mask), use_cache=False, hidden=False).logits[:, -1]
+        nxt = lg.argmax(-1, keepdim=True)
+        toks.append(int(nxt[0]))
+        logits.append(lg[0].double())
+        ids, mask = torch.cat([ids, nxt], 1), torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+    return toks, torch.stack(logits)
+
+
+def new_cache(model, kind):
+    max_len = IDS.shape[1] + STEPS
+    if kind == "dynamic":
+        return None
+    if kind in ("static", "offloaded_static"):
+        return StaticCache(config=model.config, max_cache_len=max_len, offloading=kind == "offloaded_static")
+    if kind == "offloaded":
+        return DynamicCache(config=model.config, offloading=True)
+    backend = kind.split(":")[1] if ":" in kind else "fp8"
+    if backend == "fp8":
+        return QuantizedCache(backend="fp8", config=model.config)
+    return QuantizedCache(backend=backend, config=model.config, q_group_size=QUANT_GROUP)
+
+
+def cached_loop(model, kind):
+    """Prefill, then one token a step through the cache (position ids omitted: the model counts them)."""
+    mask = MASK
+    pos = positions_from(mask)
+    out = forward(model, IDS, mask, pos if POSITIONS == "auto" else None, new_cache(model, kind), hidden=False)
+    toks, logits = [], []
+    for t in range(STEPS):
+        lg = out.logits[:, -1]
+        nxt = lg.argmax(-1, keepdim=True)
+        toks.append(int(nxt[0]))
+        logits.append(lg[0].double())
+        if t == STEPS - 1:
+            break
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+        pos = pos[:, -1:] + 1
+        out = forward(model, nxt, mask, pos if POSITIONS == "auto" else None, out.past_key_values, hidden=False)
+    return toks, torch.stack(logits)
+
+
+def generate(model, kind):
+    gc = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=STEPS, min_new_tokens=0, eos_token_id=[],
+                          pad_token_id=pad_id, output_logits=True, output_hidden_states=False,
+                          return_dict_in_generate=True, use_cache=True)
+    kw = dict(input_ids=IDS, attention_mask=MASK, generation_config=gc, disable_compile=True)
+    cache = new_cache(model, kind)
+    if cache is not None:
+        kw["past_key_values"] = cache
+    out = model.generate(**kw)
+    return out.sequences[0, IDS.shape[1]:].tolist(), torch.stack([lg[0].double() for lg in out.logits])
+
+
+@contextlib.contextmanager
+def precision_flags(flags):
+    """kvviz's flags, set for one cell and restored after it."""
+    m = torch.backends.cuda.matmul
+    saved = (m.allow_tf32, torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision(),
+             m.allow_bf16_reduced_precision_reduction, m.allow_fp16_reduced_precision_reduction,
+             torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             torch.backends.cudnn.deterministic)
+    with contextlib.ExitStack() as stack:
+        for flag in flags:
+            if flag == "tf32":
+                m.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+                torch.set_float32_matmul_precision("high")
+            elif flag == "no-bf16-reduced-reduction":
+                m.allow_bf16_reduced_precision_reduction = False
+            elif flag == "no-fp16-reduced-reduction":
+                m.allow_fp16_reduced_precision_reduction = False
+            elif flag == "deterministic":
+                torch.use_deterministic_algorithms(True, warn_only=True)
+                torch.backends.cudnn.deterministic = True
+            elif flag.startswith("sdpa="):
+                from torch.nn.attention import SDPBackend, sdpa_kernel
+
+                names = {{"math": "MATH", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
+                         "cudnn": "CUDNN_ATTENTION"}}
+                stack.enter_context(sdpa_kernel(getattr(SDPBackend, names[flag.split("=", 1)[1]])))
+        try:
+            yield
+        finally:
+            (m.allow_tf32, torch.backends.cudnn.allow_tf32, prec, m.allow_bf16_reduced_precision_reduction,
+             m.allow_fp16_reduced_precision_reduction, det, warn, torch.backends.cudnn.deterministic) = saved
+            torch.set_float32_matmul_precision(prec)
+            torch.use_deterministic_algorithms(det, warn_only=warn)
+
+
+models = {{}}
+with torch.inference_mode():
+    ref_toks, ref_logits = no_cache_loop(models.setdefault("eager", load_attn(DTYPE, "eager")))
+    worst = 0.0
+    for attention, kind, flags in CELLS:
+        model = models.setdefault(attention, load_attn(DTYPE, attention))
+        with precision_flags(flags):
+            toks, logits = (cached_loop if POSITIONS == "omit" else generate)(model, kind)
+        parting = next((t for t, (x, y) in enumerate(zip(toks, ref_toks)) if x != y), None)
+        upto = STEPS if parting is None else parting + 1
+        gap = float((logits[:upto] - ref_logits[:upto]).abs().amax(-1).max())
+        worst = max(worst, gap)
+        print(f"{{attention}} · {{kind}} · {{','.join(flags) or 'no flags'}}: part at {{parting}}, max |Δ logit| {{gap!r}}")
+for label in SKIPPED:
+    print(f"not rebuilt here: {{label}}")
+print("max |Δ logits| = " + repr(worst))
+'''
+
+
+def _matrix_cells(result) -> tuple[list, list]:
+    kept = [c for c in result.cells if c.compile == "off" and c.error is None and c.verdict != "nondeterministic"]
+    skipped = [c.label + (f" ({c.error})" if c.error else " (compiled)" if c.compile != "off" else
+                          " (nondeterministic)") for c in result.cells if c not in kept]
+    return kept, skipped
+
+
 def _check(result) -> str:
     view = view_of(result)
     if view not in VIEWS:
@@ -364,6 +511,13 @@ def _check(result) -> str:
                          "HTML exports")
     s = result.settings
     if view == "loading_trap":
+        return view
+    if view == "matrix":
+        if s.get("invariant"):
+            raise KvvizError("a repro script rebuilds the plain run; this matrix ran in invariant mode")
+        if not _matrix_cells(result)[0]:
+            raise KvvizError("every cell of this matrix was compiled or failed: no cell a script can rebuild bit "
+                             "for bit")
         return view
     if not s.execution.is_default:
         raise KvvizError(f"a repro script rebuilds the plain run; this one used {s.execution.label()} "
@@ -397,6 +551,20 @@ def repro_script(result, lm: LoadedModel, name: str = "kvviz_repro.py") -> str:
         return _HEADER.format(title=title, name=name, folder=lm.source, model=s["model"],
                               device=s.get("device", str(lm.device)), attn=lm.attn_requested,
                               float64_mode=_NO_FLOAT64) + body
+    if view == "matrix":
+        from .inputs import encode
+        from .quant import kv_group_size
+
+        kept, skipped = _matrix_cells(result)
+        rows = [encode(lm, s["prompt"])] + [encode(lm, t) for t in s.get("batch_with", [])]
+        title = f"the backends matrix of {s['model']} ({len(kept)} cells), {s['dtype']} on {s['device']}"
+        body = _MATRIX.format(dtype=s["dtype"], rows=rows, prompt=s["prompt"], left_pad=s["left_pad"],
+                              steps=s["max_new_tokens"], positions=s["position_ids"],
+                              cells=[(c.attention, c.cache, tuple(c.flags)) for c in kept], skipped=skipped,
+                              group=kv_group_size(lm))
+        return _HEADER.format(title=title, name=name, folder=lm.source, model=s["model"], device=s["device"],
+                              attn="auto", float64_mode=_float64_mode() if s["dtype"] == "float64"
+                              else _NO_FLOAT64) + body
     uses64 = s.dtype == "float64" and view != "dtypes"
     head = dict(name=name, folder=lm.source, model=s.model, device=s.device, attn=lm.attn_requested,
                 float64_mode=_float64_mode() if uses64 else _NO_FLOAT64)
@@ -485,4 +653,6 @@ def key_figure(result) -> float:
         return max(result.max_abs_logit)
     if view == "quant":
         return max(result.logits_max_abs)
+    if view == "matrix":
+        return max(c.max_abs_logit for c in _matrix_cells(result)[0])
     return max(r["logits_max_abs"] for r in result.runs if r["strategy"] != "fresh")

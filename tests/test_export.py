@@ -109,11 +109,10 @@ def test_repro_script_reproduces_the_figure_bit_for_bit(arch, dtype, kw, tmp_pat
 
 
 def test_repro_refuses_what_it_cannot_rebuild(lm, results):
-    from kvviz.matrix import MatrixConfig, run_matrix
+    from kvviz.check import run_check
 
-    grid = run_matrix(lm, MatrixConfig("Hi", 2, attentions=("eager",), caches=("dynamic",), repeats=1))
     with pytest.raises(KvvizError, match="JSON and HTML exports"):
-        repro_script(grid, lm)
+        repro_script(run_check(lm), lm)
     inv = kvviz.run_split(lm, kvviz.SplitConfig(PROMPT, 8), settings=kvviz.ExecSettings(invariant=True))
     with pytest.raises(KvvizError, match="invariant"):
         repro_script(inv, lm)
@@ -145,9 +144,10 @@ def test_cli_exports_and_open(tmp_path, capsys):
 
 
 def test_repro_scripts_of_every_view_reproduce_their_figure_bit_for_bit(tmp_path):
-    """greedy, dtypes, padding, reuse, loading trap and quantized: each script makes kvviz's calls, so its last line
-    is the figure exactly."""
+    """greedy, dtypes, padding, reuse, loading trap, quantized and the backends matrix: each script makes kvviz's
+    calls, so its last line is the figure exactly."""
     from kvviz.loading_trap import run_loading_trap
+    from kvviz.matrix import MatrixConfig, run_matrix
     from kvviz.quant import QuantConfig, run_quant
     from kvviz.dtype_sweep import run_dtypes
     from kvviz.greedy import GreedyConfig, run_greedy
@@ -165,6 +165,11 @@ def test_repro_scripts_of_every_view_reproduce_their_figure_bit_for_bit(tmp_path
         "loading_trap": (run_loading_trap(gpt2, PROMPT, 4, "float16"), gpt2),
         "quant": (run_quant(llama, QuantConfig(PROMPT, kv="quanto:int2", residual_length=2, weights="int8",
                                                max_new_tokens=4)), llama),
+        "matrix": (run_matrix(llama, MatrixConfig(PROMPT, 3, attentions=("eager", "sdpa"),
+                                                  caches=("dynamic", "static", "quantized:quanto"),
+                                                  flag_sets=((), ("deterministic", "sdpa=math")), repeats=1,
+                                                  left_pad=1, batch_with=("A longer batch-mate than the prompt",))),
+                   llama),
     }
     procs = {}
     for view, (res, m) in cases.items():

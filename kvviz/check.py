@@ -34,6 +34,8 @@ class Check:
     status: str  # pass | fail | n/a | note
     evidence: str
     figure: float | None = None
+    logits_max_abs: float | None = None  # split-based checks: the float64 run's largest |Δ logit| (repro figure)
+    scenario: dict | None = None  # split-based checks: prompt, split, mode, left_pad (what a repro script rebuilds)
 
 
 @dataclass
@@ -42,26 +44,32 @@ class CheckCard:
     overall: str
     checks: list[Check]
     summary: str
-    settings: dict = field(default_factory=dict)  # model, dtype, device, weights, kv: what the card was run with
+    settings: dict = field(default_factory=dict)  # model, dtype, device, weights, kv, float64_device
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def _gap_check(name: str, rel: float | None, what: str) -> Check:
+def _gap_check(name: str, rel: "float | tuple | None", what: str) -> Check:
+    rel, logits, scenario = rel if isinstance(rel, tuple) else (rel, None, None)
     if rel is None:
         return Check(name, "fail", f"no cache came back: {what} cannot be checked", None)
     ok = rel <= FLOAT64_CLOSED_REL
     return Check(name, "pass" if ok else "fail",
                  f"float64 {what}: largest relative gap {rel:.3g} "
                  + ("(float64 rounding: the logic is right)" if ok else "(a logic gap: the cached path computes "
-                                                                        "something else)"), rel)
+                                                                        "something else)"), rel, logits, scenario)
 
 
-def _split_gap(lm64: LoadedModel, prompt: str, **kw) -> float | None:
+def _split_gap(lm64: LoadedModel, prompt: str, **kw) -> tuple[float | None, float | None, dict]:
+    """The split check in float64: its largest relative gap, its largest |Δ logit| and the scenario."""
     n = len(lm64.tokenizer(prompt)["input_ids"])
-    res = run_split(lm64, SplitConfig(prompt, split=max(1, n // 2), **kw), prove=False)
-    return res.main.max_relative if res.main.has_cache else None
+    cfg = SplitConfig(prompt, split=max(1, n // 2), **kw)
+    res = run_split(lm64, cfg, prove=False)
+    scenario = {"prompt": prompt, "split": cfg.split, "mode": cfg.mode, "left_pad": cfg.left_pad}
+    if not res.main.has_cache:
+        return None, None, scenario
+    return res.main.max_relative, float(res.main.logits["max_abs"].max()), scenario
 
 
 def _remote_code(lm: LoadedModel) -> Check:
@@ -180,7 +188,7 @@ def run_check(lm: LoadedModel, progress=None, weights: str = "none", kv: str = "
 
     return CheckCard(model=lm.name, overall=overall, checks=checks, summary=summary,
                      settings={"model": lm.name, "dtype": dtype_name(lm.dtype), "device": str(lm.device),
-                               "weights": weights or "none", "kv": kv or "none"})
+                               "weights": weights or "none", "kv": kv or "none", "float64_device": str(lm64.device)})
 
 
 

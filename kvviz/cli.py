@@ -156,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(kp)
     kp.add_argument("--weights", default="none", choices=("none", "int8", "int4", "bnb-int8", "bnb-nf4"),
                     help="check the model with weight-only quantized linear layers (optimum-quanto)")
+    kp.add_argument("--repro", default=None, help="also write a standalone script of the card's float64 split checks")
     kp.add_argument("--kv", default="none", help="check with a quantized KV cache: fp8, quanto:int4, quanto:int2, "
                                                  "hqq:int4, hqq:int2, hqq:int8")
 
@@ -203,8 +204,7 @@ def _load(args):
 
 
 def _exports(args, res, lm=None) -> None:
-    """--json-out, --html (every view) and --repro (split, greedy, dtypes, padding, reuse, loading-trap, quant):
-    written after the run; a message on stderr for each."""
+    """--json-out, --html and --repro (every view but bisect): written after the run; a message on stderr each."""
     from pathlib import Path
 
     from .export import export_json, html_report
@@ -421,7 +421,9 @@ def cmd_bisect(args) -> int:
     cfg = SplitConfig(prompt=args.prompt, split=args.split, mode=args.mode, left_pad=args.left_pad,
                       position_ids=args.position_ids, attention_mask=args.attention_mask)
     cfg.validate()
-    res = run_bisect(_load(args), cfg, _settings(args))
+    lm = _load(args)
+    res = run_bisect(lm, cfg, _settings(args))
+    _exports(args, res, lm)
     if args.json:
         print(dumps(res.to_dict()))
         return 0
@@ -527,7 +529,9 @@ def cmd_check(args) -> int:
 
     if args.weights != "none" or args.kv != "none":
         QuantConfig("x", kv=args.kv, weights=args.weights).validate()  # bad choices fail before any model loads
-    card = run_check(_load(args), progress=_progress_to_stderr(args.quiet), weights=args.weights, kv=args.kv)
+    lm = _load(args)
+    card = run_check(lm, progress=_progress_to_stderr(args.quiet), weights=args.weights, kv=args.kv)
+    _exports(args, card, lm)
     if args.json:
         print(dumps(card.to_dict()))
         return 0

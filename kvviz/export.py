@@ -18,14 +18,14 @@ from .execution import ExecSettings
 from .jsonout import dumps
 
 FORMAT = 1
-VIEWS = ("split", "greedy", "dtypes", "padding", "reuse", "matrix", "quant", "loading_trap", "check")
+VIEWS = ("split", "greedy", "dtypes", "padding", "reuse", "matrix", "quant", "loading_trap", "check", "bisect")
 
 
 def view_of(result) -> str:
     name = type(result).__name__
     views = {"SplitResult": "split", "GreedyResult": "greedy", "DtypesResult": "dtypes", "PaddingResult": "padding",
              "ReuseResult": "reuse", "MatrixResult": "matrix", "QuantResult": "quant",
-             "LoadingTrapResult": "loading_trap", "CheckCard": "check"}
+             "LoadingTrapResult": "loading_trap", "CheckCard": "check", "BisectResult": "bisect"}
     if name not in views:
         raise KvvizError(f"cannot export a {name}")
     return views[name]
@@ -185,7 +185,14 @@ def _check(d: dict):
     return CheckCard(**{**d, "checks": [Check(**c) for c in d["checks"]]})
 
 
-_BUILDERS = {"loading_trap": _loading_trap, "check": _check, "split": _split, "greedy": _greedy, "dtypes": _dtypes, "padding": _padding, "reuse": _reuse,
+def _bisect(d: dict):
+    from .bisect import BisectResult, ModuleGap
+
+    return BisectResult(settings=d["settings"], first=ModuleGap(**d["first"]) if d.get("first") else None,
+                        modules=[ModuleGap(**m) for m in d.get("modules", [])], explanation=d.get("explanation", ""))
+
+
+_BUILDERS = {"bisect": _bisect, "loading_trap": _loading_trap, "check": _check, "split": _split, "greedy": _greedy, "dtypes": _dtypes, "padding": _padding, "reuse": _reuse,
              "matrix": _matrix, "quant": _quant}
 
 
@@ -214,6 +221,8 @@ def main_figures(result) -> list:
         return [figures.quant_steps(result), figures.quant_layers(result)]
     if view == "loading_trap":
         return [figures.loading_trap_steps(result)]
+    if view == "bisect":
+        return [figures.bisect_modules(result)]
     return []
 
 
@@ -235,6 +244,8 @@ def _verdict_text(result) -> tuple[str, str]:
         return "see the table", result.table().to_html(index=False)
     if view in ("quant", "loading_trap"):
         return result.verdict, result.explanation
+    if view == "bisect":
+        return ("first difference: " + result.first.name) if result.first else "no difference", result.explanation
     if view == "check":
         rows = "".join(f"<tr><td>{c.status}</td><td>{c.name}</td><td>{c.evidence}</td></tr>" for c in result.checks)
         return result.overall, f"{result.summary}<table>{rows}</table>"

@@ -17,7 +17,9 @@ cache objects in the same order), so the numbers agree to the last bit, not just
            needs none);
   matrix   every cell that ran without torch.compile (attention × cache kind × precision flags) against the eager
            no-cache loop (the figure: the largest cell's max |Δ logit|); compiled cells are left out (compiled
-           kernels are not a bit-for-bit contract) and the script says which.
+           kernels are not a bit-for-bit contract) and the script says which;
+  check    the cache-safety card's split-based checks in float64 (cached vs full in one chunk and token by token,
+           left padding, past the sliding window; the figure: the largest |Δ logit| over them).
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from .errors import KvvizError
 from .export import view_of
 from .loading import LoadedModel
 
-VIEWS = ("split", "greedy", "dtypes", "padding", "reuse", "loading_trap", "quant", "matrix")
+VIEWS = ("split", "greedy", "dtypes", "padding", "reuse", "loading_trap", "quant", "matrix", "check")
 
 _HEADER = '''"""kvviz repro: {title}
 Standalone: needs only torch and transformers. Run: python {name}
@@ -497,6 +499,28 @@ print("max |Δ logits| = " + repr(worst))
 '''
 
 
+_CARD = '''
+CHECKS = {checks!r}  # (name, prompt, split, mode, left_pad): the card's split-based checks, run in float64
+OTHERS = {others!r}  # the card's other checks (batching, reuse, ...): their own views have scripts
+
+model = load(torch.float64)
+worst = 0.0
+with torch.inference_mode():
+    for name, prompt, split, mode, left_pad in CHECKS:
+        ids = tok(prompt, add_special_tokens=True)["input_ids"]
+        gap = float(split_gap(model, ids, split, left_pad, mode)[0].max())
+        worst = max(worst, gap)
+        print(f"{{name}}: float64 max |Δ logit| {{gap!r}}")
+for name in OTHERS:
+    print(f"not rebuilt here: {{name}}")
+print("max |Δ logits| = " + repr(worst))
+'''
+
+
+def _card_checks(result) -> list:
+    return [c for c in result.checks if c.logits_max_abs is not None and c.scenario]
+
+
 def _matrix_cells(result) -> tuple[list, list]:
     kept = [c for c in result.cells if c.compile == "off" and c.error is None and c.verdict != "nondeterministic"]
     skipped = [c.label + (f" ({c.error})" if c.error else " (compiled)" if c.compile != "off" else
@@ -511,6 +535,10 @@ def _check(result) -> str:
                          "HTML exports")
     s = result.settings
     if view == "loading_trap":
+        return view
+    if view == "check":
+        if not _card_checks(result):
+            raise KvvizError("this card has no split-based check to rebuild (the model returned no cache)")
         return view
     if view == "matrix":
         if s.get("invariant"):
@@ -565,6 +593,15 @@ def repro_script(result, lm: LoadedModel, name: str = "kvviz_repro.py") -> str:
         return _HEADER.format(title=title, name=name, folder=lm.source, model=s["model"], device=s["device"],
                               attn="auto", float64_mode=_float64_mode() if s["dtype"] == "float64"
                               else _NO_FLOAT64) + body
+    if view == "check":
+        kept = _card_checks(result)
+        checks = [(c.name, c.scenario["prompt"], c.scenario["split"], c.scenario["mode"], c.scenario["left_pad"])
+                  for c in kept]
+        title = f"the cache-safety card of {result.model}: its float64 split checks"
+        body = _CARD.format(checks=checks, others=[c.name for c in result.checks if c not in kept])
+        return _HEADER.format(title=title, name=name, folder=lm.source, model=result.model,
+                              device=s.get("float64_device", s.get("device", "cpu")), attn=lm.attn_requested,
+                              float64_mode=_float64_mode()) + body
     uses64 = s.dtype == "float64" and view != "dtypes"
     head = dict(name=name, folder=lm.source, model=s.model, device=s.device, attn=lm.attn_requested,
                 float64_mode=_float64_mode() if uses64 else _NO_FLOAT64)
@@ -655,4 +692,6 @@ def key_figure(result) -> float:
         return max(result.logits_max_abs)
     if view == "matrix":
         return max(c.max_abs_logit for c in _matrix_cells(result)[0])
+    if view == "check":
+        return max(c.logits_max_abs for c in _card_checks(result))
     return max(r["logits_max_abs"] for r in result.runs if r["strategy"] != "fresh")

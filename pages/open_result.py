@@ -26,7 +26,7 @@ if opened.environment_differences:
     st.warning("Computed elsewhere — its numbers may not be reproduced bit for bit here: "
                + "; ".join(opened.environment_differences[:6]), icon="ℹ️")
 verdict, text = _verdict_text(res)
-if opened.view in ("split", "greedy", "quant", "loading_trap"):
+if opened.view in ("split", "greedy", "quant", "loading_trap", "bisect"):
     show_verdict({"different models": "logic", "same model": "identical"}.get(verdict, verdict), text)
 elif opened.view == "check":
     {"safe": st.success, "lossy": st.warning, "unsafe": st.error}.get(res.overall, st.info)(

@@ -237,7 +237,8 @@ def test_cache_safety_page():
 
 
 def test_every_page_offers_its_exports():
-    repro = ("split_point", "greedy_paths", "padding_lab", "cache_reuse", "dtypes_lab", "loading_trap", "quantized")
+    repro = ("split_point", "greedy_paths", "padding_lab", "cache_reuse", "dtypes_lab", "loading_trap", "quantized",
+             "cache_safety")
     for path, state in [("split_point", {}), ("greedy_paths", {"greedy_n": 3}), ("padding_lab", {}),
                         ("cache_reuse", {"reuse_n": 2}), ("dtypes_lab", {"dt_dtypes": ["bfloat16"]}),
                         ("loading_trap", {"trap_n": 3}), ("quantized", {"quant_n": 3}), ("cache_safety", {})]:

@@ -111,8 +111,9 @@ def test_repro_script_reproduces_the_figure_bit_for_bit(arch, dtype, kw, tmp_pat
 def test_repro_refuses_what_it_cannot_rebuild(lm, results):
     from kvviz.check import run_check
 
-    with pytest.raises(KvvizError, match="JSON and HTML exports"):
-        repro_script(run_check(lm), lm)
+    rob = kvviz.load_model("tiny:roberta", "float32", DEVICE)
+    with pytest.raises(KvvizError, match="no split-based check"):  # a bidirectional model's card: nothing cached
+        repro_script(run_check(rob), rob)
     inv = kvviz.run_split(lm, kvviz.SplitConfig(PROMPT, 8), settings=kvviz.ExecSettings(invariant=True))
     with pytest.raises(KvvizError, match="invariant"):
         repro_script(inv, lm)
@@ -144,8 +145,9 @@ def test_cli_exports_and_open(tmp_path, capsys):
 
 
 def test_repro_scripts_of_every_view_reproduce_their_figure_bit_for_bit(tmp_path):
-    """greedy, dtypes, padding, reuse, loading trap, quantized and the backends matrix: each script makes kvviz's
-    calls, so its last line is the figure exactly."""
+    """greedy, dtypes, padding, reuse, loading trap, quantized, the backends matrix and the card: each script makes
+    kvviz's calls, so its last line is the figure exactly."""
+    from kvviz.check import run_check
     from kvviz.loading_trap import run_loading_trap
     from kvviz.matrix import MatrixConfig, run_matrix
     from kvviz.quant import QuantConfig, run_quant
@@ -170,6 +172,7 @@ def test_repro_scripts_of_every_view_reproduce_their_figure_bit_for_bit(tmp_path
                                                   flag_sets=((), ("deterministic", "sdpa=math")), repeats=1,
                                                   left_pad=1, batch_with=("A longer batch-mate than the prompt",))),
                    llama),
+        "check": (run_check(gpt2), gpt2),
     }
     procs = {}
     for view, (res, m) in cases.items():
@@ -213,3 +216,14 @@ def test_loading_trap_and_check_card_export_and_reopen(lm):
         verdict = res.verdict if view == "loading_trap" else res.overall
         assert f"<b>Verdict: {verdict}.</b>" in page and f"kvviz — {view}" in page
     assert opened.result.settings["device"] == str(lm.device)
+
+
+def test_bisect_exports_and_reopens(tmp_path, capsys):
+    out = tmp_path / "b.json"
+    assert main(["bisect", "--model", "tiny:llama", "--device", DEVICE, "--prompt", PROMPT, "--split", "4",
+                 "--left-pad", "2", "--position-ids", "omit", "--quiet", "--json-out", str(out),
+                 "--html", str(tmp_path / "b.html")]) == 0
+    opened = open_result(out.read_text())
+    assert opened.view == "bisect" and opened.result.first is not None  # positions omitted with pads: logic
+    page = (tmp_path / "b.html").read_text()
+    assert f"first difference: {opened.result.first.name}" in page and "Plotly" in page

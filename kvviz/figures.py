@@ -622,7 +622,7 @@ def quant_steps(res) -> go.Figure:
         hovertemplate="step %{x}: KL %{customdata[0]}<br>max |Δ logit| %{customdata[1]}<br>next token: "
                       "%{customdata[2]}<extra></extra>"))
     fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", marker=dict(symbol="x", size=8, color="#444"),
-                             name="× another next token"))
+                             name="× another token"))
     if positive and len(positive) < len(res.kl):
         _zero_floor(fig, floor, "0 (identical)")
     if res.agreement < res.steps:

@@ -61,8 +61,11 @@ CHANGES = {  # a control to change on each page, and what to see after it
     ("cache_reuse", "reuse"),
 ])
 def test_lab_pages_in_browser(server, artifacts, path, name):
+    """The lab pages in a real browser on a tiny model (the default model's pages are walked by the tests above and
+    the presenter tests): they draw, react to a control, and never show a traceback."""
     with browser() as b:
-        page = open_page(b, server + "/" + path, height=2000, ready='[data-testid="stMainBlockContainer"]')
+        page = open_page(b, link(server, path, presenter=False), height=2000,
+                         ready='[data-testid="stMainBlockContainer"]')
         if name != "reuse":
             page.wait_for_selector(".js-plotly-plot", timeout=240_000)
         else:

@@ -178,7 +178,7 @@ def test_quant_figures_draw_exact_zeros_on_a_labelled_floor(llama):
     label = [a for a in fig.layout.annotations if a.text == "0 (identical)"]
     assert len(label) == 1 and math.isclose(label[0].y, math.log10(floor))  # log axis: y is the exponent
     names = [t.name for t in fig.data]
-    assert "KL per step" in names and "× another next token" in names
+    assert "KL per step" in names and "× another token" in names
     bars = figures.quant_layers(res)
     assert list(bars.data[0].x) == res.layers and bars.data[0].marker.color[0] == "#b0bec5"  # embeddings: 0
     frame = figures.quant_frame(res)

@@ -469,9 +469,15 @@ def padding_grid(res, value: str = "hidden_relative") -> go.Figure:
     fig = go.Figure(go.Heatmap(z=z, x=cols, y=rows, text=text, texttemplate="%{text}", zmin=0, zmax=2,
                                colorscale=scale, showscale=False, hoverinfo="text", xgap=3, ygap=3))
     fig.update_layout(title=f"Relative gap vs the prompt alone without cache — {res.settings.dtype} on "
-                            f"{res.settings.device}", height=120 + 80 * len(rows), margin=dict(l=90, r=10, t=60, b=10))
+                            f"{res.settings.device}", height=140 + 80 * len(rows), margin=dict(l=90, r=10, t=60, b=10))
     fig.update_yaxes(autorange="reversed")
+    _two_line_columns(fig, cols)
     return fig
+
+
+def _two_line_columns(fig: go.Figure, cols: list[str]) -> None:
+    """Scenario names on two lines ("cache,<br>positions omitted") so neighbouring columns do not overlap."""
+    fig.update_xaxes(tickmode="array", tickvals=cols, ticktext=[c.replace(", ", ",<br>") for c in cols])
 
 
 def ab_padding_grids(res_a, res_b, label_a: str, label_b: str, value: str = "hidden_relative"
@@ -494,9 +500,10 @@ def ab_padding_grids(res_a, res_b, label_a: str, label_b: str, value: str = "hid
         fig = go.Figure(go.Heatmap(z=shown, x=cols, y=rows, text=text, texttemplate="%{text}", hoverinfo="text",
                                    colorscale="Viridis", xgap=3, ygap=3, colorbar=dict(title="log₁₀ gap"),
                                    **({} if zrange is None or not verdicts else dict(zmin=zrange[0], zmax=zrange[1]))))
-        fig.update_layout(title=title, height=120 + 80 * len(rows), margin=dict(l=90, r=10, t=60, b=10),
+        fig.update_layout(title=title, height=140 + 80 * len(rows), margin=dict(l=90, r=10, t=60, b=10),
                           plot_bgcolor=ZERO_COLOUR)
         fig.update_yaxes(autorange="reversed")
+        _two_line_columns(fig, cols)
         return fig
 
     return (grid(za, res_a, f"A — {label_a}"), grid(zb, res_b, f"B — {label_b}"),

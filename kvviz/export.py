@@ -18,14 +18,16 @@ from .execution import ExecSettings
 from .jsonout import dumps
 
 FORMAT = 1
-VIEWS = ("split", "greedy", "dtypes", "padding", "reuse", "matrix", "quant", "loading_trap", "check", "bisect")
+VIEWS = ("split", "greedy", "dtypes", "padding", "reuse", "matrix", "quant", "loading_trap", "check", "bisect", "kv_reload",
+         "kv_size")
 
 
 def view_of(result) -> str:
     name = type(result).__name__
     views = {"SplitResult": "split", "GreedyResult": "greedy", "DtypesResult": "dtypes", "PaddingResult": "padding",
              "ReuseResult": "reuse", "MatrixResult": "matrix", "QuantResult": "quant",
-             "LoadingTrapResult": "loading_trap", "CheckCard": "check", "BisectResult": "bisect"}
+             "LoadingTrapResult": "loading_trap", "CheckCard": "check", "BisectResult": "bisect",
+             "ContinueResult": "kv_reload", "SizeReport": "kv_size"}
     if name not in views:
         raise KvvizError(f"cannot export a {name}")
     return views[name]
@@ -192,7 +194,19 @@ def _bisect(d: dict):
                         modules=[ModuleGap(**m) for m in d.get("modules", [])], explanation=d.get("explanation", ""))
 
 
-_BUILDERS = {"bisect": _bisect, "loading_trap": _loading_trap, "check": _check, "split": _split, "greedy": _greedy, "dtypes": _dtypes, "padding": _padding, "reuse": _reuse,
+def _kv_reload(d: dict):
+    from .kvcache import ContinueResult
+
+    return ContinueResult(**d)
+
+
+def _kv_size(d: dict):
+    from .cachesize import SizeReport
+
+    return SizeReport(**d)
+
+
+_BUILDERS = {"kv_reload": _kv_reload, "kv_size": _kv_size, "bisect": _bisect, "loading_trap": _loading_trap, "check": _check, "split": _split, "greedy": _greedy, "dtypes": _dtypes, "padding": _padding, "reuse": _reuse,
              "matrix": _matrix, "quant": _quant}
 
 
@@ -246,6 +260,16 @@ def _verdict_text(result) -> tuple[str, str]:
         return result.verdict, result.explanation
     if view == "bisect":
         return ("first difference: " + result.first.name) if result.first else "no difference", result.explanation
+    if view == "kv_reload":
+        return ("bitwise equal" if result.bitwise_equal else "differs",
+                f"Reloaded {result.n_cached} cached tokens and fed {len(result.continuation_tokens)} more: largest "
+                f"gap to a fresh cache — logits {result.max_abs_logits:.3g}, hidden states {result.max_abs_hidden:.3g}, "
+                f"keys/values {result.max_abs_kv:.3g}.")
+    if view == "kv_size":
+        measured = "—" if result.measured_bytes is None else f"{result.measured_bytes:,}"
+        return ("size", f"{result.model} in {result.dtype}: {result.per_token_bytes:,} bytes per token; "
+                        f"{result.tokens} tokens × batch {result.batch}: formula {result.formula_bytes:,} bytes, "
+                        f"measured {measured} bytes.")
     if view == "check":
         rows = "".join(f"<tr><td>{c.status}</td><td>{c.name}</td><td>{c.evidence}</td></tr>" for c in result.checks)
         return result.overall, f"{result.summary}<table>{rows}</table>"
@@ -263,7 +287,8 @@ def html_report(result) -> str:
 
     view = view_of(result)
     verdict, text = _verdict_text(result)
-    settings = getattr(result, "settings", None) or {"model": getattr(result, "model", "")}
+    settings = getattr(result, "settings", None) or (result.to_dict() if view in ("kv_reload", "kv_size")
+                                                     else {"model": getattr(result, "model", "")})
     settings = settings if isinstance(settings, dict) else settings.to_dict()
     env = environment(_device(result))
     figs = main_figures(result)

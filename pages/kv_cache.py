@@ -4,7 +4,7 @@ import streamlit as st
 from kvviz import figures
 from kvviz.cachesize import KVShape, growth, known_configs, known_table, size_report
 from kvviz.kvcache import continue_and_compare, load_cache, save_cache_bytes
-from pages.common import page, run_cached, show_error
+from pages.common import exports, page, run_cached, show_error
 
 choice, lm = page("KV cache",
                   "Save the cache of a prompt (safetensors, with the model's fingerprint), load it back, continue "
@@ -36,6 +36,7 @@ with t1:
                    f"{res.max_abs_kv:.3g}."))
             st.caption(f"Saved from {res.meta['model']} with kvviz {res.meta['kvviz']}; next token "
                        f"{res.next_token_loaded!r} (reloaded) vs {res.next_token_fresh!r} (fresh).")
+            exports(res, "kv_reload", lm)
 with t2:
     c1, c2 = st.columns(2)
     tokens = c1.number_input("Tokens", 1, 1_000_000, 1024, key="kv_tokens")
@@ -61,3 +62,4 @@ with t2:
                             key="kv_chart_models")
     rows = growth([s for s in shapes if s.name in picked], 32768, dtypes=("float32", "bfloat16"))
     st.plotly_chart(figures.cache_growth(rows), width="stretch", key="kv_growth")
+    exports(rep, "kv_size", lm)

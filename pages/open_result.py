@@ -19,7 +19,8 @@ except Exception as e:  # noqa: BLE001
     show_error(e)
     st.stop()
 res = opened.result
-settings = res.settings if isinstance(res.settings, dict) else res.settings.to_dict()
+settings = getattr(res, "settings", None)
+settings = settings if isinstance(settings, dict) else settings.to_dict() if settings is not None else res.to_dict()
 st.caption(f"A **{opened.view}** result of `{settings.get('model')}` in {settings.get('dtype', '—')} on "
            f"{settings.get('device', '—')}.")
 if opened.environment_differences:
@@ -50,6 +51,8 @@ elif opened.view == "loading_trap":
     b.text(res.cast_text)
 elif opened.view == "split" and res.main.has_cache:
     st.dataframe(figures.logits_frame(res), hide_index=True, width="stretch")
+if opened.view in ("kv_reload", "kv_size"):
+    {"bitwise equal": st.success, "differs": st.error}.get(verdict, st.info)(text)
 with st.expander("Settings"):
     st.json(settings)
 exports(res, f"{opened.view}-reopened")

@@ -224,7 +224,9 @@ def test_kv_cache_page_saves_loads_and_sizes():
     assert not at.exception
     metrics = {m.label: m.value for m in at.metric}
     assert metrics["formula"] == metrics["measured (live cache)"]
-    assert len(at.get("download_button")) == 1 and len(at.get("plotly_chart")) == 1
+    labels = [b.label for b in at.get("download_button")]
+    assert labels[0].startswith("Download the cache") and labels[1:] == ["Result (JSON)", "Report (HTML)"]
+    assert len(at.get("plotly_chart")) == 1
     data, _ = save_cache_bytes(kvviz.load_model("tiny:gemma2", "float32", "auto"), "The capital of France is")
     assert data[8:9] == b"{"
 

@@ -227,3 +227,15 @@ def test_bisect_exports_and_reopens(tmp_path, capsys):
     assert opened.view == "bisect" and opened.result.first is not None  # positions omitted with pads: logic
     page = (tmp_path / "b.html").read_text()
     assert f"first difference: {opened.result.first.name}" in page and "Plotly" in page
+
+
+def test_kv_cache_results_export_and_reopen(lm):
+    from kvviz.cachesize import size_report
+    from kvviz.kvcache import continue_and_compare, load_cache, save_cache_bytes
+
+    data, _ = save_cache_bytes(lm, PROMPT)
+    reload = continue_and_compare(lm, load_cache(lm, data), " and more")
+    for res, view, verdict in ((reload, "kv_reload", "bitwise equal"), (size_report(lm, 16), "kv_size", "size")):
+        opened = open_result(export_json(res))
+        assert opened.view == view and opened.result.to_dict() == res.to_dict()
+        assert f"<b>Verdict: {verdict}.</b>" in html_report(res)

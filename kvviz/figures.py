@@ -278,7 +278,7 @@ def ab_greedy_heatmaps(res_a, res_b, label_a: str, label_b: str, log: bool = Tru
     za, zb = za[:, :n], zb[:, :n]
     zrange = _shared_range(za, zb, log)
     ta, tb = res_a.paths[pair[0]].tokens, res_b.paths[pair[0]].tokens
-    name = f"{pair[0]} vs {pair[1]}: relative gap"
+    name = "relative gap"
     fa = heatmap(za, [f"{t}: {short(ta[t])}" for t in range(n)], res_a.layer_labels, f"A — {label_a}", name, log,
                  zrange=zrange, x_title="step")
     fb = heatmap(zb, [f"{t}: {short(tb[t])}" for t in range(n)], res_a.layer_labels, f"B — {label_b}", name, log,
@@ -403,7 +403,10 @@ def dtype_curves(res, metric: str = "max_abs", how: str = "mean") -> go.Figure:
     positive = [v for _, _, y in series for v in y if v > 0]
     floor = min(positive) / 10 if positive else 1e-20
     fig = go.Figure()
-    for d, name, y in series:
+    for i, (d, name, y) in enumerate(series):
+        same = next((n for _, n, o in series[i + 1:] if np.array_equal(o, y)), None)
+        if same is not None:  # drawn first, so the later line covers it: say so in the legend
+            name += f" (= {same}, under it)"
         fig.add_trace(go.Scatter(x=list(table.index), y=_floor_zeros(y, floor), mode="lines+markers", name=name,
                                  line=dict(color=DTYPE_COLORS.get(d), dash="dash" if d == "float64" else None),
                                  customdata=[f"{v:.3g}" if v > 0 else "0 (bitwise equal)" for v in y],
@@ -498,7 +501,8 @@ def ab_padding_grids(res_a, res_b, label_a: str, label_b: str, value: str = "hid
                  for j, c in enumerate(cols)] for i, p in enumerate(rows)]
         shown = np.where(z > 0, np.log10(np.where(z > 0, z, 1.0)), np.nan)
         fig = go.Figure(go.Heatmap(z=shown, x=cols, y=rows, text=text, texttemplate="%{text}", hoverinfo="text",
-                                   colorscale="Viridis", xgap=3, ygap=3, colorbar=dict(title="log₁₀ gap"),
+                                   textfont=dict(size=13), colorscale="Viridis", xgap=3, ygap=3,
+                                   colorbar=dict(title="log₁₀ gap"),
                                    **({} if zrange is None or not verdicts else dict(zmin=zrange[0], zmax=zrange[1]))))
         fig.update_layout(title=title, height=140 + 80 * len(rows), margin=dict(l=90, r=10, t=60, b=10),
                           plot_bgcolor=ZERO_COLOUR)

@@ -368,9 +368,10 @@ def ab_controls(prefix: str, choice: "ModelChoice", lm, scenario: dict[str, list
     return what, other, lm_b, settings_b
 
 
-def show_ab(figs, prefix: str, caption: str, texts: tuple[str, str] | None = None) -> None:
-    """A and B side by side on their shared scale, |B − A| below (and each side's text under its map)."""
-    b1, b2 = st.columns(2)
+def show_ab(figs, prefix: str, caption: str, texts: tuple[str, str] | None = None, side_by_side: bool = True) -> None:
+    """A and B side by side on their shared scale (one above the other for wide figures), |B − A| below (and each
+    side's text under its map)."""
+    b1, b2 = st.columns(2) if side_by_side else (st.container(), st.container())
     b1.plotly_chart(figs[0], width="stretch", key=f"{prefix}_ab_a")
     b2.plotly_chart(figs[1], width="stretch", key=f"{prefix}_ab_b")
     if texts is not None:

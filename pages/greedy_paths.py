@@ -88,7 +88,8 @@ with st.expander("A/B: this decoding against one other setting, on one colour sc
         else:
             show_ab(figs, "greedy", "No cache vs cache in both; same colour scale on both maps, the third is their "
                                     "difference; the red line marks where each pair's texts part. Under each map: "
-                                    "the cached path's text.", (res.paths["cache"].text, res_b.paths["cache"].text))
+                                    "the cached path's text.", (res.paths["cache"].text, res_b.paths["cache"].text),
+                    side_by_side=False)
 ref = figures.greedy_reference_gap(res)
 if ref is not None:
     st.plotly_chart(ref, width="stretch", key="greedy_ref_chart")

@@ -62,7 +62,7 @@ with st.expander("A/B: this grid against one other setting, on one colour scale"
             show_error(e)
         else:
             show_ab(figs, "pad", "The cells' relative gaps (log₁₀) on one colour scale; exact zeros are written 0 "
-                                 "and left grey; the third grid is |B − A|.")
+                                 "and left grey; the third grid is |B − A|.", side_by_side=False)
 proved = [c for c in res.cells if c["proved"] is not None]
 if proved:
     n_ok = sum(c["proved"] for c in proved)

@@ -182,3 +182,12 @@ def test_padding_grid_without_padding_and_its_ab():
     assert (fa.data[0].zmin, fa.data[0].zmax) == (fb.data[0].zmin, fb.data[0].zmax)
     assert fa.data[0].zmax > -2  # the logic cells (mask new-only) are far above rounding on any machine
     assert "|B − A|" in fd.layout.title.text
+
+
+def test_a_dtype_line_hidden_under_another_says_so():
+    res = run_dtypes("tiny:gpt2", ["Hello world"], ["bfloat16"], device=DEVICE)
+    for metric in res.per_prompt:  # construct a second dtype with exactly bfloat16's numbers
+        res.per_prompt[metric]["float16"] = res.per_prompt[metric]["bfloat16"].copy()
+    res.dtypes = ["float64", "float16", "bfloat16"]
+    names = [t.name for t in figures.dtype_curves(res).data]
+    assert names == ["float64", "float16 (= bfloat16, under it)", "bfloat16"]

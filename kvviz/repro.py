@@ -566,8 +566,8 @@ def _check(result) -> str:
 
 
 def repro_script(result, lm: LoadedModel, name: str = "kvviz_repro.py") -> str:
-    """A standalone script for a split, greedy, dtypes, padding or reuse result computed with `lm` (the default
-    execution settings; for dtypes, any dtype of the same model)."""
+    """A standalone script for a result of one of VIEWS computed with `lm` (any dtype of the same model: the script
+    loads the dtypes the result used); KvvizError with one line for what no script can rebuild."""
     view = _check(result)
     s = result.settings
     if view == "loading_trap":

@@ -167,7 +167,8 @@ def load(choice: ModelChoice) -> kvviz.LoadedModel | None:
 PAGE_PREFIXES = ("split_", "greedy_", "dt_", "pad_", "reuse_", "mx_", "kv_", "trap_", "quant_", "check_")
 SIDEBAR_KEYS = ("model_preset", "model_other", "dtype", "device", "attn", "trust_remote_code", "invariant",
                 "presenter")
-_NOT_IN_URL = ("kv_upload", "dt_upload", "mx_run", "mx_preset", "split_bisect", "open_upload", "split_k_typed")
+_NOT_IN_URL = ("kv_upload", "dt_upload", "mx_run", "mx_preset", "split_bisect", "open_upload", "split_k_typed",
+               "kv_download")
 
 
 def _persistable(key: str) -> bool:
@@ -358,12 +359,16 @@ def ab_controls(prefix: str, choice: "ModelChoice", lm, scenario: dict[str, list
         if what == "invariant mode":
             settings_b = ExecSettings(invariant=other == "on")
         return what, other, None, settings_b
-    if what == "dtype":
-        lm_b = lm.twin(other)
-    elif what == "attention":
-        lm_b = kvviz.load_model(choice.model_spec, choice.dtype, choice.device, other,
-                                trust_remote_code=choice.trust_remote_code)
-    elif what == "invariant mode":
+    try:  # B's model may not load here (e.g. flash_attention_2 on a CPU): one line, the page goes on
+        if what == "dtype":
+            lm_b = lm.twin(other)
+        elif what == "attention":
+            lm_b = kvviz.load_model(choice.model_spec, choice.dtype, choice.device, other,
+                                    trust_remote_code=choice.trust_remote_code)
+    except Exception as e:  # noqa: BLE001
+        show_error(e)
+        return None
+    if what == "invariant mode":
         settings_b = ExecSettings(invariant=other == "on")
     return what, other, lm_b, settings_b
 

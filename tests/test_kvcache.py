@@ -2,6 +2,7 @@
 refused with one line; sizes match the live cache; the cache-safety card tells GPT-2-like models from RoBERTa."""
 import json
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -173,11 +174,12 @@ def test_quantized_kv_cache_is_lossy_with_numbers():
     res = run_split(lm("llama", "float32"), SplitConfig(PROMPT, split=10, mode="step"),
                     settings=ExecSettings(cache="quantized"))
     assert res.verdict == "lossy"
-    if res.settings.device == "cpu":
+    finite = bool(np.isfinite(res.main.logits["max_abs"]).all())
+    if finite:  # what a CPU gives: a real, measured loss
         assert "quantized" in res.explanation
         assert res.main.max_abs > 1e-4 and float(res.main.logits["kl"].max()) > 0
     else:  # seen on an H100 (torch 2.11, transformers 5.23): the fp8 cache gives NaN there; kvviz must say so
-        assert "quantized" in res.explanation or "non-finite" in res.explanation
+        assert "non-finite" in res.explanation
 
 
 def test_cli_cache_and_check(tmp_path, capsys):

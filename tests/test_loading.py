@@ -191,5 +191,5 @@ def test_safe_defaults_in_config_and_code():
         assert not re.search(r"trust_remote_code\s*=\s*True", text), path
     # streamlit stays out of the library
     for path, text in code.items():
-        if "kvviz" in path.parts:
+        if path.relative_to(ROOT).parts[0] == "kvviz":  # the library folder, whatever the clone's folder is called
             assert not re.search(r"^\s*(import|from) streamlit", text, re.M), path

@@ -128,13 +128,23 @@ def test_seed004_needs_a_window():
         seed004_config(kvviz.load_model("tiny:llama", "float32", DEVICE))
 
 
-def test_compile_really_compiles_or_says_why():
+def test_compile_really_compiles_where_a_compiler_exists():
+    import shutil
+
     ok, why = backends.compiler_works()
+    # torch.compile needs CUDA or a C++ compiler: where one of them is there, kvviz must say it can compile
+    assert ok == (torch.cuda.is_available() or any(shutil.which(c) for c in ("g++", "c++", "clang++"))), why
+    if not ok:
+        pytest.skip(why)  # only on a machine with neither (never CI: the Makefile's machines have g++)
     cfg = MatrixConfig("Hi there", 3, attentions=("sdpa",), caches=("dynamic",), compiles=("default",), repeats=1)
     cell = run_matrix("tiny:llama", cfg, "float32", DEVICE).cells[0]
-    if ok:
-        assert cell.error is None, cell.error
-        assert cell.compiled["requested"] and cell.compiled["frames"] >= 1  # dynamo really compiled frames
-        assert cell.verdict in ("identical", "precision")
-    else:
-        assert cell.error and "compiler" in cell.error.lower()
+    assert cell.error is None, cell.error
+    assert cell.compiled["requested"] and cell.compiled["frames"] >= 1  # dynamo really compiled frames
+    assert cell.verdict in ("identical", "precision")
+
+
+def test_compile_without_a_compiler_is_an_error_cell_naming_it(monkeypatch):
+    monkeypatch.setattr(backends, "compiler_works", lambda: (False, "no C++ compiler found for torch.compile"))
+    cfg = MatrixConfig("Hi there", 3, attentions=("sdpa",), caches=("dynamic",), compiles=("default",), repeats=1)
+    cell = run_matrix("tiny:llama", cfg, "float32", DEVICE).cells[0]
+    assert cell.error and "compiler" in cell.error.lower() and cell.verdict not in ("identical", "precision")

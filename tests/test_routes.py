@@ -106,6 +106,11 @@ def test_greedy_omitted_positions_with_padding_is_a_logic_gap(route, request, ca
     # (far above float32 rounding) from the first step fed through the cache, on every machine
     pair = next(p for p in d["pairs"] if {p["a"], p["b"]} == {"no_cache", "cache"})
     assert max(pair["max_abs_logit"][1:2]) > 1e-2
+    # against the float64 no-cache path the cache path's gap stays logic-sized while the no-cache path's is rounding
+    # (both at step 1, where the cache path first feeds a token through the cache with the wrong position)
+    cache64, plain64 = d["paths"]["cache"]["float64_gap"], d["paths"]["no_cache"]["float64_gap"]
+    assert cache64[1] is not None and cache64[1] > 1e-2
+    assert plain64[1] is not None and plain64[1] < 1e-3
     if pair["first_divergence"] is not None:
         assert pair["verdict"] == "logic"
 

@@ -24,30 +24,53 @@ def test_settings_validate_and_describe_themselves():
 
 
 def test_every_scenario_runs_through_the_executor(monkeypatch):
-    """Count Executor.forward calls: split, greedy, padding and reuse all go through it (no hand-built calls)."""
-    calls = []
-    real = Executor.forward
+    """Every call of the model happens inside Executor.forward / Executor.generate: a forward pre-hook on the model
+    sees each call and fails the test if one bypasses the seam; the executor's calls are counted too."""
+    calls, bypass = [], []
+    inside = threading.local()
 
-    def counting(self, *a, **k):
-        calls.append(type(self).__name__)
-        return real(self, *a, **k)
+    def wrap(real):
+        def wrapped(self, *a, **k):
+            calls.append(real.__name__)
+            inside.depth = getattr(inside, "depth", 0) + 1
+            try:
+                return real(self, *a, **k)
+            finally:
+                inside.depth -= 1
+        return wrapped
 
-    monkeypatch.setattr(Executor, "forward", counting)
+    monkeypatch.setattr(Executor, "forward", wrap(Executor.forward))
+    monkeypatch.setattr(Executor, "generate", wrap(Executor.generate))
     lm = kvviz.load_model("tiny:llama", "float32", DEVICE)
-    run_split(lm, SplitConfig(PROMPT, split=5, mode="step"))
-    n_split = len(calls)
-    assert n_split >= 3 + (len(lm.tokenizer(PROMPT)["input_ids"]) - 5)  # prefix, full, every step
-    run_greedy(lm, GreedyConfig(PROMPT, 3, paths=("no_cache", "cache")))
-    assert len(calls) - n_split == 3 + 3  # 3 full forwards + prefill and 2 decode steps
-    from kvviz.padding import run_padding
-    from kvviz.reuse import run_reuse
+    lm64 = lm.reference()
 
-    before = len(calls)
-    run_padding(lm, PROMPT, left_pad=0)
-    assert len(calls) > before
-    before = len(calls)
-    run_reuse(lm, "Answer.", [" Q?"], 2)
-    assert len(calls) > before
+    def seen(module, args, kwargs):
+        if getattr(inside, "depth", 0) == 0:
+            bypass.append(type(module).__name__)
+
+    hooks = [m.model.register_forward_pre_hook(seen, with_kwargs=True) for m in (lm, lm64)]
+    try:
+        run_split(lm, SplitConfig(PROMPT, split=5, mode="step"))
+        n_split = len(calls)
+        assert n_split >= 3 + (len(lm.tokenizer(PROMPT)["input_ids"]) - 5)  # prefix, full, every step
+        run_greedy(lm, GreedyConfig(PROMPT, 3, paths=("no_cache", "cache", "generate")))
+        assert len(calls) - n_split == 3 + 3 + 1  # 3 full forwards + prefill and 2 decode steps + one generate
+        from kvviz.padding import run_padding
+        from kvviz.reuse import run_reuse
+
+        before = len(calls)
+        run_padding(lm, PROMPT, left_pad=0)
+        assert len(calls) > before
+        before = len(calls)
+        run_reuse(lm, "Answer.", [" Q?"], 2)
+        assert len(calls) > before
+        # the hook itself works: a call made behind the seam's back is seen
+        with torch.no_grad():
+            lm.model(input_ids=torch.tensor([[1, 5, 6]], device=lm.device))
+        assert bypass == ["LlamaForCausalLM"]
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 def test_a_run_context_is_entered_per_run_and_restored_after_an_error():

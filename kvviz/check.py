@@ -125,12 +125,12 @@ def run_check(lm: LoadedModel, progress=None, weights: str = "none", kv: str = "
     """The cache-safety card of `lm`'s model (its float64 twin runs the checks). weights / kv: check the model
     with quantized weights (int8, int4) and/or a quantized KV cache (see kvviz.quant): the card is then at best
     `lossy`, with the measured loss."""
-    from .quant import QuantConfig
+    from .quant import check_feasible
 
     progress = progress or (lambda f, m: None)
     quantized = (weights or "none") != "none" or (kv or "none") != "none"
-    if quantized:
-        QuantConfig(PROMPT, kv=kv or "none", weights=weights or "none").validate()  # bad choices fail first
+    if quantized:  # names, packages, devices, dtypes and a cache the model refuses: all fail before the battery
+        check_feasible(lm, kv or "none", weights or "none")
     lm64 = lm.reference()
     checks: list[Check] = []
     progress(0.05, "Is the model causal?")

@@ -1,9 +1,15 @@
-"""Command line: `python -m kvviz split ...` (more subcommands as the pages land)."""
+"""Command line: `python -m kvviz <view> ...` — every view of the library, one subcommand each (`--help` lists them).
+
+Each subcommand checks its arguments, runs the library and returns an Outcome; `_run` refuses the common flags a
+subcommand cannot honour, writes --json-out / --html / --repro, and prints JSON (--json) or the summary."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+from dataclasses import dataclass
+from typing import Callable
 
 from .dtypes import DTYPE_NAMES
 from .errors import OUT_OF_MEMORY_HINT, KvvizError, free_memory, is_out_of_memory
@@ -114,8 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        "settings change greedy decoding, and how")
     _model_args(mp, attn_list=True)
     mp.add_argument("--prompt", default=None, help="the prompt (row 0); required unless --preset sliding-window")
-    mp.add_argument("--preset", choices=("sliding-window", "seed004"), default=None,
-                    help="sliding-window (alias seed004, the torch.compile report): a short left-padded prompt "
+    mp.add_argument("--preset", choices=("sliding-window",), default=None,
+                    help="sliding-window (the torch.compile report): a short left-padded prompt "
                          "batched with one longer than the sliding window, "
                          "generating past the window")
     mp.add_argument("--max-new-tokens", type=int, default=16)
@@ -233,7 +239,73 @@ def _write(path, text: str, args) -> None:
         print(f"written: {path}", file=sys.stderr)
 
 
-def cmd_open(args) -> int:
+# ------------------------------------------------------------------------------------------------------------------
+# The subcommands. Each one checks its arguments, runs, and returns an Outcome; `_run` does the rest for all of them
+# (flags a subcommand cannot honour refused, exports, JSON or the summary), so no subcommand prints or exports itself.
+
+
+@dataclass
+class Outcome:
+    result: object
+    lm: object = None  # the model the result was computed with (for the export's fingerprint and the repro script)
+    summary: "Callable[[], str] | None" = None  # the human summary (default: the result's verdict line)
+    payload: "Callable[[], dict] | None" = None  # what --json prints (default: result.to_dict())
+    exportable: bool = True  # --json-out / --html / --repro apply
+
+
+# Common flags a subcommand does not honour, and why: given one of these, the subcommand refuses to run (exit 2).
+_NOT_HONOURED = {
+    "bisect": {"no_proof": "the bisector runs no proof rerun"},
+    "loading-trap": {"invariant": "it compares two loadings of the model, each decoded plainly",
+                     "no_proof": "it runs no proof rerun"},
+    "matrix": {"no_proof": "the matrix runs no proof rerun (its --invariant runs every cell in invariant mode)"},
+    "check": {"invariant": "the card decides in float64, where invariant mode has nothing to prove",
+              "no_proof": "the card never runs the proof rerun"},
+    "quant": {"invariant": "a quantized run is lossy by design; invariant mode cannot make it exact",
+              "no_proof": "it runs no proof rerun"},
+    "cache save": {"invariant": "the saved cache is the model's plain cache",
+                   "no_proof": "it runs no proof rerun",
+                   "json_out": "its product is the --out file", "html": "its product is the --out file"},
+    "cache load": {"invariant": "the reload is compared with a plain fresh cache", "no_proof": "it runs no proof rerun"},
+    "cache size": {"invariant": "sizes do not depend on it", "no_proof": "it runs no proof rerun"},
+}
+_FLAG = {"invariant": "--invariant", "no_proof": "--no-proof", "json_out": "--json-out", "html": "--html",
+         "repro": "--repro"}
+
+
+def _refuse_flags(name: str, args) -> None:
+    for flag, why in _NOT_HONOURED.get(name, {}).items():
+        if getattr(args, flag, None):
+            raise _Refused(f"{_FLAG[flag]} does nothing for `{name}` ({why}); leave it out")
+
+
+class _Refused(KvvizError):
+    """A flag the subcommand cannot honour: exit 2, like any other argument error."""
+
+
+def _command_name(args) -> str:
+    return args.command + (f" {args.cache_command}" if args.command == "cache" and args.cache_command else "")
+
+
+def _run(args) -> int:
+    name = _command_name(args)
+    _refuse_flags(name, args)
+    out: Outcome = COMMANDS[args.command](args)
+    if out.exportable:
+        _exports(args, out.result, out.lm)
+    if getattr(args, "json", False):
+        from .jsonout import dumps
+
+        print(dumps(out.payload() if out.payload else out.result.to_dict()))
+        return 0
+    text = out.summary() if out.summary else f"verdict: {out.result.verdict.upper()}\n{out.result.explanation}"
+    if getattr(args, "invariant", False):
+        text = "(run in invariant mode)\n" + text
+    print(text)
+    return 0
+
+
+def cmd_open(args) -> Outcome:
     from pathlib import Path
 
     from .export import open_result
@@ -243,30 +315,35 @@ def cmd_open(args) -> int:
         raise KvvizError(f"no such file: {p}")
     opened = open_result(p.read_bytes())
     res = opened.result
-    summary = {"split": split_summary, "greedy": greedy_summary}.get(opened.view)
-    print(summary(res) if summary else f"a {opened.view} result of {res.settings['model']}")
-    print("\nenvironment: " + ("the same as here" if not opened.environment_differences else
-                                "differs from here — " + "; ".join(opened.environment_differences)))
-    return 0
+    summaries = {"split": split_summary, "greedy": greedy_summary}
+
+    def summary() -> str:
+        head = summaries[opened.view](res) if opened.view in summaries else \
+            f"a {opened.view} result of {res.settings['model']}"
+        return head + "\n\nenvironment: " + ("the same as here" if not opened.environment_differences else
+                                             "differs from here — " + "; ".join(opened.environment_differences))
+
+    return Outcome(res, summary=summary, exportable=False, payload=lambda: json.loads(p.read_text(encoding="utf-8")))
 
 
-def cmd_split(args) -> int:
-    from .jsonout import dumps
+def _nonnegative_pad(args) -> None:
+    if getattr(args, "left_pad", 0) < 0:
+        raise KvvizError(f"--left-pad must be 0 or more, not {args.left_pad}")
+
+
+def _prove(args):
+    return False if args.no_proof else None
+
+
+def cmd_split(args) -> Outcome:
     from .split import SplitConfig, run_split
 
-    if args.left_pad < 0:
-        raise KvvizError(f"--left-pad must be 0 or more, not {args.left_pad}")
-    lm = _load(args)
+    _nonnegative_pad(args)
     cfg = SplitConfig(prompt=args.prompt, split=args.split, mode=args.mode, left_pad=args.left_pad,
                       position_ids=args.position_ids, attention_mask=args.attention_mask)
-    res = run_split(lm, cfg, progress=_progress_to_stderr(args.quiet), settings=_settings(args),
-                    prove=False if args.no_proof else None)
-    _exports(args, res, lm)
-    if args.json:
-        print(dumps(res.to_dict()))
-        return 0
-    print(split_summary(res))
-    return 0
+    lm = _load(args)
+    res = run_split(lm, cfg, progress=_progress_to_stderr(args.quiet), settings=_settings(args), prove=_prove(args))
+    return Outcome(res, lm, lambda: split_summary(res))
 
 
 def split_summary(res) -> str:
@@ -298,23 +375,18 @@ def split_summary(res) -> str:
     return "\n".join(lines)
 
 
-def cmd_greedy(args) -> int:
+def cmd_greedy(args) -> Outcome:
     from .greedy import GreedyConfig, run_greedy
-    from .jsonout import dumps
 
-    if args.left_pad < 0:
-        raise KvvizError(f"--left-pad must be 0 or more, not {args.left_pad}")
+    _nonnegative_pad(args)
     paths = tuple(p.strip() for p in args.paths.split(",") if p.strip())
     cfg = GreedyConfig(prompt=args.prompt, max_new_tokens=args.max_new_tokens, left_pad=args.left_pad,
                        position_ids=args.position_ids, paths=paths, fast=args.fast,
                        stop_at_divergence=args.stop_at_divergence)
     cfg.validate()  # before loading the model: bad arguments fail at once
     lm = _load(args)
-    res = run_greedy(lm, cfg, progress=_progress_to_stderr(args.quiet), settings=_settings(args),
-                     prove=False if args.no_proof else None)
-    _exports(args, res, lm)
-    print(dumps(res.to_dict()) if args.json else greedy_summary(res))
-    return 0
+    res = run_greedy(lm, cfg, progress=_progress_to_stderr(args.quiet), settings=_settings(args), prove=_prove(args))
+    return Outcome(res, lm, lambda: greedy_summary(res))
 
 
 def greedy_summary(res) -> str:
@@ -336,8 +408,7 @@ def greedy_summary(res) -> str:
     return "\n".join(lines)
 
 
-def cmd_dtypes(args) -> int:
-    from .jsonout import dumps
+def cmd_dtypes(args) -> Outcome:
     from .dtype_sweep import run_dtypes
     from .prompts import load_prompts
 
@@ -352,70 +423,63 @@ def cmd_dtypes(args) -> int:
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     res = run_dtypes(_spec(args), prompts, dtypes, args.device, args.attn, split=args.split, mode=args.mode,
                      trust_remote_code=args.trust_remote_code, progress=_progress_to_stderr(args.quiet),
-                     settings=_settings(args), prove=False if args.no_proof else None)
+                     settings=_settings(args), prove=_prove(args))
     from .loading import load_model
 
     lm64 = load_model(_spec(args), "float64", res.settings.float64_device, args.attn,
                       trust_remote_code=args.trust_remote_code)  # already loaded by the sweep: its twin
-    _exports(args, res, lm64)
-    if args.json:
-        print(dumps(res.to_dict()))
-        return 0
-    print(f"model: {res.model['description']}; device {res.settings.device}; {len(res.prompts)} prompts, "
-          f"split {res.settings.split}")
-    print("\nmax |Δ| per layer, mean over prompts:")
-    print(res.stat("max_abs", "mean").to_string(float_format=lambda v: f"{v:.3g}"))
-    print("\nin units of each dtype's epsilon, max over prompts:")
-    print(res.stat("eps_units", "max").to_string(float_format=lambda v: f"{v:.3g}"))
-    print("\nverdicts:")
-    print(res.verdict_counts().to_string())
-    return 0
+
+    def summary() -> str:
+        return "\n".join([
+            f"model: {res.model['description']}; device {res.settings.device}; {len(res.prompts)} prompts, "
+            f"split {res.settings.split}",
+            "\nmax |Δ| per layer, mean over prompts:",
+            res.stat("max_abs", "mean").to_string(float_format=lambda v: f"{v:.3g}"),
+            "\nin units of each dtype's epsilon, max over prompts:",
+            res.stat("eps_units", "max").to_string(float_format=lambda v: f"{v:.3g}"),
+            "\nverdicts:", res.verdict_counts().to_string()])
+
+    return Outcome(res, lm64, summary)
 
 
-def cmd_padding(args) -> int:
-    from .jsonout import dumps
+def cmd_padding(args) -> Outcome:
     from .padding import run_padding
 
-    if args.left_pad < 0:
-        raise KvvizError(f"--left-pad must be 0 or more, not {args.left_pad}")
+    _nonnegative_pad(args)
     lm = _load(args)
     res = run_padding(lm, args.prompt, args.split, args.left_pad, progress=_progress_to_stderr(args.quiet),
                       settings=_settings(args), prove=not args.no_proof)
-    _exports(args, res, lm)
-    if args.json:
-        print(dumps(res.to_dict()))
-        return 0
-    import pandas as pd
 
-    with pd.option_context("display.width", 200, "display.max_columns", 20):
-        print(f"{res.settings.dtype} on {res.settings.device}; prompt split at {res.settings.split}; "
-              f"left pad {res.settings.left_pad}")
-        print("\nverdicts:\n" + res.grid().to_string())
-        print("\nrelative gap of the hidden states vs the prompt alone without cache:\n"
-              + res.grid("hidden_relative").to_string(float_format=lambda v: f"{v:.2g}"))
-    return 0
+    def summary() -> str:
+        import pandas as pd
+
+        with pd.option_context("display.width", 200, "display.max_columns", 20):
+            return (f"{res.settings.dtype} on {res.settings.device}; prompt split at {res.settings.split}; "
+                    f"left pad {res.settings.left_pad}\n\nverdicts:\n" + res.grid().to_string()
+                    + "\n\nrelative gap of the hidden states vs the prompt alone without cache:\n"
+                    + res.grid("hidden_relative").to_string(float_format=lambda v: f"{v:.2g}"))
+
+    return Outcome(res, lm, summary)
 
 
-def cmd_reuse(args) -> int:
-    from .jsonout import dumps
+def cmd_reuse(args) -> Outcome:
     from .reuse import run_reuse
 
     lm = _load(args)
     res = run_reuse(lm, args.prefix, args.continuation, args.max_new_tokens, progress=_progress_to_stderr(args.quiet),
-                    settings=_settings(args), prove=False if args.no_proof else None)
-    _exports(args, res, lm)
-    if args.json:
-        print(dumps(res.to_dict()))
-        return 0
-    for r in res.runs:
-        div = "same tokens" if r["first_divergence"] is None else f"parts at step {r['first_divergence']}"
-        print(f"[{r['index']}] {r['strategy']:<9} {r['verdict']:<9} {div:<16} {r['continuation']!r} → {r['text']!r}")
-    return 0
+                    settings=_settings(args), prove=_prove(args))
+
+    def summary() -> str:
+        return "\n".join(
+            f"[{r['index']}] {r['strategy']:<9} {r['verdict']:<9} "
+            f"{'same tokens' if r['first_divergence'] is None else 'parts at step %d' % r['first_divergence']:<16} "
+            f"{r['continuation']!r} → {r['text']!r}" for r in res.runs)
+
+    return Outcome(res, lm, summary)
 
 
-def cmd_bisect(args) -> int:
+def cmd_bisect(args) -> Outcome:
     from .bisect import run_bisect
-    from .jsonout import dumps
     from .split import SplitConfig
 
     cfg = SplitConfig(prompt=args.prompt, split=args.split, mode=args.mode, left_pad=args.left_pad,
@@ -423,45 +487,37 @@ def cmd_bisect(args) -> int:
     cfg.validate()
     lm = _load(args)
     res = run_bisect(lm, cfg, _settings(args))
-    _exports(args, res, lm)
-    if args.json:
-        print(dumps(res.to_dict()))
-        return 0
-    for g in res.modules:
-        mark = "  <- first difference" if res.first is not None and g.name == res.first.name else ""
-        print(f"{g.name:<48} {g.kind:<18} max |Δ| {g.max_abs:<10.3g}{mark}")
-    print("\n" + res.explanation)
-    return 0
+
+    def summary() -> str:
+        lines = [f"{g.name:<48} {g.kind:<18} max |Δ| {g.max_abs:<10.3g}"
+                 + ("  <- first difference" if res.first is not None and g.name == res.first.name else "")
+                 for g in res.modules]
+        return "\n".join(lines + ["", res.explanation])
+
+    return Outcome(res, lm, summary)
 
 
-def cmd_loading_trap(args) -> int:
-    from .jsonout import dumps
+def cmd_loading_trap(args) -> Outcome:
     from .loading_trap import run_loading_trap
 
     lm = _load(args)
     res = run_loading_trap(lm, args.prompt, args.max_new_tokens, args.cast_dtype)
-    _exports(args, res, lm)
-    if args.json:
-        print(dumps(res.to_dict()))
-        return 0
-    print(f"from_pretrained(dtype={args.cast_dtype}): {res.loaded_text!r}")
-    print(f"float32 + .to({args.cast_dtype}):     {res.cast_text!r}")
-    print(f"\nverdict: {res.verdict.upper()}\n{res.explanation}")
-    return 0
+    return Outcome(res, lm, lambda: (f"from_pretrained(dtype={args.cast_dtype}): {res.loaded_text!r}\n"
+                                     f"float32 + .to({args.cast_dtype}):     {res.cast_text!r}\n"
+                                     f"\nverdict: {res.verdict.upper()}\n{res.explanation}"))
 
 
 def _split_list(text: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
 
 
-def cmd_matrix(args) -> int:
-    from .jsonout import dumps
-    from .matrix import MatrixConfig, run_matrix, seed004_config
+def cmd_matrix(args) -> Outcome:
+    from .matrix import MatrixConfig, run_matrix, sliding_window_config
 
     flag_sets = tuple(() if f.strip() in ("", "none") else _split_list(f) for f in (args.flags or ["none"]))
-    if args.preset in ("sliding-window", "seed004"):
+    if args.preset == "sliding-window":
         lm = _load(args)
-        cfg = seed004_config(lm, args.max_new_tokens if args.max_new_tokens != 16 else None)
+        cfg = sliding_window_config(lm, args.max_new_tokens if args.max_new_tokens != 16 else None)
         cfg.invariant = bool(args.invariant)
     else:
         if not args.prompt:
@@ -473,23 +529,21 @@ def cmd_matrix(args) -> int:
         cfg.validate()  # bad axes fail before any model loads
         lm = _load(args)
     res = run_matrix(lm, cfg, trust_remote_code=args.trust_remote_code, progress=_progress_to_stderr(args.quiet))
-    _exports(args, res, lm)
-    if args.json:
-        print(dumps(res.to_dict()))
-        return 0
-    print(f"reference (eager, no cache): {res.reference['text']!r}")
-    for c in res.cells:
-        what = f"ERROR: {c.error}" if c.error else (
-            f"{c.verdict:<16} part at {c.first_divergence}  distinct {c.distinct_outputs}  max |Δ logit| "
-            f"{c.max_abs_logit:.3g}  {c.seconds_per_token * 1000:.1f} ms/token"
-            + (f"  compiled frames {c.compiled['frames']}" if c.compiled and c.compiled['requested'] else ""))
-        print(f"{c.label:<58} {what}")
-    return 0
+
+    def summary() -> str:
+        lines = [f"reference (eager, no cache): {res.reference['text']!r}"]
+        for c in res.cells:
+            what = f"ERROR: {c.error}" if c.error else (
+                f"{c.verdict:<16} part at {c.first_divergence}  distinct {c.distinct_outputs}  max |Δ logit| "
+                f"{c.max_abs_logit:.3g}  {c.seconds_per_token * 1000:.1f} ms/token"
+                + (f"  compiled frames {c.compiled['frames']}" if c.compiled and c.compiled['requested'] else ""))
+            lines.append(f"{c.label:<58} {what}")
+        return "\n".join(lines)
+
+    return Outcome(res, lm, summary)
 
 
-def cmd_cache(args) -> int:
-    from .jsonout import dumps
-
+def cmd_cache(args) -> Outcome:
     if args.cache_command is None:
         raise KvvizError("choose a cache command: save, load or size")
     lm = _load(args)
@@ -499,50 +553,43 @@ def cmd_cache(args) -> int:
         meta = save_cache(lm, args.prompt, args.out)
         out = {"file": args.out, "n_tokens": meta["n_tokens"], "layers": len(meta["layers"]),
                "fingerprint": meta["fingerprint"]}
-        print(dumps(out) if args.json else f"saved {meta['n_tokens']} tokens × {len(meta['layers'])} layers to "
-                                           f"{args.out}")
-    elif args.cache_command == "load":
+        return Outcome(out, lm, lambda: f"saved {meta['n_tokens']} tokens × {len(meta['layers'])} layers to {args.out}",
+                       payload=lambda: out, exportable=False)
+    if args.cache_command == "load":
         from .kvcache import continue_and_compare, load_cache
 
         res = continue_and_compare(lm, load_cache(lm, args.file), args.cont)
-        print(dumps(res.to_dict()) if args.json else
-              f"reloaded {res.n_cached} cached tokens, continued with {len(res.continuation_tokens)}: "
-              f"bitwise equal to a fresh cache: {res.bitwise_equal} (largest gap: logits {res.max_abs_logits:.3g}, "
-              f"hidden {res.max_abs_hidden:.3g}, K/V {res.max_abs_kv:.3g})")
-    else:
-        from .cachesize import size_report
+        return Outcome(res, lm, lambda: (
+            f"reloaded {res.n_cached} cached tokens, continued with {len(res.continuation_tokens)}: bitwise equal to "
+            f"a fresh cache: {res.bitwise_equal} (largest gap: logits {res.max_abs_logits:.3g}, hidden "
+            f"{res.max_abs_hidden:.3g}, K/V {res.max_abs_kv:.3g})"))
+    from .cachesize import size_report
 
-        rep = size_report(lm, args.tokens, args.batch, measure=not args.no_measure)
-        print(dumps(rep.to_dict()) if args.json else
-              f"{rep.model} in {rep.dtype}: {rep.per_token_bytes:,} bytes per token; {args.tokens} tokens × batch "
-              f"{args.batch}: formula {rep.formula_bytes:,} bytes, measured "
-              f"{'—' if rep.measured_bytes is None else f'{rep.measured_bytes:,}'} bytes"
-              + (f" ({rep.note})" if rep.note else ""))
-    return 0
+    rep = size_report(lm, args.tokens, args.batch, measure=not args.no_measure)
+    return Outcome(rep, lm, lambda: (
+        f"{rep.model} in {rep.dtype}: {rep.per_token_bytes:,} bytes per token; {args.tokens} tokens × batch "
+        f"{args.batch}: formula {rep.formula_bytes:,} bytes, measured "
+        f"{'—' if rep.measured_bytes is None else f'{rep.measured_bytes:,}'} bytes"
+        + (f" ({rep.note})" if rep.note else "")))
 
 
-def cmd_check(args) -> int:
+def cmd_check(args) -> Outcome:
     from .check import run_check
-    from .jsonout import dumps
-
     from .quant import QuantConfig
 
     if args.weights != "none" or args.kv != "none":
-        QuantConfig("x", kv=args.kv, weights=args.weights).validate()  # bad choices fail before any model loads
+        QuantConfig("x", kv=args.kv, weights=args.weights).validate()  # bad names fail before any model loads
     lm = _load(args)
     card = run_check(lm, progress=_progress_to_stderr(args.quiet), weights=args.weights, kv=args.kv)
-    _exports(args, card, lm)
-    if args.json:
-        print(dumps(card.to_dict()))
-        return 0
-    for c in card.checks:
-        print(f"[{c.status:^5}] {c.name:<34} {c.evidence}")
-    print(f"\noverall: {card.overall.upper()} — {card.summary}")
-    return 0
+
+    def summary() -> str:
+        return "\n".join([f"[{c.status:^5}] {c.name:<34} {c.evidence}" for c in card.checks]
+                         + [f"\noverall: {card.overall.upper()} — {card.summary}"])
+
+    return Outcome(card, lm, summary)
 
 
-def cmd_quant(args) -> int:
-    from .jsonout import dumps
+def cmd_quant(args) -> Outcome:
     from .quant import QuantConfig, run_quant
 
     cfg = QuantConfig(args.prompt, kv=args.kv, residual_length=args.residual, weights=args.weights,
@@ -550,24 +597,22 @@ def cmd_quant(args) -> int:
     cfg.validate()
     lm = _load(args)
     res = run_quant(lm, cfg, progress=_progress_to_stderr(args.quiet))
-    _exports(args, res, lm)
-    if args.json:
-        print(dumps(res.to_dict()))
-        return 0
-    print(f"unquantized: {res.reference_text!r}")
-    print(f"quantized:   {res.quantized_text!r}")
-    print(f"greedy agreement: {res.agreement} of {res.steps} tokens; KL per step mean {res.kl_mean:.3g}, "
-          f"max {res.kl_max:.3g}")
-    for name, a, r in zip(res.layers, res.layer_max_abs, res.layer_relative):
-        print(f"  {name:<28} max |Δ| {a:<10.3g} relative {r:.3g}")
-    for note in res.notes:
-        print(f"note: {note}")
-    print(f"\nverdict: {res.verdict.upper()}\n{res.explanation}")
-    return 0
+
+    def summary() -> str:
+        lines = [f"unquantized: {res.reference_text!r}", f"quantized:   {res.quantized_text!r}",
+                 f"greedy agreement: {res.agreement} of {res.steps} tokens; KL per step mean {res.kl_mean:.3g}, "
+                 f"max {res.kl_max:.3g}"]
+        lines += [f"  {name:<28} max |Δ| {a:<10.3g} relative {r:.3g}"
+                  for name, a, r in zip(res.layers, res.layer_max_abs, res.layer_relative)]
+        lines += [f"note: {note}" for note in res.notes]
+        return "\n".join(lines + [f"\nverdict: {res.verdict.upper()}\n{res.explanation}"])
+
+    return Outcome(res, lm, summary)
 
 
 COMMANDS = {"quant": cmd_quant, "split": cmd_split, "greedy": cmd_greedy, "dtypes": cmd_dtypes, "padding": cmd_padding,
-            "reuse": cmd_reuse, "bisect": cmd_bisect, "matrix": cmd_matrix, "open": cmd_open, "cache": cmd_cache, "check": cmd_check, "loading-trap": cmd_loading_trap}
+            "reuse": cmd_reuse, "bisect": cmd_bisect, "matrix": cmd_matrix, "open": cmd_open, "cache": cmd_cache,
+            "check": cmd_check, "loading-trap": cmd_loading_trap}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -578,7 +623,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return COMMANDS[args.command](args)
+        return _run(args)
+    except _Refused as e:
+        print(f"kvviz: error: {e}", file=sys.stderr)
+        return 2
     except KvvizError as e:
         print(f"kvviz: error: {e}", file=sys.stderr)
         return 1

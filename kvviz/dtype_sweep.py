@@ -89,7 +89,7 @@ class DtypesResult:
 
 
 def split_point(n_tokens: int, split: int | str) -> int:
-    """'last': all but the last token go to the cache (as seed 000's table does); 'half'; or a number (clipped)."""
+    """'last': all but the last token go to the cache; 'half'; or a number (clipped)."""
     if split == "last":
         return n_tokens - 1
     if split == "half":

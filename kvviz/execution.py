@@ -68,11 +68,6 @@ def register_settings_check(check: Callable[["ExecSettings"], None]) -> None:
         _SETTINGS_CHECKS.append(check)
 
 
-def cache_kinds() -> tuple[str, ...]:
-    _load_extensions()
-    return tuple(_CACHE_KINDS)
-
-
 @dataclass(frozen=True)
 class ExecSettings:
     """How a model runs, beyond the model itself (which the LoadedModel fixes: weights, dtype, device, attention)."""
@@ -212,10 +207,6 @@ class Executor:
         kwargs.update(extra)
         self.forwards += max_new_tokens
         return self.model.generate(**kwargs)
-
-
-def executor(lm: LoadedModel, settings: ExecSettings | None = None, max_len: int | None = None) -> Executor:
-    return Executor(lm, settings or DEFAULT_SETTINGS, max_len)
 
 
 # ------------------------------------------------------------------------------------------------------------------

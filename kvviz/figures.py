@@ -187,7 +187,7 @@ def logits_frame(res: SplitResult) -> pd.DataFrame:
 
 
 def describe_frame(res: SplitResult) -> pd.DataFrame:
-    """Seed 003's table for the last compared position: rows mean … max, columns without/with/|Δ|/relative Δ."""
+    """The describe() table for the last compared position: rows mean … max, columns without/with/|Δ|/relative Δ."""
     return pd.DataFrame(res.main.describe)
 
 
@@ -455,7 +455,7 @@ def ab_dtype_curves(res_a, res_b, label_a: str, label_b: str, metric: str = "max
 def padding_grid(res, value: str = "hidden_relative") -> go.Figure:
     """Placements × scenarios: each cell coloured by its verdict, with the gap written in it (placements that do
     not apply - "left-padded" with no padding - are left out)."""
-    from .lab import SCENARIOS
+    from .padding import SCENARIOS
 
     verdicts = res.grid("verdict")
     vals = res.grid(value)
@@ -487,7 +487,7 @@ def ab_padding_grids(res_a, res_b, label_a: str, label_b: str, value: str = "hid
                      ) -> tuple[go.Figure, go.Figure, go.Figure]:
     """A/B for the padding grid: log10 of each cell's relative gap on ONE colour scale for both, the verdict
     written in the cell, and |B − A|. Exact zeros (bitwise equal) are written "0" and left uncoloured."""
-    from .lab import SCENARIOS
+    from .padding import SCENARIOS
 
     rows = [p for p in res_a.placements if p in res_b.placements]
     cols = [s[0] for s in SCENARIOS]

@@ -1,11 +1,11 @@
 """Greedy decoding along several paths, and where (and why) they part.
 
 Paths:
-  no_cache   a full forward over the whole sequence at every step (exactly the loop of seed 000);
+  no_cache   a full forward over the whole sequence at every step (the loop the original greedy-cache report compares against);
   cache      prefill, then one token at a time through past_key_values with a correct mask and position ids
-             (position ids `omit` reproduces the bug of seeds 000/002 with left padding);
+             (position ids `omit` reproduces the classic left-padding bug);
   generate   model.generate(do_sample=False), same number of new tokens, EOS does not stop it;
-  user_loop  the cached loop as people write it (seed 000): prefill with the mask, then only the new token;
+  user_loop  the cached loop as people write it : prefill with the mask, then only the new token;
   float64    the no_cache loop on a float64 copy of the model: the reference "truth".
 
 Exact by default: every path does its own forwards, shaped exactly as the naive loops shape them, and kvviz only
@@ -240,7 +240,7 @@ def _grow(ids, mask, pos, token: int):
 
 def _no_cache(ex: Executor, inp: PromptInputs, n: int, rec: _Recorder, forced: list[int] | None = None,
               ids=None, mask=None, pos=None) -> None:
-    """A full forward over the sequence so far at every step (seed 000's loop); `forced` feeds given tokens."""
+    """A full forward over the sequence so far at every step (the plain no-cache loop); `forced` feeds given tokens."""
     ids, mask, pos = (inp.ids, inp.mask, inp.positions) if ids is None else (ids, mask, pos)
     for t in range(n):
         out = ex.forward(ids, mask, pos, use_cache=False)
@@ -269,7 +269,7 @@ def _cache(ex: Executor, inp: PromptInputs, n: int, rec: _Recorder, positions: s
 
 
 def _user_loop(ex: Executor, inp: PromptInputs, n: int, rec: _Recorder, forced: list[int] | None = None) -> None:
-    """Seed 000's cached loop: the prompt with its mask, then only the new token (no mask, no position ids)."""
+    """The cached loop as people write it: the prompt with its mask, then only the new token (no mask, no position ids)."""
     out = ex.forward(inp.ids, inp.mask)
     rec.forwards += 1
     cache = out.past_key_values

@@ -29,9 +29,9 @@ from .split import classify
 
 Progress = Callable[[float, str], None]
 VERDICTS = ("identical", "precision", "logic", "nondeterministic", "lossy")
-SEED004_PROMPT = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, lit the great lamp, and "
+WINDOW_LONG_PROMPT = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, lit the great lamp, and "
                   "wrote the weather in a leather log that his grandfather had started sixty years before.")
-SEED004_SHORT = "Hi there"
+WINDOW_SHORT_PROMPT = "Hi there"
 
 
 def _noop(f: float, m: str) -> None:
@@ -329,18 +329,18 @@ def run_matrix(spec, prompt_or_cfg: "str | MatrixConfig", dtype="float32", devic
         cells=cells, elapsed_s=time.perf_counter() - t0)
 
 
-def seed004_config(lm: LoadedModel, max_new_tokens: int | None = None) -> MatrixConfig:
-    """The seed-004 scenario: a short left-padded prompt batched with one longer than the sliding window,
+def sliding_window_config(lm: LoadedModel, max_new_tokens: int | None = None) -> MatrixConfig:
+    """The sliding-window scenario (the torch.compile report): a short left-padded prompt batched with one longer than the sliding window,
     generating past the window, over attention kinds and dynamic/static caches."""
     window = getattr(lm.config, "sliding_window", None)
     if not window:
         raise KvvizError(f"{lm.name} has no sliding window; the sliding-window preset (torch.compile report) needs "
                          f"a model with one "
                          f"(e.g. tiny:mistral, tiny:gemma2)")
-    long_prompt = SEED004_PROMPT
+    long_prompt = WINDOW_LONG_PROMPT
     while len(encode(lm, long_prompt)) <= window:
-        long_prompt += " " + SEED004_PROMPT
+        long_prompt += " " + WINDOW_LONG_PROMPT
     n = max_new_tokens or min(256, window + 8)
     attns = ("eager",) if lm.arch.startswith("gemma2") else ("eager", "sdpa")
-    return MatrixConfig(prompt=SEED004_SHORT, max_new_tokens=n, attentions=attns, caches=("dynamic", "static"),
+    return MatrixConfig(prompt=WINDOW_SHORT_PROMPT, max_new_tokens=n, attentions=attns, caches=("dynamic", "static"),
                         batch_with=(long_prompt,), repeats=2)

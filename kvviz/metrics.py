@@ -61,7 +61,7 @@ def describe(x: torch.Tensor) -> torch.Tensor:
 
 
 def describe_table(without: torch.Tensor, with_: torch.Tensor) -> dict[str, dict[str, float]]:
-    """The table of seed 003: describe() of logits without past, with past, |Δ|, and relative Δ."""
+    """The describe() table of logits without past, with past, |Δ|, and relative Δ."""
     d_without = describe(without)
     d_with = describe(with_)
     d_abs = describe((with_.to(torch.float64) - without.to(torch.float64)).abs())

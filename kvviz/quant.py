@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from .errors import KvvizError
-from .execution import DEFAULT_SETTINGS, Executor, RunInfo, RunSettings
+from .execution import DEFAULT_SETTINGS, Executor, RunInfo, RunSettings, has_cache
 from .inputs import PromptInputs, build_inputs
 from .loading import LoadedModel
 from .metrics import hidden_divergence, logits_divergence
@@ -182,6 +182,24 @@ def quantize_weights(lm: LoadedModel, scheme: str, progress: Progress | None = N
     return q
 
 
+def check_feasible(lm: LoadedModel, kv: str = "none", weights: str = "none") -> None:
+    """Everything about a quantization choice that can be known before any run: the names, the packages, bitsandbytes'
+    CUDA, a float64 model's weights, a KV cache the model refuses (sliding-window layers). Raises KvvizError with one
+    line; the card and the Quantized view call it before their first forward."""
+    QuantConfig("x", kv=kv or "none", weights=weights or "none").validate()
+    w = (weights or "none").strip().lower()
+    if w != "none":
+        if lm.dtype == torch.float64:
+            raise KvvizError("quantized weights need a float32, float16 or bfloat16 model, not float64 (kvviz's "
+                             "reference); pick another dtype")
+        if w.startswith("bnb-"):
+            _need_bnb(lm, w)
+        else:
+            _need("quanto", f"{w} weights")
+    if (kv or "none").strip().lower() != "none":
+        quantized_kv_cache(lm, kv)  # an empty cache object, built now: a missing package or a refusal says so here
+
+
 def _need_bnb(lm: LoadedModel, scheme: str) -> None:
     if lm.device.type != "cuda":
         raise KvvizError(f"{scheme} weights use bitsandbytes, which needs a CUDA GPU; this run is on "
@@ -314,6 +332,9 @@ def _decode(ex: Executor, inp: PromptInputs, n: int, cache, forced: list[int] | 
     """Prefill, then one token at a time through `cache` (None: a dynamic cache) with the full mask and positions.
     Returns the tokens, the last position's logits [n, V] and hidden states [n, L+1, H], all on the device."""
     out = ex.forward(inp.ids, inp.mask, inp.positions, cache, fresh_cache=False)
+    if not has_cache(out):
+        raise KvvizError(f"{ex.lm.name} returns no KV cache (its attention is bidirectional, like RoBERTa without "
+                         f"is_decoder), so there is no cache to quantize and no cached decoding to compare")
     cache, mask, last_pos = out.past_key_values, inp.mask, inp.positions[:, -1:]
     tokens, logits, hidden = [], [], []
     for t in range(n):
@@ -337,12 +358,11 @@ def run_quant(lm: LoadedModel, cfg: QuantConfig, progress: Progress | None = Non
     """Quantized (KV cache and/or weights) against the unquantized model with a dynamic cache, on `lm`'s dtype."""
     progress = progress or (lambda f, m: None)
     cfg.validate()
+    check_feasible(lm, cfg.kv, cfg.weights)
     t0 = time.perf_counter()
     n = cfg.max_new_tokens
     inp = build_inputs(lm, cfg.prompt, extra_tokens=n)
     backend, _ = parse_kv(cfg.kv)
-    if backend != "none" and backend != "fp8":
-        _need(backend, f"the {backend} KV cache")
     qlm = quantize_weights(lm, cfg.weights, lambda f, m: progress(0.05 + 0.15 * f, m))
     notes = [w for w in qlm.warnings if w not in lm.warnings]
 

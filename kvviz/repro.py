@@ -29,9 +29,8 @@ from .loading import LoadedModel
 
 VIEWS = ("split", "greedy", "dtypes", "padding", "reuse", "loading_trap", "quant", "matrix", "check")
 
-_HEADER = '''"""kvviz repro: {title}
-Standalone: needs only torch and transformers. Run: python {name}
-"""
+_HEADER = '''# kvviz repro: {title}
+# Standalone: needs only torch and transformers. Run: python {name}
 import copy
 
 import torch
@@ -576,7 +575,7 @@ def repro_script(result, lm: LoadedModel, name: str = "kvviz_repro.py") -> str:
         title = f"from_pretrained(dtype={s['dtype']}) vs float32 + .to({s['dtype']}) for {s['model']}"
         body = _TRAP.format(dtype=s["dtype"], ids=encode(lm, s["prompt"]), prompt=s["prompt"],
                             steps=s["max_new_tokens"])
-        return _HEADER.format(title=title, name=name, folder=lm.source, model=s["model"],
+        return _header(title, name=name, folder=lm.source, model=s["model"],
                               device=s.get("device", str(lm.device)), attn=lm.attn_requested,
                               float64_mode=_NO_FLOAT64) + body
     if view == "matrix":
@@ -590,7 +589,7 @@ def repro_script(result, lm: LoadedModel, name: str = "kvviz_repro.py") -> str:
                               steps=s["max_new_tokens"], positions=s["position_ids"],
                               cells=[(c.attention, c.cache, tuple(c.flags)) for c in kept], skipped=skipped,
                               group=kv_group_size(lm))
-        return _HEADER.format(title=title, name=name, folder=lm.source, model=s["model"], device=s["device"],
+        return _header(title, name=name, folder=lm.source, model=s["model"], device=s["device"],
                               attn="auto", float64_mode=_float64_mode() if s["dtype"] == "float64"
                               else _NO_FLOAT64) + body
     if view == "check":
@@ -599,7 +598,7 @@ def repro_script(result, lm: LoadedModel, name: str = "kvviz_repro.py") -> str:
                   for c in kept]
         title = f"the cache-safety card of {result.model}: its float64 split checks"
         body = _CARD.format(checks=checks, others=[c.name for c in result.checks if c not in kept])
-        return _HEADER.format(title=title, name=name, folder=lm.source, model=result.model,
+        return _header(title, name=name, folder=lm.source, model=result.model,
                               device=s.get("float64_device", s.get("device", "cpu")), attn=lm.attn_requested,
                               float64_mode=_float64_mode()) + body
     uses64 = s.dtype == "float64" and view != "dtypes"
@@ -655,7 +654,14 @@ def repro_script(result, lm: LoadedModel, name: str = "kvviz_repro.py") -> str:
         title = f"prompt-cache reuse with {s.model}, {len(conts)} continuation(s), {s.dtype} on {s.device}"
         body = _REUSE.format(dtype=s.dtype, prefix_ids=prefix_ids, prefix=s.prefix, cont_ids=cont_ids,
                              continuations=conts, steps=s.max_new_tokens)
-    return _HEADER.format(title=title, **head) + body
+    return _header(title, **head) + body
+
+
+def _header(title: str, **head) -> str:
+    """The script's first lines. User text (a model path such as C:\\Users\\..., a prompt) goes only into comments
+    with its line breaks removed, or into string literals through repr(): no spec can break the script's syntax."""
+    one_line = {k: (" ".join(str(v).splitlines()) if k in ("title", "model", "name") else v) for k, v in head.items()}
+    return _HEADER.format(title=" ".join(title.splitlines()), **one_line)
 
 
 _NO_FLOAT64 = "\n\ndef keep_float64(model):  # not needed here\n    pass\n"

@@ -3,7 +3,7 @@
 For a prompt and a split point k (in prompt tokens), the reference is one no-cache forward over the whole
 (left-padded) prompt with the correct mask and position ids, as generate() builds them. The cached path runs the
 prefix [0, k) with the same correct inputs, then feeds the rest [k, L) through the cache, in one chunk or token by
-token, with the position ids and attention mask the user chose (the mistakes of seeds 000-002 included).
+token, with the position ids and attention mask the user chose (the classic mistakes included).
 
 The verdict: `identical` (bitwise equal), `precision` (the gap closes when the very same scenario is rerun in
 float64) or `logic` (it stays in float64, or the model returns no cache at all).
@@ -332,11 +332,6 @@ def check_split(n_tokens: int, split: int) -> None:
     if not 1 <= split <= n_tokens - 1:
         raise KvvizError(f"split {split} is outside the prompt: choose 1 to {n_tokens - 1} "
                          f"(the prompt has {n_tokens} tokens; at least one must go to the cache and one after it)")
-
-
-def float64_model(lm: LoadedModel) -> LoadedModel:
-    """The float64 twin of `lm` (same spec and attention; on the CPU where the device has no float64)."""
-    return lm.reference()  # kept for older callers
 
 
 def proof_line(verdict: str, main: Comparison, inv: Comparison, settings: ExecSettings) -> str:

@@ -32,7 +32,7 @@ TINY_CONFIGS: dict[str, dict] = {
     "gemma2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=16, max_position_embeddings=512, sliding_window=8,
                    layer_types=["sliding_attention", "full_attention"] * 2, **_COMMON),
-    # RoBERTa as a causal LM *without* is_decoder: bidirectional, returns no cache (seed 003).
+    # RoBERTa as a causal LM *without* is_decoder: bidirectional, returns no cache.
     "roberta": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                     max_position_embeddings=520, type_vocab_size=1, pad_token_id=0, is_decoder=False,
                     **_COMMON),

@@ -1,9 +1,9 @@
-"""Page: attention × cache kind × compile × precision flags, repeated - the seed-004 matrix."""
+"""Page: attention × cache kind × compile × precision flags, repeated."""
 import streamlit as st
 
 from kvviz import figures
 from kvviz.backends import CACHE_KINDS, COMPILE_MODES
-from kvviz.matrix import MatrixConfig, run_matrix, seed004_config
+from kvviz.matrix import MatrixConfig, run_matrix, sliding_window_config
 from pages.common import controls, exports, page, progress_bar, run_cached, show_error
 
 FLAG_SETS = {"none": (), "tf32": ("tf32",), "deterministic": ("deterministic",),
@@ -15,10 +15,10 @@ choice, lm = page("Backends & compile",
                   "flags, repeated, against the eager no-cache loop: which settings change the text, by how much, "
                   "and whether repeats even agree. Settings that cannot run here are grey cells with their reason.")
 
-def use_seed004() -> None:
-    """Fill the controls with the seed-004 scenario (a callback: it runs before the widgets are drawn)."""
+def use_sliding_window_preset() -> None:
+    """Fill the controls with the sliding-window scenario (a callback: it runs before the widgets are drawn)."""
     try:
-        p = seed004_config(lm)
+        p = sliding_window_config(lm)
     except Exception as e:  # noqa: BLE001
         st.session_state["mx_preset_error"] = str(e)
         return
@@ -28,9 +28,9 @@ def use_seed004() -> None:
 
 with controls():
     if st.session_state.pop("_mx_apply_preset", False):  # opened from a Home preset
-        use_seed004()
+        use_sliding_window_preset()
     st.button("Sliding-window preset (the torch.compile report): a short left-padded prompt batched with one longer than the window",
-              key="mx_preset", on_click=use_seed004)
+              key="mx_preset", on_click=use_sliding_window_preset)
     if st.session_state.get("mx_preset_error"):
         st.error(st.session_state["mx_preset_error"], icon="⚠️")
     prompt = st.text_area("Prompt (row 0)", "The capital of France is Paris, and the capital of Italy is",

@@ -62,8 +62,13 @@ log = st.toggle("Log colour scale", True, key="greedy_log")
 st.plotly_chart(figures.greedy_heatmap(res, res.pairs[pair_names.index(sel)], log), width="stretch",
                 key="greedy_heatmap")
 with st.expander("A/B: this decoding against one other setting, on one colour scale"):
-    ab = ab_controls("greedy", choice, lm, {"position ids (cache path)": [m for m in POSITION_MODES if m != pos_mode]},
-                     "Decodes once more with B's setting")
+    if not {"no_cache", "cache"} <= set(res.paths):
+        st.info("A/B compares the no-cache and cache paths under two settings: choose both paths above to use it.")
+        ab = None
+    else:
+        ab = ab_controls("greedy", choice, lm,
+                         {"position ids (cache path)": [m for m in POSITION_MODES if m != pos_mode]},
+                         "Decodes once more with B's setting")
     if ab is not None:
         what, other, lm_b, settings_b = ab
         cfg_b = GreedyConfig(**{**cfg.__dict__, "position_ids": other}) if what.startswith("position") else cfg

@@ -204,7 +204,7 @@ def test_backends_page_runs_on_click_and_views_do_not_rerun():
     assert not at.exception and len(at.session_state["_results_matrix"]) == n  # picking a cell reruns nothing
 
 
-def test_seed004_preset_and_bisector_buttons():
+def test_sliding_window_preset_and_bisector_buttons():
     at = start("pages/backends.py", model="tiny:mistral")
     at.button(key="mx_preset").click().run()
     assert not at.exception and at.text_area(key="mx_batch").value  # the long companion prompt is filled in

@@ -7,7 +7,7 @@ import pytest
 
 from kvviz.cli import main
 
-from conftest import PROMPT, ROOT
+from conftest import DEVICE, PROMPT, ROOT
 
 
 def run_cli(capsys, *args):
@@ -178,3 +178,51 @@ def test_matrix_sliding_window_preset_names_what_it_needs(capsys):
     assert main(["matrix", "--model", "tiny:llama", "--preset", "sliding-window", "--quiet"]) == 1
     err = capsys.readouterr().err
     assert "no sliding window" in err and "tiny:mistral" in err and "seed" not in err
+
+
+# Every common flag either does what it says or is refused with one line (exit 2): never accepted and ignored.
+REFUSED = [
+    (["check"], "--invariant"), (["check"], "--no-proof"), (["quant", "--prompt", "Hi", "--kv", "fp8"], "--invariant"),
+    (["loading-trap"], "--invariant"), (["bisect", "--prompt", "Hello there", "--split", "3"], "--no-proof"),
+    (["cache", "save", "--prompt", "Hi", "--out", "x.safetensors"], "--invariant"),
+    (["cache", "size", "--tokens", "8"], "--invariant"),
+]
+
+
+@pytest.mark.parametrize("argv,flag", REFUSED)
+def test_a_flag_a_subcommand_cannot_honour_is_refused_in_one_line(argv, flag, capsys, monkeypatch):
+    import kvviz.cli as cli
+
+    monkeypatch.setattr(cli, "_load", lambda args: pytest.fail("refused flags must fail before loading"))
+    code = main([*argv, flag, "--model", "tiny:llama", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("kvviz: error: " + flag) and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("out_flag", ["--json-out", "--html"])
+def test_cache_save_refuses_exports_and_load_and_size_write_them(out_flag, tmp_path, capsys):
+    base = ["--model", "tiny:llama", "--quiet", "--device", DEVICE]
+    saved = tmp_path / "c.safetensors"
+    assert main(["cache", "save", "--prompt", PROMPT, "--out", str(saved), out_flag, str(tmp_path / "x"), *base]) == 2
+    assert "its product is the --out file" in capsys.readouterr().err and not saved.exists()
+    assert main(["cache", "save", "--prompt", PROMPT, "--out", str(saved), *base]) == 0
+    for argv, name in ((["cache", "load", "--file", str(saved), "--continue", " more"], "reload"),
+                       (["cache", "size", "--tokens", "16"], "size")):
+        target = tmp_path / f"{name}.out"
+        assert main([*argv, out_flag, str(target), *base]) == 0
+        text = target.read_text(encoding="utf-8")
+        if out_flag == "--json-out":
+            d = json.loads(text)
+            assert d["kvviz_result"]["view"] == {"reload": "kv_reload", "size": "kv_size"}[name]
+        else:
+            assert text.lstrip().lower().startswith("<!doctype html")
+
+
+def test_invariant_is_honoured_and_said(capsys):
+    assert main(["split", "--model", "tiny:llama", "--prompt", PROMPT, "--split", "5", "--invariant", "--quiet",
+                 "--device", DEVICE, "--no-proof"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("(run in invariant mode)") and "verdict: IDENTICAL" in out
+    assert main(["split", "--model", "tiny:llama", "--prompt", PROMPT, "--split", "5", "--invariant", "--json",
+                 "--quiet", "--device", DEVICE]) == 0
+    assert json.loads(capsys.readouterr().out)["settings"]["execution"]["invariant"] is True

@@ -12,7 +12,7 @@ N = 12
 
 
 def naive_no_cache(model, ids, n):
-    """Seed 000's loop without cache, as people write it."""
+    """The plain loop without cache, as people write it."""
     logits = []
     with torch.no_grad():
         for _ in range(n):
@@ -23,7 +23,7 @@ def naive_no_cache(model, ids, n):
 
 
 def naive_cache(model, ids, n):
-    """Seed 000's loop with cache."""
+    """The plain loop with cache."""
     logits, cached = [], None
     tokens = ids
     with torch.no_grad():

@@ -6,7 +6,9 @@ import pytest
 
 import kvviz
 from kvviz.errors import KvvizError
-from kvviz.lab import PLACEMENTS, SCENARIOS, run_dtypes, run_padding, run_reuse
+from kvviz.dtype_sweep import run_dtypes
+from kvviz.padding import PLACEMENTS, SCENARIOS, run_padding
+from kvviz.reuse import run_reuse
 from kvviz.prompts import builtin_prompts, load_prompts, parse_prompts
 from kvviz.split import SplitConfig, run_split
 import kvviz.jsonout  # noqa: E402,F401

@@ -1,5 +1,5 @@
 """The backends matrix on tiny models (CPU): honest cells, error cells that do not stop the grid, flags that never
-leak, compile that really compiles, quantized caches judged lossy, the seed-004 preset past the sliding window."""
+leak, compile that really compiles, quantized caches judged lossy, the sliding-window preset past the sliding window."""
 import json
 
 import pytest
@@ -9,7 +9,7 @@ import kvviz
 from kvviz import backends
 from kvviz.errors import KvvizError
 from kvviz.execution import ExecSettings, Executor
-from kvviz.matrix import MatrixConfig, run_matrix, seed004_config
+from kvviz.matrix import MatrixConfig, run_matrix, sliding_window_config
 
 from conftest import DEVICE
 
@@ -111,9 +111,9 @@ def test_bad_axes_are_one_line_errors():
 
 
 @pytest.mark.parametrize("arch", ["mistral", "gemma2"])
-def test_seed004_preset_runs_past_the_window(arch):
+def test_sliding_window_preset_runs_past_the_window(arch):
     lm = kvviz.load_model(f"tiny:{arch}", "bfloat16", DEVICE)
-    cfg = seed004_config(lm)
+    cfg = sliding_window_config(lm)
     window = lm.config.sliding_window
     assert cfg.max_new_tokens > window and cfg.batch_with
     assert len(lm.tokenizer(cfg.batch_with[0])["input_ids"]) > window
@@ -123,9 +123,9 @@ def test_seed004_preset_runs_past_the_window(arch):
         assert c.error is None and c.verdict in ("identical", "precision") and c.distinct_outputs == 1
 
 
-def test_seed004_needs_a_window():
+def test_sliding_window_preset_needs_a_window():
     with pytest.raises(KvvizError, match="no sliding window"):
-        seed004_config(kvviz.load_model("tiny:llama", "float32", DEVICE))
+        sliding_window_config(kvviz.load_model("tiny:llama", "float32", DEVICE))
 
 
 def test_compile_really_compiles_where_a_compiler_exists():

@@ -108,13 +108,13 @@ def test_metrics_have_real_values_and_labels():
     # the embeddings of the compared tokens are the same lookup in both runs
     assert h["max_abs"][0].max() == 0
     assert (h["cosine"] >= 0).all() and (h["cosine"] < 1e-2).all()
-    # describe() table as in seed 003: rows mean..max, abs Δ ≥ 0
+    # the describe() table: rows mean..max, abs Δ ≥ 0
     desc = res.main.describe
     assert set(desc) == {"without past", "with past", "absolute Δ", "relative Δ"}
     assert list(desc["absolute Δ"]) == ["mean", "std", "min", "25%", "50%", "75%", "max"]
     assert desc["absolute Δ"]["min"] >= 0
     assert desc["absolute Δ"]["max"] == pytest.approx(float(res.main.logits["max_abs"][-1]), rel=1e-6)
-    # K/V counts as seed 001 reports them
+    # K/V counts, element by element
     for row in res.main.kv:
         assert 0 <= row["keys_differ"] <= row["keys_total"] == row["values_total"]
 

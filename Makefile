@@ -1,6 +1,7 @@
 # kvviz: two commands on a fresh machine.
 #   make run   - create .venv, install everything, start the app on http://127.0.0.1:8501
 #   make test  - the same set-up, then the whole test suite (browser tests included)
+#   make test-fast - library and CLI on tiny models only (the inner loop)
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -11,7 +12,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PIP := $(BIN)/python -m pip --disable-pip-version-check
 PYTEST_ARGS ?=
 
-.PHONY: run test setup setup-dev browser bench gpu-check clean-venv
+.PHONY: run test test-fast setup setup-dev browser bench gpu-check clean-venv
 
 run: setup
 	$(BIN)/python -m streamlit run app.py
@@ -58,6 +59,10 @@ browser:
 
 test: setup-dev
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The inner loop: library and CLI on tiny models (no default model, no app, no browser, no compile, no repro scripts).
+test-fast: $(DEVSTAMP)
+	$(BIN)/python -m pytest -m "not slow and not browser and not app and not heavy" $(PYTEST_ARGS)
 
 bench: setup
 	$(BIN)/python bench/greedy_bench.py

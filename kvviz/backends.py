@@ -24,6 +24,7 @@ model's forward (the shared model is not changed); `compile_stats()` counts what
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from typing import Callable
 
@@ -86,12 +87,21 @@ def quantized_cache(lm: LoadedModel, backend: str = "fp8", nbits: int | None = N
         raise KvvizError(f"a quantized cache cannot be used with this model: {str(e).splitlines()[0][:200]}") from None
 
 
+def kv_group_size(lm: LoadedModel) -> int:
+    """transformers' default group of 64 values must divide kv_heads x head_dim (the values quantized together at
+    every length along axis 0): tiny models with 2 x 16 = 32 need 32. The largest divisor of that up to 64."""
+    cfg = lm.config
+    heads = getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "num_attention_heads", None) \
+        or getattr(cfg, "n_head", 1)
+    head_dim = getattr(cfg, "head_dim", None) or (getattr(cfg, "hidden_size", None) or cfg.n_embd) // \
+        (getattr(cfg, "num_attention_heads", None) or cfg.n_head)
+    return math.gcd(64, int(heads) * int(head_dim))
+
+
 def _quantized_factory(backend: str):
     def make(lm: LoadedModel, batch: int, max_len: int):
         if backend == "fp8":
             return quantized_cache(lm, backend)
-        from .quant import kv_group_size  # a group that divides kv_heads x head_dim (tiny models: 32)
-
         return quantized_cache(lm, backend, q_group_size=kv_group_size(lm))
     return make
 

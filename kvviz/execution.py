@@ -78,7 +78,6 @@ class ExecSettings:
     invariant: bool = False
 
     def validate(self) -> "ExecSettings":
-        _load_extensions()
         if self.cache not in _CACHE_KINDS:
             raise KvvizError(f"unknown cache kind '{self.cache}'; choose one of {', '.join(_CACHE_KINDS)}")
         if self.compile != COMPILE_OFF and not _COMPILER:
@@ -235,24 +234,6 @@ def has_cache(out) -> bool:
         return int(cache.get_seq_length()) > 0
     except (AttributeError, TypeError):
         return bool(cache_layers(cache))
-
-
-_EXTENSIONS_LOADED = [False]
-
-
-def _load_extensions() -> None:
-    """Import the modules that register cache kinds, run contexts and compilers (once; missing ones are skipped)."""
-    if _EXTENSIONS_LOADED[0]:
-        return
-    _EXTENSIONS_LOADED[0] = True
-    import importlib
-
-    for name in ("kvviz.backends", "kvviz.quant", "kvviz.invariant"):
-        try:
-            importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name != name:
-                raise
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import copy
 import importlib
-import math
 import threading
 import time
 from collections import OrderedDict
@@ -38,6 +37,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from .backends import kv_group_size, quantized_cache  # noqa: F401 - kv_group_size: part of this module's API
 from .errors import KvvizError
 from .execution import DEFAULT_SETTINGS, Executor, RunInfo, RunSettings, has_cache
 from .inputs import PromptInputs, build_inputs
@@ -93,8 +93,6 @@ def parse_kv(kv: str) -> tuple[str, int | None]:
 
 def quantized_kv_cache(lm: LoadedModel, kv: str, residual_length: int = DEFAULT_RESIDUAL):
     """A fresh transformers QuantizedCache for `lm` as `kv` says ('quanto:int4', 'hqq:int2', 'fp8')."""
-    from .backends import quantized_cache
-
     backend, nbits = parse_kv(kv)
     if backend == "none":
         return None
@@ -102,17 +100,6 @@ def quantized_kv_cache(lm: LoadedModel, kv: str, residual_length: int = DEFAULT_
         _need(backend, f"the {backend} KV cache")
     return quantized_cache(lm, backend, nbits, residual_length if backend != "fp8" else None,
                            q_group_size=None if backend == "fp8" else kv_group_size(lm))
-
-
-def kv_group_size(lm: LoadedModel) -> int:
-    """transformers' default group of 64 values must divide kv_heads x head_dim (the values quantized together at
-    every length along axis 0): tiny models with 2 x 16 = 32 need 32. The largest divisor of that up to 64."""
-    cfg = lm.config
-    heads = getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "num_attention_heads", None) \
-        or getattr(cfg, "n_head", 1)
-    head_dim = getattr(cfg, "head_dim", None) or (getattr(cfg, "hidden_size", None) or cfg.n_embd) // \
-        (getattr(cfg, "num_attention_heads", None) or cfg.n_head)
-    return math.gcd(64, int(heads) * int(head_dim))
 
 
 # ------------------------------------------------------------------------------------------------------------------

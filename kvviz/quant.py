@@ -118,13 +118,7 @@ def quantize_weights(lm: LoadedModel, scheme: str, progress: Progress | None = N
         return lm
     if scheme not in WEIGHT_CHOICES:
         raise KvvizError(f"unknown weight quantization '{scheme}'; choose one of {', '.join(WEIGHT_CHOICES)}")
-    if lm.dtype == torch.float64:
-        raise KvvizError("quantized weights need a float32, float16 or bfloat16 model, not float64 (kvviz's "
-                         "reference); pick another dtype")
-    if scheme.startswith("bnb-"):
-        _need_bnb(lm, scheme)
-    else:
-        _need("quanto", f"{scheme} weights")
+    _weights_feasible(lm, scheme)
     key = (lm.spec.key, str(lm.dtype), str(lm.device), lm.attn_implementation, id(lm.model), scheme)
     with _WEIGHTS_LOCK:
         if key in _WEIGHTS:
@@ -176,15 +170,19 @@ def check_feasible(lm: LoadedModel, kv: str = "none", weights: str = "none") -> 
     QuantConfig("x", kv=kv or "none", weights=weights or "none").validate()
     w = (weights or "none").strip().lower()
     if w != "none":
-        if lm.dtype == torch.float64:
-            raise KvvizError("quantized weights need a float32, float16 or bfloat16 model, not float64 (kvviz's "
-                             "reference); pick another dtype")
-        if w.startswith("bnb-"):
-            _need_bnb(lm, w)
-        else:
-            _need("quanto", f"{w} weights")
+        _weights_feasible(lm, w)
     if (kv or "none").strip().lower() != "none":
         quantized_kv_cache(lm, kv)  # an empty cache object, built now: a missing package or a refusal says so here
+
+
+def _weights_feasible(lm: LoadedModel, scheme: str) -> None:
+    if lm.dtype == torch.float64:
+        raise KvvizError("quantized weights need a float32, float16 or bfloat16 model, not float64 (kvviz's "
+                         "reference); pick another dtype")
+    if scheme.startswith("bnb-"):
+        _need_bnb(lm, scheme)
+    else:
+        _need("quanto", f"{scheme} weights")
 
 
 def _need_bnb(lm: LoadedModel, scheme: str) -> None:

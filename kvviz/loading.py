@@ -477,6 +477,12 @@ def _load_folder(where, ms: ModelSpec, dt: torch.dtype, attn: str, trust_remote_
     except KvvizError:
         raise
     except Exception as e:  # noqa: BLE001 - OSError, SafetensorError, RuntimeError…: a missing or damaged file
+        from .errors import OUT_OF_MEMORY_HINT, free_memory, is_out_of_memory
+
+        if is_out_of_memory(e):  # an allocation failure is not a damaged file
+            free_memory(e)
+            raise KvvizError(f"not enough memory to load {ms.ref} as {dtype_name(dt)}: {OUT_OF_MEMORY_HINT} "
+                             f"(see its memory plan: --plan)") from None
         raise KvvizError(f"could not load the weights of {ms.ref} (missing or damaged file?): "
                          f"{_first_line(e)}") from None
     try:

@@ -46,6 +46,8 @@ from .errors import KvvizError
 from .float64 import _SOFTMAXES
 
 STRATEGIES = ("auto", "twin", "streamed")
+# A weight larger than this in float64 (a big vocabulary's output head) is applied in slices of output features.
+CHUNK_BYTES = 512 * 1024 ** 2
 ENV_STRATEGY = "KVVIZ_REFERENCE"
 
 # Tensor methods and properties that only read metadata: answered from the loaded parameter, never upcast.
@@ -314,6 +316,9 @@ class StreamedFloat64(TorchFunctionMode):
                 weight = self._value(weight, src)
             out = func(args[0], weight, *args[2:], **kwargs)
             return out.to(torch.float64) if out.dtype.is_floating_point else out
+        if func is F.linear and len(args) > 1 and self._hit(args[1]) and not kwargs and \
+                args[1].numel() * 8 > CHUNK_BYTES:
+            return self._sliced_linear(*args)
         args = tuple(self._sub(a) for a in args)
         if kwargs:
             kwargs = {k: self._sub(v) for k, v in kwargs.items()}
@@ -322,6 +327,24 @@ class StreamedFloat64(TorchFunctionMode):
             if done is not None:
                 return done
         return func(*args, **kwargs)
+
+    def _sliced_linear(self, x, weight, bias=None):
+        """A linear layer whose float64 weight is over CHUNK_BYTES (a large vocabulary's head): applied in slices
+        of output features, so only one slice is ever held in float64. Each output is the same dot product."""
+        src = self.subs[id(weight)][1]
+        rows = max(1, CHUNK_BYTES // (8 * weight.shape[1]))
+        x = self._sub(x)
+        b64 = self._sub(bias) if bias is not None else None
+        out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.float64, device=x.device)
+        for i in range(0, weight.shape[0], rows):
+            if src is not None and not isinstance(src, torch.Tensor):
+                file, key = src
+                w = self._open(file).get_slice(key)[i:i + rows].to(device=x.device, dtype=torch.float64)
+            else:
+                w = weight[i:i + rows].to(torch.float64)
+            out[..., i:i + rows] = F.linear(x, w, None if b64 is None else b64[i:i + rows])
+            del w
+        return out
 
     def close(self) -> None:
         self._handles.clear()

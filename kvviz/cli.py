@@ -56,6 +56,7 @@ def _model_args(p: argparse.ArgumentParser, attn_list: bool = False) -> None:
     p.add_argument("--json-out", default=None, help="also save the result as JSON (with the environment) to this file")
     p.add_argument("--html", default=None, help="also write a self-contained HTML report to this file")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    p.add_argument("--plan", action="store_true", help="print the memory plan of this run and exit (nothing loaded)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -215,6 +216,10 @@ def _exports(args, res, lm=None) -> None:
 
     from .export import export_json, html_report
 
+    if getattr(args, "memory_plan", None) is not None:
+        from .memory import attach
+
+        attach(res, args.memory_plan)  # every JSON result carries the plan, with the measured peak
     fp = None
     if lm is not None:
         from .kvcache import fingerprint
@@ -623,6 +628,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        _refuse_flags(_command_name(args), args)  # a flag the subcommand cannot honour: refused before any plan
+        if getattr(args, "model", None) is not None and args.command != "open":
+            from .memory import check_fits, plan_for_args
+
+            plan = plan_for_args(args)  # before anything is loaded
+            if args.plan:
+                print("\n".join(plan.lines()))
+                return 0
+            args.memory_plan = check_fits(plan)
         return _run(args)
     except _Refused as e:
         print(f"kvviz: error: {e}", file=sys.stderr)

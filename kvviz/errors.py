@@ -13,8 +13,12 @@ OUT_OF_MEMORY_HINT = ("out of memory; use a shorter prompt, fewer new tokens or 
 
 
 def is_out_of_memory(e: BaseException) -> bool:
-    """MemoryError, or torch's OutOfMemoryError (a RuntimeError) on any device."""
-    return isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and "out of memory" in str(e).lower())
+    """MemoryError, torch's OutOfMemoryError (a RuntimeError) on any device, the CPU allocator's "can't allocate
+    memory", or an mmap/read refused for memory (ENOMEM, e.g. under RLIMIT_AS)."""
+    text = str(e).lower()
+    return isinstance(e, MemoryError) or (isinstance(e, (RuntimeError, OSError)) and any(
+        s in text for s in ("out of memory", "can't allocate memory", "cannot allocate memory",
+                            "not enough memory")))
 
 
 def free_memory(error: BaseException | None = None) -> None:

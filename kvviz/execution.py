@@ -147,6 +147,10 @@ class Executor:
                 cm = factory(self.settings, self.lm)
                 if cm is not None:
                     stack.enter_context(cm)
+            if self.lm.stream64 is not None:  # a streamed float64 reference: innermost, as the twin's own forward
+                from .reference import streamed_float64
+
+                stack.enter_context(streamed_float64(self.lm))
             yield self
 
     def _callable(self) -> Callable:

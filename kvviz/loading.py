@@ -249,6 +249,7 @@ class LoadedModel:
     trust_remote_code: bool = False
     warnings: list[str] = field(default_factory=list)
     inference_mode: bool = True  # False for models whose tensors cannot run under torch.inference_mode (quanto int4)
+    stream64: object = None  # set on a streamed float64 reference (kvviz.reference): this model run in float64
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     @property
@@ -269,9 +270,12 @@ class LoadedModel:
         dev = device if device is not None else (float64_device(self.device) if dt == torch.float64 else self.device)
         return load_model(self.spec, dt, dev, self.attn_requested, trust_remote_code=self.trust_remote_code)
 
-    def reference(self) -> "LoadedModel":
-        """The float64 reference of this model (itself when it is float64)."""
-        return self.twin("float64")
+    def reference(self, strategy: str | None = None) -> "LoadedModel":
+        """The float64 reference of this model (itself when it is float64): the full float64 twin or the streamed
+        reference (this model run in float64 one operation at a time), picked per run (kvviz.reference)."""
+        from .reference import reference_model
+
+        return reference_model(self, strategy)
 
     @property
     def arch(self) -> str:
@@ -473,6 +477,12 @@ def _load_folder(where, ms: ModelSpec, dt: torch.dtype, attn: str, trust_remote_
     except KvvizError:
         raise
     except Exception as e:  # noqa: BLE001 - OSError, SafetensorError, RuntimeError…: a missing or damaged file
+        from .errors import OUT_OF_MEMORY_HINT, free_memory, is_out_of_memory
+
+        if is_out_of_memory(e):  # an allocation failure is not a damaged file
+            free_memory(e)
+            raise KvvizError(f"not enough memory to load {ms.ref} as {dtype_name(dt)}: {OUT_OF_MEMORY_HINT} "
+                             f"(see its memory plan: --plan)") from None
         raise KvvizError(f"could not load the weights of {ms.ref} (missing or damaged file?): "
                          f"{_first_line(e)}") from None
     try:

@@ -1,0 +1,200 @@
+"""Benchmark: memory of kvviz runs on models at their real size (issue 16).
+
+Builds random-weight model folders once (safetensors, shard by shard, never the whole model in memory):
+  * big3b:   a Llama-3.2-3B-shaped model in bfloat16 (~6 GB on disk), tied embeddings, 128k vocabulary;
+  * gemma270m: a Gemma-3-270M-shaped text model in bfloat16 with its 262k vocabulary.
+Then runs kvviz's CLI on them in child processes capped with `prlimit --as=` and measured with `/usr/bin/time -f %M`
+(peak RSS), and compares the streamed float64 reference with the full twin on the default model.
+
+    python bench/memory_bench.py build [--root /work/bigmodels]
+    python bench/memory_bench.py run [--root /work/bigmodels] [--write]
+
+Not a test: timings and peaks belong here; results go to docs/benchmarks.md (with --write).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+BIG3B = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=3072, intermediate_size=8192,
+             num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+             max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True,
+             hidden_act="silu", bos_token_id=1, eos_token_id=2, pad_token_id=0, dtype="bfloat16")
+GEMMA270M = dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], hidden_size=640,
+                 intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1,
+                 head_dim=256, vocab_size=262144, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                 sliding_window=512, query_pre_attn_scalar=256, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+                 layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 3, tie_word_embeddings=True,
+                 hidden_activation="gelu_pytorch_tanh", bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                 dtype="bfloat16")
+SPLIT_PROMPT = "The capital of France is Paris, and the capital of Italy is"
+CAP = 20 * 1024 ** 3
+
+
+def _tensors(cfg: dict):
+    """(name, shape) of every parameter of a Llama/Gemma-3-shaped model, layer by layer."""
+    h, i, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    q, kv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    gemma = cfg["model_type"].startswith("gemma")
+    yield "model.embed_tokens.weight", (cfg["vocab_size"], h)
+    for k in range(L):
+        p = f"model.layers.{k}."
+        layer = [("self_attn.q_proj.weight", (q * hd, h)), ("self_attn.k_proj.weight", (kv * hd, h)),
+                 ("self_attn.v_proj.weight", (kv * hd, h)), ("self_attn.o_proj.weight", (h, q * hd)),
+                 ("mlp.gate_proj.weight", (i, h)), ("mlp.up_proj.weight", (i, h)), ("mlp.down_proj.weight", (h, i)),
+                 ("input_layernorm.weight", (h,)), ("post_attention_layernorm.weight", (h,))]
+        if gemma:
+            layer += [("pre_feedforward_layernorm.weight", (h,)), ("post_feedforward_layernorm.weight", (h,)),
+                      ("self_attn.q_norm.weight", (hd,)), ("self_attn.k_norm.weight", (hd,))]
+        for name, shape in layer:
+            yield p + name, shape
+    yield "model.norm.weight", (h,)
+
+
+def build(folder: Path, cfg: dict, shard_bytes: int = 1 << 30) -> Path:
+    """Write config, tokenizer and random bfloat16 weights shard by shard (seeded); skip when already there."""
+    import torch
+    from safetensors.torch import save_file
+
+    from kvviz.tiny import _byte_tokenizer
+
+    if (folder / "model.safetensors.index.json").is_file():
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(16)
+    shard: dict = {}
+    size, n, index = 0, 0, {}
+
+    def flush():
+        nonlocal shard, size, n
+        if shard:
+            n += 1
+            name = f"model-{n:05d}.safetensors"
+            save_file(shard, str(folder / name), metadata={"format": "pt"})
+            for k in shard:
+                index[k] = name
+            shard, size = {}, 0
+
+    for name, shape in _tensors(cfg):
+        if len(shape) == 1:
+            t = torch.ones(shape) if not cfg["model_type"].startswith("gemma") else torch.zeros(shape)
+        else:
+            t = torch.randn(shape, generator=gen) * (1.0 if "embed" in name else 0.02)
+        shard[name] = t.to(torch.bfloat16)
+        size += shard[name].numel() * 2
+        if size >= shard_bytes:
+            flush()
+    flush()
+    total = sum((folder / f).stat().st_size for f in set(index.values()))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                     "weight_map": index}))
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+    _byte_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def measure(cmd: list[str], cap: int | None = CAP) -> dict:
+    """Run a kvviz CLI command niced under an address-space cap; peak RSS from /usr/bin/time."""
+    full = ["nice", "-n", "10"] + (["prlimit", f"--as={cap}"] if cap else []) + \
+        ["/usr/bin/time", "-f", "PEAK_KB %M"] + [sys.executable, "-m", "kvviz"] + cmd
+    t0 = time.perf_counter()
+    p = subprocess.run(full, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    wall = time.perf_counter() - t0
+    peak = next((int(line.split()[1]) * 1024 for line in p.stderr.splitlines() if line.startswith("PEAK_KB")), None)
+    out = {"cmd": " ".join(cmd), "rc": p.returncode, "wall_s": round(wall, 1), "peak_rss": peak}
+    try:
+        out["json"] = json.loads(p.stdout)
+    except ValueError:
+        out["stdout_tail"] = p.stdout[-400:]
+    out["stderr_tail"] = "\n".join(l for l in p.stderr.splitlines() if not l.startswith("PEAK_KB"))[-600:]
+    return out
+
+
+def reference_timing(model: str = "default", repeats: int = 2) -> dict:
+    """Streamed float64 reference vs the full float64 twin on the same split scenario and greedy float64 path
+    (same process, same inputs, best of `repeats`)."""
+    import torch
+
+    from kvviz.greedy import GreedyConfig, run_greedy
+    from kvviz.inputs import build_inputs
+    from kvviz.loading import load_model
+    from kvviz.split import SplitConfig, _run
+
+    lm = load_model(model, "float32", "cpu")
+    refs = {"twin": lm.reference("twin"), "streamed": lm.reference("streamed")}
+    cfg = SplitConfig(SPLIT_PROMPT, split=6, mode="step")
+    out = {}
+    for name, ref in refs.items():
+        best = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            _run(ref, cfg, build_inputs(ref, cfg.prompt, 0), lambda f, m: None)
+            best.append(time.perf_counter() - t)
+        g = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            run_greedy(lm, GreedyConfig(SPLIT_PROMPT, 16, paths=("cache", "float64")), reference=ref, prove=False)
+            g.append(time.perf_counter() - t)
+        out[name] = {"split_s": min(best), "greedy_s": min(g)}
+    out["split_ratio"] = out["streamed"]["split_s"] / out["twin"]["split_s"]
+    out["greedy_ratio"] = out["streamed"]["greedy_s"] / out["twin"]["greedy_s"]
+    out["threads"] = torch.get_num_threads()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", choices=("build", "run", "reference"))
+    ap.add_argument("--root", default="/work/bigmodels")
+    ap.add_argument("--write", action="store_true")
+    ap.add_argument("--only", default="", help="comma list of runs: big3b-split,big3b-greedy,gemma-split,gemma-check")
+    args = ap.parse_args()
+    root = Path(args.root)
+    if args.what == "build":
+        for name, cfg in (("big3b", BIG3B), ("gemma270m", GEMMA270M)):
+            t = time.perf_counter()
+            build(root / name, cfg)
+            print(f"{name}: {root / name} ({time.perf_counter() - t:.0f} s)")
+        return 0
+    if args.what == "reference":
+        print(json.dumps(reference_timing(), indent=1))
+        return 0
+    big, gemma = str(root / "big3b"), str(root / "gemma270m")
+    long_prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * 16)[:719]  # 721 tokens with BOS
+    runs = {
+        "big3b-split": ["split", "--model", big, "--prompt", SPLIT_PROMPT, "--split", "6", "--dtype", "bfloat16",
+                        "--json", "--quiet", "--no-proof"],
+        "big3b-greedy": ["greedy", "--model", big, "--prompt", SPLIT_PROMPT, "--max-new-tokens", "16", "--paths",
+                         "no_cache,cache,float64", "--dtype", "bfloat16", "--json", "--quiet", "--no-proof"],
+        "big3b-impossible": ["greedy", "--model", big, "--prompt", "x " * 50000, "--max-new-tokens", "16",
+                             "--dtype", "bfloat16", "--quiet"],
+        "gemma-split": ["split", "--model", gemma, "--prompt", long_prompt, "--split", "600", "--dtype", "bfloat16",
+                        "--json", "--quiet"],
+        "gemma-check": ["check", "--model", gemma, "--dtype", "bfloat16", "--json", "--quiet"],
+    }
+    only = [r for r in args.only.split(",") if r] or list(runs)
+    results = {}
+    for name in only:
+        r = measure(runs[name])
+        results[name] = r
+        plan = (r.get("json") or {}).get("memory_plan") or {}
+        print(f"{name}: rc {r['rc']}, {r['wall_s']} s, peak RSS {r['peak_rss'] / 1e9 if r['peak_rss'] else '?':.3} GB"
+              f", plan {plan.get('total_gb', '?')} GB; {r['stderr_tail'][-200:]!r}", flush=True)
+    (root / "memory_bench.json").write_text(json.dumps(
+        {k: {kk: vv for kk, vv in v.items() if kk != "json"} | {"memory_plan": (v.get("json") or {}).get("memory_plan")}
+         for k, v in results.items()}, indent=1, default=str))
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

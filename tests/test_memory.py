@@ -1,0 +1,104 @@
+"""Memory plans (kvviz.memory): computed before loading, printed by --plan, carried by every JSON result, and a run
+that cannot fit is refused in one line; an allocation failure is never called a damaged file."""
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+from kvviz import cli, memory
+from kvviz.errors import KvvizError, is_out_of_memory
+from kvviz.memory import KNOWN_SHAPES, ModelShape, plan_run, plan_shape
+
+
+def _no_loading(monkeypatch):
+    import kvviz.loading
+
+    def boom(*a, **k):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(kvviz.loading, "load_model", boom)
+
+
+def test_plan_reads_the_model_files_without_loading(monkeypatch, capsys):
+    _no_loading(monkeypatch)
+    plan = plan_run("tiny:llama", "float32", "cpu", "split", tokens=20)
+    sh = memory.model_shape("tiny:llama")
+    import kvviz.tiny
+
+    cfg = kvviz.tiny.TINY_CONFIGS["llama"]
+    assert (sh.layers, sh.hidden, sh.vocab) == (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"])
+    assert plan.weights == 4 * sh.params and sh.checkpoint_dtype == "float32"
+    assert plan_run("tiny:llama", "bfloat16", "cpu", "split", tokens=20).weights == 2 * sh.params
+    rc = cli.main(["split", "--model", "tiny:llama", "--prompt", "Hello world", "--split", "3", "--plan"])
+    out = capsys.readouterr().out
+    assert rc == 0 and out.startswith("memory plan: split on tiny:llama") and "total" in out and "fits" in out
+
+
+def test_streamed_reference_is_planned_for_big_models():
+    big = KNOWN_SHAPES["Llama-3.1-8B"]
+    p = plan_shape(big, "8B", "bfloat16", "cuda", "split", 512, free=80 * 10 ** 9)
+    assert p.reference == "streamed" and p.reference_bytes < 10 ** 9  # not the 64 GB twin
+    twin = plan_shape(big, "8B", "bfloat16", "cuda", "split", 512, reference="twin", free=80 * 10 ** 9)
+    assert twin.reference_bytes == 8 * big.params and not twin.fits and p.fits
+    small = ModelShape(params=1000, layers=2, hidden=8, vocab=10, intermediate=16, heads=2, kv_heads=1,
+                       head_dim=4, largest=80)
+    assert plan_shape(small, "s", "float32", "cpu", "split", 8, free=10 ** 10).reference == "twin"
+    assert plan_shape(small, "s", "float64", "cpu", "split", 8, free=10 ** 10).reference_bytes == 0
+    table = memory.fits_table()
+    assert "| Llama-3.1-8B | bfloat16 | twin | no (" in table  # 16 GB of weights + a 64 GB twin: nowhere
+    assert "| Llama-3.1-8B | float32 | streamed | no (" in table  # 32 GB of weights + activations: not on 24 GB
+    assert "| Llama-3.1-70B | bfloat16 | streamed | no (" in table  # 141 GB of weights: not on one GPU
+
+
+def test_impossible_run_refused_in_one_line_before_loading(monkeypatch, capsys):
+    _no_loading(monkeypatch)
+    monkeypatch.setattr(memory, "free_bytes", lambda dev: (200 * 1024 ** 2, "test"))
+    rc = cli.main(["greedy", "--model", "tiny:llama", "--prompt", "x " * 2000, "--max-new-tokens", "16",
+                   "--paths", "no_cache,cache"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 1 and len(err.splitlines()) == 1
+    assert err.startswith("kvviz: error: this greedy run needs about") and "lower: fewer tokens" in err
+
+
+def test_json_result_carries_the_plan_with_the_measured_peak(capsys, tmp_path):
+    out = tmp_path / "r.json"
+    rc = cli.main(["split", "--model", "tiny:llama", "--prompt", "Hello world, caching", "--split", "4", "--json",
+                   "--quiet", "--no-proof", "--json-out", str(out)])
+    d = json.loads(capsys.readouterr().out)
+    plan = d["memory_plan"]
+    assert rc == 0 and plan["view"] == "split" and plan["total"] > plan["weights"] > 0
+    assert plan["measured_peak"] > 0 and plan["fits"] is True
+    saved = json.loads(out.read_text())
+    assert saved["memory_plan"]["tokens"] == plan["tokens"]
+    assert cli.main(["open", str(out)]) == 0  # an exported result with its plan opens again
+
+
+def test_free_memory_honours_rlimit_as():
+    code = ("import resource; resource.setrlimit(resource.RLIMIT_AS, (6 * 1024**3, resource.RLIM_INFINITY)); "
+            "from kvviz.memory import free_bytes; import json; print(json.dumps(free_bytes('cpu')))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    free, src = json.loads(r.stdout)
+    assert free < 6 * 1024 ** 3
+    assert src.startswith("RLIMIT_AS") or free < 6 * 1024 ** 3  # the cap, or something smaller still
+
+
+def test_allocation_failure_is_not_a_damaged_file(monkeypatch):
+    import transformers
+
+    from kvviz.loading import clear_cache, load_model
+
+    assert is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes"))
+    assert is_out_of_memory(OSError(12, "Cannot allocate memory"))
+    assert not is_out_of_memory(OSError(2, "No such file or directory"))
+
+    def fail(*a, **k):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:116] DefaultCPUAllocator: can't allocate memory: you "
+                           "tried to allocate 25769803776 bytes")
+
+    clear_cache()
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fail)
+    with pytest.raises(KvvizError) as e:
+        load_model("tiny:gpt2", "float16", "cpu")
+    assert "not enough memory" in str(e.value) and "damaged" not in str(e.value)

@@ -1,0 +1,141 @@
+"""Models spread by accelerate (kvviz.placement): part of a tiny model forced to disk offload with max_memory runs
+every view with bit for bit the numbers of the undispatched model."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import kvviz
+from kvviz.bisect import run_bisect
+from kvviz.check import run_check
+from kvviz.cli import main
+from kvviz.dtype_sweep import run_dtypes
+from kvviz.greedy import GreedyConfig, run_greedy
+from kvviz.padding import run_padding
+from kvviz.placement import Placement, layer_placement, parse_placement
+from kvviz.reuse import run_reuse
+
+PROMPT = "Hello world, caching is fun! 123"
+# keys of a result's dict that say how it ran (device, placement, time), not what it computed
+_HOW = {"settings", "model", "seconds", "elapsed", "environment", "float64_device", "device", "placement",
+        "timings", "time", "elapsed_s", "notes", "warnings", "seconds_per_token"}
+
+
+def _numbers(d):
+    """A result dict without the keys that describe the run; floats compared exactly (NaN equal to NaN)."""
+    if isinstance(d, dict):
+        return {k: _numbers(v) for k, v in d.items() if k not in _HOW}
+    if isinstance(d, (list, tuple)):
+        return [_numbers(v) for v in d]
+    if isinstance(d, float) and d != d:
+        return "nan"
+    return d
+
+
+def _budget(lm, frac=0.4) -> int:
+    return int(sum(p.numel() * p.element_size() for p in lm.model.parameters()) * frac)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    plain = kvviz.load_model("tiny:llama", "float32", "cpu")
+    spread = kvviz.load_model("tiny:llama", "float32", "cpu", placement="auto", max_memory={"cpu": _budget(plain)})
+    return plain, spread
+
+
+def test_part_of_the_model_is_on_disk_and_placement_says_where(pair):
+    plain, spread = pair
+    where = layer_placement(spread)
+    assert where[0] == ("model.embed_tokens", "cpu")
+    assert [p for p, _ in where[1:1 + spread.n_layers]] == [f"model.layers.{i}" for i in range(spread.n_layers)]
+    assert {d for _, d in where} == {"cpu", "disk"} and where[-1][0] == "lm_head"
+    assert all(d == "cpu" for _, d in layer_placement(plain)) and len(layer_placement(plain)) == len(where)
+    assert spread is not plain and spread.placement.mode == "auto" and plain.placement.mode == "one"
+    assert spread.device == torch.device("cpu") and "disk" in " ".join(spread.warnings)
+    assert "auto" in spread.summary()["placement"]
+    # the cache key: the same choice gives the same model, another budget another one
+    again = kvviz.load_model("tiny:llama", "float32", "cpu", placement="auto", max_memory={"cpu": _budget(plain)})
+    assert again is spread
+    # the float64 reference of a dispatched model is dispatched the same way
+    ref = spread.reference()
+    assert ref.placement == spread.placement and ref.dtype == torch.float64
+    assert "disk" in {d for _, d in layer_placement(ref)}
+
+
+def test_forward_is_bit_for_bit(pair):
+    plain, spread = pair
+    ids = plain.tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    with torch.inference_mode():
+        a = plain.model(ids, output_hidden_states=True)
+        b = spread.model(ids, output_hidden_states=True)
+    assert torch.equal(a.logits, b.logits)
+    assert all(torch.equal(x, y) for x, y in zip(a.hidden_states, b.hidden_states))
+
+
+@pytest.mark.parametrize("view", ["split", "split_logic", "greedy", "padding", "reuse", "bisect"])
+def test_every_view_gives_the_same_numbers(pair, view):
+    plain, spread = pair
+
+    def run(lm):
+        if view == "split":
+            return kvviz.run_split(lm, kvviz.SplitConfig(PROMPT, 5, mode="step"), prove=True)
+        if view == "split_logic":  # a logic gap: the float64 rerun and the verdict evidence
+            return kvviz.run_split(lm, kvviz.SplitConfig(PROMPT, 5, left_pad=3, position_ids="omit"))
+        if view == "greedy":
+            return run_greedy(lm, GreedyConfig(PROMPT, 4, paths=("no_cache", "cache", "generate", "user_loop",
+                                                                 "float64")), prove=True)
+        if view == "padding":
+            return run_padding(lm, PROMPT, left_pad=3)
+        if view == "reuse":
+            return run_reuse(lm, "Answer briefly.", [" Q: 2+2? A:", " Q: Sky? A:"], max_new_tokens=3)
+        return run_bisect(lm, kvviz.SplitConfig(PROMPT, 5, left_pad=3, position_ids="omit"))
+
+    a, b = run(plain), run(spread)
+    da, db = _numbers(json.loads(json.dumps(a.to_dict(), default=str))), \
+        _numbers(json.loads(json.dumps(b.to_dict(), default=str)))
+    assert da == db
+    if view == "split_logic":
+        assert a.verdict == "logic" and b.float64 is not None
+
+
+def test_dtypes_and_check_give_the_same_numbers(pair):
+    plain, spread = pair
+    a = run_dtypes(plain, [PROMPT], ["float32", "bfloat16"])
+    b = run_dtypes(spread, [PROMPT], ["float32", "bfloat16"])
+    assert _numbers(json.loads(json.dumps(a.to_dict(), default=str))) == \
+        _numbers(json.loads(json.dumps(b.to_dict(), default=str)))
+    ca, cb = run_check(plain), run_check(spread)
+    assert _numbers(json.loads(json.dumps(ca.to_dict(), default=str))) == \
+        _numbers(json.loads(json.dumps(cb.to_dict(), default=str)))
+
+
+def test_bad_choices_are_one_line():
+    with pytest.raises(kvviz.KvvizError, match="unknown devices choice"):
+        parse_placement("everywhere")
+    with pytest.raises(kvviz.KvvizError, match="needs --devices auto or spread"):
+        parse_placement("one", "cpu=1GiB")
+    with pytest.raises(kvviz.KvvizError, match="cannot read the memory size"):
+        parse_placement("auto", "cpu=lots")
+    with pytest.raises(kvviz.KvvizError, match="cpu or a GPU index"):
+        parse_placement("auto", "tpu=1GiB")
+    assert parse_placement("auto", "cuda:1=2GiB,cpu=1GB,0=512MiB").max_memory == \
+        (("0", 512 * 2 ** 20), ("1", 2 * 2 ** 30), ("cpu", 10 ** 9))
+    if torch.cuda.device_count() < 2:
+        with pytest.raises(kvviz.KvvizError, match="several GPUs"):
+            kvviz.load_model("tiny:llama", "float32", "cpu", placement="spread")
+    with pytest.raises(kvviz.KvvizError, match="GPU 3"):
+        kvviz.load_model("tiny:llama", "float32", "cpu", placement="auto", max_memory="3=1GiB")
+
+
+def test_cli_flags(capsys):
+    argv = ["split", "--model", "tiny:llama", "--prompt", PROMPT, "--split", "5", "--json", "--quiet",
+            "--device", "cpu", "--no-proof"]
+    assert main(argv) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(argv + ["--devices", "auto", "--max-memory", "cpu=300KiB"]) == 0
+    spread = json.loads(capsys.readouterr().out)
+    assert _numbers(plain) == _numbers(spread)
+    assert main(argv + ["--max-memory", "cpu=300KiB"]) == 1
+    err = capsys.readouterr().err
+    assert "needs --devices auto or spread" in err and "\n" not in err.strip()

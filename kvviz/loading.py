@@ -6,10 +6,12 @@ changed after they enter the cache: a float16 run gets its own float16 copy, nev
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import re
 import shutil
@@ -519,6 +521,20 @@ def _quiet_transformers() -> None:
     hf_logging.set_verbosity_error()
 
 
+@contextlib.contextmanager
+def _quiet_accelerate(on: bool):
+    """accelerate warns that offloaded parameters are "on the meta device"; kvviz says where the layers are itself.
+    The logger's level is restored afterwards."""
+    log = logging.getLogger("accelerate.big_modeling")
+    old = log.level
+    if on:
+        log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(old)
+
+
 def _load_folder(where, ms: ModelSpec, dt: torch.dtype, attn: str, trust_remote_code: bool, dispatch: dict | None = None):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -545,7 +561,7 @@ def _load_folder(where, ms: ModelSpec, dt: torch.dtype, attn: str, trust_remote_
     if attn != "auto":
         model_kwargs["attn_implementation"] = attn
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _quiet_accelerate(bool(dispatch)):
             warnings.simplefilter("ignore")
             model = AutoModelForCausalLM.from_pretrained(where, config=config, **model_kwargs)
     except ValueError as e:

@@ -214,3 +214,44 @@ def _decoder_layers(model):
         if isinstance(m, torch.nn.ModuleList) and (best is None or len(m) > len(best)):
             best = m
     return best
+
+
+def placement_summary(lm) -> str:
+    """One line saying where the layers live, consecutive layers on one device grouped, with kvviz's row naming
+    ("layer k" is the output of module index k-1): "embeddings cpu; layers 1–2 cpu; layers 3–4 disk; model.norm,
+    lm_head disk"."""
+    rows = layer_placement(lm)
+    if not rows:
+        return ""
+    n = lm.n_layers
+    parts: list[tuple[str, str]] = []
+    for i, (path, dev) in enumerate(rows):
+        if i == 0:
+            label = "embeddings"
+        elif i <= n:
+            label = f"layer {i}"
+        else:
+            label = path
+        if parts and parts[-1][1] == dev and (label.startswith("layer ") == parts[-1][0].startswith("layer")):
+            first = parts[-1][0]
+            if label.startswith("layer "):
+                start = first.split()[1].split("–")[0]
+                parts[-1] = (f"layers {start}–{i}", dev)
+            else:
+                parts[-1] = (f"{first}, {label}", dev)
+        else:
+            parts.append((label, dev))
+    return "; ".join(f"{label} {dev}" for label, dev in parts)
+
+
+def reduce_per_layer(ref_layers, got_layers, fn) -> dict:
+    """Per-layer gaps of two runs of one dispatched model, each reduced on the device that holds that layer's
+    tensors; only the small reduced numbers move (to the CPU), then stack into [n_layers, …] tensors.
+    fn(ref, got) -> dict of tensors (e.g. kvviz.metrics.hidden_divergence with its eps bound)."""
+    out: dict[str, list] = {}
+    for ref, got in zip(ref_layers, got_layers):
+        if got.device != ref.device:
+            got = got.to(ref.device)
+        for k, v in fn(ref, got).items():
+            out.setdefault(k, []).append(v.detach().to("cpu"))
+    return {k: torch.stack(v) for k, v in out.items()}

@@ -15,6 +15,7 @@ from kvviz.greedy import GreedyConfig, run_greedy
 from kvviz.padding import run_padding
 from kvviz.placement import Placement, layer_placement, parse_placement
 from kvviz.reuse import run_reuse
+from conftest import DEVICE
 
 PROMPT = "Hello world, caching is fun! 123"
 # keys of a result's dict that say how it ran (device, placement, time), not what it computed
@@ -37,25 +38,33 @@ def _budget(lm, frac=0.4) -> int:
     return int(sum(p.numel() * p.element_size() for p in lm.model.parameters()) * frac)
 
 
+def _memory(lm, frac=0.4) -> dict:
+    """A budget that leaves part of the model for disk: on CUDA GPU 0 and CPU RAM each get a share."""
+    if lm.device.type == "cuda":
+        return {"0": _budget(lm, frac / 2), "cpu": _budget(lm, frac / 2)}
+    return {"cpu": _budget(lm, frac)}
+
+
 @pytest.fixture(scope="module")
 def pair():
-    plain = kvviz.load_model("tiny:llama", "float32", "cpu")
-    spread = kvviz.load_model("tiny:llama", "float32", "cpu", placement="auto", max_memory={"cpu": _budget(plain)})
+    plain = kvviz.load_model("tiny:llama", "float32", DEVICE)
+    spread = kvviz.load_model("tiny:llama", "float32", DEVICE, placement="auto", max_memory=_memory(plain))
     return plain, spread
 
 
 def test_part_of_the_model_is_on_disk_and_placement_says_where(pair):
     plain, spread = pair
     where = layer_placement(spread)
-    assert where[0] == ("model.embed_tokens", "cpu")
+    first = "cuda:0" if plain.device.type == "cuda" else "cpu"
+    assert where[0] == ("model.embed_tokens", first)
     assert [p for p, _ in where[1:1 + spread.n_layers]] == [f"model.layers.{i}" for i in range(spread.n_layers)]
-    assert {d for _, d in where} == {"cpu", "disk"} and where[-1][0] == "lm_head"
-    assert all(d == "cpu" for _, d in layer_placement(plain)) and len(layer_placement(plain)) == len(where)
+    assert "disk" in {d for _, d in where} and first in {d for _, d in where} and where[-1][0] == "lm_head"
+    assert all(d == str(plain.device) for _, d in layer_placement(plain)) and len(layer_placement(plain)) == len(where)
     assert spread is not plain and spread.placement.mode == "auto" and plain.placement.mode == "one"
-    assert spread.device == torch.device("cpu") and "disk" in " ".join(spread.warnings)
+    assert spread.device == torch.device(first) and "disk" in " ".join(spread.warnings)
     assert "auto" in spread.summary()["placement"]
     # the cache key: the same choice gives the same model, another budget another one
-    again = kvviz.load_model("tiny:llama", "float32", "cpu", placement="auto", max_memory={"cpu": _budget(plain)})
+    again = kvviz.load_model("tiny:llama", "float32", DEVICE, placement="auto", max_memory=_memory(plain))
     assert again is spread
     # the float64 reference of a dispatched model is dispatched the same way
     ref = spread.reference()
@@ -65,7 +74,7 @@ def test_part_of_the_model_is_on_disk_and_placement_says_where(pair):
 
 def test_forward_is_bit_for_bit(pair):
     plain, spread = pair
-    ids = plain.tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    ids = plain.tokenizer(PROMPT, return_tensors="pt")["input_ids"].to(plain.device)
     with torch.inference_mode():
         a = plain.model(ids, output_hidden_states=True)
         b = spread.model(ids, output_hidden_states=True)
@@ -130,7 +139,7 @@ def test_bad_choices_are_one_line():
 
 def test_cli_flags(capsys):
     argv = ["split", "--model", "tiny:llama", "--prompt", PROMPT, "--split", "5", "--json", "--quiet",
-            "--device", "cpu", "--no-proof"]
+            "--device", "cpu", "--no-proof"]  # the CPU: a budget for the CPU alone
     assert main(argv) == 0
     plain = json.loads(capsys.readouterr().out)
     assert main(argv + ["--devices", "auto", "--max-memory", "cpu=300KiB"]) == 0
@@ -139,3 +148,38 @@ def test_cli_flags(capsys):
     assert main(argv + ["--max-memory", "cpu=300KiB"]) == 1
     err = capsys.readouterr().err
     assert "needs --devices auto or spread" in err and "\n" not in err.strip()
+
+
+@pytest.mark.slow
+def test_default_model_with_layers_on_disk_is_bit_for_bit():
+    """The real default model with ~half its layers forced to disk offload: split (float64 evidence included) and
+    greedy with the float64 path give exactly the undispatched numbers."""
+    plain = kvviz.load_model("default", "float32", DEVICE)
+    spread = kvviz.load_model("default", "float32", DEVICE, placement="auto", max_memory=_memory(plain, 0.5))
+    assert "disk" in {d for _, d in layer_placement(spread)}
+    prompt = "The capital of France is Paris, and the capital of Italy is"
+    for cfg in (kvviz.SplitConfig(prompt, 6), kvviz.SplitConfig(prompt, 6, left_pad=2, position_ids="omit")):
+        a, b = kvviz.run_split(plain, cfg, prove=False), kvviz.run_split(spread, cfg, prove=False)
+        assert _numbers(a.to_dict()) == _numbers(b.to_dict())
+    g = GreedyConfig(prompt, 3, paths=("no_cache", "cache", "float64"))
+    a, b = run_greedy(plain, g, prove=False), run_greedy(spread, g, prove=False)
+    assert _numbers(json.loads(json.dumps(a.to_dict(), default=str))) == \
+        _numbers(json.loads(json.dumps(b.to_dict(), default=str)))
+
+
+def test_reduce_per_layer_equals_the_stacked_reduction():
+    """Per-layer reduction (each on its layer's device, only numbers moved) = the reduction of the stacked tensors."""
+    from functools import partial
+
+    from kvviz.metrics import hidden_divergence
+    from kvviz.placement import reduce_per_layer
+
+    g = torch.Generator().manual_seed(0)
+    ref = [torch.randn(5, 8, generator=g, dtype=torch.float64) for _ in range(4)]
+    got = [r + 1e-6 * torch.randn(5, 8, generator=g, dtype=torch.float64) for r in ref]
+    fn = partial(hidden_divergence, eps=1e-7)
+    per = reduce_per_layer(ref, got, fn)
+    whole = fn(torch.stack(ref), torch.stack(got))
+    assert per.keys() == whole.keys()
+    for k in whole:
+        assert per[k].device.type == "cpu" and torch.equal(per[k], whole[k].cpu()), k

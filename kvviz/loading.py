@@ -305,6 +305,7 @@ class LoadedModel:
     warnings: list[str] = field(default_factory=list)
     inference_mode: bool = True  # False for models whose tensors cannot run under torch.inference_mode (quanto int4)
     placement: Placement = ONE  # one device, or layers spread by accelerate (kvviz.placement); part of the cache key
+    asked_device: "torch.device | None" = None  # a dispatched model's device as asked (`device`: where inputs go)
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     @property
@@ -331,7 +332,7 @@ class LoadedModel:
     @property
     def requested_device(self) -> torch.device:
         """The device the user asked for (a dispatched model's `device` is where its inputs go)."""
-        return getattr(self, "_requested_device", None) or self.device
+        return self.asked_device or self.device
 
     def reference(self) -> "LoadedModel":
         """The float64 reference of this model (itself when it is float64)."""
@@ -497,8 +498,7 @@ def _load(ms: ModelSpec, dt: torch.dtype, dev: torch.device, attn: str, trust_re
     lm = LoadedModel(spec=ms, model=model, tokenizer=tok, dtype=dt,
                      device=dev, attn_requested=attn, attn_implementation=model.config._attn_implementation,
                      description=description, source=source, trust_remote_code=bool(trust_remote_code),
-                     warnings=notes, placement=place)
-    lm._requested_device = requested
+                     warnings=notes, placement=place, asked_device=requested)
     return lm
 
 

@@ -1,8 +1,9 @@
 """The "Devices" sidebar control: one device, or the layers spread by accelerate (GPUs, CPU RAM, disk).
 
-Call `devices_control()` inside the shared sidebar (pages/common.py) and pass what it returns to
-`kvviz.load_model(..., **placement)`; add it to the ModelChoice key so a new placement loads a new model.
-`placement_caption(lm)` writes where each layer lives, under the "Loaded:" caption.
+Wiring (pages/common.py): call `devices_control()` inside `sidebar()` after the Device selectbox and keep its two
+strings in ModelChoice (fields `devices: str = "one"`, `max_memory: str = ""`: plain strings, so they join the
+ModelChoice key and a new placement loads a new model); in `load()` pass `**placement_kwargs(choice.devices,
+choice.max_memory)` to `kvviz.load_model`, and call `placement_caption(lm)` under the "Loaded:" caption.
 """
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ from kvviz.placement import parse_placement, placement_summary
 CHOICES = {"one device": "one", "auto": "auto", "spread": "spread"}
 
 
-def devices_control() -> dict:
-    """Draw the control (in the sidebar); returns load_model's placement arguments ({} for one device). A budget
-    that cannot be read is shown as one line and the model stays on one device."""
+def devices_control() -> tuple[str, str]:
+    """Draw the control (in the sidebar); returns (devices, max_memory): "one" | "auto" | "spread" and the budget
+    text. A budget that cannot be read is shown as one line and the model stays on one device."""
     ss = st.session_state
     ss.setdefault("devices", "one device")
     ss.setdefault("max_memory", "")
@@ -26,16 +27,23 @@ def devices_control() -> dict:
                           "(GPUs in turn, then CPU RAM, then disk offload in kvviz's cache) for models larger than "
                           "one device. spread: the layers split evenly over several GPUs. The numbers do not "
                           "change, only where each layer runs.")
-        if CHOICES[ss.devices] != "one":
+        mode = CHOICES[ss.devices]
+        if mode != "one":
             st.text_input("Max memory per device", key="max_memory", placeholder="0=20GiB,1=20GiB,cpu=64GiB",
                           help="What accelerate may use on each device before the next one; what fits nowhere "
                                "goes to disk. Empty: what each device has.")
+    budget = ss.max_memory.strip() if mode != "one" else ""
     try:
-        mode = CHOICES[ss.devices]
-        place = parse_placement(mode, (ss.max_memory.strip() or None) if mode != "one" else None)
+        parse_placement(mode, budget or None)
     except kvviz.KvvizError as e:
         st.sidebar.error(str(e), icon="⚠️")
-        return {}
+        return "one", ""
+    return mode, budget
+
+
+def placement_kwargs(devices: str, max_memory: str) -> dict:
+    """kvviz.load_model's arguments for a devices choice ({} for one device)."""
+    place = parse_placement(devices, max_memory or None)
     return {"placement": place} if place.dispatched else {}
 
 

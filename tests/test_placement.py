@@ -95,7 +95,7 @@ def test_every_view_gives_the_same_numbers(pair, view):
             return run_greedy(lm, GreedyConfig(PROMPT, 4, paths=("no_cache", "cache", "generate", "user_loop",
                                                                  "float64")), prove=True)
         if view == "padding":
-            return run_padding(lm, PROMPT, left_pad=3)
+            return run_padding(lm, PROMPT, left_pad=3, prove=False)
         if view == "reuse":
             return run_reuse(lm, "Answer briefly.", [" Q: 2+2? A:", " Q: Sky? A:"], max_new_tokens=3)
         return run_bisect(lm, kvviz.SplitConfig(PROMPT, 5, left_pad=3, position_ids="omit"))
@@ -108,12 +108,17 @@ def test_every_view_gives_the_same_numbers(pair, view):
         assert a.verdict == "logic" and b.float64 is not None
 
 
-def test_dtypes_and_check_give_the_same_numbers(pair):
+def test_dtypes_give_the_same_numbers(pair):
     plain, spread = pair
-    a = run_dtypes(plain, [PROMPT], ["float32", "bfloat16"])
-    b = run_dtypes(spread, [PROMPT], ["float32", "bfloat16"])
+    a = run_dtypes(plain, [PROMPT], ["bfloat16"], prove=False)
+    b = run_dtypes(spread, [PROMPT], ["bfloat16"], prove=False)
     assert _numbers(json.loads(json.dumps(a.to_dict(), default=str))) == \
         _numbers(json.loads(json.dumps(b.to_dict(), default=str)))
+
+
+@pytest.mark.slow  # the cache-safety card runs a dozen float64 scenarios twice (~1-2 min on 2 cores)
+def test_check_gives_the_same_card(pair):
+    plain, spread = pair
     ca, cb = run_check(plain), run_check(spread)
     assert _numbers(json.loads(json.dumps(ca.to_dict(), default=str))) == \
         _numbers(json.loads(json.dumps(cb.to_dict(), default=str)))

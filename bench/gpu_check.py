@@ -55,6 +55,27 @@ def run_bench(tokens: int, repeats: int) -> dict | None:
     return json.loads(out.read_text()) if out.exists() else None
 
 
+def run_device_map() -> dict | None:
+    """bench/device_map_check.py on CUDA: the default model spread over GPU 0, CPU RAM and disk vs one device."""
+    out = Path(tempfile.mkdtemp()) / "device_map.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "device_map_check.py"), "--device", "cuda", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    print(proc.stdout[-3000:], proc.stderr[-2000:], sep="\n", flush=True)
+    return json.loads(out.read_text()) if out.exists() else {"ok": False, "error": proc.stderr.strip()[-300:]}
+
+
+def device_map_report(dm: dict | None) -> str:
+    if dm is None:
+        return ""
+    if "checks" not in dm:
+        return f"\ndevice_map run (`bench/device_map_check.py`): did not finish: {dm.get('error', '?')}\n"
+    lines = [f"\ndevice_map run (`bench/device_map_check.py`, {dm['model']} {dm['dtype']}, max_memory "
+             f"{dm['max_memory']}): placement {dm['placement']}.", "",
+             "| check | bit for bit = one device | one device | spread |", "|---|---|---|---|"]
+    lines += [f"| {k} | {v['bit_for_bit']} | {v['one_device_s']} s | {v['spread_s']} s |" for k, v in dm["checks"].items()]
+    return "\n".join(lines) + "\n"
+
+
 def report(env: dict, tests: dict, bench: dict | None) -> str:
     passed = tests["tests"] - tests["failures"] - tests["errors"] - tests["skipped"]
     lines = [f"\n## {time.strftime('%Y-%m-%d')} — {env['device_name']}\n",
@@ -96,13 +117,14 @@ def main() -> int:
     env = environment("cuda")
     tests = run_tests(args.pytest_args)
     bench = None if args.no_bench else run_bench(args.tokens, args.repeats)
+    device_map = run_device_map()
     out = Path(args.out)
     head = "" if out.exists() else ("# kvviz on a GPU\n\nWritten by `make gpu-check` (bench/gpu_check.py): the library "
                                     "tests with device auto, and the greedy benchmark against the naive script.\n")
     with open(out, "a", encoding="utf-8") as f:
-        f.write(head + report(env, tests, bench))
+        f.write(head + report(env, tests, bench) + device_map_report(device_map))
     print(f"written to {out}")
-    return 0 if not tests["failed"] else 1
+    return 0 if not tests["failed"] and (device_map or {}).get("ok", False) else 1
 
 
 if __name__ == "__main__":

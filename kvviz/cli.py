@@ -45,6 +45,11 @@ def _model_args(p: argparse.ArgumentParser, attn_list: bool = False) -> None:
         p.set_defaults(attn="auto")
     else:
         p.add_argument("--attn", default="auto", choices=ATTN_CHOICES, help="attention implementation")
+    p.add_argument("--devices", default="one", choices=("one", "auto", "spread"),
+                   help="one: the whole model on --device; auto: accelerate's device_map (GPUs, then CPU RAM, then "
+                        "disk offload); spread: layers split evenly over several GPUs")
+    p.add_argument("--max-memory", default=None,
+                   help="with --devices auto|spread: budget per device, e.g. 0=20GiB,1=20GiB,cpu=64GiB")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="run the model's own Python code (off by default; only for models you trust)")
     p.add_argument("--invariant", action="store_true",
@@ -207,7 +212,26 @@ def _load(args):
     from .loading import load_model
 
     return load_model(_spec(args), args.dtype, args.device, args.attn, trust_remote_code=args.trust_remote_code,
-                      progress=_progress_to_stderr(args.quiet))
+                      progress=_progress_to_stderr(args.quiet), **_placement(args))
+
+
+def _placement(args) -> dict:
+    """load_model's placement arguments from --devices/--max-memory (checked in one line; {} for one device)."""
+    from .placement import parse_placement
+
+    place = parse_placement(getattr(args, "devices", "one"), getattr(args, "max_memory", None))
+    if not place.dispatched:
+        return {}
+    why = _NOT_DISPATCHED.get(args.command)
+    if why is None and getattr(args, "weights", "none") not in (None, "none"):
+        why = "quantizes a copy of the weights"
+    if why:
+        raise KvvizError(f"--devices {place.mode} cannot be used with {args.command}: it {why}; use --devices one")
+    return {"placement": place}
+
+
+_NOT_DISPATCHED = {"matrix": "loads one model per attention implementation",
+                   "loading-trap": "casts a copy of the whole model", "quant": "quantizes a copy of the weights"}
 
 
 def _exports(args, res, lm=None) -> None:
@@ -426,13 +450,12 @@ def cmd_dtypes(args) -> Outcome:
             raise KvvizError(f"--split must be 1 or more, not {args.split}")
     prompts = [args.prompt] if args.prompt is not None else load_prompts(args.prompts, args.limit)
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-    res = run_dtypes(_spec(args), prompts, dtypes, args.device, args.attn, split=args.split, mode=args.mode,
-                     trust_remote_code=args.trust_remote_code, progress=_progress_to_stderr(args.quiet),
+    res = run_dtypes(_load(args) if _placement(args) else _spec(args), prompts, dtypes, args.device, args.attn,
+                     split=args.split, mode=args.mode, trust_remote_code=args.trust_remote_code, progress=_progress_to_stderr(args.quiet),
                      settings=_settings(args), prove=_prove(args))
-    from .loading import load_model
 
-    lm64 = load_model(_spec(args), "float64", res.settings.float64_device, args.attn,
-                      trust_remote_code=args.trust_remote_code)  # already loaded by the sweep: its twin
+    # the export's model (fingerprint, repro script): the run's own float64 reference, already built by the sweep
+    lm64 = _load(args).reference()
 
     def summary() -> str:
         return "\n".join([

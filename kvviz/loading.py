@@ -6,10 +6,12 @@ changed after they enter the cache: a float16 run gets its own float16 copy, nev
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import re
 import shutil
@@ -27,6 +29,7 @@ import torch
 from .dtypes import dtype_name, float64_device, parse_dtype, resolve_device, supports_dtype
 from .errors import KvvizError
 from .float64 import keep_float64
+from .placement import ONE, Placement, check_placement, input_device, max_memory_for, parse_placement
 from .tiny import TINY_MODELS, TINY_VERSION, build_tiny
 
 Progress = Callable[[float, str], None]
@@ -169,7 +172,11 @@ def _atomic_folder(final: Path, write: Callable[[Path], None]) -> Path:
 
 
 def convert_gguf(path: Path, progress: Progress = _noop) -> Path:
-    """Dequantize a GGUF file once into a safetensors folder in kvviz's cache; later loads take ~1 s, not ~20 s."""
+    """Dequantize a GGUF file once into a safetensors folder in kvviz's cache; later loads take ~1 s, not ~20 s.
+
+    Tensor by tensor (kvviz.gguf_stream): peak RAM about one float32 tensor, written as sharded safetensors with
+    an index that transformers reads as any sharded checkpoint. Architectures the streamed path cannot reproduce
+    byte for byte fall back to transformers' whole-model conversion."""
     path = Path(path).resolve()
     st = path.stat()
     digest = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
@@ -178,31 +185,79 @@ def convert_gguf(path: Path, progress: Progress = _noop) -> Path:
         return final
 
     def write(tmp: Path) -> None:
-        from safetensors.torch import save_model
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from .gguf_stream import NotStreamable, stream_gguf
 
         _quiet_transformers()
-        progress(0.05, f"Dequantizing {path.name} (first use only, ~20 s)…")
+        progress(0.02, f"Dequantizing {path.name} tensor by tensor (first use only)…")
+        config, tok = _read_gguf_header(path)
+        how = "streamed"
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-                model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-        except KvvizError:
-            raise
-        except Exception as e:  # noqa: BLE001 - any parse failure means an unreadable file
-            raise KvvizError(f"could not read GGUF file {path.name}: {_first_line(e)}") from None
-        progress(0.6, "Saving the dequantized weights as safetensors…")
-        save_model(model, str(tmp / "model.safetensors"))
-        cfg = copy.deepcopy(model.config)
-        if hasattr(cfg, "quantization_config"):
-            del cfg.quantization_config
+            stream_gguf(path, tmp, config, lambda f, m: progress(0.03 + 0.9 * f, f"Dequantizing {path.name}: {m}"))
+            cfg = _saved_config(config)
+        except NotStreamable as e:
+            for leftover in tmp.iterdir():
+                if leftover.is_file():
+                    leftover.unlink()
+            how = f"whole model ({e})"
+            cfg = _convert_whole(path, tmp, progress)
         cfg.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        meta = {"source": str(path), "quantization": gguf_quantization(path), "size": st.st_size}
+        meta = {"source": str(path), "quantization": gguf_quantization(path), "size": st.st_size, "conversion": how}
         (tmp / "kvviz.json").write_text(json.dumps(meta, indent=1))
 
     return _atomic_folder(final, write)
+
+
+def _read_gguf_header(path: Path):
+    """The config and tokenizer transformers reads from a GGUF's metadata (no tensor is dequantized)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+            tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except KvvizError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any parse failure means an unreadable file
+        raise KvvizError(f"could not read GGUF file {path.name}: {_first_line(e)}") from None
+    return config, tok
+
+
+def _saved_config(config):
+    """The config as the whole-model conversion saves it (what from_pretrained(dtype=float32) sets on it)."""
+    cfg = copy.deepcopy(config)
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    cfg = copy.deepcopy(model.config)
+    return cfg
+
+
+def _convert_whole(path: Path, tmp: Path, progress: Progress):
+    """transformers' own conversion: the whole file dequantized to a float32 model in memory, saved as one file.
+    Returns the config to save."""
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM
+
+    progress(0.05, f"Dequantizing {path.name} as a whole model (first use only)…")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    except KvvizError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any parse failure means an unreadable file
+        raise KvvizError(f"could not read GGUF file {path.name}: {_first_line(e)}") from None
+    progress(0.6, "Saving the dequantized weights as safetensors…")
+    save_model(model, str(tmp / "model.safetensors"))
+    cfg = copy.deepcopy(model.config)
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
+    return cfg
 
 
 def tiny_folder(arch: str) -> Path:
@@ -250,6 +305,8 @@ class LoadedModel:
     warnings: list[str] = field(default_factory=list)
     inference_mode: bool = True  # False for models whose tensors cannot run under torch.inference_mode (quanto int4)
     stream64: object = None  # set on a streamed float64 reference (kvviz.reference): this model run in float64
+    placement: Placement = ONE  # one device, or layers spread by accelerate (kvviz.placement); part of the cache key
+    asked_device: "torch.device | None" = None  # a dispatched model's device as asked (`device`: where inputs go)
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     @property
@@ -268,7 +325,15 @@ class LoadedModel:
         if dt == self.dtype and device is None:
             return self
         dev = device if device is not None else (float64_device(self.device) if dt == torch.float64 else self.device)
-        return load_model(self.spec, dt, dev, self.attn_requested, trust_remote_code=self.trust_remote_code)
+        if self.placement.dispatched and device is None:
+            dev = self.requested_device
+        return load_model(self.spec, dt, dev, self.attn_requested, trust_remote_code=self.trust_remote_code,
+                          placement=self.placement)
+
+    @property
+    def requested_device(self) -> torch.device:
+        """The device the user asked for (a dispatched model's `device` is where its inputs go)."""
+        return self.asked_device or self.device
 
     def reference(self, strategy: str | None = None) -> "LoadedModel":
         """The float64 reference of this model (itself when it is float64): the full float64 twin or the streamed
@@ -309,6 +374,7 @@ class LoadedModel:
             "kv_heads": getattr(cfg, "num_key_value_heads", None),
             "dtype": dtype_name(self.dtype),
             "device": str(self.device),
+            "placement": self.placement.label(),
             "attention": self.attn_implementation,
             "max_positions": self.max_positions,
         }
@@ -333,11 +399,14 @@ def clear_cache() -> None:
 
 def load_model(spec: "str | ModelSpec" = DEFAULT_SPEC, dtype="float32", device: str | torch.device = "auto",
                attn_implementation: str | None = None, trust_remote_code: bool = False,
-               progress: Progress | None = None) -> LoadedModel:
+               progress: Progress | None = None, placement: "Placement | str | None" = None,
+               max_memory: "str | dict | None" = None) -> LoadedModel:
     """Load (or fetch from the cache) a model for kvviz.
 
     spec: 'default', 'tiny:<arch>', a model folder, a .gguf file, or a hub id (local HF cache first; fails fast
     when the hub cannot be reached). dtype: float64/float32/float16/bfloat16. device: auto/cpu/cuda/mps.
+    placement: "one" (default: the whole model on `device`), "auto" or "spread" (accelerate's device_map, layers
+    over GPUs, CPU RAM and disk; kvviz.placement), with max_memory ("0=20GiB,cpu=64GiB" or a dict).
     """
     progress = progress or _noop
     ms = parse_spec(spec)
@@ -348,7 +417,9 @@ def load_model(spec: "str | ModelSpec" = DEFAULT_SPEC, dtype="float32", device: 
     attn = (attn_implementation or "auto").strip()
     if attn not in ATTN_CHOICES:
         raise KvvizError(f"unknown attention implementation '{attn}'; choose one of {', '.join(ATTN_CHOICES)}")
-    key = (ms.key, dtype_name(dt), str(dev), attn, bool(trust_remote_code))
+    place = parse_placement(placement, max_memory)
+    check_placement(place, dev, dt)
+    key = (ms.key, dtype_name(dt), str(dev), attn, bool(trust_remote_code), place.key)
     with _CACHE_LOCK:
         if key in _CACHE:
             _CACHE.move_to_end(key)
@@ -360,7 +431,7 @@ def load_model(spec: "str | ModelSpec" = DEFAULT_SPEC, dtype="float32", device: 
             with _CACHE_LOCK:
                 if key in _CACHE:
                     return _CACHE[key]
-            lm = _load(ms, dt, dev, attn, trust_remote_code, progress)
+            lm = _load(ms, dt, dev, attn, trust_remote_code, progress, place, key)
             with _CACHE_LOCK:
                 _CACHE[key] = lm
                 while len(_CACHE) > _max_cached():
@@ -374,7 +445,7 @@ def load_model(spec: "str | ModelSpec" = DEFAULT_SPEC, dtype="float32", device: 
 
 
 def _load(ms: ModelSpec, dt: torch.dtype, dev: torch.device, attn: str, trust_remote_code: bool,
-          progress: Progress) -> LoadedModel:
+          progress: Progress, place: Placement = ONE, key: tuple = ()) -> LoadedModel:
     notes: list[str] = []
     progress(0.0, f"Preparing {ms.ref}…")
     if ms.kind == "default":
@@ -406,25 +477,44 @@ def _load(ms: ModelSpec, dt: torch.dtype, dev: torch.device, attn: str, trust_re
     if trust_remote_code:
         notes.append("trust_remote_code is on: this model's own Python code from its folder or repo will run")
     progress(0.5, f"Loading weights as {dtype_name(dt)}…")
-    model, tok = _load_folder(folder if folder is not None else ms.ref, ms, dt, attn, trust_remote_code)
+    dispatch = _dispatch_kwargs(place, dev, key) if place.dispatched else {}
+    model, tok = _load_folder(folder if folder is not None else ms.ref, ms, dt, attn, trust_remote_code, dispatch)
     if dt == torch.float64:
         keep_float64(model)
         notes.append("float64: transformers' float32 upcasts (RMSNorm, eager softmax) are kept in float64, so the "
                      "reference carries no float32 rounding")
-    progress(0.85, f"Moving to {dev}…")
-    try:
-        model.to(dev)
-    except RuntimeError as e:
-        raise KvvizError(f"could not move the model to {dev}: {_first_line(e)}") from None
+    requested = dev
+    if place.dispatched:  # accelerate placed every layer already; inputs go where the embeddings are
+        dev = input_device(model, dev)
+        spots = sorted(set(str(v) for v in getattr(model, "hf_device_map", {}).values()))
+        notes.append(f"layers placed by accelerate ({place.label()}) on: {', '.join(spots)}")
+    else:
+        progress(0.85, f"Moving to {dev}…")
+        try:
+            model.to(dev)
+        except RuntimeError as e:
+            raise KvvizError(f"could not move the model to {dev}: {_first_line(e)}") from None
     model.eval()
     model.requires_grad_(False)
     if tok.pad_token_id is None:
         notes.append("the tokenizer has no pad token: kvviz pads with the EOS token (masked out)")
     progress(1.0, "Model ready")
-    return LoadedModel(spec=ms, model=model, tokenizer=tok, dtype=dt,
-                       device=dev, attn_requested=attn, attn_implementation=model.config._attn_implementation,
-                       description=description, source=source, trust_remote_code=bool(trust_remote_code),
-                       warnings=notes)
+    lm = LoadedModel(spec=ms, model=model, tokenizer=tok, dtype=dt,
+                     device=dev, attn_requested=attn, attn_implementation=model.config._attn_implementation,
+                     description=description, source=source, trust_remote_code=bool(trust_remote_code),
+                     warnings=notes, placement=place, asked_device=requested)
+    return lm
+
+
+def _dispatch_kwargs(place: Placement, dev: torch.device, key: tuple) -> dict:
+    """from_pretrained's arguments for a dispatched model: device_map, max_memory, and an offload folder of its
+    own in kvviz's cache (for layers that fit on no device)."""
+    digest = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+    kw: dict = {"device_map": place.device_map(), "offload_folder": str(cache_dir() / "offload" / digest)}
+    mem = max_memory_for(place, dev)
+    if mem:
+        kw["max_memory"] = mem
+    return kw
 
 
 def _quiet_transformers() -> None:
@@ -435,7 +525,21 @@ def _quiet_transformers() -> None:
     hf_logging.set_verbosity_error()
 
 
-def _load_folder(where, ms: ModelSpec, dt: torch.dtype, attn: str, trust_remote_code: bool):
+@contextlib.contextmanager
+def _quiet_accelerate(on: bool):
+    """accelerate warns that offloaded parameters are "on the meta device"; kvviz says where the layers are itself.
+    The logger's level is restored afterwards."""
+    log = logging.getLogger("accelerate.big_modeling")
+    old = log.level
+    if on:
+        log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(old)
+
+
+def _load_folder(where, ms: ModelSpec, dt: torch.dtype, attn: str, trust_remote_code: bool, dispatch: dict | None = None):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     _quiet_transformers()
@@ -457,11 +561,11 @@ def _load_folder(where, ms: ModelSpec, dt: torch.dtype, attn: str, trust_remote_
         raise
     except Exception as e:  # noqa: BLE001
         raise KvvizError(f"could not read the model config of {ms.ref}: {_first_line(e)}") from None
-    model_kwargs = dict(kwargs, dtype=dt)
+    model_kwargs = dict(kwargs, dtype=dt, **(dispatch or {}))
     if attn != "auto":
         model_kwargs["attn_implementation"] = attn
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _quiet_accelerate(bool(dispatch)):
             warnings.simplefilter("ignore")
             model = AutoModelForCausalLM.from_pretrained(where, config=config, **model_kwargs)
     except ValueError as e:

@@ -19,7 +19,7 @@ def test_default_model_converts_once_then_loads_from_cache(tmp_path, monkeypatch
     lm = kvviz.load_model("default", "float32", DEVICE, progress=lambda f, m: msgs.append(m))
     first = time.perf_counter() - t0
     conv = list((kvviz_cache / "gguf").glob("SmolLM2-135M-Instruct.Q4_1-*"))
-    assert len(conv) == 1 and (conv[0] / "model.safetensors").is_file()
+    assert len(conv) == 1 and (conv[0] / "model.safetensors.index.json").is_file()  # sharded, streamed
     assert lm.source == str(conv[0])
     assert lm.arch == "llama" and lm.n_layers == 30
     assert lm.config.num_key_value_heads == 3 and lm.config.num_attention_heads == 9

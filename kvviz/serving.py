@@ -488,3 +488,241 @@ def load_prompt_set(source: str | None = None, prompt: str | None = None, limit:
         return [prompt], "one prompt"
     src = source or "builtin"
     return load_prompts(src, limit), src
+
+
+def summary_text(res: ServeResult) -> str:
+    """The study as text (CLI, `open`)."""
+    s = res.settings
+    lines = [f"model: {res.model.get('description', s.model)}",
+             f"{s.dtype} on {s.device}, engine {s.engine} (page size {s.page_size}), {len(res.prompts)} prompts × "
+             f"{{{', '.join(s.conditions)}}} × {s.runs} runs, {s.max_new_tokens} new tokens, batch of {s.batch_size}"
+             + (", INVARIANT MODE" if s.execution.invariant else "")
+             + (f", shared prefix {s.shared_prefix!r}" if s.shared_prefix else ""), "",
+             res.summary_line(), "",
+             "distinct completions per prompt (all conditions and runs, the reference included) -> prompts:"]
+    lines += [f"  {k}: {v}" for k, v in res.histogram.items()]
+    lines += ["", "per condition:"]
+    for c in res.conditions.values():
+        lines.append(f"  {c.label:<34} {c.tokens_per_s:8.1f} tokens/s"
+                     + ("" if c.name == "reference" else f"   prompts parting from the reference: {c.parting_prompts}"))
+    if res.first_divergences:
+        lines += ["", "first divergence positions: " + ", ".join(map(str, sorted(res.first_divergences)))]
+    parting = [p for p in res.prompts if p.first_divergence is not None]
+    if parting:
+        lines.append("")
+        for p in parting:
+            lines.append(f"[{p.index}] {p.prompt[:50]!r}: distinct {p.distinct_all}, parts at step {p.first_divergence}"
+                         f" ({p.condition}, run {p.run + 1}) — {(p.verdict or '?').upper()}: {p.explanation}"
+                         + (f" {p.proof}" if p.proof else ""))
+    for note in res.notes:
+        lines.append(f"note: {note}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Charts and tables (pure functions of the result: the page, the HTML report and a notebook draw the same)
+
+
+def histogram_figure(res: ServeResult):
+    """The TML-style chart: how many prompts gave 1, 2, 3… distinct completions, per condition and overall."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    top = max([res.settings.runs + 1] + list(res.histogram))
+    xs = list(range(1, top + 1))
+    for c in res.settings.conditions:
+        h = res.condition_histogram(c)
+        fig.add_bar(x=xs, y=[h.get(x, 0) for x in xs], name=CONDITION_LABELS[c])
+    h = res.histogram
+    fig.add_bar(x=xs, y=[h.get(x, 0) for x in xs], name="all runs + reference")
+    fig.update_layout(title="Distinct completions per prompt", xaxis_title="distinct completions",
+                      yaxis_title="prompts", barmode="group", xaxis=dict(dtick=1), height=380)
+    return fig
+
+
+def divergence_figure(res: ServeResult):
+    """Where the first divergence falls, and the reference's top-2 margin there (a near tie or not)."""
+    import plotly.graph_objects as go
+
+    parting = [p for p in res.prompts if p.first_divergence is not None]
+    fig = go.Figure()
+    for verdict in sorted({p.verdict or "?" for p in parting}):
+        ps = [p for p in parting if (p.verdict or "?") == verdict]
+        fig.add_scatter(x=[p.first_divergence for p in ps], y=[max(p.margin or 0.0, 1e-12) for p in ps],
+                        mode="markers", name=verdict, text=[f"[{p.index}] {p.prompt[:40]} ({p.condition})" for p in ps],
+                        marker=dict(size=10))
+    fig.update_layout(title="First divergence from the reference: step and top-2 margin there",
+                      xaxis_title="step", yaxis_title="reference's top-2 margin", yaxis_type="log", height=380)
+    return fig
+
+
+def throughput_figure(res: ServeResult):
+    import plotly.graph_objects as go
+
+    cs = list(res.conditions.values())
+    fig = go.Figure(go.Bar(x=[c.label for c in cs], y=[c.tokens_per_s for c in cs]))
+    fig.update_layout(title="Tokens per second per condition", yaxis_title="new tokens / s", height=320)
+    return fig
+
+
+def figures(res: ServeResult) -> list:
+    figs = [histogram_figure(res), throughput_figure(res)]
+    if res.first_divergences:
+        figs.insert(1, divergence_figure(res))
+    return figs
+
+
+def prompt_frame(res: ServeResult):
+    """One row per prompt: distinct counts, first divergence, margins, verdict, proof."""
+    import pandas as pd
+
+    from .text import fmt_number
+
+    rows = []
+    for p in res.prompts:
+        row = {"#": p.index, "prompt": p.prompt[:60], "distinct (all)": p.distinct_all}
+        row.update({f"distinct {c}": p.distinct[c] for c in res.settings.conditions})
+        row.update({"first divergence": "—" if p.first_divergence is None else p.first_divergence,
+                    "where": "—" if p.condition is None else f"{p.condition}, run {p.run + 1}",
+                    "tokens (ref → run)": "—" if p.reference_token is None else f"{p.reference_token!r} → {p.run_token!r}",
+                    "ref margin": fmt_number(p.margin), "run margin": fmt_number(p.run_margin),
+                    "verdict": p.verdict or ("identical" if p.first_divergence is None else "—"),
+                    "float64 gap": fmt_number(p.float64_gap),
+                    "proved": "—" if p.proved is None else ("yes" if p.proved else "no"),
+                    "warm ≠ cold": "—" if p.warm_differs is None else ("yes" if p.warm_differs else "no")})
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def verdict_text(res: ServeResult) -> tuple[str, str]:
+    parting = [p for p in res.prompts if p.first_divergence is not None]
+    if not parting:
+        return "identical", res.summary_line() + "."
+    counts = res.verdict_counts()
+    head = ", ".join(f"{v}: {n}" for v, n in sorted(counts.items()))
+    first = min(parting, key=lambda p: p.first_divergence)
+    return head, res.summary_line() + ". " + (first.explanation or "") + (f" {first.proof}" if first.proof else "")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Repro script (kvviz/repro.py's conventions: torch + transformers only; the last line is the key figure)
+
+_REPRO = '''
+from transformers import GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+DTYPE = torch.{dtype}
+PROMPTS = {ids!r}  # token ids of {source!r} (shared prefix included)
+PREFIX = {prefix!r}  # token ids of the shared prefix (None: the warmer is the identical prompt)
+N_NEW, RUNS, PAGE = {n}, {runs}, {page}
+CONDITIONS = {conditions!r}
+BATCHES = {batches!r}  # run -> the batches of prompt indices kvviz drew (seeded), the last one filled up
+model = load(DTYPE)
+
+
+def reference(ids):
+    """The no-cache greedy loop: a full forward at every step."""
+    ids = torch.tensor([ids], device=DEVICE)
+    out = []
+    with torch.no_grad():
+        for _ in range(N_NEW):
+            mask = torch.ones_like(ids)
+            logits = forward(model, ids, mask, positions_from(mask), use_cache=False, hidden=False).logits[0, -1]
+            out.append(int(logits.argmax()))
+            ids = torch.cat([ids, torch.tensor([[out[-1]]], device=DEVICE)], 1)
+    return out
+
+
+def engine(requests, per_batch, sharing, sequential=()):
+    """transformers' continuous batching with the toggles kvviz used; requests: [(key, ids, new tokens)]."""
+    longest = max(len(ids) + n for _, ids, n in requests)
+    cb = ContinuousBatchingConfig(page_size=PAGE, num_blocks=(-(-longest // PAGE) + 1) * (len(requests) + 2) + 8,
+                                  max_batch_tokens=max(64, per_batch * longest), max_requests_per_batch=per_batch,
+                                  allow_block_sharing=sharing, use_async_batching=False, use_cuda_graph=False,
+                                  auto_switch_to_flash=False, scheduler_type="fifo", max_blocks_per_request=0)
+    gc = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=N_NEW, eos_token_id=-1, pad_token_id=0)
+    manager = model.init_continuous_batching(generation_config=gc, continuous_batching_config=cb)
+    done = {{}}
+
+    def collect(keys):
+        keys = set(keys)
+        while keys:
+            r = manager.get_result(timeout=1)
+            if r is not None and r.is_finished() and r.request_id in keys:
+                done[r.request_id] = list(r.generated_tokens)
+                keys.discard(r.request_id)
+
+    try:
+        first = [(k, ids, n) for k, ids, n in requests if k not in sequential]
+        for k, ids, n in first:
+            manager.add_request(ids, request_id=k, max_new_tokens=n, eos_token_id=-1)
+        manager.start()
+        collect(k for k, _, _ in first)
+        for k, ids, n in requests:
+            if k in sequential:
+                manager.add_request(ids, request_id=k, max_new_tokens=n, eos_token_id=-1)
+                collect([k])
+    finally:
+        manager.stop(block=True)
+        manager.destroy()
+    return done
+
+
+runs = {{i: [] for i in range(len(PROMPTS))}}
+refs = [reference(p) for p in PROMPTS]
+for i, r in enumerate(refs):
+    runs[i].append(tuple(r))
+for cond in CONDITIONS:
+    for run in range(RUNS):
+        if cond == "alone":
+            out = engine([(f"p{{i}}", p, N_NEW) for i, p in enumerate(PROMPTS)], 1, False)
+            got = {{i: out[f"p{{i}}"] for i in range(len(PROMPTS))}}
+        elif cond == "batch":
+            batches, k = BATCHES[run], len(BATCHES[run][0])
+            real = len(PROMPTS) - k * (len(batches) - 1)
+            reqs, got_keys = [], {{}}
+            for b, batch in enumerate(batches):
+                for j, i in enumerate(batch):
+                    reqs.append((f"b{{b}}_{{j}}_p{{i}}", PROMPTS[i], N_NEW))
+                    if j < (k if b < len(batches) - 1 else real):
+                        got_keys[i] = f"b{{b}}_{{j}}_p{{i}}"
+            out = engine(reqs, k, False)
+            got = {{i: out[key] for i, key in got_keys.items()}}
+        else:
+            reqs, seq = [], set()
+            for i, p in enumerate(PROMPTS):
+                reqs += [(f"w{{i}}", PREFIX or p, 1), (f"p{{i}}", p, N_NEW)]
+                seq |= {{f"w{{i}}", f"p{{i}}"}}
+            out = engine(reqs, 1, True, seq)
+            got = {{i: out[f"p{{i}}"] for i in range(len(PROMPTS))}}
+        for i, toks in got.items():
+            runs[i].append(tuple(toks))
+        parting = sum(tuple(got[i]) != tuple(refs[i]) for i in got)
+        print(f"{{cond}} run {{run + 1}}: {{parting}} of {{len(got)}} prompts part from the reference")
+distinct = {{i: len(set(v)) for i, v in runs.items()}}
+hist = {{}}
+for d in distinct.values():
+    hist[d] = hist.get(d, 0) + 1
+print("distinct completions per prompt -> prompts:", dict(sorted(hist.items())))
+print("prompts with 1 distinct completion =", hist.get(1, 0))
+'''
+
+
+def repro_script(res: ServeResult, lm: LoadedModel, name: str = "kvviz_repro.py") -> str:
+    """A standalone script (torch + transformers) that makes the same engine calls plainly and prints the same
+    distinct counts; its last line is `prompts with 1 distinct completion = N` (kvviz/repro.py's header)."""
+    from .repro import _HEADER, _NO_FLOAT64, _float64_mode
+
+    s = res.settings
+    if s.engine != "transformers":
+        raise KvvizError("repro scripts are written for the transformers engine")
+    ids = [encode(lm, s.shared_prefix + p.prompt) for p in res.prompts]
+    prefix = encode(lm, s.shared_prefix) if s.shared_prefix else None
+    title = (f"the Serving study of {s.model}: {len(ids)} prompts × {{{', '.join(s.conditions)}}} × {s.runs} runs, "
+             f"{s.dtype} on {s.device}")
+    body = _REPRO.format(dtype=s.dtype, ids=ids, source=s.prompt_source, prefix=prefix, n=s.max_new_tokens,
+                         runs=s.runs, page=s.page_size, conditions=tuple(s.conditions),
+                         batches={int(k): v for k, v in res.batches.items()})
+    return _HEADER.format(title=title, name=name, folder=lm.source, model=s.model, device=s.device,
+                          attn=lm.attn_requested,
+                          float64_mode=_float64_mode() if s.dtype == "float64" else _NO_FLOAT64) + body

@@ -176,3 +176,25 @@ def test_cli_runs_and_writes_exports(capsys, tmp_path):
                          env={**os.environ, "PYTHONPATH": ""})
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip().splitlines()[-1] == f"prompts with 1 distinct completion = {key_figure(res):.0f}"
+
+
+@pytest.mark.app
+def test_serving_page_runs_and_reopens():
+    from streamlit.testing.v1 import AppTest
+
+    from conftest import ROOT
+
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
+    at.session_state["model_preset"] = "tiny:llama"
+    at.session_state["sv_limit"] = 3
+    at.session_state["sv_runs"] = 1
+    at.session_state["sv_tokens"] = 2
+    at.run()
+    at.switch_page("pages/serving.py")
+    at.run()
+    assert not at.exception, at.exception
+    assert len(at.get("plotly_chart")) >= 2 and len(at.dataframe) == 1
+    res = next(iter(at.session_state["_results_serving"].values()))
+    assert len(res.prompts) == 3 and res.settings.runs == 1
+    at.selectbox(key="sv_engine").set_value("vllm").run()
+    assert not at.exception and any("vLLM is not installed" in e.value for e in at.info)

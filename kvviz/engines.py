@@ -13,7 +13,7 @@
       makes (nothing padded), the same on every machine.
   The engine runs its loop in a background thread. kvviz runs that thread under the caller's torch function modes
   (invariant mode, the float64 keep-mode), so invariant mode covers the engine as it covers every other path, and
-  it reads each step's scores at the engine's own argmax (top-2 margin per request; the full row where asked).
+  it reads each step's scores where the engine samples from them (top-2 margin per request; the full row where asked).
   While a run holds the model's lock the engine may switch the model's attention to `paged|eager`; it is switched
   back when the run ends, also on error.
 * `vllm` (where it is importable, GPU): offline `vllm.LLM(...)` with `enable_prefix_caching` on/off,
@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+from torch.overrides import _get_current_function_mode_stack
 
 from .errors import KvvizError
 
@@ -88,23 +88,28 @@ class EngineRun:
     new_tokens: int
 
 
-class _Capture(TorchFunctionMode):
-    """Reads the engine's greedy argmax: which request each row belongs to, the top-2 margin, maybe the row."""
+class _Capture:
+    """Reads the scores the engine samples from (its greedy argmax): which request each row belongs to, the top-2
+    margin, maybe the whole row. Hooked on this manager's model runner only (no per-op cost)."""
 
-    def __init__(self, manager, keep: set[str], margins: dict, scores: dict, vocab: int):
-        super().__init__()
-        self.manager, self.keep, self.margins, self.scores, self.vocab = manager, keep, margins, scores, vocab
+    def __init__(self, manager, keep: set[str], margins: dict, scores: dict):
+        self.manager, self.keep, self.margins, self.scores = manager, keep, margins, scores
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.argmax and args and isinstance(args[0], torch.Tensor) and args[0].dim() == 2 \
-                and args[0].shape[-1] == self.vocab and args[0].is_floating_point():
-            self._record(args[0])
-        return func(*args, **kwargs)
+    def hook(self, batch_processor) -> None:
+        runner = getattr(batch_processor, "model_runner", None)
+        inner = getattr(runner, "_sample", None)
+        if inner is None or getattr(inner, "_kvviz", False):
+            return
+        io = getattr(runner, "inputs_and_outputs", None) or getattr(batch_processor, "inputs_and_outputs", None)
 
-    def _record(self, probs: torch.Tensor) -> None:
-        bp = getattr(self.manager, "batch_processor", None)
-        io = getattr(bp, "inputs_and_outputs", None)
+        def sample(scores, output_ids):
+            self.record(io, scores[0] if scores.dim() == 3 else scores)
+            return inner(scores, output_ids)
+
+        sample._kvviz = True
+        runner._sample = sample
+
+    def record(self, io, probs: torch.Tensor) -> None:
         states = getattr(io, "requests_in_batch", None)
         if not states:
             return
@@ -183,14 +188,21 @@ class TransformersEngine:
             except (ValueError, RuntimeError) as e:
                 raise KvvizError(f"transformers' continuous batching cannot run this model: "
                                  f"{str(e).splitlines()[0]}") from None
-            vocab = int(model.config.get_text_config().vocab_size)
-            capture = _Capture(manager, keep, margins, scores, vocab)
+            capture = _Capture(manager, keep, margins, scores)
+            create = manager._create_batch_processor
+
+            def create_hooked():
+                bp = create()
+                capture.hook(bp)
+                return bp
+
+            manager._create_batch_processor = create_hooked
             inner = manager._run_generation_loop
             failure: list[BaseException] = []
 
             def loop() -> None:
                 try:
-                    with _entered(modes + [capture]):
+                    with _entered(modes):
                         inner()
                 except BaseException as e:  # noqa: BLE001 - reported in the caller's thread
                     failure.append(e)

@@ -19,6 +19,7 @@ PAGES = [
     st.Page("pages/kv_cache.py", title="KV cache", icon=":material/database:"),
     st.Page("pages/quantized.py", title="Quantized cache & weights", icon=":material/compress:"),
     st.Page("pages/cache_safety.py", title="Is my model cache-safe?", icon=":material/verified_user:"),
+    st.Page("pages/serving.py", title="Serving", icon=":material/dns:"),
     st.Page("pages/open_result.py", title="Open a result", icon=":material/folder_open:"),
     st.Page("pages/guide.py", title="Guide", icon=":material/menu_book:"),
     st.Page("pages/glossary.py", title="Glossary", icon=":material/dictionary:"),

@@ -189,6 +189,23 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--continuation", action="append", required=True, help="repeat for several")
     rp.add_argument("--max-new-tokens", type=int, default=12)
     rp.add_argument("--repro", default=None, help="also write a standalone repro script (torch + transformers only)")
+    vp = sub.add_parser("serve-study", help="serving conditions (alone, continuous batch, warm prefix) × R runs: "
+                                            "distinct completions per prompt, where and why they part")
+    _model_args(vp)
+    vsrc = vp.add_mutually_exclusive_group()
+    vsrc.add_argument("--prompt", help="one prompt")
+    vsrc.add_argument("--prompts", default=None,
+                      help="'builtin' (default), 'builtin:<category>', or a .txt (one a line) / .jsonl file")
+    vp.add_argument("--limit", type=int, default=20, help="at most this many prompts (default 20)")
+    vp.add_argument("--prefix", default="", help="a shared prefix put before every prompt (warmed for 'warm')")
+    vp.add_argument("--conditions", default="alone,batch,warm", help="comma-separated: alone,batch,warm")
+    vp.add_argument("--runs", type=int, default=5, help="runs per condition (R)")
+    vp.add_argument("--max-new-tokens", type=int, default=16)
+    vp.add_argument("--batch-size", type=int, default=4, help="k: requests in flight in the batch condition")
+    vp.add_argument("--seed", type=int, default=0, help="seed of the batch draws")
+    vp.add_argument("--engine", default="transformers", choices=("transformers", "vllm"))
+    vp.add_argument("--page-size", type=int, default=8, help="tokens per cache page (prefix sharing is per page)")
+    vp.add_argument("--repro", default=None, help="also write a standalone repro script (torch + transformers only)")
     return parser
 
 
@@ -345,6 +362,10 @@ def cmd_open(args) -> Outcome:
     opened = open_result(p.read_bytes())
     res = opened.result
     summaries = {"split": split_summary, "greedy": greedy_summary}
+    if opened.view == "serving":
+        from .serving import summary_text
+
+        summaries["serving"] = summary_text
 
     def summary() -> str:
         head = summaries[opened.view](res) if opened.view in summaries else \
@@ -638,9 +659,25 @@ def cmd_quant(args) -> Outcome:
     return Outcome(res, lm, summary)
 
 
+def cmd_serve_study(args) -> Outcome:
+    from .engines import check_engine
+    from .serving import ServeConfig, load_prompt_set, run_serving, summary_text
+
+    check_engine(args.engine)  # one line where vLLM is asked for and absent, before anything loads
+    prompts, source = load_prompt_set(args.prompts, args.prompt, args.limit)
+    cfg = ServeConfig(prompts=prompts, shared_prefix=args.prefix, conditions=_split_list(args.conditions),
+                      runs=args.runs, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
+                      engine=args.engine, page_size=args.page_size, prompt_source=source)
+    cfg.validate()
+    lm = _load(args)
+    res = run_serving(lm, cfg, progress=_progress_to_stderr(args.quiet), settings=_settings(args),
+                      prove=not args.no_proof)
+    return Outcome(res, lm, lambda: summary_text(res))
+
+
 COMMANDS = {"quant": cmd_quant, "split": cmd_split, "greedy": cmd_greedy, "dtypes": cmd_dtypes, "padding": cmd_padding,
             "reuse": cmd_reuse, "bisect": cmd_bisect, "matrix": cmd_matrix, "open": cmd_open, "cache": cmd_cache,
-            "check": cmd_check, "loading-trap": cmd_loading_trap}
+            "check": cmd_check, "loading-trap": cmd_loading_trap, "serve-study": cmd_serve_study}
 
 
 def main(argv: list[str] | None = None) -> int:

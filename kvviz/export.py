@@ -19,7 +19,7 @@ from .jsonout import dumps
 
 FORMAT = 1
 VIEWS = ("split", "greedy", "dtypes", "padding", "reuse", "matrix", "quant", "loading_trap", "check", "bisect", "kv_reload",
-         "kv_size")
+         "kv_size", "serving")
 
 
 def view_of(result) -> str:
@@ -27,7 +27,8 @@ def view_of(result) -> str:
     views = {"SplitResult": "split", "GreedyResult": "greedy", "DtypesResult": "dtypes", "PaddingResult": "padding",
              "ReuseResult": "reuse", "MatrixResult": "matrix", "QuantResult": "quant",
              "LoadingTrapResult": "loading_trap", "CheckCard": "check", "BisectResult": "bisect",
-             "ContinueResult": "kv_reload", "SizeReport": "kv_size"}
+             "ContinueResult": "kv_reload", "SizeReport": "kv_size",
+             "ServeResult": "serving"}
     if name not in views:
         raise KvvizError(f"cannot export a {name}")
     return views[name]
@@ -206,7 +207,13 @@ def _kv_size(d: dict):
     return SizeReport(**d)
 
 
-_BUILDERS = {"kv_reload": _kv_reload, "kv_size": _kv_size, "bisect": _bisect, "loading_trap": _loading_trap, "check": _check, "split": _split, "greedy": _greedy, "dtypes": _dtypes, "padding": _padding, "reuse": _reuse,
+def _serving(d: dict):
+    from .serving import ServeResult
+
+    return ServeResult.from_dict(d)
+
+
+_BUILDERS = {"serving": _serving, "kv_reload": _kv_reload, "kv_size": _kv_size, "bisect": _bisect, "loading_trap": _loading_trap, "check": _check, "split": _split, "greedy": _greedy, "dtypes": _dtypes, "padding": _padding, "reuse": _reuse,
              "matrix": _matrix, "quant": _quant}
 
 
@@ -237,6 +244,10 @@ def main_figures(result) -> list:
         return [figures.loading_trap_steps(result)]
     if view == "bisect":
         return [figures.bisect_modules(result)]
+    if view == "serving":
+        from .serving import figures as serving_figures
+
+        return serving_figures(result)
     return []
 
 
@@ -270,6 +281,10 @@ def _verdict_text(result) -> tuple[str, str]:
         return ("size", f"{result.model} in {result.dtype}: {result.per_token_bytes:,} bytes per token; "
                         f"{result.tokens} tokens × batch {result.batch}: formula {result.formula_bytes:,} bytes, "
                         f"measured {measured} bytes.")
+    if view == "serving":
+        from .serving import verdict_text
+
+        return verdict_text(result)
     if view == "check":
         rows = "".join(f"<tr><td>{c.status}</td><td>{c.name}</td><td>{c.evidence}</td></tr>" for c in result.checks)
         return result.overall, f"{result.summary}<table>{rows}</table>"

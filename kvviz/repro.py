@@ -18,6 +18,8 @@ cache objects in the same order), so the numbers agree to the last bit, not just
   matrix   every cell that ran without torch.compile (attention × cache kind × precision flags) against the eager
            no-cache loop (the figure: the largest cell's max |Δ logit|); compiled cells are left out (compiled
            kernels are not a bit-for-bit contract) and the script says which;
+  serving  the same continuous-batching calls (alone / batch / warm, the same draws) made plainly with
+           transformers' engine, and the no-cache reference (the figure: prompts with 1 distinct completion);
   check    the cache-safety card's split-based checks in float64 (cached vs full in one chunk and token by token,
            left padding, past the sliding window; the figure: the largest |Δ logit| over them).
 """
@@ -27,7 +29,7 @@ from .errors import KvvizError
 from .export import view_of
 from .loading import LoadedModel
 
-VIEWS = ("split", "greedy", "dtypes", "padding", "reuse", "loading_trap", "quant", "matrix", "check")
+VIEWS = ("split", "greedy", "dtypes", "padding", "reuse", "loading_trap", "quant", "matrix", "check", "serving")
 
 _HEADER = '''# kvviz repro: {title}
 # Standalone: needs only torch and transformers. Run: python {name}
@@ -569,6 +571,10 @@ def repro_script(result, lm: LoadedModel, name: str = "kvviz_repro.py") -> str:
     loads the dtypes the result used); KvvizError with one line for what no script can rebuild."""
     view = _check(result)
     s = result.settings
+    if view == "serving":  # the Serving view writes its own (kvviz/serving.py), with this module's header
+        from .serving import repro_script as serving_repro
+
+        return serving_repro(result, lm, name)
     if view == "loading_trap":
         from .inputs import encode
 
@@ -682,6 +688,8 @@ def _float64_mode() -> str:
 def key_figure(result) -> float:
     """The figure a repro script's last line reproduces (see the module's docstring)."""
     view = _check(result)
+    if view == "serving":
+        return float(result.histogram.get(1, 0))
     if view == "split":
         return float(result.main.logits["max_abs"].max())
     if view == "greedy":

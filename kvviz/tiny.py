@@ -44,7 +44,11 @@ TINY_ARCHS = tuple(TINY_CONFIGS)
 #   tie: a llama whose two top tokens ("a", "b") differ by 2^-12 of a weight: float32/float64 choose "b" by a margin
 #        of ~2e-3, while in float16/bfloat16 both weights round to the same number, the logits tie exactly and argmax
 #        takes the first, "a". A 16-bit greedy flip that happens on every CPU and GPU, whatever the kernels.
-TINY_CONSTRUCTED: dict[str, str] = {"tie": "llama"}
+#   split: a llama whose token "b" has the logit v + T·v − T·v (three products of one value v > 0, T = 2^26) and "a"
+#        the logit v/2: summed in index order "b" wins (v); summed in two halves, as a split-K GEMM does when it
+#        sees several rows (kvviz/simkernel.py), float32 loses v under T·v and "a" wins. Used by the Serving view's
+#        test: alone (the head sees one row) vs in a batch (several rows) must part; in invariant mode never.
+TINY_CONSTRUCTED: dict[str, str] = {"tie": "llama", "split": "llama"}
 TINY_MODELS = TINY_ARCHS + tuple(TINY_CONSTRUCTED)
 TIE_TOKENS = ("a", "b")
 TIE_DELTA = 2.0 ** -12  # exact in float32, below half an ulp of 1.0 in float16 (2^-11) and bfloat16 (2^-8)
@@ -99,6 +103,32 @@ def _construct_tie(model, tokenizer) -> None:
         head[b, 0] = 1.0 + TIE_DELTA
 
 
+SPLIT_TOKENS = ("a", "b")
+SPLIT_DIMS = (0, 32, 33)  # hidden 64: dim 0 in the first half, 32 and 33 in the second
+SPLIT_T = 2.0 ** 26
+
+
+def _construct_split(model, tokenizer) -> None:
+    """Dims 0, 32 and 33 carry the same constant through every layer, so after the final norm they hold one value
+    v > 0. lm_head: "a" reads v/2 from dim 33; "b" reads +T·v (dim 0), −T·v (dim 32) and v (dim 33)."""
+    import torch
+
+    a, b = (tokenizer.convert_tokens_to_ids(t) for t in SPLIT_TOKENS)
+    with torch.no_grad():
+        for d in SPLIT_DIMS:
+            model.model.embed_tokens.weight[:, d] = 64.0
+            for layer in model.model.layers:
+                layer.self_attn.o_proj.weight[d, :] = 0.0
+                layer.mlp.down_proj.weight[d, :] = 0.0
+        head = model.lm_head.weight
+        for d in SPLIT_DIMS:
+            head[:, d] = 0.0
+        head[a] = 0.0
+        head[b] = 0.0
+        head[a, 33] = 0.5
+        head[b, 0], head[b, 32], head[b, 33] = SPLIT_T, -SPLIT_T, 1.0
+
+
 def build_tiny(arch: str, folder: Path) -> Path:
     """Write a tiny model with seeded random weights to `folder` (atomically) and return it."""
     import torch
@@ -125,6 +155,8 @@ def build_tiny(arch: str, folder: Path) -> Path:
         tokenizer = _byte_tokenizer()
         if arch == "tie":
             _construct_tie(model, tokenizer)
+        if arch == "split":
+            _construct_split(model, tokenizer)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "kvviz-tiny.json").write_text(json.dumps({"arch": arch, "seed": TINY_SEED, "version": TINY_VERSION}))

@@ -49,6 +49,11 @@ elif opened.view == "loading_trap":
     a, b = st.columns(2)
     a.text(res.loaded_text)
     b.text(res.cast_text)
+elif opened.view == "serving":
+    from kvviz.serving import prompt_frame
+
+    st.info(f"**{verdict}** — {text}")
+    st.dataframe(prompt_frame(res), hide_index=True, width="stretch")
 elif opened.view == "split" and res.main.has_cache:
     st.dataframe(figures.logits_frame(res), hide_index=True, width="stretch")
 if opened.view in ("kv_reload", "kv_size"):

@@ -1,0 +1,105 @@
+"""Page: the Serving view - prompts under serving conditions (alone, in a continuous batch, prefix warm), R runs."""
+import streamlit as st
+
+import kvviz
+from kvviz import serving
+from kvviz.engines import ENGINES, engine_status
+from kvviz.prompts import builtin_prompts, parse_prompts
+from pages.common import controls, exports, page, progress_bar, run_cached, show_error, show_verdict
+
+choice, lm = page("Serving",
+                  "Does the same prompt give the same greedy completion when a serving engine runs it alone, in a "
+                  "continuous batch with other requests, or with its prefix already cached? Each condition runs R "
+                  "times through transformers' continuous batching (paged cache, scheduler); every run is compared "
+                  "with the prompt alone without cache, and each first divergence is replayed in float64 and proved "
+                  "in invariant mode.")
+with controls():
+    source = st.radio("Prompts", ["built-in set", "one prompt", "upload a file"], horizontal=True, key="sv_source")
+    try:
+        if source == "one prompt":
+            prompts = [st.text_area("Prompt", "The capital of France is", key="sv_prompt", height=70)]
+        elif source == "built-in set":
+            rows = builtin_prompts()
+            cats = sorted({r["category"] for r in rows})
+            c1, c2 = st.columns([3, 1])
+            picked = c1.multiselect("Categories", cats, default=["math_and_facts"], key="sv_cats")
+            pool = [r["prompt"] for r in rows if r["category"] in picked]
+            limit = c2.number_input("How many", 1, max(1, len(pool)), min(8, max(1, len(pool))), key="sv_limit")
+            prompts = pool[: int(limit)]
+        else:
+            up = st.file_uploader("A .txt file (one prompt a line) or .jsonl ({\"prompt\": …} a line)",
+                                  type=["txt", "jsonl"], key="sv_upload")
+            if up is None:
+                st.info("Upload a prompt file to run it.")
+                st.stop()
+            prompts = parse_prompts(up.getvalue(), up.name)[:50]
+    except kvviz.KvvizError as e:
+        show_error(e)
+        st.stop()
+    prefix = st.text_input("Shared prefix (put before every prompt; warmed for 'prefix warm')", "",
+                           key="sv_prefix")
+    c1, c2, c3, c4 = st.columns(4)
+    conditions = c1.multiselect("Conditions", list(serving.CONDITIONS), default=list(serving.CONDITIONS),
+                                key="sv_conditions", format_func=serving.CONDITION_LABELS.get)
+    runs = c2.number_input("Runs (R)", 1, 50, 3, key="sv_runs")
+    new_tokens = c3.number_input("New tokens", 1, 128, 8, key="sv_tokens")
+    batch = c4.number_input("Batch size k", 2, 16, 4, key="sv_batch")
+    c1, c2, c3 = st.columns(3)
+    engine = c1.selectbox("Engine", ENGINES, key="sv_engine")
+    page_size = c2.number_input("Page size (tokens)", 4, 256, 8, key="sv_page")
+    seed = c3.number_input("Seed of the batch draws", 0, 10_000, 0, key="sv_seed")
+    why = engine_status(engine)
+    if why:
+        st.info(why)
+        st.stop()
+
+cfg = serving.ServeConfig(prompts=list(prompts), shared_prefix=prefix, conditions=tuple(conditions), runs=int(runs),
+                          max_new_tokens=int(new_tokens), batch_size=int(batch), seed=int(seed), engine=engine,
+                          page_size=int(page_size), prompt_source=source)
+
+
+def compute():
+    with progress_bar(f"Running {len(prompts)} prompt(s) × {len(conditions)} condition(s) × {int(runs)} runs…") \
+            as report:
+        return serving.run_serving(lm, cfg, progress=report, settings=choice.settings)
+
+
+try:
+    cfg.validate()
+    res = run_cached("serving", {"model": choice.key, "prompts": prompts, "prefix": prefix, "conditions": conditions,
+                                 "runs": int(runs), "tokens": int(new_tokens), "batch": int(batch), "engine": engine,
+                                 "page": int(page_size), "seed": int(seed)}, compute)
+except Exception as e:  # noqa: BLE001
+    show_error(e)
+    st.stop()
+
+verdict, text = serving.verdict_text(res)
+parting = [p for p in res.prompts if p.first_divergence is not None]
+if parting:
+    first = min(parting, key=lambda p: p.first_divergence)
+    show_verdict(first.verdict or "logic", res.summary_line() + ". " + (first.explanation or ""), first.proof)
+else:
+    show_verdict("identical", text)
+st.plotly_chart(serving.histogram_figure(res), width="stretch", key="sv_hist")
+if parting:
+    st.plotly_chart(serving.divergence_figure(res), width="stretch", key="sv_div")
+share = res.warm_differs_share
+c1, c2, c3 = st.columns(3)
+c1.metric("Prompts with 1 distinct completion", f"{res.histogram.get(1, 0)} / {len(res.prompts)}")
+c2.metric("Warm ≠ cold", "—" if share is None else f"{share:.0%}")
+c3.metric("Parting prompts", len(parting))
+st.dataframe(serving.prompt_frame(res), hide_index=True, width="stretch")
+st.plotly_chart(serving.throughput_figure(res), width="stretch", key="sv_tps")
+with st.expander("Completions of one prompt, run by run"):
+    i = st.number_input("Prompt #", 0, len(res.prompts) - 1, 0, key="sv_show")
+    p = res.prompts[int(i)]
+    st.text(f"reference: {p.reference_text!r}")
+    for c in p.texts:
+        for r, t in enumerate(p.texts[c]):
+            st.text(f"{serving.CONDITION_LABELS[c]}, run {r + 1}: {t!r}")
+if choice.invariant:
+    st.info("🔒 Invariant mode is on: every condition (the engine's own thread too) computes each row alone, so each "
+            "prompt must give exactly one completion everywhere.")
+st.caption(f"Engine {res.engine['name']} (transformers {res.engine.get('version', '')}); toggles: "
+           + "; ".join(res.engine["toggles"]) + f". {res.settings.dtype} on {res.settings.device}.")
+exports(res, "serving", lm)

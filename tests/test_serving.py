@@ -1,0 +1,200 @@
+"""The Serving view on tiny models: transformers' continuous batching × {alone, batch of 4, warm prefix} × R runs.
+
+Machine-independent by construction: invariant mode must give exactly one completion per prompt everywhere, and
+`tiny:split` under the simulated split-K kernel (kvviz/simkernel.py) must part exactly where its construction
+says (the head sees one row: "b"; several rows: "a") - and never in invariant mode."""
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+import kvviz
+from kvviz import invariant
+from kvviz.cli import main
+from kvviz.errors import KvvizError
+from kvviz.execution import ExecSettings
+from kvviz.export import export_json, html_report, open_result
+from kvviz.serving import CONDITIONS, ServeConfig, load_prompt_set, plan_batches, prompt_frame, run_serving
+from kvviz.repro import key_figure
+from kvviz.simkernel import split_k_kernel
+from conftest import DEVICE
+
+PROMPTS = ["Hi there", "The cat", "abc", "Once upon", "xyz!"]
+
+
+def _study(model, prompts, dtype="float32", invariant_mode=False, **kw):
+    lm = kvviz.load_model(model, dtype, DEVICE)
+    cfg = ServeConfig(prompts=prompts, **{"runs": 2, "max_new_tokens": 3, **kw})
+    return lm, run_serving(lm, cfg, settings=ExecSettings(invariant=invariant_mode))
+
+
+def test_builtin_set_all_conditions_and_invariant_mode_gives_one_completion():
+    prompts, _ = load_prompt_set("builtin:math_and_facts", limit=20)
+    assert len(prompts) == 20
+    lm, res = _study("tiny:llama", prompts, "bfloat16", invariant_mode=True, max_new_tokens=2)
+    assert res.settings.conditions == CONDITIONS and res.settings.execution.invariant
+    assert res.histogram == {1: 20}
+    for p in res.prompts:
+        assert p.distinct == {"alone": 1, "batch": 1, "warm": 1} and p.distinct_all == 1
+        assert all(x == p.reference for c in CONDITIONS for x in p.completions[c])
+        assert p.first_divergence is None and p.warm_differs is False
+    assert res.warm_differs_share == 0.0 and res.first_divergences == []
+    assert {c.new_tokens for c in res.conditions.values()} >= {20 * 2 * 2}
+    frame = prompt_frame(res)
+    assert len(frame) == 20 and set(frame["distinct (all)"]) == {1}
+
+
+def test_builtin_set_normal_mode_counts_every_run():
+    prompts, _ = load_prompt_set("builtin:math_and_facts", limit=20)
+    lm, res = _study("tiny:llama", prompts, max_new_tokens=2)
+    assert len(res.prompts) == 20 and sum(res.histogram.values()) == 20
+    for p in res.prompts:
+        assert [len(p.completions[c]) for c in CONDITIONS] == [2, 2, 2]
+        assert all(len(x) == 2 for c in CONDITIONS for x in p.completions[c])
+        assert p.distinct_all == len({tuple(p.reference)} | {tuple(x) for c in CONDITIONS for x in p.completions[c]})
+    # every prompt is counted once per run in the batch condition, whatever the fill-up neighbours
+    for batches in res.batches.values():
+        assert all(len(b) == 4 for b in batches) and set(i for b in batches for i in b) == set(range(20))
+
+
+def test_constructed_split_parts_where_it_must_and_never_in_invariant_mode():
+    with split_k_kernel():
+        lm, res = _study("tiny:split", PROMPTS)
+        _, inv = _study("tiny:split", PROMPTS, invariant_mode=True)
+    a, b = (lm.tokenizer.convert_tokens_to_ids(t) for t in ("a", "b"))
+    for p in res.prompts:
+        # the reference's head sees every position (several rows): split sum, "a"; alone and warm: one row, "b";
+        # a batch of 4 decodes 4 rows together: "a"
+        assert p.reference == [a] * 3
+        assert p.completions["alone"] == [[b] * 3] * 2 and p.completions["warm"] == [[b] * 3] * 2
+        assert p.completions["batch"] == [[a] * 3] * 2
+        assert p.distinct == {"alone": 1, "batch": 1, "warm": 1} and p.distinct_all == 2
+        assert p.first_divergence == 0 and p.condition == "alone" and p.run == 0
+        assert (p.reference_token, p.run_token) == ("a", "b")
+        assert p.margin > 1.0  # not a near tie: the split drops a whole term
+        assert p.verdict == "precision" and p.float64_gap <= 1e-9
+        assert p.proved is True and p.proof.startswith("Precision — proved")
+    assert res.histogram == {2: len(PROMPTS)}
+    assert res.conditions["batch"].parting_prompts == 0 and res.conditions["alone"].parting_prompts == len(PROMPTS)
+    for p in inv.prompts:
+        assert p.reference == [b] * 3 and p.distinct_all == 1 and p.first_divergence is None
+    assert inv.histogram == {1: len(PROMPTS)}
+
+
+def test_invariant_mode_covers_the_engine_thread(monkeypatch):
+    seen = set()
+    real = invariant.rowwise_linear
+
+    def counting(*a, **k):
+        seen.add(threading.current_thread() is threading.main_thread())
+        return real(*a, **k)
+
+    monkeypatch.setattr(invariant, "rowwise_linear", counting)
+    _study("tiny:llama", PROMPTS[:2], invariant_mode=True, runs=1, max_new_tokens=2, conditions=("alone",))
+    assert seen == {True, False}  # the reference in this thread, the engine in its own: both in invariant mode
+
+
+def test_engine_leaves_the_shared_model_as_it_was():
+    lm = kvviz.load_model("tiny:llama", "float32", DEVICE, "eager")
+    run_serving(lm, ServeConfig(prompts=PROMPTS[:2], runs=1, max_new_tokens=2, conditions=("alone",)))
+    assert lm.model.config._attn_implementation == "eager"  # paged|eager only while the engine ran
+    assert not hasattr(lm.model, "_cached_continuous_batching_manager")
+
+
+def test_plan_is_seeded_and_fills_the_last_batch():
+    p1, p2 = plan_batches(10, 4, 3, seed=7), plan_batches(10, 4, 3, seed=7)
+    assert p1 == p2 and p1 != plan_batches(10, 4, 3, seed=8)
+    for batches in p1.values():
+        assert [len(b) for b in batches] == [4, 4, 4]
+        assert sorted(batches[0] + batches[1] + batches[2][:2]) == list(range(10))
+
+
+def test_export_reopen_and_html():
+    with split_k_kernel():
+        _, res = _study("tiny:split", PROMPTS[:2], runs=1, max_new_tokens=2)
+    text = export_json(res)
+    head = json.loads(text)["kvviz_result"]
+    assert head["view"] == "serving" and "torch" in json.dumps(head["environment"])
+    back = open_result(text).result
+    assert back.histogram == res.histogram and back.prompts[0].verdict == "precision"
+    assert back.prompts[0].completions == res.prompts[0].completions
+    assert back.conditions["alone"].tokens_per_s == pytest.approx(res.conditions["alone"].tokens_per_s)
+    html = html_report(res)
+    assert "kvviz — serving" in html and "Distinct completions per prompt" in html
+
+
+def test_bad_config_one_line():
+    lm = kvviz.load_model("tiny:llama", "float32", DEVICE)
+    for cfg, msg in ((ServeConfig(prompts=[]), "at least one prompt"),
+                     (ServeConfig(prompts=["a"], runs=0), "runs must be"),
+                     (ServeConfig(prompts=["a"], batch_size=1), "batch size must be"),
+                     (ServeConfig(prompts=["a"], conditions=("hot",)), "unknown condition 'hot'"),
+                     (ServeConfig(prompts=["a"], page_size=2), "page size"),
+                     (ServeConfig(prompts=["a"], engine="vllm"), "vLLM is not installed")):
+        with pytest.raises(KvvizError, match=msg):
+            run_serving(lm, cfg)
+
+
+def _cli(capsys, *args):
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("args,msg", [
+    (("--prompts", "/no/such/prompts.txt"), "prompt file not found"),
+    (("--engine", "vllm"), "vLLM is not installed"),
+    (("--runs", "0"), "runs must be"),
+    (("--conditions", "alone,hot"), "unknown condition 'hot'"),
+    (("--prompt", "  "), "the prompt is empty"),
+])
+def test_cli_bad_input_one_line_nonzero(capsys, args, msg):
+    code, out, err = _cli(capsys, "serve-study", "--model", "tiny:llama", "--quiet", *args)
+    assert code == 1 and msg in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_cli_bad_prompt_file_contents(capsys, tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text("{not json\n")
+    code, out, err = _cli(capsys, "serve-study", "--model", "tiny:llama", "--quiet", "--prompts", str(f))
+    assert code == 1 and "line 1: not valid JSON" in err and err.count("\n") == 1
+
+
+def test_cli_runs_and_writes_exports(capsys, tmp_path):
+    code, out, err = _cli(capsys, "serve-study", "--model", "tiny:llama", "--prompts", "builtin:math_and_facts",
+                          "--limit", "5", "--runs", "1", "--max-new-tokens", "2", "--json-out",
+                          str(tmp_path / "s.json"), "--repro", str(tmp_path / "r.py"), "--quiet")
+    assert code == 0 and "distinct completions per prompt" in out and "tokens/s" in out
+    res = open_result((tmp_path / "s.json").read_text()).result
+    # the repro script (torch + transformers only) makes the same engine calls plainly: the same figure
+    script = (tmp_path / "r.py").read_text()
+    assert "import kvviz" not in script and "init_continuous_batching" in script
+    run = subprocess.run([sys.executable, str(tmp_path / "r.py")], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": ""})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == f"prompts with 1 distinct completion = {key_figure(res):.0f}"
+
+
+@pytest.mark.app
+def test_serving_page_runs_and_reopens():
+    from streamlit.testing.v1 import AppTest
+
+    from conftest import ROOT
+
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
+    at.session_state["model_preset"] = "tiny:llama"
+    at.session_state["sv_limit"] = 3
+    at.session_state["sv_runs"] = 1
+    at.session_state["sv_tokens"] = 2
+    at.run()
+    at.switch_page("pages/serving.py")
+    at.run()
+    assert not at.exception, at.exception
+    assert len(at.get("plotly_chart")) >= 2 and len(at.dataframe) == 1
+    res = next(iter(at.session_state["_results_serving"].values()))
+    assert len(res.prompts) == 3 and res.settings.runs == 1
+    at.selectbox(key="sv_engine").set_value("vllm").run()
+    assert not at.exception and any("vLLM is not installed" in e.value for e in at.info)

@@ -225,8 +225,28 @@ def _settings(args):
     return ExecSettings(invariant=bool(getattr(args, "invariant", False))).validate()
 
 
+class _PlanShown(Exception):
+    """--plan: the memory plan was printed; nothing is loaded or run."""
+
+
+def _plan_gate(args) -> None:
+    """The memory plan, after the arguments are checked and before anything is loaded: --plan prints it and stops;
+    a run that cannot fit is refused in one line (KvvizError); the plan rides on the result (`memory_plan`)."""
+    if getattr(args, "memory_plan", None) is not None:
+        return
+    from .memory import check_fits, plan_for_args
+
+    plan = plan_for_args(args)
+    if args.plan:
+        print("\n".join(plan.lines()))
+        raise _PlanShown
+    args.memory_plan = check_fits(plan)
+
+
 def _load(args):
     from .loading import load_model
+
+    _plan_gate(args)
 
     return load_model(_spec(args), args.dtype, args.device, args.attn, trust_remote_code=args.trust_remote_code,
                       progress=_progress_to_stderr(args.quiet), **_placement(args))
@@ -471,6 +491,7 @@ def cmd_dtypes(args) -> Outcome:
             raise KvvizError(f"--split must be 1 or more, not {args.split}")
     prompts = [args.prompt] if args.prompt is not None else load_prompts(args.prompts, args.limit)
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    _plan_gate(args)
     res = run_dtypes(_load(args) if _placement(args) else _spec(args), prompts, dtypes, args.device, args.attn,
                      split=args.split, mode=args.mode, trust_remote_code=args.trust_remote_code, progress=_progress_to_stderr(args.quiet),
                      settings=_settings(args), prove=_prove(args))
@@ -688,16 +709,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        _refuse_flags(_command_name(args), args)  # a flag the subcommand cannot honour: refused before any plan
-        if getattr(args, "model", None) is not None and args.command != "open":
-            from .memory import check_fits, plan_for_args
-
-            plan = plan_for_args(args)  # before anything is loaded
-            if args.plan:
-                print("\n".join(plan.lines()))
-                return 0
-            args.memory_plan = check_fits(plan)
         return _run(args)
+    except _PlanShown:
+        return 0
     except _Refused as e:
         print(f"kvviz: error: {e}", file=sys.stderr)
         return 2

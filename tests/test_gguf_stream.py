@@ -97,6 +97,7 @@ def test_streamed_conversion_equals_whole_model_conversion(tmp_path, monkeypatch
             assert (new / f).read_bytes() == (old / f).read_bytes(), f
 
 
+@pytest.mark.slow
 def test_stop_during_conversion_leaves_no_folder(tmp_path, monkeypatch):
     """Stop (the page's progress callback raising) mid-conversion: nothing half-written stays in the cache."""
     monkeypatch.setenv("KVVIZ_CACHE", str(tmp_path / "cache"))

@@ -16,22 +16,13 @@ from .environment import compare_environments, environment
 from .errors import KvvizError
 from .execution import ExecSettings
 from .jsonout import dumps
+from . import views
 
 FORMAT = 1
-VIEWS = ("split", "greedy", "dtypes", "padding", "reuse", "matrix", "quant", "loading_trap", "check", "bisect", "kv_reload",
-         "kv_size", "serving")
 
 
 def view_of(result) -> str:
-    name = type(result).__name__
-    views = {"SplitResult": "split", "GreedyResult": "greedy", "DtypesResult": "dtypes", "PaddingResult": "padding",
-             "ReuseResult": "reuse", "MatrixResult": "matrix", "QuantResult": "quant",
-             "LoadingTrapResult": "loading_trap", "CheckCard": "check", "BisectResult": "bisect",
-             "ContinueResult": "kv_reload", "SizeReport": "kv_size",
-             "ServeResult": "serving"}
-    if name not in views:
-        raise KvvizError(f"cannot export a {name}")
-    return views[name]
+    return views.of(result).name
 
 
 def _device(result) -> str | None:
@@ -66,10 +57,13 @@ def open_result(data: "str | bytes") -> OpenedResult:
     view = head.get("view")
     if head.get("format") != FORMAT:
         raise KvvizError(f"this result has format {head.get('format')!r}; this kvviz reads format {FORMAT}")
-    if view not in _BUILDERS:
+    if view not in views.names():
         raise KvvizError(f"unknown view {view!r} in this result")
+    plan = d.pop("memory_plan", None)  # the run's memory plan rides beside the result, not inside its type
+    if plan is not None:
+        head["memory_plan"] = plan
     try:
-        result = _BUILDERS[view](d)
+        result = views.get(view).rebuild(d)
     except (KeyError, TypeError, ValueError, IndexError) as e:
         raise KvvizError(f"this {view} result is incomplete or damaged ({type(e).__name__}: "
                          f"{str(e).splitlines()[0][:120]})") from None
@@ -117,7 +111,7 @@ def _comparison(d: dict | None):
     return c
 
 
-def _split(d: dict):
+def reopen_split(d: dict):
     from .split import SplitResult, SplitSettings
 
     return SplitResult(settings=_typed(SplitSettings, d["settings"]), model=d["model"], tokens=d["tokens"],
@@ -128,7 +122,7 @@ def _split(d: dict):
                        proof=d.get("proof"))
 
 
-def _greedy(d: dict):
+def reopen_greedy(d: dict):
     from .greedy import GreedyResult, GreedySettings, PairResult, PathResult
 
     paths = {k: _typed(PathResult, v) for k, v in d["paths"].items()}
@@ -138,7 +132,7 @@ def _greedy(d: dict):
                         notes=d.get("notes", []), elapsed_s=d.get("elapsed_s", 0.0))
 
 
-def _dtypes(d: dict):
+def reopen_dtypes(d: dict):
     from .dtype_sweep import DtypesResult, DtypesSettings
 
     per_prompt = {m: {k: np.array(v, dtype=float) for k, v in by.items()} for m, by in d["per_prompt"].items()}
@@ -148,73 +142,69 @@ def _dtypes(d: dict):
                         elapsed_s=d.get("elapsed_s", 0.0), proved=d.get("proved", {}))
 
 
-def _padding(d: dict):
+def reopen_padding(d: dict):
     from .padding import PaddingResult, PaddingSettings
 
     return PaddingResult(settings=_typed(PaddingSettings, d["settings"], companions=tuple), model=d["model"],
                          tokens=d["tokens"], compared=d["compared"], cells=d["cells"])
 
 
-def _reuse(d: dict):
+def reopen_reuse(d: dict):
     from .reuse import ReuseResult, ReuseSettings
 
     return ReuseResult(settings=_typed(ReuseSettings, d["settings"], continuations=tuple), model=d["model"],
                        prefix_tokens=d["prefix_tokens"], runs=d["runs"])
 
 
-def _matrix(d: dict):
+def reopen_matrix(d: dict):
     from .matrix import Cell, MatrixResult
 
     return MatrixResult(settings=d["settings"], environment=d["environment"], reference=d["reference"],
                         cells=[_typed(Cell, c) for c in d["cells"]], elapsed_s=d.get("elapsed_s", 0.0))
 
 
-def _quant(d: dict):
+def reopen_quant(d: dict):
     from .quant import QuantResult, QuantSettings
 
     d = {k: v for k, v in d.items() if k not in ("kl_max", "kl_mean", "worst_layer")}
     return QuantResult(**{**d, "settings": _typed(QuantSettings, d["settings"])})
 
 
-def _loading_trap(d: dict):
+def reopen_loading_trap(d: dict):
     from .loading_trap import BufferDiff, LoadingTrapResult
 
     return LoadingTrapResult(**{**d, "buffers": [BufferDiff(**b) for b in d["buffers"]]})
 
 
-def _check(d: dict):
+def reopen_check(d: dict):
     from .check import Check, CheckCard
 
     return CheckCard(**{**d, "checks": [Check(**c) for c in d["checks"]]})
 
 
-def _bisect(d: dict):
+def reopen_bisect(d: dict):
     from .bisect import BisectResult, ModuleGap
 
     return BisectResult(settings=d["settings"], first=ModuleGap(**d["first"]) if d.get("first") else None,
                         modules=[ModuleGap(**m) for m in d.get("modules", [])], explanation=d.get("explanation", ""))
 
 
-def _kv_reload(d: dict):
+def reopen_kv_reload(d: dict):
     from .kvcache import ContinueResult
 
     return ContinueResult(**d)
 
 
-def _kv_size(d: dict):
+def reopen_kv_size(d: dict):
     from .cachesize import SizeReport
 
     return SizeReport(**d)
 
 
-def _serving(d: dict):
+def reopen_serving(d: dict):
     from .serving import ServeResult
 
     return ServeResult.from_dict(d)
-
-
-_BUILDERS = {"serving": _serving, "kv_reload": _kv_reload, "kv_size": _kv_size, "bisect": _bisect, "loading_trap": _loading_trap, "check": _check, "split": _split, "greedy": _greedy, "dtypes": _dtypes, "padding": _padding, "reuse": _reuse,
-             "matrix": _matrix, "quant": _quant}
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -223,75 +213,121 @@ _BUILDERS = {"serving": _serving, "kv_reload": _kv_reload, "kv_size": _kv_size, 
 
 def main_figures(result) -> list:
     """The view's main charts, as the pages draw them (pure functions of the result)."""
+    return views.of(result).main_figures(result)
+
+
+def verdict_text(result) -> tuple[str, str]:
+    """(verdict, one paragraph) for the report and Open a result."""
+    return views.of(result).verdict_text(result)
+
+
+# the per-view pieces the registry names (kvviz/view_entries.py)
+
+
+def split_figures(result) -> list:
     from . import figures
 
-    view = view_of(result)
-    if view == "split":
-        return [figures.split_heatmap(result), figures.layer_lines(result)] if result.main.has_cache else []
-    if view == "greedy":
-        figs = [figures.greedy_margins(result), figures.greedy_heatmap(result)]
-        ref = figures.greedy_reference_gap(result)
-        return figs + ([ref] if ref is not None else [])
-    if view == "dtypes":
-        return [figures.dtype_curves(result, "max_abs", "mean"), figures.dtype_curves(result, "eps_units", "max")]
-    if view == "padding":
-        return [figures.padding_grid(result, "hidden_relative")]
-    if view == "matrix":
-        return [figures.matrix_grid(result)]
-    if view == "quant":
-        return [figures.quant_steps(result), figures.quant_layers(result)]
-    if view == "loading_trap":
-        return [figures.loading_trap_steps(result)]
-    if view == "bisect":
-        return [figures.bisect_modules(result)]
-    if view == "serving":
-        from .serving import figures as serving_figures
-
-        return serving_figures(result)
-    return []
+    return [figures.split_heatmap(result), figures.layer_lines(result)] if result.main.has_cache else []
 
 
-def _verdict_text(result) -> tuple[str, str]:
-    view = view_of(result)
-    if view == "split":
-        return result.verdict, result.explanation + (f" {result.proof}" if result.proof else "")
-    if view == "greedy":
-        parting = [p for p in result.pairs if p.first_divergence is not None]
-        if not parting:
-            return "identical", f"All paths chose the same {result.steps} tokens."
-        first = min(parting, key=lambda p: p.first_divergence)
-        return first.verdict, first.explanation
-    if view == "dtypes":
-        return "see the table", result.verdict_counts().to_html()
-    if view == "padding":
-        return "see the grid", result.grid().to_html()
-    if view == "reuse":
-        return "see the table", result.table().to_html(index=False)
-    if view in ("quant", "loading_trap"):
-        return result.verdict, result.explanation
-    if view == "bisect":
-        return ("first difference: " + result.first.name) if result.first else "no difference", result.explanation
-    if view == "kv_reload":
-        return ("bitwise equal" if result.bitwise_equal else "differs",
-                f"Reloaded {result.n_cached} cached tokens and fed {len(result.continuation_tokens)} more: largest "
-                f"gap to a fresh cache — logits {result.max_abs_logits:.3g}, hidden states {result.max_abs_hidden:.3g}, "
-                f"keys/values {result.max_abs_kv:.3g}.")
-    if view == "kv_size":
-        measured = "—" if result.measured_bytes is None else f"{result.measured_bytes:,}"
-        return ("size", f"{result.model} in {result.dtype}: {result.per_token_bytes:,} bytes per token; "
-                        f"{result.tokens} tokens × batch {result.batch}: formula {result.formula_bytes:,} bytes, "
-                        f"measured {measured} bytes.")
-    if view == "serving":
-        from .serving import verdict_text
+def greedy_figures(result) -> list:
+    from . import figures
 
-        return verdict_text(result)
-    if view == "check":
-        rows = "".join(f"<tr><td>{c.status}</td><td>{c.name}</td><td>{c.evidence}</td></tr>" for c in result.checks)
-        return result.overall, f"{result.summary}<table>{rows}</table>"
+    ref = figures.greedy_reference_gap(result)
+    return [figures.greedy_margins(result), figures.greedy_heatmap(result)] + ([ref] if ref is not None else [])
+
+
+def split_verdict(result) -> tuple[str, str]:
+    return result.verdict, result.explanation + (f" {result.proof}" if result.proof else "")
+
+
+def greedy_verdict(result) -> tuple[str, str]:
+    parting = [p for p in result.pairs if p.first_divergence is not None]
+    if not parting:
+        return "identical", f"All paths chose the same {result.steps} tokens."
+    first = min(parting, key=lambda p: p.first_divergence)
+    return first.verdict, first.explanation
+
+
+def bisect_verdict(result) -> tuple[str, str]:
+    return ("first difference: " + result.first.name) if result.first else "no difference", result.explanation
+
+
+def kv_reload_verdict(result) -> tuple[str, str]:
+    return ("bitwise equal" if result.bitwise_equal else "differs",
+            f"Reloaded {result.n_cached} cached tokens and fed {len(result.continuation_tokens)} more: largest "
+            f"gap to a fresh cache — logits {result.max_abs_logits:.3g}, hidden states {result.max_abs_hidden:.3g}, "
+            f"keys/values {result.max_abs_kv:.3g}.")
+
+
+def kv_size_verdict(result) -> tuple[str, str]:
+    measured = "—" if result.measured_bytes is None else f"{result.measured_bytes:,}"
+    return ("size", f"{result.model} in {result.dtype}: {result.per_token_bytes:,} bytes per token; "
+                    f"{result.tokens} tokens × batch {result.batch}: formula {result.formula_bytes:,} bytes, "
+                    f"measured {measured} bytes.")
+
+
+def check_verdict(result) -> tuple[str, str]:
+    rows = "".join(f"<tr><td>{c.status}</td><td>{c.name}</td><td>{c.evidence}</td></tr>" for c in result.checks)
+    return result.overall, f"{result.summary}<table>{rows}</table>"
+
+
+def matrix_verdict(result) -> tuple[str, str]:
     counts = {}
     for c in result.cells:
         counts[c.verdict or "error"] = counts.get(c.verdict or "error", 0) + 1
     return "cells", ", ".join(f"{v}: {n}" for v, n in counts.items())
+
+
+def dtypes_figures(result) -> list:
+    from . import figures
+
+    return [figures.dtype_curves(result, "max_abs", "mean"), figures.dtype_curves(result, "eps_units", "max")]
+
+
+def padding_figures(result) -> list:
+    from . import figures
+
+    return [figures.padding_grid(result, "hidden_relative")]
+
+
+def matrix_figures(result) -> list:
+    from . import figures
+
+    return [figures.matrix_grid(result)]
+
+
+def quant_figures(result) -> list:
+    from . import figures
+
+    return [figures.quant_steps(result), figures.quant_layers(result)]
+
+
+def loading_trap_figures(result) -> list:
+    from . import figures
+
+    return [figures.loading_trap_steps(result)]
+
+
+def bisect_figures(result) -> list:
+    from . import figures
+
+    return [figures.bisect_modules(result)]
+
+
+def dtypes_verdict(result) -> tuple[str, str]:
+    return "see the table", result.verdict_counts().to_html()
+
+
+def padding_verdict(result) -> tuple[str, str]:
+    return "see the grid", result.grid().to_html()
+
+
+def reuse_verdict(result) -> tuple[str, str]:
+    return "see the table", result.table().to_html(index=False)
+
+
+_verdict_text = verdict_text  # the name pages/open_result.py used
 
 
 def html_report(result) -> str:
@@ -300,8 +336,9 @@ def html_report(result) -> str:
 
     import plotly.io as pio
 
-    view = view_of(result)
-    verdict, text = _verdict_text(result)
+    entry = views.of(result)
+    view = entry.name
+    verdict, text = entry.verdict_text(result)
     settings = getattr(result, "settings", None) or (result.to_dict() if view in ("kv_reload", "kv_size")
                                                      else {"model": getattr(result, "model", "")})
     settings = settings if isinstance(settings, dict) else settings.to_dict()
@@ -312,7 +349,7 @@ def html_report(result) -> str:
                    for k, v in settings.items())
     env_rows = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>"
                        for k, v in env.items() if k != "flags")
-    body_text = text if view in ("dtypes", "padding", "reuse", "check") else html.escape(text)
+    body_text = text if entry.verdict_is_html else html.escape(text)
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>kvviz — {view}</title>
 <style>body{{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#111;
 background:#fff}}th{{text-align:left;padding-right:1em;vertical-align:top}}td,th{{font-size:14px}}

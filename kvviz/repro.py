@@ -29,7 +29,11 @@ from .errors import KvvizError
 from .export import view_of
 from .loading import LoadedModel
 
-VIEWS = ("split", "greedy", "dtypes", "padding", "reuse", "loading_trap", "quant", "matrix", "check", "serving")
+def repro_views() -> tuple[str, ...]:
+    """The views with a standalone repro script (the registry's `repro` entries)."""
+    from .views import names
+
+    return names(repro=True)
 
 _HEADER = '''# kvviz repro: {title}
 # Standalone: needs only torch and transformers. Run: python {name}
@@ -529,10 +533,11 @@ def _matrix_cells(result) -> tuple[list, list]:
     return kept, skipped
 
 
-def _check(result) -> str:
+def check_reproducible(result) -> str:
+    """The result's view name when a repro script can rebuild it; KvvizError with the one-line reason otherwise."""
     view = view_of(result)
-    if view not in VIEWS:
-        raise KvvizError(f"repro scripts are written for {', '.join(VIEWS)}; this {view} result has its JSON and "
+    if view not in repro_views():
+        raise KvvizError(f"repro scripts are written for {', '.join(repro_views())}; this {view} result has its JSON and "
                          "HTML exports")
     s = result.settings
     if view == "loading_trap":
@@ -567,9 +572,9 @@ def _check(result) -> str:
 
 
 def repro_script(result, lm: LoadedModel, name: str = "kvviz_repro.py") -> str:
-    """A standalone script for a result of one of VIEWS computed with `lm` (any dtype of the same model: the script
+    """A standalone script for a result of one of repro_views() computed with `lm` (any dtype of the same model: the script
     loads the dtypes the result used); KvvizError with one line for what no script can rebuild."""
-    view = _check(result)
+    view = check_reproducible(result)
     s = result.settings
     if view == "serving":
         return _serving_script(result, lm, name)
@@ -685,7 +690,7 @@ def _float64_mode() -> str:
 
 def key_figure(result) -> float:
     """The figure a repro script's last line reproduces (see the module's docstring)."""
-    view = _check(result)
+    view = check_reproducible(result)
     if view == "serving":
         return float(result.histogram.get(1, 0))
     if view == "split":

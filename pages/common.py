@@ -324,10 +324,10 @@ def exports(res, name: str, lm=None) -> None:
     cols[1].download_button("Report (HTML)", lambda: html_report(res), file_name=f"kvviz-{name}.html",
                             mime="text/html", key=f"dl_html_{name}", on_click="ignore")
     if lm is not None:
-        from kvviz.repro import VIEWS, repro_script, _check
+        from kvviz.repro import check_reproducible, repro_script, repro_views
 
         try:
-            why = None if name in VIEWS and _check(res) else "not for this view"
+            why = None if name in repro_views() and check_reproducible(res) else "not for this view"
         except KvvizError as e:
             why = str(e)
         if why is None:
@@ -336,7 +336,7 @@ def exports(res, name: str, lm=None) -> None:
                                     key=f"dl_repro_{name}", on_click="ignore",
                                     help="A standalone script (torch + transformers only) that rebuilds this run; "
                                          "its last line equals this result's max |Δ logits| bit for bit here.")
-        elif name in VIEWS:
+        elif name in repro_views():
             cols[2].caption(f"No repro script: {why}")
 
 

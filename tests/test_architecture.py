@@ -54,3 +54,40 @@ def test_the_documented_graph_is_the_code_s():
         line = re.search(rf"^{re.escape(module)}: (.*)$", doc, re.M)
         assert line is not None, module
         assert set(filter(None, line.group(1).split(", "))) == deps, module
+
+
+def test_a_new_view_is_one_registry_line(tmp_path):
+    """A toy view registered in one line is exported, reopened and reported by the same code as the others."""
+    from dataclasses import asdict, dataclass
+
+    from kvviz import views
+    from kvviz.export import export_json, html_report, open_result
+
+    @dataclass
+    class TokenCountResult:  # a whole "view": a result with settings and to_dict
+        settings: dict
+        verdict: str
+        explanation: str
+
+        def to_dict(self):
+            return asdict(self)
+
+    views.register(views.View("token_count", "Token count", "TokenCountResult",
+                              reopen=lambda d: TokenCountResult(**d)))
+    try:
+        res = TokenCountResult({"model": "tiny:llama", "device": "cpu"}, "identical", "3 tokens either way")
+        opened = open_result(export_json(res))
+        assert opened.view == "token_count" and opened.result == res
+        assert "Verdict: identical." in html_report(res) and "3 tokens either way" in html_report(res)
+        assert "token_count" in views.names()
+    finally:
+        views._VIEWS.pop("token_count", None)
+
+
+def test_every_view_module_names_real_functions():
+    from kvviz import views
+
+    assert len(views.all_views()) >= 13
+    for v in views.all_views():
+        for ref in (v.reopen, v.figures, v.verdict):
+            assert ref is None or views._resolve(ref) is not None, (v.name, ref)

@@ -239,3 +239,17 @@ def test_kv_cache_results_export_and_reopen(lm):
         opened = open_result(export_json(res))
         assert opened.view == view and opened.result.to_dict() == res.to_dict()
         assert f"<b>Verdict: {verdict}.</b>" in html_report(res)
+
+
+def test_a_result_with_its_memory_plan_reopens_for_every_view_type(tmp_path, capsys):
+    """JSON results carry `memory_plan`; reopening must not hand it to the result's own type."""
+    from kvviz.cli import main
+
+    out = tmp_path / "t.json"
+    assert main(["loading-trap", "--model", "tiny:llama", "--max-new-tokens", "3", "--quiet", "--json-out",
+                 str(out)]) == 0
+    capsys.readouterr()
+    d = json.loads(out.read_text(encoding="utf-8"))
+    assert "memory_plan" in d
+    opened = open_result(out.read_bytes())
+    assert opened.view == "loading_trap" and opened.header["memory_plan"] == d["memory_plan"]

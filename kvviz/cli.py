@@ -388,8 +388,12 @@ def cmd_open(args) -> Outcome:
         summaries["serving"] = summary_text
 
     def summary() -> str:
+        from .views import get
+
+        view = get(opened.view)
+        verdict, text = view.verdict_text(res)
         head = summaries[opened.view](res) if opened.view in summaries else \
-            f"a {opened.view} result of {res.settings['model']}"
+            f"a {view.title} result — verdict: {verdict}" + ("" if view.verdict_is_html else f"\n{text}")
         return head + "\n\nenvironment: " + ("the same as here" if not opened.environment_differences else
                                              "differs from here — " + "; ".join(opened.environment_differences))
 

@@ -177,6 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--continuation", action="append", required=True, help="repeat for several")
     rp.add_argument("--max-new-tokens", type=int, default=12)
     rp.add_argument("--repro", default=None, help="also write a standalone repro script (torch + transformers only)")
+
+    from .archsweep import add_parser as _archsweep_parser  # issue 17: every causal-LM architecture
+
+    _archsweep_parser(sub)
     return parser
 
 
@@ -568,6 +572,15 @@ def cmd_quant(args) -> int:
 
 COMMANDS = {"quant": cmd_quant, "split": cmd_split, "greedy": cmd_greedy, "dtypes": cmd_dtypes, "padding": cmd_padding,
             "reuse": cmd_reuse, "bisect": cmd_bisect, "matrix": cmd_matrix, "open": cmd_open, "cache": cmd_cache, "check": cmd_check, "loading-trap": cmd_loading_trap}
+
+
+def cmd_sweep_architectures(args) -> int:
+    from .archsweep import cli
+
+    return cli(args)
+
+
+COMMANDS["sweep-architectures"] = cmd_sweep_architectures
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -57,7 +57,7 @@ _SIZES = {
     "n_group": 1, "topk_group": 1,
     # MLA / low rank
     "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
-    "qk_head_dim": 24,
+    "qk_head_dim": 24, "rotary_dim": 8, "rotary_emb_base": None,
     # lengths
     "max_position_embeddings": 512, "n_positions": 512, "n_ctx": 512, "max_sequence_length": 512,
     "seq_length": 512, "max_seq_len": 512, "sliding_window": WINDOW, "attention_window": WINDOW,
@@ -199,6 +199,8 @@ def tiny_arch_config(model_type: str, **extra):
     if model_type in _SPECIAL:
         kwargs.update(_SPECIAL[model_type](defaults))
     kwargs.update(extra)
+    # MoE experts: the eager loop (torch's grouped_mm has no float64 kernel, and the card runs in float64)
+    kwargs.setdefault("experts_implementation", "eager")
     if "is_decoder" in defaults and model_type not in _BIDIRECTIONAL:
         kwargs["is_decoder"] = True  # encoder families as causal LMs need it (a decoder); RoBERTa kept as seed 003
     return cls(**kwargs)
@@ -312,6 +314,11 @@ def run_arch(model_type: str, workdir: Path, timeout: float | None = 120) -> Arc
             except Exception as e:  # noqa: BLE001
                 row.reason = "cannot load: " + _one_line(e)
                 return row
+            recurrent = _recurrent_state(lm.model)
+            if recurrent:
+                row.reason = (f"a recurrent model: its cache holds {recurrent}, not keys and values, and kvviz's "
+                              f"checks compare key/value caches")
+                return row
             card = check_mod.run_check(lm, prompt=PROMPT, reuse_prefix=REUSE[0], reuse_questions=REUSE[1])
             row.checks = [{"name": c.name, "status": c.status, "figure": c.figure, "evidence": c.evidence}
                           for c in card.checks]
@@ -334,6 +341,18 @@ def run_arch(model_type: str, workdir: Path, timeout: float | None = 120) -> Arc
         clear_cache()
         torch.set_num_threads(torch.get_num_threads())
     return row
+
+
+def _recurrent_state(model) -> str | None:
+    """What a state-space / recurrent model's cache holds (None for a key/value cache model)."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    if "cache_params" in params:
+        return "a recurrent state (cache_params)"
+    if "state" in params and "past_key_values" not in params:
+        return "a recurrent state"
+    return None
 
 
 def _gap_text(fig) -> str:

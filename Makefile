@@ -71,5 +71,10 @@ bench: setup
 gpu-check: $(DEVSTAMP)
 	$(BIN)/python bench/gpu_check.py
 
+# Every causal-LM type in transformers: a tiny model each, the cache-safety card + invariant proof
+# -> docs/architectures.md (CPU-heavy: niced, 120 s per type at most).
+arch-sweep: setup
+	nice -n 10 $(BIN)/python -m kvviz sweep-architectures --timeout 120
+
 clean-venv:
 	rm -rf $(VENV)

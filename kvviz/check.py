@@ -21,7 +21,8 @@ from pathlib import Path
 from .loading import LoadedModel
 from .padding import run_padding
 from .reuse import run_reuse
-from .split import FLOAT64_CLOSED_REL, SplitConfig, run_split
+from .split import SplitConfig, run_split
+from .verdict import classify
 
 PROMPT = ("The museum guard knew every painting in the building, but he had a favourite one hanging in the far "
           "corner of the east wing.")
@@ -54,7 +55,7 @@ def _gap_check(name: str, rel: "float | tuple | None", what: str) -> Check:
     rel, logits, scenario = rel if isinstance(rel, tuple) else (rel, None, None)
     if rel is None:
         return Check(name, "fail", f"no cache came back: {what} cannot be checked", None)
-    ok = rel <= FLOAT64_CLOSED_REL
+    ok = classify(False, rel) == "precision"
     return Check(name, "pass" if ok else "fail",
                  f"float64 {what}: largest relative gap {rel:.3g} "
                  + ("(float64 rounding: the logic is right)" if ok else "(a logic gap: the cached path computes "
@@ -83,8 +84,8 @@ def _remote_code(lm: LoadedModel) -> Check:
     return Check("remote code", "pass", "no model code of its own: transformers' implementation is what was checked")
 
 
-def _bidirectional(lm64: LoadedModel) -> Check | None:
-    res = run_split(lm64, SplitConfig(PROMPT, split=5), prove=False)
+def _bidirectional(lm64: LoadedModel, prompt: str = PROMPT) -> Check | None:
+    res = run_split(lm64, SplitConfig(prompt, split=5), prove=False)
     if res.main.has_cache:
         return None
     return Check("causal attention", "fail", f"no cache comes back: the model is bidirectional, so appending tokens "
@@ -92,13 +93,13 @@ def _bidirectional(lm64: LoadedModel) -> Check | None:
                  f"past_key_values cannot be used", res.main.bidirectional_change)
 
 
-def _window_check(lm64: LoadedModel) -> Check:
+def _window_check(lm64: LoadedModel, base: str = PROMPT) -> Check:
     window = getattr(lm64.config, "sliding_window", None)
     if not window:
         return Check("past the sliding window", "n/a", "the model has no sliding window")
-    prompt = PROMPT
+    prompt = base
     while len(lm64.tokenizer(prompt)["input_ids"]) < 2 * window + 4:
-        prompt += " " + PROMPT
+        prompt += " " + base
     if lm64.max_positions is not None and len(lm64.tokenizer(prompt)["input_ids"]) > lm64.max_positions:
         return Check("past the sliding window", "n/a", f"a window of {window} does not fit the context")
     return _gap_check("past the sliding window", _split_gap(lm64, prompt, mode="step"),
@@ -121,7 +122,10 @@ def _quantized_check(lm: LoadedModel, kv: str, weights: str, progress) -> Check:
                  f"{res.kl_max:.3g}; {layer}", res.kl_max)
 
 
-def run_check(lm: LoadedModel, progress=None, weights: str = "none", kv: str = "none") -> CheckCard:
+def run_check(lm: LoadedModel, progress=None, weights: str = "none", kv: str = "none", prompt: str = PROMPT,
+              reuse_prefix: str = "Answer in one short sentence.",
+              reuse_questions: tuple = (" Q: What is the capital of France? A:", " Q: What colour is the sky? A:")
+              ) -> CheckCard:
     """The cache-safety card of `lm`'s model (its float64 twin runs the checks). weights / kv: check the model
     with quantized weights (int8, int4) and/or a quantized KV cache (see kvviz.quant): the card is then at best
     `lossy`, with the measured loss."""
@@ -134,7 +138,7 @@ def run_check(lm: LoadedModel, progress=None, weights: str = "none", kv: str = "
     lm64 = lm.reference()
     checks: list[Check] = []
     progress(0.05, "Is the model causal?")
-    bidir = _bidirectional(lm64)
+    bidir = _bidirectional(lm64, prompt)
     if bidir is not None:
         checks.append(bidir)
     else:
@@ -144,21 +148,19 @@ def run_check(lm: LoadedModel, progress=None, weights: str = "none", kv: str = "
                  ("left padding with position ids", dict(left_pad=4), "left-padded with position ids from the mask")]
         for i, (name, kw, what) in enumerate(steps):
             progress(0.1 + 0.15 * i, name)
-            checks.append(_gap_check(name, _split_gap(lm64, PROMPT, **kw), what))
+            checks.append(_gap_check(name, _split_gap(lm64, prompt, **kw), what))
         progress(0.55, "alone vs in a batch")
-        pad = run_padding(lm64, PROMPT, left_pad=2, prove=False)  # float64 decides here; no invariant rerun
+        pad = run_padding(lm64, prompt, left_pad=2, prove=False)  # float64 decides here; no invariant rerun
         cell = next(c for c in pad.cells if c["placement"] == "in a batch" and c["scenario"] == "cache")
         checks.append(_gap_check("alone vs in a batch", max(cell["hidden_relative"], cell["logits_relative"]),
                                  "the prompt in a left-padded batch with longer prompts, through the cache"))
         progress(0.7, "prompt-cache reuse")
-        reuse = run_reuse(lm64, "Answer in one short sentence.", [" Q: What is the capital of France? A:",
-                                                                   " Q: What colour is the sky? A:"], 3,
-                            prove=False, ways=("deepcopy",))
+        reuse = run_reuse(lm64, reuse_prefix, list(reuse_questions), 3, prove=False, ways=("deepcopy",))
         worst = max(r["float64_relative"] for r in reuse.runs if r["strategy"] == "deepcopy")
         checks.append(_gap_check("prompt-cache reuse (deep copy)", worst,
                                  "a cached prefix reused for two continuations through deep copies"))
         progress(0.85, "past the sliding window")
-        checks.append(_window_check(lm64))
+        checks.append(_window_check(lm64, prompt))
     checks.append(_remote_code(lm))
     quant = getattr(lm.config, "quantization_config", None)
     if quant:

@@ -206,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     vp.add_argument("--engine", default="transformers", choices=("transformers", "vllm"))
     vp.add_argument("--page-size", type=int, default=8, help="tokens per cache page (prefix sharing is per page)")
     vp.add_argument("--repro", default=None, help="also write a standalone repro script (torch + transformers only)")
+    from .archsweep import add_parser as _archsweep_parser  # every causal-LM architecture transformers ships
+
+    _archsweep_parser(sub)
     return parser
 
 
@@ -317,6 +320,7 @@ class Outcome:
     summary: "Callable[[], str] | None" = None  # the human summary (default: the result's verdict line)
     payload: "Callable[[], dict] | None" = None  # what --json prints (default: result.to_dict())
     exportable: bool = True  # --json-out / --html / --repro apply
+    printed: bool = False  # the subcommand printed its output as it went (a long sweep's rows)
 
 
 # Common flags a subcommand does not honour, and why: given one of these, the subcommand refuses to run (exit 2).
@@ -359,6 +363,8 @@ def _run(args) -> int:
     out: Outcome = COMMANDS[args.command](args)
     if out.exportable:
         _exports(args, out.result, out.lm)
+    if out.printed:
+        return 0
     if getattr(args, "json", False):
         from .jsonout import dumps
 
@@ -703,6 +709,16 @@ def cmd_serve_study(args) -> Outcome:
 COMMANDS = {"quant": cmd_quant, "split": cmd_split, "greedy": cmd_greedy, "dtypes": cmd_dtypes, "padding": cmd_padding,
             "reuse": cmd_reuse, "bisect": cmd_bisect, "matrix": cmd_matrix, "open": cmd_open, "cache": cmd_cache,
             "check": cmd_check, "loading-trap": cmd_loading_trap, "serve-study": cmd_serve_study}
+
+
+def cmd_sweep_architectures(args) -> Outcome:
+    from .archsweep import cli
+
+    cli(args)  # a long sweep prints each row as it finishes, then its totals (or the JSON)
+    return Outcome(None, exportable=False, printed=True)
+
+
+COMMANDS["sweep-architectures"] = cmd_sweep_architectures
 
 
 def main(argv: list[str] | None = None) -> int:

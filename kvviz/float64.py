@@ -18,6 +18,29 @@ _SOFTMAXES = {torch.softmax, torch.log_softmax, torch.nn.functional.softmax, tor
               torch.Tensor.softmax, torch.Tensor.log_softmax}
 
 
+def grouped_mm64(mat_a, mat_b, *, offs=None, bias=None, out_dtype=None):
+    """torch's grouped_mm (MoE experts) has no float64 kernel: the same product group by group with plain matmul."""
+    if mat_a.dim() == 2 and mat_b.dim() == 3:
+        ends = offs.tolist() if offs is not None else [mat_a.shape[0]]
+        out = mat_a.new_zeros(mat_a.shape[0], mat_b.shape[-1])
+        start = 0
+        for g, end in enumerate(ends):
+            if end > start:
+                out[start:end] = mat_a[start:end] @ mat_b[g]
+            start = end
+    elif mat_a.dim() == 3 and mat_b.dim() == 3:
+        out = torch.bmm(mat_a, mat_b)
+    else:
+        raise NotImplementedError("grouped_mm in float64: only 2D x 3D and 3D x 3D")
+    if bias is not None:
+        out = out + bias
+    return out if out_dtype is None else out.to(out_dtype)
+
+
+_GROUPED = tuple(f for f in (getattr(torch.nn.functional, "grouped_mm", None), getattr(torch, "_grouped_mm", None))
+                 if f is not None)
+
+
 def _is64(x) -> bool:
     return isinstance(x, torch.Tensor) and x.dtype == torch.float64
 
@@ -26,6 +49,8 @@ class KeepFloat64(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if args and _is64(args[0]):
+            if func in _GROUPED:
+                return grouped_mm64(*args, **kwargs)
             if func is torch.Tensor.float:
                 return args[0]
             if func is torch.Tensor.to:

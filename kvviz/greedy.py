@@ -30,7 +30,8 @@ from .execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSet
 from .loading import LoadedModel
 from .metrics import hidden_divergence
 from .text import display_tokens
-from .split import classify, layer_labels
+from .split import layer_labels
+from .verdict import classify, precision_sentence
 
 PATHS = ("no_cache", "cache", "generate", "user_loop", "float64")
 DEFAULT_PATHS = ("no_cache", "cache", "generate")
@@ -413,8 +414,8 @@ def _explain(pair: PairResult, runs: dict[str, PathRun], lm: LoadedModel, cfg: G
             f"to {pair.max_abs_logit[t]:.3g}.")
     pair.verdict = classify(False, gap64)  # the tokens differ, so the bits do
     if pair.verdict == "precision":
-        pair.explanation = (head + f" Replayed in float64 on the same tokens, the two computations agree to "
-                                   f"{gap64:.2g} (relative): a near tie flipped by rounding, not a bug.")
+        pair.explanation = (head + " Replayed in float64 on the same tokens: a near tie flipped by rounding. "
+                            + precision_sentence(gap64, None))
     else:
         cause = ""
         if "user_loop" in (pair.a, pair.b) and cfg.left_pad:
@@ -556,6 +557,13 @@ def prove_pairs(lm: LoadedModel, cfg: GreedyConfig, settings: ExecSettings, inp:
     for p in todo:
         a, b = runs[p.a], runs[p.b]
         p.proved = a.token_ids == b.token_ids and torch.equal(a.logits, b.logits.to(a.logits.device))
+        if p.verdict == "precision" and p.float64_gap is not None:  # the explanation carries its proof state
+            inv_gap = (None if len(a.logits) != len(b.logits) else
+                       float((a.logits.double() - b.logits.to(a.logits.device).double()).abs().max()))
+            head = p.explanation.split(" Replayed in float64")[0]
+            p.explanation = (head + " Replayed in float64 on the same tokens: "
+                             + ("a near tie flipped by rounding. " if p.proved else "")
+                             + precision_sentence(p.float64_gap, p.proved, inv_gap))
         if p.proved:
             p.proof = ("Precision — proved: in invariant mode (every row computed the same way whatever the shape) "
                        f"{p.a} and {p.b} agree bit for bit at every step.")

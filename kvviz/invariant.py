@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-# Up to this many product elements a matmul is computed as explicit products + running sum; above it (a weight
-# matrix used through matmul), one kernel call per row.
+# fixed_order_matmul computes its products in blocks of at most this many elements (memory only: the bits do not
+# depend on it).
 _EXPLICIT_LIMIT = 1 << 25
 
 _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm, torch.mm,
@@ -50,10 +50,10 @@ def seq_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
     parallel scan whose grouping depends on the length, so the running sum is taken one element at a time."""
     if x.device.type == "cpu":
         return torch.cumsum(x, dim=dim).select(dim, -1)
-    acc = x.select(dim, 0).clone()
+    acc = x.select(dim, 0).to(_acc_dtype(x.device, x.dtype))
     for k in range(1, x.shape[dim]):
         acc = acc + x.select(dim, k)
-    return acc
+    return acc.to(x.dtype)
 
 
 def rowwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -72,20 +72,41 @@ def rowwise_addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta=1, 
     return out
 
 
+def _acc_dtype(device: torch.device, wide: torch.dtype) -> torch.dtype:
+    """The running sum's accumulator: float64 wherever the device has it (on the CPU this is exactly what torch's
+    cumsum does for float32, so `seq_sum` and `fixed_order_matmul` agree), else the wide dtype."""
+    return wide if device.type == "mps" else torch.float64
+
+
 def fixed_order_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b with every output element a running sum over the inner dimension in index order."""
+    """a @ b with every output element a running sum over the inner dimension in index order.
+
+    One algorithm whatever the sizes: for j = 0, 1, …, K-1, acc += a[..., :, j] * b[..., j, :] (the product in
+    float32 or better, the running sum in float64 where the device has it), then one rounding to the result dtype.
+    So an element depends only on its own row of a and column of b - not on how many rows, columns or batch
+    entries are computed, nor on the inner length when the extra entries are zeros (masked keys: p = 0), at the
+    start or the end. (An earlier version switched to one kernel call per row above a size limit: the full forward
+    of a long prompt and its cached chunk then took different paths, and a kernel call's own reduction order over
+    the keys depends on how many keys there are - on a sliding-window model past its window, invariant mode was
+    not order-identical. See tests/test_invariant_sizes.py.)"""
     if a.dim() < 2 or b.dim() < 2:
         return torch.matmul(a, b)
-    m, k = a.shape[-2:]
-    n = b.shape[-1]
-    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-    size = m * k * n * (torch.Size(batch).numel() or 1)
-    if size > _EXPLICIT_LIMIT:  # too big for explicit products: one kernel call per row (fixed n and k)
-        rows = [torch.matmul(a[..., i:i + 1, :], b) for i in range(m)]
-        return torch.cat(rows, dim=-2)
-    wide = _wide(torch.result_type(a, b))
-    prod = a.to(wide).unsqueeze(-1) * b.to(wide).unsqueeze(-3)  # [..., m, k, n]
-    return seq_sum(prod, dim=-2).to(torch.result_type(a, b))
+    out_dtype = torch.result_type(a, b)
+    wide = _wide(out_dtype)
+    acc_dtype = _acc_dtype(a.device, wide)
+    k = a.shape[-1]
+    shape = (*torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2], b.shape[-1])
+    acc = torch.zeros(shape, dtype=acc_dtype, device=a.device)
+    aw, bw = a.to(wide), b.to(wide)
+    # Blocks of inner indices: the products of a block at once (bounded memory), then added one index at a time.
+    elems = max(1, torch.Size(shape).numel())
+    block = max(1, min(k, _EXPLICIT_LIMIT // elems))
+    for j0 in range(0, k, block):
+        j1 = min(k, j0 + block)
+        prod = (aw[..., :, j0:j1].unsqueeze(-1) * bw[..., j0:j1, :].unsqueeze(-3)).to(acc_dtype)  # [..., m, kb, n]
+        for j in range(j1 - j0):
+            acc += prod[..., :, j, :]
+    return acc.to(wide).to(out_dtype)
 
 
 def fixed_order_softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -25,7 +25,7 @@ from .execution import ExecSettings, Executor
 from .greedy import _replay, first_divergence
 from .inputs import POSITION_MODES, PromptInputs, check_mode, encode, pad_token_id, positions_from_mask
 from .loading import LoadedModel, load_model
-from .split import classify
+from .verdict import classify
 
 Progress = Callable[[float, str], None]
 VERDICTS = ("identical", "precision", "logic", "nondeterministic", "lossy")

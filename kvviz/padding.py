@@ -17,7 +17,8 @@ from .execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSet
 from .inputs import encode, pad_token_id, positions_from_mask, token_texts
 from .loading import LoadedModel
 from .metrics import hidden_divergence
-from .split import check_split, classify
+from .split import check_split
+from .verdict import classify
 
 Progress = Callable[[float, str], None]
 

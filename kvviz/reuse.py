@@ -19,7 +19,7 @@ from .execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSet
 from .greedy import first_divergence
 from .inputs import encode, token_texts
 from .loading import LoadedModel
-from .split import classify
+from .verdict import classify
 
 Progress = Callable[[float, str], None]
 REFERENCE = "fresh"

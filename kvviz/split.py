@@ -24,9 +24,9 @@ from .execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSet
 from .loading import LoadedModel
 from .metrics import HIDDEN_METRICS as HIDDEN_METRIC_LABELS
 from .metrics import describe_table, hidden_divergence, logits_divergence, tensor_diff
+from .verdict import FLOAT64_CLOSED_REL, amplification, classify, layers_prefix, precision_sentence  # noqa: F401
 
 MODES = ("chunk", "step")
-FLOAT64_CLOSED_REL = 1e-9  # float64 rounding gives ~1e-15; any logic error gives far more than this
 
 Progress = Callable[[float, str], None]
 
@@ -286,15 +286,12 @@ def _likely_cause(cfg: SplitConfig, comp: Comparison) -> str:
     return "; and ".join(causes)
 
 
-def classify(bitwise_equal: bool, float64_gap: float) -> str:
-    """kvviz's one rule: `identical` when the bits agree; else rerun in float64 — a gap that closes is `precision`,
-    a gap that stays is `logic`. Every verdict in kvviz (split, greedy, lab) comes from here."""
-    if bitwise_equal:
-        return "identical"
-    return "precision" if float64_gap <= FLOAT64_CLOSED_REL else "logic"
-
-
-def verdict_for(cfg: SplitConfig, main: Comparison, f64: Comparison | None) -> tuple[str, str]:
+def verdict_for(cfg: SplitConfig, main: Comparison, f64: Comparison | None, proved: bool | None = None,
+                inv: Comparison | None = None, first: str | None = None, prefix: str = "model.layers"
+                ) -> tuple[str, str]:
+    """The verdict and its explanation; a precision explanation carries its proof state (kvviz.verdict): proved,
+    not run, or unproved with the invariant gap and the bisector's first finding - never "rounding, not a bug"
+    while the proof failed."""
     if not main.has_cache:
         change = main.bidirectional_change
         extra = f" Appending the rest moved the prefix's last hidden state by up to {change:.3g}." if change else ""
@@ -307,20 +304,21 @@ def verdict_for(cfg: SplitConfig, main: Comparison, f64: Comparison | None) -> t
                              "the full forward computes.")
     gap = main.max_relative
     eps = machine_eps(getattr(torch, main.dtype))
+    sentence = precision_sentence(gap64, proved, inv.max_abs if inv is not None else None, first, main.max_abs)
     if main.dtype == "float64":
         if verdict == "precision":
-            return "precision", (f"This run is float64, kvviz's reference precision: the gap of {gap:.3g} of the "
-                                 f"value's size is float64 rounding ({gap / eps:.3g}× its epsilon), far below "
-                                 f"anything a logic error leaves, so the logic is right.")
+            return "precision", (f"This run is float64, kvviz's reference precision: the gap is {gap:.3g} of the "
+                                 f"value's size ({gap / eps:.3g}× its epsilon). {sentence}")
         return "logic", (f"Logic, not rounding: even in float64 (kvviz's reference precision) the gap is {gap:.3g} "
                          f"of the value's size. Likely cause: {_likely_cause(cfg, main)}.")
     if verdict == "precision":
+        amp = amplification([float(v) for v in main.hidden["relative"].max(axis=1)], prefix)
         return "precision", (
-            f"Rounding, not a bug. In {main.dtype} the cached run multiplies matrices of other shapes, so numbers are "
-            f"added in another order and round differently: the largest gap is {gap:.3g} of the value's size, "
-            f"{gap / eps:.3g}× the dtype's epsilon ({eps:.3g}). Rerun in float64, the very same scenario "
+            f"In {main.dtype} the cached run multiplies matrices of other shapes, so numbers are added in another "
+            f"order and round differently: the largest gap is {gap:.3g} of the value's size, {gap / eps:.3g}× the "
+            f"dtype's epsilon ({eps:.3g}). Rerun in float64, the very same scenario "
             + (f"differs by only {gap64:.3g}" if gap64 else "gives exactly the same numbers both ways")
-            + ": the gap closes, so the logic is right.")
+            + f". {sentence}" + (f" {amp}" if amp else ""))
     return "logic", (
         f"Logic, not rounding: the gap is {gap:.3g} of the value's size in {main.dtype} and still {gap64:.3g} in "
         f"float64, where rounding could explain at most ~1e-12. Likely cause: {_likely_cause(cfg, main)}.")
@@ -347,7 +345,18 @@ def proof_line(verdict: str, main: Comparison, inv: Comparison, settings: ExecSe
                     f"reduction order alone made it.")
         return "In invariant mode the gap is exactly 0 as well."
     return (f"In invariant mode a gap of {inv.max_abs:.3g} survives (normal run: {main.max_abs:.3g}): not reduction "
-            f"order alone" + (" — logic." if verdict == "logic" else "; use the bisector to see where it starts."))
+            f"order alone" + (" — logic." if verdict == "logic" else " — the precision verdict is unproved."))
+
+
+def _bisect_first(lm: LoadedModel, cfg: SplitConfig, settings: ExecSettings) -> str | None:
+    """What the bisector finds first for this scenario (a failed proof's explanation names it); None if it fails."""
+    try:
+        from .bisect import run_bisect
+
+        res = run_bisect(lm, cfg, settings)
+    except Exception:  # noqa: BLE001 - an explanation aid only
+        return None
+    return res.explanation.removeprefix("The first difference is in ").split(". Everything")[0] if res.first else None
 
 
 def run_split(lm: LoadedModel, cfg: SplitConfig, progress: Progress | None = None,
@@ -378,7 +387,7 @@ def run_split(lm: LoadedModel, cfg: SplitConfig, progress: Progress | None = Non
             ref_lm = reference or lm.reference()
             f64 = _run(ref_lm, cfg, build_inputs(ref_lm, cfg.prompt, cfg.left_pad),
                        lambda f, m: progress(0.7 + 0.3 * f, f"float64: {m}"), settings.with_(compile="off"))
-    verdict, explanation = verdict_for(cfg, main, f64)
+    verdict, explanation = verdict_for(cfg, main, f64, prefix=layers_prefix(lm.model))
     if settings.lossy and verdict in ("precision", "logic") and not np.isfinite(main.max_abs):
         verdict, explanation = "lossy", (
             f"Lossy, and worse: with the {settings.cache} cache the cached run produced non-finite values (NaN or "
@@ -396,6 +405,12 @@ def run_split(lm: LoadedModel, cfg: SplitConfig, progress: Progress | None = Non
             progress(0.95, "Rerunning in invariant mode for the proof…")
             inv = _run(lm, cfg, inp, lambda f, m: None, settings.with_(invariant=True, compile="off"))
         proof = proof_line(verdict, main, inv, settings)
+        if verdict == "precision" and not settings.lossy:
+            proved = inv.identical
+            first = None
+            if not proved:
+                first = _bisect_first(lm, cfg, settings.with_(invariant=True, compile="off"))
+            verdict, explanation = verdict_for(cfg, main, f64, proved, inv, first, layers_prefix(lm.model))
     progress(1.0, "Done")
     return SplitResult(settings=SplitSettings.of(cfg, RunInfo.of(lm, settings)), model=lm.summary(),
                        tokens=inp.token_texts, token_ids=inp.token_ids, compared=list(range(cfg.split, inp.n_tokens)),

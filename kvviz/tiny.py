@@ -32,6 +32,15 @@ TINY_CONFIGS: dict[str, dict] = {
     "gemma2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=16, max_position_embeddings=512, sliding_window=8,
                    layer_types=["sliding_attention", "full_attention"] * 2, **_COMMON),
+    # Gemma 3 (model type gemma3_text): the real 5:1 sliding/global layer pattern (5 sliding layers, then a global
+    # one), QK-norm, two rotary bases (local 10k, global 1M), embeddings scaled by sqrt(hidden), a window of 8.
+    "gemma3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, sliding_window=8,
+                        query_pre_attn_scalar=16,
+                        layer_types=["sliding_attention"] * 5 + ["full_attention"],
+                        rope_parameters={"full_attention": {"rope_theta": 1000000.0, "rope_type": "default"},
+                                         "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}},
+                        **_COMMON),
     # RoBERTa as a causal LM *without* is_decoder: bidirectional, returns no cache.
     "roberta": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                     max_position_embeddings=520, type_vocab_size=1, pad_token_id=0, is_decoder=False,
@@ -39,6 +48,8 @@ TINY_CONFIGS: dict[str, dict] = {
 }
 
 TINY_ARCHS = tuple(TINY_CONFIGS)
+# A tiny name that is not the transformers model_type it builds.
+TINY_MODEL_TYPES: dict[str, str] = {"gemma3": "gemma3_text"}
 
 # Constructed models: a tiny architecture whose weights are then set by hand to show one effect on any machine.
 #   tie: a llama whose two top tokens ("a", "b") differ by 2^-12 of a weight: float32/float64 choose "b" by a margin
@@ -80,7 +91,7 @@ def tiny_config(arch: str):
     kwargs = dict(TINY_CONFIGS[arch])
     kwargs.setdefault("pad_token_id", 0)
     kwargs.update(bos_token_id=1, eos_token_id=2)
-    return AutoConfig.for_model(arch, **kwargs)
+    return AutoConfig.for_model(TINY_MODEL_TYPES.get(arch, arch), **kwargs)
 
 
 def _construct_tie(model, tokenizer) -> None:

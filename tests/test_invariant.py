@@ -31,7 +31,7 @@ def assert_bitwise(res):
 @pytest.mark.parametrize("arch", CAUSAL)
 def test_cached_equals_full_bit_for_bit(arch, dtype, mode):
     lm = kvviz.load_model(f"tiny:{arch}", dtype, DEVICE)
-    prompt = PROMPT * 2 if arch in ("mistral", "gemma2") else PROMPT  # past the sliding window of 8
+    prompt = PROMPT * 2 if arch in ("mistral", "gemma2", "gemma3") else PROMPT  # past the sliding window of 8
     res = run_split(lm, SplitConfig(prompt, split=11, mode=mode, left_pad=2), settings=INV)
     assert_bitwise(res)
     assert "gap is exactly 0" in res.proof and res.settings.execution.invariant

@@ -1,0 +1,478 @@
+"""Every decoder transformers ships: for each model type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, a tiny random model
+built from its own config class (2-4 layers, small hidden size and vocabulary, a sliding window the prompt passes,
+its special features kept - MoE routing, QK-norm, softcapping, alibi, parallel blocks, layer patterns), then the
+cache-safety card (kvviz.check) in float64 plus the invariant-mode proof (cached vs full in invariant mode, past
+the window: exactly 0, or the first op that breaks it, from the bisector).
+
+A row: `safe`, `unsafe` (the failing checks and their float64 gaps) or `cannot run` (one line: why). Multimodal
+types run text only. The models are written with kvviz.tiny's byte tokenizer and loaded through the real loading
+code, like `tiny:*`.
+
+    python -m kvviz sweep-architectures                       # every type -> docs/architectures.md (+ .json)
+    python -m kvviz sweep-architectures --only gemma3_text,qwen3 --json
+"""
+from __future__ import annotations
+
+import json
+import math
+import signal
+import tempfile
+import time
+import traceback
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .errors import KvvizError
+
+SEED = 1234
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS, WINDOW, VOCAB = 64, 4, 2, 16, 96, 2, 8, 260
+PROMPT = "The guard knew each one."  # 25 byte tokens: past the window of 8 (2 x 8 + 4)
+REUSE = ("Be brief.", (" Q: Sky? A:", " Q: Sea? A:"))
+# The CI subset (tests/test_archsweep.py): checked against docs/architectures.json on every run.
+CI_SUBSET = ("gemma3_text", "gemma2", "qwen3", "qwen2_moe", "phi3", "falcon", "mpt", "gpt_bigcode", "olmo2",
+             "cohere", "starcoder2", "mixtral", "bloom", "opt", "gptj", "gpt2", "llama", "mistral", "gpt_neox",
+             "cohere2", "roberta", "phi")
+
+# config attribute -> tiny value (applied when the config class has that attribute)
+_SIZES = {
+    # widths
+    "hidden_size": HIDDEN, "n_embd": HIDDEN, "d_model": HIDDEN, "dim": HIDDEN, "n_embed": HIDDEN,
+    "word_embed_proj_dim": HIDDEN, "embed_dim": HIDDEN, "hidden_dim": HIDDEN,
+    # depth
+    "num_hidden_layers": LAYERS, "n_layer": LAYERS, "num_layers": LAYERS, "n_layers": LAYERS,
+    "decoder_layers": LAYERS, "encoder_layers": LAYERS, "num_decoder_layers": LAYERS,
+    # heads
+    "num_attention_heads": HEADS, "n_head": HEADS, "num_heads": HEADS, "n_heads": HEADS,
+    "decoder_attention_heads": HEADS, "encoder_attention_heads": HEADS,
+    "num_key_value_heads": KV_HEADS, "n_kv_heads": KV_HEADS, "num_kv_heads": KV_HEADS, "multi_query_group_num": KV_HEADS,
+    "head_dim": HEAD_DIM, "kv_channels": HEAD_DIM, "attention_head_size": HEAD_DIM,
+    # feed-forward
+    "intermediate_size": FFN, "n_inner": FFN, "ffn_dim": FFN, "decoder_ffn_dim": FFN, "encoder_ffn_dim": FFN,
+    "ffn_hidden_size": FFN, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+    "expert_intermediate_size": 32, "intermediate_size_mlp": FFN,
+    # experts
+    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
+    "num_experts_per_tok": 2, "moe_topk": 2, "top_k": 2, "n_shared_experts": 1, "num_shared_experts": 1,
+    "n_group": 1, "topk_group": 1,
+    # MLA / low rank
+    "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
+    "qk_head_dim": 24, "rotary_dim": 8, "rotary_emb_base": None,
+    # lengths
+    "max_position_embeddings": 512, "n_positions": 512, "n_ctx": 512, "max_sequence_length": 512,
+    "seq_length": 512, "max_seq_len": 512, "sliding_window": WINDOW, "attention_window": WINDOW,
+    # vocabulary and special tokens
+    "vocab_size": VOCAB, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 1,
+    # state-space / recurrent
+    "state_size": 8, "d_state": 8, "mamba_d_state": 8, "ssm_state_size": 8, "time_step_rank": 8,
+    "mamba_n_heads": 4, "mamba_d_head": 32, "mamba_head_dim": 32, "n_groups": 1, "mamba_n_groups": 1,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+    "attention_hidden_size": HIDDEN, "lru_width": HIDDEN, "block_types": None,
+    # vision / audio towers of multimodal types (text only is run)
+    "image_size": 32, "patch_size": 8, "num_channels": 3, "projection_dim": HIDDEN,
+    "vision_feature_layer": -1, "mm_tokens_per_image": 4,
+}
+_LAYER_LISTS = ("layer_types", "layers_block_type", "block_types", "hybrid_override_pattern")
+_SUBCONFIGS = ("text_config", "vision_config", "audio_config", "decoder", "encoder", "llm_config")
+
+
+@dataclass
+class ArchRow:
+    model_type: str
+    status: str  # safe | unsafe | cannot run
+    reason: str = ""  # cannot run: one line; unsafe: the failing checks and gaps
+    checks: list[dict] = field(default_factory=list)
+    proof: str = ""  # "0" (exactly 0 in invariant mode), "not run (…)" or the first op / module that breaks it
+    proof_gap: float | None = None
+    config: dict = field(default_factory=dict)  # what was built: layers, hidden, window, features
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def model_types() -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+class _Timeout(Exception):
+    pass
+
+
+@contextmanager
+def _time_limit(seconds: float | None):
+    if not seconds or not hasattr(signal, "SIGALRM"):
+        yield
+        return
+
+    def handler(signum, frame):
+        raise _Timeout(f"took longer than {seconds:g} s")
+
+    old = signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _shrink_layer_list(value, n: int):
+    """A layer-type list cut to n entries, keeping every kind it has (a sliding/global mix stays a mix)."""
+    if not isinstance(value, (list, tuple)) or not value:
+        return value
+    kinds = list(dict.fromkeys(value))
+    out = list(value[:n])
+    missing = [k for k in kinds if k not in out]
+    if missing:
+        out = out[:max(1, n - len(missing))] + missing
+    return out
+
+
+def _shrink_dict(d: dict, defaults: dict) -> dict:
+    """The tiny overrides for one config's dict (recursing into sub-configs)."""
+    out = {}
+    for key, val in _SIZES.items():
+        if key in defaults and val is not None:
+            cur = defaults[key]
+            if isinstance(cur, bool) or (cur is not None and not isinstance(cur, (int, float))):
+                continue
+            if key in ("sliding_window", "attention_window") and cur in (None, 0):
+                continue  # keep "no window" as it is
+            if key == "eos_token_id" and isinstance(cur, list):
+                val = [2]
+            out[key] = val
+    n_layers = out.get("num_hidden_layers") or out.get("n_layer") or out.get("num_layers") or LAYERS
+    for key in _LAYER_LISTS:
+        if isinstance(defaults.get(key), (list, tuple)):
+            lst = _shrink_layer_list(defaults[key], n_layers)
+            out[key] = lst
+            for k in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
+                if k in defaults:
+                    out[k] = len(lst)
+        elif isinstance(defaults.get(key), str):  # e.g. nemotron_h's "M-M*-"
+            pat = defaults[key]
+            kinds = list(dict.fromkeys(pat))
+            out[key] = "".join(kinds)
+            for k in ("num_hidden_layers", "n_layer", "num_layers"):
+                if k in defaults:
+                    out[k] = len(kinds)
+    if "sliding_window_pattern" in defaults and isinstance(defaults["sliding_window_pattern"], int):
+        out["sliding_window_pattern"] = 2
+    if "rope_parameters" in defaults and isinstance(defaults["rope_parameters"], dict):
+        out["rope_parameters"] = _small_rope(defaults["rope_parameters"])
+    for key in _SUBCONFIGS:
+        sub = defaults.get(key)
+        if isinstance(sub, dict):
+            out[key] = {**sub, **_shrink_dict(sub, sub)}
+    return out
+
+
+def _small_rope(rp: dict) -> dict:
+    """Rope scalings that need a long original context (yarn, longrope) kept, their lengths shrunk."""
+    def fix(p):
+        if not isinstance(p, dict):
+            return p
+        p = dict(p)
+        if "original_max_position_embeddings" in p:
+            p["original_max_position_embeddings"] = 128
+        for k in ("short_factor", "long_factor"):
+            if isinstance(p.get(k), list):
+                p[k] = [1.0] * (HEAD_DIM // 2)
+        if "mrope_section" in p:
+            p["mrope_section"] = [2, 3, 3]
+        return p
+    if all(isinstance(v, dict) for v in rp.values()):
+        return {k: fix(v) for k, v in rp.items()}
+    return fix(rp)
+
+
+def tiny_arch_config(model_type: str, **extra):
+    """The tiny config of `model_type`, from its own config class."""
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    defaults = cls().to_dict()
+    kwargs = _shrink_dict(defaults, defaults)
+    if model_type in _SPECIAL:
+        kwargs.update(_SPECIAL[model_type](defaults))
+    kwargs.update(extra)
+    # MoE experts: the eager loop (torch's grouped_mm has no float64 kernel, and the card runs in float64)
+    kwargs.setdefault("experts_implementation", "eager")
+    if "is_decoder" in defaults and model_type not in _BIDIRECTIONAL:
+        kwargs["is_decoder"] = True  # encoder families as causal LMs need it (a decoder); RoBERTa kept as seed 003
+    return cls(**kwargs)
+
+
+# Per-type fixes where the generic shrink does not give a consistent config.
+_SPECIAL = {
+    "gemma3_text": lambda d: {"query_pre_attn_scalar": HEAD_DIM},
+    "gemma2": lambda d: {"query_pre_attn_scalar": HEAD_DIM},
+    "rwkv": lambda d: {"attention_hidden_size": HIDDEN, "intermediate_size": FFN},
+    "reformer": lambda d: {"attn_layers": ["local", "lsh"], "axial_pos_shape": [16, 16],
+                           "axial_pos_embds_dim": [32, 32], "max_position_embeddings": 256,
+                           "local_attn_chunk_length": 8, "lsh_attn_chunk_length": 8, "num_buckets": 4},
+    "xlnet": lambda d: {"d_inner": FFN, "n_head": HEADS, "d_head": HEAD_DIM},
+    "ctrl": lambda d: {"dff": FFN},
+    "transfo-xl": lambda d: {},
+    "mpt": lambda d: {"expansion_ratio": 2, "attn_config": {**(d.get("attn_config") or {}), "alibi": True}},
+    "dbrx": lambda d: {"d_model": HIDDEN, "n_heads": HEADS, "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 4,
+                                                                         "moe_top_k": 2},
+                       "attn_config": {"kv_n_heads": 2}},
+}
+_BIDIRECTIONAL = ("roberta",)  # kept as seed 003 built it (no is_decoder): the card must say unsafe
+
+
+def _one_line(e: BaseException) -> str:
+    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return f"{type(e).__name__}: {text}"[:220]
+
+
+def build_arch(model_type: str, folder: Path) -> dict:
+    """Write the tiny random `model_type` model with the byte tokenizer to `folder`; return a summary of it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .tiny import _byte_tokenizer
+
+    config = tiny_arch_config(model_type)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.ndim >= 2:
+                    p.normal_(0.0, 0.08 if "embed" not in name and "wte" not in name else 1.0)
+    model.save_pretrained(folder)
+    _byte_tokenizer().save_pretrained(folder)
+    text = getattr(config, "text_config", None) or config
+    n_params = sum(p.numel() for p in model.parameters())
+    return {"class": type(model).__name__, "params": n_params,
+            "layers": getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", None),
+            "hidden": getattr(text, "hidden_size", None),
+            "window": getattr(text, "sliding_window", None),
+            "layer_types": sorted(set(getattr(text, "layer_types", None) or [])) or None}
+
+
+def _proof(lm64) -> tuple[str, float | None]:
+    """Invariant mode, float64: cached vs full, the rest in one chunk, on the sweep's prompt (past the window of 8
+    where the type has one). "0" or the first op that breaks it."""
+    from .execution import ExecSettings
+    from .split import SplitConfig, run_split
+
+    inv = ExecSettings(invariant=True)
+    n = len(lm64.tokenizer(PROMPT)["input_ids"])
+    worst = 0.0
+    for mode in ("chunk",):
+        res = run_split(lm64, SplitConfig(PROMPT, split=n // 2, mode=mode), settings=inv)
+        if not res.main.has_cache:
+            return "n/a (no cache)", None
+        if not res.main.identical:
+            worst = max(worst, res.main.max_abs)
+            first = _first_op(lm64, SplitConfig(PROMPT, split=n // 2, mode=mode))
+            return f"{res.main.max_abs:.3g} survives ({mode}); first: {first}", res.main.max_abs
+    return "0", worst
+
+
+def _first_op(lm64, cfg) -> str:
+    try:
+        from .bisect import run_bisect
+        from .execution import ExecSettings
+
+        res = run_bisect(lm64, cfg, ExecSettings(invariant=True))
+        op = getattr(res, "first_op", None)
+        if op:
+            return op.get("text") if isinstance(op, dict) else str(op)
+        return res.explanation
+    except Exception as e:  # noqa: BLE001
+        return f"(bisector failed: {_one_line(e)})"
+
+
+def run_arch(model_type: str, workdir: Path, timeout: float | None = 120) -> ArchRow:
+    """Build, load and check one model type; never raises."""
+    import torch
+
+    from . import check as check_mod
+    from .loading import clear_cache, load_model
+
+    t0 = time.perf_counter()
+    row = ArchRow(model_type, "cannot run")
+    folder = Path(workdir) / model_type
+    try:
+        with _time_limit(timeout):
+            try:
+                row.config = build_arch(model_type, folder)
+            except _Timeout:
+                raise
+            except Exception as e:  # noqa: BLE001
+                row.reason = "cannot build a tiny model: " + _one_line(e)
+                return row
+            try:
+                lm = load_model(str(folder), dtype="float64", device="cpu")
+            except Exception as e:  # noqa: BLE001
+                row.reason = "cannot load: " + _one_line(e)
+                return row
+            recurrent = _recurrent_state(lm.model)
+            if recurrent:
+                row.reason = (f"a recurrent model: its cache holds {recurrent}, not keys and values, and kvviz's "
+                              f"checks compare key/value caches")
+                return row
+            card = check_mod.run_check(lm, prompt=PROMPT, reuse_prefix=REUSE[0], reuse_questions=REUSE[1])
+            row.checks = [{"name": c.name, "status": c.status, "figure": c.figure, "evidence": c.evidence}
+                          for c in card.checks]
+            failed = [c for c in card.checks if c.status == "fail"]
+            row.status = "unsafe" if failed else "safe"
+            row.reason = "; ".join(f"{c.name}: {_gap_text(c.figure)}" for c in failed)
+            if any(c.name == "causal attention" and c.status == "fail" for c in card.checks):
+                row.proof = "n/a (no cache: bidirectional)"
+            else:
+                row.proof, row.proof_gap = _proof(lm)
+    except _Timeout as e:
+        row.status, row.reason = "cannot run", f"timeout: {e}"
+    except (KvvizError, Exception) as e:  # noqa: BLE001
+        row.status = "cannot run"
+        row.reason = "the run failed: " + _one_line(e)
+        row.checks.append({"name": "traceback", "status": "note", "figure": None,
+                           "evidence": traceback.format_exc(limit=-2)[-600:]})
+    finally:
+        row.seconds = round(time.perf_counter() - t0, 2)
+        clear_cache()
+        torch.set_num_threads(torch.get_num_threads())
+    return row
+
+
+def _recurrent_state(model) -> str | None:
+    """What a state-space / recurrent model's cache holds (None for a key/value cache model)."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    if "cache_params" in params:
+        return "a recurrent state (cache_params)"
+    if "state" in params and "past_key_values" not in params:
+        return "a recurrent state"
+    return None
+
+
+def _gap_text(fig) -> str:
+    if fig is None:
+        return "no cache"
+    return f"float64 gap {fig:.3g}" if math.isfinite(fig) else "float64 gap ∞"
+
+
+def sweep(types: list[str] | None = None, timeout: float | None = 120, progress=None,
+          workdir: Path | None = None) -> list[ArchRow]:
+    progress = progress or (lambda i, n, t, row: None)
+    all_types = model_types()
+    types = types or all_types
+    unknown = [t for t in types if t not in all_types]
+    if unknown:
+        raise KvvizError(f"unknown model type '{unknown[0]}': not in transformers' causal-LM mapping "
+                         f"({len(all_types)} types, e.g. {', '.join(all_types[:5])})")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kvviz-archsweep-", dir=workdir) as tmp:
+        for i, t in enumerate(types):
+            row = run_arch(t, Path(tmp), timeout)
+            rows.append(row)
+            progress(i + 1, len(types), t, row)
+    return rows
+
+
+def totals(rows: list[ArchRow]) -> dict:
+    ran = [r for r in rows if r.status != "cannot run"]
+    return {"types": len(rows), "run": len(ran), "safe": sum(r.status == "safe" for r in rows),
+            "unsafe": sum(r.status == "unsafe" for r in rows),
+            "cannot run": sum(r.status == "cannot run" for r in rows),
+            "proof 0": sum(r.proof == "0" for r in rows)}
+
+
+def merge_rows(path: Path, rows: list[ArchRow]) -> list[dict]:
+    """Rows of `path` (JSON) with `rows` replacing the same model types."""
+    old = json.loads(path.read_text())["rows"] if path.exists() else []
+    new = {r.model_type: r.to_dict() for r in rows}
+    merged = [new.pop(r["model_type"], r) for r in old] + list(new.values())
+    return sorted(merged, key=lambda r: r["model_type"])
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    import transformers
+
+    objs = [ArchRow(**r) for r in rows]
+    t = totals(objs)
+    lines = [
+        "# Every causal-LM architecture in transformers",
+        "",
+        f"`python -m kvviz sweep-architectures` (`make arch-sweep`): transformers {transformers.__version__}, "
+        f"{t['types']} model types in `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`. For each, a tiny random model from its "
+        f"own config class ({LAYERS}-4 layers, hidden {HIDDEN}, vocabulary {VOCAB}, sliding window {WINDOW} where the "
+        f"type has one, special features kept), then the cache-safety card in float64 (cached vs full in one chunk "
+        f"and token by token, left padding with position ids, alone vs in a batch, reuse through deep copies, past "
+        f"the window) and the invariant-mode proof (cached vs full, chunk and step, float64: a gap of exactly 0, or "
+        f"the first op that breaks it).",
+        "",
+        f"**Totals:** {t['run']} run ({t['safe']} safe, {t['unsafe']} unsafe), {t['cannot run']} cannot run; "
+        f"proof exactly 0 on {t['proof 0']}. {meta.get('note', '')}",
+        "",
+        "| model type | verdict | evidence | proof (invariant mode) |",
+        "|---|---|---|---|",
+    ]
+    for r in objs:
+        ev = r.reason if r.status != "safe" else (
+            f"every check passes in float64 ({r.config.get('layers')} layers"
+            + (f", window {r.config['window']}" if r.config.get("window") else "") + ")")
+        lines.append(f"| {r.model_type} | {r.status} | {_cell(ev)} | {_cell(r.proof or '—')} |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def _cell(s: str) -> str:
+    return s.replace("|", "\\|").replace("\n", " ")
+
+
+def write_docs(rows: list[dict], docs: Path, meta: dict | None = None) -> None:
+    docs.mkdir(parents=True, exist_ok=True)
+    (docs / "architectures.json").write_text(json.dumps({"meta": meta or {}, "rows": rows}, indent=1, default=str))
+    (docs / "architectures.md").write_text(markdown(rows, meta or {}))
+
+
+def add_parser(sub) -> None:
+    """The `sweep-architectures` subcommand (kvviz/cli.py adds it)."""
+    ap = sub.add_parser("sweep-architectures", help="every causal-LM type in transformers: a tiny random model "
+                        "each, the cache-safety card in float64 and the invariant proof -> docs/architectures.md")
+    ap.add_argument("--only", default=None, help="comma-separated model types to (re)run; their rows replace the "
+                    "old ones in the output")
+    ap.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+    ap.add_argument("--timeout", type=float, default=120.0, help="seconds per model type (default 120)")
+    ap.add_argument("--out", default="docs", help="folder of architectures.md/.json (default docs); '-' writes none")
+
+
+def cli(args) -> int:
+    types = [t.strip() for t in args.only.split(",") if t.strip()] if args.only else None
+    if args.only is not None and not types:
+        raise KvvizError("--only needs at least one model type")
+    if args.timeout is not None and args.timeout <= 0:
+        raise KvvizError(f"--timeout must be a positive number of seconds, not {args.timeout:g}")
+    out = None if args.out == "-" else Path(args.out)
+    t0 = time.perf_counter()
+    done: list[ArchRow] = []
+
+    def progress(i, n, t, row):
+        done.append(row)
+        if not args.json:
+            print(f"[{i}/{n}] {t}: {row.status}" + (f" - {row.reason}" if row.reason else "")
+                  + (f"; proof {row.proof}" if row.proof else "") + f" ({row.seconds:.1f} s)", flush=True)
+        if out is not None:  # written as it goes: an interrupted sweep keeps its rows
+            rows = merge_rows(out / "architectures.json", [row])
+            write_docs(rows, out, {"note": ""})
+
+    rows = sweep(types, args.timeout, progress)
+    elapsed = time.perf_counter() - t0
+    if args.json:
+        print(json.dumps({"rows": [r.to_dict() for r in rows], "totals": totals(rows), "elapsed_s": elapsed},
+                         indent=1, default=str))
+    else:
+        t = totals(rows)
+        print(f"\n{t['types']} types: {t['run']} run ({t['safe']} safe, {t['unsafe']} unsafe), "
+              f"{t['cannot run']} cannot run; proof 0 on {t['proof 0']}; {elapsed:.0f} s")
+    return 0

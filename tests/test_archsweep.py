@@ -1,0 +1,66 @@
+"""The architecture sweep (issue 17) on a fixed subset of transformers' causal-LM types: each tiny model built from
+its own config class runs the cache-safety card in float64 and the invariant proof, and the rows agree with
+docs/architectures.json/.md (the committed table): same verdict, same failing checks, same proof."""
+import json
+from pathlib import Path
+
+import pytest
+
+from kvviz import archsweep
+from kvviz.errors import KvvizError
+
+from conftest import ROOT
+
+TABLE = ROOT / "docs" / "architectures.json"
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    return {r.model_type: r for r in archsweep.sweep(list(archsweep.CI_SUBSET), timeout=None,
+                                                        workdir=tmp_path_factory.mktemp("arch"))}
+
+
+def _table():
+    return {r["model_type"]: r for r in json.loads(TABLE.read_text())["rows"]}
+
+
+def test_the_subset_is_large_and_every_type_has_a_row():
+    assert len(archsweep.CI_SUBSET) >= 20
+    table = _table()
+    assert set(table) == set(archsweep.model_types())  # a row for every installed causal-LM type
+    md = (ROOT / "docs" / "architectures.md").read_text()
+    for t in archsweep.model_types():
+        assert f"| {t} |" in md
+
+
+def test_subset_runs_and_matches_the_table(rows):
+    table = _table()
+    assert sum(rows[t].status != "cannot run" for t in archsweep.CI_SUBSET) >= 18
+    for t in archsweep.CI_SUBSET:
+        got, want = rows[t], table[t]
+        if got.status == "cannot run":  # a crash the table records with the same reason
+            assert got.reason.split(":")[0] == want["reason"].split(":")[0], (t, got.reason, want["reason"])
+        assert got.status == want["status"], (t, got.status, got.reason, want["status"], want["reason"])
+        failing = sorted(c["name"] for c in got.checks if c["status"] == "fail")
+        assert failing == sorted(c["name"] for c in want["checks"] if c["status"] == "fail"), t
+        assert (got.proof == "0") == (want["proof"] == "0"), (t, got.proof, want["proof"])
+
+
+def test_seed_003_claims_are_rows_with_evidence(rows):
+    assert rows["gpt2"].status == "safe" and rows["gpt2"].proof == "0"
+    assert rows["roberta"].status == "unsafe" and "causal attention" in rows["roberta"].reason
+    for t in ("gemma3_text", "gemma2", "mistral", "qwen3", "llama"):
+        assert rows[t].status == "safe" and rows[t].proof == "0", (t, rows[t].reason, rows[t].proof)
+
+
+def test_gemma3_keeps_its_features():
+    cfg = archsweep.tiny_arch_config("gemma3_text")
+    assert set(cfg.layer_types) == {"sliding_attention", "full_attention"}
+    assert cfg.sliding_window == archsweep.WINDOW < len(archsweep.PROMPT)
+    assert set(cfg.rope_parameters) == {"sliding_attention", "full_attention"}
+    assert cfg.rope_parameters["full_attention"]["rope_theta"] != cfg.rope_parameters["sliding_attention"]["rope_theta"]
+
+
+def test_unknown_type_is_one_clear_error():
+    with pytest.raises(KvvizError, match="unknown model type 'nope'"):
+        archsweep.sweep(["nope"])

@@ -18,6 +18,7 @@ from .errors import KvvizError
 from .execution import DEFAULT_SETTINGS, ExecSettings, Executor, has_cache
 from .inputs import build_inputs
 from .loading import LoadedModel
+from .naming import module_label
 from .split import SplitConfig, _mask, check_split
 
 _KINDS = (  # (pattern on the module's own name, kind) - first match wins
@@ -185,10 +186,10 @@ def _compare(full: _Recorder, cached: _Recorder, total: int, a0: int, n: int, cf
     if first is None:
         text = "Every hooked module gives the same bits in the cached run as in the full forward."
     else:
-        where = f"layer {first.layer}" if first.layer is not None else "outside the layers"
-        what = ("the attention computation itself (scores, softmax, weighted sum - not a module of its own) in "
-                f"{first.name}" if first.kind.startswith("attention weights") else f"{first.name} ({first.kind})")
-        text = (f"The first difference is in {what}, {where}: max |Δ| {first.max_abs:.3g} ({first.relative:.3g} "
+        where = module_label(first.name)  # kvviz.naming: "layer 2 (model.layers.1.self_attn)"
+        what = ("the attention computation itself (scores, softmax, weighted sum - not a module of its own)"
+                if first.kind.startswith("attention weights") else first.kind)
+        text = (f"The first difference is in {where}, {what}: max |Δ| {first.max_abs:.3g} ({first.relative:.3g} "
                 f"of its size). Everything computed before it is bit-identical.")
     return BisectResult(settings={"prompt": cfg.prompt, "split": cfg.split, "mode": cfg.mode,
                                   "left_pad": cfg.left_pad, "position_ids": cfg.position_ids,

@@ -259,7 +259,9 @@ def _verdict_text(result) -> tuple[str, str]:
     if view in ("quant", "loading_trap"):
         return result.verdict, result.explanation
     if view == "bisect":
-        return ("first difference: " + result.first.name) if result.first else "no difference", result.explanation
+        from .naming import module_label
+
+        return ("first difference: " + module_label(result.first.name)) if result.first else "no difference", result.explanation
     if view == "kv_reload":
         return ("bitwise equal" if result.bitwise_equal else "differs",
                 f"Reloaded {result.n_cached} cached tokens and fed {len(result.continuation_tokens)} more: largest "

@@ -165,10 +165,10 @@ class SplitResult:
 
 
 def layer_labels(n_hidden: int) -> list[str]:
-    """hidden_states[0] is the embeddings; in transformers 5 the last one is after the final norm."""
-    labels = ["embeddings"] + [f"layer {i}" for i in range(1, n_hidden)]
-    labels[-1] += " + final norm"
-    return labels
+    """hidden_states[0] is the embeddings; in transformers 5 the last one is after the final norm (kvviz.naming)."""
+    from .naming import layer_labels as _labels
+
+    return _labels(n_hidden)
 
 
 def compare_caches(ref_cache, got_cache, total: int, pad: int) -> list[dict]:

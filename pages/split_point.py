@@ -137,6 +137,7 @@ with st.expander("Where does it start? (bisector)"):
               on_click=lambda k=repr(cfg.__dict__) + choice.key: st.session_state.__setitem__("split_bisect_for", k))
     if st.session_state.get("split_bisect_for") == repr(cfg.__dict__) + choice.key:
         from kvviz.bisect import run_bisect
+        from kvviz.naming import module_row
 
         try:
             b = run_cached("bisect", {"model": choice.key, "cfg": cfg.__dict__},
@@ -145,7 +146,8 @@ with st.expander("Where does it start? (bisector)"):
             show_error(e)
         else:
             st.markdown(b.explanation)
-            st.dataframe([{"module": g.name, "kind": g.kind, "layer": g.layer, "max |Δ|": g.max_abs}
+            st.dataframe([{"layer": module_row(g.name), "module": g.name, "kind": g.kind,
+                           "max |Δ|": g.max_abs}
                           for g in b.modules], hide_index=True, width="stretch")
 for note in res.notes:
     st.caption(f"ℹ️ {note}")

@@ -1,7 +1,9 @@
+from pathlib import Path
+
 import streamlit as st
 
 from kvviz.presets import PRESETS, preset_state
-from pages.common import ensure_navigation
+from pages.common import PAGE_TITLES, ensure_navigation, start_scenario
 
 ensure_navigation()
 if st.session_state.get("_goto"):
@@ -27,9 +29,7 @@ st.caption("One click sets the model, the dtype and the page's controls. Each sh
 
 
 def go(p) -> None:
-    state = preset_state(p)
-    st.session_state.update({k: v for k, v in state.items() if k in ("model_preset", "dtype", "invariant")})
-    st.session_state["_pending_controls"] = p.controls
+    start_scenario(p, preset_state(p))
     if p.controls.get("_mx_preset"):
         st.session_state["_mx_apply_preset"] = True
     st.session_state["_goto"] = p.page
@@ -40,7 +40,9 @@ for i, p in enumerate(PRESETS):
     with cols[i % 2].container(border=True):
         st.markdown(f"**{p.title}**")
         st.caption(p.what)
-        st.button("Open", key=f"preset_{p.key}", on_click=go, args=(p,))
+        title = PAGE_TITLES[Path(p.page).stem]
+        st.button(f"Open in {title}", key=f"preset_{p.key}", on_click=go, args=(p,),
+                  help=f"Opens the page {title} with model {p.model} in {p.dtype} and this scenario's settings")
 
 st.subheader("Pages")
 st.markdown("""

@@ -5,7 +5,7 @@ import kvviz
 from kvviz import figures
 from kvviz.inputs import MASK_MODES, POSITION_MODES, encode
 from kvviz.metrics import HIDDEN_METRICS
-from pages.common import ab_controls, controls, show_ab, exports, page, verdict_and_chart, progress_bar, run_cached, show_error, show_verdict, token_strip
+from pages.common import ab_controls, controls, linked_slider_box, show_ab, exports, page, verdict_and_chart, progress_bar, run_cached, show_error, show_verdict, token_strip
 
 DEFAULT_PROMPT = "The capital of France is Paris, and the capital of Italy is"
 
@@ -29,16 +29,9 @@ with controls():
     c1, c2 = st.columns([3, 2])
     with c1:
         default_split = min(max(1, n // 2), n - 1)
-        if st.session_state.get("split_k", default_split) > n - 1:
-            st.session_state["split_k"] = n - 1
         if n - 1 > 1:
-            ss = st.session_state
-            ss.setdefault("split_k", default_split)
-            ss["split_k_typed"] = ss["split_k"]  # the typed box shows the slider's k; typing moves the slider
-            s1, s2 = st.columns([4, 1])
-            split = s1.slider("Split point k: tokens before k go to the cache", 1, n - 1, key="split_k")
-            s2.number_input("k", 1, n - 1, key="split_k_typed", help="Type k exactly (long prompts)",
-                            on_change=lambda: ss.update(split_k=int(ss["split_k_typed"])))
+            split = linked_slider_box("split_k", "Split point k: tokens before k go to the cache", 1, n - 1,
+                                      default_split, "k", help="Type k exactly (long prompts)")
         else:
             split = 1
             st.caption("Split point k = 1 (the only one for a 2-token prompt)")

@@ -93,6 +93,12 @@ def sidebar() -> ModelChoice:
     return ModelChoice(spec, ss.dtype, ss.device, ss.attn, bool(ss.trust_remote_code), bool(ss.invariant))
 
 
+def page_message():
+    """Where a message about the controls goes: the top of the page (the controls may be collapsed)."""
+    slot = st.session_state.get("_msg_slot")
+    return slot.container() if slot is not None else contextlib.nullcontext()
+
+
 def show_error(e: BaseException) -> None:
     """One clear line for the user; the app keeps working."""
     if isinstance(e, KvvizError):
@@ -271,6 +277,13 @@ NAV = {
 }
 PAGE_TITLES = {stem: title for items in NAV.values() for stem, title, _ in items}
 
+# Normal mode: a little less room above the title, so the verdict and the chart come into the first screen.
+NORMAL_CSS = """<style>
+.block-container {padding-top: 2.2rem !important; padding-bottom: 1rem !important;}
+.block-container h1 {font-size: 2.1rem !important; padding: 0.2rem 0 !important;}
+[data-testid="stMetricValue"] {font-size: 1.6rem !important;}
+</style>"""
+
 PREFIX_OF_PAGE = {"split_point": "split_", "greedy_paths": "greedy_", "dtypes_lab": "dt_", "padding_lab": "pad_",
                   "cache_reuse": "reuse_", "backends": "mx_", "kv_cache": "kv_", "loading_trap": "trap_", "quantized": "quant_",
                   "cache_safety": "check_"}
@@ -288,9 +301,8 @@ def page(title: str, caption: str, needs_model: bool = True):
     if prefix:
         restore(prefix)
         sync_url(prefix)
-    if st.session_state.get("presenter"):
-        st.markdown(PRESENTER_CSS, unsafe_allow_html=True)
-    t1, t2, t3 = st.columns([5, 1, 1], vertical_alignment="center")
+    st.markdown(PRESENTER_CSS if st.session_state.get("presenter") else NORMAL_CSS, unsafe_allow_html=True)
+    t1, t2, t3 = st.columns([3, 1.1, 1.5], vertical_alignment="center")
     t1.title(title)
     with t2:
         copy_link()
@@ -413,12 +425,11 @@ def show_ab(figs, prefix: str, caption: str, texts: tuple[str, str] | None = Non
     st.caption(caption)
 
 
-def controls():
-    """Where a page draws its controls: collapsed into an expander in presenter mode, so the verdict and the main
-    chart share the first screen; plain otherwise."""
-    if st.session_state.get("presenter"):
-        return st.expander("Settings: prompt and controls", expanded=False, icon=":material/tune:")
-    return st.container()
+def controls(expanded: bool = False):
+    """Where a page draws its controls: an expander (collapsed unless the page has nothing to show before its
+    controls are set), so that after a run the verdict and the start of the main chart share the first screen at
+    1280×720, in normal as in presenter mode. A scenario's settings are named above it (scenario_banner)."""
+    return st.expander("Settings: prompt and controls", expanded=expanded, icon=":material/tune:")
 
 
 def verdict_and_chart(ratio=(2, 3)):

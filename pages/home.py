@@ -44,6 +44,25 @@ for i, p in enumerate(PRESETS):
         st.button(f"Open in {title}", key=f"preset_{p.key}", on_click=go, args=(p,),
                   help=f"Opens the page {title} with model {p.model} in {p.dtype} and this scenario's settings")
 
+with st.expander("Prepare the meeting: run scenarios ahead, show them at once", icon=":material/event_available:"):
+    st.caption("Runs the chosen scenarios now and keeps their results: **Open a result** then shows each at once "
+               "(no model runs during the meeting), and offers one HTML report with all of them.")
+    from kvviz.meeting import default_dir, prepare
+
+    picked = st.multiselect("Scenarios", [p.key for p in PRESETS], default=["tie", "padding", "proof"],
+                            format_func=lambda k: next(p.title for p in PRESETS if p.key == k), key="meeting_keys")
+    if st.button("Prepare", key="meeting_run", icon=":material/play_arrow:", disabled=not picked):
+        from pages.common import progress_bar, show_error
+
+        try:
+            with progress_bar("Preparing the meeting…") as report:
+                done = prepare(picked, default_dir(), progress=report)
+        except Exception as e:  # noqa: BLE001
+            show_error(e)
+        else:
+            st.success(f"{len(done)} result(s) ready in **Open a result** (and one report with all of them).")
+            st.page_link("pages/open_result.py", label="Open a result", icon=":material/folder_open:")
+
 st.subheader("Pages")
 st.markdown("""
 * **Split point** — feed a prefix, cache it, feed the rest: where (layer × token) and how much the numbers differ

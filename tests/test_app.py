@@ -480,3 +480,20 @@ def test_slider_and_box_agree_after_a_failed_load_and_the_old_message_goes():
     assert "not found" not in alerts(at)
     at.slider(key="split_k_slider").set_value(4).run()
     assert at.number_input(key="split_k_typed").value == 4 and at.query_params["split_k"] in ("4", ["4"])
+
+
+def test_open_a_result_lists_the_prepared_meeting():
+    import os
+    from pathlib import Path
+
+    from kvviz.meeting import prepare
+
+    prepare(["padding"], Path(os.environ["KVVIZ_CACHE"]) / "meeting")
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
+    at.session_state["model_preset"] = "other…"
+    at.session_state["model_other"] = "/nonexistent/model"  # nothing may load: the result is shown as it was
+    at.run()
+    at.switch_page("pages/open_result.py").run()
+    at.selectbox(key="open_prepared").set_value("Left padding without position ids").run()
+    assert not at.exception, at.exception
+    assert "Verdict: logic" in alerts(at) and "nonexistent" not in alerts(at)

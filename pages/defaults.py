@@ -7,7 +7,7 @@ CAPITALS = "The capital of France is Paris, and the capital of Italy is"
 
 DEFAULTS = {
     "split": {"prompt": CAPITALS},
-    "greedy": {"prompt": "This is a ", "n": 24},
+    "greedy": {"prompt": "This is a ", "n": 12},
     "dtypes": {"prompt": CAPITALS, "dtypes": ("float32", "float16", "bfloat16")},
     "padding": {"prompt": CAPITALS, "left_pad": 4},
     "reuse": {"prefix": "You are a helpful assistant. Answer in one short sentence.\n",

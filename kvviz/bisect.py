@@ -18,6 +18,7 @@ from .errors import KvvizError
 from .execution import DEFAULT_SETTINGS, ExecSettings, Executor, has_cache
 from .inputs import build_inputs
 from .loading import LoadedModel
+from .naming import module_label
 from .split import SplitConfig, _mask, check_split
 
 _KINDS = (  # (pattern on the module's own name, kind) - first match wins
@@ -218,10 +219,10 @@ def _compare(full: _Recorder, cached: _Recorder, total: int, a0: int, n: int, cf
     if first is None:
         text = "Every hooked module gives the same bits in the cached run as in the full forward."
     else:
-        where = layer_name(first.name)
-        what = ("the attention computation itself (scores, softmax, weighted sum - not a module of its own) in "
-                f"{first.name}" if first.kind.startswith("attention weights") else f"{first.name} ({first.kind})")
-        text = (f"The first difference is in {what}, {where.split(' (')[0]}: max |Δ| {first.max_abs:.3g} ({first.relative:.3g} "
+        where = module_label(first.name)  # kvviz.naming: "layer 2 (model.layers.1.self_attn)"
+        what = ("the attention computation itself (scores, softmax, weighted sum - not a module of its own)"
+                if first.kind.startswith("attention weights") else first.kind)
+        text = (f"The first difference is in {where}, {what}: max |Δ| {first.max_abs:.3g} ({first.relative:.3g} "
                 f"of its size). Everything computed before it is bit-identical.")
     return BisectResult(settings={"prompt": cfg.prompt, "split": cfg.split, "mode": cfg.mode,
                                   "left_pad": cfg.left_pad, "position_ids": cfg.position_ids,
@@ -245,13 +246,11 @@ def _op_name(func) -> str:
 
 
 def layer_name(module: str) -> str:
-    """The layer naming rule: "layer k (model.layers.{k-1}…)" for a module inside decoder layer k-1."""
-    idx = module_layer(module)
-    if idx is not None:
-        return f"layer {idx + 1} ({module})"
+    """The layer naming rule (kvviz.naming): "layer k (model.layers.{k-1}…)" for a module inside decoder layer k-1,
+    "embeddings (…)" for the embedding."""
     if module_kind(module) == "embedding":
         return f"embeddings ({module})"
-    return f"outside the layers ({module or 'the model itself'})"
+    return module_label(module)
 
 
 class _OpTrace:

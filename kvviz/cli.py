@@ -445,7 +445,7 @@ def split_summary(res) -> str:
         lines += ["", f"logits: max |Δ| {lg['max_abs'].max():.3g}, max KL {lg['kl'].max():.3g}, argmax agrees at "
                       f"{int(lg['argmax_agree'].sum())}/{len(lg['argmax_agree'])} positions",
                   "K/V elements differing: " + ", ".join(
-                      f"L{r['layer'] + 1} {r['keys_differ']}+{r['values_differ']}/{r['keys_total'] + r['values_total']}"
+                      f"layer {r['layer'] + 1} {r['keys_differ']}+{r['values_differ']}/{r['keys_total'] + r['values_total']}"
                       for r in m.kv)]
     if res.float64 is not None:
         lines.append(f"float64 rerun: max relative gap {res.float64.max_relative:.3g}")
@@ -560,6 +560,7 @@ def cmd_reuse(args) -> Outcome:
 
 def cmd_bisect(args) -> Outcome:
     from .bisect import run_bisect
+    from .naming import module_label
     from .split import SplitConfig
 
     cfg = SplitConfig(prompt=args.prompt, split=args.split, mode=args.mode, left_pad=args.left_pad,
@@ -569,7 +570,7 @@ def cmd_bisect(args) -> Outcome:
     res = run_bisect(lm, cfg, _settings(args))
 
     def summary() -> str:
-        lines = [f"{g.name:<48} {g.kind:<18} max |Δ| {g.max_abs:<10.3g}"
+        lines = [f"{module_label(g.name):<60} {g.kind:<18} max |Δ| {g.max_abs:<10.3g}"
                  + ("  <- first difference" if res.first is not None and g.name == res.first.name else "")
                  for g in res.modules]
         return "\n".join(lines + ["", res.explanation])

@@ -250,7 +250,10 @@ def greedy_verdict(result) -> tuple[str, str]:
 
 
 def bisect_verdict(result) -> tuple[str, str]:
-    return ("first difference: " + result.first.name) if result.first else "no difference", result.explanation
+    from .naming import module_label
+
+    return (("first difference: " + module_label(result.first.name)) if result.first else "no difference",
+            result.explanation)
 
 
 def kv_reload_verdict(result) -> tuple[str, str]:

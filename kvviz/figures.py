@@ -8,6 +8,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from .metrics import HIDDEN_METRICS
+from .naming import hover_text
 from .split import SplitResult
 
 METRIC_TITLES = {
@@ -45,7 +46,7 @@ def heatmap(z: np.ndarray, x_labels: list[str], y_labels: list[str], title: str,
     hover = np.empty(z.shape, dtype=object)
     for i, y in enumerate(y_labels):
         for j, x in enumerate(x_labels):
-            hover[i, j] = [x, y, f"{z[i, j]:.4g}" if z[i, j] != 0 else "0 (bitwise equal)"]
+            hover[i, j] = [x, hover_text(y), f"{z[i, j]:.4g}" if z[i, j] != 0 else "0 (bitwise equal)"]
     colorbar = dict(title=("log₁₀ " if log else "") + value_name)
     if log and np.isfinite(shown).any():
         lo, hi = math.floor(np.nanmin(shown)), math.ceil(np.nanmax(shown))

@@ -135,22 +135,47 @@ def default_gguf_path() -> Path:
 
 
 def gguf_quantization(path: Path) -> str:
-    """The dominant weight type of a GGUF file (e.g. Q4_1), read from its tensor table."""
+    """A GGUF file's quantization as its maker named it: `general.file_type` (e.g. Q4_K_M), else the most common
+    type of its weight matrices other than the embeddings and the output head (which files often keep wider:
+    a Q4_K_M SmolLM2 holds more Q8_0 elements in its embedding than Q4_K in all its layers), else the file name."""
     try:
         from gguf import GGUFReader
 
         reader = GGUFReader(str(path))
-        counts: dict[str, int] = {}
-        for t in reader.tensors:
-            if len(t.shape) >= 2:
-                name = t.tensor_type.name
-                counts[name] = counts.get(name, 0) + int(t.n_elements)
-        if counts:
-            return max(counts, key=counts.get)
+        field = reader.fields.get("general.file_type")
+        file_type = int(field.parts[field.data[0]][0]) if field is not None and field.data else None
+        label = gguf_quant_label(file_type, {t.name: (t.tensor_type.name, int(t.n_elements)) for t in reader.tensors
+                                             if len(t.shape) >= 2})
+        if label:
+            return label
     except Exception:  # noqa: BLE001 - only a label; fall back to the file name
         pass
     m = re.search(r"(Q\d_[K0-9_A-Z]+|F16|F32|BF16)", path.name, re.I)
     return m.group(1).upper() if m else "unknown"
+
+
+def gguf_quant_label(file_type: int | None, tensors: dict[str, tuple[str, int]]) -> str | None:
+    """The label from `general.file_type` (llama.cpp's LlamaFileType: 15 -> Q4_K_M, 0 -> F32) or, without it,
+    the most common type (by elements) of the weight matrices other than token_embd/output; None if neither."""
+    if file_type is not None:
+        try:
+            from gguf import LlamaFileType
+
+            name = LlamaFileType(file_type).name
+            if name != "GUESSED":
+                return {"ALL_F32": "F32"}.get(name, name.removeprefix("MOSTLY_"))
+        except (ImportError, ValueError):
+            pass
+    counts: dict[str, int] = {}
+    for tname, (ttype, n) in tensors.items():
+        if tname.split(".")[0] in ("token_embd", "output"):
+            continue
+        counts[ttype] = counts.get(ttype, 0) + n
+    if not counts:
+        counts = {}
+        for ttype, n in tensors.values():
+            counts[ttype] = counts.get(ttype, 0) + n
+    return max(counts, key=counts.get) if counts else None
 
 
 def _atomic_folder(final: Path, write: Callable[[Path], None]) -> Path:

@@ -24,7 +24,7 @@ from .execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSet
 from .loading import LoadedModel
 from .metrics import HIDDEN_METRICS as HIDDEN_METRIC_LABELS
 from .metrics import describe_table, hidden_divergence, logits_divergence, tensor_diff
-from .verdict import FLOAT64_CLOSED_REL, amplification, classify, layers_prefix, precision_sentence  # noqa: F401
+from .verdict import amplification, classify, layers_prefix, precision_sentence  # noqa: F401
 
 MODES = ("chunk", "step")
 
@@ -165,10 +165,10 @@ class SplitResult:
 
 
 def layer_labels(n_hidden: int) -> list[str]:
-    """hidden_states[0] is the embeddings; in transformers 5 the last one is after the final norm."""
-    labels = ["embeddings"] + [f"layer {i}" for i in range(1, n_hidden)]
-    labels[-1] += " + final norm"
-    return labels
+    """hidden_states[0] is the embeddings; in transformers 5 the last one is after the final norm (kvviz.naming)."""
+    from .naming import layer_labels as _labels
+
+    return _labels(n_hidden)
 
 
 def compare_caches(ref_cache, got_cache, total: int, pad: int) -> list[dict]:

@@ -1,10 +1,12 @@
 """Page: attention × cache kind × compile × precision flags, repeated."""
 import streamlit as st
 
+from pages.defaults import DEFAULTS
+
 from kvviz import figures
 from kvviz.backends import CACHE_KINDS, COMPILE_MODES
 from kvviz.matrix import MatrixConfig, run_matrix, sliding_window_config
-from pages.common import controls, exports, page, progress_bar, run_cached, show_error
+from pages.common import controls, exports, page, page_message, progress_bar, run_cached, show_error
 
 FLAG_SETS = {"none": (), "tf32": ("tf32",), "deterministic": ("deterministic",),
              "no reduced-precision reductions": ("no-bf16-reduced-reduction", "no-fp16-reduced-reduction"),
@@ -32,19 +34,20 @@ with controls():
     st.button("Sliding-window preset (the torch.compile report): a short left-padded prompt batched with one longer than the window",
               key="mx_preset", on_click=use_sliding_window_preset)
     if st.session_state.get("mx_preset_error"):
-        st.error(st.session_state["mx_preset_error"], icon="⚠️")
-    prompt = st.text_area("Prompt (row 0)", "The capital of France is Paris, and the capital of Italy is",
+        with page_message():
+            st.error(st.session_state["mx_preset_error"], icon="⚠️")
+    prompt = st.text_area("Prompt (row 0)", DEFAULTS["matrix"]["prompt"],
                           key="mx_prompt", height=70)
     batch = st.text_area("Batch it with (one prompt a line; empty: alone)", "", key="mx_batch", height=60)
     c1, c2, c3, c4 = st.columns(4)
-    n = c1.number_input("New tokens", 1, 256, 16, key="mx_n")
-    repeats = c2.number_input("Repeats", 1, 20, 2, key="mx_rep")
+    n = c1.number_input("New tokens", 1, 256, DEFAULTS["matrix"]["n"], key="mx_n")
+    repeats = c2.number_input("Repeats", 1, 20, DEFAULTS["matrix"]["repeats"], key="mx_rep")
     left_pad = c3.number_input("Left padding", 0, 64, 0, key="mx_pad")
     pos = c4.radio("Position ids", ["auto", "omit"], horizontal=True, key="mx_pos")
     a1, a2, a3, a4 = st.columns(4)
-    attns = a1.multiselect("Attention", ["eager", "sdpa", "flex_attention", "flash_attention_2"], ["eager", "sdpa"],
+    attns = a1.multiselect("Attention", ["eager", "sdpa", "flex_attention", "flash_attention_2"], list(DEFAULTS["matrix"]["attn"]),
                            key="mx_attn")
-    caches = a2.multiselect("Cache kind", list(CACHE_KINDS), ["dynamic", "static"], key="mx_cache")
+    caches = a2.multiselect("Cache kind", list(CACHE_KINDS), list(DEFAULTS["matrix"]["cache"]), key="mx_cache")
     compiles = a3.multiselect("torch.compile", list(COMPILE_MODES), ["off"], key="mx_compile",
                               help="Compiling takes a while the first time (about a minute on a CPU).")
     flags = a4.multiselect("Precision flags", list(FLAG_SETS), ["none"], key="mx_flags")

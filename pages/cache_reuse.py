@@ -1,6 +1,8 @@
 """Page: one prompt cache reused for several continuations ."""
 import streamlit as st
 
+from pages.defaults import DEFAULTS
+
 from kvviz import figures
 from kvviz.reuse import REUSE_STRATEGIES, run_reuse
 from pages.common import ab_controls, controls, exports, page, progress_bar, run_cached, show_error, show_verdict
@@ -11,12 +13,12 @@ choice, lm = page("Prompt-cache reuse",
                   "continuation grew it - the common bug), against **fresh** (no prefix cache: the reference). "
                   "Greedy texts side by side, where they part from fresh, and why.")
 with controls():
-    prefix = st.text_area("Shared prefix", "You are a helpful assistant. Answer in one short sentence.\n",
+    prefix = st.text_area("Shared prefix", DEFAULTS["reuse"]["prefix"],
                              key="reuse_prefix", height=70)
     conts = st.text_area("Continuations (one a line; write \\n for a line break)",
-                            "Q: What is the capital of France?\\nA:\nQ: What colour is the sky?\\nA:\n"
-                            "Q: How many legs does a spider have?\\nA:", key="reuse_conts", height=110)
-    n = st.number_input("New tokens per continuation", 1, 256, 12, key="reuse_n")
+                            "\n".join(c.replace("\n", "\\n") for c in DEFAULTS["reuse"]["continuations"]),
+                            key="reuse_conts", height=110)
+    n = st.number_input("New tokens per continuation", 1, 256, DEFAULTS["reuse"]["n"], key="reuse_n")
 merged = [c.replace("\\n", "\n") for c in conts.splitlines() if c.strip()]
 
 

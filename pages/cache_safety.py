@@ -29,7 +29,9 @@ except Exception as e:  # noqa: BLE001
     st.stop()
 {"safe": st.success, "lossy": st.warning, "unsafe": st.error}[card.overall](
     f"**{card.overall.upper()}** — {card.summary}")
-icons = {"pass": "✅", "fail": "❌", "n/a": "➖", "note": "ℹ️"}
-st.dataframe([{"": icons.get(c.status, ""), "check": c.name, "status": c.status, "evidence": c.evidence}
-              for c in card.checks], hide_index=True, width="stretch")
+# plain text in an HTML table: it wraps long evidence (a canvas table cut it off) and needs no emoji glyphs
+import pandas as pd  # noqa: E402
+
+st.table(pd.DataFrame([{"check": c.name, "status": c.status.upper(), "evidence": c.evidence}
+                       for c in card.checks]).set_index("check"))
 exports(card, "check", lm)

@@ -58,17 +58,15 @@ def ensure_navigation() -> None:
         st.rerun()
 
 
+SIDEBAR_DEFAULTS = {"model_preset": "default", "model_other": "", "dtype": "float32", "device": "auto",
+                    "attn": "auto", "trust_remote_code": False, "invariant": False, "presenter": False}
+
+
 def sidebar() -> ModelChoice:
     """Draw the shared sidebar; its widgets keep their values across pages through session state."""
     ss = st.session_state
-    ss.setdefault("model_preset", "default")
-    ss.setdefault("model_other", "")
-    ss.setdefault("dtype", "float32")
-    ss.setdefault("device", "auto")
-    ss.setdefault("attn", "auto")
-    ss.setdefault("trust_remote_code", False)
-    ss.setdefault("invariant", False)
-    ss.setdefault("presenter", False)
+    for k, v in SIDEBAR_DEFAULTS.items():
+        ss.setdefault(k, v)
     with st.sidebar:
         st.header("Model")
         st.selectbox("Model", PRESETS, key="model_preset",
@@ -93,6 +91,12 @@ def sidebar() -> ModelChoice:
                          "bit for bit wherever the logic is right: a gap that survives is logic, proved.")
     spec = ss.model_other.strip() if ss.model_preset == "other…" else ss.model_preset
     return ModelChoice(spec, ss.dtype, ss.device, ss.attn, bool(ss.trust_remote_code), bool(ss.invariant))
+
+
+def page_message():
+    """Where a message about the controls goes: the top of the page (the controls may be collapsed)."""
+    slot = st.session_state.get("_msg_slot")
+    return slot.container() if slot is not None else contextlib.nullcontext()
 
 
 def show_error(e: BaseException) -> None:
@@ -151,7 +155,9 @@ def load(choice: ModelChoice) -> kvviz.LoadedModel | None:
             lm = kvviz.load_model(choice.model_spec, choice.dtype, choice.device, choice.attn,
                                   trust_remote_code=choice.trust_remote_code, progress=report)
     except Exception as e:  # noqa: BLE001 - every failure becomes one line
-        show_error(e)
+        slot = st.session_state.get("_msg_slot")
+        with slot.container() if slot is not None else contextlib.nullcontext():
+            show_error(e)
         return None
     with st.sidebar:
         st.caption(f"**Loaded:** {lm.description}. {lm.n_layers} layers, attention `{lm.attn_implementation}`, "
@@ -168,6 +174,7 @@ PAGE_PREFIXES = ("split_", "greedy_", "dt_", "pad_", "reuse_", "mx_", "kv_", "tr
 SIDEBAR_KEYS = ("model_preset", "model_other", "dtype", "device", "attn", "trust_remote_code", "invariant",
                 "presenter")
 _NOT_IN_URL = ("kv_upload", "dt_upload", "mx_run", "mx_preset", "split_bisect", "open_upload", "split_k_typed",
+               "split_k_slider",
                "kv_download")
 
 
@@ -212,7 +219,9 @@ def restore(prefix: str) -> None:
             ss[k] = v
     pending = ss.pop("_pending_controls", None)  # a Home preset
     if pending:
-        ss.update({k: v for k, v in pending.items() if k.startswith(prefix)})
+        mine = {k: v for k, v in pending.items() if k.startswith(prefix)}
+        ss.update(mine)
+        ss.setdefault("_stash", {}).update(mine)
 
 
 def sync_url(prefix: str) -> None:
@@ -249,6 +258,33 @@ PRESENTER_CSS = """<style>
 .js-plotly-plot .main-svg .gtitle {font-size: 18px !important;}
 </style>"""
 
+# Every page: file stem, title, icon, in the sections of the navigation (app.py draws it; Home's cards name them).
+NAV = {
+    "Start": [("home", "About kvviz", ":material/home:"),
+              ("cache_safety", "Is my model cache-safe?", ":material/verified_user:"),
+              ("open_result", "Open a result", ":material/folder_open:")],
+    "Investigate": [("split_point", "Split point", ":material/content_cut:"),
+                    ("greedy_paths", "Greedy paths", ":material/call_split:"),
+                    ("dtypes_lab", "Dtypes side by side", ":material/stacked_line_chart:")],
+    "Classic traps": [("padding_lab", "Padding and batching", ":material/grid_on:"),
+                      ("cache_reuse", "Prompt-cache reuse", ":material/recycling:"),
+                      ("loading_trap", "Loading trap", ":material/swap_horiz:")],
+    "Engine": [("backends", "Backends & compile", ":material/memory:"),
+               ("kv_cache", "KV cache", ":material/database:"),
+               ("quantized", "Quantized cache & weights", ":material/compress:"),
+               ("serving", "Serving", ":material/dns:")],
+    "Reference": [("guide", "Guide", ":material/menu_book:"),
+                  ("glossary", "Glossary", ":material/dictionary:")],
+}
+PAGE_TITLES = {stem: title for items in NAV.values() for stem, title, _ in items}
+
+# Normal mode: a little less room above the title, so the verdict and the chart come into the first screen.
+NORMAL_CSS = """<style>
+.block-container {padding-top: 2.2rem !important; padding-bottom: 1rem !important;}
+.block-container h1 {font-size: 2.1rem !important; padding: 0.2rem 0 !important;}
+[data-testid="stMetricValue"] {font-size: 1.6rem !important;}
+</style>"""
+
 PREFIX_OF_PAGE = {"split_point": "split_", "greedy_paths": "greedy_", "dtypes_lab": "dt_", "padding_lab": "pad_",
                   "cache_reuse": "reuse_", "backends": "mx_", "kv_cache": "kv_", "loading_trap": "trap_", "quantized": "quant_",
                   "cache_safety": "check_"}
@@ -266,14 +302,18 @@ def page(title: str, caption: str, needs_model: bool = True):
     if prefix:
         restore(prefix)
         sync_url(prefix)
-    if st.session_state.get("presenter"):
-        st.markdown(PRESENTER_CSS, unsafe_allow_html=True)
-    t1, t2 = st.columns([6, 1])
+    st.markdown(PRESENTER_CSS if st.session_state.get("presenter") else NORMAL_CSS, unsafe_allow_html=True)
+    t1, t2, t3 = st.columns([3, 1.1, 1.5], vertical_alignment="center")
     t1.title(title)
     with t2:
         copy_link()
+    t3.button("Reset to defaults", key=f"_reset_{name}", on_click=reset_to_defaults, args=(prefix,),
+              icon=":material/restart_alt:", help="This page's controls and the sidebar's dtype, device, attention "
+                                                  "and invariant mode back to their defaults (and a scenario's model)")
     st.caption(caption)
+    scenario_banner(name)
     st.session_state["_top_slot"] = st.empty()  # progress and Stop go here, at the top, while a run works
+    st.session_state["_msg_slot"] = st.empty()  # this run's load message; replaces the last run's at once
     if st.session_state.get("_url_note"):
         st.info(st.session_state.pop("_url_note"), icon="ℹ️")
     choice = st.session_state["model_choice"]
@@ -386,12 +426,11 @@ def show_ab(figs, prefix: str, caption: str, texts: tuple[str, str] | None = Non
     st.caption(caption)
 
 
-def controls():
-    """Where a page draws its controls: collapsed into an expander in presenter mode, so the verdict and the main
-    chart share the first screen; plain otherwise."""
-    if st.session_state.get("presenter"):
-        return st.expander("Settings: prompt and controls", expanded=False, icon=":material/tune:")
-    return st.container()
+def controls(expanded: bool = False):
+    """Where a page draws its controls: an expander (collapsed unless the page has nothing to show before its
+    controls are set), so that after a run the verdict and the start of the main chart share the first screen at
+    1280×720, in normal as in presenter mode. A scenario's settings are named above it (scenario_banner)."""
+    return st.expander("Settings: prompt and controls", expanded=expanded, icon=":material/tune:")
 
 
 def verdict_and_chart(ratio=(2, 3)):
@@ -442,3 +481,101 @@ def token_strip(tokens: list[str], split: int | None = None, highlight: int | No
     if hi < len(tokens):
         chips.append(hidden.format(n=len(tokens) - hi))
     return "".join(chips)
+
+
+# One-click scenarios (Home). A scenario's settings are marked on its page and hold while you stay there with its
+# model; going to another page, picking another model or "Reset to defaults" brings the defaults back (the settings
+# you set yourself on other pages stay).
+CONTROL_NAMES = {"split_pad": "left padding", "split_pos": "position ids", "split_mask": "attention mask",
+                 "split_mode": "feed", "greedy_prompt": "prompt", "greedy_n": "new tokens", "greedy_paths": "paths",
+                 "dt_source": "prompts", "dt_limit": "prompt count", "_mx_preset": "the sliding-window preset"}
+
+
+def start_scenario(preset, state: dict) -> None:
+    """Home's callback: set the scenario's sidebar values and page controls, and remember them as the scenario's."""
+    from pathlib import Path
+
+    ss = st.session_state
+    sidebar_part = {k: v for k, v in state.items() if k in ("model_preset", "dtype", "invariant")}
+    ss.update(sidebar_part)
+    ss["_pending_controls"] = dict(preset.controls)
+    ss["_scenario"] = {"key": preset.key, "title": preset.title, "page": Path(preset.page).stem,
+                       "model": preset.model, "sidebar": sidebar_part, "controls": dict(preset.controls)}
+
+
+def scenario_guard(current_page: str) -> None:
+    """app.py, before the sidebar is drawn: leaving a scenario (another page, another model) restores defaults."""
+    ss = st.session_state
+    sc = ss.get("_scenario")
+    if not sc or ss.get("_goto"):  # on the way from Home to the scenario's page
+        return
+    other_model = ss.get("model_preset") != sc["model"]
+    if current_page != sc["page"] or other_model:
+        leave_scenario(keep_model=other_model)
+
+
+def leave_scenario(keep_model: bool = False) -> None:
+    """The scenario's page controls and the sidebar values it set go back to their defaults."""
+    ss = st.session_state
+    sc = ss.pop("_scenario", None)
+    if not sc:
+        return
+    stash = ss.setdefault("_stash", {})
+    prefix = PREFIX_OF_PAGE.get(sc["page"])
+    for k in list(ss.keys()) + list(stash.keys()):
+        if (prefix and k.startswith(prefix)) or k in sc["controls"]:
+            ss.pop(k, None)
+            stash.pop(k, None)
+    for k in sc["sidebar"]:
+        if k == "model_preset" and keep_model:
+            continue
+        ss[k] = stash[k] = SIDEBAR_DEFAULTS[k]
+    ss.pop("_pending_controls", None)
+
+
+def reset_to_defaults(prefix: str | None) -> None:
+    """The "Reset to defaults" button (a callback: it runs before any widget is drawn)."""
+    ss = st.session_state
+    leave_scenario()
+    stash = ss.setdefault("_stash", {})
+    if prefix:
+        for k in list(ss.keys()) + list(stash.keys()):
+            if k.startswith(prefix):
+                ss.pop(k, None)
+                stash.pop(k, None)
+    for k in ("dtype", "device", "attn", "invariant"):
+        ss[k] = stash[k] = SIDEBAR_DEFAULTS[k]
+
+
+def scenario_banner(page_name: str) -> None:
+    sc = st.session_state.get("_scenario")
+    if not sc or sc["page"] != page_name:
+        return
+    side = sc["sidebar"]
+    parts = [f"model {side.get('model_preset')}", f"dtype {side.get('dtype')}"]
+    if side.get("invariant"):
+        parts.append("invariant mode on")
+    parts += [f"{CONTROL_NAMES.get(k, k.split('_', 1)[-1])} {v}" if not isinstance(v, bool) else CONTROL_NAMES.get(k, k)
+              for k, v in sc["controls"].items()]
+    st.info(f"**Scenario: {sc['title']}.** Its settings are in use: {', '.join(parts)}. Another page, another model "
+            "or Reset to defaults brings back the defaults.", icon=":material/slideshow:")
+
+
+def linked_slider_box(key: str, label: str, lo: int, hi: int, default: int, box_label: str, help: str = "") -> int:
+    """A slider and a number box for one integer with ONE source of truth, `key` (a plain session value that the
+    stash and the URL carry): both widgets are set from it before they are drawn and write it back when moved, so
+    they never disagree, also after a run that stopped before drawing them (a failed load)."""
+    ss = st.session_state
+    value = ss.get(key, default)
+    try:
+        value = int(value)
+    except (TypeError, ValueError):
+        value = default
+    value = min(max(value, lo), hi)
+    ss[key] = ss[f"{key}_slider"] = ss[f"{key}_typed"] = value
+    s1, s2 = st.columns([4, 1])
+    s1.slider(label, lo, hi, key=f"{key}_slider",
+              on_change=lambda: ss.update({key: int(ss[f"{key}_slider"])}))
+    s2.number_input(box_label, lo, hi, key=f"{key}_typed", help=help,
+                    on_change=lambda: ss.update({key: int(ss[f"{key}_typed"])}))
+    return value

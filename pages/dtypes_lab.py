@@ -1,11 +1,13 @@
 """Page: the split comparison in several dtypes at once, for one prompt or over a prompt set."""
 import streamlit as st
 
+from pages.defaults import DEFAULTS
+
 import kvviz
 from kvviz import figures
 from kvviz.dtype_sweep import run_dtypes
 from kvviz.prompts import builtin_prompts, parse_prompts
-from pages.common import (ab_controls, controls, exports, page, progress_bar, run_cached, show_ab, show_error,
+from pages.common import (ab_controls, controls, exports, page, page_message, progress_bar, run_cached, show_ab, show_error,
                           verdict_and_chart)
 
 choice, _ = page("Dtypes side by side",
@@ -18,7 +20,7 @@ with controls():
     prompts: list[str] = []
     try:
         if source == "one prompt":
-            prompts = [st.text_area("Prompt", "The capital of France is Paris, and the capital of Italy is",
+            prompts = [st.text_area("Prompt", DEFAULTS["dtypes"]["prompt"],
                                     key="dt_prompt", height=80)]
         elif source == "built-in set":
             rows = builtin_prompts()
@@ -40,12 +42,13 @@ with controls():
             limit = st.number_input("How many", 1, len(prompts), min(20, len(prompts)), key="dt_up_limit")
             prompts = prompts[: int(limit)]
     except kvviz.KvvizError as e:
-        show_error(e)
+        with page_message():
+            show_error(e)
         st.stop()
 
     c1, c2, c3 = st.columns(3)
     dtypes = c1.multiselect("Dtypes (float64 always runs)", ["float32", "float16", "bfloat16"],
-                            default=["float32", "float16", "bfloat16"], key="dt_dtypes")
+                            default=list(DEFAULTS["dtypes"]["dtypes"]), key="dt_dtypes")
     split = c2.selectbox("Split", ["last", "half"], key="dt_split",
                          format_func={"last": "all but the last token cached", "half": "half cached"}.get)
     mode = c3.radio("Feed the rest", ["chunk", "step"], horizontal=True, key="dt_mode")

@@ -1,6 +1,8 @@
 """Page: greedy decoding with and without cache, where the paths part and why."""
 import streamlit as st
 
+from pages.defaults import DEFAULTS
+
 from kvviz import figures
 from kvviz.greedy import DEFAULT_PATHS, MAX_NEW_TOKENS, PATH_LABELS, PATHS, GreedyConfig, run_greedy
 from kvviz.inputs import POSITION_MODES
@@ -11,9 +13,9 @@ choice, lm = page("Greedy paths",
                   "by side, the step where they part, how close that decision was, and whether it is rounding or logic.")
 
 with controls():
-    prompt = st.text_area("Prompt", "This is a ", key="greedy_prompt", height=80)
+    prompt = st.text_area("Prompt", DEFAULTS["greedy"]["prompt"], key="greedy_prompt", height=80)
     c1, c2, c3 = st.columns(3)
-    n_new = c1.number_input("New tokens", 1, MAX_NEW_TOKENS, 24, key="greedy_n")
+    n_new = c1.number_input("New tokens", 1, MAX_NEW_TOKENS, DEFAULTS["greedy"]["n"], key="greedy_n")
     left_pad = c2.number_input("Left padding", 0, 64, 0, key="greedy_pad")
     pos_mode = c3.radio("Position ids (cache path)", POSITION_MODES, horizontal=True, key="greedy_pos")
     paths = st.multiselect("Paths", PATHS, default=list(DEFAULT_PATHS), key="greedy_paths",

@@ -1,7 +1,9 @@
+from pathlib import Path
+
 import streamlit as st
 
 from kvviz.presets import PRESETS, preset_state
-from pages.common import ensure_navigation
+from pages.common import PAGE_TITLES, ensure_navigation, start_scenario
 
 ensure_navigation()
 if st.session_state.get("_goto"):
@@ -27,9 +29,7 @@ st.caption("One click sets the model, the dtype and the page's controls. Each sh
 
 
 def go(p) -> None:
-    state = preset_state(p)
-    st.session_state.update({k: v for k, v in state.items() if k in ("model_preset", "dtype", "invariant")})
-    st.session_state["_pending_controls"] = p.controls
+    start_scenario(p, preset_state(p))
     if p.controls.get("_mx_preset"):
         st.session_state["_mx_apply_preset"] = True
     st.session_state["_goto"] = p.page
@@ -40,7 +40,28 @@ for i, p in enumerate(PRESETS):
     with cols[i % 2].container(border=True):
         st.markdown(f"**{p.title}**")
         st.caption(p.what)
-        st.button("Open", key=f"preset_{p.key}", on_click=go, args=(p,))
+        title = PAGE_TITLES[Path(p.page).stem]
+        st.button(f"Open in {title}", key=f"preset_{p.key}", on_click=go, args=(p,),
+                  help=f"Opens the page {title} with model {p.model} in {p.dtype} and this scenario's settings")
+
+with st.expander("Prepare the meeting: run scenarios ahead, show them at once", icon=":material/event_available:"):
+    st.caption("Runs the chosen scenarios now and keeps their results: **Open a result** then shows each at once "
+               "(no model runs during the meeting), and offers one HTML report with all of them.")
+    from kvviz.meeting import default_dir, prepare
+
+    picked = st.multiselect("Scenarios", [p.key for p in PRESETS], default=["tie", "padding", "proof"],
+                            format_func=lambda k: next(p.title for p in PRESETS if p.key == k), key="meeting_keys")
+    if st.button("Prepare", key="meeting_run", icon=":material/play_arrow:", disabled=not picked):
+        from pages.common import progress_bar, show_error
+
+        try:
+            with progress_bar("Preparing the meeting…") as report:
+                done = prepare(picked, default_dir(), progress=report)
+        except Exception as e:  # noqa: BLE001
+            show_error(e)
+        else:
+            st.success(f"{len(done)} result(s) ready in **Open a result** (and one report with all of them).")
+            st.page_link("pages/open_result.py", label="Open a result", icon=":material/folder_open:")
 
 st.subheader("Pages")
 st.markdown("""

@@ -1,6 +1,8 @@
 """Page: the KV cache as an object - save it, reload it, continue and compare; how big it is."""
 import streamlit as st
 
+from pages.defaults import DEFAULTS
+
 from kvviz import figures
 from kvviz.cachesize import KVShape, growth, known_configs, known_table, size_report
 from kvviz.kvcache import continue_and_compare, load_cache, save_cache_bytes
@@ -11,7 +13,7 @@ choice, lm = page("KV cache",
                   "from it and check it bit for bit against a freshly computed cache; and see how big caches get.")
 t1, t2 = st.tabs(["Save, load, continue", "Size"])
 with t1:
-    prompt = st.text_area("Prompt to cache", "The capital of France is", key="kv_prompt", height=70)
+    prompt = st.text_area("Prompt to cache", DEFAULTS["kv"]["prompt"], key="kv_prompt", height=70)
     try:
         data, meta = run_cached("kv_save", {"model": choice.key, "prompt": prompt},
                                 lambda: save_cache_bytes(lm, prompt))
@@ -39,7 +41,7 @@ with t1:
             exports(res, "kv_reload", lm)
 with t2:
     c1, c2 = st.columns(2)
-    tokens = c1.number_input("Tokens", 1, 1_000_000, 1024, key="kv_tokens")
+    tokens = c1.number_input("Tokens", 1, 1_000_000, DEFAULTS["kv"]["tokens"], key="kv_tokens")
     batch = c2.number_input("Batch", 1, 1024, 1, key="kv_batch")
     try:
         rep = run_cached("kv_size", {"model": choice.key, "tokens": int(tokens), "batch": int(batch)},
@@ -49,7 +51,7 @@ with t2:
         show_error(e)
         st.stop()
     m1, m2, m3 = st.columns(3)
-    m1.metric("bytes per token", f"{rep.per_token_bytes:,}")
+    m1.metric("per token", f"{rep.per_token_bytes:,} B")
     m2.metric("formula", f"{rep.formula_bytes / 2 ** 20:.3g} MiB")
     m3.metric("measured (live cache)", "—" if rep.measured_bytes is None else f"{rep.measured_bytes / 2 ** 20:.3g} MiB",
               help=rep.note or "The keys and values the model really stored after running that many tokens")

@@ -1,6 +1,8 @@
 """Page: from_pretrained(dtype=16-bit) vs float32 + .to(16-bit): two different models."""
 import streamlit as st
 
+from pages.defaults import DEFAULTS
+
 from kvviz import figures
 
 from kvviz.loading_trap import run_loading_trap
@@ -11,9 +13,9 @@ choice, lm = page("Loading trap",
                   "frequencies, which from_pretrained(dtype=bfloat16) keeps in float32: two different models, whose "
                   "greedy texts can part although no cache is involved.")
 with controls():
-    prompt = st.text_area("Prompt", "This is a ", key="trap_prompt", height=70)
+    prompt = st.text_area("Prompt", DEFAULTS["trap"]["prompt"], key="trap_prompt", height=70)
     c1, c2 = st.columns(2)
-    n = c1.number_input("New tokens", 1, 256, 24, key="trap_n")
+    n = c1.number_input("New tokens", 1, 256, DEFAULTS["trap"]["n"], key="trap_n")
     dtype = c2.radio("16-bit dtype", ["bfloat16", "float16"], horizontal=True, key="trap_dtype")
 
 

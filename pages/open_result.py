@@ -9,12 +9,29 @@ page("Open a result",
      "A result downloaded from any page (Result JSON) opens here as it was: verdict, charts and tables, without "
      "loading or running any model. If it was computed with other versions or on another device, it says so.",
      needs_model=False)
+from kvviz.meeting import default_dir, prepared  # noqa: E402
+
+ready = prepared(default_dir())  # "Prepare the meeting" (Home) left these: they open at once, no model runs
+data = None
+if ready:
+    titles = ["—"] + [t for t, _ in ready]
+    pick = st.selectbox("Prepared for the meeting", titles, key="open_prepared",
+                        help="Results precomputed with Home's “Prepare the meeting”; pick one to show it at once")
+    bundle = default_dir() / "meeting.html"
+    if bundle.is_file():
+        st.download_button("All prepared results in one report (HTML)", bundle.read_bytes(),
+                           file_name="kvviz-meeting.html", mime="text/html", key="dl_meeting", on_click="ignore")
+    if pick != "—":
+        data = dict(ready)[pick].read_bytes()
 up = st.file_uploader("A kvviz result (.json)", type=["json"], key="open_upload")
-if up is None:
-    st.info("Upload a result file exported from one of the pages (or with `python -m kvviz … --json-out FILE`).")
+if up is not None:
+    data = up.getvalue()
+if data is None:
+    st.info("Upload a result file exported from one of the pages (or with `python -m kvviz … --json-out FILE`)"
+            + (", or pick a prepared one." if ready else "."))
     st.stop()
 try:
-    opened = open_result(up.getvalue())
+    opened = open_result(data)
 except Exception as e:  # noqa: BLE001
     show_error(e)
     st.stop()

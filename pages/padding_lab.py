@@ -1,6 +1,8 @@
 """Page: the same prompt alone, left-padded and in a batch, with cache settings right and wrong."""
 import streamlit as st
 
+from pages.defaults import DEFAULTS
+
 from kvviz import figures
 from kvviz.padding import run_padding
 from pages.common import ab_controls, controls, exports, page, progress_bar, run_cached, show_ab, show_error
@@ -10,10 +12,10 @@ choice, lm = page("Padding and batching",
                   "with the prompt alone, without cache and without padding; the colour is the verdict from rerunning that "
                   "very cell in float64.")
 with controls():
-    prompt = st.text_area("Prompt", "The capital of France is Paris, and the capital of Italy is", key="pad_prompt",
+    prompt = st.text_area("Prompt", DEFAULTS["padding"]["prompt"], key="pad_prompt",
                              height=80)
     c1, c2 = st.columns(2)
-    left_pad = c1.number_input("Left padding (pad tokens)", 0, 64, 4, key="pad_pad")
+    left_pad = c1.number_input("Left padding (pad tokens)", 0, 64, DEFAULTS["padding"]["left_pad"], key="pad_pad")
     split = c2.number_input("Split point (0 = half the prompt)", 0, 4096, 0, key="pad_split")
 
 

@@ -1,6 +1,8 @@
 """Page: a quantized KV cache and/or quantized weights against the unquantized run of the same model."""
 import streamlit as st
 
+from pages.defaults import DEFAULTS
+
 from kvviz import figures
 from kvviz.quant import DEFAULT_RESIDUAL, KV_CHOICES, WEIGHT_CHOICES, package_available, run_quant, QuantConfig
 from pages.common import (controls, exports, page, progress_bar, run_cached, show_error, show_verdict,
@@ -20,10 +22,10 @@ def _kv_label(kv: str) -> str:
 
 
 with controls():
-    prompt = st.text_area("Prompt", "The museum guard knew every painting in the building, but his favourite was",
+    prompt = st.text_area("Prompt", DEFAULTS["quant"]["prompt"],
                           key="quant_prompt", height=70)
     c1, c2, c3, c4 = st.columns(4)
-    kv = c1.selectbox("Quantized KV cache", KV_CHOICES, index=KV_CHOICES.index("quanto:int4"), key="quant_kv",
+    kv = c1.selectbox("Quantized KV cache", KV_CHOICES, index=KV_CHOICES.index(DEFAULTS["quant"]["kv"]), key="quant_kv",
                       format_func=_kv_label,
                       help="transformers' QuantizedCache: keys and values stored in n bits per value in groups, "
                            "the last tokens (the residual) kept unquantized.")
@@ -35,7 +37,7 @@ with controls():
                                f"{w[4:]} (bitsandbytes, CUDA only)" if w.startswith("bnb-") else
                                f"{w} weight-only (optimum-quanto)"
                                + ("" if package_available("quanto") else " — not installed")))
-    n = c4.number_input("New tokens", 2, 256, 24, key="quant_n")
+    n = c4.number_input("New tokens", 2, 256, DEFAULTS["quant"]["n"], key="quant_n")
 
 cfg = QuantConfig(prompt, kv=kv, residual_length=int(residual), weights=weights, max_new_tokens=int(n))
 
@@ -56,8 +58,8 @@ left, right = verdict_and_chart()
 with left:
     show_verdict("lossy" if res.verdict == "lossy" else "identical", res.explanation)
     m1, m2 = st.columns(2)
-    m1.metric("Greedy agreement", f"{res.agreement} / {res.steps}", help="Tokens before the texts part")
-    m2.metric("Max KL", f"{res.kl_max:.3g}", help="The largest per-step KL(unquantized ‖ quantized)")
+    m1.metric("Greedy agreement", f"{res.agreement} / {res.steps} tokens", help="Tokens before the texts part")
+    m2.metric("Max KL", f"{res.kl_max:.3g} nats", help="The largest per-step KL(unquantized ‖ quantized), natural log")
 with right:
     st.plotly_chart(figures.quant_steps(res), width="stretch", key="quant_steps_chart")
 st.plotly_chart(figures.quant_layers(res), width="stretch", key="quant_layers_chart")

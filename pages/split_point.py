@@ -1,13 +1,15 @@
 """Page: prefix → cache → rest, compared with one full forward."""
 import streamlit as st
 
+from pages.defaults import DEFAULTS
+
 import kvviz
 from kvviz import figures
 from kvviz.inputs import MASK_MODES, POSITION_MODES, encode
 from kvviz.metrics import HIDDEN_METRICS
-from pages.common import ab_controls, controls, show_ab, exports, page, verdict_and_chart, progress_bar, run_cached, show_error, show_verdict, token_strip
+from pages.common import ab_controls, controls, linked_slider_box, page_message, show_ab, exports, page, verdict_and_chart, progress_bar, run_cached, show_error, show_verdict, token_strip
 
-DEFAULT_PROMPT = "The capital of France is Paris, and the capital of Italy is"
+DEFAULT_PROMPT = DEFAULTS["split"]["prompt"]
 
 choice, lm = page("Split point",
                   "Feed tokens [0, k) and cache them, then feed the rest through past_key_values; compare every hidden "
@@ -18,27 +20,22 @@ with controls():
     try:
         ids = encode(lm, prompt)
     except kvviz.KvvizError as e:
-        show_error(e)
+        with page_message():
+            show_error(e)
         st.stop()
     tokens = [lm.tokenizer.decode([i]) for i in ids]
     n = len(tokens)
     if n < 2:
-        st.warning("The prompt is a single token; a split needs at least 2 tokens.")
+        with page_message():
+            st.warning("The prompt is a single token; a split needs at least 2 tokens.")
         st.stop()
 
     c1, c2 = st.columns([3, 2])
     with c1:
         default_split = min(max(1, n // 2), n - 1)
-        if st.session_state.get("split_k", default_split) > n - 1:
-            st.session_state["split_k"] = n - 1
         if n - 1 > 1:
-            ss = st.session_state
-            ss.setdefault("split_k", default_split)
-            ss["split_k_typed"] = ss["split_k"]  # the typed box shows the slider's k; typing moves the slider
-            s1, s2 = st.columns([4, 1])
-            split = s1.slider("Split point k: tokens before k go to the cache", 1, n - 1, key="split_k")
-            s2.number_input("k", 1, n - 1, key="split_k_typed", help="Type k exactly (long prompts)",
-                            on_change=lambda: ss.update(split_k=int(ss["split_k_typed"])))
+            split = linked_slider_box("split_k", "Split point k: tokens before k go to the cache", 1, n - 1,
+                                      default_split, "k", help="Type k exactly (long prompts)")
         else:
             split = 1
             st.caption("Split point k = 1 (the only one for a 2-token prompt)")
@@ -75,27 +72,34 @@ with left:
     show_verdict(res.verdict, res.explanation, res.proof)
 if not res.main.has_cache:
     st.stop()
-with left:
-    if res.invariant is not None and not choice.invariant:
-        n1, n2 = st.columns(2)
-        n1.metric("normal run: largest |Δ|", f"{res.main.max_abs:.3g}")
-        n2.metric("invariant mode: largest |Δ|", f"{res.invariant.max_abs:.3g}",
-                  help="The same scenario with every row computed the same way whatever the shape")
+with left:  # tiles: the unit in each label (absolute, relative to |x|, in ε, positions)
     f64 = res.float64
-    cols = st.columns(2 if st.session_state.get("presenter") else 4)
-    m1, m2, m3, m4 = (cols[i % len(cols)] for i in range(4))
-    m1.metric("largest relative gap", f"{res.main.max_relative:.3g}")
-    m2.metric(f"× ε of {res.settings.dtype}", f"{res.main.max_relative / kvviz.machine_eps(lm.dtype):.3g}")
-    m3.metric("float64 rerun", "—" if f64 is None else f"{f64.max_relative:.3g}",
-              help="The same scenario in float64: the evidence for the verdict")
-    m4.metric("next token agrees", f"{int(res.main.logits['argmax_agree'].sum())}/{len(res.compared)}")
+    tiles = []
+    if res.invariant is not None and not choice.invariant:
+        tiles += [("max |Δ|, normal run (absolute)", f"{res.main.max_abs:.3g}",
+                   "The largest absolute gap of a hidden state, in the model's own units"),
+                  ("max |Δ|, invariant mode (absolute)", f"{res.invariant.max_abs:.3g}",
+                   "The same scenario with every row computed the same way whatever the shape")]
+    tiles += [("largest relative gap (÷ |x|)", f"{res.main.max_relative:.3g}",
+               "max |Δ| / max |x| of a hidden state: 1e-7 is a seven-digit agreement"),
+              (f"in units of ε ({res.settings.dtype})",
+               f"{res.main.max_relative / kvviz.machine_eps(lm.dtype):.3g} ε",
+               f"The relative gap in units of {res.settings.dtype}'s machine epsilon"),
+              ("float64 rerun (÷ |x|)", "—" if f64 is None else f"{f64.max_relative:.3g}",
+               "The same scenario in float64: the evidence for the verdict"),
+              ("next token agrees (positions)",
+               f"{int(res.main.logits['argmax_agree'].sum())}/{len(res.compared)}", None)]
+    cols = st.columns(2 if st.session_state.get("presenter") else 3)
+    for i, (label, value, help_text) in enumerate(tiles):
+        cols[i % len(cols)].metric(label, value, help=help_text)
 with right:
+    chart_box = st.container()  # the heatmap first, its view controls under it (the first screen shows the chart)
     v1, v2 = st.columns([2, 1])
     metric = v1.selectbox("Metric", list(HIDDEN_METRICS), index=2, key="split_metric",
                           format_func=figures.METRIC_TITLES.get,
                           help="; ".join(f"{figures.METRIC_TITLES[k]}: {v}" for k, v in HIDDEN_METRICS.items()))
     log = v2.toggle("Log colour scale", True, key="split_log")
-    st.plotly_chart(figures.split_heatmap(res, metric, log), width="stretch", key="split_heatmap")
+    chart_box.plotly_chart(figures.split_heatmap(res, metric, log), width="stretch", key="split_heatmap")
 st.plotly_chart(figures.layer_lines(res, metric, log), width="stretch", key="split_lines")
 
 with st.expander("A/B: this view against one other setting, on one colour scale"):
@@ -137,6 +141,7 @@ with st.expander("Where does it start? (bisector)"):
               on_click=lambda k=repr(cfg.__dict__) + choice.key: st.session_state.__setitem__("split_bisect_for", k))
     if st.session_state.get("split_bisect_for") == repr(cfg.__dict__) + choice.key:
         from kvviz.bisect import run_bisect
+        from kvviz.naming import module_row
 
         try:
             b = run_cached("bisect", {"model": choice.key, "cfg": cfg.__dict__},
@@ -145,7 +150,8 @@ with st.expander("Where does it start? (bisector)"):
             show_error(e)
         else:
             st.markdown(b.explanation)
-            st.dataframe([{"module": g.name, "kind": g.kind, "layer": g.layer, "max |Δ|": g.max_abs}
+            st.dataframe([{"layer": module_row(g.name), "module": g.name, "kind": g.kind,
+                           "max |Δ|": g.max_abs}
                           for g in b.modules], hide_index=True, width="stretch")
 for note in res.notes:
     st.caption(f"ℹ️ {note}")

@@ -58,13 +58,13 @@ def test_split_page_controls_and_view_only_changes(count_runs):
     assert len(at.get("plotly_chart")) == 2
     assert len(count_runs) == 1
     # changing the split reruns the comparison
-    at.slider(key="split_k").set_value(5).run()
+    at.slider(key="split_k_slider").set_value(5).run()
     assert not at.exception and len(count_runs) == 2
     # k typed as a number moves the slider and runs that split
     at.number_input(key="split_k_typed").set_value(3).run()
-    assert not at.exception and at.slider(key="split_k").value == 3 and len(count_runs) == 3
+    assert not at.exception and at.slider(key="split_k_slider").value == 3 and len(count_runs) == 3
     assert "3 cached" in " ".join(c.value for c in at.caption)
-    at.slider(key="split_k").set_value(6).run()
+    at.slider(key="split_k_slider").set_value(6).run()
     assert at.number_input(key="split_k_typed").value == 6 and len(count_runs) == 4
     # changing only the metric or the colour scale re-renders without running the model
     at.selectbox(key="split_metric").set_value("eps_units").run()
@@ -336,7 +336,7 @@ def test_stop_leaves_the_page_usable_and_run_again_restarts(count_runs):
     assert len(count_runs) == 1
     # what the Stop button's callback records when clicked during a run (the click itself interrupts the run)
     at.session_state["_stop_requested"] = True
-    at.slider(key="split_k").set_value(5).run()
+    at.slider(key="split_k_slider").set_value(5).run()
     assert not at.exception, at.exception
     assert len(count_runs) == 1 and "Stopped" in alerts(at)
     assert at.text_area(key="split_prompt").value  # controls are still there
@@ -344,9 +344,9 @@ def test_stop_leaves_the_page_usable_and_run_again_restarts(count_runs):
     assert not at.exception and len(count_runs) == 2 and "Verdict:" in alerts(at)
     # a stopped run stays stopped only for its own inputs
     at.session_state["_stop_requested"] = True
-    at.slider(key="split_k").set_value(4).run()
+    at.slider(key="split_k_slider").set_value(4).run()
     assert len(count_runs) == 2
-    at.slider(key="split_k").set_value(3).run()
+    at.slider(key="split_k_slider").set_value(3).run()
     assert len(count_runs) == 3 and "Stopped" not in alerts(at)
 
 
@@ -426,3 +426,74 @@ def test_dtypes_and_reuse_ab():
     table = at.dataframe[0].value
     assert list(table.columns[:4]) == ["continuation", "way", "A verdict", "B verdict"]
     assert set(table["way"]) == {"fresh", "deepcopy", "reused"} and len(table) == 9
+
+
+def test_a_scenario_is_marked_and_leaving_it_restores_the_defaults():
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
+    at.run()
+    at.button(key="preset_padding").click().run()
+    assert not at.exception, at.exception
+    assert "Verdict: logic" in alerts(at) and "Scenario: Left padding without position ids" in alerts(at)
+    assert at.number_input(key="split_pad").value == 4 and at.radio(key="split_pos").value == "omit"
+    assert at.query_params["split_pad"] in ("4", ["4"])  # the URL says the scenario's settings at once
+    # another model: the scenario's controls go back to their defaults, the banner goes
+    at.selectbox(key="model_preset").set_value("tiny:gpt2").run()
+    assert not at.exception, at.exception
+    assert at.number_input(key="split_pad").value == 0 and at.radio(key="split_pos").value == "auto"
+    assert "Verdict: logic" not in alerts(at) and "Verdict:" in alerts(at) and "Scenario:" not in alerts(at)
+    assert "split_pad" not in at.query_params
+    # another page and back: the scenario's model and controls are gone too
+    at.switch_page("pages/home.py").run()
+    at.button(key="preset_newonly").click().run()
+    assert at.radio(key="split_mask").value == "new-only" and at.session_state["model_preset"] == "tiny:llama"
+    at.switch_page("pages/guide.py").run()
+    assert at.session_state["model_preset"] == "default"
+    at.session_state["model_preset"] = "tiny:gpt2"  # (the default model is for slow tests)
+    at.switch_page("pages/split_point.py").run()
+    assert not at.exception and at.radio(key="split_mask").value == "full" and "Verdict: logic" not in alerts(at)
+
+
+def test_reset_to_defaults_on_a_page():
+    at = start("pages/split_point.py", model="tiny:llama")
+    at.number_input(key="split_pad").set_value(3).run()
+    at.radio(key="split_pos").set_value("omit").run()
+    at.selectbox(key="dtype").set_value("bfloat16").run()
+    assert "Verdict: logic" in alerts(at)
+    at.button(key="_reset_split_point").click().run()
+    assert not at.exception, at.exception
+    assert at.number_input(key="split_pad").value == 0 and at.radio(key="split_pos").value == "auto"
+    assert at.selectbox(key="dtype").value == "float32" and at.session_state["model_preset"] == "tiny:llama"
+    assert "Verdict: logic" not in alerts(at) and "split_pos" not in at.query_params
+
+
+def test_slider_and_box_agree_after_a_failed_load_and_the_old_message_goes():
+    at = start("pages/split_point.py")
+    at.number_input(key="split_k_typed").set_value(6).run()
+    assert at.slider(key="split_k_slider").value == 6
+    at.selectbox(key="model_preset").set_value("other…").run()
+    at.text_input(key="model_other").input("/no/such/model.gguf").run()
+    assert not at.exception and "not found" in alerts(at)
+    at.selectbox(key="model_preset").set_value("tiny:gpt2").run()
+    assert not at.exception, at.exception
+    assert at.slider(key="split_k_slider").value == 6 and at.number_input(key="split_k_typed").value == 6
+    assert "6 cached" in " ".join(c.value for c in at.caption)
+    assert "not found" not in alerts(at)
+    at.slider(key="split_k_slider").set_value(4).run()
+    assert at.number_input(key="split_k_typed").value == 4 and at.query_params["split_k"] in ("4", ["4"])
+
+
+def test_open_a_result_lists_the_prepared_meeting():
+    import os
+    from pathlib import Path
+
+    from kvviz.meeting import prepare
+
+    prepare(["padding"], Path(os.environ["KVVIZ_CACHE"]) / "meeting")
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
+    at.session_state["model_preset"] = "other…"
+    at.session_state["model_other"] = "/nonexistent/model"  # nothing may load: the result is shown as it was
+    at.run()
+    at.switch_page("pages/open_result.py").run()
+    at.selectbox(key="open_prepared").set_value("Left padding without position ids").run()
+    assert not at.exception, at.exception
+    assert "Verdict: logic" in alerts(at) and "nonexistent" not in alerts(at)

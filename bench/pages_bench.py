@@ -1,0 +1,135 @@
+"""How long each page's default run takes: the library calls each page makes with its default controls, on the
+default model (or --model), timed after the model is loaded (the first load is excluded and reported apart).
+Medians over --repeats runs; each run is a fresh call (the pages' session cache is not used).
+
+    nice -n 10 .venv/bin/python bench/pages_bench.py [--model default] [--repeats 3] [--pages split,greedy] [--json F]
+
+The budget (issue 19): every page's default run <= 30 s on a quiet 2-core CPU. The machine this ran on, its load
+and the niceness are printed with the numbers: compare runs only on the same machine and load.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import kvviz  # noqa: E402
+
+
+def page_calls(lm, spec: str):
+    """name -> a zero-argument function doing what the page does on its first run with its default controls.
+    Keep in step with the defaults in pages/*.py (tests/test_pages_bench.py checks the names and a tiny run)."""
+    from kvviz.check import run_check
+    from kvviz.dtype_sweep import run_dtypes
+    from kvviz.greedy import DEFAULT_PATHS, GreedyConfig, run_greedy
+    from kvviz.cachesize import size_report
+    from kvviz.kvcache import save_cache_bytes
+    from kvviz.loading_trap import run_loading_trap
+    from kvviz.matrix import MatrixConfig, run_matrix
+    from kvviz.padding import run_padding
+    from kvviz.quant import DEFAULT_RESIDUAL, QuantConfig, run_quant
+    from kvviz.reuse import run_reuse
+
+    from pages.defaults import DEFAULTS as D  # the pages' default controls, in one place
+
+    def split():
+        from kvviz.inputs import encode
+
+        n = len(encode(lm, D["split"]["prompt"]))
+        return kvviz.run_split(lm, kvviz.SplitConfig(prompt=D["split"]["prompt"], split=min(max(1, n // 2), n - 1)))
+
+    def greedy():
+        g = D["greedy"]
+        return run_greedy(lm, GreedyConfig(prompt=g["prompt"], max_new_tokens=g["n"], paths=tuple(DEFAULT_PATHS)))
+
+    def dtypes():
+        d = D["dtypes"]
+        return run_dtypes(kvviz.parse_spec(spec), [d["prompt"]], list(d["dtypes"]), "cpu", "auto", split="last",
+                          mode="chunk")
+
+    def padding():
+        p = D["padding"]
+        return run_padding(lm, p["prompt"], None, p["left_pad"])
+
+    def reuse():
+        r = D["reuse"]
+        return run_reuse(lm, r["prefix"], r["continuations"], r["n"])
+
+    def trap():
+        t = D["trap"]
+        return run_loading_trap(lm, t["prompt"], t["n"], "bfloat16")
+
+    def matrix():
+        m = D["matrix"]
+        return run_matrix(lm, MatrixConfig(prompt=m["prompt"], max_new_tokens=m["n"], attentions=tuple(m["attn"]),
+                                           caches=tuple(m["cache"]), compiles=("off",), flag_sets=((),),
+                                           repeats=m["repeats"]))
+
+    def kv_cache():
+        save_cache_bytes(lm, D["kv"]["prompt"])
+        return size_report(lm, D["kv"]["tokens"], 1, measure=lm.max_positions is None
+                           or D["kv"]["tokens"] <= lm.max_positions)
+
+    def quant():
+        q = D["quant"]
+        return run_quant(lm, QuantConfig(q["prompt"], kv=q["kv"], residual_length=DEFAULT_RESIDUAL, weights="none",
+                                         max_new_tokens=q["n"]))
+
+    def check():
+        return run_check(lm)
+
+    return {"split": split, "greedy": greedy, "dtypes": dtypes, "padding": padding, "reuse": reuse,
+            "loading_trap": trap, "backends": matrix, "kv_cache": kv_cache, "quantized": quant,
+            "cache_safety": check}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--pages", default="", help="comma-separated subset (default: all)")
+    ap.add_argument("--json", default="")
+    a = ap.parse_args(argv)
+    import torch
+
+    t0 = time.perf_counter()
+    lm = kvviz.load_model(a.model, "float32", "cpu")
+    load_s = time.perf_counter() - t0
+    calls = page_calls(lm, a.model)
+    names = [n for n in a.pages.split(",") if n] or list(calls)
+    try:
+        nice = os.nice(0)
+    except OSError:
+        nice = None
+    print(f"model {a.model} ({lm.description}); load {load_s:.1f} s; torch threads {torch.get_num_threads()}; "
+          f"cpus {os.cpu_count()}; nice {nice}; load average {os.getloadavg()}")
+    out = {"model": a.model, "load_s": load_s, "threads": torch.get_num_threads(), "nice": nice, "pages": {}}
+    for name in names:
+        times, cpus = [], []
+        for _ in range(a.repeats):
+            t, c = time.perf_counter(), time.process_time()
+            calls[name]()
+            times.append(time.perf_counter() - t)
+            cpus.append(time.process_time() - c)
+        med, cpu = statistics.median(times), statistics.median(cpus)
+        # On a shared machine the wall time is inflated by the other processes; the process CPU time (all threads)
+        # is what the run itself needed: on a quiet machine with T threads its wall time lies between cpu / T and cpu.
+        est = cpu / max(1, torch.get_num_threads())
+        out["pages"][name] = {"median_s": med, "runs_s": times, "cpu_s": cpu, "quiet_estimate_s": [est, cpu],
+                              "loadavg": os.getloadavg()[0]}
+        print(f"{name:<14} wall median {med:7.1f} s  (runs {', '.join(f'{x:.1f}' for x in times)})  CPU {cpu:7.1f} s "
+              f"-> quiet {est:5.1f}-{cpu:5.1f} s  {'OK' if est <= 30 else 'OVER 30 s'}  "
+              f"(load avg {os.getloadavg()[0]:.1f})", flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -5,7 +5,8 @@ import torch
 
 import kvviz
 from kvviz.errors import KvvizError
-from kvviz.split import FLOAT64_CLOSED_REL, SplitConfig, run_split
+from kvviz.split import SplitConfig, run_split
+from kvviz.verdict import FLOAT64_CLOSED_REL
 
 from conftest import PROMPT, DEVICE
 

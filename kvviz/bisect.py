@@ -19,7 +19,7 @@ from .execution import DEFAULT_SETTINGS, ExecSettings, Executor, has_cache
 from .inputs import build_inputs
 from .loading import LoadedModel
 from .naming import module_label
-from .split import SplitConfig, _mask, check_split
+from .split import SplitConfig, _mask, check_split, register_bisector
 
 _KINDS = (  # (pattern on the module's own name, kind) - first match wins
     (r"(embed_tokens|wte|wpe|embed_in|word_embeddings|position_embeddings|embeddings)$", "embedding"),
@@ -364,3 +364,6 @@ def _trace_ops(ex: Executor, lm: LoadedModel, cfg: SplitConfig, inp, a0: int, n:
     with cached:
         ex.forward(inp.ids[:, a0:a0 + steps], _mask(cfg, inp, a0, a0 + steps), pos, past, hidden=False)
     return cached.first
+
+
+register_bisector(run_bisect)  # a failed proof's explanation names what the bisector finds first

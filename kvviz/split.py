@@ -348,12 +348,19 @@ def proof_line(verdict: str, main: Comparison, inv: Comparison, settings: ExecSe
             f"order alone" + (" — logic." if verdict == "logic" else " — the precision verdict is unproved."))
 
 
+_BISECTOR: list[Callable] = []  # kvviz.bisect registers run_bisect here (split never imports the bisector back)
+
+
+def register_bisector(run_bisect: Callable) -> None:
+    _BISECTOR[:] = [run_bisect]
+
+
 def _bisect_first(lm: LoadedModel, cfg: SplitConfig, settings: ExecSettings) -> str | None:
     """What the bisector finds first for this scenario (a failed proof's explanation names it); None if it fails."""
+    if not _BISECTOR:
+        return None
     try:
-        from .bisect import run_bisect
-
-        res = run_bisect(lm, cfg, settings)
+        res = _BISECTOR[0](lm, cfg, settings)
     except Exception:  # noqa: BLE001 - an explanation aid only
         return None
     return res.explanation.removeprefix("The first difference is in ").split(". Everything")[0] if res.first else None

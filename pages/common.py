@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import dataclasses
 import json
 from dataclasses import dataclass
 
@@ -12,6 +13,7 @@ import streamlit as st
 import kvviz
 from kvviz.errors import OUT_OF_MEMORY_HINT, KvvizError, free_memory, is_out_of_memory
 from kvviz.execution import ExecSettings
+from pages.devices import devices_control, placement_caption, placement_kwargs
 
 PRESETS = ["default"] + [f"tiny:{a}" for a in kvviz.TINY_MODELS] + ["other…"]
 DEVICES = ["auto", "cpu", "cuda", "mps"]
@@ -25,19 +27,26 @@ class ModelChoice:
     attn: str
     trust_remote_code: bool
     invariant: bool = False
+    devices: str = "one"  # one device, or the layers spread by accelerate (pages/devices.py)
+    max_memory: str = ""
 
     @property
     def key(self) -> str:
-        return json.dumps(self.__dict__, sort_keys=True)
+        return self.key_without()
 
     def key_without(self, *fields: str) -> str:
         """The result-cache key of a page that ignores some sidebar fields (e.g. the dtype sweep ignores dtype)."""
-        return json.dumps({k: v for k, v in self.__dict__.items() if k not in fields}, sort_keys=True)
+        return json.dumps({f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in fields},
+                          sort_keys=True)
 
     @property
     def model_spec(self) -> kvviz.ModelSpec:
         """The typed model, parsed once (kvviz.parse_spec) and then carried whole to the library."""
-        return kvviz.parse_spec(self.spec)
+        parsed = self.__dict__.get("_spec")
+        if parsed is None:
+            parsed = kvviz.parse_spec(self.spec)
+            object.__setattr__(self, "_spec", parsed)  # not a field: the key and equality ignore it
+        return parsed
 
     @property
     def settings(self) -> ExecSettings:
@@ -77,6 +86,8 @@ def sidebar() -> ModelChoice:
         st.selectbox("dtype", kvviz.DTYPE_NAMES, key="dtype",
                      help="The precision the model runs in. float64 is the exact reference.")
         st.selectbox("Device", DEVICES, key="device", help="auto: cuda, else mps, else cpu")
+    devices, max_memory = devices_control()
+    with st.sidebar:
         st.selectbox("Attention implementation", kvviz.ATTN_CHOICES, key="attn",
                      help="auto: the model's default (usually sdpa)")
         st.checkbox("Trust remote code", key="trust_remote_code",
@@ -90,7 +101,8 @@ def sidebar() -> ModelChoice:
                          "products, fixed-order softmax and attention). A cached run then equals the full forward "
                          "bit for bit wherever the logic is right: a gap that survives is logic, proved.")
     spec = ss.model_other.strip() if ss.model_preset == "other…" else ss.model_preset
-    return ModelChoice(spec, ss.dtype, ss.device, ss.attn, bool(ss.trust_remote_code), bool(ss.invariant))
+    return ModelChoice(spec, ss.dtype, ss.device, ss.attn, bool(ss.trust_remote_code), bool(ss.invariant), devices,
+                       max_memory)
 
 
 def page_message():
@@ -153,7 +165,8 @@ def load(choice: ModelChoice) -> kvviz.LoadedModel | None:
     try:
         with progress_bar(f"Loading {choice.spec} ({choice.dtype})…") as report:
             lm = kvviz.load_model(choice.model_spec, choice.dtype, choice.device, choice.attn,
-                                  trust_remote_code=choice.trust_remote_code, progress=report)
+                                  trust_remote_code=choice.trust_remote_code, progress=report,
+                                  **placement_kwargs(choice.devices, choice.max_memory))
     except Exception as e:  # noqa: BLE001 - every failure becomes one line
         slot = st.session_state.get("_msg_slot")
         with slot.container() if slot is not None else contextlib.nullcontext():
@@ -164,6 +177,7 @@ def load(choice: ModelChoice) -> kvviz.LoadedModel | None:
                    f"on `{lm.device}`.")
         for w in lm.warnings:
             st.caption(f"ℹ️ {w}")
+    placement_caption(lm)
     return lm
 
 
@@ -172,7 +186,7 @@ def load(choice: ModelChoice) -> kvviz.LoadedModel | None:
 # own before drawing them (`restore`). The URL carries the sidebar and the current page's controls as JSON values.
 PAGE_PREFIXES = ("split_", "greedy_", "dt_", "pad_", "reuse_", "mx_", "kv_", "trap_", "quant_", "check_")
 SIDEBAR_KEYS = ("model_preset", "model_other", "dtype", "device", "attn", "trust_remote_code", "invariant",
-                "presenter")
+                "presenter", "devices", "max_memory")
 _NOT_IN_URL = ("kv_upload", "dt_upload", "mx_run", "mx_preset", "split_bisect", "open_upload", "split_k_typed",
                "split_k_slider",
                "kv_download")

@@ -69,7 +69,7 @@ def plain(lm, ids: list[list[int]], n: int, runs: int, k: int, seed: int, page: 
             manager.start()
             try:
                 for i, x in enumerate(ids):
-                    for key, toks, m in ((f"w{i}", x, 1), (f"p{i}", x, n)):
+                    for key, toks, m in ((f"w{i}", x, 2), (f"p{i}", x, n)):
                         manager.add_request(toks, request_id=key, max_new_tokens=m, eos_token_id=-1)
                         while True:
                             res = manager.get_result(timeout=1)

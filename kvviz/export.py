@@ -213,8 +213,9 @@ def _serving(d: dict):
     return ServeResult.from_dict(d)
 
 
-_BUILDERS = {"serving": _serving, "kv_reload": _kv_reload, "kv_size": _kv_size, "bisect": _bisect, "loading_trap": _loading_trap, "check": _check, "split": _split, "greedy": _greedy, "dtypes": _dtypes, "padding": _padding, "reuse": _reuse,
+_BUILDERS = {"kv_reload": _kv_reload, "kv_size": _kv_size, "bisect": _bisect, "loading_trap": _loading_trap, "check": _check, "split": _split, "greedy": _greedy, "dtypes": _dtypes, "padding": _padding, "reuse": _reuse,
              "matrix": _matrix, "quant": _quant}
+_BUILDERS["serving"] = _serving
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -28,8 +28,6 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 from typing import Callable
 
-import torch
-
 from .engines import ENGINES, MIN_PAGE, Request, check_engine, make_engine, vllm_available
 from .errors import KvvizError
 from .execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings
@@ -593,7 +591,8 @@ def prompt_frame(res: ServeResult):
         row.update({f"distinct {c}": p.distinct[c] for c in res.settings.conditions})
         row.update({"first divergence": "—" if p.first_divergence is None else p.first_divergence,
                     "where": "—" if p.condition is None else f"{p.condition}, run {p.run + 1}",
-                    "tokens (ref → run)": "—" if p.reference_token is None else f"{p.reference_token!r} → {p.run_token!r}",
+                    "tokens (ref → run)": ("—" if p.reference_token is None
+                                           else f"{p.reference_token!r} → {p.run_token!r}"),
                     "ref margin": fmt_number(p.margin), "run margin": fmt_number(p.run_margin),
                     "verdict": p.verdict or ("identical" if p.first_divergence is None else "—"),
                     "float64 gap": fmt_number(p.float64_gap),

@@ -604,8 +604,9 @@ def cmd_serve_study(args) -> int:
     return 0
 
 
-COMMANDS = {"serve-study": cmd_serve_study, "quant": cmd_quant, "split": cmd_split, "greedy": cmd_greedy, "dtypes": cmd_dtypes, "padding": cmd_padding,
+COMMANDS = {"quant": cmd_quant, "split": cmd_split, "greedy": cmd_greedy, "dtypes": cmd_dtypes, "padding": cmd_padding,
             "reuse": cmd_reuse, "bisect": cmd_bisect, "matrix": cmd_matrix, "open": cmd_open, "cache": cmd_cache, "check": cmd_check, "loading-trap": cmd_loading_trap}
+COMMANDS["serve-study"] = cmd_serve_study
 
 
 def main(argv: list[str] | None = None) -> int:

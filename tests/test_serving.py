@@ -239,3 +239,13 @@ def test_a_bidirectional_model_parts_as_logic_and_stays_in_invariant_mode():
     for p in parting:
         assert p.verdict == "logic" and p.float64_gap > 1e-6
         assert p.proved is False and "logic" in p.proof
+
+
+@pytest.mark.slow
+def test_default_model_bf16_small_study_runs_and_invariant_gives_one_completion():
+    prompts, _ = load_prompt_set("builtin", limit=3)
+    _, res = _study("default", prompts, "bfloat16", runs=1, max_new_tokens=3)
+    assert len(res.prompts) == 3 and sum(res.histogram.values()) == 3
+    assert all(p.verdict in (None, "precision", "logic") for p in res.prompts)
+    _, inv = _study("default", prompts, "bfloat16", invariant_mode=True, runs=1, max_new_tokens=3)
+    assert inv.histogram == {1: 3}

@@ -79,6 +79,7 @@ class RequestOut:
     tokens: list[int]
     margins: list[float]  # top-2 margin of the engine's scores at each step (empty when not captured)
     scores: list[torch.Tensor] = field(default_factory=list, repr=False)  # full rows, float64 (keep_scores only)
+    cached_tokens: int = 0  # prompt tokens taken from the cache (prefix sharing) instead of being computed
 
 
 @dataclass
@@ -94,6 +95,7 @@ class _Capture:
 
     def __init__(self, manager, keep: set[str], margins: dict, scores: dict):
         self.manager, self.keep, self.margins, self.scores = manager, keep, margins, scores
+        self.cached: dict[str, int] = {}
 
     def hook(self, batch_processor) -> None:
         runner = getattr(batch_processor, "model_runner", None)
@@ -108,6 +110,16 @@ class _Capture:
 
         sample._kvviz = True
         runner._sample = sample
+        cache = getattr(batch_processor, "cache", None)
+        search = getattr(cache, "search_prefix_match", None)
+        if search is not None and not getattr(search, "_kvviz", False):
+            def search_hooked(request_id, prompt_ids):
+                n = search(request_id, prompt_ids)
+                self.cached[request_id] = self.cached.get(request_id, 0) + int(n)
+                return n
+
+            search_hooked._kvviz = True
+            cache.search_prefix_match = search_hooked
 
     def record(self, io, probs: torch.Tensor) -> None:
         states = getattr(io, "requests_in_batch", None)
@@ -235,7 +247,8 @@ class TransformersEngine:
             toks = [int(t) for t in res.generated_tokens]
             new += len(toks)
             m = margins.get(r.key, [])
-            outs[r.key] = RequestOut(toks, m[-len(toks):] if len(m) >= len(toks) else m, scores.get(r.key, []))
+            outs[r.key] = RequestOut(toks, m[-len(toks):] if len(m) >= len(toks) else m, scores.get(r.key, []),
+                                     capture.cached.get(r.key, 0))
         return EngineRun(outs, seconds, new)
 
 

@@ -798,7 +798,7 @@ for cond in CONDITIONS:
         else:
             reqs, seq = [], set()
             for i, p in enumerate(PROMPTS):
-                reqs += [(f"w{{i}}", PREFIX or p, 1), (f"p{{i}}", p, N_NEW)]
+                reqs += [(f"w{{i}}", PREFIX or p, 2), (f"p{{i}}", p, N_NEW)]
                 seq |= {{f"w{{i}}", f"p{{i}}"}}
             out = engine(reqs, 1, True, seq)
             got = {{i: out[f"p{{i}}"] for i in range(len(PROMPTS))}}

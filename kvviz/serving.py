@@ -46,6 +46,9 @@ MAX_RUNS = 1000
 MAX_NEW_TOKENS = 256
 MAX_BATCH = 64
 DEFAULT_LIMIT = 20
+# The warmer decodes 2 tokens: transformers' engine registers a request's full pages for sharing after a step only
+# while the request is still running, so a 1-token request (finished by its prefill) would leave nothing cached.
+WARMER_TOKENS = 2
 
 Progress = Callable[[float, str], None]
 
@@ -133,6 +136,8 @@ class ConditionStats:
     new_tokens: int
     seconds: float
     parting_prompts: int  # prompts with a run that differs from the reference
+    cached_tokens: int = 0  # prompt tokens the counted requests took from the cache (prefix sharing)
+    prompt_tokens: int = 0  # prompt tokens of the counted requests
 
     @property
     def tokens_per_s(self) -> float:
@@ -197,7 +202,7 @@ class ServeResult:
         ex = d["settings"].get("execution") or {}
         s["execution"] = ExecSettings(cache=ex.get("cache", "dynamic"), compile=ex.get("compile", "off"),
                                       flags=tuple(ex.get("flags", ())), invariant=bool(ex.get("invariant", False)))
-        conds = {k: ConditionStats(**{f.name: v[f.name] for f in fields(ConditionStats)})
+        conds = {k: ConditionStats(**{f.name: v[f.name] for f in fields(ConditionStats) if f.name in v})
                  for k, v in d["conditions"].items()}
         return cls(settings=ServeSettings(**s), model=d["model"], engine=d["engine"],
                    prompts=[PromptResult(**p) for p in d["prompts"]], conditions=conds, notes=d.get("notes", []),
@@ -264,7 +269,7 @@ def _requests(cond: str, ids: list[list[int]], n: int, run: int, plan: dict, pre
         return reqs, k, False, seq, counted
     for i in range(len(ids)) if only is None else [only]:  # warm
         wkey, key = f"w{i}", f"p{i}"
-        reqs.append(Request(wkey, _warmer(prefix_ids, ids[i]), 1))
+        reqs.append(Request(wkey, _warmer(prefix_ids, ids[i]), WARMER_TOKENS))
         reqs.append(target(i, key))
         seq.update((wkey, key))
         counted[key] = i
@@ -330,7 +335,7 @@ def run_serving(lm: LoadedModel, cfg: ServeConfig, progress: Progress | None = N
     completions: dict[str, list[list[list[int]]]] = {c: [[] for _ in range(N)] for c in cfg.conditions}
     margins: dict[str, list[list[list[float]]]] = {c: [[] for _ in range(N)] for c in cfg.conditions}
     for cond in cfg.conditions:
-        secs, new = 0.0, 0
+        secs, new, cached, ptoks = 0.0, 0, 0, 0
         for r in range(cfg.runs):
             progress(0.8 * done / total, f"{CONDITION_LABELS[cond]}: run {r + 1}/{cfg.runs}")
             reqs, per_batch, sharing, seq, counted = _requests(cond, ids, n, r, plan, prefix_ids)
@@ -340,8 +345,10 @@ def run_serving(lm: LoadedModel, cfg: ServeConfig, progress: Progress | None = N
             for key, i in counted.items():
                 completions[cond][i].append(out.outputs[key].tokens)
                 margins[cond][i].append(out.outputs[key].margins)
+                cached += out.outputs[key].cached_tokens
+                ptoks += len(ids[i])
             done += 1
-        stats[cond] = ConditionStats(cond, CONDITION_LABELS[cond], cfg.runs, new, secs, 0)
+        stats[cond] = ConditionStats(cond, CONDITION_LABELS[cond], cfg.runs, new, secs, 0, cached, ptoks)
 
     t_an = time.perf_counter()
     tok = lm.tokenizer
@@ -502,7 +509,9 @@ def summary_text(res: ServeResult) -> str:
     lines += ["", "per condition:"]
     for c in res.conditions.values():
         lines.append(f"  {c.label:<34} {c.tokens_per_s:8.1f} tokens/s"
-                     + ("" if c.name == "reference" else f"   prompts parting from the reference: {c.parting_prompts}"))
+                     + ("" if c.name == "reference" else f"   prompts parting from the reference: {c.parting_prompts}")
+                     + (f"   prompt tokens from the cache: {c.cached_tokens}/{c.prompt_tokens}" if c.cached_tokens
+                        else ""))
     if res.first_divergences:
         lines += ["", "first divergence positions: " + ", ".join(map(str, sorted(res.first_divergences)))]
     parting = [p for p in res.prompts if p.first_divergence is not None]
@@ -582,7 +591,8 @@ def prompt_frame(res: ServeResult):
         row.update({f"distinct {c}": p.distinct[c] for c in res.settings.conditions})
         row.update({"first divergence": "—" if p.first_divergence is None else p.first_divergence,
                     "where": "—" if p.condition is None else f"{p.condition}, run {p.run + 1}",
-                    "tokens (ref → run)": "—" if p.reference_token is None else f"{p.reference_token!r} → {p.run_token!r}",
+                    "tokens (ref → run)": ("—" if p.reference_token is None
+                                           else f"{p.reference_token!r} → {p.run_token!r}"),
                     "ref margin": fmt_number(p.margin), "run margin": fmt_number(p.run_margin),
                     "verdict": p.verdict or ("identical" if p.first_divergence is None else "—"),
                     "float64 gap": fmt_number(p.float64_gap),
@@ -600,7 +610,3 @@ def verdict_text(res: ServeResult) -> tuple[str, str]:
     head = ", ".join(f"{v}: {n}" for v, n in sorted(counts.items()))
     first = min(parting, key=lambda p: p.first_divergence)
     return head, res.summary_line() + ". " + (first.explanation or "") + (f" {first.proof}" if first.proof else "")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Repro script (kvviz/repro.py's conventions: torch + transformers only; the last line is the key figure)

@@ -42,6 +42,9 @@ def test_builtin_set_all_conditions_and_invariant_mode_gives_one_completion():
         assert all(x == p.reference for c in CONDITIONS for x in p.completions[c])
         assert p.first_divergence is None and p.warm_differs is False
     assert res.warm_differs_share == 0.0 and res.first_divergences == []
+    # the warm condition really reused cached pages (whole pages of 8 tokens of each prompt); the others none
+    assert res.conditions["warm"].cached_tokens >= 8 * 20 * 2 and res.conditions["warm"].cached_tokens % 8 == 0
+    assert res.conditions["alone"].cached_tokens == 0 and res.conditions["batch"].cached_tokens == 0
     assert {c.new_tokens for c in res.conditions.values()} >= {20 * 2 * 2}
     frame = prompt_frame(res)
     assert len(frame) == 20 and set(frame["distinct (all)"]) == {1}
@@ -198,3 +201,51 @@ def test_serving_page_runs_and_reopens():
     assert len(res.prompts) == 3 and res.settings.runs == 1
     at.selectbox(key="sv_engine").set_value("vllm").run()
     assert not at.exception and any("vLLM is not installed" in e.value for e in at.info)
+
+
+@pytest.mark.app
+def test_open_result_page_shows_a_serving_result(monkeypatch):
+    import streamlit
+    from streamlit.testing.v1 import AppTest
+
+    from conftest import ROOT
+
+    with split_k_kernel():
+        _, res = _study("tiny:split", PROMPTS[:2], runs=1, max_new_tokens=2)
+    data = export_json(res).encode()
+
+    class Upload:
+        name = "kvviz-serving.json"
+
+        def getvalue(self):
+            return data
+
+    monkeypatch.setattr(streamlit, "file_uploader", lambda *a, **k: Upload())
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
+    at.run()
+    at.switch_page("pages/open_result.py")
+    at.run()
+    assert not at.exception, at.exception
+    assert any("serving" in c.value for c in at.caption)
+    assert len(at.dataframe) == 1 and len(at.get("plotly_chart")) >= 2
+    assert any("precision" in e.value for e in at.info)
+
+
+def test_a_bidirectional_model_parts_as_logic_and_stays_in_invariant_mode():
+    """RoBERTa without is_decoder attends to later tokens: a causal cache computes another function (logic)."""
+    lm, res = _study("tiny:roberta", PROMPTS, runs=1, conditions=("alone",))
+    parting = [p for p in res.prompts if p.first_divergence is not None]
+    assert parting
+    for p in parting:
+        assert p.verdict == "logic" and p.float64_gap > 1e-6
+        assert p.proved is False and "logic" in p.proof
+
+
+@pytest.mark.slow
+def test_default_model_bf16_small_study_runs_and_invariant_gives_one_completion():
+    prompts, _ = load_prompt_set("builtin", limit=3)
+    _, res = _study("default", prompts, "bfloat16", runs=1, max_new_tokens=3)
+    assert len(res.prompts) == 3 and sum(res.histogram.values()) == 3
+    assert all(p.verdict in (None, "precision", "logic") for p in res.prompts)
+    _, inv = _study("default", prompts, "bfloat16", invariant_mode=True, runs=1, max_new_tokens=3)
+    assert inv.histogram == {1: 3}

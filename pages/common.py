@@ -184,12 +184,12 @@ def load(choice: ModelChoice) -> kvviz.LoadedModel | None:
 # Page controls persist across page switches and live in the URL. Streamlit forgets the state of widgets that a run
 # did not draw, so app.py stashes every page control at the start of each run (`remember`), and a page restores its
 # own before drawing them (`restore`). The URL carries the sidebar and the current page's controls as JSON values.
-PAGE_PREFIXES = ("split_", "greedy_", "dt_", "pad_", "reuse_", "mx_", "kv_", "trap_", "quant_", "check_")
+PAGE_PREFIXES = ("split_", "greedy_", "dt_", "pad_", "reuse_", "mx_", "kv_", "trap_", "quant_", "check_", "sv_")
 SIDEBAR_KEYS = ("model_preset", "model_other", "dtype", "device", "attn", "trust_remote_code", "invariant",
                 "presenter", "devices", "max_memory")
 _NOT_IN_URL = ("kv_upload", "dt_upload", "mx_run", "mx_preset", "split_bisect", "open_upload", "split_k_typed",
                "split_k_slider",
-               "kv_download")
+               "kv_download", "sv_upload")
 
 
 def _persistable(key: str) -> bool:
@@ -301,7 +301,7 @@ NORMAL_CSS = """<style>
 
 PREFIX_OF_PAGE = {"split_point": "split_", "greedy_paths": "greedy_", "dtypes_lab": "dt_", "padding_lab": "pad_",
                   "cache_reuse": "reuse_", "backends": "mx_", "kv_cache": "kv_", "loading_trap": "trap_", "quantized": "quant_",
-                  "cache_safety": "check_"}
+                  "cache_safety": "check_", "serving": "sv_"}
 
 
 def page(title: str, caption: str, needs_model: bool = True):

@@ -32,7 +32,7 @@ REUSE = ("Be brief.", (" Q: Sky? A:", " Q: Sea? A:"))
 # The CI subset (tests/test_archsweep.py): checked against docs/architectures.json on every run.
 CI_SUBSET = ("gemma3_text", "gemma2", "qwen3", "qwen2_moe", "phi3", "falcon", "mpt", "gpt_bigcode", "olmo2",
              "cohere", "starcoder2", "mixtral", "bloom", "opt", "gptj", "gpt2", "llama", "mistral", "gpt_neox",
-             "cohere2", "roberta", "phi")
+             "cohere2", "roberta", "phi", "camembert", "marian")
 
 # config attribute -> tiny value (applied when the config class has that attribute)
 _SIZES = {
@@ -283,8 +283,8 @@ def _first_op(lm64, cfg) -> str:
 
         res = run_bisect(lm64, cfg, ExecSettings(invariant=True))
         op = getattr(res, "first_op", None)
-        if op:
-            return op.get("text") if isinstance(op, dict) else str(op)
+        if op is not None:
+            return f"{op.op} in {op.layer}, inputs {op.shapes} {'/'.join(dict.fromkeys(op.dtypes))}, max |Δ| {op.max_abs:.3g}"
         return res.explanation
     except Exception as e:  # noqa: BLE001
         return f"(bisector failed: {_one_line(e)})"

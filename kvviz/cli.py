@@ -197,9 +197,19 @@ def _settings(args):
     return ExecSettings(invariant=bool(getattr(args, "invariant", False))).validate()
 
 
+def _check_plan(args) -> None:
+    """The run's memory plan, after the arguments are checked and before anything is loaded: a run that cannot
+    fit is refused here in one line; the plan rides along to the JSON result (see _exports)."""
+    from .memory import check_fits, plan_for_args
+
+    if getattr(args, "memory_plan", None) is None:
+        args.memory_plan = check_fits(plan_for_args(args))
+
+
 def _load(args):
     from .loading import load_model
 
+    _check_plan(args)
     return load_model(_spec(args), args.dtype, args.device, args.attn, trust_remote_code=args.trust_remote_code,
                       progress=_progress_to_stderr(args.quiet))
 
@@ -355,6 +365,7 @@ def cmd_dtypes(args) -> int:
             raise KvvizError(f"--split must be 1 or more, not {args.split}")
     prompts = [args.prompt] if args.prompt is not None else load_prompts(args.prompts, args.limit)
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    _check_plan(args)
     res = run_dtypes(_spec(args), prompts, dtypes, args.device, args.attn, split=args.split, mode=args.mode,
                      trust_remote_code=args.trust_remote_code, progress=_progress_to_stderr(args.quiet),
                      settings=_settings(args), prove=False if args.no_proof else None)
@@ -583,14 +594,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        if getattr(args, "model", None) is not None and args.command != "open":
-            from .memory import check_fits, plan_for_args
+        if getattr(args, "plan", False):
+            from .memory import plan_for_args
 
-            plan = plan_for_args(args)  # before anything is loaded
-            if args.plan:
-                print("\n".join(plan.lines()))
-                return 0
-            args.memory_plan = check_fits(plan)
+            print("\n".join(plan_for_args(args).lines()))  # nothing is loaded
+            return 0
         return COMMANDS[args.command](args)
     except KvvizError as e:
         print(f"kvviz: error: {e}", file=sys.stderr)

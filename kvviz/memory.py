@@ -29,7 +29,7 @@ import torch
 from .errors import KvvizError
 
 GB = 1024 ** 3
-TWIN_MAX_BYTES = 2 * GB  # a full float64 twin up to this size is kept when memory allows (it runs faster)
+TWIN_MAX_BYTES = int(1.5 * GB)  # a full float64 twin up to this size is kept when memory allows (it runs faster)
 RUNTIME_BYTES = int(0.8 * GB)  # python + torch + transformers, resident, on the CPU
 BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
 _ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}

@@ -221,10 +221,25 @@ def _rest_through_cache(ex: Executor, cfg: SplitConfig, inp: PromptInputs, a0: i
     return torch.stack(hs, dim=1), torch.stack(lg), cache
 
 
-def _measure(lm: LoadedModel, comp: Comparison, ref, a0: int, got_hidden, got_logits, cache, inp) -> None:
+@dataclass
+class _Rows:
+    """What the comparison needs of the full forward: the compared positions' hidden states and logits (copies,
+    so the whole prompt's logits - positions × vocabulary - are freed at once) and its cache."""
+
+    hidden: torch.Tensor  # [n_hidden, n_rest, H]
+    logits: torch.Tensor  # [n_rest, V]
+    cache: object
+
+    @classmethod
+    def of(cls, out, a0: int) -> "_Rows":
+        hidden = torch.stack([h[0, a0:] for h in out.hidden_states])
+        logits = out.logits[0, a0:].clone()
+        return cls(hidden, logits, out.past_key_values)
+
+
+def _measure(lm: LoadedModel, comp: Comparison, ref: _Rows, a0: int, got_hidden, got_logits, cache, inp) -> None:
     """Every metric, computed on the device; only the small matrices come to the host."""
-    ref_hidden = torch.stack([h[0, a0:] for h in ref.hidden_states])  # [n_hidden, n_rest, H]
-    ref_logits = ref.logits[0, a0:]
+    ref_hidden, ref_logits = ref.hidden, ref.logits
     if got_hidden.shape != ref_hidden.shape:
         raise KvvizError(f"the cached run returned hidden states of shape {tuple(got_hidden.shape)}, "
                          f"expected {tuple(ref_hidden.shape)}")
@@ -238,7 +253,7 @@ def _measure(lm: LoadedModel, comp: Comparison, ref, a0: int, got_hidden, got_lo
     comp.reference_top1 = [lm.tokenizer.decode([i]) for i in top1["ref_top1"]]
     comp.cached_top1 = [lm.tokenizer.decode([i]) for i in top1["got_top1"]]
     comp.describe = describe_table(ref_logits[-1], got_logits[-1])
-    comp.kv = compare_caches(ref.past_key_values, cache, inp.total, inp.pad)
+    comp.kv = compare_caches(ref.cache, cache, inp.total, inp.pad)
 
 
 def _run(lm: LoadedModel, cfg: SplitConfig, inp: PromptInputs, progress: Progress,
@@ -255,7 +270,7 @@ def _run(lm: LoadedModel, cfg: SplitConfig, inp: PromptInputs, progress: Progres
         if not has_cache(pre):
             return _bidirectional(ex, inp, a0, comp)
         progress(0.3, "Full forward without cache…")
-        ref = ex.forward(inp.ids, inp.mask, inp.positions)
+        ref = _Rows.of(ex.forward(inp.ids, inp.mask, inp.positions), a0)
         got_hidden, got_logits, cache = _rest_through_cache(ex, cfg, inp, a0, pre.past_key_values, progress)
         progress(0.9, "Measuring…")
         _measure(lm, comp, ref, a0, got_hidden, got_logits, cache, inp)

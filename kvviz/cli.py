@@ -200,10 +200,11 @@ def _settings(args):
 def _check_plan(args) -> None:
     """The run's memory plan, after the arguments are checked and before anything is loaded: a run that cannot
     fit is refused here in one line; the plan rides along to the JSON result (see _exports)."""
-    from .memory import check_fits, plan_for_args
+    from .memory import check_fits, plan_or_none
 
     if getattr(args, "memory_plan", None) is None:
-        args.memory_plan = check_fits(plan_for_args(args))
+        plan = plan_or_none(args)
+        args.memory_plan = check_fits(plan) if plan is not None else None
 
 
 def _load(args):
@@ -595,9 +596,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         if getattr(args, "plan", False):
-            from .memory import plan_for_args
+            from .memory import plan_or_none
 
-            print("\n".join(plan_for_args(args).lines()))  # nothing is loaded
+            plan = plan_or_none(args)
+            if plan is None:
+                raise KvvizError("no memory plan for this input; run it without --plan to see what is wrong")
+            print("\n".join(plan.lines()))  # nothing is loaded
             return 0
         return COMMANDS[args.command](args)
     except KvvizError as e:

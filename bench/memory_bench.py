@@ -188,7 +188,7 @@ def main() -> int:
         results[name] = r
         plan = (r.get("json") or {}).get("memory_plan") or {}
         print(f"{name}: rc {r['rc']}, {r['wall_s']} s, peak RSS {r['peak_rss'] / 1e9 if r['peak_rss'] else '?':.3} GB"
-              f", plan {plan.get('total_gb', '?')} GB; {r['stderr_tail'][-200:]!r}", flush=True)
+              f", plan {plan.get('total_gib', '?')} GiB; {r['stderr_tail'][-200:]!r}", flush=True)
     def keep(v):
         j = v.get("json") or {}
         out = {kk: vv for kk, vv in v.items() if kk != "json"} | {"memory_plan": j.get("memory_plan")}

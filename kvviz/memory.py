@@ -314,8 +314,8 @@ class MemoryPlan:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d.update(total=self.total, fits=self.fits, total_gb=round(self.total / GB, 3),
-                 measured_peak_gb=None if self.measured_peak is None else round(self.measured_peak / GB, 3))
+        d.update(total=self.total, fits=self.fits, total_gib=round(self.total / GB, 3),
+                 measured_peak_gib=None if self.measured_peak is None else round(self.measured_peak / GB, 3))
         return d
 
     def with_peak(self) -> "MemoryPlan":
@@ -326,7 +326,7 @@ class MemoryPlan:
 def _gb(n: int | None) -> str:
     if n is None:
         return "unknown"
-    return f"{n / GB:.2f} GB" if n >= 0.01 * GB else f"{n / 1024 ** 2:.1f} MB"
+    return f"{n / GB:.2f} GiB" if n >= 0.01 * GB else f"{n / 1024 ** 2:.1f} MiB"
 
 
 def reference_bytes(shape: ModelShape, dtype: str, strategy: str) -> int:

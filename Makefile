@@ -12,7 +12,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PIP := $(BIN)/python -m pip --disable-pip-version-check
 PYTEST_ARGS ?=
 
-.PHONY: run test test-fast setup setup-dev browser bench gpu-check clean-venv
+.PHONY: run test test-fast setup setup-dev browser bench bench-memory arch-sweep gpu-check clean-venv
 
 run: setup
 	$(BIN)/python -m streamlit run app.py
@@ -66,6 +66,14 @@ test-fast: $(DEVSTAMP)
 
 bench: setup
 	$(BIN)/python bench/greedy_bench.py
+
+# Memory at real size (issue 16): builds random-weight 3B Llama / 270M Gemma-3 folders once under BIGMODELS, then
+# measures peak RSS of split, greedy and the cache-safety card under a 20 GiB address-space cap (docs/benchmarks.md).
+BIGMODELS ?= /work/bigmodels
+bench-memory: setup
+	$(BIN)/python bench/memory_bench.py build --root $(BIGMODELS)
+	nice -n 10 $(BIN)/python bench/memory_bench.py run --root $(BIGMODELS)
+	nice -n 10 $(BIN)/python bench/memory_bench.py reference
 
 # On a CUDA machine: the library tests with device auto + the greedy benchmark, reported in docs/gpu.md.
 gpu-check: $(DEVSTAMP)

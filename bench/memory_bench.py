@@ -188,10 +188,22 @@ def main() -> int:
         results[name] = r
         plan = (r.get("json") or {}).get("memory_plan") or {}
         print(f"{name}: rc {r['rc']}, {r['wall_s']} s, peak RSS {r['peak_rss'] / 1e9 if r['peak_rss'] else '?':.3} GB"
-              f", plan {plan.get('total_gb', '?')} GB; {r['stderr_tail'][-200:]!r}", flush=True)
-    (root / "memory_bench.json").write_text(json.dumps(
-        {k: {kk: vv for kk, vv in v.items() if kk != "json"} | {"memory_plan": (v.get("json") or {}).get("memory_plan")}
-         for k, v in results.items()}, indent=1, default=str))
+              f", plan {plan.get('total_gib', '?')} GiB; {r['stderr_tail'][-200:]!r}", flush=True)
+    def keep(v):
+        j = v.get("json") or {}
+        out = {kk: vv for kk, vv in v.items() if kk != "json"} | {"memory_plan": j.get("memory_plan")}
+        out["verdict"] = j.get("verdict") or j.get("overall")
+        out["float64_evidence"] = j.get("float64_evidence") is not None if "float64_evidence" in j else None
+        if "paths" in j:
+            out["paths"] = {k: {"seconds": p.get("seconds"), "forwards": p.get("forwards"),
+                                "text": p.get("text")} for k, p in j["paths"].items()}
+            out["pairs"] = [{kk: p.get(kk) for kk in ("a", "b", "verdict", "first_divergence")}
+                            for p in j.get("pairs", [])]
+        return out
+
+    stamp = "-".join(only)
+    (root / f"memory_bench-{stamp}.json").write_text(json.dumps({k: keep(v) for k, v in results.items()}, indent=1,
+                                                                default=str))
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs")
     return 0
 

@@ -234,16 +234,19 @@ class _PlanShown(Exception):
 
 def _plan_gate(args) -> None:
     """The memory plan, after the arguments are checked and before anything is loaded: --plan prints it and stops;
-    a run that cannot fit is refused in one line (KvvizError); the plan rides on the result (`memory_plan`)."""
+    a run that cannot fit is refused in one line (KvvizError); the plan rides on the result (`memory_plan`). Where
+    the input itself is wrong there is no plan: the run then reports that in its own line."""
     if getattr(args, "memory_plan", None) is not None:
         return
-    from .memory import check_fits, plan_for_args
+    from .memory import check_fits, plan_or_none
 
-    plan = plan_for_args(args)
+    plan = plan_or_none(args)
     if args.plan:
+        if plan is None:
+            raise KvvizError("no memory plan for this input; run it without --plan to see what is wrong")
         print("\n".join(plan.lines()))
         raise _PlanShown
-    args.memory_plan = check_fits(plan)
+    args.memory_plan = check_fits(plan) if plan is not None else None
 
 
 def _load(args):

@@ -29,7 +29,7 @@ import torch
 from .errors import KvvizError
 
 GB = 1024 ** 3
-TWIN_MAX_BYTES = 2 * GB  # a full float64 twin up to this size is kept when memory allows (it runs faster)
+TWIN_MAX_BYTES = int(1.5 * GB)  # a full float64 twin up to this size is kept when memory allows (it runs faster)
 RUNTIME_BYTES = int(0.8 * GB)  # python + torch + transformers, resident, on the CPU
 BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
 _ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}
@@ -103,8 +103,11 @@ def _safetensors_stats(folder: Path) -> tuple[int, int, str | None] | None:
     return n, largest, (max(dtypes, key=dtypes.get) if dtypes else None)
 
 
-def shape_of_folder(folder: Path) -> ModelShape:
-    cfg = json.loads((folder / "config.json").read_text())
+def shape_of_folder(folder: Path) -> ModelShape | None:
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # loading says what is wrong with the folder
     stats = _safetensors_stats(folder)
     if stats is None:
         return ModelShape.from_config(cfg, source=str(folder))
@@ -136,6 +139,15 @@ def model_shape(spec) -> ModelShape | None:
     from .loading import cache_dir, default_gguf_path, parse_spec, tiny_folder
 
     ms = parse_spec(spec)
+    try:
+        return _model_shape(ms)
+    except Exception:  # noqa: BLE001 - unreadable files: loading reports them in its own words
+        return None
+
+
+def _model_shape(ms) -> ModelShape | None:
+    from .loading import cache_dir, default_gguf_path, tiny_folder
+
     if ms.kind == "tiny":
         return shape_of_folder(tiny_folder(ms.ref))
     if ms.kind == "folder":
@@ -143,9 +155,12 @@ def model_shape(spec) -> ModelShape | None:
     if ms.kind in ("default", "gguf"):
         path = default_gguf_path() if ms.kind == "default" else Path(ms.ref)
         converted = sorted((cache_dir() / "gguf").glob(f"{path.stem}-*/kvviz.json"))
-        if converted:
-            return shape_of_folder(converted[-1].parent)
-        return _shape_of_gguf(path)
+        try:
+            if converted:
+                return shape_of_folder(converted[-1].parent)
+            return _shape_of_gguf(path)
+        except Exception:  # noqa: BLE001 - an unreadable file: loading says so in its own words
+            return None
     try:  # a hub id: only what is already in the local cache
         from huggingface_hub import snapshot_download
 
@@ -299,8 +314,8 @@ class MemoryPlan:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d.update(total=self.total, fits=self.fits, total_gb=round(self.total / GB, 3),
-                 measured_peak_gb=None if self.measured_peak is None else round(self.measured_peak / GB, 3))
+        d.update(total=self.total, fits=self.fits, total_gib=round(self.total / GB, 3),
+                 measured_peak_gib=None if self.measured_peak is None else round(self.measured_peak / GB, 3))
         return d
 
     def with_peak(self) -> "MemoryPlan":
@@ -311,7 +326,7 @@ class MemoryPlan:
 def _gb(n: int | None) -> str:
     if n is None:
         return "unknown"
-    return f"{n / GB:.2f} GB" if n >= 0.01 * GB else f"{n / 1024 ** 2:.1f} MB"
+    return f"{n / GB:.2f} GiB" if n >= 0.01 * GB else f"{n / 1024 ** 2:.1f} MiB"
 
 
 def reference_bytes(shape: ModelShape, dtype: str, strategy: str) -> int:
@@ -442,6 +457,10 @@ def choose_reference(lm) -> str:
     return "twin" if free is None or 8 * n <= free // 2 else "streamed"
 
 
+class _Skip(Exception):
+    """No plan: the run's own input checks will say what is wrong."""
+
+
 def check_fits(plan: MemoryPlan) -> MemoryPlan:
     """Raise KvvizError (one line) when the run cannot fit."""
     if not plan.fits:
@@ -471,8 +490,14 @@ def tokens_of_text(spec, text: str) -> int:
 
 
 def plan_for_args(args) -> MemoryPlan:
-    """The plan of a CLI command from its parsed arguments."""
+    """The plan of a CLI command from its parsed arguments. Input errors are left to the run itself (its own one
+    line): a prompt over the limit, a model file that cannot be read."""
+    from .inputs import MAX_PROMPT_CHARS
+
     view = args.command
+    for t in (getattr(args, "prompt", None), getattr(args, "prefix", None)):
+        if isinstance(t, str) and len(t) > MAX_PROMPT_CHARS:
+            raise _Skip()
     spec = getattr(args, "spec", None) or args.model
     texts = [t for t in (getattr(args, "prompt", None), getattr(args, "prefix", None)) if isinstance(t, str)]
     conts = getattr(args, "continuation", None) or []
@@ -507,3 +532,11 @@ def attach(result, plan: MemoryPlan) -> None:
 
     to_dict._kvviz_plan = True
     result.to_dict = to_dict
+
+
+def plan_or_none(args) -> MemoryPlan | None:
+    """plan_for_args, or None where the input itself is wrong (the run reports that in its own line)."""
+    try:
+        return plan_for_args(args)
+    except _Skip:
+        return None

@@ -200,9 +200,20 @@ def _bidirectional(ex: Executor, inp: PromptInputs, a0: int, comp: Comparison) -
     return comp
 
 
-def _rest_through_cache(ex: Executor, cfg: SplitConfig, inp: PromptInputs, a0: int, past, progress: Progress):
+@dataclass
+class _Compared:
+    """Logits compared step by step as they were produced (token-by-token mode): the per-position metrics and the
+    last row, instead of every step's row of the vocabulary."""
+
+    metrics: dict
+    last: torch.Tensor
+
+
+def _rest_through_cache(ex: Executor, cfg: SplitConfig, inp: PromptInputs, a0: int, past, progress: Progress,
+                        ref_logits: torch.Tensor | None = None):
     """Feed tokens [a0, total) through `past`, in one chunk or one by one, with the position ids and mask the user
-    chose. Returns hidden states [n_hidden, n_rest, H], logits [n_rest, V] and the grown cache."""
+    chose. Returns hidden states [n_hidden, n_rest, H], logits [n_rest, V] (token by token with `ref_logits`
+    given: a _Compared, each step's row compared as it comes) and the grown cache."""
     def positions(start: int, end: int):
         return inp.positions[:, start:end] if cfg.position_ids == "auto" else None
 
@@ -217,19 +228,45 @@ def _rest_through_cache(ex: Executor, cfg: SplitConfig, inp: PromptInputs, a0: i
         out = ex.forward(inp.ids[:, a:a + 1], _mask(cfg, inp, a, a + 1), positions(a, a + 1), cache)
         cache = out.past_key_values
         hs.append(torch.stack([h[0, -1] for h in out.hidden_states]))
-        lg.append(out.logits[0, -1])
-    return torch.stack(hs, dim=1), torch.stack(lg), cache
+        if ref_logits is None:
+            lg.append(out.logits[0, -1])
+        else:
+            lg.append(logits_divergence(ref_logits[j:j + 1], out.logits[0, -1:]))
+            last = out.logits[0, -1].clone()
+        del out
+    if ref_logits is None:
+        return torch.stack(hs, dim=1), torch.stack(lg), cache
+    return torch.stack(hs, dim=1), _Compared({k: torch.cat([m[k] for m in lg]) for k in lg[0]}, last), cache
 
 
-def _measure(lm: LoadedModel, comp: Comparison, ref, a0: int, got_hidden, got_logits, cache, inp) -> None:
+@dataclass
+class _Rows:
+    """What the comparison needs of the full forward: the compared positions' hidden states and logits (copies,
+    so the whole prompt's logits - positions × vocabulary - are freed at once) and its cache."""
+
+    hidden: torch.Tensor  # [n_hidden, n_rest, H]
+    logits: torch.Tensor  # [n_rest, V]
+    cache: object
+
+    @classmethod
+    def of(cls, out, a0: int) -> "_Rows":
+        hidden = torch.stack([h[0, a0:] for h in out.hidden_states])
+        n = len(out.hidden_states[0][0]) - a0
+        logits = out.logits[0, -n:].clone()  # the whole prompt's, or only the compared ones (see _full_forward)
+        return cls(hidden, logits, out.past_key_values)
+
+
+def _measure(lm: LoadedModel, comp: Comparison, ref: _Rows, a0: int, got_hidden, got_logits, cache, inp) -> None:
     """Every metric, computed on the device; only the small matrices come to the host."""
-    ref_hidden = torch.stack([h[0, a0:] for h in ref.hidden_states])  # [n_hidden, n_rest, H]
-    ref_logits = ref.logits[0, a0:]
+    ref_hidden, ref_logits = ref.hidden, ref.logits
     if got_hidden.shape != ref_hidden.shape:
         raise KvvizError(f"the cached run returned hidden states of shape {tuple(got_hidden.shape)}, "
                          f"expected {tuple(ref_hidden.shape)}")
     hd = hidden_divergence(ref_hidden, got_hidden, machine_eps(lm.dtype))
-    ld = logits_divergence(ref_logits, got_logits)
+    if isinstance(got_logits, _Compared):  # compared step by step already
+        ld, got_last = dict(got_logits.metrics), got_logits.last
+    else:
+        ld, got_last = logits_divergence(ref_logits, got_logits), got_logits[-1]
     ref_lmax = ref_logits.double().abs().amax(-1)
     ld["relative"] = ld["max_abs"] / ref_lmax.clamp_min(torch.finfo(torch.float64).tiny)
     comp.hidden = {name: t.cpu().numpy() for name, t in hd.items()}
@@ -237,8 +274,8 @@ def _measure(lm: LoadedModel, comp: Comparison, ref, a0: int, got_hidden, got_lo
     comp.logits = {name: t.cpu().numpy() for name, t in ld.items()}
     comp.reference_top1 = [lm.tokenizer.decode([i]) for i in top1["ref_top1"]]
     comp.cached_top1 = [lm.tokenizer.decode([i]) for i in top1["got_top1"]]
-    comp.describe = describe_table(ref_logits[-1], got_logits[-1])
-    comp.kv = compare_caches(ref.past_key_values, cache, inp.total, inp.pad)
+    comp.describe = describe_table(ref_logits[-1], got_last)
+    comp.kv = compare_caches(ref.cache, cache, inp.total, inp.pad)
 
 
 def _run(lm: LoadedModel, cfg: SplitConfig, inp: PromptInputs, progress: Progress,
@@ -255,11 +292,32 @@ def _run(lm: LoadedModel, cfg: SplitConfig, inp: PromptInputs, progress: Progres
         if not has_cache(pre):
             return _bidirectional(ex, inp, a0, comp)
         progress(0.3, "Full forward without cache…")
-        ref = ex.forward(inp.ids, inp.mask, inp.positions)
-        got_hidden, got_logits, cache = _rest_through_cache(ex, cfg, inp, a0, pre.past_key_values, progress)
+        ref = _Rows.of(_full_forward(ex, inp, a0), a0)
+        got_hidden, got_logits, cache = _rest_through_cache(ex, cfg, inp, a0, pre.past_key_values, progress,
+                                                            ref.logits if cfg.mode == "step" else None)
         progress(0.9, "Measuring…")
         _measure(lm, comp, ref, a0, got_hidden, got_logits, cache, inp)
     return comp
+
+
+def _full_forward(ex: Executor, inp: PromptInputs, a0: int):
+    """The full forward. In float64 (the reference) only the compared positions' logits are computed
+    (logits_to_keep): a large vocabulary's logits over a long prompt are gigabytes in float64, and float64 decides
+    the verdict by the size of the gap, not its last bits. In the run's own dtype the full forward stays exactly
+    the user's (every position's logits), as the comparison is about that forward."""
+    keep = None
+    if ex.lm.dtype == torch.float64 and _takes_logits_to_keep(ex.lm.model):
+        keep = inp.total - a0
+    return ex.forward(inp.ids, inp.mask, inp.positions, logits_to_keep=keep)
+
+
+def _takes_logits_to_keep(model) -> bool:
+    import inspect
+
+    try:
+        return "logits_to_keep" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _mask(cfg: SplitConfig, inp: PromptInputs, start: int, end: int) -> torch.Tensor:

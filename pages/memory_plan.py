@@ -30,8 +30,8 @@ def show_plan(choice, view: str, **workload) -> MemoryPlan | None:
     except Exception as e:  # noqa: BLE001 - a bad model choice is reported by the run itself
         st.caption(f"Memory plan: not available ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__})")
         return None
-    free = "unknown" if plan.available is None else f"{plan.available / GB:.1f} GB"
-    text = (f"Memory: about {plan.total / GB:.2f} GB of {free} free on {plan.device}"
+    free = "unknown" if plan.available is None else f"{plan.available / GB:.1f} GiB"
+    text = (f"Memory: about {plan.total / GB:.2f} GiB of {free} free on {plan.device}"
             + (f" (float64 reference: {plan.reference})" if plan.reference not in ("none", "unknown") else ""))
     if plan.fits:
         st.caption(text, help="\n\n".join(plan.lines()))

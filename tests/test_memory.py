@@ -102,3 +102,25 @@ def test_allocation_failure_is_not_a_damaged_file(monkeypatch):
     with pytest.raises(KvvizError) as e:
         load_model("tiny:gpt2", "float16", "cpu")
     assert "not enough memory" in str(e.value) and "damaged" not in str(e.value)
+
+
+def test_logits_compared_in_chunks_of_positions(monkeypatch):
+    import torch
+
+    from kvviz import metrics
+
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(37, 1000, generator=g, dtype=torch.float32)
+    got = ref + 1e-3 * torch.randn(37, 1000, generator=g)
+    got[5, 7] = ref[5].max() + 1  # a changed argmax
+    whole = metrics.logits_divergence(ref, got)
+    monkeypatch.setattr(metrics, "LOGITS_CHUNK_BYTES", 8 * 1000 * 4)  # 4 positions a chunk
+    chunked = metrics.logits_divergence(ref, got)
+    assert whole.keys() == chunked.keys()
+    for k in whole:
+        assert whole[k].shape == chunked[k].shape == (37,)
+        if k == "kl":
+            assert torch.allclose(whole[k], chunked[k], rtol=1e-12, atol=0)
+        else:
+            assert torch.equal(whole[k], chunked[k]), k
+    assert not bool(chunked["argmax_agree"][5]) and bool(chunked["argmax_agree"][4])

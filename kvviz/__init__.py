@@ -11,7 +11,7 @@ Usable from a notebook:
 from .dtypes import DTYPE_NAMES, machine_eps, parse_dtype, resolve_device
 from .errors import KvvizError
 from .execution import ExecSettings, Executor
-from . import backends as _backends, invariant as _invariant  # noqa: F401,E402 - register cache kinds, flags, compile, invariant mode
+from . import backends as _backends, invariant as _invariant, reference as _reference  # noqa: F401,E402 - register cache kinds, flags, compile, invariant mode
 from .loading import ATTN_CHOICES, DEFAULT_SPEC, LoadedModel, ModelSpec, cache_dir, clear_cache, load_model, parse_spec
 from .split import MODES, SplitConfig, SplitResult, run_split
 from . import bisect as _bisect  # noqa: F401,E402 - registers the bisector that explains an unproved verdict

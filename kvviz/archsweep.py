@@ -235,7 +235,7 @@ def build_arch(model_type: str, folder: Path) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from .tiny import _byte_tokenizer
+    from .tiny import byte_tokenizer
 
     config = tiny_arch_config(model_type)
     with torch.random.fork_rng(devices=[]):
@@ -246,7 +246,7 @@ def build_arch(model_type: str, folder: Path) -> dict:
                 if p.ndim >= 2:
                     p.normal_(0.0, 0.08 if "embed" not in name and "wte" not in name else 1.0)
     model.save_pretrained(folder)
-    _byte_tokenizer().save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
     text = getattr(config, "text_config", None) or config
     n_params = sum(p.numel() for p in model.parameters())
     return {"class": type(model).__name__, "params": n_params,

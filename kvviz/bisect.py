@@ -19,7 +19,7 @@ from .execution import DEFAULT_SETTINGS, ExecSettings, Executor, has_cache
 from .inputs import build_inputs
 from .loading import LoadedModel
 from .naming import module_label
-from .split import SplitConfig, _mask, check_split, register_bisector
+from .split import SplitConfig, cached_mask, check_split, register_bisector
 
 _KINDS = (  # (pattern on the module's own name, kind) - first match wins
     (r"(embed_tokens|wte|wpe|embed_in|word_embeddings|position_embeddings|embeddings)$", "embedding"),
@@ -178,11 +178,11 @@ def run_bisect(lm: LoadedModel, cfg: SplitConfig, settings: ExecSettings | None 
 def _cached_rest(ex: Executor, cfg: SplitConfig, inp, a0: int, past) -> None:
     pos = (lambda s, e: inp.positions[:, s:e] if cfg.position_ids == "auto" else None)
     if cfg.mode == "chunk":
-        ex.forward(inp.ids[:, a0:], _mask(cfg, inp, a0, inp.total), pos(a0, inp.total), past, hidden=False)
+        ex.forward(inp.ids[:, a0:], cached_mask(cfg, inp, a0, inp.total), pos(a0, inp.total), past, hidden=False)
         return
     cache = past
     for a in range(a0, inp.total):
-        cache = ex.forward(inp.ids[:, a:a + 1], _mask(cfg, inp, a, a + 1), pos(a, a + 1), cache,
+        cache = ex.forward(inp.ids[:, a:a + 1], cached_mask(cfg, inp, a, a + 1), pos(a, a + 1), cache,
                            hidden=False).past_key_values
 
 
@@ -362,7 +362,7 @@ def _trace_ops(ex: Executor, lm: LoadedModel, cfg: SplitConfig, inp, a0: int, n:
     cached = _OpTrace(lm.model, inp.total, a0, steps, compare_with=full.record)
     pos = inp.positions[:, a0:a0 + steps] if cfg.position_ids == "auto" else None
     with cached:
-        ex.forward(inp.ids[:, a0:a0 + steps], _mask(cfg, inp, a0, a0 + steps), pos, past, hidden=False)
+        ex.forward(inp.ids[:, a0:a0 + steps], cached_mask(cfg, inp, a0, a0 + steps), pos, past, hidden=False)
     return cached.first
 
 

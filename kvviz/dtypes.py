@@ -69,3 +69,12 @@ def supports_dtype(device: torch.device, dtype: torch.dtype) -> bool:
 def float64_device(device: torch.device) -> torch.device:
     """Where the float64 reference runs: the same device, or the CPU where the device has no float64."""
     return device if supports_dtype(device, torch.float64) else torch.device("cpu")
+
+
+def exact_in(src: torch.dtype | None, dst: torch.dtype) -> bool:
+    """Does casting src to dst keep every value? (bfloat16 and float16 do not hold each other.)"""
+    if src is None or src == dst:
+        return True
+    wider = {torch.float32: (torch.float16, torch.bfloat16), torch.float64: (torch.float32, torch.float16,
+                                                                              torch.bfloat16)}
+    return src in wider.get(dst, ())

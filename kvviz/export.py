@@ -330,7 +330,6 @@ def reuse_verdict(result) -> tuple[str, str]:
     return "see the table", result.table().to_html(index=False)
 
 
-_verdict_text = verdict_text  # the name pages/open_result.py used
 
 
 def html_report(result) -> str:

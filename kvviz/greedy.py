@@ -201,7 +201,7 @@ def _top2(logits: torch.Tensor) -> tuple[int, int, float]:
     return t1, t2, float(logits[t1].double() - logits[t2].double())
 
 
-class _Recorder:
+class StepRecorder:
     def __init__(self, name: str, n: int, on_step: Callable[[], None]):
         self.name, self.n, self.on_step = name, n, on_step
         self.tokens: list[int] = []
@@ -239,7 +239,7 @@ def _grow(ids, mask, pos, token: int):
 # The paths
 
 
-def _no_cache(ex: Executor, inp: PromptInputs, n: int, rec: _Recorder, forced: list[int] | None = None,
+def no_cache_loop(ex: Executor, inp: PromptInputs, n: int, rec: StepRecorder, forced: list[int] | None = None,
               ids=None, mask=None, pos=None) -> None:
     """A full forward over the sequence so far at every step (the plain no-cache loop); `forced` feeds given tokens."""
     ids, mask, pos = (inp.ids, inp.mask, inp.positions) if ids is None else (ids, mask, pos)
@@ -251,7 +251,7 @@ def _no_cache(ex: Executor, inp: PromptInputs, n: int, rec: _Recorder, forced: l
             ids, mask, pos = _grow(ids, mask, pos, tok)
 
 
-def _cache(ex: Executor, inp: PromptInputs, n: int, rec: _Recorder, positions: str = "auto",
+def _cache(ex: Executor, inp: PromptInputs, n: int, rec: StepRecorder, positions: str = "auto",
            forced: list[int] | None = None) -> None:
     """Prefill, then one token at a time through the cache with the full mask and (auto) position ids."""
     out = ex.forward(inp.ids, inp.mask, inp.positions)
@@ -269,7 +269,7 @@ def _cache(ex: Executor, inp: PromptInputs, n: int, rec: _Recorder, positions: s
         cache = out.past_key_values
 
 
-def _user_loop(ex: Executor, inp: PromptInputs, n: int, rec: _Recorder, forced: list[int] | None = None) -> None:
+def _user_loop(ex: Executor, inp: PromptInputs, n: int, rec: StepRecorder, forced: list[int] | None = None) -> None:
     """The cached loop as people write it: the prompt with its mask, then only the new token (no mask, no position ids)."""
     out = ex.forward(inp.ids, inp.mask)
     rec.forwards += 1
@@ -283,7 +283,7 @@ def _user_loop(ex: Executor, inp: PromptInputs, n: int, rec: _Recorder, forced: 
         cache = out.past_key_values
 
 
-def _generate(ex: Executor, inp: PromptInputs, n: int, rec: _Recorder) -> None:
+def _generate(ex: Executor, inp: PromptInputs, n: int, rec: StepRecorder) -> None:
     out = ex.generate(inp.ids, inp.mask, n, pad_token_id(ex.lm.tokenizer))
     rec.forwards = len(out.logits)
     new = out.sequences[0, inp.ids.shape[1]:].tolist()
@@ -292,7 +292,7 @@ def _generate(ex: Executor, inp: PromptInputs, n: int, rec: _Recorder) -> None:
         rec.add(logits[0], hidden, token=int(new[t]))
 
 
-def _fast_no_cache(ex: Executor, inp: PromptInputs, n: int, rec: _Recorder, guide: PathRun) -> PathRun:
+def _fast_no_cache(ex: Executor, inp: PromptInputs, n: int, rec: StepRecorder, guide: PathRun) -> PathRun:
     """Preview of the no-cache loop: one teacher-forced forward over the guide's tokens gives every step's
     no-cache logits at once; own full forwards only after the first step where the argmax differs."""
     g = guide.token_ids[:n]
@@ -326,7 +326,7 @@ def _fast_no_cache(ex: Executor, inp: PromptInputs, n: int, rec: _Recorder, guid
         own_ids, own_mask, own_pos = _grow(ids[:, : inp.ids.shape[1] + diverged], mask[:, : inp.ids.shape[1] + diverged],
                                            pos[:, : inp.ids.shape[1] + diverged], rec.tokens[-1])
         before = len(rec.tokens)
-        _no_cache(ex, inp, n - diverged - 1, rec, ids=own_ids, mask=own_mask, pos=own_pos)
+        no_cache_loop(ex, inp, n - diverged - 1, rec, ids=own_ids, mask=own_mask, pos=own_pos)
         settled += [ok] * (len(rec.tokens) - before)
     return rec.done(preview=True, settled=settled)
 
@@ -370,7 +370,7 @@ def _logic(path: str, positions: str) -> str:
     return "cached_omit" if path == "cache" and positions == "omit" else "cached"
 
 
-def _replay(ex: Executor, inp: PromptInputs, logic: str, forced: list[int]) -> torch.Tensor:
+def replay_step(ex: Executor, inp: PromptInputs, logic: str, forced: list[int]) -> torch.Tensor:
     """The logits a computation gives after being fed `forced` tokens, with the masks and position ids that path
     uses. Run in float64, where shapes do not matter, so the fed tokens go in one chunk."""
     dev = inp.ids.device
@@ -391,7 +391,7 @@ def _replay(ex: Executor, inp: PromptInputs, logic: str, forced: list[int]) -> t
 def _replay_memo(memo: dict, ex64: Executor, inp64, logic: str, forced: list[int]) -> torch.Tensor:
     key = (logic, tuple(forced))
     if key not in memo:
-        memo[key] = _replay(ex64, inp64, logic, forced).double()
+        memo[key] = replay_step(ex64, inp64, logic, forced).double()
     return memo[key]
 
 
@@ -441,7 +441,7 @@ class _Progress:
         return f
 
 
-def _run_path(name: str, ex: Executor, inp: PromptInputs, steps: int, rec: _Recorder, cfg: GreedyConfig,
+def _run_path(name: str, ex: Executor, inp: PromptInputs, steps: int, rec: StepRecorder, cfg: GreedyConfig,
               runs: dict[str, PathRun]) -> PathRun:
     """One path on `ex` (the float64 path gets a float64 executor and inputs)."""
     guided = cfg.fast and "cache" in runs and name in ("no_cache", "float64")
@@ -449,7 +449,7 @@ def _run_path(name: str, ex: Executor, inp: PromptInputs, steps: int, rec: _Reco
         if guided:
             return _fast_no_cache(ex, inp, steps, rec, runs["cache"])
         if name in ("no_cache", "float64"):
-            _no_cache(ex, inp, steps, rec)
+            no_cache_loop(ex, inp, steps, rec)
         elif name == "cache":
             _cache(ex, inp, steps, rec, cfg.position_ids)
         elif name == "generate":
@@ -496,7 +496,7 @@ def _decode_paths(lm: LoadedModel, cfg: GreedyConfig, settings: ExecSettings, in
     runs: dict[str, PathRun] = {}
     limit = n
     for name in order:
-        rec = _Recorder(name, limit, counter.step(name))
+        rec = StepRecorder(name, limit, counter.step(name))
         if name == "float64":
             run = _run_path(name, f64.ex, f64.inp, limit, rec, cfg, runs)
             run.logits, run.hidden = run.logits.to(lm.device), run.hidden.to(lm.device)

@@ -311,6 +311,14 @@ def _first_line(e: BaseException) -> str:
 # Loaded models and their cache
 
 
+_REFERENCE: list = []  # (lm, strategy) -> its float64 reference: kvviz.reference.reference_model, registered
+
+
+def register_reference(factory) -> None:
+    """kvviz.reference gives LoadedModel.reference() its strategy (loading never imports it back)."""
+    _REFERENCE[:] = [factory]
+
+
 @dataclass
 class LoadedModel:
     """A model ready for kvviz: never mutated once built. `lock` serialises runs on it.
@@ -363,9 +371,9 @@ class LoadedModel:
     def reference(self, strategy: str | None = None) -> "LoadedModel":
         """The float64 reference of this model (itself when it is float64): the full float64 twin or the streamed
         reference (this model run in float64 one operation at a time), picked per run (kvviz.reference)."""
-        from .reference import reference_model
-
-        return reference_model(self, strategy)
+        if not _REFERENCE:  # kvviz.reference registers itself on import (kvviz/__init__ imports it)
+            raise KvvizError("no float64 reference strategy is registered (import kvviz, not kvviz.loading alone)")
+        return _REFERENCE[0](self, strategy)
 
     @property
     def arch(self) -> str:

@@ -22,7 +22,7 @@ from .dtypes import dtype_name
 from .environment import environment
 from .errors import KvvizError, is_out_of_memory
 from .execution import ExecSettings, Executor
-from .greedy import _replay, first_divergence
+from .greedy import replay_step, first_divergence
 from .inputs import POSITION_MODES, PromptInputs, check_mode, encode, pad_token_id, positions_from_mask
 from .loading import LoadedModel, load_model
 from .verdict import classify
@@ -228,8 +228,8 @@ class _Runner:
         if key not in self.replays:
             ex64 = Executor(lm64, ExecSettings(cache=settings.cache), max_len=inp.total + len(forced) + 1)
             with ex64.session():
-                full = _replay(ex64, inp64, "full", forced).double()
-                cached = _replay(ex64, inp64, logic, forced).double()
+                full = replay_step(ex64, inp64, "full", forced).double()
+                cached = replay_step(ex64, inp64, logic, forced).double()
             self.replays[key] = float((full - cached).abs().max() / full.abs().max().clamp_min(1e-300))
         return self.replays[key]
 

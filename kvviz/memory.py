@@ -41,6 +41,8 @@ _ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfl
 VIEW_FORWARDS = {"split": 2, "bisect": 2, "greedy": 1, "padding": 2, "reuse": 1, "dtypes": 2, "check": 2,
                  "matrix": 1, "quant": 1, "loading-trap": 1, "cache": 1}
 
+REFERENCE_CHUNK_BYTES = 512 * 1024 ** 2  # the streamed reference applies a larger float64 weight in slices of this
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # The model's shape, from its files
@@ -136,7 +138,7 @@ def _shape_of_gguf(path: Path) -> ModelShape:
 
 def model_shape(spec) -> ModelShape | None:
     """The shape of the model a spec names, from its files only (None: a hub model not in the local cache)."""
-    from .loading import cache_dir, default_gguf_path, parse_spec, tiny_folder
+    from .loading import parse_spec
 
     ms = parse_spec(spec)
     try:
@@ -334,16 +336,15 @@ def reference_bytes(shape: ModelShape, dtype: str, strategy: str) -> int:
         return 0
     if strategy == "twin":
         return 8 * shape.params
-    from .reference import CHUNK_BYTES
 
-    # the largest tensor in float64 (a big head is applied in slices of CHUNK_BYTES), plus, where the run's dtype
+    # the largest tensor in float64 (a big head is applied in slices of REFERENCE_CHUNK_BYTES), plus, where the run's dtype
     # rounds the checkpoint, that tensor read from the checkpoint in its own dtype
-    biggest = min(8 * shape.largest, CHUNK_BYTES + 8 * max(shape.hidden, 1) * 2)
+    biggest = min(8 * shape.largest, REFERENCE_CHUNK_BYTES + 8 * max(shape.hidden, 1) * 2)
     read = shape.largest * BYTES.get(shape.checkpoint_dtype or dtype, 4)
     from .dtypes import parse_dtype
-    from .reference import _exact_in
+    from .dtypes import exact_in
 
-    lossy = shape.checkpoint_dtype and not _exact_in(parse_dtype(shape.checkpoint_dtype), parse_dtype(dtype))
+    lossy = shape.checkpoint_dtype and not exact_in(parse_dtype(shape.checkpoint_dtype), parse_dtype(dtype))
     return biggest + (read if lossy else 0)
 
 

@@ -42,12 +42,13 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from .dtypes import exact_in
 from .errors import KvvizError
+from .memory import REFERENCE_CHUNK_BYTES as CHUNK_BYTES
 from .float64 import _SOFTMAXES
 
 STRATEGIES = ("auto", "twin", "streamed")
 # A weight larger than this in float64 (a big vocabulary's output head) is applied in slices of output features.
-CHUNK_BYTES = 512 * 1024 ** 2
 ENV_STRATEGY = "KVVIZ_REFERENCE"
 
 # Tensor methods and properties that only read metadata: answered from the loaded parameter, never upcast.
@@ -81,7 +82,7 @@ def reference_model(lm, strategy: str | None = None):
     if strategy not in STRATEGIES:
         raise KvvizError(f"unknown float64 reference strategy '{strategy}'; choose one of {', '.join(STRATEGIES)}")
     if strategy == "auto":
-        from .memory import choose_reference
+        from .memory import choose_reference  # noqa: PLC0415
 
         strategy = choose_reference(lm)
     if strategy == "streamed" and not can_stream(lm):
@@ -167,15 +168,6 @@ def _checkpoint_index(folder: Path) -> dict[str, tuple[str, torch.dtype]]:
     return out
 
 
-def _exact_in(src: torch.dtype | None, dst: torch.dtype) -> bool:
-    """Does casting src to dst keep every value? (bfloat16 and float16 do not hold each other.)"""
-    if src is None or src == dst:
-        return True
-    wider = {torch.float32: (torch.float16, torch.bfloat16), torch.float64: (torch.float32, torch.float16,
-                                                                              torch.bfloat16)}
-    return src in wider.get(dst, ())
-
-
 class CannotStream(KvvizError):
     """The streamed reference cannot reproduce the twin for this model; the twin is used instead."""
 
@@ -209,7 +201,7 @@ def _stream_plan(lm) -> StreamPlan:
         groups.setdefault(id(p), []).append(name)
         params[id(p)] = p
     used = {n for names in groups.values() for n in names if n in index}
-    all_exact = all(_exact_in(dt, p.dtype) for p in params.values() for _, dt in index.values())
+    all_exact = all(exact_in(dt, p.dtype) for p in params.values() for _, dt in index.values())
     for pid, names in groups.items():
         p = params[pid]
         held = [n for n in names if n in index]
@@ -222,7 +214,7 @@ def _stream_plan(lm) -> StreamPlan:
                 raise CannotStream(f"{names[0]} is not in the checkpoint of {lm.name}")
             continue
         file, dt = index[held[0]]
-        if not _exact_in(dt, p.dtype):
+        if not exact_in(dt, p.dtype):
             for n in names:
                 plan.from_checkpoint[n] = (file, held[0])
     if not index and folder is None and lm.dtype in (torch.float16, torch.bfloat16):
@@ -397,3 +389,12 @@ def streamed_float64(lm):
 
 def is_streamed(lm) -> bool:
     return getattr(lm, "stream64", None) is not None
+
+
+def _register() -> None:
+    from .loading import register_reference
+
+    register_reference(reference_model)
+
+
+_register()

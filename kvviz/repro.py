@@ -636,10 +636,10 @@ def repro_script(result, lm: LoadedModel, name: str = "kvviz_repro.py") -> str:
         body = _DTYPES.format(dtypes=dtypes, prompts=prompts, mode=s.mode)
     elif view == "padding":
         from .inputs import encode
-        from .padding import PLACEMENTS, SCENARIOS, _companions
+        from .padding import PLACEMENTS, SCENARIOS, companions
 
         ids = encode(lm, s.prompt)
-        comps = _companions(lm, ids, None, s.left_pad)
+        comps = companions(lm, ids, None, s.left_pad)
         if tuple(len(c) for c in comps) != tuple(s.companions):
             raise KvvizError("this padding result used other batch companions than kvviz's default ones")
         title = f"padding and batching of {s.model}, {s.dtype} on {s.device}"
@@ -657,7 +657,7 @@ def repro_script(result, lm: LoadedModel, name: str = "kvviz_repro.py") -> str:
         body = _QUANT.format(dtype=s.dtype, ids=encode(lm, s.prompt), prompt=s.prompt, steps=s.max_new_tokens,
                              kv=kv, weights=None if s.weights == "none" else s.weights)
     else:
-        from .reuse import _check as reuse_inputs
+        from .reuse import check_inputs as reuse_inputs
 
         conts, prefix_ids, cont_ids = reuse_inputs(lm, s.prefix, list(s.continuations), s.max_new_tokens)
         title = f"prompt-cache reuse with {s.model}, {len(conts)} continuation(s), {s.dtype} on {s.device}"

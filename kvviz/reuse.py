@@ -110,7 +110,7 @@ def _relative_gap(toks, logits, ref_toks, ref_logits) -> tuple[int | None, float
     return div, rel
 
 
-def _check(lm: LoadedModel, prefix: str, continuations: list[str], max_new_tokens: int):
+def check_inputs(lm: LoadedModel, prefix: str, continuations: list[str], max_new_tokens: int):
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
             or not 1 <= max_new_tokens <= MAX_NEW_TOKENS:
         raise KvvizError(f"new tokens must be between 1 and {MAX_NEW_TOKENS}, not {max_new_tokens}")
@@ -138,7 +138,7 @@ def run_reuse(lm: LoadedModel, prefix: str, continuations: list[str], max_new_to
     way is "precision". ways: a subset of fresh/deepcopy/reused to run (fresh, the reference, always runs)."""
     progress = progress or _noop
     settings = (settings or DEFAULT_SETTINGS).validate()
-    conts, prefix_ids, cont_ids = _check(lm, prefix, continuations, max_new_tokens)
+    conts, prefix_ids, cont_ids = check_inputs(lm, prefix, continuations, max_new_tokens)
     progress(0.1, f"Decoding {len(conts)} continuation(s) three ways…")
     bad = [w for w in ways if w not in REUSE_STRATEGIES]
     if bad:

@@ -281,12 +281,12 @@ def _requests(cond: str, ids: list[list[int]], n: int, run: int, plan: dict, pre
 
 
 def _reference(ex: Executor, lm: LoadedModel, text: str, n: int) -> tuple[list[int], list[float]]:
-    from .greedy import _no_cache, _Recorder
+    from .greedy import no_cache_loop, StepRecorder
 
     inp = build_inputs(lm, text, 0, extra_tokens=n)
-    rec = _Recorder("no_cache", n, lambda: None)
+    rec = StepRecorder("no_cache", n, lambda: None)
     with ex.session():
-        _no_cache(ex, inp, n, rec)
+        no_cache_loop(ex, inp, n, rec)
     return rec.tokens, rec.margins
 
 
@@ -432,14 +432,14 @@ def _first_divergence(a: list[int], b: list[int]) -> int | None:
 def _explain(p: PromptResult, lm, lm64, ex64: Executor, engine, ids, n, plan, prefix_ids, cfg) -> None:
     """The first divergence replayed in float64 on the same tokens: the reference computation (a full forward)
     against the same engine condition (same neighbours or warmer) run on the float64 model."""
-    from .greedy import _replay
+    from .greedy import replay_step
 
     t, cond = p.first_divergence, p.condition
     forced = p.reference[:t]
     ids64 = [encode(lm64, cfg.shared_prefix + q) for q in cfg.prompts]
     inp64 = build_inputs(lm64, cfg.shared_prefix + cfg.prompts[p.index], 0, extra_tokens=n)
     with ex64.session():
-        ref64 = _replay(ex64, inp64, "full", forced).double().cpu()
+        ref64 = replay_step(ex64, inp64, "full", forced).double().cpu()
     reqs, per_batch, sharing, seq, counted = _requests(cond, ids64, n, p.run, plan, prefix_ids, only=p.index,
                                                        forced=forced, keep=True)
     out = _engine_run(engine, ex64, reqs, per_batch, sharing, seq)

@@ -219,13 +219,13 @@ def _rest_through_cache(ex: Executor, cfg: SplitConfig, inp: PromptInputs, a0: i
 
     if cfg.mode == "chunk":
         progress(0.5, "Rest through the cache, one chunk…")
-        got = ex.forward(inp.ids[:, a0:], _mask(cfg, inp, a0, inp.total), positions(a0, inp.total), past)
+        got = ex.forward(inp.ids[:, a0:], cached_mask(cfg, inp, a0, inp.total), positions(a0, inp.total), past)
         return torch.stack([h[0] for h in got.hidden_states]), got.logits[0], got.past_key_values
     hs, lg = [], []
     cache = past
     for j, a in enumerate(range(a0, inp.total)):
         progress(0.4 + 0.5 * j / max(1, inp.total - a0), f"Rest through the cache, token {j + 1}…")
-        out = ex.forward(inp.ids[:, a:a + 1], _mask(cfg, inp, a, a + 1), positions(a, a + 1), cache)
+        out = ex.forward(inp.ids[:, a:a + 1], cached_mask(cfg, inp, a, a + 1), positions(a, a + 1), cache)
         cache = out.past_key_values
         hs.append(torch.stack([h[0, -1] for h in out.hidden_states]))
         if ref_logits is None:
@@ -320,7 +320,7 @@ def _takes_logits_to_keep(model) -> bool:
         return False
 
 
-def _mask(cfg: SplitConfig, inp: PromptInputs, start: int, end: int) -> torch.Tensor:
+def cached_mask(cfg: SplitConfig, inp: PromptInputs, start: int, end: int) -> torch.Tensor:
     """`full`: past + new (what the model needs); `new-only`: just the new tokens (a mistake transformers accepts)."""
     if cfg.attention_mask == "full":
         return inp.mask[:, :end]

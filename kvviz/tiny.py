@@ -67,7 +67,7 @@ TIE_DELTA = 2.0 ** -12  # exact in float32, below half an ulp of 1.0 in float16 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 
 
-def _byte_tokenizer():
+def byte_tokenizer():
     """A byte-level tokenizer built in code (no download): 256 byte tokens plus pad/bos/eos."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
@@ -163,7 +163,7 @@ def build_tiny(arch: str, folder: Path) -> Path:
                 for name, p in model.named_parameters():
                     if p.ndim >= 2:
                         p.normal_(0.0, 0.08 if "embed" not in name and "wte" not in name else 1.0)
-        tokenizer = _byte_tokenizer()
+        tokenizer = byte_tokenizer()
         if arch == "tie":
             _construct_tie(model, tokenizer)
         if arch == "split":

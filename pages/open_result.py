@@ -2,7 +2,7 @@
 import streamlit as st
 
 from kvviz import figures
-from kvviz.export import _verdict_text, main_figures, open_result
+from kvviz.export import main_figures, open_result, verdict_text
 from pages.common import exports, page, show_error, show_verdict
 
 page("Open a result",
@@ -43,7 +43,7 @@ st.caption(f"A **{opened.view}** result of `{settings.get('model')}` in {setting
 if opened.environment_differences:
     st.warning("Computed elsewhere — its numbers may not be reproduced bit for bit here: "
                + "; ".join(opened.environment_differences[:6]), icon="ℹ️")
-verdict, text = _verdict_text(res)
+verdict, text = verdict_text(res)
 if opened.view in ("split", "greedy", "quant", "loading_trap", "bisect"):
     show_verdict({"different models": "logic", "same model": "identical"}.get(verdict, verdict), text)
 elif opened.view == "check":

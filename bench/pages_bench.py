@@ -55,11 +55,11 @@ def page_calls(lm, spec: str):
 
     def padding():
         p = D["padding"]
-        return run_padding(lm, p["prompt"], None, p["left_pad"])
+        return run_padding(lm, p["prompt"], None, p["left_pad"], prove=p["prove"])
 
     def reuse():
         r = D["reuse"]
-        return run_reuse(lm, r["prefix"], r["continuations"], r["n"])
+        return run_reuse(lm, r["prefix"], r["continuations"], r["n"], prove=r["prove"] and None)
 
     def trap():
         t = D["trap"]

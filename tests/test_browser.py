@@ -269,7 +269,7 @@ FIRST_SCREEN = {  # page: (its verdict line, the start of its main chart or tabl
                      ".js-plotly-plot"),
     "dtypes_lab": ('text=Verdicts per dtype', '[data-testid="stDataFrame"]'),
     "padding_lab": ('.js-plotly-plot', '.js-plotly-plot'),
-    "cache_reuse": ('[data-testid="stAlert"]:has-text("Verdict:")', '[data-testid="stDataFrame"], .js-plotly-plot'),
+    "cache_reuse": ('[data-testid="stAlert"]:has-text("Verdict:")', 'text=Continuation 1'),
     "loading_trap": ('[data-testid="stAlert"]:has-text("Verdict:")', ".js-plotly-plot"),
     "quantized": ('[data-testid="stAlert"]:has-text("Verdict:")', ".js-plotly-plot"),
     "cache_safety": ('[data-testid="stAlert"]:has-text("SAFE")', '[data-testid="stTable"]'),

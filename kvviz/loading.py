@@ -490,7 +490,7 @@ def _load(ms: ModelSpec, dt: torch.dtype, dev: torch.device, attn: str, trust_re
         source = str(folder)
     elif ms.kind == "gguf":
         folder = convert_gguf(Path(ms.ref), progress)
-        quant = json.loads((folder / "kvviz.json").read_text()).get("quantization", "?")
+        quant = gguf_quantization(Path(ms.ref))  # from the file itself (a folder converted earlier may hold an older label)
         description = f"{Path(ms.ref).name}: {quant} GGUF weights, dequantized once and loaded as {dtype_name(dt)}"
         source = str(folder)
     elif ms.kind == "tiny":

@@ -19,16 +19,20 @@ with controls():
                             "\n".join(c.replace("\n", "\\n") for c in DEFAULTS["reuse"]["continuations"]),
                             key="reuse_conts", height=110)
     n = st.number_input("New tokens per continuation", 1, 256, DEFAULTS["reuse"]["n"], key="reuse_n")
+    prove = st.toggle("Prove precision gaps (rerun in invariant mode; slower)", DEFAULTS["reuse"]["prove"],
+                      key="reuse_prove", help="Off by default so the texts come quickly; float64 decides the verdicts.")
 merged = [c.replace("\\n", "\n") for c in conts.splitlines() if c.strip()]
 
 
 def compute():
     with progress_bar("Decoding…") as report:
-        return run_reuse(lm, prefix, merged, int(n), progress=report, settings=choice.settings)
+        return run_reuse(lm, prefix, merged, int(n), progress=report, settings=choice.settings,
+                         prove=bool(prove) and None)
 
 
 try:
-    res = run_cached("reuse", {"model": choice.key, "prefix": prefix, "conts": merged, "n": int(n)}, compute)
+    res = run_cached("reuse", {"model": choice.key, "prefix": prefix, "conts": merged, "n": int(n),
+                               "prove": bool(prove)}, compute)
 except Exception as e:  # noqa: BLE001
     show_error(e)
     st.stop()

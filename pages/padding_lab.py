@@ -17,16 +17,20 @@ with controls():
     c1, c2 = st.columns(2)
     left_pad = c1.number_input("Left padding (pad tokens)", 0, 64, DEFAULTS["padding"]["left_pad"], key="pad_pad")
     split = c2.number_input("Split point (0 = half the prompt)", 0, 4096, 0, key="pad_split")
+    prove = st.toggle("Prove the precision cells (rerun the grid in invariant mode; slower)",
+                      DEFAULTS["padding"]["prove"], key="pad_prove",
+                      help="Off by default so the grid comes quickly; the float64 rerun decides every verdict anyway.")
 
 
 def compute():
     with progress_bar("Running the grid…") as report:
         return run_padding(lm, prompt, int(split) or None, int(left_pad), progress=report,
-                           settings=choice.settings)
+                           settings=choice.settings, prove=bool(prove))
 
 
 try:
-    res = run_cached("padding", {"model": choice.key, "prompt": prompt, "pad": int(left_pad), "split": int(split)},
+    res = run_cached("padding", {"model": choice.key, "prompt": prompt, "pad": int(left_pad), "split": int(split),
+                                 "prove": bool(prove)},
                      compute)
 except Exception as e:  # noqa: BLE001
     show_error(e)

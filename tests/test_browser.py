@@ -269,7 +269,7 @@ FIRST_SCREEN = {  # page: (its verdict line, the start of its main chart or tabl
                      ".js-plotly-plot"),
     "dtypes_lab": ('text=Verdicts per dtype', '[data-testid="stDataFrame"]'),
     "padding_lab": ('.js-plotly-plot', '.js-plotly-plot'),
-    "cache_reuse": ('[data-testid="stAlert"]:has-text("Verdict:")', '[data-testid="stDataFrame"], .js-plotly-plot'),
+    "cache_reuse": ('[data-testid="stAlert"]:has-text("Verdict:")', 'text=Continuation 1'),
     "loading_trap": ('[data-testid="stAlert"]:has-text("Verdict:")', ".js-plotly-plot"),
     "quantized": ('[data-testid="stAlert"]:has-text("Verdict:")', ".js-plotly-plot"),
     "cache_safety": ('[data-testid="stAlert"]:has-text("SAFE")', '[data-testid="stTable"]'),
@@ -286,7 +286,8 @@ def test_first_screen_in_normal_mode(server, artifacts, scheme):
         for path in names:
             verdict_sel, chart_sel = FIRST_SCREEN[path]
             page = ctx.new_page()
-            page.goto(link(server, path, presenter=False, **({"greedy_n": 8} if path == "greedy_paths" else {})))
+            short = {"greedy_paths": {"greedy_n": 8}, "quantized": {"quant_n": 4}, "loading_trap": {"trap_n": 6}}
+            page.goto(link(server, path, presenter=False, **short.get(path, {})))
             page.wait_for_selector(chart_sel, timeout=300_000)
             wait_idle(page, 300)
             no_exception(page)

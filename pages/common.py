@@ -342,10 +342,45 @@ def page(title: str, caption: str, needs_model: bool = True):
     return choice, lm
 
 
+# The view whose memory plan a page's run has (kvviz.memory.VIEW_FORWARDS), by run_cached's name.
+_PLANNED = {"split": "split", "split_ab": "split", "bisect": "bisect", "greedy": "greedy", "greedy_ab": "greedy",
+            "dtypes": "dtypes", "dtypes_ab": "dtypes", "padding": "padding", "padding_ab": "padding", "reuse": "reuse",
+            "reuse_ab": "reuse", "check": "check", "trap": "loading-trap", "quant": "quant", "matrix": "matrix",
+            "serving": "greedy", "kv_save": "cache", "kv_load": "cache", "kv_size": "cache"}
+
+
+def _workload(key_parts: dict) -> dict:
+    """The tokens a run will hold, read off its run_cached key: the longest prompt and the new tokens."""
+    cfg = key_parts.get("cfg") if isinstance(key_parts.get("cfg"), dict) else {}
+    texts = [key_parts.get("prompt"), key_parts.get("prefix"), cfg.get("prompt")]
+    for many in (key_parts.get("prompts"), key_parts.get("conts")):
+        if isinstance(many, (list, tuple)):
+            texts += [str(t) for t in many]
+    prompt = max((str(t) for t in texts if t), key=len, default="")
+    new = key_parts.get("n") or cfg.get("max_new_tokens") or key_parts.get("tokens") or 0
+    return {"prompt": prompt, "new_tokens": int(new) if str(new).isdigit() else 0,
+            "left_pad": int(key_parts.get("pad") or cfg.get("left_pad") or 0)}
+
+
+def _memory_plan(name: str, key_parts: dict, fresh: bool) -> None:
+    """The run's memory plan beside the result (a caption, the full plan on hover); a run that cannot fit is refused
+    in one line naming what to lower, before it starts (kvviz.memory; nothing is loaded to make the plan)."""
+    from pages.memory_plan import blocks_run, show_plan
+
+    choice = st.session_state.get("model_choice")
+    if name not in _PLANNED or choice is None:
+        return
+    plan = show_plan(choice, _PLANNED[name], **_workload(key_parts))
+    if fresh and blocks_run(plan):
+        st.stop()
+
+
 def run_cached(name: str, key_parts: dict, compute):
-    """Run `compute()` once per distinct inputs in this session; view-only reruns reuse the stored result."""
+    """Run `compute()` once per distinct inputs in this session; view-only reruns reuse the stored result. The
+    run's memory plan is shown first, and a run that cannot fit is refused before it starts."""
     store = st.session_state.setdefault(f"_results_{name}", {})
     key = hashlib.sha256(json.dumps(key_parts, sort_keys=True, default=str).encode()).hexdigest()
+    _memory_plan(name, key_parts, key not in store)
     if key not in store:
         ss = st.session_state
         stopped = ss.setdefault("_stopped", {})

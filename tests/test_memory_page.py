@@ -1,0 +1,40 @@
+"""The memory plan on the pages: shown beside every run, and a run that cannot fit is refused before it starts."""
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from conftest import ROOT
+
+pytestmark = pytest.mark.app
+
+
+def start(page: str, **state) -> AppTest:
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=240)
+    at.session_state["model_preset"] = "tiny:llama"
+    for k, v in state.items():
+        at.session_state[k] = v
+    at.run()
+    at.switch_page(page).run()
+    return at
+
+
+def test_the_plan_is_shown_beside_the_run():
+    at = start("pages/split_point.py")
+    assert not at.exception, at.exception
+    assert any(c.value.startswith("Memory: about") for c in at.caption), [c.value for c in at.caption]
+    assert any("Verdict" in m.value or "verdict" in m.value.lower() for m in list(at.markdown) + list(at.success)
+               + list(at.info) + list(at.warning)) or at.get("plotly_chart")
+
+
+def test_a_run_that_cannot_fit_is_refused_before_it_starts(monkeypatch):
+    import kvviz.memory as memory
+    import kvviz.split as split
+
+    calls = []
+    real = split.run_split
+    monkeypatch.setattr(split, "run_split", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(memory, "free_bytes", lambda device: (1024 ** 2, "a test limit"))
+    at = start("pages/greedy_paths.py")
+    assert not at.exception, at.exception
+    errors = [e.value for e in at.error]
+    assert any(e.startswith("Cannot run") for e in errors), errors
+    assert not at.get("plotly_chart")  # nothing ran

@@ -129,7 +129,7 @@ def _padding_cells(lm: LoadedModel, settings: ExecSettings, ids: list[int], comp
     return out
 
 
-def companions(lm: LoadedModel, ids: list[int], companions: list[str] | None, left_pad: int) -> list[list[int]]:
+def companion_ids(lm: LoadedModel, ids: list[int], companions: list[str] | None, left_pad: int) -> list[list[int]]:
     """The batch-mates, each made longer than the prompt (so the prompt is the padded row)."""
     comp_ids = [encode(lm, c) for c in (companions or DEFAULT_COMPANIONS)]
     comp_ids = [c if len(c) > len(ids) else c + c[1:] * (len(ids) // max(1, len(c) - 1) + 1) for c in comp_ids]
@@ -154,7 +154,7 @@ def run_padding(lm: LoadedModel, prompt: str, split: int | None = None, left_pad
     ids = encode(lm, prompt)
     k = split_point(len(ids), "half" if split is None else split)
     check_split(len(ids), k if split is None else split)
-    comp_ids = companions(lm, ids, companions, left_pad)
+    comp_ids = companion_ids(lm, ids, companions, left_pad)
     progress(0.1, f"Running the scenarios in {lm.name} {RunInfo.of(lm).dtype}…")
     main = _padding_cells(lm, settings, ids, comp_ids, k, left_pad)
     lm64 = lm.reference()

@@ -636,10 +636,10 @@ def repro_script(result, lm: LoadedModel, name: str = "kvviz_repro.py") -> str:
         body = _DTYPES.format(dtypes=dtypes, prompts=prompts, mode=s.mode)
     elif view == "padding":
         from .inputs import encode
-        from .padding import PLACEMENTS, SCENARIOS, companions
+        from .padding import PLACEMENTS, SCENARIOS, companion_ids
 
         ids = encode(lm, s.prompt)
-        comps = companions(lm, ids, None, s.left_pad)
+        comps = companion_ids(lm, ids, None, s.left_pad)
         if tuple(len(c) for c in comps) != tuple(s.companions):
             raise KvvizError("this padding result used other batch companions than kvviz's default ones")
         title = f"padding and batching of {s.model}, {s.dtype} on {s.device}"

@@ -66,9 +66,11 @@ def load_attn(dtype, attention):
     return m
 
 
-def forward(model, ids, mask=None, positions=None, past=None, use_cache=True, hidden=True):
-    """One model call, as kvviz makes it: mask / positions / past left out when None."""
+def forward(model, ids, mask=None, positions=None, past=None, use_cache=True, hidden=True, keep=None):
+    """One model call, as kvviz makes it: mask / positions / past left out when None; keep: logits_to_keep."""
     kw = dict(input_ids=ids, use_cache=use_cache, output_hidden_states=hidden, return_dict=True)
+    if keep is not None:
+        kw["logits_to_keep"] = keep
     if mask is not None:
         kw["attention_mask"] = mask
     if positions is not None:
@@ -98,7 +100,12 @@ def split_gap(model, ids, split, left_pad=0, mode="chunk", positions_mode="auto"
         return positions[:, start:end] if positions_mode == "auto" else None
 
     past = forward(model, input_ids[:, :a0], mask[:, :a0], positions[:, :a0]).past_key_values
-    ref = forward(model, input_ids, mask, positions).logits[0, a0:]
+    # in float64 (the reference) kvviz computes only the compared positions' logits (logits_to_keep)
+    import inspect
+
+    keep = total - a0 if model.dtype == torch.float64 and \
+        "logits_to_keep" in inspect.signature(model.forward).parameters else None
+    ref = forward(model, input_ids, mask, positions, keep=keep).logits[0, -(total - a0):]
     if mode == "chunk":
         got = forward(model, input_ids[:, a0:], rest_mask(a0, total), rest_positions(a0, total), past).logits[0]
     else:

@@ -176,7 +176,7 @@ def test_out_of_memory_in_the_app(monkeypatch):
     assert "Out of memory" in messages(at) and "shorter prompt" in messages(at)
     assert len(at.get("plotly_chart")) == 0
     monkeypatch.setattr(split_mod, "_run", real)
-    at.slider(key="split_k").set_value(3).run()
+    at.slider(key="split_k_slider").set_value(3).run()
     assert not at.exception and len(at.get("plotly_chart")) == 2
 
 

@@ -54,16 +54,16 @@ def test_exact_paths_equal_naive_loops_bit_for_bit(arch, dtype):
     assert res.paths["cache"].token_ids == c_ids[0, ids.shape[1]:].tolist()
     # logit for logit: kvviz's captured logits are the naive loops' logits, bitwise
     from kvviz.execution import Executor
-    from kvviz.greedy import _Recorder, _cache, no_cache_loop  # the same functions run_greedy uses
+    from kvviz.greedy import StepRecorder, _cache, no_cache_loop  # the same functions run_greedy uses
     from kvviz.inputs import build_inputs
 
     inp = build_inputs(lm, PROMPT, 0, N)
     ex = Executor(lm)
-    rec = _Recorder("no_cache", N, lambda: None)
+    rec = StepRecorder("no_cache", N, lambda: None)
     with ex.session():
         no_cache_loop(ex, inp, N, rec)
     assert torch.equal(torch.stack(rec.logits), nc_logits)
-    rec = _Recorder("cache", N, lambda: None)
+    rec = StepRecorder("cache", N, lambda: None)
     with ex.session():
         _cache(ex, inp, N, rec)
     assert torch.equal(torch.stack(rec.logits), c_logits)

@@ -42,6 +42,7 @@ def test_greedy_page_in_browser(server, artifacts):
         assert page.get_by_text("no cache (full forward each step)").count() >= 1
         assert page.locator(".js-plotly-plot").count() >= 2
         page.screenshot(path=str(artifacts / "greedy-default.png"), full_page=True)
+        page.get_by_text("Settings: prompt and controls").click()  # the controls are folded on every page
         page.get_by_text("Fast preview (teacher-forced no-cache path)").click()
         wait_idle(page)
         page.get_by_text("no cache (full forward each step) — fast preview").first.wait_for(timeout=240_000)

@@ -26,10 +26,14 @@ def test_tiny_models_are_saved_and_loaded_as_folders(kvviz_cache):
 
 @pytest.mark.parametrize("arch", kvviz.TINY_ARCHS)
 def test_each_tiny_arch_loads_fast_with_its_quirks(arch):
+    from kvviz.tiny import TINY_MODEL_TYPES
+
     lm = kvviz.load_model(f"tiny:{arch}", "float32", DEVICE)
-    assert lm.arch == arch
-    assert lm.n_layers == 4
+    assert lm.arch == TINY_MODEL_TYPES.get(arch, arch)
+    assert lm.n_layers == (6 if arch == "gemma3" else 4)  # gemma3: five sliding layers, then a global one
     cfg = lm.config
+    if arch == "gemma3":
+        assert cfg.layer_types == ["sliding_attention"] * 5 + ["full_attention"] and cfg.sliding_window == 8
     if arch in ("llama", "qwen2", "mistral", "gemma2"):
         assert cfg.num_key_value_heads < cfg.num_attention_heads  # grouped KV heads
     if arch in ("mistral", "gemma2"):

@@ -370,8 +370,10 @@ def _memory_plan(name: str, key_parts: dict, fresh: bool) -> None:
     choice = st.session_state.get("model_choice")
     if name not in _PLANNED or choice is None:
         return
-    plan = show_plan(choice, _PLANNED[name], **_workload(key_parts))
+    with st.sidebar:  # beside the run's settings; the page's first screen stays the verdict and the chart
+        plan = show_plan(choice, _PLANNED[name], **_workload(key_parts))
     if fresh and blocks_run(plan):
+        st.error("Cannot run: " + plan.refusal(), icon=":material/memory:")
         st.stop()
 
 

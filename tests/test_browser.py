@@ -358,6 +358,7 @@ def test_slider_and_box_agree_after_a_failed_load(server, artifacts):
         wait_idle(page)
         sidebar = page.locator('[data-testid="stSidebar"]')
         sidebar.get_by_role("combobox", name="Model").click()
+        page.keyboard.type("other")  # the list is longer than the dropdown shows: filter it as a user would
         page.get_by_role("option", name="other…").click()
         wait_idle(page)
         box = sidebar.get_by_label("Hub id, folder or .gguf path")
@@ -366,6 +367,7 @@ def test_slider_and_box_agree_after_a_failed_load(server, artifacts):
         page.get_by_text("not found").first.wait_for(timeout=60_000)
         wait_idle(page)
         sidebar.get_by_role("combobox", name="Model").click()
+        page.keyboard.type("tiny:gpt2")
         page.get_by_role("option", name="tiny:gpt2").click()
         page.wait_for_selector(".js-plotly-plot", timeout=240_000)
         wait_idle(page)

@@ -69,7 +69,7 @@ bench: setup
 
 # Memory at real size (issue 16): builds random-weight 3B Llama / 270M Gemma-3 folders once under BIGMODELS, then
 # measures peak RSS of split, greedy and the cache-safety card under a 20 GiB address-space cap (docs/benchmarks.md).
-BIGMODELS ?= /work/bigmodels
+BIGMODELS ?= $(HOME)/.cache/kvviz-bench-models
 bench-memory: setup
 	$(BIN)/python bench/memory_bench.py build --root $(BIGMODELS)
 	nice -n 10 $(BIN)/python bench/memory_bench.py run --root $(BIGMODELS)

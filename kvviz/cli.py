@@ -453,7 +453,7 @@ def split_summary(res) -> str:
     if res.float64 is not None:
         lines.append(f"float64 rerun: max relative gap {res.float64.max_relative:.3g}")
     lines += ["", f"verdict: {res.verdict.upper()}", res.explanation]
-    if res.proof:
+    if res.proof and "invariant mode" not in res.explanation:  # not when the explanation already says it
         lines.append(res.proof)
     return "\n".join(lines)
 

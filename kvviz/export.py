@@ -238,7 +238,8 @@ def greedy_figures(result) -> list:
 
 
 def split_verdict(result) -> tuple[str, str]:
-    return result.verdict, result.explanation + (f" {result.proof}" if result.proof else "")
+    proof = result.proof if result.proof and "invariant mode" not in result.explanation else None
+    return result.verdict, result.explanation + (f" {proof}" if proof else "")
 
 
 def greedy_verdict(result) -> tuple[str, str]:

@@ -501,6 +501,8 @@ def show_verdict(verdict: str, explanation: str, proof: str | None = None) -> No
         with st.expander("Why (the evidence)"):
             st.markdown(explanation + (f"\n\n🔒 {proof}" if proof else ""))
         return
+    if proof and "invariant mode" in explanation:  # the explanation already says what the proof found
+        proof = None
     VERDICT_STYLE.get(verdict, st.warning)(f"**Verdict: {verdict}.** {explanation}"
                                            + (f"\n\n🔒 {proof}" if proof else ""))
 

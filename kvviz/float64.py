@@ -45,24 +45,31 @@ def _is64(x) -> bool:
     return isinstance(x, torch.Tensor) and x.dtype == torch.float64
 
 
+def keep64(func, args, kwargs):
+    """The rule of a float64 run, for one torch call: float64 -> float32 casts are no-ops and MoE grouped_mm runs
+    group by group. Returns (args, kwargs, result): result is not None when the call is answered here. Used by
+    KeepFloat64 and by the streamed reference (kvviz.reference), so both keep float64 the same way."""
+    if args and _is64(args[0]):
+        if func in _GROUPED:
+            return args, kwargs, grouped_mm64(*args, **kwargs)
+        if func is torch.Tensor.float:
+            return args, kwargs, args[0]
+        if func is torch.Tensor.to:
+            if kwargs.get("dtype") == torch.float32:
+                kwargs = {k: v for k, v in kwargs.items() if k != "dtype"}
+            if any(a is torch.float32 for a in args[1:]):
+                args = tuple(a for a in args if a is not torch.float32)
+            if len(args) == 1 and not kwargs:
+                return args, kwargs, args[0]
+        elif func in _SOFTMAXES and kwargs.get("dtype") == torch.float32:
+            kwargs = {k: v for k, v in kwargs.items() if k != "dtype"}
+    return args, kwargs, None
+
+
 class KeepFloat64(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if args and _is64(args[0]):
-            if func in _GROUPED:
-                return grouped_mm64(*args, **kwargs)
-            if func is torch.Tensor.float:
-                return args[0]
-            if func is torch.Tensor.to:
-                if kwargs.get("dtype") == torch.float32:
-                    kwargs = {k: v for k, v in kwargs.items() if k != "dtype"}
-                if any(a is torch.float32 for a in args[1:]):
-                    args = tuple(a for a in args if a is not torch.float32)
-                if len(args) == 1 and not kwargs:
-                    return args[0]
-            elif func in _SOFTMAXES and kwargs.get("dtype") == torch.float32:
-                kwargs = {k: v for k, v in kwargs.items() if k != "dtype"}
-        return func(*args, **kwargs)
+        args, kwargs, done = keep64(func, args, kwargs or {})
+        return done if done is not None else func(*args, **kwargs)
 
 
 def keep_float64(model) -> None:

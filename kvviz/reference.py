@@ -45,7 +45,7 @@ from torch.overrides import TorchFunctionMode
 from .dtypes import exact_in
 from .errors import KvvizError
 from .memory import REFERENCE_CHUNK_BYTES as CHUNK_BYTES
-from .float64 import _SOFTMAXES
+from .float64 import keep64
 
 STRATEGIES = ("auto", "twin", "streamed")
 # A weight larger than this in float64 (a big vocabulary's output head) is applied in slices of output features.
@@ -315,7 +315,7 @@ class StreamedFloat64(TorchFunctionMode):
         if kwargs:
             kwargs = {k: self._sub(v) for k, v in kwargs.items()}
         if getattr(_STATE, "forward", 0) > 0:
-            args, kwargs, done = _keep64(func, args, kwargs)
+            args, kwargs, done = keep64(func, args, kwargs)
             if done is not None:
                 return done
         return func(*args, **kwargs)
@@ -340,24 +340,6 @@ class StreamedFloat64(TorchFunctionMode):
 
     def close(self) -> None:
         self._handles.clear()
-
-
-def _keep64(func, args, kwargs):
-    """KeepFloat64's rule (kvviz.float64): float64 -> float32 casts are no-ops. Returns (args, kwargs, result)."""
-    if not (args and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float64):
-        return args, kwargs, None
-    if func is torch.Tensor.float:
-        return args, kwargs, args[0]
-    if func is torch.Tensor.to:
-        if kwargs.get("dtype") == torch.float32:
-            kwargs = {k: v for k, v in kwargs.items() if k != "dtype"}
-        if any(a is torch.float32 for a in args[1:]):
-            args = tuple(a for a in args if a is not torch.float32)
-        if len(args) == 1 and not kwargs:
-            return args, kwargs, args[0]
-    elif func in _SOFTMAXES and kwargs.get("dtype") == torch.float32:
-        kwargs = {k: v for k, v in kwargs.items() if k != "dtype"}
-    return args, kwargs, None
 
 
 @contextlib.contextmanager

@@ -232,19 +232,10 @@ def _one_line(e: BaseException) -> str:
 
 def build_arch(model_type: str, folder: Path) -> dict:
     """Write the tiny random `model_type` model with the byte tokenizer to `folder`; return a summary of it."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from .tiny import byte_tokenizer
+    from .tiny import byte_tokenizer, random_model
 
     config = tiny_arch_config(model_type)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(SEED)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if p.ndim >= 2:
-                    p.normal_(0.0, 0.08 if "embed" not in name and "wte" not in name else 1.0)
+    model = random_model(config, SEED)
     model.save_pretrained(folder)
     byte_tokenizer().save_pretrained(folder)
     text = getattr(config, "text_config", None) or config

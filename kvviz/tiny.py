@@ -140,11 +140,24 @@ def _construct_split(model, tokenizer) -> None:
         head[b, 0], head[b, 32], head[b, 33] = SPLIT_T, -SPLIT_T, 1.0
 
 
-def build_tiny(arch: str, folder: Path) -> Path:
-    """Write a tiny model with seeded random weights to `folder` (atomically) and return it."""
+def random_model(config, seed: int = TINY_SEED):
+    """A causal LM of `config` with seeded random weights, larger than the default init so that logits have clear
+    preferences (the tiny models and the architecture sweep build theirs this way)."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.ndim >= 2:
+                    p.normal_(0.0, 0.08 if "embed" not in name and "wte" not in name else 1.0)
+    return model
+
+
+def build_tiny(arch: str, folder: Path) -> Path:
+    """Write a tiny model with seeded random weights to `folder` (atomically) and return it."""
     folder = Path(folder)
     if (folder / "kvviz-tiny.json").exists():
         return folder
@@ -154,15 +167,7 @@ def build_tiny(arch: str, folder: Path) -> Path:
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{arch}-", dir=folder.parent))
     try:
-        config = tiny_config(TINY_CONSTRUCTED.get(arch, arch))
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(TINY_SEED)
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-            # Larger weights than the default init so that logits have clear preferences.
-            with torch.no_grad():
-                for name, p in model.named_parameters():
-                    if p.ndim >= 2:
-                        p.normal_(0.0, 0.08 if "embed" not in name and "wte" not in name else 1.0)
+        model = random_model(tiny_config(TINY_CONSTRUCTED.get(arch, arch)), TINY_SEED)
         tokenizer = byte_tokenizer()
         if arch == "tie":
             _construct_tie(model, tokenizer)

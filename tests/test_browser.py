@@ -18,7 +18,7 @@ def test_split_page_draws_heatmap_with_default_model(server, artifacts):
     with browser() as b:
         page = open_page(b, server + "/split_point")
         assert page.get_by_text("Verdict:").count() >= 1
-        # the heatmap is really drawn with its full layer axis, whether this machine's result has a gap (a colour
+        # the heatmap is really drawn with its full layer axis, whether the run's result has a gap (a colour
         # bar for the gap) or is bitwise identical (the zero colour and the note)
         assert page.locator(".js-plotly-plot .heatmaplayer").count() >= 1 or \
             page.locator(".js-plotly-plot .hm").count() >= 1

@@ -52,7 +52,7 @@ def test_gpt2_left_pad_auto_positions_is_precision_or_identical():
     cfg = SplitConfig(PROMPT, split=10, left_pad=3, position_ids="auto")
     res = run_split(lm("gpt2"), cfg)
     assert res.verdict in ("precision", "identical")
-    assert (res.verdict == "identical") == res.main.identical  # the rule, whichever way this machine rounds
+    assert (res.verdict == "identical") == res.main.identical  # the rule holds whichever way the kernels round
     assert (res.float64 is None) == res.main.identical  # a gap always brings its float64 evidence
     assert run_split(lm("gpt2", "float64"), cfg).main.max_relative <= FLOAT64_CLOSED_REL
 

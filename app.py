@@ -6,7 +6,8 @@ import streamlit as st
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 st.set_page_config(page_title="kvviz", page_icon=":material/troubleshoot:", layout="wide")
-from pages.common import NAV, remember, scenario_guard, sidebar  # noqa: E402  (after set_page_config)
+from pages.common import NAV, sidebar  # noqa: E402  (after set_page_config)
+from pages.state import remember, scenario_guard  # noqa: E402
 
 # Navigation in sections (pages.common.NAV: one place for every page's file, title and icon), always expanded:
 # no page hidden behind "View more".

@@ -176,14 +176,10 @@ def run_bisect(lm: LoadedModel, cfg: SplitConfig, settings: ExecSettings | None 
 
 
 def _cached_rest(ex: Executor, cfg: SplitConfig, inp, a0: int, past) -> None:
-    pos = (lambda s, e: inp.positions[:, s:e] if cfg.position_ids == "auto" else None)
-    if cfg.mode == "chunk":
-        ex.forward(inp.ids[:, a0:], cached_mask(cfg, inp, a0, inp.total), pos(a0, inp.total), past, hidden=False)
-        return
-    cache = past
-    for a in range(a0, inp.total):
-        cache = ex.forward(inp.ids[:, a:a + 1], cached_mask(cfg, inp, a, a + 1), pos(a, a + 1), cache,
-                           hidden=False).past_key_values
+    positions_of = (lambda s, e: inp.positions[:, a0 + s:a0 + e]) if cfg.position_ids == "auto" else None
+    for _ in ex.feed(inp.ids[:, a0:], past, one_by_one=cfg.mode != "chunk", hidden=False,
+                     mask_of=lambda s, e: cached_mask(cfg, inp, a0 + s, a0 + e), positions_of=positions_of):
+        pass
 
 
 def _input_differs(full: _Recorder, cached: _Recorder, name: str, total: int, a0: int, n: int) -> bool:

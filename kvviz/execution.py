@@ -26,6 +26,7 @@ from typing import Callable, ContextManager, Iterator
 
 import torch
 
+from . import loops
 from .errors import KvvizError
 from .loading import LoadedModel
 
@@ -210,6 +211,62 @@ class Executor:
         kwargs.update(extra)
         self.forwards += max_new_tokens
         return self.model.generate(**kwargs)
+
+    # -- loops: the only place a token is fed back or a known sequence is fed through a cache ----------------------
+    # (kvviz.loops holds the loops as pure functions; repro scripts embed the same source)
+
+    def _caller(self, fresh_cache: bool = True) -> Callable:
+        def call(ids, mask, positions, past, use_cache=True, hidden=True):
+            return self.forward(ids, mask, positions, past, use_cache=use_cache, hidden=hidden,
+                                fresh_cache=fresh_cache)
+        return call
+
+    def feed(self, ids: torch.Tensor, cache, *, one_by_one: bool = False,
+             mask_of: Callable[[int, int], torch.Tensor | None] | None = None,
+             positions_of: Callable[[int, int], torch.Tensor | None] | None = None,
+             hidden: bool = True) -> Iterator[tuple[int, int, object]]:
+        """Feed the known tokens `ids` [B, n] through `cache`, in one chunk or one token per forward (kvviz.loops.feed):
+        yields (s, e, output) per forward, the grown cache carried from one forward to the next."""
+        return loops.feed(self._caller(), ids, cache, one_by_one, mask_of, positions_of, hidden)
+
+    def decode(self, ids: torch.Tensor, mask: torch.Tensor | None, n: int, *, policy: str = "cache",
+               positions: torch.Tensor | None = None, step_positions: str | None = None, cache=None,
+               forced: list[int] | None = None, hidden: bool = True, fresh_cache: bool = True,
+               on_step: Callable[[int, torch.Tensor, torch.Tensor | None, int], None] | None = None,
+               no_cache_error: str | None = None) -> "Decoded":
+        """Greedy decoding of n tokens under a step policy (kvviz.loops.decode: no_cache, cache, user_loop; forced
+        tokens; a per-step hook). cache: the cache to start from (None: a fresh one of the settings' kind; with
+        fresh_cache=False, the model's own). A cached policy on a model that returns no cache raises KvvizError
+        (no_cache_error, or a generic line)."""
+        if policy not in loops.STEP_POLICIES:
+            raise KvvizError(f"unknown step policy '{policy}'; choose one of {', '.join(loops.STEP_POLICIES)}")
+
+        def prefilled(out) -> None:
+            if policy != "no_cache" and not has_cache(out):
+                raise KvvizError(no_cache_error or f"{self.lm.name} returns no cache (a bidirectional model): "
+                                                   "past_key_values cannot be used")
+
+        tokens, logits, hiddens, last = loops.decode(self._caller(fresh_cache), ids, mask, n, policy, positions,
+                                                     step_positions, cache, forced, hidden, on_step, prefilled)
+        return Decoded(tokens, logits, hiddens, last.past_key_values if policy != "no_cache" else None, last)
+
+
+STEP_POLICIES = loops.STEP_POLICIES
+
+
+@dataclass
+class Decoded:
+    """What Executor.decode returns: row 0's tokens, logits [V] and hidden states [n_hidden, H] per step, the
+    grown cache (None without cache) and the last model output."""
+
+    tokens: list[int]
+    logits: list[torch.Tensor]
+    hidden: list[torch.Tensor]
+    cache: object
+    last: object
+
+    def stacked_logits(self) -> torch.Tensor:
+        return torch.stack(self.logits)
 
 
 # ------------------------------------------------------------------------------------------------------------------

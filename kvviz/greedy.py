@@ -239,48 +239,30 @@ def _grow(ids, mask, pos, token: int):
 # The paths
 
 
+def _record(rec: StepRecorder):
+    def on_step(t, logits, hidden, token):
+        rec.add(logits, hidden, token=token)
+        rec.forwards += 1
+    return on_step
+
+
 def no_cache_loop(ex: Executor, inp: PromptInputs, n: int, rec: StepRecorder, forced: list[int] | None = None,
-              ids=None, mask=None, pos=None) -> None:
+                  ids=None, mask=None, pos=None) -> None:
     """A full forward over the sequence so far at every step (the plain no-cache loop); `forced` feeds given tokens."""
     ids, mask, pos = (inp.ids, inp.mask, inp.positions) if ids is None else (ids, mask, pos)
-    for t in range(n):
-        out = ex.forward(ids, mask, pos, use_cache=False)
-        rec.forwards += 1
-        tok = rec.add(*_last(out), token=forced[t] if forced is not None and t < len(forced) else None)
-        if t < n - 1:
-            ids, mask, pos = _grow(ids, mask, pos, tok)
+    ex.decode(ids, mask, n, policy="no_cache", positions=pos, forced=forced, on_step=_record(rec))
 
 
 def _cache(ex: Executor, inp: PromptInputs, n: int, rec: StepRecorder, positions: str = "auto",
            forced: list[int] | None = None) -> None:
     """Prefill, then one token at a time through the cache with the full mask and (auto) position ids."""
-    out = ex.forward(inp.ids, inp.mask, inp.positions)
-    rec.forwards += 1
-    cache, mask, last_pos = out.past_key_values, inp.mask, inp.positions[:, -1:]
-    for t in range(n):
-        tok = rec.add(*_last(out), token=forced[t] if forced is not None and t < len(forced) else None)
-        if t == n - 1:
-            break
-        mask = torch.cat([mask, torch.ones((1, 1), dtype=mask.dtype, device=mask.device)], 1)
-        last_pos = last_pos + 1
-        out = ex.forward(torch.tensor([[tok]], device=inp.ids.device), mask,
-                         last_pos if positions == "auto" else None, cache)
-        rec.forwards += 1
-        cache = out.past_key_values
+    ex.decode(inp.ids, inp.mask, n, policy="cache", positions=inp.positions, step_positions=positions,
+              forced=forced, on_step=_record(rec))
 
 
 def _user_loop(ex: Executor, inp: PromptInputs, n: int, rec: StepRecorder, forced: list[int] | None = None) -> None:
     """The cached loop as people write it: the prompt with its mask, then only the new token (no mask, no position ids)."""
-    out = ex.forward(inp.ids, inp.mask)
-    rec.forwards += 1
-    cache = out.past_key_values
-    for t in range(n):
-        tok = rec.add(*_last(out), token=forced[t] if forced is not None and t < len(forced) else None)
-        if t == n - 1:
-            break
-        out = ex.forward(torch.tensor([[tok]], device=inp.ids.device), cache=cache)
-        rec.forwards += 1
-        cache = out.past_key_values
+    ex.decode(inp.ids, inp.mask, n, policy="user_loop", forced=forced, on_step=_record(rec))
 
 
 def _generate(ex: Executor, inp: PromptInputs, n: int, rec: StepRecorder) -> None:

@@ -71,18 +71,10 @@ def _buffers(a, b) -> list[BufferDiff]:
 
 def _greedy(lm: LoadedModel, prompt: str, n: int) -> tuple[list[int], torch.Tensor]:
     inp = build_inputs(lm, prompt, 0, extra_tokens=n)
-    ids, mask = inp.ids, inp.mask
-    toks, logits = [], []
     ex = Executor(lm)
     with ex.session():
-        for _ in range(n):
-            lg = ex.forward(ids, mask, use_cache=False, hidden=False).logits[0, -1]
-            tok = int(lg.argmax())
-            toks.append(tok)
-            logits.append(lg.double())
-            ids = torch.cat([ids, torch.tensor([[tok]], device=ids.device)], 1)
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
-    return toks, torch.stack(logits)
+        d = ex.decode(inp.ids, inp.mask, n, policy="no_cache", hidden=False)
+    return d.tokens, torch.stack([lg.double() for lg in d.logits])
 
 
 def run_loading_trap(lm: LoadedModel, prompt: str = "This is a ", max_new_tokens: int = 24,

@@ -145,32 +145,15 @@ def _batch(lm: LoadedModel, cfg: MatrixConfig, n: int) -> tuple[PromptInputs, to
 
 def _no_cache_loop(ex: Executor, ids, mask, n: int) -> tuple[list[int], torch.Tensor]:
     """The reference: a full forward each step (row 0's tokens and logits; every row grows greedily)."""
-    toks, logits = [], []
-    for _ in range(n):
-        lg = ex.forward(ids, mask, positions_from_mask(mask), use_cache=False, hidden=False).logits[:, -1]
-        nxt = lg.argmax(-1, keepdim=True)
-        toks.append(int(nxt[0]))
-        logits.append(lg[0].double())
-        ids, mask = torch.cat([ids, nxt], 1), torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
-    return toks, torch.stack(logits)
+    d = ex.decode(ids, mask, n, policy="no_cache", positions=positions_from_mask(mask), hidden=False)
+    return d.tokens, torch.stack([lg.double() for lg in d.logits])
 
 
 def _cached_loop(ex: Executor, ids, mask, n: int, positions: str) -> tuple[list[int], torch.Tensor]:
     """Prefill, then one token a step through the cache (position ids auto, or omitted: the model counts them)."""
-    pos = positions_from_mask(mask)
-    out = ex.forward(ids, mask, pos if positions == "auto" else None, hidden=False)
-    toks, logits = [], []
-    for t in range(n):
-        lg = out.logits[:, -1]
-        nxt = lg.argmax(-1, keepdim=True)
-        toks.append(int(nxt[0]))
-        logits.append(lg[0].double())
-        if t == n - 1:
-            break
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
-        pos = pos[:, -1:] + 1
-        out = ex.forward(nxt, mask, pos if positions == "auto" else None, out.past_key_values, hidden=False)
-    return toks, torch.stack(logits)
+    d = ex.decode(ids, mask, n, policy="cache", positions=positions_from_mask(mask) if positions == "auto" else None,
+                  hidden=False)
+    return d.tokens, torch.stack([lg.double() for lg in d.logits])
 
 
 def _generate(ex: Executor, ids, mask, n: int) -> tuple[list[int], torch.Tensor]:

@@ -39,7 +39,7 @@ import torch
 
 from .backends import kv_group_size, quantized_cache  # noqa: F401 - kv_group_size: part of this module's API
 from .errors import KvvizError
-from .execution import DEFAULT_SETTINGS, Executor, RunInfo, RunSettings, has_cache
+from .execution import DEFAULT_SETTINGS, Executor, RunInfo, RunSettings
 from .inputs import PromptInputs, build_inputs
 from .loading import LoadedModel
 from .metrics import hidden_divergence, logits_divergence
@@ -316,27 +316,12 @@ def _decode(ex: Executor, inp: PromptInputs, n: int, cache, forced: list[int] | 
             on_step: Callable[[int], None] | None = None):
     """Prefill, then one token at a time through `cache` (None: a dynamic cache) with the full mask and positions.
     Returns the tokens, the last position's logits [n, V] and hidden states [n, L+1, H], all on the device."""
-    out = ex.forward(inp.ids, inp.mask, inp.positions, cache, fresh_cache=False)
-    if not has_cache(out):
-        raise KvvizError(f"{ex.lm.name} returns no KV cache (its attention is bidirectional, like RoBERTa without "
-                         f"is_decoder), so there is no cache to quantize and no cached decoding to compare")
-    cache, mask, last_pos = out.past_key_values, inp.mask, inp.positions[:, -1:]
-    tokens, logits, hidden = [], [], []
-    for t in range(n):
-        lg = out.logits[0, -1]
-        logits.append(lg)
-        hidden.append(torch.stack([h[0, -1] for h in out.hidden_states]))
-        tok = forced[t] if forced is not None else int(lg.argmax())
-        tokens.append(tok)
-        if on_step is not None:
-            on_step(t)
-        if t == n - 1:
-            break
-        mask = torch.cat([mask, torch.ones((1, 1), dtype=mask.dtype, device=mask.device)], 1)
-        last_pos = last_pos + 1
-        out = ex.forward(torch.tensor([[tok]], device=inp.ids.device), mask, last_pos, cache)
-        cache = out.past_key_values
-    return tokens, torch.stack(logits), torch.stack(hidden)
+    d = ex.decode(inp.ids, inp.mask, n, policy="cache", positions=inp.positions, cache=cache, fresh_cache=False,
+                  forced=forced, on_step=None if on_step is None else (lambda t, lg, h, tok: on_step(t)),
+                  no_cache_error=f"{ex.lm.name} returns no KV cache (its attention is bidirectional, like RoBERTa "
+                                 f"without is_decoder), so there is no cache to quantize and no cached decoding "
+                                 f"to compare")
+    return d.tokens, torch.stack(d.logits), torch.stack(d.hidden)
 
 
 def run_quant(lm: LoadedModel, cfg: QuantConfig, progress: Progress | None = None) -> QuantResult:

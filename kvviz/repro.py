@@ -84,6 +84,14 @@ def positions_from(mask):
     return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
 
 
+def caller(model):
+    """One model call as the loops below take it."""
+    def call(ids, mask, positions, past, use_cache=True, hidden=True):
+        return forward(model, ids, mask, positions, past, use_cache=use_cache, hidden=hidden)
+    return call
+
+{loops}
+
 def split_gap(model, ids, split, left_pad=0, mode="chunk", positions_mode="auto", mask_mode="full"):
     """The split comparison: the prefix [0, split) cached, the rest fed through the cache, vs one full forward.
     Returns the per-token max |Δ logit| (float64) and whether the next token agrees."""
@@ -106,15 +114,10 @@ def split_gap(model, ids, split, left_pad=0, mode="chunk", positions_mode="auto"
     keep = total - a0 if model.dtype == torch.float64 and \
         "logits_to_keep" in inspect.signature(model.forward).parameters else None
     ref = forward(model, input_ids, mask, positions, keep=keep).logits[0, -(total - a0):]
-    if mode == "chunk":
-        got = forward(model, input_ids[:, a0:], rest_mask(a0, total), rest_positions(a0, total), past).logits[0]
-    else:
-        rows, cache = [], past
-        for a in range(a0, total):
-            out = forward(model, input_ids[:, a:a + 1], rest_mask(a, a + 1), rest_positions(a, a + 1), cache)
-            cache = out.past_key_values
-            rows.append(out.logits[0, -1])
-        got = torch.stack(rows)
+    rows = [out.logits[0] for _, _, out in feed(caller(model), input_ids[:, a0:], past, mode != "chunk",
+                                                 lambda s, e: rest_mask(a0 + s, a0 + e),
+                                                 lambda s, e: rest_positions(a0 + s, a0 + e))]
+    got = torch.cat(rows)
     return (got.double() - ref.double()).abs().amax(-1), (got.argmax(-1) == ref.argmax(-1))
 
 '''
@@ -149,32 +152,13 @@ positions = positions_from(mask)
 
 def no_cache_loop():
     """A full forward over the whole sequence at every step."""
-    ids, m, p, toks, logits = input_ids, mask, positions, [], []
-    for t in range(STEPS):
-        lg = forward(model, ids, m, p, use_cache=False).logits[0, -1]
-        toks.append(int(lg.argmax()))
-        logits.append(lg)
-        ids = torch.cat([ids, torch.tensor([[toks[-1]]], device=DEVICE)], 1)
-        m = torch.cat([m, torch.ones((1, 1), dtype=m.dtype, device=DEVICE)], 1)
-        p = torch.cat([p, p[:, -1:] + 1], 1)
+    toks, logits, _, _ = decode(caller(model), input_ids, mask, STEPS, "no_cache", positions)
     return toks, torch.stack(logits)
 
 
 def cached_loop():
     """Prefill, then one token at a time through past_key_values with the full mask (and position ids)."""
-    out = forward(model, input_ids, mask, positions)
-    cache, m, last, toks, logits = out.past_key_values, mask, positions[:, -1:], [], []
-    for t in range(STEPS):
-        lg = out.logits[0, -1]
-        toks.append(int(lg.argmax()))
-        logits.append(lg)
-        if t == STEPS - 1:
-            break
-        m = torch.cat([m, torch.ones((1, 1), dtype=m.dtype, device=DEVICE)], 1)
-        last = last + 1
-        out = forward(model, torch.tensor([[toks[-1]]], device=DEVICE), m, last if POSITIONS == "auto" else None,
-                      cache)
-        cache = out.past_key_values
+    toks, logits, _, _ = decode(caller(model), input_ids, mask, STEPS, "cache", positions, POSITIONS)
     return toks, torch.stack(logits)
 
 
@@ -263,14 +247,7 @@ model = load(DTYPE)
 
 def decode_after(cache, ids):
     """Feed ids through cache (positions from the cache length, as people do), then decode STEPS tokens."""
-    out = forward(model, ids, past=cache, hidden=False)
-    toks, logits = [], []
-    for t in range(STEPS):
-        lg = out.logits[0, -1]
-        toks.append(int(lg.argmax()))
-        logits.append(lg)
-        if t < STEPS - 1:
-            out = forward(model, torch.tensor([[toks[-1]]], device=DEVICE), past=out.past_key_values, hidden=False)
+    toks, logits, _, _ = decode(caller(model), ids, None, STEPS, "user_loop", cache=cache, hidden=False)
     return toks, torch.stack(logits)
 
 
@@ -304,15 +281,8 @@ STEPS = {steps!r}
 def greedy(model):
     """A full forward at every step (no cache), the mask given, positions left to the model."""
     ids = torch.tensor([PROMPT_IDS], device=DEVICE)
-    mask = torch.ones_like(ids)
-    toks, logits = [], []
-    for _ in range(STEPS):
-        lg = forward(model, ids, mask, use_cache=False, hidden=False).logits[0, -1]
-        toks.append(int(lg.argmax()))
-        logits.append(lg.double())
-        ids = torch.cat([ids, torch.tensor([[toks[-1]]], device=DEVICE)], 1)
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
-    return toks, torch.stack(logits)
+    toks, logits, _, _ = decode(caller(model), ids, torch.ones_like(ids), STEPS, "no_cache", hidden=False)
+    return toks, torch.stack([lg.double() for lg in logits])
 
 
 with torch.inference_mode():
@@ -337,20 +307,9 @@ mask = torch.ones_like(input_ids)
 positions = positions_from(mask)
 
 
-def decode(model, cache, forced=None):
+def decode_with(model, cache, forced=None):
     """Prefill, then one token at a time through `cache` (None: the model's dynamic cache), mask and positions."""
-    out = forward(model, input_ids, mask, positions, cache)
-    cache, m, last, toks, logits = out.past_key_values, mask, positions[:, -1:], [], []
-    for t in range(STEPS):
-        lg = out.logits[0, -1]
-        toks.append(forced[t] if forced is not None else int(lg.argmax()))
-        logits.append(lg)
-        if t == STEPS - 1:
-            break
-        m = torch.cat([m, torch.ones((1, 1), dtype=m.dtype, device=DEVICE)], 1)
-        last = last + 1
-        out = forward(model, torch.tensor([[toks[-1]]], device=DEVICE), m, last, cache)
-        cache = out.past_key_values
+    toks, logits, _, _ = decode(caller(model), input_ids, mask, STEPS, "cache", positions, cache=cache, forced=forced)
     return toks, torch.stack(logits)
 
 
@@ -368,14 +327,14 @@ def quantized_cache(model):
 
 model = load(DTYPE)
 with torch.no_grad():
-    ref_toks, ref_logits = decode(model, None)
+    ref_toks, ref_logits = decode_with(model, None)
     if WEIGHTS is not None:
         from optimum.quanto import freeze, qint4, qint8, quantize
 
         model = load(DTYPE)
         quantize(model, weights={{"int8": qint8, "int4": qint4}}[WEIGHTS])
         freeze(model)
-    _, q_logits = decode(model, quantized_cache(model), forced=ref_toks)
+    _, q_logits = decode_with(model, quantized_cache(model), forced=ref_toks)
 gap = (q_logits.double() - ref_logits.double()).abs().amax(-1)
 print("unquantized:", repr(tok.decode(ref_toks)))
 print("max |Δ logit| per step (quantized, teacher forced):", [float(g) for g in gap])
@@ -402,14 +361,8 @@ MASK = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in ROWS], devic
 
 def no_cache_loop(model):
     """The reference: a full forward each step; every row grows greedily; row 0's logits."""
-    ids, mask, logits, toks = IDS, MASK, [], []
-    for _ in range(STEPS):
-        lg = forward(model, ids, mask, positions_from(mask), use_cache=False, hidden=False).logits[:, -1]
-        nxt = lg.argmax(-1, keepdim=True)
-        toks.append(int(nxt[0]))
-        logits.append(lg[0].double())
-        ids, mask = torch.cat([ids, nxt], 1), torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
-    return toks, torch.stack(logits)
+    toks, logits, _, _ = decode(caller(model), IDS, MASK, STEPS, "no_cache", positions_from(MASK), hidden=False)
+    return toks, torch.stack([lg.double() for lg in logits])
 
 
 def new_cache(model, kind):
@@ -427,22 +380,11 @@ def new_cache(model, kind):
 
 
 def cached_loop(model, kind):
-    """Prefill, then one token a step through the cache (position ids omitted: the model counts them)."""
-    mask = MASK
-    pos = positions_from(mask)
-    out = forward(model, IDS, mask, pos if POSITIONS == "auto" else None, new_cache(model, kind), hidden=False)
-    toks, logits = [], []
-    for t in range(STEPS):
-        lg = out.logits[:, -1]
-        nxt = lg.argmax(-1, keepdim=True)
-        toks.append(int(nxt[0]))
-        logits.append(lg[0].double())
-        if t == STEPS - 1:
-            break
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
-        pos = pos[:, -1:] + 1
-        out = forward(model, nxt, mask, pos if POSITIONS == "auto" else None, out.past_key_values, hidden=False)
-    return toks, torch.stack(logits)
+    """Prefill, then one token a step through the cache (position ids auto, or omitted: the model counts them)."""
+    toks, logits, _, _ = decode(caller(model), IDS, MASK, STEPS, "cache",
+                                positions_from(MASK) if POSITIONS == "auto" else None, cache=new_cache(model, kind),
+                                hidden=False)
+    return toks, torch.stack([lg.double() for lg in logits])
 
 
 def generate(model, kind):
@@ -677,7 +619,17 @@ def _header(title: str, **head) -> str:
     """The script's first lines. User text (a model path such as C:\\Users\\..., a prompt) goes only into comments
     with its line breaks removed, or into string literals through repr(): no spec can break the script's syntax."""
     one_line = {k: (" ".join(str(v).splitlines()) if k in ("title", "model", "name") else v) for k, v in head.items()}
-    return _HEADER.format(title=" ".join(title.splitlines()), **one_line)
+    return _HEADER.format(title=" ".join(title.splitlines()), loops=_loops_source(), **one_line)
+
+
+def _loops_source() -> str:
+    """kvviz's decode loop and feed (kvviz/loops.py), copied into the script: the script runs the library's loop."""
+    import inspect
+
+    from . import loops
+
+    body = inspect.getsource(loops).split('"""', 2)[2].replace("import torch\n", "", 1)
+    return "\n# kvviz's loops: a copy of loops.py in the kvviz package (Executor.decode and Executor.feed run them)" + body
 
 
 _NO_FLOAT64 = "\n\ndef keep_float64(model):  # not needed here\n    pass\n"
@@ -737,14 +689,9 @@ model = load(DTYPE)
 def reference(ids):
     """The no-cache greedy loop: a full forward at every step."""
     ids = torch.tensor([ids], device=DEVICE)
-    out = []
+    mask = torch.ones_like(ids)
     with torch.no_grad():
-        for _ in range(N_NEW):
-            mask = torch.ones_like(ids)
-            logits = forward(model, ids, mask, positions_from(mask), use_cache=False, hidden=False).logits[0, -1]
-            out.append(int(logits.argmax()))
-            ids = torch.cat([ids, torch.tensor([[out[-1]]], device=DEVICE)], 1)
-    return out
+        return decode(caller(model), ids, mask, N_NEW, "no_cache", positions_from(mask), hidden=False)[0]
 
 
 def engine(requests, per_batch, sharing, sequential=()):

@@ -63,16 +63,8 @@ class ReuseResult:
 def _decode_after(ex: Executor, cache, cont: torch.Tensor, n: int) -> tuple[list[int], torch.Tensor]:
     """Feed the continuation through `cache` (positions inferred from the cache length, as people do), then decode
     greedily n tokens. Returns the tokens and the logits of each step [n, V]."""
-    out = ex.forward(cont, cache=cache, hidden=False)
-    toks, logits = [], []
-    for t in range(n):
-        lg = out.logits[0, -1]
-        tok = int(lg.argmax())
-        toks.append(tok)
-        logits.append(lg)
-        if t < n - 1:
-            out = ex.forward(torch.tensor([[tok]], device=cont.device), cache=out.past_key_values, hidden=False)
-    return toks, torch.stack(logits)
+    d = ex.decode(cont, None, n, policy="user_loop", cache=cache, hidden=False)
+    return d.tokens, torch.stack(d.logits)
 
 
 def _reuse_runs(lm: LoadedModel, settings: ExecSettings, prefix: list[int], conts: list[list[int]], n: int,

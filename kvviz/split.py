@@ -214,18 +214,17 @@ def _rest_through_cache(ex: Executor, cfg: SplitConfig, inp: PromptInputs, a0: i
     """Feed tokens [a0, total) through `past`, in one chunk or one by one, with the position ids and mask the user
     chose. Returns hidden states [n_hidden, n_rest, H], logits [n_rest, V] (token by token with `ref_logits`
     given: a _Compared, each step's row compared as it comes) and the grown cache."""
-    def positions(start: int, end: int):
-        return inp.positions[:, start:end] if cfg.position_ids == "auto" else None
-
+    rest = inp.ids[:, a0:]
+    mask_of = (lambda s, e: cached_mask(cfg, inp, a0 + s, a0 + e))
+    positions_of = (lambda s, e: inp.positions[:, a0 + s:a0 + e]) if cfg.position_ids == "auto" else None
     if cfg.mode == "chunk":
         progress(0.5, "Rest through the cache, one chunk…")
-        got = ex.forward(inp.ids[:, a0:], cached_mask(cfg, inp, a0, inp.total), positions(a0, inp.total), past)
+        _, _, got = next(ex.feed(rest, past, mask_of=mask_of, positions_of=positions_of))
         return torch.stack([h[0] for h in got.hidden_states]), got.logits[0], got.past_key_values
     hs, lg = [], []
     cache = past
-    for j, a in enumerate(range(a0, inp.total)):
+    for j, _, out in ex.feed(rest, past, one_by_one=True, mask_of=mask_of, positions_of=positions_of):
         progress(0.4 + 0.5 * j / max(1, inp.total - a0), f"Rest through the cache, token {j + 1}…")
-        out = ex.forward(inp.ids[:, a:a + 1], cached_mask(cfg, inp, a, a + 1), positions(a, a + 1), cache)
         cache = out.past_key_values
         hs.append(torch.stack([h[0, -1] for h in out.hidden_states]))
         if ref_logits is None:

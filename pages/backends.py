@@ -6,7 +6,9 @@ from pages.defaults import DEFAULTS
 from kvviz import figures
 from kvviz.backends import CACHE_KINDS, COMPILE_MODES
 from kvviz.matrix import MatrixConfig, run_matrix, sliding_window_config
-from pages.common import controls, exports, page, page_message, progress_bar, run_cached, show_error
+from pages.common import controls, page
+from pages.runner import page_message, progress_bar, run_cached, show_error
+from pages.exporting import exports
 
 FLAG_SETS = {"none": (), "tf32": ("tf32",), "deterministic": ("deterministic",),
              "no reduced-precision reductions": ("no-bf16-reduced-reduction", "no-fp16-reduced-reduction"),

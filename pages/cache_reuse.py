@@ -5,7 +5,10 @@ from pages.defaults import DEFAULTS
 
 from kvviz import figures
 from kvviz.reuse import REUSE_STRATEGIES, run_reuse
-from pages.common import ab_controls, controls, exports, page, progress_bar, run_cached, show_error, show_verdict
+from pages.common import controls, page, show_verdict
+from pages.runner import progress_bar, run_cached, show_error
+from pages.ab import ab_controls
+from pages.exporting import exports
 
 choice, lm = page("Prompt-cache reuse",
                   "Cache a shared prefix once and reuse it for several continuations: **deepcopy** (a copy of the "

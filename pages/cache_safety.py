@@ -3,7 +3,9 @@ import streamlit as st
 
 from kvviz.check import run_check
 from kvviz.quant import KV_CHOICES, WEIGHT_CHOICES
-from pages.common import controls, exports, page, progress_bar, run_cached, show_error
+from pages.common import controls, page
+from pages.runner import progress_bar, run_cached, show_error
+from pages.exporting import exports
 
 choice, lm = page("Is my model cache-safe?",
                   "Each check runs on the float64 copy of the model, where rounding cannot hide or fake a gap: "

@@ -7,8 +7,10 @@ import kvviz
 from kvviz import figures
 from kvviz.dtype_sweep import run_dtypes
 from kvviz.prompts import builtin_prompts, parse_prompts
-from pages.common import (ab_controls, controls, exports, page, page_message, progress_bar, run_cached, show_ab, show_error,
-                          verdict_and_chart)
+from pages.common import controls, page, verdict_and_chart
+from pages.runner import page_message, progress_bar, run_cached, show_error
+from pages.ab import ab_controls, show_ab
+from pages.exporting import exports
 
 choice, _ = page("Dtypes side by side",
                  "How fast does the cached-vs-full gap grow across layers in float16, bfloat16 and float32, raw and in "

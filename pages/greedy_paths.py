@@ -6,7 +6,10 @@ from pages.defaults import DEFAULTS
 from kvviz import figures
 from kvviz.greedy import DEFAULT_PATHS, MAX_NEW_TOKENS, PATH_LABELS, PATHS, GreedyConfig, run_greedy
 from kvviz.inputs import POSITION_MODES
-from pages.common import ab_controls, controls, show_ab, exports, page, verdict_and_chart, progress_bar, run_cached, show_error, show_verdict
+from pages.common import controls, page, show_verdict, verdict_and_chart
+from pages.runner import progress_bar, run_cached, show_error
+from pages.ab import ab_controls, show_ab
+from pages.exporting import exports
 
 choice, lm = page("Greedy paths",
                   "Decode greedily without cache, with cache, with generate() (and the loop people write): the texts side "

@@ -3,7 +3,8 @@ from pathlib import Path
 import streamlit as st
 
 from kvviz.presets import PRESETS, preset_state
-from pages.common import PAGE_TITLES, ensure_navigation, start_scenario
+from pages.common import PAGE_TITLES, ensure_navigation
+from pages.state import start_scenario
 
 ensure_navigation()
 if st.session_state.get("_goto"):

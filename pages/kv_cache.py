@@ -6,7 +6,9 @@ from pages.defaults import DEFAULTS
 from kvviz import figures
 from kvviz.cachesize import KVShape, growth, known_configs, known_table, size_report
 from kvviz.kvcache import continue_and_compare, load_cache, save_cache_bytes
-from pages.common import exports, page, run_cached, show_error
+from pages.common import page
+from pages.runner import run_cached, show_error
+from pages.exporting import exports
 
 choice, lm = page("KV cache",
                   "Save the cache of a prompt (safetensors, with the model's fingerprint), load it back, continue "

@@ -6,7 +6,9 @@ from pages.defaults import DEFAULTS
 from kvviz import figures
 
 from kvviz.loading_trap import run_loading_trap
-from pages.common import controls, exports, page, progress_bar, run_cached, show_error, show_verdict, verdict_and_chart
+from pages.common import controls, page, show_verdict, verdict_and_chart
+from pages.runner import progress_bar, run_cached, show_error
+from pages.exporting import exports
 
 choice, lm = page("Loading trap",
                   "Loading a model in float32 and calling .to(bfloat16) also casts buffers such as the rotary "

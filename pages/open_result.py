@@ -3,7 +3,9 @@ import streamlit as st
 
 from kvviz import figures
 from kvviz.export import main_figures, open_result, verdict_text
-from pages.common import exports, page, show_error, show_verdict
+from pages.common import page, show_verdict
+from pages.runner import show_error
+from pages.exporting import exports
 
 page("Open a result",
      "A result downloaded from any page (Result JSON) opens here as it was: verdict, charts and tables, without "

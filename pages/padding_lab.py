@@ -5,7 +5,10 @@ from pages.defaults import DEFAULTS
 
 from kvviz import figures
 from kvviz.padding import run_padding
-from pages.common import ab_controls, controls, exports, page, progress_bar, run_cached, show_ab, show_error
+from pages.common import controls, page
+from pages.runner import progress_bar, run_cached, show_error
+from pages.ab import ab_controls, show_ab
+from pages.exporting import exports
 
 choice, lm = page("Padding and batching",
                   "Why does left padding or batching change the output? Every cell is the prompt's hidden states compared "

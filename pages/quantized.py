@@ -5,8 +5,9 @@ from pages.defaults import DEFAULTS
 
 from kvviz import figures
 from kvviz.quant import DEFAULT_RESIDUAL, KV_CHOICES, WEIGHT_CHOICES, package_available, run_quant, QuantConfig
-from pages.common import (controls, exports, page, progress_bar, run_cached, show_error, show_verdict,
-                          verdict_and_chart)
+from pages.common import controls, page, show_verdict, verdict_and_chart
+from pages.runner import progress_bar, run_cached, show_error
+from pages.exporting import exports
 
 choice, lm = page("Quantized cache & weights",
                   "Quantized KV caches and weights are sold as \"almost the same quality\"; how close they come "

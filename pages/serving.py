@@ -5,7 +5,9 @@ import kvviz
 from kvviz import serving
 from kvviz.engines import ENGINES, engine_status
 from kvviz.prompts import builtin_prompts, parse_prompts
-from pages.common import controls, exports, page, progress_bar, run_cached, show_error, show_verdict
+from pages.common import controls, page, show_verdict
+from pages.runner import progress_bar, run_cached, show_error
+from pages.exporting import exports
 
 choice, lm = page("Serving",
                   "Does the same prompt give the same greedy completion when a serving engine runs it alone, in a "

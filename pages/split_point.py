@@ -7,7 +7,11 @@ import kvviz
 from kvviz import figures
 from kvviz.inputs import MASK_MODES, POSITION_MODES, encode
 from kvviz.metrics import HIDDEN_METRICS
-from pages.common import ab_controls, controls, linked_slider_box, page_message, show_ab, exports, page, verdict_and_chart, progress_bar, run_cached, show_error, show_verdict, token_strip
+from pages.common import controls, page, show_verdict, token_strip, verdict_and_chart
+from pages.state import linked_slider_box
+from pages.runner import page_message, progress_bar, run_cached, show_error
+from pages.ab import ab_controls, show_ab
+from pages.exporting import exports
 
 DEFAULT_PROMPT = DEFAULTS["split"]["prompt"]
 

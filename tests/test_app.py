@@ -351,7 +351,7 @@ def test_stop_leaves_the_page_usable_and_run_again_restarts(count_runs):
 
 
 def test_progress_reports_time_left(monkeypatch):
-    import pages.common as common
+    import pages.runner as common
 
     shown = []
     times = iter([0.0, 2.0, 4.0])

@@ -1,5 +1,6 @@
 """Exports: JSON with the environment that reopens without any model, self-contained HTML, repro scripts that
 reproduce the key figure bit for bit."""
+import inspect
 import json
 import os
 import subprocess
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 import kvviz
-from kvviz import figures
+from kvviz import figures, loops
 from kvviz.cli import main
 from kvviz.dtype_sweep import run_dtypes
 from kvviz.errors import KvvizError
@@ -144,6 +145,23 @@ def test_cli_exports_and_open(tmp_path, capsys):
         compile(script.read_text(), str(script), "exec")  # a valid Python file
 
 
+def _loops_calling_forward(script: str) -> list[int]:
+    """Lines of the `for`/`while` loops in a script, outside the copied kvviz loops, that call the model."""
+    import ast
+
+    found = []
+    tree = ast.parse(script)
+    for top in tree.body:
+        if isinstance(top, ast.FunctionDef) and top.name in ("decode", "feed"):
+            continue
+        for node in ast.walk(top):
+            if isinstance(node, (ast.For, ast.While)) and any(
+                    isinstance(c, ast.Call) and getattr(c.func, "id", None) in ("forward", "model")
+                    for c in ast.walk(ast.Module(body=node.body, type_ignores=[]))):
+                found.append(node.lineno)
+    return found
+
+
 def test_repro_scripts_of_every_view_reproduce_their_figure_bit_for_bit(tmp_path):
     """greedy, dtypes, padding, reuse, loading trap, quantized, the backends matrix and the card: each script makes
     kvviz's calls, so its last line is the figure exactly."""
@@ -180,6 +198,8 @@ def test_repro_scripts_of_every_view_reproduce_their_figure_bit_for_bit(tmp_path
         script.write_text(repro_script(res, m, script.name))
         text = script.read_text()
         assert "import kvviz" not in text and "from kvviz" not in text
+        assert inspect.getsource(loops.decode) in text and inspect.getsource(loops.feed) in text  # the library's loop
+        assert _loops_calling_forward(text) == [], view  # and no loop of its own
         procs[view] = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                        text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     for view, p in procs.items():  # two at a time on two cores would be no faster: all four run together

@@ -151,3 +151,74 @@ def test_results_carry_typed_settings():
     assert res.to_dict()["settings"]["execution"] == {"cache": "dynamic", "compile": "off", "flags": [],
                                                       "invariant": False}
     assert execution.RunInfo.of(lm).device == str(lm.device)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The seam owns the loop: Executor.decode (step policies) and Executor.feed (the known rest through a cache)
+
+
+def test_decode_policies_agree_in_float64_and_the_user_loop_parts_with_left_padding():
+    lm = kvviz.load_model("tiny:llama", "float64", DEVICE)
+    from kvviz.inputs import build_inputs
+
+    inp = build_inputs(lm, PROMPT, 0, extra_tokens=5)
+    ex = Executor(lm, max_len=inp.total + 5)
+    with ex.session():
+        ref = ex.decode(inp.ids, inp.mask, 5, policy="no_cache", positions=inp.positions)
+        cached = ex.decode(inp.ids, inp.mask, 5, policy="cache", positions=inp.positions)
+        user = ex.decode(inp.ids, inp.mask, 5, policy="user_loop")
+        forced = ex.decode(inp.ids, inp.mask, 3, policy="cache", positions=inp.positions, forced=[7, 8, 9])
+    assert len(ref.tokens) == len(ref.logits) == len(ref.hidden) == 5 and ref.cache is None
+    assert cached.tokens == ref.tokens == user.tokens  # no padding: the three computations are the same
+    assert float((cached.stacked_logits() - ref.stacked_logits()).abs().max()) < 1e-9
+    assert cached.hidden[0].shape == (lm.model.config.num_hidden_layers + 1, lm.model.config.hidden_size)
+    assert forced.tokens == [7, 8, 9] and cached.cache.get_seq_length() == inp.total + 4
+    # left padding: the user loop (no mask, no positions after the prompt) computes another function
+    pad = build_inputs(lm, PROMPT, 3, extra_tokens=4)
+    with ex.session():
+        ref = ex.decode(pad.ids, pad.mask, 4, policy="no_cache", positions=pad.positions)
+        cached = ex.decode(pad.ids, pad.mask, 4, policy="cache", positions=pad.positions)
+        user = ex.decode(pad.ids, pad.mask, 4, policy="user_loop")
+    assert float((cached.stacked_logits() - ref.stacked_logits()).abs().max()) < 1e-9
+    assert float((user.stacked_logits() - ref.stacked_logits()).abs().max()) > 1e-3
+    with pytest.raises(KvvizError, match="unknown step policy 'beam'"):
+        ex.decode(inp.ids, inp.mask, 2, policy="beam")
+
+
+def test_feed_in_one_chunk_or_one_by_one_grows_the_same_cache():
+    lm = kvviz.load_model("tiny:llama", "float64", DEVICE)
+    ids = torch.tensor([lm.tokenizer(PROMPT)["input_ids"]], device=lm.device)
+    ex = Executor(lm)
+    with ex.session():
+        pre = ex.forward(ids[:, :4])
+        import copy
+
+        chunk = list(ex.feed(ids[:, 4:], copy.deepcopy(pre.past_key_values)))
+        steps = list(ex.feed(ids[:, 4:], pre.past_key_values, one_by_one=True))
+    n = ids.shape[1] - 4
+    assert [(s, e) for s, e, _ in chunk] == [(0, n)] and [(s, e) for s, e, _ in steps] == [(j, j + 1) for j in range(n)]
+    last_chunk, last_step = chunk[-1][2], steps[-1][2]
+    assert last_step.past_key_values.get_seq_length() == ids.shape[1] == last_chunk.past_key_values.get_seq_length()
+    assert float((last_chunk.logits[0, -1] - last_step.logits[0, -1]).abs().max()) < 1e-9
+
+
+def test_no_decode_loop_outside_the_seam():
+    """The decode loop exists once (Executor.decode / feed): no other library module calls a forward inside a loop
+    (each of the nine hand-written loops this replaced - greedy's three, matrix's two, quant, reuse, loading trap,
+    split's and bisect's feeds - was such a loop)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(kvviz.__file__).parent
+    offenders = []
+    for path in sorted(root.rglob("*.py")):
+        if path.name == "execution.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, (ast.For, ast.While)):
+                continue
+            body = ast.Module(body=node.body, type_ignores=[])
+            if any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "forward"
+                   for n in ast.walk(body)):
+                offenders.append(f"{path.name}:{node.lineno}")
+    assert offenders == [], f"model calls inside loops outside kvviz/execution.py: {offenders}"

@@ -1,0 +1,58 @@
+"""The A/B row every view shares: change one setting, run B, draw A and B on one scale with |B − A| below."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import streamlit as st
+
+import kvviz
+from kvviz.execution import ExecSettings
+from pages.runner import show_error
+
+if TYPE_CHECKING:
+    from pages.common import ModelChoice
+
+def ab_controls(prefix: str, choice: "ModelChoice", lm, scenario: dict[str, list[str]], help_text: str,
+                exclude: tuple[str, ...] = ()):
+    """The A/B row every view shares: which setting to change (dtype, attention, invariant mode, plus the view's own
+    `scenario` settings) and B's value. Returns None until "Run B" is on, else (what, other, lm_b, settings_b):
+    the model and execution settings B runs with (for a scenario setting, the caller changes its own config)."""
+    AB = {"dtype": [d for d in kvviz.DTYPE_NAMES if d != choice.dtype],
+          "attention": [a for a in kvviz.ATTN_CHOICES if a not in ("auto", choice.attn)],
+          "invariant mode": ["off" if choice.invariant else "on"], **scenario}
+    AB = {k: v for k, v in AB.items() if k not in exclude}
+    a1, a2, a3 = st.columns([2, 2, 1])
+    what = a1.selectbox("Change", list(AB), key=f"{prefix}_ab_what")
+    other = a2.selectbox("B", AB[what], key=f"{prefix}_ab_{what.split()[0]}")
+    if not a3.toggle("Run B", False, key=f"{prefix}_ab_on", help=help_text) or other is None:
+        return None
+    lm_b, settings_b = lm, choice.settings
+    if lm is None:  # the view loads its own models (the dtype sweep): B's attention is passed to it
+        if what == "invariant mode":
+            settings_b = ExecSettings(invariant=other == "on")
+        return what, other, None, settings_b
+    try:  # B's model may not load here (e.g. flash_attention_2 on a CPU): one line, the page goes on
+        if what == "dtype":
+            lm_b = lm.twin(other)
+        elif what == "attention":
+            lm_b = kvviz.load_model(choice.model_spec, choice.dtype, choice.device, other,
+                                    trust_remote_code=choice.trust_remote_code)
+    except Exception as e:  # noqa: BLE001
+        show_error(e)
+        return None
+    if what == "invariant mode":
+        settings_b = ExecSettings(invariant=other == "on")
+    return what, other, lm_b, settings_b
+
+
+def show_ab(figs, prefix: str, caption: str, texts: tuple[str, str] | None = None, side_by_side: bool = True) -> None:
+    """A and B side by side on their shared scale (one above the other for wide figures), |B − A| below (and each
+    side's text under its map)."""
+    b1, b2 = st.columns(2) if side_by_side else (st.container(), st.container())
+    b1.plotly_chart(figs[0], width="stretch", key=f"{prefix}_ab_a")
+    b2.plotly_chart(figs[1], width="stretch", key=f"{prefix}_ab_b")
+    if texts is not None:
+        b1.text(texts[0])
+        b2.text(texts[1])
+    st.plotly_chart(figs[2], width="stretch", key=f"{prefix}_ab_diff")
+    st.caption(caption)

@@ -1,0 +1,198 @@
+"""State and URL: page controls that persist across pages and live in the URL, one-click scenarios and
+Reset to defaults, and controls with one source of truth (linked slider and box)."""
+from __future__ import annotations
+
+import json
+
+import streamlit as st
+
+SIDEBAR_DEFAULTS = {"model_preset": "default", "model_other": "", "dtype": "float32", "device": "auto",
+                    "attn": "auto", "trust_remote_code": False, "invariant": False, "presenter": False}
+
+
+# Page controls persist across page switches and live in the URL. Streamlit forgets the state of widgets that a run
+# did not draw, so app.py stashes every page control at the start of each run (`remember`), and a page restores its
+# own before drawing them (`restore`). The URL carries the sidebar and the current page's controls as JSON values.
+PAGE_PREFIXES = ("split_", "greedy_", "dt_", "pad_", "reuse_", "mx_", "kv_", "trap_", "quant_", "check_", "sv_")
+
+
+SIDEBAR_KEYS = ("model_preset", "model_other", "dtype", "device", "attn", "trust_remote_code", "invariant",
+                "presenter", "devices", "max_memory")
+
+
+_NOT_IN_URL = ("kv_upload", "dt_upload", "mx_run", "mx_preset", "split_bisect", "open_upload", "split_k_typed",
+               "split_k_slider",
+               "kv_download", "sv_upload")
+
+
+def _persistable(key: str) -> bool:
+    return (key.startswith(PAGE_PREFIXES) or key in SIDEBAR_KEYS) and key not in _NOT_IN_URL \
+        and not key.startswith(("dl_", "_"))
+
+
+def remember() -> None:
+    """Called by app.py at the start of every run: stash the controls' current values (and read a link's once)."""
+    ss = st.session_state
+    stash = ss.setdefault("_stash", {})
+    if not ss.get("_url_read"):
+        ss["_url_read"] = True
+        bad = []
+        for k, v in st.query_params.items():
+            if not _persistable(k) or k == "trust_remote_code":  # a link never turns remote code on
+                continue
+            try:
+                stash[k] = json.loads(v)
+            except (json.JSONDecodeError, TypeError):
+                bad.append(k)
+        for k in SIDEBAR_KEYS:
+            if k in stash and k not in ss:
+                ss[k] = stash[k]
+        if bad:
+            ss["_url_note"] = f"Some settings in the link could not be read and use their defaults: {', '.join(bad)}"
+    for k in list(ss.keys()):
+        if _persistable(k):
+            try:
+                json.dumps(ss[k])
+            except TypeError:
+                continue
+            stash[k] = ss[k]
+
+
+def restore(prefix: str) -> None:
+    """Before a page draws its controls: bring back the values it had (or a link gave)."""
+    ss = st.session_state
+    for k, v in ss.get("_stash", {}).items():
+        if k.startswith(prefix) and k not in ss:
+            ss[k] = v
+    pending = ss.pop("_pending_controls", None)  # a Home preset
+    if pending:
+        mine = {k: v for k, v in pending.items() if k.startswith(prefix)}
+        ss.update(mine)
+        ss.setdefault("_stash", {}).update(mine)
+
+
+def sync_url(prefix: str) -> None:
+    """The sidebar and this page's controls as query parameters: the address is a link to this exact view."""
+    stash = st.session_state.get("_stash", {})
+    want = {k: json.dumps(v) for k, v in stash.items()
+            if (k in SIDEBAR_KEYS or k.startswith(prefix)) and k != "trust_remote_code"}
+    try:
+        current = dict(st.query_params.items())
+        if current != want:
+            st.query_params.from_dict(want)
+    except Exception:  # noqa: BLE001 - the URL is a convenience; never break a page over it
+        pass
+
+
+def copy_link() -> None:
+    with st.popover("Copy link", icon=":material/link:"):
+        url = getattr(st.context, "url", "") or ""
+        query = "&".join(f"{k}={v}" for k, v in st.query_params.items())
+        from urllib.parse import quote
+
+        st.caption("This address opens this page with these settings (it runs once, then as usual):")
+        st.code(url.split("?")[0] + ("?" + "&".join(f"{k}={quote(v)}" for k, v in st.query_params.items())
+                                     if query else ""), language=None)
+
+
+PREFIX_OF_PAGE = {"split_point": "split_", "greedy_paths": "greedy_", "dtypes_lab": "dt_", "padding_lab": "pad_",
+                  "cache_reuse": "reuse_", "backends": "mx_", "kv_cache": "kv_", "loading_trap": "trap_", "quantized": "quant_",
+                  "cache_safety": "check_", "serving": "sv_"}
+
+
+# One-click scenarios (Home). A scenario's settings are marked on its page and hold while you stay there with its
+# model; going to another page, picking another model or "Reset to defaults" brings the defaults back (the settings
+# you set yourself on other pages stay).
+CONTROL_NAMES = {"split_pad": "left padding", "split_pos": "position ids", "split_mask": "attention mask",
+                 "split_mode": "feed", "greedy_prompt": "prompt", "greedy_n": "new tokens", "greedy_paths": "paths",
+                 "dt_source": "prompts", "dt_limit": "prompt count", "_mx_preset": "the sliding-window preset"}
+
+
+def start_scenario(preset, state: dict) -> None:
+    """Home's callback: set the scenario's sidebar values and page controls, and remember them as the scenario's."""
+    from pathlib import Path
+
+    ss = st.session_state
+    sidebar_part = {k: v for k, v in state.items() if k in ("model_preset", "dtype", "invariant")}
+    ss.update(sidebar_part)
+    ss["_pending_controls"] = dict(preset.controls)
+    ss["_scenario"] = {"key": preset.key, "title": preset.title, "page": Path(preset.page).stem,
+                       "model": preset.model, "sidebar": sidebar_part, "controls": dict(preset.controls)}
+
+
+def scenario_guard(current_page: str) -> None:
+    """app.py, before the sidebar is drawn: leaving a scenario (another page, another model) restores defaults."""
+    ss = st.session_state
+    sc = ss.get("_scenario")
+    if not sc or ss.get("_goto"):  # on the way from Home to the scenario's page
+        return
+    other_model = ss.get("model_preset") != sc["model"]
+    if current_page != sc["page"] or other_model:
+        leave_scenario(keep_model=other_model)
+
+
+def leave_scenario(keep_model: bool = False) -> None:
+    """The scenario's page controls and the sidebar values it set go back to their defaults."""
+    ss = st.session_state
+    sc = ss.pop("_scenario", None)
+    if not sc:
+        return
+    stash = ss.setdefault("_stash", {})
+    prefix = PREFIX_OF_PAGE.get(sc["page"])
+    for k in list(ss.keys()) + list(stash.keys()):
+        if (prefix and k.startswith(prefix)) or k in sc["controls"]:
+            ss.pop(k, None)
+            stash.pop(k, None)
+    for k in sc["sidebar"]:
+        if k == "model_preset" and keep_model:
+            continue
+        ss[k] = stash[k] = SIDEBAR_DEFAULTS[k]
+    ss.pop("_pending_controls", None)
+
+
+def reset_to_defaults(prefix: str | None) -> None:
+    """The "Reset to defaults" button (a callback: it runs before any widget is drawn)."""
+    ss = st.session_state
+    leave_scenario()
+    stash = ss.setdefault("_stash", {})
+    if prefix:
+        for k in list(ss.keys()) + list(stash.keys()):
+            if k.startswith(prefix):
+                ss.pop(k, None)
+                stash.pop(k, None)
+    for k in ("dtype", "device", "attn", "invariant"):
+        ss[k] = stash[k] = SIDEBAR_DEFAULTS[k]
+
+
+def scenario_banner(page_name: str) -> None:
+    sc = st.session_state.get("_scenario")
+    if not sc or sc["page"] != page_name:
+        return
+    side = sc["sidebar"]
+    parts = [f"model {side.get('model_preset')}", f"dtype {side.get('dtype')}"]
+    if side.get("invariant"):
+        parts.append("invariant mode on")
+    parts += [f"{CONTROL_NAMES.get(k, k.split('_', 1)[-1])} {v}" if not isinstance(v, bool) else CONTROL_NAMES.get(k, k)
+              for k, v in sc["controls"].items()]
+    st.info(f"**Scenario: {sc['title']}.** Its settings are in use: {', '.join(parts)}. Another page, another model "
+            "or Reset to defaults brings back the defaults.", icon=":material/slideshow:")
+
+
+def linked_slider_box(key: str, label: str, lo: int, hi: int, default: int, box_label: str, help: str = "") -> int:
+    """A slider and a number box for one integer with ONE source of truth, `key` (a plain session value that the
+    stash and the URL carry): both widgets are set from it before they are drawn and write it back when moved, so
+    they never disagree, also after a run that stopped before drawing them (a failed load)."""
+    ss = st.session_state
+    value = ss.get(key, default)
+    try:
+        value = int(value)
+    except (TypeError, ValueError):
+        value = default
+    value = min(max(value, lo), hi)
+    ss[key] = ss[f"{key}_slider"] = ss[f"{key}_typed"] = value
+    s1, s2 = st.columns([4, 1])
+    s1.slider(label, lo, hi, key=f"{key}_slider",
+              on_change=lambda: ss.update({key: int(ss[f"{key}_slider"])}))
+    s2.number_input(box_label, lo, hi, key=f"{key}_typed", help=help,
+                    on_change=lambda: ss.update({key: int(ss[f"{key}_typed"])}))
+    return value

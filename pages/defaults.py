@@ -16,6 +16,7 @@ DEFAULTS = {
     "trap": {"prompt": "This is a ", "n": 12},
     "matrix": {"prompt": CAPITALS, "n": 8, "repeats": 2, "attn": ("eager", "sdpa"), "cache": ("dynamic", "static")},
     "kv": {"prompt": "The capital of France is", "tokens": 1024},
+    "serving": {"category": "math_and_facts", "limit": 5, "runs": 3, "n": 8, "batch": 4},
     "quant": {"prompt": "The museum guard knew every painting in the building, but his favourite was",
               "kv": "quanto:int4", "n": 24},
 }

@@ -7,7 +7,10 @@ from kvviz.engines import ENGINES, engine_status
 from kvviz.prompts import builtin_prompts, parse_prompts
 from pages.common import controls, page, show_verdict
 from pages.runner import progress_bar, run_cached, show_error
+from pages.defaults import DEFAULTS
 from pages.exporting import exports
+
+SV = DEFAULTS["serving"]
 
 choice, lm = page("Serving",
                   "Does the same prompt give the same greedy completion when a serving engine runs it alone, in a "
@@ -24,9 +27,9 @@ with controls():
             rows = builtin_prompts()
             cats = sorted({r["category"] for r in rows})
             c1, c2 = st.columns([3, 1])
-            picked = c1.multiselect("Categories", cats, default=["math_and_facts"], key="sv_cats")
+            picked = c1.multiselect("Categories", cats, default=[SV["category"]], key="sv_cats")
             pool = [r["prompt"] for r in rows if r["category"] in picked]
-            limit = c2.number_input("How many", 1, max(1, len(pool)), min(8, max(1, len(pool))), key="sv_limit")
+            limit = c2.number_input("How many", 1, max(1, len(pool)), min(SV["limit"], max(1, len(pool))), key="sv_limit")
             prompts = pool[: int(limit)]
         else:
             up = st.file_uploader("A .txt file (one prompt a line) or .jsonl ({\"prompt\": …} a line)",
@@ -43,9 +46,9 @@ with controls():
     c1, c2, c3, c4 = st.columns(4)
     conditions = c1.multiselect("Conditions", list(serving.CONDITIONS), default=list(serving.CONDITIONS),
                                 key="sv_conditions", format_func=serving.CONDITION_LABELS.get)
-    runs = c2.number_input("Runs (R)", 1, 50, 3, key="sv_runs")
-    new_tokens = c3.number_input("New tokens", 1, 128, 8, key="sv_tokens")
-    batch = c4.number_input("Batch size k", 2, 16, 4, key="sv_batch")
+    runs = c2.number_input("Runs (R)", 1, 50, SV["runs"], key="sv_runs")
+    new_tokens = c3.number_input("New tokens", 1, 128, SV["n"], key="sv_tokens")
+    batch = c4.number_input("Batch size k", 2, 16, SV["batch"], key="sv_batch")
     c1, c2, c3 = st.columns(3)
     engine = c1.selectbox("Engine", ENGINES, key="sv_engine")
     page_size = c2.number_input("Page size (tokens)", 4, 256, 8, key="sv_page")

@@ -1,0 +1,34 @@
+"""bench/pages_bench.py times what each page does on its first run with its default controls: it must cover every
+page that runs a model, and each of its calls must run (here on a tiny model, quickly)."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+import kvviz
+from pages.state import PREFIX_OF_PAGE
+
+from conftest import DEVICE
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGE_OF_CALL = {"split": "split_point", "greedy": "greedy_paths", "dtypes": "dtypes_lab", "padding": "padding_lab",
+                "reuse": "cache_reuse", "loading_trap": "loading_trap", "backends": "backends", "kv_cache": "kv_cache",
+                "quantized": "quantized", "cache_safety": "cache_safety", "serving": "serving"}
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("pages_bench", ROOT / "bench" / "pages_bench.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.heavy
+def test_the_pages_bench_covers_every_page_that_runs_and_each_call_runs():
+    lm = kvviz.load_model("tiny:llama", "float32", DEVICE)
+    calls = _bench().page_calls(lm, "tiny:llama")
+    assert set(calls) == set(PAGE_OF_CALL)
+    assert {PAGE_OF_CALL[c] for c in calls} == set(PREFIX_OF_PAGE)  # every page with controls and a run
+    for name, call in calls.items():
+        res = call()
+        assert res is not None, name

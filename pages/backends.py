@@ -6,7 +6,7 @@ from pages.defaults import DEFAULTS
 from kvviz import figures
 from kvviz.backends import CACHE_KINDS, COMPILE_MODES
 from kvviz.matrix import MatrixConfig, run_matrix, sliding_window_config
-from pages.common import controls, page
+from pages.common import controls, page, show_verdict
 from pages.runner import page_message, progress_bar, run_cached, show_error
 from pages.exporting import exports
 
@@ -77,6 +77,12 @@ except Exception as e:  # noqa: BLE001
     show_error(e)
     st.stop()
 
+counts = {}
+for c in res.cells:
+    counts[c.verdict or "could not run"] = counts.get(c.verdict or "could not run", 0) + 1
+worst = next((v for v in ("logic", "nondeterministic", "precision", "lossy", "identical") if v in counts), "could not run")
+show_verdict(worst, f"The worst of {len(res.cells)} cells against the no-cache eager reference — "
+             + ", ".join(f"{v}: {n}" for v, n in counts.items()) + ". Pick a cell below the grid for its steps.")
 st.plotly_chart(figures.matrix_grid(res), width="stretch", key="mx_grid")
 st.caption(f"Reference (eager, no cache, {res.settings['dtype']}): “{res.reference['text']}”. float64 reference: "
            f"“{res.reference['float64_text']}”.")

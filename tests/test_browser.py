@@ -274,7 +274,10 @@ FIRST_SCREEN = {  # page: (its verdict line, the start of its main chart or tabl
     "loading_trap": ('[data-testid="stAlert"]:has-text("Verdict:")', ".js-plotly-plot"),
     "quantized": ('[data-testid="stAlert"]:has-text("Verdict:")', ".js-plotly-plot"),
     "cache_safety": ('[data-testid="stAlert"]:has-text("SAFE")', '[data-testid="stTable"]'),
+    "backends": ('[data-testid="stAlert"]:has-text("Verdict:")', ".js-plotly-plot"),
+    "serving": ('[data-testid="stAlert"]:has-text("Verdict:")', ".js-plotly-plot"),
 }
+# (KV cache has no verdict until a saved cache is uploaded; its first screen is the download of the prompt's cache.)
 
 
 @pytest.mark.parametrize("scheme", ["light", "dark"])
@@ -287,8 +290,11 @@ def test_first_screen_in_normal_mode(server, artifacts, scheme):
         for path in names:
             verdict_sel, chart_sel = FIRST_SCREEN[path]
             page = ctx.new_page()
-            short = {"greedy_paths": {"greedy_n": 8}, "quantized": {"quant_n": 4}, "loading_trap": {"trap_n": 6}}
+            short = {"greedy_paths": {"greedy_n": 8}, "quantized": {"quant_n": 4}, "loading_trap": {"trap_n": 6},
+                     "serving": {"sv_limit": 3, "sv_runs": 2}}
             page.goto(link(server, path, presenter=False, **short.get(path, {})))
+            if path == "backends":  # the matrix runs on its button
+                page.get_by_role("button", name="Run the matrix").click(timeout=120_000)
             page.wait_for_selector(chart_sel, timeout=300_000)
             wait_idle(page, 300)
             no_exception(page)

@@ -91,6 +91,7 @@ def test_html_report_is_self_contained(results, view):
         assert "plotly" in page.lower() and page.count("Plotly.newPlot") >= 1
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("arch, dtype, kw", [
     ("llama", "bfloat16", dict(mode="step", left_pad=2, position_ids="omit")),
     ("gpt2", "float32", dict(mode="chunk")),
@@ -162,6 +163,7 @@ def _loops_calling_forward(script: str) -> list[int]:
     return found
 
 
+@pytest.mark.heavy
 def test_repro_scripts_of_every_view_reproduce_their_figure_bit_for_bit(tmp_path):
     """greedy, dtypes, padding, reuse, loading trap, quantized, the backends matrix and the card: each script makes
     kvviz's calls, so its last line is the figure exactly."""

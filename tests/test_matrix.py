@@ -128,6 +128,7 @@ def test_sliding_window_preset_needs_a_window():
         sliding_window_config(kvviz.load_model("tiny:llama", "float32", DEVICE))
 
 
+@pytest.mark.heavy
 def test_compile_really_compiles_where_a_compiler_exists():
     import shutil
 

@@ -51,7 +51,7 @@ def gguf_model() -> str:
     return str(default_gguf_path())
 
 
-ROUTES = ["folder_model", "hub_model", "gguf_model"]
+ROUTES = ["folder_model", "hub_model", pytest.param("gguf_model", marks=pytest.mark.heavy)]  # the real GGUF: slow
 
 
 def run_cli(capsys, *argv) -> dict:
@@ -149,6 +149,7 @@ def test_reuse(route, request, capsys):
     assert by[(1, "reused")]["verdict"] == "logic"  # the reused cache still holds the first continuation
 
 
+@pytest.mark.heavy
 def test_hub_route_from_a_real_subprocess(hub_model):
     """The CLI as users start it, offline, with the HF cache from the environment."""
     env = dict(os.environ, HF_HUB_OFFLINE="1")

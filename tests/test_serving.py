@@ -31,6 +31,7 @@ def _study(model, prompts, dtype="float32", invariant_mode=False, **kw):
     return lm, run_serving(lm, cfg, settings=ExecSettings(invariant=invariant_mode))
 
 
+@pytest.mark.heavy
 def test_builtin_set_all_conditions_and_invariant_mode_gives_one_completion():
     prompts, _ = load_prompt_set("builtin:math_and_facts", limit=20)
     assert len(prompts) == 20
@@ -166,6 +167,7 @@ def test_cli_bad_prompt_file_contents(capsys, tmp_path):
     assert code == 1 and "line 1: not valid JSON" in err and err.count("\n") == 1
 
 
+@pytest.mark.heavy
 def test_cli_runs_and_writes_exports(capsys, tmp_path):
     code, out, err = _cli(capsys, "serve-study", "--model", "tiny:llama", "--prompts", "builtin:math_and_facts",
                           "--limit", "5", "--runs", "1", "--max-new-tokens", "2", "--json-out",

@@ -399,40 +399,7 @@ def generate(model, kind):
     return out.sequences[0, IDS.shape[1]:].tolist(), torch.stack([lg[0].double() for lg in out.logits])
 
 
-@contextlib.contextmanager
-def precision_flags(flags):
-    """kvviz's flags, set for one cell and restored after it."""
-    m = torch.backends.cuda.matmul
-    saved = (m.allow_tf32, torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision(),
-             m.allow_bf16_reduced_precision_reduction, m.allow_fp16_reduced_precision_reduction,
-             torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-             torch.backends.cudnn.deterministic)
-    with contextlib.ExitStack() as stack:
-        for flag in flags:
-            if flag == "tf32":
-                m.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-                torch.set_float32_matmul_precision("high")
-            elif flag == "no-bf16-reduced-reduction":
-                m.allow_bf16_reduced_precision_reduction = False
-            elif flag == "no-fp16-reduced-reduction":
-                m.allow_fp16_reduced_precision_reduction = False
-            elif flag == "deterministic":
-                torch.use_deterministic_algorithms(True, warn_only=True)
-                torch.backends.cudnn.deterministic = True
-            elif flag.startswith("sdpa="):
-                from torch.nn.attention import SDPBackend, sdpa_kernel
-
-                names = {{"math": "MATH", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
-                         "cudnn": "CUDNN_ATTENTION"}}
-                stack.enter_context(sdpa_kernel(getattr(SDPBackend, names[flag.split("=", 1)[1]])))
-        try:
-            yield
-        finally:
-            (m.allow_tf32, torch.backends.cudnn.allow_tf32, prec, m.allow_bf16_reduced_precision_reduction,
-             m.allow_fp16_reduced_precision_reduction, det, warn, torch.backends.cudnn.deterministic) = saved
-            torch.set_float32_matmul_precision(prec)
-            torch.use_deterministic_algorithms(det, warn_only=warn)
-
+{flags_source}
 
 models = {{}}
 with torch.inference_mode():
@@ -546,7 +513,7 @@ def repro_script(result, lm: LoadedModel, name: str = "kvviz_repro.py") -> str:
         body = _MATRIX.format(dtype=s["dtype"], rows=rows, prompt=s["prompt"], left_pad=s["left_pad"],
                               steps=s["max_new_tokens"], positions=s["position_ids"],
                               cells=[(c.attention, c.cache, tuple(c.flags)) for c in kept], skipped=skipped,
-                              group=kv_group_size(lm))
+                              group=kv_group_size(lm), flags_source=_module_body("flags"))
         return _header(title, name=name, folder=lm.source, model=s["model"], device=s["device"],
                               attn="auto", float64_mode=_float64_mode() if s["dtype"] == "float64"
                               else _NO_FLOAT64) + body
@@ -624,12 +591,18 @@ def _header(title: str, **head) -> str:
 
 def _loops_source() -> str:
     """kvviz's decode loop and feed (kvviz/loops.py), copied into the script: the script runs the library's loop."""
+    return ("\n# kvviz's loops: a copy of loops.py in the kvviz package (Executor.decode and Executor.feed run them)"
+            + _module_body("loops"))
+
+
+def _module_body(name: str) -> str:
+    """A torch-only kvviz module's source without its docstring and its imports (the script has them), to copy into
+    a script: the script then runs the library's own code (kvviz.loops, kvviz.flags)."""
+    import importlib
     import inspect
 
-    from . import loops
-
-    body = inspect.getsource(loops).split('"""', 2)[2].replace("import torch\n", "", 1)
-    return "\n# kvviz's loops: a copy of loops.py in the kvviz package (Executor.decode and Executor.feed run them)" + body
+    src = inspect.getsource(importlib.import_module(f"kvviz.{name}")).split('"""', 2)[2]
+    return "\n".join(line for line in src.splitlines() if line not in ("import torch", "import contextlib"))
 
 
 _NO_FLOAT64 = "\n\ndef keep_float64(model):  # not needed here\n    pass\n"

@@ -1,16 +1,53 @@
 """The A/B row every view shares: change one setting, run B, draw A and B on one scale with |B − A| below."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 import streamlit as st
 
 import kvviz
 from kvviz.execution import ExecSettings
-from pages.runner import show_error
+from pages.runner import progress_bar, run_cached, show_error
 
 if TYPE_CHECKING:
     from pages.common import ModelChoice
+
+
+@dataclass
+class BRun:
+    """B's side of an A/B row: what changed, B's result, and the two sides' labels ("dtype = float32")."""
+
+    what: str
+    other: str
+    result: object
+    label_a: str
+    label_b: str
+
+
+def ab_run(prefix: str, name: str, choice: "ModelChoice", lm, scenario: dict[str, list[str]], help_text: str,
+           key_parts: dict, run: Callable, own_a: dict | None = None, exclude: tuple[str, ...] = ()) -> BRun | None:
+    """The whole A/B row of a page: the controls (ab_controls), then B's run - run(what, other, lm_b, settings_b,
+    report) - once per distinct inputs with progress and Stop (run_cached "<name>_ab"), errors in one line. own_a:
+    A's value of the view's own scenario settings. None until "Run B" is on, or when B failed (the error is shown)."""
+    ab = ab_controls(prefix, choice, lm, scenario, help_text, exclude)
+    if ab is None:
+        return None
+    what, other, lm_b, settings_b = ab
+
+    def compute():
+        with progress_bar(f"B: {what} = {other}…") as report:
+            return run(what, other, lm_b, settings_b, report)
+
+    try:
+        res_b = run_cached(f"{name}_ab", {**key_parts, "ab": [what, other]}, compute)
+    except Exception as e:  # noqa: BLE001 - one line, the page goes on
+        show_error(e)
+        return None
+    label_a = {"dtype": choice.dtype, "attention": lm.attn_implementation if lm is not None else choice.attn,
+               "invariant mode": "on" if choice.invariant else "off", **(own_a or {})}[what]
+    return BRun(what, other, res_b, f"{what} = {label_a}", f"{what} = {other}")
+
 
 def ab_controls(prefix: str, choice: "ModelChoice", lm, scenario: dict[str, list[str]], help_text: str,
                 exclude: tuple[str, ...] = ()):

@@ -7,7 +7,7 @@ from kvviz import figures
 from kvviz.reuse import REUSE_STRATEGIES, run_reuse
 from pages.common import controls, page, show_verdict
 from pages.runner import progress_bar, run_cached, show_error
-from pages.ab import ab_controls
+from pages.ab import ab_run
 from pages.exporting import exports
 
 choice, lm = page("Prompt-cache reuse",
@@ -69,23 +69,14 @@ for i, cont in enumerate(res.settings.continuations):
         col.text(run["text"])
         col.caption(desc)
 with st.expander("A/B: these continuations under one other setting"):
-    ab = ab_controls("reuse", choice, lm, {}, "Decodes once more with B's setting")
-    if ab is not None:
-        what, other, lm_b, settings_b = ab
-
-        def compute_b():
-            with progress_bar(f"B: {what} = {other}…") as report:
-                return run_reuse(lm_b, prefix, merged, int(n), progress=report, settings=settings_b)
-
-        try:
-            res_b = run_cached("reuse_ab", {"model": choice.key, "prefix": prefix, "conts": merged, "n": int(n),
-                                            "ab": [what, other]}, compute_b)
-        except Exception as e:  # noqa: BLE001
-            show_error(e)
-        else:
-            st.dataframe(figures.ab_reuse_frame(res, res_b), hide_index=True, width="stretch")
-            st.caption("Each way of reusing the prefix under A and B: verdict, the largest relative logit gap to a "
-                       "fresh prefill, and the text.")
+    b = ab_run("reuse", "reuse", choice, lm, {}, "Decodes once more with B's setting",
+               {"model": choice.key, "prefix": prefix, "conts": merged, "n": int(n)},
+               lambda what, other, lm_b, settings_b, report: run_reuse(lm_b, prefix, merged, int(n), progress=report,
+                                                                       settings=settings_b))
+    if b is not None:
+        st.dataframe(figures.ab_reuse_frame(res, b.result), hide_index=True, width="stretch")
+        st.caption("Each way of reusing the prefix under A and B: verdict, the largest relative logit gap to a "
+                   "fresh prefill, and the text.")
 st.subheader("All runs")
 st.dataframe(figures.reuse_frame(res), hide_index=True, width="stretch")
 st.caption("Verdicts: the largest relative logit gap to the fresh run while both saw the same tokens, and the same "

@@ -9,7 +9,7 @@ from kvviz.dtype_sweep import run_dtypes
 from kvviz.prompts import builtin_prompts, parse_prompts
 from pages.common import controls, page, verdict_and_chart
 from pages.runner import page_message, progress_bar, run_cached, show_error
-from pages.ab import ab_controls, show_ab
+from pages.ab import ab_run, show_ab
 from pages.exporting import exports
 
 choice, _ = page("Dtypes side by side",
@@ -82,30 +82,17 @@ with right:
 st.subheader(f"Layers × dtypes ({how} over {len(res.prompts)} prompt{'s' if len(res.prompts) != 1 else ''})")
 st.dataframe(res.stat(metric, how).style.format("{:.3g}"), width="stretch")
 with st.expander("A/B: this sweep against one other setting, on one scale"):
-    ab = ab_controls("dt", choice, None, {"feed mode": [m for m in ("chunk", "step") if m != mode]},
-                     "Runs the sweep once more with B's setting", exclude=("dtype",))
-    if ab is not None:
-        what, other, _, settings_b = ab
-        attn_b = other if what == "attention" else choice.attn
-        mode_b = other if what == "feed mode" else mode
-
-        def compute_b():
-            with progress_bar(f"B: {what} = {other}…") as report:
-                return run_dtypes(choice.model_spec, prompts, dtypes, choice.device, attn_b, split=split,
-                                  mode=mode_b, trust_remote_code=choice.trust_remote_code, progress=report,
-                                  settings=settings_b)
-
-        try:
-            res_b = run_cached("dtypes_ab", {"model": choice.key_without("dtype"), "prompts": prompts,
-                                             "dtypes": dtypes, "split": split, "mode": mode, "ab": [what, other]},
-                               compute_b)
-            label_a = {"attention": choice.attn, "invariant mode": "on" if choice.invariant else "off",
-                       "feed mode": mode}[what]
-            figs = figures.ab_dtype_curves(res, res_b, f"{what} = {label_a}", f"{what} = {other}", metric, how)
-        except Exception as e:  # noqa: BLE001
-            show_error(e)
-        else:
-            show_ab(figs, "dt", "Both charts on one y range; the third is |B − A| per dtype and layer.")
+    b = ab_run("dt", "dtypes", choice, None, {"feed mode": [m for m in ("chunk", "step") if m != mode]},
+               "Runs the sweep once more with B's setting",
+               {"model": choice.key_without("dtype"), "prompts": prompts, "dtypes": dtypes, "split": split, "mode": mode},
+               lambda what, other, _, settings_b, report: run_dtypes(
+                   choice.model_spec, prompts, dtypes, choice.device, other if what == "attention" else choice.attn,
+                   split=split, mode=other if what == "feed mode" else mode,
+                   trust_remote_code=choice.trust_remote_code, progress=report, settings=settings_b),
+               own_a={"feed mode": mode}, exclude=("dtype",))
+    if b is not None:
+        show_ab(figures.ab_dtype_curves(res, b.result, b.label_a, b.label_b, metric, how), "dt",
+                "Both charts on one y range; the third is |B − A| per dtype and layer.")
 checked = [(d, x) for d, xs in res.proved.items() for x in xs if x is not None]
 if checked:
     ok = sum(1 for _, x in checked if x)

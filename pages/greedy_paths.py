@@ -8,7 +8,7 @@ from kvviz.greedy import DEFAULT_PATHS, MAX_NEW_TOKENS, PATH_LABELS, PATHS, Gree
 from kvviz.inputs import POSITION_MODES
 from pages.common import controls, page, show_verdict, verdict_and_chart
 from pages.runner import progress_bar, run_cached, show_error
-from pages.ab import ab_controls, show_ab
+from pages.ab import ab_run, show_ab
 from pages.exporting import exports
 
 choice, lm = page("Greedy paths",
@@ -69,37 +69,25 @@ st.plotly_chart(figures.greedy_heatmap(res, res.pairs[pair_names.index(sel)], lo
 with st.expander("A/B: this decoding against one other setting, on one colour scale"):
     if not {"no_cache", "cache"} <= set(res.paths):
         st.info("A/B compares the no-cache and cache paths under two settings: choose both paths above to use it.")
-        ab = None
+        b = None
     else:
-        ab = ab_controls("greedy", choice, lm,
-                         {"position ids (cache path)": [m for m in POSITION_MODES if m != pos_mode]},
-                         "Decodes once more with B's setting")
-    if ab is not None:
-        what, other, lm_b, settings_b = ab
-        cfg_b = GreedyConfig(**{**cfg.__dict__, "position_ids": other}) if what.startswith("position") else cfg
-
-        def compute_b():
-            with progress_bar(f"B: {what} = {other}…") as report:
-                return run_greedy(lm_b, cfg_b, progress=report, settings=settings_b)
-
+        b = ab_run("greedy", "greedy", choice, lm,
+                   {"position ids (cache path)": [m for m in POSITION_MODES if m != pos_mode]},
+                   "Decodes once more with B's setting", key,
+                   lambda what, other, lm_b, settings_b, report: run_greedy(
+                       lm_b, GreedyConfig(**{**cfg.__dict__, "position_ids": other}) if what.startswith("position")
+                       else cfg, progress=report, settings=settings_b),
+                   own_a={"position ids (cache path)": pos_mode})
+    if b is not None:
         def parting_of(r):
             p = r.pair("no_cache", "cache")
             return "same tokens" if p.first_divergence is None else f"part at step {p.first_divergence}"
 
-        try:
-            res_b = run_cached("greedy_ab", {**key, "ab": [what, other]}, compute_b)
-            label_a = {"dtype": choice.dtype, "attention": lm.attn_implementation,
-                       "invariant mode": "on" if choice.invariant else "off",
-                       "position ids (cache path)": pos_mode}[what]
-            figs = figures.ab_greedy_heatmaps(res, res_b, f"{what} = {label_a}: {parting_of(res)}",
-                                              f"{what} = {other}: {parting_of(res_b)}", log)
-        except Exception as e:  # noqa: BLE001
-            show_error(e)
-        else:
-            show_ab(figs, "greedy", "No cache vs cache in both; same colour scale on both maps, the third is their "
-                                    "difference; the red line marks where each pair's texts part. Under each map: "
-                                    "the cached path's text.", (res.paths["cache"].text, res_b.paths["cache"].text),
-                    side_by_side=False)
+        show_ab(figures.ab_greedy_heatmaps(res, b.result, f"{b.label_a}: {parting_of(res)}",
+                                           f"{b.label_b}: {parting_of(b.result)}", log), "greedy",
+                "No cache vs cache in both; same colour scale on both maps, the third is their difference; the red "
+                "line marks where each pair's texts part. Under each map: the cached path's text.",
+                (res.paths["cache"].text, b.result.paths["cache"].text), side_by_side=False)
 ref = figures.greedy_reference_gap(res)
 if ref is not None:
     st.plotly_chart(ref, width="stretch", key="greedy_ref_chart")

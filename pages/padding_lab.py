@@ -7,7 +7,7 @@ from kvviz import figures
 from kvviz.padding import run_padding
 from pages.common import controls, page
 from pages.runner import progress_bar, run_cached, show_error
-from pages.ab import ab_controls, show_ab
+from pages.ab import ab_run, show_ab
 from pages.exporting import exports
 
 choice, lm = page("Padding and batching",
@@ -52,26 +52,14 @@ st.markdown("""
 """)
 st.dataframe(res.grid("verdict"), width="stretch")
 with st.expander("A/B: this grid against one other setting, on one colour scale"):
-    ab = ab_controls("pad", choice, lm, {}, "Runs the grid once more with B's setting")
-    if ab is not None:
-        what, other, lm_b, settings_b = ab
-
-        def compute_b():
-            with progress_bar(f"B: {what} = {other}…") as report:
-                return run_padding(lm_b, prompt, int(split) or None, int(left_pad), progress=report,
-                                   settings=settings_b)
-
-        try:
-            res_b = run_cached("padding_ab", {"model": choice.key, "prompt": prompt, "pad": int(left_pad),
-                                              "split": int(split), "ab": [what, other]}, compute_b)
-            label_a = {"dtype": choice.dtype, "attention": lm.attn_implementation,
-                       "invariant mode": "on" if choice.invariant else "off"}[what]
-            figs = figures.ab_padding_grids(res, res_b, f"{what} = {label_a}", f"{what} = {other}", value)
-        except Exception as e:  # noqa: BLE001
-            show_error(e)
-        else:
-            show_ab(figs, "pad", "The cells' relative gaps (log₁₀) on one colour scale; exact zeros are written 0 "
-                                 "and left grey; the third grid is |B − A|.", side_by_side=False)
+    b = ab_run("pad", "padding", choice, lm, {}, "Runs the grid once more with B's setting",
+               {"model": choice.key, "prompt": prompt, "pad": int(left_pad), "split": int(split)},
+               lambda what, other, lm_b, settings_b, report: run_padding(
+                   lm_b, prompt, int(split) or None, int(left_pad), progress=report, settings=settings_b))
+    if b is not None:
+        show_ab(figures.ab_padding_grids(res, b.result, b.label_a, b.label_b, value), "pad",
+                "The cells' relative gaps (log₁₀) on one colour scale; exact zeros are written 0 and left grey; the "
+                "third grid is |B − A|.", side_by_side=False)
 proved = [c for c in res.cells if c["proved"] is not None]
 if proved:
     n_ok = sum(c["proved"] for c in proved)

@@ -10,7 +10,7 @@ from kvviz.metrics import HIDDEN_METRICS
 from pages.common import controls, page, show_verdict, token_strip, verdict_and_chart
 from pages.state import linked_slider_box
 from pages.runner import page_message, progress_bar, run_cached, show_error
-from pages.ab import ab_controls, show_ab
+from pages.ab import ab_run, show_ab
 from pages.exporting import exports
 
 DEFAULT_PROMPT = DEFAULTS["split"]["prompt"]
@@ -107,27 +107,16 @@ with right:
 st.plotly_chart(figures.layer_lines(res, metric, log), width="stretch", key="split_lines")
 
 with st.expander("A/B: this view against one other setting, on one colour scale"):
-    ab = ab_controls("split", choice, lm, {"feed mode": [m for m in ("chunk", "step") if m != mode]},
-                     "Runs the model once more with B's setting")
-    if ab is not None:
-        what, other, lm_b, settings_b = ab
-        cfg_b = kvviz.SplitConfig(**{**cfg.__dict__, "mode": other}) if what == "feed mode" else cfg
-
-        def compute_b():
-            with progress_bar(f"B: {what} = {other}…") as report:
-                return kvviz.run_split(lm_b, cfg_b, progress=report, settings=settings_b)
-
-        try:
-            res_b = run_cached("split_ab", {"model": choice.key, "cfg": cfg.__dict__, "ab": [what, other]}, compute_b)
-            label_a = {"dtype": choice.dtype, "feed mode": mode, "attention": lm.attn_implementation,
-                       "invariant mode": "on" if choice.invariant else "off"}[what]
-            figs = figures.ab_heatmaps(res, res_b, f"{what} = {label_a}: {res.verdict}",
-                                       f"{what} = {other}: {res_b.verdict}", metric, log)
-        except Exception as e:  # noqa: BLE001
-            show_error(e)
-        else:
-            show_ab(figs, "split", f"A largest |Δ| {res.main.max_abs:.4g}, B {res_b.main.max_abs:.4g}. Same colour "
-                                   "scale on both maps; the third map is their difference.")
+    b = ab_run("split", "split", choice, lm, {"feed mode": [m for m in ("chunk", "step") if m != mode]},
+               "Runs the model once more with B's setting", {"model": choice.key, "cfg": cfg.__dict__},
+               lambda what, other, lm_b, settings_b, report: kvviz.run_split(
+                   lm_b, kvviz.SplitConfig(**{**cfg.__dict__, "mode": other}) if what == "feed mode" else cfg,
+                   progress=report, settings=settings_b), own_a={"feed mode": mode})
+    if b is not None:
+        show_ab(figures.ab_heatmaps(res, b.result, f"{b.label_a}: {res.verdict}", f"{b.label_b}: {b.result.verdict}",
+                                    metric, log), "split",
+                f"A largest |Δ| {res.main.max_abs:.4g}, B {b.result.main.max_abs:.4g}. Same colour scale on both "
+                "maps; the third map is their difference.")
 
 t1, t2, t3 = st.tabs(["Logits per position", "Last position: describe()", "Keys / values per layer"])
 with t1:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kvviz
-from kvviz import backends
+from kvviz import backends, flags
 from kvviz.errors import KvvizError
 from kvviz.execution import ExecSettings, Executor
 from kvviz.matrix import MatrixConfig, run_matrix, sliding_window_config
@@ -70,14 +70,14 @@ def test_quantized_cache_on_a_sliding_model_is_an_error_cell():
 
 
 def test_flags_are_restored_after_a_run_that_raised():
-    before = backends._flag_state()
+    before = flags.flag_state()
     lm = kvviz.load_model("tiny:llama", "float32", DEVICE)
     with pytest.raises(RuntimeError, match="boom"):
         with Executor(lm, ExecSettings(flags=("tf32", "deterministic", "no-bf16-reduced-reduction"))).session():
             assert torch.backends.cuda.matmul.allow_tf32 and torch.are_deterministic_algorithms_enabled()
             assert not torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
             raise RuntimeError("boom")
-    assert backends._flag_state() == before
+    assert flags.flag_state() == before
     assert not torch.are_deterministic_algorithms_enabled() and torch.get_float32_matmul_precision() == "highest"
 
 

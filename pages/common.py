@@ -267,3 +267,39 @@ def token_strip(tokens: list[str], split: int | None = None, highlight: int | No
     if hi < len(tokens):
         chips.append(hidden.format(n=len(tokens) - hi))
     return "".join(chips)
+
+
+def prompt_set(prefix: str, sources: list[str], prompt: str, categories: list[str] | None, limit: int,
+               height: int = 80) -> tuple[str, list[str]]:
+    """The prompt-set control of the views that run many prompts (Dtypes, Serving): one prompt, the built-in set by
+    category (`categories` ticked; None: all) or an uploaded .txt/.jsonl file, the first `limit` by default. Keys
+    <prefix>_source, _prompt, _cats, _limit, _upload, _up_limit. A bad file is one line and the page stops."""
+    from kvviz.prompts import builtin_prompts, parse_prompts
+    from pages.runner import page_message
+
+    source = st.radio("Prompts", sources, horizontal=True, key=f"{prefix}_source")
+    try:
+        if source == "one prompt":
+            return source, [st.text_area("Prompt", prompt, key=f"{prefix}_prompt", height=height)]
+        if source == "built-in set":
+            rows = builtin_prompts()
+            cats = sorted({r["category"] for r in rows})
+            c1, c2 = st.columns([3, 1])
+            picked = c1.multiselect("Categories", cats, default=categories or cats, key=f"{prefix}_cats")
+            pool = [r["prompt"] for r in rows if r["category"] in picked]
+            n = c2.number_input("How many", 1, max(1, len(pool)), min(limit, max(1, len(pool))), key=f"{prefix}_limit")
+            st.caption(f"{len(pool)} built-in prompts in these categories (prose, code, lists, dialogue, several "
+                       f"languages…); running the first {min(int(n), len(pool))}.")
+            return source, pool[: int(n)]
+        up = st.file_uploader("A .txt file (one prompt a line) or .jsonl ({\"prompt\": …} a line)",
+                              type=["txt", "jsonl"], key=f"{prefix}_upload")
+        if up is None:
+            st.info("Upload a prompt file to run it.")
+            st.stop()
+        prompts = parse_prompts(up.getvalue(), up.name)
+        n = st.number_input("How many", 1, len(prompts), min(limit, len(prompts)), key=f"{prefix}_up_limit")
+        return source, prompts[: int(n)]
+    except kvviz.KvvizError as e:
+        with page_message():
+            show_error(e)
+        st.stop()

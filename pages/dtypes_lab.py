@@ -6,9 +6,8 @@ from pages.defaults import DEFAULTS
 import kvviz
 from kvviz import figures
 from kvviz.dtype_sweep import run_dtypes
-from kvviz.prompts import builtin_prompts, parse_prompts
-from pages.common import controls, page, verdict_and_chart
-from pages.runner import page_message, progress_bar, run_cached, show_error
+from pages.common import controls, page, prompt_set, verdict_and_chart
+from pages.runner import progress_bar, run_cached, show_error
 from pages.ab import ab_run, show_ab
 from pages.exporting import exports
 
@@ -18,35 +17,8 @@ choice, _ = page("Dtypes side by side",
                  needs_model=False)
 
 with controls():
-    source = st.radio("Prompts", ["one prompt", "built-in set", "upload a file"], horizontal=True, key="dt_source")
-    prompts: list[str] = []
-    try:
-        if source == "one prompt":
-            prompts = [st.text_area("Prompt", DEFAULTS["dtypes"]["prompt"],
-                                    key="dt_prompt", height=80)]
-        elif source == "built-in set":
-            rows = builtin_prompts()
-            cats = sorted({r["category"] for r in rows})
-            c1, c2 = st.columns([3, 1])
-            picked = c1.multiselect("Categories", cats, default=cats, key="dt_cats")
-            pool = [r["prompt"] for r in rows if r["category"] in picked]
-            limit = c2.number_input("How many", 1, max(1, len(pool)), min(20, max(1, len(pool))), key="dt_limit")
-            prompts = pool[: int(limit)]
-            st.caption(f"{len(pool)} built-in prompts in these categories (prose, code, lists, dialogue, several "
-                       f"languages…); running the first {len(prompts)}.")
-        else:
-            up = st.file_uploader("A .txt file (one prompt a line) or .jsonl ({\"prompt\": …} a line)",
-                                  type=["txt", "jsonl"], key="dt_upload")
-            if up is None:
-                st.info("Upload a prompt file to run it.")
-                st.stop()
-            prompts = parse_prompts(up.getvalue(), up.name)
-            limit = st.number_input("How many", 1, len(prompts), min(20, len(prompts)), key="dt_up_limit")
-            prompts = prompts[: int(limit)]
-    except kvviz.KvvizError as e:
-        with page_message():
-            show_error(e)
-        st.stop()
+    source, prompts = prompt_set("dt", ["one prompt", "built-in set", "upload a file"], DEFAULTS["dtypes"]["prompt"],
+                                 None, 20)
 
     c1, c2, c3 = st.columns(3)
     dtypes = c1.multiselect("Dtypes (float64 always runs)", ["float32", "float16", "bfloat16"],

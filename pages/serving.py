@@ -1,11 +1,9 @@
 """Page: the Serving view - prompts under serving conditions (alone, in a continuous batch, prefix warm), R runs."""
 import streamlit as st
 
-import kvviz
 from kvviz import serving
 from kvviz.engines import ENGINES, engine_status
-from kvviz.prompts import builtin_prompts, parse_prompts
-from pages.common import controls, page, show_verdict
+from pages.common import controls, page, prompt_set, show_verdict
 from pages.runner import progress_bar, run_cached, show_error
 from pages.defaults import DEFAULTS
 from pages.exporting import exports
@@ -19,28 +17,8 @@ choice, lm = page("Serving",
                   "with the prompt alone without cache, and each first divergence is replayed in float64 and proved "
                   "in invariant mode.")
 with controls():
-    source = st.radio("Prompts", ["built-in set", "one prompt", "upload a file"], horizontal=True, key="sv_source")
-    try:
-        if source == "one prompt":
-            prompts = [st.text_area("Prompt", "The capital of France is", key="sv_prompt", height=70)]
-        elif source == "built-in set":
-            rows = builtin_prompts()
-            cats = sorted({r["category"] for r in rows})
-            c1, c2 = st.columns([3, 1])
-            picked = c1.multiselect("Categories", cats, default=[SV["category"]], key="sv_cats")
-            pool = [r["prompt"] for r in rows if r["category"] in picked]
-            limit = c2.number_input("How many", 1, max(1, len(pool)), min(SV["limit"], max(1, len(pool))), key="sv_limit")
-            prompts = pool[: int(limit)]
-        else:
-            up = st.file_uploader("A .txt file (one prompt a line) or .jsonl ({\"prompt\": …} a line)",
-                                  type=["txt", "jsonl"], key="sv_upload")
-            if up is None:
-                st.info("Upload a prompt file to run it.")
-                st.stop()
-            prompts = parse_prompts(up.getvalue(), up.name)[:50]
-    except kvviz.KvvizError as e:
-        show_error(e)
-        st.stop()
+    source, prompts = prompt_set("sv", ["built-in set", "one prompt", "upload a file"], "The capital of France is",
+                                 [SV["category"]], SV["limit"], height=70)
     prefix = st.text_input("Shared prefix (put before every prompt; warmed for 'prefix warm')", "",
                            key="sv_prefix")
     c1, c2, c3, c4 = st.columns(4)

@@ -205,6 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     vp.add_argument("--seed", type=int, default=0, help="seed of the batch draws")
     vp.add_argument("--engine", default="transformers", choices=("transformers", "vllm"))
     vp.add_argument("--page-size", type=int, default=8, help="tokens per cache page (prefix sharing is per page)")
+    vp.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="GPUs one vLLM engine spreads the model over (the vLLM engine only; refused otherwise)")
     vp.add_argument("--repro", default=None, help="also write a standalone repro script (torch + transformers only)")
     from .archsweep import add_parser as _archsweep_parser  # every causal-LM architecture transformers ships
 
@@ -702,7 +704,8 @@ def cmd_serve_study(args) -> Outcome:
     prompts, source = load_prompt_set(args.prompts, args.prompt, args.limit)
     cfg = ServeConfig(prompts=prompts, shared_prefix=args.prefix, conditions=_split_list(args.conditions),
                       runs=args.runs, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
-                      engine=args.engine, page_size=args.page_size, prompt_source=source)
+                      engine=args.engine, page_size=args.page_size, prompt_source=source,
+                      tensor_parallel_size=args.tensor_parallel_size)
     cfg.validate()
     lm = _load(args)
     res = run_serving(lm, cfg, progress=_progress_to_stderr(args.quiet), settings=_settings(args),

@@ -154,11 +154,15 @@ class TransformersEngine:
             raise KvvizError(f"the page size must be a whole number, {MIN_PAGE} or more, not {page_size!r}")
         self.page_size = page_size
 
+    def close(self) -> None:
+        """Nothing to free: each run makes and destroys its own manager."""
+
     def run(self, lm, requests: list[Request], *, max_in_flight: int, prefix_sharing: bool,
-            sequential_keys: set[str] | None = None) -> EngineRun:
+            sequential_keys: set[str] | None = None, invariant: bool = False) -> EngineRun:
         """Run `requests` through one engine instance (call inside the Executor's session: the model's lock and
         run contexts). max_in_flight: requests per batch. sequential_keys: requests that are submitted only after
-        every earlier request has finished (a warmer and its target), so their batches are exactly planned."""
+        every earlier request has finished (a warmer and its target), so their batches are exactly planned. invariant:
+        nothing to set here - invariant mode reaches the engine's thread as the caller's torch function modes."""
         from transformers import GenerationConfig
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
         from transformers.generation.continuous_batching.utils import WorkloadHints
@@ -299,40 +303,101 @@ def _collect(manager, keys: set[str], results: dict, failure: list) -> None:
 def make_engine(name: str, page_size: int = 8, tensor_parallel_size: int = 1):
     check_engine(name)
     if name == "transformers":
+        if tensor_parallel_size != 1:
+            raise KvvizError("tensor_parallel_size applies to the vLLM engine only (transformers' continuous "
+                             "batching runs the model on one device)")
         return TransformersEngine(page_size)
     return VllmEngine(tensor_parallel_size)
 
 
-class VllmEngine:  # pragma: no cover - needs vLLM (a GPU machine); not exercised in CI
-    """Offline vllm.LLM over the model's folder: prefix caching on/off (`prefix_sharing`), VLLM_BATCH_INVARIANT
-    on/off (`batch_invariant`), tensor_parallel_size, max_num_seqs (requests in flight). Margins are not read."""
+class VllmEngine:
+    """Offline vllm.LLM over the model's folder. Toggles: prefix caching on/off (`prefix_sharing`), batch-invariant
+    kernels (VLLM_BATCH_INVARIANT, on in kvviz's invariant mode; set for the run and restored after it),
+    tensor_parallel_size, max_num_seqs (requests in flight). One LLM at a time: a run with other toggles shuts the
+    previous one down first (each takes most of the GPU's memory), and `close()` frees the last. Margins are read
+    from the top-2 logprobs (a logprob gap is the logit gap). Tested with a stand-in `vllm` module
+    (tests/test_serving.py); run on a GPU machine for real figures."""
 
     name = "vllm"
 
-    def __init__(self, tensor_parallel_size: int = 1, batch_invariant: bool = False):
-        self.tp, self.batch_invariant = tensor_parallel_size, batch_invariant
+    def __init__(self, tensor_parallel_size: int = 1):
+        self.tp = tensor_parallel_size
+        self._llm = None
+        self._key = None
 
-    def run(self, lm, requests: list[Request], *, max_in_flight: int, prefix_sharing: bool,
-            sequential_keys: set[str] | None = None) -> EngineRun:
-        import os
-
+    def _engine(self, lm, key):
         from .dtypes import dtype_name
 
-        os.environ["VLLM_BATCH_INVARIANT"] = "1" if self.batch_invariant else "0"
-        from vllm import LLM, SamplingParams
+        if self._key != key:
+            self.close()
+            from vllm import LLM
 
-        llm = LLM(model=lm.source, dtype=dtype_name(lm.dtype), enable_prefix_caching=prefix_sharing,
-                  tensor_parallel_size=self.tp, max_num_seqs=max_in_flight, enforce_eager=True)
-        seq = sequential_keys or set()
-        outs: dict[str, RequestOut] = {}
-        t0 = time.perf_counter()
-        groups = [[r for r in requests if r.key not in seq]] + [[r] for r in requests if r.key in seq]
-        for group in groups:
-            if not group:
+            prefix_sharing, max_in_flight, _ = key
+            self._llm = LLM(model=lm.source, dtype=dtype_name(lm.dtype), enable_prefix_caching=prefix_sharing,
+                            tensor_parallel_size=self.tp, max_num_seqs=max_in_flight, enforce_eager=True)
+            self._key = key
+        return self._llm
+
+    def close(self) -> None:
+        llm, self._llm, self._key = self._llm, None, None
+        if llm is None:
+            return
+        for path in ("llm_engine.engine_core.shutdown", "llm_engine.shutdown"):
+            obj = llm
+            try:
+                for part in path.split("."):
+                    obj = getattr(obj, part)
+            except AttributeError:
                 continue
-            res = llm.generate([{"prompt_token_ids": r.ids} for r in group],
-                               [SamplingParams(temperature=0.0, max_tokens=r.max_new_tokens, ignore_eos=True)
-                                for r in group])
-            for r, o in zip(group, res):
-                outs[r.key] = RequestOut([int(t) for t in o.outputs[0].token_ids], [])
-        return EngineRun(outs, time.perf_counter() - t0, sum(len(o.tokens) for o in outs.values()))
+            obj()
+            break
+        del llm
+        import gc
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def run(self, lm, requests: list[Request], *, max_in_flight: int, prefix_sharing: bool,
+            sequential_keys: set[str] | None = None, invariant: bool = False) -> EngineRun:
+        import os
+
+        if lm.dtype == torch.float64:
+            raise KvvizError("vLLM has no float64 mode")
+        saved = os.environ.get("VLLM_BATCH_INVARIANT")
+        os.environ["VLLM_BATCH_INVARIANT"] = "1" if invariant else "0"
+        try:
+            from vllm import SamplingParams
+
+            llm = self._engine(lm, (prefix_sharing, max_in_flight, invariant))
+            seq = sequential_keys or set()
+            outs: dict[str, RequestOut] = {}
+            t0 = time.perf_counter()
+            groups = [[r for r in requests if r.key not in seq]] + [[r] for r in requests if r.key in seq]
+            for group in groups:
+                if not group:
+                    continue
+                res = llm.generate([{"prompt_token_ids": r.ids} for r in group],
+                                   [SamplingParams(temperature=0.0, max_tokens=r.max_new_tokens, ignore_eos=True,
+                                                   logprobs=2) for r in group])
+                for r, o in zip(group, res):
+                    c = o.outputs[0]
+                    outs[r.key] = RequestOut([int(t) for t in c.token_ids], _logprob_margins(c.logprobs),
+                                             cached_tokens=int(getattr(o, "num_cached_tokens", 0) or 0))
+            return EngineRun(outs, time.perf_counter() - t0, sum(len(o.tokens) for o in outs.values()))
+        finally:
+            if saved is None:
+                os.environ.pop("VLLM_BATCH_INVARIANT", None)
+            else:
+                os.environ["VLLM_BATCH_INVARIANT"] = saved
+
+
+def _logprob_margins(steps) -> list[float]:
+    """Top-2 gap of each step's logprobs ({token id: Logprob(logprob=…)} per step); [] when vLLM gave none."""
+    out = []
+    for step in steps or []:
+        vals = sorted((float(getattr(v, "logprob", v)) for v in step.values()), reverse=True)
+        if len(vals) < 2:
+            return []
+        out.append(vals[0] - vals[1])
+    return out

@@ -65,6 +65,7 @@ class ServeConfig:
     engine: str = "transformers"
     page_size: int = 8
     prompt_source: str = ""
+    tensor_parallel_size: int = 1  # the vLLM engine only
 
     def validate(self) -> None:
         if not isinstance(self.prompts, list) or not self.prompts:
@@ -85,6 +86,12 @@ class ServeConfig:
         self.conditions = conds
         if self.engine not in ENGINES:
             raise KvvizError(f"unknown engine '{self.engine}'; choose one of {', '.join(ENGINES)}")
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise KvvizError(f"tensor_parallel_size must be a whole number, 1 or more, not {tp!r}")
+        if tp != 1 and self.engine != "vllm":
+            raise KvvizError("tensor_parallel_size applies to the vLLM engine only (transformers' continuous "
+                             "batching runs the model on one device)")
         if not isinstance(self.shared_prefix, str):
             raise KvvizError("the shared prefix must be text")
 
@@ -100,6 +107,7 @@ class ServeSettings(RunSettings):
     seed: int = 0
     engine: str = "transformers"
     page_size: int = 8
+    tensor_parallel_size: int = 1
 
 
 @dataclass
@@ -292,7 +300,8 @@ def _reference(ex: Executor, lm: LoadedModel, text: str, n: int) -> tuple[list[i
 
 def _engine_run(engine, ex: Executor, reqs, per_batch, sharing, seq):
     with ex.session():
-        return engine.run(ex.lm, reqs, max_in_flight=per_batch, prefix_sharing=sharing, sequential_keys=seq)
+        return engine.run(ex.lm, reqs, max_in_flight=per_batch, prefix_sharing=sharing, sequential_keys=seq,
+                          invariant=ex.settings.invariant)
 
 
 def run_serving(lm: LoadedModel, cfg: ServeConfig, progress: Progress | None = None,
@@ -309,7 +318,14 @@ def run_serving(lm: LoadedModel, cfg: ServeConfig, progress: Progress | None = N
     cfg.validate()
     check_engine(cfg.engine)
     t_start = time.perf_counter()
-    engine = make_engine(cfg.engine, cfg.page_size)
+    engine = make_engine(cfg.engine, cfg.page_size, cfg.tensor_parallel_size)
+    try:
+        return _study(lm, cfg, engine, settings, reference, prove, progress, t_start)
+    finally:
+        engine.close()  # vLLM: free the GPU the last LLM holds
+
+
+def _study(lm, cfg, engine, settings, reference, prove, progress, t_start) -> ServeResult:
     texts = [cfg.shared_prefix + p for p in cfg.prompts]
     ids = [encode(lm, t) for t in texts]
     for t in texts:  # length checks, one line each
@@ -385,7 +401,14 @@ def run_serving(lm: LoadedModel, cfg: ServeConfig, progress: Progress | None = N
     analysis_s = time.perf_counter() - t_an
 
     parting = [p for p in results if p.first_divergence is not None]
-    if parting:
+    if parting and cfg.engine == "vllm":
+        for p in parting:
+            p.verdict, p.explanation = None, (
+                f"Parts from the transformers reference at step {p.first_divergence} ({CONDITION_LABELS[p.condition]},"
+                f" run {p.run + 1}). vLLM runs no float64 and its kernels are not the transformers model's, so no "
+                "precision/logic verdict is replayed for this engine: the distinct counts across its own conditions "
+                "are the finding; rerun with the transformers engine for a verdict.")
+    elif parting:
         progress(0.85, f"Replaying {len(parting)} first divergences in float64 for the verdicts…")
         lm64 = reference or lm.reference()
         ex64 = Executor(lm64, settings.with_(invariant=False))
@@ -405,7 +428,8 @@ def run_serving(lm: LoadedModel, cfg: ServeConfig, progress: Progress | None = N
     return ServeResult(settings=ServeSettings.from_run(RunInfo.of(lm, settings), prompt_source=cfg.prompt_source,
                                                        shared_prefix=cfg.shared_prefix, conditions=cfg.conditions,
                                                        runs=cfg.runs, max_new_tokens=n, batch_size=cfg.batch_size,
-                                                       seed=cfg.seed, engine=cfg.engine, page_size=cfg.page_size),
+                                                       seed=cfg.seed, engine=cfg.engine, page_size=cfg.page_size,
+                                                       tensor_parallel_size=cfg.tensor_parallel_size),
                        model=lm.summary(), engine=engine_info(cfg.engine, cfg.page_size), prompts=results,
                        conditions=stats, notes=notes, elapsed_s=time.perf_counter() - t_start,
                        analysis_s=analysis_s, batches=plan)

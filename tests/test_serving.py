@@ -251,3 +251,105 @@ def test_default_model_bf16_small_study_runs_and_invariant_gives_one_completion(
     assert all(p.verdict in (None, "precision", "logic") for p in res.prompts)
     _, inv = _study("default", prompts, "bfloat16", invariant_mode=True, runs=1, max_new_tokens=3)
     assert inv.histogram == {1: 3}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The vLLM adapter, against a stand-in `vllm` module (vLLM itself needs a GPU machine): what it asks vLLM for
+
+
+def _stand_in_vllm(monkeypatch, lm, parting_prompt: int | None = None):
+    """A `vllm` module whose LLM decodes greedily with the tiny model (full forward each step, top-2 logprobs) and
+    records what kvviz asked for. parting_prompt: that prompt's second token is changed (a parting run)."""
+    import importlib.machinery
+    import types
+
+    import torch
+
+    log = {"inits": [], "env": [], "alive": 0, "max_alive": 0, "shutdowns": 0, "params": []}
+
+    class LLM:
+        def __init__(self, **kw):
+            log["inits"].append(kw)
+            log["env"].append(os.environ.get("VLLM_BATCH_INVARIANT"))
+            log["alive"] += 1
+            log["max_alive"] = max(log["max_alive"], log["alive"])
+            self.llm_engine = types.SimpleNamespace(engine_core=types.SimpleNamespace(shutdown=self._shutdown))
+
+        def _shutdown(self):
+            log["shutdowns"] += 1
+            log["alive"] -= 1
+
+        def generate(self, prompts, params):
+            outs = []
+            for p, sp in zip(prompts, params):
+                log["params"].append(dict(sp.__dict__))
+                ids, toks, lps = torch.tensor([p["prompt_token_ids"]], device=lm.device), [], []
+                with torch.no_grad():
+                    for _ in range(sp.max_tokens):
+                        lp = torch.log_softmax(lm.model(input_ids=ids).logits[0, -1].double(), -1)
+                        top = lp.topk(2)
+                        toks.append(int(top.indices[0]))
+                        lps.append({int(i): types.SimpleNamespace(logprob=float(v))
+                                    for v, i in zip(top.values, top.indices)})
+                        ids = torch.cat([ids, top.indices[:1].view(1, 1)], 1)
+                if parting_prompt is not None and p["prompt_token_ids"] == PARTING[0] and len(toks) > 1:
+                    toks[1] = (toks[1] + 1) % 50
+                outs.append(types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=toks, logprobs=lps)],
+                                                  num_cached_tokens=0))
+            return outs
+
+    class SamplingParams:
+        def __init__(self, **kw):
+            self.__dict__.update(kw)
+
+    mod = types.ModuleType("vllm")
+    mod.__spec__ = importlib.machinery.ModuleSpec("vllm", None)
+    mod.LLM, mod.SamplingParams = LLM, SamplingParams
+    monkeypatch.setitem(sys.modules, "vllm", mod)
+    return log
+
+
+PARTING = [None]
+
+
+def test_vllm_adapter_asks_for_each_condition_s_toggles_one_engine_at_a_time(monkeypatch):
+    lm = kvviz.load_model("tiny:llama", "float32", DEVICE)
+    log = _stand_in_vllm(monkeypatch, lm)
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    cfg = ServeConfig(prompts=PROMPTS[:3], runs=2, max_new_tokens=3, batch_size=2, engine="vllm",
+                      tensor_parallel_size=2)
+    res = run_serving(lm, cfg)
+    # alone: one request in flight, no prefix caching; batch: k in flight; warm: prefix caching on
+    assert [(k["enable_prefix_caching"], k["max_num_seqs"]) for k in log["inits"]] == [(False, 1), (False, 2),
+                                                                                     (True, 1)]
+    assert {k["tensor_parallel_size"] for k in log["inits"]} == {2} and {k["dtype"] for k in log["inits"]} == {"float32"}
+    assert log["max_alive"] == 1 and log["alive"] == 0 and log["shutdowns"] == 3  # the last one freed at the end
+    assert log["env"] == ["0", "0", "0"] and "VLLM_BATCH_INVARIANT" not in os.environ  # restored after each run
+    assert all(p["temperature"] == 0.0 and p["ignore_eos"] and p["logprobs"] == 2 for p in log["params"])
+    assert res.settings.engine == "vllm" and res.settings.tensor_parallel_size == 2
+    p0 = res.prompts[0]
+    assert p0.distinct == {"alone": 1, "batch": 1, "warm": 1}
+    # invariant mode turns vLLM's batch-invariant kernels on (and only for the run)
+    log["inits"].clear(), log["env"].clear()
+    run_serving(lm, ServeConfig(prompts=PROMPTS[:2], runs=1, max_new_tokens=2, conditions=("alone",), engine="vllm"),
+                settings=ExecSettings(invariant=True))
+    assert log["env"] == ["1"] and "VLLM_BATCH_INVARIANT" not in os.environ
+
+
+def test_vllm_parting_prompt_gets_no_float64_verdict_and_tp_is_refused_for_transformers(monkeypatch):
+    lm = kvviz.load_model("tiny:llama", "float32", DEVICE)
+    from kvviz.inputs import encode
+
+    PARTING[0] = encode(lm, PROMPTS[0])
+    log = _stand_in_vllm(monkeypatch, lm, parting_prompt=0)
+    res = run_serving(lm, ServeConfig(prompts=PROMPTS[:2], runs=1, max_new_tokens=3, conditions=("alone",),
+                                      engine="vllm"))
+    p = res.prompts[0]
+    assert p.first_divergence == 1 and p.verdict is None and "vLLM runs no float64" in p.explanation
+    assert p.run_margin is not None and p.run_margin >= 0  # read from vLLM's top-2 logprobs
+    assert res.prompts[1].first_divergence is None
+    assert all(k["dtype"] == "float32" for k in log["inits"])  # no float64 engine was asked for
+    with pytest.raises(KvvizError, match="tensor_parallel_size applies to the vLLM engine only"):
+        ServeConfig(prompts=["a"], tensor_parallel_size=2).validate()
+    code = main(["serve-study", "--model", "tiny:llama", "--prompt", "Hi", "--tensor-parallel-size", "2", "--quiet"])
+    assert code != 0

@@ -331,11 +331,20 @@ def _gb(n: int | None) -> str:
     return f"{n / GB:.2f} GiB" if n >= 0.01 * GB else f"{n / 1024 ** 2:.1f} MiB"
 
 
+def stream_keep_bytes(params: int) -> int:
+    """How many bytes of upcast weights the streamed reference keeps for the rest of a run: all of them for a model
+    whose float64 copy is small (<= TWIN_MAX_BYTES: each weight is then upcast once a run instead of once a forward,
+    as fast as the twin), none for a larger one (the point of streaming: no float64 copy of a big model)."""
+    return 8 * params if 8 * params <= TWIN_MAX_BYTES else 0
+
+
 def reference_bytes(shape: ModelShape, dtype: str, strategy: str) -> int:
     if dtype == "float64":
         return 0
     if strategy == "twin":
         return 8 * shape.params
+    if stream_keep_bytes(shape.params):
+        return stream_keep_bytes(shape.params)
 
     # the largest tensor in float64 (a big head is applied in slices of REFERENCE_CHUNK_BYTES), plus, where the run's dtype
     # rounds the checkpoint, that tensor read from the checkpoint in its own dtype

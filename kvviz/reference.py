@@ -66,6 +66,7 @@ class StreamPlan:
     from_checkpoint: dict[str, tuple[str, str]] = field(default_factory=dict)  # param name -> (file, key)
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # buffer name -> the twin's value
     note: str = ""
+    keep_bytes: int = 0  # upcast weights kept for the rest of a run (a session), up to this many bytes
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -192,7 +193,10 @@ def _renamed(p: torch.Tensor, index: dict, used: set) -> str | None:
 
 
 def _stream_plan(lm) -> StreamPlan:
-    plan = StreamPlan(buffers=_skeleton_buffers(lm))
+    from .memory import stream_keep_bytes
+
+    plan = StreamPlan(buffers=_skeleton_buffers(lm),
+                      keep_bytes=stream_keep_bytes(sum(p.numel() for p in lm.model.parameters())))
     folder = Path(lm.source) if lm.source and Path(lm.source).is_dir() else None
     index = _checkpoint_index(folder) if folder is not None else {}
     groups: dict[int, list[str]] = {}
@@ -237,6 +241,8 @@ class StreamedFloat64(TorchFunctionMode):
         super().__init__()
         self.device = device
         self.subs: dict[int, tuple[torch.Tensor, object]] = {}
+        self.kept: dict[int, torch.Tensor] = {}  # id(param) -> its float64 value, for the rest of this session
+        self.room = plan.keep_bytes
         self._handles: dict[str, object] = {}
         params = dict(lm.model.named_parameters(remove_duplicate=False))
         for name, p in params.items():
@@ -262,12 +268,20 @@ class StreamedFloat64(TorchFunctionMode):
     def _value(self, t: torch.Tensor, src) -> torch.Tensor:
         if isinstance(src, torch.Tensor):  # a buffer: the twin's own value
             return src
+        if not t.dtype.is_floating_point and src is None:
+            return t
+        v = self.kept.get(id(t))
+        if v is not None:
+            return v
         if src is not None:
             file, key = src
-            return self._open(file).get_tensor(key).to(device=t.device, dtype=torch.float64)
-        if t.dtype.is_floating_point:
-            return t.to(torch.float64)
-        return t
+            v = self._open(file).get_tensor(key).to(device=t.device, dtype=torch.float64)
+        else:
+            v = t.to(torch.float64)
+        if 8 * v.numel() <= self.room:  # a small model: each weight is upcast once a run, not once a forward
+            self.kept[id(t)] = v
+            self.room -= 8 * v.numel()
+        return v
 
     def _sub(self, a):
         if isinstance(a, torch.Tensor):
@@ -340,6 +354,7 @@ class StreamedFloat64(TorchFunctionMode):
 
     def close(self) -> None:
         self._handles.clear()
+        self.kept.clear()
 
 
 @contextlib.contextmanager

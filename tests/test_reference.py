@@ -234,3 +234,39 @@ def test_default_model_streamed_equals_twin():
     cfg = dict(prompt=prompt, max_new_tokens=4, paths=("cache", "float64"))
     _same(run_greedy(lm, GreedyConfig(**cfg), reference=twin).to_dict(),
           run_greedy(lm, GreedyConfig(**cfg), reference=streamed).to_dict())
+
+
+def test_a_small_model_s_weights_are_upcast_once_a_run_a_large_one_s_every_forward(monkeypatch):
+    """The streamed reference keeps upcast weights for the rest of a session where the float64 copy is small
+    (kvviz.memory.stream_keep_bytes), so one-token steps cost what the twin's do; with no room, every forward upcasts
+    again. Either way the numbers are the same, bit for bit."""
+    from kvviz import reference
+
+    lm = load_model("tiny:llama", "float32", DEVICE)
+    ref = lm.reference("streamed")
+    n_params = len({id(p) for p in lm.model.parameters()})
+    upcasts = []
+    real = reference.StreamedFloat64._value
+
+    def counting(self, t, src):
+        if not isinstance(src, torch.Tensor) and t.dtype.is_floating_point and id(t) not in self.kept:
+            upcasts.append(id(t))
+        return real(self, t, src)
+
+    monkeypatch.setattr(reference.StreamedFloat64, "_value", counting)
+    ids = torch.tensor([lm.tokenizer(PROMPT)["input_ids"]], device=lm.device)
+
+    def two_forwards():
+        upcasts.clear()
+        ex = Executor(ref)
+        with ex.session():
+            out = [ex.forward(ids[:, :-1]), ex.forward(ids[:, -1:], cache=None)]
+        return [o.logits for o in out]
+
+    assert ref.stream64.keep_bytes >= 8 * sum(p.numel() for p in lm.model.parameters())
+    kept = two_forwards()
+    assert 0 < len(set(upcasts)) == len(upcasts) <= n_params  # each weight once, however many forwards
+    monkeypatch.setattr(ref.stream64, "keep_bytes", 0)
+    streamed = two_forwards()
+    assert len(upcasts) > len(set(upcasts))  # no room: upcast again on the second forward
+    assert all(torch.equal(a, b) for a, b in zip(kept, streamed))

@@ -37,12 +37,17 @@ def hidden_divergence(ref: torch.Tensor, got: torch.Tensor, eps: float) -> dict[
 LOGITS_CHUNK_BYTES = 64 * 1024 ** 2  # float64 working set of one chunk of positions in logits_divergence
 
 
+def logits_rows(logits: torch.Tensor) -> int:
+    """Positions per chunk when logits [positions, vocab] are reduced in float64 (LOGITS_CHUNK_BYTES a chunk)."""
+    return max(1, LOGITS_CHUNK_BYTES // (8 * max(1, logits.shape[-1])))
+
+
 def logits_divergence(ref: torch.Tensor, got: torch.Tensor) -> dict[str, torch.Tensor]:
     """ref, got: [n_positions, vocab]. Per position: max |Δ|, KL(ref || got), argmax agreement, top-5 overlap.
 
     Computed in chunks of positions (each position's numbers depend on its row only), so a large vocabulary costs
     one chunk's float64 temporaries, not n_positions × vocab × 8 bytes several times over."""
-    rows = max(1, LOGITS_CHUNK_BYTES // (8 * max(1, ref.shape[-1])))
+    rows = logits_rows(ref)
     if ref.dim() != 2 or ref.shape[0] <= rows:
         return _logits_divergence(ref, got)
     parts = [_logits_divergence(ref[i:i + rows], got[i:i + rows]) for i in range(0, ref.shape[0], rows)]

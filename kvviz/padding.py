@@ -17,7 +17,7 @@ from .execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSet
 from .inputs import encode, pad_token_id, positions_from_mask, token_texts
 from .loading import LoadedModel
 from .metrics import hidden_divergence
-from .split import check_split
+from .split import takes_logits_to_keep, check_split
 from .verdict import classify
 
 Progress = Callable[[float, str], None]
@@ -86,15 +86,20 @@ def _scenario(ex: Executor, rows, target: int, extra_pad: int, k: int, use_cache
     """Hidden states [n_hidden, n_compared, H] and logits [n_compared, V] of the target row's tokens [k, L)."""
     ids, mask, pos, pad = _batch(ex.lm, rows, target, extra_pad)
     c = pad + k  # the column where the cache ends, the same for every row
+    # float64 (the reference) computes only the compared positions' logits, and the prefix none: a 262k vocabulary's
+    # logits over a padded batch are gigabytes in float64 (the run's own dtype keeps the user's full forward)
+    keep = takes_logits_to_keep(ex.lm.model)
     if not use_cache:
-        out = ex.forward(ids, mask, pos, use_cache=False)
-        return torch.stack([h[target, c:] for h in out.hidden_states]), out.logits[target, c:]
-    pre = ex.forward(ids[:, :c], mask[:, :c], pos[:, :c], hidden=False)
+        out = ex.forward(ids, mask, pos, use_cache=False,
+                         logits_to_keep=ids.shape[1] - c if keep and ex.lm.dtype == torch.float64 else None)
+        return torch.stack([h[target, c:] for h in out.hidden_states]), \
+            out.logits[target, -(ids.shape[1] - c):].clone()  # the target's rows: the batch's are freed now
+    pre = ex.forward(ids[:, :c], mask[:, :c], pos[:, :c], hidden=False, logits_to_keep=1 if keep else None)
     if not has_cache(pre):
         raise KvvizError(f"{ex.lm.name} returns no cache (a bidirectional model): past_key_values cannot be used")
     out = ex.forward(ids[:, c:], mask if mask_mode == "full" else mask[:, c:],
                      pos[:, c:] if pos_mode == "auto" else None, pre.past_key_values)
-    return torch.stack([h[target] for h in out.hidden_states]), out.logits[target]
+    return torch.stack([h[target] for h in out.hidden_states]), out.logits[target].clone()
 
 
 def _cell(ref_h, ref_l, h, lg, eps: float) -> dict:
@@ -126,6 +131,7 @@ def _padding_cells(lm: LoadedModel, settings: ExecSettings, ids: list[int], comp
             for label, use_cache, pm, mm in SCENARIOS:
                 h, lg = _scenario(ex, rows, 0, extra, k, use_cache, pm, mm)
                 out[(placement, label)] = _cell(ref_h, ref_l, h, lg, machine_eps(lm.dtype))
+                del h, lg  # before the next scenario's forward
     return out
 
 

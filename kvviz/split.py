@@ -23,7 +23,7 @@ from .inputs import MASK_MODES, POSITION_MODES, PromptInputs, build_inputs, chec
 from .execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings, cache_layers, has_cache
 from .loading import LoadedModel
 from .metrics import HIDDEN_METRICS as HIDDEN_METRIC_LABELS
-from .metrics import describe_table, hidden_divergence, logits_divergence, tensor_diff
+from .metrics import describe_table, hidden_divergence, logits_divergence, logits_rows, tensor_diff
 from .verdict import amplification, classify, layers_prefix, precision_sentence  # noqa: F401
 
 MODES = ("chunk", "step")
@@ -251,7 +251,9 @@ class _Rows:
     def of(cls, out, a0: int) -> "_Rows":
         hidden = torch.stack([h[0, a0:] for h in out.hidden_states])
         n = len(out.hidden_states[0][0]) - a0
-        logits = out.logits[0, -n:].clone()  # the whole prompt's, or only the compared ones (see _full_forward)
+        # the whole prompt's logits (copied: the rest is freed), or only the compared ones (see _full_forward: kept
+        # as they are, a float64 copy of a large vocabulary's rows would double the peak)
+        logits = out.logits[0] if out.logits.shape[1] == n else out.logits[0, -n:].clone()
         return cls(hidden, logits, out.past_key_values)
 
 
@@ -266,7 +268,10 @@ def _measure(lm: LoadedModel, comp: Comparison, ref: _Rows, a0: int, got_hidden,
         ld, got_last = dict(got_logits.metrics), got_logits.last
     else:
         ld, got_last = logits_divergence(ref_logits, got_logits), got_logits[-1]
-    ref_lmax = ref_logits.double().abs().amax(-1)
+    if isinstance(ref_logits, _ChunkedLogits):  # every row was reached by the step-by-step comparison
+        ref_lmax = ref_logits.lmax
+    else:
+        ref_lmax = torch.cat([c.double().abs().amax(-1) for c in ref_logits.split(logits_rows(ref_logits))])
     ld["relative"] = ld["max_abs"] / ref_lmax.clamp_min(torch.finfo(torch.float64).tiny)
     comp.hidden = {name: t.cpu().numpy() for name, t in hd.items()}
     top1 = {name: ld.pop(name).cpu().tolist() for name in ("ref_top1", "got_top1")}
@@ -287,11 +292,17 @@ def _run(lm: LoadedModel, cfg: SplitConfig, inp: PromptInputs, progress: Progres
     ex = Executor(lm, settings, max_len=inp.total)
     with ex.session():
         progress(0.1, "Prefix forward…")
-        pre = ex.forward(inp.ids[:, :a0], inp.mask[:, :a0], inp.positions[:, :a0], hidden=False)
+        # only its cache is used: no logits for the prefix's positions (in float64 with a 262k vocabulary, 600
+        # positions' logits would be 1.3 GB)
+        pre = ex.forward(inp.ids[:, :a0], inp.mask[:, :a0], inp.positions[:, :a0], hidden=False,
+                         logits_to_keep=1 if takes_logits_to_keep(lm.model) else None)
         if not has_cache(pre):
             return _bidirectional(ex, inp, a0, comp)
         progress(0.3, "Full forward without cache…")
-        ref = _Rows.of(_full_forward(ex, inp, a0), a0)
+        rows = _reference_rows(ex, inp, a0) if cfg.mode == "step" else None
+        ref = _Rows.of(_full_forward(ex, inp, a0, rows), a0)
+        if rows is not None:  # float64 with a large vocabulary: the earlier positions' logits a chunk at a time
+            ref.logits = _ChunkedLogits(ex, inp, a0, ref.logits)
         got_hidden, got_logits, cache = _rest_through_cache(ex, cfg, inp, a0, pre.past_key_values, progress,
                                                             ref.logits if cfg.mode == "step" else None)
         progress(0.9, "Measuring…")
@@ -299,18 +310,78 @@ def _run(lm: LoadedModel, cfg: SplitConfig, inp: PromptInputs, progress: Progres
     return comp
 
 
-def _full_forward(ex: Executor, inp: PromptInputs, a0: int):
+def _full_forward(ex: Executor, inp: PromptInputs, a0: int, rows: int | None = None):
     """The full forward. In float64 (the reference) only the compared positions' logits are computed
-    (logits_to_keep): a large vocabulary's logits over a long prompt are gigabytes in float64, and float64 decides
-    the verdict by the size of the gap, not its last bits. In the run's own dtype the full forward stays exactly
-    the user's (every position's logits), as the comparison is about that forward."""
+    (logits_to_keep; with `rows`, only the last `rows` of them: see _ChunkedLogits): a large vocabulary's logits
+    over a long prompt are gigabytes in float64, and float64 decides the verdict by the size of the gap, not its
+    last bits. In the run's own dtype the full forward stays exactly the user's (every position's logits), as the
+    comparison is about that forward."""
     keep = None
-    if ex.lm.dtype == torch.float64 and _takes_logits_to_keep(ex.lm.model):
-        keep = inp.total - a0
+    if ex.lm.dtype == torch.float64 and takes_logits_to_keep(ex.lm.model):
+        keep = rows or inp.total - a0
     return ex.forward(inp.ids, inp.mask, inp.positions, logits_to_keep=keep)
 
 
-def _takes_logits_to_keep(model) -> bool:
+REFERENCE_LOGITS_BYTES = 256 * 1024 ** 2  # float64 full-forward logits over this: computed a chunk of rows at a time
+
+
+def _reference_rows(ex: Executor, inp: PromptInputs, a0: int) -> int | None:
+    """Rows per chunk of the float64 full forward's logits when all of them would exceed REFERENCE_LOGITS_BYTES
+    (None: all at once, as always for the run's own dtype and for small vocabularies)."""
+    vocab = getattr(ex.lm.model.config.get_text_config(), "vocab_size", None) or 0
+    n = inp.total - a0
+    if ex.lm.dtype != torch.float64 or not takes_logits_to_keep(ex.lm.model) or 8 * n * vocab <= \
+            REFERENCE_LOGITS_BYTES:
+        return None
+    return max(1, REFERENCE_LOGITS_BYTES // (8 * vocab))
+
+
+class _ChunkedLogits:
+    """The float64 full forward's logits of the compared positions [a0, total), held one chunk of rows at a time:
+    the last chunk comes with the full forward; an earlier chunk [s, e) is a forward over the sequence up to e
+    with logits_to_keep = e - s (causal: the same rows, to float64 rounding), computed when the step-by-step
+    comparison reaches it. Each row's largest |logit| is kept as its chunk is made (the relative gaps need it)."""
+
+    def __init__(self, ex: Executor, inp: PromptInputs, a0: int, last: torch.Tensor):
+        self.ex, self.inp, self.a0, self.rows = ex, inp, a0, last.shape[0]
+        self.n = inp.total - a0
+        self.shape = (self.n, last.shape[-1])
+        self.dtype, self.device = last.dtype, last.device
+        self.last = last
+        self.lmax = torch.empty(self.n, dtype=torch.float64, device=last.device)
+        self.lmax[self.n - self.rows:] = last.abs().amax(-1)
+        self.current: tuple[int, int, torch.Tensor] | None = None
+
+    def _chunk(self, j: int) -> tuple[int, int, torch.Tensor]:
+        if j >= self.n - self.rows:
+            return self.n - self.rows, self.n, self.last
+        if self.current is not None and self.current[0] <= j < self.current[1]:
+            return self.current
+        k = (self.n - self.rows - 1 - j) // self.rows  # chunks counted back from the last one
+        e = self.n - self.rows * (k + 1)
+        s = max(0, e - self.rows)
+        self.current = None  # free the previous chunk first
+        end = self.a0 + e
+        out = self.ex.forward(self.inp.ids[:, :end], self.inp.mask[:, :end], self.inp.positions[:, :end],
+                              use_cache=False, hidden=False, logits_to_keep=e - s)
+        logits = out.logits[0]
+        self.lmax[s:e] = logits.abs().amax(-1)
+        self.current = (s, e, logits)
+        return self.current
+
+    def __getitem__(self, index):
+        if isinstance(index, int):
+            j = index % self.n
+            s, _, chunk = self._chunk(j)
+            return chunk[j - s]
+        start, stop = index.start or 0, index.stop if index.stop is not None else self.n
+        s, e, chunk = self._chunk(start)
+        if stop > e or index.step not in (None, 1):
+            raise IndexError("one chunk at a time")
+        return chunk[start - s:stop - s]
+
+
+def takes_logits_to_keep(model) -> bool:
     import inspect
 
     try:

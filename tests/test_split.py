@@ -153,3 +153,32 @@ def test_bad_modes_and_padding():
         run_split(lm("gpt2"), SplitConfig(PROMPT, split=3, left_pad=-2))
     with pytest.raises(KvvizError, match="mode"):
         run_split(lm("gpt2"), SplitConfig(PROMPT, split=3, mode="sideways"))
+
+
+def test_float64_reference_logits_a_chunk_at_a_time_agree_with_all_at_once(monkeypatch):
+    """A large vocabulary's float64 logits over many positions are computed a chunk of rows at a time (memory):
+    forced here on a tiny model (2 rows a chunk), the step-by-step comparison's numbers are those of the whole
+    forward to float64 rounding, and the verdict is the same."""
+    from kvviz import split as split_mod
+
+    lm = kvviz.load_model("tiny:llama", "float64", DEVICE)
+    cfg = SplitConfig(PROMPT, split=3, mode="step")
+    whole = split_mod.run_split(lm, cfg, prove=False)
+    vocab = lm.model.config.vocab_size
+    monkeypatch.setattr(split_mod, "REFERENCE_LOGITS_BYTES", 2 * 8 * vocab)
+    calls = []
+    real = split_mod._ChunkedLogits._chunk
+
+    def counting(self, j):
+        calls.append(j)
+        return real(self, j)
+
+    monkeypatch.setattr(split_mod._ChunkedLogits, "_chunk", counting)
+    chunked = split_mod.run_split(lm, cfg, prove=False)
+    n = len(chunked.compared)
+    assert n > 4 and len(calls) >= n  # every compared position went through the chunks
+    for k in ("max_abs", "relative", "kl"):
+        a, b = whole.main.logits[k], chunked.main.logits[k]
+        assert np.allclose(a, b, rtol=0, atol=1e-12), k
+    assert list(whole.main.logits["argmax_agree"]) == list(chunked.main.logits["argmax_agree"])
+    assert whole.verdict == chunked.verdict

@@ -66,7 +66,8 @@ class StreamPlan:
     from_checkpoint: dict[str, tuple[str, str]] = field(default_factory=dict)  # param name -> (file, key)
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # buffer name -> the twin's value
     note: str = ""
-    keep_bytes: int = 0  # upcast weights kept for the rest of a run (a session), up to this many bytes
+    keep_bytes: int = 0  # upcast weights kept from run to run (a small model's: see memory.stream_keep_bytes)
+    kept: dict = field(default_factory=dict, repr=False)  # id(param) -> its float64 value
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -241,8 +242,8 @@ class StreamedFloat64(TorchFunctionMode):
         super().__init__()
         self.device = device
         self.subs: dict[int, tuple[torch.Tensor, object]] = {}
-        self.kept: dict[int, torch.Tensor] = {}  # id(param) -> its float64 value, for the rest of this session
-        self.room = plan.keep_bytes
+        self.kept: dict[int, torch.Tensor] = plan.kept  # upcast once, then reused by every later run
+        self.room = plan.keep_bytes - sum(8 * v.numel() for v in self.kept.values())
         self._handles: dict[str, object] = {}
         params = dict(lm.model.named_parameters(remove_duplicate=False))
         for name, p in params.items():
@@ -354,7 +355,6 @@ class StreamedFloat64(TorchFunctionMode):
 
     def close(self) -> None:
         self._handles.clear()
-        self.kept.clear()
 
 
 @contextlib.contextmanager

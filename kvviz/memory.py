@@ -41,7 +41,7 @@ _ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfl
 VIEW_FORWARDS = {"split": 2, "bisect": 2, "greedy": 1, "padding": 2, "reuse": 1, "dtypes": 2, "check": 2,
                  "matrix": 1, "quant": 1, "loading-trap": 1, "cache": 1}
 
-REFERENCE_CHUNK_BYTES = 512 * 1024 ** 2  # the streamed reference applies a larger float64 weight in slices of this
+REFERENCE_CHUNK_BYTES = 128 * 1024 ** 2  # the streamed reference applies a larger float64 weight in slices of this
 
 
 # ----------------------------------------------------------------------------------------------------------------

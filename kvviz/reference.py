@@ -324,8 +324,8 @@ class StreamedFloat64(TorchFunctionMode):
             out = func(args[0], weight, *args[2:], **kwargs)
             return out.to(torch.float64) if out.dtype.is_floating_point else out
         if func is F.linear and len(args) > 1 and self._hit(args[1]) and not kwargs and \
-                args[1].numel() * 8 > CHUNK_BYTES:
-            return self._sliced_linear(*args)
+                args[1].numel() * 8 > max(CHUNK_BYTES, self.room) and id(args[1]) not in self.kept:
+            return self._sliced_linear(*args)  # a weight too big to hold in float64 (never one a small model keeps)
         args = tuple(self._sub(a) for a in args)
         if kwargs:
             kwargs = {k: self._sub(v) for k, v in kwargs.items()}

@@ -322,7 +322,7 @@ def _full_forward(ex: Executor, inp: PromptInputs, a0: int, rows: int | None = N
     return ex.forward(inp.ids, inp.mask, inp.positions, logits_to_keep=keep)
 
 
-REFERENCE_LOGITS_BYTES = 256 * 1024 ** 2  # float64 full-forward logits over this: computed a chunk of rows at a time
+REFERENCE_LOGITS_BYTES = 128 * 1024 ** 2  # float64 full-forward logits over this: computed a chunk of rows at a time
 
 
 def _reference_rows(ex: Executor, inp: PromptInputs, a0: int) -> int | None:

@@ -67,7 +67,7 @@ class StreamPlan:
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # buffer name -> the twin's value
     note: str = ""
     keep_bytes: int = 0  # upcast weights kept from run to run (a small model's: see memory.stream_keep_bytes)
-    kept: dict = field(default_factory=dict, repr=False)  # id(param) -> its float64 value
+    kept: dict = field(default_factory=dict, repr=False)  # id(param) -> (param, its float64 value)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -196,8 +196,10 @@ def _renamed(p: torch.Tensor, index: dict, used: set) -> str | None:
 def _stream_plan(lm) -> StreamPlan:
     from .memory import stream_keep_bytes
 
+    # a dispatched model (accelerate's offload hooks) swaps its weights in and out each forward: nothing is kept
+    dispatched = bool(getattr(lm.model, "hf_device_map", None))
     plan = StreamPlan(buffers=_skeleton_buffers(lm),
-                      keep_bytes=stream_keep_bytes(sum(p.numel() for p in lm.model.parameters())))
+                      keep_bytes=0 if dispatched else stream_keep_bytes(sum(p.numel() for p in lm.model.parameters())))
     folder = Path(lm.source) if lm.source and Path(lm.source).is_dir() else None
     index = _checkpoint_index(folder) if folder is not None else {}
     groups: dict[int, list[str]] = {}
@@ -242,8 +244,8 @@ class StreamedFloat64(TorchFunctionMode):
         super().__init__()
         self.device = device
         self.subs: dict[int, tuple[torch.Tensor, object]] = {}
-        self.kept: dict[int, torch.Tensor] = plan.kept  # upcast once, then reused by every later run
-        self.room = plan.keep_bytes - sum(8 * v.numel() for v in self.kept.values())
+        self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = plan.kept  # id -> (param, float64 value)
+        self.room = plan.keep_bytes - sum(8 * v.numel() for _, v in self.kept.values())
         self._handles: dict[str, object] = {}
         params = dict(lm.model.named_parameters(remove_duplicate=False))
         for name, p in params.items():
@@ -271,16 +273,16 @@ class StreamedFloat64(TorchFunctionMode):
             return src
         if not t.dtype.is_floating_point and src is None:
             return t
-        v = self.kept.get(id(t))
-        if v is not None:
-            return v
+        hit = self.kept.get(id(t))
+        if hit is not None and hit[0] is t:  # the same tensor object, not another one at a reused address
+            return hit[1]
         if src is not None:
             file, key = src
             v = self._open(file).get_tensor(key).to(device=t.device, dtype=torch.float64)
         else:
             v = t.to(torch.float64)
         if 8 * v.numel() <= self.room:  # a small model: each weight is upcast once a run, not once a forward
-            self.kept[id(t)] = v
+            self.kept[id(t)] = (t, v)
             self.room -= 8 * v.numel()
         return v
 

@@ -251,8 +251,6 @@ class Executor:
         return Decoded(tokens, logits, hiddens, last.past_key_values if policy != "no_cache" else None, last)
 
 
-STEP_POLICIES = loops.STEP_POLICIES
-
 
 @dataclass
 class Decoded:

@@ -321,7 +321,7 @@ def _decode(ex: Executor, inp: PromptInputs, n: int, cache, forced: list[int] | 
                   no_cache_error=f"{ex.lm.name} returns no KV cache (its attention is bidirectional, like RoBERTa "
                                  f"without is_decoder), so there is no cache to quantize and no cached decoding "
                                  f"to compare")
-    return d.tokens, torch.stack(d.logits), torch.stack(d.hidden)
+    return d.tokens, d.stacked_logits(), torch.stack(d.hidden)
 
 
 def run_quant(lm: LoadedModel, cfg: QuantConfig, progress: Progress | None = None) -> QuantResult:

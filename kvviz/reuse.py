@@ -64,7 +64,7 @@ def _decode_after(ex: Executor, cache, cont: torch.Tensor, n: int) -> tuple[list
     """Feed the continuation through `cache` (positions inferred from the cache length, as people do), then decode
     greedily n tokens. Returns the tokens and the logits of each step [n, V]."""
     d = ex.decode(cont, None, n, policy="user_loop", cache=cache, hidden=False)
-    return d.tokens, torch.stack(d.logits)
+    return d.tokens, d.stacked_logits()
 
 
 def _reuse_runs(lm: LoadedModel, settings: ExecSettings, prefix: list[int], conts: list[list[int]], n: int,

@@ -36,7 +36,7 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     import kvviz
-    from kvviz.greedy import GreedyConfig, run_greedy
+    from kvviz.views.greedy.run import GreedyConfig, run_greedy
     from kvviz.placement import placement_summary
 
     plain = kvviz.load_model(args.model, args.dtype, args.device)

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import kvviz  # noqa: E402
-from kvviz.greedy import GreedyConfig, run_greedy  # noqa: E402
+from kvviz.views.greedy.run import GreedyConfig, run_greedy  # noqa: E402
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived an old fisherman who every morning"
 

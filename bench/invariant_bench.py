@@ -1,6 +1,6 @@
 """Benchmark: the invariant split comparison against the normal one, same process, same model.
 
-Times the scenario itself (prefix, full forward, the rest through the cache: kvviz.split._run) in normal and in
+Times the scenario itself (prefix, full forward, the rest through the cache: kvviz.views.split.run._run) in normal and in
 invariant mode, alternating order, median of the per-repeat ratios; and, for reference, the whole run_split
 (normal: with its float64 rerun and proof; invariant: which needs neither when the gap is 0).
 
@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 import kvviz  # noqa: E402
 from kvviz.execution import ExecSettings  # noqa: E402
 from kvviz.inputs import build_inputs  # noqa: E402
-from kvviz.split import SplitConfig, _run, run_split  # noqa: E402
+from kvviz.views.split.run import SplitConfig, _run, run_split  # noqa: E402
 
 PROMPT = "The capital of France is Paris, and the capital of Italy is"
 INV = ExecSettings(invariant=True)
@@ -80,7 +80,7 @@ def main() -> int:
     if args.write:
         with open(ROOT / "docs" / "benchmarks.md", "a", encoding="utf-8") as f:
             f.write(f"\n## Invariant mode — {time.strftime('%Y-%m-%d')} — {env['device_name']} ({env['cpu']})\n\n"
-                    f"`bench/invariant_bench.py`: the split scenario (`kvviz.split._run`) on `{args.model}` in "
+                    f"`bench/invariant_bench.py`: the split scenario (`kvviz.views.split.run._run`) on `{args.model}` in "
                     f"{args.dtype}, prompt \"{PROMPT}\", split 6, median of {args.repeats}, order alternating. "
                     "The whole run_split column includes the normal run's float64 rerun and invariant proof.\n\n"
                     "| feed the rest | normal | invariant | ratio | whole run_split normal / invariant |\n"

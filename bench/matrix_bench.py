@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import kvviz  # noqa: E402
-from kvviz.matrix import MatrixConfig, run_matrix  # noqa: E402
+from kvviz.views.matrix.run import MatrixConfig, run_matrix  # noqa: E402
 
 PROMPT = "The capital of France is Paris, and the capital of Italy is"
 

@@ -124,10 +124,10 @@ def reference_timing(model: str = "default", repeats: int = 2) -> dict:
     (same process, same inputs, best of `repeats`)."""
     import torch
 
-    from kvviz.greedy import GreedyConfig, run_greedy
+    from kvviz.views.greedy.run import GreedyConfig, run_greedy
     from kvviz.inputs import build_inputs
     from kvviz.loading import load_model
-    from kvviz.split import SplitConfig, _run
+    from kvviz.views.split.run import SplitConfig, _run
 
     lm = load_model(model, "float32", "cpu")
     refs = {"twin": lm.reference("twin"), "streamed": lm.reference("streamed")}

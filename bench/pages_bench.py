@@ -25,16 +25,16 @@ import kvviz  # noqa: E402
 def page_calls(lm, spec: str):
     """name -> a zero-argument function doing what the page does on its first run with its default controls.
     Keep in step with the defaults in pages/*.py (tests/test_pages_bench.py checks the names and a tiny run)."""
-    from kvviz.check import run_check
-    from kvviz.dtype_sweep import run_dtypes
-    from kvviz.greedy import DEFAULT_PATHS, GreedyConfig, run_greedy
-    from kvviz.cachesize import size_report
-    from kvviz.kvcache import save_cache_bytes
-    from kvviz.loading_trap import run_loading_trap
-    from kvviz.matrix import MatrixConfig, run_matrix
-    from kvviz.padding import run_padding
-    from kvviz.quant import DEFAULT_RESIDUAL, QuantConfig, run_quant
-    from kvviz.reuse import run_reuse
+    from kvviz.views.check.run import run_check
+    from kvviz.views.dtypes.run import run_dtypes
+    from kvviz.views.greedy.run import DEFAULT_PATHS, GreedyConfig, run_greedy
+    from kvviz.views.cache.size import size_report
+    from kvviz.views.cache.run import save_cache_bytes
+    from kvviz.views.loading_trap.run import run_loading_trap
+    from kvviz.views.matrix.run import MatrixConfig, run_matrix
+    from kvviz.views.padding.run import run_padding
+    from kvviz.views.quant.run import DEFAULT_RESIDUAL, QuantConfig, run_quant
+    from kvviz.views.reuse.run import run_reuse
 
     from pages.defaults import DEFAULTS as D  # the pages' default controls, in one place
 
@@ -86,7 +86,7 @@ def page_calls(lm, spec: str):
 
     def serving():
         from kvviz.prompts import builtin_prompts
-        from kvviz.serving import ServeConfig, run_serving
+        from kvviz.views.serving.run import ServeConfig, run_serving
 
         sv = D["serving"]
         prompts = [r["prompt"] for r in builtin_prompts() if r["category"] == sv["category"]][: sv["limit"]]

@@ -1,6 +1,6 @@
 """Benchmark: the Serving study's engine runs against the same continuous-batching calls made plainly.
 
-The study (kvviz.serving.run_serving) makes, per condition and run, one call of transformers' continuous-batching
+The study (kvviz.views.serving.run.run_serving) makes, per condition and run, one call of transformers' continuous-batching
 engine, reading each step's scores at the engine's argmax (top-2 margins), with the caller's torch function modes
 in the engine's thread, then counts distinct completions. The plain way makes the same calls itself:
 `model.generate_batch(...)` for `alone` (one request in flight) and `batch` (k in flight, the study's shuffled
@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 import kvviz  # noqa: E402
 from kvviz.inputs import encode  # noqa: E402
-from kvviz.serving import ServeConfig, load_prompt_set, plan_batches, run_serving  # noqa: E402
+from kvviz.views.serving.run import ServeConfig, load_prompt_set, plan_batches, run_serving  # noqa: E402
 
 
 def _cb_config(per_batch: int, sharing: bool, longest: int, n_requests: int, page: int):

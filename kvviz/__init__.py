@@ -6,15 +6,18 @@ Usable from a notebook:
     lm = kvviz.load_model("default", dtype="bfloat16")
     res = kvviz.run_split(lm, kvviz.SplitConfig(prompt="The capital of France is", split=3))
     res.verdict, res.explanation
-    kvviz.figures.split_heatmap(res, metric="relative")
+    from kvviz.views.split import figures
+    figures.split_heatmap(res, metric="relative")
+
+Every view is a folder under kvviz/views/ (run, figures, report, repro, cli); see docs/architecture.md.
 """
 from .dtypes import DTYPE_NAMES, machine_eps, parse_dtype, resolve_device
 from .errors import KvvizError
 from .execution import ExecSettings, Executor
 from . import backends as _backends, invariant as _invariant, reference as _reference  # noqa: F401,E402 - register cache kinds, flags, compile, invariant mode
 from .loading import ATTN_CHOICES, DEFAULT_SPEC, LoadedModel, ModelSpec, cache_dir, clear_cache, load_model, parse_spec
-from .split import MODES, SplitConfig, SplitResult, run_split
-from . import bisect as _bisect  # noqa: F401,E402 - registers the bisector that explains an unproved verdict
+from .views.split.run import MODES, SplitConfig, SplitResult, run_split
+from .views.bisect import run as _bisect  # noqa: F401,E402 - registers the bisector that explains an unproved verdict
 from .tiny import TINY_ARCHS, TINY_MODELS
 
 __all__ = [

@@ -1,7 +1,7 @@
 """Every decoder transformers ships: for each model type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, a tiny random model
 built from its own config class (2-4 layers, small hidden size and vocabulary, a sliding window the prompt passes,
 its special features kept - MoE routing, QK-norm, softcapping, alibi, parallel blocks, layer patterns), then the
-cache-safety card (kvviz.check) in float64 plus the invariant-mode proof (cached vs full in invariant mode, past
+cache-safety card (kvviz.views.check.run) in float64 plus the invariant-mode proof (cached vs full in invariant mode, past
 the window: exactly 0, or the first op that breaks it, from the bisector).
 
 A row: `safe`, `unsafe` (the failing checks and their float64 gaps) or `cannot run` (one line: why). Multimodal
@@ -251,7 +251,7 @@ def _proof(lm64) -> tuple[str, float | None]:
     """Invariant mode, float64: cached vs full, the rest in one chunk, on the sweep's prompt (past the window of 8
     where the type has one). "0" or the first op that breaks it."""
     from .execution import ExecSettings
-    from .split import SplitConfig, run_split
+    from .views.split.run import SplitConfig, run_split
 
     inv = ExecSettings(invariant=True)
     n = len(lm64.tokenizer(PROMPT)["input_ids"])
@@ -269,7 +269,7 @@ def _proof(lm64) -> tuple[str, float | None]:
 
 def _first_op(lm64, cfg) -> str:
     try:
-        from .bisect import run_bisect
+        from .views.bisect.run import run_bisect
         from .execution import ExecSettings
 
         res = run_bisect(lm64, cfg, ExecSettings(invariant=True))
@@ -285,7 +285,7 @@ def run_arch(model_type: str, workdir: Path, timeout: float | None = 120) -> Arc
     """Build, load and check one model type; never raises."""
     import torch
 
-    from . import check as check_mod
+    from .views.check import run as check_mod
     from .loading import clear_cache, load_model
 
     t0 = time.perf_counter()

@@ -24,7 +24,7 @@ def run_scenario(p: Preset, device: str = "cpu", progress=None):
     c = p.controls
     view = VIEW_OF_PAGE.get(p.page)
     if view == "dtypes":
-        from .dtype_sweep import run_dtypes
+        from .views.dtypes.run import run_dtypes
         from .prompts import builtin_prompts
 
         prompts = [r["prompt"] for r in builtin_prompts()][: int(c.get("dt_limit", 8))]
@@ -41,13 +41,13 @@ def run_scenario(p: Preset, device: str = "cpu", progress=None):
                                 position_ids=c.get("split_pos", "auto"), attention_mask=c.get("split_mask", "full"))
         return kvviz.run_split(lm, cfg, progress=progress, settings=settings)
     if view == "greedy":
-        from .greedy import DEFAULT_PATHS, GreedyConfig, run_greedy
+        from .views.greedy.run import DEFAULT_PATHS, GreedyConfig, run_greedy
 
         cfg = GreedyConfig(prompt=c.get("greedy_prompt", "This is a "), max_new_tokens=int(c.get("greedy_n", 24)),
                            paths=tuple(c.get("greedy_paths", DEFAULT_PATHS)))
         return run_greedy(lm, cfg, progress=progress, settings=settings)
     if view == "matrix":
-        from .matrix import run_matrix, seed004_config
+        from .views.matrix.run import run_matrix, seed004_config
 
         return run_matrix(lm, seed004_config(lm), progress=progress)
     raise KvvizError(f"scenario {p.key}: its page {p.page} cannot be prepared ahead")

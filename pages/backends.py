@@ -3,9 +3,9 @@ import streamlit as st
 
 from pages.defaults import DEFAULTS
 
-from kvviz import figures
+from kvviz.views.matrix import figures as matrix_figures
 from kvviz.backends import CACHE_KINDS, COMPILE_MODES
-from kvviz.matrix import MatrixConfig, run_matrix, sliding_window_config
+from kvviz.views.matrix.run import MatrixConfig, run_matrix, sliding_window_config
 from pages.common import controls, page, show_verdict
 from pages.runner import page_message, progress_bar, run_cached, show_error
 from pages.exporting import exports
@@ -83,7 +83,7 @@ for c in res.cells:
 worst = next((v for v in ("logic", "nondeterministic", "precision", "lossy", "identical") if v in counts), "could not run")
 show_verdict(worst, f"The worst of {len(res.cells)} cells against the no-cache eager reference — "
              + ", ".join(f"{v}: {n}" for v, n in counts.items()) + ". Pick a cell below the grid for its steps.")
-st.plotly_chart(figures.matrix_grid(res), width="stretch", key="mx_grid")
+st.plotly_chart(matrix_figures.matrix_grid(res), width="stretch", key="mx_grid")
 st.caption(f"Reference (eager, no cache, {res.settings['dtype']}): “{res.reference['text']}”. float64 reference: "
            f"“{res.reference['float64_text']}”.")
 labels = [c.label for c in res.cells]
@@ -92,7 +92,7 @@ cell = res.cells[labels.index(pick)]
 if cell.error:
     st.warning(f"This combination cannot run here: {cell.error}")
 else:
-    st.plotly_chart(figures.matrix_cell_steps(cell), width="stretch", key="mx_steps")
+    st.plotly_chart(matrix_figures.matrix_cell_steps(cell), width="stretch", key="mx_steps")
     t1, t2 = st.columns(2)
     t1.markdown("**This cell**")
     t1.text(cell.text)

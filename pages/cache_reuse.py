@@ -3,8 +3,8 @@ import streamlit as st
 
 from pages.defaults import DEFAULTS
 
-from kvviz import figures
-from kvviz.reuse import REUSE_STRATEGIES, run_reuse
+from kvviz.views.reuse import figures as reuse_figures
+from kvviz.views.reuse.run import REUSE_STRATEGIES, run_reuse
 from pages.common import controls, page, show_verdict
 from pages.runner import progress_bar, run_cached, show_error
 from pages.ab import ab_run
@@ -74,11 +74,11 @@ with st.expander("A/B: these continuations under one other setting"):
                lambda what, other, lm_b, settings_b, report: run_reuse(lm_b, prefix, merged, int(n), progress=report,
                                                                        settings=settings_b))
     if b is not None:
-        st.dataframe(figures.ab_reuse_frame(res, b.result), hide_index=True, width="stretch")
+        st.dataframe(reuse_figures.ab_reuse_frame(res, b.result), hide_index=True, width="stretch")
         st.caption("Each way of reusing the prefix under A and B: verdict, the largest relative logit gap to a "
                    "fresh prefill, and the text.")
 st.subheader("All runs")
-st.dataframe(figures.reuse_frame(res), hide_index=True, width="stretch")
+st.dataframe(reuse_figures.reuse_frame(res), hide_index=True, width="stretch")
 st.caption("Verdicts: the largest relative logit gap to the fresh run while both saw the same tokens, and the same "
            "in float64: a gap that closes in float64 is precision, one that stays is logic. "
            f"{res.settings.dtype} on {res.settings.device}.")

@@ -1,8 +1,8 @@
 """Page: is my model cache-safe? The battery of float64 checks, one line of evidence each."""
 import streamlit as st
 
-from kvviz.check import run_check
-from kvviz.quant import KV_CHOICES, WEIGHT_CHOICES
+from kvviz.views.check.run import run_check
+from kvviz.views.quant.run import KV_CHOICES, WEIGHT_CHOICES
 from pages.common import controls, page
 from pages.runner import progress_bar, run_cached, show_error
 from pages.exporting import exports

@@ -142,23 +142,36 @@ PRESENTER_CSS = """<style>
 
 
 # Every page: file stem, title, icon, in the sections of the navigation (app.py draws it; Home's cards name them).
-NAV = {
-    "Start": [("home", "About kvviz", ":material/home:"),
-              ("cache_safety", "Is my model cache-safe?", ":material/verified_user:"),
+# A view's page comes from the view registry (its `page`: stem, section, icon; its title); the pages that are not
+# views are listed here. Adding a view with a page: its folder names the page, and the page script is pages/<stem>.py.
+_OTHER_PAGES = {
+    "Start": [("home", "About kvviz", ":material/home:"), None,
               ("open_result", "Open a result", ":material/folder_open:")],
-    "Investigate": [("split_point", "Split point", ":material/content_cut:"),
-                    ("greedy_paths", "Greedy paths", ":material/call_split:"),
-                    ("dtypes_lab", "Dtypes side by side", ":material/stacked_line_chart:")],
-    "Classic traps": [("padding_lab", "Padding and batching", ":material/grid_on:"),
-                      ("cache_reuse", "Prompt-cache reuse", ":material/recycling:"),
-                      ("loading_trap", "Loading trap", ":material/swap_horiz:")],
-    "Engine": [("backends", "Backends & compile", ":material/memory:"),
-               ("kv_cache", "KV cache", ":material/database:"),
-               ("quantized", "Quantized cache & weights", ":material/compress:"),
-               ("serving", "Serving", ":material/dns:")],
     "Reference": [("guide", "Guide", ":material/menu_book:"),
                   ("glossary", "Glossary", ":material/dictionary:")],
 }
+SECTIONS = ("Start", "Investigate", "Classic traps", "Engine", "Reference")
+
+
+def _nav() -> dict[str, list[tuple[str, str, str]]]:
+    from kvviz import views
+
+    by_section: dict[str, list] = {s: [] for s in SECTIONS}
+    for v in views.all_views():
+        if v.page is not None:
+            by_section.setdefault(v.page.section, []).append((v.page.stem, v.page.title or v.title, v.page.icon))
+    nav = {}
+    for section, view_pages in by_section.items():
+        fixed = _OTHER_PAGES.get(section)
+        if fixed is None:
+            nav[section] = view_pages
+        else:  # None in the fixed list: where the section's view pages go
+            slot = fixed.index(None) if None in fixed else len(fixed)
+            nav[section] = [p for p in fixed[:slot] if p] + view_pages + [p for p in fixed[slot:] if p]
+    return {k: v for k, v in nav.items() if v}
+
+
+NAV = _nav()
 
 
 PAGE_TITLES = {stem: title for items in NAV.values() for stem, title, _ in items}
@@ -227,17 +240,32 @@ def verdict_and_chart(ratio=(2, 3)):
 VERDICT_STYLE = {"identical": st.success, "precision": st.info, "logic": st.error}
 
 
-def show_verdict(verdict: str, explanation: str, proof: str | None = None) -> None:
+# Verdict words of views that are not precision/logic verdicts, by the class they read as (Open a result, reports)
+_VERDICT_CLASS = {"same model": "identical", "bitwise equal": "identical", "safe": "identical",
+                  "different models": "logic", "differs": "logic", "unsafe": "logic", "lossy": "precision"}
+
+
+def verdict_style(verdict: str) -> str | None:
+    """The verdict class a view's verdict word reads as (None: neither: shown as information). A summary such as
+    "logic: 1, precision: 3" reads as its worst class."""
+    v = _VERDICT_CLASS.get(verdict, verdict)
+    if v in VERDICT_STYLE:
+        return v
+    return next((w for w in ("logic", "precision", "identical") if w in str(v)), None)
+
+
+def show_verdict(verdict: str, explanation: str, proof: str | None = None, style: str | None = None) -> None:
+    """The verdict box; style: the class whose colour it takes (default: the verdict itself; "info": neutral)."""
+    box = {**VERDICT_STYLE, "info": st.info}.get(style or verdict, st.warning)
     if st.session_state.get("presenter"):  # for a room: the headline, the whole text one click away
         head = explanation.split(". ")[0].rstrip(".") + "."
-        VERDICT_STYLE.get(verdict, st.warning)(f"**Verdict: {verdict}.** {head}")
+        box(f"**Verdict: {verdict}.** {head}")
         with st.expander("Why (the evidence)"):
             st.markdown(explanation + (f"\n\n🔒 {proof}" if proof else ""))
         return
     if proof and "invariant mode" in explanation:  # the explanation already says what the proof found
         proof = None
-    VERDICT_STYLE.get(verdict, st.warning)(f"**Verdict: {verdict}.** {explanation}"
-                                           + (f"\n\n🔒 {proof}" if proof else ""))
+    box(f"**Verdict: {verdict}.** {explanation}" + (f"\n\n🔒 {proof}" if proof else ""))
 
 
 def token_strip(tokens: list[str], split: int | None = None, highlight: int | None = None, window: int = 64) -> str:

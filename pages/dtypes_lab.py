@@ -4,8 +4,8 @@ import streamlit as st
 from pages.defaults import DEFAULTS
 
 import kvviz
-from kvviz import figures
-from kvviz.dtype_sweep import run_dtypes
+from kvviz.views.dtypes import figures as dtypes_figures
+from kvviz.views.dtypes.run import run_dtypes
 from pages.common import controls, page, prompt_set, verdict_and_chart
 from pages.runner import progress_bar, run_cached, show_error
 from pages.ab import ab_run, show_ab
@@ -50,7 +50,7 @@ with left:
                       format_func={"max_abs": "raw max |Δ|", "eps_units": "in units of each dtype's ε"}.get)
     how = st.radio("Over the prompts", ["mean", "max"], horizontal=True, key="dt_how")
 with right:
-    st.plotly_chart(figures.dtype_curves(res, metric, how), width="stretch", key="dt_chart")
+    st.plotly_chart(dtypes_figures.dtype_curves(res, metric, how), width="stretch", key="dt_chart")
 st.subheader(f"Layers × dtypes ({how} over {len(res.prompts)} prompt{'s' if len(res.prompts) != 1 else ''})")
 st.dataframe(res.stat(metric, how).style.format("{:.3g}"), width="stretch")
 with st.expander("A/B: this sweep against one other setting, on one scale"):
@@ -63,7 +63,7 @@ with st.expander("A/B: this sweep against one other setting, on one scale"):
                    trust_remote_code=choice.trust_remote_code, progress=report, settings=settings_b),
                own_a={"feed mode": mode}, exclude=("dtype",))
     if b is not None:
-        show_ab(figures.ab_dtype_curves(res, b.result, b.label_a, b.label_b, metric, how), "dt",
+        show_ab(dtypes_figures.ab_dtype_curves(res, b.result, b.label_a, b.label_b, metric, how), "dt",
                 "Both charts on one y range; the third is |B − A| per dtype and layer.")
 checked = [(d, x) for d, xs in res.proved.items() for x in xs if x is not None]
 if checked:

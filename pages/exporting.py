@@ -13,7 +13,7 @@ def exports(res, name: str, lm=None) -> None:
     cols = st.columns(3)
 
     def as_json() -> str:  # the model fingerprint (hashes the vocabulary) only when the download is asked for
-        from kvviz.kvcache import fingerprint
+        from kvviz.fingerprint import fingerprint
 
         return export_json(res, fingerprint(lm) if lm is not None else None)
 

@@ -3,8 +3,8 @@ import streamlit as st
 
 from pages.defaults import DEFAULTS
 
-from kvviz import figures
-from kvviz.greedy import DEFAULT_PATHS, MAX_NEW_TOKENS, PATH_LABELS, PATHS, GreedyConfig, run_greedy
+from kvviz.views.greedy import figures as greedy_figures
+from kvviz.views.greedy.run import DEFAULT_PATHS, MAX_NEW_TOKENS, PATH_LABELS, PATHS, GreedyConfig, run_greedy
 from kvviz.inputs import POSITION_MODES
 from pages.common import controls, page, show_verdict, verdict_and_chart
 from pages.runner import progress_bar, run_cached, show_error
@@ -55,16 +55,16 @@ with left:
     else:
         first = min(parting, key=lambda p: p.first_divergence)
         show_verdict(first.verdict, first.explanation, first.proof)
-    st.markdown(figures.texts_html(res), unsafe_allow_html=True)
+    st.markdown(greedy_figures.texts_html(res), unsafe_allow_html=True)
     if res.settings.fast:
         st.caption("⚡ Fast preview: hollow markers are steps not settled (margin within the measured gap).")
 with right:
-    st.plotly_chart(figures.greedy_margins(res), width="stretch", key="greedy_margin_chart")
+    st.plotly_chart(greedy_figures.greedy_margins(res), width="stretch", key="greedy_margin_chart")
 pair_names = [f"{p.a} vs {p.b}" for p in res.pairs]
-primary = figures.primary_pair(res)
+primary = greedy_figures.primary_pair(res)
 sel = st.selectbox("Hidden-state heatmap for", pair_names, index=res.pairs.index(primary), key="greedy_pair")
 log = st.toggle("Log colour scale", True, key="greedy_log")
-st.plotly_chart(figures.greedy_heatmap(res, res.pairs[pair_names.index(sel)], log), width="stretch",
+st.plotly_chart(greedy_figures.greedy_heatmap(res, res.pairs[pair_names.index(sel)], log), width="stretch",
                 key="greedy_heatmap")
 with st.expander("A/B: this decoding against one other setting, on one colour scale"):
     if not {"no_cache", "cache"} <= set(res.paths):
@@ -83,19 +83,19 @@ with st.expander("A/B: this decoding against one other setting, on one colour sc
             p = r.pair("no_cache", "cache")
             return "same tokens" if p.first_divergence is None else f"part at step {p.first_divergence}"
 
-        show_ab(figures.ab_greedy_heatmaps(res, b.result, f"{b.label_a}: {parting_of(res)}",
+        show_ab(greedy_figures.ab_greedy_heatmaps(res, b.result, f"{b.label_a}: {parting_of(res)}",
                                            f"{b.label_b}: {parting_of(b.result)}", log), "greedy",
                 "No cache vs cache in both; same colour scale on both maps, the third is their difference; the red "
                 "line marks where each pair's texts part. Under each map: the cached path's text.",
                 (res.paths["cache"].text, b.result.paths["cache"].text), side_by_side=False)
-ref = figures.greedy_reference_gap(res)
+ref = greedy_figures.greedy_reference_gap(res)
 if ref is not None:
     st.plotly_chart(ref, width="stretch", key="greedy_ref_chart")
 t1, t2, t3 = st.tabs(["Per step", "Pairs", "Forwards and time"])
 with t1:
-    st.dataframe(figures.greedy_step_frame(res), hide_index=True, width="stretch")
+    st.dataframe(greedy_figures.greedy_step_frame(res), hide_index=True, width="stretch")
 with t2:
-    st.dataframe(figures.greedy_pairs_frame(res), hide_index=True, width="stretch")
+    st.dataframe(greedy_figures.greedy_pairs_frame(res), hide_index=True, width="stretch")
     for p in parting:
         st.caption(f"**{p.a} vs {p.b}** — {p.explanation}" + (f" 🔒 {p.proof}" if p.proof else ""))
 with t3:

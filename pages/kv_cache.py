@@ -3,9 +3,9 @@ import streamlit as st
 
 from pages.defaults import DEFAULTS
 
-from kvviz import figures
-from kvviz.cachesize import KVShape, growth, known_configs, known_table, size_report
-from kvviz.kvcache import continue_and_compare, load_cache, save_cache_bytes
+from kvviz.views.cache import figures as cache_figures
+from kvviz.views.cache.size import KVShape, growth, known_configs, known_table, size_report
+from kvviz.views.cache.run import continue_and_compare, load_cache, save_cache_bytes
 from pages.common import page
 from pages.runner import run_cached, show_error
 from pages.exporting import exports
@@ -65,5 +65,5 @@ with t2:
     picked = st.multiselect("Chart", [s.name for s in shapes], [shapes[0].name, "Llama-3-8B", "Gemma-2-2B"],
                             key="kv_chart_models")
     rows = growth([s for s in shapes if s.name in picked], 32768, dtypes=("float32", "bfloat16"))
-    st.plotly_chart(figures.cache_growth(rows), width="stretch", key="kv_growth")
+    st.plotly_chart(cache_figures.cache_growth(rows), width="stretch", key="kv_growth")
     exports(rep, "kv_size", lm)

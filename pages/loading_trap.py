@@ -3,9 +3,9 @@ import streamlit as st
 
 from pages.defaults import DEFAULTS
 
-from kvviz import figures
+from kvviz.views.loading_trap import figures as loading_trap_figures
 
-from kvviz.loading_trap import run_loading_trap
+from kvviz.views.loading_trap.run import run_loading_trap
 from pages.common import controls, page, show_verdict, verdict_and_chart
 from pages.runner import progress_bar, run_cached, show_error
 from pages.exporting import exports
@@ -37,7 +37,7 @@ with left:
     show_verdict({"different models": "logic", "same model": "identical"}.get(res.verdict, res.verdict),
                  res.explanation)
 with right:
-    st.plotly_chart(figures.loading_trap_steps(res), width="stretch", key="trap_chart")
+    st.plotly_chart(loading_trap_figures.loading_trap_steps(res), width="stretch", key="trap_chart")
 a, b = st.columns(2)
 a.markdown(f"**from_pretrained(dtype={dtype})**")
 a.text(res.loaded_text)

@@ -1,9 +1,10 @@
 """Page: open a result exported by kvviz (JSON) and look at it again - no model is loaded or run."""
 import streamlit as st
 
-from kvviz import figures
-from kvviz.export import main_figures, open_result, verdict_text
-from pages.common import page, show_verdict
+from kvviz import views
+from kvviz.export import open_result
+from kvviz.plotting import plain_index
+from pages.common import page, show_verdict, verdict_style
 from pages.runner import show_error
 from pages.exporting import exports
 
@@ -45,38 +46,14 @@ st.caption(f"A **{opened.view}** result of `{settings.get('model')}` in {setting
 if opened.environment_differences:
     st.warning("Computed elsewhere — its numbers may not be reproduced bit for bit here: "
                + "; ".join(opened.environment_differences[:6]), icon="ℹ️")
-verdict, text = verdict_text(res)
-if opened.view in ("split", "greedy", "quant", "loading_trap", "bisect"):
-    show_verdict({"different models": "logic", "same model": "identical"}.get(verdict, verdict), text)
-elif opened.view == "check":
-    {"safe": st.success, "lossy": st.warning, "unsafe": st.error}.get(res.overall, st.info)(
-        f"**{res.overall.upper()}** — {res.summary}")
-for i, fig in enumerate(main_figures(res)):
+view = views.get(opened.view)  # the registry: the view's verdict line, charts and tables, as its page draws them
+verdict, text = view.verdict_text(res)
+if not view.verdict_is_html:  # (dtypes, padding, reuse: the verdict is their table, below)
+    show_verdict(verdict, text, style=verdict_style(verdict) or "info")
+for i, fig in enumerate(view.main_figures(res)):
     st.plotly_chart(fig, width="stretch", key=f"open_fig_{i}")
-if opened.view == "dtypes":
-    st.dataframe(res.verdict_counts(), width="stretch")
-elif opened.view == "padding":
-    st.dataframe(res.grid("verdict"), width="stretch")
-elif opened.view == "reuse":
-    st.dataframe(figures.reuse_frame(res), hide_index=True, width="stretch")
-elif opened.view == "quant":
-    st.dataframe(figures.quant_frame(res), hide_index=True, width="stretch")
-elif opened.view == "check":
-    st.dataframe([{"status": c.status, "check": c.name, "evidence": c.evidence} for c in res.checks],
-                 hide_index=True, width="stretch")
-elif opened.view == "loading_trap":
-    a, b = st.columns(2)
-    a.text(res.loaded_text)
-    b.text(res.cast_text)
-elif opened.view == "serving":
-    from kvviz.serving import prompt_frame
-
-    st.info(f"**{verdict}** — {text}")
-    st.dataframe(prompt_frame(res), hide_index=True, width="stretch")
-elif opened.view == "split" and res.main.has_cache:
-    st.dataframe(figures.logits_frame(res), hide_index=True, width="stretch")
-if opened.view in ("kv_reload", "kv_size"):
-    {"bitwise equal": st.success, "differs": st.error}.get(verdict, st.info)(text)
+for table in view.main_tables(res):
+    st.dataframe(table, width="stretch", hide_index=plain_index(table))
 with st.expander("Settings"):
     st.json(settings)
 exports(res, f"{opened.view}-reopened")

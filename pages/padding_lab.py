@@ -3,8 +3,8 @@ import streamlit as st
 
 from pages.defaults import DEFAULTS
 
-from kvviz import figures
-from kvviz.padding import run_padding
+from kvviz.views.padding import figures as padding_figures
+from kvviz.views.padding.run import run_padding
 from pages.common import controls, page
 from pages.runner import progress_bar, run_cached, show_error
 from pages.ab import ab_run, show_ab
@@ -41,7 +41,7 @@ except Exception as e:  # noqa: BLE001
 
 value = st.radio("Number in the cells", ["hidden_relative", "logits_relative"], horizontal=True, key="pad_value",
                  format_func={"hidden_relative": "hidden states", "logits_relative": "logits"}.get)
-st.plotly_chart(figures.padding_grid(res, value), width="stretch", key="pad_grid")
+st.plotly_chart(padding_figures.padding_grid(res, value), width="stretch", key="pad_grid")
 st.markdown("""
 * **no cache** — padding or batching alone: other matrix shapes, so rounding differs — *precision*.
 * **cache** — correct position ids and mask: still only rounding.
@@ -57,7 +57,7 @@ with st.expander("A/B: this grid against one other setting, on one colour scale"
                lambda what, other, lm_b, settings_b, report: run_padding(
                    lm_b, prompt, int(split) or None, int(left_pad), progress=report, settings=settings_b))
     if b is not None:
-        show_ab(figures.ab_padding_grids(res, b.result, b.label_a, b.label_b, value), "pad",
+        show_ab(padding_figures.ab_padding_grids(res, b.result, b.label_a, b.label_b, value), "pad",
                 "The cells' relative gaps (log₁₀) on one colour scale; exact zeros are written 0 and left grey; the "
                 "third grid is |B − A|.", side_by_side=False)
 proved = [c for c in res.cells if c["proved"] is not None]

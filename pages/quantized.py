@@ -3,8 +3,8 @@ import streamlit as st
 
 from pages.defaults import DEFAULTS
 
-from kvviz import figures
-from kvviz.quant import DEFAULT_RESIDUAL, KV_CHOICES, WEIGHT_CHOICES, package_available, run_quant, QuantConfig
+from kvviz.views.quant import figures as quant_figures
+from kvviz.views.quant.run import DEFAULT_RESIDUAL, KV_CHOICES, WEIGHT_CHOICES, package_available, run_quant, QuantConfig
 from pages.common import controls, page, show_verdict, verdict_and_chart
 from pages.runner import progress_bar, run_cached, show_error
 from pages.exporting import exports
@@ -62,15 +62,15 @@ with left:
     m1.metric("Greedy agreement", f"{res.agreement} / {res.steps} tokens", help="Tokens before the texts part")
     m2.metric("Max KL", f"{res.kl_max:.3g} nats", help="The largest per-step KL(unquantized ‖ quantized), natural log")
 with right:
-    st.plotly_chart(figures.quant_steps(res), width="stretch", key="quant_steps_chart")
-st.plotly_chart(figures.quant_layers(res), width="stretch", key="quant_layers_chart")
+    st.plotly_chart(quant_figures.quant_steps(res), width="stretch", key="quant_steps_chart")
+st.plotly_chart(quant_figures.quant_layers(res), width="stretch", key="quant_layers_chart")
 a, b = st.columns(2)
 a.markdown("**Unquantized** (dynamic cache)")
 a.text(res.reference_text)
 b.markdown(f"**Quantized** ({res.label})")
 b.text(res.quantized_text)
 with st.expander("Step by step"):
-    st.dataframe(figures.quant_frame(res), hide_index=True, width="stretch")
+    st.dataframe(quant_figures.quant_frame(res), hide_index=True, width="stretch")
 for note in res.notes:
     st.caption(f"ℹ️ {note}")
 if choice.invariant:

@@ -1,8 +1,8 @@
 """Page: the Serving view - prompts under serving conditions (alone, in a continuous batch, prefix warm), R runs."""
 import streamlit as st
 
-from kvviz import serving
-from kvviz.engines import ENGINES, engine_status
+from kvviz.views.serving import figures as serving_figures, report as serving_report, run as serving
+from kvviz.views.serving.engines import ENGINES, engine_status
 from pages.common import controls, page, prompt_set, show_verdict
 from pages.runner import progress_bar, run_cached, show_error
 from pages.defaults import DEFAULTS
@@ -56,23 +56,23 @@ except Exception as e:  # noqa: BLE001
     show_error(e)
     st.stop()
 
-verdict, text = serving.verdict_text(res)
+verdict, text = serving_report.verdict(res)
 parting = [p for p in res.prompts if p.first_divergence is not None]
 if parting:
     first = min(parting, key=lambda p: p.first_divergence)
     show_verdict(first.verdict or "logic", res.summary_line() + ". " + (first.explanation or ""), first.proof)
 else:
     show_verdict("identical", text)
-st.plotly_chart(serving.histogram_figure(res), width="stretch", key="sv_hist")
+st.plotly_chart(serving_figures.histogram_figure(res), width="stretch", key="sv_hist")
 if parting:
-    st.plotly_chart(serving.divergence_figure(res), width="stretch", key="sv_div")
+    st.plotly_chart(serving_figures.divergence_figure(res), width="stretch", key="sv_div")
 share = res.warm_differs_share
 c1, c2, c3 = st.columns(3)
 c1.metric("Prompts with 1 distinct completion", f"{res.histogram.get(1, 0)} / {len(res.prompts)}")
 c2.metric("Warm ≠ cold", "—" if share is None else f"{share:.0%}")
 c3.metric("Parting prompts", len(parting))
-st.dataframe(serving.prompt_frame(res), hide_index=True, width="stretch")
-st.plotly_chart(serving.throughput_figure(res), width="stretch", key="sv_tps")
+st.dataframe(serving_figures.prompt_frame(res), hide_index=True, width="stretch")
+st.plotly_chart(serving_figures.throughput_figure(res), width="stretch", key="sv_tps")
 with st.expander("Completions of one prompt, run by run"):
     i = st.number_input("Prompt #", 0, len(res.prompts) - 1, 0, key="sv_show")
     p = res.prompts[int(i)]

@@ -4,7 +4,8 @@ import streamlit as st
 from pages.defaults import DEFAULTS
 
 import kvviz
-from kvviz import figures
+from kvviz import plotting
+from kvviz.views.split import figures as split_figures
 from kvviz.inputs import MASK_MODES, POSITION_MODES, encode
 from kvviz.metrics import HIDDEN_METRICS
 from pages.common import controls, page, show_verdict, token_strip, verdict_and_chart
@@ -100,11 +101,11 @@ with right:
     chart_box = st.container()  # the heatmap first, its view controls under it (the first screen shows the chart)
     v1, v2 = st.columns([2, 1])
     metric = v1.selectbox("Metric", list(HIDDEN_METRICS), index=2, key="split_metric",
-                          format_func=figures.METRIC_TITLES.get,
-                          help="; ".join(f"{figures.METRIC_TITLES[k]}: {v}" for k, v in HIDDEN_METRICS.items()))
+                          format_func=plotting.METRIC_TITLES.get,
+                          help="; ".join(f"{plotting.METRIC_TITLES[k]}: {v}" for k, v in HIDDEN_METRICS.items()))
     log = v2.toggle("Log colour scale", True, key="split_log")
-    chart_box.plotly_chart(figures.split_heatmap(res, metric, log), width="stretch", key="split_heatmap")
-st.plotly_chart(figures.layer_lines(res, metric, log), width="stretch", key="split_lines")
+    chart_box.plotly_chart(split_figures.split_heatmap(res, metric, log), width="stretch", key="split_heatmap")
+st.plotly_chart(split_figures.layer_lines(res, metric, log), width="stretch", key="split_lines")
 
 with st.expander("A/B: this view against one other setting, on one colour scale"):
     b = ab_run("split", "split", choice, lm, {"feed mode": [m for m in ("chunk", "step") if m != mode]},
@@ -113,27 +114,27 @@ with st.expander("A/B: this view against one other setting, on one colour scale"
                    lm_b, kvviz.SplitConfig(**{**cfg.__dict__, "mode": other}) if what == "feed mode" else cfg,
                    progress=report, settings=settings_b), own_a={"feed mode": mode})
     if b is not None:
-        show_ab(figures.ab_heatmaps(res, b.result, f"{b.label_a}: {res.verdict}", f"{b.label_b}: {b.result.verdict}",
+        show_ab(split_figures.ab_heatmaps(res, b.result, f"{b.label_a}: {res.verdict}", f"{b.label_b}: {b.result.verdict}",
                                     metric, log), "split",
                 f"A largest |Δ| {res.main.max_abs:.4g}, B {b.result.main.max_abs:.4g}. Same colour scale on both "
                 "maps; the third map is their difference.")
 
 t1, t2, t3 = st.tabs(["Logits per position", "Last position: describe()", "Keys / values per layer"])
 with t1:
-    st.dataframe(figures.logits_frame(res), hide_index=True, width="stretch")
+    st.dataframe(split_figures.logits_frame(res), hide_index=True, width="stretch")
 with t2:
     st.caption("pandas describe() of of the last compared position's logits without and with past.")
-    st.dataframe(figures.describe_frame(res), width="stretch")
+    st.dataframe(split_figures.describe_frame(res), width="stretch")
 with t3:
     st.caption("Keys and values in the cache after the cached run vs the full forward's (pad positions excluded).")
-    st.dataframe(figures.kv_frame(res), hide_index=True, width="stretch")
+    st.dataframe(split_figures.kv_frame(res), hide_index=True, width="stretch")
 with st.expander("Where does it start? (bisector)"):
     st.caption("Hooks every module in the full forward and the cached run and names the first whose output differs "
                "for the compared tokens. In invariant mode, a surviving gap starts there.")
     st.button("Find the first differing module", key="split_bisect",
               on_click=lambda k=repr(cfg.__dict__) + choice.key: st.session_state.__setitem__("split_bisect_for", k))
     if st.session_state.get("split_bisect_for") == repr(cfg.__dict__) + choice.key:
-        from kvviz.bisect import run_bisect
+        from kvviz.views.bisect.run import run_bisect
         from kvviz.naming import module_row
 
         try:

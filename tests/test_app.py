@@ -106,7 +106,7 @@ def test_split_page_roberta_says_no_cache():
 
 
 def test_greedy_page_decodes_and_views_do_not_rerun(monkeypatch):
-    import kvviz.greedy as g
+    import kvviz.views.greedy.run as g
 
     calls = count_calls(monkeypatch, g, "run_greedy")
     at = start("pages/greedy_paths.py")
@@ -218,7 +218,7 @@ def test_sliding_window_preset_and_bisector_buttons():
 
 
 def test_kv_cache_page_saves_loads_and_sizes():
-    from kvviz.kvcache import save_cache_bytes
+    from kvviz.views.cache.run import save_cache_bytes
 
     at = start("pages/kv_cache.py", model="tiny:gemma2", kv_tokens=40)
     assert not at.exception

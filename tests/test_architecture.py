@@ -2,39 +2,22 @@
 import ast
 import re
 
+import importlib.util
+
+import pytest
+
 from conftest import ROOT
+
+_spec = importlib.util.spec_from_file_location("import_graph", ROOT / "bench" / "import_graph.py")
+_graph = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_graph)
 
 
 def import_graph() -> dict[str, set[str]]:
-    lib = ROOT / "kvviz"
-    graph = {}
-    for p in lib.glob("*.py"):
-        deps = set()
-        for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.ImportFrom) and node.level == 1:
-                names = [node.module.split(".")[0]] if node.module else [a.name for a in node.names]
-                deps.update(n for n in names if (lib / f"{n}.py").exists())
-        deps.discard(p.stem)
-        graph[p.stem] = deps - {"__init__"}
-    return graph
+    return _graph.import_graph(ROOT / "kvviz")
 
 
-def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    found, state = [], {}
-
-    def visit(v, path):
-        state[v] = "open"
-        for w in sorted(graph.get(v, ())):
-            if state.get(w) == "open":
-                found.append(path[path.index(w):] + [w])
-            elif w not in state:
-                visit(w, path + [w])
-        state[v] = "done"
-
-    for v in sorted(graph):
-        if v not in state:
-            visit(v, [v])
-    return found
+cycles = _graph.cycles
 
 
 def test_the_cycle_finder_finds_a_cycle():  # so that the next test can fail
@@ -43,7 +26,8 @@ def test_the_cycle_finder_finds_a_cycle():  # so that the next test can fail
 
 def test_no_import_cycles_in_the_library():
     graph = import_graph()
-    assert {"execution", "split", "greedy", "loading"} <= set(graph) and "execution" in graph["split"]
+    assert {"execution", "views.split.run", "views.greedy.run", "loading"} <= set(graph)
+    assert "execution" in graph["views.split.run"] and "views.split.run" in graph["views.check.run"]
     assert cycles(graph) == []
     assert not {"backends", "quant", "invariant"} & graph["execution"]  # extensions register themselves
 
@@ -56,38 +40,72 @@ def test_the_documented_graph_is_the_code_s():
         assert set(filter(None, line.group(1).split(", "))) == deps, module
 
 
-def test_a_new_view_is_one_registry_line(tmp_path):
-    """A toy view registered in one line is exported, reopened and reported by the same code as the others."""
-    from dataclasses import asdict, dataclass
+@pytest.fixture
+def example_view(tmp_path, monkeypatch):
+    """docs/example_view/next_token copied as a package, and the ONE registry line that adds it."""
+    import shutil
 
     from kvviz import views
-    from kvviz.export import export_json, html_report, open_result
 
-    @dataclass
-    class TokenCountResult:  # a whole "view": a result with settings and to_dict
-        settings: dict
-        verdict: str
-        explanation: str
-
-        def to_dict(self):
-            return asdict(self)
-
-    views.register(views.View("token_count", "Token count", "TokenCountResult",
-                              reopen=lambda d: TokenCountResult(**d)))
-    try:
-        res = TokenCountResult({"model": "tiny:llama", "device": "cpu"}, "identical", "3 tokens either way")
-        opened = open_result(export_json(res))
-        assert opened.view == "token_count" and opened.result == res
-        assert "Verdict: identical." in html_report(res) and "3 tokens either way" in html_report(res)
-        assert "token_count" in views.names()
-    finally:
-        views._VIEWS.pop("token_count", None)
+    shutil.copytree(ROOT / "docs" / "example_view" / "next_token", tmp_path / "example_views" / "next_token")
+    (tmp_path / "example_views" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(views, "VIEW_FOLDERS", views.VIEW_FOLDERS + ["example_views.next_token"])  # the one line
+    yield
+    views._VIEWS.pop("next_token", None)
+    if "example_views.next_token" in views._LOADED:
+        views._LOADED.remove("example_views.next_token")
 
 
-def test_every_view_module_names_real_functions():
+def test_a_new_view_is_one_folder_and_one_registry_line(example_view, tmp_path, capsys):
+    """The example view of docs/architecture.md, added by its folder and one line: the CLI runs it (with the common
+    flags honoured or refused), exports and reopens it, reports it in HTML, and `open` shows it - with no other
+    file touched."""
+    import json
+
+    from kvviz import views
+    from kvviz.cli import main
+    from kvviz.export import open_result
+
+    assert "next_token" in views.names() and views.get("next_token").command == "next-token"
+    out, page = tmp_path / "r.json", tmp_path / "r.html"
+    assert main(["next-token", "--model", "tiny:llama", "--prompt", "The cat sat on the", "--json",
+                 "--json-out", str(out), "--html", str(page), "--quiet"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["verdict"] in ("identical", "differs") and printed["tokens"] >= 5
+    assert printed["settings"]["execution"]["invariant"] is False
+    assert "memory_plan" in json.loads(out.read_text())  # the run block attached the plan, as for every view
+    opened = open_result(out.read_bytes())
+    assert opened.view == "next_token" and opened.result.max_abs == printed["max_abs"]
+    assert "Verdict: " + printed["verdict"] in page.read_text() and "plotly" in page.read_text()
+    assert main(["open", str(out)]) == 0 and "a Next token result" in capsys.readouterr().out
+    # --invariant is honoured (the seam's run context), --no-proof is refused in one line
+    assert main(["next-token", "--model", "tiny:llama", "--prompt", "The cat sat on the", "--json", "--invariant",
+                 "--quiet"]) == 0
+    assert json.loads(capsys.readouterr().out)["settings"]["execution"]["invariant"] is True
+    assert main(["next-token", "--model", "tiny:llama", "--prompt", "x", "--no-proof"]) == 2
+    assert "--no-proof does nothing for `next-token`" in capsys.readouterr().err
+
+
+def test_the_example_view_is_the_one_the_docs_show():
+    """docs/architecture.md shows the example's registry entry, report and subcommand verbatim (and links the rest)."""
+    doc = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    folder = ROOT / "docs" / "example_view" / "next_token"
+    for name in ("__init__.py", "report.py", "cli.py"):
+        assert (folder / name).read_text(encoding="utf-8").strip() in doc, name
+    for name in ("run.py", "figures.py"):
+        assert f"example_view/next_token/{name}" in doc, name
+
+
+def test_every_view_names_real_pieces():
     from kvviz import views
 
     assert len(views.all_views()) >= 13
     for v in views.all_views():
         for ref in (v.reopen, v.figures, v.verdict):
-            assert ref is None or views._resolve(ref) is not None, (v.name, ref)
+            assert ref is None or callable(v.resolve(ref)), (v.name, ref)
+        if v.repro:
+            assert all(callable(getattr(v.repro_module(), f)) for f in ("check", "script", "key_figure")), v.name
+        if v.cli:
+            assert callable(v.cli_module().add_parser) and callable(v.cli_module().command), v.name
+        assert v.package.startswith("kvviz.views.") and v.package.count(".") == 2, v.name  # one folder each

@@ -88,7 +88,7 @@ def test_split_equal_to_length():
 
 
 def test_out_of_memory_is_one_line_and_frees(monkeypatch, capsys):
-    import kvviz.split as split_mod
+    import kvviz.views.split.run as split_mod
 
     def boom(*a, **k):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
@@ -166,7 +166,7 @@ def test_bad_prompts_in_the_app(prompt, words):
 
 @pytest.mark.app
 def test_out_of_memory_in_the_app(monkeypatch):
-    import kvviz.split as split_mod
+    import kvviz.views.split.run as split_mod
 
     real = split_mod._run
     monkeypatch.setattr(split_mod, "_run", lambda *a, **k: (_ for _ in ()).throw(

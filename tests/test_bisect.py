@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import kvviz
-from kvviz.bisect import module_kind, run_bisect
+from kvviz.views.bisect.run import module_kind, run_bisect
 from kvviz.execution import ExecSettings
-from kvviz.loading_trap import run_loading_trap
-from kvviz.split import SplitConfig, run_split
+from kvviz.views.loading_trap.run import run_loading_trap
+from kvviz.views.split.run import SplitConfig, run_split
 
 from conftest import DEVICE, PROMPT
 

@@ -4,9 +4,9 @@ import torch
 
 import kvviz
 from kvviz import invariant
-from kvviz.bisect import layer_name, run_bisect
+from kvviz.views.bisect.run import layer_name, run_bisect
 from kvviz.execution import ExecSettings
-from kvviz.split import SplitConfig
+from kvviz.views.split.run import SplitConfig
 
 from conftest import DEVICE, PROMPT
 

@@ -152,11 +152,11 @@ def test_non_utf8_and_empty_prompt_files(capsys, tmp_path):
 
 
 def test_no_proof_skips_the_invariant_rerun(monkeypatch, capsys):
-    import kvviz.padding
-    import kvviz.reuse
+    import kvviz.views.padding.run
+    import kvviz.views.reuse.run
 
     seen = {}
-    for mod, name in ((kvviz.padding, "run_padding"), (kvviz.reuse, "run_reuse")):
+    for mod, name in ((kvviz.views.padding.run, "run_padding"), (kvviz.views.reuse.run, "run_reuse")):
         real = getattr(mod, name)
 
         def spy(*a, _real=real, _name=name, **k):
@@ -191,9 +191,7 @@ REFUSED = [
 
 @pytest.mark.parametrize("argv,flag", REFUSED)
 def test_a_flag_a_subcommand_cannot_honour_is_refused_in_one_line(argv, flag, capsys, monkeypatch):
-    import kvviz.cli as cli
-
-    monkeypatch.setattr(cli, "_load", lambda args: pytest.fail("refused flags must fail before loading"))
+    monkeypatch.setattr("kvviz.loading.load_model", lambda *a, **k: pytest.fail("refused flags must fail before loading"))
     code = main([*argv, flag, "--model", "tiny:llama", "--quiet"])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("kvviz: error: " + flag) and len(err.strip().splitlines()) == 1

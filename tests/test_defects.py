@@ -4,12 +4,12 @@ import dataclasses
 import pytest
 
 import kvviz
-from kvviz.check import run_check
+from kvviz.views.check.run import run_check
 from kvviz.cli import main
 from kvviz.errors import KvvizError
-from kvviz.quant import QuantConfig, check_feasible, run_quant
+from kvviz.views.quant.run import QuantConfig, check_feasible, run_quant
 from kvviz.repro import repro_script
-from kvviz.split import SplitConfig, run_split
+from kvviz.views.split.run import SplitConfig, run_split
 
 from conftest import DEVICE, PROMPT
 
@@ -26,7 +26,7 @@ def test_the_card_refuses_a_quantization_it_cannot_run_before_its_battery(arch, 
         pytest.skip("bitsandbytes runs on a CUDA GPU: there is nothing to refuse")
     lm = kvviz.load_model(f"tiny:{arch}", dtype, DEVICE)
     battery = []
-    import kvviz.check as check
+    import kvviz.views.check.run as check
 
     monkeypatch.setattr(check, "_split_gap", lambda *a, **k: battery.append(a) or 0.0)
     with pytest.raises(KvvizError, match=message):
@@ -37,7 +37,7 @@ def test_the_card_refuses_a_quantization_it_cannot_run_before_its_battery(arch, 
 
 
 def test_a_missing_quantization_package_is_named_before_anything_runs(monkeypatch):
-    import kvviz.quant as quant
+    import kvviz.views.quant.run as quant
 
     monkeypatch.setattr(quant, "package_available", lambda backend: backend not in ("hqq",))
     lm = kvviz.load_model("tiny:llama", "float32", DEVICE)

@@ -10,15 +10,17 @@ import numpy as np
 import pytest
 
 import kvviz
-from kvviz import figures, loops
+from kvviz import loops
+from kvviz.views.greedy import figures as greedy_figures
+from kvviz.views.split import figures as split_figures
 from kvviz.cli import main
-from kvviz.dtype_sweep import run_dtypes
+from kvviz.views.dtypes.run import run_dtypes
 from kvviz.errors import KvvizError
 from kvviz.export import export_json, html_report, open_result
-from kvviz.greedy import GreedyConfig, run_greedy
-from kvviz.padding import run_padding
+from kvviz.views.greedy.run import GreedyConfig, run_greedy
+from kvviz.views.padding.run import run_padding
 from kvviz.repro import key_figure, repro_script
-from kvviz.reuse import run_reuse
+from kvviz.views.reuse.run import run_reuse
 
 from conftest import DEVICE, PROMPT
 
@@ -54,11 +56,11 @@ def test_json_round_trip_without_a_model(results, view, monkeypatch):
 
 def test_reopened_results_draw_the_same_figures(results):
     split = open_result(export_json(results["split"])).result
-    a, b = figures.split_heatmap(results["split"]), figures.split_heatmap(split)
+    a, b = split_figures.split_heatmap(results["split"]), split_figures.split_heatmap(split)
     np.testing.assert_array_equal(np.array(a.data[0].z, dtype=float), np.array(b.data[0].z, dtype=float))
     assert split.verdict == results["split"].verdict and split.settings.execution.is_default
     greedy = open_result(export_json(results["greedy"])).result
-    assert figures.greedy_pairs_frame(greedy).equals(figures.greedy_pairs_frame(results["greedy"]))
+    assert greedy_figures.greedy_pairs_frame(greedy).equals(greedy_figures.greedy_pairs_frame(results["greedy"]))
     dt = open_result(export_json(results["dtypes"])).result
     assert dt.stat("max_abs", "max").equals(results["dtypes"].stat("max_abs", "max"))
 
@@ -111,7 +113,7 @@ def test_repro_script_reproduces_the_figure_bit_for_bit(arch, dtype, kw, tmp_pat
 
 
 def test_repro_refuses_what_it_cannot_rebuild(lm, results):
-    from kvviz.check import run_check
+    from kvviz.views.check.run import run_check
 
     rob = kvviz.load_model("tiny:roberta", "float32", DEVICE)
     with pytest.raises(KvvizError, match="no split-based check"):  # a bidirectional model's card: nothing cached
@@ -167,14 +169,14 @@ def _loops_calling_forward(script: str) -> list[int]:
 def test_repro_scripts_of_every_view_reproduce_their_figure_bit_for_bit(tmp_path):
     """greedy, dtypes, padding, reuse, loading trap, quantized, the backends matrix and the card: each script makes
     kvviz's calls, so its last line is the figure exactly."""
-    from kvviz.check import run_check
-    from kvviz.loading_trap import run_loading_trap
-    from kvviz.matrix import MatrixConfig, run_matrix
-    from kvviz.quant import QuantConfig, run_quant
-    from kvviz.dtype_sweep import run_dtypes
-    from kvviz.greedy import GreedyConfig, run_greedy
-    from kvviz.padding import run_padding
-    from kvviz.reuse import run_reuse
+    from kvviz.views.check.run import run_check
+    from kvviz.views.loading_trap.run import run_loading_trap
+    from kvviz.views.matrix.run import MatrixConfig, run_matrix
+    from kvviz.views.quant.run import QuantConfig, run_quant
+    from kvviz.views.dtypes.run import run_dtypes
+    from kvviz.views.greedy.run import GreedyConfig, run_greedy
+    from kvviz.views.padding.run import run_padding
+    from kvviz.views.reuse.run import run_reuse
 
     gpt2 = kvviz.load_model("tiny:gpt2", "float32", DEVICE)
     llama = kvviz.load_model("tiny:llama", "bfloat16", DEVICE)
@@ -216,7 +218,7 @@ def test_repro_scripts_of_every_view_reproduce_their_figure_bit_for_bit(tmp_path
 
 
 def test_repro_refuses_fast_greedy_and_views_without_a_script(lm):
-    from kvviz.greedy import GreedyConfig, run_greedy
+    from kvviz.views.greedy.run import GreedyConfig, run_greedy
 
     fast = run_greedy(lm, GreedyConfig(PROMPT, max_new_tokens=3, fast=True))
     with pytest.raises(KvvizError, match="fast"):
@@ -227,8 +229,8 @@ def test_repro_refuses_fast_greedy_and_views_without_a_script(lm):
 
 
 def test_loading_trap_and_check_card_export_and_reopen(lm):
-    from kvviz.check import run_check
-    from kvviz.loading_trap import run_loading_trap
+    from kvviz.views.check.run import run_check
+    from kvviz.views.loading_trap.run import run_loading_trap
 
     for res, view in ((run_loading_trap(lm, "Hello", 3, "bfloat16"), "loading_trap"), (run_check(lm), "check")):
         text = export_json(res)
@@ -252,8 +254,8 @@ def test_bisect_exports_and_reopens(tmp_path, capsys):
 
 
 def test_kv_cache_results_export_and_reopen(lm):
-    from kvviz.cachesize import size_report
-    from kvviz.kvcache import continue_and_compare, load_cache, save_cache_bytes
+    from kvviz.views.cache.size import size_report
+    from kvviz.views.cache.run import continue_and_compare, load_cache, save_cache_bytes
 
     data, _ = save_cache_bytes(lm, PROMPT)
     reload = continue_and_compare(lm, load_cache(lm, data), " and more")

@@ -3,11 +3,16 @@ import numpy as np
 import pytest
 
 import kvviz
-from kvviz import figures
-from kvviz.greedy import GreedyConfig, run_greedy
-from kvviz.dtype_sweep import run_dtypes
-from kvviz.padding import run_padding
-from kvviz.reuse import run_reuse
+from kvviz import plotting
+from kvviz.views.dtypes import figures as dtypes_figures
+from kvviz.views.greedy import figures as greedy_figures
+from kvviz.views.padding import figures as padding_figures
+from kvviz.views.reuse import figures as reuse_figures
+from kvviz.views.split import figures as split_figures
+from kvviz.views.greedy.run import GreedyConfig, run_greedy
+from kvviz.views.dtypes.run import run_dtypes
+from kvviz.views.padding.run import run_padding
+from kvviz.views.reuse.run import run_reuse
 from conftest import DEVICE
 
 
@@ -19,7 +24,7 @@ def split_res():
 
 def test_heatmap_draws_zeros_in_their_own_colour():
     z = np.array([[0.0, 1e-3], [1e-6, 0.0]])
-    fig = figures.heatmap(z, ["a", "b"], ["embeddings", "layer 1"], "t", "relative gap", log=True)
+    fig = plotting.heatmap(z, ["a", "b"], ["embeddings", "layer 1"], "t", "relative gap", log=True)
     main, zeros, legend = fig.data
     np.testing.assert_allclose(np.array(main.z, dtype=float)[z > 0], np.log10(z[z > 0]))
     assert np.isnan(np.array(main.z, dtype=float)[z == 0]).all()
@@ -36,79 +41,79 @@ def test_an_identical_comparison_is_drawn_plainly():
     lm = kvviz.load_model("tiny:llama", "bfloat16", DEVICE)
     res = kvviz.run_split(lm, kvviz.SplitConfig("Hello world, caching is fun!", 8),
                           settings=kvviz.ExecSettings(invariant=True))
-    fig = figures.split_heatmap(res, "relative", log=True)
+    fig = split_figures.split_heatmap(res, "relative", log=True)
     assert "bitwise identical: 0 everywhere" in fig.layout.title.text
     assert list(fig.layout.yaxis.ticktext) == res.layer_labels and len(res.layer_labels) == 5
     assert len(fig.layout.xaxis.ticktext) == len(res.compared)
     assert (np.array(fig.data[0].z, dtype=float) == 1).all()  # every cell in the zero colour
-    lines = figures.layer_lines(res, "relative")
+    lines = split_figures.layer_lines(res, "relative")
     assert any("0 (bitwise equal)" in (a.text or "") for a in lines.layout.annotations)
 
 
 def test_split_heatmap_with_a_gap():
     lm = kvviz.load_model("tiny:llama", "bfloat16", DEVICE)
     res = kvviz.run_split(lm, kvviz.SplitConfig("Hello world, caching is fun!", 8, left_pad=3, position_ids="omit"))
-    fig = figures.split_heatmap(res, "relative", log=True)
+    fig = split_figures.split_heatmap(res, "relative", log=True)
     raw = res.main.hidden["relative"]
     z = np.array(fig.data[0].z, dtype=float)
     np.testing.assert_allclose(z[raw > 0], np.log10(raw[raw > 0]))
     assert list(fig.layout.xaxis.ticktext)[0].startswith("8:")
     assert res.settings.device in fig.layout.title.text and "bfloat16" in fig.layout.title.text
-    lin = figures.split_heatmap(res, "max_abs", log=False)
+    lin = split_figures.split_heatmap(res, "max_abs", log=False)
     np.testing.assert_allclose(np.array(lin.data[0].z, dtype=float), res.main.hidden["max_abs"])
     with pytest.raises(ValueError):
-        figures.split_heatmap(res, "nonsense")
+        split_figures.split_heatmap(res, "nonsense")
     # in ε units the float64 rerun is drawn in bfloat16's ε, like the run itself
-    eps = figures.layer_lines(res, "eps_units")
+    eps = split_figures.layer_lines(res, "eps_units")
     f64 = [t for t in eps.data if "float64" in t.name][0]
     np.testing.assert_allclose(f64.customdata, res.float64.hidden["relative"].max(axis=1) / 2 ** -7)
 
 
 def test_split_lines_and_tables(split_res):
-    fig = figures.layer_lines(split_res, "eps_units")
+    fig = split_figures.layer_lines(split_res, "eps_units")
     assert fig.layout.yaxis.type == "log"
     np.testing.assert_allclose(fig.data[0].customdata, split_res.main.hidden["eps_units"].max(axis=1))
     assert min(fig.data[0].y) > 0  # zeros sit on the labelled floor, not off the log axis
     if split_res.float64 is not None:
         assert any("float64" in t.name for t in fig.data)
-    assert len(figures.logits_frame(split_res)) == len(split_res.compared)
-    assert list(figures.describe_frame(split_res).columns) == ["without past", "with past", "absolute Δ", "relative Δ"]
-    assert len(figures.kv_frame(split_res)) == 4
+    assert len(split_figures.logits_frame(split_res)) == len(split_res.compared)
+    assert list(split_figures.describe_frame(split_res).columns) == ["without past", "with past", "absolute Δ", "relative Δ"]
+    assert len(split_figures.kv_frame(split_res)) == 4
     import pyarrow as pa
 
-    for f in (figures.logits_frame(split_res), figures.describe_frame(split_res), figures.kv_frame(split_res)):
+    for f in (split_figures.logits_frame(split_res), split_figures.describe_frame(split_res), split_figures.kv_frame(split_res)):
         pa.Table.from_pandas(f)  # st.dataframe's conversion must not need its "automatic fixes"
 
 
 def test_greedy_figures():
     lm = kvviz.load_model("tiny:gpt2", "float32", DEVICE)
     res = run_greedy(lm, GreedyConfig("Hello", 10, left_pad=3, paths=("no_cache", "cache", "user_loop", "float64")))
-    m = figures.greedy_margins(res)
+    m = greedy_figures.greedy_margins(res)
     assert len(m.data) == 4 and m.layout.yaxis.type == "log"
     assert any(s.type == "line" for s in m.layout.shapes)  # the parting step is marked
-    hm = figures.greedy_heatmap(res, res.pair("no_cache", "user_loop"))
+    hm = greedy_figures.greedy_heatmap(res, res.pair("no_cache", "user_loop"))
     assert np.array(hm.data[0].z).shape == (5, 10)
-    assert figures.greedy_reference_gap(res) is not None
-    html = figures.texts_html(res)
+    assert greedy_figures.greedy_reference_gap(res) is not None
+    html = greedy_figures.texts_html(res)
     assert html.count("<b>") == 4 and "#f8c9c4" in html  # the first differing token is highlighted
-    assert len(figures.greedy_step_frame(res)) == 10
+    assert len(greedy_figures.greedy_step_frame(res)) == 10
     import pyarrow as pa
 
-    pa.Table.from_pandas(figures.greedy_step_frame(res))
-    pa.Table.from_pandas(figures.greedy_pairs_frame(res))
-    assert "user_loop" in " ".join(figures.greedy_pairs_frame(res)["paths"])
+    pa.Table.from_pandas(greedy_figures.greedy_step_frame(res))
+    pa.Table.from_pandas(greedy_figures.greedy_pairs_frame(res))
+    assert "user_loop" in " ".join(greedy_figures.greedy_pairs_frame(res)["paths"])
 
 
 def test_lab_figures():
     res = run_dtypes("tiny:gpt2", ["Hello world", "Another prompt"], ["float32"], device=DEVICE)
-    fig = figures.dtype_curves(res, "eps_units", "max")
+    fig = dtypes_figures.dtype_curves(res, "eps_units", "max")
     assert [t.name for t in fig.data] == ["float64 (in float32's ε)", "float32"]
     # the reference is in float32's ε, never in its own (where it would look worse than the dtypes it checks)
     rel64 = res.stat("relative", "max")["float64"].to_numpy()
     shown = np.array(fig.data[0].y, dtype=float)
     np.testing.assert_allclose(shown[rel64 > 0], rel64[rel64 > 0] / np.finfo(np.float32).eps)
     assert (shown[rel64 > 0] < 1).all()  # far below one float32 rounding
-    raw = figures.dtype_curves(res, "max_abs", "max")
+    raw = dtypes_figures.dtype_curves(res, "max_abs", "max")
     assert [t.name for t in raw.data] == ["float64", "float32"]
     zeros = res.stat("max_abs", "max")["float32"].to_numpy() == 0
     assert zeros[0]  # the embeddings of the same tokens are identical by construction, on any machine
@@ -116,14 +121,14 @@ def test_lab_figures():
     assert not np.isnan(np.array(raw.data[1].y, dtype=float)).any()  # no gaps, no vertical drops
     assert f"device {res.settings.device}" in fig.layout.title.text
     lm = kvviz.load_model("tiny:gpt2", "float32", DEVICE)
-    grid = figures.padding_grid(run_padding(lm, "Hello world, caching", left_pad=2))
+    grid = padding_figures.padding_grid(run_padding(lm, "Hello world, caching", left_pad=2))
     assert np.array(grid.data[0].z).shape == (3, 5) and str(lm.device) in grid.layout.title.text
-    frame = figures.reuse_frame(run_reuse(lm, "S:", [" a", " b"], 3))
+    frame = reuse_figures.reuse_frame(run_reuse(lm, "S:", [" a", " b"], 3))
     assert len(frame) == 6 and "verdict" in frame.columns
     assert str(frame["parts from fresh at step"].dtype) == "Int64"  # one type per column: Arrow can send it
     import pyarrow as pa
 
-    for f in (frame, figures.greedy_pairs_frame(run_greedy(lm, GreedyConfig("Hi", 4, left_pad=2,
+    for f in (frame, greedy_figures.greedy_pairs_frame(run_greedy(lm, GreedyConfig("Hi", 4, left_pad=2,
                                                                              paths=("cache", "user_loop"))))):
         pa.Table.from_pandas(f)  # what st.dataframe does; raises on mixed-type columns
 
@@ -132,7 +137,7 @@ def test_ab_heatmaps_share_one_scale_and_draw_the_difference():
     lm = kvviz.load_model("tiny:llama", "float32", DEVICE)
     a = kvviz.run_split(lm, kvviz.SplitConfig("Hello world, caching is fun!", 8, left_pad=3, position_ids="omit"))
     b = kvviz.run_split(lm, kvviz.SplitConfig("Hello world, caching is fun!", 8, left_pad=3))
-    fa, fb, fd = figures.ab_heatmaps(a, b, "omit", "auto", "max_abs", log=False)
+    fa, fb, fd = split_figures.ab_heatmaps(a, b, "omit", "auto", "max_abs", log=False)
     za, zb = a.main.hidden["max_abs"], b.main.hidden["max_abs"]
     assert (fa.data[0].zmin, fa.data[0].zmax) == (fb.data[0].zmin, fb.data[0].zmax)
     assert fa.data[0].zmin == pytest.approx(min(za.min(), zb.min()))
@@ -140,13 +145,13 @@ def test_ab_heatmaps_share_one_scale_and_draw_the_difference():
     np.testing.assert_allclose(np.array(fd.data[0].z, dtype=float), np.abs(zb - za))
     assert za.max() > 0  # omitted positions on a left-padded prompt: a logic gap on any machine
     # log scale: the shared range spans both maps' non-zero values
-    la, lb, _ = figures.ab_heatmaps(a, b, "omit", "auto", "max_abs", log=True)
+    la, lb, _ = split_figures.ab_heatmaps(a, b, "omit", "auto", "max_abs", log=True)
     both = np.concatenate([za.ravel(), zb.ravel()])
     assert la.data[0].zmax == pytest.approx(np.log10(both[both > 0].max()))
     assert la.data[0].zmin == lb.data[0].zmin
     other = kvviz.run_split(lm, kvviz.SplitConfig("Hello world, caching is fun!", 5))
     with pytest.raises(ValueError):
-        figures.ab_heatmaps(a, other, "a", "b")
+        split_figures.ab_heatmaps(a, other, "a", "b")
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
@@ -170,14 +175,14 @@ def test_display_tokens_whole_characters_and_never_the_replacement_sign(arch):
 def test_padding_grid_without_padding_and_its_ab():
     """No padding: no "left-padded" row (it would be "alone" again), in the grid and its A/B; A and B share one
     colour range."""
-    from kvviz.padding import run_padding
+    from kvviz.views.padding.run import run_padding
 
     lm = kvviz.load_model("tiny:gpt2", "float32", DEVICE)
     res = run_padding(lm, "Hello world, caching", left_pad=0, prove=False)
-    fig = figures.padding_grid(res)
+    fig = padding_figures.padding_grid(res)
     assert list(fig.data[0].y) == ["alone", "in a batch"]
     b = run_padding(lm.twin("bfloat16"), "Hello world, caching", left_pad=0, prove=False)
-    fa, fb, fd = figures.ab_padding_grids(res, b, "float32", "bfloat16")
+    fa, fb, fd = padding_figures.ab_padding_grids(res, b, "float32", "bfloat16")
     assert list(fa.data[0].y) == ["alone", "in a batch"]
     assert (fa.data[0].zmin, fa.data[0].zmax) == (fb.data[0].zmin, fb.data[0].zmax)
     assert fa.data[0].zmax > -2  # the logic cells (mask new-only) are far above rounding on any machine
@@ -189,5 +194,5 @@ def test_a_dtype_line_hidden_under_another_says_so():
     for metric in res.per_prompt:  # construct a second dtype with exactly bfloat16's numbers
         res.per_prompt[metric]["float16"] = res.per_prompt[metric]["bfloat16"].copy()
     res.dtypes = ["float64", "float16", "bfloat16"]
-    names = [t.name for t in figures.dtype_curves(res).data]
+    names = [t.name for t in dtypes_figures.dtype_curves(res).data]
     assert names == ["float64", "float16 (= bfloat16, under it)", "bfloat16"]

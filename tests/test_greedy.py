@@ -4,7 +4,7 @@ import torch
 
 import kvviz
 from kvviz.errors import KvvizError
-from kvviz.greedy import PATHS, GreedyConfig, run_greedy
+from kvviz.views.greedy.run import PATHS, GreedyConfig, run_greedy
 from conftest import DEVICE
 
 PROMPT = "Once upon a time, there"
@@ -54,7 +54,7 @@ def test_exact_paths_equal_naive_loops_bit_for_bit(arch, dtype):
     assert res.paths["cache"].token_ids == c_ids[0, ids.shape[1]:].tolist()
     # logit for logit: kvviz's captured logits are the naive loops' logits, bitwise
     from kvviz.execution import Executor
-    from kvviz.greedy import StepRecorder, _cache, no_cache_loop  # the same functions run_greedy uses
+    from kvviz.views.greedy.run import StepRecorder, _cache, no_cache_loop  # the same functions run_greedy uses
     from kvviz.inputs import build_inputs
 
     inp = build_inputs(lm, PROMPT, 0, N)

@@ -8,9 +8,9 @@ import torch.nn.functional as F
 import kvviz
 from kvviz import invariant
 from kvviz.execution import ExecSettings, Executor
-from kvviz.greedy import GreedyConfig, run_greedy
-from kvviz.padding import run_padding
-from kvviz.split import SplitConfig, run_split
+from kvviz.views.greedy.run import GreedyConfig, run_greedy
+from kvviz.views.padding.run import run_padding
+from kvviz.views.split.run import SplitConfig, run_split
 
 from conftest import DEVICE, PROMPT
 
@@ -149,7 +149,7 @@ def test_padding_precision_cells_come_with_their_proof():
 
 
 def test_matrix_in_invariant_mode_is_identical_everywhere():
-    from kvviz.matrix import MatrixConfig, run_matrix
+    from kvviz.views.matrix.run import MatrixConfig, run_matrix
 
     cfg = MatrixConfig("Hello there", 5, attentions=("eager", "sdpa"), caches=("dynamic", "static"), repeats=1,
                        invariant=True)
@@ -170,7 +170,7 @@ def test_greedy_pairs_are_proved_or_shown_to_be_logic():
 
 
 def test_reuse_ways_are_proved_or_shown_to_be_logic():
-    from kvviz.reuse import run_reuse
+    from kvviz.views.reuse.run import run_reuse
 
     lm = kvviz.load_model("tiny:llama", "bfloat16", DEVICE)
     res = run_reuse(lm, "Answer briefly.", [" Q: 2+2?", " Q: sky?"], 4, prove=True)
@@ -180,7 +180,7 @@ def test_reuse_ways_are_proved_or_shown_to_be_logic():
 
 
 def test_single_prompt_dtype_sweep_proves_its_precision_verdicts():
-    from kvviz.dtype_sweep import run_dtypes
+    from kvviz.views.dtypes.run import run_dtypes
 
     res = run_dtypes(kvviz.load_model("tiny:llama", "bfloat16", DEVICE), [PROMPT], ["float32", "bfloat16"])
     for d in ("float32", "bfloat16"):

@@ -9,7 +9,7 @@ import torch
 import kvviz
 from kvviz import invariant
 from kvviz.execution import ExecSettings
-from kvviz.split import SplitConfig, run_split
+from kvviz.views.split.run import SplitConfig, run_split
 
 from conftest import DEVICE, PROMPT
 

@@ -8,13 +8,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import kvviz
-from kvviz.cachesize import KVShape, formula_bytes, known_configs, measured_bytes, per_token_bytes, size_report
-from kvviz.check import run_check
+from kvviz.views.cache.size import KVShape, formula_bytes, known_configs, measured_bytes, per_token_bytes, size_report
+from kvviz.views.check.run import run_check
 from kvviz.cli import main
 from kvviz.errors import KvvizError
 from kvviz.execution import ExecSettings
-from kvviz.kvcache import continue_and_compare, load_cache, save_cache, save_cache_bytes
-from kvviz.split import SplitConfig, run_split
+from kvviz.views.cache.run import continue_and_compare, load_cache, save_cache, save_cache_bytes
+from kvviz.views.split.run import SplitConfig, run_split
 
 from conftest import DEVICE, PROMPT
 

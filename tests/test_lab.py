@@ -6,11 +6,11 @@ import pytest
 
 import kvviz
 from kvviz.errors import KvvizError
-from kvviz.dtype_sweep import run_dtypes
-from kvviz.padding import PLACEMENTS, SCENARIOS, run_padding
-from kvviz.reuse import run_reuse
+from kvviz.views.dtypes.run import run_dtypes
+from kvviz.views.padding.run import PLACEMENTS, SCENARIOS, run_padding
+from kvviz.views.reuse.run import run_reuse
 from kvviz.prompts import builtin_prompts, load_prompts, parse_prompts
-from kvviz.split import SplitConfig, run_split
+from kvviz.views.split.run import SplitConfig, run_split
 import kvviz.jsonout  # noqa: E402,F401
 from conftest import DEVICE
 
@@ -124,7 +124,7 @@ def test_load_prompts_errors(tmp_path):
 
 
 def test_reuse_runs_only_the_ways_asked_for():
-    from kvviz.reuse import run_reuse
+    from kvviz.views.reuse.run import run_reuse
 
     lm = kvviz.load_model("tiny:gpt2", "float32", DEVICE)
     res = run_reuse(lm, "Answer.", [" Q?", " R?"], 2, ways=("deepcopy",))

@@ -139,8 +139,8 @@ def test_cache_dir_honours_xdg(monkeypatch, tmp_path):
 def test_concurrent_runs_on_one_cached_model_match_a_single_run():
     import threading
 
-    from kvviz.greedy import GreedyConfig, run_greedy
-    from kvviz.split import SplitConfig, run_split
+    from kvviz.views.greedy.run import GreedyConfig, run_greedy
+    from kvviz.views.split.run import SplitConfig, run_split
 
     lm = kvviz.load_model("tiny:llama", "bfloat16", DEVICE)
     before = {n: p.clone() for n, p in lm.model.named_parameters()}

@@ -9,7 +9,7 @@ import kvviz
 from kvviz import backends, flags
 from kvviz.errors import KvvizError
 from kvviz.execution import ExecSettings, Executor
-from kvviz.matrix import MatrixConfig, run_matrix, sliding_window_config
+from kvviz.views.matrix.run import MatrixConfig, run_matrix, sliding_window_config
 
 from conftest import DEVICE
 

@@ -27,7 +27,7 @@ def test_the_plan_is_shown_beside_the_run():
 
 def test_a_run_that_cannot_fit_is_refused_before_it_starts(monkeypatch):
     import kvviz.memory as memory
-    import kvviz.split as split
+    import kvviz.views.split.run as split
 
     calls = []
     real = split.run_split

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 import kvviz
-from kvviz import figures
-from kvviz.bisect import run_bisect
+from kvviz.views.split import figures as split_figures
+from kvviz.views.bisect.run import run_bisect
 from kvviz.execution import ExecSettings
 from kvviz.loading import gguf_quant_label, gguf_quantization
 from kvviz.naming import hover_text, layer_label, layer_labels, module_index, module_label, module_row
-from kvviz.split import SplitConfig, run_split
+from kvviz.views.split.run import SplitConfig, run_split
 
 from conftest import DEVICE, PROMPT
 
@@ -55,7 +55,7 @@ def test_bisector_and_heatmap_name_the_same_layer():
     b = run_bisect(lm, cfg, inv)
     assert b.first is not None and module_row(b.first.name) == "layer 2"
     assert "layer 2 (model.layers.1" in b.explanation
-    fig = figures.split_heatmap(res, "max_abs")
+    fig = split_figures.split_heatmap(res, "max_abs")
     hovers = {str(c[1]) for c in np.asarray(fig.data[0].customdata)[:, 0]}
     assert "layer 2: output of model.layers.1" in hovers
 

@@ -7,14 +7,14 @@ import pytest
 import torch
 
 import kvviz
-from kvviz.bisect import run_bisect
-from kvviz.check import run_check
+from kvviz.views.bisect.run import run_bisect
+from kvviz.views.check.run import run_check
 from kvviz.cli import main
-from kvviz.dtype_sweep import run_dtypes
-from kvviz.greedy import GreedyConfig, run_greedy
-from kvviz.padding import run_padding
+from kvviz.views.dtypes.run import run_dtypes
+from kvviz.views.greedy.run import GreedyConfig, run_greedy
+from kvviz.views.padding.run import run_padding
 from kvviz.placement import Placement, layer_placement, parse_placement
-from kvviz.reuse import run_reuse
+from kvviz.views.reuse.run import run_reuse
 from conftest import DEVICE
 
 PROMPT = "Hello world, caching is fun! 123"

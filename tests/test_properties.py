@@ -4,7 +4,7 @@ from hypothesis import strategies as st
 
 import kvviz
 from kvviz.errors import KvvizError
-from kvviz.split import SplitConfig, run_split
+from kvviz.views.split.run import SplitConfig, run_split
 from conftest import DEVICE
 
 CAUSAL = [a for a in kvviz.TINY_ARCHS if a != "roberta"]
@@ -66,7 +66,7 @@ def test_float64_divergence_stays_below_1e10(arch, prompt, data, pad, mode):
 @given(arch=st.sampled_from(CAUSAL), dtype=st.sampled_from(["float32", "bfloat16"]), prompt=text,
        n=st.integers(-1, 12), pad=st.integers(0, 4), fast=st.booleans())
 def test_greedy_never_crashes(arch, dtype, prompt, n, pad, fast):
-    from kvviz.greedy import GreedyConfig, run_greedy
+    from kvviz.views.greedy.run import GreedyConfig, run_greedy
 
     lm = kvviz.load_model(f"tiny:{arch}", dtype, DEVICE)
     expected = "new tokens must be between" if n < 1 else "empty" if not prompt.strip() else None

@@ -1,16 +1,16 @@
-"""Quantized KV caches and quantized weights against the unquantized run (kvviz.quant), the card, CLI and page."""
+"""Quantized KV caches and quantized weights against the unquantized run (kvviz.views.quant.run), the card, CLI and page."""
 import json
 
 import pytest
 import torch
 
 import kvviz
-from kvviz import quant
-from kvviz.check import run_check
+from kvviz.views.quant import run as quant
+from kvviz.views.check.run import run_check
 from kvviz.cli import main
 from kvviz.errors import KvvizError
 from kvviz.export import export_json, html_report, open_result
-from kvviz.quant import QuantConfig, parse_kv, quantize_weights, run_quant
+from kvviz.views.quant.run import QuantConfig, parse_kv, quantize_weights, run_quant
 
 from conftest import DEVICE
 
@@ -169,19 +169,19 @@ def test_quantized_page_and_card_controls():
 def test_quant_figures_draw_exact_zeros_on_a_labelled_floor(llama):
     import math
 
-    from kvviz import figures
+    from kvviz.views.quant import figures as quant_figures
 
     res = run_quant(llama, QuantConfig(PROMPT, kv="quanto:int2", residual_length=1, max_new_tokens=6))
-    fig = figures.quant_steps(res)
+    fig = quant_figures.quant_steps(res)
     floor = min(k for k in res.kl if k > 0) / 10
     assert fig.data[0].y[0] == floor  # step 0 (exactly 0) sits on the floor, not off the chart
     label = [a for a in fig.layout.annotations if a.text == "0 (identical)"]
     assert len(label) == 1 and math.isclose(label[0].y, math.log10(floor))  # log axis: y is the exponent
     names = [t.name for t in fig.data]
     assert "KL per step" in names and "× another token" in names
-    bars = figures.quant_layers(res)
+    bars = quant_figures.quant_layers(res)
     assert list(bars.data[0].x) == res.layers and bars.data[0].marker.color[0] == "#b0bec5"  # embeddings: 0
-    frame = figures.quant_frame(res)
+    frame = quant_figures.quant_frame(res)
     assert list(frame["step"]) == list(range(6)) and frame["KL"][0] == "0"
 
 
@@ -189,7 +189,7 @@ def test_quantized_cache_kinds_on_the_seam_and_progress_per_token(llama):
     """The seam's quantized:quanto / quantized:hqq cache kinds pick a group size that fits the model (tiny models have
     kv_heads x head_dim = 32, below transformers' default group of 64), and run_quant reports every token."""
     from kvviz.execution import ExecSettings
-    from kvviz.greedy import GreedyConfig, run_greedy
+    from kvviz.views.greedy.run import GreedyConfig, run_greedy
 
     assert quant.kv_group_size(llama) == 32
     for kind in ("quantized:quanto", "quantized:hqq"):

@@ -110,7 +110,7 @@ def test_bfloat16_reference_reads_the_checkpoint_not_the_rounded_weights():
 @pytest.mark.parametrize("arch", ("llama", "gpt2", "gemma2", "gpt_neox"))
 def test_split_float64_runs_equal(arch, mode):
     from kvviz.inputs import build_inputs
-    from kvviz.split import SplitConfig, _run
+    from kvviz.views.split.run import SplitConfig, _run
 
     lm = load_model(f"tiny:{arch}", "float32", DEVICE)
     twin, streamed = _refs(lm)
@@ -122,7 +122,7 @@ def test_split_float64_runs_equal(arch, mode):
 
 
 def test_run_split_verdict_equal_with_either_reference():
-    from kvviz.split import SplitConfig, run_split
+    from kvviz.views.split.run import SplitConfig, run_split
 
     lm = load_model("tiny:llama", "float16", DEVICE)
     twin, streamed = _refs(lm)
@@ -135,7 +135,7 @@ def test_run_split_verdict_equal_with_either_reference():
 
 @pytest.mark.parametrize("arch", ("llama", "gemma2"))
 def test_greedy_float64_path_equal(arch):
-    from kvviz.greedy import GreedyConfig, run_greedy
+    from kvviz.views.greedy.run import GreedyConfig, run_greedy
 
     lm = load_model(f"tiny:{arch}", "bfloat16", DEVICE)
     twin, streamed = _refs(lm)
@@ -151,8 +151,8 @@ def _with_strategy(monkeypatch, strategy, fn):
 
 
 def test_padding_and_reuse_equal(monkeypatch):
-    from kvviz.padding import run_padding
-    from kvviz.reuse import run_reuse
+    from kvviz.views.padding.run import run_padding
+    from kvviz.views.reuse.run import run_reuse
 
     lm = load_model("tiny:llama", "float32", DEVICE)
     runs = {
@@ -165,8 +165,8 @@ def test_padding_and_reuse_equal(monkeypatch):
 
 @pytest.mark.slow
 def test_check_card_and_dtype_sweep_equal(monkeypatch):
-    from kvviz.check import run_check
-    from kvviz.dtype_sweep import run_dtypes
+    from kvviz.views.check.run import run_check
+    from kvviz.views.dtypes.run import run_dtypes
 
     lm = load_model("tiny:llama", "float32", DEVICE)
     runs = {
@@ -219,9 +219,9 @@ def test_restored_on_error_and_invisible_to_other_threads():
 
 @pytest.mark.slow
 def test_default_model_streamed_equals_twin():
-    from kvviz.greedy import GreedyConfig, run_greedy
+    from kvviz.views.greedy.run import GreedyConfig, run_greedy
     from kvviz.inputs import build_inputs
-    from kvviz.split import SplitConfig, _run
+    from kvviz.views.split.run import SplitConfig, _run
 
     lm = load_model("default", "float32", DEVICE)
     twin, streamed = _refs(lm)

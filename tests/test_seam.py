@@ -9,8 +9,8 @@ import kvviz
 from kvviz import execution, loading
 from kvviz.errors import KvvizError
 from kvviz.execution import ExecSettings, Executor, register_run_context, unregister_run_context
-from kvviz.greedy import GreedyConfig, run_greedy
-from kvviz.split import SplitConfig, run_split
+from kvviz.views.greedy.run import GreedyConfig, run_greedy
+from kvviz.views.split.run import SplitConfig, run_split
 
 from conftest import DEVICE, PROMPT
 
@@ -55,8 +55,8 @@ def test_every_scenario_runs_through_the_executor(monkeypatch):
         assert n_split >= 3 + (len(lm.tokenizer(PROMPT)["input_ids"]) - 5)  # prefix, full, every step
         run_greedy(lm, GreedyConfig(PROMPT, 3, paths=("no_cache", "cache", "generate")))
         assert len(calls) - n_split == 3 + 3 + 1  # 3 full forwards + prefill and 2 decode steps + one generate
-        from kvviz.padding import run_padding
-        from kvviz.reuse import run_reuse
+        from kvviz.views.padding.run import run_padding
+        from kvviz.views.reuse.run import run_reuse
 
         before = len(calls)
         run_padding(lm, PROMPT, left_pad=0)
@@ -130,13 +130,13 @@ def test_the_load_lock_table_stays_empty_between_loads():
 
 
 def test_a_pair_parting_at_step_zero_reads_as_parting():
-    from kvviz import figures
+    from kvviz.views.greedy import figures as greedy_figures
 
     lm = kvviz.load_model("tiny:tie", "bfloat16", DEVICE)
     res = run_greedy(lm, GreedyConfig("Hi", 3, paths=("no_cache", "float64")))
     pair = res.pair("no_cache", "float64")
     assert pair.first_divergence == 0
-    row = figures.greedy_pairs_frame(res).iloc[0]
+    row = greedy_figures.greedy_pairs_frame(res).iloc[0]
     assert row["first parting step"] == 0
     assert row["max |Δ logit| up to parting"] == pair.max_abs_logit[0]
 

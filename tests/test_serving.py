@@ -17,7 +17,8 @@ from kvviz.cli import main
 from kvviz.errors import KvvizError
 from kvviz.execution import ExecSettings
 from kvviz.export import export_json, html_report, open_result
-from kvviz.serving import CONDITIONS, ServeConfig, load_prompt_set, plan_batches, prompt_frame, run_serving
+from kvviz.views.serving.figures import prompt_frame
+from kvviz.views.serving.run import CONDITIONS, ServeConfig, load_prompt_set, plan_batches, run_serving
 from kvviz.repro import key_figure
 from kvviz.simkernel import split_k_kernel
 from conftest import DEVICE

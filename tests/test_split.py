@@ -5,7 +5,7 @@ import torch
 
 import kvviz
 from kvviz.errors import KvvizError
-from kvviz.split import SplitConfig, run_split
+from kvviz.views.split.run import SplitConfig, run_split
 from kvviz.verdict import FLOAT64_CLOSED_REL
 
 from conftest import PROMPT, DEVICE
@@ -159,7 +159,7 @@ def test_float64_reference_logits_a_chunk_at_a_time_agree_with_all_at_once(monke
     """A large vocabulary's float64 logits over many positions are computed a chunk of rows at a time (memory):
     forced here on a tiny model (2 rows a chunk), the step-by-step comparison's numbers are those of the whole
     forward to float64 rounding, and the verdict is the same."""
-    from kvviz import split as split_mod
+    from kvviz.views.split import run as split_mod
 
     lm = kvviz.load_model("tiny:llama", "float64", DEVICE)
     cfg = SplitConfig(PROMPT, split=3, mode="step")

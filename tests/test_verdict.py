@@ -6,7 +6,7 @@ import torch
 
 import kvviz
 from kvviz import invariant, verdict
-from kvviz.split import SplitConfig, run_split
+from kvviz.views.split.run import SplitConfig, run_split
 
 from conftest import DEVICE, PROMPT
 

@@ -1,0 +1,16 @@
+"""`python -m kvviz next-token --prompt TEXT`: the example view's subcommand."""
+from kvviz.clirun import Outcome, load, model_args, settings
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("next-token", help="(example view) the next-token logits, cached vs full forward")
+    model_args(p)
+    p.add_argument("--prompt", required=True)
+    p.set_defaults(handler=command, not_honoured={"no_proof": "it runs no proof rerun"})
+
+
+def command(args) -> Outcome:
+    from .run import run_next_token
+
+    lm = load(args)
+    return Outcome(run_next_token(lm, args.prompt, settings(args)), lm)

@@ -1,0 +1,14 @@
+"""The bisect view's report: its result rebuilt from a JSON export (no model runs) and its verdict line."""
+from __future__ import annotations
+
+def reopen(d: dict):
+    from .run import BisectResult, ModuleGap
+
+    return BisectResult(settings=d["settings"], first=ModuleGap(**d["first"]) if d.get("first") else None,
+                        modules=[ModuleGap(**m) for m in d.get("modules", [])], explanation=d.get("explanation", ""))
+
+
+def verdict(result) -> tuple[str, str]:
+    from ...naming import module_label
+    return (("first difference: " + module_label(result.first.name)) if result.first else "no difference",
+            result.explanation)

@@ -1,0 +1,365 @@
+"""The bisector: where does a cached run first differ from the full forward?
+
+Both runs of a split scenario are hooked; every submodule's output is recorded for the compared tokens (the full
+forward's positions [k, L), the cached run's rest, one chunk or step by step), and the modules are walked in the
+order the full forward ran them. The first module whose output differs is named - its kind (embedding, q/k/v
+projection, rotary, attention, attention output, norm, MLP, lm_head), its layer and the size of the gap. In
+invariant mode a surviving gap is logic and this says where it starts; in normal mode it shows where rounding
+first creeps in.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ...errors import KvvizError
+from ...execution import DEFAULT_SETTINGS, ExecSettings, Executor, has_cache
+from ...inputs import build_inputs
+from ...loading import LoadedModel
+from ...naming import module_label
+from ..split.run import SplitConfig, cached_mask, check_split, register_bisector
+
+_KINDS = (  # (pattern on the module's own name, kind) - first match wins
+    (r"(embed_tokens|wte|wpe|embed_in|word_embeddings|position_embeddings|embeddings)$", "embedding"),
+    (r"rotary_emb$", "rotary"),
+    (r"(q_proj|k_proj|v_proj|c_attn|query_key_value|query|key|value)$", "q/k/v projection"),
+    (r"(o_proj|dense|out_proj)$", "attention output"),
+    (r"(self_attn|attn|attention)$", "attention"),
+    (r"(c_proj)$", "projection"),
+    (r"(norm|layernorm|ln_\w+|ln_f|final_layer_norm|input_layernorm|post_attention_layernorm|"
+     r"pre_feedforward_layernorm|post_feedforward_layernorm)$", "norm"),
+    (r"(mlp|feed_forward|ffn)$", "MLP"),
+    (r"(gate_proj|up_proj|down_proj|c_fc|dense_h_to_4h|dense_4h_to_h|act_fn|act)$", "MLP part"),
+    (r"(lm_head|embed_out)$", "lm_head"),
+)
+
+
+def module_kind(name: str) -> str:
+    last = name.rsplit(".", 1)[-1]
+    for pattern, kind in _KINDS:
+        if re.search(pattern, last):
+            if kind == "projection":
+                return "attention output" if ".attn." in f".{name}." or "attn" in name else "MLP part"
+            return kind
+    return "other"
+
+
+def module_layer(name: str) -> int | None:
+    m = re.search(r"\.(layers|h|layer|blocks|block)\.(\d+)\.", f".{name}.")
+    return int(m.group(2)) if m else None
+
+
+@dataclass
+class ModuleGap:
+    name: str
+    kind: str
+    layer: int | None
+    max_abs: float
+    relative: float
+    input_differs: bool = False  # its input already differed although every module before it agreed
+
+
+@dataclass
+class OpGap:
+    """The first torch op whose output differs between the full forward and the cached run."""
+    op: str  # e.g. "matmul", "softmax", "linear"
+    module: str  # module path of the innermost module running it, e.g. "model.layers.0.self_attn"
+    layer: str  # the layer naming rule: "layer 1 (model.layers.0)", "embeddings", "outside the layers"
+    index: int  # its index among that module call's ops
+    shapes: list  # input tensor shapes (full forward)
+    dtypes: list  # input dtypes
+    out_shape: list
+    out_dtype: str
+    max_abs: float
+    relative: float
+    ops_compared: int = 0  # ops compared before (and including) it
+    text: str = ""
+
+
+@dataclass
+class BisectResult:
+    settings: dict
+    first: ModuleGap | None  # the first module whose output differs (None: nothing differs)
+    modules: list[ModuleGap] = field(default_factory=list)  # every compared module, in execution order
+    explanation: str = ""
+    first_op: OpGap | None = None  # the first torch op whose output differs (None: none, or not traced)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _first_tensor(out):
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    return None
+
+
+class _Recorder:
+    """Forward hooks on every named submodule: outputs per call, in the order modules first ran."""
+
+    def __init__(self, model):
+        self.model, self.order, self.outputs, self.inputs, self.handles = model, [], {}, {}, []
+
+    def __enter__(self):
+        for name, mod in self.model.named_modules():
+            if name:
+                self.handles.append(mod.register_forward_hook(self._hook(name)))
+        return self
+
+    def _hook(self, name):
+        def hook(mod, args, out):
+            t = _first_tensor(out)
+            if t is not None and t.dim() >= 2:
+                if name not in self.outputs:
+                    self.order.append(name)
+                self.outputs.setdefault(name, []).append(t.detach().clone())
+                x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+                self.inputs.setdefault(name, []).append(None if x is None else x.detach().clone())
+        return hook
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+
+
+def _seq_slice(t: torch.Tensor, total: int, start: int, n: int) -> torch.Tensor | None:
+    """The compared positions of a full-forward output: the sequence axis is the one of length `total`."""
+    for dim in (1, 2, 0):
+        if t.dim() > dim and t.shape[dim] == total:
+            return t.narrow(dim, start, n), dim
+    return None, None
+
+
+def _gap(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    d = (a.double() - b.double()).abs()
+    ref = a.double().abs().max().clamp_min(torch.finfo(torch.float64).tiny)
+    mx = float(d.max()) if d.numel() else 0.0
+    return mx, mx / float(ref)
+
+
+def run_bisect(lm: LoadedModel, cfg: SplitConfig, settings: ExecSettings | None = None,
+               ops: bool = True) -> BisectResult:
+    """Hook the full forward and the cached run of `cfg` and name the first module whose output differs; with
+    ops, also trace both runs op by op (a TorchFunctionMode) and name the first torch op whose output differs."""
+    settings = (settings or DEFAULT_SETTINGS).validate()
+    cfg.validate()
+    inp = build_inputs(lm, cfg.prompt, cfg.left_pad)
+    check_split(inp.n_tokens, cfg.split)
+    a0, n = inp.pad + cfg.split, inp.total - inp.pad - cfg.split
+    ex = Executor(lm, settings, max_len=inp.total)
+    with ex.session():
+        pre = ex.forward(inp.ids[:, :a0], inp.mask[:, :a0], inp.positions[:, :a0], hidden=False)
+        if not has_cache(pre):
+            raise KvvizError(f"{lm.name} returns no cache (a bidirectional model): there is no cached run to bisect")
+        with _Recorder(lm.model) as full:
+            ex.forward(inp.ids, inp.mask, inp.positions, hidden=False)
+        past = pre.past_key_values
+        if ops:  # the cache is grown by the cached run: keep a copy for the op trace
+            import copy
+
+            past_for_ops = copy.deepcopy(past)
+        with _Recorder(lm.model) as cached:
+            _cached_rest(ex, cfg, inp, a0, past)
+        first_op = _trace_ops(ex, lm, cfg, inp, a0, n, past_for_ops) if ops else None
+    res = _compare(full, cached, inp.total, a0, n, cfg, settings, lm)
+    res.first_op = first_op
+    if first_op is not None:
+        res.explanation += " " + first_op.text
+    elif ops and res.first is not None:
+        res.explanation += (" No single traced op differs on the compared positions (the difference comes from "
+                            "shapes the op trace does not line up, e.g. a sliding-window cache's keys).")
+    return res
+
+
+def _cached_rest(ex: Executor, cfg: SplitConfig, inp, a0: int, past) -> None:
+    positions_of = (lambda s, e: inp.positions[:, a0 + s:a0 + e]) if cfg.position_ids == "auto" else None
+    for _ in ex.feed(inp.ids[:, a0:], past, one_by_one=cfg.mode != "chunk", hidden=False,
+                     mask_of=lambda s, e: cached_mask(cfg, inp, a0 + s, a0 + e), positions_of=positions_of):
+        pass
+
+
+def _input_differs(full: _Recorder, cached: _Recorder, name: str, total: int, a0: int, n: int) -> bool:
+    fx, cx = full.inputs.get(name, [None])[0], cached.inputs.get(name, [None])
+    if fx is None or any(c is None for c in cx):
+        return False
+    ref, dim = _seq_slice(fx, total, a0, n)
+    if ref is None:
+        return False
+    got = torch.cat(cx, dim=dim) if len(cx) > 1 else cx[0]
+    return got.shape == ref.shape and not torch.equal(got, ref)
+
+
+def _compare(full: _Recorder, cached: _Recorder, total: int, a0: int, n: int, cfg, settings, lm) -> BisectResult:
+    gaps: list[ModuleGap] = []
+    for name in full.order:
+        if name not in cached.outputs:
+            continue
+        ref, dim = _seq_slice(full.outputs[name][0], total, a0, n)
+        if ref is None:
+            continue
+        got = torch.cat(cached.outputs[name], dim=dim) if len(cached.outputs[name]) > 1 else cached.outputs[name][0]
+        if got.shape != ref.shape:
+            continue
+        mx, rel = _gap(ref, got)
+        gaps.append(ModuleGap(name, module_kind(name), module_layer(name), mx, rel,
+                              _input_differs(full, cached, name, total, a0, n)))
+    first = next((g for g in gaps if g.max_abs > 0), None)
+    if first is not None and first.input_differs and first.kind == "attention output":
+        # the op between the last agreeing module and this one is not a module: the attention itself
+        first = ModuleGap(first.name.rsplit(".", 1)[0], "attention weights / weighted sum", first.layer,
+                          first.max_abs, first.relative, True)
+    if first is None:
+        text = "Every hooked module gives the same bits in the cached run as in the full forward."
+    else:
+        where = module_label(first.name)  # kvviz.naming: "layer 2 (model.layers.1.self_attn)"
+        what = ("the attention computation itself (scores, softmax, weighted sum - not a module of its own)"
+                if first.kind.startswith("attention weights") else first.kind)
+        text = (f"The first difference is in {where}, {what}: max |Δ| {first.max_abs:.3g} ({first.relative:.3g} "
+                f"of its size). Everything computed before it is bit-identical.")
+    return BisectResult(settings={"prompt": cfg.prompt, "split": cfg.split, "mode": cfg.mode,
+                                  "left_pad": cfg.left_pad, "position_ids": cfg.position_ids,
+                                  "attention_mask": cfg.attention_mask, "model": lm.name,
+                                  "dtype": str(lm.dtype).removeprefix("torch."),
+                                  "execution": settings.to_dict()},
+                        first=first, modules=gaps, explanation=text)
+
+
+# ---- the op trace ------------------------------------------------------------------------------------------------
+
+_SKIP_OPS = {"__get__", "__getitem__", "size", "dim", "__len__", "stride", "is_floating_point", "numel",
+             "data_ptr", "__bool__", "item", "tolist", "__format__", "__repr__", "is_contiguous", "element_size",
+             "__setitem__", "to", "contiguous", "detach", "clone", "view", "reshape", "transpose", "permute",
+             "expand", "unsqueeze", "squeeze", "flatten", "narrow", "select", "split", "chunk", "unbind", "t",
+             "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "all", "any", "eq", "ne", "type_as"}
+
+
+def _op_name(func) -> str:
+    return getattr(func, "__name__", None) or str(func)
+
+
+def layer_name(module: str) -> str:
+    """The layer naming rule (kvviz.naming): "layer k (model.layers.{k-1}…)" for a module inside decoder layer k-1,
+    "embeddings (…)" for the embedding."""
+    if module_kind(module) == "embedding":
+        return f"embeddings ({module})"
+    return module_label(module)
+
+
+class _OpTrace:
+    """A TorchFunctionMode recording every op's first tensor output, keyed by (module path, module call, op index
+    in it). Full run (mode "record"): keeps only the compared positions of each output. Cached run (mode
+    "compare"): compares each output with the full run's on the fly and keeps the first that differs."""
+
+    def __init__(self, model, total: int, a0: int, n: int, compare_with: dict | None = None):
+        from torch.overrides import TorchFunctionMode
+
+        self.model, self.total, self.a0, self.n = model, total, a0, n
+        self.stack: list[str] = []
+        self.calls: dict[str, int] = {}
+        self.counters: dict[tuple, int] = {}
+        self.record: dict = {} if compare_with is None else compare_with
+        self.compare = compare_with is not None
+        self.first: OpGap | None = None
+        self.compared = 0
+        self.handles = []
+        trace = self
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                try:
+                    trace.on_op(func, args, out)
+                except Exception:  # noqa: BLE001 - the trace never breaks the run
+                    pass
+                return out
+
+        self.mode = Mode()
+
+    def __enter__(self):
+        for name, mod in self.model.named_modules():
+            self.handles.append(mod.register_forward_pre_hook(self._pre(name)))
+            self.handles.append(mod.register_forward_hook(self._post()))
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+        for h in self.handles:
+            h.remove()
+
+    def _pre(self, name):
+        def hook(mod, args):
+            self.stack.append(name)
+            self.calls[name] = self.calls.get(name, 0) + 1
+        return hook
+
+    def _post(self):
+        def hook(mod, args, out):
+            if self.stack:
+                self.stack.pop()
+        return hook
+
+    def on_op(self, func, args, out):
+        name = _op_name(func)
+        if name in _SKIP_OPS or self.first is not None:
+            return
+        t = _first_tensor(out)
+        if t is None or not t.is_floating_point() or t.dim() < 2:
+            return
+        module = self.stack[-1] if self.stack else ""
+        call = self.calls.get(module, 0)
+        key = (module, call, name)
+        idx = self.counters.get(key, 0)
+        self.counters[key] = idx + 1
+        full_key = (module, call, name, idx)
+        if not self.compare:
+            sl = None
+            for dim in range(t.dim()):
+                if t.shape[dim] == self.total:
+                    sl = (dim, t.narrow(dim, self.a0, self.n).detach().clone())
+                    break
+            if sl is not None and full_key not in self.record:
+                ins = [a for a in args if isinstance(a, torch.Tensor)]
+                self.record[full_key] = (sl, [list(a.shape) for a in ins], [str(a.dtype).removeprefix("torch.")
+                                                                            for a in ins])
+            return
+        ref = self.record.get(full_key)
+        if ref is None:
+            return
+        (dim, want), shapes, dtypes = ref
+        if t.dim() <= dim or t.shape[dim] != self.n:
+            return
+        got = t.detach()
+        if got.shape != want.shape:
+            return
+        self.compared += 1
+        if torch.equal(got, want):
+            return
+        mx, rel = _gap(want, got)
+        where = layer_name(module)
+        self.first = OpGap(name, module, where, idx, shapes, dtypes, list(want.shape),
+                           str(want.dtype).removeprefix("torch."), mx, rel, self.compared)
+        self.first.text = (f"The first differing torch op is {name} #{idx} in {where}: inputs {shapes} "
+                           f"({', '.join(dict.fromkeys(dtypes))}), output {list(want.shape)} {self.first.out_dtype} on "
+                           f"the compared positions, max |Δ| {mx:.3g} ({rel:.3g} of its size); the "
+                           f"{self.compared - 1} ops compared before it agree bit for bit.")
+
+
+def _trace_ops(ex: Executor, lm: LoadedModel, cfg: SplitConfig, inp, a0: int, n: int, past) -> OpGap | None:
+    """Both runs again under the op trace; step mode compares the first cached step (position a0) only."""
+    steps = n if cfg.mode == "chunk" else 1
+    full = _OpTrace(lm.model, inp.total, a0, steps)
+    with full:
+        ex.forward(inp.ids, inp.mask, inp.positions, hidden=False)
+    cached = _OpTrace(lm.model, inp.total, a0, steps, compare_with=full.record)
+    pos = inp.positions[:, a0:a0 + steps] if cfg.position_ids == "auto" else None
+    with cached:
+        ex.forward(inp.ids[:, a0:a0 + steps], cached_mask(cfg, inp, a0, a0 + steps), pos, past, hidden=False)
+    return cached.first
+
+
+register_bisector(run_bisect)  # a failed proof's explanation names what the bisector finds first

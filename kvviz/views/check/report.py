@@ -1,0 +1,11 @@
+"""The check view's report: its result rebuilt from a JSON export (no model runs) and its verdict line."""
+from __future__ import annotations
+
+def reopen(d: dict):
+    from .run import Check, CheckCard
+
+    return CheckCard(**{**d, "checks": [Check(**c) for c in d["checks"]]})
+
+
+def verdict(result) -> tuple[str, str]:
+    return result.overall, result.summary

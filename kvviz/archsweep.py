@@ -53,8 +53,8 @@ _SIZES = {
     "expert_intermediate_size": 32, "intermediate_size_mlp": FFN,
     # experts
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
-    "num_experts_per_tok": 2, "moe_topk": 2, "top_k": 2, "n_shared_experts": 1, "num_shared_experts": 1,
-    "n_group": 1, "topk_group": 1,
+    "num_experts_per_tok": 2, "moe_topk": 2, "top_k": 2, "num_experts_per_token": 2, "n_shared_experts": 1, "num_shared_experts": 1,
+    "n_group": 1, "topk_group": 1, "num_expert_group": 1,
     # MLA / low rank
     "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
     "qk_head_dim": 24, "rotary_dim": 8, "rotary_emb_base": None,
@@ -159,6 +159,12 @@ def _shrink_dict(d: dict, defaults: dict) -> dict:
             for k in ("num_hidden_layers", "n_layer", "num_layers"):
                 if k in defaults:
                     out[k] = len(kinds)
+    if defaults.get("kv_lora_rank") and defaults.get("num_key_value_heads") == defaults.get("num_attention_heads"):
+        # multi-head latent attention (DeepSeek-V2 style): the latent is expanded to every query head, so as many
+        # key/value heads as query heads (a grouped count makes the attention repeat the expanded heads again)
+        out["num_key_value_heads"] = HEADS
+        if "head_dim" in defaults and "qk_rope_head_dim" in out:
+            out["head_dim"] = out["qk_rope_head_dim"]  # the rotary embedding's width is head_dim: the rope part's
     if "sliding_window_pattern" in defaults and isinstance(defaults["sliding_window_pattern"], int):
         out["sliding_window_pattern"] = 2
     if "rope_parameters" in defaults and isinstance(defaults["rope_parameters"], dict):

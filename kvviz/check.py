@@ -150,7 +150,9 @@ def run_check(lm: LoadedModel, progress=None, weights: str = "none", kv: str = "
             progress(0.1 + 0.15 * i, name)
             checks.append(_gap_check(name, _split_gap(lm64, prompt, **kw), what))
         progress(0.55, "alone vs in a batch")
-        pad = run_padding(lm64, prompt, left_pad=2, prove=False)  # float64 decides here; no invariant rerun
+        # float64 decides here; no invariant rerun; only the cell the card reads (the whole grid is 5x slower, and
+        # its new-only-mask cells crash models that build positions or alibi from the mask: OPT, BLOOM)
+        pad = run_padding(lm64, prompt, left_pad=2, prove=False, only=(("in a batch", "cache"),))
         cell = next(c for c in pad.cells if c["placement"] == "in a batch" and c["scenario"] == "cache")
         checks.append(_gap_check("alone vs in a batch", max(cell["hidden_relative"], cell["logits_relative"]),
                                  "the prompt in a left-padded batch with longer prompts, through the cache"))

@@ -159,6 +159,7 @@ def _shrink_dict(d: dict, defaults: dict) -> dict:
             for k in ("num_hidden_layers", "n_layer", "num_layers"):
                 if k in defaults:
                     out[k] = len(kinds)
+    _shrink_per_layer(defaults, out)
     if defaults.get("kv_lora_rank") and defaults.get("num_key_value_heads") == defaults.get("num_attention_heads"):
         # multi-head latent attention (DeepSeek-V2 style): the latent is expanded to every query head, so as many
         # key/value heads as query heads (a grouped count makes the attention repeat the expanded heads again)
@@ -174,6 +175,61 @@ def _shrink_dict(d: dict, defaults: dict) -> dict:
         if isinstance(sub, dict):
             out[key] = {**sub, **_shrink_dict(sub, sub)}
     return out
+
+
+def _n_layers(d: dict) -> int | None:
+    for k in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
+        if isinstance(d.get(k), int) and not isinstance(d.get(k), bool):
+            return d[k]
+    return None
+
+
+def _shrink_per_layer(defaults: dict, out: dict) -> None:
+    """Per-layer lists (Gemma 3n's intermediate sizes and sparsity, dots3's MLP kinds) cut to the tiny depth, and
+    per-layer overrides (`per_layer_config`: Gemma 4's wider global heads, dots3's MLA widths) moved onto the tiny
+    layer of the same kind."""
+    n_old, n_new = _n_layers(defaults), _n_layers(out)
+    if not n_old or not n_new:
+        return
+    for key, val in defaults.items():
+        if key in _LAYER_LISTS or key in out or not isinstance(val, list) or len(val) != n_old:
+            continue
+        if all(isinstance(v, str) for v in val):
+            out[key] = _shrink_layer_list(val, n_new)
+        elif key in _SIZES and _SIZES[key] is not None:
+            out[key] = [_SIZES[key]] * n_new
+        else:
+            out[key] = list(val[:n_new])
+    plc = defaults.get("per_layer_config")
+    if isinstance(plc, dict) and plc:
+        old_types = defaults.get("layer_types") or []
+        new_types = out.get("layer_types") or []
+        width = max(len(str(k)) for k in plc)
+        new = {}
+        for i in range(n_new):
+            # the first original layer of this tiny layer's kind (or the same index) that has an override
+            kind = new_types[i] if i < len(new_types) else None
+            src = next((j for j in range(n_old) if (old_types[j] if j < len(old_types) else None) == kind
+                        and _plc_get(plc, j) is not None), None) if kind is not None else \
+                (i if _plc_get(plc, i) is not None else None)
+            if src is None:
+                continue
+            over = _plc_get(plc, src)
+            small = {k: (_SIZES[k] if k in _SIZES and _SIZES[k] is not None and isinstance(v, int) else v)
+                     for k, v in over.items()}
+            if "head_dim" in over and set(over) == {"head_dim"}:
+                small["head_dim"] = 2 * HEAD_DIM  # a wider head on this kind of layer (Gemma 4's global layers)
+            if over.get("kv_lora_rank") and over.get("num_key_value_heads") == over.get("num_attention_heads"):
+                small["num_key_value_heads"] = HEADS
+            new[str(i).zfill(width) if all(isinstance(k, str) for k in plc) else i] = small
+        out["per_layer_config"] = new
+
+
+def _plc_get(plc: dict, j: int):
+    for k in (j, str(j), f"{j:02d}"):
+        if k in plc:
+            return plc[k]
+    return None
 
 
 def _small_rope(rp: dict) -> dict:
@@ -203,7 +259,8 @@ def tiny_arch_config(model_type: str, **extra):
     defaults = cls().to_dict()
     kwargs = _shrink_dict(defaults, defaults)
     if model_type in _SPECIAL:
-        kwargs.update(_SPECIAL[model_type](defaults))
+        for k, v in _SPECIAL[model_type](defaults).items():  # a sub-config's fixes merged into its shrunk dict
+            kwargs[k] = {**kwargs[k], **v} if isinstance(v, dict) and isinstance(kwargs.get(k), dict) else v
     kwargs.update(extra)
     # MoE experts: the eager loop (torch's grouped_mm has no float64 kernel, and the card runs in float64)
     kwargs.setdefault("experts_implementation", "eager")
@@ -224,6 +281,20 @@ _SPECIAL = {
     "ctrl": lambda d: {"dff": FFN},
     "transfo-xl": lambda d: {},
     "mpt": lambda d: {"expansion_ratio": 2, "attn_config": {**(d.get("attn_config") or {}), "alibi": True}},
+    # hybrids: one linear-attention (Mamba / conv) layer and one attention layer, as the real ones interleave them
+    "bamba": lambda d: {"attn_layer_indices": [1]},
+    "jamba": lambda d: {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
+                        "expert_layer_offset": 1},
+    "granitemoehybrid": lambda d: {"layer_types": ["linear_attention", "full_attention"]},
+    "lfm2": lambda d: {"layer_types": ["conv", "full_attention"], "full_attn_idxs": [1]},
+    "lfm2_moe": lambda d: {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    "zamba": lambda d: {"num_hidden_layers": 4, "attn_layer_period": 2, "attn_layer_offset": 1,
+                        "layers_block_type": None},
+    "gpt_neo": lambda d: {"attention_types": [[["global", "local"], 1]], "window_size": WINDOW},
+    "mamba2": lambda d: {"num_heads": 8, "head_dim": 16, "expand": 2},
+    "falcon_h1": lambda d: {"mamba_d_ssm": 128, "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_expand": 2},
+    "zaya": lambda d: {"num_experts_per_tok": 1},
+    "gemma4_assistant": lambda d: {"text_config": {"hidden_size_per_layer_input": 0}},
     "dbrx": lambda d: {"d_model": HIDDEN, "n_heads": HEADS, "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 4,
                                                                          "moe_top_k": 2},
                        "attn_config": {"kv_n_heads": 2}},
@@ -313,9 +384,7 @@ def run_arch(model_type: str, workdir: Path, timeout: float | None = 120) -> Arc
                 return row
             recurrent = _recurrent_state(lm.model)
             if recurrent:
-                row.reason = (f"a recurrent model: its cache holds {recurrent}, not keys and values, and kvviz's "
-                              f"checks compare key/value caches")
-                return row
+                row.config["cache"] = recurrent
             card = check_mod.run_check(lm, prompt=PROMPT, reuse_prefix=REUSE[0], reuse_questions=REUSE[1])
             row.checks = [{"name": c.name, "status": c.status, "figure": c.figure, "evidence": c.evidence}
                           for c in card.checks]

@@ -54,6 +54,10 @@ def keep64(func, args, kwargs):
             return args, kwargs, grouped_mm64(*args, **kwargs)
         if func is torch.Tensor.float:
             return args, kwargs, args[0]
+        if func is torch.Tensor.type and (
+                (len(args) > 1 and args[1] in (torch.float32, "torch.FloatTensor"))
+                or kwargs.get("dtype") in (torch.float32, "torch.FloatTensor")):
+            return args, kwargs, args[0]  # MoE routers: F.linear(x.type(torch.float32), w.type(torch.float32))
         if func is torch.Tensor.to:
             if kwargs.get("dtype") == torch.float32:
                 kwargs = {k: v for k, v in kwargs.items() if k != "dtype"}

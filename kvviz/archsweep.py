@@ -53,8 +53,8 @@ _SIZES = {
     "expert_intermediate_size": 32, "intermediate_size_mlp": FFN,
     # experts
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
-    "num_experts_per_tok": 2, "moe_topk": 2, "top_k": 2, "num_experts_per_token": 2, "n_shared_experts": 1, "num_shared_experts": 1,
-    "n_group": 1, "topk_group": 1, "num_expert_group": 1,
+    "num_experts_per_tok": 2, "moe_topk": 2, "top_k": 2, "num_experts_per_token": 2, "moe_k": 2, "n_shared_experts": 1, "num_shared_experts": 1,
+    "n_group": 1, "topk_group": 1, "num_expert_group": 1, "moe_num_shared_experts": 1,
     # MLA / low rank
     "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
     "qk_head_dim": 24, "rotary_dim": 8, "rotary_emb_base": None,
@@ -70,7 +70,8 @@ _SIZES = {
     "attention_hidden_size": HIDDEN, "lru_width": HIDDEN, "block_types": None,
     # vision / audio towers of multimodal types (text only is run)
     "image_size": 32, "patch_size": 8, "num_channels": 3, "projection_dim": HIDDEN,
-    "vision_feature_layer": -1, "mm_tokens_per_image": 4,
+    "vision_feature_layer": -1, "mm_tokens_per_image": 4, "adapter_in_dim": HIDDEN, "adapter_out_dim": HIDDEN,
+    "adapter_input_size": HIDDEN,
 }
 _LAYER_LISTS = ("layer_types", "layers_block_type", "block_types", "hybrid_override_pattern")
 _SUBCONFIGS = ("text_config", "vision_config", "audio_config", "decoder", "encoder", "llm_config")
@@ -290,6 +291,14 @@ _SPECIAL = {
     "lfm2_moe": lambda d: {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
     "zamba": lambda d: {"num_hidden_layers": 4, "attn_layer_period": 2, "attn_layer_offset": 1,
                         "layers_block_type": None},
+    "cohere_compass_text": lambda d: {"rope_parameters": {"full_attention": {"rope_type": "default",
+                                                                           "rope_theta": 10000.0}}},
+    "qwen4_exp": lambda d: {"text_config": _QSA},
+    "qwen4_exp_text": lambda d: _QSA,
+    "gemma3n_text": lambda d: _GEMMA3N,
+    "gemma3n": lambda d: {"text_config": _GEMMA3N},
+    "dots3_note_text": lambda d: _DOTS3,
+    "dots3_note": lambda d: {"text_config": _DOTS3},
     "gpt_neo": lambda d: {"attention_types": [[["global", "local"], 1]], "window_size": WINDOW},
     "mamba2": lambda d: {"num_heads": 8, "head_dim": 16, "expand": 2},
     "falcon_h1": lambda d: {"mamba_d_ssm": 128, "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_expand": 2},
@@ -297,8 +306,21 @@ _SPECIAL = {
     "gemma4_assistant": lambda d: {"text_config": {"hidden_size_per_layer_input": 0}},
     "dbrx": lambda d: {"d_model": HIDDEN, "n_heads": HEADS, "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 4,
                                                                          "moe_top_k": 2},
-                       "attn_config": {"kv_n_heads": 2}},
+                       "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0}},
 }
+# Qwen4-Exp's token indexer (QSA) on its indexed layers: one key head, a budget of 8 tokens in blocks of 4
+_QSA = {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": HEAD_DIM, "indexer_budget": 8,
+        "indexer_compress_ratio": 4}
+# Gemma 3n: 4 layers (sliding, full) x 2 whose last two reuse the first two's keys and values (its cross-layer KV
+# sharing kept), per-layer inputs and LAuReL shrunk
+_GEMMA3N = {"num_hidden_layers": 4, "layer_types": ["sliding_attention", "full_attention"] * 2,
+            "num_kv_shared_layers": 2, "intermediate_size": [FFN] * 4, "activation_sparsity_pattern": [0.95, 0.95, 0.0, 0.0],
+            "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 16, "laurel_rank": 8}
+# dots3: MLA on indexed layers and sliding-window layers whose head_dim = qk_nope + qk_rope (a quarter of it rotary)
+_DOTS3 = {"qk_nope_head_dim": 24, "qk_rope_head_dim": 8, "head_dim": 32, "v_head_dim": 16, "index_head_dim": HEAD_DIM,
+          "index_n_heads": 2, "index_topk": 8,
+          "per_layer_config": {"01": {"num_attention_heads": HEADS, "num_key_value_heads": HEADS, "kv_lora_rank": 16,
+                                      "qk_nope_head_dim": 24}}}
 _BIDIRECTIONAL = ("roberta",)  # kept as seed 003 built it (no is_decoder): the card must say unsafe
 
 
@@ -314,6 +336,10 @@ def build_arch(model_type: str, folder: Path) -> dict:
     config = tiny_arch_config(model_type)
     model = random_model(config, SEED)
     model.save_pretrained(folder)
+    if getattr(model.config, "model_type", model_type) != config.model_type:
+        # a causal-LM class that keeps only its text sub-config (Emu3, Mllama) saves that one, whose model type
+        # transformers' causal-LM mapping does not know: write the type's own config, as a real checkpoint has
+        config.save_pretrained(folder)
     byte_tokenizer().save_pretrained(folder)
     text = getattr(config, "text_config", None) or config
     n_params = sum(p.numel() for p in model.parameters())

@@ -380,12 +380,29 @@ class LoadedModel:
         return getattr(self.model.config, "model_type", "?")
 
     @property
+    def text_config(self):
+        """The config of the language model (a multimodal model's text sub-config: Gemma 3, Fuyu, GOT-OCR2)."""
+        cfg = self.model.config
+        try:
+            return cfg.get_text_config(decoder=True) or cfg
+        except (AttributeError, TypeError, ValueError):
+            return cfg
+
+    @property
     def n_layers(self) -> int:
-        return int(self.model.config.num_hidden_layers)
+        for cfg in (self.model.config, self.text_config):
+            for name in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
+                v = getattr(cfg, name, None)
+                if isinstance(v, int) and not isinstance(v, bool):
+                    return v
+        raise KvvizError(f"{self.name}: its config names no number of layers")
 
     @property
     def max_positions(self) -> int | None:
         cfg = self.model.config
+        if not any(isinstance(getattr(cfg, n, None), int) for n in ("max_position_embeddings", "n_positions",
+                                                                     "n_ctx")):
+            cfg = self.text_config
         for name in ("max_position_embeddings", "n_positions", "n_ctx"):
             v = getattr(cfg, name, None)
             if isinstance(v, int) and v > 0:

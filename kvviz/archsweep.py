@@ -290,7 +290,8 @@ _SPECIAL = {
     "lfm2": lambda d: {"layer_types": ["conv", "full_attention"], "full_attn_idxs": [1]},
     "lfm2_moe": lambda d: {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
     "zamba": lambda d: {"num_hidden_layers": 4, "attn_layer_period": 2, "attn_layer_offset": 1,
-                        "layers_block_type": None},
+                        "layers_block_type": None, "attention_hidden_size": 2 * HIDDEN,
+                        "attention_head_dim": 2 * HIDDEN // HEADS, "num_key_value_heads": HEADS},
     "cohere_compass_text": lambda d: {"rope_parameters": {"full_attention": {"rope_type": "default",
                                                                            "rope_theta": 10000.0}}},
     "qwen4_exp": lambda d: {"text_config": _QSA},
@@ -299,6 +300,12 @@ _SPECIAL = {
     "gemma3n": lambda d: {"text_config": _GEMMA3N},
     "dots3_note_text": lambda d: _DOTS3,
     "dots3_note": lambda d: {"text_config": _DOTS3},
+    # Zamba's attention sees the hidden state concatenated with the embeddings: twice the width
+    "zamba2": lambda d: {"attention_hidden_size": 2 * HIDDEN, "attention_head_dim": 2 * HIDDEN // HEADS,
+                         "num_key_value_heads": HEADS},
+    # transformers' xLSTM cache holds a [v, v] matrix state: with qk_dim_factor 0.5 (the default) use_cache=True
+    # fails in plain transformers ("matC_old has wrong shape"); equal q/k and v widths run
+    "xlstm": lambda d: {"qk_dim_factor": 1.0},
     "gpt_neo": lambda d: {"attention_types": [[["global", "local"], 1]], "window_size": WINDOW},
     "mamba2": lambda d: {"num_heads": 8, "head_dim": 16, "expand": 2},
     "falcon_h1": lambda d: {"mamba_d_ssm": 128, "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_expand": 2},
@@ -408,6 +415,10 @@ def run_arch(model_type: str, workdir: Path, timeout: float | None = 120) -> Arc
             except Exception as e:  # noqa: BLE001
                 row.reason = "cannot load: " + _one_line(e)
                 return row
+            langs = getattr(lm.config, "languages", None)
+            if hasattr(lm.model, "set_default_language") and langs:
+                lm.model.set_default_language(langs[0])  # X-MOD: one language's adapters (every input has one)
+                row.config["language"] = langs[0]
             recurrent = _recurrent_state(lm.model)
             if recurrent:
                 row.config["cache"] = recurrent
@@ -415,7 +426,11 @@ def run_arch(model_type: str, workdir: Path, timeout: float | None = 120) -> Arc
             row.checks = [{"name": c.name, "status": c.status, "figure": c.figure, "evidence": c.evidence}
                           for c in card.checks]
             failed = [c for c in card.checks if c.status == "fail"]
-            row.status = "unsafe" if failed else "safe"
+            no_cache = next((c for c in card.checks if c.name == "cache" and c.status == "n/a"), None)
+            row.status = "unsafe" if failed else ("no cache" if no_cache else "safe")
+            if no_cache:
+                row.reason, row.proof = no_cache.evidence, "n/a (no cache)"
+                return row
             row.reason = "; ".join(f"{c.name}: {_gap_text(c.figure)}" for c in failed)
             if any(c.name == "causal attention" and c.status == "fail" for c in card.checks):
                 row.proof = "n/a (no cache: bidirectional)"

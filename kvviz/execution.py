@@ -315,6 +315,10 @@ def _state_tensors(cache) -> list[torch.Tensor]:
     if isinstance(cache, (list, tuple)):
         return [t for t in cache if isinstance(t, torch.Tensor)]
     out = []
+    rnn = getattr(cache, "rnn_state", None)  # xLSTM's cache: {layer: (C, n, m)}
+    if isinstance(rnn, dict):
+        out += [t for states in rnn.values() for t in (states if isinstance(states, (list, tuple)) else [states])
+                if isinstance(t, torch.Tensor)]
     for layer in getattr(cache, "layers", None) or []:
         for states in (getattr(layer, "conv_states", None), getattr(layer, "recurrent_states", None)):
             if isinstance(states, dict):

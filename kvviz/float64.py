@@ -45,6 +45,10 @@ _PRODUCTS = {torch.nn.functional.linear, torch.matmul, torch.Tensor.matmul, torc
              torch.Tensor.__matmul__, torch.baddbmm, torch.addmm}
 
 
+_CREATIONS = {torch.zeros, torch.ones, torch.empty, torch.full, torch.zeros_like, torch.ones_like, torch.empty_like,
+              torch.full_like}
+
+
 def _is64(x) -> bool:
     return isinstance(x, torch.Tensor) and x.dtype == torch.float64
 
@@ -65,6 +69,9 @@ def keep64(func, args, kwargs):
             args = tuple(type(a)(up(x) for x in a) if isinstance(a, (list, tuple)) else up(a) for a in args)
             kwargs = {k: up(v) for k, v in kwargs.items()}
         return args, kwargs, None
+    if func in _CREATIONS and kwargs.get("dtype") is torch.float32:
+        # a float32 state or accumulator made for a float64 run (RWKV's wkv state, zeros_like(key, dtype=float32))
+        return args, {**kwargs, "dtype": torch.float64}, None
     if func is torch.full and "dtype" not in kwargs and len(args) > 1 and isinstance(args[1], float) \
             and abs(args[1]) > torch.finfo(torch.float32).max and args[1] != float("inf") \
             and args[1] != float("-inf"):

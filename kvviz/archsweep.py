@@ -289,8 +289,8 @@ _SPECIAL = {
     "granitemoehybrid": lambda d: {"layer_types": ["linear_attention", "full_attention"]},
     "lfm2": lambda d: {"layer_types": ["conv", "full_attention"], "full_attn_idxs": [1]},
     "lfm2_moe": lambda d: {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
-    "zamba": lambda d: {"num_hidden_layers": 4, "attn_layer_period": 2, "attn_layer_offset": 1,
-                        "layers_block_type": None, "attention_hidden_size": 2 * HIDDEN,
+    # two hybrid layers sharing one attention block (transformers ties the second's to the first's)
+    "zamba": lambda d: {"num_hidden_layers": 4, "layers_block_type": ["linear_attention", "hybrid"] * 2, "attention_hidden_size": 2 * HIDDEN,
                         "attention_head_dim": 2 * HIDDEN // HEADS, "num_key_value_heads": HEADS},
     "cohere_compass_text": lambda d: {"rope_parameters": {"full_attention": {"rope_type": "default",
                                                                            "rope_theta": 10000.0}}},
@@ -408,7 +408,7 @@ def run_arch(model_type: str, workdir: Path, timeout: float | None = 120) -> Arc
             except _Timeout:
                 raise
             except Exception as e:  # noqa: BLE001
-                row.reason = "cannot build a tiny model: " + _one_line(e)
+                row.reason = _build_failure(model_type, e)
                 return row
             try:
                 lm = load_model(str(folder), dtype="float64", device="cpu")
@@ -441,6 +441,8 @@ def run_arch(model_type: str, workdir: Path, timeout: float | None = 120) -> Arc
     except (KvvizError, Exception) as e:  # noqa: BLE001
         row.status = "cannot run"
         row.reason = "the run failed: " + _one_line(e)
+        if model_type in _CACHE_API:
+            row.reason = f"{_CACHE_API[model_type]} ({_one_line(e)[:120]})"
         row.checks.append({"name": "traceback", "status": "note", "figure": None,
                            "evidence": traceback.format_exc(limit=-2)[-600:]})
     finally:
@@ -462,6 +464,42 @@ def _recurrent_state(model) -> str | None:
     return None
 
 
+def _build_failure(model_type: str, e: BaseException) -> str:
+    """One line: why the tiny model could not be built. A package the model needs that is not installed, or
+    transformers' own causal-LM class failing on the type's own config, is 'not buildable here' (outside the
+    percentage); anything else is the sweep's config builder failing, which counts against it."""
+    import re
+
+    text = str(e)
+    pkg = re.search(r"requires the (\w[\w-]*) library", text)
+    if pkg or isinstance(e, ImportError):
+        name = pkg.group(1) if pkg else getattr(e, "name", None) or "a package"
+        return f"{NOT_BUILDABLE}needs the `{name}` package, not installed (" + _one_line(e)[:120] + ")"
+    if model_type in _TRANSFORMERS_CANNOT_BUILD:
+        return f"{NOT_BUILDABLE}{_TRANSFORMERS_CANNOT_BUILD[model_type]} ({_one_line(e)[:100]})"
+    return "cannot build a tiny model: " + _one_line(e)
+
+
+# Types whose causal-LM class in transformers' own mapping cannot be built from the type's own config at all (any
+# size, any device): a real checkpoint of the type fails in AutoModelForCausalLM the same way.
+_TRANSFORMERS_CANNOT_BUILD = {
+    "musicgen": "transformers' MusicgenForCausalLM reads config.dropout, which only the decoder sub-config of a "
+                "musicgen config has: AutoModelForCausalLM cannot build it from a musicgen config",
+    "musicgen_melody": "transformers' MusicgenMelodyForCausalLM reads config.dropout, which only the decoder "
+                       "sub-config of a musicgen_melody config has: AutoModelForCausalLM cannot build it",
+}
+
+
+# Types whose transformers implementation takes its cache in a way kvviz's loops (prefix, then the new tokens with
+# the cache) do not drive: the run fails, and this says why (they count as not run).
+_CACHE_API = {
+    "cpmant": "CPM-Ant's cached call takes the whole sequence again and slices off the past itself; kvviz feeds "
+              "only the new tokens",
+    "prophetnet": "ProphetNet's decoder takes its cache one token per call only (transformers asserts it), so the "
+                  "one-chunk checks cannot run",
+}
+
+
 def _gap_text(fig) -> str:
     if fig is None:
         return "no cache"
@@ -469,7 +507,9 @@ def _gap_text(fig) -> str:
 
 
 def sweep(types: list[str] | None = None, timeout: float | None = 120, progress=None,
-          workdir: Path | None = None) -> list[ArchRow]:
+          workdir: Path | None = None, jobs: int = 1) -> list[ArchRow]:
+    """Run the types (all by default) and return their rows in order. jobs > 1: that many worker processes
+    (`python -m kvviz.archsweep TYPE...`, one JSON row per line), each type still under its own time limit."""
     progress = progress or (lambda i, n, t, row: None)
     all_types = model_types()
     types = types or all_types
@@ -477,6 +517,8 @@ def sweep(types: list[str] | None = None, timeout: float | None = 120, progress=
     if unknown:
         raise KvvizError(f"unknown model type '{unknown[0]}': not in transformers' causal-LM mapping "
                          f"({len(all_types)} types, e.g. {', '.join(all_types[:5])})")
+    if jobs > 1 and len(types) > 1:
+        return _sweep_parallel(types, timeout, progress, workdir, jobs)
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvviz-archsweep-", dir=workdir) as tmp:
         for i, t in enumerate(types):
@@ -486,11 +528,83 @@ def sweep(types: list[str] | None = None, timeout: float | None = 120, progress=
     return rows
 
 
+def _sweep_parallel(types, timeout, progress, workdir, jobs) -> list[ArchRow]:
+    import subprocess
+    import sys
+    import threading
+
+    groups = [types[i::jobs] for i in range(min(jobs, len(types)))]
+    done: dict[str, ArchRow] = {}
+    lock = threading.Lock()
+
+    def read(proc, group):
+        for line in proc.stdout:
+            if not line.startswith("{"):
+                continue
+            row = ArchRow(**json.loads(line))
+            with lock:
+                done[row.model_type] = row
+                progress(len(done), len(types), row.model_type, row)
+        proc.wait()
+        for t in group:  # a worker that died (out of memory, killed) leaves its remaining types without a row
+            with lock:
+                if t not in done:
+                    done[t] = ArchRow(t, "cannot run", f"not reached: its worker process ended (exit {proc.returncode})")
+                    progress(len(done), len(types), t, done[t])
+
+    env_timeout = "0" if not timeout else repr(float(timeout))
+    procs, threads = [], []
+    for group in groups:
+        cmd = [sys.executable, "-m", "kvviz.archsweep", "--timeout", env_timeout,
+               *(["--workdir", str(workdir)] if workdir else []), *group]
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                             cwd=str(Path(__file__).resolve().parent.parent))
+        th = threading.Thread(target=read, args=(p, group), daemon=True)
+        th.start()
+        procs.append(p)
+        threads.append(th)
+    try:
+        for th in threads:
+            th.join()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return [done[t] for t in types]
+
+
+def _worker(argv: list[str]) -> int:
+    """`python -m kvviz.archsweep [--timeout S] [--workdir D] TYPE...`: one JSON row per line (the parallel sweep's
+    worker)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m kvviz.archsweep")
+    ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("types", nargs="+")
+    a = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="kvviz-archsweep-", dir=a.workdir) as tmp:
+        for t in a.types:
+            row = run_arch(t, Path(tmp), a.timeout or None)
+            print(json.dumps(row.to_dict(), default=str), flush=True)
+    return 0
+
+
+NOT_BUILDABLE = "not buildable here: "  # the reason's prefix for a type outside the percentage
+
+
 def totals(rows: list[ArchRow]) -> dict:
+    """Counts, and the share of the types buildable on a CPU that actually ran (a type is outside it only when its
+    reason says it cannot be built here: a package or CUDA kernel it needs, or transformers' own class failing)."""
     ran = [r for r in rows if r.status != "cannot run"]
+    unbuildable = sum(r.status == "cannot run" and r.reason.startswith(NOT_BUILDABLE) for r in rows)
+    buildable = len(rows) - unbuildable
     return {"types": len(rows), "run": len(ran), "safe": sum(r.status == "safe" for r in rows),
             "unsafe": sum(r.status == "unsafe" for r in rows),
+            "no cache": sum(r.status == "no cache" for r in rows),
             "cannot run": sum(r.status == "cannot run" for r in rows),
+            "not buildable": unbuildable, "buildable": buildable,
+            "run %": round(100.0 * len(ran) / buildable, 1) if buildable else 0.0,
             "proof 0": sum(r.proof == "0" for r in rows)}
 
 
@@ -518,8 +632,10 @@ def markdown(rows: list[dict], meta: dict) -> str:
         f"the window) and the invariant-mode proof (cached vs full, chunk and step, float64: a gap of exactly 0, or "
         f"the first op that breaks it).",
         "",
-        f"**Totals:** {t['run']} run ({t['safe']} safe, {t['unsafe']} unsafe), {t['cannot run']} cannot run; "
-        f"proof exactly 0 on {t['proof 0']}. {meta.get('note', '')}",
+        f"**Totals:** {t['run']} run ({t['safe']} safe, {t['unsafe']} unsafe, {t['no cache']} causal with no cache "
+        f"to check), {t['cannot run']} cannot run ({t['not buildable']} of them not buildable on a CPU here); "
+        f"**{t['run']} of the {t['buildable']} buildable on a CPU ran: {t['run %']:g} %**; proof exactly 0 on "
+        f"{t['proof 0']}. {meta.get('note', '')}",
         "",
         "| model type | verdict | evidence | proof (invariant mode) |",
         "|---|---|---|---|",
@@ -551,7 +667,15 @@ def add_parser(sub) -> None:
                     "old ones in the output")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per model type (default 120)")
+    ap.add_argument("--note", default=None, help="how and where the sweep ran (machine load), for the table's "
+                    "totals line (default: the table's current note)")
+    ap.add_argument("--jobs", type=int, default=1, help="worker processes (default 1); each type keeps its own "
+                    "time limit")
     ap.add_argument("--out", default="docs", help="folder of architectures.md/.json (default docs); '-' writes none")
+
+
+def out_path_json(args) -> Path:
+    return Path("/nonexistent") if args.out == "-" else Path(args.out) / "architectures.json"
 
 
 def cli(args) -> int:
@@ -560,6 +684,13 @@ def cli(args) -> int:
         raise KvvizError("--only needs at least one model type")
     if args.timeout is not None and args.timeout <= 0:
         raise KvvizError(f"--timeout must be a positive number of seconds, not {args.timeout:g}")
+    jobs = getattr(args, "jobs", 1) or 1
+    note = getattr(args, "note", None)
+    if note is None and out_path_json(args).exists():  # an --only rerun keeps the table's note on how it was run
+        note = json.loads(out_path_json(args).read_text()).get("meta", {}).get("note", "")
+    note = note or ""
+    if jobs < 1:
+        raise KvvizError(f"--jobs must be 1 or more, not {jobs}")
     out = None if args.out == "-" else Path(args.out)
     t0 = time.perf_counter()
     done: list[ArchRow] = []
@@ -571,15 +702,22 @@ def cli(args) -> int:
                   + (f"; proof {row.proof}" if row.proof else "") + f" ({row.seconds:.1f} s)", flush=True)
         if out is not None:  # written as it goes: an interrupted sweep keeps its rows
             rows = merge_rows(out / "architectures.json", [row])
-            write_docs(rows, out, {"note": ""})
+            write_docs(rows, out, {"note": note})
 
-    rows = sweep(types, args.timeout, progress)
+    rows = sweep(types, args.timeout, progress, jobs=jobs)
     elapsed = time.perf_counter() - t0
     if args.json:
         print(json.dumps({"rows": [r.to_dict() for r in rows], "totals": totals(rows), "elapsed_s": elapsed},
                          indent=1, default=str))
     else:
         t = totals(rows)
-        print(f"\n{t['types']} types: {t['run']} run ({t['safe']} safe, {t['unsafe']} unsafe), "
-              f"{t['cannot run']} cannot run; proof 0 on {t['proof 0']}; {elapsed:.0f} s")
+        print(f"\n{t['types']} types: {t['run']} run ({t['safe']} safe, {t['unsafe']} unsafe, {t['no cache']} no "
+              f"cache), {t['cannot run']} cannot run ({t['not buildable']} not buildable on a CPU here); "
+              f"{t['run %']:g} % of the buildable ran; proof 0 on {t['proof 0']}; {elapsed:.0f} s")
     return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(_worker(sys.argv[1:]))

@@ -200,6 +200,12 @@ class Executor:
         out = self._callable()(**kwargs)
         if state_arg is not None:  # the state read back where every caller reads a cache
             out.past_key_values = getattr(out, state_arg, None)
+        hs = getattr(out, "hidden_states", None) if hidden else None
+        if hs is not None and any(h.dim() == 4 for h in hs):
+            # hyper-connections (DeepSeek-V4, HY-V4): a layer's residual is several parallel streams [B, T, S, H];
+            # compared as their mean, one [B, T, H] row per layer like every other model (a gap in any stream moves
+            # the mean unless it cancels exactly across streams)
+            out.hidden_states = tuple(h.mean(-2) if h.dim() == 4 else h for h in hs)
         return out
 
     def generate(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, pad_token_id: int,

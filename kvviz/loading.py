@@ -30,7 +30,7 @@ from .dtypes import dtype_name, float64_device, parse_dtype, resolve_device, sup
 from .errors import KvvizError
 from .float64 import keep_float64
 from .placement import ONE, Placement, check_placement, input_device, max_memory_for, parse_placement
-from .tiny import TINY_MODELS, TINY_VERSION, build_tiny
+from .tiny import TINY_MODELS, TINY_SWEEP, TINY_VERSION, build_tiny
 
 Progress = Callable[[float, str], None]
 
@@ -99,7 +99,7 @@ def _parse(s: str) -> ModelSpec:
         return ModelSpec("default", DEFAULT_GGUF)
     if s.lower().startswith("tiny:"):
         arch = s.split(":", 1)[1].strip().lower()
-        if arch not in TINY_MODELS:
+        if arch not in TINY_MODELS and arch not in TINY_SWEEP:
             raise KvvizError(f"unknown tiny model '{arch}'; choose one of {', '.join(TINY_MODELS)}")
         return ModelSpec("tiny", arch)
     p = Path(s).expanduser()

@@ -245,7 +245,7 @@ _SPECIAL = {
     "gemma4_assistant": lambda d: {"text_config": {"hidden_size_per_layer_input": 0}},
     "dbrx": lambda d: {"d_model": HIDDEN, "n_heads": HEADS, "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 4,
                                                                          "moe_top_k": 2},
-                       "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0}},
+                       "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}},
 }
 # Qwen4-Exp's token indexer (QSA) on its indexed layers: one key head, a budget of 8 tokens in blocks of 4
 _QSA = {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": HEAD_DIM, "indexer_budget": 8,

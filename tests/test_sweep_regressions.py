@@ -110,3 +110,31 @@ def test_multimodal_config_counts_its_text_layers():
 def test_xglm_runs_in_float64():
     _, main = _split("tiny:xglm", "chunk")  # torch.full(finfo(float64).min) overflowed before the first token
     assert main.has_cache and main.max_relative < 1e-12
+
+
+def test_serving_never_keeps_rounding_not_a_bug_beside_a_failed_proof(monkeypatch):
+    """Issue 17's done-when: no result says "rounding, not a bug" while its proof failed. The serving study wrote
+    "... (relative): rounding, not a bug." and then, when invariant mode still parted, "... - logic" beside it."""
+    from types import SimpleNamespace
+
+    from kvviz import serving
+
+    def fake(got, verdict):
+        p = serving.PromptResult(0, "x", [5, 6, 7], "", [], {}, {}, {}, 2, first_divergence=1, condition="batch",
+                                 run=0, float64_gap=1e-15, verdict=verdict,
+                                 explanation="At step 1 ... agree to 1e-15 (relative): rounding, not a bug.")
+        monkeypatch.setattr(serving, "_reference", lambda *a: ([5, 6, 7], []))
+        monkeypatch.setattr(serving, "_requests", lambda *a, **k: (None, 1, False, False, {"k": 0}))
+        monkeypatch.setattr(serving, "_engine_run",
+                            lambda *a: SimpleNamespace(outputs={"k": SimpleNamespace(tokens=got)}))
+        serving._prove(p, None, None, None, ["x"], None, 3, None, None)
+        return p
+
+    failed = fake([5, 9, 7], "precision")
+    assert failed.proved is False
+    text = (failed.explanation + " " + failed.proof).lower()
+    assert "rounding, not a bug" not in text and "unproved" in text and "step 1" in text
+    proved = fake([5, 6, 7], "precision")
+    assert proved.proved is True and "rounding, not a bug" in proved.explanation  # with its proof it may say so
+    logic = fake([5, 9, 7], "logic")
+    assert logic.proof.endswith("logic.")

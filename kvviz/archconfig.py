@@ -242,7 +242,6 @@ _SPECIAL = {
     "mamba2": lambda d: {"num_heads": 8, "head_dim": 16, "expand": 2},
     "falcon_h1": lambda d: {"mamba_d_ssm": 128, "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_expand": 2},
     "zaya": lambda d: {"num_experts_per_tok": 1},
-    "gemma4_assistant": lambda d: {"text_config": {"hidden_size_per_layer_input": 0}},
     "dbrx": lambda d: {"d_model": HIDDEN, "n_heads": HEADS, "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 4,
                                                                          "moe_top_k": 2},
                        "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}},

@@ -159,6 +159,8 @@ def run_arch(model_type: str, workdir: Path, timeout: float | None = 120) -> Arc
                 raise
             except Exception as e:  # noqa: BLE001
                 row.reason = _build_failure(model_type, e)
+                if model_type in _CACHE_API:
+                    row.reason = f"{_CACHE_API[model_type]} ({_one_line(e)[:120]})"
                 return row
             try:
                 lm = load_model(str(folder), dtype="float64", device="cpu")
@@ -245,6 +247,10 @@ _TRANSFORMERS_CANNOT_BUILD = {
 _CACHE_API = {
     "cpmant": "CPM-Ant's cached call takes the whole sequence again and slices off the past itself; kvviz feeds "
               "only the new tokens",
+    "gemma4_assistant": "a Gemma 4 draft (assistant) model: every layer reads the keys and values its target model "
+                        "shares with it (num_kv_shared_layers = num_hidden_layers), so it cannot run alone",
+    "gemma4_unified_assistant": "a Gemma 4 draft (assistant) model: its layers read the keys and values its target "
+                                "model shares with it, so it cannot run alone",
     "prophetnet": "ProphetNet's decoder takes its cache one token per call only (transformers asserts it), so the "
                   "one-chunk checks cannot run",
 }

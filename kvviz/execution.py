@@ -202,10 +202,12 @@ class Executor:
             out.past_key_values = getattr(out, state_arg, None)
         hs = getattr(out, "hidden_states", None) if hidden else None
         if hs is not None and any(h.dim() == 4 for h in hs):
-            # hyper-connections (DeepSeek-V4, HY-V4): a layer's residual is several parallel streams [B, T, S, H];
-            # compared as their mean, one [B, T, H] row per layer like every other model (a gap in any stream moves
-            # the mean unless it cancels exactly across streams)
-            out.hidden_states = tuple(h.mean(-2) if h.dim() == 4 else h for h in hs)
+            # several parallel residual streams per layer: hyper-connections (DeepSeek-V4, HY-V4: [B, T, S, H]) or
+            # Gemma 3n's AltUp ([S, B, T, H]); compared as their mean, one [B, T, H] row per layer like every other
+            # model (a gap in any stream moves the mean unless it cancels exactly across streams)
+            b, t = ids.shape[0], ids.shape[-1]
+            out.hidden_states = tuple(
+                h if h.dim() != 4 else h.mean(0) if tuple(h.shape[1:3]) == (b, t) else h.mean(-2) for h in hs)
         return out
 
     def generate(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, pad_token_id: int,

@@ -75,6 +75,8 @@ TINY_SWEEP: dict[str, str] = {
     "openai-gpt": "openai-gpt",  # causal with no cache at all: the card called it bidirectional
     "gemma3-vlm": "gemma3",  # a multimodal config: no num_hidden_layers of its own (its text config has them)
     "xglm": "xglm",  # torch.full((), finfo(float64).min) made in float32 overflowed
+    "gemma3n": "gemma3n_text",  # AltUp: 4 residual streams per layer, hidden states [S, B, T, H]; KV shared by layers
+    "hy_v4": "hy_v4",  # hyper-connections: residual streams per layer, hidden states [B, T, S, H]
 }
 TIE_TOKENS = ("a", "b")
 TIE_DELTA = 2.0 ** -12  # exact in float32, below half an ulp of 1.0 in float16 (2^-11) and bfloat16 (2^-8)

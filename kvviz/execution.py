@@ -206,8 +206,13 @@ class Executor:
             # Gemma 3n's AltUp ([S, B, T, H]); compared as their mean, one [B, T, H] row per layer like every other
             # model (a gap in any stream moves the mean unless it cancels exactly across streams)
             b, t = ids.shape[0], ids.shape[-1]
-            out.hidden_states = tuple(
+            out.hidden_states = hs = tuple(
                 h if h.dim() != 4 else h.mean(0) if tuple(h.shape[1:3]) == (b, t) else h.mean(-2) for h in hs)
+        if hs is not None and len({h.shape[-1] for h in hs}) > 1:
+            # the streams flattened into the width (Qwen4-Exp: [B, T, streams × H]): the same mean
+            width = hs[-1].shape[-1]
+            out.hidden_states = tuple(h.unflatten(-1, (-1, width)).mean(-2)
+                                      if h.shape[-1] != width and h.shape[-1] % width == 0 else h for h in hs)
         return out
 
     def generate(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, pad_token_id: int,

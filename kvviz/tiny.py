@@ -77,6 +77,7 @@ TINY_SWEEP: dict[str, str] = {
     "xglm": "xglm",  # torch.full((), finfo(float64).min) made in float32 overflowed
     "gemma3n": "gemma3n_text",  # AltUp: 4 residual streams per layer, hidden states [S, B, T, H]; KV shared by layers
     "hy_v4": "hy_v4",  # hyper-connections: residual streams per layer, hidden states [B, T, S, H]
+    "qwen4_exp": "qwen4_exp_text",  # hyper-connections flattened into the width: hidden states [B, T, S × H]
 }
 TIE_TOKENS = ("a", "b")
 TIE_DELTA = 2.0 ** -12  # exact in float32, below half an ulp of 1.0 in float16 (2^-11) and bfloat16 (2^-8)

@@ -140,10 +140,11 @@ def test_serving_never_keeps_rounding_not_a_bug_beside_a_failed_proof(monkeypatc
     assert logic.proof.endswith("logic.")
 
 
-@pytest.mark.parametrize("spec", ["tiny:gemma3n", "tiny:hy_v4"])
+@pytest.mark.parametrize("spec", ["tiny:gemma3n", "tiny:hy_v4", "tiny:qwen4_exp"])
 def test_parallel_residual_streams_are_compared(spec):
-    # Gemma 3n's AltUp ([streams, B, T, H]) and HY-V4's hyper-connections ([B, T, streams, H]) made torch.stack of
-    # the per-layer hidden states fail (or compare zero positions): now one [T, H] row per layer, their mean
+    # Gemma 3n's AltUp ([streams, B, T, H]), HY-V4's hyper-connections ([B, T, streams, H]) and Qwen4-Exp's
+    # ([B, T, streams × H]) made torch.stack of the per-layer hidden states fail (or compare zero positions): now
+    # one [T, H] row per layer, their mean
     lm, main = _split(spec, "chunk")
     assert main.has_cache and main.max_relative < 1e-12, main.max_relative
     assert main.hidden["max_abs"].shape[0] == lm.n_layers + 1  # embeddings + every layer

@@ -47,9 +47,12 @@ _SIZES = {
     "image_size": 32, "patch_size": 8, "num_channels": 3, "projection_dim": HIDDEN,
     "vision_feature_layer": -1, "mm_tokens_per_image": 4, "adapter_in_dim": HIDDEN, "adapter_out_dim": HIDDEN,
     "adapter_input_size": HIDDEN,
+    # BLT: its byte n-gram hash embeddings (500,002 rows each) and the global transformer's width
+    "encoder_hash_byte_group_vocab": 1024, "hidden_size_global": HIDDEN,
 }
 _LAYER_LISTS = ("layer_types", "layers_block_type", "block_types", "hybrid_override_pattern")
-_SUBCONFIGS = ("text_config", "vision_config", "audio_config", "decoder", "encoder", "llm_config")
+_SUBCONFIGS = ("text_config", "vision_config", "audio_config", "decoder", "encoder", "llm_config",
+               "encoder_config", "decoder_config", "global_config", "patcher_config")  # BLT's four
 
 
 def _shrink_layer_list(value, n: int):

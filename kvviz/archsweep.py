@@ -247,6 +247,8 @@ _TRANSFORMERS_CANNOT_BUILD = {
 _CACHE_API = {
     "cpmant": "CPM-Ant's cached call takes the whole sequence again and slices off the past itself; kvviz feeds "
               "only the new tokens",
+    "blt": "transformers' BLT cannot make its own cache: with use_cache=True it builds DynamicCache(config=BltConfig), "
+           "which reads num_hidden_layers, a field only its sub-configs have (plain transformers fails the same way)",
     "gemma4_assistant": "a Gemma 4 draft (assistant) model: every layer reads the keys and values its target model "
                         "shares with it (num_kv_shared_layers = num_hidden_layers), so it cannot run alone",
     "gemma4_unified_assistant": "a Gemma 4 draft (assistant) model: its layers read the keys and values its target "

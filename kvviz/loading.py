@@ -395,6 +395,13 @@ class LoadedModel:
                 v = getattr(cfg, name, None)
                 if isinstance(v, int) and not isinstance(v, bool):
                     return v
+        # no count in the config (BLT: layers in its encoder/global/decoder sub-configs): the longest stack of blocks
+        import torch
+
+        stacks = [len(m) for n, m in self.model.named_modules() if isinstance(m, torch.nn.ModuleList)
+                  and n.rsplit(".", 1)[-1] in ("layers", "h", "layer", "blocks")]
+        if stacks:
+            return max(stacks)
         raise KvvizError(f"{self.name}: its config names no number of layers")
 
     @property

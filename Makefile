@@ -80,9 +80,9 @@ gpu-check: $(DEVSTAMP)
 	$(BIN)/python bench/gpu_check.py
 
 # Every causal-LM type in transformers: a tiny model each, the cache-safety card + invariant proof
-# -> docs/architectures.md (CPU-heavy: niced, 120 s per type at most).
+# -> docs/architectures.md (CPU-heavy: niced, two worker processes, 300 s per type at most).
 arch-sweep: setup
-	nice -n 10 $(BIN)/python -m kvviz sweep-architectures --timeout 120
+	nice -n 10 $(BIN)/python -m kvviz sweep-architectures --jobs 2 --timeout 300
 
 clean-venv:
 	rm -rf $(VENV)

@@ -23,57 +23,17 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .archconfig import (FFN, HEAD_DIM, HEADS, HIDDEN, KV_HEADS, LAYERS, VOCAB, WINDOW,  # noqa: F401 (re-exported)
+                         tiny_arch_config)
 from .errors import KvvizError
 
 SEED = 1234
-HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS, WINDOW, VOCAB = 64, 4, 2, 16, 96, 2, 8, 260
 PROMPT = "The guard knew each one."  # 25 byte tokens: past the window of 8 (2 x 8 + 4)
 REUSE = ("Be brief.", (" Q: Sky? A:", " Q: Sea? A:"))
 # The CI subset (tests/test_archsweep.py): checked against docs/architectures.json on every run.
 CI_SUBSET = ("gemma3_text", "gemma2", "qwen3", "qwen2_moe", "phi3", "falcon", "mpt", "gpt_bigcode", "olmo2",
              "cohere", "starcoder2", "mixtral", "bloom", "opt", "gptj", "gpt2", "llama", "mistral", "gpt_neox",
              "cohere2", "roberta", "phi", "camembert", "marian")
-
-# config attribute -> tiny value (applied when the config class has that attribute)
-_SIZES = {
-    # widths
-    "hidden_size": HIDDEN, "n_embd": HIDDEN, "d_model": HIDDEN, "dim": HIDDEN, "n_embed": HIDDEN,
-    "word_embed_proj_dim": HIDDEN, "embed_dim": HIDDEN, "hidden_dim": HIDDEN,
-    # depth
-    "num_hidden_layers": LAYERS, "n_layer": LAYERS, "num_layers": LAYERS, "n_layers": LAYERS,
-    "decoder_layers": LAYERS, "encoder_layers": LAYERS, "num_decoder_layers": LAYERS,
-    # heads
-    "num_attention_heads": HEADS, "n_head": HEADS, "num_heads": HEADS, "n_heads": HEADS,
-    "decoder_attention_heads": HEADS, "encoder_attention_heads": HEADS,
-    "num_key_value_heads": KV_HEADS, "n_kv_heads": KV_HEADS, "num_kv_heads": KV_HEADS, "multi_query_group_num": KV_HEADS,
-    "head_dim": HEAD_DIM, "kv_channels": HEAD_DIM, "attention_head_size": HEAD_DIM,
-    # feed-forward
-    "intermediate_size": FFN, "n_inner": FFN, "ffn_dim": FFN, "decoder_ffn_dim": FFN, "encoder_ffn_dim": FFN,
-    "ffn_hidden_size": FFN, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
-    "expert_intermediate_size": 32, "intermediate_size_mlp": FFN,
-    # experts
-    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
-    "num_experts_per_tok": 2, "moe_topk": 2, "top_k": 2, "n_shared_experts": 1, "num_shared_experts": 1,
-    "n_group": 1, "topk_group": 1,
-    # MLA / low rank
-    "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
-    "qk_head_dim": 24, "rotary_dim": 8, "rotary_emb_base": None,
-    # lengths
-    "max_position_embeddings": 512, "n_positions": 512, "n_ctx": 512, "max_sequence_length": 512,
-    "seq_length": 512, "max_seq_len": 512, "sliding_window": WINDOW, "attention_window": WINDOW,
-    # vocabulary and special tokens
-    "vocab_size": VOCAB, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 1,
-    # state-space / recurrent
-    "state_size": 8, "d_state": 8, "mamba_d_state": 8, "ssm_state_size": 8, "time_step_rank": 8,
-    "mamba_n_heads": 4, "mamba_d_head": 32, "mamba_head_dim": 32, "n_groups": 1, "mamba_n_groups": 1,
-    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
-    "attention_hidden_size": HIDDEN, "lru_width": HIDDEN, "block_types": None,
-    # vision / audio towers of multimodal types (text only is run)
-    "image_size": 32, "patch_size": 8, "num_channels": 3, "projection_dim": HIDDEN,
-    "vision_feature_layer": -1, "mm_tokens_per_image": 4,
-}
-_LAYER_LISTS = ("layer_types", "layers_block_type", "block_types", "hybrid_override_pattern")
-_SUBCONFIGS = ("text_config", "vision_config", "audio_config", "decoder", "encoder", "llm_config")
 
 
 @dataclass
@@ -119,110 +79,6 @@ def _time_limit(seconds: float | None):
         signal.signal(signal.SIGALRM, old)
 
 
-def _shrink_layer_list(value, n: int):
-    """A layer-type list cut to n entries, keeping every kind it has (a sliding/global mix stays a mix)."""
-    if not isinstance(value, (list, tuple)) or not value:
-        return value
-    kinds = list(dict.fromkeys(value))
-    out = list(value[:n])
-    missing = [k for k in kinds if k not in out]
-    if missing:
-        out = out[:max(1, n - len(missing))] + missing
-    return out
-
-
-def _shrink_dict(d: dict, defaults: dict) -> dict:
-    """The tiny overrides for one config's dict (recursing into sub-configs)."""
-    out = {}
-    for key, val in _SIZES.items():
-        if key in defaults and val is not None:
-            cur = defaults[key]
-            if isinstance(cur, bool) or (cur is not None and not isinstance(cur, (int, float))):
-                continue
-            if key in ("sliding_window", "attention_window") and cur in (None, 0):
-                continue  # keep "no window" as it is
-            if key == "eos_token_id" and isinstance(cur, list):
-                val = [2]
-            out[key] = val
-    n_layers = out.get("num_hidden_layers") or out.get("n_layer") or out.get("num_layers") or LAYERS
-    for key in _LAYER_LISTS:
-        if isinstance(defaults.get(key), (list, tuple)):
-            lst = _shrink_layer_list(defaults[key], n_layers)
-            out[key] = lst
-            for k in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
-                if k in defaults:
-                    out[k] = len(lst)
-        elif isinstance(defaults.get(key), str):  # e.g. nemotron_h's "M-M*-"
-            pat = defaults[key]
-            kinds = list(dict.fromkeys(pat))
-            out[key] = "".join(kinds)
-            for k in ("num_hidden_layers", "n_layer", "num_layers"):
-                if k in defaults:
-                    out[k] = len(kinds)
-    if "sliding_window_pattern" in defaults and isinstance(defaults["sliding_window_pattern"], int):
-        out["sliding_window_pattern"] = 2
-    if "rope_parameters" in defaults and isinstance(defaults["rope_parameters"], dict):
-        out["rope_parameters"] = _small_rope(defaults["rope_parameters"])
-    for key in _SUBCONFIGS:
-        sub = defaults.get(key)
-        if isinstance(sub, dict):
-            out[key] = {**sub, **_shrink_dict(sub, sub)}
-    return out
-
-
-def _small_rope(rp: dict) -> dict:
-    """Rope scalings that need a long original context (yarn, longrope) kept, their lengths shrunk."""
-    def fix(p):
-        if not isinstance(p, dict):
-            return p
-        p = dict(p)
-        if "original_max_position_embeddings" in p:
-            p["original_max_position_embeddings"] = 128
-        for k in ("short_factor", "long_factor"):
-            if isinstance(p.get(k), list):
-                p[k] = [1.0] * (HEAD_DIM // 2)
-        if "mrope_section" in p:
-            p["mrope_section"] = [2, 3, 3]
-        return p
-    if all(isinstance(v, dict) for v in rp.values()):
-        return {k: fix(v) for k, v in rp.items()}
-    return fix(rp)
-
-
-def tiny_arch_config(model_type: str, **extra):
-    """The tiny config of `model_type`, from its own config class."""
-    from transformers import CONFIG_MAPPING
-
-    cls = CONFIG_MAPPING[model_type]
-    defaults = cls().to_dict()
-    kwargs = _shrink_dict(defaults, defaults)
-    if model_type in _SPECIAL:
-        kwargs.update(_SPECIAL[model_type](defaults))
-    kwargs.update(extra)
-    # MoE experts: the eager loop (torch's grouped_mm has no float64 kernel, and the card runs in float64)
-    kwargs.setdefault("experts_implementation", "eager")
-    if "is_decoder" in defaults and model_type not in _BIDIRECTIONAL:
-        kwargs["is_decoder"] = True  # encoder families as causal LMs need it (a decoder); RoBERTa kept as seed 003
-    return cls(**kwargs)
-
-
-# Per-type fixes where the generic shrink does not give a consistent config.
-_SPECIAL = {
-    "gemma3_text": lambda d: {"query_pre_attn_scalar": HEAD_DIM},
-    "gemma2": lambda d: {"query_pre_attn_scalar": HEAD_DIM},
-    "rwkv": lambda d: {"attention_hidden_size": HIDDEN, "intermediate_size": FFN},
-    "reformer": lambda d: {"attn_layers": ["local", "lsh"], "axial_pos_shape": [16, 16],
-                           "axial_pos_embds_dim": [32, 32], "max_position_embeddings": 256,
-                           "local_attn_chunk_length": 8, "lsh_attn_chunk_length": 8, "num_buckets": 4},
-    "xlnet": lambda d: {"d_inner": FFN, "n_head": HEADS, "d_head": HEAD_DIM},
-    "ctrl": lambda d: {"dff": FFN},
-    "transfo-xl": lambda d: {},
-    "mpt": lambda d: {"expansion_ratio": 2, "attn_config": {**(d.get("attn_config") or {}), "alibi": True}},
-    "dbrx": lambda d: {"d_model": HIDDEN, "n_heads": HEADS, "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 4,
-                                                                         "moe_top_k": 2},
-                       "attn_config": {"kv_n_heads": 2}},
-}
-_BIDIRECTIONAL = ("roberta",)  # kept as seed 003 built it (no is_decoder): the card must say unsafe
 
 
 def _one_line(e: BaseException) -> str:
@@ -237,6 +93,10 @@ def build_arch(model_type: str, folder: Path) -> dict:
     config = tiny_arch_config(model_type)
     model = random_model(config, SEED)
     model.save_pretrained(folder)
+    if getattr(model.config, "model_type", model_type) != config.model_type:
+        # a causal-LM class that keeps only its text sub-config (Emu3, Mllama) saves that one, whose model type
+        # transformers' causal-LM mapping does not know: write the type's own config, as a real checkpoint has
+        config.save_pretrained(folder)
     byte_tokenizer().save_pretrained(folder)
     text = getattr(config, "text_config", None) or config
     n_params = sum(p.numel() for p in model.parameters())
@@ -298,23 +158,31 @@ def run_arch(model_type: str, workdir: Path, timeout: float | None = 120) -> Arc
             except _Timeout:
                 raise
             except Exception as e:  # noqa: BLE001
-                row.reason = "cannot build a tiny model: " + _one_line(e)
+                row.reason = _build_failure(model_type, e)
+                if model_type in _CACHE_API:
+                    row.reason = f"{_CACHE_API[model_type]} ({_one_line(e)[:120]})"
                 return row
             try:
                 lm = load_model(str(folder), dtype="float64", device="cpu")
             except Exception as e:  # noqa: BLE001
                 row.reason = "cannot load: " + _one_line(e)
                 return row
+            langs = getattr(lm.config, "languages", None)
+            if hasattr(lm.model, "set_default_language") and langs:
+                lm.model.set_default_language(langs[0])  # X-MOD: one language's adapters (every input has one)
+                row.config["language"] = langs[0]
             recurrent = _recurrent_state(lm.model)
             if recurrent:
-                row.reason = (f"a recurrent model: its cache holds {recurrent}, not keys and values, and kvviz's "
-                              f"checks compare key/value caches")
-                return row
+                row.config["cache"] = recurrent
             card = check_mod.run_check(lm, prompt=PROMPT, reuse_prefix=REUSE[0], reuse_questions=REUSE[1])
             row.checks = [{"name": c.name, "status": c.status, "figure": c.figure, "evidence": c.evidence}
                           for c in card.checks]
             failed = [c for c in card.checks if c.status == "fail"]
-            row.status = "unsafe" if failed else "safe"
+            no_cache = next((c for c in card.checks if c.name == "cache" and c.status == "n/a"), None)
+            row.status = "unsafe" if failed else ("no cache" if no_cache else "safe")
+            if no_cache:
+                row.reason, row.proof = no_cache.evidence, "n/a (no cache)"
+                return row
             row.reason = "; ".join(f"{c.name}: {_gap_text(c.figure)}" for c in failed)
             if any(c.name == "causal attention" and c.status == "fail" for c in card.checks):
                 row.proof = "n/a (no cache: bidirectional)"
@@ -325,6 +193,8 @@ def run_arch(model_type: str, workdir: Path, timeout: float | None = 120) -> Arc
     except (KvvizError, Exception) as e:  # noqa: BLE001
         row.status = "cannot run"
         row.reason = "the run failed: " + _one_line(e)
+        if model_type in _CACHE_API:
+            row.reason = f"{_CACHE_API[model_type]} ({_one_line(e)[:120]})"
         row.checks.append({"name": "traceback", "status": "note", "figure": None,
                            "evidence": traceback.format_exc(limit=-2)[-600:]})
     finally:
@@ -346,6 +216,48 @@ def _recurrent_state(model) -> str | None:
     return None
 
 
+def _build_failure(model_type: str, e: BaseException) -> str:
+    """One line: why the tiny model could not be built. A package the model needs that is not installed, or
+    transformers' own causal-LM class failing on the type's own config, is 'not buildable here' (outside the
+    percentage); anything else is the sweep's config builder failing, which counts against it."""
+    import re
+
+    text = str(e)
+    pkg = re.search(r"requires the (\w[\w-]*) library", text)
+    if pkg or isinstance(e, ImportError):
+        name = pkg.group(1) if pkg else getattr(e, "name", None) or "a package"
+        return f"{NOT_BUILDABLE}needs the `{name}` package, not installed (" + _one_line(e)[:120] + ")"
+    if model_type in _TRANSFORMERS_CANNOT_BUILD:
+        return f"{NOT_BUILDABLE}{_TRANSFORMERS_CANNOT_BUILD[model_type]} ({_one_line(e)[:100]})"
+    return "cannot build a tiny model: " + _one_line(e)
+
+
+# Types whose causal-LM class in transformers' own mapping cannot be built from the type's own config at all (any
+# size, any device): a real checkpoint of the type fails in AutoModelForCausalLM the same way.
+_TRANSFORMERS_CANNOT_BUILD = {
+    "musicgen": "transformers' MusicgenForCausalLM reads config.dropout, which only the decoder sub-config of a "
+                "musicgen config has: AutoModelForCausalLM cannot build it from a musicgen config",
+    "musicgen_melody": "transformers' MusicgenMelodyForCausalLM reads config.dropout, which only the decoder "
+                       "sub-config of a musicgen_melody config has: AutoModelForCausalLM cannot build it",
+}
+
+
+# Types whose transformers implementation takes its cache in a way kvviz's loops (prefix, then the new tokens with
+# the cache) do not drive: the run fails, and this says why (they count as not run).
+_CACHE_API = {
+    "cpmant": "CPM-Ant's cached call takes the whole sequence again and slices off the past itself; kvviz feeds "
+              "only the new tokens",
+    "blt": "transformers' BLT cannot make its own cache: with use_cache=True it builds DynamicCache(config=BltConfig), "
+           "which reads num_hidden_layers, a field only its sub-configs have (plain transformers fails the same way)",
+    "gemma4_assistant": "a Gemma 4 draft (assistant) model: every layer reads the keys and values its target model "
+                        "shares with it (num_kv_shared_layers = num_hidden_layers), so it cannot run alone",
+    "gemma4_unified_assistant": "a Gemma 4 draft (assistant) model: its layers read the keys and values its target "
+                                "model shares with it, so it cannot run alone",
+    "prophetnet": "ProphetNet's decoder takes its cache one token per call only (transformers asserts it), so the "
+                  "one-chunk checks cannot run",
+}
+
+
 def _gap_text(fig) -> str:
     if fig is None:
         return "no cache"
@@ -353,7 +265,9 @@ def _gap_text(fig) -> str:
 
 
 def sweep(types: list[str] | None = None, timeout: float | None = 120, progress=None,
-          workdir: Path | None = None) -> list[ArchRow]:
+          workdir: Path | None = None, jobs: int = 1) -> list[ArchRow]:
+    """Run the types (all by default) and return their rows in order. jobs > 1: that many worker processes
+    (`python -m kvviz.archsweep TYPE...`, one JSON row per line), each type still under its own time limit."""
     progress = progress or (lambda i, n, t, row: None)
     all_types = model_types()
     types = types or all_types
@@ -361,6 +275,8 @@ def sweep(types: list[str] | None = None, timeout: float | None = 120, progress=
     if unknown:
         raise KvvizError(f"unknown model type '{unknown[0]}': not in transformers' causal-LM mapping "
                          f"({len(all_types)} types, e.g. {', '.join(all_types[:5])})")
+    if jobs > 1 and len(types) > 1:
+        return _sweep_parallel(types, timeout, progress, workdir, jobs)
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvviz-archsweep-", dir=workdir) as tmp:
         for i, t in enumerate(types):
@@ -370,11 +286,83 @@ def sweep(types: list[str] | None = None, timeout: float | None = 120, progress=
     return rows
 
 
+def _sweep_parallel(types, timeout, progress, workdir, jobs) -> list[ArchRow]:
+    import subprocess
+    import sys
+    import threading
+
+    groups = [types[i::jobs] for i in range(min(jobs, len(types)))]
+    done: dict[str, ArchRow] = {}
+    lock = threading.Lock()
+
+    def read(proc, group):
+        for line in proc.stdout:
+            if not line.startswith("{"):
+                continue
+            row = ArchRow(**json.loads(line))
+            with lock:
+                done[row.model_type] = row
+                progress(len(done), len(types), row.model_type, row)
+        proc.wait()
+        for t in group:  # a worker that died (out of memory, killed) leaves its remaining types without a row
+            with lock:
+                if t not in done:
+                    done[t] = ArchRow(t, "cannot run", f"not reached: its worker process ended (exit {proc.returncode})")
+                    progress(len(done), len(types), t, done[t])
+
+    env_timeout = "0" if not timeout else repr(float(timeout))
+    procs, threads = [], []
+    for group in groups:
+        cmd = [sys.executable, "-m", "kvviz.archsweep", "--timeout", env_timeout,
+               *(["--workdir", str(workdir)] if workdir else []), *group]
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                             cwd=str(Path(__file__).resolve().parent.parent))
+        th = threading.Thread(target=read, args=(p, group), daemon=True)
+        th.start()
+        procs.append(p)
+        threads.append(th)
+    try:
+        for th in threads:
+            th.join()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return [done[t] for t in types]
+
+
+def _worker(argv: list[str]) -> int:
+    """`python -m kvviz.archsweep [--timeout S] [--workdir D] TYPE...`: one JSON row per line (the parallel sweep's
+    worker)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m kvviz.archsweep")
+    ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("types", nargs="+")
+    a = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="kvviz-archsweep-", dir=a.workdir) as tmp:
+        for t in a.types:
+            row = run_arch(t, Path(tmp), a.timeout or None)
+            print(json.dumps(row.to_dict(), default=str), flush=True)
+    return 0
+
+
+NOT_BUILDABLE = "not buildable here: "  # the reason's prefix for a type outside the percentage
+
+
 def totals(rows: list[ArchRow]) -> dict:
+    """Counts, and the share of the types buildable on a CPU that actually ran (a type is outside it only when its
+    reason says it cannot be built here: a package or CUDA kernel it needs, or transformers' own class failing)."""
     ran = [r for r in rows if r.status != "cannot run"]
+    unbuildable = sum(r.status == "cannot run" and r.reason.startswith(NOT_BUILDABLE) for r in rows)
+    buildable = len(rows) - unbuildable
     return {"types": len(rows), "run": len(ran), "safe": sum(r.status == "safe" for r in rows),
             "unsafe": sum(r.status == "unsafe" for r in rows),
+            "no cache": sum(r.status == "no cache" for r in rows),
             "cannot run": sum(r.status == "cannot run" for r in rows),
+            "not buildable": unbuildable, "buildable": buildable,
+            "run %": round(100.0 * len(ran) / buildable, 1) if buildable else 0.0,
             "proof 0": sum(r.proof == "0" for r in rows)}
 
 
@@ -399,11 +387,13 @@ def markdown(rows: list[dict], meta: dict) -> str:
         f"own config class ({LAYERS}-4 layers, hidden {HIDDEN}, vocabulary {VOCAB}, sliding window {WINDOW} where the "
         f"type has one, special features kept), then the cache-safety card in float64 (cached vs full in one chunk "
         f"and token by token, left padding with position ids, alone vs in a batch, reuse through deep copies, past "
-        f"the window) and the invariant-mode proof (cached vs full, chunk and step, float64: a gap of exactly 0, or "
+        f"the window) and the invariant-mode proof (cached vs full, the rest in one chunk, float64: a gap of exactly 0, or "
         f"the first op that breaks it).",
         "",
-        f"**Totals:** {t['run']} run ({t['safe']} safe, {t['unsafe']} unsafe), {t['cannot run']} cannot run; "
-        f"proof exactly 0 on {t['proof 0']}. {meta.get('note', '')}",
+        f"**Totals:** {t['run']} run ({t['safe']} safe, {t['unsafe']} unsafe, {t['no cache']} causal with no cache "
+        f"to check), {t['cannot run']} cannot run ({t['not buildable']} of them not buildable on a CPU here); "
+        f"**{t['run']} of the {t['buildable']} buildable on a CPU ran: {t['run %']:g} %**; proof exactly 0 on "
+        f"{t['proof 0']}. {meta.get('note', '')}",
         "",
         "| model type | verdict | evidence | proof (invariant mode) |",
         "|---|---|---|---|",
@@ -435,7 +425,15 @@ def add_parser(sub) -> None:
                     "old ones in the output")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per model type (default 120)")
+    ap.add_argument("--note", default=None, help="how and where the sweep ran (machine load), for the table's "
+                    "totals line (default: the table's current note)")
+    ap.add_argument("--jobs", type=int, default=1, help="worker processes (default 1); each type keeps its own "
+                    "time limit")
     ap.add_argument("--out", default="docs", help="folder of architectures.md/.json (default docs); '-' writes none")
+
+
+def out_path_json(args) -> Path:
+    return Path("/nonexistent") if args.out == "-" else Path(args.out) / "architectures.json"
 
 
 def cli(args) -> int:
@@ -444,6 +442,13 @@ def cli(args) -> int:
         raise KvvizError("--only needs at least one model type")
     if args.timeout is not None and args.timeout <= 0:
         raise KvvizError(f"--timeout must be a positive number of seconds, not {args.timeout:g}")
+    jobs = getattr(args, "jobs", 1) or 1
+    note = getattr(args, "note", None)
+    if note is None and out_path_json(args).exists():  # an --only rerun keeps the table's note on how it was run
+        note = json.loads(out_path_json(args).read_text()).get("meta", {}).get("note", "")
+    note = note or ""
+    if jobs < 1:
+        raise KvvizError(f"--jobs must be 1 or more, not {jobs}")
     out = None if args.out == "-" else Path(args.out)
     t0 = time.perf_counter()
     done: list[ArchRow] = []
@@ -455,15 +460,22 @@ def cli(args) -> int:
                   + (f"; proof {row.proof}" if row.proof else "") + f" ({row.seconds:.1f} s)", flush=True)
         if out is not None:  # written as it goes: an interrupted sweep keeps its rows
             rows = merge_rows(out / "architectures.json", [row])
-            write_docs(rows, out, {"note": ""})
+            write_docs(rows, out, {"note": note})
 
-    rows = sweep(types, args.timeout, progress)
+    rows = sweep(types, args.timeout, progress, jobs=jobs)
     elapsed = time.perf_counter() - t0
     if args.json:
         print(json.dumps({"rows": [r.to_dict() for r in rows], "totals": totals(rows), "elapsed_s": elapsed},
                          indent=1, default=str))
     else:
         t = totals(rows)
-        print(f"\n{t['types']} types: {t['run']} run ({t['safe']} safe, {t['unsafe']} unsafe), "
-              f"{t['cannot run']} cannot run; proof 0 on {t['proof 0']}; {elapsed:.0f} s")
+        print(f"\n{t['types']} types: {t['run']} run ({t['safe']} safe, {t['unsafe']} unsafe, {t['no cache']} no "
+              f"cache), {t['cannot run']} cannot run ({t['not buildable']} not buildable on a CPU here); "
+              f"{t['run %']:g} % of the buildable ran; proof 0 on {t['proof 0']}; {elapsed:.0f} s")
     return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(_worker(sys.argv[1:]))

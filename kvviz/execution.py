@@ -186,12 +186,34 @@ class Executor:
             kwargs["position_ids"] = positions
         if cache is None and use_cache and fresh_cache:
             cache = self.new_cache(ids.shape[0])
+        state_arg = state_argument(self.lm.model)
+        if state_arg is not None:
+            if positions is not None:
+                kwargs.pop("position_ids")  # a recurrent model's order is its state: it takes no position ids
+            if mask is not None and mask.shape[-1] > ids.shape[-1]:
+                kwargs["attention_mask"] = mask[:, -ids.shape[-1]:]  # its mask covers the tokens fed, not the past
         if cache is not None:
-            kwargs["past_key_values"] = cache
+            kwargs[state_arg or "past_key_values"] = cache
         if logits_to_keep is not None:
             kwargs["logits_to_keep"] = logits_to_keep
         self.forwards += 1
-        return self._callable()(**kwargs)
+        out = self._callable()(**kwargs)
+        if state_arg is not None:  # the state read back where every caller reads a cache
+            out.past_key_values = getattr(out, state_arg, None)
+        hs = getattr(out, "hidden_states", None) if hidden else None
+        if hs is not None and any(h.dim() == 4 for h in hs):
+            # several parallel residual streams per layer: hyper-connections (DeepSeek-V4, HY-V4: [B, T, S, H]) or
+            # Gemma 3n's AltUp ([S, B, T, H]); compared as their mean, one [B, T, H] row per layer like every other
+            # model (a gap in any stream moves the mean unless it cancels exactly across streams)
+            b, t = ids.shape[0], ids.shape[-1]
+            out.hidden_states = hs = tuple(
+                h if h.dim() != 4 else h.mean(0) if tuple(h.shape[1:3]) == (b, t) else h.mean(-2) for h in hs)
+        if hs is not None and len({h.shape[-1] for h in hs}) > 1:
+            # the streams flattened into the width (Qwen4-Exp: [B, T, streams × H]): the same mean
+            width = hs[-1].shape[-1]
+            out.hidden_states = tuple(h.unflatten(-1, (-1, width)).mean(-2)
+                                      if h.shape[-1] != width and h.shape[-1] % width == 0 else h for h in hs)
+        return out
 
     def generate(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, pad_token_id: int,
                  hidden: bool = True, logits: bool = True, **extra):
@@ -284,15 +306,52 @@ def cache_layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
             if getattr(layer, "keys", None) is not None and layer.keys.dim() >= 3]
 
 
+def state_argument(model) -> str | None:
+    """The argument a recurrent / state-space causal LM takes its cache by, where it is not past_key_values: Mamba's
+    `cache_params` (a Cache of linear-attention layers: conv and recurrent states), RWKV's `state` (a list of
+    tensors). None for a key/value model. Executor.forward passes the cache under this name and reads it back as
+    `past_key_values`, so every comparison runs on these models unchanged."""
+    import inspect
+
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return None
+    if "past_key_values" in params:
+        return None
+    return next((a for a in ("cache_params", "state") if a in params), None)
+
+
+def _state_tensors(cache) -> list[torch.Tensor]:
+    """The conv / recurrent state tensors a cache holds (linear-attention layers of a hybrid or state-space model,
+    or RWKV's list of state tensors)."""
+    if isinstance(cache, (list, tuple)):
+        return [t for t in cache if isinstance(t, torch.Tensor)]
+    out = []
+    rnn = getattr(cache, "rnn_state", None)  # xLSTM's cache: {layer: (C, n, m)}
+    if isinstance(rnn, dict):
+        out += [t for states in rnn.values() for t in (states if isinstance(states, (list, tuple)) else [states])
+                if isinstance(t, torch.Tensor)]
+    for layer in getattr(cache, "layers", None) or []:
+        for states in (getattr(layer, "conv_states", None), getattr(layer, "recurrent_states", None)):
+            if isinstance(states, dict):
+                out += [t for t in states.values() if isinstance(t, torch.Tensor)]
+    return out
+
+
 def has_cache(out) -> bool:
-    """Did the model return a usable cache? (Bidirectional models, e.g. RoBERTa without is_decoder, return none.)"""
+    """Did the model return a usable cache? (Bidirectional models, e.g. RoBERTa without is_decoder, return none.)
+    A cache of linear-attention / recurrent layers only (Mamba, a hybrid whose attention layers hold nothing yet)
+    has no sequence length: its state tensors count."""
     cache = getattr(out, "past_key_values", None)
     if cache is None:
         return False
     try:
-        return int(cache.get_seq_length()) > 0
-    except (AttributeError, TypeError):
-        return bool(cache_layers(cache))
+        if int(cache.get_seq_length()) > 0:
+            return True
+    except (AttributeError, TypeError, ValueError):  # ValueError: only linear-attention layers (transformers 5)
+        pass
+    return bool(cache_layers(cache)) or bool(_state_tensors(cache))
 
 
 # ------------------------------------------------------------------------------------------------------------------

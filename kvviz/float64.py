@@ -41,6 +41,14 @@ _GROUPED = tuple(f for f in (getattr(torch.nn.functional, "grouped_mm", None), g
                  if f is not None)
 
 
+_PRODUCTS = {torch.nn.functional.linear, torch.matmul, torch.Tensor.matmul, torch.mm, torch.bmm, torch.einsum,
+             torch.Tensor.__matmul__, torch.baddbmm, torch.addmm}
+
+
+_CREATIONS = {torch.zeros, torch.ones, torch.empty, torch.full, torch.zeros_like, torch.ones_like, torch.empty_like,
+              torch.full_like}
+
+
 def _is64(x) -> bool:
     return isinstance(x, torch.Tensor) and x.dtype == torch.float64
 
@@ -49,11 +57,35 @@ def keep64(func, args, kwargs):
     """The rule of a float64 run, for one torch call: float64 -> float32 casts are no-ops and MoE grouped_mm runs
     group by group. Returns (args, kwargs, result): result is not None when the call is answered here. Used by
     KeepFloat64 and by the streamed reference (kvviz.reference), so both keep float64 the same way."""
+    if func in _PRODUCTS:
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if len(tensors) == 1 and isinstance(args[-1], (list, tuple)):  # einsum(eq, [a, b])
+            tensors = [a for a in args[-1] if isinstance(a, torch.Tensor)]
+        if any(_is64(t) for t in tensors) and any(isinstance(t, torch.Tensor) and t.dtype == torch.float32
+                                                  for t in tensors):
+            # a float32 weight kept by the model (ERNIE's MoE gate in _keep_in_fp32_modules, XLNet's float32
+            # positional tensors) meets float64 activations: the product in float64, not a dtype error
+            up = lambda a: a.double() if isinstance(a, torch.Tensor) and a.dtype == torch.float32 else a  # noqa: E731
+            args = tuple(type(a)(up(x) for x in a) if isinstance(a, (list, tuple)) else up(a) for a in args)
+            kwargs = {k: up(v) for k, v in kwargs.items()}
+        return args, kwargs, None
+    if func in _CREATIONS and kwargs.get("dtype") is torch.float32:
+        # a float32 state or accumulator made for a float64 run (RWKV's wkv state, zeros_like(key, dtype=float32))
+        return args, {**kwargs, "dtype": torch.float64}, None
+    if func is torch.full and "dtype" not in kwargs and len(args) > 1 and isinstance(args[1], float) \
+            and abs(args[1]) > torch.finfo(torch.float32).max and args[1] != float("inf") \
+            and args[1] != float("-inf"):
+        # torch.full((), torch.finfo(float64).min) (XGLM's float64 mask floor) made in the default float32 overflows
+        return args, {**kwargs, "dtype": torch.float64}, None
     if args and _is64(args[0]):
         if func in _GROUPED:
             return args, kwargs, grouped_mm64(*args, **kwargs)
         if func is torch.Tensor.float:
             return args, kwargs, args[0]
+        if func is torch.Tensor.type and (
+                (len(args) > 1 and args[1] in (torch.float32, "torch.FloatTensor"))
+                or kwargs.get("dtype") in (torch.float32, "torch.FloatTensor")):
+            return args, kwargs, args[0]  # MoE routers: F.linear(x.type(torch.float32), w.type(torch.float32))
         if func is torch.Tensor.to:
             if kwargs.get("dtype") == torch.float32:
                 kwargs = {k: v for k, v in kwargs.items() if k != "dtype"}

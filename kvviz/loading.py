@@ -30,7 +30,7 @@ from .dtypes import dtype_name, float64_device, parse_dtype, resolve_device, sup
 from .errors import KvvizError
 from .float64 import keep_float64
 from .placement import ONE, Placement, check_placement, input_device, max_memory_for, parse_placement
-from .tiny import TINY_MODELS, TINY_VERSION, build_tiny
+from .tiny import TINY_MODELS, TINY_SWEEP, TINY_VERSION, build_tiny
 
 Progress = Callable[[float, str], None]
 
@@ -99,7 +99,7 @@ def _parse(s: str) -> ModelSpec:
         return ModelSpec("default", DEFAULT_GGUF)
     if s.lower().startswith("tiny:"):
         arch = s.split(":", 1)[1].strip().lower()
-        if arch not in TINY_MODELS:
+        if arch not in TINY_MODELS and arch not in TINY_SWEEP:
             raise KvvizError(f"unknown tiny model '{arch}'; choose one of {', '.join(TINY_MODELS)}")
         return ModelSpec("tiny", arch)
     p = Path(s).expanduser()
@@ -380,12 +380,36 @@ class LoadedModel:
         return getattr(self.model.config, "model_type", "?")
 
     @property
+    def text_config(self):
+        """The config of the language model (a multimodal model's text sub-config: Gemma 3, Fuyu, GOT-OCR2)."""
+        cfg = self.model.config
+        try:
+            return cfg.get_text_config(decoder=True) or cfg
+        except (AttributeError, TypeError, ValueError):
+            return cfg
+
+    @property
     def n_layers(self) -> int:
-        return int(self.model.config.num_hidden_layers)
+        for cfg in (self.model.config, self.text_config):
+            for name in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
+                v = getattr(cfg, name, None)
+                if isinstance(v, int) and not isinstance(v, bool):
+                    return v
+        # no count in the config (BLT: layers in its encoder/global/decoder sub-configs): the longest stack of blocks
+        import torch
+
+        stacks = [len(m) for n, m in self.model.named_modules() if isinstance(m, torch.nn.ModuleList)
+                  and n.rsplit(".", 1)[-1] in ("layers", "h", "layer", "blocks")]
+        if stacks:
+            return max(stacks)
+        raise KvvizError(f"{self.name}: its config names no number of layers")
 
     @property
     def max_positions(self) -> int | None:
         cfg = self.model.config
+        if not any(isinstance(getattr(cfg, n, None), int) for n in ("max_position_embeddings", "n_positions",
+                                                                     "n_ctx")):
+            cfg = self.text_config
         for name in ("max_position_embeddings", "n_positions", "n_ctx"):
             v = getattr(cfg, name, None)
             if isinstance(v, int) and v > 0:

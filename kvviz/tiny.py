@@ -61,6 +61,24 @@ TINY_MODEL_TYPES: dict[str, str] = {"gemma3": "gemma3_text"}
 #        test: alone (the head sees one row) vs in a batch (several rows) must part; in invariant mode never.
 TINY_CONSTRUCTED: dict[str, str] = {"tie": "llama", "split": "llama"}
 TINY_MODELS = TINY_ARCHS + tuple(TINY_CONSTRUCTED)
+
+# Sweep regressions: architectures where the architecture sweep (kvviz.archsweep) found a problem in kvviz, each
+# built by the sweep's own config builder (kvviz.archconfig) and loadable as tiny:<name>; tests/test_sweep_regressions.py
+# fails if the problem comes back. Not in TINY_ARCHS (the per-architecture test matrix) nor the app's model list.
+TINY_SWEEP: dict[str, str] = {
+    "mamba": "mamba",  # a state-space cache (cache_params, linear-attention layers only): no past_key_values
+    "bamba": "bamba",  # a hybrid (Mamba + attention layers): get_seq_length raised on a linear-attention cache
+    "bloom": "bloom",  # alibi built from the mask: the card's padding check ran new-only-mask cells and crashed
+    "opt": "opt",  # positions from the mask: the same crash
+    "deepseek_v2": "deepseek_v2",  # MLA (the config) and a router in float32 via Tensor.type: float64 gaps ~1e-8
+    "rwkv": "rwkv",  # its cache is `state`, made in float32 inside a float64 run
+    "openai-gpt": "openai-gpt",  # causal with no cache at all: the card called it bidirectional
+    "gemma3-vlm": "gemma3",  # a multimodal config: no num_hidden_layers of its own (its text config has them)
+    "xglm": "xglm",  # torch.full((), finfo(float64).min) made in float32 overflowed
+    "gemma3n": "gemma3n_text",  # AltUp: 4 residual streams per layer, hidden states [S, B, T, H]; KV shared by layers
+    "hy_v4": "hy_v4",  # hyper-connections: residual streams per layer, hidden states [B, T, S, H]
+    "qwen4_exp": "qwen4_exp_text",  # hyper-connections flattened into the width: hidden states [B, T, S × H]
+}
 TIE_TOKENS = ("a", "b")
 TIE_DELTA = 2.0 ** -12  # exact in float32, below half an ulp of 1.0 in float16 (2^-11) and bfloat16 (2^-8)
 
@@ -167,13 +185,21 @@ def build_tiny(arch: str, folder: Path) -> Path:
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{arch}-", dir=folder.parent))
     try:
-        model = random_model(tiny_config(TINY_CONSTRUCTED.get(arch, arch)), TINY_SEED)
+        if arch in TINY_SWEEP:
+            from .archconfig import tiny_arch_config
+
+            config = tiny_arch_config(TINY_SWEEP[arch])
+        else:
+            config = tiny_config(TINY_CONSTRUCTED.get(arch, arch))
+        model = random_model(config, TINY_SEED)
         tokenizer = byte_tokenizer()
         if arch == "tie":
             _construct_tie(model, tokenizer)
         if arch == "split":
             _construct_split(model, tokenizer)
         model.save_pretrained(tmp)
+        if getattr(model.config, "model_type", None) != config.model_type:
+            config.save_pretrained(tmp)  # a class that keeps only its text sub-config saves that: write the type's own
         tokenizer.save_pretrained(tmp)
         (tmp / "kvviz-tiny.json").write_text(json.dumps({"arch": arch, "seed": TINY_SEED, "version": TINY_VERSION}))
         try:

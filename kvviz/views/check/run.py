@@ -88,6 +88,13 @@ def _bidirectional(lm64: LoadedModel, prompt: str = PROMPT) -> Check | None:
     res = run_split(lm64, SplitConfig(prompt, split=5), prove=False)
     if res.main.has_cache:
         return None
+    change = res.main.bidirectional_change
+    if change is not None and classify(False, change) == "precision":
+        # causal (the prefix moves by float64 rounding only) but no cache object comes back: OpenAI GPT has no
+        # past_key_values, RecurrentGemma keeps its state inside its modules - not bidirectional, nothing to check
+        return Check("cache", "n/a", f"no cache comes back, though the model is causal (appending tokens moves "
+                     f"earlier tokens' outputs by only {change:.3g}, float64 rounding): {type(lm64.model).__name__} "
+                     f"returns no past_key_values, so there is no cached path to check", change)
     return Check("causal attention", "fail", f"no cache comes back: the model is bidirectional, so appending tokens "
                  f"changes what earlier tokens compute (by up to {res.main.bidirectional_change:.3g}); "
                  f"past_key_values cannot be used", res.main.bidirectional_change)
@@ -150,7 +157,9 @@ def run_check(lm: LoadedModel, progress=None, weights: str = "none", kv: str = "
             progress(0.1 + 0.15 * i, name)
             checks.append(_gap_check(name, _split_gap(lm64, prompt, **kw), what))
         progress(0.55, "alone vs in a batch")
-        pad = run_padding(lm64, prompt, left_pad=2, prove=False)  # float64 decides here; no invariant rerun
+        # float64 decides here; no invariant rerun; only the cell the card reads (the whole grid is 5x slower, and
+        # its new-only-mask cells crash models that build positions or alibi from the mask: OPT, BLOOM)
+        pad = run_padding(lm64, prompt, left_pad=2, prove=False, only=(("in a batch", "cache"),))
         cell = next(c for c in pad.cells if c["placement"] == "in a batch" and c["scenario"] == "cache")
         checks.append(_gap_check("alone vs in a batch", max(cell["hidden_relative"], cell["logits_relative"]),
                                  "the prompt in a left-padded batch with longer prompts, through the cache"))
@@ -180,7 +189,10 @@ def run_check(lm: LoadedModel, progress=None, weights: str = "none", kv: str = "
     failed = [c for c in checks if c.status == "fail"]
     lossy = bool(quant) or any(c.name.startswith("quantized (") and c.status == "note" for c in checks)
     overall = "unsafe" if failed else ("lossy" if lossy else "safe")
-    summary = ({"safe": "Safe: with correct masks and position ids, every cached path computes what the full "
+    no_cache = any(c.name == "cache" and c.status == "n/a" for c in checks)
+    summary = ({"safe": "No cache: the model is causal but returns none, so every generation recomputes the whole "
+                        "sequence and there is no cached path to get wrong." if no_cache else
+                        "Safe: with correct masks and position ids, every cached path computes what the full "
                         "forward computes (to float64 rounding).",
                 "lossy": "Lossy: the cache logic is right, but quantization changes the numbers: "
                          + "; ".join(c.evidence for c in checks if c.name.startswith("quantized")) + ".",

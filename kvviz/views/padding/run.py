@@ -116,7 +116,7 @@ def _cell(ref_h, ref_l, h, lg, eps: float) -> dict:
 
 
 def _padding_cells(lm: LoadedModel, settings: ExecSettings, ids: list[int], companions: list[list[int]], k: int,
-                   left_pad: int) -> dict:
+                   left_pad: int, only: tuple[tuple[str, str], ...] | None = None) -> dict:
     width = max(len(c) for c in companions + [ids]) + left_pad
     ex = Executor(lm, settings, max_len=width)
     placements = [p for p in PLACEMENTS if p != "left-padded" or left_pad > 0]
@@ -129,6 +129,8 @@ def _padding_cells(lm: LoadedModel, settings: ExecSettings, ids: list[int], comp
             rows = [ids] + (companions if placement == "in a batch" else [])
             extra = left_pad if placement == "left-padded" else 0
             for label, use_cache, pm, mm in SCENARIOS:
+                if only is not None and (placement, label) not in only:
+                    continue
                 h, lg = _scenario(ex, rows, 0, extra, k, use_cache, pm, mm)
                 out[(placement, label)] = _cell(ref_h, ref_l, h, lg, machine_eps(lm.dtype))
                 del h, lg  # before the next scenario's forward
@@ -148,11 +150,14 @@ def companion_ids(lm: LoadedModel, ids: list[int], companions: list[str] | None,
 
 def run_padding(lm: LoadedModel, prompt: str, split: int | None = None, left_pad: int = 4,
                 companions: list[str] | None = None, progress: Progress | None = None,
-                settings: ExecSettings | None = None, prove: bool = True) -> PaddingResult:
+                settings: ExecSettings | None = None, prove: bool = True,
+                only: tuple[tuple[str, str], ...] | None = None) -> PaddingResult:
     """The same prompt alone, left-padded, and in a batch with longer prompts; with and without cache, position
     ids auto or omitted, mask full or new-only. Each cell is compared with the prompt alone, no cache, no padding.
     With left_pad 0 the "left-padded" placement is the same as "alone" and is left out. prove: when a cell is
-    "precision", rerun the grid in invariant mode; each cell's `proved` says whether its gap is exactly 0 there."""
+    "precision", rerun the grid in invariant mode; each cell's `proved` says whether its gap is exactly 0 there.
+    only: the (placement, scenario) cells to run (None: all); the cache-safety card needs one, and a model that
+    builds its positions or alibi from the mask (OPT, BLOOM) cannot run the new-only-mask scenarios at all."""
     progress = progress or _noop
     settings = (settings or DEFAULT_SETTINGS).validate()
     if isinstance(left_pad, bool) or not isinstance(left_pad, int) or left_pad < 0:
@@ -162,10 +167,11 @@ def run_padding(lm: LoadedModel, prompt: str, split: int | None = None, left_pad
     check_split(len(ids), k if split is None else split)
     comp_ids = companion_ids(lm, ids, companions, left_pad)
     progress(0.1, f"Running the scenarios in {lm.name} {RunInfo.of(lm).dtype}…")
-    main = _padding_cells(lm, settings, ids, comp_ids, k, left_pad)
+    main = _padding_cells(lm, settings, ids, comp_ids, k, left_pad, only)
     lm64 = lm.reference()
     progress(0.55, "Rerunning every scenario in float64…")
-    f64 = main if lm64 is lm else _padding_cells(lm64, settings.with_(compile="off"), ids, comp_ids, k, left_pad)
+    f64 = main if lm64 is lm else _padding_cells(lm64, settings.with_(compile="off"), ids, comp_ids, k, left_pad,
+                                                 only)
     cells = []
     for (placement, label), c in main.items():
         c64 = f64[(placement, label)]
@@ -174,7 +180,7 @@ def run_padding(lm: LoadedModel, prompt: str, split: int | None = None, left_pad
                       "verdict": classify(c["bitwise_equal"], gap64), "proved": None})
     if prove and not settings.invariant and any(c["verdict"] == "precision" for c in cells):
         progress(0.8, "Rerunning the grid in invariant mode for the proof…")
-        inv = _padding_cells(lm, settings.with_(invariant=True, compile="off"), ids, comp_ids, k, left_pad)
+        inv = _padding_cells(lm, settings.with_(invariant=True, compile="off"), ids, comp_ids, k, left_pad, only)
         for c in cells:
             if c["verdict"] == "precision":
                 c["proved"] = inv[(c["placement"], c["scenario"])]["bitwise_equal"]

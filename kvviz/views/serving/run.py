@@ -502,8 +502,15 @@ def _prove(p: PromptResult, lm, exi: Executor, engine, texts, ids, n, plan, pref
                    f"the reference choose the same {steps} tokens.")
     else:
         d = _first_divergence(ref_i, got)
-        p.proof = (f"In invariant mode {CONDITION_LABELS[cond]} still parts from the reference"
-                   + (f" at step {d}" if d is not None else "") + ": not reduction order — logic.")
+        parts = (f"in invariant mode {CONDITION_LABELS[cond]} still parts from the reference"
+                 + (f" at step {d}" if d is not None else ""))
+        if p.verdict == "precision":
+            # the proof failed: "rounding, not a bug" must not stand beside it (kvviz.verdict's rule)
+            p.explanation = p.explanation.replace(": rounding, not a bug.", ": rounding by the numbers, but unproved.")
+            p.proof = (f"Precision, unproved: {parts}, so reduction order alone does not explain it and it is not "
+                       f"shown to be rounding.")
+        else:
+            p.proof = f"{parts[0].upper()}{parts[1:]}: not reduction order — logic."
 
 
 def load_prompt_set(source: str | None = None, prompt: str | None = None, limit: int | None = DEFAULT_LIMIT

@@ -33,6 +33,10 @@ from .loading import LoadedModel
 DEFAULT_CACHE = "dynamic"
 COMPILE_OFF = "off"
 
+Sink = Callable[[int, torch.Tensor], None]  # kvviz.streaming: gets each hidden state as a forward produces it
+# False: every sink gets its hidden states when the forward returns, all at once (tests compare both ways)
+STREAM_HIDDEN = [True]
+
 CacheFactory = Callable[[LoadedModel, int, int], object]  # (lm, batch size, max length) -> a Cache object
 RunContextFactory = Callable[["ExecSettings", LoadedModel], "ContextManager | None"]
 CompilerFactory = Callable[[LoadedModel, str], Callable]  # (lm, mode) -> a callable with the model's signature
@@ -175,11 +179,15 @@ class Executor:
         return factory(self.lm, batch, n)
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor | None = None, positions: torch.Tensor | None = None,
-                cache=None, *, use_cache: bool = True, hidden: bool = True, logits_to_keep: int | None = None,
-                fresh_cache: bool = True):
+                cache=None, *, use_cache: bool = True, hidden: "bool | Sink" = True,
+                logits_to_keep: int | None = None, fresh_cache: bool = True):
         """One model call. cache: the past (None: start a new one of the settings' kind when use_cache and
-        fresh_cache). mask/positions None are left out (the model then infers them, as a user's loop would)."""
-        kwargs: dict = dict(input_ids=ids, use_cache=use_cache, output_hidden_states=hidden, return_dict=True)
+        fresh_cache). mask/positions None are left out (the model then infers them, as a user's loop would).
+        hidden: True (every layer's hidden states in the output), False (none), or a sink `sink(index, tensor)`
+        that gets each hidden state as the forward produces it (kvviz.streaming; the output then carries none)."""
+        sink = hidden if callable(hidden) else None
+        kwargs: dict = dict(input_ids=ids, use_cache=use_cache, return_dict=True,
+                            output_hidden_states=sink is not None or bool(hidden))
         if mask is not None:
             kwargs["attention_mask"] = mask
         if positions is not None:
@@ -191,6 +199,12 @@ class Executor:
         if logits_to_keep is not None:
             kwargs["logits_to_keep"] = logits_to_keep
         self.forwards += 1
+        if sink is not None:
+            from .streaming import reduced_call
+
+            # compiled forwards get no hooks of ours: their hidden states are reduced when the forward returns
+            return reduced_call(self.model, lambda: self._callable()(**kwargs), sink,
+                                hooks=self.settings.compile == COMPILE_OFF and STREAM_HIDDEN[0])
         return self._callable()(**kwargs)
 
     def generate(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, pad_token_id: int,

@@ -22,6 +22,7 @@ from .errors import KvvizError
 from .inputs import MASK_MODES, POSITION_MODES, PromptInputs, build_inputs, check_mode
 from .execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings, cache_layers, has_cache
 from .loading import LoadedModel
+from .memory import REFERENCE_LOGITS_BYTES  # float64 full-forward logits over this: a chunk of rows at a time
 from .metrics import HIDDEN_METRICS as HIDDEN_METRIC_LABELS
 from .metrics import describe_table, logits_divergence, logits_rows, tensor_diff
 from .streaming import HeldRows, LayerGaps
@@ -327,7 +328,6 @@ def _full_forward(ex: Executor, inp: PromptInputs, a0: int, rows: int | None = N
     return ex.forward(inp.ids, inp.mask, inp.positions, logits_to_keep=keep, hidden=hidden)
 
 
-REFERENCE_LOGITS_BYTES = 128 * 1024 ** 2  # float64 full-forward logits over this: computed a chunk of rows at a time
 
 
 def _reference_rows(ex: Executor, inp: PromptInputs, a0: int) -> int | None:

@@ -235,6 +235,23 @@ class Executor:
                                 fresh_cache=fresh_cache)
         return call
 
+    def _last_position_caller(self, fresh_cache: bool = True) -> Callable:
+        """A caller for decoding, which reads only the last position of each hidden state: each layer's last
+        position is kept as the forward produces it (kvviz.streaming) and the output's hidden_states are those
+        rows [B, 1, H], so a no-cache step never holds every layer × every position."""
+        from .streaming import HeldRows
+
+        def call(ids, mask, positions, past, use_cache=True, hidden=True):
+            if hidden is not True:
+                return self.forward(ids, mask, positions, past, use_cache=use_cache, hidden=hidden,
+                                    fresh_cache=fresh_cache)
+            rows = HeldRows(lambda h: h[:, -1:])
+            out = self.forward(ids, mask, positions, past, use_cache=use_cache, hidden=rows,
+                               fresh_cache=fresh_cache)
+            out["hidden_states"] = tuple(rows.layers)
+            return out
+        return call
+
     def feed(self, ids: torch.Tensor, cache, *, one_by_one: bool = False,
              mask_of: Callable[[int, int], torch.Tensor | None] | None = None,
              positions_of: Callable[[int, int], torch.Tensor | None] | None = None,
@@ -260,8 +277,9 @@ class Executor:
                 raise KvvizError(no_cache_error or f"{self.lm.name} returns no cache (a bidirectional model): "
                                                    "past_key_values cannot be used")
 
-        tokens, logits, hiddens, last = loops.decode(self._caller(fresh_cache), ids, mask, n, policy, positions,
-                                                     step_positions, cache, forced, hidden, on_step, prefilled)
+        call = self._last_position_caller(fresh_cache)
+        tokens, logits, hiddens, last = loops.decode(call, ids, mask, n, policy, positions, step_positions, cache,
+                                                     forced, hidden, on_step, prefilled)
         return Decoded(tokens, logits, hiddens, last.past_key_values if policy != "no_cache" else None, last)
 
 

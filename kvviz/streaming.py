@@ -126,13 +126,16 @@ class LayerGaps:
     (a slice of the held positions). `matrices()`: metric -> [n_hidden, n_positions] (float64, CPU), the same
     numbers hidden_divergence gives on the stacked layers (each position's metrics depend on its row only).
 
-    free: drop a held layer once a compared forward covered all its positions (one forward for all of them)."""
+    free: drop a held layer once a compared forward covered all its positions (one forward for all of them).
+    equal: also track whether every compared row is bit for bit the held one (`self.equal`)."""
 
-    def __init__(self, held: HeldRows, eps: float, label: str = "the cached run", free: bool = False):
+    def __init__(self, held: HeldRows, eps: float, label: str = "the cached run", free: bool = False,
+                 equal: bool = False):
         from .metrics import hidden_divergence
 
         self._div = hidden_divergence
         self.held, self.eps, self.label, self.free = held, eps, label, free
+        self.track_equal, self.equal = equal, True
         self.n_hidden = len(held)
         self.parts: list[list[tuple[int, dict[str, torch.Tensor]]]] = [[] for _ in range(self.n_hidden)]
 
@@ -149,6 +152,8 @@ class LayerGaps:
             if got.device != ref.device:
                 got = got.to(ref.device)
             d = self._div(ref, got, self.eps)
+            if self.track_equal and self.equal:
+                self.equal = torch.equal(got, ref)
             self.parts[i].append((at.start or 0, {k: v.to("cpu") for k, v in d.items()}))
             if self.free and at == slice(None):
                 self.held.layers[i] = None

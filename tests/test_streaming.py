@@ -173,3 +173,97 @@ def test_a_sink_error_removes_the_hooks():
     with ex.session(), pytest.raises(RuntimeError, match="sink failed"):
         ex.forward(torch.tensor([[5, 6, 7, 8]]), hidden=boom)
     assert [dict(layer._forward_hooks) for layer in layers] == before
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Padding and batching: each scenario's hidden states compared with the held reference layer by layer
+
+
+def _padding_all_at_once(m, ids, comp_ids, k, left_pad) -> dict:
+    """Padding's hidden-state numbers as computed before: every layer of the reference and of each scenario
+    stacked, one hidden_divergence, torch.equal on the stacks."""
+    from kvviz import padding
+    from kvviz.split import takes_logits_to_keep
+
+    eps = machine_eps(m.dtype)
+    ex = Executor(m, max_len=max(len(c) for c in comp_ids + [ids]) + left_pad)
+    out = {}
+    with ex.session():
+        ref = ex.forward(torch.tensor([ids]), use_cache=False)
+        ref_h = torch.stack([h[0, k:] for h in ref.hidden_states])
+        for placement in [p for p in padding.PLACEMENTS if p != "left-padded" or left_pad > 0]:
+            rows = [ids] + (comp_ids if placement == "in a batch" else [])
+            extra = left_pad if placement == "left-padded" else 0
+            for label, use_cache, pm, mm in padding.SCENARIOS:
+                b_ids, mask, pos, pad = padding._batch(m, rows, 0, extra)
+                c = pad + k
+                if not use_cache:
+                    o = ex.forward(b_ids, mask, pos, use_cache=False)
+                    h = torch.stack([x[0, c:] for x in o.hidden_states])
+                else:
+                    keep = 1 if takes_logits_to_keep(m.model) else None
+                    pre = ex.forward(b_ids[:, :c], mask[:, :c], pos[:, :c], hidden=False, logits_to_keep=keep)
+                    o = ex.forward(b_ids[:, c:], mask if mm == "full" else mask[:, c:],
+                                   pos[:, c:] if pm == "auto" else None, pre.past_key_values)
+                    h = torch.stack([x[0] for x in o.hidden_states])
+                hd = hidden_divergence(ref_h, h, eps)
+                out[(placement, label)] = (float(hd["relative"].max()), float(hd["max_abs"].max()),
+                                           torch.equal(h, ref_h))
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "tie"])
+def test_padding_cells_reduced_per_layer_equal_all_at_once(arch):
+    from kvviz import padding
+    from kvviz.execution import DEFAULT_SETTINGS
+
+    m = lm(arch, "bfloat16")
+    ids = padding.encode(m, PROMPT)
+    comp_ids = padding.companion_ids(m, ids, None, 3)
+    k = len(ids) // 2
+    new = padding._padding_cells(m, DEFAULT_SETTINGS, ids, comp_ids, k, 3)
+    old = _padding_all_at_once(m, ids, comp_ids, k, 3)
+    assert new.keys() == old.keys() and len(new) == 15
+    for key, (rel, max_abs, equal) in old.items():
+        cell = new[key]
+        assert (cell["hidden_relative"], cell["hidden_max_abs"]) == (rel, max_abs), key
+        assert cell["bitwise_equal"] == (equal and cell["logits_max_abs"] == 0), key
+    if arch == "llama":  # real gaps somewhere, and some cells exactly equal
+        assert any(c["hidden_max_abs"] > 0 for c in new.values())
+        assert any(c["bitwise_equal"] for c in new.values())
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Decoding (greedy's paths, quant's runs): only the last position of each layer is kept per forward
+
+
+@pytest.mark.parametrize("policy", ["no_cache", "cache", "user_loop"])
+def test_decode_keeps_the_same_last_rows(policy):
+    """Executor.decode (each forward keeps its layers' last position as they come) gives exactly the tokens,
+    logits and hidden rows of the same loop over forwards returning every hidden state."""
+    from kvviz import loops
+
+    m = lm("gemma3", "bfloat16")
+    inp = build_inputs(m, PROMPT * 2, extra_tokens=6)
+    ex = Executor(m, max_len=inp.total + 6)
+    with ex.session():
+        new = ex.decode(inp.ids, inp.mask, 6, policy=policy, positions=inp.positions)
+        toks, logits, hidden, _ = loops.decode(ex._caller(), inp.ids, inp.mask, 6, policy, inp.positions)
+    assert new.tokens == toks
+    assert all(torch.equal(a, b) for a, b in zip(new.logits, logits))
+    assert len(new.hidden) == len(hidden) == 6
+    assert all(torch.equal(a, b) for a, b in zip(new.hidden, hidden))
+    assert new.hidden[0].shape == (m.n_layers + 1, m.model.config.hidden_size)
+
+
+def test_no_cache_decode_never_holds_every_layer():
+    m = lm("llama")
+    inp = build_inputs(m, PROMPT, extra_tokens=4)
+
+    def run():
+        ex = Executor(m, max_len=inp.total + 4)
+        with ex.session():
+            ex.decode(inp.ids, inp.mask, 4, policy="no_cache", positions=inp.positions)
+
+    peak, n_layers = _live_layer_outputs(m, run)
+    assert peak <= 2 < n_layers

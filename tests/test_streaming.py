@@ -267,3 +267,27 @@ def test_no_cache_decode_never_holds_every_layer():
 
     peak, n_layers = _live_layer_outputs(m, run)
     assert peak <= 2 < n_layers
+
+
+def test_greedy_fast_preview_rows_equal_all_at_once():
+    """The fast no-cache preview's teacher-forced forward keeps only the steps' rows of each layer: they are the
+    rows of the same forward returning every hidden state."""
+    from kvviz.greedy import StepRecorder, _cache, _fast_no_cache
+    from kvviz.inputs import positions_from_mask
+
+    m = lm("llama", "bfloat16")
+    inp = build_inputs(m, PROMPT, extra_tokens=6)
+    ex = Executor(m, max_len=inp.total + 6)
+    with ex.session():
+        rec = StepRecorder("cache", 6, lambda: None)
+        _cache(ex, inp, 6, rec)
+        guide = rec.done()
+        fast = _fast_no_cache(ex, inp, 6, StepRecorder("no_cache", 6, lambda: None), guide)
+        ids = torch.cat([inp.ids, torch.tensor([guide.token_ids[:5]])], 1)
+        mask = torch.ones_like(ids)
+        out = ex.forward(ids, mask, positions_from_mask(mask), use_cache=False)
+    start = inp.ids.shape[1] - 1
+    want = torch.stack([h[0, start:start + 6] for h in out.hidden_states], 1)
+    div = next((t for t, (a, b) in enumerate(zip(fast.token_ids, guide.token_ids)) if a != b), 5)
+    assert fast.hidden.shape[1:] == want.shape[1:]
+    assert torch.equal(fast.hidden[:div + 1], want[:div + 1])

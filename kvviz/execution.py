@@ -210,7 +210,8 @@ class Executor:
     def generate(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, pad_token_id: int,
                  hidden: bool = True, logits: bool = True, **extra):
         """model.generate(do_sample=False) for exactly max_new_tokens (EOS does not stop it), under the settings'
-        cache kind; transformers' own compile of the decode step is left off unless compile is asked for."""
+        cache kind; transformers' own compile of the decode step is left off unless compile is asked for.
+        hidden: each step's hidden states, the last position of each layer only ([B, 1, H] per layer)."""
         from transformers import GenerationConfig
 
         gc = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=max_new_tokens, min_new_tokens=0,
@@ -224,6 +225,11 @@ class Executor:
             kwargs["disable_compile"] = True
         kwargs.update(extra)
         self.forwards += max_new_tokens
+        if hidden:  # each step's hidden states: only their last positions are kept, as they are produced
+            from .streaming import reduced_generate
+
+            return reduced_generate(self.model, lambda: self.model.generate(**kwargs),
+                                    hooks=self.settings.compile == COMPILE_OFF and STREAM_HIDDEN[0])
         return self.model.generate(**kwargs)
 
     # -- loops: the only place a token is fed back or a known sequence is fed through a cache ----------------------

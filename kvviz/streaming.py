@@ -23,7 +23,8 @@ reduces it there; only the small per-position metrics move to the CPU.
 """
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Callable, Iterator
 
 import torch
 
@@ -49,7 +50,8 @@ def decoder_layers(model) -> torch.nn.ModuleList | None:
 class _Stream:
     def __init__(self, sink: Sink):
         self.sink = sink
-        self.delivered: set[int] = set()
+        self.delivered: set[int] = set()  # indices delivered from the current forward's record
+        self._seen = 0  # the record's length at the last hook (within a forward it grows a layer at a time)
 
     def deliver(self, i: int, t: torch.Tensor | None) -> None:
         if t is None or i in self.delivered:
@@ -62,6 +64,9 @@ class _Stream:
         hs = coll.get("hidden_states") if isinstance(coll, dict) else None
         if not isinstance(hs, list):
             return
+        if len(hs) <= self._seen:  # not longer than at the last layer: another forward's record (generate)
+            self.delivered = set()
+        self._seen = len(hs)
         for i in range(len(hs) - 1):  # all but the newest (the last one is replaced by the final norm's output)
             t = hs[i]
             if t is not None:
@@ -70,20 +75,29 @@ class _Stream:
             del t
 
 
-def reduced_call(model, call: Callable[[], object], sink: Sink, hooks: bool = True):
-    """Run `call()` (one model call with output_hidden_states=True) with each hidden state handed to `sink(index,
-    tensor)` as it is produced (hooks=False: after the forward, in order). Returns the output, its hidden_states
-    cleared."""
+@contextlib.contextmanager
+def hidden_hooks(model, sink: Sink, hooks: bool = True) -> Iterator[_Stream]:
+    """For the duration: after each decoder layer returns, every hidden state recorded so far but the newest goes
+    to `sink(index, tensor)` and is dropped from the running forward's record. The hooks are removed on exit,
+    also on error. hooks=False: nothing is attached (the caller delivers from the output)."""
     stream = _Stream(sink)
     handles = []
     try:
         layers = decoder_layers(model) if hooks and _COLLECTOR is not None else None
         for layer in layers or ():
             handles.append(layer.register_forward_hook(stream.hook))
-        out = call()
+        yield stream
     finally:
         for h in handles:
             h.remove()
+
+
+def reduced_call(model, call: Callable[[], object], sink: Sink, hooks: bool = True):
+    """Run `call()` (one model call with output_hidden_states=True) with each hidden state handed to `sink(index,
+    tensor)` as it is produced (hooks=False: after the forward, in order). Returns the output, its hidden_states
+    cleared."""
+    with hidden_hooks(model, sink, hooks) as stream:
+        out = call()
     states = getattr(out, "hidden_states", None) or ()
     for i, t in enumerate(states):
         if t is not None and i in stream.delivered:  # the hooks saw another forward's recording: never mix them
@@ -93,6 +107,50 @@ def reduced_call(model, call: Callable[[], object], sink: Sink, hooks: bool = Tr
     if getattr(out, "hidden_states", None) is not None:
         out["hidden_states"] = None
     return out
+
+
+def reduced_generate(model, generate: Callable[[], object], hooks: bool = True):
+    """Run `generate()` (model.generate with output_hidden_states=True) keeping only the last position of each
+    hidden state of each step, as they are produced: the output's hidden_states are then, per step, a tuple of
+    [B, 1, H] rows (the rows a decoding view reads), never every layer of the prompt's prefill at once."""
+    rows = _LastRowsPerForward()
+    with hidden_hooks(model, rows, hooks):
+        out = generate()
+    states = getattr(out, "hidden_states", None)
+    if states is None:
+        return out
+    if rows.steps and len(rows.steps) != len(states):
+        raise KvvizError("internal error: hidden states recorded for another number of steps; rerun with compile "
+                         "off")
+    merged = []
+    for t, step in enumerate(states):
+        got = rows.steps[t] if rows.steps else {}
+        layers = []
+        for i, x in enumerate(step):
+            if x is not None:
+                if i in got:
+                    raise KvvizError("internal error: a hidden state was recorded twice; rerun with compile off")
+                layers.append(x[:, -1:].clone())
+            else:
+                layers.append(got[i])
+        merged.append(tuple(layers))
+    del states
+    out["hidden_states"] = tuple(merged)
+    return out
+
+
+class _LastRowsPerForward:
+    """The last position of each hidden state, per forward (a forward begins when hidden state 0 comes again)."""
+
+    def __init__(self):
+        self.steps: list[dict[int, torch.Tensor]] = []
+        self.last: int | None = None
+
+    def __call__(self, i: int, h: torch.Tensor) -> None:
+        if self.last is None or i <= self.last:
+            self.steps.append({})
+        self.last = i
+        self.steps[-1][i] = h[:, -1:].clone()
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -291,3 +291,32 @@ def test_greedy_fast_preview_rows_equal_all_at_once():
     div = next((t for t, (a, b) in enumerate(zip(fast.token_ids, guide.token_ids)) if a != b), 5)
     assert fast.hidden.shape[1:] == want.shape[1:]
     assert torch.equal(fast.hidden[:div + 1], want[:div + 1])
+
+
+def test_generate_keeps_the_same_last_rows():
+    """Executor.generate keeps each step's last position of each layer as they come: the rows are those of
+    model.generate returning every hidden state; the prefill never holds every layer at once."""
+    from transformers import GenerationConfig
+
+    m = lm("gemma3", "bfloat16")
+    inp = build_inputs(m, PROMPT * 2, extra_tokens=5)
+    ex = Executor(m)
+    with ex.session():
+        new = ex.generate(inp.ids, inp.mask, 5, 0)
+        gc = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=5, min_new_tokens=0, eos_token_id=[],
+                              pad_token_id=0, output_logits=True, output_hidden_states=True,
+                              return_dict_in_generate=True, use_cache=True)
+        old = m.model.generate(input_ids=inp.ids, attention_mask=inp.mask, generation_config=gc,
+                               disable_compile=True)
+    assert torch.equal(new.sequences, old.sequences)
+    assert len(new.hidden_states) == len(old.hidden_states) == 5
+    for a, b in zip(new.hidden_states, old.hidden_states):
+        assert len(a) == len(b) == m.n_layers + 1
+        assert all(x.shape[1] == 1 and torch.equal(x[0, -1], y[0, -1]) for x, y in zip(a, b))
+
+    def run():
+        with ex.session():
+            ex.generate(inp.ids, inp.mask, 3, 0)
+
+    peak, n_layers = _live_layer_outputs(m, run)
+    assert peak <= 2 < n_layers

@@ -33,6 +33,10 @@ from .loading import LoadedModel
 DEFAULT_CACHE = "dynamic"
 COMPILE_OFF = "off"
 
+Sink = Callable[[int, torch.Tensor], None]  # kvviz.streaming: gets each hidden state as a forward produces it
+# False: every sink gets its hidden states when the forward returns, all at once (tests compare both ways)
+STREAM_HIDDEN = [True]
+
 CacheFactory = Callable[[LoadedModel, int, int], object]  # (lm, batch size, max length) -> a Cache object
 RunContextFactory = Callable[["ExecSettings", LoadedModel], "ContextManager | None"]
 CompilerFactory = Callable[[LoadedModel, str], Callable]  # (lm, mode) -> a callable with the model's signature
@@ -116,6 +120,18 @@ class ExecSettings:
 DEFAULT_SETTINGS = ExecSettings()
 
 
+def one_stream(h: torch.Tensor, b: int, t: int, width: int | None) -> torch.Tensor:
+    """One [B, T, H] hidden state per layer, like every other model, for models with several parallel residual
+    streams: hyper-connections (DeepSeek-V4, HY-V4: [B, T, S, H]) or Gemma 3n's AltUp ([S, B, T, H]), and streams
+    flattened into the width (Qwen4-Exp: [B, T, S x H]) - compared as their mean (a gap in any stream moves the mean
+    unless it cancels exactly across streams). Every other hidden state is returned as it is."""
+    if h.dim() == 4:
+        h = h.mean(0) if tuple(h.shape[1:3]) == (b, t) else h.mean(-2)
+    if width and h.shape[-1] != width and h.shape[-1] % width == 0:
+        h = h.unflatten(-1, (-1, width)).mean(-2)
+    return h
+
+
 @dataclass
 class Executor:
     """Runs one loaded model under one ExecSettings. Build it per run; it is cheap.
@@ -175,11 +191,15 @@ class Executor:
         return factory(self.lm, batch, n)
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor | None = None, positions: torch.Tensor | None = None,
-                cache=None, *, use_cache: bool = True, hidden: bool = True, logits_to_keep: int | None = None,
-                fresh_cache: bool = True):
+                cache=None, *, use_cache: bool = True, hidden: "bool | Sink" = True,
+                logits_to_keep: int | None = None, fresh_cache: bool = True):
         """One model call. cache: the past (None: start a new one of the settings' kind when use_cache and
-        fresh_cache). mask/positions None are left out (the model then infers them, as a user's loop would)."""
-        kwargs: dict = dict(input_ids=ids, use_cache=use_cache, output_hidden_states=hidden, return_dict=True)
+        fresh_cache). mask/positions None are left out (the model then infers them, as a user's loop would).
+        hidden: True (every layer's hidden states in the output), False (none), or a sink `sink(index, tensor)`
+        that gets each hidden state as the forward produces it (kvviz.streaming; the output then carries none)."""
+        sink = hidden if callable(hidden) else None
+        kwargs: dict = dict(input_ids=ids, use_cache=use_cache, return_dict=True,
+                            output_hidden_states=sink is not None or bool(hidden))
         if mask is not None:
             kwargs["attention_mask"] = mask
         if positions is not None:
@@ -197,28 +217,30 @@ class Executor:
         if logits_to_keep is not None:
             kwargs["logits_to_keep"] = logits_to_keep
         self.forwards += 1
-        out = self._callable()(**kwargs)
+        b, t = ids.shape[0], ids.shape[-1]
+        if sink is not None:
+            from .streaming import reduced_call
+
+            width = getattr(self.lm.config, "hidden_size", None)
+            # compiled forwards get no hooks of ours: their hidden states are reduced when the forward returns
+            out = reduced_call(self.model, lambda: self._callable()(**kwargs),
+                               lambda i, h: sink(i, one_stream(h, b, t, width)),
+                               hooks=self.settings.compile == COMPILE_OFF and STREAM_HIDDEN[0])
+        else:
+            out = self._callable()(**kwargs)
         if state_arg is not None:  # the state read back where every caller reads a cache
             out.past_key_values = getattr(out, state_arg, None)
-        hs = getattr(out, "hidden_states", None) if hidden else None
-        if hs is not None and any(h.dim() == 4 for h in hs):
-            # several parallel residual streams per layer: hyper-connections (DeepSeek-V4, HY-V4: [B, T, S, H]) or
-            # Gemma 3n's AltUp ([S, B, T, H]); compared as their mean, one [B, T, H] row per layer like every other
-            # model (a gap in any stream moves the mean unless it cancels exactly across streams)
-            b, t = ids.shape[0], ids.shape[-1]
-            out.hidden_states = hs = tuple(
-                h if h.dim() != 4 else h.mean(0) if tuple(h.shape[1:3]) == (b, t) else h.mean(-2) for h in hs)
-        if hs is not None and len({h.shape[-1] for h in hs}) > 1:
-            # the streams flattened into the width (Qwen4-Exp: [B, T, streams × H]): the same mean
+        hs = getattr(out, "hidden_states", None) if hidden is True else None
+        if hs is not None and (any(h.dim() == 4 for h in hs) or len({h.shape[-1] for h in hs}) > 1):
             width = hs[-1].shape[-1]
-            out.hidden_states = tuple(h.unflatten(-1, (-1, width)).mean(-2)
-                                      if h.shape[-1] != width and h.shape[-1] % width == 0 else h for h in hs)
+            out.hidden_states = tuple(one_stream(h, b, t, width) for h in hs)
         return out
 
     def generate(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, pad_token_id: int,
                  hidden: bool = True, logits: bool = True, **extra):
         """model.generate(do_sample=False) for exactly max_new_tokens (EOS does not stop it), under the settings'
-        cache kind; transformers' own compile of the decode step is left off unless compile is asked for."""
+        cache kind; transformers' own compile of the decode step is left off unless compile is asked for.
+        hidden: each step's hidden states, the last position of each layer only ([B, 1, H] per layer)."""
         from transformers import GenerationConfig
 
         gc = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=max_new_tokens, min_new_tokens=0,
@@ -232,6 +254,11 @@ class Executor:
             kwargs["disable_compile"] = True
         kwargs.update(extra)
         self.forwards += max_new_tokens
+        if hidden:  # each step's hidden states: only their last positions are kept, as they are produced
+            from .streaming import reduced_generate
+
+            return reduced_generate(self.model, lambda: self.model.generate(**kwargs),
+                                    hooks=self.settings.compile == COMPILE_OFF and STREAM_HIDDEN[0])
         return self.model.generate(**kwargs)
 
     # -- loops: the only place a token is fed back or a known sequence is fed through a cache ----------------------
@@ -241,6 +268,23 @@ class Executor:
         def call(ids, mask, positions, past, use_cache=True, hidden=True):
             return self.forward(ids, mask, positions, past, use_cache=use_cache, hidden=hidden,
                                 fresh_cache=fresh_cache)
+        return call
+
+    def _last_position_caller(self, fresh_cache: bool = True) -> Callable:
+        """A caller for decoding, which reads only the last position of each hidden state: each layer's last
+        position is kept as the forward produces it (kvviz.streaming) and the output's hidden_states are those
+        rows [B, 1, H], so a no-cache step never holds every layer × every position."""
+        from .streaming import HeldRows
+
+        def call(ids, mask, positions, past, use_cache=True, hidden=True):
+            if hidden is not True:
+                return self.forward(ids, mask, positions, past, use_cache=use_cache, hidden=hidden,
+                                    fresh_cache=fresh_cache)
+            rows = HeldRows(lambda h: h[:, -1:])
+            out = self.forward(ids, mask, positions, past, use_cache=use_cache, hidden=rows,
+                               fresh_cache=fresh_cache)
+            out["hidden_states"] = tuple(rows.layers)
+            return out
         return call
 
     def feed(self, ids: torch.Tensor, cache, *, one_by_one: bool = False,
@@ -268,8 +312,9 @@ class Executor:
                 raise KvvizError(no_cache_error or f"{self.lm.name} returns no cache (a bidirectional model): "
                                                    "past_key_values cannot be used")
 
-        tokens, logits, hiddens, last = loops.decode(self._caller(fresh_cache), ids, mask, n, policy, positions,
-                                                     step_positions, cache, forced, hidden, on_step, prefilled)
+        call = self._last_position_caller(fresh_cache)
+        tokens, logits, hiddens, last = loops.decode(call, ids, mask, n, policy, positions, step_positions, cache,
+                                                     forced, hidden, on_step, prefilled)
         return Decoded(tokens, logits, hiddens, last.past_key_values if policy != "no_cache" else None, last)
 
 

@@ -365,19 +365,61 @@ def pick_reference(shape: ModelShape, dtype: str, free: int | None, others: int)
     return "twin" if free is None or twin + others <= free // 2 else "streamed"
 
 
-def activation_bytes(shape: ModelShape, dtype: str, tokens: int, batch: int, view: str, reference: bool) -> int:
-    """One forward's working set plus what the view keeps of its forwards (hidden states of every layer and the
-    logits, for the run and, when a reference runs, in float64 too) - as the views hold them today."""
+# Views whose forwards hand their hidden states over layer by layer as they are produced (kvviz.streaming): the
+# held path's compared rows (split, padding) or each step's last rows (decoding: greedy, quant), plus the layers a
+# forward is computing; bisect, reuse, matrix and the loading trap ask for no hidden states. The others ("cache":
+# the saved cache's round trip) hold every layer of both their forwards.
+STREAMED_HIDDEN_VIEWS = {"split", "bisect", "check", "dtypes", "padding", "greedy", "quant", "reuse", "matrix",
+                         "loading-trap"}
+# Views that run only the float64 reference (the cache-safety card's battery), not the model in its own dtype.
+FLOAT64_ONLY_VIEWS = {"check"}
+# float64 temporaries of one chunk of positions in kvviz.metrics.logits_divergence (both inputs upcast, two
+# log-softmaxes, exp, difference, product), each LOGITS_CHUNK_BYTES
+LOGITS_TEMPORARIES = 7
+# float64 full-forward logits over this are computed a chunk of rows at a time (kvviz.views.split.run uses REFERENCE_LOGITS_BYTES)
+REFERENCE_LOGITS_BYTES = 128 * 1024 ** 2
+
+
+def activation_bytes(shape: ModelShape, dtype: str, tokens: int, batch: int, view: str, reference: bool,
+                     compared: int | None = None) -> int:
+    """The most a run holds at once besides weights and caches: the largest of its phases (the run in its own
+    dtype; its float64 reference), each one forward's working set plus what the view keeps of its forwards, as the
+    views hold them now:
+
+    * the run in its dtype: the user's full forward with every position's logits, the compared rows' logits of both
+      paths, the float64 temporaries of one chunk of the logits comparison, and the hidden states (one path's
+      compared rows and two layers where they are reduced layer by layer; every layer of two forwards otherwise);
+    * float64: only the compared positions' logits (logits_to_keep; prefixes keep one row), for both paths - in
+      chunks of REFERENCE_LOGITS_BYTES where the reference is computed token by token (the cache-safety card's
+      window check) - and the same comparison temporaries; the streamed reference's weight slices are in
+      `reference_bytes`.
+
+    compared: positions compared (split: the tokens after the split point); None: every token."""
+    from .metrics import LOGITS_CHUNK_BYTES
+
     b = BYTES[dtype]
     T, B, H, L, V = tokens, batch, shape.hidden, shape.layers, shape.vocab
-    working = B * T * (3 * shape.intermediate + 4 * H) * b + B * shape.heads * T * T * max(b, 4)
-    kept_fwd = B * T * ((L + 1) * H + V) * b
-    n = VIEW_FORWARDS.get(view, 1)
-    total = working + n * kept_fwd + B * T * V * 8  # the comparison of logits runs in float64
-    if reference:
-        total += B * T * (3 * shape.intermediate + 4 * H) * 8 + B * shape.heads * T * T * 8 + n * B * T * (
-            (L + 1) * H + V) * 8
-    return int(total)
+    n = max(1, min(compared or T, T))
+    temps = LOGITS_TEMPORARIES * LOGITS_CHUNK_BYTES
+
+    def working(width: int) -> int:  # one layer of one forward: MLP and attention scores
+        return B * T * (3 * shape.intermediate + 4 * H) * width + B * shape.heads * T * T * max(width, 4)
+
+    def hidden(width: int) -> int:
+        if view in STREAMED_HIDDEN_VIEWS:
+            return B * n * (L + 1) * H * width + 2 * B * T * H * width
+        return VIEW_FORWARDS.get(view, 1) * B * T * (L + 1) * H * width
+
+    run = working(b) + B * T * V * b + 2 * B * n * V * b + temps + hidden(b)
+    if not reference:
+        return int(run)
+    if view in FLOAT64_ONLY_VIEWS:  # every run of the view is on the float64 reference
+        run = 0
+    logits64 = 2 * B * n * V * 8
+    if view == "check":  # the window check compares token by token: the float64 logits a chunk of rows at a time
+        logits64 = min(logits64, 2 * REFERENCE_LOGITS_BYTES + 2 * B * V * 8)
+    ref = working(8) + logits64 + temps + hidden(8)
+    return int(max(run, ref))
 
 
 def cache_bytes(shape: ModelShape, dtype: str, tokens: int, batch: int, reference: bool) -> int:
@@ -386,8 +428,9 @@ def cache_bytes(shape: ModelShape, dtype: str, tokens: int, batch: int, referenc
 
 
 def plan_run(spec, dtype: str = "float32", device="cpu", view: str = "split", tokens: int = 32, batch: int = 1,
-             dtypes: tuple[str, ...] = (), reference: str | None = None) -> MemoryPlan:
-    """The memory plan of one run, from the model's files (nothing loaded)."""
+             dtypes: tuple[str, ...] = (), reference: str | None = None, compared: int | None = None) -> MemoryPlan:
+    """The memory plan of one run, from the model's files (nothing loaded). compared: positions compared (split:
+    the tokens after the split point; None: every token)."""
     from .dtypes import resolve_device
     from .loading import parse_spec
 
@@ -395,12 +438,12 @@ def plan_run(spec, dtype: str = "float32", device="cpu", view: str = "split", to
     dev = device if isinstance(device, torch.device) else resolve_device(device)
     free, src = free_bytes(dev)
     return plan_shape(model_shape(ms), ms.display, dtype, str(dev), view, tokens, batch, dtypes, reference, free,
-                      src)
+                      src, compared)
 
 
 def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, view: str, tokens: int, batch: int = 1,
                dtypes: tuple[str, ...] = (), reference: str | None = None, free: int | None = None,
-               free_from: str = "given") -> MemoryPlan:
+               free_from: str = "given", compared: int | None = None) -> MemoryPlan:
     """The plan of a run of a model of this shape, against `free` bytes."""
     from .dtypes import dtype_name, parse_dtype
 
@@ -420,7 +463,7 @@ def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, vie
     if not uses_ref:
         strategy = "none"
     ref = reference_bytes(shape, dt, strategy) if uses_ref else 0
-    acts = activation_bytes(shape, dt, tokens, batch, view, uses_ref)
+    acts = activation_bytes(shape, dt, tokens, batch, view, uses_ref, compared)
     cache = cache_bytes(shape, dt, tokens, batch, uses_ref)
     kept = 8 * (shape.layers + 1) * tokens * batch * 8  # per-layer, per-position metrics, a few of them
     if strategy == "streamed":
@@ -523,8 +566,10 @@ def plan_for_args(args) -> MemoryPlan:
     batch = int(getattr(args, "batch", 1) or 1) if view == "cache" else (3 if view == "padding" else 1)
     dtypes = tuple(d.strip() for d in getattr(args, "dtypes", "").split(",") if d.strip()) if view == "dtypes" \
         else ()
+    split = getattr(args, "split", None)
+    compared = tokens - int(split) if view in ("split", "bisect") and isinstance(split, int) and split > 0 else None
     return plan_run(spec, args.dtype if view != "dtypes" else (dtypes[0] if dtypes else "float32"), args.device,
-                    view, tokens, batch, dtypes)
+                    view, tokens, batch, dtypes, compared=compared)
 
 
 def attach(result, plan: MemoryPlan) -> None:

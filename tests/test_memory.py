@@ -124,3 +124,65 @@ def test_logits_compared_in_chunks_of_positions(monkeypatch):
         else:
             assert torch.equal(whole[k], chunked[k]), k
     assert not bool(chunked["argmax_agree"][5]) and bool(chunked["argmax_agree"][4])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The plan is an upper bound of the measured peak, and not far above it where the model is large
+
+
+def _bench_shape(cfg: dict) -> ModelShape:
+    """The shape of a bench/memory_bench.py model, from its config and the tensors it writes (no files needed)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import memory_bench
+
+    sizes = []
+    for _, shape in memory_bench._tensors(cfg):
+        n = 1
+        for d in shape:
+            n *= d
+        sizes.append(n)
+    return ModelShape.from_config(cfg, sum(sizes), max(sizes), "bfloat16")
+
+
+# Peak RSS measured by `bench/memory_bench.py run` (docs/benchmarks.md, "Memory at real size"), bytes.
+RECORDED_PEAKS = {
+    # (model, view, tokens as the plan counts them, compared positions): peak RSS
+    ("gemma270m", "split", 720, 120): 2_293_944_320,  # 2026-11-24
+    ("gemma270m", "check", 1028, None): 2_250_000_000,  # 2026-11-24 (2.25 GB)
+    ("big3b", "split", 60, 54): 7_790_000_000,  # 2026-11-23 (7.79 GB)
+}
+
+
+@pytest.mark.parametrize("key", list(RECORDED_PEAKS))
+def test_plan_bounds_the_recorded_bench_peaks(key):
+    sys.path.insert(0, str(ROOT / "bench"))
+    import memory_bench
+
+    name, view, tokens, compared = key
+    cfg = memory_bench.GEMMA270M if name == "gemma270m" else memory_bench.BIG3B
+    plan = plan_shape(_bench_shape(cfg), name, "bfloat16", "cpu", view, tokens, free=20 * 1024 ** 3,
+                      compared=compared)
+    peak = RECORDED_PEAKS[key]
+    assert plan.reference == "streamed"
+    assert plan.total >= peak, (plan.lines(), peak)
+    if name == "gemma270m":  # the 262k vocabulary's activations dominate there: the plan tracks them
+        assert plan.total <= 1.5 * peak, (plan.lines(), peak)
+
+
+@pytest.mark.parametrize("argv", [
+    ["split", "--model", "tiny:gemma3", "--prompt", "Hello world, caching is fun! 123 " * 3, "--split", "40",
+     "--dtype", "bfloat16"],
+    ["greedy", "--model", "tiny:llama", "--prompt", "Hello world", "--max-new-tokens", "8", "--dtype", "bfloat16"],
+    ["check", "--model", "tiny:mistral", "--dtype", "bfloat16"],
+])
+def test_plan_bounds_the_measured_peak_on_tiny_models(argv, kvviz_cache):
+    """A fresh process per run (the test process's own peak would count every earlier test): the plan's total
+    is at least the peak RSS the run measured."""
+    import os
+
+    r = subprocess.run([sys.executable, "-m", "kvviz"] + argv + ["--json", "--quiet"], capture_output=True,
+                       text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=600)
+    assert r.returncode == 0, r.stderr[-800:]
+    plan = json.loads(r.stdout)["memory_plan"]
+    assert plan["measured_peak"] > 100 * 1024 ** 2  # torch and transformers at least: a real measurement
+    assert plan["total"] >= plan["measured_peak"], plan

@@ -31,6 +31,7 @@ from ...loading import LoadedModel
 from ...metrics import hidden_divergence
 from ...text import display_tokens
 from ..split.run import layer_labels
+from ...streaming import HeldRows
 from ...verdict import classify, precision_sentence
 
 PATHS = ("no_cache", "cache", "generate", "user_loop", "float64")
@@ -283,11 +284,12 @@ def _fast_no_cache(ex: Executor, inp: PromptInputs, n: int, rec: StepRecorder, g
     mask = torch.cat([inp.mask, torch.ones((1, ids.shape[1] - inp.ids.shape[1]), dtype=inp.mask.dtype,
                                            device=inp.mask.device)], 1)
     pos = positions_from_mask(mask)
-    out = ex.forward(ids, mask, pos, use_cache=False)
-    rec.forwards += 1
     start = inp.ids.shape[1] - 1
+    held = HeldRows(lambda h: h[0, start:start + n])  # only the steps' rows of each layer, as they come
+    out = ex.forward(ids, mask, pos, use_cache=False, hidden=held)
+    rec.forwards += 1
     logits_all = out.logits[0, start:start + n]
-    hidden_all = torch.stack([h[0, start:start + n] for h in out.hidden_states], 1)  # [n, n_hidden, H]
+    hidden_all = torch.stack(held.layers, 1)  # [n, n_hidden, H]
     eps = machine_eps(ex.lm.dtype)
     settled: list[bool] = []
     ok = True

@@ -16,7 +16,7 @@ from ...errors import KvvizError
 from ...execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings, has_cache
 from ...inputs import encode, pad_token_id, positions_from_mask, token_texts
 from ...loading import LoadedModel
-from ...metrics import hidden_divergence
+from ...streaming import HeldRows, LayerGaps
 from ..split.run import takes_logits_to_keep, check_split
 from ...verdict import classify
 
@@ -82,28 +82,29 @@ def _batch(lm: LoadedModel, rows: list[list[int]], target: int, extra_pad: int):
 
 
 def _scenario(ex: Executor, rows, target: int, extra_pad: int, k: int, use_cache: bool, pos_mode: str,
-              mask_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Hidden states [n_hidden, n_compared, H] and logits [n_compared, V] of the target row's tokens [k, L)."""
+              mask_mode: str, gaps: LayerGaps) -> tuple[LayerGaps, torch.Tensor]:
+    """The target row's tokens [k, L): their hidden states compared with the reference's layer by layer as they
+    come (`gaps`), and their logits [n_compared, V]."""
     ids, mask, pos, pad = _batch(ex.lm, rows, target, extra_pad)
     c = pad + k  # the column where the cache ends, the same for every row
     # float64 (the reference) computes only the compared positions' logits, and the prefix none: a 262k vocabulary's
     # logits over a padded batch are gigabytes in float64 (the run's own dtype keeps the user's full forward)
     keep = takes_logits_to_keep(ex.lm.model)
     if not use_cache:
-        out = ex.forward(ids, mask, pos, use_cache=False,
+        out = ex.forward(ids, mask, pos, use_cache=False, hidden=gaps.sink(lambda h: h[target, c:]),
                          logits_to_keep=ids.shape[1] - c if keep and ex.lm.dtype == torch.float64 else None)
-        return torch.stack([h[target, c:] for h in out.hidden_states]), \
-            out.logits[target, -(ids.shape[1] - c):].clone()  # the target's rows: the batch's are freed now
+        return gaps, out.logits[target, -(ids.shape[1] - c):].clone()  # the target's rows: the batch's are freed
     pre = ex.forward(ids[:, :c], mask[:, :c], pos[:, :c], hidden=False, logits_to_keep=1 if keep else None)
     if not has_cache(pre):
         raise KvvizError(f"{ex.lm.name} returns no cache (a bidirectional model): past_key_values cannot be used")
     out = ex.forward(ids[:, c:], mask if mask_mode == "full" else mask[:, c:],
-                     pos[:, c:] if pos_mode == "auto" else None, pre.past_key_values)
-    return torch.stack([h[target] for h in out.hidden_states]), out.logits[target].clone()
+                     pos[:, c:] if pos_mode == "auto" else None, pre.past_key_values,
+                     hidden=gaps.sink(lambda h: h[target]))
+    return gaps, out.logits[target].clone()
 
 
-def _cell(ref_h, ref_l, h, lg, eps: float) -> dict:
-    hd = hidden_divergence(ref_h, h, eps)
+def _cell(gaps: LayerGaps, ref_l, lg) -> dict:
+    hd = gaps.matrices()
     ldiff = (lg.double() - ref_l.double()).abs().amax(-1)
     return {
         "hidden_relative": float(hd["relative"].max()),
@@ -111,7 +112,7 @@ def _cell(ref_h, ref_l, h, lg, eps: float) -> dict:
         "logits_max_abs": float(ldiff.max()),
         "logits_relative": float((ldiff / ref_l.double().abs().amax(-1)).max()),
         "argmax_agree": bool((lg.argmax(-1) == ref_l.argmax(-1)).all()),
-        "bitwise_equal": bool(torch.equal(h, ref_h) and torch.equal(lg, ref_l)),
+        "bitwise_equal": bool(gaps.equal and torch.equal(lg, ref_l)),
     }
 
 
@@ -121,8 +122,8 @@ def _padding_cells(lm: LoadedModel, settings: ExecSettings, ids: list[int], comp
     ex = Executor(lm, settings, max_len=width)
     placements = [p for p in PLACEMENTS if p != "left-padded" or left_pad > 0]
     with ex.session():
-        ref = ex.forward(torch.tensor([ids], device=lm.device), use_cache=False)
-        ref_h = torch.stack([h[0, k:] for h in ref.hidden_states])
+        held = HeldRows(lambda h: h[0, k:])  # the reference's compared rows, layer by layer as they come
+        ref = ex.forward(torch.tensor([ids], device=lm.device), use_cache=False, hidden=held)
         ref_l = ref.logits[0, k:]
         out = {}
         for placement in placements:
@@ -131,9 +132,10 @@ def _padding_cells(lm: LoadedModel, settings: ExecSettings, ids: list[int], comp
             for label, use_cache, pm, mm in SCENARIOS:
                 if only is not None and (placement, label) not in only:
                     continue
-                h, lg = _scenario(ex, rows, 0, extra, k, use_cache, pm, mm)
-                out[(placement, label)] = _cell(ref_h, ref_l, h, lg, machine_eps(lm.dtype))
-                del h, lg  # before the next scenario's forward
+                gaps = LayerGaps(held, machine_eps(lm.dtype), "a padding scenario", equal=True)
+                gaps, lg = _scenario(ex, rows, 0, extra, k, use_cache, pm, mm, gaps)
+                out[(placement, label)] = _cell(gaps, ref_l, lg)
+                del gaps, lg  # before the next scenario's forward
     return out
 
 

@@ -22,8 +22,10 @@ from ...errors import KvvizError
 from ...inputs import MASK_MODES, POSITION_MODES, PromptInputs, build_inputs, check_mode
 from ...execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings, cache_layers, has_cache
 from ...loading import LoadedModel
+from ...memory import REFERENCE_LOGITS_BYTES  # float64 full-forward logits over this: a chunk of rows at a time
 from ...metrics import HIDDEN_METRICS as HIDDEN_METRIC_LABELS
-from ...metrics import describe_table, hidden_divergence, logits_divergence, logits_rows, tensor_diff
+from ...metrics import describe_table, logits_divergence, logits_rows, tensor_diff
+from ...streaming import HeldRows, LayerGaps
 from ...verdict import amplification, classify, layers_prefix, precision_sentence  # noqa: F401
 
 MODES = ("chunk", "step")
@@ -210,23 +212,25 @@ class _Compared:
 
 
 def _rest_through_cache(ex: Executor, cfg: SplitConfig, inp: PromptInputs, a0: int, past, progress: Progress,
-                        ref_logits: torch.Tensor | None = None):
+                        ref_logits: torch.Tensor | None, gaps: LayerGaps):
     """Feed tokens [a0, total) through `past`, in one chunk or one by one, with the position ids and mask the user
-    chose. Returns hidden states [n_hidden, n_rest, H], logits [n_rest, V] (token by token with `ref_logits`
-    given: a _Compared, each step's row compared as it comes) and the grown cache."""
+    chose; each layer's hidden states are compared with the reference's as they come (`gaps`). Returns `gaps`,
+    logits [n_rest, V] (token by token with `ref_logits` given: a _Compared, each step's row compared as it comes)
+    and the grown cache."""
     rest = inp.ids[:, a0:]
     mask_of = (lambda s, e: cached_mask(cfg, inp, a0 + s, a0 + e))
     positions_of = (lambda s, e: inp.positions[:, a0 + s:a0 + e]) if cfg.position_ids == "auto" else None
     if cfg.mode == "chunk":
         progress(0.5, "Rest through the cache, one chunk…")
-        _, _, got = next(ex.feed(rest, past, mask_of=mask_of, positions_of=positions_of))
-        return torch.stack([h[0] for h in got.hidden_states]), got.logits[0], got.past_key_values
-    hs, lg = [], []
+        _, _, got = next(ex.feed(rest, past, mask_of=mask_of, positions_of=positions_of,
+                                 hidden=gaps.sink(lambda h: h[0])))
+        return gaps, got.logits[0], got.past_key_values
+    lg = []
     cache = past
-    for j, _, out in ex.feed(rest, past, one_by_one=True, mask_of=mask_of, positions_of=positions_of):
+    for j, _, out in ex.feed(rest, past, one_by_one=True, mask_of=mask_of, positions_of=positions_of,
+                             hidden=gaps.stepping(lambda h: h[0, -1:])):
         progress(0.4 + 0.5 * j / max(1, inp.total - a0), f"Rest through the cache, token {j + 1}…")
         cache = out.past_key_values
-        hs.append(torch.stack([h[0, -1] for h in out.hidden_states]))
         if ref_logits is None:
             lg.append(out.logits[0, -1])
         else:
@@ -234,36 +238,34 @@ def _rest_through_cache(ex: Executor, cfg: SplitConfig, inp: PromptInputs, a0: i
             last = out.logits[0, -1].clone()
         del out
     if ref_logits is None:
-        return torch.stack(hs, dim=1), torch.stack(lg), cache
-    return torch.stack(hs, dim=1), _Compared({k: torch.cat([m[k] for m in lg]) for k in lg[0]}, last), cache
+        return gaps, torch.stack(lg), cache
+    return gaps, _Compared({k: torch.cat([m[k] for m in lg]) for k in lg[0]}, last), cache
 
 
 @dataclass
 class _Rows:
-    """What the comparison needs of the full forward: the compared positions' hidden states and logits (copies,
-    so the whole prompt's logits - positions × vocabulary - are freed at once) and its cache."""
+    """What the comparison needs of the full forward: the compared positions' hidden states (held layer by layer
+    as the forward produced them: kvviz.streaming) and logits (copies, so the whole prompt's logits - positions ×
+    vocabulary - are freed at once) and its cache."""
 
-    hidden: torch.Tensor  # [n_hidden, n_rest, H]
+    hidden: HeldRows  # n_hidden × [n_rest, H]
     logits: torch.Tensor  # [n_rest, V]
     cache: object
 
     @classmethod
-    def of(cls, out, a0: int) -> "_Rows":
-        hidden = torch.stack([h[0, a0:] for h in out.hidden_states])
-        n = len(out.hidden_states[0][0]) - a0
+    def of(cls, out, n: int, hidden: HeldRows) -> "_Rows":
         # the whole prompt's logits (copied: the rest is freed), or only the compared ones (see _full_forward: kept
         # as they are, a float64 copy of a large vocabulary's rows would double the peak)
         logits = out.logits[0] if out.logits.shape[1] == n else out.logits[0, -n:].clone()
         return cls(hidden, logits, out.past_key_values)
 
 
-def _measure(lm: LoadedModel, comp: Comparison, ref: _Rows, a0: int, got_hidden, got_logits, cache, inp) -> None:
-    """Every metric, computed on the device; only the small matrices come to the host."""
-    ref_hidden, ref_logits = ref.hidden, ref.logits
-    if got_hidden.shape != ref_hidden.shape:
-        raise KvvizError(f"the cached run returned hidden states of shape {tuple(got_hidden.shape)}, "
-                         f"expected {tuple(ref_hidden.shape)}")
-    hd = hidden_divergence(ref_hidden, got_hidden, machine_eps(lm.dtype))
+def _measure(lm: LoadedModel, comp: Comparison, ref: _Rows, a0: int, gaps: LayerGaps, got_logits, cache,
+             inp) -> None:
+    """Every metric, computed on the device (the hidden-state gaps already, layer by layer as the cached run
+    produced them); only the small matrices come to the host."""
+    ref_logits = ref.logits
+    hd = gaps.matrices()
     if isinstance(got_logits, _Compared):  # compared step by step already
         ld, got_last = dict(got_logits.metrics), got_logits.last
     else:
@@ -300,17 +302,21 @@ def _run(lm: LoadedModel, cfg: SplitConfig, inp: PromptInputs, progress: Progres
             return _bidirectional(ex, inp, a0, comp)
         progress(0.3, "Full forward without cache…")
         rows = _reference_rows(ex, inp, a0) if cfg.mode == "step" else None
-        ref = _Rows.of(_full_forward(ex, inp, a0, rows), a0)
+        # the full forward's hidden states: only the compared positions are kept, layer by layer as they come
+        held = HeldRows(lambda h: h[0, a0:])
+        ref = _Rows.of(_full_forward(ex, inp, a0, rows, held), inp.total - a0, held)
         if rows is not None:  # float64 with a large vocabulary: the earlier positions' logits a chunk at a time
             ref.logits = _ChunkedLogits(ex, inp, a0, ref.logits)
-        got_hidden, got_logits, cache = _rest_through_cache(ex, cfg, inp, a0, pre.past_key_values, progress,
-                                                            ref.logits if cfg.mode == "step" else None)
+        # the cached path's hidden states are compared with those layer by layer as it produces them
+        gaps = LayerGaps(held, machine_eps(lm.dtype), free=cfg.mode == "chunk")
+        gaps, got_logits, cache = _rest_through_cache(ex, cfg, inp, a0, pre.past_key_values, progress,
+                                                      ref.logits if cfg.mode == "step" else None, gaps)
         progress(0.9, "Measuring…")
-        _measure(lm, comp, ref, a0, got_hidden, got_logits, cache, inp)
+        _measure(lm, comp, ref, a0, gaps, got_logits, cache, inp)
     return comp
 
 
-def _full_forward(ex: Executor, inp: PromptInputs, a0: int, rows: int | None = None):
+def _full_forward(ex: Executor, inp: PromptInputs, a0: int, rows: int | None = None, hidden=True):
     """The full forward. In float64 (the reference) only the compared positions' logits are computed
     (logits_to_keep; with `rows`, only the last `rows` of them: see _ChunkedLogits): a large vocabulary's logits
     over a long prompt are gigabytes in float64, and float64 decides the verdict by the size of the gap, not its
@@ -319,10 +325,9 @@ def _full_forward(ex: Executor, inp: PromptInputs, a0: int, rows: int | None = N
     keep = None
     if ex.lm.dtype == torch.float64 and takes_logits_to_keep(ex.lm.model):
         keep = rows or inp.total - a0
-    return ex.forward(inp.ids, inp.mask, inp.positions, logits_to_keep=keep)
+    return ex.forward(inp.ids, inp.mask, inp.positions, logits_to_keep=keep, hidden=hidden)
 
 
-REFERENCE_LOGITS_BYTES = 128 * 1024 ** 2  # float64 full-forward logits over this: computed a chunk of rows at a time
 
 
 def _reference_rows(ex: Executor, inp: PromptInputs, a0: int) -> int | None:

@@ -117,7 +117,7 @@ def test_serving_never_keeps_rounding_not_a_bug_beside_a_failed_proof(monkeypatc
     "... (relative): rounding, not a bug." and then, when invariant mode still parted, "... - logic" beside it."""
     from types import SimpleNamespace
 
-    from kvviz import serving
+    from kvviz.views.serving import run as serving
 
     def fake(got, verdict):
         p = serving.PromptResult(0, "x", [5, 6, 7], "", [], {}, {}, {}, 2, first_divergence=1, condition="batch",

@@ -387,8 +387,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
         f"own config class ({LAYERS}-4 layers, hidden {HIDDEN}, vocabulary {VOCAB}, sliding window {WINDOW} where the "
         f"type has one, special features kept), then the cache-safety card in float64 (cached vs full in one chunk "
         f"and token by token, left padding with position ids, alone vs in a batch, reuse through deep copies, past "
-        f"the window) and the invariant-mode proof (cached vs full, the rest in one chunk, float64: a gap of exactly 0, or "
-        f"the first op that breaks it).",
+        f"the window) and the invariant-mode proof (cached vs full, the rest in one chunk, float64: a gap of "
+        f"exactly 0, or the first op that breaks it).",
         "",
         f"**Totals:** {t['run']} run ({t['safe']} safe, {t['unsafe']} unsafe, {t['no cache']} causal with no cache "
         f"to check), {t['cannot run']} cannot run ({t['not buildable']} of them not buildable on a CPU here); "

@@ -417,6 +417,20 @@ class Keyed:
 
 
 @dataclass(frozen=True)
+class Settings(Keyed):
+    """Typed settings of a result whose run is described by its own fields (matrix, loading trap, card, bisector);
+    `to_dict()` writes them for JSON (tuples as lists, ExecSettings as its dict)."""
+
+    def to_dict(self) -> dict:
+        def plain(v):
+            if isinstance(v, ExecSettings):
+                return v.to_dict()
+            return [plain(x) for x in v] if isinstance(v, (tuple, list)) else v
+
+        return {f.name: plain(getattr(self, f.name)) for f in fields(self)}
+
+
+@dataclass(frozen=True)
 class RunSettings(Keyed):
     """The typed settings every result carries: the run (which model as the user wrote it, dtype, device,
     attention, how it ran); each scenario's settings class adds its own fields after these."""

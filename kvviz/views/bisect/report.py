@@ -1,10 +1,13 @@
 """The bisect view's report: its result rebuilt from a JSON export (no model runs) and its verdict line."""
 from __future__ import annotations
 
-def reopen(d: dict):
-    from .run import BisectResult, ModuleGap
+from ...export import typed
 
-    return BisectResult(settings=d["settings"], first=ModuleGap(**d["first"]) if d.get("first") else None,
+
+def reopen(d: dict):
+    from .run import BisectResult, BisectSettings, ModuleGap
+
+    return BisectResult(settings=typed(BisectSettings, d["settings"]), first=ModuleGap(**d["first"]) if d.get("first") else None,
                         modules=[ModuleGap(**m) for m in d.get("modules", [])], explanation=d.get("explanation", ""))
 
 

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ...errors import KvvizError
-from ...execution import DEFAULT_SETTINGS, ExecSettings, Executor, has_cache
+from ...execution import DEFAULT_SETTINGS, ExecSettings, Executor, Settings, has_cache
 from ...inputs import build_inputs
 from ...loading import LoadedModel
 from ...naming import module_label
@@ -78,16 +78,29 @@ class OpGap:
     text: str = ""
 
 
+@dataclass(frozen=True)
+class BisectSettings(Settings):
+    prompt: str = ""
+    split: int = 0
+    mode: str = "chunk"
+    left_pad: int = 0
+    position_ids: str = "auto"
+    attention_mask: str = "full"
+    model: str = ""
+    dtype: str = ""
+    execution: ExecSettings = DEFAULT_SETTINGS
+
+
 @dataclass
 class BisectResult:
-    settings: dict
+    settings: BisectSettings
     first: ModuleGap | None  # the first module whose output differs (None: nothing differs)
     modules: list[ModuleGap] = field(default_factory=list)  # every compared module, in execution order
     explanation: str = ""
     first_op: OpGap | None = None  # the first torch op whose output differs (None: none, or not traced)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "settings": self.settings.to_dict()}
 
 
 def _first_tensor(out):
@@ -220,11 +233,10 @@ def _compare(full: _Recorder, cached: _Recorder, total: int, a0: int, n: int, cf
                 if first.kind.startswith("attention weights") else first.kind)
         text = (f"The first difference is in {where}, {what}: max |Δ| {first.max_abs:.3g} ({first.relative:.3g} "
                 f"of its size). Everything computed before it is bit-identical.")
-    return BisectResult(settings={"prompt": cfg.prompt, "split": cfg.split, "mode": cfg.mode,
-                                  "left_pad": cfg.left_pad, "position_ids": cfg.position_ids,
-                                  "attention_mask": cfg.attention_mask, "model": lm.name,
-                                  "dtype": str(lm.dtype).removeprefix("torch."),
-                                  "execution": settings.to_dict()},
+    return BisectResult(settings=BisectSettings(prompt=cfg.prompt, split=cfg.split, mode=cfg.mode,
+                                                left_pad=cfg.left_pad, position_ids=cfg.position_ids,
+                                                attention_mask=cfg.attention_mask, model=lm.name,
+                                                dtype=str(lm.dtype).removeprefix("torch."), execution=settings),
                         first=first, modules=gaps, explanation=text)
 
 

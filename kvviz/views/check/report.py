@@ -1,10 +1,13 @@
 """The check view's report: its result rebuilt from a JSON export (no model runs) and its verdict line."""
 from __future__ import annotations
 
-def reopen(d: dict):
-    from .run import Check, CheckCard
+from ...export import typed
 
-    return CheckCard(**{**d, "checks": [Check(**c) for c in d["checks"]]})
+
+def reopen(d: dict):
+    from .run import Check, CheckCard, CheckSettings
+
+    return CheckCard(**{**d, "checks": [Check(**c) for c in d["checks"]], "settings": typed(CheckSettings, d["settings"])})
 
 
 def verdict(result) -> tuple[str, str]:

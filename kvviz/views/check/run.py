@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 
+from ...execution import Settings
 from ...loading import LoadedModel
 from ..padding.run import run_padding
 from ..reuse.run import run_reuse
@@ -39,16 +40,26 @@ class Check:
     scenario: dict | None = None  # split-based checks: prompt, split, mode, left_pad (what a repro script rebuilds)
 
 
+@dataclass(frozen=True)
+class CheckSettings(Settings):
+    model: str = ""
+    dtype: str = ""
+    device: str = ""
+    weights: str = "none"
+    kv: str = "none"
+    float64_device: str = ""
+
+
 @dataclass
 class CheckCard:
     model: str
     overall: str
     checks: list[Check]
     summary: str
-    settings: dict = field(default_factory=dict)  # model, dtype, device, weights, kv, float64_device
+    settings: CheckSettings = field(default_factory=CheckSettings)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "settings": self.settings.to_dict()}
 
 
 def _gap_check(name: str, rel: "float | tuple | None", what: str) -> Check:
@@ -201,7 +212,8 @@ def run_check(lm: LoadedModel, progress=None, weights: str = "none", kv: str = "
     from ...dtypes import dtype_name
 
     return CheckCard(model=lm.name, overall=overall, checks=checks, summary=summary,
-                     settings={"model": lm.name, "dtype": dtype_name(lm.dtype), "device": str(lm.device),
-                               "weights": weights or "none", "kv": kv or "none", "float64_device": str(lm64.device)})
+                     settings=CheckSettings(model=lm.name, dtype=dtype_name(lm.dtype), device=str(lm.device),
+                                            weights=weights or "none", kv=kv or "none",
+                                            float64_device=str(lm64.device)))
 
 

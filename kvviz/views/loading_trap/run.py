@@ -16,7 +16,7 @@ import torch
 
 from ...dtypes import dtype_name, parse_dtype
 from ...errors import KvvizError
-from ...execution import Executor
+from ...execution import Executor, Settings
 from ..greedy.run import first_divergence
 from ...inputs import build_inputs
 from ...loading import LoadedModel
@@ -30,9 +30,18 @@ class BufferDiff:
     max_abs: float
 
 
+@dataclass(frozen=True)
+class LoadingTrapSettings(Settings):
+    model: str = ""
+    dtype: str = ""  # the 16-bit dtype both loadings end in
+    device: str = ""
+    prompt: str = ""
+    max_new_tokens: int = 0
+
+
 @dataclass
 class LoadingTrapResult:
-    settings: dict
+    settings: LoadingTrapSettings
     buffers: list[BufferDiff]
     loaded_tokens: list[int]
     cast_tokens: list[int]
@@ -106,9 +115,8 @@ def run_loading_trap(lm: LoadedModel, prompt: str = "This is a ", max_new_tokens
                 f"two different models: .to() also casts non-persistent buffers - {names}. The rotary angles then "
                 f"differ, {parted}. Not the cache and not reduction order: load with from_pretrained(dtype=...) to "
                 f"compare like with like.")
-    return LoadingTrapResult(settings={"model": lm.name, "dtype": dtype_name(dt), "device": str(lm.device),
-                                       "prompt": prompt,
-                                       "max_new_tokens": max_new_tokens},
+    return LoadingTrapResult(settings=LoadingTrapSettings(model=lm.name, dtype=dtype_name(dt), device=str(lm.device),
+                                                          prompt=prompt, max_new_tokens=max_new_tokens),
                              buffers=buffers, loaded_tokens=a_toks, cast_tokens=b_toks,
                              loaded_text=tok.decode(a_toks), cast_text=tok.decode(b_toks), first_divergence=div,
                              max_abs_logit=gaps, verdict=verdict, explanation=text)

@@ -5,9 +5,10 @@ from ...export import typed
 
 
 def reopen(d: dict):
-    from .run import Cell, MatrixResult
+    from .run import Cell, MatrixResult, MatrixSettings
 
-    return MatrixResult(settings=d["settings"], environment=d["environment"], reference=d["reference"],
+    return MatrixResult(settings=typed(MatrixSettings, d["settings"], batch_with=tuple, attentions=tuple, caches=tuple,
+                                       compiles=tuple, flag_sets=lambda f: tuple(tuple(x) for x in f)), environment=d["environment"], reference=d["reference"],
                         cells=[typed(Cell, c) for c in d["cells"]], elapsed_s=d.get("elapsed_s", 0.0))
 
 

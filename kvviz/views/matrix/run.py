@@ -21,7 +21,7 @@ import torch
 from ...dtypes import dtype_name
 from ...environment import environment
 from ...errors import KvvizError, is_out_of_memory
-from ...execution import ExecSettings, Executor
+from ...execution import ExecSettings, Executor, Settings
 from ..greedy.run import replay_step, first_divergence
 from ...inputs import POSITION_MODES, PromptInputs, check_mode, encode, pad_token_id, positions_from_mask
 from ...loading import LoadedModel, load_model
@@ -97,16 +97,34 @@ class Cell:
                           + ([",".join(self.flags)] if self.flags else []))
 
 
+@dataclass(frozen=True)
+class MatrixSettings(Settings):
+    model: str = ""
+    dtype: str = ""
+    device: str = ""
+    prompt: str = ""
+    max_new_tokens: int = 0
+    repeats: int = 0
+    left_pad: int = 0
+    position_ids: str = "auto"
+    batch_with: tuple = ()
+    attentions: tuple = ()
+    caches: tuple = ()
+    compiles: tuple = ()
+    flag_sets: tuple = ()
+    invariant: bool = False
+
+
 @dataclass
 class MatrixResult:
-    settings: dict
+    settings: MatrixSettings
     environment: dict
     reference: dict
     cells: list[Cell]
     elapsed_s: float
 
     def to_dict(self) -> dict:
-        return {"settings": self.settings, "environment": self.environment, "reference": self.reference,
+        return {"settings": self.settings.to_dict(), "environment": self.environment, "reference": self.reference,
                 "cells": [asdict(c) for c in self.cells], "elapsed_s": self.elapsed_s}
 
     def grid(self, value: str = "verdict"):
@@ -300,11 +318,12 @@ def run_matrix(spec, prompt_or_cfg: "str | MatrixConfig", dtype="float32", devic
     lm = runner.model("eager")
     ref_toks, ref_logits, inp, toks64, _ = ref
     return MatrixResult(
-        settings={"model": lm.name, "dtype": dtype_name(lm.dtype), "device": str(lm.device), "prompt": cfg.prompt,
-                  "max_new_tokens": n, "repeats": cfg.repeats, "left_pad": cfg.left_pad,
-                  "position_ids": cfg.position_ids, "batch_with": list(cfg.batch_with),
-                  "attentions": list(cfg.attentions), "caches": list(cfg.caches), "compiles": list(cfg.compiles),
-                  "flag_sets": [list(f) for f in cfg.flag_sets], "invariant": cfg.invariant},
+        settings=MatrixSettings(model=lm.name, dtype=dtype_name(lm.dtype), device=str(lm.device), prompt=cfg.prompt,
+                                max_new_tokens=n, repeats=cfg.repeats, left_pad=cfg.left_pad,
+                                position_ids=cfg.position_ids, batch_with=tuple(cfg.batch_with),
+                                attentions=tuple(cfg.attentions), caches=tuple(cfg.caches),
+                                compiles=tuple(cfg.compiles), flag_sets=tuple(tuple(f) for f in cfg.flag_sets),
+                                invariant=cfg.invariant),
         environment=environment(lm.device),
         reference={"path": "eager no-cache loop", "tokens": ref_toks, "text": lm.tokenizer.decode(ref_toks),
                    "float64_tokens": toks64, "float64_text": lm.tokenizer.decode(toks64),

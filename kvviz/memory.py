@@ -367,10 +367,11 @@ def pick_reference(shape: ModelShape, dtype: str, free: int | None, others: int)
 
 # Views whose forwards hand their hidden states over layer by layer as they are produced (kvviz.streaming): the
 # held path's compared rows (split, padding) or each step's last rows (decoding: greedy, quant), plus the layers a
-# forward is computing; bisect, reuse, matrix and the loading trap ask for no hidden states. The others ("cache":
-# the saved cache's round trip) hold every layer of both their forwards.
+# forward is computing (the KV cache view's round trip: the reloaded cache's run held, the fresh one compared);
+# bisect, reuse, matrix and the loading trap ask for no hidden states. Views not listed hold every layer of both
+# their forwards.
 STREAMED_HIDDEN_VIEWS = {"split", "bisect", "check", "dtypes", "padding", "greedy", "quant", "reuse", "matrix",
-                         "loading-trap"}
+                         "loading-trap", "cache"}
 # Views that run only the float64 reference (the cache-safety card's battery), not the model in its own dtype.
 FLOAT64_ONLY_VIEWS = {"check"}
 # float64 temporaries of one chunk of positions in kvviz.metrics.logits_divergence (both inputs upcast, two

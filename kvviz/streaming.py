@@ -194,8 +194,11 @@ class LayerGaps:
         self._div = hidden_divergence
         self.held, self.eps, self.label, self.free = held, eps, label, free
         self.track_equal, self.equal = equal, True
-        self.n_hidden = len(held)
-        self.parts: list[list[tuple[int, dict[str, torch.Tensor]]]] = [[] for _ in range(self.n_hidden)]
+        self.parts: dict[int, list[tuple[int, dict[str, torch.Tensor]]]] = {}
+
+    @property
+    def n_hidden(self) -> int:
+        return len(self.held)
 
     def sink(self, select: Callable[[torch.Tensor], torch.Tensor], at: slice = slice(None)) -> Sink:
         def take(i: int, h: torch.Tensor) -> None:
@@ -212,7 +215,7 @@ class LayerGaps:
             d = self._div(ref, got, self.eps)
             if self.track_equal and self.equal:
                 self.equal = torch.equal(got, ref)
-            self.parts[i].append((at.start or 0, {k: v.to("cpu") for k, v in d.items()}))
+            self.parts.setdefault(i, []).append((at.start or 0, {k: v.to("cpu") for k, v in d.items()}))
             if self.free and at == slice(None):
                 self.held.layers[i] = None
         return take
@@ -231,11 +234,10 @@ class LayerGaps:
         return take
 
     def matrices(self) -> dict[str, torch.Tensor]:
-        if any(not p for p in self.parts):
-            got = sum(1 for p in self.parts if p)
-            raise KvvizError(f"{self.label} returned {got} hidden states, expected {self.n_hidden}")
+        if len(self.parts) != self.n_hidden or not self.parts:
+            raise KvvizError(f"{self.label} returned {len(self.parts)} hidden states, expected {self.n_hidden}")
         rows = []
-        for p in self.parts:
-            p = sorted(p, key=lambda x: x[0])
+        for i in range(self.n_hidden):
+            p = sorted(self.parts[i], key=lambda x: x[0])
             rows.append({k: torch.cat([d[k] for _, d in p]) if len(p) > 1 else p[0][1][k] for k in p[0][1]})
         return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}

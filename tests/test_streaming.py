@@ -321,3 +321,31 @@ def test_generate_keeps_the_same_last_rows():
 
     peak, n_layers = _live_layer_outputs(m, run)
     assert peak <= 2 < n_layers
+
+
+def test_kv_cache_round_trip_gap_equals_all_at_once(tmp_path):
+    """The KV cache view's continuation: a reloaded cache whose values were nudged gives the same hidden-state gap
+    (and bit-for-bit flag) as both forwards' stacked hidden states."""
+    from kvviz.execution import cache_layers
+    from kvviz.views.cache.run import continue_and_compare, load_cache, prefill, save_cache
+
+    m = lm("mistral", "bfloat16")
+    save_cache(m, PROMPT * 2, tmp_path / "c.safetensors")
+    loaded = load_cache(m, tmp_path / "c.safetensors")
+    for keys, values in cache_layers(loaded.cache):
+        values.mul_(1.0 + 2.0 ** -6)  # a reloaded cache that is not quite the fresh one
+    cont = m.tokenizer(" and then some", add_special_tokens=False)["input_ids"]
+    n = len(loaded.token_ids)
+    ids = torch.tensor([cont])
+    mask = torch.ones((1, n + len(cont)), dtype=torch.long)
+    pos = torch.arange(n, n + len(cont))[None]
+    import copy
+
+    ex = Executor(m)
+    with ex.session():
+        a = ex.forward(ids, mask, pos, copy.deepcopy(loaded.cache))
+        b = ex.forward(ids, mask, pos, prefill(m, loaded.token_ids))
+    ha, hb = torch.stack(a.hidden_states), torch.stack(b.hidden_states)
+    want = float((ha.double() - hb.double()).abs().max())
+    res = continue_and_compare(m, loaded, " and then some")
+    assert want > 0 and res.max_abs_hidden == want and not res.bitwise_equal

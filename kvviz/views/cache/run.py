@@ -22,6 +22,7 @@ from ...execution import Executor, cache_layers
 from ...fingerprint import fingerprint
 from ...inputs import encode
 from ...loading import LoadedModel
+from ...streaming import HeldRows, LayerGaps
 
 FORMAT = "kvviz-kv-cache/1"
 
@@ -227,20 +228,22 @@ def continue_and_compare(lm: LoadedModel, loaded: LoadedCache, text: str) -> Con
     mask = torch.ones((1, n + len(cont)), dtype=torch.long, device=lm.device)
     pos = torch.arange(n, n + len(cont), device=lm.device)[None]
     ex = Executor(lm)
+    held = HeldRows(lambda h: h[0])  # the reloaded cache's run, layer by layer; the fresh one compared as it comes
+    gaps = LayerGaps(held, 1.0, "the fresh cache's run", free=True, equal=True)
     with ex.session():
-        a = ex.forward(ids, mask, pos, loaded.cache)
-        b = ex.forward(ids, mask, pos, fresh)
+        a = ex.forward(ids, mask, pos, loaded.cache, hidden=held)
+        b = ex.forward(ids, mask, pos, fresh, hidden=gaps.sink(lambda h: h[0]))
     la, lb = a.logits[0], b.logits[0]
-    ha, hb = torch.stack(a.hidden_states), torch.stack(b.hidden_states)
+    hidden_max_abs = float(gaps.matrices()["max_abs"].max())
     kv = [float((x.double() - y.double()).abs().max()) for (ka, va), (kb, vb) in
           zip(cache_layers(a.past_key_values), cache_layers(b.past_key_values)) for x, y in ((ka, kb), (va, vb))]
-    equal = (torch.equal(la, lb) and torch.equal(ha, hb)
+    equal = (torch.equal(la, lb) and gaps.equal
              and all(torch.equal(x, y) for (ka, va), (kb, vb) in zip(cache_layers(a.past_key_values),
                                                                     cache_layers(b.past_key_values))
                      for x, y in ((ka, kb), (va, vb))))
     tok = lm.tokenizer
     return ContinueResult(bitwise_equal=bool(equal), max_abs_logits=float((la.double() - lb.double()).abs().max()),
-                          max_abs_hidden=float((ha.double() - hb.double()).abs().max()),
+                          max_abs_hidden=hidden_max_abs,
                           max_abs_kv=max(kv) if kv else 0.0, n_cached=n,
                           continuation_tokens=[tok.decode([i]) for i in cont],
                           next_token_loaded=tok.decode([int(la[-1].argmax())]),

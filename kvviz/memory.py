@@ -238,6 +238,20 @@ def measured_peak(device: "torch.device | str") -> int:
     dev = torch.device(device) if not isinstance(device, torch.device) else device
     if dev.type == "cuda":
         return int(torch.cuda.max_memory_allocated(dev))
+    return _peak_rss()
+
+
+def _peak_rss() -> int:
+    """This process's peak RSS: VmHWM of /proc/self/status where there is one (it starts afresh at exec), else
+    ru_maxrss (on Linux ru_maxrss also counts the forking parent's pages before exec: a run started from a big
+    process would report the parent's size)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 

@@ -443,9 +443,11 @@ def cache_bytes(shape: ModelShape, dtype: str, tokens: int, batch: int, referenc
 
 
 def plan_run(spec, dtype: str = "float32", device="cpu", view: str = "split", tokens: int = 32, batch: int = 1,
-             dtypes: tuple[str, ...] = (), reference: str | None = None, compared: int | None = None) -> MemoryPlan:
+             dtypes: tuple[str, ...] = (), reference: str | None = None, compared: int | None = None,
+             copies: int = 0) -> MemoryPlan:
     """The memory plan of one run, from the model's files (nothing loaded). compared: positions compared (split:
-    the tokens after the split point; None: every token)."""
+    the tokens after the split point; None: every token). copies: extra copies of the loaded model the run makes
+    (weight quantization deep-copies the model before quantizing it)."""
     from .dtypes import resolve_device
     from .loading import parse_spec
 
@@ -453,12 +455,12 @@ def plan_run(spec, dtype: str = "float32", device="cpu", view: str = "split", to
     dev = device if isinstance(device, torch.device) else resolve_device(device)
     free, src = free_bytes(dev)
     return plan_shape(model_shape(ms), ms.display, dtype, str(dev), view, tokens, batch, dtypes, reference, free,
-                      src, compared)
+                      src, compared, copies)
 
 
 def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, view: str, tokens: int, batch: int = 1,
                dtypes: tuple[str, ...] = (), reference: str | None = None, free: int | None = None,
-               free_from: str = "given", compared: int | None = None) -> MemoryPlan:
+               free_from: str = "given", compared: int | None = None, copies: int = 0) -> MemoryPlan:
     """The plan of a run of a model of this shape, against `free` bytes."""
     from .dtypes import dtype_name, parse_dtype
 
@@ -471,6 +473,9 @@ def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, vie
                           free_from, notes=notes)
     weights = shape.params * BYTES[dt]
     others = sum(shape.params * BYTES[d] for d in {dtype_name(parse_dtype(x)) for x in dtypes} - {dt, "float64"})
+    if copies:
+        others += copies * weights
+        notes.append("a copy of the model for weight quantization (deep-copied, then quantized)")
     uses_ref = dt != "float64" and view not in ("cache", "loading-trap", "quant")
     strategy = (reference or os.environ.get("KVVIZ_REFERENCE") or "auto").lower()
     if strategy == "auto":
@@ -583,8 +588,9 @@ def plan_for_args(args) -> MemoryPlan:
         else ()
     split = getattr(args, "split", None)
     compared = tokens - int(split) if view in ("split", "bisect") and isinstance(split, int) and split > 0 else None
+    quantized = view in ("quant", "check") and str(getattr(args, "weights", "none") or "none") != "none"
     return plan_run(spec, args.dtype if view != "dtypes" else (dtypes[0] if dtypes else "float32"), args.device,
-                    view, tokens, batch, dtypes, compared=compared)
+                    view, tokens, batch, dtypes, compared=compared, copies=int(quantized))
 
 
 def attach(result, plan: MemoryPlan) -> None:

@@ -194,7 +194,13 @@ class LayerGaps:
         self._div = hidden_divergence
         self.held, self.eps, self.label, self.free = held, eps, label, free
         self.track_equal, self.equal = equal, True
-        self.parts: dict[int, list[tuple[int, dict[str, torch.Tensor]]]] = {}
+        # metric -> [n_hidden, n_positions] float64 on the CPU, allocated once at the first compared layer and
+        # filled in place: a step-by-step run (hundreds of one-position forwards) then allocates nothing that
+        # outlives its forward. Small long-lived tensors made in the middle of each forward used to split the
+        # freed blocks of the forward's large temporaries (the float64 reference's upcast weights), and glibc's
+        # heap grew by ~70 MB a step on a 270M model (5.2 GB instead of 2.8 for the card; docs/benchmarks.md).
+        self._out: dict[str, torch.Tensor] | None = None
+        self._filled: list[int] = []
 
     @property
     def n_hidden(self) -> int:
@@ -215,7 +221,17 @@ class LayerGaps:
             d = self._div(ref, got, self.eps)
             if self.track_equal and self.equal:
                 self.equal = torch.equal(got, ref)
-            self.parts.setdefault(i, []).append((at.start or 0, {k: v.to("cpu") for k, v in d.items()}))
+            if self._out is None:
+                self._allocate(d)
+            start = at.start or 0
+            for k, v in d.items():
+                dst = self._out[k][i, start:start + v.shape[-1]]
+                if v.shape[-1] != dst.shape[-1] or v.dim() != 1:
+                    raise KvvizError(f"{self.label}: hidden state {i} compared {tuple(v.shape)} positions, "
+                                     f"expected {dst.shape[-1]} at {start}")
+                dst.copy_(v)
+            self._filled[i] += v.shape[-1]
+            del d
             if self.free and at == slice(None):
                 self.held.layers[i] = None
         return take
@@ -233,11 +249,21 @@ class LayerGaps:
             self.sink(select, slice(j, j + 1))(i, h)
         return take
 
+    def _allocate(self, d: dict[str, torch.Tensor]) -> None:
+        """One [n_hidden, n_positions] float64 CPU matrix per metric (n_positions: the held rows' positions)."""
+        widths = {t.shape[-2] for t in self.held.layers if t is not None}
+        if len(widths) != 1 or any(t is not None and t.dim() != 2 for t in self.held.layers):
+            raise KvvizError(f"{self.label}: the held hidden states are not one [positions, hidden] row each")
+        n = widths.pop()
+        self._out = {k: torch.empty(self.n_hidden, n, dtype=torch.float64) for k in d}
+        self._filled = [0] * self.n_hidden
+
     def matrices(self) -> dict[str, torch.Tensor]:
-        if len(self.parts) != self.n_hidden or not self.parts:
-            raise KvvizError(f"{self.label} returned {len(self.parts)} hidden states, expected {self.n_hidden}")
-        rows = []
-        for i in range(self.n_hidden):
-            p = sorted(self.parts[i], key=lambda x: x[0])
-            rows.append({k: torch.cat([d[k] for _, d in p]) if len(p) > 1 else p[0][1][k] for k in p[0][1]})
-        return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+        got = sum(1 for f in self._filled if f)
+        if self._out is None or got != self.n_hidden:
+            raise KvvizError(f"{self.label} returned {got} hidden states, expected {self.n_hidden}")
+        n = next(iter(self._out.values())).shape[-1]
+        if any(f != n for f in self._filled):
+            raise KvvizError(f"{self.label}: hidden states compared at {sorted(set(self._filled))} positions, "
+                             f"expected {n} for every one")
+        return dict(self._out)

@@ -36,6 +36,23 @@ def test_plan_reads_the_model_files_without_loading(monkeypatch, capsys):
     assert rc == 0 and out.startswith("memory plan: split on tiny:llama") and "total" in out and "fits" in out
 
 
+def test_weight_quantization_plans_the_model_copy(monkeypatch, capsys):
+    """quant and the card with --weights deep-copy the model to quantize it: the plan counts that copy."""
+    _no_loading(monkeypatch)
+    from kvviz.cli import build_parser
+
+    def plan(argv):
+        return memory.plan_for_args(build_parser().parse_args(argv))
+
+    for view, extra in (("check", []), ("quant", ["--prompt", "Hello world"])):
+        base = plan([view, "--model", "tiny:llama", "--dtype", "bfloat16"] + extra)
+        quant = plan([view, "--model", "tiny:llama", "--dtype", "bfloat16", "--weights", "int8"] + extra)
+        assert base.extra_models == 0
+        assert quant.extra_models == quant.weights == base.weights > 0
+        assert quant.total == base.total + base.weights
+        assert any("weight quantization" in n for n in quant.notes)
+
+
 def test_streamed_reference_is_planned_for_big_models():
     big = KNOWN_SHAPES["Llama-3.1-8B"]
     p = plan_shape(big, "8B", "bfloat16", "cuda", "split", 512, free=80 * 10 ** 9)

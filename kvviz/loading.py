@@ -196,6 +196,14 @@ def _atomic_folder(final: Path, write: Callable[[Path], None]) -> Path:
     return final
 
 
+def converted_gguf_folder(path: Path) -> Path:
+    """Where convert_gguf puts (or has put) the safetensors folder of the GGUF file `path`."""
+    path = Path(path).resolve()
+    st = path.stat()
+    digest = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    return cache_dir() / "gguf" / f"{path.stem}-{digest}"
+
+
 def convert_gguf(path: Path, progress: Progress = _noop) -> Path:
     """Dequantize a GGUF file once into a safetensors folder in kvviz's cache; later loads take ~1 s, not ~20 s.
 
@@ -204,8 +212,7 @@ def convert_gguf(path: Path, progress: Progress = _noop) -> Path:
     byte for byte fall back to transformers' whole-model conversion."""
     path = Path(path).resolve()
     st = path.stat()
-    digest = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
-    final = cache_dir() / "gguf" / f"{path.stem}-{digest}"
+    final = converted_gguf_folder(path)
     if (final / "kvviz.json").is_file():
         return final
 

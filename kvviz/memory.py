@@ -386,6 +386,8 @@ def pick_reference(shape: ModelShape, dtype: str, free: int | None, others: int)
 # their forwards.
 STREAMED_HIDDEN_VIEWS = {"split", "bisect", "check", "dtypes", "padding", "greedy", "quant", "reuse", "matrix",
                          "loading-trap", "cache"}
+# Views that may run the bisector on the model in its own dtype: itself, and Split point where its proof fails.
+BISECTOR_VIEWS = {"bisect", "split"}
 # Views that run only the float64 reference (the cache-safety card's battery), not the model in its own dtype.
 FLOAT64_ONLY_VIEWS = {"check"}
 # float64 temporaries of one chunk of positions in kvviz.metrics.logits_divergence (both inputs upcast, two
@@ -426,6 +428,8 @@ def activation_bytes(shape: ModelShape, dtype: str, tokens: int, batch: int, vie
         return VIEW_FORWARDS.get(view, 1) * B * T * (L + 1) * H * width
 
     run = working(b) + B * T * V * b + 2 * B * n * V * b + temps + hidden(b)
+    if view in BISECTOR_VIEWS:  # the bisector (split runs it where its proof fails) in the run's own dtype
+        run = max(run, bisect_bytes(shape, b, T, n, B))
     if not reference:
         return int(run)
     if view in FLOAT64_ONLY_VIEWS:  # every run of the view is on the float64 reference
@@ -435,6 +439,19 @@ def activation_bytes(shape: ModelShape, dtype: str, tokens: int, batch: int, vie
         logits64 = min(logits64, 2 * REFERENCE_LOGITS_BYTES + 2 * B * V * 8)
     ref = working(8) + logits64 + temps + hidden(8)
     return int(max(run, ref))
+
+
+def bisect_bytes(shape: ModelShape, width: int, tokens: int, compared: int, batch: int = 1) -> int:
+    """The bisector (kvviz.views.bisect.run): one full forward's working set and logits over every position, plus
+    what it records of the compared positions - the outputs and inputs of every module of a layer (norms,
+    projections, attention, MLP parts), then, in its op trace, the output of every op (the same tensors and the
+    attention scores against every key), and the head's logits rows in both."""
+    T, B, H, L, V, n = tokens, batch, shape.hidden, shape.layers, shape.vocab, compared
+    q, kv, inter = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.intermediate
+    modules = 2 * (10 * H + 2 * q + 2 * kv + 4 * inter)
+    ops = 12 * H + 6 * inter + 3 * q + 3 * kv + 3 * shape.heads * T
+    working = B * T * (3 * inter + 4 * H) * width + B * shape.heads * T * T * max(width, 4)
+    return int(working + B * T * V * width + B * n * (L * (modules + ops) + 2 * V + 8 * H) * width)
 
 
 def cache_bytes(shape: ModelShape, dtype: str, tokens: int, batch: int, reference: bool) -> int:
@@ -476,7 +493,7 @@ def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, vie
     if copies:
         others += copies * weights
         notes.append("a copy of the model for weight quantization (deep-copied, then quantized)")
-    uses_ref = dt != "float64" and view not in ("cache", "loading-trap", "quant")
+    uses_ref = dt != "float64" and view not in ("cache", "loading-trap", "quant", "bisect")
     strategy = (reference or os.environ.get("KVVIZ_REFERENCE") or "auto").lower()
     if strategy == "auto":
         strategy = pick_reference(shape, dt, free, weights + others)
@@ -546,16 +563,26 @@ def check_fits(plan: MemoryPlan) -> MemoryPlan:
 
 
 def tokens_of_text(spec, text: str) -> int:
-    """Tokens of `text` for the model's tokenizer when its files are here, else a bound (UTF-8 bytes + 2)."""
-    from .loading import parse_spec
+    """Tokens of `text` for the model's tokenizer when its files are here (a folder; a GGUF file already converted
+    once), else a bound (UTF-8 bytes + 2)."""
+    from .loading import converted_gguf_folder, default_gguf_path, parse_spec
 
     ms = parse_spec(spec)
-    shape = model_shape(ms) if ms.kind in ("tiny", "folder") else None
-    if shape is not None and Path(shape.source).is_dir():
+    folder = None
+    if ms.kind in ("tiny", "folder"):
+        shape = model_shape(ms)
+        folder = Path(shape.source) if shape is not None else None
+    elif ms.kind in ("gguf", "default"):
+        try:
+            conv = converted_gguf_folder(Path(ms.ref) if ms.kind == "gguf" else default_gguf_path())
+            folder = conv if (conv / "kvviz.json").is_file() else None
+        except Exception:  # noqa: BLE001 - no file: the run says so in its own line
+            folder = None
+    if folder is not None and folder.is_dir():
         try:
             from transformers import AutoTokenizer
 
-            tok = AutoTokenizer.from_pretrained(shape.source, local_files_only=True)
+            tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
             return len(tok(text)["input_ids"])
         except Exception:  # noqa: BLE001 - fall back to the bound
             pass

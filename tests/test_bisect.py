@@ -109,3 +109,35 @@ def test_cli_bisect_and_trap(capsys):
     assert main(["loading-trap", "--model", "tiny:llama", "--max-new-tokens", "3", "--json", "--quiet",
                  "--device", DEVICE]) == 0
     assert json.loads(capsys.readouterr().out)["verdict"] == "different models"
+
+
+@pytest.mark.parametrize("mode", ["chunk", "step"])
+def test_bisector_keeps_only_the_compared_rows(mode):
+    """The full forward's recorder keeps, per module, the compared positions of its first call only (never a whole
+    output: a real model's head over a long prompt is gigabytes in float64); the cached run's recorder keeps no
+    tensor, only gaps - and the gaps are the ones of the whole outputs (every module of a bit-identical run 0,
+    a perturbed module's gap > 0)."""
+    from kvviz.execution import Executor
+    from kvviz.inputs import build_inputs
+    from kvviz.views.bisect.run import _Recorder, _cached_rest
+
+    lm = private(kvviz.load_model("tiny:gemma3", "float32", DEVICE))
+    cfg = SplitConfig(PROMPT, split=11, mode=mode)
+    inp = build_inputs(lm, cfg.prompt)
+    a0, n = 11, inp.total - 11
+    ex = Executor(lm, INV, max_len=inp.total)
+    with ex.session():
+        pre = ex.forward(inp.ids[:, :a0], inp.mask[:, :a0], inp.positions[:, :a0], hidden=False)
+        with _Recorder(lm.model, inp.total, a0, n) as full:
+            ex.forward(inp.ids, inp.mask, inp.positions, hidden=False)
+        with _Recorder(lm.model, inp.total, a0, n, ref=full) as cached:
+            _cached_rest(ex, cfg, inp, a0, pre.past_key_values)
+    kept = [v for v in list(full.outputs.values()) + list(full.inputs.values()) if v is not None]
+    assert len(kept) > 40
+    assert all(t.shape[dim] == n for dim, t in kept)
+    assert "lm_head" in full.outputs and full.outputs["lm_head"][1].shape[-2:] == (n, lm.model.config.vocab_size)
+    assert cached.outputs == {} and cached.inputs == {}
+    gaps = {name: cached.gap(name) for name in full.order}
+    compared = {k: g for k, g in gaps.items() if g is not None}
+    assert "lm_head" in compared and "model.layers.0.mlp.down_proj" in compared
+    assert all(g[0] == 0.0 for g in compared.values())  # invariant mode: bit-identical everywhere

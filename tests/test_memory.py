@@ -168,6 +168,7 @@ RECORDED_PEAKS = {
     ("gemma270m", "check", 1028, None): 2_012_278_784,  # 2026-11-24, after the heap-fragmentation fix (2.01 GB)
     ("big3b", "split", 60, 54): 7_790_000_000,  # 2026-11-23 (7.79 GB)
     ("big3b", "greedy", 62, None): 7_367_327_744,  # 2026-11-24, --max-new-tokens 2 (paths no_cache,cache,float64)
+    ("gemma270m", "bisect", 720, 120): 2_103_586_816,  # 2026-11-24, the bisector's rows of the compared positions only
 }
 
 
@@ -181,7 +182,7 @@ def test_plan_bounds_the_recorded_bench_peaks(key):
     plan = plan_shape(_bench_shape(cfg), name, "bfloat16", "cpu", view, tokens, free=20 * 1024 ** 3,
                       compared=compared)
     peak = RECORDED_PEAKS[key]
-    assert plan.reference == "streamed"
+    assert plan.reference == ("none" if view == "bisect" else "streamed")  # the bisector runs no float64 reference
     assert plan.total >= peak, (plan.lines(), peak)
     if name == "gemma270m":  # the 262k vocabulary's activations dominate there: the plan tracks them
         assert plan.total <= 1.5 * peak, (plan.lines(), peak)
@@ -192,6 +193,8 @@ def test_plan_bounds_the_recorded_bench_peaks(key):
      "--dtype", "bfloat16"],
     ["greedy", "--model", "tiny:llama", "--prompt", "Hello world", "--max-new-tokens", "8", "--dtype", "bfloat16"],
     ["check", "--model", "tiny:mistral", "--dtype", "bfloat16"],
+    ["bisect", "--model", "tiny:gemma3", "--prompt", "Hello world, caching is fun! 123 " * 3, "--split", "40",
+     "--dtype", "float64"],
 ])
 def test_plan_bounds_the_measured_peak_on_tiny_models(argv, kvviz_cache):
     """A fresh process per run (the test process's own peak would count every earlier test): the plan's total

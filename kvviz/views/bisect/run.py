@@ -19,7 +19,7 @@ from ...execution import DEFAULT_SETTINGS, ExecSettings, Executor, Settings, has
 from ...inputs import build_inputs
 from ...loading import LoadedModel
 from ...naming import module_label
-from ..split.run import SplitConfig, cached_mask, check_split, register_bisector
+from ..split.run import SplitConfig, cached_mask, check_split, register_bisector, takes_logits_to_keep
 
 _KINDS = (  # (pattern on the module's own name, kind) - first match wins
     (r"(embed_tokens|wte|wpe|embed_in|word_embeddings|position_embeddings|embeddings)$", "embedding"),
@@ -112,10 +112,22 @@ def _first_tensor(out):
 
 
 class _Recorder:
-    """Forward hooks on every named submodule: outputs per call, in the order modules first ran."""
+    """Forward hooks on every named submodule, in the order modules first ran.
 
-    def __init__(self, model):
-        self.model, self.order, self.outputs, self.inputs, self.handles = model, [], {}, {}, []
+    Full forward (`ref` None): keeps, of each module's first call, only the compared positions of its output and
+    of its input (the sequence axis is the one of length `total`) - never every module's whole output: a real
+    model's head alone is positions × vocabulary × 8 bytes in float64 (1.5 GB for Gemma 3 on 721 tokens).
+    Cached run (`ref` the full forward's recorder): each call's output and input are compared with the same
+    positions of the full forward's as they come (the calls of a module cover the compared positions in order: one
+    chunk, or one position a step) and only the gap is kept."""
+
+    def __init__(self, model, total: int, a0: int, n: int, ref: "_Recorder | None" = None):
+        self.model, self.total, self.a0, self.n, self.ref = model, total, a0, n, ref
+        self.order: list[str] = []
+        self.outputs: dict[str, tuple[int, torch.Tensor] | None] = {}  # full: name -> (seq axis, compared rows)
+        self.inputs: dict[str, tuple[int, torch.Tensor] | None] = {}
+        self.acc: dict[str, dict] = {}  # cached: name -> the gap so far
+        self.handles: list = []
 
     def __enter__(self):
         for name, mod in self.model.named_modules():
@@ -123,20 +135,72 @@ class _Recorder:
                 self.handles.append(mod.register_forward_hook(self._hook(name)))
         return self
 
+    def _rows(self, t: torch.Tensor | None) -> tuple[int, torch.Tensor] | None:
+        if t is None:
+            return None
+        sl, dim = _seq_slice(t, self.total, self.a0, self.n)
+        return None if sl is None else (dim, sl.detach().clone())
+
     def _hook(self, name):
         def hook(mod, args, out):
             t = _first_tensor(out)
-            if t is not None and t.dim() >= 2:
-                if name not in self.outputs:
+            if t is None or t.dim() < 2:
+                return
+            x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            if self.ref is None:
+                if name not in self.outputs:  # only a module's first call is compared
                     self.order.append(name)
-                self.outputs.setdefault(name, []).append(t.detach().clone())
-                x = args[0] if args and isinstance(args[0], torch.Tensor) else None
-                self.inputs.setdefault(name, []).append(None if x is None else x.detach().clone())
+                    self.outputs[name] = self._rows(t)
+                    self.inputs[name] = self._rows(x)
+                return
+            e = self.acc.setdefault(name, {"off": 0, "max_abs": 0.0, "ref_max": 0.0, "ok": True, "in_off": 0,
+                                           "in_ok": True, "in_differs": False})
+            want = self.ref.outputs.get(name)
+            if want is None or not e["ok"]:
+                e["ok"] = False
+                return
+            part = _part(want, t, e["off"])
+            if part is None:
+                e["ok"] = False
+                return
+            got = t.detach()
+            e["max_abs"] = max(e["max_abs"], float((got.double() - part.double()).abs().max()) if got.numel()
+                               else 0.0)
+            e["ref_max"] = max(e["ref_max"], float(part.double().abs().max()) if part.numel() else 0.0)
+            e["off"] += got.shape[want[0]]
+            wx = self.ref.inputs.get(name)
+            xpart = _part(wx, x, e["in_off"]) if wx is not None and x is not None else None
+            if xpart is None:
+                e["in_ok"] = False
+            elif e["in_ok"]:
+                e["in_differs"] = e["in_differs"] or not torch.equal(x.detach(), xpart)
+                e["in_off"] += x.shape[wx[0]]
         return hook
+
+    def gap(self, name: str) -> tuple[float, float, bool] | None:
+        """Cached run: (max |Δ|, relative, input differs) of `name` over every compared position, or None where
+        its calls do not line up with the full forward's compared positions."""
+        e, want = self.acc.get(name), self.ref.outputs.get(name) if self.ref is not None else None
+        if e is None or want is None or not e["ok"] or e["off"] != want[1].shape[want[0]]:
+            return None
+        wx = self.ref.inputs.get(name)
+        differs = bool(e["in_ok"] and wx is not None and e["in_off"] == wx[1].shape[wx[0]] and e["in_differs"])
+        mx = e["max_abs"]
+        return mx, mx / max(e["ref_max"], torch.finfo(torch.float64).tiny), differs
 
     def __exit__(self, *exc):
         for h in self.handles:
             h.remove()
+
+
+def _part(want: tuple[int, torch.Tensor], t: torch.Tensor, off: int) -> torch.Tensor | None:
+    """The full forward's rows a cached call's `t` is compared with: from position `off` on, as many as `t` has;
+    None where the shapes do not line up."""
+    dim, w = want
+    if t.dim() != w.dim() or off + t.shape[dim] > w.shape[dim]:
+        return None
+    part = w.narrow(dim, off, t.shape[dim])
+    return part if part.shape == t.shape else None
 
 
 def _seq_slice(t: torch.Tensor, total: int, start: int, n: int) -> torch.Tensor | None:
@@ -165,20 +229,26 @@ def run_bisect(lm: LoadedModel, cfg: SplitConfig, settings: ExecSettings | None 
     a0, n = inp.pad + cfg.split, inp.total - inp.pad - cfg.split
     ex = Executor(lm, settings, max_len=inp.total)
     with ex.session():
-        pre = ex.forward(inp.ids[:, :a0], inp.mask[:, :a0], inp.positions[:, :a0], hidden=False)
+        # only the prefix's cache is used: no logits for its positions (in float64 with a 262k vocabulary, 600
+        # positions' logits are 1.3 GB)
+        pre = ex.forward(inp.ids[:, :a0], inp.mask[:, :a0], inp.positions[:, :a0], hidden=False,
+                         logits_to_keep=1 if takes_logits_to_keep(lm.model) else None)
         if not has_cache(pre):
             raise KvvizError(f"{lm.name} returns no cache (a bidirectional model): there is no cached run to bisect")
-        with _Recorder(lm.model) as full:
-            ex.forward(inp.ids, inp.mask, inp.positions, hidden=False)
         past = pre.past_key_values
+        del pre
+        with _Recorder(lm.model, inp.total, a0, n) as full:
+            ex.forward(inp.ids, inp.mask, inp.positions, hidden=False)
         if ops:  # the cache is grown by the cached run: keep a copy for the op trace
             import copy
 
             past_for_ops = copy.deepcopy(past)
-        with _Recorder(lm.model) as cached:
+        with _Recorder(lm.model, inp.total, a0, n, ref=full) as cached:
             _cached_rest(ex, cfg, inp, a0, past)
+        del past
+        res = _compare(full, cached, inp.total, a0, n, cfg, settings, lm)
+        del full, cached  # the module rows are reduced to gaps before the op trace records its own
         first_op = _trace_ops(ex, lm, cfg, inp, a0, n, past_for_ops) if ops else None
-    res = _compare(full, cached, inp.total, a0, n, cfg, settings, lm)
     res.first_op = first_op
     if first_op is not None:
         res.explanation += " " + first_op.text
@@ -195,31 +265,14 @@ def _cached_rest(ex: Executor, cfg: SplitConfig, inp, a0: int, past) -> None:
         pass
 
 
-def _input_differs(full: _Recorder, cached: _Recorder, name: str, total: int, a0: int, n: int) -> bool:
-    fx, cx = full.inputs.get(name, [None])[0], cached.inputs.get(name, [None])
-    if fx is None or any(c is None for c in cx):
-        return False
-    ref, dim = _seq_slice(fx, total, a0, n)
-    if ref is None:
-        return False
-    got = torch.cat(cx, dim=dim) if len(cx) > 1 else cx[0]
-    return got.shape == ref.shape and not torch.equal(got, ref)
-
-
 def _compare(full: _Recorder, cached: _Recorder, total: int, a0: int, n: int, cfg, settings, lm) -> BisectResult:
     gaps: list[ModuleGap] = []
     for name in full.order:
-        if name not in cached.outputs:
+        g = cached.gap(name)
+        if g is None:
             continue
-        ref, dim = _seq_slice(full.outputs[name][0], total, a0, n)
-        if ref is None:
-            continue
-        got = torch.cat(cached.outputs[name], dim=dim) if len(cached.outputs[name]) > 1 else cached.outputs[name][0]
-        if got.shape != ref.shape:
-            continue
-        mx, rel = _gap(ref, got)
-        gaps.append(ModuleGap(name, module_kind(name), module_layer(name), mx, rel,
-                              _input_differs(full, cached, name, total, a0, n)))
+        mx, rel, input_differs = g
+        gaps.append(ModuleGap(name, module_kind(name), module_layer(name), mx, rel, input_differs))
     first = next((g for g in gaps if g.max_abs > 0), None)
     if first is not None and first.input_differs and first.kind == "attention output":
         # the op between the last agreeing module and this one is not a module: the attention itself

@@ -50,3 +50,17 @@ def test_default_model_converts_once_then_loads_from_cache(tmp_path, monkeypatch
         assert r.main.hidden["relative"].max() <= 1e-12 and r.main.logits["max_abs"].max() <= 1e-10
         assert r.verdict in ("identical", "precision")
     clear_cache()  # later tests load from the session's own cache again
+
+
+def test_plan_counts_a_converted_ggufs_tokens_with_its_tokenizer():
+    """A GGUF file converted once: the memory plan counts a prompt's tokens with its own tokenizer (before it was
+    converted, a bound: UTF-8 bytes + 2 - a 721-token prompt planned as 3,308 tokens, refused on a machine it fits)."""
+    from kvviz import memory
+    from kvviz.inputs import encode
+
+    text = "The quick brown fox jumps over the lazy dog. " * 20
+    lm = kvviz.load_model("default", "float32", DEVICE)
+    n = len(encode(lm, text))
+    assert memory.tokens_of_text("default", text) == n
+    assert memory.tokens_of_text(str(default_gguf_path()), text) == n
+    assert n < len(text.encode()) // 3

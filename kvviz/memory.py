@@ -545,7 +545,7 @@ def tokens_of_text(spec, text: str) -> int:
     from .loading import parse_spec
 
     ms = parse_spec(spec)
-    shape = model_shape(ms) if ms.kind in ("tiny", "folder") else None
+    shape = model_shape(ms) if ms.kind in ("tiny", "folder", "gguf") else None  # gguf: its converted folder
     if shape is not None and Path(shape.source).is_dir():
         try:
             from transformers import AutoTokenizer

@@ -29,10 +29,6 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-# fixed_order_matmul computes its products in blocks of at most this many elements (memory only: the bits do not
-# depend on it).
-_EXPLICIT_LIMIT = 1 << 25
-
 _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm, torch.mm,
             torch.Tensor.mm}
 _SOFTMAXES = {torch.softmax, F.softmax, torch.Tensor.softmax, torch.nn.functional.softmax}
@@ -98,14 +94,11 @@ def fixed_order_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     shape = (*torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2], b.shape[-1])
     acc = torch.zeros(shape, dtype=acc_dtype, device=a.device)
     aw, bw = a.to(wide), b.to(wide)
-    # Blocks of inner indices: the products of a block at once (bounded memory), then added one index at a time.
-    elems = max(1, torch.Size(shape).numel())
-    block = max(1, min(k, _EXPLICIT_LIMIT // elems))
-    for j0 in range(0, k, block):
-        j1 = min(k, j0 + block)
-        prod = (aw[..., :, j0:j1].unsqueeze(-1) * bw[..., j0:j1, :].unsqueeze(-3)).to(acc_dtype)  # [..., m, kb, n]
-        for j in range(j1 - j0):
-            acc += prod[..., :, j, :]
+    # One outer product per inner index, added to the running sum: contiguous [..., m, n] slices (an earlier version
+    # built [..., m, kb, n] product blocks and added strided slices of them - the same bits, ~15x slower on a CPU).
+    for j in range(k):
+        p = aw[..., :, j:j + 1] * bw[..., j:j + 1, :]
+        acc += p if p.dtype == acc_dtype else p.to(acc_dtype)
     return acc.to(wide).to(out_dtype)
 
 

@@ -25,6 +25,7 @@ error; the model itself is never touched):
   (`torch_recurrent_gated_delta_rule`): chunks anchored at a call's first token group a full forward's terms
   otherwise than a cached rest's;
 * MoE experts' grouped_mm (and transformers' fallback for it): one kernel call per token row;
+* logsumexp (attention sinks): max + log of a running sum;
 * norms (RMSNorm's mean, LayerNorm) already reduce each row on its own and are left as they are.
 
 Pure PyTorch: runs on CPU and CUDA. It is slower (per-row kernel calls, explicit products), which is fine for
@@ -216,9 +217,23 @@ def fixed_order_softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | Non
     w = x.to(_wide(out_dtype if dtype is not None else x.dtype))
     m = w.amax(dim=dim, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # a fully masked row: no NaN
-    e = torch.exp(w - m)
+    e = lanewise(torch.exp, w - m)  # a row's length (window cache vs full) must not move elements into the tail
     s = seq_sum(e, dim=dim).unsqueeze(dim)
     return (e / s).to(out_dtype)
+
+
+def fixed_order_logsumexp(x: torch.Tensor, dim, keepdim: bool = False) -> torch.Tensor:
+    """logsumexp (attention sinks, some attention kernels' normaliser) as max + log of a running sum: masked keys
+    (-inf: exp = 0) and the row's length change nothing."""
+    if isinstance(dim, (tuple, list)):
+        if len(dim) != 1:
+            return torch.logsumexp(x, dim, keepdim=keepdim)
+        dim = dim[0]
+    m = x.amax(dim=dim, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = lanewise(torch.exp, x - m)
+    out = lanewise(torch.log, seq_sum(e, dim=dim).unsqueeze(dim)) + m
+    return out if keepdim else out.squeeze(dim)
 
 
 def invariant_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -259,6 +274,12 @@ class InvariantMode(TorchFunctionMode):
             return kwargs["out"].copy_(fixed_order_matmul(*args))
         if func in _GROUPED or "grouped_mm_fallback" in str(getattr(func, "_qualified_op_name", "")):
             return rowwise_grouped_mm(*args, **kwargs)
+        if func in (torch.logsumexp, torch.Tensor.logsumexp) and args[0].is_floating_point():
+            x = args[0]
+            dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+            keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+            if dim is not None and "out" not in kwargs:
+                return fixed_order_logsumexp(x, dim, keepdim)
         if func in _SOFTMAXES:
             x = args[0]
             dim = kwargs.get("dim", args[1] if len(args) > 1 else -1)

@@ -97,3 +97,27 @@ def test_grouped_mm_rows_do_not_depend_on_how_many_tokens_an_expert_gets():
             assert torch.equal(via_torch, many)
     assert torch.equal(many[2:7], few)
     assert torch.allclose(many[2:7], a[2:7] @ b[1], atol=1e-5)
+
+
+def test_logsumexp_and_softmax_do_not_depend_on_masked_keys_or_the_rows_length():
+    """granite_swa's attention sinks take a logsumexp over the keys: a window cache's row (fewer keys) and the full
+    forward's (more keys, the extra ones masked to -inf) gave 4.4e-15 apart; in invariant mode they agree."""
+    x = _rand(2, 3, 9, seed=14)
+    masked = torch.cat([torch.full((2, 3, 6), float("-inf"), dtype=torch.float64), x], -1)
+    with invariant.invariant_mode():
+        assert torch.equal(torch.logsumexp(x, -1), torch.logsumexp(masked, dim=-1))
+        assert torch.equal(x.logsumexp(-1, keepdim=True), masked.logsumexp(-1, True))
+        assert torch.equal(torch.softmax(x, -1), torch.softmax(masked, dim=-1)[..., 6:])
+    assert torch.allclose(invariant.fixed_order_logsumexp(x, -1), torch.logsumexp(x, -1), rtol=1e-14)
+
+
+def test_granite_swa_proof_is_exactly_0():
+    from kvviz.archsweep import _proof, build_arch
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        build_arch("granite_swa", Path(d))
+        lm = kvviz.load_model(d, "float64", DEVICE)
+        proof, worst = _proof(lm)
+    assert proof == "0" and worst == 0.0

@@ -215,6 +215,19 @@ def run_bisect(lm: LoadedModel, cfg: SplitConfig, settings: ExecSettings | None 
     return res
 
 
+def made_inside(first: ModuleGap | None) -> str:
+    """When the first differing module's input already differs although every hooked module before it agrees, the
+    difference was made by ops of its parent module that no hook sees and the op trace cannot line up (their shapes
+    differ between the two runs): say so and where."""
+    if first is None or not first.input_differs or first.kind.startswith("attention weights") or "." not in first.name:
+        return ""
+    parent = first.name.rsplit(".", 1)[0]
+    return (f"Its input already differs: the difference is made inside {parent} by ops whose shapes differ between "
+            f"the full forward and the cached run (a chunked scan whose chunks start at each call's first token, a "
+            f"convolution over the cached state - the model's own chunk algorithm), which the op trace cannot line "
+            f"up.")
+
+
 def _explain(res: BisectResult, settings: ExecSettings, ops: bool) -> str:
     """The bisector's finding in words: where the first difference is, or - said plainly - that there is none."""
     mode = "In invariant mode" if settings.invariant else "In normal mode"
@@ -237,6 +250,9 @@ def _explain(res: BisectResult, settings: ExecSettings, ops: bool) -> str:
             if first.kind.startswith("attention weights") else first.kind)
     text = (f"The first difference is in {where}, {what}: max |Δ| {first.max_abs:.3g} ({first.relative:.3g} "
             f"of its size). Everything computed before it is bit-identical.")
+    made = made_inside(first)
+    if made:
+        text += f" {made}"
     if op is not None:
         return f"{text} {op.text}"
     if ops:

@@ -299,7 +299,8 @@ class InvariantMode(TorchFunctionMode):
 # step-by-step recurrence the same module defines (chunked name, recurrent name). The chunked form groups tokens in
 # chunks anchored at the call's first token, so a full forward and a cached rest (a call starting elsewhere) add
 # the same terms in other groupings; the recurrence computes token t from the state after t-1 alone.
-_SCANS = (("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"),)
+_SCANS = (("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"),  # Qwen3-Next, Qwen3.5, OLMo-hybrid
+          ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention"))  # Kimi-Linear, Bailing-hybrid
 _SWAPPED: dict = {}  # (module name, function name) -> the original function
 _SWAP_LOCK = threading.Lock()
 
@@ -323,15 +324,25 @@ def _swap_scans() -> None:
 
 def _scan_wrapper(orig, rec):
     import functools
+    import inspect
+
+    sig = inspect.signature(orig)
+    takes = inspect.signature(rec).parameters
 
     @functools.wraps(orig)
     def scan(*args, **kwargs):
         if not active():
             return orig(*args, **kwargs)
-        kwargs.pop("chunk_size", None)
-        if len(args) > 5:  # (query, key, value, g, beta, chunk_size, ...): the recurrence has no chunk size
-            args = args[:5] + args[6:]
-        return rec(*args, **kwargs)
+        bound = sig.bind(*args, **kwargs)  # by name: the recurrence has no chunk size, and other positions
+        bound.apply_defaults()
+        named = {k: v for k, v in bound.arguments.items() if k != "chunk_size"}
+        extra = {}
+        for k, v in named.items():
+            if sig.parameters[k].kind is inspect.Parameter.VAR_KEYWORD:
+                extra.update(v)
+            elif k in takes:
+                extra[k] = v
+        return rec(**extra)
 
     scan.kvviz_recurrence = rec
     return scan

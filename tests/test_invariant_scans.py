@@ -121,3 +121,27 @@ def test_granite_swa_proof_is_exactly_0():
         lm = kvviz.load_model(d, "float64", DEVICE)
         proof, worst = _proof(lm)
     assert proof == "0" and worst == 0.0
+
+
+@pytest.mark.parametrize("module, chunked, recurrent", [
+    ("qwen3_next", "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"),
+    ("kimi_linear", "chunk_kimi_delta_attention", "recurrent_kimi_delta_attention")])
+def test_every_swapped_scan_is_called_as_the_model_calls_it(module, chunked, recurrent):
+    """The wrapper binds the chunked function's arguments by name (Kimi's recurrence takes initial_state and
+    output_final_state where the chunked one takes chunk_size)."""
+    import importlib
+
+    m = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+    with invariant.invariant_mode():
+        pass  # installs the swaps for loaded modules
+    q, k = _rand(1, 7, 4, 8, seed=15), _rand(1, 7, 4, 8, seed=16)
+    v, beta = _rand(1, 7, 4, 8, seed=17), _rand(1, 7, 4, seed=18).sigmoid()
+    g = -_rand(1, 7, 4, *(() if module == "qwen3_next" else (8,)), seed=19).abs()
+    state = _rand(1, 4, 8, 8, seed=20)
+    kw = dict(g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    with invariant.invariant_mode():
+        out, final = getattr(m, chunked)(q, k, v, **kw)
+    want, want_final = getattr(m, chunked).kvviz_recurrence(q, k, v, **kw)
+    assert torch.equal(out, want) and torch.equal(final, want_final)
+    chunk_out, _ = getattr(m, chunked)(q, k, v, **kw)  # outside invariant mode: the model's own chunked form
+    assert torch.allclose(chunk_out, want, atol=1e-4)

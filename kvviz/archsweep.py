@@ -129,13 +129,18 @@ def _proof(lm64) -> tuple[str, float | None]:
 
 def _first_op(lm64, cfg) -> str:
     try:
-        from .views.bisect.run import run_bisect
+        from .views.bisect.run import made_inside, run_bisect
         from .execution import ExecSettings
 
         res = run_bisect(lm64, cfg, ExecSettings(invariant=True))
         op = getattr(res, "first_op", None)
         if op is not None:
-            return f"{op.op} in {op.layer}, inputs {op.shapes} {'/'.join(dict.fromkeys(op.dtypes))}, max |Δ| {op.max_abs:.3g}"
+            made = ""
+            if res.first is not None and res.first.input_differs and made_inside(res.first):
+                made = (f"; its input already differs - made inside {res.first.name.rsplit('.', 1)[0]} by ops of "
+                        f"other shapes in the two runs (the model's own chunked algorithm)")
+            return (f"{op.op} in {op.layer}, inputs {op.shapes} {'/'.join(dict.fromkeys(op.dtypes))}, max |Δ| "
+                    f"{op.max_abs:.3g}{made}")
         return res.explanation
     except Exception as e:  # noqa: BLE001
         return f"(bisector failed: {_one_line(e)})"

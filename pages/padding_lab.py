@@ -51,6 +51,9 @@ st.markdown("""
   tokens cannot see the latest keys — *logic*, even without padding.
 """)
 st.dataframe(res.grid("verdict"), width="stretch")
+for c in res.cells:  # a cell the model's own forward cannot run: its one-line reason
+    if c.get("reason"):
+        st.caption(f"**{c['placement']} / {c['scenario']}** — {c['reason']}")
 with st.expander("A/B: this grid against one other setting, on one colour scale"):
     b = ab_run("pad", "padding", choice, lm, {}, "Runs the grid once more with B's setting",
                {"model": choice.key, "prompt": prompt, "pad": int(left_pad), "split": int(split)},

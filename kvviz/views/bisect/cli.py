@@ -1,7 +1,7 @@
 """`python -m kvviz bisect`: the first module whose output differs between the cached run and the full forward."""
 from __future__ import annotations
 
-from ...clirun import Outcome, load, model_args, settings
+from ...clirun import Outcome, load, model_args, progress_to_stderr, settings
 from ...inputs import MASK_MODES, POSITION_MODES
 
 
@@ -27,7 +27,7 @@ def command(args) -> Outcome:
                       position_ids=args.position_ids, attention_mask=args.attention_mask)
     cfg.validate()
     lm = load(args)
-    res = run_bisect(lm, cfg, settings(args))
+    res = run_bisect(lm, cfg, settings(args), progress=progress_to_stderr(args.quiet))
 
     def summary() -> str:
         lines = [f"{module_label(g.name):<60} {g.kind:<18} max |Δ| {g.max_abs:<10.3g}"

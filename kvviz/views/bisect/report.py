@@ -5,10 +5,12 @@ from ...export import typed
 
 
 def reopen(d: dict):
-    from .run import BisectResult, BisectSettings, ModuleGap
+    from .run import BisectResult, BisectSettings, ModuleGap, OpGap
 
     return BisectResult(settings=typed(BisectSettings, d["settings"]), first=ModuleGap(**d["first"]) if d.get("first") else None,
-                        modules=[ModuleGap(**m) for m in d.get("modules", [])], explanation=d.get("explanation", ""))
+                        modules=[ModuleGap(**m) for m in d.get("modules", [])], explanation=d.get("explanation", ""),
+                        first_op=OpGap(**d["first_op"]) if d.get("first_op") else None,
+                        ops_compared=int(d.get("ops_compared", 0)))
 
 
 def verdict(result) -> tuple[str, str]:

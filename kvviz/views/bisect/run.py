@@ -10,6 +10,7 @@ first creeps in.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -98,6 +99,7 @@ class BisectResult:
     modules: list[ModuleGap] = field(default_factory=list)  # every compared module, in execution order
     explanation: str = ""
     first_op: OpGap | None = None  # the first torch op whose output differs (None: none, or not traced)
+    ops_compared: int = 0  # torch ops of the cached run compared with the full forward's (0: ops not traced)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "settings": self.settings.to_dict()}
@@ -219,43 +221,94 @@ def _gap(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
 
 
 def run_bisect(lm: LoadedModel, cfg: SplitConfig, settings: ExecSettings | None = None,
-               ops: bool = True) -> BisectResult:
+               ops: bool = True, progress: Callable[[float, str], None] | None = None) -> BisectResult:
     """Hook the full forward and the cached run of `cfg` and name the first module whose output differs; with
-    ops, also trace both runs op by op (a TorchFunctionMode) and name the first torch op whose output differs."""
+    ops, also trace both runs op by op (a TorchFunctionMode) and name the first torch op whose output differs.
+    progress(fraction, message) is called before each of the runs (an invariant-mode bisect of a long prompt on a
+    real model takes minutes: it must never look like a run that ended silently)."""
     settings = (settings or DEFAULT_SETTINGS).validate()
     cfg.validate()
+    say = progress or (lambda frac, msg: None)
+    mode = "invariant mode" if settings.invariant else "normal mode"
     inp = build_inputs(lm, cfg.prompt, cfg.left_pad)
     check_split(inp.n_tokens, cfg.split)
     a0, n = inp.pad + cfg.split, inp.total - inp.pad - cfg.split
     ex = Executor(lm, settings, max_len=inp.total)
     with ex.session():
-        # only the prefix's cache is used: no logits for its positions (in float64 with a 262k vocabulary, 600
-        # positions' logits are 1.3 GB)
+        say(0.0, f"Bisecting in {mode}: prefix forward ({a0} tokens)…")
+        # the prefix's logits are never compared: one row, not [a0, vocabulary] (1.26 GB on a 262k vocabulary)
         pre = ex.forward(inp.ids[:, :a0], inp.mask[:, :a0], inp.positions[:, :a0], hidden=False,
                          logits_to_keep=1 if takes_logits_to_keep(lm.model) else None)
         if not has_cache(pre):
             raise KvvizError(f"{lm.name} returns no cache (a bidirectional model): there is no cached run to bisect")
         past = pre.past_key_values
         del pre
+        say(0.15, f"Full forward ({inp.total} tokens), every module hooked…")
         with _Recorder(lm.model, inp.total, a0, n) as full:
             ex.forward(inp.ids, inp.mask, inp.positions, hidden=False)
         if ops:  # the cache is grown by the cached run: keep a copy for the op trace
             import copy
 
             past_for_ops = copy.deepcopy(past)
+        say(0.4, f"Rest through the cache ({n} tokens, {cfg.mode}), every module compared as it comes…")
         with _Recorder(lm.model, inp.total, a0, n, ref=full) as cached:
             _cached_rest(ex, cfg, inp, a0, past)
         del past
+        say(0.5, "Comparing the modules…")
         res = _compare(full, cached, inp.total, a0, n, cfg, settings, lm)
         del full, cached  # the module rows are reduced to gaps before the op trace records its own
-        first_op = _trace_ops(ex, lm, cfg, inp, a0, n, past_for_ops) if ops else None
-    res.first_op = first_op
-    if first_op is not None:
-        res.explanation += " " + first_op.text
-    elif ops and res.first is not None:
-        res.explanation += (" No single traced op differs on the compared positions (the difference comes from "
-                            "shapes the op trace does not line up, e.g. a sliding-window cache's keys).")
+        trace = _trace_ops(ex, lm, cfg, inp, a0, n, past_for_ops, say) if ops else None
+    res.first_op = None if trace is None else trace.first
+    res.ops_compared = 0 if trace is None else trace.compared
+    res.explanation = _explain(res, settings, ops)
+    say(1.0, "Done")
     return res
+
+
+def made_inside(first: ModuleGap | None) -> str:
+    """When the first differing module's input already differs although every hooked module before it agrees, the
+    difference was made by ops of its parent module that no hook sees and the op trace cannot line up (their shapes
+    differ between the two runs): say so and where."""
+    if first is None or not first.input_differs or first.kind.startswith("attention weights") or "." not in first.name:
+        return ""
+    parent = first.name.rsplit(".", 1)[0]
+    return (f"Its input already differs: the difference is made inside {parent} by ops whose shapes differ between "
+            f"the full forward and the cached run (a chunked scan whose chunks start at each call's first token, a "
+            f"convolution over the cached state - the model's own chunk algorithm), which the op trace cannot line "
+            f"up.")
+
+
+def _explain(res: BisectResult, settings: ExecSettings, ops: bool) -> str:
+    """The bisector's finding in words: where the first difference is, or - said plainly - that there is none."""
+    mode = "In invariant mode" if settings.invariant else "In normal mode"
+    first, op = res.first, res.first_op
+    if first is None and op is None:
+        if not ops:
+            return (f"{mode} every hooked module ({len(res.modules)} compared) gives the same bits in the cached run "
+                    f"as in the full forward (ops not traced).")
+        if res.ops_compared == 0:
+            return (f"{mode} every hooked module ({len(res.modules)} compared) gives the same bits in the cached run "
+                    f"as in the full forward; no torch op could be lined up between the two runs, so ops were not "
+                    f"compared.")
+        return (f"{mode} nothing differs: every torch op agrees bit for bit between the cached run and the full "
+                f"forward ({res.ops_compared} ops compared on the compared positions), and so does every hooked "
+                f"module ({len(res.modules)} compared).")
+    if first is None:  # an op differs inside a module whose output came out equal
+        return (f"{mode} every hooked module's output agrees bit for bit, but an op inside one does not. {op.text}")
+    where = module_label(first.name)  # kvviz.naming: "layer 2 (model.layers.1.self_attn)"
+    what = ("the attention computation itself (scores, softmax, weighted sum - not a module of its own)"
+            if first.kind.startswith("attention weights") else first.kind)
+    text = (f"The first difference is in {where}, {what}: max |Δ| {first.max_abs:.3g} ({first.relative:.3g} "
+            f"of its size). Everything computed before it is bit-identical.")
+    made = made_inside(first)
+    if made:
+        text += f" {made}"
+    if op is not None:
+        return f"{text} {op.text}"
+    if ops:
+        return (f"{text} No single traced op differs on the compared positions ({res.ops_compared} compared; the "
+                f"difference comes from shapes the op trace does not line up, e.g. a sliding-window cache's keys).")
+    return text
 
 
 def _cached_rest(ex: Executor, cfg: SplitConfig, inp, a0: int, past) -> None:
@@ -278,19 +331,11 @@ def _compare(full: _Recorder, cached: _Recorder, total: int, a0: int, n: int, cf
         # the op between the last agreeing module and this one is not a module: the attention itself
         first = ModuleGap(first.name.rsplit(".", 1)[0], "attention weights / weighted sum", first.layer,
                           first.max_abs, first.relative, True)
-    if first is None:
-        text = "Every hooked module gives the same bits in the cached run as in the full forward."
-    else:
-        where = module_label(first.name)  # kvviz.naming: "layer 2 (model.layers.1.self_attn)"
-        what = ("the attention computation itself (scores, softmax, weighted sum - not a module of its own)"
-                if first.kind.startswith("attention weights") else first.kind)
-        text = (f"The first difference is in {where}, {what}: max |Δ| {first.max_abs:.3g} ({first.relative:.3g} "
-                f"of its size). Everything computed before it is bit-identical.")
     return BisectResult(settings=BisectSettings(prompt=cfg.prompt, split=cfg.split, mode=cfg.mode,
                                                 left_pad=cfg.left_pad, position_ids=cfg.position_ids,
                                                 attention_mask=cfg.attention_mask, model=lm.name,
                                                 dtype=str(lm.dtype).removeprefix("torch."), execution=settings),
-                        first=first, modules=gaps, explanation=text)
+                        first=first, modules=gaps)
 
 
 # ---- the op trace ------------------------------------------------------------------------------------------------
@@ -414,17 +459,20 @@ class _OpTrace:
                            f"{self.compared - 1} ops compared before it agree bit for bit.")
 
 
-def _trace_ops(ex: Executor, lm: LoadedModel, cfg: SplitConfig, inp, a0: int, n: int, past) -> OpGap | None:
-    """Both runs again under the op trace; step mode compares the first cached step (position a0) only."""
+def _trace_ops(ex: Executor, lm: LoadedModel, cfg: SplitConfig, inp, a0: int, n: int, past, say) -> "_OpTrace":
+    """Both runs again under the op trace; step mode compares the first cached step (position a0) only. Returns the
+    cached run's trace: its first differing op (None: none) and how many ops it compared."""
     steps = n if cfg.mode == "chunk" else 1
+    say(0.55, f"Op trace: full forward ({inp.total} tokens), every torch op recorded…")
     full = _OpTrace(lm.model, inp.total, a0, steps)
     with full:
         ex.forward(inp.ids, inp.mask, inp.positions, hidden=False)
+    say(0.85, f"Op trace: cached run ({steps} tokens), every torch op compared…")
     cached = _OpTrace(lm.model, inp.total, a0, steps, compare_with=full.record)
     pos = inp.positions[:, a0:a0 + steps] if cfg.position_ids == "auto" else None
     with cached:
         ex.forward(inp.ids[:, a0:a0 + steps], cached_mask(cfg, inp, a0, a0 + steps), pos, past, hidden=False)
-    return cached.first
+    return cached
 
 
 register_bisector(run_bisect)  # a failed proof's explanation names what the bisector finds first

@@ -29,6 +29,8 @@ def command(args) -> Outcome:
             return (f"{res.settings.dtype} on {res.settings.device}; prompt split at {res.settings.split}; "
                     f"left pad {res.settings.left_pad}\n\nverdicts:\n" + res.grid().to_string()
                     + "\n\nrelative gap of the hidden states vs the prompt alone without cache:\n"
-                    + res.grid("hidden_relative").to_string(float_format=lambda v: f"{v:.2g}"))
+                    + res.grid("hidden_relative").to_string(float_format=lambda v: f"{v:.2g}")
+                    + "".join(f"\n{c['placement']} / {c['scenario']}: {c['reason']}" for c in res.cells
+                              if c.get("reason")))
 
     return Outcome(res, lm, summary)

@@ -17,10 +17,15 @@ def padding_grid(res, value: str = "hidden_relative") -> go.Figure:
     f64 = res.grid("float64_relative")
     rows = list(res.placements)
     cols = [s[0] for s in SCENARIOS]
-    code = {"identical": 0, "precision": 1, "logic": 2}
-    z = [[code[verdicts.loc[p, c]] for c in cols] for p in rows]
-    text = [[f"<b>{verdicts.loc[p, c]}</b><br>{vals.loc[p, c]:.2g}<br>float64: {f64.loc[p, c]:.1g}" for c in cols]
-            for p in rows]
+    code = {"identical": 0, "precision": 1, "logic": 2}  # "cannot run": no colour, the word in the cell
+    z = [[code.get(verdicts.loc[p, c], np.nan) for c in cols] for p in rows]
+
+    def cell(p, c):
+        if verdicts.loc[p, c] not in code:
+            return f"<b>{verdicts.loc[p, c]}</b>"
+        return f"<b>{verdicts.loc[p, c]}</b><br>{vals.loc[p, c]:.2g}<br>float64: {f64.loc[p, c]:.1g}"
+
+    text = [[cell(p, c) for c in cols] for p in rows]
     scale = [[0, VERDICT_COLORS["identical"]], [0.33, VERDICT_COLORS["identical"]],
              [0.34, VERDICT_COLORS["precision"]], [0.66, VERDICT_COLORS["precision"]],
              [0.67, VERDICT_COLORS["logic"]], [1, VERDICT_COLORS["logic"]]]

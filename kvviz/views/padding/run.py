@@ -30,6 +30,7 @@ SCENARIOS = (  # (label, use cache, position ids, attention mask)
     ("cache, mask new-only", True, "auto", "new-only"),
     ("cache, omitted + new-only", True, "omit", "new-only"),
 )
+CANNOT_RUN = "cannot run"  # a cell's verdict when the model's own forward fails on it (its `reason` says why)
 DEFAULT_COMPANIONS = (
     "The museum guard knew every painting in the building, but he had a favourite one hanging in the far corner.",
     "Every summer the children built a raft from old planks and empty barrels, and every summer it sank in the lake.",
@@ -133,10 +134,27 @@ def _padding_cells(lm: LoadedModel, settings: ExecSettings, ids: list[int], comp
                 if only is not None and (placement, label) not in only:
                     continue
                 gaps = LayerGaps(held, machine_eps(lm.dtype), "a padding scenario", equal=True)
-                gaps, lg = _scenario(ex, rows, 0, extra, k, use_cache, pm, mm, gaps)
+                try:
+                    gaps, lg = _scenario(ex, rows, 0, extra, k, use_cache, pm, mm, gaps)
+                except KvvizError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - the model's own forward fails on this cell: say why, go on
+                    out[(placement, label)] = {"error": cell_failure(lm, mm, e)}
+                    continue
                 out[(placement, label)] = _cell(gaps, ref_l, lg)
                 del gaps, lg  # before the next scenario's forward
     return out
+
+
+def cell_failure(lm: LoadedModel, mask_mode: str, e: BaseException) -> str:
+    """One line for a cell the model's forward cannot run."""
+    first = (str(e).strip().splitlines() or [""])[0]
+    err = f"{type(e).__name__}: {first[:160]}{'…' if len(first) > 160 else ''}"
+    kind = getattr(lm.config, "model_type", None) or lm.name
+    if mask_mode == "new-only":
+        return (f"cannot run: {kind}'s forward fails on a mask of the new tokens only ({err}) - a model that builds "
+                f"its positions or alibi from the attention mask (OPT, BLOOM) needs it to cover the cached tokens too")
+    return f"cannot run: {kind}'s forward fails on this scenario ({err})"
 
 
 def companion_ids(lm: LoadedModel, ids: list[int], companions: list[str] | None, left_pad: int) -> list[list[int]]:
@@ -175,17 +193,25 @@ def run_padding(lm: LoadedModel, prompt: str, split: int | None = None, left_pad
     f64 = main if lm64 is lm else _padding_cells(lm64, settings.with_(compile="off"), ids, comp_ids, k, left_pad,
                                                  only)
     cells = []
+    nan = float("nan")
     for (placement, label), c in main.items():
         c64 = f64[(placement, label)]
+        failed = c.get("error") or c64.get("error")
+        if failed:  # a cell the model cannot run: its one-line reason, no numbers
+            cells.append({"placement": placement, "scenario": label, "hidden_relative": nan, "hidden_max_abs": nan,
+                          "logits_max_abs": nan, "logits_relative": nan, "argmax_agree": None,
+                          "bitwise_equal": None, "float64_relative": nan, "verdict": CANNOT_RUN, "proved": None,
+                          "reason": failed if c.get("error") else f"float64 rerun {failed}"})
+            continue
         gap64 = max(c64["hidden_relative"], c64["logits_relative"])
         cells.append({"placement": placement, "scenario": label, **c, "float64_relative": gap64,
-                      "verdict": classify(c["bitwise_equal"], gap64), "proved": None})
+                      "verdict": classify(c["bitwise_equal"], gap64), "proved": None, "reason": None})
     if prove and not settings.invariant and any(c["verdict"] == "precision" for c in cells):
         progress(0.8, "Rerunning the grid in invariant mode for the proof…")
         inv = _padding_cells(lm, settings.with_(invariant=True, compile="off"), ids, comp_ids, k, left_pad, only)
         for c in cells:
             if c["verdict"] == "precision":
-                c["proved"] = inv[(c["placement"], c["scenario"])]["bitwise_equal"]
+                c["proved"] = inv[(c["placement"], c["scenario"])].get("bitwise_equal")
     progress(1.0, "Done")
     run = RunInfo.of(lm, settings)
     info = PaddingSettings.from_run(run, prompt=prompt, split=k, left_pad=left_pad,

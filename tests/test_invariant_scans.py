@@ -1,0 +1,147 @@
+"""Invariant mode on linear-attention and state-space layers (issue 17): ~30 architectures' proofs left ~1e-15,
+and the bisector named repeat_interleave (an exact copy). The true first ops, found on tiny qwen3_next: a silu
+whose CPU kernel rounds an element differently in its vectorised body and its scalar remainder (which one depends
+on the tensor's length), a conv1d over the cached states + the new tokens, and the chunked gated delta rule
+(chunks anchored at each call's first token). Invariant mode now covers all three."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kvviz
+from kvviz import invariant
+from kvviz.execution import ExecSettings
+from kvviz.views.split.run import SplitConfig, run_split
+
+from conftest import DEVICE
+
+PROMPT = "Hello world, caching is fun! 123 The quick brown fox."
+
+
+def _rand(*shape, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_an_elementwise_function_does_not_depend_on_the_tensors_length(dtype):
+    """A causal conv's output [B, C, T+3][..., :T] through silu: position t of a 25-long row and of a 17-long row
+    holding the same values gives the same bits in invariant mode, for every function covered."""
+    x = _rand(1, 128, 28, dtype=dtype, seed=1)
+    for f in (F.silu, torch.sigmoid, torch.exp, torch.tanh, F.softplus, F.gelu, torch.Tensor.exp):
+        with invariant.invariant_mode():
+            long = f(x[..., :25])[..., 12:25]
+            short = f(x[..., 8:25])[..., 4:]
+        assert torch.equal(long, short), f
+        tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+        assert torch.allclose(long.double(), f(x[..., 12:25]).double(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_fixed_order_conv1d(dtype):
+    """Each output is ((0 + w0·x0) + w1·x1 + ...) + bias over its own window: the same bits over the full sequence
+    and over the last states + new tokens; and it is conv1d (grouped, dilated, strided, padded)."""
+    x, w, b = _rand(1, 6, 30, dtype=dtype, seed=2), _rand(6, 1, 4, dtype=dtype, seed=3), _rand(6, dtype=dtype, seed=4)
+    full = invariant.fixed_order_conv1d(x, w, b, padding=3, groups=6)[..., :30]
+    cached = invariant.fixed_order_conv1d(x[..., 17:], w, b, padding=3, groups=6)[..., 3:13]
+    assert torch.equal(full[..., 20:30], cached)
+    want = torch.zeros(6, dtype=torch.float64)
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    for c in range(6):  # position 20: inputs 17..20
+        for j in range(4):
+            want[c] = want[c] + (x[0, c, 17 + j].to(wide) * w[c, 0, j].to(wide)).double()
+        want[c] = want[c] + b[c].double()
+    assert torch.equal(full[0, :, 20], want.to(wide).to(dtype))
+    for cin, cout, groups, k, pad, st, dil in [(6, 4, 2, 3, 1, 1, 2), (4, 8, 1, 5, 0, 2, 1)]:
+        x = _rand(2, cin, 17, dtype=dtype, seed=5)
+        w = _rand(cout, cin // groups, k, dtype=dtype, seed=6)
+        ref = F.conv1d(x.double(), w.double(), None, st, pad, dil, groups)
+        got = invariant.fixed_order_conv1d(x, w, None, st, pad, dil, groups)
+        assert got.shape == ref.shape
+        assert torch.allclose(got.double(), ref, rtol=0.05 if dtype == torch.bfloat16 else 1e-5, atol=0.1)
+
+
+def test_the_chunked_scan_runs_as_its_recurrence_in_invariant_mode_only():
+    import transformers.models.qwen3_next.modeling_qwen3_next as m
+
+    kvviz.load_model("tiny:qwen3_next", "float64", DEVICE)
+    q, k = _rand(1, 7, 2, 8, seed=7), _rand(1, 7, 2, 8, seed=8)
+    v, g, beta = _rand(1, 7, 4, 8, seed=9), -_rand(1, 7, 4, seed=10).abs(), _rand(1, 7, 4, seed=11).sigmoid()
+    with invariant.invariant_mode():
+        got, _ = m.torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, chunk_size=4, use_qk_l2norm_in_kernel=True)
+    rec, _ = m.torch_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+    chunked, _ = m.torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, chunk_size=4, use_qk_l2norm_in_kernel=True)
+    assert torch.equal(got, rec)  # invariant mode: the recurrence
+    assert torch.allclose(chunked, rec, atol=1e-5)  # outside it: the chunked form (float32 inside), the same maths
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_qwen3_next_cached_equals_full_bit_for_bit_in_invariant_mode(dtype):
+    """Was 6.66e-16 in float64 (the sweep's proof row)."""
+    lm = kvviz.load_model("tiny:qwen3_next", dtype, DEVICE)
+    n = len(lm.tokenizer(PROMPT)["input_ids"])
+    for split in (n // 2, n - 1):
+        for mode in ("chunk", "step"):
+            res = run_split(lm, SplitConfig(PROMPT, split=split, mode=mode), settings=ExecSettings(invariant=True),
+                            prove=False)
+            assert res.main.identical, (split, mode, res.main.max_abs)
+
+
+def test_grouped_mm_rows_do_not_depend_on_how_many_tokens_an_expert_gets():
+    """MoE experts in float32 run torch's grouped_mm: tokens 0..4 of expert 1 among 5 or among 2 other tokens."""
+    a, b = _rand(9, 16, dtype=torch.float32, seed=12), _rand(3, 16, 8, dtype=torch.float32, seed=13)
+    many = invariant.rowwise_grouped_mm(a, b, offs=torch.tensor([2, 7, 9], dtype=torch.int32))
+    few = invariant.rowwise_grouped_mm(a[2:7], b, offs=torch.tensor([0, 5, 5], dtype=torch.int32))
+    with invariant.invariant_mode():  # torch's grouped_mm is routed to it
+        if invariant._GROUPED:
+            via_torch = invariant._GROUPED[0](a, b, offs=torch.tensor([2, 7, 9], dtype=torch.int32))
+            assert torch.equal(via_torch, many)
+    assert torch.equal(many[2:7], few)
+    assert torch.allclose(many[2:7], a[2:7] @ b[1], atol=1e-5)
+
+
+def test_logsumexp_and_softmax_do_not_depend_on_masked_keys_or_the_rows_length():
+    """granite_swa's attention sinks take a logsumexp over the keys: a window cache's row (fewer keys) and the full
+    forward's (more keys, the extra ones masked to -inf) gave 4.4e-15 apart; in invariant mode they agree."""
+    x = _rand(2, 3, 9, seed=14)
+    masked = torch.cat([torch.full((2, 3, 6), float("-inf"), dtype=torch.float64), x], -1)
+    with invariant.invariant_mode():
+        assert torch.equal(torch.logsumexp(x, -1), torch.logsumexp(masked, dim=-1))
+        assert torch.equal(x.logsumexp(-1, keepdim=True), masked.logsumexp(-1, True))
+        assert torch.equal(torch.softmax(x, -1), torch.softmax(masked, dim=-1)[..., 6:])
+    assert torch.allclose(invariant.fixed_order_logsumexp(x, -1), torch.logsumexp(x, -1), rtol=1e-14)
+
+
+def test_granite_swa_proof_is_exactly_0():
+    from kvviz.archsweep import _proof, build_arch
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        build_arch("granite_swa", Path(d))
+        lm = kvviz.load_model(d, "float64", DEVICE)
+        proof, worst = _proof(lm)
+    assert proof == "0" and worst == 0.0
+
+
+@pytest.mark.parametrize("module, chunked, recurrent", [
+    ("qwen3_next", "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"),
+    ("kimi_linear", "chunk_kimi_delta_attention", "recurrent_kimi_delta_attention")])
+def test_every_swapped_scan_is_called_as_the_model_calls_it(module, chunked, recurrent):
+    """The wrapper binds the chunked function's arguments by name (Kimi's recurrence takes initial_state and
+    output_final_state where the chunked one takes chunk_size)."""
+    import importlib
+
+    m = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+    with invariant.invariant_mode():
+        pass  # installs the swaps for loaded modules
+    q, k = _rand(1, 7, 4, 8, seed=15), _rand(1, 7, 4, 8, seed=16)
+    v, beta = _rand(1, 7, 4, 8, seed=17), _rand(1, 7, 4, seed=18).sigmoid()
+    g = -_rand(1, 7, 4, *(() if module == "qwen3_next" else (8,)), seed=19).abs()
+    state = _rand(1, 4, 8, 8, seed=20)
+    kw = dict(g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    with invariant.invariant_mode():
+        out, final = getattr(m, chunked)(q, k, v, **kw)
+    want, want_final = getattr(m, chunked).kvviz_recurrence(q, k, v, **kw)
+    assert torch.equal(out, want) and torch.equal(final, want_final)
+    chunk_out, _ = getattr(m, chunked)(q, k, v, **kw)  # outside invariant mode: the model's own chunked form
+    assert torch.allclose(chunk_out, want, atol=1e-4)

@@ -166,7 +166,7 @@ RECORDED_PEAKS = {
     # (model, view, tokens as the plan counts them, compared positions): peak RSS
     ("gemma270m", "split", 720, 120): 2_293_944_320,  # 2026-11-24
     ("gemma270m", "check", 1028, None): 2_012_278_784,  # 2026-11-24, after the heap-fragmentation fix (2.01 GB)
-    ("big3b", "split", 60, 54): 7_790_000_000,  # 2026-11-23 (7.79 GB)
+    ("big3b", "split", 60, 54): 7_790_000_000,  # 2026-11-23 (7.79 GB); 7.71 GB on 2026-11-24's code
     ("big3b", "greedy", 62, None): 7_367_327_744,  # 2026-11-24, --max-new-tokens 2 (paths no_cache,cache,float64)
     ("gemma270m", "bisect", 720, 120): 2_103_586_816,  # 2026-11-24, the bisector's rows of the compared positions only
 }

@@ -148,18 +148,18 @@ def model_shape(spec) -> ModelShape | None:
 
 
 def _model_shape(ms) -> ModelShape | None:
-    from .loading import cache_dir, default_gguf_path, tiny_folder
+    from .loading import converted_gguf_folder, default_gguf_path, tiny_folder
 
     if ms.kind == "tiny":
         return shape_of_folder(tiny_folder(ms.ref))
     if ms.kind == "folder":
         return shape_of_folder(Path(ms.ref))
     if ms.kind in ("default", "gguf"):
-        path = default_gguf_path() if ms.kind == "default" else Path(ms.ref)
-        converted = sorted((cache_dir() / "gguf").glob(f"{path.stem}-*/kvviz.json"))
         try:
-            if converted:
-                return shape_of_folder(converted[-1].parent)
+            path = default_gguf_path() if ms.kind == "default" else Path(ms.ref)
+            converted = converted_gguf_folder(path)  # this very file's conversion (another version's is not it)
+            if (converted / "kvviz.json").is_file():
+                return shape_of_folder(converted)
             return _shape_of_gguf(path)
         except Exception:  # noqa: BLE001 - an unreadable file: loading says so in its own words
             return None
@@ -565,19 +565,11 @@ def check_fits(plan: MemoryPlan) -> MemoryPlan:
 def tokens_of_text(spec, text: str) -> int:
     """Tokens of `text` for the model's tokenizer when its files are here (a folder; a GGUF file already converted
     once), else a bound (UTF-8 bytes + 2)."""
-    from .loading import converted_gguf_folder, default_gguf_path, parse_spec
+    from .loading import parse_spec
 
     ms = parse_spec(spec)
-    folder = None
-    if ms.kind in ("tiny", "folder"):
-        shape = model_shape(ms)
-        folder = Path(shape.source) if shape is not None else None
-    elif ms.kind in ("gguf", "default"):
-        try:
-            conv = converted_gguf_folder(Path(ms.ref) if ms.kind == "gguf" else default_gguf_path())
-            folder = conv if (conv / "kvviz.json").is_file() else None
-        except Exception:  # noqa: BLE001 - no file: the run says so in its own line
-            folder = None
+    shape = model_shape(ms) if ms.kind in ("tiny", "folder", "gguf", "default") else None  # gguf: once converted
+    folder = Path(shape.source) if shape is not None and shape.source else None
     if folder is not None and folder.is_dir():
         try:
             from transformers import AutoTokenizer

@@ -255,7 +255,7 @@ def run_bisect(lm: LoadedModel, cfg: SplitConfig, settings: ExecSettings | None 
             _cached_rest(ex, cfg, inp, a0, past)
         del past
         say(0.5, "Comparing the modules…")
-        res = _compare(full, cached, inp.total, a0, n, cfg, settings, lm)
+        res = _compare(full, cached, cfg, settings, lm)
         del full, cached  # the module rows are reduced to gaps before the op trace records its own
         trace = _trace_ops(ex, lm, cfg, inp, a0, n, past_for_ops, say) if ops else None
     res.first_op = None if trace is None else trace.first
@@ -318,7 +318,7 @@ def _cached_rest(ex: Executor, cfg: SplitConfig, inp, a0: int, past) -> None:
         pass
 
 
-def _compare(full: _Recorder, cached: _Recorder, total: int, a0: int, n: int, cfg, settings, lm) -> BisectResult:
+def _compare(full: _Recorder, cached: _Recorder, cfg, settings, lm) -> BisectResult:
     gaps: list[ModuleGap] = []
     for name in full.order:
         g = cached.gap(name)

@@ -1,0 +1,176 @@
+"""Command line: `python -m kvviz <view> ...` — every view of the library, one subcommand each (`--help` lists them).
+
+The subcommands come from the view registry (kvviz/views/__init__.py): each view's folder has a cli.py with its
+options and its command (shared pieces in kvviz/clirun.py). `_run` is the one run block for all of them: it refuses
+the common flags a subcommand cannot honour, writes --json-out / --html / --repro, and prints JSON (--json) or the
+summary. `open` (a saved result) and `sweep-architectures` are the two subcommands that are not views."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from .clirun import Outcome, PlanShown
+from .errors import OUT_OF_MEMORY_HINT, KvvizError, free_memory, is_out_of_memory
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, non-zero exit
+        self.exit(2, f"kvviz: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import views
+
+    parser = _Parser(prog="python -m kvviz", description="Where does a KV cache change a model's numbers, and why?")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+    seen = set()
+    for view in views.all_views():  # one subcommand per view folder with a cli.py (the cache folder: two views)
+        if view.cli and view.package not in seen:
+            seen.add(view.package)
+            view.cli_module().add_parser(sub)
+    op = sub.add_parser("open", help="show a saved result (JSON export) without running any model")
+    op.add_argument("file")
+    op.set_defaults(handler=cmd_open)
+    from .archsweep import add_parser as _archsweep_parser  # every causal-LM architecture transformers ships
+
+    _archsweep_parser(sub)
+    sub.choices["sweep-architectures"].set_defaults(handler=cmd_sweep_architectures)
+    return parser
+
+
+def _exports(args, res, lm=None) -> None:
+    """--json-out, --html and --repro (every view but bisect): written after the run; a message on stderr each."""
+    from pathlib import Path
+
+    from .export import export_json, html_report
+
+    if getattr(args, "memory_plan", None) is not None:
+        from .memory import attach
+
+        attach(res, args.memory_plan)  # every JSON result carries the plan, with the measured peak
+    fp = None
+    if lm is not None:
+        from .fingerprint import fingerprint
+
+        fp = fingerprint(lm)
+    for flag, make in (("json_out", lambda: export_json(res, fp)), ("html", lambda: html_report(res))):
+        target = getattr(args, flag, None)
+        if target:
+            _write(Path(target), make(), args)
+    if getattr(args, "repro", None):
+        from .repro import repro_script
+
+        _write(Path(args.repro), repro_script(res, lm, Path(args.repro).name), args)
+
+
+def _write(path, text: str, args) -> None:
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as e:
+        raise KvvizError(f"could not write {path}: {e.strerror or e}") from None
+    if not args.quiet:
+        print(f"written: {path}", file=sys.stderr)
+
+
+# Common flags a subcommand does not honour are named in its parser's defaults (`not_honoured`: flag -> why, in the
+# view's cli.py); given one of these, the subcommand refuses to run (exit 2) before anything loads.
+_FLAG = {"invariant": "--invariant", "no_proof": "--no-proof", "json_out": "--json-out", "html": "--html",
+         "repro": "--repro"}
+
+
+class _Refused(KvvizError):
+    """A flag the subcommand cannot honour: exit 2, like any other argument error."""
+
+
+def _refuse_flags(args) -> None:
+    name = _command_name(args)
+    for flag, why in (getattr(args, "not_honoured", None) or {}).items():
+        if getattr(args, flag, None):
+            raise _Refused(f"{_FLAG[flag]} does nothing for `{name}` ({why}); leave it out")
+
+
+def _command_name(args) -> str:
+    sub = getattr(args, "cache_command", None)
+    return args.command + (f" {sub}" if sub else "")
+
+
+def _run(args) -> int:
+    _refuse_flags(args)
+    out: Outcome = args.handler(args)
+    if out.exportable:
+        _exports(args, out.result, out.lm)
+    if out.printed:
+        return 0
+    if getattr(args, "json", False):
+        from .jsonout import dumps
+
+        print(dumps(out.payload() if out.payload else out.result.to_dict()))
+        return 0
+    text = out.summary() if out.summary else f"verdict: {out.result.verdict.upper()}\n{out.result.explanation}"
+    if getattr(args, "invariant", False):
+        text = "(run in invariant mode)\n" + text
+    print(text)
+    return 0
+
+
+def cmd_open(args) -> Outcome:
+    from pathlib import Path
+
+    from . import views
+    from .export import open_result
+
+    p = Path(args.file)
+    if not p.is_file():
+        raise KvvizError(f"no such file: {p}")
+    opened = open_result(p.read_bytes())
+    res = opened.result
+    view = views.get(opened.view)
+
+    def summary() -> str:
+        verdict, text = view.verdict_text(res)
+        own = getattr(view.cli_module(), "summary", None) if view.cli else None  # the view's own summary, if any
+        head = own(res) if own else \
+            f"a {view.title} result — verdict: {verdict}" + ("" if view.verdict_is_html else f"\n{text}")
+        return head + "\n\nenvironment: " + ("the same as here" if not opened.environment_differences else
+                                             "differs from here — " + "; ".join(opened.environment_differences))
+
+    return Outcome(res, summary=summary, exportable=False, payload=lambda: json.loads(p.read_text(encoding="utf-8")))
+
+
+def cmd_sweep_architectures(args) -> Outcome:
+    from .archsweep import cli
+
+    cli(args)  # a long sweep prints each row as it finishes, then its totals (or the JSON)
+    return Outcome(None, exportable=False, printed=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return 2
+    try:
+        return _run(args)
+    except PlanShown:
+        return 0
+    except _Refused as e:
+        print(f"kvviz: error: {e}", file=sys.stderr)
+        return 2
+    except KvvizError as e:
+        print(f"kvviz: error: {e}", file=sys.stderr)
+        return 1
+    except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        if not is_out_of_memory(e):
+            raise
+        free_memory(e)
+        print(f"kvviz: error: {OUT_OF_MEMORY_HINT}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # output piped into `head`: not an error
+        sys.stderr.close()
+        return 0

@@ -1,0 +1,40 @@
+"""The one exception kvviz raises for anything a user can fix: its message is a single clear line."""
+
+
+class KvvizError(Exception):
+    """A problem with the user's input or environment, with a one-line message meant for people."""
+
+    def __init__(self, message: str):
+        super().__init__(" ".join(str(message).split()))
+
+
+OUT_OF_MEMORY_HINT = ("out of memory; use a shorter prompt, fewer new tokens or prompts, a 16-bit dtype or a smaller "
+                      "model")
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """MemoryError, torch's OutOfMemoryError (a RuntimeError) on any device, the CPU allocator's "can't allocate
+    memory", or an mmap/read refused for memory (ENOMEM, e.g. under RLIMIT_AS)."""
+    text = str(e).lower()
+    return isinstance(e, MemoryError) or (isinstance(e, (RuntimeError, OSError)) and any(
+        s in text for s in ("out of memory", "can't allocate memory", "cannot allocate memory",
+                            "not enough memory")))
+
+
+def free_memory(error: BaseException | None = None) -> None:
+    """Give memory back after an out-of-memory error, so the next run can start clean. The error's traceback holds
+    the failed run's frames (and their tensors): clear them first."""
+    import gc
+    import traceback
+
+    if error is not None and error.__traceback__ is not None:
+        traceback.clear_frames(error.__traceback__)
+
+    gc.collect()
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except ImportError:  # pragma: no cover
+        pass

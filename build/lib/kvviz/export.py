@@ -1,0 +1,146 @@
+"""Exports: a result as JSON with the environment it was computed in, opened again without running any model;
+a self-contained HTML report; a standalone repro script.
+
+`export_json(result)` writes {"kvviz_result": {view, format, environment, model_fingerprint}, ...the result...}.
+`open_result(text)` rebuilds the result object (numpy arrays where it has them) so the figures draw it as before,
+and lists what differs between the environment it was computed in and this one.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from .environment import compare_environments, environment
+from .errors import KvvizError
+from .execution import ExecSettings
+from .jsonout import dumps
+from .plotting import plain_index
+from . import views
+
+FORMAT = 1
+
+
+def view_of(result) -> str:
+    return views.of(result).name
+
+
+def _device(result) -> str | None:
+    s = getattr(result, "settings", None)
+    return s.get("device") if isinstance(s, dict) else getattr(s, "device", None)
+
+
+def export_json(result, model_fingerprint: dict | None = None) -> str:
+    """The result as one JSON document, with the environment and (when given) the model's fingerprint."""
+    header = {"view": view_of(result), "format": FORMAT, "environment": environment(_device(result)),
+              "model_fingerprint": model_fingerprint}
+    return dumps({"kvviz_result": header, **result.to_dict()})
+
+
+@dataclass
+class OpenedResult:
+    view: str
+    result: object
+    environment_differences: list[str]
+    header: dict
+
+
+def open_result(data: "str | bytes") -> OpenedResult:
+    """Rebuild a result from its exported JSON; no model is loaded or run."""
+    try:
+        d = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise KvvizError("this file is not JSON: open a result exported by kvviz (.json)") from None
+    if not isinstance(d, dict) or "kvviz_result" not in d:
+        raise KvvizError("this JSON is not a kvviz result (no kvviz_result header)")
+    head = d.pop("kvviz_result")
+    view = head.get("view")
+    if head.get("format") != FORMAT:
+        raise KvvizError(f"this result has format {head.get('format')!r}; this kvviz reads format {FORMAT}")
+    if view not in views.names():
+        raise KvvizError(f"unknown view {view!r} in this result")
+    plan = d.pop("memory_plan", None)  # the run's memory plan rides beside the result, not inside its type
+    if plan is not None:
+        head["memory_plan"] = plan
+    try:
+        result = views.get(view).rebuild(d)
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        raise KvvizError(f"this {view} result is incomplete or damaged ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:120]})") from None
+    return OpenedResult(view, result, compare_environments(head.get("environment")), head)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Rebuilding each result type
+
+
+def exec_settings(d: dict | None) -> ExecSettings:
+    d = d or {}
+    return ExecSettings(cache=d.get("cache", "dynamic"), compile=d.get("compile", "off"),
+                        flags=tuple(d.get("flags", ())), invariant=bool(d.get("invariant", False)))
+
+
+def typed(cls, d: dict, **conv):
+    names = {f.name for f in fields(cls)}
+    kw = {k: v for k, v in d.items() if k in names}
+    kw.update({k: f(kw[k]) for k, f in conv.items() if k in kw})
+    if "execution" in names:
+        kw["execution"] = exec_settings(d.get("execution"))
+    return cls(**kw)
+
+
+def arrays(d: dict | None) -> dict:
+    return {k: np.array([np.nan if x is None else x for x in v] if v and not isinstance(v[0], list) else
+                        [[np.nan if x is None else x for x in row] for row in v], dtype=float)
+            for k, v in (d or {}).items()}
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# HTML report
+
+
+def main_figures(result) -> list:
+    """The view's main charts, as the pages draw them (pure functions of the result)."""
+    return views.of(result).main_figures(result)
+
+
+def verdict_text(result) -> tuple[str, str]:
+    """(verdict, one paragraph) for the report and Open a result."""
+    return views.of(result).verdict_text(result)
+
+
+def html_report(result) -> str:
+    """A self-contained HTML file: verdict, settings, environment, the main charts (plotly inlined: works offline)."""
+    import html
+
+    import plotly.io as pio
+
+    entry = views.of(result)
+    view = entry.name
+    verdict, text = entry.verdict_text(result)
+    settings = getattr(result, "settings", None) or result.to_dict()  # a result without settings: all of it
+    settings = settings if isinstance(settings, dict) else settings.to_dict()
+    env = environment(_device(result))
+    figs = main_figures(result)
+    parts = [pio.to_html(f, include_plotlyjs=(i == 0), full_html=False) for i, f in enumerate(figs)]
+    tables = "".join(t.to_html(index=not plain_index(t)) for t in entry.main_tables(result))
+    rows = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>"
+                   for k, v in settings.items())
+    env_rows = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>"
+                       for k, v in env.items() if k != "flags")
+    body_text = text if entry.verdict_is_html else html.escape(text)
+    return f"""<!doctype html><html><head><meta charset="utf-8"><title>kvviz — {view}</title>
+<style>body{{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#111;
+background:#fff}}th{{text-align:left;padding-right:1em;vertical-align:top}}td,th{{font-size:14px}}
+.verdict{{padding:.8em 1em;border-radius:6px;background:#eef3fb;border:1px solid #9bb4dc}}
+@media (prefers-color-scheme: dark){{body{{background:#111;color:#eee}}.verdict{{background:#1c2a40;
+border-color:#4a6a9a}}}}</style></head><body>
+<h1>kvviz — {view}</h1>
+<div class="verdict"><b>Verdict: {html.escape(str(verdict))}.</b> {body_text}</div>
+{''.join(parts) if parts else '<p>(no chart for this view)</p>'}
+{tables}
+<h2>Settings</h2><table>{rows}</table>
+<h2>Environment</h2><table>{env_rows}</table>
+<p><small>Written by kvviz {html.escape(env['kvviz'])}. Open the JSON export in kvviz to explore it again.</small></p>
+</body></html>"""

@@ -1,0 +1,94 @@
+"""Turning a prompt into model inputs: tokens, left padding, attention mask and position ids."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import KvvizError
+
+MAX_PROMPT_CHARS = 100_000
+POSITION_MODES = ("auto", "omit")
+MASK_MODES = ("full", "new-only")
+
+
+@dataclass
+class PromptInputs:
+    """One left-padded prompt: `ids`, `mask` and `positions` are [1, pad + n_tokens] on the model's device."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    positions: torch.Tensor
+    pad: int
+    token_ids: list[int]
+    token_texts: list[str]
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def total(self) -> int:
+        return self.pad + self.n_tokens
+
+
+def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids as generate() derives them: count real tokens; pads get 1 (they are masked anyway)."""
+    pos = mask.long().cumsum(-1) - 1
+    return pos.masked_fill(mask == 0, 1)
+
+
+def pad_token_id(tokenizer) -> int:
+    for tid in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0):
+        if tid is not None:
+            return int(tid)
+    return 0  # pragma: no cover
+
+
+def token_texts(tokenizer, ids: list[int]) -> list[str]:
+    """One display string per token; multi-byte characters split over several tokens are shown whole."""
+    from .text import display_tokens
+
+    return display_tokens(tokenizer, ids)
+
+
+def validate_prompt(prompt) -> str:
+    if prompt is None or not isinstance(prompt, str):
+        raise KvvizError("the prompt must be text")
+    if not prompt.strip():
+        raise KvvizError("the prompt is empty; type some text to compare")
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise KvvizError(f"the prompt has {len(prompt):,} characters; kvviz takes at most {MAX_PROMPT_CHARS:,}")
+    return prompt
+
+
+def encode(lm, prompt: str) -> list[int]:
+    validate_prompt(prompt)
+    ids = lm.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    if not ids:
+        raise KvvizError("the prompt gives no tokens")
+    return [int(i) for i in ids]
+
+
+def build_inputs(lm, prompt: str, left_pad: int = 0, extra_tokens: int = 0) -> PromptInputs:
+    """Tokenize, left-pad with `left_pad` pad tokens, and check that pad + prompt (+ tokens to come) fits."""
+    if not isinstance(left_pad, int) or left_pad < 0:
+        raise KvvizError(f"left padding must be 0 or more, not {left_pad}")
+    ids = encode(lm, prompt)
+    total = left_pad + len(ids) + extra_tokens
+    limit = lm.max_positions
+    if limit is not None and total > limit:
+        raise KvvizError(f"the prompt is {len(ids)} tokens (+{left_pad} padding, +{extra_tokens} to generate) = "
+                         f"{total}, longer than the model's context of {limit} tokens")
+    pid = pad_token_id(lm.tokenizer)
+    dev = lm.device
+    full = torch.tensor([[pid] * left_pad + ids], dtype=torch.long, device=dev)
+    mask = torch.tensor([[0] * left_pad + [1] * len(ids)], dtype=torch.long, device=dev)
+    return PromptInputs(ids=full, mask=mask, positions=positions_from_mask(mask), pad=left_pad, token_ids=ids,
+                        token_texts=token_texts(lm.tokenizer, ids))
+
+
+def check_mode(value: str, allowed: tuple[str, ...], what: str) -> str:
+    if value not in allowed:
+        raise KvvizError(f"unknown {what} '{value}'; choose one of {', '.join(allowed)}")
+    return value

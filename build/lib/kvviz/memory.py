@@ -1,0 +1,637 @@
+"""Memory plans: what a run will hold, against what the device has free, before anything is loaded.
+
+`plan_run(spec, dtype, device, view, tokens=..)` reads the model's shape from its files (config.json and the
+safetensors headers, or the GGUF header; nothing is loaded) and estimates, in bytes:
+
+* weights     the model in the run's dtype;
+* reference   the float64 reference: a full twin (8 bytes a parameter) or the streamed reference (the largest
+              tensor in float64, plus that tensor read from the checkpoint where the run's dtype rounds it);
+* activations one forward's working set and the hidden states / logits a view keeps while it compares them;
+* cache       the KV cache of the longest sequence (the run's dtype and float64);
+* kept        the results the view holds (per-layer, per-position metrics);
+* runtime     the Python/torch process itself (CPU only).
+
+against what is free: CUDA `torch.cuda.mem_get_info`; CPU: MemAvailable, lowered by a cgroup memory limit and by
+RLIMIT_AS (address space left). A run whose total is over what is free is refused in one line naming what to lower
+(`MemoryPlan.refusal()`), before loading. Every JSON result carries the plan under `memory_plan`, with the measured
+peak beside the estimate (`measured_peak`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .errors import KvvizError
+
+GB = 1024 ** 3
+TWIN_MAX_BYTES = int(1.5 * GB)  # a full float64 twin up to this size is kept when memory allows (it runs faster)
+RUNTIME_BYTES = int(0.8 * GB)  # python + torch + transformers, resident, on the CPU
+BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
+_ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}
+_ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+# What each view keeps at once, in forwards' worth of (all hidden states + logits), for the run and the reference.
+# split: the full forward and the cached path; greedy: one path's per-step rows (logits and last hidden per step)
+# plus a forward; padding: a batch of rows; the check card runs splits in float64 past the sliding window.
+VIEW_FORWARDS = {"split": 2, "bisect": 2, "greedy": 1, "padding": 2, "reuse": 1, "dtypes": 2, "check": 2,
+                 "matrix": 1, "quant": 1, "loading-trap": 1, "cache": 1}
+
+REFERENCE_CHUNK_BYTES = 128 * 1024 ** 2  # the streamed reference applies a larger float64 weight in slices of this
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The model's shape, from its files
+
+
+@dataclass
+class ModelShape:
+    params: int
+    layers: int
+    hidden: int
+    vocab: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    largest: int  # elements of the largest tensor
+    checkpoint_dtype: str | None = None
+    sliding_window: int | None = None
+    source: str = ""
+
+    @classmethod
+    def from_config(cls, cfg: dict, params: int | None = None, largest: int | None = None,
+                    checkpoint_dtype: str | None = None, source: str = "") -> "ModelShape":
+        cfg = cfg.get("text_config") or cfg
+        L = int(cfg.get("num_hidden_layers") or cfg.get("n_layer") or 0)
+        h = int(cfg.get("hidden_size") or cfg.get("n_embd") or 0)
+        v = int(cfg.get("vocab_size") or 0)
+        heads = int(cfg.get("num_attention_heads") or cfg.get("n_head") or 1)
+        kv = int(cfg.get("num_key_value_heads") or heads)
+        hd = int(cfg.get("head_dim") or (h // heads if heads else 0))
+        inter = int(cfg.get("intermediate_size") or cfg.get("n_inner") or 4 * h)
+        if params is None:  # no headers: the usual decoder count
+            params = L * (h * hd * (heads + 2 * kv) + heads * hd * h + 3 * h * inter) + v * h * (
+                1 if cfg.get("tie_word_embeddings", True) else 2)
+        return cls(params=int(params), layers=L, hidden=h, vocab=v, intermediate=inter, heads=heads, kv_heads=kv,
+                   head_dim=hd, largest=int(largest or max(v * h, inter * h)), checkpoint_dtype=checkpoint_dtype,
+                   sliding_window=cfg.get("sliding_window"), source=source)
+
+
+def _safetensors_stats(folder: Path) -> tuple[int, int, str | None] | None:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return None
+    n, largest, dtypes = 0, 0, {}
+    for f in files:
+        with open(f, "rb") as fh:
+            size = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(size))
+        for key, meta in header.items():
+            if key == "__metadata__":
+                continue
+            k = 1
+            for d in meta["shape"]:
+                k *= d
+            n += k
+            largest = max(largest, k)
+            dt = _ST_DTYPES.get(meta["dtype"])
+            if dt:
+                dtypes[dt] = dtypes.get(dt, 0) + k
+    return n, largest, (max(dtypes, key=dtypes.get) if dtypes else None)
+
+
+def shape_of_folder(folder: Path) -> ModelShape | None:
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # loading says what is wrong with the folder
+    stats = _safetensors_stats(folder)
+    if stats is None:
+        return ModelShape.from_config(cfg, source=str(folder))
+    return ModelShape.from_config(cfg, stats[0], stats[1], stats[2], source=str(folder))
+
+
+def _shape_of_gguf(path: Path) -> ModelShape:
+    from gguf import GGUFReader
+
+    r = GGUFReader(str(path))
+    arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
+
+    def num(key, default=0):
+        f = r.fields.get(f"{arch}.{key}")
+        return int(f.parts[-1][0]) if f is not None else default
+
+    n = sum(int(t.n_elements) for t in r.tensors)
+    largest = max(int(t.n_elements) for t in r.tensors)
+    vocab_field = r.fields.get("tokenizer.ggml.tokens")
+    cfg = dict(num_hidden_layers=num("block_count"), hidden_size=num("embedding_length"),
+               intermediate_size=num("feed_forward_length"), num_attention_heads=num("attention.head_count", 1),
+               num_key_value_heads=num("attention.head_count_kv") or None,
+               vocab_size=len(vocab_field.data) if vocab_field is not None else 0)
+    return ModelShape.from_config(cfg, n, largest, "float32", source=str(path))
+
+
+def model_shape(spec) -> ModelShape | None:
+    """The shape of the model a spec names, from its files only (None: a hub model not in the local cache)."""
+    from .loading import parse_spec
+
+    ms = parse_spec(spec)
+    try:
+        return _model_shape(ms)
+    except Exception:  # noqa: BLE001 - unreadable files: loading reports them in its own words
+        return None
+
+
+def _model_shape(ms) -> ModelShape | None:
+    from .loading import converted_gguf_folder, default_gguf_path, tiny_folder
+
+    if ms.kind == "tiny":
+        return shape_of_folder(tiny_folder(ms.ref))
+    if ms.kind == "folder":
+        return shape_of_folder(Path(ms.ref))
+    if ms.kind in ("default", "gguf"):
+        try:
+            path = default_gguf_path() if ms.kind == "default" else Path(ms.ref)
+            converted = converted_gguf_folder(path)  # this very file's conversion (another version's is not it)
+            if (converted / "kvviz.json").is_file():
+                return shape_of_folder(converted)
+            return _shape_of_gguf(path)
+        except Exception:  # noqa: BLE001 - an unreadable file: loading says so in its own words
+            return None
+    try:  # a hub id: only what is already in the local cache
+        from huggingface_hub import snapshot_download
+
+        return shape_of_folder(Path(snapshot_download(ms.ref, local_files_only=True)))
+    except Exception:  # noqa: BLE001 - not cached: no plan for the weights
+        return None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# What is free
+
+
+def _cgroup_free() -> int | None:
+    for limit_f, used_f in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                            ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                             "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            raw = Path(limit_f).read_text().strip()
+            if raw == "max" or int(raw) >= 1 << 60:
+                return None
+            return int(raw) - int(Path(used_f).read_text().strip())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def _meminfo(key: str) -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _address_space_left() -> int | None:
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmSize:"):
+                return soft - int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return soft
+
+
+def free_bytes(device: "torch.device | str") -> tuple[int | None, str]:
+    """(bytes free for this run, where the number comes from)."""
+    dev = torch.device(device) if not isinstance(device, torch.device) else device
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        return int(free), "torch.cuda.mem_get_info"
+    found = []
+    avail = _meminfo("MemAvailable")
+    if avail is not None:
+        found.append((avail, "MemAvailable"))
+    cg = _cgroup_free()
+    if cg is not None:
+        found.append((cg, "cgroup memory limit"))
+    aspace = _address_space_left()
+    if aspace is not None:
+        found.append((aspace, "RLIMIT_AS (address space left)"))
+    if not found:
+        return None, "unknown"
+    return min(found)
+
+
+def measured_peak(device: "torch.device | str") -> int:
+    """Peak memory measured so far: CUDA max allocated on a GPU, peak RSS of this process on the CPU."""
+    dev = torch.device(device) if not isinstance(device, torch.device) else device
+    if dev.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(dev))
+    return _peak_rss()
+
+
+def _peak_rss() -> int:
+    """This process's peak RSS: VmHWM of /proc/self/status where there is one (it starts afresh at exec), else
+    ru_maxrss (on Linux ru_maxrss also counts the forking parent's pages before exec: a run started from a big
+    process would report the parent's size)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The plan
+
+
+@dataclass
+class MemoryPlan:
+    model: str
+    view: str
+    dtype: str
+    device: str
+    tokens: int
+    batch: int
+    weights: int
+    reference: str
+    reference_bytes: int
+    activations: int
+    cache: int
+    kept: int
+    runtime: int
+    available: int | None
+    available_from: str
+    extra_models: int = 0  # other dtypes' copies (the dtype sweep)
+    measured_peak: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return (self.weights + self.extra_models + self.reference_bytes + self.activations + self.cache + self.kept
+                + self.runtime)
+
+    @property
+    def fits(self) -> bool:
+        return self.available is None or self.total <= self.available
+
+    def parts(self) -> dict[str, int]:
+        return {"weights": self.weights, "other dtypes": self.extra_models,
+                f"float64 reference ({self.reference})": self.reference_bytes, "activations": self.activations,
+                "KV cache": self.cache, "kept results": self.kept, "runtime": self.runtime}
+
+    def advice(self) -> str:
+        """What to lower, biggest part first."""
+        parts = {k: v for k, v in self.parts().items() if k != "runtime"}  # the process itself: nothing to lower
+        big = max(parts, key=parts.get)
+        if big in ("activations", "KV cache", "kept results"):
+            what = "fewer tokens (a shorter prompt or fewer new tokens)" + (
+                ", fewer prompts" if self.view == "dtypes" else "") + (", a smaller batch" if self.batch > 1 else "")
+        elif big == "other dtypes":
+            what = "fewer dtypes"
+        else:
+            what = "a 16-bit dtype or a smaller model"
+        return what + ("" if self.device.startswith("cuda") else ", or a device with more memory")
+
+    def refusal(self) -> str:
+        return (f"this {self.view} run needs about {_gb(self.total)} ({self.summary_parts()}) but only "
+                f"{_gb(self.available)} is free on {self.device} ({self.available_from}); lower: {self.advice()}")
+
+    def summary_parts(self) -> str:
+        return ", ".join(f"{k} {_gb(v)}" for k, v in self.parts().items() if v)
+
+    def lines(self) -> list[str]:
+        out = [f"memory plan: {self.view} on {self.model}, {self.dtype} on {self.device}, {self.tokens} tokens"
+               + (f" × batch {self.batch}" if self.batch > 1 else "")]
+        for k, v in self.parts().items():
+            if v:
+                out.append(f"  {k:<32}{_gb(v):>10}")
+        out.append(f"  {'total':<32}{_gb(self.total):>10}")
+        out.append(f"  {'free (' + self.available_from + ')':<32}{_gb(self.available):>10}")
+        if self.measured_peak is not None:
+            out.append(f"  {'measured peak':<32}{_gb(self.measured_peak):>10}")
+        out.append("  fits" if self.fits else "  does NOT fit: lower " + self.advice())
+        out += [f"  note: {n}" for n in self.notes]
+        return out
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(total=self.total, fits=self.fits, total_gib=round(self.total / GB, 3),
+                 measured_peak_gib=None if self.measured_peak is None else round(self.measured_peak / GB, 3))
+        return d
+
+    def with_peak(self) -> "MemoryPlan":
+        self.measured_peak = measured_peak(self.device)
+        return self
+
+
+def _gb(n: int | None) -> str:
+    if n is None:
+        return "unknown"
+    return f"{n / GB:.2f} GiB" if n >= 0.01 * GB else f"{n / 1024 ** 2:.1f} MiB"
+
+
+def stream_keep_bytes(params: int) -> int:
+    """How many bytes of upcast weights the streamed reference keeps for the rest of a run: all of them for a model
+    whose float64 copy is small (<= TWIN_MAX_BYTES: each weight is then upcast once a run instead of once a forward,
+    as fast as the twin), none for a larger one (the point of streaming: no float64 copy of a big model)."""
+    return 8 * params if 8 * params <= TWIN_MAX_BYTES else 0
+
+
+def reference_bytes(shape: ModelShape, dtype: str, strategy: str) -> int:
+    if dtype == "float64":
+        return 0
+    if strategy == "twin":
+        return 8 * shape.params
+    if stream_keep_bytes(shape.params):
+        return stream_keep_bytes(shape.params)
+
+    # the largest tensor in float64 (a big head is applied in slices of REFERENCE_CHUNK_BYTES), plus, where the run's dtype
+    # rounds the checkpoint, that tensor read from the checkpoint in its own dtype
+    biggest = min(8 * shape.largest, REFERENCE_CHUNK_BYTES + 8 * max(shape.hidden, 1) * 2)
+    read = shape.largest * BYTES.get(shape.checkpoint_dtype or dtype, 4)
+    from .dtypes import parse_dtype
+    from .dtypes import exact_in
+
+    lossy = shape.checkpoint_dtype and not exact_in(parse_dtype(shape.checkpoint_dtype), parse_dtype(dtype))
+    return biggest + (read if lossy else 0)
+
+
+def pick_reference(shape: ModelShape, dtype: str, free: int | None, others: int) -> str:
+    """'twin' where a float64 copy is small and fits easily beside the rest, 'streamed' otherwise."""
+    twin = 8 * shape.params
+    if twin > TWIN_MAX_BYTES:
+        return "streamed"
+    return "twin" if free is None or twin + others <= free // 2 else "streamed"
+
+
+# Views whose forwards hand their hidden states over layer by layer as they are produced (kvviz.streaming): the
+# held path's compared rows (split, padding) or each step's last rows (decoding: greedy, quant), plus the layers a
+# forward is computing (the KV cache view's round trip: the reloaded cache's run held, the fresh one compared);
+# bisect, reuse, matrix and the loading trap ask for no hidden states. Views not listed hold every layer of both
+# their forwards.
+STREAMED_HIDDEN_VIEWS = {"split", "bisect", "check", "dtypes", "padding", "greedy", "quant", "reuse", "matrix",
+                         "loading-trap", "cache"}
+# Views that may run the bisector on the model in its own dtype: itself, and Split point where its proof fails.
+BISECTOR_VIEWS = {"bisect", "split"}
+# Views that run only the float64 reference (the cache-safety card's battery), not the model in its own dtype.
+FLOAT64_ONLY_VIEWS = {"check"}
+# float64 temporaries of one chunk of positions in kvviz.metrics.logits_divergence (both inputs upcast, two
+# log-softmaxes, exp, difference, product), each LOGITS_CHUNK_BYTES
+LOGITS_TEMPORARIES = 7
+# float64 full-forward logits over this are computed a chunk of rows at a time (kvviz.views.split.run uses REFERENCE_LOGITS_BYTES)
+REFERENCE_LOGITS_BYTES = 128 * 1024 ** 2
+
+
+def activation_bytes(shape: ModelShape, dtype: str, tokens: int, batch: int, view: str, reference: bool,
+                     compared: int | None = None) -> int:
+    """The most a run holds at once besides weights and caches: the largest of its phases (the run in its own
+    dtype; its float64 reference), each one forward's working set plus what the view keeps of its forwards, as the
+    views hold them now:
+
+    * the run in its dtype: the user's full forward with every position's logits, the compared rows' logits of both
+      paths, the float64 temporaries of one chunk of the logits comparison, and the hidden states (one path's
+      compared rows and two layers where they are reduced layer by layer; every layer of two forwards otherwise);
+    * float64: only the compared positions' logits (logits_to_keep; prefixes keep one row), for both paths - in
+      chunks of REFERENCE_LOGITS_BYTES where the reference is computed token by token (the cache-safety card's
+      window check) - and the same comparison temporaries; the streamed reference's weight slices are in
+      `reference_bytes`.
+
+    compared: positions compared (split: the tokens after the split point); None: every token."""
+    from .metrics import LOGITS_CHUNK_BYTES
+
+    b = BYTES[dtype]
+    T, B, H, L, V = tokens, batch, shape.hidden, shape.layers, shape.vocab
+    n = max(1, min(compared or T, T))
+    temps = LOGITS_TEMPORARIES * LOGITS_CHUNK_BYTES
+
+    def working(width: int) -> int:  # one layer of one forward: MLP and attention scores
+        return B * T * (3 * shape.intermediate + 4 * H) * width + B * shape.heads * T * T * max(width, 4)
+
+    def hidden(width: int) -> int:
+        if view in STREAMED_HIDDEN_VIEWS:
+            return B * n * (L + 1) * H * width + 2 * B * T * H * width
+        return VIEW_FORWARDS.get(view, 1) * B * T * (L + 1) * H * width
+
+    run = working(b) + B * T * V * b + 2 * B * n * V * b + temps + hidden(b)
+    if view in BISECTOR_VIEWS:  # the bisector (split runs it where its proof fails) in the run's own dtype
+        run = max(run, bisect_bytes(shape, b, T, n, B))
+    if not reference:
+        return int(run)
+    if view in FLOAT64_ONLY_VIEWS:  # every run of the view is on the float64 reference
+        run = 0
+    logits64 = 2 * B * n * V * 8
+    if view == "check":  # the window check compares token by token: the float64 logits a chunk of rows at a time
+        logits64 = min(logits64, 2 * REFERENCE_LOGITS_BYTES + 2 * B * V * 8)
+    ref = working(8) + logits64 + temps + hidden(8)
+    return int(max(run, ref))
+
+
+def bisect_bytes(shape: ModelShape, width: int, tokens: int, compared: int, batch: int = 1) -> int:
+    """The bisector (kvviz.views.bisect.run): one full forward's working set and logits over every position, plus
+    what it records of the compared positions - the outputs and inputs of every module of a layer (norms,
+    projections, attention, MLP parts), then, in its op trace, the output of every op (the same tensors and the
+    attention scores against every key), and the head's logits rows in both."""
+    T, B, H, L, V, n = tokens, batch, shape.hidden, shape.layers, shape.vocab, compared
+    q, kv, inter = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.intermediate
+    modules = 2 * (10 * H + 2 * q + 2 * kv + 4 * inter)
+    ops = 12 * H + 6 * inter + 3 * q + 3 * kv + 3 * shape.heads * T
+    working = B * T * (3 * inter + 4 * H) * width + B * shape.heads * T * T * max(width, 4)
+    return int(working + B * T * V * width + B * n * (L * (modules + ops) + 2 * V + 8 * H) * width)
+
+
+def cache_bytes(shape: ModelShape, dtype: str, tokens: int, batch: int, reference: bool) -> int:
+    per = 2 * shape.layers * shape.kv_heads * shape.head_dim * tokens * batch
+    return int(per * BYTES[dtype] * 2 + (per * 8 * 2 if reference else 0))  # the cached path and a spare copy
+
+
+def plan_run(spec, dtype: str = "float32", device="cpu", view: str = "split", tokens: int = 32, batch: int = 1,
+             dtypes: tuple[str, ...] = (), reference: str | None = None, compared: int | None = None,
+             copies: int = 0) -> MemoryPlan:
+    """The memory plan of one run, from the model's files (nothing loaded). compared: positions compared (split:
+    the tokens after the split point; None: every token). copies: extra copies of the loaded model the run makes
+    (weight quantization deep-copies the model before quantizing it)."""
+    from .dtypes import resolve_device
+    from .loading import parse_spec
+
+    ms = parse_spec(spec)
+    dev = device if isinstance(device, torch.device) else resolve_device(device)
+    free, src = free_bytes(dev)
+    return plan_shape(model_shape(ms), ms.display, dtype, str(dev), view, tokens, batch, dtypes, reference, free,
+                      src, compared, copies)
+
+
+def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, view: str, tokens: int, batch: int = 1,
+               dtypes: tuple[str, ...] = (), reference: str | None = None, free: int | None = None,
+               free_from: str = "given", compared: int | None = None, copies: int = 0) -> MemoryPlan:
+    """The plan of a run of a model of this shape, against `free` bytes."""
+    from .dtypes import dtype_name, parse_dtype
+
+    dt = dtype_name(parse_dtype(dtype))
+    notes = []
+    runtime = RUNTIME_BYTES if device.startswith("cpu") else 0
+    if shape is None:
+        notes.append("the model's files are not here yet (hub): its weights are not in the estimate")
+        return MemoryPlan(name, view, dt, device, tokens, batch, 0, "unknown", 0, 0, 0, 0, runtime, free,
+                          free_from, notes=notes)
+    weights = shape.params * BYTES[dt]
+    others = sum(shape.params * BYTES[d] for d in {dtype_name(parse_dtype(x)) for x in dtypes} - {dt, "float64"})
+    if copies:
+        others += copies * weights
+        notes.append("a copy of the model for weight quantization (deep-copied, then quantized)")
+    uses_ref = dt != "float64" and view not in ("cache", "loading-trap", "quant", "bisect")
+    strategy = (reference or os.environ.get("KVVIZ_REFERENCE") or "auto").lower()
+    if strategy == "auto":
+        strategy = pick_reference(shape, dt, free, weights + others)
+    if not uses_ref:
+        strategy = "none"
+    ref = reference_bytes(shape, dt, strategy) if uses_ref else 0
+    acts = activation_bytes(shape, dt, tokens, batch, view, uses_ref, compared)
+    cache = cache_bytes(shape, dt, tokens, batch, uses_ref)
+    kept = 8 * (shape.layers + 1) * tokens * batch * 8  # per-layer, per-position metrics, a few of them
+    if strategy == "streamed":
+        notes.append("float64 reference streamed: the loaded weights upcast one operation at a time")
+    return MemoryPlan(name, view, dt, device, tokens, batch, weights, strategy, ref, acts, cache, kept,
+                      runtime, free, free_from, extra_models=others, notes=notes)
+
+
+# Public shapes for the "what fits where" table (docs/memory.md): Llama 3.2 1B, Llama 3.1 8B, Llama 3.1 70B.
+KNOWN_SHAPES = {
+    "Llama-3.2-1B": ModelShape(params=1_235_814_400, layers=16, hidden=2048, vocab=128256, intermediate=8192,
+                               heads=32, kv_heads=8, head_dim=64, largest=128256 * 2048, checkpoint_dtype="bfloat16"),
+    "Llama-3.1-8B": ModelShape(params=8_030_261_248, layers=32, hidden=4096, vocab=128256, intermediate=14336,
+                               heads=32, kv_heads=8, head_dim=128, largest=128256 * 4096,
+                               checkpoint_dtype="bfloat16"),
+    "Llama-3.1-70B": ModelShape(params=70_553_706_496, layers=80, hidden=8192, vocab=128256, intermediate=28672,
+                                heads=64, kv_heads=8, head_dim=128, largest=128256 * 8192,
+                                checkpoint_dtype="bfloat16"),
+}
+
+
+def fits_table(gpus_gb=(24, 48, 80), dtypes=("bfloat16", "float32"), view: str = "split", tokens: int = 512) -> str:
+    """Markdown: which model fits which GPU for a verdict (the run plus its float64 reference), streamed reference
+    against the full float64 twin, computed by the same plan code as every run."""
+    head = ["model", "dtype", "reference"] + [f"{g} GB GPU" for g in gpus_gb]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, shape in KNOWN_SHAPES.items():
+        for dt in dtypes:
+            for strategy in ("streamed", "twin"):
+                cells = []
+                for g in gpus_gb:
+                    p = plan_shape(shape, name, dt, "cuda", view, tokens, reference=strategy, free=g * 10 ** 9)
+                    cells.append(f"{'yes' if p.fits else 'no'} ({p.total / 10 ** 9:.1f} GB)")
+                rows.append(f"| {name} | {dt} | {strategy} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def choose_reference(lm) -> str:
+    """For a loaded model: 'twin' where a float64 copy of the model is small and fits easily, else 'streamed'."""
+    n = sum(p.numel() for p in lm.model.parameters())
+    free, _ = free_bytes(lm.device)
+    if 8 * n > TWIN_MAX_BYTES:
+        return "streamed"
+    return "twin" if free is None or 8 * n <= free // 2 else "streamed"
+
+
+class _Skip(Exception):
+    """No plan: the run's own input checks will say what is wrong."""
+
+
+def check_fits(plan: MemoryPlan) -> MemoryPlan:
+    """Raise KvvizError (one line) when the run cannot fit."""
+    if not plan.fits:
+        raise KvvizError(plan.refusal())
+    return plan
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# From command-line arguments (the CLI's --plan and its refusal before loading)
+
+
+def tokens_of_text(spec, text: str) -> int:
+    """Tokens of `text` for the model's tokenizer when its files are here (a folder; a GGUF file already converted
+    once), else a bound (UTF-8 bytes + 2)."""
+    from .loading import parse_spec
+
+    ms = parse_spec(spec)
+    shape = model_shape(ms) if ms.kind in ("tiny", "folder", "gguf", "default") else None  # gguf: once converted
+    folder = Path(shape.source) if shape is not None and shape.source else None
+    if folder is not None and folder.is_dir():
+        try:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+            return len(tok(text)["input_ids"])
+        except Exception:  # noqa: BLE001 - fall back to the bound
+            pass
+    return len(text.encode("utf-8")) + 2
+
+
+def plan_for_args(args) -> MemoryPlan:
+    """The plan of a CLI command from its parsed arguments. Input errors are left to the run itself (its own one
+    line): a prompt over the limit, a model file that cannot be read."""
+    from .inputs import MAX_PROMPT_CHARS
+
+    view = args.command
+    for t in (getattr(args, "prompt", None), getattr(args, "prefix", None)):
+        if isinstance(t, str) and len(t) > MAX_PROMPT_CHARS:
+            raise _Skip()
+    spec = getattr(args, "spec", None) or args.model
+    texts = [t for t in (getattr(args, "prompt", None), getattr(args, "prefix", None)) if isinstance(t, str)]
+    conts = getattr(args, "continuation", None) or []
+    tokens = max([tokens_of_text(spec, t) for t in texts] or [32])
+    if conts:
+        tokens += max(tokens_of_text(spec, c) for c in conts)
+    tokens += int(getattr(args, "left_pad", 0) or 0) + int(getattr(args, "max_new_tokens", 0) or 0)
+    if view == "cache" and getattr(args, "tokens", None):
+        tokens = int(args.tokens)
+    if view == "check":  # the card's own prompts, past the sliding window when there is one
+        sh = model_shape(spec)
+        tokens = max(tokens, 2 * int((sh.sliding_window if sh else 0) or 0) + 4, 64)
+    batch = int(getattr(args, "batch", 1) or 1) if view == "cache" else (3 if view == "padding" else 1)
+    dtypes = tuple(d.strip() for d in getattr(args, "dtypes", "").split(",") if d.strip()) if view == "dtypes" \
+        else ()
+    split = getattr(args, "split", None)
+    compared = tokens - int(split) if view in ("split", "bisect") and isinstance(split, int) and split > 0 else None
+    quantized = view in ("quant", "check") and str(getattr(args, "weights", "none") or "none") != "none"
+    return plan_run(spec, args.dtype if view != "dtypes" else (dtypes[0] if dtypes else "float32"), args.device,
+                    view, tokens, batch, dtypes, compared=compared, copies=int(quantized))
+
+
+def attach(result, plan: MemoryPlan) -> None:
+    """Give `result` its plan (with the peak measured now): `result.to_dict()` then carries it as `memory_plan`."""
+    plan.with_peak()
+    result.memory_plan = plan
+    inner = result.to_dict
+    if getattr(inner, "_kvviz_plan", False):
+        return
+
+    def to_dict():
+        d = inner()
+        d["memory_plan"] = result.memory_plan.to_dict()
+        return d
+
+    to_dict._kvviz_plan = True
+    result.to_dict = to_dict
+
+
+def plan_or_none(args) -> MemoryPlan | None:
+    """plan_for_args, or None where the input itself is wrong (the run reports that in its own line)."""
+    try:
+        return plan_for_args(args)
+    except _Skip:
+        return None

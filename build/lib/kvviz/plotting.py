@@ -1,0 +1,117 @@
+"""Shared plotting pieces of every view's figures (kvviz/views/<view>/figures.py): the gap heatmap, short token
+labels, colour ranges and log-axis floors. Pure: no model runs here."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import plotly.graph_objects as go
+
+from .naming import hover_text
+
+METRIC_TITLES = {
+    "max_abs": "max |Δ|",
+    "mean_abs": "mean |Δ|",
+    "relative": "relative gap",
+    "cosine": "cosine distance",
+    "eps_units": "gap / machine ε",
+}
+
+
+def short(text: str, n: int = 12) -> str:
+    t = text.replace("\n", "⏎").replace("\t", "⇥")
+    t = t if t.strip() else repr(t)[1:-1] or "∅"
+    return t if len(t) <= n else t[: n - 1] + "…"
+
+
+def log_matrix(z: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = np.log10(z.astype(float))
+    out[~np.isfinite(out)] = np.nan  # exact zeros are drawn as blank (identical)
+    return out
+
+
+ZERO_COLOUR = "#b0bec5"  # exact zeros on log-scale maps: bitwise equal
+
+
+def heatmap(z: np.ndarray, x_labels: list[str], y_labels: list[str], title: str, value_name: str,
+            log: bool = True, x_title: str = "token", zrange: tuple[float, float] | None = None) -> go.Figure:
+    """A layers × positions heatmap; hover shows token, layer and the exact value. On a log scale exact zeros
+    (bitwise equal) get their own colour and legend entry; an all-zero map says so and keeps its full axes."""
+    z = np.asarray(z, dtype=float)
+    zero = z == 0
+    shown = log_matrix(z) if log else z
+    hover = np.empty(z.shape, dtype=object)
+    for i, y in enumerate(y_labels):
+        for j, x in enumerate(x_labels):
+            hover[i, j] = [x, hover_text(y), f"{z[i, j]:.4g}" if z[i, j] != 0 else "0 (bitwise equal)"]
+    colorbar = dict(title=("log₁₀ " if log else "") + value_name)
+    if log and np.isfinite(shown).any():
+        lo, hi = math.floor(np.nanmin(shown)), math.ceil(np.nanmax(shown))
+        ticks = list(range(lo, hi + 1)) if hi > lo else [lo]
+        if zrange is not None:
+            lo, hi = zrange
+            ticks = list(range(math.floor(lo), math.ceil(hi) + 1)) if hi > lo else [math.floor(lo)]
+        colorbar.update(tickvals=ticks, ticktext=[f"1e{t}" for t in ticks], title=value_name)
+    template = ("token %{customdata[0]}<br>%{customdata[1]}<br>" + value_name + ": %{customdata[2]}<extra></extra>"
+                ).replace("token ", "" if x_title != "token" else "token ")
+    xs, ys = list(range(len(x_labels))), list(range(len(y_labels)))
+    fig = go.Figure()
+    if not (log and zero.all()):
+        fig.add_trace(go.Heatmap(z=shown, x=xs, y=ys, customdata=hover, colorscale="Viridis", colorbar=colorbar,
+                                 hoverongaps=False, hovertemplate=template, showscale=not zero.all(),
+                                 **({} if zrange is None else dict(zmin=zrange[0], zmax=zrange[1]))))
+    if log and zero.any():
+        fig.add_trace(go.Heatmap(z=np.where(zero, 1.0, np.nan), x=xs, y=ys, customdata=hover, showscale=False,
+                                 colorscale=[[0, ZERO_COLOUR], [1, ZERO_COLOUR]], hoverongaps=False,
+                                 hovertemplate=template))
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name="0: bitwise equal", showlegend=True,
+                                 marker=dict(symbol="square", size=12, color=ZERO_COLOUR)))
+    if zero.all():
+        title += " — bitwise identical: 0 everywhere"
+    fig.update_layout(title=title, xaxis_title=x_title, yaxis_title="hidden state",
+                      height=max(360, 16 * len(y_labels) + 160), margin=dict(l=10, r=10, t=60, b=10),
+                      plot_bgcolor="#f3f3f3", legend=dict(orientation="h", y=-0.25))
+    step = max(1, math.ceil(len(x_labels) / 24))  # long prompts: thin the labels (at most 24)
+    fig.update_xaxes(tickmode="array", tickvals=xs[::step], ticktext=x_labels[::step], tickangle=-45,
+                     range=[-0.5, len(x_labels) - 0.5])
+    fig.update_yaxes(tickmode="array", tickvals=ys, ticktext=y_labels, autorange="reversed",
+                     range=[len(y_labels) - 0.5, -0.5])
+    return fig
+
+
+def shared_range(za: np.ndarray, zb: np.ndarray, log: bool) -> tuple[float, float] | None:
+    """One colour range for two maps (log10 of the positive values on a log scale; None when all are zero)."""
+    both = np.concatenate([za.ravel(), zb.ravel()])
+    if log:
+        pos = both[both > 0]
+        return (float(np.log10(pos.min())), float(np.log10(pos.max()))) if pos.size else None
+    return float(both.min()), float(both.max())
+
+
+def zero_floor(fig: go.Figure, floor: float, text: str) -> None:
+    """The dotted "0" floor of a log axis with its label at the floor (plotly's add_hline annotation reads a log
+    axis' y as an exponent and would put the label near 1)."""
+    fig.add_hline(y=floor, line_dash="dot", line_color="#888")
+    fig.add_annotation(x=1, xref="paper", y=float(np.log10(floor)), yref="y", text=text, showarrow=False,
+                       xanchor="right", yanchor="bottom", font=dict(color="#888"))
+
+
+def floor_zeros(values, floor: float) -> list[float]:
+    return [v if v > 0 else floor for v in values]
+
+
+VERDICT_COLORS = {"identical": "#cfe8cf", "precision": "#cfe3fa", "logic": "#f8c9c4"}
+
+
+def thin_x(fig: go.Figure, labels: list[str], most: int = 16) -> None:
+    """At most `most` category labels on the x axis (every k-th, and the last), so long axes stay legible."""
+    if len(labels) > most:
+        step = -(-len(labels) // most)
+        keep = list(labels[::step]) + ([labels[-1]] if (len(labels) - 1) % step else [])
+        fig.update_xaxes(tickmode="array", tickvals=keep, ticktext=keep)
+
+
+def plain_index(table) -> bool:
+    """A table whose index is only row numbers (not worth showing) - a grid indexed by labels keeps its index."""
+    return table.index.name is None and table.index.dtype != object

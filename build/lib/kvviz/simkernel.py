@@ -1,0 +1,49 @@
+"""A simulated batch-variant GEMM, for constructed cases that must part on any machine.
+
+Real GEMM libraries pick their kernel (tile sizes, split-K) from the shapes they see, so one row of a linear layer
+can be summed in another order when it comes with other rows - the root of batch-dependent outputs in serving
+engines. Whether that changes the bits on a given machine depends on its kernels, so a test cannot rely on it.
+`split_k_kernel()` makes the effect explicit and the same everywhere: while it is entered (this thread), every
+`F.linear` on float32/16-bit inputs that sees more than one row sums its inner dimension in two halves (each a
+running sum in index order, then the two added), and a single row - or any float64 input - is one running sum in
+index order. With `tiny:split` (kvviz/tiny.py) the top token then depends on how many rows the head saw, by
+construction; invariant mode (kvviz/invariant.py) computes every row alone, so under it nothing parts.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from .invariant import seq_sum
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    prod = rows.to(wide).unsqueeze(1) * weight.to(wide).unsqueeze(0)  # [M, N, K]
+    if rows.shape[0] > 1 and x.dtype != torch.float64:
+        half = prod.shape[-1] // 2
+        out = seq_sum(prod[..., :half], -1) + seq_sum(prod[..., half:], -1)
+    else:
+        out = seq_sum(prod, -1)
+    if bias is not None:
+        out = out + bias.to(wide)
+    return out.to(torch.result_type(x, weight)).reshape(*x.shape[:-1], weight.shape[0])
+
+
+class SplitKMode(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            return _linear(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def split_k_kernel():
+    """Everything inside (this thread; kvviz's serving engine thread inherits it) uses the simulated kernel."""
+    with SplitKMode():
+        yield

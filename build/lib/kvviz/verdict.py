@@ -1,0 +1,107 @@
+"""kvviz's one verdict rule and the words that go with it - used by every view (split, greedy, padding, reuse,
+the cache-safety card, the backends matrix, the architecture sweep), so a verdict and its proof never contradict.
+
+The rule: `identical` when the bits agree; else rerun the very same scenario in float64 and judge the gap relative
+to the size of the values it is a gap in (max |Δ| / max |value|): a gap that closes to float64 rounding
+(<= FLOAT64_CLOSED_REL) is `precision`, a gap that stays is `logic`.
+
+The proof of a precision verdict is the invariant-mode rerun (kvviz.invariant): a gap of exactly 0 there proves that
+reduction order alone made the gap. The words:
+
+* proved (invariant gap exactly 0): "Rounding, not a bug - proved";
+* not run: "Rounding, not a bug by the numbers" (the float64 gap is rounding by the numbers) and "not proved";
+* the proof failed (a gap survives invariant mode): never "rounding, not a bug" - "Precision, unproved", why, and
+  what the bisector found first.
+"""
+from __future__ import annotations
+
+import math
+
+FLOAT64_CLOSED_REL = 1e-9  # float64 rounding gives ~1e-15 relative; a logic error gives far more than this
+FLOAT64_EPS = 2.0 ** -52
+AMPLIFIED_REL = 0.05  # a precision gap this large a fraction of the value: rounding was amplified on the way
+ROUNDING_NOT_A_BUG = "Rounding, not a bug"
+
+
+def classify(bitwise_equal: bool, float64_gap: float | None) -> str:
+    """`identical` when the bits agree; else a float64 gap (relative to the values' size) that closes is `precision`,
+    one that stays is `logic`. Every verdict in kvviz comes from here."""
+    if bitwise_equal:
+        return "identical"
+    if float64_gap is None or not math.isfinite(float64_gap):
+        return "logic"
+    return "precision" if float64_gap <= FLOAT64_CLOSED_REL else "logic"
+
+
+def proof_state(proved: bool | None) -> str:
+    return "not run" if proved is None else ("proved" if proved else "unproved")
+
+
+def label(verdict: str, proved: bool | None = None) -> str:
+    """A short table cell: "precision (proved)", "precision (unproved)", or the verdict itself."""
+    if verdict != "precision" or proved is None:
+        return verdict
+    return f"precision ({proof_state(proved)})"
+
+
+def precision_sentence(float64_gap: float, proved: bool | None, invariant_gap: float | None = None,
+                       first: str | None = None, normal_gap: float | None = None) -> str:
+    """The one sentence that says why a precision verdict is (or is not yet shown to be) rounding."""
+    f64 = (f"float64 closes the gap to {float64_gap:.3g} of the value's size ({float64_gap / FLOAT64_EPS:.3g}× "
+           f"float64's epsilon)" if float64_gap else "float64 gives exactly the same numbers both ways")
+    if proved:
+        return (f"{ROUNDING_NOT_A_BUG} - proved: in invariant mode (each row computed by the same kernel in the "
+                f"same order whatever the shape) the gap is exactly 0"
+                + (f", against {normal_gap:.3g} in the normal run" if normal_gap else "")
+                + f"; reduction order alone made it ({f64}).")
+    if proved is None:
+        return (f"{ROUNDING_NOT_A_BUG} by the numbers: {f64}, far below anything a logic error leaves "
+                f"(<= {FLOAT64_CLOSED_REL:g}). Not proved: the invariant-mode rerun was not run.")
+    inv = f"a gap of {invariant_gap:.3g}" if invariant_gap is not None else "a gap"
+    return (f"Precision, unproved: {f64}, but in invariant mode {inv} survives"
+            + (f" (normal run: {normal_gap:.3g})" if normal_gap is not None else "")
+            + ", so reduction order alone does not explain it and this is not shown to be rounding. "
+            + (f"The bisector finds first: {first}." if first else "Run the bisector to see where it starts."))
+
+
+def layer_label(index: int, n_hidden: int | None = None, prefix: str = "model.layers") -> str:
+    """The layer naming rule: row 0 is "embeddings", row k is "layer k (model.layers.{k-1})"."""
+    if index == 0:
+        return "embeddings"
+    return f"layer {index} ({prefix}.{index - 1})"
+
+
+def amplification(per_layer_rel: "list[float]", module_prefix: str = "model.layers") -> str | None:
+    """When the gap is a large fraction of the value: one sentence saying rounding was amplified and where the gap
+    jumps most (the hidden state whose relative gap grows by the largest factor over the one before it).
+    per_layer_rel: the largest relative gap of each hidden state, embeddings first."""
+    vals = [float(v) for v in per_layer_rel]
+    if not vals or max(vals) < AMPLIFIED_REL:
+        return None
+    first_nonzero = next(i for i, v in enumerate(vals) if v > 0)
+    top = max(range(len(vals)), key=lambda i: vals[i])
+    # the jump that matters: the largest growth factor after the gap first appears (its first appearance is
+    # "from 0", an infinite factor, which says where it starts rather than where it grows)
+    growth = [(vals[i] / vals[i - 1], i) for i in range(first_nonzero + 1, len(vals)) if vals[i - 1] > 0]
+    if growth:
+        jump, best = max(growth)
+    n = len(vals)
+    name = lambda i: "the output after the final norm" if i == n - 1 and i > 0 else layer_label(i, n, module_prefix)  # noqa: E731
+    where = (f"it grows most at {name(best)} (×{jump:.3g}, to {vals[best]:.3g} of the value's size)"
+             if growth else f"it appears at {name(first_nonzero)}")
+    return (f"Rounding was amplified: the gap starts at {name(first_nonzero)} ({vals[first_nonzero]:.3g} of the "
+            f"value's size), {where}, and reaches {vals[top]:.3g} at {name(top)} - large activations and many layers "
+            f"turn last-bit differences into a gap this size.")
+
+
+def layers_prefix(model) -> str:
+    """The module path of a model's decoder layers ("model.layers", "transformer.h", …): the longest ModuleList of
+    blocks."""
+    import torch
+
+    best, size = "model.layers", 0
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.ModuleList) and len(mod) > size and name.rsplit(".", 1)[-1] in (
+                "layers", "h", "layer", "blocks", "decoder_layers"):
+            best, size = name, len(mod)
+    return best

@@ -1,0 +1,156 @@
+"""The views: one folder each under kvviz/views/, one line each in VIEW_FOLDERS below.
+
+A view is a scenario kvviz can run and show (split, greedy, …). Its folder holds everything about it:
+
+    kvviz/views/<name>/
+        __init__.py   its View entry (below) and its library API (config, run function, result)
+        run.py        config, run, result (the computation, through kvviz.execution)
+        figures.py    pure result -> figures/tables; `main(result)`: the charts of its HTML report and Open a
+                      result, `tables(result)`: their tables
+        report.py     `reopen(dict)`: the result rebuilt from a JSON export; `verdict(result)`: its verdict line
+        repro.py      (optional) its standalone repro script: `check`, `script`, `key_figure`
+        cli.py        (optional) its subcommand: `add_parser(subparsers)`, `command(args) -> Outcome`,
+                      `NOT_HONOURED` (common flags it refuses, and why)
+
+The export (JSON, reopen, HTML), the repro scripts, the CLI's subcommands and `open`, and the app's navigation
+iterate this registry; nothing compares view names. Adding a view is its folder plus one line in VIEW_FOLDERS
+(docs/architecture.md shows a small example). Entries name their pieces relative to their folder
+("report:reopen"), resolved on first use, so the registry imports no view until one is asked for.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..errors import KvvizError
+
+# The registry: one line a view folder (kvviz.views.<folder>, or a full dotted package name for a view kept
+# elsewhere). Order = the order of the CLI's subcommands and of the pages within a section of the app's navigation.
+VIEW_FOLDERS = [
+    "split",
+    "greedy",
+    "dtypes",
+    "padding",
+    "reuse",
+    "loading_trap",
+    "matrix",
+    "cache",  # two views (kv_reload, kv_size) and the `cache` subcommand
+    "quant",
+    "check",
+    "bisect",
+    "serving",
+]
+
+
+@dataclass(frozen=True)
+class Page:
+    """Where the view's page sits in the app's navigation (the page script is pages/<stem>.py)."""
+    stem: str
+    section: str
+    icon: str
+    title: str | None = None  # the navigation's name for it (default: the view's title)
+
+
+@dataclass(frozen=True)
+class View:
+    name: str  # the `view` of its JSON export
+    title: str  # as the pages call it
+    result_type: str  # the class name of its result
+    reopen: "str | Callable[[dict], object]"  # JSON dict (header removed) -> the result
+    figures: "str | Callable[[object], list] | None" = None  # result -> its main figures (pure)
+    verdict: "str | Callable[[object], tuple[str, str]] | None" = None  # result -> (verdict, one paragraph)
+    verdict_is_html: bool = False  # the paragraph is an HTML table (dtypes, padding, reuse)
+    tables: "str | Callable[[object], list] | None" = None  # result -> its tables (pandas DataFrames), pure
+    repro: "str | None" = None  # module with check/script/key_figure: a standalone repro script exists
+    cli: "str | None" = None  # module with add_parser/command/NOT_HONOURED: its CLI subcommand
+    command: str | None = None  # its CLI subcommand as typed ("cache load")
+    page: Page | None = None  # its page in the app
+    package: str = field(default="", compare=False)  # the folder's package, set by register()
+
+    def resolve(self, ref):
+        """A "module:function" (relative to the view's folder, or absolute) or a module name -> the object."""
+        if ref is None or callable(ref):
+            return ref
+        module, _, name = ref.partition(":")
+        if self.package and not module.startswith("kvviz."):
+            module = f"{self.package}.{module}"
+        mod = importlib.import_module(module)
+        return getattr(mod, name) if name else mod
+
+    def rebuild(self, d: dict):
+        return self.resolve(self.reopen)(d)
+
+    def main_figures(self, result) -> list:
+        fn = self.resolve(self.figures)
+        return list(fn(result)) if fn else []
+
+    def main_tables(self, result) -> list:
+        fn = self.resolve(self.tables)
+        return list(fn(result)) if fn else []
+
+    def verdict_text(self, result) -> tuple[str, str]:
+        fn = self.resolve(self.verdict)
+        if fn is None:
+            return getattr(result, "verdict", ""), getattr(result, "explanation", "")
+        return fn(result)
+
+    def repro_module(self):
+        return self.resolve(self.repro)
+
+    def cli_module(self):
+        return self.resolve(self.cli)
+
+
+_VIEWS: dict[str, View] = {}
+
+
+def register(view: View, package: str = "") -> View:
+    if package and not view.package:
+        object.__setattr__(view, "package", package)
+    _VIEWS[view.name] = view
+    return view
+
+
+def add_folder(folder: str) -> tuple[View, ...]:
+    """Import a view folder and register the View entries its __init__ declares (`VIEW` or `VIEWS`)."""
+    package = folder if "." in folder else f"{__name__}.{folder}"
+    mod = importlib.import_module(package)
+    entries = getattr(mod, "VIEWS", None) or (getattr(mod, "VIEW"),)
+    return tuple(register(v, package) for v in entries)
+
+
+def get(name: str) -> View:
+    _ensure()
+    if name not in _VIEWS:
+        raise KvvizError(f"unknown view {name!r}")
+    return _VIEWS[name]
+
+
+def all_views() -> tuple[View, ...]:
+    _ensure()
+    return tuple(_VIEWS.values())
+
+
+def names(repro: bool | None = None) -> tuple[str, ...]:
+    return tuple(v.name for v in all_views() if repro is None or bool(v.repro) == repro)
+
+
+def of(result) -> View:
+    """The view a result belongs to (by its type's name); KvvizError for anything else."""
+    _ensure()
+    name = type(result).__name__
+    for v in _VIEWS.values():
+        if v.result_type == name:
+            return v
+    raise KvvizError(f"cannot export a {name}")
+
+
+_LOADED: list[str] = []
+
+
+def _ensure() -> None:
+    for folder in VIEW_FOLDERS:
+        if folder not in _LOADED:
+            add_folder(folder)
+            _LOADED.append(folder)

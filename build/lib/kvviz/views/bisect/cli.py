@@ -1,0 +1,38 @@
+"""`python -m kvviz bisect`: the first module whose output differs between the cached run and the full forward."""
+from __future__ import annotations
+
+from ...clirun import Outcome, load, model_args, progress_to_stderr, settings
+from ...inputs import MASK_MODES, POSITION_MODES
+
+
+def add_parser(sub) -> None:
+    bp = sub.add_parser("bisect", help="name the first module whose output differs between the cached run and the "
+                                       "full forward")
+    model_args(bp)
+    bp.add_argument("--prompt", required=True)
+    bp.add_argument("--split", type=int, required=True)
+    bp.add_argument("--mode", default="chunk", choices=("chunk", "step"))
+    bp.add_argument("--left-pad", type=int, default=0)
+    bp.add_argument("--position-ids", default="auto", choices=POSITION_MODES)
+    bp.add_argument("--attention-mask", default="full", choices=MASK_MODES)
+    bp.set_defaults(handler=command, not_honoured={"no_proof": "the bisector runs no proof rerun"})
+
+
+def command(args) -> Outcome:
+    from ...naming import module_label
+    from ..split.run import SplitConfig
+    from .run import run_bisect
+
+    cfg = SplitConfig(prompt=args.prompt, split=args.split, mode=args.mode, left_pad=args.left_pad,
+                      position_ids=args.position_ids, attention_mask=args.attention_mask)
+    cfg.validate()
+    lm = load(args)
+    res = run_bisect(lm, cfg, settings(args), progress=progress_to_stderr(args.quiet))
+
+    def summary() -> str:
+        lines = [f"{module_label(g.name):<60} {g.kind:<18} max |Δ| {g.max_abs:<10.3g}"
+                 + ("  <- first difference" if res.first is not None and g.name == res.first.name else "")
+                 for g in res.modules]
+        return "\n".join(lines + ["", res.explanation])
+
+    return Outcome(res, lm, summary)

@@ -1,0 +1,15 @@
+"""The KV cache as an object: save it (safetensors), reload it and continue (compared with a fresh cache), and its size
+(formula and measured). Two views, one subcommand (`cache save|load|size`), one page.
+
+This folder is the whole view: run.py (config, run, result), figures.py, report.py (reopen, verdict), cli.py.
+Registered by one line in kvviz/views/__init__.py."""
+from .. import Page, View
+from .run import ContinueResult, continue_and_compare, load_cache, save_cache, save_cache_bytes
+from .size import SizeReport, size_report
+
+VIEWS = (
+    View("kv_reload", "KV cache: reload", "ContinueResult", "report:reopen_reload", None, "report:verdict_reload",
+         cli="cli", command="cache load", page=Page("kv_cache", "Engine", ":material/database:", "KV cache")),
+    View("kv_size", "KV cache: sizes", "SizeReport", "report:reopen_size", None, "report:verdict_size", cli="cli",
+         command="cache size"),
+)

@@ -1,0 +1,70 @@
+"""`python -m kvviz cache save|load|size`: the KV cache as an object."""
+from __future__ import annotations
+
+from ...clirun import Outcome, load, model_args
+from ...errors import KvvizError
+
+_NO_PROOF = "it runs no proof rerun"
+
+
+def add_parser(sub) -> None:
+    cp = sub.add_parser("cache", help="the KV cache as an object: save, load (continue and compare), size")
+    csub = cp.add_subparsers(dest="cache_command", parser_class=type(cp))
+    cs = csub.add_parser("save", help="write the cache of a prompt to a safetensors file")
+    model_args(cs)
+    cs.add_argument("--prompt", required=True)
+    cs.add_argument("--out", required=True, help="FILE.safetensors")
+    cs.set_defaults(handler=save, not_honoured={
+        "invariant": "the saved cache is the model's plain cache", "no_proof": _NO_PROOF,
+        "json_out": "its product is the --out file", "html": "its product is the --out file"})
+    cl = csub.add_parser("load", help="reload a saved cache, continue with text, compare with a fresh cache")
+    model_args(cl)
+    cl.add_argument("--file", required=True)
+    cl.add_argument("--continue", dest="cont", required=True, help="text fed after the cached tokens")
+    cl.set_defaults(handler=reload, not_honoured={
+        "invariant": "the reload is compared with a plain fresh cache", "no_proof": _NO_PROOF})
+    cz = csub.add_parser("size", help="bytes per token, the formula and the live cache's measured size")
+    model_args(cz)
+    cz.add_argument("--tokens", type=int, required=True)
+    cz.add_argument("--batch", type=int, default=1)
+    cz.add_argument("--no-measure", action="store_true", help="formula only (no forward)")
+    cz.set_defaults(handler=size, not_honoured={"invariant": "sizes do not depend on it", "no_proof": _NO_PROOF})
+    cp.set_defaults(handler=command)
+
+
+def command(args) -> Outcome:
+    raise KvvizError("choose a cache command: save, load or size")
+
+
+def save(args) -> Outcome:
+    from .run import save_cache
+
+    lm = load(args)
+    meta = save_cache(lm, args.prompt, args.out)
+    out = {"file": args.out, "n_tokens": meta["n_tokens"], "layers": len(meta["layers"]),
+           "fingerprint": meta["fingerprint"]}
+    return Outcome(out, lm, lambda: f"saved {meta['n_tokens']} tokens × {len(meta['layers'])} layers to {args.out}",
+                   payload=lambda: out, exportable=False)
+
+
+def reload(args) -> Outcome:
+    from .run import continue_and_compare, load_cache
+
+    lm = load(args)
+    res = continue_and_compare(lm, load_cache(lm, args.file), args.cont)
+    return Outcome(res, lm, lambda: (
+        f"reloaded {res.n_cached} cached tokens, continued with {len(res.continuation_tokens)}: bitwise equal to "
+        f"a fresh cache: {res.bitwise_equal} (largest gap: logits {res.max_abs_logits:.3g}, hidden "
+        f"{res.max_abs_hidden:.3g}, K/V {res.max_abs_kv:.3g})"))
+
+
+def size(args) -> Outcome:
+    from .size import size_report
+
+    lm = load(args)
+    rep = size_report(lm, args.tokens, args.batch, measure=not args.no_measure)
+    return Outcome(rep, lm, lambda: (
+        f"{rep.model} in {rep.dtype}: {rep.per_token_bytes:,} bytes per token; {args.tokens} tokens × batch "
+        f"{args.batch}: formula {rep.formula_bytes:,} bytes, measured "
+        f"{'—' if rep.measured_bytes is None else f'{rep.measured_bytes:,}'} bytes"
+        + (f" ({rep.note})" if rep.note else "")))

@@ -1,0 +1,10 @@
+"""Is my model cache-safe? The cache-safety card: a battery of float64 checks, each safe / unsafe with its evidence.
+
+This folder is the whole view: run.py (config, run, result), figures.py, report.py (reopen, verdict), repro.py, cli.py.
+Registered by one line in kvviz/views/__init__.py."""
+from .. import Page, View
+from .run import Check, CheckCard, run_check
+
+VIEW = View("check", "Is my model cache-safe?", "CheckCard", "report:reopen", None, "report:verdict",
+            tables="figures:tables", repro="repro", cli="cli", command="check",
+            page=Page("cache_safety", "Start", ":material/verified_user:"))

@@ -1,0 +1,33 @@
+"""`python -m kvviz check`: is this model cache-safe? The card's battery of float64 checks."""
+from __future__ import annotations
+
+from ...clirun import Outcome, load, model_args, progress_to_stderr, repro_arg
+
+
+def add_parser(sub) -> None:
+    kp = sub.add_parser("check", help="is this model cache-safe? a battery of float64 checks")
+    model_args(kp)
+    kp.add_argument("--weights", default="none", choices=("none", "int8", "int4", "bnb-int8", "bnb-nf4"),
+                    help="check the model with weight-only quantized linear layers (optimum-quanto)")
+    repro_arg(kp, " of the card's float64 split checks")
+    kp.add_argument("--kv", default="none", help="check with a quantized KV cache: fp8, quanto:int4, quanto:int2, "
+                                                 "hqq:int4, hqq:int2, hqq:int8")
+    kp.set_defaults(handler=command, not_honoured={
+        "invariant": "the card decides in float64, where invariant mode has nothing to prove",
+        "no_proof": "the card never runs the proof rerun"})
+
+
+def command(args) -> Outcome:
+    from ..quant.run import QuantConfig
+    from .run import run_check
+
+    if args.weights != "none" or args.kv != "none":
+        QuantConfig("x", kv=args.kv, weights=args.weights).validate()  # bad names fail before any model loads
+    lm = load(args)
+    card = run_check(lm, progress=progress_to_stderr(args.quiet), weights=args.weights, kv=args.kv)
+
+    def summary() -> str:
+        return "\n".join([f"[{c.status:^5}] {c.name:<34} {c.evidence}" for c in card.checks]
+                         + [f"\noverall: {card.overall.upper()} — {card.summary}"])
+
+    return Outcome(card, lm, summary)

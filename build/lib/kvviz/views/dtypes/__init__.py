@@ -1,0 +1,10 @@
+"""Dtypes side by side: the split comparison in several dtypes over one prompt or a prompt set, against float64.
+
+This folder is the whole view: run.py (config, run, result), figures.py, report.py (reopen, verdict), repro.py, cli.py.
+Registered by one line in kvviz/views/__init__.py."""
+from .. import Page, View
+from .run import DtypesResult, run_dtypes
+
+VIEW = View("dtypes", "Dtypes side by side", "DtypesResult", "report:reopen", "figures:main", "report:verdict",
+            verdict_is_html=True, tables="figures:tables", repro="repro", cli="cli", command="dtypes",
+            page=Page("dtypes_lab", "Investigate", ":material/stacked_line_chart:"))

@@ -1,0 +1,11 @@
+"""Greedy paths: decoding with and without the cache (and generate, a user loop, float64): where the paths part and
+why.
+
+This folder is the whole view: run.py (config, run, result), figures.py, report.py (reopen, verdict), repro.py, cli.py.
+Registered by one line in kvviz/views/__init__.py."""
+from .. import Page, View
+from .run import DEFAULT_PATHS, GreedyConfig, GreedyResult, run_greedy
+
+VIEW = View("greedy", "Greedy paths", "GreedyResult", "report:reopen", "figures:main", "report:verdict",
+            repro="repro", cli="cli", command="greedy",
+            page=Page("greedy_paths", "Investigate", ":material/call_split:"))

@@ -1,0 +1,593 @@
+"""Greedy decoding along several paths, and where (and why) they part.
+
+Paths:
+  no_cache   a full forward over the whole sequence at every step (the loop the original greedy-cache report compares against);
+  cache      prefill, then one token at a time through past_key_values with a correct mask and position ids
+             (position ids `omit` reproduces the classic left-padding bug);
+  generate   model.generate(do_sample=False), same number of new tokens, EOS does not stop it;
+  user_loop  the cached loop as people write it : prefill with the mask, then only the new token;
+  float64    the no_cache loop on a float64 copy of the model: the reference "truth".
+
+Exact by default: every path does its own forwards, shaped exactly as the naive loops shape them, and kvviz only
+keeps what the views need (last position's logits, last token's hidden state per layer), on the device.
+`fast` previews the no_cache (and float64) paths with one teacher-forced forward over the cache path's tokens and
+only runs its own forwards after it parts from them; steps whose top-2 margin is within the measured gap are marked
+not settled.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field, fields
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ...compat import output_cache
+from ...dtypes import machine_eps
+from ...errors import KvvizError
+from ...inputs import POSITION_MODES, PromptInputs, build_inputs, check_mode, pad_token_id, positions_from_mask
+from ...execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings
+from ...loading import LoadedModel
+from ...metrics import hidden_divergence
+from ...text import display_tokens
+from ..split.run import layer_labels
+from ...streaming import HeldRows
+from ...verdict import classify, precision_sentence
+
+PATHS = ("no_cache", "cache", "generate", "user_loop", "float64")
+DEFAULT_PATHS = ("no_cache", "cache", "generate")
+MAX_NEW_TOKENS = 1024
+PATH_LABELS = {
+    "no_cache": "no cache (full forward each step)",
+    "cache": "cache (past_key_values)",
+    "generate": "model.generate",
+    "user_loop": "the loop people write (no mask or positions after the prompt)",
+    "float64": "float64 reference (no cache)",
+}
+# Run cheap paths first so that `stop_at_divergence` can cut the expensive ones short.
+_RUN_ORDER = ("cache", "generate", "user_loop", "no_cache", "float64")
+
+Progress = Callable[[float, str], None]
+
+
+@dataclass
+class GreedyConfig:
+    prompt: str
+    max_new_tokens: int = 20
+    left_pad: int = 0
+    position_ids: str = "auto"  # for the `cache` path
+    paths: tuple[str, ...] = DEFAULT_PATHS
+    fast: bool = False
+    stop_at_divergence: bool = False
+
+    def validate(self) -> None:
+        check_mode(self.position_ids, POSITION_MODES, "position-ids mode")
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
+            raise KvvizError(f"the number of new tokens must be a whole number, not {self.max_new_tokens!r}")
+        if not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
+            raise KvvizError(f"new tokens must be between 1 and {MAX_NEW_TOKENS}, not {self.max_new_tokens}")
+        paths = tuple(dict.fromkeys(self.paths))
+        bad = [p for p in paths if p not in PATHS]
+        if bad:
+            raise KvvizError(f"unknown path '{bad[0]}'; choose from {', '.join(PATHS)}")
+        if len(paths) < 2:
+            raise KvvizError("choose at least two paths to compare")
+        self.paths = paths
+
+
+@dataclass(frozen=True)
+class GreedySettings(RunSettings):
+    """Everything a greedy result was computed with: the run's fields and GreedyConfig's."""
+
+    prompt: str = ""
+    max_new_tokens: int = 0
+    left_pad: int = 0
+    position_ids: str = "auto"
+    paths: tuple[str, ...] = ()
+    fast: bool = False
+    stop_at_divergence: bool = False
+
+    @classmethod
+    def of(cls, cfg: GreedyConfig, run: RunInfo) -> "GreedySettings":
+        return cls.from_run(run, **{f.name: getattr(cfg, f.name) for f in fields(GreedyConfig)})
+
+    @property
+    def config(self) -> GreedyConfig:
+        return GreedyConfig(**{f.name: getattr(self, f.name) for f in fields(GreedyConfig)})
+
+
+@dataclass
+class PathRun:
+    """One path's decoding. Device tensors (`logits`, `hidden`) stay out of the serialised result."""
+
+    name: str
+    token_ids: list[int]
+    margins: list[float]
+    top2_ids: list[int]
+    forwards: int
+    seconds: float
+    preview: bool = False
+    settled: list[bool] | None = None
+    logits: torch.Tensor | None = field(default=None, repr=False)  # [steps, vocab]
+    hidden: torch.Tensor | None = field(default=None, repr=False)  # [steps, n_hidden, hidden]
+    log_probs: torch.Tensor | None = field(default=None, repr=False)  # float64, computed once for the pairs
+
+    @property
+    def label(self) -> str:
+        return PATH_LABELS[self.name] + (" — fast preview" if self.preview else "")
+
+
+@dataclass
+class PathResult:
+    name: str
+    label: str
+    token_ids: list[int]
+    tokens: list[str]
+    text: str
+    margins: list[float]
+    top2: list[str]
+    forwards: int
+    seconds: float
+    preview: bool
+    settled: list[bool] | None
+    float64_gap: list[float | None] | None = None  # max |Δ logit| vs the float64 path while histories agree
+
+
+@dataclass
+class PairResult:
+    a: str
+    b: str
+    first_divergence: int | None
+    a_token: str | None
+    b_token: str | None
+    max_abs_logit: list[float]
+    kl: list[float]
+    hidden_relative: np.ndarray  # [n_hidden, steps]
+    same_history: list[bool]  # per step: both paths fed the same tokens so far
+    verdict: str | None = None
+    explanation: str | None = None
+    float64_gap: float | None = None
+    proved: bool | None = None  # invariant mode: do the two paths agree bit for bit there? (None: not checked)
+    proof: str | None = None
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["hidden_relative"] = self.hidden_relative.tolist()
+        return d
+
+
+@dataclass
+class GreedyResult:
+    settings: GreedySettings
+    model: dict
+    prompt_tokens: list[str]
+    layer_labels: list[str]
+    paths: dict[str, PathResult]
+    pairs: list[PairResult]
+    notes: list[str]
+    elapsed_s: float
+
+    def pair(self, a: str, b: str) -> PairResult:
+        for p in self.pairs:
+            if {p.a, p.b} == {a, b}:
+                return p
+        raise KeyError((a, b))
+
+    @property
+    def steps(self) -> int:
+        return min(len(p.token_ids) for p in self.paths.values())
+
+    def to_dict(self) -> dict:
+        return {"settings": self.settings.to_dict(), "model": self.model, "prompt_tokens": self.prompt_tokens,
+                "layer_labels": self.layer_labels, "paths": {k: asdict(v) for k, v in self.paths.items()},
+                "pairs": [p.to_dict() for p in self.pairs], "notes": self.notes, "elapsed_s": self.elapsed_s}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One forward helpers
+
+
+def _last(out) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last position's logits and its hidden state in every returned layer: [vocab], [n_hidden, H]."""
+    return out.logits[0, -1], torch.stack([h[0, -1] for h in out.hidden_states])
+
+
+def _top2(logits: torch.Tensor) -> tuple[int, int, float]:
+    """The greedy choice exactly as argmax makes it (on ties topk may pick another index), the runner-up and the
+    margin between them (0 for a tie, common in 16-bit dtypes)."""
+    t1 = int(logits.argmax())
+    rest = logits.clone()
+    rest[t1] = float("-inf")
+    t2 = int(rest.argmax())
+    return t1, t2, float(logits[t1].double() - logits[t2].double())
+
+
+class StepRecorder:
+    def __init__(self, name: str, n: int, on_step: Callable[[], None]):
+        self.name, self.n, self.on_step = name, n, on_step
+        self.tokens: list[int] = []
+        self.margins: list[float] = []
+        self.top2: list[int] = []
+        self.logits: list[torch.Tensor] = []
+        self.hidden: list[torch.Tensor] = []
+        self.forwards = 0
+        self.t0 = time.perf_counter()
+
+    def add(self, logits: torch.Tensor, hidden: torch.Tensor, token: int | None = None) -> int:
+        t1, t2, margin = _top2(logits)
+        self.tokens.append(t1 if token is None else token)
+        self.margins.append(margin)
+        self.top2.append(t2)
+        self.logits.append(logits)
+        self.hidden.append(hidden)
+        self.on_step()
+        return self.tokens[-1]
+
+    def done(self, **kw) -> PathRun:
+        return PathRun(self.name, self.tokens, self.margins, self.top2, self.forwards, time.perf_counter() - self.t0,
+                       logits=torch.stack(self.logits), hidden=torch.stack(self.hidden), **kw)
+
+
+def _grow(ids, mask, pos, token: int):
+    dev = ids.device
+    ids = torch.cat([ids, torch.tensor([[token]], device=dev)], 1)
+    mask = torch.cat([mask, torch.ones((1, 1), dtype=mask.dtype, device=dev)], 1)
+    pos = torch.cat([pos, pos[:, -1:] + 1], 1)
+    return ids, mask, pos
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The paths
+
+
+def _record(rec: StepRecorder):
+    def on_step(t, logits, hidden, token):
+        rec.add(logits, hidden, token=token)
+        rec.forwards += 1
+    return on_step
+
+
+def no_cache_loop(ex: Executor, inp: PromptInputs, n: int, rec: StepRecorder, forced: list[int] | None = None,
+                  ids=None, mask=None, pos=None) -> None:
+    """A full forward over the sequence so far at every step (the plain no-cache loop); `forced` feeds given tokens."""
+    ids, mask, pos = (inp.ids, inp.mask, inp.positions) if ids is None else (ids, mask, pos)
+    ex.decode(ids, mask, n, policy="no_cache", positions=pos, forced=forced, on_step=_record(rec))
+
+
+def _cache(ex: Executor, inp: PromptInputs, n: int, rec: StepRecorder, positions: str = "auto",
+           forced: list[int] | None = None) -> None:
+    """Prefill, then one token at a time through the cache with the full mask and (auto) position ids."""
+    ex.decode(inp.ids, inp.mask, n, policy="cache", positions=inp.positions, step_positions=positions,
+              forced=forced, on_step=_record(rec))
+
+
+def _user_loop(ex: Executor, inp: PromptInputs, n: int, rec: StepRecorder, forced: list[int] | None = None) -> None:
+    """The cached loop as people write it: the prompt with its mask, then only the new token (no mask, no position ids)."""
+    ex.decode(inp.ids, inp.mask, n, policy="user_loop", forced=forced, on_step=_record(rec))
+
+
+def _generate(ex: Executor, inp: PromptInputs, n: int, rec: StepRecorder) -> None:
+    out = ex.generate(inp.ids, inp.mask, n, pad_token_id(ex.lm.tokenizer))
+    rec.forwards = len(out.logits)
+    new = out.sequences[0, inp.ids.shape[1]:].tolist()
+    for t, logits in enumerate(out.logits):
+        hidden = torch.stack([h[0, -1] for h in out.hidden_states[t]])
+        rec.add(logits[0], hidden, token=int(new[t]))
+
+
+def _fast_no_cache(ex: Executor, inp: PromptInputs, n: int, rec: StepRecorder, guide: PathRun) -> PathRun:
+    """Preview of the no-cache loop: one teacher-forced forward over the guide's tokens gives every step's
+    no-cache logits at once; own full forwards only after the first step where the argmax differs."""
+    g = guide.token_ids[:n]
+    ids = torch.cat([inp.ids, torch.tensor([g[:-1]], device=inp.ids.device, dtype=inp.ids.dtype)], 1) \
+        if n > 1 else inp.ids
+    mask = torch.cat([inp.mask, torch.ones((1, ids.shape[1] - inp.ids.shape[1]), dtype=inp.mask.dtype,
+                                           device=inp.mask.device)], 1)
+    pos = positions_from_mask(mask)
+    start = inp.ids.shape[1] - 1
+    held = HeldRows(lambda h: h[0, start:start + n])  # only the steps' rows of each layer, as they come
+    out = ex.forward(ids, mask, pos, use_cache=False, hidden=held)
+    rec.forwards += 1
+    logits_all = out.logits[0, start:start + n]
+    hidden_all = torch.stack(held.layers, 1)  # [n, n_hidden, H]
+    eps = machine_eps(ex.lm.dtype)
+    settled: list[bool] = []
+    ok = True
+    diverged = None
+    for t in range(n):
+        tok = rec.add(logits_all[t], hidden_all[t])
+        if guide.logits is not None and guide.logits.dtype == logits_all.dtype:
+            gap = float((logits_all[t].double() - guide.logits[t].double()).abs().max())
+        else:
+            gap = 0.0
+        floor = 4 * eps * float(logits_all[t].abs().max())
+        ok = ok and rec.margins[-1] > 2 * max(gap, floor)
+        settled.append(ok)
+        if tok != g[t]:
+            diverged = t
+            break
+    if diverged is not None and diverged < n - 1:
+        own_ids, own_mask, own_pos = _grow(ids[:, : inp.ids.shape[1] + diverged], mask[:, : inp.ids.shape[1] + diverged],
+                                           pos[:, : inp.ids.shape[1] + diverged], rec.tokens[-1])
+        before = len(rec.tokens)
+        no_cache_loop(ex, inp, n - diverged - 1, rec, ids=own_ids, mask=own_mask, pos=own_pos)
+        settled += [ok] * (len(rec.tokens) - before)
+    return rec.done(preview=True, settled=settled)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Comparing paths
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    for t, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return t
+    return None
+
+
+def _log_probs(run: PathRun) -> torch.Tensor:
+    if run.log_probs is None:
+        run.log_probs = torch.log_softmax(run.logits.to(torch.float64), -1)
+    return run.log_probs
+
+
+def _compare(a: PathRun, b: PathRun, eps: float) -> PairResult:
+    n = min(len(a.token_ids), len(b.token_ids))
+    div = first_divergence(a.token_ids[:n], b.token_ids[:n])
+    dev = a.logits.device
+    la, lb = a.logits[:n].to(torch.float64), b.logits[:n].to(dev, torch.float64)
+    lsa, lsb = _log_probs(a)[:n], _log_probs(b)[:n].to(dev)
+    kl = (lsa.exp() * (lsa - lsb)).sum(-1).clamp_min(0)
+    hd = hidden_divergence(a.hidden[:n].transpose(0, 1), b.hidden[:n].to(dev).transpose(0, 1), eps)
+    same = [div is None or t <= div for t in range(n)]
+    return PairResult(a.name, b.name, div, None, None, (lb - la).abs().amax(-1).cpu().tolist(), kl.cpu().tolist(),
+                      hd["relative"].cpu().numpy(), same)
+
+
+def _logic(path: str, positions: str) -> str:
+    """Which computation a path's logits come from, as far as exact arithmetic is concerned."""
+    if path in ("no_cache", "float64"):
+        return "full"
+    if path == "user_loop":
+        return "user"
+    return "cached_omit" if path == "cache" and positions == "omit" else "cached"
+
+
+def replay_step(ex: Executor, inp: PromptInputs, logic: str, forced: list[int]) -> torch.Tensor:
+    """The logits a computation gives after being fed `forced` tokens, with the masks and position ids that path
+    uses. Run in float64, where shapes do not matter, so the fed tokens go in one chunk."""
+    dev = inp.ids.device
+    extra = torch.tensor([forced], dtype=inp.ids.dtype, device=dev)
+    mask = torch.cat([inp.mask, torch.ones_like(extra)], 1)
+    if logic == "full":
+        return ex.forward(torch.cat([inp.ids, extra], 1), mask, positions_from_mask(mask), use_cache=False,
+                          hidden=False, logits_to_keep=1).logits[0, -1]
+    user = logic == "user"
+    out = ex.forward(inp.ids, inp.mask, None if user else inp.positions, hidden=False, logits_to_keep=1)
+    if not forced:
+        return out.logits[0, -1]
+    pos = inp.positions[:, -1:] + torch.arange(1, len(forced) + 1, device=dev)
+    return ex.forward(extra, None if user else mask, None if logic in ("user", "cached_omit") else pos,
+                      output_cache(out), hidden=False, logits_to_keep=1).logits[0, -1]
+
+
+def _replay_memo(memo: dict, ex64: Executor, inp64, logic: str, forced: list[int]) -> torch.Tensor:
+    key = (logic, tuple(forced))
+    if key not in memo:
+        memo[key] = replay_step(ex64, inp64, logic, forced).double()
+    return memo[key]
+
+
+def _explain(pair: PairResult, runs: dict[str, PathRun], lm: LoadedModel, cfg: GreedyConfig,
+             ex64: Executor, inp64: PromptInputs, memo: dict) -> None:
+    t = pair.first_divergence
+    a, b = runs[pair.a], runs[pair.b]
+    tok = lm.tokenizer.decode
+    pair.a_token, pair.b_token = tok([a.token_ids[t]]), tok([b.token_ids[t]])
+    name_a = f"{pair.a_token!r} (id {a.token_ids[t]})"
+    name_b = f"{pair.b_token!r} (id {b.token_ids[t]})"
+    forced = a.token_ids[:t]
+    la, lb = (_replay_memo(memo, ex64, inp64, _logic(name, cfg.position_ids), forced)
+              for name in (pair.a, pair.b))
+    gap64 = float((la - lb).abs().max() / la.abs().max().clamp_min(1e-300))
+    pair.float64_gap = gap64
+    ma, mb = a.margins[t], b.margins[t]
+    head = (f"At step {t} {PATH_LABELS[pair.a]} chose {name_a} and {PATH_LABELS[pair.b]} chose "
+            f"{name_b}; their top-2 margins there were {ma:.3g} and {mb:.3g}, and the logits differed by up "
+            f"to {pair.max_abs_logit[t]:.3g}.")
+    pair.verdict = classify(False, gap64)  # the tokens differ, so the bits do
+    if pair.verdict == "precision":
+        pair.explanation = (head + " Replayed in float64 on the same tokens: a near tie flipped by rounding. "
+                            + precision_sentence(gap64, None))
+    else:
+        cause = ""
+        if "user_loop" in (pair.a, pair.b) and cfg.left_pad:
+            cause = (" The user loop passes no mask or position ids after the prompt, so with left padding the new "
+                     "tokens attend to pads and are numbered from the cache length.")
+        elif "cache" in (pair.a, pair.b) and cfg.position_ids == "omit" and cfg.left_pad:
+            cause = " The cache path omits position ids, so the new tokens are numbered counting the pads."
+        pair.explanation = (head + f" Replayed in float64 on the same tokens they still differ by {gap64:.3g} "
+                                   f"(relative): a logic difference, not rounding." + cause)
+
+
+class _Progress:
+    """Step counting across paths: "cache: step 3/20", with the share of the run done."""
+
+    def __init__(self, progress: Progress, n_paths: int, n: int):
+        self.progress, self.total, self.n, self.done = progress, max(1, n_paths * n), n, 0
+
+    def step(self, name: str) -> Callable[[], None]:
+        def f() -> None:
+            self.done += 1
+            self.progress(min(0.9, 0.9 * self.done / self.total),
+                          f"{PATH_LABELS[name]}: step {self.done % self.n or self.n}/{self.n}")
+        return f
+
+
+def _run_path(name: str, ex: Executor, inp: PromptInputs, steps: int, rec: StepRecorder, cfg: GreedyConfig,
+              runs: dict[str, PathRun]) -> PathRun:
+    """One path on `ex` (the float64 path gets a float64 executor and inputs)."""
+    guided = cfg.fast and "cache" in runs and name in ("no_cache", "float64")
+    with ex.session():
+        if guided:
+            return _fast_no_cache(ex, inp, steps, rec, runs["cache"])
+        if name in ("no_cache", "float64"):
+            no_cache_loop(ex, inp, steps, rec)
+        elif name == "cache":
+            _cache(ex, inp, steps, rec, cfg.position_ids)
+        elif name == "generate":
+            _generate(ex, inp, steps, rec)
+        else:
+            _user_loop(ex, inp, steps, rec)
+    return rec.done()
+
+
+def _truncate(runs: dict[str, PathRun], limit: int) -> None:
+    for r in runs.values():
+        k = min(limit, len(r.token_ids))
+        r.token_ids, r.margins, r.top2_ids = r.token_ids[:k], r.margins[:k], r.top2_ids[:k]
+        r.logits, r.hidden = r.logits[:k], r.hidden[:k]
+        if r.settled is not None:
+            r.settled = r.settled[:k]
+
+
+class _Float64:
+    """The float64 side of a greedy run, built only when needed: model, executor and inputs."""
+
+    def __init__(self, lm: LoadedModel, cfg: GreedyConfig, settings: ExecSettings, reference: LoadedModel | None):
+        self.lm, self.cfg, self.settings, self.given = lm, cfg, settings.with_(compile="off"), reference
+        self._ex: Executor | None = None
+        self.inp: PromptInputs | None = None
+
+    @property
+    def ex(self) -> Executor:
+        if self._ex is None:
+            lm64 = self.given or self.lm.reference()
+            self.inp = build_inputs(lm64, self.cfg.prompt, self.cfg.left_pad, extra_tokens=self.cfg.max_new_tokens)
+            self._ex = Executor(lm64, self.settings, max_len=self.inp.total + self.cfg.max_new_tokens)
+        return self._ex
+
+
+def _decode_paths(lm: LoadedModel, cfg: GreedyConfig, settings: ExecSettings, inp: PromptInputs, f64: _Float64,
+                  progress: Progress) -> dict[str, PathRun]:
+    order = [p for p in _RUN_ORDER if p in cfg.paths]
+    if cfg.fast and "cache" not in order and ({"no_cache", "float64"} & set(order)):
+        order.insert(0, "cache")  # the preview is guided by the cache path
+    n = cfg.max_new_tokens
+    counter = _Progress(progress, len(order), n)
+    ex = Executor(lm, settings, max_len=inp.total + n)
+    runs: dict[str, PathRun] = {}
+    limit = n
+    for name in order:
+        rec = StepRecorder(name, limit, counter.step(name))
+        if name == "float64":
+            run = _run_path(name, f64.ex, f64.inp, limit, rec, cfg, runs)
+            run.logits, run.hidden = run.logits.to(lm.device), run.hidden.to(lm.device)
+        else:
+            run = _run_path(name, ex, inp, limit, rec, cfg, runs)
+        runs[name] = run
+        if cfg.stop_at_divergence:
+            for other in runs.values():
+                d = first_divergence(other.token_ids, run.token_ids)
+                if d is not None:
+                    limit = min(limit, d + 1)
+    if cfg.stop_at_divergence:
+        _truncate(runs, limit)
+    return runs
+
+
+def _path_results(lm: LoadedModel, runs: dict[str, PathRun], names: list[str]) -> dict[str, PathResult]:
+    tok = lm.tokenizer
+    results: dict[str, PathResult] = {}
+    ref = runs.get("float64")
+    for name in names:
+        r = runs[name]
+        gap = None
+        if ref is not None and name != "float64":
+            m = min(len(r.token_ids), len(ref.token_ids))
+            div = first_divergence(r.token_ids[:m], ref.token_ids[:m])
+            d = (r.logits[:m].double() - ref.logits[:m].double()).abs().amax(-1).cpu().tolist()
+            gap = [v if div is None or t <= div else None for t, v in enumerate(d)]
+        results[name] = PathResult(
+            name=name, label=r.label, token_ids=r.token_ids, tokens=display_tokens(tok, r.token_ids),
+            text=tok.decode(r.token_ids), margins=r.margins, top2=[tok.decode([i]) for i in r.top2_ids],
+            forwards=r.forwards, seconds=r.seconds, preview=r.preview, settled=r.settled, float64_gap=gap)
+    return results
+
+
+def _notes(lm: LoadedModel, cfg: GreedyConfig, runs: dict[str, PathRun]) -> list[str]:
+    notes = list(lm.warnings)
+    if "generate" in runs and lm.dtype == torch.float64:
+        notes.append("generate() casts the logits it returns to float32, so its logits carry float32 rounding "
+                     "(~1e-7 relative); its tokens and hidden states are float64")
+    if cfg.fast:
+        notes.append("fast preview: the no-cache logits come from one teacher-forced forward over the cache path's "
+                     "tokens; steps marked not settled have a top-2 margin within the measured gap")
+    return notes
+
+
+def prove_pairs(lm: LoadedModel, cfg: GreedyConfig, settings: ExecSettings, inp: PromptInputs,
+                pairs: list[PairResult], progress: Progress) -> None:
+    """Rerun the paths of `pairs` (same-dtype pairs: the float64 path is another dtype, not another order) in
+    invariant mode and say for each pair whether it agrees bit for bit there: proved precision, or logic."""
+    todo = [p for p in pairs if "float64" not in (p.a, p.b)]
+    if not todo:
+        return
+    names = tuple(n for n in _RUN_ORDER if any(n in (p.a, p.b) for p in todo))
+    progress(0.95, "Rerunning the paths in invariant mode for the proof…")
+    inv_cfg = GreedyConfig(cfg.prompt, cfg.max_new_tokens, cfg.left_pad, cfg.position_ids, names)
+    runs = _decode_paths(lm, inv_cfg, settings.with_(invariant=True, compile="off"), inp, None, lambda f, m: None)
+    for p in todo:
+        a, b = runs[p.a], runs[p.b]
+        p.proved = a.token_ids == b.token_ids and torch.equal(a.logits, b.logits.to(a.logits.device))
+        if p.verdict == "precision" and p.float64_gap is not None:  # the explanation carries its proof state
+            inv_gap = (None if len(a.logits) != len(b.logits) else
+                       float((a.logits.double() - b.logits.to(a.logits.device).double()).abs().max()))
+            head = p.explanation.split(" Replayed in float64")[0]
+            p.explanation = (head + " Replayed in float64 on the same tokens: "
+                             + ("a near tie flipped by rounding. " if p.proved else "")
+                             + precision_sentence(p.float64_gap, p.proved, inv_gap))
+        if p.proved:
+            p.proof = ("Precision — proved: in invariant mode (every row computed the same way whatever the shape) "
+                       f"{p.a} and {p.b} agree bit for bit at every step.")
+        else:
+            d = first_divergence(a.token_ids, b.token_ids)
+            p.proof = (f"In invariant mode {p.a} and {p.b} still differ"
+                       + (f" (they part at step {d})" if d is not None else "") + ": not reduction order - logic.")
+
+
+def run_greedy(lm: LoadedModel, cfg: GreedyConfig, progress: Progress | None = None,
+               reference: LoadedModel | None = None, settings: ExecSettings | None = None,
+               prove: bool | None = None) -> GreedyResult:
+    """Decode greedily along cfg.paths and compare every pair of paths (see the module docstring).
+
+    reference: the float64 model (lm.reference() when not given); settings: how the model runs (cache kind,
+    compile, flags, invariant mode) - the float64 path and replays use the same settings without compile.
+    prove: rerun the same-dtype paths in invariant mode and mark each pair proved or not (default: when a pair
+    parts with a precision verdict)."""
+    progress = progress or (lambda f, m: None)
+    settings = (settings or DEFAULT_SETTINGS).validate()
+    t_start = time.perf_counter()
+    cfg.validate()
+    inp = build_inputs(lm, cfg.prompt, cfg.left_pad, extra_tokens=cfg.max_new_tokens)
+    f64 = _Float64(lm, cfg, settings, reference)
+    runs = _decode_paths(lm, cfg, settings, inp, f64, progress)
+    names = [p for p in cfg.paths if p in runs]
+    pairs = [_compare(runs[a], runs[b], machine_eps(lm.dtype)) for i, a in enumerate(names) for b in names[i + 1:]]
+    diverging = [p for p in pairs if p.first_divergence is not None]
+    if diverging:
+        progress(0.92, "Replaying the first divergences in float64 for the verdicts…")
+        memo: dict = {}
+        with f64.ex.session():
+            for p in diverging:
+                _explain(p, runs, lm, cfg, f64.ex, f64.inp, memo)
+    if not settings.invariant and (prove if prove is not None else
+                                   any(p.verdict == "precision" and "float64" not in (p.a, p.b) for p in pairs)):
+        prove_pairs(lm, cfg, settings, inp, pairs, progress)
+    progress(1.0, "Done")
+    return GreedyResult(settings=GreedySettings.of(cfg, RunInfo.of(lm, settings)), model=lm.summary(),
+                        prompt_tokens=inp.token_texts, layer_labels=layer_labels(runs[names[0]].hidden.shape[1]),
+                        paths=_path_results(lm, runs, names), pairs=pairs, notes=_notes(lm, cfg, runs),
+                        elapsed_s=time.perf_counter() - t_start)

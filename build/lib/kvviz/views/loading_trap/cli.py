@@ -1,0 +1,26 @@
+"""`python -m kvviz loading-trap`: from_pretrained(dtype=16-bit) vs float32 + .to(16-bit) - two models."""
+from __future__ import annotations
+
+from ...clirun import Outcome, load, model_args, repro_arg
+
+
+def add_parser(sub) -> None:
+    tp = sub.add_parser("loading-trap", help="from_pretrained(dtype=16-bit) vs float32 + .to(16-bit): two models")
+    model_args(tp)
+    tp.add_argument("--prompt", default="This is a ")
+    tp.add_argument("--max-new-tokens", type=int, default=24)
+    tp.add_argument("--cast-dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    repro_arg(tp)
+    tp.set_defaults(handler=command, not_dispatched="casts a copy of the whole model",
+                    not_honoured={"invariant": "it compares two loadings of the model, each decoded plainly",
+                                  "no_proof": "it runs no proof rerun"})
+
+
+def command(args) -> Outcome:
+    from .run import run_loading_trap
+
+    lm = load(args)
+    res = run_loading_trap(lm, args.prompt, args.max_new_tokens, args.cast_dtype)
+    return Outcome(res, lm, lambda: (f"from_pretrained(dtype={args.cast_dtype}): {res.loaded_text!r}\n"
+                                     f"float32 + .to({args.cast_dtype}):     {res.cast_text!r}\n"
+                                     f"\nverdict: {res.verdict.upper()}\n{res.explanation}"))

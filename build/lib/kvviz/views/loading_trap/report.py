@@ -1,0 +1,11 @@
+"""The loading_trap view's report: its result rebuilt from a JSON export (no model runs) and its verdict line."""
+from __future__ import annotations
+
+from ...export import typed
+
+
+def reopen(d: dict):
+    from .run import BufferDiff, LoadingTrapResult, LoadingTrapSettings
+
+    return LoadingTrapResult(**{**d, "buffers": [BufferDiff(**b) for b in d["buffers"]],
+                                "settings": typed(LoadingTrapSettings, d["settings"])})

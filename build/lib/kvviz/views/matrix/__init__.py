@@ -1,0 +1,10 @@
+"""Backends & compile: attention implementation x cache kind x compile x precision flags, repeated - which settings
+change greedy decoding, and how.
+
+This folder is the whole view: run.py (config, run, result), figures.py, report.py (reopen, verdict), repro.py, cli.py.
+Registered by one line in kvviz/views/__init__.py."""
+from .. import Page, View
+from .run import MatrixConfig, MatrixResult, run_matrix, sliding_window_config
+
+VIEW = View("matrix", "Backends & compile", "MatrixResult", "report:reopen", "figures:main", "report:verdict",
+            repro="repro", cli="cli", command="matrix", page=Page("backends", "Engine", ":material/memory:"))

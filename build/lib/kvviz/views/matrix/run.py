@@ -1,0 +1,348 @@
+"""The backends matrix: attention implementation × cache kind × compile × precision flags, each cell decoding
+greedily and compared with one reference - the eager no-cache loop in the same dtype - plus the float64 reference.
+
+Every cell decodes with `generate(do_sample=False)` under its setting, or with a hand-written cached loop where
+generate cannot express it (position ids omitted, a compiled forward). Over R repeats it counts the distinct outputs.
+Verdict per cell: `identical` (tokens and logits bit for bit), `precision` / `logic` by kvviz's one rule (replay the
+parting step - or the step with the largest gap - in float64 with the same cache kind, mask and positions),
+`nondeterministic` when the repeats differ, `lossy` for quantized caches; a combination that cannot run is an error
+cell with its one-line message, and the rest of the grid runs. Models are loaded once per attention implementation
+and shared by the cells; the references are computed once.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from ...dtypes import dtype_name
+from ...environment import environment
+from ...errors import KvvizError, is_out_of_memory
+from ...execution import ExecSettings, Executor, Settings
+from ..greedy.run import replay_step, first_divergence
+from ...inputs import POSITION_MODES, PromptInputs, check_mode, encode, pad_token_id, positions_from_mask
+from ...loading import LoadedModel, load_model
+from ...verdict import classify
+
+Progress = Callable[[float, str], None]
+VERDICTS = ("identical", "precision", "logic", "nondeterministic", "lossy")
+WINDOW_LONG_PROMPT = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, lit the great lamp, and "
+                  "wrote the weather in a leather log that his grandfather had started sixty years before.")
+WINDOW_SHORT_PROMPT = "Hi there"
+
+
+def _noop(f: float, m: str) -> None:
+    pass
+
+
+@dataclass
+class MatrixConfig:
+    prompt: str
+    max_new_tokens: int = 16
+    attentions: tuple[str, ...] = ("eager", "sdpa")
+    caches: tuple[str, ...] = ("dynamic", "static")
+    compiles: tuple[str, ...] = ("off",)
+    flag_sets: tuple[tuple[str, ...], ...] = ((),)
+    repeats: int = 2
+    left_pad: int = 0
+    position_ids: str = "auto"
+    batch_with: tuple[str, ...] = ()
+    invariant: bool = False  # every cell in invariant mode
+
+    def validate(self) -> None:
+        check_mode(self.position_ids, POSITION_MODES, "position-ids mode")
+        if isinstance(self.max_new_tokens, bool) or not 1 <= int(self.max_new_tokens) <= 256:
+            raise KvvizError(f"new tokens must be between 1 and 256, not {self.max_new_tokens}")
+        if not 1 <= int(self.repeats) <= 50:
+            raise KvvizError(f"repeats must be between 1 and 50, not {self.repeats}")
+        if self.left_pad < 0:
+            raise KvvizError(f"left padding must be 0 or more, not {self.left_pad}")
+        if not (self.attentions and self.caches and self.compiles and self.flag_sets):
+            raise KvvizError("every axis needs at least one value")
+        for cache, comp, flags in itertools.product(self.caches, self.compiles, self.flag_sets):
+            ExecSettings(cache=cache, compile=comp, flags=tuple(flags)).validate()
+
+    def cells(self):
+        return list(itertools.product(self.attentions, self.caches, self.compiles, self.flag_sets))
+
+
+@dataclass
+class Cell:
+    attention: str
+    cache: str
+    compile: str
+    flags: list[str]
+    verdict: str | None = None
+    first_divergence: int | None = None
+    distinct_outputs: int | None = None
+    repeats_part_at: int | None = None
+    max_abs_logit: float | None = None
+    max_kl: float | None = None
+    float64_gap: float | None = None
+    seconds_per_token: float | None = None
+    compiled: dict | None = None
+    attention_used: str | None = None
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    step_max_abs_logit: list[float] = field(default_factory=list)
+    step_kl: list[float] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def label(self) -> str:
+        return " · ".join([self.attention, self.cache, f"compile {self.compile}"]
+                          + ([",".join(self.flags)] if self.flags else []))
+
+
+@dataclass(frozen=True)
+class MatrixSettings(Settings):
+    model: str = ""
+    dtype: str = ""
+    device: str = ""
+    prompt: str = ""
+    max_new_tokens: int = 0
+    repeats: int = 0
+    left_pad: int = 0
+    position_ids: str = "auto"
+    batch_with: tuple = ()
+    attentions: tuple = ()
+    caches: tuple = ()
+    compiles: tuple = ()
+    flag_sets: tuple = ()
+    invariant: bool = False
+
+
+@dataclass
+class MatrixResult:
+    settings: MatrixSettings
+    environment: dict
+    reference: dict
+    cells: list[Cell]
+    elapsed_s: float
+
+    def to_dict(self) -> dict:
+        return {"settings": self.settings.to_dict(), "environment": self.environment, "reference": self.reference,
+                "cells": [asdict(c) for c in self.cells], "elapsed_s": self.elapsed_s}
+
+    def grid(self, value: str = "verdict"):
+        import pandas as pd
+
+        rows = [{"attention": c.attention, "setting": " · ".join([c.cache, f"compile {c.compile}"]
+                                                                 + ([",".join(c.flags)] if c.flags else [])),
+                 "value": (c.error and "error") if c.error else getattr(c, value)} for c in self.cells]
+        return pd.DataFrame(rows).pivot(index="setting", columns="attention", values="value")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Inputs: the prompt (row 0), optionally left-padded and batched with longer prompts
+
+
+def _batch(lm: LoadedModel, cfg: MatrixConfig, n: int) -> tuple[PromptInputs, torch.Tensor, torch.Tensor]:
+    """Row 0 is the prompt; returns row 0 alone as PromptInputs (with the pad it has in the batch) and the batch's
+    ids and mask."""
+    rows = [encode(lm, cfg.prompt)] + [encode(lm, t) for t in cfg.batch_with]
+    width = max(len(r) for r in rows) + cfg.left_pad
+    if lm.max_positions is not None and width + n > lm.max_positions:
+        raise KvvizError(f"the batch is {width} tokens + {n} new, more than the model's context of "
+                         f"{lm.max_positions}")
+    pid = pad_token_id(lm.tokenizer)
+    ids = torch.tensor([[pid] * (width - len(r)) + r for r in rows], device=lm.device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=lm.device)
+    pad0 = width - len(rows[0])
+    inp = PromptInputs(ids=ids[:1], mask=mask[:1], positions=positions_from_mask(mask[:1]), pad=pad0,
+                       token_ids=rows[0], token_texts=[lm.tokenizer.decode([i]) for i in rows[0]])
+    return inp, ids, mask
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Decoding
+
+
+def _no_cache_loop(ex: Executor, ids, mask, n: int) -> tuple[list[int], torch.Tensor]:
+    """The reference: a full forward each step (row 0's tokens and logits; every row grows greedily)."""
+    d = ex.decode(ids, mask, n, policy="no_cache", positions=positions_from_mask(mask), hidden=False)
+    return d.tokens, torch.stack([lg.double() for lg in d.logits])
+
+
+def _cached_loop(ex: Executor, ids, mask, n: int, positions: str) -> tuple[list[int], torch.Tensor]:
+    """Prefill, then one token a step through the cache (position ids auto, or omitted: the model counts them)."""
+    d = ex.decode(ids, mask, n, policy="cache", positions=positions_from_mask(mask) if positions == "auto" else None,
+                  hidden=False)
+    return d.tokens, torch.stack([lg.double() for lg in d.logits])
+
+
+def _generate(ex: Executor, ids, mask, n: int) -> tuple[list[int], torch.Tensor]:
+    out = ex.generate(ids, mask, n, pad_token_id(ex.lm.tokenizer), hidden=False)
+    toks = out.sequences[0, ids.shape[1]:].tolist()
+    return toks, torch.stack([lg[0].double() for lg in out.logits])
+
+
+def _decode(ex: Executor, ids, mask, n: int, cfg: MatrixConfig) -> tuple[list[int], torch.Tensor]:
+    if cfg.position_ids == "omit" or ex.settings.compile != "off":
+        return _cached_loop(ex, ids, mask, n, cfg.position_ids)
+    return _generate(ex, ids, mask, n)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# One cell
+
+
+def _kl(ref: torch.Tensor, got: torch.Tensor) -> list[float]:
+    lr, lg = torch.log_softmax(ref, -1), torch.log_softmax(got.to(ref.device), -1)
+    return (lr.exp() * (lr - lg)).sum(-1).clamp_min(0).cpu().tolist()
+
+
+class _Runner:
+    def __init__(self, spec, dtype, device, cfg: MatrixConfig, trust_remote_code: bool):
+        self.spec, self.dtype, self.device, self.cfg, self.trust = spec, dtype, device, cfg, trust_remote_code
+        self.models: dict[str, LoadedModel] = {}
+        self.replays: dict = {}
+
+    def model(self, attention: str) -> LoadedModel:
+        if attention not in self.models:
+            self.models[attention] = load_model(self.spec, self.dtype, self.device, attention,
+                                                trust_remote_code=self.trust)
+        return self.models[attention]
+
+    def reference(self, n: int) -> tuple[list[int], torch.Tensor, PromptInputs, list[int], torch.Tensor]:
+        lm = self.model("eager")
+        inp, ids, mask = _batch(lm, self.cfg, n)
+        with Executor(lm, ExecSettings(invariant=self.cfg.invariant)).session() as ex:
+            toks, logits = _no_cache_loop(ex, ids, mask, n)
+        lm64 = lm.reference()
+        _, ids64, mask64 = _batch(lm64, self.cfg, n)
+        with Executor(lm64).session() as ex64:
+            toks64, logits64 = _no_cache_loop(ex64, ids64, mask64, n)
+        return toks, logits, inp, toks64, logits64
+
+    def float64_gap(self, cell: Cell, settings: ExecSettings, forced: list[int], inp: PromptInputs) -> float:
+        """Replay the step in float64: the reference computation vs the cell's (same cache kind, positions)."""
+        lm64 = self.model("eager").reference()
+        logic = "cached_omit" if self.cfg.position_ids == "omit" else "cached"
+        inp64 = PromptInputs(ids=inp.ids.to(lm64.device), mask=inp.mask.to(lm64.device),
+                             positions=inp.positions.to(lm64.device), pad=inp.pad, token_ids=inp.token_ids,
+                             token_texts=inp.token_texts)
+        key = (settings.cache, logic, tuple(forced))
+        if key not in self.replays:
+            ex64 = Executor(lm64, ExecSettings(cache=settings.cache), max_len=inp.total + len(forced) + 1)
+            with ex64.session():
+                full = replay_step(ex64, inp64, "full", forced).double()
+                cached = replay_step(ex64, inp64, logic, forced).double()
+            self.replays[key] = float((full - cached).abs().max() / full.abs().max().clamp_min(1e-300))
+        return self.replays[key]
+
+
+def _run_cell(runner: _Runner, cell: Cell, ref: tuple, n: int, progress: Callable[[str], None]) -> None:
+    from ...backends import compile_stats, is_lossy
+
+    cfg = runner.cfg
+    settings = ExecSettings(cache=cell.cache, compile=cell.compile, flags=tuple(cell.flags),
+                            invariant=runner.cfg.invariant)
+    lm = runner.model(cell.attention)
+    cell.attention_used = lm.attn_implementation
+    ref_toks, ref_logits, inp, _, _ = ref
+    _, ids, mask = _batch(lm, cfg, n)
+    outputs, seconds = [], []
+    before = compile_stats()
+    for r in range(cfg.repeats):
+        progress(f"{cell.label}: repeat {r + 1}/{cfg.repeats}"
+                 + (" (compiling on the first call…)" if cell.compile != "off" and r == 0 else ""))
+        ex = Executor(lm, settings, max_len=ids.shape[1] + n)
+        t0 = time.perf_counter()
+        with ex.session():
+            outputs.append(_decode(ex, ids, mask, n, cfg))
+        seconds.append(time.perf_counter() - t0)
+    after = compile_stats()
+    cell.compiled = {k: after[k] - before[k] for k in after} | {"requested": cell.compile != "off"}
+    toks, logits = outputs[0]
+    distinct = {tuple(t) for t, _ in outputs}
+    cell.distinct_outputs = len(distinct)
+    cell.repeats_part_at = min((first_divergence(toks, t) for t, _ in outputs[1:]
+                                if first_divergence(toks, t) is not None), default=None)
+    cell.tokens, cell.text = toks, lm.tokenizer.decode(toks)
+    cell.seconds_per_token = min(seconds) / n
+    div = first_divergence(toks, ref_toks)
+    cell.first_divergence = div
+    upto = n if div is None else div + 1
+    gaps = (logits[:upto] - ref_logits[:upto].to(logits.device)).abs().amax(-1)
+    cell.step_max_abs_logit = gaps.cpu().tolist()
+    cell.step_kl = _kl(ref_logits[:upto], logits[:upto])
+    cell.max_abs_logit, cell.max_kl = max(cell.step_max_abs_logit), max(cell.step_kl)
+    bitwise = div is None and torch.equal(logits, ref_logits.to(logits.device))
+    if is_lossy(cell.cache):
+        cell.verdict = "identical" if bitwise else "lossy"
+    elif len(distinct) > 1 or any(not torch.equal(lg, logits) for _, lg in outputs[1:]):
+        cell.verdict = "nondeterministic"
+    elif bitwise:
+        cell.verdict = "identical"
+    else:
+        step = div if div is not None else int(gaps.argmax())
+        cell.float64_gap = runner.float64_gap(cell, settings, ref_toks[:step], inp)
+        cell.verdict = classify(False, cell.float64_gap)
+
+
+def _one_line(e: BaseException) -> str:
+    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return text[:300] if isinstance(e, KvvizError) else f"{type(e).__name__}: {text[:280]}"
+
+
+def run_matrix(spec, prompt_or_cfg: "str | MatrixConfig", dtype="float32", device="auto",
+               trust_remote_code: bool = False, progress: Progress | None = None) -> MatrixResult:
+    """Run every cell of the matrix (see the module docstring). `spec`: a model spec or a loaded model."""
+    progress = progress or _noop
+    t0 = time.perf_counter()
+    cfg = prompt_or_cfg if isinstance(prompt_or_cfg, MatrixConfig) else MatrixConfig(prompt_or_cfg)
+    cfg.validate()
+    if isinstance(spec, LoadedModel):
+        spec, dtype, device = spec.spec, spec.dtype, spec.device
+    runner = _Runner(spec, dtype, device, cfg, trust_remote_code)
+    n = int(cfg.max_new_tokens)
+    progress(0.0, "Reference: the eager no-cache loop, and the same in float64…")
+    ref = runner.reference(n)
+    cells = [Cell(a, c, comp, list(flags)) for a, c, comp, flags in cfg.cells()]
+    for i, cell in enumerate(cells):
+        def report(msg: str, i=i) -> None:
+            progress(0.1 + 0.9 * i / len(cells), f"Cell {i + 1}/{len(cells)}: {msg}")
+        try:
+            _run_cell(runner, cell, ref, n, report)
+        except Exception as e:  # noqa: BLE001 - a cell that cannot run becomes an error cell; the grid goes on
+            if is_out_of_memory(e):
+                from ...errors import free_memory
+
+                free_memory(e)
+            cell.error, cell.verdict = _one_line(e), None
+    progress(1.0, "Done")
+    lm = runner.model("eager")
+    ref_toks, ref_logits, inp, toks64, _ = ref
+    return MatrixResult(
+        settings=MatrixSettings(model=lm.name, dtype=dtype_name(lm.dtype), device=str(lm.device), prompt=cfg.prompt,
+                                max_new_tokens=n, repeats=cfg.repeats, left_pad=cfg.left_pad,
+                                position_ids=cfg.position_ids, batch_with=tuple(cfg.batch_with),
+                                attentions=tuple(cfg.attentions), caches=tuple(cfg.caches),
+                                compiles=tuple(cfg.compiles), flag_sets=tuple(tuple(f) for f in cfg.flag_sets),
+                                invariant=cfg.invariant),
+        environment=environment(lm.device),
+        reference={"path": "eager no-cache loop", "tokens": ref_toks, "text": lm.tokenizer.decode(ref_toks),
+                   "float64_tokens": toks64, "float64_text": lm.tokenizer.decode(toks64),
+                   "float64_first_divergence": first_divergence(ref_toks, toks64), "row0_pad": inp.pad},
+        cells=cells, elapsed_s=time.perf_counter() - t0)
+
+
+def sliding_window_config(lm: LoadedModel, max_new_tokens: int | None = None) -> MatrixConfig:
+    """The sliding-window scenario (the torch.compile report): a short left-padded prompt batched with one longer than the sliding window,
+    generating past the window, over attention kinds and dynamic/static caches."""
+    window = getattr(lm.config, "sliding_window", None)
+    if not window:
+        raise KvvizError(f"{lm.name} has no sliding window; the sliding-window preset (torch.compile report) needs "
+                         f"a model with one "
+                         f"(e.g. tiny:mistral, tiny:gemma2)")
+    long_prompt = WINDOW_LONG_PROMPT
+    while len(encode(lm, long_prompt)) <= window:
+        long_prompt += " " + WINDOW_LONG_PROMPT
+    n = max_new_tokens or min(256, window + 8)
+    attns = ("eager",) if lm.arch.startswith("gemma2") else ("eager", "sdpa")
+    return MatrixConfig(prompt=WINDOW_SHORT_PROMPT, max_new_tokens=n, attentions=attns, caches=("dynamic", "static"),
+                        batch_with=(long_prompt,), repeats=2)

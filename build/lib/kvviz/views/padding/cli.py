@@ -1,0 +1,36 @@
+"""`python -m kvviz padding`: alone / left-padded / in a batch x cache settings - precision or logic per cell."""
+from __future__ import annotations
+
+from ...clirun import Outcome, load, model_args, nonnegative_pad, progress_to_stderr, repro_arg, settings
+
+
+def add_parser(sub) -> None:
+    pp = sub.add_parser("padding", help="alone / left-padded / in a batch × cache settings: precision or logic")
+    model_args(pp)
+    pp.add_argument("--prompt", required=True)
+    pp.add_argument("--split", type=int, default=None, help="default: half the prompt")
+    pp.add_argument("--left-pad", type=int, default=4)
+    repro_arg(pp)
+    pp.set_defaults(handler=command)
+
+
+def command(args) -> Outcome:
+    from .run import run_padding
+
+    nonnegative_pad(args)
+    lm = load(args)
+    res = run_padding(lm, args.prompt, args.split, args.left_pad, progress=progress_to_stderr(args.quiet),
+                      settings=settings(args), prove=not args.no_proof)
+
+    def summary() -> str:
+        import pandas as pd
+
+        with pd.option_context("display.width", 200, "display.max_columns", 20):
+            return (f"{res.settings.dtype} on {res.settings.device}; prompt split at {res.settings.split}; "
+                    f"left pad {res.settings.left_pad}\n\nverdicts:\n" + res.grid().to_string()
+                    + "\n\nrelative gap of the hidden states vs the prompt alone without cache:\n"
+                    + res.grid("hidden_relative").to_string(float_format=lambda v: f"{v:.2g}")
+                    + "".join(f"\n{c['placement']} / {c['scenario']}: {c['reason']}" for c in res.cells
+                              if c.get("reason")))
+
+    return Outcome(res, lm, summary)

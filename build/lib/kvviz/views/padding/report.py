@@ -1,0 +1,15 @@
+"""The padding view's report: its result rebuilt from a JSON export (no model runs) and its verdict line."""
+from __future__ import annotations
+
+from ...export import typed
+
+
+def reopen(d: dict):
+    from .run import PaddingResult, PaddingSettings
+
+    return PaddingResult(settings=typed(PaddingSettings, d["settings"], companions=tuple), model=d["model"],
+                         tokens=d["tokens"], compared=d["compared"], cells=d["cells"])
+
+
+def verdict(result) -> tuple[str, str]:
+    return "see the grid", result.grid().to_html()

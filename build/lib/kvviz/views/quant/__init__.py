@@ -1,0 +1,10 @@
+"""Quantized cache & weights: a quantized KV cache and/or weight-only quantization against the unquantized run.
+
+This folder is the whole view: run.py (config, run, result), figures.py, report.py (reopen, verdict), repro.py, cli.py.
+Registered by one line in kvviz/views/__init__.py."""
+from .. import Page, View
+from .run import QuantConfig, QuantResult, run_quant
+
+VIEW = View("quant", "Quantized cache & weights", "QuantResult", "report:reopen", "figures:main", None,
+            tables="figures:tables", repro="repro", cli="cli", command="quant",
+            page=Page("quantized", "Engine", ":material/compress:"))

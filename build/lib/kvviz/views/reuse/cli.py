@@ -1,0 +1,30 @@
+"""`python -m kvviz reuse`: a prompt cache reused for several continuations - fresh, deep copy, reused."""
+from __future__ import annotations
+
+from ...clirun import Outcome, load, model_args, progress_to_stderr, prove, repro_arg, settings
+
+
+def add_parser(sub) -> None:
+    rp = sub.add_parser("reuse", help="a prompt cache reused for several continuations: fresh, deep copy, reused")
+    model_args(rp)
+    rp.add_argument("--prefix", required=True)
+    rp.add_argument("--continuation", action="append", required=True, help="repeat for several")
+    rp.add_argument("--max-new-tokens", type=int, default=12)
+    repro_arg(rp)
+    rp.set_defaults(handler=command)
+
+
+def command(args) -> Outcome:
+    from .run import run_reuse
+
+    lm = load(args)
+    res = run_reuse(lm, args.prefix, args.continuation, args.max_new_tokens, progress=progress_to_stderr(args.quiet),
+                    settings=settings(args), prove=prove(args))
+
+    def summary() -> str:
+        return "\n".join(
+            f"[{r['index']}] {r['strategy']:<9} {r['verdict']:<9} "
+            f"{'same tokens' if r['first_divergence'] is None else 'parts at step %d' % r['first_divergence']:<16} "
+            f"{r['continuation']!r} → {r['text']!r}" for r in res.runs)
+
+    return Outcome(res, lm, summary)

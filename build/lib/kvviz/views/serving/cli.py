@@ -1,0 +1,50 @@
+"""`python -m kvviz serve-study`: serving conditions (alone, continuous batch, warm prefix) x R runs."""
+from __future__ import annotations
+
+from ...clirun import Outcome, load, model_args, progress_to_stderr, repro_arg, settings, split_list
+
+
+def add_parser(sub) -> None:
+    vp = sub.add_parser("serve-study", help="serving conditions (alone, continuous batch, warm prefix) × R runs: "
+                                            "distinct completions per prompt, where and why they part")
+    model_args(vp)
+    vsrc = vp.add_mutually_exclusive_group()
+    vsrc.add_argument("--prompt", help="one prompt")
+    vsrc.add_argument("--prompts", default=None,
+                      help="'builtin' (default), 'builtin:<category>', or a .txt (one a line) / .jsonl file")
+    vp.add_argument("--limit", type=int, default=20, help="at most this many prompts (default 20)")
+    vp.add_argument("--prefix", default="", help="a shared prefix put before every prompt (warmed for 'warm')")
+    vp.add_argument("--conditions", default="alone,batch,warm", help="comma-separated: alone,batch,warm")
+    vp.add_argument("--runs", type=int, default=5, help="runs per condition (R)")
+    vp.add_argument("--max-new-tokens", type=int, default=16)
+    vp.add_argument("--batch-size", type=int, default=4, help="k: requests in flight in the batch condition")
+    vp.add_argument("--seed", type=int, default=0, help="seed of the batch draws")
+    vp.add_argument("--engine", default="transformers", choices=("transformers", "vllm"))
+    vp.add_argument("--page-size", type=int, default=8, help="tokens per cache page (prefix sharing is per page)")
+    vp.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="GPUs one vLLM engine spreads the model over (the vLLM engine only; refused otherwise)")
+    repro_arg(vp)
+    vp.set_defaults(handler=command)
+
+
+def command(args) -> Outcome:
+    from .engines import check_engine
+    from .run import ServeConfig, load_prompt_set, run_serving
+
+    check_engine(args.engine)  # one line where vLLM is asked for and absent, before anything loads
+    prompts, source = load_prompt_set(args.prompts, args.prompt, args.limit)
+    cfg = ServeConfig(prompts=prompts, shared_prefix=args.prefix, conditions=split_list(args.conditions),
+                      runs=args.runs, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
+                      engine=args.engine, page_size=args.page_size, prompt_source=source,
+                      tensor_parallel_size=args.tensor_parallel_size)
+    cfg.validate()
+    lm = load(args)
+    res = run_serving(lm, cfg, progress=progress_to_stderr(args.quiet), settings=settings(args),
+                      prove=not args.no_proof)
+    return Outcome(res, lm, lambda: summary(res))
+
+
+def summary(res) -> str:
+    from .run import summary_text
+
+    return summary_text(res)

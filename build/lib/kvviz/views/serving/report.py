@@ -1,0 +1,17 @@
+"""The serving view's report: its result rebuilt from a JSON export (no model runs) and its verdict line."""
+from __future__ import annotations
+
+def reopen(d: dict):
+    from .run import ServeResult
+
+    return ServeResult.from_dict(d)
+
+
+def verdict(res) -> tuple[str, str]:
+    parting = [p for p in res.prompts if p.first_divergence is not None]
+    if not parting:
+        return "identical", res.summary_line() + "."
+    counts = res.verdict_counts()
+    head = ", ".join(f"{v}: {n}" for v, n in sorted(counts.items()))
+    first = min(parting, key=lambda p: p.first_divergence)
+    return head, res.summary_line() + ". " + (first.explanation or "") + (f" {first.proof}" if first.proof else "")

@@ -1,0 +1,557 @@
+"""Serving: the same prompts under serving conditions, R runs each — how many distinct completions, where they
+part from the reference, and why (precision or logic, proved in invariant mode).
+
+Conditions (each run R times through the engine, see kvviz/views/serving/engines.py):
+  reference  each prompt alone, without cache: kvviz's greedy no-cache loop (a full forward at every step) - the
+             reference every engine run is compared with (run once: the same shapes give the same bits);
+  alone      each prompt alone in the engine (one request in flight, prefix sharing off): the cache, cold;
+  batch      in a continuous batch of k: each run the prompt set is shuffled (seeded) and cut into batches of k,
+             the last batch filled up with random neighbours; k requests in flight, prefix sharing off;
+  warm       the prefix warm: prefix sharing on, a warmer request (the shared prefix, or the identical prompt when
+             there is none) runs first, then the prompt reuses its cached pages.
+With a shared prefix every prompt is `prefix + prompt`. `ExecSettings(invariant=True)` runs every condition (and the
+reference) in invariant mode; the engine's own thread runs under it too.
+
+Per prompt: distinct completions per condition and over all runs; the first step where any run parts from the
+reference; the reference's top-2 margin there (and the run's); the verdict of that step replayed in float64 on the
+same tokens - the reference computation (kvviz's float64 replay) against the same engine condition run on the
+float64 model - by kvviz's one rule (`split.classify`); and the proof: that condition rerun in invariant mode
+gives the reference's tokens (precision, proved) or still parts (logic).
+Summary: the histogram of distinct completions per prompt, the share of prompts whose warm output differs from
+cold, the first-divergence positions, tokens/s per condition.
+"""
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field, fields
+from typing import Callable
+
+from .engines import ENGINES, MIN_PAGE, Request, check_engine, make_engine, vllm_available
+from ...errors import KvvizError
+from ...execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings
+from ...inputs import build_inputs, encode
+from ...loading import LoadedModel
+from ..split.run import classify
+
+CONDITIONS = ("alone", "batch", "warm")
+CONDITION_LABELS = {
+    "reference": "alone, no cache (reference)",
+    "alone": "alone, with cache (cold)",
+    "batch": "in a continuous batch",
+    "warm": "prefix warm (reused pages)",
+}
+MAX_RUNS = 1000
+MAX_NEW_TOKENS = 256
+MAX_BATCH = 64
+DEFAULT_LIMIT = 20
+# The warmer decodes 2 tokens: transformers' engine registers a request's full pages for sharing after a step only
+# while the request is still running, so a 1-token request (finished by its prefill) would leave nothing cached.
+WARMER_TOKENS = 2
+
+Progress = Callable[[float, str], None]
+
+
+@dataclass
+class ServeConfig:
+    prompts: list[str]
+    shared_prefix: str = ""
+    conditions: tuple[str, ...] = CONDITIONS
+    runs: int = 5
+    max_new_tokens: int = 16
+    batch_size: int = 4
+    seed: int = 0
+    engine: str = "transformers"
+    page_size: int = 8
+    prompt_source: str = ""
+    tensor_parallel_size: int = 1  # the vLLM engine only
+
+    def validate(self) -> None:
+        if not isinstance(self.prompts, list) or not self.prompts:
+            raise KvvizError("the study needs at least one prompt")
+        for name, v, lo, hi in (("runs", self.runs, 1, MAX_RUNS), ("new tokens", self.max_new_tokens, 1,
+                                                                   MAX_NEW_TOKENS),
+                                ("batch size", self.batch_size, 2, MAX_BATCH)):
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                raise KvvizError(f"{name} must be a whole number from {lo} to {hi}, not {v!r}")
+        if isinstance(self.page_size, bool) or not isinstance(self.page_size, int) or self.page_size < MIN_PAGE:
+            raise KvvizError(f"the page size must be a whole number, {MIN_PAGE} or more, not {self.page_size!r}")
+        conds = tuple(dict.fromkeys(self.conditions))
+        bad = [c for c in conds if c not in CONDITIONS]
+        if bad:
+            raise KvvizError(f"unknown condition '{bad[0]}'; choose from {', '.join(CONDITIONS)}")
+        if not conds:
+            raise KvvizError("choose at least one condition")
+        self.conditions = conds
+        if self.engine not in ENGINES:
+            raise KvvizError(f"unknown engine '{self.engine}'; choose one of {', '.join(ENGINES)}")
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise KvvizError(f"tensor_parallel_size must be a whole number, 1 or more, not {tp!r}")
+        if tp != 1 and self.engine != "vllm":
+            raise KvvizError("tensor_parallel_size applies to the vLLM engine only (transformers' continuous "
+                             "batching runs the model on one device)")
+        if not isinstance(self.shared_prefix, str):
+            raise KvvizError("the shared prefix must be text")
+
+
+@dataclass(frozen=True)
+class ServeSettings(RunSettings):
+    prompt_source: str = ""
+    shared_prefix: str = ""
+    conditions: tuple[str, ...] = ()
+    runs: int = 0
+    max_new_tokens: int = 0
+    batch_size: int = 0
+    seed: int = 0
+    engine: str = "transformers"
+    page_size: int = 8
+    tensor_parallel_size: int = 1
+
+
+@dataclass
+class PromptResult:
+    index: int
+    prompt: str
+    reference: list[int]
+    reference_text: str
+    reference_margins: list[float]
+    completions: dict[str, list[list[int]]]  # condition -> one token list per run
+    texts: dict[str, list[str]]
+    distinct: dict[str, int]
+    distinct_all: int  # over every run of every condition, the reference included
+    first_divergence: int | None = None
+    condition: str | None = None  # the condition and run that part first
+    run: int | None = None
+    reference_token: str | None = None
+    run_token: str | None = None
+    margin: float | None = None  # the reference's top-2 margin at the first divergence
+    run_margin: float | None = None  # the engine's top-2 margin there (as it read its scores)
+    float64_gap: float | None = None
+    verdict: str | None = None
+    explanation: str | None = None
+    proved: bool | None = None
+    proof: str | None = None
+    warm_differs: bool | None = None
+
+
+@dataclass
+class ConditionStats:
+    name: str
+    label: str
+    runs: int
+    new_tokens: int
+    seconds: float
+    parting_prompts: int  # prompts with a run that differs from the reference
+    cached_tokens: int = 0  # prompt tokens the counted requests took from the cache (prefix sharing)
+    prompt_tokens: int = 0  # prompt tokens of the counted requests
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class ServeResult:
+    settings: ServeSettings
+    model: dict
+    engine: dict
+    prompts: list[PromptResult]
+    conditions: dict[str, ConditionStats]
+    notes: list[str]
+    elapsed_s: float
+    analysis_s: float = 0.0
+    batches: dict = field(default_factory=dict)  # run -> the batches of prompt indices (batch condition)
+
+    @property
+    def histogram(self) -> dict[int, int]:
+        """distinct completions (over all conditions and runs) -> number of prompts."""
+        return dict(sorted(Counter(p.distinct_all for p in self.prompts).items()))
+
+    def condition_histogram(self, condition: str) -> dict[int, int]:
+        return dict(sorted(Counter(p.distinct.get(condition, 0) for p in self.prompts
+                                   if condition in p.distinct).items()))
+
+    @property
+    def warm_differs_share(self) -> float | None:
+        flags = [p.warm_differs for p in self.prompts if p.warm_differs is not None]
+        return sum(flags) / len(flags) if flags else None
+
+    @property
+    def first_divergences(self) -> list[int]:
+        return [p.first_divergence for p in self.prompts if p.first_divergence is not None]
+
+    def verdict_counts(self) -> dict[str, int]:
+        return dict(Counter(p.verdict or "identical" for p in self.prompts))
+
+    def summary_line(self) -> str:
+        n = len(self.prompts)
+        parting = sum(p.first_divergence is not None for p in self.prompts)
+        one = self.histogram.get(1, 0)
+        share = self.warm_differs_share
+        return (f"{one} of {n} prompts gave exactly 1 distinct completion; {parting} parted from the reference"
+                + ("" if share is None else f"; warm ≠ cold for {share:.0%}"))
+
+    def to_dict(self) -> dict:
+        return {"settings": self.settings.to_dict(), "model": self.model, "engine": self.engine,
+                "prompts": [asdict(p) for p in self.prompts],
+                "conditions": {k: {**asdict(v), "tokens_per_s": v.tokens_per_s} for k, v in self.conditions.items()},
+                "histogram": {str(k): v for k, v in self.histogram.items()},
+                "warm_differs_share": self.warm_differs_share, "first_divergences": self.first_divergences,
+                "notes": self.notes, "elapsed_s": self.elapsed_s, "analysis_s": self.analysis_s,
+                "batches": {str(k): v for k, v in self.batches.items()}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ServeResult":
+        names = {f.name for f in fields(ServeSettings)}
+        s = {k: v for k, v in d["settings"].items() if k in names}
+        s["conditions"] = tuple(s.get("conditions", ()))
+        ex = d["settings"].get("execution") or {}
+        s["execution"] = ExecSettings(cache=ex.get("cache", "dynamic"), compile=ex.get("compile", "off"),
+                                      flags=tuple(ex.get("flags", ())), invariant=bool(ex.get("invariant", False)))
+        conds = {k: ConditionStats(**{f.name: v[f.name] for f in fields(ConditionStats) if f.name in v})
+                 for k, v in d["conditions"].items()}
+        return cls(settings=ServeSettings(**s), model=d["model"], engine=d["engine"],
+                   prompts=[PromptResult(**p) for p in d["prompts"]], conditions=conds, notes=d.get("notes", []),
+                   elapsed_s=d.get("elapsed_s", 0.0), analysis_s=d.get("analysis_s", 0.0),
+                   batches={int(k): v for k, v in d.get("batches", {}).items()})
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Planning the engine calls (pure functions of the config: the same plan on every machine)
+
+
+def plan_batches(n: int, k: int, runs: int, seed: int) -> dict[int, list[list[int]]]:
+    """For each run: the prompt indices shuffled (seeded) and cut into batches of k; the last batch is filled up
+    with random other prompts (neighbours whose outputs are not counted)."""
+    rng = random.Random(seed)
+    plan: dict[int, list[list[int]]] = {}
+    for r in range(runs):
+        order = list(range(n))
+        rng.shuffle(order)
+        batches = [order[i:i + k] for i in range(0, n, k)]
+        last = batches[-1]
+        while len(last) < k:
+            last.append(rng.randrange(n))
+        plan[r] = batches
+    return plan
+
+
+def _warmer(prefix_ids: list[int] | None, ids: list[int]) -> list[int]:
+    return list(prefix_ids) if prefix_ids else list(ids)
+
+
+def _requests(cond: str, ids: list[list[int]], n: int, run: int, plan: dict, prefix_ids: list[int] | None,
+              only: int | None = None, forced: list[int] | None = None, keep: bool = False):
+    """The engine requests of one run of one condition: (requests, requests per batch, prefix sharing, sequential
+    keys, counted keys -> prompt index). only/forced: just the prompt `only` (with `forced` tokens appended to its
+    prompt), with exactly the neighbours or warmer it had in that run."""
+    def target(i: int, key: str) -> Request:
+        if only is not None and i == only:
+            return Request(key, ids[i] + list(forced or []), n if forced is None else 1, keep_scores=keep)
+        return Request(key, ids[i], n)
+
+    reqs, seq, counted = [], set(), {}
+    if cond == "alone":
+        for i in range(len(ids)) if only is None else [only]:
+            key = f"p{i}"
+            reqs.append(target(i, key))
+            counted[key] = i
+        return reqs, 1, False, seq, counted
+    if cond == "batch":
+        batches = plan[run]
+        k = len(batches[0])
+        real = len(ids) - k * (len(batches) - 1)  # counted slots of the last batch; the rest are fill-ups
+        for b, batch in enumerate(batches):
+            slots = k if b < len(batches) - 1 else real
+            if only is not None and only not in batch[:slots]:
+                continue
+            for j, i in enumerate(batch):
+                key = f"b{b}_{j}_p{i}"
+                if j < slots and (only is None or i == only):
+                    reqs.append(target(i, key))
+                    counted[key] = i
+                else:
+                    reqs.append(Request(key, ids[i], n))
+        return reqs, k, False, seq, counted
+    for i in range(len(ids)) if only is None else [only]:  # warm
+        wkey, key = f"w{i}", f"p{i}"
+        reqs.append(Request(wkey, _warmer(prefix_ids, ids[i]), WARMER_TOKENS))
+        reqs.append(target(i, key))
+        seq.update((wkey, key))
+        counted[key] = i
+    return reqs, 1, True, seq, counted
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The study
+
+
+def _reference(ex: Executor, lm: LoadedModel, text: str, n: int) -> tuple[list[int], list[float]]:
+    from ..greedy.run import no_cache_loop, StepRecorder
+
+    inp = build_inputs(lm, text, 0, extra_tokens=n)
+    rec = StepRecorder("no_cache", n, lambda: None)
+    with ex.session():
+        no_cache_loop(ex, inp, n, rec)
+    return rec.tokens, rec.margins
+
+
+def _engine_run(engine, ex: Executor, reqs, per_batch, sharing, seq):
+    with ex.session():
+        return engine.run(ex.lm, reqs, max_in_flight=per_batch, prefix_sharing=sharing, sequential_keys=seq,
+                          invariant=ex.settings.invariant)
+
+
+def run_serving(lm: LoadedModel, cfg: ServeConfig, progress: Progress | None = None,
+                settings: ExecSettings | None = None, reference: LoadedModel | None = None,
+                prove: bool = True) -> ServeResult:
+    """Run the study (see the module docstring). settings: how the model runs (invariant mode included); reference:
+    the float64 model for the verdicts (lm.reference() when needed); prove: rerun parting conditions in invariant
+    mode (not needed when the study already runs in it)."""
+    progress = progress or (lambda f, m: None)
+    settings = (settings or DEFAULT_SETTINGS).validate()
+    if settings.compile != "off" or settings.cache != "dynamic":
+        raise KvvizError("the Serving view runs the engine's own paged cache without compile; leave the cache kind "
+                         "and compile at their defaults")
+    cfg.validate()
+    check_engine(cfg.engine)
+    t_start = time.perf_counter()
+    engine = make_engine(cfg.engine, cfg.page_size, cfg.tensor_parallel_size)
+    try:
+        return _study(lm, cfg, engine, settings, reference, prove, progress, t_start)
+    finally:
+        engine.close()  # vLLM: free the GPU the last LLM holds
+
+
+def _study(lm, cfg, engine, settings, reference, prove, progress, t_start) -> ServeResult:
+    texts = [cfg.shared_prefix + p for p in cfg.prompts]
+    ids = [encode(lm, t) for t in texts]
+    for t in texts:  # length checks, one line each
+        build_inputs(lm, t, 0, extra_tokens=cfg.max_new_tokens)
+    prefix_ids = None
+    if cfg.shared_prefix:
+        full = encode(lm, cfg.shared_prefix)
+        prefix_ids = full
+    n, N = cfg.max_new_tokens, len(ids)
+    plan = plan_batches(N, cfg.batch_size, cfg.runs, cfg.seed) if "batch" in cfg.conditions else {}
+    ex = Executor(lm, settings)
+    total = N + len(cfg.conditions) * cfg.runs
+    done = 0
+
+    refs: list[tuple[list[int], list[float]]] = []
+    t0 = time.perf_counter()
+    for i, t in enumerate(texts):
+        progress(0.8 * done / total, f"reference (no cache): prompt {i + 1}/{N}")
+        refs.append(_reference(ex, lm, t, n))
+        done += 1
+    stats = {"reference": ConditionStats("reference", CONDITION_LABELS["reference"], 1, N * n,
+                                         time.perf_counter() - t0, 0)}
+    completions: dict[str, list[list[list[int]]]] = {c: [[] for _ in range(N)] for c in cfg.conditions}
+    margins: dict[str, list[list[list[float]]]] = {c: [[] for _ in range(N)] for c in cfg.conditions}
+    for cond in cfg.conditions:
+        secs, new, cached, ptoks = 0.0, 0, 0, 0
+        for r in range(cfg.runs):
+            progress(0.8 * done / total, f"{CONDITION_LABELS[cond]}: run {r + 1}/{cfg.runs}")
+            reqs, per_batch, sharing, seq, counted = _requests(cond, ids, n, r, plan, prefix_ids)
+            out = _engine_run(engine, ex, reqs, per_batch, sharing, seq)
+            secs += out.seconds
+            new += out.new_tokens
+            for key, i in counted.items():
+                completions[cond][i].append(out.outputs[key].tokens)
+                margins[cond][i].append(out.outputs[key].margins)
+                cached += out.outputs[key].cached_tokens
+                ptoks += len(ids[i])
+            done += 1
+        stats[cond] = ConditionStats(cond, CONDITION_LABELS[cond], cfg.runs, new, secs, 0, cached, ptoks)
+
+    t_an = time.perf_counter()
+    tok = lm.tokenizer
+    results: list[PromptResult] = []
+    for i in range(N):
+        ref, ref_m = refs[i]
+        comp = {c: completions[c][i] for c in cfg.conditions}
+        distinct = {c: len({tuple(x) for x in comp[c]}) for c in cfg.conditions}
+        every = {tuple(ref)} | {tuple(x) for c in cfg.conditions for x in comp[c]}
+        pr = PromptResult(index=i, prompt=cfg.prompts[i], reference=ref, reference_text=tok.decode(ref),
+                          reference_margins=ref_m, completions=comp,
+                          texts={c: [tok.decode(x) for x in comp[c]] for c in cfg.conditions}, distinct=distinct,
+                          distinct_all=len(every))
+        best = None
+        for c in cfg.conditions:
+            for r, x in enumerate(comp[c]):
+                d = _first_divergence(ref, x)
+                if d is not None and (best is None or d < best[0]):
+                    best = (d, c, r)
+            if any(x != ref for x in comp[c]):
+                stats[c].parting_prompts += 1
+        if best is not None:
+            d, c, r = best
+            pr.first_divergence, pr.condition, pr.run = d, c, r
+            pr.reference_token = tok.decode([ref[d]])
+            pr.run_token = tok.decode([comp[c][r][d]])
+            pr.margin = ref_m[d]
+            rm = margins[c][i][r]
+            pr.run_margin = rm[d] if d < len(rm) else None
+        if "warm" in cfg.conditions and "alone" in cfg.conditions:
+            cold = {tuple(x) for x in comp["alone"]}
+            pr.warm_differs = any(tuple(x) not in cold for x in comp["warm"])
+        results.append(pr)
+    analysis_s = time.perf_counter() - t_an
+
+    parting = [p for p in results if p.first_divergence is not None]
+    if parting and cfg.engine == "vllm":
+        for p in parting:
+            p.verdict, p.explanation = None, (
+                f"Parts from the transformers reference at step {p.first_divergence} ({CONDITION_LABELS[p.condition]},"
+                f" run {p.run + 1}). vLLM runs no float64 and its kernels are not the transformers model's, so no "
+                "precision/logic verdict is replayed for this engine: the distinct counts across its own conditions "
+                "are the finding; rerun with the transformers engine for a verdict.")
+    elif parting:
+        progress(0.85, f"Replaying {len(parting)} first divergences in float64 for the verdicts…")
+        lm64 = reference or lm.reference()
+        ex64 = Executor(lm64, settings.with_(invariant=False))
+        for p in parting:
+            _explain(p, lm, lm64, ex64, engine, ids, n, plan, prefix_ids, cfg)
+        if prove and not settings.invariant:
+            progress(0.93, "Rerunning the parting conditions in invariant mode for the proof…")
+            exi = Executor(lm, settings.with_(invariant=True))
+            for p in parting:
+                _prove(p, lm, exi, engine, texts, ids, n, plan, prefix_ids)
+    notes = list(lm.warnings)
+    if settings.invariant:
+        notes.append("invariant mode: every condition, the engine's own thread included, ran in it")
+    if cfg.engine == "transformers" and not vllm_available():
+        notes.append("vLLM is not installed here; the transformers engine ran (vLLM needs a GPU machine)")
+    progress(1.0, "Done")
+    return ServeResult(settings=ServeSettings.from_run(RunInfo.of(lm, settings), prompt_source=cfg.prompt_source,
+                                                       shared_prefix=cfg.shared_prefix, conditions=cfg.conditions,
+                                                       runs=cfg.runs, max_new_tokens=n, batch_size=cfg.batch_size,
+                                                       seed=cfg.seed, engine=cfg.engine, page_size=cfg.page_size,
+                                                       tensor_parallel_size=cfg.tensor_parallel_size),
+                       model=lm.summary(), engine=engine_info(cfg.engine, cfg.page_size), prompts=results,
+                       conditions=stats, notes=notes, elapsed_s=time.perf_counter() - t_start,
+                       analysis_s=analysis_s, batches=plan)
+
+
+def engine_info(name: str, page_size: int) -> dict:
+    from .engines import ENGINE_TOGGLES
+
+    info = {"name": name, "toggles": list(ENGINE_TOGGLES[name]), "page_size": page_size}
+    if name == "transformers":
+        import transformers
+
+        info["version"] = transformers.__version__
+    return info
+
+
+def _first_divergence(a: list[int], b: list[int]) -> int | None:
+    for t, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return t
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _explain(p: PromptResult, lm, lm64, ex64: Executor, engine, ids, n, plan, prefix_ids, cfg) -> None:
+    """The first divergence replayed in float64 on the same tokens: the reference computation (a full forward)
+    against the same engine condition (same neighbours or warmer) run on the float64 model."""
+    from ..greedy.run import replay_step
+
+    t, cond = p.first_divergence, p.condition
+    forced = p.reference[:t]
+    ids64 = [encode(lm64, cfg.shared_prefix + q) for q in cfg.prompts]
+    inp64 = build_inputs(lm64, cfg.shared_prefix + cfg.prompts[p.index], 0, extra_tokens=n)
+    with ex64.session():
+        ref64 = replay_step(ex64, inp64, "full", forced).double().cpu()
+    reqs, per_batch, sharing, seq, counted = _requests(cond, ids64, n, p.run, plan, prefix_ids, only=p.index,
+                                                       forced=forced, keep=True)
+    out = _engine_run(engine, ex64, reqs, per_batch, sharing, seq)
+    key = next(k for k, i in counted.items() if i == p.index)
+    rows = out.outputs[key].scores
+    if not rows:
+        p.verdict, p.explanation = None, "the engine's float64 scores could not be read; no verdict"
+        return
+    eng64 = rows[0]
+    gap64 = float((eng64 - ref64).abs().max() / ref64.abs().max().clamp_min(1e-300))
+    p.float64_gap = gap64
+    p.verdict = classify(False, gap64)
+    head = (f"At step {t} run {p.run + 1} {CONDITION_LABELS[cond]} chose {p.run_token!r} where the reference chose "
+            f"{p.reference_token!r}; the reference's top-2 margin there was {p.margin:.3g}"
+            + (f" and the engine's {p.run_margin:.3g}" if p.run_margin is not None else "") + ".")
+    if p.verdict == "precision":
+        p.explanation = head + (f" Replayed in float64 on the same tokens, the engine ({cond}) and the full forward "
+                                f"agree to {gap64:.2g} (relative): rounding, not a bug.")
+    else:
+        p.explanation = head + (f" Replayed in float64 on the same tokens, the engine ({cond}) and the full forward "
+                                f"still differ by {gap64:.3g} (relative): a logic difference, not rounding.")
+
+
+def _prove(p: PromptResult, lm, exi: Executor, engine, texts, ids, n, plan, prefix_ids) -> None:
+    """The parting condition (the same run's neighbours or warmer) and the reference, rerun in invariant mode."""
+    t, cond = p.first_divergence, p.condition
+    steps = min(n, t + 1)
+    ref_i, _ = _reference(exi, lm, texts[p.index], steps)
+    reqs, per_batch, sharing, seq, counted = _requests(cond, ids, steps, p.run, plan, prefix_ids, only=p.index)
+    out = _engine_run(engine, exi, reqs, per_batch, sharing, seq)
+    key = next(k for k, i in counted.items() if i == p.index)
+    got = out.outputs[key].tokens
+    p.proved = got == ref_i
+    if p.proved:
+        p.proof = (f"Precision — proved: in invariant mode {CONDITION_LABELS[cond]} (the same neighbours/warmer) and "
+                   f"the reference choose the same {steps} tokens.")
+    else:
+        d = _first_divergence(ref_i, got)
+        parts = (f"in invariant mode {CONDITION_LABELS[cond]} still parts from the reference"
+                 + (f" at step {d}" if d is not None else ""))
+        if p.verdict == "precision":
+            # the proof failed: "rounding, not a bug" must not stand beside it (kvviz.verdict's rule)
+            p.explanation = p.explanation.replace(": rounding, not a bug.", ": rounding by the numbers, but unproved.")
+            p.proof = (f"Precision, unproved: {parts}, so reduction order alone does not explain it and it is not "
+                       f"shown to be rounding.")
+        else:
+            p.proof = f"{parts[0].upper()}{parts[1:]}: not reduction order — logic."
+
+
+def load_prompt_set(source: str | None = None, prompt: str | None = None, limit: int | None = DEFAULT_LIMIT
+                    ) -> tuple[list[str], str]:
+    """The prompts of a study: one prompt, or a set ('builtin', 'builtin:<category>', a .txt/.jsonl file)."""
+    from ...prompts import load_prompts
+
+    if prompt is not None:
+        if not prompt.strip():
+            raise KvvizError("the prompt is empty; type some text to compare")
+        return [prompt], "one prompt"
+    src = source or "builtin"
+    return load_prompts(src, limit), src
+
+
+def summary_text(res: ServeResult) -> str:
+    """The study as text (CLI, `open`)."""
+    s = res.settings
+    lines = [f"model: {res.model.get('description', s.model)}",
+             f"{s.dtype} on {s.device}, engine {s.engine} (page size {s.page_size}), {len(res.prompts)} prompts × "
+             f"{{{', '.join(s.conditions)}}} × {s.runs} runs, {s.max_new_tokens} new tokens, batch of {s.batch_size}"
+             + (", INVARIANT MODE" if s.execution.invariant else "")
+             + (f", shared prefix {s.shared_prefix!r}" if s.shared_prefix else ""), "",
+             res.summary_line(), "",
+             "distinct completions per prompt (all conditions and runs, the reference included) -> prompts:"]
+    lines += [f"  {k}: {v}" for k, v in res.histogram.items()]
+    lines += ["", "per condition:"]
+    for c in res.conditions.values():
+        lines.append(f"  {c.label:<34} {c.tokens_per_s:8.1f} tokens/s"
+                     + ("" if c.name == "reference" else f"   prompts parting from the reference: {c.parting_prompts}")
+                     + (f"   prompt tokens from the cache: {c.cached_tokens}/{c.prompt_tokens}" if c.cached_tokens
+                        else ""))
+    if res.first_divergences:
+        lines += ["", "first divergence positions: " + ", ".join(map(str, sorted(res.first_divergences)))]
+    parting = [p for p in res.prompts if p.first_divergence is not None]
+    if parting:
+        lines.append("")
+        for p in parting:
+            lines.append(f"[{p.index}] {p.prompt[:50]!r}: distinct {p.distinct_all}, parts at step {p.first_divergence}"
+                         f" ({p.condition}, run {p.run + 1}) — {(p.verdict or '?').upper()}: {p.explanation}"
+                         + (f" {p.proof}" if p.proof else ""))
+    for note in res.notes:
+        lines.append(f"note: {note}")
+    return "\n".join(lines)

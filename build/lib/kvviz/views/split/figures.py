@@ -1,0 +1,118 @@
+"""The split view's figures and tables: pure functions of its result (no model runs here)."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+
+from ...metrics import HIDDEN_METRICS
+from .run import SplitResult
+from ...plotting import METRIC_TITLES, short, heatmap, shared_range, zero_floor, floor_zeros, thin_x
+
+
+def split_heatmap(res: SplitResult, metric: str = "relative", log: bool = True) -> go.Figure:
+    if not res.main.has_cache:
+        raise ValueError("this result has no cached run to draw (the model returned no cache)")
+    if metric not in HIDDEN_METRICS:
+        raise ValueError(f"unknown metric {metric}; choose one of {', '.join(HIDDEN_METRICS)}")
+    labels = [f"{i}: {short(res.tokens[i])}" for i in res.compared]
+    title = (f"{METRIC_TITLES[metric]}: cached vs full forward — {res.settings.dtype} on "
+             f"{res.settings.device}, split {res.settings.split} ({res.settings.mode})")
+    return heatmap(res.main.hidden[metric], labels, res.layer_labels, title, METRIC_TITLES[metric], log)
+
+
+def ab_heatmaps(res_a: SplitResult, res_b: SplitResult, label_a: str, label_b: str, metric: str = "relative",
+                log: bool = True) -> tuple[go.Figure, go.Figure, go.Figure]:
+    """A/B: two split results of the same prompt and split on ONE shared colour scale, and their difference
+    |B − A| per layer and position (drawn like any gap map: exact zeros in their own colour)."""
+    for r in (res_a, res_b):
+        if not r.main.has_cache:
+            raise ValueError("this result has no cached run to draw (the model returned no cache)")
+    if metric not in HIDDEN_METRICS:
+        raise ValueError(f"unknown metric {metric}; choose one of {', '.join(HIDDEN_METRICS)}")
+    za, zb = (np.asarray(r.main.hidden[metric], dtype=float) for r in (res_a, res_b))
+    if za.shape != zb.shape or list(res_a.compared) != list(res_b.compared):
+        raise ValueError("A and B compare different positions or layers; use the same prompt and split point")
+    zrange = shared_range(za, zb, log)
+    labels = [f"{i}: {short(res_a.tokens[i])}" for i in res_a.compared]
+    name = METRIC_TITLES[metric]
+    fa = heatmap(za, labels, res_a.layer_labels, f"A — {label_a}", name, log, zrange=zrange)
+    fb = heatmap(zb, labels, res_a.layer_labels, f"B — {label_b}", name, log, zrange=zrange)
+    fd = heatmap(np.abs(zb - za), labels, res_a.layer_labels, f"|B − A| of {name}", "|B − A|", log)
+    return fa, fb, fd
+
+
+def layer_lines(res: SplitResult, metric: str = "relative", log: bool = True) -> go.Figure:
+    """Per layer: the worst and the mean over compared positions, with the float64 rerun dashed. In ε units every
+    line is in the run dtype's ε (the float64 rerun too, so it can never look worse than it is); on a log axis
+    exact zeros sit on a labelled "0" floor instead of dropping off the chart."""
+    fig = go.Figure()
+    x = res.layer_labels
+    runs = [(res.main, "")]
+    if res.float64 is not None and res.float64 is not res.main:
+        runs.append((res.float64, " (float64 rerun)"))
+    import torch as _torch
+
+    eps_run = _torch.finfo(getattr(_torch, res.settings.dtype)).eps
+    series = []
+    for comp, suffix in runs:
+        if not comp.has_cache:
+            continue
+        m = comp.hidden["relative"] / eps_run if metric == "eps_units" else comp.hidden[metric]
+        series.append((m, suffix))
+    positive = [v for m, _ in series for v in np.ravel(m) if v > 0]
+    floor = min(positive) / 10 if positive else 1e-20
+    for m, suffix in series:
+        dash = "dash" if suffix else None
+        for how, values in (("max", m.max(axis=1)), ("mean", m.mean(axis=1))):
+            fig.add_trace(go.Scatter(x=x, y=floor_zeros(values, floor) if log else values, mode="lines+markers",
+                                     name=f"{how} over tokens{suffix}", line=dict(dash=dash),
+                                     customdata=values, hovertemplate="%{x}: %{customdata:.4g}<extra></extra>"))
+    unit = f" (in {res.settings.dtype}'s ε)" if metric == "eps_units" else ""
+    fig.update_layout(title=f"{METRIC_TITLES[metric]}{unit} per layer — {res.settings.dtype} on {res.settings.device}",
+                      xaxis_title="hidden state", yaxis_title=METRIC_TITLES[metric] + unit, height=380,
+                      margin=dict(l=10, r=10, t=60, b=10), legend=dict(orientation="h", y=-0.35))
+    if log:
+        fig.update_yaxes(type="log", exponentformat="power")
+        if any((np.asarray(m) == 0).any() for m, _ in series):
+            zero_floor(fig, floor, "0 (bitwise equal)")
+    thin_x(fig, list(x))
+    return fig
+
+
+def logits_frame(res: SplitResult) -> pd.DataFrame:
+    lg = res.main.logits
+    return pd.DataFrame({
+        "position": res.compared,
+        "token": [res.tokens[i] for i in res.compared],
+        "next (full)": res.main.reference_top1,
+        "next (cached)": res.main.cached_top1,
+        "argmax agrees": lg["argmax_agree"].astype(bool),
+        "top-5 overlap": lg["top5_overlap"].astype(int),
+        "max |Δ logit|": lg["max_abs"],
+        "KL(full‖cached)": lg["kl"],
+    })
+
+
+def describe_frame(res: SplitResult) -> pd.DataFrame:
+    """The describe() table for the last compared position: rows mean … max, columns without/with/|Δ|/relative Δ."""
+    return pd.DataFrame(res.main.describe)
+
+
+def kv_frame(res: SplitResult) -> pd.DataFrame:
+    rows = [{
+        "layer": r["layer"] + 1,
+        "keys differing": f"{r['keys_differ']} of {r['keys_total']}",
+        "keys max |Δ|": r["keys_max_abs"],
+        "values differing": f"{r['values_differ']} of {r['values_total']}",
+        "values max |Δ|": r["values_max_abs"],
+    } for r in res.main.kv]
+    return pd.DataFrame(rows)
+
+
+def main(result) -> list:
+    return [split_heatmap(result), layer_lines(result)] if result.main.has_cache else []
+
+
+def tables(result) -> list:
+    return [logits_frame(result)] if result.main.has_cache else []

@@ -21,9 +21,16 @@ pytestmark = pytest.mark.heavy
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
+    import shutil
+
     tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"  # a copy: building writes build/ and *.egg-info next to the sources, not into the checkout
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    shutil.copytree(ROOT / "kvviz", src / "kvviz", ignore=shutil.ignore_patterns("__pycache__"))
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                        str(tmp / "dist"), str(ROOT)], capture_output=True, text=True, timeout=600)
+                        str(tmp / "dist"), str(src)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     wheel = next((tmp / "dist").glob("kvviz-*.whl"))
     venv = tmp / "venv"

@@ -1,9 +1,0 @@
-"""The bisector: the first module (and op) whose output differs between the cached run and the full forward.
-
-This folder is the whole view: run.py (config, run, result), figures.py, report.py (reopen, verdict), cli.py.
-Registered by one line in kvviz/views/__init__.py."""
-from .. import Page, View
-from .run import BisectResult, run_bisect
-
-VIEW = View("bisect", "Bisector", "BisectResult", "report:reopen", "figures:main", "report:verdict", cli="cli",
-            command="bisect")

@@ -213,7 +213,7 @@ class Executor:
             if mask is not None and mask.shape[-1] > ids.shape[-1]:
                 kwargs["attention_mask"] = mask[:, -ids.shape[-1]:]  # its mask covers the tokens fed, not the past
         if cache is not None:
-            kwargs[compat.cache_argument(self.lm.model) or "past_key_values"] = cache
+            kwargs[compat.cache_argument(self.lm.model) or compat.cache_argument_name()] = cache
         if logits_to_keep is not None:
             kwargs["logits_to_keep"] = logits_to_keep
         self.forwards += 1

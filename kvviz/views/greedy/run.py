@@ -40,7 +40,7 @@ DEFAULT_PATHS = ("no_cache", "cache", "generate")
 MAX_NEW_TOKENS = 1024
 PATH_LABELS = {
     "no_cache": "no cache (full forward each step)",
-    "cache": "cache (past_key_values)",
+    "cache": "cache (`cache`, past_key_values before transformers 5.24)",
     "generate": "model.generate",
     "user_loop": "the loop people write (no mask or positions after the prompt)",
     "float64": "float64 reference (no cache)",

@@ -9,7 +9,7 @@ from pages.common import page
 from pages.runner import progress_bar, run_cached, show_error
 
 SHORT = {1: "1 · Floats", 2: "2 · Sums", 3: "3 · One row", 4: "4 · One layer", 5: "5 · All layers",
-         6: "6 · A word flips", 7: "7 · The referee", 8: "8 · A bug"}
+         6: "6 · A word flips", 7: "7 · The referee", 8: "8 · A bug", 9: "Exercises: find the bug"}
 LOW = ("float32", "float16", "bfloat16")
 
 choice, _ = page("Lesson: rounding or a bug?",
@@ -31,6 +31,51 @@ def go(step: int) -> None:
 ss.setdefault("lesson_step", SHORT[1])
 st.radio("Step", list(SHORT.values()), key="lesson_step", horizontal=True, label_visibility="collapsed")
 step = next(k for k, v in SHORT.items() if v == ss["lesson_step"])
+
+
+def exercises_page() -> None:
+    """Find the bug: a scenario with its settings hidden; the gap, the float64 rerun on request, the student's
+    verdict checked against kvviz's, then what was hidden."""
+    from kvviz.exercises import ANSWERS, BY_KEY, run_exercise
+    from kvviz.views.split.figures import split_heatmap
+
+    st.subheader("Exercises: find the bug")
+    st.caption("Each exercise runs a cached-vs-full comparison whose settings are hidden. Look at the gap, rerun it "
+               "in float64 if you like, and decide: precision (rounding) or logic (a bug). Steps 7 and 8 show how.")
+    key = st.radio("Exercise", list(BY_KEY), format_func=lambda k: BY_KEY[k].title, horizontal=True,
+                   key="lesson_ex")
+    ex = BY_KEY[key]
+    st.markdown(f"**{ex.title}.** {ex.story}")
+    def compute():
+        with progress_bar(f"{ex.title}: running the scenario…") as report:
+            report(0.05, f"{ex.title}: running the scenario and its float64 rerun (a few seconds)…")
+            return run_exercise(key, models())
+
+    try:
+        run = run_cached(f"lesson_ex_{key}", {"model": choice.key_without("dtype", "invariant"), "ex": key}, compute)
+    except Exception as e:  # noqa: BLE001
+        show_error(e)
+        return
+    c1, c2 = st.columns(2)
+    c1.metric(f"largest relative gap ({ex.dtype})", f"{run.gap:.3g}")
+    shown = f"_lesson_ex64_{key}"
+    if ss.get(shown):
+        c2.metric("the same scenario in float64", "0" if not run.float64_gap else f"{run.float64_gap:.3g}")
+    else:
+        c2.button("Rerun it in float64", key=f"lesson_ex64_{key}", icon=":material/science:",
+                  on_click=lambda: ss.__setitem__(shown, True))
+    st.plotly_chart(split_heatmap(run.result, "relative"), width="stretch", key=f"lesson_ex_fig_{key}")
+    answer = st.radio("Your verdict", ANSWERS, index=None, horizontal=True, key=f"lesson_ex_answer_{key}",
+                      format_func={"precision": "precision (rounding)", "logic": "logic (a bug)"}.get)
+    if answer is not None:
+        right, text = run.check(answer)
+        (st.success if right else st.error)(text)
+
+
+if step == 9:
+    exercises_page()
+    st.button("← Back to step 8", key="lesson_prev_ex", on_click=go, args=(8,))
+    st.stop()
 st.subheader(f"Step {step}: {lesson.TITLES[step]}")
 
 # each step's few controls (a change reruns that step only)
@@ -105,9 +150,11 @@ else:
                + ("" if step in (1, 2) else f", with {choice.spec}") + ".")
 
 p, _, n = st.columns([1, 3, 1])
+if step == len(SHORT) - 1:
+    n.button("Exercises →", key="lesson_next", on_click=go, args=(9,), type="primary")
 if step > 1:
     p.button("← Previous step", key="lesson_prev", on_click=go, args=(step - 1,))
-if step < len(SHORT):
+if step < len(SHORT) - 1:
     n.button("Next step →", key="lesson_next", on_click=go, args=(step + 1,), type="primary")
 
 st.divider()

@@ -14,8 +14,8 @@ def test_the_lesson_walks_every_step_and_reveals_each_figure(monkeypatch):
     at = start("pages/lesson.py", model="tiny:llama")
     assert "Lesson" in at.title[0].value
     labels = at.radio(key="lesson_step").options
-    assert len(labels) == 8
-    for i, label in enumerate(labels, start=1):
+    assert len(labels) == 9 and labels[-1].startswith("Exercises")
+    for i, label in enumerate(labels[:8], start=1):
         at.radio(key="lesson_step").set_value(label).run()
         assert not at.exception, (label, at.exception)
         assert len(calls) == i, label  # each step computed once, when opened
@@ -53,3 +53,24 @@ def test_bad_input_is_one_line_and_the_handout_downloads():
     at.button(key="lesson_handout").click().run()
     assert not at.exception
     assert len(at.get("download_button")) == 1
+
+
+def test_find_the_bug_exercises_check_the_students_verdict(monkeypatch):
+    import kvviz.exercises as exercises
+
+    calls = count_calls(monkeypatch, exercises, "run_exercise")
+    at = start("pages/lesson.py", model="tiny:llama")
+    at.radio(key="lesson_step").set_value(at.radio(key="lesson_step").options[-1]).run()
+    assert not at.exception and len(calls) == 1
+    assert [r for r in at.radio if r.key == "lesson_ex"][0].value == "server"
+    assert len(at.get("plotly_chart")) == 1
+    # the float64 rerun is shown on request, without running anything again
+    at.button(key="lesson_ex64_server").click().run()
+    assert "float64" in " ".join(m.label for m in at.metric) and len(calls) == 1
+    # the pad-bug exercise: answering logic is right, and the hidden setting is named
+    at.radio(key="lesson_ex").set_value("batch").run()
+    at.radio(key="lesson_ex_answer_batch").set_value("logic").run()
+    assert not at.exception and len(calls) == 2
+    assert "Right." in alerts(at) and "position ids" in alerts(at)
+    at.radio(key="lesson_ex_answer_batch").set_value("precision").run()
+    assert "Not this one: it is logic" in alerts(at) and len(calls) == 2

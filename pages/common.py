@@ -138,6 +138,8 @@ PRESENTER_CSS = """<style>
 .block-container p, .block-container li, .block-container label {font-size: 1.12rem !important;}
 .js-plotly-plot .main-svg text {font-size: 15px !important;}
 .js-plotly-plot .main-svg .gtitle {font-size: 18px !important;}
+[data-testid="stMetricLabel"], [data-testid="stMetricLabel"] * {white-space: normal !important;
+  overflow: visible !important; text-overflow: clip !important; height: auto !important;}
 </style>"""
 
 

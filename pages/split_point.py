@@ -88,7 +88,19 @@ if not res.main.has_cache:
 with left:  # tiles: the unit in each label (absolute, relative to |x|, in ε, positions)
     f64 = res.float64
     tiles = []
-    if res.invariant is not None and not choice.invariant:
+    if choice.invariant:  # the proof alone reads "identical": the normal run's gap goes beside it
+        try:
+            normal = run_cached("split_normal", {"model": choice.key, "cfg": cfg.__dict__},
+                                lambda: kvviz.run_split(lm, cfg, settings=choice.settings.with_(invariant=False),
+                                                        prove=False))
+        except Exception as e:  # noqa: BLE001
+            show_error(e)
+        else:
+            tiles += [("max |Δ|, normal run (absolute)", f"{normal.main.max_abs:.3g}",
+                       "The same scenario with invariant mode off: the gap the proof removes"),
+                      ("max |Δ|, invariant mode (absolute)", f"{res.main.max_abs:.3g}",
+                       "This run: every row computed the same way whatever the shape")]
+    elif res.invariant is not None:
         tiles += [("max |Δ|, normal run (absolute)", f"{res.main.max_abs:.3g}",
                    "The largest absolute gap of a hidden state, in the model's own units"),
                   ("max |Δ|, invariant mode (absolute)", f"{res.invariant.max_abs:.3g}",

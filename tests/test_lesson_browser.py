@@ -48,3 +48,33 @@ def test_the_lesson_walks_every_step_with_its_figure(server, artifacts, scheme, 
             assert page.locator(".js-plotly-plot .main-svg").count() >= 1
             page.screenshot(path=str(artifacts / f"lesson-{scheme}-step{k}.png"), full_page=True)
         ctx.close()
+
+
+def test_presenter_mode_enlarges_home_and_never_cuts_a_tile_label(server, artifacts):
+    def link(path, **params):
+        q = "&".join(f"{k}={quote(json.dumps(v))}" for k, v in params.items())
+        return f"{server}/{path}?{q}"
+
+    with browser() as b:
+        ctx = b.new_context(viewport={"width": 1280, "height": 720})
+        sizes = {}
+        for presenter in (False, True):
+            page = ctx.new_page()
+            page.goto(link("", model_preset="tiny:llama", presenter=presenter))
+            page.get_by_text("Start with a scenario").first.wait_for(timeout=120_000)
+            wait_idle(page)
+            sizes[presenter] = page.evaluate(
+                "parseFloat(getComputedStyle(document.querySelector('[data-testid=\"stMainBlockContainer\"] p'))"
+                ".fontSize)")
+            page.close()
+        assert sizes[True] > sizes[False], sizes
+        page = ctx.new_page()
+        page.goto(link("split_point", model_preset="tiny:llama", presenter=True, invariant=True))
+        page.wait_for_selector('[data-testid="stMetricLabel"]', timeout=240_000)
+        wait_idle(page)
+        no_exception(page)
+        cut = page.evaluate("""[...document.querySelectorAll('[data-testid="stMetricLabel"]')].filter(
+            e => [e, ...e.querySelectorAll('*')].some(x => x.scrollWidth > x.clientWidth + 1)).map(e => e.innerText)""")
+        page.screenshot(path=str(artifacts / "presenter-split-tiles.png"), full_page=True)
+        assert not cut, cut
+        ctx.close()

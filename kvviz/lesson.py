@@ -14,7 +14,9 @@ show the same). Model calls go through kvviz.execution.Executor. No Streamlit he
 from __future__ import annotations
 
 import math
+import threading
 import time
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
@@ -324,21 +326,51 @@ class Gaps:
     full_rows: torch.Tensor  # [n_hidden, n_rest, H] float64, on the CPU: the full forward's compared rows
 
 
+_MEMO: "OrderedDict[tuple, Gaps]" = OrderedDict()  # steps 4, 5 and 7 share runs: a lesson walk pays each once
+_MEMO_SIZE = 24
+_MEMO_LOCK = threading.Lock()
+
+
+def clear_memo() -> None:
+    _MEMO.clear()
+
+
 def cached_vs_full(lm: LoadedModel, prompt: str = LESSON_PROMPT, n_rest: int = 2, left_pad: int = 0,
                    positions: str = "auto", invariant: bool = False) -> Gaps:
     """The prompt's last `n_rest` tokens fed one by one through the cache of the rest vs one full forward, with
-    the position ids given ("auto") or left out ("omit"); optionally in invariant mode."""
+    the position ids given ("auto") or left out ("omit"); optionally in invariant mode. The same run asked again
+    (another step of the lesson) is answered from a small memo."""
+    key = (id(lm), lm.name, dtype_name(lm.dtype), str(lm.device), prompt, n_rest, left_pad, positions, invariant)
+    with _MEMO_LOCK:
+        if key in _MEMO:
+            _MEMO.move_to_end(key)
+            return _MEMO[key]
+    g = _cached_vs_full(lm, prompt, n_rest, left_pad, positions, invariant)
+    with _MEMO_LOCK:
+        _MEMO[key] = g
+        while len(_MEMO) > _MEMO_SIZE:
+            _MEMO.popitem(last=False)
+    return g
+
+
+def _cached_vs_full(lm: LoadedModel, prompt: str, n_rest: int, left_pad: int, positions: str,
+                    invariant: bool) -> Gaps:
+    from .views.split.run import takes_logits_to_keep
+
     inp = build_inputs(lm, prompt, left_pad)
     if inp.n_tokens < n_rest + 1:
         raise KvvizError(f"the prompt needs more than {n_rest} tokens (it has {inp.n_tokens})")
     a0 = inp.total - n_rest
     ex = Executor(lm, ExecSettings(invariant=invariant), max_len=inp.total)
     with ex.session():
-        full = ex.forward(inp.ids, inp.mask, inp.positions, use_cache=False, hidden=True)
+        keep = takes_logits_to_keep(lm.model)  # only the compared rows' logits (the vocabulary is the costly part)
+        full = ex.forward(inp.ids, inp.mask, inp.positions, use_cache=False, hidden=True,
+                          logits_to_keep=n_rest if keep else None)
         ref = torch.stack([h[0, a0:] for h in full.hidden_states]).double()
-        ref_logits = full.logits[0, a0:].double()
+        ref_logits = full.logits[0, -n_rest:].double()
         del full
-        pre = ex.forward(inp.ids[:, :a0], inp.mask[:, :a0], inp.positions[:, :a0], hidden=False)
+        pre = ex.forward(inp.ids[:, :a0], inp.mask[:, :a0], inp.positions[:, :a0], hidden=False,
+                         logits_to_keep=1 if keep else None)
         cache = output_cache(pre)
         if cache is None:
             raise KvvizError(f"{lm.name} returns no cache (a bidirectional model): this step needs a causal model")
@@ -446,7 +478,7 @@ def step_layers(models: Models, prompt: str = LESSON_PROMPT, n_rest: int = 2,
 
 
 @_timed
-def step_greedy(lm: LoadedModel, prompt: str = GREEDY_PROMPT, n: int = 8, fast: bool = True) -> StepResult:
+def step_greedy(lm: LoadedModel, prompt: str = GREEDY_PROMPT, n: int = 6, fast: bool = True) -> StepResult:
     """Step 6: greedy decoding with and without cache; where they part, the top-2 margin there against the gap."""
     from .views.greedy.run import GreedyConfig, run_greedy
 
@@ -495,7 +527,7 @@ def step_greedy(lm: LoadedModel, prompt: str = GREEDY_PROMPT, n: int = 8, fast: 
 
 
 @_timed
-def step_referee(models: Models, prompt: str = LESSON_PROMPT, dtype: str = "bfloat16", n_rest: int = 2) -> StepResult:
+def step_referee(models: Models, prompt: str = LESSON_PROMPT, dtype: str = "float32", n_rest: int = 2) -> StepResult:
     """Step 7: the same scenario in the dtype, in float64, and in invariant mode."""
     name = dtype_name(parse_dtype(dtype))
     normal = cached_vs_full(models(name), prompt, n_rest)

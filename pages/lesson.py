@@ -100,10 +100,10 @@ elif step == 6:
                                       help="The default model's own text, cut just before a near tie it met on a "
                                            "CPU in bfloat16: the paths part within a few tokens there (on other "
                                            "machines the tie may fall elsewhere: try more tokens)")
-    options["n"] = int(c2.number_input("New tokens", 2, 64, 8, key="lesson_n6"))
+    options["n"] = int(c2.number_input("New tokens", 2, 64, 6, key="lesson_n6"))
     options["dtype"] = c3.selectbox("dtype", LOW, index=2, key="lesson_dtype6")
 elif step == 7:
-    options["dtype"] = st.selectbox("dtype", LOW, index=2, key="lesson_dtype7")
+    options["dtype"] = st.selectbox("dtype", LOW, index=0, key="lesson_dtype7")
 elif step == 8:
     c1, c2 = st.columns(2)
     options["left_pad"] = int(c1.number_input("Pad tokens before the prompt", 1, 64, 3, key="lesson_pad"))

@@ -165,3 +165,19 @@ def test_the_pages_bench_times_every_lesson_step():
     assert list(calls) == [f"lesson_{k}" for k in lesson.STEPS]
     for name in ("lesson_1", "lesson_2"):  # the model steps run in the tests above, with the same defaults
         assert calls[name]().step == int(name[-1])
+
+
+def test_steps_share_their_runs_within_a_lesson_walk(models, monkeypatch):
+    from kvviz.execution import Executor
+
+    calls = []
+    real = Executor.forward
+    monkeypatch.setattr(Executor, "forward", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    lesson.clear_memo()
+    lesson.step_layers(models, PROMPT)
+    walked = len(calls)
+    assert walked == 4 * 4  # float64 + three dtypes: full, prefix and one forward per compared token (2)
+    lesson.step_one_layer(models, PROMPT, dtype="bfloat16")
+    ref = lesson.step_referee(models, PROMPT, "float32")
+    assert len(calls) == walked + 4  # only the invariant-mode run is new
+    assert ref.data["normal"] == lesson.step_layers(models, PROMPT).data["dtypes"]["float32"]["relative"]

@@ -132,7 +132,7 @@ def fig_greedy(r: StepResult) -> go.Figure:
     x = list(range(len(d["margins"])))
     fig = go.Figure()
     fig.add_trace(go.Bar(x=x, y=_floor(d["margins"]), name="top-2 margin (no-cache path)", marker_color="#9ecae1",
-                         customdata=d["tokens"], hovertemplate="step %{x}: %{customdata!r}, margin %{y:.3g}"
+                         customdata=[repr(t) for t in d["tokens"]], hovertemplate="step %{x}: %{customdata}, margin %{y:.3g}"
                                                                "<extra></extra>"))
     fig.add_trace(go.Scatter(x=x, y=_floor(d["gaps"]), name="largest |Δ logit| between the paths",
                              mode="lines+markers", line=dict(color="#d62728")))

@@ -42,6 +42,7 @@ def test_the_lesson_walks_every_step_with_its_figure(server, artifacts, scheme, 
             page.get_by_text("Why.").first.wait_for(timeout=120_000)
             wait_idle(page, 120)
             no_exception(page)
+            page.wait_for_selector(".js-plotly-plot .main-svg", timeout=60_000)  # plotly draws after the script
             plots = page.locator(".js-plotly-plot")
             assert plots.count() == 1, (label, plots.count())
             assert f"Step {k}" in plots.first.inner_text(), label

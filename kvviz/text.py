@@ -35,6 +35,15 @@ def display_tokens(tokenizer, ids: list[int]) -> list[str]:
     return out
 
 
+def display_text(tokenizer, ids: list[int]) -> str:
+    """A decoded text for display: as the tokenizer decodes it, except that bytes which are not valid UTF-8 (a
+    random model's output, a cut-off character) show as their bytes ("⟨e4 b8⟩") instead of "\ufffd" mojibake."""
+    text = tokenizer.decode(ids)
+    if REPLACEMENT not in text:
+        return text
+    return "".join(t for t in display_tokens(tokenizer, ids) if t != CONTINUATION)
+
+
 def _byte_table() -> dict[str, int]:
     try:
         from transformers.convert_slow_tokenizer import bytes_to_unicode

@@ -52,7 +52,8 @@ def precision_sentence(float64_gap: float, proved: bool | None, invariant_gap: f
     if proved:
         return (f"{ROUNDING_NOT_A_BUG} - proved: in invariant mode (each row computed by the same kernel in the "
                 f"same order whatever the shape) the gap is exactly 0"
-                + (f", against {normal_gap:.3g} in the normal run" if normal_gap else "")
+                + (f", against a largest absolute gap of {normal_gap:.3g} (in the hidden state's own units) in the "
+                   "normal run" if normal_gap else "")
                 + f"; reduction order alone made it ({f64}).")
     if proved is None:
         return (f"{ROUNDING_NOT_A_BUG} by the numbers: {f64}, far below anything a logic error leaves "

@@ -138,6 +138,8 @@ PRESENTER_CSS = """<style>
 .block-container p, .block-container li, .block-container label {font-size: 1.12rem !important;}
 .js-plotly-plot .main-svg text {font-size: 15px !important;}
 .js-plotly-plot .main-svg .gtitle {font-size: 18px !important;}
+[data-testid="stMetricLabel"], [data-testid="stMetricLabel"] * {white-space: normal !important;
+  overflow: visible !important; text-overflow: clip !important; height: auto !important;}
 </style>"""
 
 
@@ -145,12 +147,13 @@ PRESENTER_CSS = """<style>
 # A view's page comes from the view registry (its `page`: stem, section, icon; its title); the pages that are not
 # views are listed here. Adding a view with a page: its folder names the page, and the page script is pages/<stem>.py.
 _OTHER_PAGES = {
+    "Lesson": [("lesson", "Lesson: rounding or a bug?", ":material/school:")],
     "Start": [("home", "About kvviz", ":material/home:"), None,
               ("open_result", "Open a result", ":material/folder_open:")],
     "Reference": [("guide", "Guide", ":material/menu_book:"),
                   ("glossary", "Glossary", ":material/dictionary:")],
 }
-SECTIONS = ("Start", "Investigate", "Classic traps", "Engine", "Reference")
+SECTIONS = ("Lesson", "Start", "Investigate", "Classic traps", "Engine", "Reference")
 
 
 def _nav() -> dict[str, list[tuple[str, str, str]]]:

@@ -6,6 +6,7 @@ from pages.defaults import DEFAULTS
 from kvviz.views.greedy import figures as greedy_figures
 from kvviz.views.greedy.run import DEFAULT_PATHS, MAX_NEW_TOKENS, PATH_LABELS, PATHS, GreedyConfig, run_greedy
 from kvviz.inputs import POSITION_MODES
+from kvviz.firstscreen import greedy_closest_call
 from pages.common import controls, page, show_verdict, verdict_and_chart
 from pages.runner import progress_bar, run_cached, show_error
 from pages.ab import ab_run, show_ab
@@ -16,12 +17,16 @@ choice, lm = page("Greedy paths",
                   "by side, the step where they part, how close that decision was, and whether it is rounding or logic.")
 
 with controls():
-    prompt = st.text_area("Prompt", DEFAULTS["greedy"]["prompt"], key="greedy_prompt", height=80)
+    # defaults through session state only (a scenario sets these keys: a widget default as well would warn)
+    for k, v in (("greedy_prompt", DEFAULTS["greedy"]["prompt"]), ("greedy_n", DEFAULTS["greedy"]["n"]),
+                 ("greedy_paths", list(DEFAULT_PATHS))):
+        st.session_state.setdefault(k, v)
+    prompt = st.text_area("Prompt", key="greedy_prompt", height=80)
     c1, c2, c3 = st.columns(3)
-    n_new = c1.number_input("New tokens", 1, MAX_NEW_TOKENS, DEFAULTS["greedy"]["n"], key="greedy_n")
+    n_new = c1.number_input("New tokens", 1, MAX_NEW_TOKENS, key="greedy_n")
     left_pad = c2.number_input("Left padding", 0, 64, 0, key="greedy_pad")
     pos_mode = c3.radio("Position ids (cache path)", POSITION_MODES, horizontal=True, key="greedy_pos")
-    paths = st.multiselect("Paths", PATHS, default=list(DEFAULT_PATHS), key="greedy_paths",
+    paths = st.multiselect("Paths", PATHS, key="greedy_paths",
                            format_func=PATH_LABELS.get)
     o1, o2 = st.columns(2)
     fast = o1.toggle("Fast preview (teacher-forced no-cache path)", False, key="greedy_fast",
@@ -51,7 +56,14 @@ with left:
     if not parting:
         st.success(f"All {len(res.paths)} paths chose the same {res.steps} tokens."
                    + (" Invariant mode is on: the paths' logits agree bit for bit wherever their logic is the same."
-                      if choice.invariant else ""))
+                      if choice.invariant else " " + greedy_closest_call(res)))
+        if not choice.invariant:
+            from kvviz.lesson import GREEDY_PROMPT
+
+            st.button("Show a near tie (bfloat16, a prompt that parts within a few tokens on a CPU)",
+                      key="greedy_show_tie", icon=":material/visibility:", type="primary",
+                      on_click=st.session_state.update,
+                      kwargs={"greedy_prompt": GREEDY_PROMPT, "greedy_n": 8, "dtype": "bfloat16"})
     else:
         first = min(parting, key=lambda p: p.first_divergence)
         show_verdict(first.verdict, first.explanation, first.proof)

@@ -7,6 +7,10 @@ from pages.common import PAGE_TITLES, ensure_navigation
 from pages.state import start_scenario
 
 ensure_navigation()
+if st.session_state.get("presenter"):  # Home is not drawn by pages.common.page(): the presenter stylesheet here too
+    from pages.common import PRESENTER_CSS
+
+    st.markdown(PRESENTER_CSS, unsafe_allow_html=True)
 if st.session_state.get("_goto"):
     st.switch_page(st.session_state.pop("_goto"))
 

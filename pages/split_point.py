@@ -8,6 +8,7 @@ from kvviz import plotting
 from kvviz.views.split import figures as split_figures
 from kvviz.inputs import MASK_MODES, POSITION_MODES, encode
 from kvviz.metrics import HIDDEN_METRICS
+from kvviz.firstscreen import split_identical_why
 from pages.common import controls, page, show_verdict, token_strip, verdict_and_chart
 from pages.state import linked_slider_box
 from pages.runner import page_message, progress_bar, run_cached, show_error
@@ -49,7 +50,8 @@ with controls():
     with c2:
         mode = st.radio("Feed the rest", ["chunk", "step"], horizontal=True, key="split_mode",
                         format_func={"chunk": "in one chunk", "step": "token by token"}.get)
-        left_pad = st.number_input("Left padding (pad tokens before the prompt)", 0, 64, 0, key="split_pad")
+        st.session_state.setdefault("split_pad", 0)  # a scenario sets it: no widget default as well
+        left_pad = st.number_input("Left padding (pad tokens before the prompt)", 0, 64, key="split_pad")
         pos_mode = st.radio("Position ids for the rest", POSITION_MODES, horizontal=True, key="split_pos",
                             help="auto: derived from the attention mask, as generate() does. omit: let the model count "
                                  "from the cache length (wrong when the prompt is left-padded: the pads get counted; see docs/guide.md).")
@@ -74,13 +76,31 @@ except Exception as e:  # noqa: BLE001 - one line, the app keeps working
 
 left, right = verdict_and_chart()
 with left:
-    show_verdict(res.verdict, res.explanation, res.proof)
+    why, fix = split_identical_why(res, choice.invariant)  # an identical first screen says why, with one click
+    show_verdict(res.verdict, res.explanation + (f" {why}" if why else ""), res.proof)
+    if fix:
+        st.button({"step": "Feed the rest token by token (shows the gap)",
+                   "bfloat16": "Switch to bfloat16 (shows the gap)"}[fix], key="split_show_gap",
+                  on_click=st.session_state.update, icon=":material/visibility:", type="primary",
+                  kwargs={"step": {"split_mode": "step"}, "bfloat16": {"dtype": "bfloat16"}}[fix])
 if not res.main.has_cache:
     st.stop()
 with left:  # tiles: the unit in each label (absolute, relative to |x|, in ε, positions)
     f64 = res.float64
     tiles = []
-    if res.invariant is not None and not choice.invariant:
+    if choice.invariant:  # the proof alone reads "identical": the normal run's gap goes beside it
+        try:
+            normal = run_cached("split_normal", {"model": choice.key, "cfg": cfg.__dict__},
+                                lambda: kvviz.run_split(lm, cfg, settings=choice.settings.with_(invariant=False),
+                                                        prove=False))
+        except Exception as e:  # noqa: BLE001
+            show_error(e)
+        else:
+            tiles += [("max |Δ|, normal run (absolute)", f"{normal.main.max_abs:.3g}",
+                       "The same scenario with invariant mode off: the gap the proof removes"),
+                      ("max |Δ|, invariant mode (absolute)", f"{res.main.max_abs:.3g}",
+                       "This run: every row computed the same way whatever the shape")]
+    elif res.invariant is not None:
         tiles += [("max |Δ|, normal run (absolute)", f"{res.main.max_abs:.3g}",
                    "The largest absolute gap of a hidden state, in the model's own units"),
                   ("max |Δ|, invariant mode (absolute)", f"{res.invariant.max_abs:.3g}",

@@ -33,8 +33,10 @@ def greedy_margins(res) -> go.Figure:
         fig.add_trace(go.Scatter(
             x=list(range(len(p.margins))), y=[m if m > 0 else floor for m in p.margins], mode="lines+markers",
             name=p.label, marker=dict(symbol=symbols, size=7),
-            customdata=[[t, s, f"{m:.4g}" if m > 0 else "0 (a tie)"] for t, s, m in zip(p.tokens, p.top2, p.margins)],
-            hovertemplate="step %{x}: chose %{customdata[0]!r} over %{customdata[1]!r}<br>margin %{customdata[2]}"
+            # tokens quoted here: plotly's hover templates have no !r (it drew "chose - over -")
+            customdata=[[repr(t), repr(s), f"{m:.4g}" if m > 0 else "0 (a tie)"]
+                        for t, s, m in zip(p.tokens, p.top2, p.margins)],
+            hovertemplate="step %{x}: chose %{customdata[0]} over %{customdata[1]}<br>margin %{customdata[2]}"
                           "<extra>" + p.name + "</extra>"))
     for pr in res.pairs:
         if pr.first_divergence is not None:

@@ -529,33 +529,42 @@ def _notes(lm: LoadedModel, cfg: GreedyConfig, runs: dict[str, PathRun]) -> list
 
 
 def prove_pairs(lm: LoadedModel, cfg: GreedyConfig, settings: ExecSettings, inp: PromptInputs,
-                pairs: list[PairResult], progress: Progress) -> None:
-    """Rerun the paths of `pairs` (same-dtype pairs: the float64 path is another dtype, not another order) in
-    invariant mode and say for each pair whether it agrees bit for bit there: proved precision, or logic."""
+                pairs: list[PairResult], progress: Progress, runs: dict[str, PathRun] | None = None) -> None:
+    """The proof of each same-dtype pair (the float64 path is another dtype, not another order): both paths'
+    computations replayed in invariant mode on the same tokens at one step - where they part, else their last step -
+    and compared bit for bit: equal is precision, proved; different is logic. In invariant mode shapes do not
+    matter, so each computation is one prefill and one chunk (a few forwards, not a second decode of every path)."""
     todo = [p for p in pairs if "float64" not in (p.a, p.b)]
     if not todo:
         return
-    names = tuple(n for n in _RUN_ORDER if any(n in (p.a, p.b) for p in todo))
-    progress(0.95, "Rerunning the paths in invariant mode for the proof…")
-    inv_cfg = GreedyConfig(cfg.prompt, cfg.max_new_tokens, cfg.left_pad, cfg.position_ids, names)
-    runs = _decode_paths(lm, inv_cfg, settings.with_(invariant=True, compile="off"), inp, None, lambda f, m: None)
-    for p in todo:
-        a, b = runs[p.a], runs[p.b]
-        p.proved = a.token_ids == b.token_ids and torch.equal(a.logits, b.logits.to(a.logits.device))
-        if p.verdict == "precision" and p.float64_gap is not None:  # the explanation carries its proof state
-            inv_gap = (None if len(a.logits) != len(b.logits) else
-                       float((a.logits.double() - b.logits.to(a.logits.device).double()).abs().max()))
-            head = p.explanation.split(" Replayed in float64")[0]
-            p.explanation = (head + " Replayed in float64 on the same tokens: "
-                             + ("a near tie flipped by rounding. " if p.proved else "")
-                             + precision_sentence(p.float64_gap, p.proved, inv_gap))
-        if p.proved:
-            p.proof = ("Precision — proved: in invariant mode (every row computed the same way whatever the shape) "
-                       f"{p.a} and {p.b} agree bit for bit at every step.")
-        else:
-            d = first_divergence(a.token_ids, b.token_ids)
-            p.proof = (f"In invariant mode {p.a} and {p.b} still differ"
-                       + (f" (they part at step {d})" if d is not None else "") + ": not reduction order - logic.")
+    progress(0.95, "Replaying the parting step in invariant mode for the proof…")
+    if runs is None:  # the paths' tokens (a caller without them: decode once, normally)
+        runs = _decode_paths(lm, GreedyConfig(cfg.prompt, cfg.max_new_tokens, cfg.left_pad, cfg.position_ids,
+                                              tuple(n for n in _RUN_ORDER if any(n in (p.a, p.b) for p in todo))),
+                             settings, inp, None, lambda f, m: None)
+    ex = Executor(lm, settings.with_(invariant=True, compile="off"), max_len=inp.total + cfg.max_new_tokens)
+    memo: dict = {}
+    with ex.session():
+        for p in todo:
+            a, b = runs[p.a], runs[p.b]
+            t = p.first_divergence if p.first_divergence is not None else min(len(a.token_ids), len(b.token_ids)) - 1
+            forced = a.token_ids[:t]
+            la, lb = (_replay_memo(memo, ex, inp, _logic(name, cfg.position_ids), forced) for name in (p.a, p.b))
+            p.proved = bool(torch.equal(la, lb))
+            inv_gap = float((la - lb).abs().max())
+            where = f"at step {t}" + (", where they part" if p.first_divergence is not None else ", the last")
+            if p.verdict == "precision" and p.float64_gap is not None:  # the explanation carries its proof state
+                head = p.explanation.split(" Replayed in float64")[0]
+                p.explanation = (head + " Replayed in float64 on the same tokens: "
+                                 + ("a near tie flipped by rounding. " if p.proved else "")
+                                 + precision_sentence(p.float64_gap, p.proved, inv_gap))
+            if p.proved:
+                p.proof = (f"Precision — proved: replayed in invariant mode on the same {t} tokens (every row "
+                           f"computed the same way whatever the shape), {p.a} and {p.b} give bit for bit the same "
+                           f"logits {where}.")
+            else:
+                p.proof = (f"In invariant mode {p.a} and {p.b} still differ {where} (by up to {inv_gap:.3g}): not "
+                           "reduction order - logic.")
 
 
 def run_greedy(lm: LoadedModel, cfg: GreedyConfig, progress: Progress | None = None,
@@ -585,7 +594,7 @@ def run_greedy(lm: LoadedModel, cfg: GreedyConfig, progress: Progress | None = N
                 _explain(p, runs, lm, cfg, f64.ex, f64.inp, memo)
     if not settings.invariant and (prove if prove is not None else
                                    any(p.verdict == "precision" and "float64" not in (p.a, p.b) for p in pairs)):
-        prove_pairs(lm, cfg, settings, inp, pairs, progress)
+        prove_pairs(lm, cfg, settings, inp, pairs, progress, runs)
     progress(1.0, "Done")
     return GreedyResult(settings=GreedySettings.of(cfg, RunInfo.of(lm, settings)), model=lm.summary(),
                         prompt_tokens=inp.token_texts, layer_labels=layer_labels(runs[names[0]].hidden.shape[1]),

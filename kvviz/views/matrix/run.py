@@ -26,6 +26,7 @@ from ..greedy.run import replay_step, first_divergence
 from ...inputs import POSITION_MODES, PromptInputs, check_mode, encode, pad_token_id, positions_from_mask
 from ...loading import LoadedModel, load_model
 from ...verdict import classify
+from ...text import display_text
 
 Progress = Callable[[float, str], None]
 VERDICTS = ("identical", "precision", "logic", "nondeterministic", "lossy")
@@ -262,7 +263,7 @@ def _run_cell(runner: _Runner, cell: Cell, ref: tuple, n: int, progress: Callabl
     cell.distinct_outputs = len(distinct)
     cell.repeats_part_at = min((first_divergence(toks, t) for t, _ in outputs[1:]
                                 if first_divergence(toks, t) is not None), default=None)
-    cell.tokens, cell.text = toks, lm.tokenizer.decode(toks)
+    cell.tokens, cell.text = toks, display_text(lm.tokenizer, toks)
     cell.seconds_per_token = min(seconds) / n
     div = first_divergence(toks, ref_toks)
     cell.first_divergence = div
@@ -325,8 +326,8 @@ def run_matrix(spec, prompt_or_cfg: "str | MatrixConfig", dtype="float32", devic
                                 compiles=tuple(cfg.compiles), flag_sets=tuple(tuple(f) for f in cfg.flag_sets),
                                 invariant=cfg.invariant),
         environment=environment(lm.device),
-        reference={"path": "eager no-cache loop", "tokens": ref_toks, "text": lm.tokenizer.decode(ref_toks),
-                   "float64_tokens": toks64, "float64_text": lm.tokenizer.decode(toks64),
+        reference={"path": "eager no-cache loop", "tokens": ref_toks, "text": display_text(lm.tokenizer, ref_toks),
+                   "float64_tokens": toks64, "float64_text": display_text(lm.tokenizer, toks64),
                    "float64_first_divergence": first_divergence(ref_toks, toks64), "row0_pad": inp.pad},
         cells=cells, elapsed_s=time.perf_counter() - t0)
 

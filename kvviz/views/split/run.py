@@ -475,7 +475,8 @@ def proof_line(verdict: str, main: Comparison, inv: Comparison, settings: ExecSe
     if inv.identical:
         if verdict == "precision":
             return (f"Precision — proved: in invariant mode (each row computed by the same kernel in the same order "
-                    f"whatever the shape) the gap is exactly 0, against {main.max_abs:.3g} in the normal run; "
+                    f"whatever the shape) the gap is exactly 0, against a largest absolute gap of {main.max_abs:.3g} "
+                    f"(hidden-state units) in the normal run; "
                     f"reduction order alone made it.")
         return "In invariant mode the gap is exactly 0 as well."
     return (f"In invariant mode a gap of {inv.max_abs:.3g} survives (normal run: {main.max_abs:.3g}): not reduction "

@@ -1,0 +1,81 @@
+"""The Lesson in a real browser at 1280x720 with the default model, in presenter mode and a dark colour scheme:
+every step computes, reveals its answer and draws its figure; screenshots in test-artifacts/."""
+import json
+from urllib.parse import quote
+
+import pytest
+
+from browser import browser, no_exception, streamlit_server, wait_idle
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+
+STEPS = ["1 · Floats", "2 · Sums", "3 · One row", "4 · One layer", "5 · All layers", "6 · A word flips",
+         "7 · The referee", "8 · A bug"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with streamlit_server() as (url, log):
+        yield url
+    text = log.read_text()
+    assert "Traceback" not in text, "the server logged an exception; see " + str(log)
+
+
+@pytest.mark.parametrize("scheme, presenter", [("dark", True)])
+def test_the_lesson_walks_every_step_with_its_figure(server, artifacts, scheme, presenter):
+    q = "&".join(f"{k}={quote(json.dumps(v))}" for k, v in {"model_preset": "default", "presenter": presenter}.items())
+    with browser() as b:
+        ctx = b.new_context(viewport={"width": 1280, "height": 720}, color_scheme=scheme)
+        page = ctx.new_page()
+        page.goto(f"{server}/lesson?{q}")
+        page.get_by_text("Lesson: rounding or a bug?").first.wait_for(timeout=240_000)
+        nav = page.locator('[data-testid="stSidebarNav"]')
+        assert nav.get_by_text("Lesson", exact=True).count() == 1  # its own section, at the top
+        for k, label in enumerate(STEPS, start=1):
+            page.get_by_text(label, exact=True).first.click()
+            page.get_by_text(f"Step {k}:").first.wait_for(timeout=300_000)
+            page.get_by_role("button", name="Reveal the answer").first.wait_for(timeout=300_000)
+            wait_idle(page, 300)
+            no_exception(page)
+            assert page.get_by_text("Predict.").count() >= 1
+            page.get_by_role("button", name="Reveal the answer").first.click()
+            page.get_by_text("Why.").first.wait_for(timeout=120_000)
+            wait_idle(page, 120)
+            no_exception(page)
+            page.wait_for_selector(".js-plotly-plot .main-svg", timeout=60_000)  # plotly draws after the script
+            plots = page.locator(".js-plotly-plot")
+            assert plots.count() == 1, (label, plots.count())
+            assert f"Step {k}" in plots.first.inner_text(), label
+            assert page.locator(".js-plotly-plot .main-svg").count() >= 1
+            page.screenshot(path=str(artifacts / f"lesson-{scheme}-step{k}.png"), full_page=True)
+        ctx.close()
+
+
+def test_presenter_mode_enlarges_home_and_never_cuts_a_tile_label(server, artifacts):
+    def link(path, **params):
+        q = "&".join(f"{k}={quote(json.dumps(v))}" for k, v in params.items())
+        return f"{server}/{path}?{q}"
+
+    with browser() as b:
+        ctx = b.new_context(viewport={"width": 1280, "height": 720})
+        sizes = {}
+        for presenter in (False, True):
+            page = ctx.new_page()
+            page.goto(link("", model_preset="tiny:llama", presenter=presenter))
+            page.get_by_text("Start with a scenario").first.wait_for(timeout=120_000)
+            wait_idle(page)
+            sizes[presenter] = page.evaluate(
+                "parseFloat(getComputedStyle(document.querySelector('[data-testid=\"stMainBlockContainer\"] p'))"
+                ".fontSize)")
+            page.close()
+        assert sizes[True] > sizes[False], sizes
+        page = ctx.new_page()
+        page.goto(link("split_point", model_preset="tiny:llama", presenter=True, invariant=True))
+        page.wait_for_selector('[data-testid="stMetricLabel"]', timeout=240_000)
+        wait_idle(page)
+        no_exception(page)
+        cut = page.evaluate("""[...document.querySelectorAll('[data-testid="stMetricLabel"]')].filter(
+            e => [e, ...e.querySelectorAll('*')].some(x => x.scrollWidth > x.clientWidth + 1)).map(e => e.innerText)""")
+        page.screenshot(path=str(artifacts / "presenter-split-tiles.png"), full_page=True)
+        assert not cut, cut
+        ctx.close()

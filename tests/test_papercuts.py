@@ -1,0 +1,95 @@
+"""Papercuts of issue 29, each with its test."""
+import pytest
+
+import kvviz
+from kvviz.execution import Executor
+from kvviz.views.greedy.run import GreedyConfig, run_greedy
+
+from conftest import DEVICE
+
+
+def test_the_greedy_proof_replays_the_parting_step_only(monkeypatch):
+    """The invariant proof of a greedy verdict costs a few forwards at the parting step, not a second decode of
+    every path (the Guide's 40-token recipe spent 26 of its 29 minutes there)."""
+    calls = {"normal": 0, "invariant": 0}
+    real = Executor.forward
+
+    def counting(self, *a, **k):
+        calls["invariant" if self.settings.invariant else "normal"] += 1
+        return real(self, *a, **k)
+
+    from kvviz.simkernel import split_k_kernel
+
+    monkeypatch.setattr(Executor, "forward", counting)
+    lm = kvviz.load_model("tiny:split", "float32", DEVICE)
+    with split_k_kernel():  # a 1-row product sums in another order than a block of rows: the paths part
+        res = run_greedy(lm, GreedyConfig("Once upon a time", 12, paths=("no_cache", "cache", "generate")),
+                         prove=True)
+    pair = res.pair("no_cache", "cache")
+    assert pair.first_divergence is not None and pair.verdict == "precision" and pair.proved is True
+    assert f"at step {pair.first_divergence}, where they part" in pair.proof
+    assert res.pair("cache", "generate").proved is True
+    # each computation replayed once per step proved (full: 1 forward; cached: prefill + one chunk), against a
+    # forward per step and path in the normal run
+    assert calls["invariant"] <= 6 and calls["invariant"] < calls["normal"] / 4, calls
+
+
+def test_units_on_the_normal_runs_gap():
+    from kvviz.verdict import precision_sentence
+
+    text = precision_sentence(1e-16, True, 0.0, normal_gap=4.0)
+    assert "against a largest absolute gap of 4 (in the hidden state's own units) in the normal run" in text
+
+
+def test_the_guide_counts_its_reports():
+    from conftest import ROOT
+
+    guide = (ROOT / "docs" / "guide.md").read_text()
+    rows = [line for line in guide.split("## The numbers")[0].splitlines() if line.startswith("| ")
+            and not line.startswith("| report")]
+    words = {5: "five", 6: "six", 7: "seven"}
+    assert f"made from {words[len(rows)]} public reports" in guide, len(rows)
+
+
+def test_the_tie_hover_names_both_tokens():
+    from kvviz.views.greedy import figures
+
+    lm = kvviz.load_model("tiny:tie", "bfloat16", DEVICE)
+    res = run_greedy(lm, GreedyConfig("Once upon a time", 3, paths=("no_cache", "cache")), prove=False)
+    fig = figures.greedy_margins(res)
+    for trace in fig.data:
+        assert "!r" not in trace.hovertemplate  # plotly has no !r: it drew "chose - over -"
+        assert all(c[0].startswith(("'", '"')) and c[1].startswith(("'", '"')) for c in trace.customdata)
+
+
+@pytest.mark.app
+def test_prove_it_is_rounding_shows_the_normal_runs_gap_beside():
+    from streamlit.testing.v1 import AppTest
+
+    from conftest import ROOT
+
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=180)
+    at.run()
+    at.button(key="preset_proof").click().run()
+    at.run()
+    assert not at.exception
+    labels = {m.label: m.value for m in at.metric}
+    assert "max |Δ|, normal run (absolute)" in labels and labels["max |Δ|, invariant mode (absolute)"] == "0"
+    assert float(labels["max |Δ|, normal run (absolute)"]) > 0
+
+
+def test_texts_of_random_bytes_show_their_bytes_not_mojibake():
+    from kvviz.text import REPLACEMENT, display_text
+
+    lm = kvviz.load_model("tiny:mistral", "float32", DEVICE)
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tok = lm.tokenizer  # byte-level: one token a byte; a random model emits bytes that are not UTF-8
+    byte = bytes_to_unicode()
+    ids = [tok.convert_tokens_to_ids(byte[0xE4]), tok.convert_tokens_to_ids(byte[0xFF])] + \
+        tok("Hi there", add_special_tokens=False)["input_ids"]
+    assert REPLACEMENT in tok.decode(ids)  # what the sliding-window scenario's texts showed
+    shown = display_text(tok, ids)
+    assert REPLACEMENT not in shown and "⟨e4⟩" in shown and "⟨ff⟩" in shown and shown.endswith("Hi there")
+    clean = tok("Hello world", add_special_tokens=False)["input_ids"]
+    assert display_text(tok, clean) == tok.decode(clean)

@@ -35,13 +35,31 @@ class Worker:
     def start(self, msg):
         import llama_cpp
 
+        import llama_cpp.llama as module
+
         t0 = time.perf_counter()
         threads = int(msg.get("threads", 2))
         kw = dict(n_ctx=int(msg.get("n_ctx", 2048)), n_threads=threads, n_threads_batch=threads,
                   seed=int(msg.get("seed", 0)), logits_all=False, verbose=False)
-        self.llm = llama_cpp.Llama(model_path=msg["model"], **kw)
+        extra = bool(msg.get("use_extra_bufts", False))
+        # llama_model_params.use_extra_bufts (weight repacking, AMX on CPUs that report it): Llama() exposes no
+        # argument for it, so its default params are wrapped. Off by default: on the CPU this was built on, the AMX
+        # repacked Q4_1 matmul segfaults in decode (ggml_backend_amx_mul_mat).
+        default = llama_cpp.llama_model_default_params
+
+        def params():
+            p = default()
+            p.use_extra_bufts = extra
+            return p
+
+        module.llama_cpp.llama_model_default_params = params
+        try:
+            self.llm = llama_cpp.Llama(model_path=msg["model"], **kw)
+        finally:
+            module.llama_cpp.llama_model_default_params = default
         self.n_vocab = self.llm.n_vocab()
-        return {"version": llama_cpp.__version__, "settings": {**kw, "n_batch": self.llm.n_batch},
+        return {"version": llama_cpp.__version__,
+                "settings": {**kw, "n_batch": self.llm.n_batch, "use_extra_bufts": extra},
                 "seconds": time.perf_counter() - t0}
 
     def _logits(self):

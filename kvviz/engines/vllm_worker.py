@@ -5,7 +5,8 @@ on stdout (the real stdout is kept for the protocol; everything printed by vLLM 
   {"op": "start", "model": folder, "dtype": "float32", "prefix_caching": bool, "max_num_seqs": k,
    "block_size": 32, "tensor_parallel_size": 1, "batch_invariant": bool}
       -> {"ok": true, "version": "...", "settings": {...}, "seconds": s}
-  {"op": "generate", "groups": [{"requests": [{"key": k, "ids": [...], "max_new_tokens": n}], "reset": bool}],
+  {"op": "generate", "groups": [{"requests": [{"key": k, "ids": [...], "max_new_tokens": n, "salt": s}],
+                                  "reset": bool}],
    "logprobs": k}   each group is one llm.generate call (its requests in flight together), after the prefix
                     cache is emptied when "reset" (a cold start) - so one engine serves alone, batch and warm
       -> {"ok": true, "outputs": {key: {"tokens": [...], "top": [[[id, logprob], ...] per step],
@@ -70,8 +71,11 @@ class Worker:
             params = [SamplingParams(temperature=0.0, max_tokens=int(r["max_new_tokens"]), ignore_eos=True,
                                      logprobs=k) for r in reqs]
             t0 = time.perf_counter()
-            res = self.llm.generate([{"prompt_token_ids": list(map(int, r["ids"]))} for r in reqs], params,
-                                    use_tqdm=False)
+            prompts = [{"prompt_token_ids": list(map(int, r["ids"]))} for r in reqs]
+            for p, r in zip(prompts, reqs):
+                if r.get("salt"):  # requests with different salts never share cached blocks (a batch stays cold)
+                    p["cache_salt"] = str(r["salt"])
+            res = self.llm.generate(prompts, params, use_tqdm=False)
             seconds = time.perf_counter() - t0
             total += seconds
             for r, o in zip(reqs, res):

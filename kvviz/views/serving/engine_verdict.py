@@ -94,42 +94,47 @@ def judge(paths: dict[str, dict], parting_step: int | None, margin: float | None
 
 
 
-def engine_verdicts(parting, lm, lm64, settings, engine, ids, completions, logps) -> None:
-    """Fill each parting prompt's engine_paths, verdict and explanation (see the module docstring)."""
+def engine_verdicts(prompts, lm, lm64, settings, engine, ids, completions, logps) -> None:
+    """Every prompt's distinct paths against the float64 reference (engine_paths); a verdict and explanation where
+    its paths part from kvviz's reference, or where a path is farther from float64 than rounding explains even
+    though the tokens agree (a bug that has not flipped a token yet)."""
     from ...dtypes import dtype_name
     from ...execution import Executor
 
     ex64 = Executor(lm64, settings.with_(invariant=False))
     dtype = (engine.info().get("dtype") if hasattr(engine, "info") else None) or dtype_name(lm.dtype)
     u = unit_roundoff(dtype)
-    for p in parting:
-        i, paths, seen = p.index, {}, {}
-        refs = {}
+    for p in prompts:
+        i, paths, seen, refs = p.index, {}, set(), {}
         for cond, runs in completions.items():
             for r, toks in enumerate(runs[i]):
-                key = (cond, tuple(toks))
-                if key in seen or not toks:
+                if (cond, tuple(toks)) in seen or not toks:
                     continue
-                seen[key] = r
+                seen.add((cond, tuple(toks)))
                 top, chosen = logps[cond][i][r]
                 if not top:
                     continue
                 ref = refs.get(tuple(toks))
                 if ref is None:
                     ref = refs[tuple(toks)] = reference_logprobs(ex64, ids[i], toks)
-                d = path_distance(ref, top, chosen, u)
-                paths[f"{cond} run {r + 1}"] = d
+                paths[f"{cond} run {r + 1}"] = path_distance(ref, top, chosen, u)
         if not paths:
-            p.verdict, p.explanation = None, "the engine returned no log-probs; no engine-vs-reference verdict"
+            if p.first_divergence is not None:
+                p.verdict, p.explanation = None, "the engine returned no log-probs; no engine-vs-reference verdict"
             continue
-        t = p.first_divergence
-        parted = completions[p.condition][i][p.run]
-        ref = refs.get(tuple(parted))
-        margin = margin_at(ref, t) if ref is not None and t is not None and t < ref.shape[0] else None
-        rounding = paths.get(f"{p.condition} run {p.run + 1}", next(iter(paths.values())))["rounding"]
         p.engine_paths = {k: {kk: v[kk] for kk in ("distance", "step", "rounding", "chose_top", "uniform")}
                           for k, v in paths.items()}
         p.float64_gap = max(v["distance"] for v in paths.values())
+        t = p.first_divergence
+        if t is None:
+            verdict, why = judge(paths, None, None, 0.0)
+            if verdict == "logic":  # the same tokens as the reference, but not the same numbers
+                p.verdict, p.explanation = "logic", "The tokens agree with kvviz's reference, but " + why
+            continue
+        parted = completions[p.condition][i][p.run]
+        ref = refs.get(tuple(parted))
+        margin = margin_at(ref, t) if ref is not None and t < ref.shape[0] else None
+        rounding = paths.get(f"{p.condition} run {p.run + 1}", next(iter(paths.values())))["rounding"]
         p.verdict, why = judge(paths, t, margin, rounding)
         p.explanation = (f"At step {t} {p.condition} run {p.run + 1} chose {p.run_token!r} where kvviz's reference "
                          f"chose {p.reference_token!r}. Against the float64 reference on each path's own tokens: "

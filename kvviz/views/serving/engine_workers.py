@@ -80,9 +80,17 @@ class WorkerEngine:
         return {}
 
     def _generate(self, groups: list[tuple[list[Request], bool]]) -> EngineRun:
-        payload = [{"reset": reset, "requests": [{"key": r.key, "ids": list(map(int, r.ids)),
-                                                  "max_new_tokens": r.max_new_tokens} for r in reqs]}
-                   for reqs, reset in groups if reqs]
+        # cache salts: requests of a cold group each their own (no sharing inside a batch either); a warm group
+        # shares the salt of the cold group before it (its warmer)
+        payload, salt = [], None
+        for g, (reqs, reset) in enumerate(groups):
+            if not reqs:
+                continue
+            if reset:
+                salt = f"g{g}"
+            payload.append({"reset": reset, "requests": [
+                {"key": r.key, "ids": list(map(int, r.ids)), "max_new_tokens": r.max_new_tokens,
+                 "salt": f"{salt}-{r.key}" if reset and len(reqs) > 1 else salt} for r in reqs]})
         reply = self._client.call("generate", groups=payload, logprobs=TOP_K)
         outs = {k: _out(o) for k, o in reply["outputs"].items()}
         return EngineRun(outs, float(reply["seconds"]), sum(len(o.tokens) for o in outs.values()))

@@ -414,11 +414,11 @@ def _study(lm, cfg, engine, settings, reference, prove, progress, t_start) -> Se
     analysis_s = time.perf_counter() - t_an
 
     parting = [p for p in results if p.first_divergence is not None]
-    if parting and cfg.engine in WORKER_ENGINES:
-        progress(0.85, f"Comparing the engine's log-probs with the float64 reference for {len(parting)} prompts…")
+    if cfg.engine in WORKER_ENGINES:
+        progress(0.85, "Comparing the engine's log-probs with the float64 reference on each path…")
         from .engine_verdict import engine_verdicts
 
-        engine_verdicts(parting, lm, reference or lm.reference(), settings, engine, ids, completions, logps)
+        engine_verdicts(results, lm, reference or lm.reference(), settings, engine, ids, completions, logps)
     elif parting:
         progress(0.85, f"Replaying {len(parting)} first divergences in float64 for the verdicts…")
         lm64 = reference or lm.reference()
@@ -558,12 +558,26 @@ def summary_text(res: ServeResult) -> str:
                         else ""))
     if res.first_divergences:
         lines += ["", "first divergence positions: " + ", ".join(map(str, sorted(res.first_divergences)))]
-    parting = [p for p in res.prompts if p.first_divergence is not None]
+    judged = [p for p in res.prompts if p.engine_paths]
+    if judged:
+        lines += ["", f"{res.engine.get('name')} {res.engine.get('version', '')} ({res.engine.get('dtype', '')}) "
+                      "against the float64 reference on each path's own tokens (largest log-prob gap, nats):"]
+        for c in res.settings.conditions:
+            ds = [(v["distance"], v["rounding"]) for p in judged for k, v in p.engine_paths.items()
+                  if k.startswith(c + " ")]
+            if ds:
+                worst = max(ds, key=lambda x: x[0] / x[1] if x[1] else x[0])
+                lines.append(f"  {CONDITION_LABELS[c]:<34} max {max(d for d, _ in ds):.3g}   rounding distance "
+                             f"{min(r for _, r in ds):.2g}..{max(r for _, r in ds):.2g}   worst/rounding "
+                             f"{worst[0] / worst[1] if worst[1] else float('inf'):.2f}")
+    parting = [p for p in res.prompts if p.first_divergence is not None or p.verdict == "logic"]
     if parting:
         lines.append("")
         for p in parting:
-            lines.append(f"[{p.index}] {p.prompt[:50]!r}: distinct {p.distinct_all}, parts at step {p.first_divergence}"
-                         f" ({p.condition}, run {p.run + 1}) — {(p.verdict or '?').upper()}: {p.explanation}"
+            where = ("no parting" if p.first_divergence is None else
+                     f"parts at step {p.first_divergence} ({p.condition}, run {p.run + 1})")
+            lines.append(f"[{p.index}] {p.prompt[:50]!r}: distinct {p.distinct_all}, {where}"
+                         f" — {(p.verdict or '?').upper()}: {p.explanation}"
                          + (f" {p.proof}" if p.proof else ""))
     for note in res.notes:
         lines.append(f"note: {note}")

@@ -16,14 +16,15 @@ import kvviz  # noqa: E402
 from kvviz.engines import engine_python  # noqa: E402
 from kvviz.inputs import encode  # noqa: E402
 from kvviz.prompts import load_prompts  # noqa: E402
-from kvviz.views.serving.engines import Request, make_engine  # noqa: E402
+from kvviz.views.serving.engine_workers import make_worker_engine  # noqa: E402
+from kvviz.views.serving.engines import Request  # noqa: E402
 
 
 def bench(name: str, n_prompts: int = 8, new_tokens: int = 16) -> dict:
     lm = kvviz.load_model("default", "float32", "cpu")
     prompts = load_prompts("builtin", n_prompts)
     ids = [encode(lm, p) for p in prompts]
-    engine = make_engine(name)
+    engine = make_worker_engine(name)
     try:
         t0 = time.perf_counter()
         engine.run(lm, [Request("warmup", ids[0], 2)], max_in_flight=1, prefix_sharing=False)

@@ -81,6 +81,19 @@ def test_vllm_cold_and_warm_prefix_against_the_float64_reference():
             assert not d["uniform"] and d["chose_top"], label
             assert d["distance"] <= d["rounding"], (label, d)
         assert p.verdict in (None, "precision"), p.explanation
+    _reopens(res)
+
+
+def _reopens(res):
+    """The export/HTML/open flow of every view: the engine, its paths and verdicts survive the round trip."""
+    from kvviz.export import export_json, html_report, open_result
+    from kvviz.views.serving.run import summary_text
+
+    back = open_result(export_json(res)).result
+    assert back.engine["version"] == res.engine["version"] and back.engine["settings"] == res.engine["settings"]
+    assert [p.engine_paths for p in back.prompts] == [p.engine_paths for p in res.prompts]
+    assert "against the float64 reference" in summary_text(back)
+    assert "kvviz — serving" in html_report(back)
 
 
 @pytest.mark.slow
@@ -106,6 +119,7 @@ def test_llamacpp_warm_repeat_vs_fresh_on_the_gguf_itself():
             assert d["distance"] <= d["rounding"], (label, d)
         assert p.distinct["alone"] == 1  # a fresh prompt is the same every time on the CPU
         assert p.verdict in (None, "precision"), p.explanation
+    _reopens(res)
 
 
 def test_absent_engine_is_one_line(monkeypatch, tmp_path, capsys):

@@ -183,6 +183,17 @@ def gguf_of(lm) -> str:
     return src
 
 
+def make_worker_engine(name: str, tensor_parallel_size: int = 1) -> WorkerEngine | None:
+    """The worker engine for `name`, or None where the in-process one runs (transformers; vLLM importable here)."""
+    from .engines import vllm_available
+
+    if name == "llama.cpp":
+        return LlamaCppEngine()
+    if name == "vllm" and not vllm_available():
+        return VllmWorkerEngine(tensor_parallel_size)
+    return None
+
+
 def check_settings(name: str, settings) -> None:
     """Refuse, in one line and before anything runs, what the engine cannot honour here."""
     from .engines import vllm_available

@@ -314,15 +314,7 @@ def make_engine(name: str, page_size: int = 8, tensor_parallel_size: int = 1):
             raise KvvizError("tensor_parallel_size applies to the vLLM engine only (transformers' continuous "
                              "batching runs the model on one device)")
         return TransformersEngine(page_size)
-    if name == "llama.cpp":
-        from .engine_workers import LlamaCppEngine
-
-        return LlamaCppEngine()
-    if vllm_available():  # importable here (a GPU machine's vllm): in process
-        return VllmEngine(tensor_parallel_size)
-    from .engine_workers import VllmWorkerEngine
-
-    return VllmWorkerEngine(tensor_parallel_size)
+    return VllmEngine(tensor_parallel_size)
 
 
 class VllmEngine:

@@ -329,7 +329,10 @@ def run_serving(lm: LoadedModel, cfg: ServeConfig, progress: Progress | None = N
 
         check_settings(cfg.engine, settings)
     t_start = time.perf_counter()
-    engine = make_engine(cfg.engine, cfg.page_size, cfg.tensor_parallel_size)
+    from .engine_workers import make_worker_engine
+
+    engine = make_worker_engine(cfg.engine, cfg.tensor_parallel_size) or make_engine(cfg.engine, cfg.page_size,
+                                                                                     cfg.tensor_parallel_size)
     try:
         return _study(lm, cfg, engine, settings, reference, prove, progress, t_start)
     finally:

@@ -152,3 +152,34 @@ def test_engine_verdict_rule():
     flat = [[(i, -1.3862943611198906) for i in range(4)] for _ in range(2)]
     v, why = judge({"z": path_distance(ref, flat, [s[0][1] for s in flat], u)}, None, None, 0.0)
     assert v == "logic" and "uniform" in why
+
+
+def test_worker_failure_is_one_line_and_the_worker_is_stopped(monkeypatch, tmp_path):
+    """The JSON-lines protocol end to end without the engine: an 'environment' whose python is kvviz's own runs the
+    real vllm_worker.py, which cannot import vllm - the study fails in one KvvizError line naming the worker's
+    error, and the worker process is gone afterwards."""
+    import os
+    import sys
+
+    from kvviz.engines import WorkerClient
+    from kvviz.errors import KvvizError
+    from kvviz.views.serving import ServeConfig, run_serving
+
+    env = tmp_path / "engines" / "vllm"
+    (env / "bin").mkdir(parents=True)
+    os.symlink(sys.executable, env / "bin" / "python")
+    (env / ".kvviz-engine-built").write_text("test\n")
+    monkeypatch.setenv("KVVIZ_ENGINES", str(tmp_path / "engines"))
+    client = WorkerClient("vllm")
+    assert client.call("ping") == {"ok": True}
+    with pytest.raises(KvvizError, match=r"^vllm: ValueError: unknown op 'nope'$"):
+        client.call("nope")
+    with pytest.raises(KvvizError, match=r"^vllm: ModuleNotFoundError: No module named 'vllm'"):
+        client.call("start", model=str(tmp_path))
+    client.close()
+    assert client.proc.poll() is not None
+    lm = kvviz.load_model("tiny:llama", "float32", "cpu")
+    with pytest.raises(KvvizError, match="No module named 'vllm'") as e:
+        run_serving(lm, ServeConfig(prompts=["Hi there"], conditions=("alone",), runs=1, max_new_tokens=2,
+                                    engine="vllm"))
+    assert "\n" not in str(e.value)

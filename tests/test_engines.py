@@ -135,9 +135,9 @@ def test_absent_engine_is_one_line(monkeypatch, tmp_path, capsys):
 def test_engine_verdict_rule():
     """The rule on constructed paths: within rounding and a near tie -> precision; a path farther than rounding,
     uniform log-probs, or a parting step with a wide margin -> logic."""
-    from kvviz.views.serving.engine_verdict import judge, path_distance, unit_roundoff
+    from kvviz.views.serving.engine_verdict import judge, path_distance, rounding_scale
 
-    u = unit_roundoff("float32")
+    u = rounding_scale("float32")
     ref = torch.log_softmax(torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.5, 0.5 + 1e-6, -3.0, -4.0]], dtype=torch.float64),
                             -1)
     near = [[(i, float(ref[t, i]) + 1e-7) for i in ref[t].argsort(descending=True).tolist()] for t in range(2)]

@@ -41,6 +41,17 @@ def how_to_get(name: str) -> str:
             f"KVVIZ_ENGINES to where it was built)")
 
 
+def _die_with_parent() -> None:
+    """In the worker, before it runs (Linux): SIGKILL when kvviz's process dies, so no worker outlives a study."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 class WorkerClient:
     """One worker process: `call(op, **fields)` sends a request line and returns the reply (a dict); a failure in
     the worker, a dead worker or a timeout is one KvvizError line. `close()` stops it (and kills it if it hangs)."""
@@ -55,7 +66,7 @@ class WorkerClient:
         full_env.pop("PYTHONPATH", None)  # the worker sees its own environment only
         self.proc = subprocess.Popen([str(py), str(HERE / WORKERS[name][1])], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
-                                     env=full_env, start_new_session=True)
+                                     env=full_env, start_new_session=True, preexec_fn=_die_with_parent)
         self._replies: deque[str] = deque()
         self._cv = threading.Condition()
         threading.Thread(target=self._read, args=(self.proc.stdout, True), daemon=True).start()

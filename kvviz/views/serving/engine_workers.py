@@ -148,8 +148,8 @@ class LlamaCppEngine(WorkerEngine):
             return EngineRun({}, 0.0, 0)
         if max_in_flight > 1:
             raise KvvizError(BATCH_REFUSED["llama.cpp"])
-        gguf = gguf_of(lm)
-        self.dtype = f"GGUF {lm.summary().get('quantization') or 'weights'} (llama.cpp CPU kernels)"
+        gguf, quant = gguf_of(lm)
+        self.dtype = f"q8 activations x {quant or 'GGUF'} weights (llama.cpp kernels)"
         self._start(gguf, model=gguf, n_ctx=2048, seed=0, threads=int(os.environ.get("KVVIZ_ENGINE_THREADS", 2)))
         return self._generate(_groups(requests, 1, prefix_sharing and not invariant, sequential_keys or set()))
 
@@ -167,20 +167,22 @@ def check_vllm_dtype(lm) -> None:
         raise KvvizError("vLLM has no float64 mode")
 
 
-def gguf_of(lm) -> str:
-    """The GGUF file the model was converted from (llama.cpp runs the file itself), else one line."""
+def gguf_of(lm) -> tuple[str, str | None]:
+    """The GGUF file the model was converted from (llama.cpp runs the file itself) and its quantization, else one
+    line."""
     import json
     from pathlib import Path
 
     meta = Path(lm.source) / "kvviz.json"
     try:
-        src = json.loads(meta.read_text()).get("source")
+        info = json.loads(meta.read_text())
     except (OSError, ValueError):
-        src = None
+        info = {}
+    src = info.get("source")
     if not src or not Path(src).is_file():
         raise KvvizError("the llama.cpp engine runs a GGUF file: load the model from a .gguf file (or 'default', a "
                          "GGUF), not a folder or a hub id")
-    return src
+    return src, info.get("quantization")
 
 
 def make_worker_engine(name: str, tensor_parallel_size: int = 1) -> WorkerEngine | None:

@@ -410,14 +410,14 @@ def markdown(rows: list[dict], meta: dict) -> str:
         f"**{t['run']} of the {t['buildable']} buildable on a CPU ran: {t['run %']:g} %**; proof exactly 0 on "
         f"{t['proof 0']}. {meta.get('note', '')}",
         "",
-        "| model type | verdict | evidence | proof (invariant mode) |",
-        "|---|---|---|---|",
+        "| model type | verdict | evidence | proof (invariant mode) | transformers |",
+        "|---|---|---|---|---|",
     ]
     for r in objs:
         ev = r.reason if r.status != "safe" else (
             f"every check passes in float64 ({r.config.get('layers')} layers"
             + (f", window {r.config['window']}" if r.config.get("window") else "") + ")")
-        lines.append(f"| {r.model_type} | {r.status} | {_cell(ev)} | {_cell(r.proof or '—')} |")
+        lines.append(f"| {r.model_type} | {r.status} | {_cell(ev)} | {_cell(r.proof or '—')} | {r.transformers} |")
     lines.append("")
     return "\n".join(lines)
 

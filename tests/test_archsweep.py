@@ -1,4 +1,4 @@
-"""The architecture sweep (issue 17) on a fixed subset of transformers' causal-LM types: each tiny model built from
+"""The architecture sweep on a fixed subset of transformers' causal-LM types: each tiny model built from
 its own config class runs the cache-safety card in float64 and the invariant proof, and the rows agree with
 docs/architectures.json/.md (the committed table): same verdict, same failing checks, same proof."""
 import json
@@ -25,7 +25,40 @@ def _table():
     return {r["model_type"]: r for r in json.loads(TABLE.read_text())["rows"]}
 
 
+def _made_for() -> str:
+    """The newest transformers the table's rows were made with (the version the table is for)."""
+    from kvviz.compat import _vtuple
+
+    return max((r["transformers"] for r in _table().values()), key=_vtuple)
+
+
+def _for_this_version():
+    """The table is checked against the transformers it was made for. A newer installed release fails in one line
+    (new types, changed behaviour: regenerate the table); an older one still in the tested range is not what the
+    table describes."""
+    import transformers
+
+    from kvviz.compat import _vtuple
+
+    made, have = _made_for(), transformers.__version__
+    if _vtuple(have) > _vtuple(made):
+        pytest.fail(f"docs/architectures.json was made with transformers {made}, {have} is installed: regenerate it "
+                    f"(make arch-sweep, or --only the new types)")
+    if _vtuple(have) < _vtuple(made):
+        pytest.skip(f"docs/architectures.json describes transformers {made}; {have} is installed")
+
+
+def test_every_row_says_which_transformers_made_it():
+    table = _table()
+    assert all(r.get("transformers") for r in table.values())
+    meta = json.loads(TABLE.read_text())["meta"]
+    assert meta["transformers"] == archsweep.table_version(list(table.values()))
+    md = (ROOT / "docs" / "architectures.md").read_text()
+    assert f"transformers {meta['transformers']}" in md
+
+
 def test_the_subset_is_large_and_every_type_has_a_row():
+    _for_this_version()
     assert len(archsweep.CI_SUBSET) >= 20
     table = _table()
     assert set(table) == set(archsweep.model_types())  # a row for every installed causal-LM type
@@ -35,6 +68,7 @@ def test_the_subset_is_large_and_every_type_has_a_row():
 
 
 def test_subset_runs_and_matches_the_table(rows):
+    _for_this_version()
     table = _table()
     assert all(rows[t].status != "cannot run" for t in archsweep.CI_SUBSET), \
         [(t, rows[t].reason) for t in archsweep.CI_SUBSET if rows[t].status == "cannot run"]

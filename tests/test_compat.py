@@ -262,3 +262,28 @@ def test_views_run_with_future_warnings_as_errors(args, shows):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "deprecated" not in r.stderr.lower(), r.stderr[-3000:]
     assert shows in r.stdout, r.stdout[-2000:]
+
+
+def test_a_failure_in_the_engine_thread_reaches_the_caller_as_one_line(monkeypatch):
+    """What the 5.24 loop signature change did (the thread died with a TypeError): now one line, not a thread
+    traceback, naming the installed transformers."""
+    from kvviz.errors import KvvizError
+    from kvviz.views.serving import engines
+    from kvviz.views.serving.engines import Request, TransformersEngine
+
+    class Broken:
+        def __init__(self, modes):
+            pass
+
+        def __enter__(self):
+            raise TypeError("_run_generation_loop() got an unexpected keyword argument 'use_inference_mode'")
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(engines, "_entered", Broken)
+    lm = kvviz.load_model("tiny:llama", "float32", DEVICE)
+    with pytest.raises(KvvizError) as err, lm.lock, torch.inference_mode():
+        TransformersEngine().run(lm, [Request("a", [5, 6, 7, 8], 2)], max_in_flight=1, prefix_sharing=False)
+    msg = str(err.value)
+    assert "\n" not in msg and f"transformers {V}" in msg and "TypeError" in msg, msg

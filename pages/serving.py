@@ -15,7 +15,9 @@ choice, lm = page("Serving",
                   "continuous batch with other requests, or with its prefix already cached? Each condition runs R "
                   "times through transformers' continuous batching (paged cache, scheduler); every run is compared "
                   "with the prompt alone without cache, and each first divergence is replayed in float64 and proved "
-                  "in invariant mode.")
+                  "in invariant mode. With vLLM or llama.cpp (their own environments, `make engines`) the real engine "
+                  "runs, and each parting prompt's log-probs are compared with the float64 reference on the same "
+                  "tokens: within the engine's rounding distance is precision, farther is logic.")
 with controls():
     source, prompts = prompt_set("sv", ["built-in set", "one prompt", "upload a file"], "The capital of France is",
                                  [SV["category"]], SV["limit"], height=70)
@@ -83,6 +85,6 @@ with st.expander("Completions of one prompt, run by run"):
 if choice.invariant:
     st.info("🔒 Invariant mode is on: every condition (the engine's own thread too) computes each row alone, so each "
             "prompt must give exactly one completion everywhere.")
-st.caption(f"Engine {res.engine['name']} (transformers {res.engine.get('version', '')}); toggles: "
+st.caption(f"Engine {res.engine['name']} {res.engine.get('version', '')}; toggles: "
            + "; ".join(res.engine["toggles"]) + f". {res.settings.dtype} on {res.settings.device}.")
 exports(res, "serving", lm)

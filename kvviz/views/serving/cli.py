@@ -14,12 +14,14 @@ def add_parser(sub) -> None:
                       help="'builtin' (default), 'builtin:<category>', or a .txt (one a line) / .jsonl file")
     vp.add_argument("--limit", type=int, default=20, help="at most this many prompts (default 20)")
     vp.add_argument("--prefix", default="", help="a shared prefix put before every prompt (warmed for 'warm')")
-    vp.add_argument("--conditions", default="alone,batch,warm", help="comma-separated: alone,batch,warm")
+    vp.add_argument("--conditions", default=None,
+                    help="comma-separated: alone,batch,warm (default all three; alone,warm for llama.cpp)")
     vp.add_argument("--runs", type=int, default=5, help="runs per condition (R)")
     vp.add_argument("--max-new-tokens", type=int, default=16)
     vp.add_argument("--batch-size", type=int, default=4, help="k: requests in flight in the batch condition")
     vp.add_argument("--seed", type=int, default=0, help="seed of the batch draws")
-    vp.add_argument("--engine", default="transformers", choices=("transformers", "vllm"))
+    vp.add_argument("--engine", default="transformers", choices=("transformers", "vllm", "llama.cpp"),
+                    help="transformers (in kvviz), vllm or llama.cpp (their own environments: `make engines`)")
     vp.add_argument("--page-size", type=int, default=8, help="tokens per cache page (prefix sharing is per page)")
     vp.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="GPUs one vLLM engine spreads the model over (the vLLM engine only; refused otherwise)")
@@ -33,7 +35,8 @@ def command(args) -> Outcome:
 
     check_engine(args.engine)  # one line where vLLM is asked for and absent, before anything loads
     prompts, source = load_prompt_set(args.prompts, args.prompt, args.limit)
-    cfg = ServeConfig(prompts=prompts, shared_prefix=args.prefix, conditions=split_list(args.conditions),
+    conditions = args.conditions or ("alone,warm" if args.engine == "llama.cpp" else "alone,batch,warm")
+    cfg = ServeConfig(prompts=prompts, shared_prefix=args.prefix, conditions=split_list(conditions),
                       runs=args.runs, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
                       engine=args.engine, page_size=args.page_size, prompt_source=source,
                       tensor_parallel_size=args.tensor_parallel_size)

@@ -33,13 +33,15 @@ from torch.overrides import _get_current_function_mode_stack
 from ... import compat
 from ...errors import KvvizError
 
-ENGINES = ("transformers", "vllm")
+ENGINES = ("transformers", "vllm", "llama.cpp")
 ENGINE_TOGGLES = {
     "transformers": ("max_requests_per_batch (1 = alone, k = batches of k)", "allow_block_sharing (prefix sharing: "
                      "warm vs cold)", "page_size (prefix sharing works in whole pages)",
                      "attention: the model's sdpa, or eager as paged|eager", "CUDA graphs / compile / async: off"),
     "vllm": ("enable_prefix_caching on/off", "VLLM_BATCH_INVARIANT on/off", "tensor_parallel_size (Ray for several "
              "nodes, as vLLM documents)"),
+    "llama.cpp": ("the context emptied before a prompt (cache_prompt=false) or its common prefix reused "
+                  "(prompt cache / slot reuse)", "one sequence per context (no batch condition)"),
 }
 MIN_PAGE = 4
 _TIMEOUT_S = 600.0
@@ -50,12 +52,15 @@ def vllm_available() -> bool:
 
 
 def engine_status(name: str) -> str | None:
-    """None when the engine can run here, else one line saying why not."""
+    """None when the engine can run here, else one line saying why not (and how to get it)."""
+    from ...engines import engine_python, how_to_get
+
     if name not in ENGINES:
         return f"unknown engine '{name}'; choose one of {', '.join(ENGINES)}"
-    if name == "vllm" and not vllm_available():
-        return ("vLLM is not installed here (it needs a Linux GPU machine: pip install vllm); the transformers "
-                "engine runs everywhere")
+    if name == "vllm" and not vllm_available() and engine_python("vllm") is None:
+        return how_to_get("vllm")
+    if name == "llama.cpp" and engine_python("llama.cpp") is None:
+        return how_to_get("llama.cpp")
     return None
 
 
@@ -81,6 +86,8 @@ class RequestOut:
     margins: list[float]  # top-2 margin of the engine's scores at each step (empty when not captured)
     scores: list[torch.Tensor] = field(default_factory=list, repr=False)  # full rows, float64 (keep_scores only)
     cached_tokens: int = 0  # prompt tokens taken from the cache (prefix sharing) instead of being computed
+    logprobs: list = field(default_factory=list, repr=False)  # per step: [(token id, log-prob)] top-k, best first
+    chosen: list = field(default_factory=list, repr=False)  # per step: the chosen token's log-prob (worker engines)
 
 
 @dataclass
@@ -350,11 +357,16 @@ class VllmEngine:
                     continue
                 res = llm.generate([{"prompt_token_ids": r.ids} for r in group],
                                    [SamplingParams(temperature=0.0, max_tokens=r.max_new_tokens, ignore_eos=True,
-                                                   logprobs=2) for r in group])
+                                                   logprobs=5) for r in group])
                 for r, o in zip(group, res):
                     c = o.outputs[0]
-                    outs[r.key] = RequestOut([int(t) for t in c.token_ids], _logprob_margins(c.logprobs),
-                                             cached_tokens=int(getattr(o, "num_cached_tokens", 0) or 0))
+                    toks = [int(t) for t in c.token_ids]
+                    top = [sorted(((int(i), float(getattr(v, "logprob", v))) for i, v in step.items()),
+                                  key=lambda x: -x[1]) for step in (c.logprobs or [])]
+                    chosen = [dict(s).get(t) for t, s in zip(toks, top)]
+                    outs[r.key] = RequestOut(toks, _logprob_margins(c.logprobs),
+                                             cached_tokens=int(getattr(o, "num_cached_tokens", 0) or 0),
+                                             logprobs=top, chosen=chosen)
             return EngineRun(outs, time.perf_counter() - t0, sum(len(o.tokens) for o in outs.values()))
         finally:
             if saved is None:

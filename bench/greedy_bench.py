@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import kvviz  # noqa: E402
+from kvviz.compat import cache_argument, output_cache  # noqa: E402
 from kvviz.views.greedy.run import GreedyConfig, run_greedy  # noqa: E402
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived an old fisherman who every morning"
@@ -44,8 +45,8 @@ def naive_script(model, tokenizer, prompt: str, n: int) -> list[list[int]]:
             if cached is None:
                 mout = model(tokens, output_hidden_states=True, use_cache=True)
             else:
-                mout = model(tokens[:, -1:], past_key_values=cached, use_cache=True, output_hidden_states=True)
-            cached = mout.past_key_values
+                mout = model(tokens[:, -1:], **{cache_argument(model): cached}, use_cache=True, output_hidden_states=True)
+            cached = output_cache(mout)
         tokens = torch.hstack((tokens, torch.argmax(mout.logits[0, -1]).unsqueeze(0).unsqueeze(0)))
     outs.append(tokens[0].tolist())
     tokens = tokenizer(prompt, return_tensors="pt").input_ids.to(dev)

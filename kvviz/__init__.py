@@ -1,4 +1,4 @@
-"""kvviz: see where a KV cache (past_key_values) makes a model's numbers differ from a full forward, and why.
+"""kvviz: see where a KV cache (`cache`, called `past_key_values` before transformers 5.24) makes a model's numbers differ from a full forward, and why.
 
 Usable from a notebook:
 
@@ -11,6 +11,12 @@ Usable from a notebook:
 
 Every view is a folder under kvviz/views/ (run, figures, report, repro, cli); see docs/architecture.md.
 """
+import sys as _sys
+
+from . import compat as _compat
+
+if _compat.range_warning() is not None:  # one line, once per process
+    print(_compat.range_warning(), file=_sys.stderr)
 from .dtypes import DTYPE_NAMES, machine_eps, parse_dtype, resolve_device
 from .errors import KvvizError
 from .execution import ExecSettings, Executor

@@ -46,9 +46,23 @@ class ArchRow:
     proof_gap: float | None = None
     config: dict = field(default_factory=dict)  # what was built: layers, hidden, window, features
     seconds: float = 0.0
+    transformers: str = field(default_factory=lambda: _transformers_version())  # the version the row ran on
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def table_version(rows: list[dict]) -> str:
+    """The transformers version a table was made with: its rows' one version ("mixed: a, b" when they differ; rows
+    written before versions were recorded count as unknown)."""
+    versions = sorted({r.get("transformers") or "unknown" for r in rows})
+    return versions[0] if len(versions) == 1 else "mixed: " + ", ".join(versions)
 
 
 def model_types() -> list[str]:
@@ -211,14 +225,12 @@ def run_arch(model_type: str, workdir: Path, timeout: float | None = 120) -> Arc
 
 def _recurrent_state(model) -> str | None:
     """What a state-space / recurrent model's cache holds (None for a key/value cache model)."""
-    import inspect
+    from .compat import state_argument
 
-    params = inspect.signature(model.forward).parameters
-    if "cache_params" in params:
-        return "a recurrent state (cache_params)"
-    if "state" in params and "past_key_values" not in params:
-        return "a recurrent state"
-    return None
+    arg = state_argument(model)
+    if arg is None:
+        return None
+    return "a recurrent state" + (" (cache_params)" if arg != "state" else "")
 
 
 def _build_failure(model_type: str, e: BaseException) -> str:
@@ -380,14 +392,12 @@ def merge_rows(path: Path, rows: list[ArchRow]) -> list[dict]:
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
-    import transformers
-
-    objs = [ArchRow(**r) for r in rows]
+    objs = [ArchRow(**{"transformers": "unknown", **r}) for r in rows]
     t = totals(objs)
     lines = [
         "# Every causal-LM architecture in transformers",
         "",
-        f"`python -m kvviz sweep-architectures` (`make arch-sweep`): transformers {transformers.__version__}, "
+        f"`python -m kvviz sweep-architectures` (`make arch-sweep`): transformers {table_version(rows)}, "
         f"{t['types']} model types in `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`. For each, a tiny random model from its "
         f"own config class ({LAYERS}-4 layers, hidden {HIDDEN}, vocabulary {VOCAB}, sliding window {WINDOW} where the "
         f"type has one, special features kept), then the cache-safety card in float64 (cached vs full in one chunk "
@@ -418,7 +428,8 @@ def _cell(s: str) -> str:
 
 def write_docs(rows: list[dict], docs: Path, meta: dict | None = None) -> None:
     docs.mkdir(parents=True, exist_ok=True)
-    (docs / "architectures.json").write_text(json.dumps({"meta": meta or {}, "rows": rows}, indent=1, default=str))
+    meta = {**(meta or {}), "transformers": table_version(rows)}
+    (docs / "architectures.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
     (docs / "architectures.md").write_text(markdown(rows, meta or {}))
 
 

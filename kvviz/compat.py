@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 import warnings
 
+import torch
 import transformers
 
 from .errors import KvvizError
@@ -38,6 +39,11 @@ def _vtuple(v: str) -> tuple[int, ...]:
         if not part.isdigit():
             break
     return tuple(out)
+
+
+def transformers_at_least(*version: int) -> bool:
+    """The installed transformers is this version or newer (e.g. transformers_at_least(5, 24))."""
+    return _vtuple(TRANSFORMERS_VERSION)[:len(version)] >= tuple(version)
 
 
 def in_tested_range(version: str = TRANSFORMERS_VERSION) -> bool:
@@ -113,19 +119,27 @@ def deprecated_names(fn) -> set[str]:
 
 def output_cache(out):
     """The cache a model output carries (`.cache` on transformers >= 5.24, `.past_key_values` / `.cache_params`
-    before), read without a deprecation warning; None when it has none."""
+    before), read without a deprecation warning; None when it has none. (Self-contained: repro scripts copy it.)"""
     if out is None:
         return None
-    if isinstance(out, dict):
-        for name in CACHE_NAMES[:3]:
-            if name in out and out[name] is not None:
-                return out[name]
-        # an output object whose cache field is set but None
-    d = getattr(out, "__dict__", {})
-    for name in CACHE_NAMES[:3]:
-        if name in d and d[name] is not None:
-            return d[name]
+    for name in ("cache", "past_key_values", "cache_params"):
+        if isinstance(out, dict) and out.get(name) is not None:
+            return out[name]
+        value = getattr(out, "__dict__", {}).get(name)
+        if value is not None:
+            return value
     return None
+
+
+def script_source() -> str:
+    """`output_cache`'s source, for a standalone repro script (torch and transformers only, no kvviz)."""
+    return ("\n# the cache a model output carries, whatever this transformers calls it (a copy of kvviz.compat's)\n"
+            + inspect.getsource(output_cache))
+
+
+def cache_argument_name() -> str:
+    """The keyword the installed transformers' key/value models take a cache by (for scripts, before any model)."""
+    return "cache" if _vtuple(TRANSFORMERS_VERSION) >= (5, 24) else "past_key_values"
 
 
 def set_output_cache(out, cache) -> None:
@@ -151,4 +165,160 @@ def _output_fields(out) -> set[str]:
 
 def generate_cache_kwarg() -> str:
     """The keyword `model.generate` takes a cache object by."""
-    return "cache" if _vtuple(TRANSFORMERS_VERSION) >= (5, 24) else "past_key_values"
+    return cache_argument_name()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Output capturing: the running forward's record of hidden states (a ContextVar holding a list), which kvviz's
+# per-layer hooks drain as layers finish (kvviz.streaming). None where this transformers has none: hidden states are
+# then reduced after the forward returns (same numbers, more memory).
+
+def _output_collector():
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:
+        return None
+    return _active_collector if hasattr(_active_collector, "get") else None
+
+
+OUTPUT_COLLECTOR = _output_collector()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Checkpoint conversion mapping: the names `from_pretrained` gives a checkpoint's tensors (a GGUF streamed into a
+# folder is written under the names the model loads).
+
+def checkpoint_renamer(model):
+    """name -> the parameter name `from_pretrained` loads it as (suffixed "\\0converted" when a converter, not a
+    plain renaming, handles it)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    except ImportError as e:
+        raise incompatible("streaming a GGUF file into a checkpoint", f"its conversion mapping moved ({e})") from None
+
+    mapping = get_model_conversion_mapping(model)
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+
+    def rename(name: str) -> str:
+        new, pattern = rename_source_key(name, renamings, converters)
+        return name if pattern is None and new == name else new + ("" if pattern is None else "\0converted")
+
+    return rename
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Continuous batching (transformers' `ContinuousBatchingManager`): its public API is used for everything but three
+# hooks kvviz needs on one manager (never the model): the generation loop runs in the engine's own thread, so the
+# caller's torch function modes (invariant mode, float64 keep-mode) are entered around it there; the model runner's
+# sampler shows the scores each step samples from (margins); the paged cache's prefix matcher says how many prompt
+# tokens a request found cached (warm prefix).
+
+CB_MANAGER_HOOKS = ("_run_generation_loop", "_create_batch_processor")
+
+
+def cb_hook_manager(manager, around_loop, on_batch_processor) -> list:
+    """Run this manager's generation loop inside `around_loop()` (a context manager, entered in the engine's thread)
+    and pass every batch processor it creates to on_batch_processor. Returns the list the loop's exception (if any)
+    is put in, for the caller's thread to raise."""
+    missing = [h for h in CB_MANAGER_HOOKS if not callable(getattr(manager, h, None))]
+    if missing:
+        raise incompatible("the Serving study (continuous batching)",
+                           f"ContinuousBatchingManager has no {missing[0]}")
+    create = manager._create_batch_processor
+    inner = manager._run_generation_loop
+    failure: list[BaseException] = []
+
+    def create_hooked(*args, **kwargs):
+        bp = create(*args, **kwargs)
+        on_batch_processor(bp)
+        return bp
+
+    def loop(*args, **kwargs) -> None:  # whatever the loop takes (5.24 added use_inference_mode)
+        try:
+            with around_loop():
+                inner(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - reported in the caller's thread
+            failure.append(e)
+
+    manager._create_batch_processor = create_hooked
+    manager._run_generation_loop = loop  # this manager only; the model is not touched
+    return failure
+
+
+def cb_hook_sampler(batch_processor, on_scores) -> bool:
+    """Call on_scores(requests, scores) with the scores the engine samples from at each step, before it samples:
+    requests are the request ids of the rows that get a new token, in row order. False where this engine has no
+    sampler to hook (margins are then not recorded)."""
+    runner = getattr(batch_processor, "model_runner", None)
+    inner = getattr(runner, "_sample", None)
+    if inner is None or getattr(inner, "_kvviz", False):
+        return inner is not None
+    io = getattr(runner, "inputs_and_outputs", None) or getattr(batch_processor, "inputs_and_outputs", None)
+
+    def sample(scores, output_ids):
+        states = getattr(io, "requests_in_batch", None) or []
+        on_scores([fs.state.request_id for fs in states if fs.has_new_token], scores[0] if scores.dim() == 3 else scores)
+        return inner(scores, output_ids)
+
+    sample._kvviz = True
+    runner._sample = sample
+    return True
+
+
+def cb_hook_prefix_match(batch_processor, on_match) -> bool:
+    """Call on_match(request_id, n) with the number of prompt tokens each request found in the paged cache."""
+    cache = getattr(batch_processor, "cache", None)
+    search = getattr(cache, "search_prefix_match", None)
+    if search is None or getattr(search, "_kvviz", False):
+        return search is not None
+
+    def search_hooked(request_id, prompt_ids, *args, **kwargs):
+        n = search(request_id, prompt_ids, *args, **kwargs)
+        on_match(request_id, int(n))
+        return n
+
+    search_hooked._kvviz = True
+    cache.search_prefix_match = search_hooked
+    return True
+
+
+def cb_fatal_error(manager):
+    """The error that stopped the engine's thread, or None."""
+    status = getattr(manager, "background_thread_status", None)
+    return getattr(status, "fatal_error", None)
+
+
+def cb_stopped_and_drained(manager) -> bool:
+    """The engine's thread has ended and no result is waiting."""
+    router = getattr(manager, "output_router", None)
+    queue = getattr(router, "output_queue", None)
+    return not manager.is_running() and (queue is None or queue.empty())
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Cache layer state: a transformers 5 cache holds one layer object per decoder layer, its keys and values in the
+# fields `keys` / `values` [B, heads, T, D] (initialised lazily from the first tensors it sees; a sliding layer also
+# counts every token it has seen in `cumulative_length`).
+
+CACHE_LAYER_FIELDS = ("keys", "values", "lazy_initialization")
+
+
+def layer_kv(layer):
+    """(keys, values) a cache layer holds in the clear, or None (nothing yet, or stored quantized elsewhere)."""
+    keys = getattr(layer, "keys", None)
+    if not isinstance(keys, torch.Tensor) or keys.dim() < 3:
+        return None
+    return keys, layer.values
+
+
+def fill_cache_layer(layer, keys, values, n_tokens: int) -> None:
+    """Put saved keys/values [B, heads, T, D] into an empty cache layer, as if it had seen n_tokens tokens."""
+    init = getattr(layer, "lazy_initialization", None)
+    if init is None:
+        raise incompatible("loading a saved KV cache", f"{type(layer).__name__} has no lazy_initialization")
+    init(keys, values)
+    layer.keys, layer.values = keys, values
+    if hasattr(layer, "cumulative_length"):
+        layer.cumulative_length = n_tokens

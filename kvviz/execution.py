@@ -26,7 +26,7 @@ from typing import Callable, ContextManager, Iterator
 
 import torch
 
-from . import loops
+from . import compat, loops
 from .errors import KvvizError
 from .loading import LoadedModel
 
@@ -213,7 +213,7 @@ class Executor:
             if mask is not None and mask.shape[-1] > ids.shape[-1]:
                 kwargs["attention_mask"] = mask[:, -ids.shape[-1]:]  # its mask covers the tokens fed, not the past
         if cache is not None:
-            kwargs[state_arg or "past_key_values"] = cache
+            kwargs[compat.cache_argument(self.lm.model) or "past_key_values"] = cache
         if logits_to_keep is not None:
             kwargs["logits_to_keep"] = logits_to_keep
         self.forwards += 1
@@ -228,8 +228,8 @@ class Executor:
                                hooks=self.settings.compile == COMPILE_OFF and STREAM_HIDDEN[0])
         else:
             out = self._callable()(**kwargs)
-        if state_arg is not None:  # the state read back where every caller reads a cache
-            out.past_key_values = getattr(out, state_arg, None)
+        if state_arg is not None and state_arg not in compat.CACHE_NAMES[:3]:  # RWKV's state, read back as a cache
+            compat.set_output_cache(out, getattr(out, state_arg, None))
         hs = getattr(out, "hidden_states", None) if hidden is True else None
         if hs is not None and (any(h.dim() == 4 for h in hs) or len({h.shape[-1] for h in hs}) > 1):
             width = hs[-1].shape[-1]
@@ -249,7 +249,7 @@ class Executor:
         kwargs: dict = dict(input_ids=ids, attention_mask=mask, generation_config=gc)
         cache = self.new_cache(ids.shape[0], max_len=ids.shape[1] + max_new_tokens)
         if cache is not None:
-            kwargs["past_key_values"] = cache
+            kwargs[compat.generate_cache_kwarg()] = cache
         if self.settings.compile == COMPILE_OFF:
             kwargs["disable_compile"] = True
         kwargs.update(extra)
@@ -315,7 +315,7 @@ class Executor:
         call = self._last_position_caller(fresh_cache)
         tokens, logits, hiddens, last = loops.decode(call, ids, mask, n, policy, positions, step_positions, cache,
                                                      forced, hidden, on_step, prefilled)
-        return Decoded(tokens, logits, hiddens, last.past_key_values if policy != "no_cache" else None, last)
+        return Decoded(tokens, logits, hiddens, compat.output_cache(last) if policy != "no_cache" else None, last)
 
 
 
@@ -347,24 +347,15 @@ def cache_layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
         self_cache = getattr(cache, "self_attention_cache", None)
         layers = getattr(self_cache, "layers", [])
     # quantized layers keep their keys quantized elsewhere (an empty `keys`): nothing comparable is stored in the clear
-    return [(layer.keys, layer.values) for layer in layers
-            if getattr(layer, "keys", None) is not None and layer.keys.dim() >= 3]
+    return [kv for kv in (compat.layer_kv(layer) for layer in layers) if kv is not None]
 
 
 def state_argument(model) -> str | None:
-    """The argument a recurrent / state-space causal LM takes its cache by, where it is not past_key_values: Mamba's
-    `cache_params` (a Cache of linear-attention layers: conv and recurrent states), RWKV's `state` (a list of
-    tensors). None for a key/value model. Executor.forward passes the cache under this name and reads it back as
-    `past_key_values`, so every comparison runs on these models unchanged."""
-    import inspect
-
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return None
-    if "past_key_values" in params:
-        return None
-    return next((a for a in ("cache_params", "state") if a in params), None)
+    """The argument a recurrent / state-space causal LM takes its state by (kvviz.compat.state_argument: Mamba's
+    `cache_params` - `cache` from transformers 5.24 -, RWKV's `state`); None for a key/value model. Executor.forward
+    passes the cache under it, gives no position ids and a mask over the fed tokens only, and reads the state back
+    as the output's cache, so every comparison runs on these models unchanged."""
+    return compat.state_argument(model)
 
 
 def _state_tensors(cache) -> list[torch.Tensor]:
@@ -388,7 +379,7 @@ def has_cache(out) -> bool:
     """Did the model return a usable cache? (Bidirectional models, e.g. RoBERTa without is_decoder, return none.)
     A cache of linear-attention / recurrent layers only (Mamba, a hybrid whose attention layers hold nothing yet)
     has no sequence length: its state tensors count."""
-    cache = getattr(out, "past_key_values", None)
+    cache = compat.output_cache(out)
     if cache is None:
         return False
     try:

@@ -180,19 +180,10 @@ def stream_gguf(path: Path, folder: Path, config, progress: Progress, shard_byte
 
 
 def _renamer(model) -> Callable[[str], str]:
-    """The name a checkpoint tensor gets when `from_pretrained` loads it (its conversion mapping)."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    """The name a checkpoint tensor gets when `from_pretrained` loads it (its conversion mapping: kvviz.compat)."""
+    from .compat import checkpoint_renamer
 
-    mapping = get_model_conversion_mapping(model)
-    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
-    converters = [m for m in mapping if isinstance(m, WeightConverter)]
-
-    def rename(name: str) -> str:
-        new, pattern = rename_source_key(name, renamings, converters)
-        return name if pattern is None and new == name else new + ("" if pattern is None else "\0converted")
-
-    return rename
+    return checkpoint_renamer(model)
 
 
 def _tied_names(model) -> dict[str, str]:

@@ -7,6 +7,8 @@ copy of it. Keep this module to torch only (a repro script needs only torch and 
 """
 import torch
 
+from .compat import output_cache  # a repro script defines its own copy (kvviz.repro)
+
 STEP_POLICIES = {
     "no_cache": "a full forward over the sequence so far at every step (the reference)",
     "cache": "prefill, then one token a step through the cache, the mask grown and the position ids given",
@@ -23,7 +25,7 @@ def feed(call, ids, cache, one_by_one=False, mask_of=None, positions_of=None, hi
     for s, e in spans:
         out = call(ids[:, s:e], mask_of(s, e) if mask_of else None, positions_of(s, e) if positions_of else None,
                    cache, use_cache=True, hidden=hidden)
-        cache = out.past_key_values
+        cache = output_cache(out)
         yield s, e, out
 
 
@@ -75,6 +77,6 @@ def decode(call, ids, mask, n, policy="cache", positions=None, step_positions=No
         if last is not None:
             last = last + 1
         user = policy == "user_loop"
-        out = call(nxt, None if user else mask, None if user else last, out.past_key_values, use_cache=True,
+        out = call(nxt, None if user else mask, None if user else last, output_cache(out), use_cache=True,
                    hidden=hidden)
     return tokens, logits, hiddens, out

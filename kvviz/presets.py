@@ -37,7 +37,7 @@ PRESETS = (
            "pages/dtypes_lab.py", "tiny:llama", "bfloat16", {"dt_source": "built-in set", "dt_limit": 8}),
     Preset("bidirectional", "A model that is not causal", "RoBERTa-style attention sees later tokens too, so it "
            "returns no cache: appending tokens changes what the earlier ones compute. Logic - do not use "
-           "past_key_values.", "pages/split_point.py", "tiny:roberta", "float32",
+           "its cache (`cache`, past_key_values before transformers 5.24).", "pages/split_point.py", "tiny:roberta", "float32",
            {"split_pad": 0, "split_pos": "auto", "split_mask": "full"}),
     Preset("proof", "Prove it is rounding", "The same comparison in invariant mode: every row computed the same way "
            "whatever the shape - the cached run equals the full forward bit for bit.",

@@ -45,6 +45,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 MODEL = {folder!r}  # the model folder kvviz loaded ({model})
 DEVICE = {device!r}
 ATTN = {attn!r}
+CACHE_KW = {cache_kw!r}  # the keyword this transformers takes a cache by (`cache` from 5.24, `past_key_values` before)
 {float64_mode}
 tok = AutoTokenizer.from_pretrained(MODEL, local_files_only=True)
 
@@ -76,8 +77,10 @@ def forward(model, ids, mask=None, positions=None, past=None, use_cache=True, hi
     if positions is not None:
         kw["position_ids"] = positions
     if past is not None:
-        kw["past_key_values"] = past
+        kw[CACHE_KW] = past
     return model(**kw)
+
+{compat}
 
 
 def positions_from(mask):
@@ -107,7 +110,7 @@ def split_gap(model, ids, split, left_pad=0, mode="chunk", positions_mode="auto"
     def rest_positions(start, end):
         return positions[:, start:end] if positions_mode == "auto" else None
 
-    past = forward(model, input_ids[:, :a0], mask[:, :a0], positions[:, :a0]).past_key_values
+    past = output_cache(forward(model, input_ids[:, :a0], mask[:, :a0], positions[:, :a0]))
     # in float64 (the reference) kvviz computes only the compared positions' logits (logits_to_keep)
     import inspect
 
@@ -164,7 +167,10 @@ def header(title: str, **head) -> str:
     """The script's first lines. User text (a model path such as C:\\Users\\..., a prompt) goes only into comments
     with its line breaks removed, or into string literals through repr(): no spec can break the script's syntax."""
     one_line = {k: (" ".join(str(v).splitlines()) if k in ("title", "model", "name") else v) for k, v in head.items()}
-    return HEADER.format(title=" ".join(title.splitlines()), loops=loops_source(), **one_line)
+    from . import compat
+
+    return HEADER.format(title=" ".join(title.splitlines()), loops=loops_source(), compat=compat.script_source(),
+                         cache_kw=compat.cache_argument_name(), **one_line)
 
 
 def loops_source() -> str:
@@ -180,7 +186,8 @@ def module_body(name: str) -> str:
     import inspect
 
     src = inspect.getsource(importlib.import_module(f"kvviz.{name}")).split('"""', 2)[2]
-    return "\n".join(line for line in src.splitlines() if line not in ("import torch", "import contextlib"))
+    return "\n".join(line for line in src.splitlines()
+                     if line not in ("import torch", "import contextlib") and not line.startswith("from .compat import"))
 
 
 NO_FLOAT64 = "\n\ndef keep_float64(model):  # not needed here\n    pass\n"

@@ -8,7 +8,7 @@ metrics are kept: at most one path's hidden states exist (the held one, only the
 layer the model is computing.
 
 How: transformers 5 records hidden states with forward hooks on the decoder layers, appending to a list of the
-running forward (`transformers.utils.output_capturing`); kvviz adds its own forward hook to each decoder layer
+running forward (`transformers.utils.output_capturing`, reached through kvviz.compat); kvviz adds its own forward hook to each decoder layer
 (the longest ModuleList) for the duration of one call. After a layer returns, every recorded hidden state but the
 newest goes to the sink and is dropped from that list; the newest is left, because transformers replaces the last
 one with the final norm's output at the end of the forward. Whatever is left when the forward returns (the last,
@@ -30,10 +30,7 @@ import torch
 
 from .errors import KvvizError
 
-try:  # transformers 5: the list the running forward's recorded outputs go to
-    from transformers.utils.output_capturing import _active_collector as _COLLECTOR
-except Exception:  # noqa: BLE001 - another transformers: hidden states are then reduced after the forward
-    _COLLECTOR = None
+from .compat import OUTPUT_COLLECTOR as _COLLECTOR  # None where this transformers has none: reduced after the forward
 
 Sink = Callable[[int, torch.Tensor], None]  # (index in hidden_states, the tensor [B, T, H])
 

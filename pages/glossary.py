@@ -6,7 +6,7 @@ from pages.common import ensure_navigation
 ensure_navigation()
 st.title("Glossary")
 st.markdown("""
-**KV cache (`past_key_values`)** — the keys and values every attention layer computed for the tokens so far, kept so
+**KV cache (`cache` — `past_key_values` before transformers 5.24)** — the keys and values every attention layer computed for the tokens so far, kept so
 the next token only computes its own row instead of the whole sequence again.
 
 **Full forward** — one forward pass over the whole sequence without a cache: kvviz's reference.

@@ -12,7 +12,7 @@ if st.session_state.get("_goto"):
 
 st.title("kvviz: why does the KV cache change my numbers?")
 st.markdown("""
-When a model runs with a **KV cache** (`past_key_values`), it computes the new tokens against stored keys and
+When a model runs with a **KV cache** (`cache` — `past_key_values` before transformers 5.24), it computes the new tokens against stored keys and
 values instead of recomputing the whole sequence. In exact arithmetic both ways give the same numbers. In practice
 they sometimes don't, for two very different reasons:
 

@@ -17,8 +17,8 @@ from pages.exporting import exports
 DEFAULT_PROMPT = DEFAULTS["split"]["prompt"]
 
 choice, lm = page("Split point",
-                  "Feed tokens [0, k) and cache them, then feed the rest through past_key_values; compare every hidden "
-                  "state, the logits and the keys/values with one full forward without cache.")
+                  "Feed tokens [0, k) and cache them, then feed the rest through the cache (`cache` — "
+                  "`past_key_values` before transformers 5.24); compare every hidden state, the logits and the keys/values with one full forward without cache.")
 
 with controls():
     prompt = st.text_area("Prompt", DEFAULT_PROMPT, key="split_prompt", height=90)

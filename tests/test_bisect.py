@@ -4,6 +4,8 @@ import dataclasses
 import threading
 
 import pytest
+
+from kvviz.compat import output_cache
 import torch
 
 import kvviz
@@ -131,7 +133,7 @@ def test_bisector_keeps_only_the_compared_rows(mode):
         with _Recorder(lm.model, inp.total, a0, n) as full:
             ex.forward(inp.ids, inp.mask, inp.positions, hidden=False)
         with _Recorder(lm.model, inp.total, a0, n, ref=full) as cached:
-            _cached_rest(ex, cfg, inp, a0, pre.past_key_values)
+            _cached_rest(ex, cfg, inp, a0, output_cache(pre))
     kept = [v for v in list(full.outputs.values()) + list(full.inputs.values()) if v is not None]
     assert len(kept) > 40
     assert all(t.shape[dim] == n for dim, t in kept)

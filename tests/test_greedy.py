@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import kvviz
+from kvviz.compat import cache_argument, output_cache
 from kvviz.errors import KvvizError
 from kvviz.views.greedy.run import PATHS, GreedyConfig, run_greedy
 from conftest import DEVICE
@@ -31,8 +32,8 @@ def naive_cache(model, ids, n):
             if cached is None:
                 out = model(tokens, use_cache=True)
             else:
-                out = model(tokens[:, -1:], past_key_values=cached, use_cache=True)
-            cached = out.past_key_values
+                out = model(tokens[:, -1:], **{cache_argument(model): cached}, use_cache=True)
+            cached = output_cache(out)
             logits.append(out.logits[0, -1])
             tokens = torch.hstack((tokens, torch.argmax(out.logits[0, -1]).unsqueeze(0).unsqueeze(0)))
     return tokens, torch.stack(logits)

@@ -4,6 +4,8 @@ import threading
 
 import numpy as np
 import pytest
+
+from kvviz.compat import output_cache
 import torch
 from conftest import DEVICE, PROMPT
 
@@ -69,7 +71,7 @@ def test_streamed_forward_and_generate_equal_the_twin(arch, dtype):
         with ex.session():
             full = ex.forward(ids, use_cache=False)
             pre = ex.forward(ids[:, :5])
-            rest = ex.forward(ids[:, 5:], cache=pre.past_key_values)
+            rest = ex.forward(ids[:, 5:], cache=output_cache(pre))
             gen = None if arch == "roberta" else ex.generate(ids, torch.ones_like(ids), 3, pad_token_id=0)
         outs.append((full, pre, rest, gen))
     (f1, p1, r1, g1), (f2, p2, r2, g2) = outs
@@ -81,7 +83,7 @@ def test_streamed_forward_and_generate_equal_the_twin(arch, dtype):
         _same(list(r1.hidden_states), list(r2.hidden_states))
         from kvviz.execution import cache_layers
 
-        _same(cache_layers(r1.past_key_values), cache_layers(r2.past_key_values))
+        _same(cache_layers(output_cache(r1)), cache_layers(output_cache(r2)))
         _same(g1.sequences, g2.sequences)
         _same(list(g1.logits), list(g2.logits))  # generate casts logits to float32 outside forward, for both
         assert g2.logits[0].dtype == torch.float32

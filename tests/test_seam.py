@@ -3,6 +3,8 @@ import contextlib
 import threading
 
 import pytest
+
+from kvviz.compat import output_cache
 import torch
 
 import kvviz
@@ -193,12 +195,12 @@ def test_feed_in_one_chunk_or_one_by_one_grows_the_same_cache():
         pre = ex.forward(ids[:, :4])
         import copy
 
-        chunk = list(ex.feed(ids[:, 4:], copy.deepcopy(pre.past_key_values)))
-        steps = list(ex.feed(ids[:, 4:], pre.past_key_values, one_by_one=True))
+        chunk = list(ex.feed(ids[:, 4:], copy.deepcopy(output_cache(pre))))
+        steps = list(ex.feed(ids[:, 4:], output_cache(pre), one_by_one=True))
     n = ids.shape[1] - 4
     assert [(s, e) for s, e, _ in chunk] == [(0, n)] and [(s, e) for s, e, _ in steps] == [(j, j + 1) for j in range(n)]
     last_chunk, last_step = chunk[-1][2], steps[-1][2]
-    assert last_step.past_key_values.get_seq_length() == ids.shape[1] == last_chunk.past_key_values.get_seq_length()
+    assert output_cache(last_step).get_seq_length() == ids.shape[1] == output_cache(last_chunk).get_seq_length()
     assert float((last_chunk.logits[0, -1] - last_step.logits[0, -1]).abs().max()) < 1e-9
 
 

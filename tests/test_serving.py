@@ -14,6 +14,7 @@ import pytest
 import kvviz
 from kvviz import invariant
 from kvviz.cli import main
+from kvviz.compat import transformers_at_least as _transformers_at_least
 from kvviz.errors import KvvizError
 from kvviz.execution import ExecSettings
 from kvviz.export import export_json, html_report, open_result
@@ -234,6 +235,10 @@ def test_open_result_page_shows_a_serving_result(monkeypatch):
     assert any("precision" in e.value for e in at.info)
 
 
+@pytest.mark.xfail(_transformers_at_least(5, 24), strict=True, raises=KvvizError,
+                   reason="transformers 5.24: RobertaModel.forward reads cache.get_seq_length(), which continuous "
+                          "batching's PagedAttentionCache does not have (every request fails in the engine); "
+                          "no upstream issue as of 2026-11-25")
 def test_a_bidirectional_model_parts_as_logic_and_stays_in_invariant_mode():
     """RoBERTa without is_decoder attends to later tokens: a causal cache computes another function (logic)."""
     lm, res = _study("tiny:roberta", PROMPTS, runs=1, conditions=("alone",))

@@ -4,6 +4,8 @@ import weakref
 
 import numpy as np
 import pytest
+
+from kvviz.compat import output_cache
 import torch
 
 import kvviz
@@ -39,13 +41,13 @@ def all_at_once(m, cfg: SplitConfig) -> dict[str, np.ndarray]:
         ref = torch.stack([h[0, a0:] for h in full.hidden_states])
         del full
         if cfg.mode == "chunk":
-            got = ex.forward(inp.ids[:, a0:], inp.mask, inp.positions[:, a0:], pre.past_key_values)
+            got = ex.forward(inp.ids[:, a0:], inp.mask, inp.positions[:, a0:], output_cache(pre))
             got_h = torch.stack([h[0] for h in got.hidden_states])
         else:
-            cache, hs = pre.past_key_values, []
+            cache, hs = output_cache(pre), []
             for j in range(a0, inp.total):
                 out = ex.forward(inp.ids[:, j:j + 1], inp.mask[:, :j + 1], inp.positions[:, j:j + 1], cache)
-                cache = out.past_key_values
+                cache = output_cache(out)
                 hs.append(torch.stack([h[0, -1] for h in out.hidden_states]))
             got_h = torch.stack(hs, dim=1)
         hd = hidden_divergence(ref, got_h, machine_eps(m.dtype))
@@ -205,7 +207,7 @@ def _padding_all_at_once(m, ids, comp_ids, k, left_pad) -> dict:
                     keep = 1 if takes_logits_to_keep(m.model) else None
                     pre = ex.forward(b_ids[:, :c], mask[:, :c], pos[:, :c], hidden=False, logits_to_keep=keep)
                     o = ex.forward(b_ids[:, c:], mask if mm == "full" else mask[:, c:],
-                                   pos[:, c:] if pm == "auto" else None, pre.past_key_values)
+                                   pos[:, c:] if pm == "auto" else None, output_cache(pre))
                     h = torch.stack([x[0] for x in o.hidden_states])
                 hd = hidden_divergence(ref_h, h, eps)
                 out[(placement, label)] = (float(hd["relative"].max()), float(hd["max_abs"].max()),
@@ -374,11 +376,11 @@ def test_token_by_token_comparison_keeps_nothing_per_step():
         ex.forward(inp.ids, inp.mask, inp.positions, hidden=held)
         gaps = LayerGaps(held, machine_eps(m.dtype))
         sink = gaps.stepping(lambda h: h[0, -1:])
-        cache, counts = pre.past_key_values, []
+        cache, counts = output_cache(pre), []
         for j in range(a0, inp.total):
             out = ex.forward(inp.ids[:, j:j + 1], inp.mask[:, :j + 1], inp.positions[:, j:j + 1], cache,
                              hidden=sink)
-            cache = out.past_key_values
+            cache = output_cache(out)
             del out
             counts.append(_live_tensors())
     assert inp.total - a0 >= 6

@@ -2,6 +2,8 @@
 architecture that showed it (kvviz.tiny.TINY_SWEEP, built by the sweep's own config builder): every test here fails
 if its problem comes back."""
 import pytest
+
+from kvviz.compat import output_cache, transformers_at_least
 import torch
 
 import kvviz
@@ -59,13 +61,14 @@ def test_rwkv_state_is_a_cache_and_stays_float64(mode):
 
 def test_mamba_cache_params_are_its_cache():
     lm = kvviz.load_model("tiny:mamba", "float64", DEVICE)
-    assert state_argument(lm.model) == "cache_params"
+    # transformers 5.24 renamed Mamba's `cache_params` to `cache` (the old name deprecated)
+    assert state_argument(lm.model) == ("cache" if transformers_at_least(5, 24) else "cache_params")
     ex = Executor(lm)
     ids = lm.tokenizer(PROMPT, return_tensors="pt")["input_ids"].to(lm.device)
     with ex.session():
         pre = ex.forward(ids[:, :12], torch.ones_like(ids[:, :12]))
         # only linear-attention layers: transformers' get_seq_length raises ValueError on this cache
-        assert pre.past_key_values is pre.cache_params and has_cache(pre)
+        assert output_cache(pre) is not None and has_cache(pre)
     main = run_split(lm, SplitConfig(PROMPT, split=12, mode="step"), prove=False).main
     assert main.has_cache and main.max_relative < 1e-12, main.max_relative
     # the rest in one chunk through the state: transformers 5.23's Mamba path (no mamba_ssm kernels) gives a

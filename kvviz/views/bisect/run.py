@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ...compat import output_cache
 from ...errors import KvvizError
 from ...execution import DEFAULT_SETTINGS, ExecSettings, Executor, Settings, has_cache
 from ...inputs import build_inputs
@@ -241,7 +242,7 @@ def run_bisect(lm: LoadedModel, cfg: SplitConfig, settings: ExecSettings | None 
                          logits_to_keep=1 if takes_logits_to_keep(lm.model) else None)
         if not has_cache(pre):
             raise KvvizError(f"{lm.name} returns no cache (a bidirectional model): there is no cached run to bisect")
-        past = pre.past_key_values
+        past = output_cache(pre)
         del pre
         say(0.15, f"Full forward ({inp.total} tokens), every module hooked…")
         with _Recorder(lm.model, inp.total, a0, n) as full:

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ... import __version__
+from ...compat import fill_cache_layer, output_cache
 from ...dtypes import dtype_name
 from ...errors import KvvizError
 from ...execution import Executor, cache_layers
@@ -35,9 +36,9 @@ def prefill(lm: LoadedModel, token_ids: list[int]):
     ex = Executor(lm)
     with ex.session():
         out = ex.forward(torch.tensor([token_ids], device=lm.device), hidden=False)
-    if out.past_key_values is None:
+    if output_cache(out) is None:
         raise KvvizError(f"{lm.name} returns no cache (a bidirectional model): there is no KV cache to save")
-    return out.past_key_values
+    return output_cache(out)
 
 
 def save_cache(lm: LoadedModel, prompt: str, path: str | Path) -> dict:
@@ -178,10 +179,7 @@ def _build(lm: LoadedModel, meta: dict, tensors: dict, n_tokens: int):
         want = meta["layers"][i]["class"]
         if type(layer).__name__ != want:
             raise KvvizError(f"layer {i} is a {type(layer).__name__} here but a {want} in the file")
-        layer.lazy_initialization(k, v)
-        layer.keys, layer.values = k, v
-        if hasattr(layer, "cumulative_length"):
-            layer.cumulative_length = n_tokens
+        fill_cache_layer(layer, k, v, n_tokens)
     return cache
 
 
@@ -236,10 +234,10 @@ def continue_and_compare(lm: LoadedModel, loaded: LoadedCache, text: str) -> Con
     la, lb = a.logits[0], b.logits[0]
     hidden_max_abs = float(gaps.matrices()["max_abs"].max())
     kv = [float((x.double() - y.double()).abs().max()) for (ka, va), (kb, vb) in
-          zip(cache_layers(a.past_key_values), cache_layers(b.past_key_values)) for x, y in ((ka, kb), (va, vb))]
+          zip(cache_layers(output_cache(a)), cache_layers(output_cache(b))) for x, y in ((ka, kb), (va, vb))]
     equal = (torch.equal(la, lb) and gaps.equal
-             and all(torch.equal(x, y) for (ka, va), (kb, vb) in zip(cache_layers(a.past_key_values),
-                                                                    cache_layers(b.past_key_values))
+             and all(torch.equal(x, y) for (ka, va), (kb, vb) in zip(cache_layers(output_cache(a)),
+                                                                    cache_layers(output_cache(b)))
                      for x, y in ((ka, kb), (va, vb))))
     tok = lm.tokenizer
     return ContinueResult(bitwise_equal=bool(equal), max_abs_logits=float((la.double() - lb.double()).abs().max()),

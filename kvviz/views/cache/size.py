@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from ...compat import output_cache
 from ...dtypes import DTYPE_NAMES, parse_dtype
 from ...errors import KvvizError
 from ...execution import Executor, cache_layers
@@ -118,7 +119,7 @@ def measured_bytes(lm: LoadedModel, tokens: int, batch: int = 1) -> int:
     ex = Executor(lm)
     with ex.session():
         out = ex.forward(ids, torch.ones_like(ids), hidden=False, logits_to_keep=1)
-    layers = cache_layers(out.past_key_values)
+    layers = cache_layers(output_cache(out))
     if not layers:
         raise KvvizError(f"{lm.name} returns no cache (a bidirectional model): there is nothing to measure")
     return int(sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers))

@@ -23,6 +23,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ...compat import output_cache
 from ...dtypes import machine_eps
 from ...errors import KvvizError
 from ...inputs import POSITION_MODES, PromptInputs, build_inputs, check_mode, pad_token_id, positions_from_mask
@@ -369,7 +370,7 @@ def replay_step(ex: Executor, inp: PromptInputs, logic: str, forced: list[int]) 
         return out.logits[0, -1]
     pos = inp.positions[:, -1:] + torch.arange(1, len(forced) + 1, device=dev)
     return ex.forward(extra, None if user else mask, None if logic in ("user", "cached_omit") else pos,
-                      out.past_key_values, hidden=False, logits_to_keep=1).logits[0, -1]
+                      output_cache(out), hidden=False, logits_to_keep=1).logits[0, -1]
 
 
 def _replay_memo(memo: dict, ex64: Executor, inp64, logic: str, forced: list[int]) -> torch.Tensor:

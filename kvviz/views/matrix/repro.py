@@ -58,7 +58,7 @@ def generate(model, kind):
     kw = dict(input_ids=IDS, attention_mask=MASK, generation_config=gc, disable_compile=True)
     cache = new_cache(model, kind)
     if cache is not None:
-        kw["past_key_values"] = cache
+        kw[CACHE_KW] = cache
     out = model.generate(**kw)
     return out.sequences[0, IDS.shape[1]:].tolist(), torch.stack([lg[0].double() for lg in out.logits])
 

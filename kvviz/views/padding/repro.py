@@ -33,7 +33,7 @@ def scenario(rows, extra_pad, use_cache, pos_mode, mask_mode):
         return forward(model, ids, mask, pos, use_cache=False).logits[0, c:]
     pre = forward(model, ids[:, :c], mask[:, :c], pos[:, :c], hidden=False)
     out = forward(model, ids[:, c:], mask if mask_mode == "full" else mask[:, c:],
-                  pos[:, c:] if pos_mode == "auto" else None, pre.past_key_values)
+                  pos[:, c:] if pos_mode == "auto" else None, output_cache(pre))
     return out.logits[0]
 
 

@@ -11,6 +11,7 @@ import pandas as pd
 import torch
 
 from ..dtypes.run import split_point
+from ...compat import output_cache
 from ...dtypes import machine_eps
 from ...errors import KvvizError
 from ...execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings, has_cache
@@ -99,7 +100,7 @@ def _scenario(ex: Executor, rows, target: int, extra_pad: int, k: int, use_cache
     if not has_cache(pre):
         raise KvvizError(f"{ex.lm.name} returns no cache (a bidirectional model): past_key_values cannot be used")
     out = ex.forward(ids[:, c:], mask if mask_mode == "full" else mask[:, c:],
-                     pos[:, c:] if pos_mode == "auto" else None, pre.past_key_values,
+                     pos[:, c:] if pos_mode == "auto" else None, output_cache(pre),
                      hidden=gaps.sink(lambda h: h[target]))
     return gaps, out.logits[target].clone()
 

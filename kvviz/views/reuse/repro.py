@@ -22,11 +22,11 @@ def decode_after(cache, ids):
 worst = 0.0
 with torch.inference_mode():
     pre = forward(model, torch.tensor([PREFIX_IDS], device=DEVICE), hidden=False)
-    shared = copy.deepcopy(pre.past_key_values)  # the one cache object "reused" grows
+    shared = copy.deepcopy(output_cache(pre))  # the one cache object "reused" grows
     for cont in CONTINUATION_IDS:
         c = torch.tensor([cont], device=DEVICE)
         runs = {{"fresh": decode_after(None, torch.tensor([PREFIX_IDS + cont], device=DEVICE)),
-                "deepcopy": decode_after(copy.deepcopy(pre.past_key_values), c),
+                "deepcopy": decode_after(copy.deepcopy(output_cache(pre)), c),
                 "reused": decode_after(shared, c)}}
         ref_toks, ref_logits = runs["fresh"]
         for way in ("deepcopy", "reused"):

@@ -14,6 +14,7 @@ from typing import Callable
 import pandas as pd
 import torch
 
+from ...compat import output_cache
 from ...errors import KvvizError
 from ...execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings, has_cache
 from ..greedy.run import first_divergence
@@ -77,12 +78,12 @@ def _reuse_runs(lm: LoadedModel, settings: ExecSettings, prefix: list[int], cont
         pre = ex.forward(torch.tensor([prefix], device=dev), hidden=False)
         if not has_cache(pre):
             raise KvvizError(f"{lm.name} returns no cache (a bidirectional model): past_key_values cannot be used")
-        shared = copy.deepcopy(pre.past_key_values)  # the object every continuation of "reused" shares
+        shared = copy.deepcopy(output_cache(pre))  # the object every continuation of "reused" shares
         for i, cont in enumerate(conts):
             c = torch.tensor([cont], device=dev)
             res[(i, "fresh")] = _decode_after(ex, None, torch.tensor([prefix + cont], device=dev), n)
             if "deepcopy" in ways:
-                res[(i, "deepcopy")] = _decode_after(ex, copy.deepcopy(pre.past_key_values), c, n)
+                res[(i, "deepcopy")] = _decode_after(ex, copy.deepcopy(output_cache(pre)), c, n)
             if "reused" in ways:
                 res[(i, "reused")] = _decode_after(ex, shared, c, n)
     return res

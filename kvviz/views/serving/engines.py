@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.overrides import _get_current_function_mode_stack
 
+from ... import compat
 from ...errors import KvvizError
 
 ENGINES = ("transformers", "vllm")
@@ -98,35 +99,14 @@ class _Capture:
         self.cached: dict[str, int] = {}
 
     def hook(self, batch_processor) -> None:
-        runner = getattr(batch_processor, "model_runner", None)
-        inner = getattr(runner, "_sample", None)
-        if inner is None or getattr(inner, "_kvviz", False):
-            return
-        io = getattr(runner, "inputs_and_outputs", None) or getattr(batch_processor, "inputs_and_outputs", None)
+        compat.cb_hook_sampler(batch_processor, self.record)
+        compat.cb_hook_prefix_match(batch_processor, self.matched)
 
-        def sample(scores, output_ids):
-            self.record(io, scores[0] if scores.dim() == 3 else scores)
-            return inner(scores, output_ids)
+    def matched(self, request_id: str, n: int) -> None:
+        self.cached[request_id] = self.cached.get(request_id, 0) + n
 
-        sample._kvviz = True
-        runner._sample = sample
-        cache = getattr(batch_processor, "cache", None)
-        search = getattr(cache, "search_prefix_match", None)
-        if search is not None and not getattr(search, "_kvviz", False):
-            def search_hooked(request_id, prompt_ids):
-                n = search(request_id, prompt_ids)
-                self.cached[request_id] = self.cached.get(request_id, 0) + int(n)
-                return n
-
-            search_hooked._kvviz = True
-            cache.search_prefix_match = search_hooked
-
-    def record(self, io, probs: torch.Tensor) -> None:
-        states = getattr(io, "requests_in_batch", None)
-        if not states:
-            return
-        rows = [fs.state.request_id for fs in states if fs.has_new_token]
-        if len(rows) > probs.shape[0]:
+    def record(self, rows: list[str], probs: torch.Tensor) -> None:
+        if not rows or len(rows) > probs.shape[0]:
             return
         top = probs[: len(rows)].double().topk(2, dim=-1).values
         gaps = (top[:, 0] - top[:, 1]).cpu().tolist()
@@ -205,25 +185,7 @@ class TransformersEngine:
                 raise KvvizError(f"transformers' continuous batching cannot run this model: "
                                  f"{str(e).splitlines()[0]}") from None
             capture = _Capture(manager, keep, margins, scores)
-            create = manager._create_batch_processor
-
-            def create_hooked():
-                bp = create()
-                capture.hook(bp)
-                return bp
-
-            manager._create_batch_processor = create_hooked
-            inner = manager._run_generation_loop
-            failure: list[BaseException] = []
-
-            def loop() -> None:
-                try:
-                    with _entered(modes):
-                        inner()
-                except BaseException as e:  # noqa: BLE001 - reported in the caller's thread
-                    failure.append(e)
-
-            manager._run_generation_loop = loop  # this manager only; the model is not touched
+            failure = compat.cb_hook_manager(manager, lambda: _entered(modes), capture.hook)
             seq = sequential_keys or set()
             batch_now = [r for r in requests if r.key not in seq]
             for r in batch_now:
@@ -283,10 +245,10 @@ def _collect(manager, keys: set[str], results: dict, failure: list) -> None:
             raise failure[0]
         res = manager.get_result(timeout=0.2)
         if res is None:
-            fatal = manager.background_thread_status.fatal_error
+            fatal = compat.cb_fatal_error(manager)
             if fatal is not None:
                 raise KvvizError(f"the continuous-batching engine failed: {str(fatal).splitlines()[0]}")
-            if not manager.is_running() and manager.output_router.output_queue.empty():
+            if compat.cb_stopped_and_drained(manager):
                 if failure:
                     raise failure[0]
                 raise KvvizError("the continuous-batching engine stopped before every request finished")

@@ -1,4 +1,4 @@
-"""`python -m kvviz split`: full forward vs the prefix cached and the rest fed through past_key_values."""
+"""`python -m kvviz split`: full forward vs the prefix cached and the rest fed through the cache (`cache`; `past_key_values` before transformers 5.24)."""
 from __future__ import annotations
 
 from ...clirun import (Outcome, load, model_args, nonnegative_pad, progress_to_stderr, prove, repro_arg,
@@ -7,7 +7,7 @@ from ...inputs import MASK_MODES, POSITION_MODES
 
 
 def add_parser(sub) -> None:
-    sp = sub.add_parser("split", help="full forward vs prefix cached + rest through past_key_values")
+    sp = sub.add_parser("split", help="full forward vs prefix cached + rest through the cache (past_key_values before transformers 5.24)")
     model_args(sp)
     sp.add_argument("--prompt", required=True)
     sp.add_argument("--split", type=int, required=True, help="prompt tokens [0, K) go to the cache")

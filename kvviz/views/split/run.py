@@ -17,6 +17,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ...compat import output_cache
 from ...dtypes import dtype_name, machine_eps
 from ...errors import KvvizError
 from ...inputs import MASK_MODES, POSITION_MODES, PromptInputs, build_inputs, check_mode
@@ -224,13 +225,13 @@ def _rest_through_cache(ex: Executor, cfg: SplitConfig, inp: PromptInputs, a0: i
         progress(0.5, "Rest through the cache, one chunk…")
         _, _, got = next(ex.feed(rest, past, mask_of=mask_of, positions_of=positions_of,
                                  hidden=gaps.sink(lambda h: h[0])))
-        return gaps, got.logits[0], got.past_key_values
+        return gaps, got.logits[0], output_cache(got)
     lg = []
     cache = past
     for j, _, out in ex.feed(rest, past, one_by_one=True, mask_of=mask_of, positions_of=positions_of,
                              hidden=gaps.stepping(lambda h: h[0, -1:])):
         progress(0.4 + 0.5 * j / max(1, inp.total - a0), f"Rest through the cache, token {j + 1}…")
-        cache = out.past_key_values
+        cache = output_cache(out)
         if ref_logits is None:
             lg.append(out.logits[0, -1])
         else:
@@ -257,7 +258,7 @@ class _Rows:
         # the whole prompt's logits (copied: the rest is freed), or only the compared ones (see _full_forward: kept
         # as they are, a float64 copy of a large vocabulary's rows would double the peak)
         logits = out.logits[0] if out.logits.shape[1] == n else out.logits[0, -n:].clone()
-        return cls(hidden, logits, out.past_key_values)
+        return cls(hidden, logits, output_cache(out))
 
 
 def _measure(lm: LoadedModel, comp: Comparison, ref: _Rows, a0: int, gaps: LayerGaps, got_logits, cache,
@@ -309,7 +310,7 @@ def _run(lm: LoadedModel, cfg: SplitConfig, inp: PromptInputs, progress: Progres
             ref.logits = _ChunkedLogits(ex, inp, a0, ref.logits)
         # the cached path's hidden states are compared with those layer by layer as it produces them
         gaps = LayerGaps(held, machine_eps(lm.dtype), free=cfg.mode == "chunk")
-        gaps, got_logits, cache = _rest_through_cache(ex, cfg, inp, a0, pre.past_key_values, progress,
+        gaps, got_logits, cache = _rest_through_cache(ex, cfg, inp, a0, output_cache(pre), progress,
                                                       ref.logits if cfg.mode == "step" else None, gaps)
         progress(0.9, "Measuring…")
         _measure(lm, comp, ref, a0, gaps, got_logits, cache, inp)

@@ -1,0 +1,247 @@
+"""kvviz.compat: every transformers internal or version-dependent behaviour kvviz relies on, checked against the
+installed transformers. Each test fails with one line naming the installed version and what moved."""
+import inspect
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+import kvviz
+from kvviz import compat
+from kvviz.execution import Executor
+from conftest import DEVICE
+
+ROOT = Path(__file__).resolve().parents[1]
+V = transformers.__version__
+
+
+def moved(what: str) -> str:
+    return f"transformers {V}: {what} (kvviz/compat.py follows it; see docs/compat.md)"
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The cache keyword
+
+
+def test_the_cache_keyword_is_the_installed_one():
+    lm = kvviz.load_model("tiny:llama", "float32", DEVICE)
+    params = inspect.signature(lm.model.forward).parameters
+    want = "cache" if "cache" in params else "past_key_values"
+    assert compat.cache_argument(lm.model) == want, moved(f"LlamaForCausalLM.forward takes {list(params)}")
+    if compat.transformers_at_least(5, 24):
+        assert want == "cache", moved("the `cache` keyword (5.24) is gone from LlamaForCausalLM.forward")
+        assert "past_key_values" in compat.deprecated_names(type(lm.model).forward), \
+            moved("`past_key_values` is no longer a deprecated alias of `cache`")
+    assert compat.cache_argument_name() == want, moved("the script keyword and the model's disagree")
+    assert compat.generate_cache_kwarg() in inspect.signature(type(lm.model).generate).parameters or \
+        "kwargs" in inspect.signature(type(lm.model).generate).parameters
+
+
+def test_output_cache_reads_the_cache_without_the_old_name():
+    lm = kvviz.load_model("tiny:llama", "float32", DEVICE)
+    ex = Executor(lm)
+    ids = torch.tensor([[5, 6, 7, 8]], device=lm.device)
+    with ex.session():
+        out = ex.forward(ids, hidden=False)
+        cache = compat.output_cache(out)
+        assert cache is not None and int(cache.get_seq_length()) == 4, moved("the output's cache field moved")
+        # the same cache fed back grows it: the keyword the seam passes is the one the model reads
+        more = ex.forward(ids[:, :1], cache=cache, hidden=False)
+        assert int(compat.output_cache(more).get_seq_length()) == 5, moved("the cache keyword is not read")
+
+
+def test_state_space_and_recurrent_models_take_their_state_by_their_own_name():
+    mamba = kvviz.load_model("tiny:mamba", "float32", DEVICE)
+    rwkv = kvviz.load_model("tiny:rwkv", "float32", DEVICE)
+    llama = kvviz.load_model("tiny:llama", "float32", DEVICE)
+    want = "cache" if compat.transformers_at_least(5, 24) else "cache_params"
+    assert compat.state_argument(mamba.model) == want, \
+        moved(f"Mamba's state argument is {compat.cache_argument(mamba.model)!r}, deprecates "
+              f"{compat.deprecated_names(type(mamba.model).forward)}")
+    assert compat.state_argument(rwkv.model) == "state", moved("RWKV's `state` argument moved")
+    assert compat.state_argument(llama.model) is None, moved("a key/value model reads as a state-space one")
+
+
+def test_tested_range_and_its_warning():
+    assert compat.in_tested_range(compat.TESTED_MIN) and compat.in_tested_range(compat.TESTED_MAX)
+    assert not compat.in_tested_range("5.22.2") and not compat.in_tested_range("5.99.0")
+    line = compat.range_warning("5.99.0")
+    assert line is not None and "\n" not in line and compat.TESTED_MIN in line and compat.TESTED_MAX in line
+    assert compat.range_warning(compat.TESTED_MAX) is None
+    # the declared range is the tested one: pyproject.toml and the lock agree with kvviz.compat
+    py = (ROOT / "pyproject.toml").read_text()
+    assert f'"transformers>={compat.TESTED_MIN},<={compat.TESTED_MAX}"' in py
+    lock = (ROOT / "requirements.lock").read_text()
+    locked = re.search(r"^transformers==(\S+)$", lock, re.M).group(1)
+    assert compat.in_tested_range(locked)
+
+
+def test_importing_kvviz_outside_the_tested_range_warns_in_one_line():
+    code = ("import transformers; transformers.__version__ = '5.99.0'\n"
+            "import kvviz; print('imported')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                       env={**os.environ, "PYTHONWARNINGS": "ignore::FutureWarning"})
+    assert r.returncode == 0 and "imported" in r.stdout, r.stderr[-2000:]
+    lines = [ln for ln in r.stderr.splitlines() if "outside the tested range" in ln]
+    assert len(lines) == 1 and "5.99.0" in lines[0] and compat.TESTED_MIN in lines[0], r.stderr[-2000:]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Output capturing
+
+
+def test_output_collector_is_the_running_forwards_record():
+    assert compat.OUTPUT_COLLECTOR is not None, moved("transformers.utils.output_capturing._active_collector is gone")
+    lm = kvviz.load_model("tiny:llama", "float32", DEVICE)
+    seen = []
+
+    def hook(module, args, output):
+        rec = compat.OUTPUT_COLLECTOR.get()
+        seen.append(rec)
+
+    layer = lm.model.model.layers[0]
+    h = layer.register_forward_hook(hook)
+    try:
+        with torch.no_grad():
+            lm.model(torch.tensor([[5, 6, 7]], device=lm.device), output_hidden_states=True)
+    finally:
+        h.remove()
+    assert seen and seen[0] is not None, moved("no record of hidden states is active inside a decoder layer")
+    assert isinstance(seen[0], dict) and "hidden_states" in seen[0] or hasattr(seen[0], "get"), \
+        moved(f"the collector holds {type(seen[0]).__name__}, not the record kvviz.streaming drains")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Checkpoint conversion mapping
+
+
+def test_checkpoint_renamer_keeps_standard_names():
+    lm = kvviz.load_model("tiny:llama", "float32", DEVICE)
+    rename = compat.checkpoint_renamer(lm.model)
+    for name, _ in lm.model.named_parameters():
+        assert rename(name) == name, moved(f"from_pretrained now renames {name} to {rename(name)}")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Continuous batching
+
+
+def test_continuous_batching_hooks_exist_with_the_arguments_kvviz_passes_through():
+    from transformers.generation.continuous_batching import continuous_api, model_runner
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+    mgr = continuous_api.ContinuousBatchingManager
+    for hook in compat.CB_MANAGER_HOOKS:
+        assert callable(getattr(mgr, hook, None)), moved(f"ContinuousBatchingManager.{hook} is gone")
+    loop = list(inspect.signature(mgr._run_generation_loop).parameters)
+    # kvviz's wrapper passes whatever the loop takes (5.24 added use_inference_mode); record what it takes now
+    assert loop[0] == "self", moved(f"_run_generation_loop{loop}")
+    runner = [c for _, c in inspect.getmembers(model_runner, inspect.isclass) if hasattr(c, "_sample")]
+    assert runner, moved("no model runner has a _sample(scores, output_ids) to read margins from")
+    assert list(inspect.signature(runner[0]._sample).parameters)[1:3] == ["scores", "output_ids"], \
+        moved(f"{runner[0].__name__}._sample takes {list(inspect.signature(runner[0]._sample).parameters)}")
+    assert list(inspect.signature(PagedAttentionCache.search_prefix_match).parameters)[1:3] == \
+        ["request_id", "prompt_ids"], moved("PagedAttentionCache.search_prefix_match changed")
+    for name in ("is_running", "add_request", "get_result", "start", "stop"):
+        assert callable(getattr(mgr, name, None)), moved(f"ContinuousBatchingManager.{name} (public) is gone")
+
+
+def test_the_serving_engine_runs_through_the_hooks():
+    from kvviz.views.serving.engines import Request, TransformersEngine
+
+    lm = kvviz.load_model("tiny:llama", "float32", DEVICE)
+    eng = TransformersEngine()
+    with lm.lock, torch.inference_mode():
+        run = eng.run(lm, [Request("a", [5, 6, 7, 8, 9, 10, 11, 12], 3), Request("b", [5, 6, 7, 8, 9, 10, 13], 3)],
+                      max_in_flight=2, prefix_sharing=True)
+    assert set(run.outputs) == {"a", "b"} and all(len(o.tokens) == 3 for o in run.outputs.values())
+    # margins come from the sampler hook: one per generated token
+    assert all(len(o.margins) == 3 for o in run.outputs.values()), moved("the sampler hook saw no scores")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Cache layer state
+
+
+def test_a_cache_layer_holds_keys_and_values_kvviz_can_fill():
+    from transformers import DynamicCache
+
+    lm = kvviz.load_model("tiny:llama", "float32", DEVICE)
+    cache = DynamicCache(config=lm.config)
+    k = torch.randn(1, lm.config.num_key_value_heads, 3, lm.config.head_dim)
+    v = torch.randn_like(k)
+    for layer in cache.layers:
+        compat.fill_cache_layer(layer, k, v, 3)
+    assert int(cache.get_seq_length()) == 3, moved("a filled cache layer does not report its length")
+    got = compat.layer_kv(cache.layers[0])
+    assert got is not None and torch.equal(got[0], k) and torch.equal(got[1], v), moved("keys/values fields moved")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# One seam: nothing else names these internals
+
+
+INTERNALS = [
+    r"\.past_key_values\b", r"[\"']past_key_values[\"']\s*[\]:]", r"\bpast_key_values\s*=", r"\bcache_params\b",
+    r"_run_generation_loop", r"_create_batch_processor", r"_active_collector", r"output_capturing",
+    r"conversion_mapping", r"core_model_loading", r"search_prefix_match", r"background_thread_status",
+    r"output_router", r"requests_in_batch", r"\._sample\b", r"lazy_initialization", r"cumulative_length",
+]
+
+
+def _code_lines(path: Path):
+    """A Python file's lines outside comments and docstrings/strings that only explain (crudely: lines whose
+    stripped text starts with # are skipped; the patterns above do not occur in prose)."""
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip().startswith("#"):
+            continue
+        yield i, line
+
+
+def test_no_transformers_internal_outside_the_compat_module():
+    files = [p for d in ("kvviz", "pages", "bench") for p in (ROOT / d).rglob("*.py")] + [ROOT / "app.py"]
+    hits = []
+    for p in files:
+        if p == ROOT / "kvviz" / "compat.py":
+            continue
+        for i, line in _code_lines(p):
+            for pat in INTERNALS:
+                if re.search(pat, line):
+                    hits.append(f"{p.relative_to(ROOT)}:{i}: {line.strip()[:100]}")
+    assert not hits, "transformers internals outside kvviz/compat.py:\n" + "\n".join(hits)
+
+
+def test_the_compat_module_lists_every_entry_it_holds():
+    doc = compat.__doc__
+    for entry in ("cache keyword", "output capturing", "conversion mapping", "continuous batching",
+                  "cache layer state"):
+        assert entry in doc.lower(), entry
+    md = (ROOT / "docs" / "compat.md").read_text()
+    for name in ("cache_argument", "output_cache", "OUTPUT_COLLECTOR", "checkpoint_renamer", "cb_hook_manager",
+                 "cb_hook_sampler", "cb_hook_prefix_match", "fill_cache_layer"):
+        assert hasattr(compat, name) and f"`{name}`" in md, name
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# No deprecation warning from kvviz's own calls
+
+
+@pytest.mark.parametrize("args", [
+    ["split", "--model", "tiny:llama", "--prompt", "The capital of France is Paris", "--split", "3"],
+    ["split", "--model", "tiny:mamba", "--prompt", "The capital of France is Paris", "--split", "3", "--no-proof"],
+    ["greedy", "--model", "tiny:llama", "--prompt", "Once upon a time", "--max-new-tokens", "4", "--no-proof"],
+    ["serve-study", "--model", "tiny:llama", "--prompt", "Once upon a time", "--runs", "2", "--max-new-tokens", "3",
+     "--no-proof"],
+])
+def test_views_run_with_future_warnings_as_errors(args):
+    env = {**os.environ, "PYTHONWARNINGS": "error::FutureWarning"}
+    r = subprocess.run([sys.executable, "-W", "error::FutureWarning", "-m", "kvviz", *args, "--quiet"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "deprecated" not in r.stderr.lower(), r.stderr[-3000:]
+    assert "verdict" in r.stdout.lower() or "completion" in r.stdout.lower(), r.stdout[-2000:]

@@ -4,7 +4,7 @@ Medians over --repeats runs; each run is a fresh call (the pages' session cache 
 
     nice -n 10 .venv/bin/python bench/pages_bench.py [--model default] [--repeats 3] [--pages split,greedy] [--json F]
 
-The budget (issue 19): every page's default run <= 30 s on a quiet 2-core CPU. The machine this ran on, its load
+The budget: every page's default run <= 30 s on a quiet 2-core CPU. The machine this ran on, its load
 and the niceness are printed with the numbers: compare runs only on the same machine and load.
 """
 from __future__ import annotations

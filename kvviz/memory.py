@@ -645,20 +645,10 @@ def plan_for_args(args) -> MemoryPlan:
 
 
 def attach(result, plan: MemoryPlan) -> None:
-    """Give `result` its plan (with the peak measured now): `result.to_dict()` then carries it as `memory_plan`."""
+    """Give `result` its plan, with the peak measured now, as its `memory_plan` attribute: the JSON export and
+    `--json` write it beside the result (kvviz.export.result_dict)."""
     plan.with_peak()
     result.memory_plan = plan
-    inner = result.to_dict
-    if getattr(inner, "_kvviz_plan", False):
-        return
-
-    def to_dict():
-        d = inner()
-        d["memory_plan"] = result.memory_plan.to_dict()
-        return d
-
-    to_dict._kvviz_plan = True
-    result.to_dict = to_dict
 
 
 def plan_or_none(args) -> MemoryPlan | None:

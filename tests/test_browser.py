@@ -281,7 +281,7 @@ def test_open_a_result_shows_the_page_without_a_model(server, artifacts, tmp_pat
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Issue 19: settings you can trust, one naming, the first screen in normal mode, navigation (tiny models)
+# Settings you can trust, one naming, the first screen in normal mode, navigation (tiny models)
 
 FIRST_SCREEN = {  # page: (its verdict line, the start of its main chart or table)
     "split_point": ('[data-testid="stAlert"]:has-text("Verdict:")', ".js-plotly-plot"),

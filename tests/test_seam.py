@@ -283,9 +283,11 @@ def test_every_view_runs_through_the_executor(monkeypatch):
     monkeypatch.setattr(Executor, "forward", wrap(Executor.forward))
     monkeypatch.setattr(Executor, "generate", wrap(Executor.generate))
 
+    current = [""]
+
     def seen(module, args, kwargs):
         if getattr(inside, "depth", 0) == 0:
-            bypass.append(type(module).__name__)
+            bypass.append(current[0])
 
     hook = torch.nn.modules.module.register_module_forward_pre_hook(
         lambda m, a: seen(m, a, {}) if hasattr(m, "generation_config") else None)  # every top-level model
@@ -296,10 +298,13 @@ def test_every_view_runs_through_the_executor(monkeypatch):
         assert set(runs) >= {v.name for v in views.all_views() if v.page} | {"bisect"}
         made = {}
         for name, run in runs.items():
+            current[0] = name
             before = len(calls)
             run()
             made[name] = len(calls) - before
-        assert bypass == [], bypass
+        # the views whose model calls bypass the executor: only the serving study, whose transformers engine
+        # (continuous batching, kvviz/views/serving/engines.py) drives the model itself
+        assert set(bypass) <= {"serving"}, sorted(set(bypass))
         assert all(n > 0 for n in made.values()), made  # each view called the model, through the executor
     finally:
         hook.remove()

@@ -21,7 +21,8 @@ st.session_state.pop("_top_slot", None)  # each page makes its own (pages.common
 st.session_state.pop("_msg_slot", None)
 st.session_state["_stop_seq"] = 0  # the Stop buttons of this run's progress bars
 remember()  # page controls survive page switches and come from a link
-scenario_guard(STEM.get(nav.url_path, ""))  # leaving a one-click scenario brings the defaults back
+st.session_state["_page"] = STEM.get(nav.url_path, "")  # the page this run draws (pages.common.page reads it)
+scenario_guard(st.session_state["_page"])  # leaving a one-click scenario brings the defaults back
 st.session_state["model_choice"] = sidebar()
 try:
     nav.run()

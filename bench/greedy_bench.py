@@ -1,4 +1,4 @@
-"""Benchmark: kvviz's greedy comparison (no_cache, cache, generate) vs the naive script of seed 000.
+"""Benchmark: kvviz's greedy comparison (no_cache, cache, generate) vs the naive script people write.
 
 Same process, same run, the same model objects: the naive script's three loops (no-cache loop, cache loop,
 generate) against kvviz exact and kvviz fast. Prints times and ratios; with --write, records them in
@@ -29,7 +29,7 @@ PROMPT = "Once upon a time, in a small village by the sea, there lived an old fi
 
 
 def naive_script(model, tokenizer, prompt: str, n: int) -> list[list[int]]:
-    """What seed 000 does: greedy without cache, greedy with cache, and generate."""
+    """What the naive script does: greedy without cache, greedy with cache, and generate."""
     dev = next(model.parameters()).device
     outs = []
     tokens = tokenizer(prompt, return_tensors="pt").input_ids.to(dev)
@@ -139,7 +139,7 @@ def main() -> int:
         with open(out, "a") as f:
             if new:
                 f.write("# Benchmarks\n\nGreedy comparison (`bench/greedy_bench.py`): kvviz's no_cache, cache and "
-                        "generate paths vs the naive script of seed 000 doing the same three loops, same process, "
+                        "generate paths vs the naive script doing the same three loops, same process, "
                         "medians over the repeats (each repeat's ratio measured back to back, order alternating). Ratios below 1 mean "
                         "kvviz is faster.\n")
             f.write(f"\n## {time.strftime('%Y-%m-%d')} — {machine()}\n\n"

@@ -1,4 +1,4 @@
-"""Benchmark: memory of kvviz runs on models at their real size (issue 16).
+"""Benchmark: memory of kvviz runs on models at their real size.
 
 Builds random-weight model folders once (safetensors, shard by shard, never the whole model in memory):
   * big3b:   a Llama-3.2-3B-shaped model in bfloat16 (~6 GB on disk), tied embeddings, 128k vocabulary;
@@ -151,14 +151,57 @@ def reference_timing(model: str = "default", repeats: int = 2) -> dict:
     return out
 
 
+# Peak RSS measured by `run` on one machine (docs/benchmarks.md, "Memory at real size"), bytes:
+# (model, view, tokens as the plan counts them, compared positions) -> peak RSS.
+RECORDED_PEAKS = {
+    ("gemma270m", "split", 720, 120): 2_165_805_056,
+    ("gemma270m", "check", 1028, None): 2_012_278_784,
+    ("big3b", "split", 60, 54): 7_790_000_000,
+    ("big3b", "greedy", 62, None): 7_367_327_744,  # --max-new-tokens 2 (paths no_cache,cache,float64)
+    ("gemma270m", "bisect", 720, 120): 2_103_586_816,  # the bisector: no float64 reference
+}
+
+
+def bench_shape(cfg: dict):
+    """The shape of a bench model, from its config and the tensors it writes (no files needed)."""
+    from kvviz.memory import ModelShape
+
+    sizes = []
+    for _, shape in _tensors(cfg):
+        n = 1
+        for d in shape:
+            n *= d
+        sizes.append(n)
+    return ModelShape.from_config(cfg, sum(sizes), max(sizes), "bfloat16")
+
+
+def check_plans() -> int:
+    """Today's plan against the recorded peaks: at least the peak everywhere, at most 1.5x it on the 270M model
+    (its 262k vocabulary's activations dominate: the plan tracks them). Returns the number of misses."""
+    from kvviz.memory import plan_shape
+
+    misses = 0
+    for (name, view, tokens, compared), peak in RECORDED_PEAKS.items():
+        cfg = GEMMA270M if name == "gemma270m" else BIG3B
+        plan = plan_shape(bench_shape(cfg), name, "bfloat16", "cpu", view, tokens, free=20 * 1024 ** 3,
+                          compared=compared)
+        ok = plan.total >= peak and (name != "gemma270m" or plan.total <= 1.5 * peak)
+        misses += not ok
+        print(f"{name} {view}: plan {plan.total / 1e9:.2f} GB, recorded peak {peak / 1e9:.2f} GB, "
+              f"reference {plan.reference}: {'OK' if ok else 'MISS'}")
+    return misses
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=("build", "run", "reference"))
+    ap.add_argument("what", choices=("build", "run", "reference", "plans"))
     ap.add_argument("--root", default="/work/bigmodels")
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--only", default="", help="comma list of runs: big3b-split,big3b-greedy,gemma-split,gemma-check")
     args = ap.parse_args()
     root = Path(args.root)
+    if args.what == "plans":
+        return 1 if check_plans() else 0
     if args.what == "build":
         for name, cfg in (("big3b", BIG3B), ("gemma270m", GEMMA270M)):
             t = time.perf_counter()

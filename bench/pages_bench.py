@@ -4,7 +4,7 @@ Medians over --repeats runs; each run is a fresh call (the pages' session cache 
 
     nice -n 10 .venv/bin/python bench/pages_bench.py [--model default] [--repeats 3] [--pages split,greedy] [--json F]
 
-The budget (issue 19): every page's default run <= 30 s on a quiet 2-core CPU. The machine this ran on, its load
+The budget: every page's default run <= 30 s on a quiet 2-core CPU. The machine this ran on, its load
 and the niceness are printed with the numbers: compare runs only on the same machine and load.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ import kvviz  # noqa: E402
 
 
 def page_calls(lm, spec: str):
-    """name -> a zero-argument function doing what the page does on its first run with its default controls.
+    """view name -> a zero-argument function doing what the page does on its first run with its default controls.
     Keep in step with the defaults in pages/*.py (tests/test_pages_bench.py checks the names and a tiny run)."""
     from kvviz.views.check.run import run_check
     from kvviz.views.dtypes.run import run_dtypes
@@ -93,9 +93,10 @@ def page_calls(lm, spec: str):
         return run_serving(lm, ServeConfig(prompts=prompts, runs=sv["runs"], max_new_tokens=sv["n"],
                                            batch_size=sv["batch"], prompt_source="built-in set"))
 
+    # keyed by the view whose page makes the call (kvviz.views: View.page)
     return {"split": split, "greedy": greedy, "dtypes": dtypes, "padding": padding, "reuse": reuse,
-            "loading_trap": trap, "backends": matrix, "kv_cache": kv_cache, "quantized": quant,
-            "cache_safety": check, "serving": serving}
+            "loading_trap": trap, "matrix": matrix, "kv_reload": kv_cache, "quant": quant,
+            "check": check, "serving": serving}
 
 
 def lesson_calls(spec: str):

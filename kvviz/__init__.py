@@ -23,7 +23,15 @@ from .execution import ExecSettings, Executor
 from . import backends as _backends, invariant as _invariant, reference as _reference  # noqa: F401,E402 - register cache kinds, flags, compile, invariant mode
 from .loading import ATTN_CHOICES, DEFAULT_SPEC, LoadedModel, ModelSpec, cache_dir, clear_cache, load_model, parse_spec
 from .views.split.run import MODES, SplitConfig, SplitResult, run_split
-from .views.bisect import run as _bisect  # noqa: F401,E402 - registers the bisector that explains an unproved verdict
+from .views.bisect.run import run_bisect as _run_bisect  # noqa: E402
+from .views.split.run import register_bisector as _register_bisector  # noqa: E402
+from .loading import register_reference as _register_reference  # noqa: E402
+
+# Registration, explicit and in one place: the float64 reference behind LoadedModel.reference() (loading never
+# imports kvviz.reference), and the bisector that names where an unproved precision verdict starts (split never
+# imports the bisector, which imports split).
+_register_reference(_reference.reference_model)
+_register_bisector(_run_bisect)
 from .tiny import TINY_ARCHS, TINY_MODELS
 
 __all__ = [

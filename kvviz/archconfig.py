@@ -201,7 +201,7 @@ def tiny_arch_config(model_type: str, **extra):
     # MoE experts: the eager loop (torch's grouped_mm has no float64 kernel, and the card runs in float64)
     kwargs.setdefault("experts_implementation", "eager")
     if "is_decoder" in defaults and model_type not in _BIDIRECTIONAL:
-        kwargs["is_decoder"] = True  # encoder families as causal LMs need it (a decoder); RoBERTa kept as seed 003
+        kwargs["is_decoder"] = True  # encoder families as causal LMs need it (a decoder); RoBERTa kept without it
     return cls(**kwargs)
 
 
@@ -262,4 +262,4 @@ _DOTS3 = {"qk_nope_head_dim": 24, "qk_rope_head_dim": 8, "head_dim": 32, "v_head
           "index_n_heads": 2, "index_topk": 8,
           "per_layer_config": {"01": {"num_attention_heads": HEADS, "num_key_value_heads": HEADS, "kv_lora_rank": 16,
                                       "qk_nope_head_dim": 24}}}
-_BIDIRECTIONAL = ("roberta",)  # kept as seed 003 built it (no is_decoder): the card must say unsafe
+_BIDIRECTIONAL = ("roberta",)  # built without is_decoder (it attends both ways): the card must say unsafe

@@ -104,9 +104,10 @@ def _run(args) -> int:
     if out.printed:
         return 0
     if getattr(args, "json", False):
+        from .export import result_dict
         from .jsonout import dumps
 
-        print(dumps(out.payload() if out.payload else out.result.to_dict()))
+        print(dumps(out.payload() if out.payload else result_dict(out.result)))
         return 0
     text = out.summary() if out.summary else f"verdict: {out.result.verdict.upper()}\n{out.result.explanation}"
     if getattr(args, "invariant", False):

@@ -21,6 +21,7 @@ lock, so runs on one model take turns, and nothing here writes to the model or i
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from dataclasses import dataclass, field, fields, replace
 from typing import Callable, ContextManager, Iterator
 
@@ -34,8 +35,18 @@ DEFAULT_CACHE = "dynamic"
 COMPILE_OFF = "off"
 
 Sink = Callable[[int, torch.Tensor], None]  # kvviz.streaming: gets each hidden state as a forward produces it
-# False: every sink gets its hidden states when the forward returns, all at once (tests compare both ways)
-STREAM_HIDDEN = [True]
+# Hidden states reach their sinks layer by layer as the forward produces them; inside `hidden_all_at_once()` every
+# sink gets them when the forward returns (tests compare both ways). Scoped to the caller's context, restored on exit.
+_STREAM_HIDDEN: contextvars.ContextVar[bool] = contextvars.ContextVar("kvviz_stream_hidden", default=True)
+
+
+@contextlib.contextmanager
+def hidden_all_at_once() -> Iterator[None]:
+    token = _STREAM_HIDDEN.set(False)
+    try:
+        yield
+    finally:
+        _STREAM_HIDDEN.reset(token)
 
 CacheFactory = Callable[[LoadedModel, int, int], object]  # (lm, batch size, max length) -> a Cache object
 RunContextFactory = Callable[["ExecSettings", LoadedModel], "ContextManager | None"]
@@ -225,7 +236,7 @@ class Executor:
             # compiled forwards get no hooks of ours: their hidden states are reduced when the forward returns
             out = reduced_call(self.model, lambda: self._callable()(**kwargs),
                                lambda i, h: sink(i, one_stream(h, b, t, width)),
-                               hooks=self.settings.compile == COMPILE_OFF and STREAM_HIDDEN[0])
+                               hooks=self.settings.compile == COMPILE_OFF and _STREAM_HIDDEN.get())
         else:
             out = self._callable()(**kwargs)
         if state_arg is not None and state_arg not in compat.CACHE_NAMES[:3]:  # RWKV's state, read back as a cache
@@ -258,7 +269,7 @@ class Executor:
             from .streaming import reduced_generate
 
             return reduced_generate(self.model, lambda: self.model.generate(**kwargs),
-                                    hooks=self.settings.compile == COMPILE_OFF and STREAM_HIDDEN[0])
+                                    hooks=self.settings.compile == COMPILE_OFF and _STREAM_HIDDEN.get())
         return self.model.generate(**kwargs)
 
     # -- loops: the only place a token is fed back or a known sequence is fed through a cache ----------------------
@@ -395,7 +406,7 @@ def has_cache(out) -> bool:
 
 
 class Keyed:
-    """Typed settings read as attributes; `settings["dtype"]` still works for older callers."""
+    """Typed settings read as attributes; `settings["dtype"]` (dict-style) works too."""
 
     def __getitem__(self, name: str):
         try:

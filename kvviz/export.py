@@ -31,11 +31,20 @@ def _device(result) -> str | None:
     return s.get("device") if isinstance(s, dict) else getattr(s, "device", None)
 
 
+def result_dict(result) -> dict:
+    """The result's own dict, and its memory plan beside it when the run had one (kvviz.memory.attach)."""
+    d = result.to_dict()
+    plan = getattr(result, "memory_plan", None)
+    if plan is not None:
+        d["memory_plan"] = plan.to_dict()
+    return d
+
+
 def export_json(result, model_fingerprint: dict | None = None) -> str:
     """The result as one JSON document, with the environment and (when given) the model's fingerprint."""
     header = {"view": view_of(result), "format": FORMAT, "environment": environment(_device(result)),
               "model_fingerprint": model_fingerprint}
-    return dumps({"kvviz_result": header, **result.to_dict()})
+    return dumps({"kvviz_result": header, **result_dict(result)})
 
 
 @dataclass

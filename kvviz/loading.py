@@ -330,12 +330,14 @@ def _first_line(e: BaseException) -> str:
 # Loaded models and their cache
 
 
-_REFERENCE: list = []  # (lm, strategy) -> its float64 reference: kvviz.reference.reference_model, registered
+_reference_factory = None  # (lm, strategy) -> its float64 reference: kvviz.reference.reference_model
 
 
 def register_reference(factory) -> None:
-    """kvviz.reference gives LoadedModel.reference() its strategy (loading never imports it back)."""
-    _REFERENCE[:] = [factory]
+    """Give LoadedModel.reference() its strategy (kvviz/__init__.py registers kvviz.reference.reference_model;
+    loading never imports it back)."""
+    global _reference_factory
+    _reference_factory = factory
 
 
 @dataclass
@@ -390,9 +392,9 @@ class LoadedModel:
     def reference(self, strategy: str | None = None) -> "LoadedModel":
         """The float64 reference of this model (itself when it is float64): the full float64 twin or the streamed
         reference (this model run in float64 one operation at a time), picked per run (kvviz.reference)."""
-        if not _REFERENCE:  # kvviz.reference registers itself on import (kvviz/__init__ imports it)
+        if _reference_factory is None:  # kvviz/__init__.py registers kvviz.reference's
             raise KvvizError("no float64 reference strategy is registered (import kvviz, not kvviz.loading alone)")
-        return _REFERENCE[0](self, strategy)
+        return _reference_factory(self, strategy)
 
     @property
     def arch(self) -> str:

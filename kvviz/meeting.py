@@ -10,47 +10,16 @@ from pathlib import Path
 from .errors import KvvizError
 from .presets import BY_KEY, PRESETS, Preset
 
-VIEW_OF_PAGE = {"pages/split_point.py": "split", "pages/greedy_paths.py": "greedy", "pages/dtypes_lab.py": "dtypes",
-                "pages/backends.py": "matrix"}
-
-
 def run_scenario(p: Preset, device: str = "cpu", progress=None):
-    """The result a scenario's page computes with the scenario's settings (defaults for the rest)."""
-    import kvviz
+    """The result a scenario's page computes with the scenario's settings (defaults for the rest): the `scenario`
+    hook of the view whose page it is."""
+    from . import views
 
-    from .execution import ExecSettings
-
-    settings = ExecSettings(invariant=p.invariant)
-    c = p.controls
-    view = VIEW_OF_PAGE.get(p.page)
-    if view == "dtypes":
-        from .views.dtypes.run import run_dtypes
-        from .prompts import builtin_prompts
-
-        prompts = [r["prompt"] for r in builtin_prompts()][: int(c.get("dt_limit", 8))]
-        return run_dtypes(kvviz.parse_spec(p.model), prompts, ["float32", "float16", "bfloat16"], device, "auto",
-                          split="last", mode="chunk", progress=progress)
-    lm = kvviz.load_model(p.model, p.dtype, device)
-    if view == "split":
-        from .inputs import encode
-
-        prompt = c.get("split_prompt", "The capital of France is Paris, and the capital of Italy is")
-        n = len(encode(lm, prompt))
-        cfg = kvviz.SplitConfig(prompt=prompt, split=int(c.get("split_k", min(max(1, n // 2), n - 1))),
-                                mode=c.get("split_mode", "chunk"), left_pad=int(c.get("split_pad", 0)),
-                                position_ids=c.get("split_pos", "auto"), attention_mask=c.get("split_mask", "full"))
-        return kvviz.run_split(lm, cfg, progress=progress, settings=settings)
-    if view == "greedy":
-        from .views.greedy.run import DEFAULT_PATHS, GreedyConfig, run_greedy
-
-        cfg = GreedyConfig(prompt=c.get("greedy_prompt", "This is a "), max_new_tokens=int(c.get("greedy_n", 24)),
-                           paths=tuple(c.get("greedy_paths", DEFAULT_PATHS)))
-        return run_greedy(lm, cfg, progress=progress, settings=settings)
-    if view == "matrix":
-        from .views.matrix.run import run_matrix, seed004_config
-
-        return run_matrix(lm, seed004_config(lm), progress=progress)
-    raise KvvizError(f"scenario {p.key}: its page {p.page} cannot be prepared ahead")
+    view = views.for_page(Path(p.page).stem)
+    run = view.resolve(view.scenario)
+    if run is None:
+        raise KvvizError(f"scenario {p.key}: its page {p.page} cannot be prepared ahead")
+    return run(p, device, progress)
 
 
 def prepare(keys: list[str] | None, out_dir: "str | Path", device: str = "cpu", progress=None) -> list[Path]:

@@ -35,12 +35,6 @@ BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
 _ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}
 _ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
-# What each view keeps at once, in forwards' worth of (all hidden states + logits), for the run and the reference.
-# split: the full forward and the cached path; greedy: one path's per-step rows (logits and last hidden per step)
-# plus a forward; padding: a batch of rows; the check card runs splits in float64 past the sliding window.
-VIEW_FORWARDS = {"split": 2, "bisect": 2, "greedy": 1, "padding": 2, "reuse": 1, "dtypes": 2, "check": 2,
-                 "matrix": 1, "quant": 1, "loading-trap": 1, "cache": 1}
-
 REFERENCE_CHUNK_BYTES = 128 * 1024 ** 2  # the streamed reference applies a larger float64 weight in slices of this
 
 
@@ -300,7 +294,7 @@ class MemoryPlan:
         big = max(parts, key=parts.get)
         if big in ("activations", "KV cache", "kept results"):
             what = "fewer tokens (a shorter prompt or fewer new tokens)" + (
-                ", fewer prompts" if self.view == "dtypes" else "") + (", a smaller batch" if self.batch > 1 else "")
+                ", fewer prompts" if profile(self.view).many_prompts else "") + (", a smaller batch" if self.batch > 1 else "")
         elif big == "other dtypes":
             what = "fewer dtypes"
         else:
@@ -379,17 +373,13 @@ def pick_reference(shape: ModelShape, dtype: str, free: int | None, others: int)
     return "twin" if free is None or twin + others <= free // 2 else "streamed"
 
 
-# Views whose forwards hand their hidden states over layer by layer as they are produced (kvviz.streaming): the
-# held path's compared rows (split, padding) or each step's last rows (decoding: greedy, quant), plus the layers a
-# forward is computing (the KV cache view's round trip: the reloaded cache's run held, the fresh one compared);
-# bisect, reuse, matrix and the loading trap ask for no hidden states. Views not listed hold every layer of both
-# their forwards.
-STREAMED_HIDDEN_VIEWS = {"split", "bisect", "check", "dtypes", "padding", "greedy", "quant", "reuse", "matrix",
-                         "loading-trap", "cache"}
-# Views that may run the bisector on the model in its own dtype: itself, and Split point where its proof fails.
-BISECTOR_VIEWS = {"bisect", "split"}
-# Views that run only the float64 reference (the cache-safety card's battery), not the model in its own dtype.
-FLOAT64_ONLY_VIEWS = {"check"}
+def profile(view: str):
+    """What the plan counts for a view: its registry entry's MemoryProfile (kvviz/views/<view>/__init__.py)."""
+    from . import views
+
+    return views.get(view).memory
+
+
 # float64 temporaries of one chunk of positions in kvviz.metrics.logits_divergence (both inputs upcast, two
 # log-softmaxes, exp, difference, product), each LOGITS_CHUNK_BYTES
 LOGITS_TEMPORARIES = 7
@@ -414,6 +404,7 @@ def activation_bytes(shape: ModelShape, dtype: str, tokens: int, batch: int, vie
     compared: positions compared (split: the tokens after the split point); None: every token."""
     from .metrics import LOGITS_CHUNK_BYTES
 
+    prof = profile(view)
     b = BYTES[dtype]
     T, B, H, L, V = tokens, batch, shape.hidden, shape.layers, shape.vocab
     n = max(1, min(compared or T, T))
@@ -423,19 +414,19 @@ def activation_bytes(shape: ModelShape, dtype: str, tokens: int, batch: int, vie
         return B * T * (3 * shape.intermediate + 4 * H) * width + B * shape.heads * T * T * max(width, 4)
 
     def hidden(width: int) -> int:
-        if view in STREAMED_HIDDEN_VIEWS:
+        if prof.streamed_hidden:
             return B * n * (L + 1) * H * width + 2 * B * T * H * width
-        return VIEW_FORWARDS.get(view, 1) * B * T * (L + 1) * H * width
+        return prof.forwards * B * T * (L + 1) * H * width
 
     run = working(b) + B * T * V * b + 2 * B * n * V * b + temps + hidden(b)
-    if view in BISECTOR_VIEWS:  # the bisector (split runs it where its proof fails) in the run's own dtype
+    if prof.bisector:  # the bisector (split runs it where its proof fails) in the run's own dtype
         run = max(run, bisect_bytes(shape, b, T, n, B))
     if not reference:
         return int(run)
-    if view in FLOAT64_ONLY_VIEWS:  # every run of the view is on the float64 reference
+    if prof.float64_only:  # every run of the view is on the float64 reference
         run = 0
     logits64 = 2 * B * n * V * 8
-    if view == "check":  # the window check compares token by token: the float64 logits a chunk of rows at a time
+    if prof.stepwise_reference:  # the window check compares token by token: the float64 logits a chunk of rows at a time
         logits64 = min(logits64, 2 * REFERENCE_LOGITS_BYTES + 2 * B * V * 8)
     ref = working(8) + logits64 + temps + hidden(8)
     return int(max(run, ref))
@@ -459,7 +450,7 @@ def cache_bytes(shape: ModelShape, dtype: str, tokens: int, batch: int, referenc
     return int(per * BYTES[dtype] * 2 + (per * 8 * 2 if reference else 0))  # the cached path and a spare copy
 
 
-def plan_run(spec, dtype: str = "float32", device="cpu", view: str = "split", tokens: int = 32, batch: int = 1,
+def plan_run(spec, dtype: str, device, view: str, tokens: int = 32, batch: int = 1,
              dtypes: tuple[str, ...] = (), reference: str | None = None, compared: int | None = None,
              copies: int = 0) -> MemoryPlan:
     """The memory plan of one run, from the model's files (nothing loaded). compared: positions compared (split:
@@ -493,7 +484,7 @@ def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, vie
     if copies:
         others += copies * weights
         notes.append("a copy of the model for weight quantization (deep-copied, then quantized)")
-    uses_ref = dt != "float64" and view not in ("cache", "loading-trap", "quant", "bisect")
+    uses_ref = dt != "float64" and profile(view).reference
     strategy = (reference or os.environ.get("KVVIZ_REFERENCE") or "auto").lower()
     if strategy == "auto":
         strategy = pick_reference(shape, dt, free, weights + others)
@@ -522,9 +513,14 @@ KNOWN_SHAPES = {
 }
 
 
-def fits_table(gpus_gb=(24, 48, 80), dtypes=("bfloat16", "float32"), view: str = "split", tokens: int = 512) -> str:
+def fits_table(gpus_gb=(24, 48, 80), dtypes=("bfloat16", "float32"), view: str | None = None,
+               tokens: int = 512) -> str:
     """Markdown: which model fits which GPU for a verdict (the run plus its float64 reference), streamed reference
-    against the full float64 twin, computed by the same plan code as every run."""
+    against the full float64 twin, computed by the same plan code as every run. view: the first registered view
+    (Split point) unless named."""
+    from . import views
+
+    view = view or views.all_views()[0].name
     head = ["model", "dtype", "reference"] + [f"{g} GB GPU" for g in gpus_gb]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, shape in KNOWN_SHAPES.items():
@@ -581,52 +577,78 @@ def tokens_of_text(spec, text: str) -> int:
     return len(text.encode("utf-8")) + 2
 
 
+@dataclass
+class Workload:
+    """What a run holds, as the CLI's arguments and a page's run both describe it: kvviz.memory.plan_workload turns
+    it into the plan, the same way for both."""
+    texts: tuple[str, ...] = ()  # the prompt(s) and prefix: the longest counts
+    continuations: tuple[str, ...] = ()  # texts appended to it (reuse): the longest counts
+    new_tokens: int = 0
+    left_pad: int = 0
+    tokens: int | None = None  # a run that names its token count (the cache sizes)
+    batch: int | None = None  # a run that names its batch (the cache sizes)
+    dtypes: tuple[str, ...] = ()  # the dtypes view: the dtypes run side by side
+    split: int | None = None  # the split point (views comparing only the positions after it)
+    weights: str = "none"  # weight quantization ("none": the model as loaded)
+
+
+def plan_workload(spec, dtype: str, device, view: str, w: Workload) -> MemoryPlan:
+    """The one memory-plan builder: the CLI (plan_for_args) and the pages (pages/memory_plan.py) both call it."""
+    from .inputs import MAX_PROMPT_CHARS
+
+    prof = profile(view)
+    if any(len(t) > MAX_PROMPT_CHARS for t in w.texts):
+        raise _Skip()
+    tokens = max([tokens_of_text(spec, t) for t in w.texts if t] or [32])
+    if w.continuations:
+        tokens += max(tokens_of_text(spec, c) for c in w.continuations)
+    tokens += int(w.left_pad or 0) + int(w.new_tokens or 0)
+    batch = prof.batch
+    if prof.batch_from_workload:
+        tokens = int(w.tokens) if w.tokens else tokens
+        batch = int(w.batch or 1)
+    if prof.past_window:  # the card's own prompts, past the sliding window when there is one
+        sh = model_shape(spec)
+        tokens = max(tokens, 2 * int((sh.sliding_window if sh else 0) or 0) + 4, 64)
+    compared = tokens - int(w.split) if prof.compared_after_split and isinstance(w.split, int) and \
+        not isinstance(w.split, bool) and w.split > 0 else None
+    copies = int(prof.weight_copies and str(w.weights or "none") != "none")
+    if w.dtypes:
+        dtype = w.dtypes[0]
+    return plan_run(spec, dtype, device, view, max(tokens, 1), batch, w.dtypes, compared=compared, copies=copies)
+
+
+def workload_of_args(args) -> Workload:
+    """The workload of a CLI command from its parsed arguments."""
+    texts = tuple(t for t in (getattr(args, "prompt", None), getattr(args, "prefix", None)) if isinstance(t, str))
+    dtypes = getattr(args, "dtypes", None)
+    split = getattr(args, "split", None)
+    return Workload(texts=texts, continuations=tuple(getattr(args, "continuation", None) or ()),
+                    new_tokens=int(getattr(args, "max_new_tokens", 0) or 0),
+                    left_pad=int(getattr(args, "left_pad", 0) or 0), tokens=getattr(args, "tokens", None),
+                    batch=getattr(args, "batch", None),
+                    dtypes=tuple(d.strip() for d in dtypes.split(",") if d.strip()) if isinstance(dtypes, str)
+                    else (),
+                    split=split if isinstance(split, int) else None,
+                    weights=str(getattr(args, "weights", "none") or "none"))
+
+
 def plan_for_args(args) -> MemoryPlan:
     """The plan of a CLI command from its parsed arguments. Input errors are left to the run itself (its own one
     line): a prompt over the limit, a model file that cannot be read."""
-    from .inputs import MAX_PROMPT_CHARS
+    from . import views
 
-    view = args.command
-    for t in (getattr(args, "prompt", None), getattr(args, "prefix", None)):
-        if isinstance(t, str) and len(t) > MAX_PROMPT_CHARS:
-            raise _Skip()
+    sub = getattr(args, "cache_command", None)
+    view = views.for_command(args.command + (f" {sub}" if sub else "")).name
     spec = getattr(args, "spec", None) or args.model
-    texts = [t for t in (getattr(args, "prompt", None), getattr(args, "prefix", None)) if isinstance(t, str)]
-    conts = getattr(args, "continuation", None) or []
-    tokens = max([tokens_of_text(spec, t) for t in texts] or [32])
-    if conts:
-        tokens += max(tokens_of_text(spec, c) for c in conts)
-    tokens += int(getattr(args, "left_pad", 0) or 0) + int(getattr(args, "max_new_tokens", 0) or 0)
-    if view == "cache" and getattr(args, "tokens", None):
-        tokens = int(args.tokens)
-    if view == "check":  # the card's own prompts, past the sliding window when there is one
-        sh = model_shape(spec)
-        tokens = max(tokens, 2 * int((sh.sliding_window if sh else 0) or 0) + 4, 64)
-    batch = int(getattr(args, "batch", 1) or 1) if view == "cache" else (3 if view == "padding" else 1)
-    dtypes = tuple(d.strip() for d in getattr(args, "dtypes", "").split(",") if d.strip()) if view == "dtypes" \
-        else ()
-    split = getattr(args, "split", None)
-    compared = tokens - int(split) if view in ("split", "bisect") and isinstance(split, int) and split > 0 else None
-    quantized = view in ("quant", "check") and str(getattr(args, "weights", "none") or "none") != "none"
-    return plan_run(spec, args.dtype if view != "dtypes" else (dtypes[0] if dtypes else "float32"), args.device,
-                    view, tokens, batch, dtypes, compared=compared, copies=int(quantized))
+    return plan_workload(spec, args.dtype, args.device, view, workload_of_args(args))
 
 
 def attach(result, plan: MemoryPlan) -> None:
-    """Give `result` its plan (with the peak measured now): `result.to_dict()` then carries it as `memory_plan`."""
+    """Give `result` its plan, with the peak measured now, as its `memory_plan` attribute: the JSON export and
+    `--json` write it beside the result (kvviz.export.result_dict)."""
     plan.with_peak()
     result.memory_plan = plan
-    inner = result.to_dict
-    if getattr(inner, "_kvviz_plan", False):
-        return
-
-    def to_dict():
-        d = inner()
-        d["memory_plan"] = result.memory_plan.to_dict()
-        return d
-
-    to_dict._kvviz_plan = True
-    result.to_dict = to_dict
 
 
 def plan_or_none(args) -> MemoryPlan | None:

@@ -96,3 +96,13 @@ def tensor_diff(ref: torch.Tensor, got: torch.Tensor) -> tuple[int, int, float]:
     neq = int((ref != got).sum().item())
     max_abs = float((got.to(torch.float64) - ref.to(torch.float64)).abs().max().item())
     return neq, ref.numel(), max_abs
+
+
+def first_divergence(a: "list[int]", b: "list[int]") -> int | None:
+    """The first step at which two token sequences differ; when one is a prefix of the other and they differ in
+    length, the length of the shorter (one stopped there, the other went on); None when they are the same. Every
+    view that compares decoded tokens uses this one."""
+    for t, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return t
+    return None if len(a) == len(b) else min(len(a), len(b))

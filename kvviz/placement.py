@@ -179,7 +179,7 @@ def input_device(model, default: torch.device) -> torch.device:
 def layer_placement(lm) -> list[tuple[str, str]]:
     """(module path, device or "disk") for the embeddings, every decoder layer, and what follows them (final norm,
     output head), in the order a forward runs them. On an undispatched model everything is on lm.device.
-    Row naming (issue 19): "layer k" is the output of the k-th entry here after the embeddings."""
+    Row naming (kvviz.naming): "layer k" is the output of the k-th entry here after the embeddings."""
     model = lm.model
     default = str(lm.device)
     layers = _decoder_layers(model)

@@ -389,11 +389,3 @@ def streamed_float64(lm):
 def is_streamed(lm) -> bool:
     return getattr(lm, "stream64", None) is not None
 
-
-def _register() -> None:
-    from .loading import register_reference
-
-    register_reference(reference_model)
-
-
-_register()

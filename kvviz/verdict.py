@@ -16,6 +16,10 @@ reduction order alone made the gap. The words:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from .naming import layer_label as _row_label, layer_module as _row_module
 
 FLOAT64_CLOSED_REL = 1e-9  # float64 rounding gives ~1e-15 relative; a logic error gives far more than this
 FLOAT64_EPS = 2.0 ** -52
@@ -23,14 +27,52 @@ AMPLIFIED_REL = 0.05  # a precision gap this large a fraction of the value: roun
 ROUNDING_NOT_A_BUG = "Rounding, not a bug"
 
 
-def classify(bitwise_equal: bool, float64_gap: float | None) -> str:
+class Verdict(StrEnum):
+    """A comparison's verdict. A str: it compares, prints and exports as its word ("precision"), so JSON results and
+    old exports read the same."""
+    IDENTICAL = "identical"
+    PRECISION = "precision"
+    LOGIC = "logic"
+    LOSSY = "lossy"  # a quantized cache or quantized weights: different numbers by design
+    NONDETERMINISTIC = "nondeterministic"  # repeats of the same run differ (the backends matrix)
+
+
+# Whether a run proves a precision verdict in invariant mode: True (always), False (never), None (when its verdict is
+# precision - the default of the views that decide it themselves). One type for every view's `prove`.
+Prove = bool | None
+
+
+@dataclass(frozen=True)
+class Finding:
+    """What the bisector finds first: the module (its path, kind and 0-based decoder-layer index) and, where the op
+    trace lines it up, the first torch op that differs with its input shapes. Split and the explanations read these
+    fields; `describe()` is the one place they become words."""
+    module: str  # "model.layers.1.self_attn"
+    kind: str  # "attention output", "MLP down projection", ...
+    layer: int | None  # 0-based decoder-layer index (None: outside the decoder layers)
+    max_abs: float
+    relative: float
+    op: str | None = None  # "matmul", "softmax", ... (None: not traced, or no single op lines up)
+    shapes: list = field(default_factory=list)  # the op's input shapes in the full forward
+
+    def describe(self) -> str:
+        """ "layer 2 (model.layers.1.self_attn), attention output: max |Δ| 0.0123 (0.001 of its size)" """
+        from .naming import module_label
+
+        what = ("the attention computation itself (scores, softmax, weighted sum - not a module of its own)"
+                if self.kind.startswith("attention weights") else self.kind)
+        return (f"{module_label(self.module)}, {what}: max |Δ| {self.max_abs:.3g} ({self.relative:.3g} of its "
+                f"size)")
+
+
+def classify(bitwise_equal: bool, float64_gap: float | None) -> Verdict:
     """`identical` when the bits agree; else a float64 gap (relative to the values' size) that closes is `precision`,
     one that stays is `logic`. Every verdict in kvviz comes from here."""
     if bitwise_equal:
-        return "identical"
+        return Verdict.IDENTICAL
     if float64_gap is None or not math.isfinite(float64_gap):
-        return "logic"
-    return "precision" if float64_gap <= FLOAT64_CLOSED_REL else "logic"
+        return Verdict.LOGIC
+    return Verdict.PRECISION if float64_gap <= FLOAT64_CLOSED_REL else Verdict.LOGIC
 
 
 def proof_state(proved: bool | None) -> str:
@@ -39,13 +81,13 @@ def proof_state(proved: bool | None) -> str:
 
 def label(verdict: str, proved: bool | None = None) -> str:
     """A short table cell: "precision (proved)", "precision (unproved)", or the verdict itself."""
-    if verdict != "precision" or proved is None:
+    if verdict != Verdict.PRECISION or proved is None:
         return verdict
     return f"precision ({proof_state(proved)})"
 
 
 def precision_sentence(float64_gap: float, proved: bool | None, invariant_gap: float | None = None,
-                       first: str | None = None, normal_gap: float | None = None) -> str:
+                       first: Finding | None = None, normal_gap: float | None = None) -> str:
     """The one sentence that says why a precision verdict is (or is not yet shown to be) rounding."""
     f64 = (f"float64 closes the gap to {float64_gap:.3g} of the value's size ({float64_gap / FLOAT64_EPS:.3g}× "
            f"float64's epsilon)" if float64_gap else "float64 gives exactly the same numbers both ways")
@@ -62,14 +104,13 @@ def precision_sentence(float64_gap: float, proved: bool | None, invariant_gap: f
     return (f"Precision, unproved: {f64}, but in invariant mode {inv} survives"
             + (f" (normal run: {normal_gap:.3g})" if normal_gap is not None else "")
             + ", so reduction order alone does not explain it and this is not shown to be rounding. "
-            + (f"The bisector finds first: {first}." if first else "Run the bisector to see where it starts."))
+            + (f"The bisector finds first: {first.describe()}." if first else
+               "Run the bisector to see where it starts."))
 
 
-def layer_label(index: int, n_hidden: int | None = None, prefix: str = "model.layers") -> str:
-    """The layer naming rule: row 0 is "embeddings", row k is "layer k (model.layers.{k-1})"."""
-    if index == 0:
-        return "embeddings"
-    return f"layer {index} ({prefix}.{index - 1})"
+def _layer_label(index: int, prefix: str) -> str:
+    """kvviz.naming's rule with the module path: "embeddings", "layer k (model.layers.{k-1})"."""
+    return _row_label(index) if index == 0 else f"{_row_label(index)} ({_row_module(index, prefix)})"
 
 
 def amplification(per_layer_rel: "list[float]", module_prefix: str = "model.layers") -> str | None:
@@ -87,7 +128,8 @@ def amplification(per_layer_rel: "list[float]", module_prefix: str = "model.laye
     if growth:
         jump, best = max(growth)
     n = len(vals)
-    name = lambda i: "the output after the final norm" if i == n - 1 and i > 0 else layer_label(i, n, module_prefix)  # noqa: E731
+    name = lambda i: ("the output after the final norm" if i == n - 1 and i > 0  # noqa: E731
+                      else _layer_label(i, module_prefix))
     where = (f"it grows most at {name(best)} (×{jump:.3g}, to {vals[best]:.3g} of the value's size)"
              if growth else f"it appears at {name(first_nonzero)}")
     return (f"Rounding was amplified: the gap starts at {name(first_nonzero)} ({vals[first_nonzero]:.3g} of the "

@@ -192,10 +192,7 @@ def page(title: str, caption: str, needs_model: bool = True):
     """Every page's start: run inside app.py, title and caption, the sidebar's choice and (if needed) its model.
     Stops the page with a message when the model cannot be loaded."""
     ensure_navigation()
-    import inspect
-    from pathlib import Path
-
-    name = Path(inspect.stack()[1].filename).stem
+    name = st.session_state.get("_page", "")  # app.py names the page it runs
     prefix = PREFIX_OF_PAGE.get(name)
     if prefix:
         restore(prefix)

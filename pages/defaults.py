@@ -1,5 +1,5 @@
 """Every page's default controls in one place: the pages draw their controls with these values and
-bench/pages_bench.py times the library calls the pages make with them (issue 19: each default run <= 30 s on a
+bench/pages_bench.py times the library calls the pages make with them (the budget: each default run <= 30 s on a
 quiet 2-core CPU with the default model). Defaults that teach: few prompts, tokens and cells; "more" is one
 control away on each page."""
 

@@ -56,7 +56,10 @@ with st.expander("Prepare the meeting: run scenarios ahead, show them at once", 
 
     picked = st.multiselect("Scenarios", [p.key for p in PRESETS], default=["tie", "padding", "proof"],
                             format_func=lambda k: next(p.title for p in PRESETS if p.key == k), key="meeting_keys")
-    if st.button("Prepare", key="meeting_run", icon=":material/play_arrow:", disabled=not picked):
+    # The click is kept in state by its callback, so a rerun before this line (ensure_navigation) cannot lose it.
+    st.button("Prepare", key="meeting_run", icon=":material/play_arrow:", disabled=not picked,
+              on_click=st.session_state.__setitem__, args=("_meeting_asked", True))
+    if st.session_state.pop("_meeting_asked", False) and picked:
         from pages.common import progress_bar, show_error
 
         try:

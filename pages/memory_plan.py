@@ -1,7 +1,7 @@
 """The memory plan beside a page's Run button (not a page of its own: app.py's navigation does not list it).
 
     from pages.memory_plan import show_plan
-    plan = show_plan(choice, view="split", prompt=prompt, left_pad=left_pad)
+    plan = show_plan(choice, view, Workload(texts=(prompt,), left_pad=left_pad))
     run = st.button("Run", disabled=blocks_run(plan))
 
 One caption: the estimate against what is free (the full plan on hover); a run that cannot fit gets one error
@@ -12,21 +12,19 @@ from __future__ import annotations
 
 import streamlit as st
 
-from kvviz.memory import GB, MemoryPlan, plan_run, tokens_of_text
+from kvviz.memory import GB, MemoryPlan, Workload, plan_workload
 
 
-def plan_for(choice, view: str, prompt: str = "", new_tokens: int = 0, left_pad: int = 0, batch: int = 1,
-             dtypes: tuple[str, ...] = (), tokens: int | None = None) -> MemoryPlan:
-    """The plan of a page's run from the sidebar choice (kvviz's ModelChoice: spec, dtype, device)."""
-    n = tokens if tokens is not None else tokens_of_text(choice.spec, prompt or "") + new_tokens + left_pad
-    dtype = dtypes[0] if view == "dtypes" and dtypes else choice.dtype
-    return plan_run(choice.spec, dtype, choice.device, view, max(n, 1), batch, dtypes)
+def plan_for(choice, view: str, workload: Workload) -> MemoryPlan:
+    """The plan of a page's run from the sidebar choice (kvviz's ModelChoice: spec, dtype, device): the same
+    builder as the CLI's (kvviz.memory.plan_workload)."""
+    return plan_workload(choice.spec, choice.dtype, choice.device, view, workload)
 
 
-def show_plan(choice, view: str, **workload) -> MemoryPlan | None:
+def show_plan(choice, view: str, workload: Workload) -> MemoryPlan | None:
     """Draw the plan (a caption; an error line when it does not fit); None when no plan can be made."""
     try:
-        plan = plan_for(choice, view, **workload)
+        plan = plan_for(choice, view, workload)
     except Exception as e:  # noqa: BLE001 - a bad model choice is reported by the run itself
         st.caption(f"Memory plan: not available ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__})")
         return None

@@ -62,24 +62,27 @@ def progress_bar(label: str):
         box.empty()
 
 
-# The view whose memory plan a page's run has (kvviz.memory.VIEW_FORWARDS), by run_cached's name.
-_PLANNED = {"split": "split", "split_ab": "split", "bisect": "bisect", "greedy": "greedy", "greedy_ab": "greedy",
-            "dtypes": "dtypes", "dtypes_ab": "dtypes", "padding": "padding", "padding_ab": "padding", "reuse": "reuse",
-            "reuse_ab": "reuse", "check": "check", "trap": "loading-trap", "quant": "quant", "matrix": "matrix",
-            "serving": "greedy", "kv_save": "cache", "kv_load": "cache", "kv_size": "cache"}
+def workload(key_parts: dict):
+    """What a run holds, read off its run_cached key (kvviz.memory.Workload): its prompts, new tokens, padding,
+    split point, dtypes, batch, weights."""
+    from kvviz.memory import Workload
 
-
-def _workload(key_parts: dict) -> dict:
-    """The tokens a run will hold, read off its run_cached key: the longest prompt and the new tokens."""
     cfg = key_parts.get("cfg") if isinstance(key_parts.get("cfg"), dict) else {}
     texts = [key_parts.get("prompt"), key_parts.get("prefix"), cfg.get("prompt")]
-    for many in (key_parts.get("prompts"), key_parts.get("conts")):
-        if isinstance(many, (list, tuple)):
-            texts += [str(t) for t in many]
-    prompt = max((str(t) for t in texts if t), key=len, default="")
-    new = key_parts.get("n") or cfg.get("max_new_tokens") or key_parts.get("tokens") or 0
-    return {"prompt": prompt, "new_tokens": int(new) if str(new).isdigit() else 0,
-            "left_pad": int(key_parts.get("pad") or cfg.get("left_pad") or 0)}
+    if isinstance(key_parts.get("prompts"), (list, tuple)):
+        texts += [str(t) for t in key_parts["prompts"]]
+    conts = key_parts.get("conts")
+    new = key_parts.get("n") or cfg.get("max_new_tokens") or 0
+    split = cfg.get("split", key_parts.get("split"))
+    dtypes = key_parts.get("dtypes")
+    return Workload(texts=tuple(str(t) for t in texts if t),
+                    continuations=tuple(str(c) for c in conts) if isinstance(conts, (list, tuple)) else (),
+                    new_tokens=int(new) if str(new).isdigit() else 0,
+                    left_pad=int(key_parts.get("pad") or cfg.get("left_pad") or 0),
+                    tokens=key_parts.get("tokens"), batch=key_parts.get("batch"),
+                    dtypes=tuple(dtypes) if isinstance(dtypes, (list, tuple)) else (),
+                    split=split if isinstance(split, int) and not isinstance(split, bool) else None,
+                    weights=str(key_parts.get("weights") or cfg.get("weights") or "none"))
 
 
 def _memory_plan(name: str, key_parts: dict, fresh: bool) -> None:
@@ -87,11 +90,14 @@ def _memory_plan(name: str, key_parts: dict, fresh: bool) -> None:
     in one line naming what to lower, before it starts (kvviz.memory; nothing is loaded to make the plan)."""
     from pages.memory_plan import blocks_run, show_plan
 
+    from kvviz import views
+
     choice = st.session_state.get("model_choice")
-    if name not in _PLANNED or choice is None:
+    view = views.for_run(name)
+    if view is None or choice is None:
         return
     with st.sidebar:  # beside the run's settings; the page's first screen stays the verdict and the chart
-        plan = show_plan(choice, _PLANNED[name], **_workload(key_parts))
+        plan = show_plan(choice, view.name, workload(key_parts))
     if fresh and blocks_run(plan):
         st.error("Cannot run: " + plan.refusal(), icon=":material/memory:")
         st.stop()

@@ -6,6 +6,8 @@ import json
 
 import streamlit as st
 
+from kvviz import views as _views
+
 SIDEBAR_DEFAULTS = {"model_preset": "default", "model_other": "", "dtype": "float32", "device": "auto",
                     "attn": "auto", "trust_remote_code": False, "invariant": False, "presenter": False}
 
@@ -13,7 +15,9 @@ SIDEBAR_DEFAULTS = {"model_preset": "default", "model_other": "", "dtype": "floa
 # Page controls persist across page switches and live in the URL. Streamlit forgets the state of widgets that a run
 # did not draw, so app.py stashes every page control at the start of each run (`remember`), and a page restores its
 # own before drawing them (`restore`). The URL carries the sidebar and the current page's controls as JSON values.
-PAGE_PREFIXES = ("split_", "greedy_", "dt_", "pad_", "reuse_", "mx_", "kv_", "trap_", "quant_", "check_", "sv_")
+# The prefixes and their pages come from the view registry (each view's Page(prefix=...)).
+PREFIX_OF_PAGE = _views.page_prefixes()
+PAGE_PREFIXES = tuple(PREFIX_OF_PAGE.values())
 
 
 SIDEBAR_KEYS = ("model_preset", "model_other", "dtype", "device", "attn", "trust_remote_code", "invariant",
@@ -93,11 +97,6 @@ def copy_link() -> None:
         st.caption("This address opens this page with these settings (it runs once, then as usual):")
         st.code(url.split("?")[0] + ("?" + "&".join(f"{k}={quote(v)}" for k, v in st.query_params.items())
                                      if query else ""), language=None)
-
-
-PREFIX_OF_PAGE = {"split_point": "split_", "greedy_paths": "greedy_", "dtypes_lab": "dt_", "padding_lab": "pad_",
-                  "cache_reuse": "reuse_", "backends": "mx_", "kv_cache": "kv_", "loading_trap": "trap_", "quantized": "quant_",
-                  "cache_safety": "check_", "serving": "sv_"}
 
 
 # One-click scenarios (Home). A scenario's settings are marked on its page and hold while you stay there with its

@@ -500,3 +500,20 @@ def test_open_a_result_lists_the_prepared_meeting():
     at.selectbox(key="open_prepared").set_value("Left padding without position ids").run()
     assert not at.exception, at.exception
     assert "Verdict: logic" in alerts(at) and "nonexistent" not in alerts(at)
+
+
+def test_home_prepares_the_meeting_with_its_button():
+    import os
+    from pathlib import Path
+
+    out = Path(os.environ["KVVIZ_CACHE"]) / "meeting"
+    for f in out.glob("*.json"):
+        f.unlink()
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
+    at.run()
+    at.multiselect(key="meeting_keys").set_value(["layers", "bidirectional"]).run()
+    at.button(key="meeting_run").click().run()
+    assert not at.exception, at.exception
+    assert "2 result(s) ready" in alerts(at) and "error" not in alerts(at).lower()
+    assert sorted(f.name for f in out.glob("*.json")) == ["bidirectional.json", "layers.json"]
+    assert (out / "meeting.html").read_text().count("<section") == 2

@@ -109,3 +109,16 @@ def test_every_view_names_real_pieces():
         if v.cli:
             assert callable(v.cli_module().add_parser) and callable(v.cli_module().command), v.name
         assert v.package.startswith("kvviz.views.") and v.package.count(".") == 2, v.name  # one folder each
+
+
+def test_the_library_never_imports_streamlit():
+    """The library (kvviz/) has no Streamlit import, at module level or inside a function; the pages do."""
+    def streamlit_imports(path):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            yield from (f"{path.name}:{node.lineno}" for n in names if n.split(".")[0] == "streamlit")
+
+    assert list(streamlit_imports(ROOT / "pages" / "common.py"))  # the check sees a real one
+    found = [hit for path in sorted((ROOT / "kvviz").rglob("*.py")) for hit in streamlit_imports(path)]
+    assert found == []

@@ -115,7 +115,7 @@ def test_totals_say_how_many_of_the_cpu_buildable_types_ran():
 def test_the_committed_table_meets_the_issue():
     rows = [archsweep.ArchRow(**r) for r in json.loads(TABLE.read_text())["rows"]]
     t = archsweep.totals(rows)
-    assert t["run %"] >= 95, t  # issue 17: at least 95 % of the types buildable on a CPU actually run
+    assert t["run %"] >= 95, t  # at least 95 % of the types buildable on a CPU actually run
     for r in rows:
         if r.status == "cannot run":  # each with a one-line reason, and none is a time limit
             assert r.reason and "\n" not in r.reason and not r.reason.startswith(("timeout", "not reached")), r

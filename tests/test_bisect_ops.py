@@ -1,4 +1,4 @@
-"""The bisector down to ops (issue 17): the first torch op whose output differs between the full forward and the
+"""The bisector down to ops: the first torch op whose output differs between the full forward and the
 cached run, with its module path (layer naming rule), shapes and dtypes - in normal and in invariant mode."""
 import torch
 
@@ -45,7 +45,7 @@ def test_invariant_mode_nothing_differs_and_a_broken_op_is_named(monkeypatch):
 
 
 def test_invariant_mode_says_plainly_that_every_op_agrees_and_reports_progress(capsys):
-    """Issue 17: an invariant-mode bisect of a real Gemma 3 past its window ended with no output at all - it ran for
+    """An invariant-mode bisect of a real Gemma 3 past its window ended with no output at all - it ran for
     over an hour printing nothing, and where nothing differed it spoke of modules only. Past tiny:gemma3's window
     (8), every stage is reported as it starts and the result says plainly that every op agrees bit for bit, with
     the number of ops compared; the CLI prints the stages on stderr."""

@@ -103,6 +103,25 @@ def test_home_page_and_navigation(server, artifacts):
         page.screenshot(path=str(artifacts / "home.png"))
 
 
+
+def test_home_prepares_the_meeting_in_browser(server, artifacts, kvviz_cache):
+    """Home's "Prepare the meeting" button with its default scenarios (tiny models): the results land where Open
+    a result finds them."""
+    out = kvviz_cache / "meeting"
+    for f in out.glob("*.json"):
+        f.unlink()
+    with browser() as b:
+        page = b.new_page(viewport={"width": 1300, "height": 1400})
+        page.goto(server)
+        page.get_by_text("why does the KV cache change my numbers").first.wait_for(timeout=60_000)
+        page.get_by_text("Prepare the meeting: run scenarios ahead").click()
+        page.get_by_role("button", name="Prepare", exact=True).click()
+        page.get_by_text("result(s) ready").first.wait_for(timeout=240_000)
+        no_exception(page)
+        page.screenshot(path=str(artifacts / "home-meeting.png"))
+    assert sorted(f.name for f in out.glob("*.json")) == ["padding.json", "proof.json", "tie.json"]
+
+
 def _metrics(page) -> dict:
     page.get_by_text("largest relative gap").first.wait_for(timeout=240_000)
     wait_idle(page)
@@ -262,7 +281,7 @@ def test_open_a_result_shows_the_page_without_a_model(server, artifacts, tmp_pat
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Issue 19: settings you can trust, one naming, the first screen in normal mode, navigation (tiny models)
+# Settings you can trust, one naming, the first screen in normal mode, navigation (tiny models)
 
 FIRST_SCREEN = {  # page: (its verdict line, the start of its main chart or table)
     "split_point": ('[data-testid="stAlert"]:has-text("Verdict:")', ".js-plotly-plot"),

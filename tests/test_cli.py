@@ -224,3 +224,32 @@ def test_invariant_is_honoured_and_said(capsys):
     assert main(["split", "--model", "tiny:llama", "--prompt", PROMPT, "--split", "5", "--invariant", "--json",
                  "--quiet", "--device", DEVICE]) == 0
     assert json.loads(capsys.readouterr().out)["settings"]["execution"]["invariant"] is True
+
+
+def test_the_flags_table_in_the_docs_is_the_code_s():
+    """docs/cli.md's table of common flags (honoured or refused) against every view subcommand's parser."""
+    import argparse
+    import re
+
+    from kvviz import views
+    from kvviz.cli import build_parser
+
+    from conftest import ROOT
+
+    doc = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
+    table = {m.group(1): m.group(2, 3, 4) for m in
+             re.finditer(r"^\| `([a-z -]+)` \| (yes|refused) \| (yes|refused) \| (yes|refused) \|$", doc, re.M)}
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    code = {}
+    for name, parser in sub.choices.items():
+        nested = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        leaves = nested[0].choices.items() if nested else [("", parser)]
+        for leaf, p in leaves:
+            command = f"{name} {leaf}".strip()
+            if not any(v.command and v.command.split(" ")[0] == name for v in views.all_views()):
+                continue  # open, sweep-architectures: no view, no common run flags
+            refused = p.get_default("not_honoured") or {}
+            word = lambda flag: "refused" if flag in refused else "yes"  # noqa: E731
+            code[command] = (word("invariant"), word("no_proof"),
+                                              word("json_out") if word("json_out") == word("html") else "mixed")
+    assert table == code

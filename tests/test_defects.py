@@ -1,4 +1,4 @@
-"""Defects left open by earlier work, each with the test that fails if it comes back."""
+"""Defects, each with the test that fails if it comes back."""
 import dataclasses
 
 import pytest

@@ -1,4 +1,4 @@
-"""Invariant mode on linear-attention and state-space layers (issue 17): ~30 architectures' proofs left ~1e-15,
+"""Invariant mode on linear-attention and state-space layers: ~30 architectures' proofs left ~1e-15,
 and the bisector named repeat_interleave (an exact copy). The true first ops, found on tiny qwen3_next: a silu
 whose CPU kernel rounds an element differently in its vectorised body and its scalar remainder (which one depends
 on the tensor's length), a conv1d over the cached states + the new tokens, and the chunked gated delta rule

@@ -1,4 +1,4 @@
-"""Invariant mode on long prompts (issue 17): a sliding-window model past its window, the prefix fed through the
+"""Invariant mode on long prompts: a sliding-window model past its window, the prefix fed through the
 cache in one chunk, must be order-identical at every size. The bug: fixed_order_matmul switched to one kernel call
 per row above a size limit, so a long full forward and its shorter cached chunk took different paths, and a kernel
 call reduces over the keys in an order that depends on how many keys there are. A real Gemma 3 (721 tokens, window

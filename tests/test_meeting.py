@@ -1,9 +1,12 @@
-"""Prepare the meeting: chosen scenarios run ahead into results Open a result shows at once, one HTML bundles them."""
+"""Prepare the meeting: chosen scenarios run ahead into results Open a result shows at once, one HTML bundles them.
+Every scenario of kvviz.presets runs here (the sliding-window one in the heavy tier), each with the effect it
+promises."""
 import pytest
 
 from kvviz.errors import KvvizError
 from kvviz.export import open_result
 from kvviz.meeting import prepare, prepared
+from kvviz.presets import PRESETS
 
 
 def test_prepared_scenarios_reopen_with_their_verdicts_and_one_report_bundles_them(tmp_path):
@@ -17,6 +20,45 @@ def test_prepared_scenarios_reopen_with_their_verdicts_and_one_report_bundles_th
     assert html.count("* plotly.js v") == 1  # inlined once for all reports
     assert html.count("<section") == 2 and "Verdict: logic" in html
     assert "Left padding without position ids" in html and "A mask that covers only the new tokens" in html
+
+
+def _reopened(tmp_path, keys):
+    prepare(keys, tmp_path)
+    return {p.name.removesuffix(".json"): open_result(p.read_bytes()) for _, p in prepared(tmp_path)}
+
+
+def _check_window(o):
+    r = o.result
+    assert o.view == "matrix"
+    window = 8  # tiny:mistral's sliding window
+    assert r.settings.max_new_tokens > window and len(r.settings.batch_with) == 1
+    assert len(r.settings.batch_with[0]) > len(r.settings.prompt)
+    assert {(c.attention, c.cache) for c in r.cells} == {(a, c) for a in ("eager", "sdpa") for c in ("dynamic", "static")}
+    assert all(c.verdict in ("identical", "precision") and c.distinct_outputs == 1 for c in r.cells), r.cells
+
+
+def test_every_scenario_but_the_window_prepares_with_its_effect(tmp_path):
+    keys = [p.key for p in PRESETS if p.key != "window"]
+    got = _reopened(tmp_path, keys)
+    assert list(got) == keys and (tmp_path / "meeting.html").read_text().count("<section") == len(keys)
+    tie = got["tie"].result  # greedy: bfloat16 ties and chooses "a", float64 chooses "b"
+    assert got["tie"].view == "greedy"
+    assert tie.paths["no_cache"].text == "aaaaaa" and tie.paths["float64"].text == "bbbbbb"
+    pair = tie.pair("no_cache", "float64")
+    assert pair.verdict == "precision" and pair.first_divergence == 0
+    for key in ("padding", "newonly", "bidirectional"):
+        assert got[key].view == "split" and got[key].result.verdict == "logic", key
+    proof = got["proof"].result  # invariant mode: the cached run equals the full forward bit for bit
+    assert proof.verdict == "identical" and proof.settings.execution.invariant
+    layers = got["layers"].result  # dtypes: four dtypes over eight built-in prompts
+    assert got["layers"].view == "dtypes" and layers.dtypes == ["float64", "float32", "float16", "bfloat16"]
+    assert len(layers.prompts) == 8 and set(layers.verdicts["float64"]) == {"reference"}
+    assert set(layers.verdicts["float32"]) == {"precision"}
+
+
+@pytest.mark.heavy
+def test_the_sliding_window_scenario_prepares(tmp_path):
+    _check_window(_reopened(tmp_path, ["window"])["window"])
 
 
 def test_an_unknown_scenario_is_one_clear_line(tmp_path):

@@ -144,48 +144,8 @@ def test_logits_compared_in_chunks_of_positions(monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The plan is an upper bound of the measured peak, and not far above it where the model is large
-
-
-def _bench_shape(cfg: dict) -> ModelShape:
-    """The shape of a bench/memory_bench.py model, from its config and the tensors it writes (no files needed)."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    import memory_bench
-
-    sizes = []
-    for _, shape in memory_bench._tensors(cfg):
-        n = 1
-        for d in shape:
-            n *= d
-        sizes.append(n)
-    return ModelShape.from_config(cfg, sum(sizes), max(sizes), "bfloat16")
-
-
-# Peak RSS measured by `bench/memory_bench.py run` (docs/benchmarks.md, "Memory at real size"), bytes.
-RECORDED_PEAKS = {
-    # (model, view, tokens as the plan counts them, compared positions): peak RSS
-    ("gemma270m", "split", 720, 120): 2_165_805_056,  # 2026-11-24, third session's code (2.29 GB before it)
-    ("gemma270m", "check", 1028, None): 2_012_278_784,  # 2026-11-24, after the heap-fragmentation fix (2.01 GB)
-    ("big3b", "split", 60, 54): 7_790_000_000,  # 2026-11-23 (7.79 GB); 7.71 GB on 2026-11-24's code
-    ("big3b", "greedy", 62, None): 7_367_327_744,  # 2026-11-24, --max-new-tokens 2 (paths no_cache,cache,float64)
-    ("gemma270m", "bisect", 720, 120): 2_103_586_816,  # 2026-11-24, the bisector's rows of the compared positions only
-}
-
-
-@pytest.mark.parametrize("key", list(RECORDED_PEAKS))
-def test_plan_bounds_the_recorded_bench_peaks(key):
-    sys.path.insert(0, str(ROOT / "bench"))
-    import memory_bench
-
-    name, view, tokens, compared = key
-    cfg = memory_bench.GEMMA270M if name == "gemma270m" else memory_bench.BIG3B
-    plan = plan_shape(_bench_shape(cfg), name, "bfloat16", "cpu", view, tokens, free=20 * 1024 ** 3,
-                      compared=compared)
-    peak = RECORDED_PEAKS[key]
-    assert plan.reference == ("none" if view == "bisect" else "streamed")  # the bisector runs no float64 reference
-    assert plan.total >= peak, (plan.lines(), peak)
-    if name == "gemma270m":  # the 262k vocabulary's activations dominate there: the plan tracks them
-        assert plan.total <= 1.5 * peak, (plan.lines(), peak)
+# The plan is an upper bound of the measured peak (here on tiny models, in fresh processes; the peaks recorded on
+# models at their real size are checked by `bench/memory_bench.py plans`, as they belong to the machine they ran on)
 
 
 @pytest.mark.parametrize("argv", [

@@ -1,4 +1,4 @@
-"""The padding grid on models that build positions or alibi from the attention mask (issue 17): BLOOM and OPT crash
+"""The padding grid on models that build positions or alibi from the attention mask: BLOOM and OPT crash
 on a mask of the new tokens only. Every cell gives a result or a one-line reason - never a traceback - in the
 library, the command line, the figure and a JSON round trip."""
 import json
@@ -47,5 +47,5 @@ def test_every_cell_gives_a_result_or_a_one_line_reason(spec, kind, capsys):
     rc = main(["padding", "--model", spec, "--device", DEVICE, "--prompt", PROMPT, "--left-pad", "2", "--no-proof",
                "--quiet"])
     out, err = capsys.readouterr()
-    assert rc in (0, None) and "Traceback" not in out + err
+    assert rc == 0 and "Traceback" not in out + err
     assert sum(line.split(": ", 1)[-1].startswith("cannot run:") for line in out.splitlines()) == len(failed)

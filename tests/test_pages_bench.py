@@ -6,14 +6,11 @@ from pathlib import Path
 import pytest
 
 import kvviz
-from pages.state import PREFIX_OF_PAGE
+from kvviz import views
 
 from conftest import DEVICE
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGE_OF_CALL = {"split": "split_point", "greedy": "greedy_paths", "dtypes": "dtypes_lab", "padding": "padding_lab",
-                "reuse": "cache_reuse", "loading_trap": "loading_trap", "backends": "backends", "kv_cache": "kv_cache",
-                "quantized": "quantized", "cache_safety": "cache_safety", "serving": "serving"}
 
 
 def _bench():
@@ -27,8 +24,8 @@ def _bench():
 def test_the_pages_bench_covers_every_page_that_runs_and_each_call_runs():
     lm = kvviz.load_model("tiny:llama", "float32", DEVICE)
     calls = _bench().page_calls(lm, "tiny:llama")
-    assert set(calls) == set(PAGE_OF_CALL)
-    assert {PAGE_OF_CALL[c] for c in calls} == set(PREFIX_OF_PAGE)  # every page with controls and a run
+    # every view whose page has controls and a run, by the registry
+    assert set(calls) == {v.name for v in views.all_views() if v.page and v.page.prefix}
     for name, call in calls.items():
         res = call()
         assert res is not None, name

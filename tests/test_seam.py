@@ -1,4 +1,5 @@
 """The execution seam: one place builds every call; settings apply for one run and are restored, also on error."""
+import ast
 import contextlib
 import threading
 
@@ -214,13 +215,96 @@ def test_no_decode_loop_outside_the_seam():
     root = Path(kvviz.__file__).parent
     offenders = []
     for path in sorted(root.rglob("*.py")):
-        if path.name == "execution.py":
+        if str(path.relative_to(root)) in SEAM:
             continue
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if not isinstance(node, (ast.For, ast.While)):
                 continue
             body = ast.Module(body=node.body, type_ignores=[])
-            if any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "forward"
-                   for n in ast.walk(body)):
-                offenders.append(f"{path.name}:{node.lineno}")
+            if any(model_call(n) for n in ast.walk(body)):
+                offenders.append(f"{path.relative_to(root)}:{node.lineno}")
     assert offenders == [], f"model calls inside loops outside kvviz/execution.py: {offenders}"
+
+
+# The seam itself (the executor and its one decode loop), and the serving engines: they drive engines that are not
+# kvviz's model calls (transformers' continuous batching, vLLM), each with its own scheduler loop.
+SEAM = {"execution.py", "loops.py", "views/serving/engines.py"}
+MODEL_METHODS = {"forward", "generate"}  # a model's (or the executor's) call by name
+CACHE_KEYWORDS = {"past_key_values", "cache_params", "use_cache"}  # a model call however it is spelled
+
+
+def model_call(n) -> bool:
+    """A call that runs a model: `.forward(`/`.generate(`, `model(…)`/`lm.model(…)`, or any call handing over a
+    cache keyword."""
+    if not isinstance(n, ast.Call):
+        return False
+    f = n.func
+    name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+    keywords = {k.arg for k in n.keywords}
+    return (name in MODEL_METHODS or name == "model" or bool(keywords & CACHE_KEYWORDS)
+            or ("cache" in keywords and bool(keywords & {"input_ids", "attention_mask", "inputs_embeds"})))
+
+
+def test_the_loop_check_sees_every_spelling_of_a_model_call():  # so that the test above can fail
+    import ast
+
+    for code in ("model.forward(ids)", "lm.model(input_ids=ids)", "model(ids)", "f(ids, past_key_values=c)",
+                 "f(input_ids=ids, cache=c)", "ex.generate(ids)"):
+        assert model_call(ast.parse(code).body[0].value), code
+    assert not model_call(ast.parse("torch.cat(xs)").body[0].value)
+
+
+@pytest.mark.heavy
+def test_every_view_runs_through_the_executor(monkeypatch):
+    """Every view with a page (the pages bench's first run of each, on a tiny model) and the bisector: each makes
+    its model calls through the executor, and no call reaches a model behind the seam's back."""
+    import importlib.util
+    from pathlib import Path
+
+    from kvviz import views
+    from kvviz.views.bisect.run import run_bisect
+
+    spec = importlib.util.spec_from_file_location("pages_bench", Path(__file__).parents[1] / "bench" / "pages_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    calls, bypass = [], []
+    inside = threading.local()
+
+    def wrap(real):
+        def wrapped(self, *a, **k):
+            calls.append(real.__name__)
+            inside.depth = getattr(inside, "depth", 0) + 1
+            try:
+                return real(self, *a, **k)
+            finally:
+                inside.depth -= 1
+        return wrapped
+
+    monkeypatch.setattr(Executor, "forward", wrap(Executor.forward))
+    monkeypatch.setattr(Executor, "generate", wrap(Executor.generate))
+
+    current = [""]
+
+    def seen(module, args, kwargs):
+        if getattr(inside, "depth", 0) == 0:
+            bypass.append(current[0])
+
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(
+        lambda m, a: seen(m, a, {}) if hasattr(m, "generation_config") else None)  # every top-level model
+    try:
+        lm = kvviz.load_model("tiny:llama", "float32", DEVICE)
+        runs = dict(bench.page_calls(lm, "tiny:llama"))
+        runs["bisect"] = lambda: run_bisect(lm, SplitConfig(PROMPT, split=5))
+        assert set(runs) >= {v.name for v in views.all_views() if v.page} | {"bisect"}
+        made = {}
+        for name, run in runs.items():
+            current[0] = name
+            before = len(calls)
+            run()
+            made[name] = len(calls) - before
+        # the views whose model calls bypass the executor: only the serving study, whose transformers engine
+        # (continuous batching, kvviz/views/serving/engines.py) drives the model itself
+        assert set(bypass) <= {"serving"}, sorted(set(bypass))
+        assert all(n > 0 for n in made.values()), made  # each view called the model, through the executor
+    finally:
+        hook.remove()

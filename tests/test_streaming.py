@@ -89,11 +89,8 @@ def test_hooks_and_after_the_forward_give_the_same_result():
     m = lm("gemma3", "bfloat16")
     cfg = SplitConfig(PROMPT * 2, split=17, mode="step")
     on = run_split(m, cfg, prove=True).to_dict()
-    execution.STREAM_HIDDEN[0] = False
-    try:
+    with execution.hidden_all_at_once():
         off = run_split(m, cfg, prove=True).to_dict()
-    finally:
-        execution.STREAM_HIDDEN[0] = True
     for key in ("result", "float64_evidence", "invariant_check"):
         assert on[key]["hidden"] == off[key]["hidden"], key
         assert on[key]["logits"] == off[key]["logits"], key
@@ -138,11 +135,8 @@ def test_never_more_than_two_layers_of_a_forward_alive(mode):
     peak, n_layers = _live_layer_outputs(m, run)
     assert n_layers == 4
     assert peak <= 2
-    execution.STREAM_HIDDEN[0] = False
-    try:
+    with execution.hidden_all_at_once():
         old_peak, _ = _live_layer_outputs(m, run)
-    finally:
-        execution.STREAM_HIDDEN[0] = True
     assert old_peak == n_layers
     assert [len(layer._forward_hooks) for layer in decoder_layers(m.model)] == hooks  # ours all removed
 

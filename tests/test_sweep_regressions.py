@@ -1,4 +1,4 @@
-"""What the architecture sweep (kvviz.archsweep, issue 17) found wrong in kvviz, each on a tiny model of the
+"""What the architecture sweep (kvviz.archsweep) found wrong in kvviz, each on a tiny model of the
 architecture that showed it (kvviz.tiny.TINY_SWEEP, built by the sweep's own config builder): every test here fails
 if its problem comes back."""
 import pytest
@@ -116,7 +116,7 @@ def test_xglm_runs_in_float64():
 
 
 def test_serving_never_keeps_rounding_not_a_bug_beside_a_failed_proof(monkeypatch):
-    """Issue 17's done-when: no result says "rounding, not a bug" while its proof failed. The serving study wrote
+    """No result says "rounding, not a bug" while its proof failed. The serving study wrote
     "... (relative): rounding, not a bug." and then, when invariant mode still parted, "... - logic" beside it."""
     from types import SimpleNamespace
 

@@ -1,4 +1,4 @@
-"""One verdict rule (kvviz.verdict), issue 17: a precision verdict carries its proof (invariant gap exactly 0) or
+"""One verdict rule (kvviz.verdict): a precision verdict carries its proof (invariant gap exactly 0) or
 says plainly "unproved", why and what the bisector found first; "rounding, not a bug" never stands beside a failed
 proof; a precision gap that is a large fraction of the value says rounding was amplified and where it jumped."""
 import pytest
@@ -21,12 +21,14 @@ def test_classify_is_relative_to_the_values():
 def test_sentences_never_contradict_their_proof():
     proved = verdict.precision_sentence(1e-13, True, 0.0, normal_gap=0.5)
     by_numbers = verdict.precision_sentence(1e-13, None)
-    unproved = verdict.precision_sentence(1e-13, False, 3.2e3, "matmul #1 in layer 1 (model.layers.0.self_attn)",
-                                          7.66e4)
+    first = verdict.Finding(module="model.layers.0.self_attn.o_proj", kind="attention output projection", layer=0,
+                            max_abs=0.25, relative=1e-3, op="linear", shapes=[[1, 5, 64], [64, 64]])
+    unproved = verdict.precision_sentence(1e-13, False, 3.2e3, first, 7.66e4)
     assert proved.startswith(verdict.ROUNDING_NOT_A_BUG) and "proved" in proved and "exactly 0" in proved
     assert by_numbers.startswith(verdict.ROUNDING_NOT_A_BUG) and "Not proved" in by_numbers
     assert "rounding, not a bug" not in unproved.lower() and unproved.startswith("Precision, unproved")
-    assert "3.2e+03" in unproved and "model.layers.0.self_attn" in unproved
+    assert "3.2e+03" in unproved and "layer 1 (model.layers.0.self_attn.o_proj)" in unproved  # read off the finding
+    assert "attention output projection: max |Δ| 0.25" in unproved
     assert verdict.label("precision", False) == "precision (unproved)"
     assert verdict.label("precision", True) == "precision (proved)" and verdict.label("logic", False) == "logic"
 

@@ -9,11 +9,17 @@ A view is a scenario kvviz can run and show (split, greedy, …). Its folder hol
                       result, `tables(result)`: their tables
         report.py     `reopen(dict)`: the result rebuilt from a JSON export; `verdict(result)`: its verdict line
         repro.py      (optional) its standalone repro script: `check`, `script`, `key_figure`
-        cli.py        (optional) its subcommand: `add_parser(subparsers)`, `command(args) -> Outcome`,
-                      `NOT_HONOURED` (common flags it refuses, and why)
+        cli.py        (optional) its subcommand: `add_parser(subparsers)` (whose `set_defaults` names the
+                      common flags it refuses, and why, as `not_honoured`), `command(args) -> Outcome`
+        scenario.py   (optional) `run(preset, device, progress)`: a one-click scenario of its page, run ahead
+                      by Prepare the meeting (kvviz.meeting)
 
-The export (JSON, reopen, HTML), the repro scripts, the CLI's subcommands and `open`, and the app's navigation
-iterate this registry; nothing compares view names. Adding a view is its folder plus one line in VIEW_FOLDERS
+Each entry also holds the view's facts that the core reads instead of comparing names: its memory profile (what
+the memory plan counts for it, kvviz.memory; a view without one is refused here), its page (navigation, the
+settings prefix of its controls) and the run names its page gives pages/runner.run_cached.
+
+The export (JSON, reopen, HTML), the repro scripts, the CLI's subcommands and `open`, the memory plan, Prepare
+the meeting and the app's navigation and state iterate this registry; nothing compares view names. Adding a view is its folder plus one line in VIEW_FOLDERS
 (docs/architecture.md shows a small example). Entries name their pieces relative to their folder
 ("report:reopen"), resolved on first use, so the registry imports no view until one is asked for.
 """
@@ -50,6 +56,24 @@ class Page:
     section: str
     icon: str
     title: str | None = None  # the navigation's name for it (default: the view's title)
+    prefix: str = ""  # the session-state / URL prefix of the page's controls ("split_")
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """What kvviz.memory counts for a run of the view, besides the weights (see kvviz.memory.activation_bytes)."""
+    forwards: int = 1  # forwards' worth of (all hidden states + logits) kept when hidden states are not streamed
+    streamed_hidden: bool = True  # hidden states handed over layer by layer (kvviz.streaming)
+    reference: bool = True  # runs the float64 reference (below float64)
+    bisector: bool = False  # may run the bisector in the run's own dtype
+    float64_only: bool = False  # every run is on the float64 reference (the model in its dtype does not run)
+    stepwise_reference: bool = False  # the reference compares token by token (its logits a chunk of rows at a time)
+    batch: int = 1  # rows in a batch (padding: the padded, the unpadded and a neighbour)
+    batch_from_workload: bool = False  # the batch and token count are the run's own (the cache sizes)
+    compared_after_split: bool = False  # compares only the positions after the split point
+    past_window: bool = False  # runs past the model's sliding window (at least 2 windows + 4 tokens, 64)
+    weight_copies: bool = False  # quantizing weights deep-copies the model first
+    many_prompts: bool = False  # runs a set of prompts (fewer prompts is a way to fit)
 
 
 @dataclass(frozen=True)
@@ -66,6 +90,9 @@ class View:
     cli: "str | None" = None  # module with add_parser/command/NOT_HONOURED: its CLI subcommand
     command: str | None = None  # its CLI subcommand as typed ("cache load")
     page: Page | None = None  # its page in the app
+    memory: MemoryProfile | None = None  # what its memory plan counts (required: register() refuses a view without)
+    runs: tuple[str, ...] = ()  # the names its page's runs have in pages/runner.run_cached (default: its name)
+    scenario: "str | Callable | None" = None  # "scenario:run": run(preset, device, progress) -> result
     package: str = field(default="", compare=False)  # the folder's package, set by register()
 
     def resolve(self, ref):
@@ -101,11 +128,17 @@ class View:
     def cli_module(self):
         return self.resolve(self.cli)
 
+    def run_names(self) -> tuple[str, ...]:
+        return self.runs or (self.name,)
+
 
 _VIEWS: dict[str, View] = {}
 
 
 def register(view: View, package: str = "") -> View:
+    if not isinstance(view.memory, MemoryProfile):
+        raise KvvizError(f"view {view.name!r} has no memory profile (View(memory=MemoryProfile(...))): kvviz would "
+                         "not know what its runs hold")
     if package and not view.package:
         object.__setattr__(view, "package", package)
     _VIEWS[view.name] = view
@@ -134,6 +167,42 @@ def all_views() -> tuple[View, ...]:
 
 def names(repro: bool | None = None) -> tuple[str, ...]:
     return tuple(v.name for v in all_views() if repro is None or bool(v.repro) == repro)
+
+
+def for_command(command: str) -> View:
+    """The view of a CLI subcommand as typed ("split", "cache load"); a subcommand of a view folder that is no view
+    of its own ("cache save") goes with the folder's first view."""
+    views = all_views()
+    for v in views:
+        if v.command == command:
+            return v
+    head = command.split(" ")[0]
+    for v in views:
+        if v.command and v.command.split(" ")[0] == head:
+            return v
+    raise KvvizError(f"unknown subcommand {command!r}")
+
+
+def for_page(stem: str) -> View:
+    """The view whose page is pages/<stem>.py."""
+    for v in all_views():
+        if v.page and v.page.stem == stem:
+            return v
+    raise KvvizError(f"no view has the page {stem!r}")
+
+
+def for_run(name: str) -> View | None:
+    """The view of a page's run (pages/runner.run_cached's name; an A/B twin "<run>_ab" is its run's)."""
+    base = name.removesuffix("_ab")
+    for v in all_views():
+        if base in v.run_names():
+            return v
+    return None
+
+
+def page_prefixes() -> dict[str, str]:
+    """Page stem -> the prefix of its controls, for every view with a page."""
+    return {v.page.stem: v.page.prefix for v in all_views() if v.page and v.page.prefix}
 
 
 def of(result) -> View:

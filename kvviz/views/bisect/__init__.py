@@ -2,8 +2,9 @@
 
 This folder is the whole view: run.py (config, run, result), figures.py, report.py (reopen, verdict), cli.py.
 Registered by one line in kvviz/views/__init__.py."""
-from .. import Page, View
+from .. import MemoryProfile, Page, View
 from .run import BisectResult, run_bisect
 
 VIEW = View("bisect", "Bisector", "BisectResult", "report:reopen", "figures:main", "report:verdict", cli="cli",
-            command="bisect")
+            command="bisect",
+            memory=MemoryProfile(forwards=2, reference=False, bisector=True, compared_after_split=True))

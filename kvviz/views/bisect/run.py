@@ -21,7 +21,8 @@ from ...execution import DEFAULT_SETTINGS, ExecSettings, Executor, Settings, has
 from ...inputs import build_inputs
 from ...loading import LoadedModel
 from ...naming import module_label
-from ..split.run import SplitConfig, cached_mask, check_split, register_bisector, takes_logits_to_keep
+from ...verdict import Finding
+from ..split.run import SplitConfig, cached_mask, check_split, takes_logits_to_keep
 
 _KINDS = (  # (pattern on the module's own name, kind) - first match wins
     (r"(embed_tokens|wte|wpe|embed_in|word_embeddings|position_embeddings|embeddings)$", "embedding"),
@@ -104,6 +105,15 @@ class BisectResult:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "settings": self.settings.to_dict()}
+
+    def finding(self) -> Finding | None:
+        """What it found first, typed (kvviz.verdict.Finding): the first differing module and, where the op trace
+        lines one up, its first differing op. None: nothing differs at module level."""
+        first, op = self.first, self.first_op
+        if first is None:
+            return None
+        return Finding(module=first.name, kind=first.kind, layer=first.layer, max_abs=first.max_abs,
+                       relative=first.relative, op=op.op if op else None, shapes=list(op.shapes) if op else [])
 
 
 def _first_tensor(out):
@@ -296,11 +306,7 @@ def _explain(res: BisectResult, settings: ExecSettings, ops: bool) -> str:
                 f"module ({len(res.modules)} compared).")
     if first is None:  # an op differs inside a module whose output came out equal
         return (f"{mode} every hooked module's output agrees bit for bit, but an op inside one does not. {op.text}")
-    where = module_label(first.name)  # kvviz.naming: "layer 2 (model.layers.1.self_attn)"
-    what = ("the attention computation itself (scores, softmax, weighted sum - not a module of its own)"
-            if first.kind.startswith("attention weights") else first.kind)
-    text = (f"The first difference is in {where}, {what}: max |Δ| {first.max_abs:.3g} ({first.relative:.3g} "
-            f"of its size). Everything computed before it is bit-identical.")
+    text = f"The first difference is in {res.finding().describe()}. Everything computed before it is bit-identical."
     made = made_inside(first)
     if made:
         text += f" {made}"
@@ -475,5 +481,3 @@ def _trace_ops(ex: Executor, lm: LoadedModel, cfg: SplitConfig, inp, a0: int, n:
         ex.forward(inp.ids[:, a0:a0 + steps], cached_mask(cfg, inp, a0, a0 + steps), pos, past, hidden=False)
     return cached
 
-
-register_bisector(run_bisect)  # a failed proof's explanation names what the bisector finds first

@@ -3,13 +3,15 @@
 
 This folder is the whole view: run.py (config, run, result), figures.py, report.py (reopen, verdict), cli.py.
 Registered by one line in kvviz/views/__init__.py."""
-from .. import Page, View
+from .. import MemoryProfile, Page, View
 from .run import ContinueResult, continue_and_compare, load_cache, save_cache, save_cache_bytes
 from .size import SizeReport, size_report
 
+_MEMORY = MemoryProfile(reference=False, batch_from_workload=True)  # no float64 reference; its own tokens, batch
 VIEWS = (
     View("kv_reload", "KV cache: reload", "ContinueResult", "report:reopen_reload", None, "report:verdict_reload",
-         cli="cli", command="cache load", page=Page("kv_cache", "Engine", ":material/database:", "KV cache")),
+         cli="cli", command="cache load", memory=_MEMORY,
+         page=Page("kv_cache", "Engine", ":material/database:", "KV cache", prefix="kv_"), runs=("kv_save", "kv_load")),
     View("kv_size", "KV cache: sizes", "SizeReport", "report:reopen_size", None, "report:verdict_size", cli="cli",
-         command="cache size"),
+         command="cache size", memory=_MEMORY),
 )

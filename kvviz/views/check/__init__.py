@@ -2,9 +2,11 @@
 
 This folder is the whole view: run.py (config, run, result), figures.py, report.py (reopen, verdict), repro.py, cli.py.
 Registered by one line in kvviz/views/__init__.py."""
-from .. import Page, View
+from .. import MemoryProfile, Page, View
 from .run import Check, CheckCard, run_check
 
 VIEW = View("check", "Is my model cache-safe?", "CheckCard", "report:reopen", None, "report:verdict",
             tables="figures:tables", repro="repro", cli="cli", command="check",
-            page=Page("cache_safety", "Start", ":material/verified_user:"))
+            page=Page("cache_safety", "Start", ":material/verified_user:", prefix="check_"),
+            memory=MemoryProfile(forwards=2, float64_only=True, stepwise_reference=True, past_window=True,
+                                 weight_copies=True))

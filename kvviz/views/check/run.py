@@ -23,7 +23,7 @@ from ...loading import LoadedModel
 from ..padding.run import run_padding
 from ..reuse.run import run_reuse
 from ..split.run import SplitConfig, run_split
-from ...verdict import classify
+from ...verdict import Verdict, classify
 
 PROMPT = ("The museum guard knew every painting in the building, but he had a favourite one hanging in the far "
           "corner of the east wing.")
@@ -66,7 +66,7 @@ def _gap_check(name: str, rel: "float | tuple | None", what: str) -> Check:
     rel, logits, scenario = rel if isinstance(rel, tuple) else (rel, None, None)
     if rel is None:
         return Check(name, "fail", f"no cache came back: {what} cannot be checked", None)
-    ok = classify(False, rel) == "precision"
+    ok = classify(False, rel) == Verdict.PRECISION
     return Check(name, "pass" if ok else "fail",
                  f"float64 {what}: largest relative gap {rel:.3g} "
                  + ("(float64 rounding: the logic is right)" if ok else "(a logic gap: the cached path computes "
@@ -100,7 +100,7 @@ def _bidirectional(lm64: LoadedModel, prompt: str = PROMPT) -> Check | None:
     if res.main.has_cache:
         return None
     change = res.main.bidirectional_change
-    if change is not None and classify(False, change) == "precision":
+    if change is not None and classify(False, change) == Verdict.PRECISION:
         # causal (the prefix moves by float64 rounding only) but no cache object comes back: OpenAI GPT has no
         # past_key_values, RecurrentGemma keeps its state inside its modules - not bidirectional, nothing to check
         return Check("cache", "n/a", f"no cache comes back, though the model is causal (appending tokens moves "

@@ -2,9 +2,10 @@
 
 This folder is the whole view: run.py (config, run, result), figures.py, report.py (reopen, verdict), repro.py, cli.py.
 Registered by one line in kvviz/views/__init__.py."""
-from .. import Page, View
+from .. import MemoryProfile, Page, View
 from .run import DtypesResult, run_dtypes
 
 VIEW = View("dtypes", "Dtypes side by side", "DtypesResult", "report:reopen", "figures:main", "report:verdict",
             verdict_is_html=True, tables="figures:tables", repro="repro", cli="cli", command="dtypes",
-            page=Page("dtypes_lab", "Investigate", ":material/stacked_line_chart:"))
+            page=Page("dtypes_lab", "Investigate", ":material/stacked_line_chart:", prefix="dt_"),
+            memory=MemoryProfile(forwards=2, many_prompts=True), scenario="scenario:run")

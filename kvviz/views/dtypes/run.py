@@ -17,6 +17,7 @@ from ...errors import KvvizError
 from ...execution import DEFAULT_SETTINGS, ExecSettings, RunSettings
 from ...inputs import encode, validate_prompt
 from ...loading import LoadedModel, ModelSpec, load_model
+from ...verdict import Prove
 from ..split.run import SplitConfig, SplitResult, run_split
 
 Progress = Callable[[float, str], None]
@@ -131,7 +132,7 @@ class _Collector:
 def run_dtypes(model: "LoadedModel | ModelSpec | str", prompts: list[str], dtypes=DTYPE_NAMES, device="auto",
                attn: str | None = None, split: int | str = "last", mode: str = "chunk",
                trust_remote_code: bool = False, progress: Progress | None = None,
-               settings: ExecSettings | None = None, prove: bool | None = None) -> DtypesResult:
+               settings: ExecSettings | None = None, prove: Prove = None) -> DtypesResult:
     """The split comparison for several dtypes over a set of prompts; float64 runs once per prompt and serves as
     every dtype's verdict evidence. `model`: a loaded model (any dtype: its twins are used; device, attn and
     trust_remote_code are then taken from it) or a spec. prove: each precision verdict also runs in invariant mode

@@ -3,9 +3,10 @@ why.
 
 This folder is the whole view: run.py (config, run, result), figures.py, report.py (reopen, verdict), repro.py, cli.py.
 Registered by one line in kvviz/views/__init__.py."""
-from .. import Page, View
+from .. import MemoryProfile, Page, View
 from .run import DEFAULT_PATHS, GreedyConfig, GreedyResult, run_greedy
 
 VIEW = View("greedy", "Greedy paths", "GreedyResult", "report:reopen", "figures:main", "report:verdict",
             repro="repro", cli="cli", command="greedy",
-            page=Page("greedy_paths", "Investigate", ":material/call_split:"))
+            page=Page("greedy_paths", "Investigate", ":material/call_split:", prefix="greedy_"),
+            memory=MemoryProfile(), scenario="scenario:run")

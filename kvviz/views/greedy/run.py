@@ -29,11 +29,11 @@ from ...errors import KvvizError
 from ...inputs import POSITION_MODES, PromptInputs, build_inputs, check_mode, pad_token_id, positions_from_mask
 from ...execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings
 from ...loading import LoadedModel
-from ...metrics import hidden_divergence
+from ...metrics import first_divergence, hidden_divergence
 from ...text import display_tokens
 from ..split.run import layer_labels
 from ...streaming import HeldRows
-from ...verdict import classify, precision_sentence
+from ...verdict import Prove, Verdict, classify, precision_sentence
 
 PATHS = ("no_cache", "cache", "generate", "user_loop", "float64")
 DEFAULT_PATHS = ("no_cache", "cache", "generate")
@@ -320,13 +320,6 @@ def _fast_no_cache(ex: Executor, inp: PromptInputs, n: int, rec: StepRecorder, g
 # Comparing paths
 
 
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    for t, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return t
-    return None
-
-
 def _log_probs(run: PathRun) -> torch.Tensor:
     if run.log_probs is None:
         run.log_probs = torch.log_softmax(run.logits.to(torch.float64), -1)
@@ -398,7 +391,7 @@ def _explain(pair: PairResult, runs: dict[str, PathRun], lm: LoadedModel, cfg: G
             f"{name_b}; their top-2 margins there were {ma:.3g} and {mb:.3g}, and the logits differed by up "
             f"to {pair.max_abs_logit[t]:.3g}.")
     pair.verdict = classify(False, gap64)  # the tokens differ, so the bits do
-    if pair.verdict == "precision":
+    if pair.verdict == Verdict.PRECISION:
         pair.explanation = (head + " Replayed in float64 on the same tokens: a near tie flipped by rounding. "
                             + precision_sentence(gap64, None))
     else:
@@ -553,7 +546,7 @@ def prove_pairs(lm: LoadedModel, cfg: GreedyConfig, settings: ExecSettings, inp:
             p.proved = bool(torch.equal(la, lb))
             inv_gap = float((la - lb).abs().max())
             where = f"at step {t}" + (", where they part" if p.first_divergence is not None else ", the last")
-            if p.verdict == "precision" and p.float64_gap is not None:  # the explanation carries its proof state
+            if p.verdict == Verdict.PRECISION and p.float64_gap is not None:  # the explanation carries its proof
                 head = p.explanation.split(" Replayed in float64")[0]
                 p.explanation = (head + " Replayed in float64 on the same tokens: "
                                  + ("a near tie flipped by rounding. " if p.proved else "")
@@ -569,7 +562,7 @@ def prove_pairs(lm: LoadedModel, cfg: GreedyConfig, settings: ExecSettings, inp:
 
 def run_greedy(lm: LoadedModel, cfg: GreedyConfig, progress: Progress | None = None,
                reference: LoadedModel | None = None, settings: ExecSettings | None = None,
-               prove: bool | None = None) -> GreedyResult:
+               prove: Prove = None) -> GreedyResult:
     """Decode greedily along cfg.paths and compare every pair of paths (see the module docstring).
 
     reference: the float64 model (lm.reference() when not given); settings: how the model runs (cache kind,
@@ -593,7 +586,7 @@ def run_greedy(lm: LoadedModel, cfg: GreedyConfig, progress: Progress | None = N
             for p in diverging:
                 _explain(p, runs, lm, cfg, f64.ex, f64.inp, memo)
     if not settings.invariant and (prove if prove is not None else
-                                   any(p.verdict == "precision" and "float64" not in (p.a, p.b) for p in pairs)):
+                                   any(p.verdict == Verdict.PRECISION and "float64" not in (p.a, p.b) for p in pairs)):
         prove_pairs(lm, cfg, settings, inp, pairs, progress, runs)
     progress(1.0, "Done")
     return GreedyResult(settings=GreedySettings.of(cfg, RunInfo.of(lm, settings)), model=lm.summary(),

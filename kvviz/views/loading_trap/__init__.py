@@ -2,9 +2,10 @@
 
 This folder is the whole view: run.py (config, run, result), figures.py, report.py (reopen, verdict), repro.py, cli.py.
 Registered by one line in kvviz/views/__init__.py."""
-from .. import Page, View
+from .. import MemoryProfile, Page, View
 from .run import LoadingTrapResult, run_loading_trap
 
 VIEW = View("loading_trap", "Loading trap", "LoadingTrapResult", "report:reopen", "figures:main", None,
             tables="figures:tables", repro="repro", cli="cli", command="loading-trap",
-            page=Page("loading_trap", "Classic traps", ":material/swap_horiz:"))
+            page=Page("loading_trap", "Classic traps", ":material/swap_horiz:", prefix="trap_"),
+            memory=MemoryProfile(reference=False), runs=("trap",))

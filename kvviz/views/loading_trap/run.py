@@ -17,7 +17,7 @@ import torch
 from ...dtypes import dtype_name, parse_dtype
 from ...errors import KvvizError
 from ...execution import Executor, Settings
-from ..greedy.run import first_divergence
+from ...metrics import first_divergence
 from ...inputs import build_inputs
 from ...loading import LoadedModel
 

@@ -3,8 +3,10 @@ change greedy decoding, and how.
 
 This folder is the whole view: run.py (config, run, result), figures.py, report.py (reopen, verdict), repro.py, cli.py.
 Registered by one line in kvviz/views/__init__.py."""
-from .. import Page, View
+from .. import MemoryProfile, Page, View
 from .run import MatrixConfig, MatrixResult, run_matrix, sliding_window_config
 
 VIEW = View("matrix", "Backends & compile", "MatrixResult", "report:reopen", "figures:main", "report:verdict",
-            repro="repro", cli="cli", command="matrix", page=Page("backends", "Engine", ":material/memory:"))
+            repro="repro", cli="cli", command="matrix",
+            page=Page("backends", "Engine", ":material/memory:", prefix="mx_"), memory=MemoryProfile(),
+            scenario="scenario:run")

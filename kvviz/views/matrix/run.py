@@ -22,7 +22,8 @@ from ...dtypes import dtype_name
 from ...environment import environment
 from ...errors import KvvizError, is_out_of_memory
 from ...execution import ExecSettings, Executor, Settings
-from ..greedy.run import replay_step, first_divergence
+from ..greedy.run import replay_step
+from ...metrics import first_divergence
 from ...inputs import POSITION_MODES, PromptInputs, check_mode, encode, pad_token_id, positions_from_mask
 from ...loading import LoadedModel, load_model
 from ...verdict import classify

@@ -3,9 +3,10 @@ precision or logic per cell.
 
 This folder is the whole view: run.py (config, run, result), figures.py, report.py (reopen, verdict), repro.py, cli.py.
 Registered by one line in kvviz/views/__init__.py."""
-from .. import Page, View
+from .. import MemoryProfile, Page, View
 from .run import PaddingResult, run_padding
 
 VIEW = View("padding", "Padding and batching", "PaddingResult", "report:reopen", "figures:main", "report:verdict",
             verdict_is_html=True, tables="figures:tables", repro="repro", cli="cli", command="padding",
-            page=Page("padding_lab", "Classic traps", ":material/grid_on:"))
+            page=Page("padding_lab", "Classic traps", ":material/grid_on:", prefix="pad_"),
+            memory=MemoryProfile(forwards=2, batch=3))

@@ -19,7 +19,7 @@ from ...inputs import encode, pad_token_id, positions_from_mask, token_texts
 from ...loading import LoadedModel
 from ...streaming import HeldRows, LayerGaps
 from ..split.run import takes_logits_to_keep, check_split
-from ...verdict import classify
+from ...verdict import Prove, Verdict, classify
 
 Progress = Callable[[float, str], None]
 
@@ -171,7 +171,7 @@ def companion_ids(lm: LoadedModel, ids: list[int], companions: list[str] | None,
 
 def run_padding(lm: LoadedModel, prompt: str, split: int | None = None, left_pad: int = 4,
                 companions: list[str] | None = None, progress: Progress | None = None,
-                settings: ExecSettings | None = None, prove: bool = True,
+                settings: ExecSettings | None = None, prove: Prove = True,
                 only: tuple[tuple[str, str], ...] | None = None) -> PaddingResult:
     """The same prompt alone, left-padded, and in a batch with longer prompts; with and without cache, position
     ids auto or omitted, mask full or new-only. Each cell is compared with the prompt alone, no cache, no padding.
@@ -207,11 +207,11 @@ def run_padding(lm: LoadedModel, prompt: str, split: int | None = None, left_pad
         gap64 = max(c64["hidden_relative"], c64["logits_relative"])
         cells.append({"placement": placement, "scenario": label, **c, "float64_relative": gap64,
                       "verdict": classify(c["bitwise_equal"], gap64), "proved": None, "reason": None})
-    if prove and not settings.invariant and any(c["verdict"] == "precision" for c in cells):
+    if prove and not settings.invariant and any(c["verdict"] == Verdict.PRECISION for c in cells):
         progress(0.8, "Rerunning the grid in invariant mode for the proof…")
         inv = _padding_cells(lm, settings.with_(invariant=True, compile="off"), ids, comp_ids, k, left_pad, only)
         for c in cells:
-            if c["verdict"] == "precision":
+            if c["verdict"] == Verdict.PRECISION:
                 c["proved"] = inv[(c["placement"], c["scenario"])].get("bitwise_equal")
     progress(1.0, "Done")
     run = RunInfo.of(lm, settings)

@@ -2,9 +2,10 @@
 
 This folder is the whole view: run.py (config, run, result), figures.py, report.py (reopen, verdict), repro.py, cli.py.
 Registered by one line in kvviz/views/__init__.py."""
-from .. import Page, View
+from .. import MemoryProfile, Page, View
 from .run import QuantConfig, QuantResult, run_quant
 
 VIEW = View("quant", "Quantized cache & weights", "QuantResult", "report:reopen", "figures:main", None,
             tables="figures:tables", repro="repro", cli="cli", command="quant",
-            page=Page("quantized", "Engine", ":material/compress:"))
+            page=Page("quantized", "Engine", ":material/compress:", prefix="quant_"),
+            memory=MemoryProfile(reference=False, weight_copies=True))

@@ -2,9 +2,10 @@
 
 This folder is the whole view: run.py (config, run, result), figures.py, report.py (reopen, verdict), repro.py, cli.py.
 Registered by one line in kvviz/views/__init__.py."""
-from .. import Page, View
+from .. import MemoryProfile, Page, View
 from .run import ReuseResult, run_reuse
 
 VIEW = View("reuse", "Prompt-cache reuse", "ReuseResult", "report:reopen", None, "report:verdict",
             verdict_is_html=True, tables="figures:tables", repro="repro", cli="cli", command="reuse",
-            page=Page("cache_reuse", "Classic traps", ":material/recycling:"))
+            page=Page("cache_reuse", "Classic traps", ":material/recycling:", prefix="reuse_"),
+            memory=MemoryProfile())

@@ -17,10 +17,10 @@ import torch
 from ...compat import output_cache
 from ...errors import KvvizError
 from ...execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings, has_cache
-from ..greedy.run import first_divergence
+from ...metrics import first_divergence
 from ...inputs import encode, token_texts
 from ...loading import LoadedModel
-from ...verdict import classify
+from ...verdict import Prove, Verdict, classify
 
 Progress = Callable[[float, str], None]
 REFERENCE = "fresh"
@@ -125,7 +125,7 @@ def check_inputs(lm: LoadedModel, prefix: str, continuations: list[str], max_new
 
 def run_reuse(lm: LoadedModel, prefix: str, continuations: list[str], max_new_tokens: int = 12,
               progress: Progress | None = None, settings: ExecSettings | None = None,
-              prove: bool | None = None, ways: tuple[str, ...] = tuple(REUSE_STRATEGIES)) -> ReuseResult:
+              prove: Prove = None, ways: tuple[str, ...] = tuple(REUSE_STRATEGIES)) -> ReuseResult:
     """A shared prefix cached once and reused for several continuations, three ways, against a fresh prefill.
     prove: rerun in invariant mode and mark each way `proved` (bit for bit the fresh run there) - by default when a
     way is "precision". ways: a subset of fresh/deepcopy/reused to run (fresh, the reference, always runs)."""
@@ -160,7 +160,8 @@ def run_reuse(lm: LoadedModel, prefix: str, continuations: list[str], max_new_to
             runs.append(row | {"first_divergence": div, "logits_relative": rel, "logits_max_abs": gap,
                                "float64_relative": rel64,
                                "verdict": classify(same, rel64), "proved": None})
-    if not settings.invariant and (prove if prove is not None else any(r["verdict"] == "precision" for r in runs)):
+    if not settings.invariant and (prove if prove is not None
+                                   else any(r["verdict"] == Verdict.PRECISION for r in runs)):
         progress(0.9, "Rerunning in invariant mode for the proof…")
         inv = _reuse_runs(lm, settings.with_(invariant=True, compile="off"), prefix_ids, cont_ids, max_new_tokens,
                           ways)

@@ -3,9 +3,10 @@ per prompt, where and why they part.
 
 This folder is the whole view: run.py (config, run, result), figures.py, report.py (reopen, verdict), repro.py, cli.py.
 Registered by one line in kvviz/views/__init__.py."""
-from .. import Page, View
+from .. import MemoryProfile, Page, View
 from .run import ServeConfig, ServeResult, run_serving
 
 VIEW = View("serving", "Serving", "ServeResult", "report:reopen", "figures:main", "report:verdict",
             tables="figures:tables", repro="repro", cli="cli", command="serve-study",
-            page=Page("serving", "Engine", ":material/dns:"))
+            page=Page("serving", "Engine", ":material/dns:", prefix="sv_"),
+            memory=MemoryProfile())

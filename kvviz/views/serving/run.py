@@ -30,10 +30,12 @@ from typing import Callable
 
 from .engines import ENGINES, MIN_PAGE, Request, check_engine, engine_status, make_engine
 from ...errors import KvvizError
+from ...metrics import first_divergence
 from ...execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings
 from ...inputs import build_inputs, encode
 from ...loading import LoadedModel
 from ..split.run import classify
+from ...verdict import Prove, Verdict
 
 CONDITIONS = ("alone", "batch", "warm")
 WORKER_ENGINES = ("vllm", "llama.cpp")  # engines judged against the float64 reference by their log-probs
@@ -313,7 +315,7 @@ def _engine_run(engine, ex: Executor, reqs, per_batch, sharing, seq):
 
 def run_serving(lm: LoadedModel, cfg: ServeConfig, progress: Progress | None = None,
                 settings: ExecSettings | None = None, reference: LoadedModel | None = None,
-                prove: bool = True) -> ServeResult:
+                prove: Prove = True) -> ServeResult:
     """Run the study (see the module docstring). settings: how the model runs (invariant mode included); reference:
     the float64 model for the verdicts (lm.reference() when needed); prove: rerun parting conditions in invariant
     mode (not needed when the study already runs in it)."""
@@ -397,7 +399,7 @@ def _study(lm, cfg, engine, settings, reference, prove, progress, t_start) -> Se
         best = None
         for c in cfg.conditions:
             for r, x in enumerate(comp[c]):
-                d = _first_divergence(ref, x)
+                d = first_divergence(ref, x)
                 if d is not None and (best is None or d < best[0]):
                     best = (d, c, r)
             if any(x != ref for x in comp[c]):
@@ -462,13 +464,6 @@ def engine_info(name: str, page_size: int) -> dict:
     return info
 
 
-def _first_divergence(a: list[int], b: list[int]) -> int | None:
-    for t, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return t
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
 def _explain(p: PromptResult, lm, lm64, ex64: Executor, engine, ids, n, plan, prefix_ids, cfg) -> None:
     """The first divergence replayed in float64 on the same tokens: the reference computation (a full forward)
     against the same engine condition (same neighbours or warmer) run on the float64 model."""
@@ -495,7 +490,7 @@ def _explain(p: PromptResult, lm, lm64, ex64: Executor, engine, ids, n, plan, pr
     head = (f"At step {t} run {p.run + 1} {CONDITION_LABELS[cond]} chose {p.run_token!r} where the reference chose "
             f"{p.reference_token!r}; the reference's top-2 margin there was {p.margin:.3g}"
             + (f" and the engine's {p.run_margin:.3g}" if p.run_margin is not None else "") + ".")
-    if p.verdict == "precision":
+    if p.verdict == Verdict.PRECISION:
         p.explanation = head + (f" Replayed in float64 on the same tokens, the engine ({cond}) and the full forward "
                                 f"agree to {gap64:.2g} (relative): rounding, not a bug.")
     else:
@@ -517,10 +512,10 @@ def _prove(p: PromptResult, lm, exi: Executor, engine, texts, ids, n, plan, pref
         p.proof = (f"Precision — proved: in invariant mode {CONDITION_LABELS[cond]} (the same neighbours/warmer) and "
                    f"the reference choose the same {steps} tokens.")
     else:
-        d = _first_divergence(ref_i, got)
+        d = first_divergence(ref_i, got)
         parts = (f"in invariant mode {CONDITION_LABELS[cond]} still parts from the reference"
                  + (f" at step {d}" if d is not None else ""))
-        if p.verdict == "precision":
+        if p.verdict == Verdict.PRECISION:
             # the proof failed: "rounding, not a bug" must not stand beside it (kvviz.verdict's rule)
             p.explanation = p.explanation.replace(": rounding, not a bug.", ": rounding by the numbers, but unproved.")
             p.proof = (f"Precision, unproved: {parts}, so reduction order alone does not explain it and it is not "

@@ -27,7 +27,8 @@ from ...memory import REFERENCE_LOGITS_BYTES  # float64 full-forward logits over
 from ...metrics import HIDDEN_METRICS as HIDDEN_METRIC_LABELS
 from ...metrics import describe_table, logits_divergence, logits_rows, tensor_diff
 from ...streaming import HeldRows, LayerGaps
-from ...verdict import amplification, classify, layers_prefix, precision_sentence  # noqa: F401
+from ...verdict import (Finding, Prove, Verdict, amplification, classify, layers_prefix,  # noqa: F401
+                       precision_sentence)
 
 MODES = ("chunk", "step")
 
@@ -421,7 +422,7 @@ def _likely_cause(cfg: SplitConfig, comp: Comparison) -> str:
 
 
 def verdict_for(cfg: SplitConfig, main: Comparison, f64: Comparison | None, proved: bool | None = None,
-                inv: Comparison | None = None, first: str | None = None, prefix: str = "model.layers"
+                inv: Comparison | None = None, first: Finding | None = None, prefix: str = "model.layers"
                 ) -> tuple[str, str]:
     """The verdict and its explanation; a precision explanation carries its proof state (kvviz.verdict): proved,
     not run, or unproved with the invariant gap and the bisector's first finding - never "rounding, not a bug"
@@ -433,19 +434,19 @@ def verdict_for(cfg: SplitConfig, main: Comparison, f64: Comparison | None, prov
     assert main.identical or f64 is not None, "a gap needs its float64 rerun"
     gap64 = f64.max_relative if f64 is not None else 0.0
     verdict = classify(main.identical, gap64)
-    if verdict == "identical":
+    if verdict == Verdict.IDENTICAL:
         return "identical", ("Identical, bit for bit: with this prompt and split the cached run computes exactly what "
                              "the full forward computes.")
     gap = main.max_relative
     eps = machine_eps(getattr(torch, main.dtype))
     sentence = precision_sentence(gap64, proved, inv.max_abs if inv is not None else None, first, main.max_abs)
     if main.dtype == "float64":
-        if verdict == "precision":
+        if verdict == Verdict.PRECISION:
             return "precision", (f"This run is float64, kvviz's reference precision: the gap is {gap:.3g} of the "
                                  f"value's size ({gap / eps:.3g}× its epsilon). {sentence}")
         return "logic", (f"Logic, not rounding: even in float64 (kvviz's reference precision) the gap is {gap:.3g} "
                          f"of the value's size. Likely cause: {_likely_cause(cfg, main)}.")
-    if verdict == "precision":
+    if verdict == Verdict.PRECISION:
         amp = amplification([float(v) for v in main.hidden["relative"].max(axis=1)], prefix)
         return "precision", (
             f"In {main.dtype} the cached run multiplies matrices of other shapes, so numbers are added in another "
@@ -473,37 +474,41 @@ def proof_line(verdict: str, main: Comparison, inv: Comparison, settings: ExecSe
                 "keys it sees" + (", and the gap is exactly 0." if main.identical else
                                   f"; a gap of {main.max_abs:.3g} survives, so it is not reduction order."))
     if inv.identical:
-        if verdict == "precision":
+        if verdict == Verdict.PRECISION:
             return (f"Precision — proved: in invariant mode (each row computed by the same kernel in the same order "
                     f"whatever the shape) the gap is exactly 0, against a largest absolute gap of {main.max_abs:.3g} "
                     f"(hidden-state units) in the normal run; "
                     f"reduction order alone made it.")
         return "In invariant mode the gap is exactly 0 as well."
     return (f"In invariant mode a gap of {inv.max_abs:.3g} survives (normal run: {main.max_abs:.3g}): not reduction "
-            f"order alone" + (" — logic." if verdict == "logic" else " — the precision verdict is unproved."))
+            f"order alone" + (" — logic." if verdict == Verdict.LOGIC else " — the precision verdict is unproved."))
 
 
-_BISECTOR: list[Callable] = []  # kvviz.views.bisect.run registers run_bisect here (split never imports the bisector back)
+_bisector: Callable | None = None  # kvviz.views.bisect.run.run_bisect, registered by kvviz/__init__.py
 
 
-def register_bisector(run_bisect: Callable) -> None:
-    _BISECTOR[:] = [run_bisect]
+def register_bisector(run_bisect: Callable | None) -> None:
+    """Give a failed proof's explanation the bisector (kvviz/__init__.py registers it; split never imports the
+    bisector, which imports split). None: no bisector."""
+    global _bisector
+    _bisector = run_bisect
 
 
-def _bisect_first(lm: LoadedModel, cfg: SplitConfig, settings: ExecSettings) -> str | None:
-    """What the bisector finds first for this scenario (a failed proof's explanation names it); None if it fails."""
-    if not _BISECTOR:
+def _bisect_first(lm: LoadedModel, cfg: SplitConfig, settings: ExecSettings) -> Finding | None:
+    """What the bisector finds first for this scenario, typed (a failed proof's explanation names it); None if
+    nothing differs at module level, no bisector is registered, or it fails."""
+    if _bisector is None:
         return None
     try:
-        res = _BISECTOR[0](lm, cfg, settings)
+        res = _bisector(lm, cfg, settings)
     except Exception:  # noqa: BLE001 - an explanation aid only
         return None
-    return res.explanation.removeprefix("The first difference is in ").split(". Everything")[0] if res.first else None
+    return res.finding()
 
 
 def run_split(lm: LoadedModel, cfg: SplitConfig, progress: Progress | None = None,
               reference: LoadedModel | None = None, float64_comparison: Comparison | None = None,
-              settings: ExecSettings | None = None, prove: bool | None = None) -> SplitResult:
+              settings: ExecSettings | None = None, prove: Prove = None) -> SplitResult:
     """Compare the full forward with the cached path for `cfg`; rerun in float64 for the verdict if needed.
 
     reference: the float64 model to use for the verdict (lm.reference() when not given);
@@ -530,24 +535,24 @@ def run_split(lm: LoadedModel, cfg: SplitConfig, progress: Progress | None = Non
             f64 = _run(ref_lm, cfg, build_inputs(ref_lm, cfg.prompt, cfg.left_pad),
                        lambda f, m: progress(0.7 + 0.3 * f, f"float64: {m}"), settings.with_(compile="off"))
     verdict, explanation = verdict_for(cfg, main, f64, prefix=layers_prefix(lm.model))
-    if settings.lossy and verdict in ("precision", "logic") and not np.isfinite(main.max_abs):
+    if settings.lossy and verdict in (Verdict.PRECISION, Verdict.LOGIC) and not np.isfinite(main.max_abs):
         verdict, explanation = "lossy", (
             f"Lossy, and worse: with the {settings.cache} cache the cached run produced non-finite values (NaN or "
             f"inf) on {main.device}, so the quantized cache does not work for this model and device.")
-    elif settings.lossy and verdict in ("precision", "logic"):
+    elif settings.lossy and verdict in (Verdict.PRECISION, Verdict.LOGIC):
         verdict, explanation = "lossy", (
             f"Lossy by design: the {settings.cache} cache stores keys and values quantized, so the cached run differs "
             f"from the full forward by up to {main.max_abs:.3g} (max KL {float(main.logits['kl'].max()):.3g}, next "
             f"token agrees at {int(main.logits['argmax_agree'].sum())}/{len(main.logits['argmax_agree'])} "
             f"positions). Not rounding of the usual kind and not a logic error: measure whether it matters.")
     inv, proof = None, None
-    if main.has_cache and (settings.invariant or (prove if prove is not None else verdict == "precision")):
+    if main.has_cache and (settings.invariant or (prove if prove is not None else verdict == Verdict.PRECISION)):
         inv = main if settings.invariant else None
         if inv is None:
             progress(0.95, "Rerunning in invariant mode for the proof…")
             inv = _run(lm, cfg, inp, lambda f, m: None, settings.with_(invariant=True, compile="off"))
         proof = proof_line(verdict, main, inv, settings)
-        if verdict == "precision" and not settings.lossy:
+        if verdict == Verdict.PRECISION and not settings.lossy:
             proved = inv.identical
             first = None
             if not proved:

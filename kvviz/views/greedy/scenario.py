@@ -1,0 +1,15 @@
+"""A one-click scenario of the Greedy paths page, run ahead (kvviz.meeting)."""
+from __future__ import annotations
+
+
+def run(preset, device: str = "cpu", progress=None):
+    from ...execution import ExecSettings
+    from ...loading import load_model
+
+    from .run import DEFAULT_PATHS, GreedyConfig, run_greedy
+
+    c = preset.controls
+    lm = load_model(preset.model, preset.dtype, device)
+    cfg = GreedyConfig(prompt=c.get("greedy_prompt", "This is a "), max_new_tokens=int(c.get("greedy_n", 24)),
+                       paths=tuple(c.get("greedy_paths", DEFAULT_PATHS)))
+    return run_greedy(lm, cfg, progress=progress, settings=ExecSettings(invariant=preset.invariant))

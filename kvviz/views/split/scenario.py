@@ -1,0 +1,20 @@
+"""A one-click scenario of the Split point page, run ahead (kvviz.meeting): the page's controls from the preset,
+its defaults for the rest."""
+from __future__ import annotations
+
+
+def run(preset, device: str = "cpu", progress=None):
+    from ...execution import ExecSettings
+    from ...inputs import encode
+    from ...loading import load_model
+
+    from .run import SplitConfig, run_split
+
+    c = preset.controls
+    lm = load_model(preset.model, preset.dtype, device)
+    prompt = c.get("split_prompt", "The capital of France is Paris, and the capital of Italy is")
+    n = len(encode(lm, prompt))
+    cfg = SplitConfig(prompt=prompt, split=int(c.get("split_k", min(max(1, n // 2), n - 1))),
+                      mode=c.get("split_mode", "chunk"), left_pad=int(c.get("split_pad", 0)),
+                      position_ids=c.get("split_pos", "auto"), attention_mask=c.get("split_mask", "full"))
+    return run_split(lm, cfg, progress=progress, settings=ExecSettings(invariant=preset.invariant))

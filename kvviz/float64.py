@@ -109,8 +109,9 @@ def keep_float64(model) -> None:
     if getattr(model.forward, "_kvviz_float64", False):
         return
     # parameters a model file creates in float32 on purpose (e.g. a norm built with dtype=torch.float32) stay float32
-    # when the model loads in float64; their float32 casts are dropped below, so they must hold float64 too
-    for t in list(model.parameters()) + list(model.buffers()):
+    # when the model loads in float64; their float32 casts are dropped below, so they must hold float64 too. (Buffers
+    # such as rotary inv_freq are left as the model made them: the streamed reference reads them the same way.)
+    for t in model.parameters():
         if t.is_floating_point() and t.dtype != torch.float64:
             t.data = t.data.to(torch.float64)
     inner = model.forward

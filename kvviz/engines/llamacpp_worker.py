@@ -10,22 +10,13 @@ never imports kvviz, speaks JSON lines (the same protocol as vllm_worker.py):
   {"op": "stop"}
 Greedy: the argmax of the logits llama.cpp computed for the last token; log-probs are log_softmax of those logits.
 """
-import json
-import os
-import sys
 import time
 
-
-def _proto():
-    out = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    return out
+from worker_loop import serve  # beside this file (a worker runs without kvviz)
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"[:400]
+
+
 
 
 class Worker:
@@ -121,32 +112,7 @@ class Worker:
 
 
 def main():
-    proto = _proto()
-    w = Worker()
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        try:
-            msg = json.loads(line)
-            op = msg.get("op")
-            if op == "start":
-                reply = w.start(msg)
-            elif op == "generate":
-                reply = w.generate(msg)
-            elif op == "stop":
-                w.stop()
-                proto.write(json.dumps({"ok": True}) + "\n")
-                proto.flush()
-                break
-            elif op == "ping":
-                reply = {}
-            else:
-                raise ValueError(f"unknown op {op!r}")
-            proto.write(json.dumps({"ok": True, **reply}) + "\n")
-        except Exception as e:  # noqa: BLE001 - every failure is one line to kvviz
-            proto.write(json.dumps({"ok": False, "error": _first_line(e)}) + "\n")
-        proto.flush()
-    os._exit(0)
+    serve(Worker())
 
 
 if __name__ == "__main__":

@@ -14,22 +14,14 @@ on stdout (the real stdout is kept for the protocol; everything printed by vLLM 
   {"op": "stop"} -> {"ok": true} and the worker exits.
 A failure answers {"ok": false, "error": "one line"}. Greedy: temperature 0, ignore_eos, raw logprobs.
 """
-import json
 import os
-import sys
 import time
 
-
-def _proto():
-    out = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)  # vLLM's own prints go to stderr
-    sys.stdout = sys.stderr
-    return out
+from worker_loop import serve  # beside this file (a worker runs without kvviz)
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"[:400]
+
+
 
 
 class Worker:
@@ -101,32 +93,7 @@ class Worker:
 
 
 def main():
-    proto = _proto()
-    w = Worker()
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        try:
-            msg = json.loads(line)
-            op = msg.get("op")
-            if op == "start":
-                reply = w.start(msg)
-            elif op == "generate":
-                reply = w.generate(msg)
-            elif op == "stop":
-                proto.write(json.dumps({"ok": True, **w.stop()}) + "\n")
-                proto.flush()
-                break
-            elif op == "ping":
-                reply = {}
-            else:
-                raise ValueError(f"unknown op {op!r}")
-            proto.write(json.dumps({"ok": True, **reply}) + "\n")
-        except Exception as e:  # noqa: BLE001 - every failure is one line to kvviz
-            proto.write(json.dumps({"ok": False, "error": _first_line(e)}) + "\n")
-        proto.flush()
-    w.stop()
-    os._exit(0)  # vLLM's helper threads/processes must not keep the worker alive
+    serve(Worker())
 
 
 if __name__ == "__main__":  # vLLM spawns processes: the guard keeps them from running main()

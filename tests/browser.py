@@ -55,6 +55,21 @@ def streamlit_server(env_extra: dict | None = None):
         log.close()
 
 
+def app_server_fixture():
+    """A module-scoped `server` fixture: the app under `streamlit run`, yielding its URL; the test module fails if
+    the server logged an exception. Use: `server = app_server_fixture()` in a browser test module."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def server():
+        with streamlit_server() as (url, log):
+            yield url
+        text = log.read_text()
+        assert "Traceback" not in text, "the server logged an exception; see " + str(log)
+
+    return server
+
+
 @contextlib.contextmanager
 def browser():
     from playwright.sync_api import sync_playwright

@@ -1,17 +1,12 @@
 """Real browser: `streamlit run app.py`, headless Chromium via playwright; screenshots in test-artifacts/."""
 import pytest
 
-from browser import browser, no_exception, open_page, streamlit_server, wait_idle
+from browser import app_server_fixture, browser, no_exception, open_page, wait_idle
 
 pytestmark = pytest.mark.browser
 
 
-@pytest.fixture(scope="module")
-def server():
-    with streamlit_server() as (url, log):
-        yield url
-    text = log.read_text()
-    assert "Traceback" not in text, "the server logged an exception; see " + str(log)
+server = app_server_fixture()
 
 
 def test_split_page_draws_heatmap_with_default_model(server, artifacts):

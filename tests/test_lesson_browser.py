@@ -5,7 +5,7 @@ from urllib.parse import quote
 
 import pytest
 
-from browser import browser, no_exception, streamlit_server, wait_idle
+from browser import app_server_fixture, browser, no_exception, wait_idle
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -13,12 +13,7 @@ STEPS = ["1 · Floats", "2 · Sums", "3 · One row", "4 · One layer", "5 · All
          "7 · The referee", "8 · A bug"]
 
 
-@pytest.fixture(scope="module")
-def server():
-    with streamlit_server() as (url, log):
-        yield url
-    text = log.read_text()
-    assert "Traceback" not in text, "the server logged an exception; see " + str(log)
+server = app_server_fixture()
 
 
 @pytest.mark.parametrize("scheme, presenter", [("dark", True)])

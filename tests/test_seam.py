@@ -26,9 +26,9 @@ def test_settings_validate_and_describe_themselves():
     assert s.with_(invariant=False).is_default and s.to_dict()["invariant"] is True
 
 
-def test_every_scenario_runs_through_the_executor(monkeypatch):
-    """Every call of the model happens inside Executor.forward / Executor.generate: a forward pre-hook on the model
-    sees each call and fails the test if one bypasses the seam; the executor's calls are counted too."""
+def _count_executor_calls(monkeypatch):
+    """Executor.forward / Executor.generate wrapped: (the list each call's name is appended to, a list for calls seen
+    outside them, a thread-local whose `depth` is > 0 while the executor is calling the model)."""
     calls, bypass = [], []
     inside = threading.local()
 
@@ -44,6 +44,13 @@ def test_every_scenario_runs_through_the_executor(monkeypatch):
 
     monkeypatch.setattr(Executor, "forward", wrap(Executor.forward))
     monkeypatch.setattr(Executor, "generate", wrap(Executor.generate))
+    return calls, bypass, inside
+
+
+def test_every_scenario_runs_through_the_executor(monkeypatch):
+    """Every call of the model happens inside Executor.forward / Executor.generate: a forward pre-hook on the model
+    sees each call and fails the test if one bypasses the seam; the executor's calls are counted too."""
+    calls, bypass, inside = _count_executor_calls(monkeypatch)
     lm = kvviz.load_model("tiny:llama", "float32", DEVICE)
     lm64 = lm.reference()
 
@@ -267,21 +274,7 @@ def test_every_view_runs_through_the_executor(monkeypatch):
     spec = importlib.util.spec_from_file_location("pages_bench", Path(__file__).parents[1] / "bench" / "pages_bench.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    calls, bypass = [], []
-    inside = threading.local()
-
-    def wrap(real):
-        def wrapped(self, *a, **k):
-            calls.append(real.__name__)
-            inside.depth = getattr(inside, "depth", 0) + 1
-            try:
-                return real(self, *a, **k)
-            finally:
-                inside.depth -= 1
-        return wrapped
-
-    monkeypatch.setattr(Executor, "forward", wrap(Executor.forward))
-    monkeypatch.setattr(Executor, "generate", wrap(Executor.generate))
+    calls, bypass, inside = _count_executor_calls(monkeypatch)
 
     current = [""]
 

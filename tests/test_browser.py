@@ -23,7 +23,7 @@ def test_split_page_draws_heatmap_with_default_model(server, artifacts):
         page.screenshot(path=str(artifacts / "split-default-chunk.png"), full_page=True)
         # run another comparison: token by token (the controls are in the Settings expander)
         page.get_by_text("Settings: prompt and controls").click()
-        page.get_by_text("token by token").click()
+        page.get_by_text("token by token", exact=True).click()
         wait_idle(page)
         page.wait_for_selector(".js-plotly-plot", timeout=120_000)
         no_exception(page)
@@ -232,7 +232,7 @@ def test_a_copied_link_reopens_the_same_view_and_numbers(server, artifacts):
         page.wait_for_selector(".js-plotly-plot", timeout=240_000)
         wait_idle(page)
         page.get_by_text("Settings: prompt and controls").click()
-        page.get_by_text("token by token").click()
+        page.get_by_text("token by token", exact=True).click()
         wait_idle(page)
         page.get_by_role("button", name="Copy link").click()
         copied = page.locator('[data-testid="stPopover"] code, [data-testid="stPopoverBody"] code').first

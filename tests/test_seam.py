@@ -234,8 +234,10 @@ def test_no_decode_loop_outside_the_seam():
 
 
 # The seam itself (the executor and its one decode loop), and the serving engines: they drive engines that are not
-# kvviz's model calls (transformers' continuous batching, vLLM), each with its own scheduler loop.
-SEAM = {"execution.py", "loops.py", "views/serving/engines.py"}
+# kvviz's model calls (transformers' continuous batching; vLLM and llama.cpp in their worker processes, which answer
+# one request line after another), each with its own scheduler loop.
+SEAM = {"execution.py", "loops.py", "views/serving/engines.py", "engines/vllm_worker.py", "engines/llamacpp_worker.py",
+        "engines/worker_loop.py"}
 MODEL_METHODS = {"forward", "generate"}  # a model's (or the executor's) call by name
 CACHE_KEYWORDS = {"past_key_values", "cache_params", "use_cache"}  # a model call however it is spelled
 

@@ -34,7 +34,7 @@ from kvviz.views.serving.run import ServeConfig, load_prompt_set, plan_batches, 
 
 
 def _cb_config(per_batch: int, sharing: bool, longest: int, n_requests: int, page: int):
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from transformers import ContinuousBatchingConfig
 
     return ContinuousBatchingConfig(page_size=page, num_blocks=(-(-longest // page) + 1) * (n_requests + 2) + 8,
                                     max_batch_tokens=max(64, per_batch * longest), max_requests_per_batch=per_batch,

@@ -66,9 +66,9 @@ def table_version(rows: list[dict]) -> str:
 
 
 def model_types() -> list[str]:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from .compat import causal_lm_type_names
 
-    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    return causal_lm_type_names()
 
 
 class _Timeout(Exception):

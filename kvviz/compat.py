@@ -322,3 +322,54 @@ def fill_cache_layer(layer, keys, values, n_tokens: int) -> None:
     layer.keys, layer.values = keys, values
     if hasattr(layer, "cumulative_length"):
         layer.cumulative_length = n_tokens
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Other submodules kvviz reads (not the package's top-level API)
+
+def causal_lm_type_names() -> list[str]:
+    """Every model type transformers maps to a causal-LM class (`models.auto.modeling_auto`)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def gguf_utils():
+    """transformers' GGUF loading helpers (`modeling_gguf_pytorch_utils`) and whether an architecture has a
+    tensor processor (`integrations.gguf.utils.is_gguf_arch_supported`; False where this transformers lacks it)."""
+    from transformers import modeling_gguf_pytorch_utils as mg
+
+    try:
+        from transformers.integrations.gguf.utils import is_gguf_arch_supported
+    except ImportError:
+        def is_gguf_arch_supported(arch: str) -> bool:
+            return False
+    return mg, is_gguf_arch_supported
+
+
+def quiet_transformers(verbosity: bool = True) -> None:
+    """No per-tensor progress bars from transformers (kvviz reports its own progress); errors only, if asked."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    if verbosity:
+        hf_logging.set_verbosity_error()
+
+
+def byte_level_table() -> dict[str, int]:
+    """GPT-2 byte-level BPE's character -> byte table (`convert_slow_tokenizer.bytes_to_unicode`); {} without it."""
+    try:
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+    except ImportError:
+        return {}
+    return {v: k for k, v in bytes_to_unicode().items()}
+
+
+def continuous_batching_config_classes():
+    """(ContinuousBatchingConfig, WorkloadHints): the continuous-batching engine's configuration types."""
+    try:
+        from transformers import ContinuousBatchingConfig
+        from transformers.generation.continuous_batching.utils import WorkloadHints
+    except ImportError as e:
+        raise incompatible("the Serving study (continuous batching)", f"its configuration moved ({e})") from None
+    return ContinuousBatchingConfig, WorkloadHints

@@ -120,13 +120,9 @@ def stream_gguf(path: Path, folder: Path, config, progress: Progress, shard_byte
     `config` is the model config transformers reads from the GGUF's metadata. Raises NotStreamable where the
     result could differ from transformers' whole-model conversion. Returns a small summary."""
     from gguf import GGUFReader, dequantize
-    from transformers import modeling_gguf_pytorch_utils as mg
+    from .compat import gguf_utils
 
-    try:
-        from transformers.integrations.gguf.utils import is_gguf_arch_supported
-    except ImportError:  # older transformers: only the legacy loader exists
-        def is_gguf_arch_supported(arch: str) -> bool:
-            return False
+    mg, is_gguf_arch_supported = gguf_utils()
 
     reader = GGUFReader(str(path))
     arch = mg.read_field(reader, "general.architecture")[0]

@@ -597,10 +597,9 @@ def _dispatch_kwargs(place: Placement, dev: torch.device, key: tuple) -> dict:
 
 def _quiet_transformers() -> None:
     """kvviz reports its own progress; transformers' per-tensor bars would only clutter stderr."""
-    from transformers.utils import logging as hf_logging
+    from .compat import quiet_transformers
 
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
+    quiet_transformers()
 
 
 @contextlib.contextmanager

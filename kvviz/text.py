@@ -45,11 +45,9 @@ def display_text(tokenizer, ids: list[int]) -> str:
 
 
 def _byte_table() -> dict[str, int]:
-    try:
-        from transformers.convert_slow_tokenizer import bytes_to_unicode
-    except ImportError:  # pragma: no cover - other transformers versions
-        return {}
-    return {v: k for k, v in bytes_to_unicode().items()}
+    from .compat import byte_level_table
+
+    return byte_level_table()
 
 
 def _bytes_piece(tokenizer, token_id: int, piece: str) -> str:

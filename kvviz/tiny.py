@@ -181,9 +181,9 @@ def build_tiny(arch: str, folder: Path) -> Path:
     folder = Path(folder)
     if (folder / "kvviz-tiny.json").exists():
         return folder
-    from transformers.utils import logging as hf_logging
+    from .compat import quiet_transformers
 
-    hf_logging.disable_progress_bar()
+    quiet_transformers(verbosity=False)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{arch}-", dir=folder.parent))
     try:

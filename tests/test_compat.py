@@ -192,6 +192,7 @@ INTERNALS = [
     r"_run_generation_loop", r"_create_batch_processor", r"_active_collector", r"\boutput_capturing\b",
     r"\bconversion_mapping\b", r"\bcore_model_loading\b", r"search_prefix_match", r"background_thread_status",
     r"output_router", r"requests_in_batch", r"\._sample\b", r"lazy_initialization", r"cumulative_length",
+    r"^\s*(from|import) transformers\.",  # a submodule, not the package's top-level API
 ]
 
 

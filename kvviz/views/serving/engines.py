@@ -151,8 +151,7 @@ class TransformersEngine:
         every earlier request has finished (a warmer and its target), so their batches are exactly planned. invariant:
         nothing to set here - invariant mode reaches the engine's thread as the caller's torch function modes."""
         from transformers import GenerationConfig
-        from transformers.generation.configuration_utils import ContinuousBatchingConfig
-        from transformers.generation.continuous_batching.utils import WorkloadHints
+        ContinuousBatchingConfig, WorkloadHints = compat.continuous_batching_config_classes()
 
         if not requests:
             return EngineRun({}, 0.0, 0)

@@ -7,7 +7,7 @@ from .run import encode
 
 TEMPLATE = '''
 from transformers import GenerationConfig
-from transformers.generation.configuration_utils import ContinuousBatchingConfig
+from transformers import ContinuousBatchingConfig
 
 DTYPE = torch.{dtype}
 PROMPTS = {ids!r}  # token ids of {source!r} (shared prefix included)

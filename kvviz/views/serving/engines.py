@@ -41,7 +41,8 @@ ENGINE_TOGGLES = {
     "vllm": ("enable_prefix_caching on/off", "VLLM_BATCH_INVARIANT on/off", "tensor_parallel_size (Ray for several "
              "nodes, as vLLM documents)"),
     "llama.cpp": ("the context emptied before a prompt (cache_prompt=false) or its common prefix reused "
-                  "(prompt cache / slot reuse)", "one sequence per context (no batch condition)"),
+                  "(prompt cache / slot reuse)", "batch neighbours: k sequences in one context with a unified KV buffer "
+                  "(parallel slots), one llama_batch per step"),
 }
 MIN_PAGE = 4
 _TIMEOUT_S = 600.0

@@ -97,10 +97,6 @@ class ServeConfig:
                              "batching runs the model on one device)")
         if not isinstance(self.shared_prefix, str):
             raise KvvizError("the shared prefix must be text")
-        if self.engine == "llama.cpp" and "batch" in conds:
-            from .engine_workers import BATCH_REFUSED
-
-            raise KvvizError(BATCH_REFUSED["llama.cpp"])
 
 
 @dataclass(frozen=True)

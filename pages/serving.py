@@ -31,7 +31,9 @@ with controls():
     batch = c4.number_input("Batch size k", 2, 16, SV["batch"], key="sv_batch")
     c1, c2, c3 = st.columns(3)
     engine = c1.selectbox("Engine", ENGINES, key="sv_engine")
-    page_size = c2.number_input("Page size (tokens)", 4, 256, 8, key="sv_page")
+    pages = engine == "transformers"  # vLLM's blocks and llama.cpp's cache are not kvviz's to set
+    page_size = c2.number_input("Page size (tokens)", 4, 256, 8, key="sv_page", disabled=not pages,
+                                help=None if pages else "transformers' continuous batching only")
     seed = c3.number_input("Seed of the batch draws", 0, 10_000, 0, key="sv_seed")
     why = engine_status(engine)
     if why:
@@ -40,7 +42,7 @@ with controls():
 
 cfg = serving.ServeConfig(prompts=list(prompts), shared_prefix=prefix, conditions=tuple(conditions), runs=int(runs),
                           max_new_tokens=int(new_tokens), batch_size=int(batch), seed=int(seed), engine=engine,
-                          page_size=int(page_size), prompt_source=source)
+                          page_size=int(page_size) if pages else None, prompt_source=source)
 
 
 def compute():
@@ -53,7 +55,7 @@ try:
     cfg.validate()
     res = run_cached("serving", {"model": choice.key, "prompts": prompts, "prefix": prefix, "conditions": conditions,
                                  "runs": int(runs), "tokens": int(new_tokens), "batch": int(batch), "engine": engine,
-                                 "page": int(page_size), "seed": int(seed)}, compute)
+                                 "page": int(page_size) if pages else None, "seed": int(seed)}, compute)
 except Exception as e:  # noqa: BLE001
     show_error(e)
     st.stop()

@@ -145,6 +145,8 @@ def test_bad_config_one_line(no_engine_envs):
                      (ServeConfig(prompts=["a"], batch_size=1), "batch size must be"),
                      (ServeConfig(prompts=["a"], conditions=("hot",)), "unknown condition 'hot'"),
                      (ServeConfig(prompts=["a"], page_size=2), "page size"),
+                     (ServeConfig(prompts=["a"], engine="vllm", page_size=16), "setting of transformers' continuous"),
+                     (ServeConfig(prompts=["a"], engine="llama.cpp", page_size=8), "llama.cpp has no pages"),
                      (ServeConfig(prompts=["a"], engine="vllm"), "vLLM is not installed here: .*make engines"),
                      (ServeConfig(prompts=["a"], engine="llama.cpp", conditions=("alone",)),
                       "llama.cpp is not installed here: .*make engines"),
@@ -212,9 +214,11 @@ def test_serving_page_runs_and_reopens(no_engine_envs):
     assert not at.exception, at.exception
     assert len(at.get("plotly_chart")) >= 2 and len(at.dataframe) == 1
     res = next(iter(at.session_state["_results_serving"].values()))
-    assert len(res.prompts) == 3 and res.settings.runs == 1
+    assert len(res.prompts) == 3 and res.settings.runs == 1 and res.settings.page_size == 8
+    assert not at.number_input(key="sv_page").disabled
     at.selectbox(key="sv_engine").set_value("vllm").run()
     assert not at.exception and any("vLLM is not installed" in e.value for e in at.info)
+    assert at.number_input(key="sv_page").disabled  # vLLM's blocks are not kvviz's page size
 
 
 @pytest.mark.app

@@ -22,7 +22,8 @@ def add_parser(sub) -> None:
     vp.add_argument("--seed", type=int, default=0, help="seed of the batch draws")
     vp.add_argument("--engine", default="transformers", choices=("transformers", "vllm", "llama.cpp"),
                     help="transformers (in kvviz), vllm or llama.cpp (their own environments: `make engines`)")
-    vp.add_argument("--page-size", type=int, default=8, help="tokens per cache page (prefix sharing is per page)")
+    vp.add_argument("--page-size", type=int, default=None,
+                    help="tokens per cache page (prefix sharing is per page; transformers engine only, default 8)")
     vp.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="GPUs one vLLM engine spreads the model over (the vLLM engine only; refused otherwise)")
     repro_arg(vp)

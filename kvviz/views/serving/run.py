@@ -48,6 +48,9 @@ CONDITION_LABELS = {
 MAX_RUNS = 1000
 MAX_NEW_TOKENS = 256
 MAX_BATCH = 64
+DEFAULT_PAGE = 8
+PAGE_REFUSED = ("the page size is a setting of transformers' continuous batching: vLLM runs its prefix cache in blocks "
+                "of 32 tokens here and llama.cpp has no pages; leave the page size out for this engine")
 DEFAULT_LIMIT = 20
 # The warmer decodes 2 tokens: transformers' engine registers a request's full pages for sharing after a step only
 # while the request is still running, so a 1-token request (finished by its prefill) would leave nothing cached.
@@ -66,7 +69,7 @@ class ServeConfig:
     batch_size: int = 4
     seed: int = 0
     engine: str = "transformers"
-    page_size: int = 8
+    page_size: int | None = None  # transformers' continuous batching only (None: DEFAULT_PAGE there)
     prompt_source: str = ""
     tensor_parallel_size: int = 1  # the vLLM engine only
 
@@ -78,8 +81,6 @@ class ServeConfig:
                                 ("batch size", self.batch_size, 2, MAX_BATCH)):
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 raise KvvizError(f"{name} must be a whole number from {lo} to {hi}, not {v!r}")
-        if isinstance(self.page_size, bool) or not isinstance(self.page_size, int) or self.page_size < MIN_PAGE:
-            raise KvvizError(f"the page size must be a whole number, {MIN_PAGE} or more, not {self.page_size!r}")
         conds = tuple(dict.fromkeys(self.conditions))
         bad = [c for c in conds if c not in CONDITIONS]
         if bad:
@@ -92,6 +93,13 @@ class ServeConfig:
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise KvvizError(f"tensor_parallel_size must be a whole number, 1 or more, not {tp!r}")
+        if self.page_size is None:
+            self.page_size = DEFAULT_PAGE if self.engine == "transformers" else None
+        elif self.engine != "transformers":
+            raise KvvizError(PAGE_REFUSED)
+        if self.page_size is not None and (isinstance(self.page_size, bool) or not isinstance(self.page_size, int)
+                                           or self.page_size < MIN_PAGE):
+            raise KvvizError(f"the page size must be a whole number, {MIN_PAGE} or more, not {self.page_size!r}")
         if tp != 1 and self.engine != "vllm":
             raise KvvizError("tensor_parallel_size applies to the vLLM engine only (transformers' continuous "
                              "batching runs the model on one device)")
@@ -109,7 +117,7 @@ class ServeSettings(RunSettings):
     batch_size: int = 0
     seed: int = 0
     engine: str = "transformers"
-    page_size: int = 8
+    page_size: int | None = DEFAULT_PAGE  # None: an engine without pages set by kvviz (vLLM, llama.cpp)
     tensor_parallel_size: int = 1
 
 
@@ -537,7 +545,8 @@ def summary_text(res: ServeResult) -> str:
     """The study as text (CLI, `open`)."""
     s = res.settings
     lines = [f"model: {res.model.get('description', s.model)}",
-             f"{s.dtype} on {s.device}, engine {s.engine} (page size {s.page_size}), {len(res.prompts)} prompts × "
+             f"{s.dtype} on {s.device}, engine {s.engine}" + (f" (page size {s.page_size})" if s.page_size else "")
+             + f", {len(res.prompts)} prompts × "
              f"{{{', '.join(s.conditions)}}} × {s.runs} runs, {s.max_new_tokens} new tokens, batch of {s.batch_size}"
              + (", INVARIANT MODE" if s.execution.invariant else "")
              + (f", shared prefix {s.shared_prefix!r}" if s.shared_prefix else ""), "",

@@ -15,7 +15,7 @@ def add_parser(sub) -> None:
     vp.add_argument("--limit", type=int, default=20, help="at most this many prompts (default 20)")
     vp.add_argument("--prefix", default="", help="a shared prefix put before every prompt (warmed for 'warm')")
     vp.add_argument("--conditions", default=None,
-                    help="comma-separated: alone,batch,warm (default all three; alone,warm for llama.cpp)")
+                    help="comma-separated: alone,batch,warm (default all three)")
     vp.add_argument("--runs", type=int, default=5, help="runs per condition (R)")
     vp.add_argument("--max-new-tokens", type=int, default=16)
     vp.add_argument("--batch-size", type=int, default=4, help="k: requests in flight in the batch condition")
@@ -36,7 +36,7 @@ def command(args) -> Outcome:
 
     check_engine(args.engine)  # one line where vLLM is asked for and absent, before anything loads
     prompts, source = load_prompt_set(args.prompts, args.prompt, args.limit)
-    conditions = args.conditions or ("alone,warm" if args.engine == "llama.cpp" else "alone,batch,warm")
+    conditions = args.conditions or "alone,batch,warm"
     cfg = ServeConfig(prompts=prompts, shared_prefix=args.prefix, conditions=split_list(conditions),
                       runs=args.runs, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
                       engine=args.engine, page_size=args.page_size, prompt_source=source,

@@ -156,6 +156,31 @@ def test_engine_verdict_rule():
     assert v == "logic" and "uniform" in why
 
 
+def test_engine_rounding_distance_is_measured_by_kvviz_in_the_engines_dtype():
+    """For a float format the rounding distance is 16x kvviz's own gap from float64 in that dtype (on the engine's
+    top tokens), not a fixed multiple of the unit round-off: a bfloat16 engine 0.15 nats from float64 where kvviz's
+    bfloat16 is 0.1 away is rounding; 2 nats away is logic (a fixed 2^10 · 2^-8 · S would have let 16 nats pass)."""
+    from kvviz.views.serving.engine_verdict import C_OWN, float_format, judge, path_distance, rounding_scale
+
+    assert float_format("bfloat16") == "bfloat16" and float_format("q8 activations x Q4_1 weights") is None
+    u = rounding_scale("bfloat16")
+    ref = torch.log_softmax(torch.tensor([[3.0, 2.0, 0.0, -1.0], [1.0, 0.9, -3.0, -4.0]], dtype=torch.float64), -1)
+    own = ref.clone()
+    own[:, 0] += 0.1  # kvviz's bfloat16 forward: 0.1 nats from float64 on a top token
+    order = [ref[t].argsort(descending=True).tolist() for t in range(2)]
+
+    def engine(shift):
+        top = [[(i, float(ref[t, i]) + (shift if i == order[t][1] else 0.0)) for i in order[t]] for t in range(2)]
+        return top, [s[0][1] for s in top]
+
+    near = path_distance(ref, *engine(0.15), u, own)
+    assert near["own"] == pytest.approx(0.1) and near["rounding"] == pytest.approx(C_OWN * 0.1)
+    assert judge({"a": near}, None, None, 0.0)[0] == "precision"
+    far = path_distance(ref, *engine(2.0), u, own)
+    assert far["distance"] == pytest.approx(2.0) and judge({"a": near, "b": far}, None, None, 0.0)[0] == "logic"
+    assert path_distance(ref, *engine(2.0), 2 ** 10 * 2.0 ** -8)["rounding"] > 2.0  # the fixed rule: too loose
+
+
 def test_worker_failure_is_one_line_and_the_worker_is_stopped(monkeypatch, tmp_path):
     """The JSON-lines protocol end to end without the engine: an 'environment' whose python is kvviz's own runs the
     real vllm_worker.py, which cannot import vllm - the study fails in one KvvizError line naming the worker's

@@ -6,12 +6,15 @@ dequantized) runs ONE teacher-forced full forward over prompt + completion; at e
 log-probs (the chosen token's included) are compared with the reference's log-probs of the same tokens. The
 path's distance is the largest gap (nats) over its steps and top-k tokens.
 
-Rounding distance: the most that the engine's arithmetic can move a log-prob, K · u · S, with u the unit
-round-off of the engine's compute (float32 2^-24, bfloat16 2^-8, float16 2^-11; llama.cpp's quantized GGUF
-kernels round activations to 8 bits: 2^-8), S the step's largest |reference log-prob| over those tokens (at least
-1), and K the growth over a model's layers and sums, calibrated on the default model (docs/engines.md): 2^10 for
-float formats (vLLM float32's largest distance was 0.14 of it), 2^7 for llama.cpp's quantized kernels (its
-largest 0.23 of it). A verdict per prompt where its paths part:
+Rounding distance, for an engine computing in a float format (vLLM float32, bfloat16, float16): measured, not
+assumed. kvviz runs the same teacher-forced forward in the engine's dtype (its own kernels, the same weights); that
+run's largest gap from float64 over the path's steps and the engine's top-k tokens is what this dtype's rounding does
+to this model on these tokens, and the rounding distance is C_OWN = 16 times it (an engine's kernels may round more
+than torch's: docs/engines.md has the measured ratios), never less than 2^4 · u · S (u the dtype's
+unit round-off, S the step's largest |reference log-prob|, at least 1). For llama.cpp's quantized kernels (8-bit
+activations, which kvviz does not run) it is K · u · S with u = 2^-8 and K = 2^7, calibrated on the default model
+(docs/engines.md: its largest distance was 0.23 of it).
+A verdict per prompt where its paths part:
   precision  every path within the rounding distance of the reference, and the reference's top-2 margin at the
              parting step within it too (a near tie that rounding can flip);
   logic      a path farther from the reference than rounding explains (uniform logits, a stale buffer, a wrong
@@ -22,38 +25,55 @@ from __future__ import annotations
 
 import torch
 
-K_GROWTH = {"float": 2 ** 10, "q8": 2 ** 7}
+K_GROWTH = {"float": 2 ** 4, "q8": 2 ** 7}
+C_OWN = 16
 UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11, "q8": 2.0 ** -8}
 
 
-def rounding_scale(engine_dtype: str) -> float:
-    """K · u: the rounding scale of the engine's arithmetic, per unit of log-prob magnitude."""
+def float_format(engine_dtype: str) -> str | None:
+    """The torch float format the engine computes in (kvviz can run the same), or None (llama.cpp's kernels)."""
     d = str(engine_dtype)
-    for k, u in UNIT_ROUNDOFF.items():
-        if d.startswith(k) and k != "q8":
-            return K_GROWTH["float"] * u
+    return next((k for k in UNIT_ROUNDOFF if k != "q8" and d.startswith(k)), None)
+
+
+def rounding_scale(engine_dtype: str) -> float:
+    """K · u per unit of log-prob magnitude: the floor of the rounding distance for a float format (where kvviz's
+    own run in that dtype sets it), the whole of it for llama.cpp's quantized kernels."""
+    k = float_format(engine_dtype)
+    if k is not None:
+        return K_GROWTH["float"] * UNIT_ROUNDOFF[k]
     return K_GROWTH["q8"] * UNIT_ROUNDOFF["q8"]  # a quantized GGUF on llama.cpp's kernels (8-bit activations)
 
 
 def reference_logprobs(ex64, prompt_ids: list[int], tokens: list[int]) -> torch.Tensor:
-    """[len(tokens), vocab] float64 log-probs: step t's distribution given prompt + tokens[:t] (one full forward)."""
+    """[len(tokens), vocab] float64 log-probs: step t's distribution given prompt + tokens[:t] (one full forward; with
+    an executor in another dtype, that dtype's forward, its log-probs taken in float64)."""
     ids = torch.tensor([list(prompt_ids) + list(tokens[:-1])], device=ex64.lm.device)
     with ex64.session():
         logits = ex64.forward(ids, use_cache=False, hidden=False).logits[0].double()
     return torch.log_softmax(logits[len(prompt_ids) - 1:], dim=-1).cpu()
 
 
-def path_distance(ref: torch.Tensor, top: list, chosen: list, u: float) -> dict:
+def own_gap(own: torch.Tensor, ref: torch.Tensor, top: list) -> float:
+    """kvviz's own run in the engine's dtype against float64, on the engine's top-k tokens of every step: the
+    largest gap (nats)."""
+    gaps = [abs(float(own[t, i]) - float(ref[t, i])) for t, step in enumerate(top[: ref.shape[0]]) for i, _ in step]
+    return max(gaps, default=0.0)
+
+
+def path_distance(ref: torch.Tensor, top: list, chosen: list, u: float, own: torch.Tensor | None = None) -> dict:
     """The engine path against the reference on the same tokens: the largest log-prob gap, the step where it is, the
     rounding distance there, whether the engine's chosen token was its own top-ranked one, and whether its top-k
-    log-probs are (nearly) uniform."""
+    log-probs are (nearly) uniform. own: kvviz's log-probs in the engine's dtype on the same tokens (a float
+    format): the rounding distance is C_OWN times its gap from float64, at least u · S."""
     worst, at, tol_at, chose_top, uniform = 0.0, None, None, True, False
     tols = []
+    measured = None if own is None else C_OWN * own_gap(own, ref, top)
     for t, step in enumerate(top[: ref.shape[0]]):
         if not step:
             continue
         s = max(1.0, max(abs(float(ref[t, i])) for i, _ in step))
-        tol = u * s
+        tol = u * s if measured is None else max(measured, u * s)
         tols.append(tol)
         gap = max(abs(v - float(ref[t, i])) for i, v in step)
         if gap / tol > (worst / tol_at if tol_at else -1):
@@ -63,7 +83,7 @@ def path_distance(ref: torch.Tensor, top: list, chosen: list, u: float) -> dict:
         if len(step) > 1 and step[0][1] - step[-1][1] < 1e-6:
             uniform = True
     return {"distance": worst, "step": at, "rounding": tol_at if tol_at is not None else (tols[0] if tols else 0.0),
-            "chose_top": chose_top, "uniform": uniform}
+            "chose_top": chose_top, "uniform": uniform, "own": None if measured is None else measured / C_OWN}
 
 
 def margin_at(ref: torch.Tensor, t: int) -> float:
@@ -107,6 +127,9 @@ def engine_verdicts(prompts, lm, lm64, settings, engine, ids, completions, logps
     ex64 = Executor(lm64, settings.with_(invariant=False))
     dtype = (engine.info().get("dtype") if hasattr(engine, "info") else None) or dtype_name(lm.dtype)
     u = rounding_scale(dtype)
+    # the engine's float format, run by kvviz on the same weights: its gap from float64 measures the rounding
+    ex_own = (Executor(lm, settings.with_(invariant=False))
+              if float_format(dtype) is not None and float_format(dtype) == dtype_name(lm.dtype) else None)
     for p in prompts:
         i, paths, seen, refs = p.index, {}, set(), {}
         for cond, runs in completions.items():
@@ -120,12 +143,13 @@ def engine_verdicts(prompts, lm, lm64, settings, engine, ids, completions, logps
                 ref = refs.get(tuple(toks))
                 if ref is None:
                     ref = refs[tuple(toks)] = reference_logprobs(ex64, ids[i], toks)
-                paths[f"{cond} run {r + 1}"] = path_distance(ref, top, chosen, u)
+                own = None if ex_own is None else reference_logprobs(ex_own, ids[i], toks)
+                paths[f"{cond} run {r + 1}"] = path_distance(ref, top, chosen, u, own)
         if not paths:
             if p.first_divergence is not None:
                 p.verdict, p.explanation = None, "the engine returned no log-probs; no engine-vs-reference verdict"
             continue
-        p.engine_paths = {k: {kk: v[kk] for kk in ("distance", "step", "rounding", "chose_top", "uniform")}
+        p.engine_paths = {k: {kk: v[kk] for kk in ("distance", "step", "rounding", "chose_top", "uniform", "own")}
                           for k, v in paths.items()}
         p.float64_gap = max(v["distance"] for v in paths.values())
         t = p.first_divergence

@@ -573,6 +573,10 @@ def summary_text(res: ServeResult) -> str:
                 lines.append(f"  {CONDITION_LABELS[c]:<34} max {max(d for d, _ in ds):.3g}   rounding distance "
                              f"{min(r for _, r in ds):.2g}..{max(r for _, r in ds):.2g}   worst/rounding "
                              f"{worst[0] / worst[1] if worst[1] else float('inf'):.2f}")
+        owns = [v["own"] for p in judged for v in p.engine_paths.values() if v.get("own") is not None]
+        if owns:
+            lines.append(f"  (kvviz's own {res.settings.dtype} forward on the same tokens: max {max(owns):.3g} nats "
+                         f"from float64; the rounding distance is 16x that)")
     parting = [p for p in res.prompts if p.first_divergence is not None or p.verdict == "logic"]
     if parting:
         lines.append("")

@@ -170,6 +170,7 @@ def run_arch(model_type: str, workdir: Path, timeout: float | None = 120) -> Arc
     t0 = time.perf_counter()
     row = ArchRow(model_type, "cannot run")
     folder = Path(workdir) / model_type
+    lm = None
     try:
         with _time_limit(timeout):
             try:
@@ -216,11 +217,40 @@ def run_arch(model_type: str, workdir: Path, timeout: float | None = 120) -> Arc
             row.reason = f"{_CACHE_API[model_type]} ({_one_line(e)[:120]})"
         row.checks.append({"name": "traceback", "status": "note", "figure": None,
                            "evidence": traceback.format_exc(limit=-2)[-600:]})
+        if lm is not None and model_type not in _CACHE_API and cache_path_raises(lm):
+            row.status = "unsafe"
+            row.reason = ("the cache path raises where the same forward without a cache runs: "
+                          + _one_line(e)[:160])
+            row.checks.insert(0, {"name": "cache path runs", "status": "fail", "figure": None,
+                                  "evidence": row.reason})
+            row.proof = "n/a (the cached forward raises)"
     finally:
         row.seconds = round(time.perf_counter() - t0, 2)
         clear_cache()
         torch.set_num_threads(torch.get_num_threads())
     return row
+
+
+def cache_path_raises(lm) -> bool:
+    """A model whose cached forward raises while the same forward without a cache runs: the model cannot use its
+    cache (a logic failure of the model, proved by the two calls), not a failure of the sweep."""
+    import torch
+
+    from .execution import DEFAULT_SETTINGS, Executor
+
+    ex = Executor(lm, DEFAULT_SETTINGS)
+    ids = torch.arange(1, 9, device=lm.device).unsqueeze(0) % max(2, int(getattr(lm.config, "vocab_size", 2) or 2))
+    try:
+        with ex.session():
+            ex.forward(ids, use_cache=False, hidden=False)
+    except Exception:  # noqa: BLE001 - the model fails without a cache too: not the cache's doing
+        return False
+    try:
+        with ex.session():
+            ex.forward(ids, use_cache=True, hidden=False)
+    except Exception:  # noqa: BLE001
+        return True
+    return False
 
 
 def _recurrent_state(model) -> str | None:

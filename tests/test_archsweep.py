@@ -122,3 +122,15 @@ def test_the_committed_table_meets_the_issue():
             assert r.reason and "\n" not in r.reason and not r.reason.startswith(("timeout", "not reached")), r
     md = (ROOT / "docs" / "architectures.md").read_text()
     assert f"{t['run %']:g} %" in md
+
+
+def test_a_model_whose_cached_forward_raises_is_unsafe(tmp_path):
+    """A model that runs without its cache but raises with it cannot use the cache: the row is 'unsafe' with that
+    proof, not 'cannot run' (a sweep failure). dory on transformers 5.24: its looped sliding-window layer gets
+    more keys from the cache than its mask covers, already in the prefill."""
+    if "dory" not in archsweep.model_types():
+        pytest.skip("this transformers has no dory")
+    row = archsweep.run_arch("dory", tmp_path, timeout=None)
+    assert row.status == "unsafe", (row.status, row.reason)
+    assert row.reason.startswith("the cache path raises where the same forward without a cache runs")
+    assert row.checks[0]["name"] == "cache path runs" and row.checks[0]["status"] == "fail"

@@ -37,7 +37,8 @@ _SIZES = {
     "max_position_embeddings": 512, "n_positions": 512, "n_ctx": 512, "max_sequence_length": 512,
     "seq_length": 512, "max_seq_len": 512, "sliding_window": WINDOW, "attention_window": WINDOW,
     # vocabulary and special tokens
-    "vocab_size": VOCAB, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 1,
+    "vocab_size": VOCAB, "unpadded_vocab_size": VOCAB, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+    "decoder_start_token_id": 1,
     # state-space / recurrent
     "state_size": 8, "d_state": 8, "mamba_d_state": 8, "ssm_state_size": 8, "time_step_rank": 8,
     "mamba_n_heads": 4, "mamba_d_head": 32, "mamba_head_dim": 32, "n_groups": 1, "mamba_n_groups": 1,

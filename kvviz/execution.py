@@ -37,7 +37,7 @@ from .loops import StepPolicy
 
 class CacheKind(StrEnum):
     """The cache kinds of `ExecSettings.cache` (kvviz.backends registers their factories). A str: it compares and
-    exports as its word ("static"), so JSON results and old exports read the same."""
+    exports as its word ("static"), so JSON results read the same whenever they were written."""
     DYNAMIC = "dynamic"
     STATIC = "static"
     OFFLOADED = "offloaded"

@@ -1,4 +1,4 @@
-"""The engine study's overhead against the engine's own run (issue 27): the same greedy requests with top-5
+"""The engine study's overhead against the engine's own run: the same greedy requests with top-5
 log-probs, (a) as the study sends them - kvviz's adapter, the JSON-lines worker, one request per submission
 (alone) and the prefix cache emptied before each - timed in kvviz around each call, and (b) the engine's own time
 for the same calls, measured inside the worker around `llm.generate` / llama.cpp's eval loop. Goal: a/b <= 1.2.

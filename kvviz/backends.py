@@ -31,12 +31,13 @@ from typing import Callable
 import torch
 
 from .errors import KvvizError
-from .execution import (ExecSettings, register_cache_kind, register_compiler, register_run_context,
+from .execution import (CacheKind, ExecSettings, register_cache_kind, register_compiler, register_run_context,
                         register_settings_check)
 from .flags import SDPA_BACKENDS, precision_flags
 from .loading import LoadedModel
 
-CACHE_KINDS = ("dynamic", "static", "offloaded", "offloaded_static", "quantized")
+CACHE_KINDS = (CacheKind.DYNAMIC, CacheKind.STATIC, CacheKind.OFFLOADED, CacheKind.OFFLOADED_STATIC,
+               CacheKind.QUANTIZED)  # what the backends page offers
 COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")
 FLAGS = ("tf32", "no-bf16-reduced-reduction", "no-fp16-reduced-reduction", "deterministic")
 QUANT_BACKENDS = ("fp8", "quanto", "hqq")
@@ -105,16 +106,13 @@ def _quantized_factory(backend: str):
     return make
 
 
-register_cache_kind("static", _static)
-register_cache_kind("offloaded", _offloaded)
-register_cache_kind("offloaded_static", lambda lm, b, n: _static(lm, b, n, offloading=True))
-register_cache_kind("quantized", _quantized_factory("fp8"))
-for _b in QUANT_BACKENDS:
-    register_cache_kind(f"quantized:{_b}", _quantized_factory(_b))
-
-
-def is_lossy(cache_kind: str) -> bool:
-    return cache_kind.startswith("quantized")
+register_cache_kind(CacheKind.STATIC, _static)
+register_cache_kind(CacheKind.OFFLOADED, _offloaded)
+register_cache_kind(CacheKind.OFFLOADED_STATIC, lambda lm, b, n: _static(lm, b, n, offloading=True))
+register_cache_kind(CacheKind.QUANTIZED, _quantized_factory("fp8"))
+for _kind, _b in ((CacheKind.QUANTIZED_FP8, "fp8"), (CacheKind.QUANTIZED_QUANTO, "quanto"),
+                  (CacheKind.QUANTIZED_HQQ, "hqq")):
+    register_cache_kind(_kind, _quantized_factory(_b))
 
 
 # ------------------------------------------------------------------------------------------------------------------

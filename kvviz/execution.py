@@ -10,8 +10,8 @@ settings that change *how* a model runs are applied here, for the duration of a 
 * `ExecSettings.invariant` the invariant mode: ops whose result can depend on how many rows are computed together
                            are replaced by fixed-order ones.
 
-Extensions plug in without touching the scenarios: `register_cache_kind(name, factory)` adds a cache kind,
-`register_run_context(factory)` adds something entered around every run (precision flags, op overrides) and
+Extensions plug in without touching the scenarios: `register_cache_kind(kind, factory)` gives a `CacheKind` its
+factory, `register_run_context(factory)` adds something entered around every run (precision flags, op overrides) and
 `register_compiler(factory)` supplies compiled forwards. Whatever a run context changes it must restore on exit,
 also on error: `Executor.session()` enters them in an ExitStack.
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from dataclasses import dataclass, field, fields, replace
+from enum import StrEnum
 from typing import Callable, ContextManager, Iterator
 
 import torch
@@ -30,8 +31,31 @@ import torch
 from . import compat, loops
 from .errors import KvvizError
 from .loading import LoadedModel
+from .loops import StepPolicy
 
-DEFAULT_CACHE = "dynamic"
+
+
+class CacheKind(StrEnum):
+    """The cache kinds of `ExecSettings.cache` (kvviz.backends registers their factories). A str: it compares and
+    exports as its word ("static"), so JSON results read the same whenever they were written."""
+    DYNAMIC = "dynamic"
+    STATIC = "static"
+    OFFLOADED = "offloaded"
+    OFFLOADED_STATIC = "offloaded_static"
+    QUANTIZED = "quantized"  # transformers' fp8 backend
+    QUANTIZED_FP8 = "quantized:fp8"
+    QUANTIZED_QUANTO = "quantized:quanto"
+    QUANTIZED_HQQ = "quantized:hqq"
+
+    @property
+    def lossy(self) -> bool:
+        """A quantized cache changes the numbers by design: its gaps are "lossy", not precision or logic."""
+        return self in _LOSSY_CACHES
+
+
+_LOSSY_CACHES = frozenset({CacheKind.QUANTIZED, CacheKind.QUANTIZED_FP8, CacheKind.QUANTIZED_QUANTO,
+                           CacheKind.QUANTIZED_HQQ})
+DEFAULT_CACHE = CacheKind.DYNAMIC
 COMPILE_OFF = "off"
 
 Sink = Callable[[int, torch.Tensor], None]  # kvviz.streaming: gets each hidden state as a forward produces it
@@ -52,15 +76,15 @@ CacheFactory = Callable[[LoadedModel, int, int], object]  # (lm, batch size, max
 RunContextFactory = Callable[["ExecSettings", LoadedModel], "ContextManager | None"]
 CompilerFactory = Callable[[LoadedModel, str], Callable]  # (lm, mode) -> a callable with the model's signature
 
-_CACHE_KINDS: dict[str, CacheFactory | None] = {DEFAULT_CACHE: None}
+_CACHE_KINDS: dict[CacheKind, CacheFactory | None] = {DEFAULT_CACHE: None}
 _RUN_CONTEXTS: list[RunContextFactory] = []
 _COMPILER: list[CompilerFactory] = []
 _SETTINGS_CHECKS: list[Callable[["ExecSettings"], None]] = []
 
 
-def register_cache_kind(name: str, factory: CacheFactory) -> None:
-    """Add a cache kind: `factory(lm, batch, max_len)` returns a fresh cache object for one run."""
-    _CACHE_KINDS[name] = factory
+def register_cache_kind(kind: CacheKind, factory: CacheFactory) -> None:
+    """Give a cache kind its factory: `factory(lm, batch, max_len)` returns a fresh cache object for one run."""
+    _CACHE_KINDS[CacheKind(kind)] = factory
 
 
 def register_run_context(factory: RunContextFactory) -> None:
@@ -88,10 +112,14 @@ def register_settings_check(check: Callable[["ExecSettings"], None]) -> None:
 class ExecSettings:
     """How a model runs, beyond the model itself (which the LoadedModel fixes: weights, dtype, device, attention)."""
 
-    cache: str = DEFAULT_CACHE
+    cache: CacheKind = DEFAULT_CACHE
     compile: str = COMPILE_OFF
     flags: tuple[str, ...] = ()
     invariant: bool = False
+
+    def __post_init__(self) -> None:
+        if self.cache in CacheKind._value2member_map_:  # a word from JSON or a flag becomes its kind
+            object.__setattr__(self, "cache", CacheKind(self.cache))
 
     def validate(self) -> "ExecSettings":
         if self.cache not in _CACHE_KINDS:
@@ -108,7 +136,7 @@ class ExecSettings:
     @property
     def lossy(self) -> bool:
         """A quantized cache changes the numbers by design: its gaps are "lossy", not precision or logic."""
-        return self.cache.startswith("quantized")
+        return isinstance(self.cache, CacheKind) and self.cache.lossy
 
     @property
     def is_default(self) -> bool:
@@ -125,7 +153,8 @@ class ExecSettings:
         return ", ".join(parts)
 
     def to_dict(self) -> dict:
-        return {"cache": self.cache, "compile": self.compile, "flags": list(self.flags), "invariant": self.invariant}
+        return {"cache": str(self.cache), "compile": self.compile, "flags": list(self.flags),
+                "invariant": self.invariant}
 
 
 DEFAULT_SETTINGS = ExecSettings()
@@ -306,7 +335,7 @@ class Executor:
         yields (s, e, output) per forward, the grown cache carried from one forward to the next."""
         return loops.feed(self._caller(), ids, cache, one_by_one, mask_of, positions_of, hidden)
 
-    def decode(self, ids: torch.Tensor, mask: torch.Tensor | None, n: int, *, policy: str = "cache",
+    def decode(self, ids: torch.Tensor, mask: torch.Tensor | None, n: int, *, policy: StepPolicy = StepPolicy.CACHE,
                positions: torch.Tensor | None = None, step_positions: str | None = None, cache=None,
                forced: list[int] | None = None, hidden: bool = True, fresh_cache: bool = True,
                on_step: Callable[[int, torch.Tensor, torch.Tensor | None, int], None] | None = None,
@@ -317,16 +346,18 @@ class Executor:
         (no_cache_error, or a generic line)."""
         if policy not in loops.STEP_POLICIES:
             raise KvvizError(f"unknown step policy '{policy}'; choose one of {', '.join(loops.STEP_POLICIES)}")
+        policy = StepPolicy(policy)
 
         def prefilled(out) -> None:
-            if policy != "no_cache" and not has_cache(out):
+            if policy != StepPolicy.NO_CACHE and not has_cache(out):
                 raise KvvizError(no_cache_error or f"{self.lm.name} returns no cache (a bidirectional model): "
                                                    "past_key_values cannot be used")
 
         call = self._last_position_caller(fresh_cache)
         tokens, logits, hiddens, last = loops.decode(call, ids, mask, n, policy, positions, step_positions, cache,
                                                      forced, hidden, on_step, prefilled)
-        return Decoded(tokens, logits, hiddens, compat.output_cache(last) if policy != "no_cache" else None, last)
+        return Decoded(tokens, logits, hiddens, compat.output_cache(last) if policy != StepPolicy.NO_CACHE else None,
+                       last)
 
 
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from .environment import compare_environments, environment
 from .errors import KvvizError
-from .execution import ExecSettings
+from .execution import COMPILE_OFF, DEFAULT_CACHE, ExecSettings
 from .jsonout import dumps
 from .plotting import plain_index
 from . import views
@@ -86,7 +86,7 @@ def open_result(data: "str | bytes") -> OpenedResult:
 
 def exec_settings(d: dict | None) -> ExecSettings:
     d = d or {}
-    return ExecSettings(cache=d.get("cache", "dynamic"), compile=d.get("compile", "off"),
+    return ExecSettings(cache=d.get("cache", DEFAULT_CACHE), compile=d.get("compile", COMPILE_OFF),
                         flags=tuple(d.get("flags", ())), invariant=bool(d.get("invariant", False)))
 
 

@@ -5,14 +5,25 @@ Pure functions over a `call(ids, mask, positions, past, use_cache=..., hidden=..
 (kvviz.repro) embeds this module's source with its own `forward`, so a script's loop is the library's loop, not a
 copy of it. Keep this module to torch only (a repro script needs only torch and transformers).
 """
+from enum import StrEnum
+
 import torch
 
 from .compat import output_cache  # a repro script defines its own copy (kvviz.repro)
 
+
+class StepPolicy(StrEnum):
+    """How decode feeds each new token. A str: it compares and exports as its word ("no_cache")."""
+    NO_CACHE = "no_cache"
+    CACHE = "cache"
+    USER_LOOP = "user_loop"
+
+
 STEP_POLICIES = {
-    "no_cache": "a full forward over the sequence so far at every step (the reference)",
-    "cache": "prefill, then one token a step through the cache, the mask grown and the position ids given",
-    "user_loop": "prefill with the mask, then only the new token (no mask, no position ids), as people write it",
+    StepPolicy.NO_CACHE: "a full forward over the sequence so far at every step (the reference)",
+    StepPolicy.CACHE: "prefill, then one token a step through the cache, the mask grown and the position ids given",
+    StepPolicy.USER_LOOP: "prefill with the mask, then only the new token (no mask, no position ids), as people "
+                          "write it",
 }
 
 
@@ -29,7 +40,7 @@ def feed(call, ids, cache, one_by_one=False, mask_of=None, positions_of=None, hi
         yield s, e, out
 
 
-def decode(call, ids, mask, n, policy="cache", positions=None, step_positions=None, cache=None, forced=None,
+def decode(call, ids, mask, n, policy=StepPolicy.CACHE, positions=None, step_positions=None, cache=None, forced=None,
            hidden=True, on_step=None, on_prefill=None):
     """Greedy decoding of n tokens under a step policy (STEP_POLICIES). Every row takes its own argmax, or
     forced[t] (the same for every row) while forced tokens last. Returns (tokens, logits, hidden, last output):
@@ -39,8 +50,9 @@ def decode(call, ids, mask, n, policy="cache", positions=None, step_positions=No
     mask when positions is None) or "omit" (the default when positions is None)."""
     if policy not in STEP_POLICIES:
         raise ValueError(f"unknown step policy '{policy}'; choose one of {', '.join(STEP_POLICIES)}")
+    policy = StepPolicy(policy)
     step_positions = step_positions or ("auto" if positions is not None else "omit")
-    cached = policy != "no_cache"
+    cached = policy != StepPolicy.NO_CACHE
     out = call(ids, mask, positions, cache, use_cache=cached, hidden=hidden)
     if on_prefill is not None:
         on_prefill(out)
@@ -66,7 +78,7 @@ def decode(call, ids, mask, n, policy="cache", positions=None, step_positions=No
             on_step(t, row[0], h, tokens[-1])
         if t == n - 1:
             break
-        if mask is not None and policy != "user_loop":
+        if mask is not None and policy != StepPolicy.USER_LOOP:
             mask = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=mask.dtype, device=mask.device)], 1)
         if not cached:
             ids = torch.cat([ids, nxt], 1)
@@ -76,7 +88,7 @@ def decode(call, ids, mask, n, policy="cache", positions=None, step_positions=No
             continue
         if last is not None:
             last = last + 1
-        user = policy == "user_loop"
+        user = policy == StepPolicy.USER_LOOP
         out = call(nxt, None if user else mask, None if user else last, output_cache(out), use_cache=True,
                    hidden=hidden)
     return tokens, logits, hiddens, out

@@ -1,7 +1,7 @@
 """Hidden states reduced layer by layer, as a forward produces them.
 
-A comparison of two paths (a cached run against a full forward) used to ask both forwards for every layer's hidden
-states (`output_hidden_states=True`) and compute the gaps afterwards: every layer of both paths at once. Here the
+Asking both forwards of a comparison (a cached run against a full forward) for every layer's hidden states
+(`output_hidden_states=True`) and computing the gaps afterwards holds every layer of both paths at once. Here the
 path compared against a held one hands each hidden state to a *sink* the moment it exists, and the sink reduces it
 against the held path's same layer to the per-position metrics (kvviz.metrics.hidden_divergence), so only the
 metrics are kept: at most one path's hidden states exist (the held one, only the compared positions), plus the
@@ -193,9 +193,9 @@ class LayerGaps:
         self.track_equal, self.equal = equal, True
         # metric -> [n_hidden, n_positions] float64 on the CPU, allocated once at the first compared layer and
         # filled in place: a step-by-step run (hundreds of one-position forwards) then allocates nothing that
-        # outlives its forward. Small long-lived tensors made in the middle of each forward used to split the
+        # outlives its forward. Small long-lived tensors made in the middle of each forward would split the
         # freed blocks of the forward's large temporaries (the float64 reference's upcast weights), and glibc's
-        # heap grew by ~70 MB a step on a 270M model (5.2 GB instead of 2.8 for the card; docs/benchmarks.md).
+        # heap would grow by ~70 MB a step on a 270M model (5.2 GB instead of 2.8 for the card; docs/benchmarks.md).
         self._out: dict[str, torch.Tensor] | None = None
         self._filled: list[int] = []
 

@@ -49,7 +49,7 @@ with controls():
     a1, a2, a3, a4 = st.columns(4)
     attns = a1.multiselect("Attention", ["eager", "sdpa", "flex_attention", "flash_attention_2"], list(DEFAULTS["matrix"]["attn"]),
                            key="mx_attn")
-    caches = a2.multiselect("Cache kind", list(CACHE_KINDS), list(DEFAULTS["matrix"]["cache"]), key="mx_cache")
+    caches = a2.multiselect("Cache kind", [k.value for k in CACHE_KINDS], list(DEFAULTS["matrix"]["cache"]), key="mx_cache")
     compiles = a3.multiselect("torch.compile", list(COMPILE_MODES), ["off"], key="mx_compile",
                               help="Compiling takes a while the first time (about a minute on a CPU).")
     flags = a4.multiselect("Precision flags", list(FLAG_SETS), ["none"], key="mx_flags")

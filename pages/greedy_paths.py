@@ -4,7 +4,8 @@ import streamlit as st
 from pages.defaults import DEFAULTS
 
 from kvviz.views.greedy import figures as greedy_figures
-from kvviz.views.greedy.run import DEFAULT_PATHS, MAX_NEW_TOKENS, PATH_LABELS, PATHS, GreedyConfig, run_greedy
+from kvviz.views.greedy.run import (DEFAULT_PATHS, MAX_NEW_TOKENS, PATH_LABELS, PATHS, GreedyConfig, GreedyPath,
+                                    run_greedy)
 from kvviz.inputs import POSITION_MODES
 from kvviz.firstscreen import greedy_closest_call
 from pages.common import controls, page, show_verdict, verdict_and_chart
@@ -79,7 +80,7 @@ log = st.toggle("Log colour scale", True, key="greedy_log")
 st.plotly_chart(greedy_figures.greedy_heatmap(res, res.pairs[pair_names.index(sel)], log), width="stretch",
                 key="greedy_heatmap")
 with st.expander("A/B: this decoding against one other setting, on one colour scale"):
-    if not {"no_cache", "cache"} <= set(res.paths):
+    if not {GreedyPath.NO_CACHE, GreedyPath.CACHE} <= set(res.paths):
         st.info("A/B compares the no-cache and cache paths under two settings: choose both paths above to use it.")
         b = None
     else:
@@ -92,14 +93,14 @@ with st.expander("A/B: this decoding against one other setting, on one colour sc
                    own_a={"position ids (cache path)": pos_mode})
     if b is not None:
         def parting_of(r):
-            p = r.pair("no_cache", "cache")
+            p = r.pair(GreedyPath.NO_CACHE, GreedyPath.CACHE)
             return "same tokens" if p.first_divergence is None else f"part at step {p.first_divergence}"
 
         show_ab(greedy_figures.ab_greedy_heatmaps(res, b.result, f"{b.label_a}: {parting_of(res)}",
                                            f"{b.label_b}: {parting_of(b.result)}", log), "greedy",
                 "No cache vs cache in both; same colour scale on both maps, the third is their difference; the red "
                 "line marks where each pair's texts part. Under each map: the cached path's text.",
-                (res.paths["cache"].text, b.result.paths["cache"].text), side_by_side=False)
+                (res.paths[GreedyPath.CACHE].text, b.result.paths[GreedyPath.CACHE].text), side_by_side=False)
 ref = greedy_figures.greedy_reference_gap(res)
 if ref is not None:
     st.plotly_chart(ref, width="stretch", key="greedy_ref_chart")

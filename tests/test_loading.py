@@ -25,7 +25,7 @@ def test_tiny_models_are_saved_and_loaded_as_folders(kvviz_cache):
 
 
 @pytest.mark.parametrize("arch", kvviz.TINY_ARCHS)
-def test_each_tiny_arch_loads_fast_with_its_quirks(arch):
+def test_each_tiny_arch_loads_with_its_quirks(arch):
     from kvviz.tiny import TINY_MODEL_TYPES
 
     lm = kvviz.load_model(f"tiny:{arch}", "float32", DEVICE)

@@ -27,14 +27,14 @@ def test_the_plan_is_shown_beside_the_run():
 
 def test_a_run_that_cannot_fit_is_refused_before_it_starts(monkeypatch):
     import kvviz.memory as memory
-    import kvviz.views.split.run as split
+    import kvviz.views.greedy.run as greedy
 
     calls = []
-    real = split.run_split
-    monkeypatch.setattr(split, "run_split", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = greedy.run_greedy
+    monkeypatch.setattr(greedy, "run_greedy", lambda *a, **k: calls.append(1) or real(*a, **k))
     monkeypatch.setattr(memory, "free_bytes", lambda device: (1024 ** 2, "a test limit"))
     at = start("pages/greedy_paths.py")
     assert not at.exception, at.exception
     errors = [e.value for e in at.error]
     assert any(e.startswith("Cannot run") for e in errors), errors
-    assert not at.get("plotly_chart")  # nothing ran
+    assert calls == [] and not at.get("plotly_chart")  # nothing ran

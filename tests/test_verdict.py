@@ -3,6 +3,8 @@ says plainly "unproved", why and what the bisector found first; "rounding, not a
 proof; a precision gap that is a large fraction of the value says rounding was amplified and where it jumped."""
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 import kvviz
 from kvviz import invariant, verdict
@@ -40,13 +42,40 @@ def test_amplification_names_the_layer_where_the_gap_jumps():
     assert verdict.amplification([0.0, 1e-7, 2e-7]) is None  # a small gap: nothing amplified
 
 
+class RowCountRounding(TorchFunctionMode):
+    """A linear layer over several rows sums its inner dimension in two parts, split where the number of rows
+    says, each rounded to the dtype, then added; over one row in one go: a matrix kernel whose blocking depends on
+    how many rows it gets. A full forward and a cached run then differ by rounding on every CPU and GPU (a 16-bit
+    dtype rounds the parts visibly), the gap closes in float64, and invariant mode - whose linear layers go one row
+    at a time - has none of it. The gap case of the verdict rule, built instead of hoped for from this machine's
+    kernels."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, w = args[0], args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            rows, inner = x.reshape(-1, x.shape[-1]).shape
+            if rows > 1 and inner > 2:
+                k = 1 + rows % (inner - 1)
+                out = F.linear(x[..., :k], w[:, :k]) + F.linear(x[..., k:], w[:, k:])
+                return out if bias is None else out + bias
+        return func(*args, **kwargs)
+
+
+@pytest.fixture
+def row_count_rounding():
+    with RowCountRounding():
+        yield
+
+
 def _tiny_gemma3(dtype):
     lm = kvviz.load_model("tiny:gemma3", dtype, DEVICE)
     prompt = PROMPT * 2
     return lm, SplitConfig(prompt, split=20)  # 20 > the window of 8: the prefix is past it
 
 
-def test_a_precision_verdict_carries_its_proof():
+def test_a_precision_verdict_carries_its_proof(row_count_rounding):
     lm, cfg = _tiny_gemma3("bfloat16")
     res = run_split(lm, cfg)
     assert res.verdict == "precision" and res.proved is True
@@ -54,10 +83,12 @@ def test_a_precision_verdict_carries_its_proof():
     assert res.explanation.count(verdict.ROUNDING_NOT_A_BUG) == 1
 
 
-def test_a_failed_proof_says_unproved_and_what_the_bisector_found(monkeypatch):
-    """Break invariant mode on purpose (its matmul back to torch's): the proof fails, and the verdict must not say
-    "rounding, not a bug"; it says unproved, the invariant gap and the bisector's first finding."""
+def test_a_failed_proof_says_unproved_and_what_the_bisector_found(monkeypatch, row_count_rounding):
+    """Break invariant mode on purpose (its linear layers and matmuls back to torch's): the proof fails, and the
+    verdict must not say "rounding, not a bug"; it says unproved, the invariant gap and the bisector's first
+    finding."""
     lm, cfg = _tiny_gemma3("bfloat16")
+    monkeypatch.setattr(invariant, "rowwise_linear", F.linear)
     monkeypatch.setattr(invariant, "fixed_order_matmul", lambda a, b: torch.matmul(a, b))
     monkeypatch.setattr(invariant, "invariant_sdpa", torch.nn.functional.scaled_dot_product_attention)
     res = run_split(lm, cfg)

@@ -1,4 +1,4 @@
-"""Serving engines that run in their own environments (issue 27): where they live, and the JSON-lines worker client.
+"""Serving engines that run in their own environments: where they live, and the JSON-lines worker client.
 
 An engine whose pins clash with kvviz's (vLLM pins transformers < 5.20; llama.cpp is a compiled binding) runs as a
 worker process in its own virtual environment, built by `make engines` (engines/build.sh) under

@@ -183,22 +183,25 @@ def run_check(lm: LoadedModel, progress=None, weights: str = "none", kv: str = "
         checks.append(_window_check(lm64, prompt))
     checks.append(_remote_code(lm))
     quant = getattr(lm.config, "quantization_config", None)
+    quant_checks: list[Check] = []  # what the card says about quantization: the evidence of a lossy verdict
+    measured: Check | None = None  # the quantized run against the unquantized one
     if quant:
-        checks.append(Check("quantized weights", "note", f"the checkpoint arrives quantized "
-                            f"({getattr(quant, 'quant_method', None) or quant}): kvviz has no unquantized twin of it "
-                            f"to measure against - lossy; load the unquantized checkpoint and check it with "
-                            f"quantized weights to measure the loss"))
+        quant_checks.append(Check("quantized weights", "note", f"the checkpoint arrives quantized "
+                                  f"({getattr(quant, 'quant_method', None) or quant}): kvviz has no unquantized "
+                                  f"twin of it to measure against - lossy; load the unquantized checkpoint and "
+                                  f"check it with quantized weights to measure the loss"))
     if quantized:
         if any(c.status == "fail" and c.name == "causal attention" for c in checks):
-            checks.append(Check("quantized", "n/a", "not measured: the model returns no cache"))
+            quant_checks.append(Check("quantized", "n/a", "not measured: the model returns no cache"))
         else:
             progress(0.9, "the quantized run against the unquantized one")
-            checks.append(_quantized_check(lm, kv or "none", weights or "none",
-                                           lambda f, m: progress(0.9 + 0.09 * f, m)))
+            measured = _quantized_check(lm, kv or "none", weights or "none", lambda f, m: progress(0.9 + 0.09 * f, m))
+            quant_checks.append(measured)
     elif not quant:
-        checks.append(Check("quantized weights", "pass", "the weights are not quantized"))
+        quant_checks.append(Check("quantized weights", "pass", "the weights are not quantized"))
+    checks += quant_checks
     failed = [c for c in checks if c.status == "fail"]
-    lossy = bool(quant) or any(c.name.startswith("quantized (") and c.status == "note" for c in checks)
+    lossy = bool(quant) or (measured is not None and measured.status == "note")
     overall = "unsafe" if failed else ("lossy" if lossy else "safe")
     no_cache = any(c.name == "cache" and c.status == "n/a" for c in checks)
     summary = ({"safe": "No cache: the model is causal but returns none, so every generation recomputes the whole "
@@ -206,7 +209,7 @@ def run_check(lm: LoadedModel, progress=None, weights: str = "none", kv: str = "
                         "Safe: with correct masks and position ids, every cached path computes what the full "
                         "forward computes (to float64 rounding).",
                 "lossy": "Lossy: the cache logic is right, but quantization changes the numbers: "
-                         + "; ".join(c.evidence for c in checks if c.name.startswith("quantized")) + ".",
+                         + "; ".join(c.evidence for c in quant_checks) + ".",
                 "unsafe": "Unsafe: " + "; ".join(f"{c.name} — {c.evidence}" for c in failed) + "."}[overall])
     progress(1.0, "Done")
     from ...dtypes import dtype_name

@@ -6,9 +6,10 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from ...plotting import short, heatmap, shared_range
+from .run import GreedyPath
 
 
-def primary_pair(res, a: str = "no_cache", b: str = "cache"):
+def primary_pair(res, a: GreedyPath = GreedyPath.NO_CACHE, b: GreedyPath = GreedyPath.CACHE):
     """The pair the views lead with: no_cache vs cache when both ran, else the first pair that parts."""
     try:
         return res.pair(a, b)
@@ -69,7 +70,8 @@ def greedy_heatmap(res, pair=None, log: bool = True) -> go.Figure:
 
 
 def ab_greedy_heatmaps(res_a, res_b, label_a: str, label_b: str, log: bool = True,
-                       pair: tuple[str, str] = ("no_cache", "cache")) -> tuple[go.Figure, go.Figure, go.Figure]:
+                       pair: tuple[GreedyPath, GreedyPath] = (GreedyPath.NO_CACHE, GreedyPath.CACHE)
+                       ) -> tuple[go.Figure, go.Figure, go.Figure]:
     """A/B for greedy decoding: the same pair of paths (default no cache vs cache) under two settings, layers ×
     steps on ONE shared colour scale, and |B − A| over the steps both ran."""
     try:
@@ -98,7 +100,7 @@ def ab_greedy_heatmaps(res_a, res_b, label_a: str, label_b: str, log: bool = Tru
 
 def greedy_reference_gap(res) -> go.Figure | None:
     """For each path, max |Δ logit| against the float64 reference path per step (while they saw the same tokens)."""
-    if "float64" not in res.paths:
+    if GreedyPath.FLOAT64 not in res.paths:
         return None
     fig = go.Figure()
     for p in res.paths.values():

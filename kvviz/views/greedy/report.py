@@ -4,14 +4,17 @@ from __future__ import annotations
 import numpy as np
 
 from ...export import typed
+from ...verdict import Verdict
 
 
 def reopen(d: dict):
-    from .run import GreedyResult, GreedySettings, PairResult, PathResult
+    from .run import GreedyPath, GreedyResult, GreedySettings, PairResult, PathResult
 
-    paths = {k: typed(PathResult, v) for k, v in d["paths"].items()}
-    pairs = [PairResult(**{**p, "hidden_relative": np.array(p["hidden_relative"], dtype=float)}) for p in d["pairs"]]
-    return GreedyResult(settings=typed(GreedySettings, d["settings"], paths=tuple), model=d["model"],
+    paths = {GreedyPath(k): typed(PathResult, v, name=GreedyPath) for k, v in d["paths"].items()}
+    pairs = [PairResult(**{**p, "a": GreedyPath(p["a"]), "b": GreedyPath(p["b"]),
+                           "hidden_relative": np.array(p["hidden_relative"], dtype=float)}) for p in d["pairs"]]
+    return GreedyResult(settings=typed(GreedySettings, d["settings"], paths=lambda v: tuple(map(GreedyPath, v))),
+                        model=d["model"],
                         prompt_tokens=d["prompt_tokens"], layer_labels=d["layer_labels"], paths=paths, pairs=pairs,
                         notes=d.get("notes", []), elapsed_s=d.get("elapsed_s", 0.0))
 
@@ -19,6 +22,6 @@ def reopen(d: dict):
 def verdict(result) -> tuple[str, str]:
     parting = [p for p in result.pairs if p.first_divergence is not None]
     if not parting:
-        return "identical", f"All paths chose the same {result.steps} tokens."
+        return Verdict.IDENTICAL, f"All paths chose the same {result.steps} tokens."
     first = min(parting, key=lambda p: p.first_divergence)
     return first.verdict, first.explanation

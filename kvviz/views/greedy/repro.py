@@ -4,6 +4,7 @@ from __future__ import annotations
 from ...errors import KvvizError
 from ...repro import header, plain_head, require_plain
 from ...inputs import encode
+from .run import GreedyPath
 
 TEMPLATE = '''
 DTYPE = torch.{dtype}
@@ -46,7 +47,7 @@ print("max |Δ logits| = " + repr(float(gap.max())))
 def check(result) -> None:
     require_plain(result)
     s = result.settings
-    if not {"no_cache", "cache"} <= set(s.paths):
+    if not {GreedyPath.NO_CACHE, GreedyPath.CACHE} <= set(s.paths):
         raise KvvizError("the greedy repro compares the no-cache loop with the cached loop; run both paths")
     if s.fast:
         raise KvvizError("this greedy result used the fast preview; the repro rebuilds the exact loops, so run "
@@ -62,5 +63,5 @@ def script(result, lm, name: str) -> str:
 
 
 def key_figure(result) -> float:
-    pair = result.pair("no_cache", "cache")
+    pair = result.pair(GreedyPath.NO_CACHE, GreedyPath.CACHE)
     return max(g for g, same in zip(pair.max_abs_logit, pair.same_history) if same)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field, fields
+from enum import StrEnum
 from typing import Callable
 
 import numpy as np
@@ -27,7 +28,7 @@ from ...compat import output_cache
 from ...dtypes import machine_eps
 from ...errors import KvvizError
 from ...inputs import POSITION_MODES, PromptInputs, build_inputs, check_mode, pad_token_id, positions_from_mask
-from ...execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings
+from ...execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings, StepPolicy
 from ...loading import LoadedModel
 from ...metrics import first_divergence, hidden_divergence
 from ...text import display_tokens
@@ -35,18 +36,39 @@ from ..split.run import layer_labels
 from ...streaming import HeldRows
 from ...verdict import Prove, Verdict, classify, precision_sentence
 
-PATHS = ("no_cache", "cache", "generate", "user_loop", "float64")
-DEFAULT_PATHS = ("no_cache", "cache", "generate")
+
+
+class GreedyPath(StrEnum):
+    """A greedy path (the module docstring). A str: it compares and exports as its word ("no_cache"), so JSON
+    results, old exports and the page's saved choices read the same."""
+    NO_CACHE = "no_cache"
+    CACHE = "cache"
+    GENERATE = "generate"
+    USER_LOOP = "user_loop"
+    FLOAT64 = "float64"
+
+
+class Replay(StrEnum):
+    """Which computation a path's logits come from, as far as exact arithmetic is concerned (replay_step)."""
+    FULL = "full"  # a full forward over the sequence
+    USER = "user"  # through the cache with no mask or position ids after the prompt
+    CACHED = "cached"  # through the cache with the grown mask and position ids
+    CACHED_OMIT = "cached_omit"  # through the cache with the mask, position ids omitted
+
+
+PATHS = tuple(GreedyPath)
+DEFAULT_PATHS = (GreedyPath.NO_CACHE, GreedyPath.CACHE, GreedyPath.GENERATE)
+_FULL_FORWARD = (GreedyPath.NO_CACHE, GreedyPath.FLOAT64)  # the paths that run a full forward each step
 MAX_NEW_TOKENS = 1024
 PATH_LABELS = {
-    "no_cache": "no cache (full forward each step)",
-    "cache": "cache (`cache`, past_key_values before transformers 5.24)",
-    "generate": "model.generate",
-    "user_loop": "the loop people write (no mask or positions after the prompt)",
-    "float64": "float64 reference (no cache)",
+    GreedyPath.NO_CACHE: "no cache (full forward each step)",
+    GreedyPath.CACHE: "cache (`cache`, past_key_values before transformers 5.24)",
+    GreedyPath.GENERATE: "model.generate",
+    GreedyPath.USER_LOOP: "the loop people write (no mask or positions after the prompt)",
+    GreedyPath.FLOAT64: "float64 reference (no cache)",
 }
 # Run cheap paths first so that `stop_at_divergence` can cut the expensive ones short.
-_RUN_ORDER = ("cache", "generate", "user_loop", "no_cache", "float64")
+_RUN_ORDER = (GreedyPath.CACHE, GreedyPath.GENERATE, GreedyPath.USER_LOOP, GreedyPath.NO_CACHE, GreedyPath.FLOAT64)
 
 Progress = Callable[[float, str], None]
 
@@ -57,7 +79,7 @@ class GreedyConfig:
     max_new_tokens: int = 20
     left_pad: int = 0
     position_ids: str = "auto"  # for the `cache` path
-    paths: tuple[str, ...] = DEFAULT_PATHS
+    paths: tuple[GreedyPath, ...] = DEFAULT_PATHS
     fast: bool = False
     stop_at_divergence: bool = False
 
@@ -73,7 +95,7 @@ class GreedyConfig:
             raise KvvizError(f"unknown path '{bad[0]}'; choose from {', '.join(PATHS)}")
         if len(paths) < 2:
             raise KvvizError("choose at least two paths to compare")
-        self.paths = paths
+        self.paths = tuple(GreedyPath(p) for p in paths)
 
 
 @dataclass(frozen=True)
@@ -252,19 +274,19 @@ def no_cache_loop(ex: Executor, inp: PromptInputs, n: int, rec: StepRecorder, fo
                   ids=None, mask=None, pos=None) -> None:
     """A full forward over the sequence so far at every step (the plain no-cache loop); `forced` feeds given tokens."""
     ids, mask, pos = (inp.ids, inp.mask, inp.positions) if ids is None else (ids, mask, pos)
-    ex.decode(ids, mask, n, policy="no_cache", positions=pos, forced=forced, on_step=_record(rec))
+    ex.decode(ids, mask, n, policy=StepPolicy.NO_CACHE, positions=pos, forced=forced, on_step=_record(rec))
 
 
 def _cache(ex: Executor, inp: PromptInputs, n: int, rec: StepRecorder, positions: str = "auto",
            forced: list[int] | None = None) -> None:
     """Prefill, then one token at a time through the cache with the full mask and (auto) position ids."""
-    ex.decode(inp.ids, inp.mask, n, policy="cache", positions=inp.positions, step_positions=positions,
+    ex.decode(inp.ids, inp.mask, n, policy=StepPolicy.CACHE, positions=inp.positions, step_positions=positions,
               forced=forced, on_step=_record(rec))
 
 
 def _user_loop(ex: Executor, inp: PromptInputs, n: int, rec: StepRecorder, forced: list[int] | None = None) -> None:
     """The cached loop as people write it: the prompt with its mask, then only the new token (no mask, no position ids)."""
-    ex.decode(inp.ids, inp.mask, n, policy="user_loop", forced=forced, on_step=_record(rec))
+    ex.decode(inp.ids, inp.mask, n, policy=StepPolicy.USER_LOOP, forced=forced, on_step=_record(rec))
 
 
 def _generate(ex: Executor, inp: PromptInputs, n: int, rec: StepRecorder) -> None:
@@ -339,30 +361,31 @@ def _compare(a: PathRun, b: PathRun, eps: float) -> PairResult:
                       hd["relative"].cpu().numpy(), same)
 
 
-def _logic(path: str, positions: str) -> str:
+def _logic(path: GreedyPath, positions: str) -> Replay:
     """Which computation a path's logits come from, as far as exact arithmetic is concerned."""
-    if path in ("no_cache", "float64"):
-        return "full"
-    if path == "user_loop":
-        return "user"
-    return "cached_omit" if path == "cache" and positions == "omit" else "cached"
+    if path in _FULL_FORWARD:
+        return Replay.FULL
+    if path == GreedyPath.USER_LOOP:
+        return Replay.USER
+    return Replay.CACHED_OMIT if path == GreedyPath.CACHE and positions == "omit" else Replay.CACHED
 
 
-def replay_step(ex: Executor, inp: PromptInputs, logic: str, forced: list[int]) -> torch.Tensor:
+def replay_step(ex: Executor, inp: PromptInputs, logic: Replay, forced: list[int]) -> torch.Tensor:
     """The logits a computation gives after being fed `forced` tokens, with the masks and position ids that path
     uses. Run in float64, where shapes do not matter, so the fed tokens go in one chunk."""
     dev = inp.ids.device
     extra = torch.tensor([forced], dtype=inp.ids.dtype, device=dev)
     mask = torch.cat([inp.mask, torch.ones_like(extra)], 1)
-    if logic == "full":
+    logic = Replay(logic)
+    if logic == Replay.FULL:
         return ex.forward(torch.cat([inp.ids, extra], 1), mask, positions_from_mask(mask), use_cache=False,
                           hidden=False, logits_to_keep=1).logits[0, -1]
-    user = logic == "user"
+    user = logic == Replay.USER
     out = ex.forward(inp.ids, inp.mask, None if user else inp.positions, hidden=False, logits_to_keep=1)
     if not forced:
         return out.logits[0, -1]
     pos = inp.positions[:, -1:] + torch.arange(1, len(forced) + 1, device=dev)
-    return ex.forward(extra, None if user else mask, None if logic in ("user", "cached_omit") else pos,
+    return ex.forward(extra, None if user else mask, None if logic in (Replay.USER, Replay.CACHED_OMIT) else pos,
                       output_cache(out), hidden=False, logits_to_keep=1).logits[0, -1]
 
 
@@ -396,10 +419,10 @@ def _explain(pair: PairResult, runs: dict[str, PathRun], lm: LoadedModel, cfg: G
                             + precision_sentence(gap64, None))
     else:
         cause = ""
-        if "user_loop" in (pair.a, pair.b) and cfg.left_pad:
+        if GreedyPath.USER_LOOP in (pair.a, pair.b) and cfg.left_pad:
             cause = (" The user loop passes no mask or position ids after the prompt, so with left padding the new "
                      "tokens attend to pads and are numbered from the cache length.")
-        elif "cache" in (pair.a, pair.b) and cfg.position_ids == "omit" and cfg.left_pad:
+        elif GreedyPath.CACHE in (pair.a, pair.b) and cfg.position_ids == "omit" and cfg.left_pad:
             cause = " The cache path omits position ids, so the new tokens are numbered counting the pads."
         pair.explanation = (head + f" Replayed in float64 on the same tokens they still differ by {gap64:.3g} "
                                    f"(relative): a logic difference, not rounding." + cause)
@@ -422,15 +445,15 @@ class _Progress:
 def _run_path(name: str, ex: Executor, inp: PromptInputs, steps: int, rec: StepRecorder, cfg: GreedyConfig,
               runs: dict[str, PathRun]) -> PathRun:
     """One path on `ex` (the float64 path gets a float64 executor and inputs)."""
-    guided = cfg.fast and "cache" in runs and name in ("no_cache", "float64")
+    guided = cfg.fast and GreedyPath.CACHE in runs and name in _FULL_FORWARD
     with ex.session():
         if guided:
-            return _fast_no_cache(ex, inp, steps, rec, runs["cache"])
-        if name in ("no_cache", "float64"):
+            return _fast_no_cache(ex, inp, steps, rec, runs[GreedyPath.CACHE])
+        if name in _FULL_FORWARD:
             no_cache_loop(ex, inp, steps, rec)
-        elif name == "cache":
+        elif name == GreedyPath.CACHE:
             _cache(ex, inp, steps, rec, cfg.position_ids)
-        elif name == "generate":
+        elif name == GreedyPath.GENERATE:
             _generate(ex, inp, steps, rec)
         else:
             _user_loop(ex, inp, steps, rec)
@@ -466,8 +489,8 @@ class _Float64:
 def _decode_paths(lm: LoadedModel, cfg: GreedyConfig, settings: ExecSettings, inp: PromptInputs, f64: _Float64,
                   progress: Progress) -> dict[str, PathRun]:
     order = [p for p in _RUN_ORDER if p in cfg.paths]
-    if cfg.fast and "cache" not in order and ({"no_cache", "float64"} & set(order)):
-        order.insert(0, "cache")  # the preview is guided by the cache path
+    if cfg.fast and GreedyPath.CACHE not in order and (set(_FULL_FORWARD) & set(order)):
+        order.insert(0, GreedyPath.CACHE)  # the preview is guided by the cache path
     n = cfg.max_new_tokens
     counter = _Progress(progress, len(order), n)
     ex = Executor(lm, settings, max_len=inp.total + n)
@@ -475,7 +498,7 @@ def _decode_paths(lm: LoadedModel, cfg: GreedyConfig, settings: ExecSettings, in
     limit = n
     for name in order:
         rec = StepRecorder(name, limit, counter.step(name))
-        if name == "float64":
+        if name == GreedyPath.FLOAT64:
             run = _run_path(name, f64.ex, f64.inp, limit, rec, cfg, runs)
             run.logits, run.hidden = run.logits.to(lm.device), run.hidden.to(lm.device)
         else:
@@ -494,11 +517,11 @@ def _decode_paths(lm: LoadedModel, cfg: GreedyConfig, settings: ExecSettings, in
 def _path_results(lm: LoadedModel, runs: dict[str, PathRun], names: list[str]) -> dict[str, PathResult]:
     tok = lm.tokenizer
     results: dict[str, PathResult] = {}
-    ref = runs.get("float64")
+    ref = runs.get(GreedyPath.FLOAT64)
     for name in names:
         r = runs[name]
         gap = None
-        if ref is not None and name != "float64":
+        if ref is not None and name != GreedyPath.FLOAT64:
             m = min(len(r.token_ids), len(ref.token_ids))
             div = first_divergence(r.token_ids[:m], ref.token_ids[:m])
             d = (r.logits[:m].double() - ref.logits[:m].double()).abs().amax(-1).cpu().tolist()
@@ -512,7 +535,7 @@ def _path_results(lm: LoadedModel, runs: dict[str, PathRun], names: list[str]) -
 
 def _notes(lm: LoadedModel, cfg: GreedyConfig, runs: dict[str, PathRun]) -> list[str]:
     notes = list(lm.warnings)
-    if "generate" in runs and lm.dtype == torch.float64:
+    if GreedyPath.GENERATE in runs and lm.dtype == torch.float64:
         notes.append("generate() casts the logits it returns to float32, so its logits carry float32 rounding "
                      "(~1e-7 relative); its tokens and hidden states are float64")
     if cfg.fast:
@@ -527,7 +550,7 @@ def prove_pairs(lm: LoadedModel, cfg: GreedyConfig, settings: ExecSettings, inp:
     computations replayed in invariant mode on the same tokens at one step - where they part, else their last step -
     and compared bit for bit: equal is precision, proved; different is logic. In invariant mode shapes do not
     matter, so each computation is one prefill and one chunk (a few forwards, not a second decode of every path)."""
-    todo = [p for p in pairs if "float64" not in (p.a, p.b)]
+    todo = [p for p in pairs if GreedyPath.FLOAT64 not in (p.a, p.b)]
     if not todo:
         return
     progress(0.95, "Replaying the parting step in invariant mode for the proof…")
@@ -586,7 +609,8 @@ def run_greedy(lm: LoadedModel, cfg: GreedyConfig, progress: Progress | None = N
             for p in diverging:
                 _explain(p, runs, lm, cfg, f64.ex, f64.inp, memo)
     if not settings.invariant and (prove if prove is not None else
-                                   any(p.verdict == Verdict.PRECISION and "float64" not in (p.a, p.b) for p in pairs)):
+                                   any(p.verdict == Verdict.PRECISION and GreedyPath.FLOAT64 not in (p.a, p.b)
+                                       for p in pairs)):
         prove_pairs(lm, cfg, settings, inp, pairs, progress, runs)
     progress(1.0, "Done")
     return GreedyResult(settings=GreedySettings.of(cfg, RunInfo.of(lm, settings)), model=lm.summary(),

@@ -16,7 +16,7 @@ import torch
 
 from ...dtypes import dtype_name, parse_dtype
 from ...errors import KvvizError
-from ...execution import Executor, Settings
+from ...execution import Executor, Settings, StepPolicy
 from ...metrics import first_divergence
 from ...inputs import build_inputs
 from ...loading import LoadedModel
@@ -81,7 +81,7 @@ def _greedy(lm: LoadedModel, prompt: str, n: int) -> tuple[list[int], torch.Tens
     inp = build_inputs(lm, prompt, 0, extra_tokens=n)
     ex = Executor(lm)
     with ex.session():
-        d = ex.decode(inp.ids, inp.mask, n, policy="no_cache", hidden=False)
+        d = ex.decode(inp.ids, inp.mask, n, policy=StepPolicy.NO_CACHE, hidden=False)
     return d.tokens, torch.stack([lg.double() for lg in d.logits])
 
 

@@ -21,16 +21,16 @@ import torch
 from ...dtypes import dtype_name
 from ...environment import environment
 from ...errors import KvvizError, is_out_of_memory
-from ...execution import ExecSettings, Executor, Settings
-from ..greedy.run import replay_step
+from ...execution import CacheKind, ExecSettings, Executor, Settings, StepPolicy
+from ..greedy.run import Replay, replay_step
 from ...metrics import first_divergence
 from ...inputs import POSITION_MODES, PromptInputs, check_mode, encode, pad_token_id, positions_from_mask
 from ...loading import LoadedModel, load_model
-from ...verdict import classify
+from ...verdict import Verdict, classify
 from ...text import display_text
 
 Progress = Callable[[float, str], None]
-VERDICTS = ("identical", "precision", "logic", "nondeterministic", "lossy")
+VERDICTS = (Verdict.IDENTICAL, Verdict.PRECISION, Verdict.LOGIC, Verdict.NONDETERMINISTIC, Verdict.LOSSY)
 WINDOW_LONG_PROMPT = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, lit the great lamp, and "
                   "wrote the weather in a leather log that his grandfather had started sixty years before.")
 WINDOW_SHORT_PROMPT = "Hi there"
@@ -45,7 +45,7 @@ class MatrixConfig:
     prompt: str
     max_new_tokens: int = 16
     attentions: tuple[str, ...] = ("eager", "sdpa")
-    caches: tuple[str, ...] = ("dynamic", "static")
+    caches: tuple[CacheKind, ...] = (CacheKind.DYNAMIC, CacheKind.STATIC)
     compiles: tuple[str, ...] = ("off",)
     flag_sets: tuple[tuple[str, ...], ...] = ((),)
     repeats: int = 2
@@ -165,14 +165,14 @@ def _batch(lm: LoadedModel, cfg: MatrixConfig, n: int) -> tuple[PromptInputs, to
 
 def _no_cache_loop(ex: Executor, ids, mask, n: int) -> tuple[list[int], torch.Tensor]:
     """The reference: a full forward each step (row 0's tokens and logits; every row grows greedily)."""
-    d = ex.decode(ids, mask, n, policy="no_cache", positions=positions_from_mask(mask), hidden=False)
+    d = ex.decode(ids, mask, n, policy=StepPolicy.NO_CACHE, positions=positions_from_mask(mask), hidden=False)
     return d.tokens, torch.stack([lg.double() for lg in d.logits])
 
 
 def _cached_loop(ex: Executor, ids, mask, n: int, positions: str) -> tuple[list[int], torch.Tensor]:
     """Prefill, then one token a step through the cache (position ids auto, or omitted: the model counts them)."""
-    d = ex.decode(ids, mask, n, policy="cache", positions=positions_from_mask(mask) if positions == "auto" else None,
-                  hidden=False)
+    d = ex.decode(ids, mask, n, policy=StepPolicy.CACHE,
+                  positions=positions_from_mask(mask) if positions == "auto" else None, hidden=False)
     return d.tokens, torch.stack([lg.double() for lg in d.logits])
 
 
@@ -223,7 +223,7 @@ class _Runner:
     def float64_gap(self, cell: Cell, settings: ExecSettings, forced: list[int], inp: PromptInputs) -> float:
         """Replay the step in float64: the reference computation vs the cell's (same cache kind, positions)."""
         lm64 = self.model("eager").reference()
-        logic = "cached_omit" if self.cfg.position_ids == "omit" else "cached"
+        logic = Replay.CACHED_OMIT if self.cfg.position_ids == "omit" else Replay.CACHED
         inp64 = PromptInputs(ids=inp.ids.to(lm64.device), mask=inp.mask.to(lm64.device),
                              positions=inp.positions.to(lm64.device), pad=inp.pad, token_ids=inp.token_ids,
                              token_texts=inp.token_texts)
@@ -231,14 +231,14 @@ class _Runner:
         if key not in self.replays:
             ex64 = Executor(lm64, ExecSettings(cache=settings.cache), max_len=inp.total + len(forced) + 1)
             with ex64.session():
-                full = replay_step(ex64, inp64, "full", forced).double()
+                full = replay_step(ex64, inp64, Replay.FULL, forced).double()
                 cached = replay_step(ex64, inp64, logic, forced).double()
             self.replays[key] = float((full - cached).abs().max() / full.abs().max().clamp_min(1e-300))
         return self.replays[key]
 
 
 def _run_cell(runner: _Runner, cell: Cell, ref: tuple, n: int, progress: Callable[[str], None]) -> None:
-    from ...backends import compile_stats, is_lossy
+    from ...backends import compile_stats
 
     cfg = runner.cfg
     settings = ExecSettings(cache=cell.cache, compile=cell.compile, flags=tuple(cell.flags),
@@ -274,12 +274,12 @@ def _run_cell(runner: _Runner, cell: Cell, ref: tuple, n: int, progress: Callabl
     cell.step_kl = _kl(ref_logits[:upto], logits[:upto])
     cell.max_abs_logit, cell.max_kl = max(cell.step_max_abs_logit), max(cell.step_kl)
     bitwise = div is None and torch.equal(logits, ref_logits.to(logits.device))
-    if is_lossy(cell.cache):
-        cell.verdict = "identical" if bitwise else "lossy"
+    if settings.lossy:
+        cell.verdict = Verdict.IDENTICAL if bitwise else Verdict.LOSSY
     elif len(distinct) > 1 or any(not torch.equal(lg, logits) for _, lg in outputs[1:]):
-        cell.verdict = "nondeterministic"
+        cell.verdict = Verdict.NONDETERMINISTIC
     elif bitwise:
-        cell.verdict = "identical"
+        cell.verdict = Verdict.IDENTICAL
     else:
         step = div if div is not None else int(gaps.argmax())
         cell.float64_gap = runner.float64_gap(cell, settings, ref_toks[:step], inp)

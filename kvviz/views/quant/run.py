@@ -39,7 +39,7 @@ import torch
 
 from ...backends import kv_group_size, quantized_cache  # noqa: F401 - kv_group_size: part of this module's API
 from ...errors import KvvizError
-from ...execution import DEFAULT_SETTINGS, Executor, RunInfo, RunSettings
+from ...execution import DEFAULT_SETTINGS, Executor, RunInfo, RunSettings, StepPolicy
 from ...inputs import PromptInputs, build_inputs
 from ...loading import LoadedModel
 from ...metrics import hidden_divergence, logits_divergence
@@ -316,7 +316,7 @@ def _decode(ex: Executor, inp: PromptInputs, n: int, cache, forced: list[int] | 
             on_step: Callable[[int], None] | None = None):
     """Prefill, then one token at a time through `cache` (None: a dynamic cache) with the full mask and positions.
     Returns the tokens, the last position's logits [n, V] and hidden states [n, L+1, H], all on the device."""
-    d = ex.decode(inp.ids, inp.mask, n, policy="cache", positions=inp.positions, cache=cache, fresh_cache=False,
+    d = ex.decode(inp.ids, inp.mask, n, policy=StepPolicy.CACHE, positions=inp.positions, cache=cache, fresh_cache=False,
                   forced=forced, on_step=None if on_step is None else (lambda t, lg, h, tok: on_step(t)),
                   no_cache_error=f"{ex.lm.name} returns no KV cache (its attention is bidirectional, like RoBERTa "
                                  f"without is_decoder), so there is no cache to quantize and no cached decoding "

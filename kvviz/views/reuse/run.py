@@ -16,7 +16,7 @@ import torch
 
 from ...compat import output_cache
 from ...errors import KvvizError
-from ...execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings, has_cache
+from ...execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings, StepPolicy, has_cache
 from ...metrics import first_divergence
 from ...inputs import encode, token_texts
 from ...loading import LoadedModel
@@ -64,7 +64,7 @@ class ReuseResult:
 def _decode_after(ex: Executor, cache, cont: torch.Tensor, n: int) -> tuple[list[int], torch.Tensor]:
     """Feed the continuation through `cache` (positions inferred from the cache length, as people do), then decode
     greedily n tokens. Returns the tokens and the logits of each step [n, V]."""
-    d = ex.decode(cont, None, n, policy="user_loop", cache=cache, hidden=False)
+    d = ex.decode(cont, None, n, policy=StepPolicy.USER_LOOP, cache=cache, hidden=False)
     return d.tokens, d.stacked_logits()
 
 

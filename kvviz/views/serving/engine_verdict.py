@@ -1,4 +1,4 @@
-"""Engine vs reference (issue 27): an engine's per-step log-probs on its own token path, compared with kvviz's
+"""Engine vs reference: an engine's per-step log-probs on its own token path, compared with kvviz's
 float64 reference from the same weights on the same token path.
 
 For each completion (token path) an engine gave, the float64 model (the same folder; for llama.cpp the same GGUF,

@@ -1,4 +1,4 @@
-"""The Serving view's real engines in their own environments (issue 27): vLLM and llama.cpp, each a worker process
+"""The Serving view's real engines in their own environments: vLLM and llama.cpp, each a worker process
 (kvviz/engines/) behind the same `run(lm, requests, …) -> EngineRun` the transformers engine has.
 
 Per request they return the token ids, the per-step top-k log-probs with the chosen token's, the cached prompt

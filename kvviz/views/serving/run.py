@@ -31,7 +31,7 @@ from typing import Callable
 from .engines import ENGINES, MIN_PAGE, Request, check_engine, engine_status, make_engine
 from ...errors import KvvizError
 from ...metrics import first_divergence
-from ...execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings
+from ...execution import COMPILE_OFF, DEFAULT_CACHE, DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings
 from ...inputs import build_inputs, encode
 from ...loading import LoadedModel
 from ..split.run import classify
@@ -221,7 +221,7 @@ class ServeResult:
         s = {k: v for k, v in d["settings"].items() if k in names}
         s["conditions"] = tuple(s.get("conditions", ()))
         ex = d["settings"].get("execution") or {}
-        s["execution"] = ExecSettings(cache=ex.get("cache", "dynamic"), compile=ex.get("compile", "off"),
+        s["execution"] = ExecSettings(cache=ex.get("cache", DEFAULT_CACHE), compile=ex.get("compile", COMPILE_OFF),
                                       flags=tuple(ex.get("flags", ())), invariant=bool(ex.get("invariant", False)))
         conds = {k: ConditionStats(**{f.name: v[f.name] for f in fields(ConditionStats) if f.name in v})
                  for k, v in d["conditions"].items()}
@@ -302,10 +302,10 @@ def _requests(cond: str, ids: list[list[int]], n: int, run: int, plan: dict, pre
 
 
 def _reference(ex: Executor, lm: LoadedModel, text: str, n: int) -> tuple[list[int], list[float]]:
-    from ..greedy.run import no_cache_loop, StepRecorder
+    from ..greedy.run import GreedyPath, no_cache_loop, StepRecorder
 
     inp = build_inputs(lm, text, 0, extra_tokens=n)
-    rec = StepRecorder("no_cache", n, lambda: None)
+    rec = StepRecorder(GreedyPath.NO_CACHE, n, lambda: None)
     with ex.session():
         no_cache_loop(ex, inp, n, rec)
     return rec.tokens, rec.margins
@@ -325,7 +325,7 @@ def run_serving(lm: LoadedModel, cfg: ServeConfig, progress: Progress | None = N
     mode (not needed when the study already runs in it)."""
     progress = progress or (lambda f, m: None)
     settings = (settings or DEFAULT_SETTINGS).validate()
-    if settings.compile != "off" or settings.cache != "dynamic":
+    if settings.compile != COMPILE_OFF or settings.cache != DEFAULT_CACHE:
         raise KvvizError("the Serving view runs the engine's own paged cache without compile; leave the cache kind "
                          "and compile at their defaults")
     cfg.validate()
@@ -471,14 +471,14 @@ def engine_info(name: str, page_size: int) -> dict:
 def _explain(p: PromptResult, lm, lm64, ex64: Executor, engine, ids, n, plan, prefix_ids, cfg) -> None:
     """The first divergence replayed in float64 on the same tokens: the reference computation (a full forward)
     against the same engine condition (same neighbours or warmer) run on the float64 model."""
-    from ..greedy.run import replay_step
+    from ..greedy.run import Replay, replay_step
 
     t, cond = p.first_divergence, p.condition
     forced = p.reference[:t]
     ids64 = [encode(lm64, cfg.shared_prefix + q) for q in cfg.prompts]
     inp64 = build_inputs(lm64, cfg.shared_prefix + cfg.prompts[p.index], 0, extra_tokens=n)
     with ex64.session():
-        ref64 = replay_step(ex64, inp64, "full", forced).double().cpu()
+        ref64 = replay_step(ex64, inp64, Replay.FULL, forced).double().cpu()
     reqs, per_batch, sharing, seq, counted = _requests(cond, ids64, n, p.run, plan, prefix_ids, only=p.index,
                                                        forced=forced, keep=True)
     out = _engine_run(engine, ex64, reqs, per_batch, sharing, seq)

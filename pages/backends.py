@@ -27,7 +27,8 @@ def use_sliding_window_preset() -> None:
         st.session_state["mx_preset_error"] = str(e)
         return
     st.session_state.update(mx_prompt=p.prompt, mx_batch="\n".join(p.batch_with), mx_n=p.max_new_tokens,
-                            mx_attn=list(p.attentions), mx_cache=list(p.caches), mx_preset_error=None)
+                            mx_attn=list(p.attentions), mx_cache=list(p.caches), mx_preset_error=None,
+                            _mx_autorun=True)  # a scenario picks its axes and runs them: no Run click
 
 
 with controls():
@@ -59,6 +60,8 @@ with controls():
                        batch_with=tuple(t for t in batch.splitlines() if t.strip()), invariant=choice.invariant)
 st.caption(f"{len(cfg.cells())} cells × {int(repeats)} repeats, each {int(n)} tokens.")
 key = {"model": choice.key_without("attn"), "cfg": repr(cfg)}
+if st.session_state.pop("_mx_autorun", False):
+    st.session_state["mx_ran"] = repr(key)
 st.button("Run the matrix", type="primary", key="mx_run",
           on_click=lambda k=repr(key): st.session_state.__setitem__("mx_ran", k))
 if st.session_state.get("mx_ran") != repr(key):  # the matrix is long: it runs on the click, views reuse it

@@ -93,3 +93,21 @@ def test_texts_of_random_bytes_show_their_bytes_not_mojibake():
     assert REPLACEMENT not in shown and "⟨e4⟩" in shown and "⟨ff⟩" in shown and shown.endswith("Hi there")
     clean = tok("Hello world", add_special_tokens=False)["input_ids"]
     assert display_text(tok, clean) == tok.decode(clean)
+
+
+@pytest.mark.app
+def test_the_sliding_window_scenario_runs_on_its_own_and_its_texts_show_no_mojibake():
+    from streamlit.testing.v1 import AppTest
+
+    from conftest import ROOT
+    from kvviz.text import REPLACEMENT
+
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=240)
+    at.run()
+    at.button(key="preset_window").click().run()
+    assert not at.exception, at.exception
+    shown = [e.value for e in list(at.info) + list(at.success) + list(at.error) + list(at.warning)]
+    assert not any("Run the matrix" in v for v in shown), shown  # it ran: no "press Run the matrix"
+    assert any(v.startswith("**Verdict:") for v in shown) and at.get("plotly_chart"), shown
+    texts = [t.value for t in at.text] + [c.value for c in at.caption] + shown
+    assert not [t for t in texts if REPLACEMENT in t]

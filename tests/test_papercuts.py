@@ -111,3 +111,20 @@ def test_the_sliding_window_scenario_runs_on_its_own_and_its_texts_show_no_mojib
     assert any(v.startswith("**Verdict:") for v in shown) and at.get("plotly_chart"), shown
     texts = [t.value for t in at.text] + [c.value for c in at.caption] + shown
     assert not [t for t in texts if REPLACEMENT in t]
+
+
+@pytest.mark.app
+def test_a_split_typed_past_the_prompt_shows_the_split_the_run_uses():
+    from test_app import start
+
+    at = start("pages/split_point.py", model="tiny:llama")
+    box = at.number_input(key="split_k_typed")
+    hi = int(at.slider(key="split_k_slider").max)
+    assert box.max is None  # a browser keeps an out-of-range number in a box with a max (flagged, never sent)
+    box.set_value(999).run()
+    assert not at.exception
+    assert at.number_input(key="split_k_typed").value == hi and at.slider(key="split_k_slider").value == hi
+    assert f"{hi} cached" in " ".join(c.value for c in at.caption)
+    assert f"k = 999 is outside 1–{hi}: using {hi}." in " ".join(c.value for c in at.caption)
+    at.number_input(key="split_k_typed").set_value(0).run()
+    assert at.slider(key="split_k_slider").value == 1 and "k = 0 is outside" in " ".join(c.value for c in at.caption)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import threading
 
 import streamlit as st
 
@@ -103,6 +104,69 @@ def _memory_plan(name: str, key_parts: dict, fresh: bool) -> None:
         st.stop()
 
 
+# The runs working right now in this server process, any session: a run on one model waits for the model's lock
+# while another holds it, and says so (what holds it, since when) instead of a silent wait.
+_RUNNING: dict[int, dict] = {}
+_RUNNING_LOCK = threading.Lock()
+
+
+def _session_id() -> str:
+    from streamlit.runtime.scriptrunner import get_script_run_ctx
+
+    ctx = get_script_run_ctx()
+    return ctx.session_id if ctx is not None else ""
+
+
+def _model_of_session():
+    choice = st.session_state.get("model_choice")
+    return None if choice is None else (choice.spec, choice.device)
+
+
+def others_on_model(model, session: str) -> list[dict]:
+    """The runs of other sessions (tabs, users) working on `model` ((spec, device)) now, oldest first."""
+    with _RUNNING_LOCK:
+        return sorted((r for r in _RUNNING.values() if r["model"] == model and r["session"] != session),
+                      key=lambda r: r["started"])
+
+
+def held_line(run: dict, now: float | None = None) -> str:
+    """One line on a run that holds the model: what it is and when it started."""
+    import time
+
+    now = time.time() if now is None else now
+    when = time.strftime("%H:%M:%S", time.gmtime(run["started"]))
+    return (f"Another run holds the model: {run['what']}, started {when} UTC ({now - run['started']:.0f} s ago), "
+            "in another tab or by another user. Runs on one model take turns: this one starts when it ends.")
+
+
+@contextlib.contextmanager
+def _holding(name: str):
+    """Register this session's run on its model while it works, and show the line above while another run holds
+    the model (left as a caption after the run: it waited)."""
+    import time
+
+    from pages.common import PAGE_TITLES
+
+    model, session = _model_of_session(), _session_id()
+    others = others_on_model(model, session) if model is not None else []
+    note = st.empty()
+    if others:
+        note.info(held_line(others[0]), icon=":material/hourglass_top:")
+    page_name = PAGE_TITLES.get(st.session_state.get("_page", ""), "")
+    what = f"{page_name} ({name})" if page_name and page_name.lower() != name.lower() else (page_name or name)
+    token = object()
+    with _RUNNING_LOCK:
+        _RUNNING[id(token)] = {"model": model, "session": session, "what": what, "started": time.time()}
+    try:
+        yield
+    finally:
+        with _RUNNING_LOCK:
+            _RUNNING.pop(id(token), None)
+        if others:
+            note.caption("⏳ " + held_line(others[0]).replace("this one starts when it ends", "this one waited "
+                                                                "for it"))
+
+
 def run_cached(name: str, key_parts: dict, compute):
     """Run `compute()` once per distinct inputs in this session; view-only reruns reuse the stored result. The
     run's memory plan is shown first, and a run that cannot fit is refused before it starts."""
@@ -120,5 +184,6 @@ def run_cached(name: str, key_parts: dict, compute):
             st.stop()
         if len(store) >= 8:
             store.pop(next(iter(store)))
-        store[key] = compute()
+        with _holding(name):
+            store[key] = compute()
     return store[key]

@@ -128,3 +128,37 @@ def test_a_split_typed_past_the_prompt_shows_the_split_the_run_uses():
     assert f"k = 999 is outside 1–{hi}: using {hi}." in " ".join(c.value for c in at.caption)
     at.number_input(key="split_k_typed").set_value(0).run()
     assert at.slider(key="split_k_slider").value == 1 and "k = 0 is outside" in " ".join(c.value for c in at.caption)
+
+
+@pytest.mark.app
+def test_a_run_says_which_run_of_another_tab_holds_the_model():
+    import time
+
+    from pages import runner
+    from test_app import start
+
+    other = {"model": ("tiny:llama", "auto"), "session": "another-tab", "what": "Greedy paths (greedy)",
+             "started": time.time() - 125}
+    runner._RUNNING[-1] = other
+    try:
+        at = start("pages/split_point.py", model="tiny:llama")
+    finally:
+        runner._RUNNING.pop(-1, None)
+    said = " ".join(c.value for c in at.caption)
+    import re
+
+    assert re.search(r"Another run holds the model: Greedy paths \(greedy\), started \d\d:\d\d:\d\d UTC "
+                     r"\(1\d\d s ago\)", said), said
+    assert "this one waited for it" in said and "Verdict:" in " ".join(e.value for e in list(at.success) +
+                                                                         list(at.info) + list(at.error))
+    assert not [r for r in runner._RUNNING.values() if r["session"] != "another-tab"]  # its own entry is gone
+    at = start("pages/split_point.py", model="tiny:gpt2")  # another model: nothing held, nothing said
+    assert "Another run holds the model" not in " ".join(c.value for c in at.caption)
+
+
+def test_the_held_line_names_the_run_and_its_start():
+    from pages.runner import held_line
+
+    line = held_line({"what": "Lesson: rounding or a bug? (lesson5)", "started": 0.0}, now=61.0)
+    assert line.startswith("Another run holds the model: Lesson: rounding or a bug? (lesson5), started 00:00:00 UTC "
+                           "(61 s ago)")

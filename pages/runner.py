@@ -33,33 +33,83 @@ def _request_stop() -> None:
     st.session_state["_stop_requested"] = True
 
 
+def progress_text(frac: float, msg: str, elapsed: float, since: float = 0.0) -> str:
+    """The progress line: `msg` and the time left, estimated from the measured pace (elapsed / fraction done at the
+    last report) less the time since that report; past the estimate it says so and counts, never a stale "about 9 s
+    left". since: seconds since the last report (a step that takes long reports nothing meanwhile)."""
+    if "left" in msg or frac >= 1:
+        return msg
+    if frac <= 0.02 or elapsed - since <= 0.5:  # no pace measured yet
+        return f"{msg} — {elapsed:.0f} s so far" if elapsed >= 3 else msg
+    left = (elapsed - since) / frac * (1 - frac) - since
+    if left >= 1:
+        return f"{msg} — about {left:.0f} s left"
+    if since >= 3:
+        return (f"{msg} — taking longer than the pace so far said: {since:.0f} s on this part, {elapsed:.0f} s in "
+                "all")
+    return f"{msg} — almost done"
+
+
+class _Ticker:
+    """Redraws the progress line every second from the last report and the clock (a run reports only between its
+    steps)."""
+
+    def __init__(self, draw, clock):
+        self.draw, self.clock = draw, clock
+        self.t0 = self.t_report = clock()
+        self.frac, self.msg = 0.0, ""
+        self.lock = threading.Lock()
+
+    def report(self, frac: float, msg: str) -> None:
+        with self.lock:
+            self.frac, self.msg, self.t_report = min(max(float(frac), 0.0), 1.0), msg, self.clock()
+            self.draw(self.frac, progress_text(self.frac, msg, self.t_report - self.t0))
+
+    def tick(self) -> None:
+        with self.lock:
+            if self.msg:
+                now = self.clock()
+                self.draw(self.frac, progress_text(self.frac, self.msg, now - self.t0, now - self.t_report))
+
+
 @contextlib.contextmanager
 def progress_bar(label: str):
     """Yields a progress callback (fraction, message) drawn as a progress bar at the top of the page, with a time-left
-    estimate and a Stop button; removed when done. Stop interrupts the run at its next progress report (Streamlit
-    reruns on the click) and `run_cached` then shows a one-line note instead of starting it again."""
+    estimate (redrawn every second, also between reports) and a Stop button; removed when done. Stop interrupts the
+    run at its next progress report (Streamlit reruns on the click) and `run_cached` then shows a one-line note
+    instead of starting it again."""
     import time
+
+    from streamlit.runtime.scriptrunner import add_script_run_ctx, get_script_run_ctx
 
     slot = st.session_state.get("_top_slot")
     box = slot if slot is not None else st.empty()
-    t0 = time.perf_counter()
     with box.container():
         bar = st.progress(0.0, text=label)
         n = st.session_state["_stop_seq"] = st.session_state.get("_stop_seq", 0) + 1
         st.button("Stop", key=f"_stop_button_{n}", on_click=_request_stop, icon=":material/stop_circle:",
                   help="Stop this run; the page keeps its controls and you can start it again")
+    ticker = _Ticker(lambda f, text: bar.progress(f, text=text), time.perf_counter)
+    stop = threading.Event()
 
-    def report(frac: float, msg: str) -> None:
-        frac = min(max(float(frac), 0.0), 1.0)
-        elapsed = time.perf_counter() - t0
-        if "left" not in msg and 0.02 < frac < 1 and elapsed > 0.5:
-            left = elapsed / frac * (1 - frac)
-            msg = f"{msg} — about {left:.0f} s left" if left >= 1 else f"{msg} — almost done"
-        bar.progress(frac, text=msg)
+    def tick() -> None:
+        while not stop.wait(1.0):
+            try:
+                ticker.tick()
+            except Exception:  # noqa: BLE001 - the page moved on: stop redrawing
+                return
 
+    thread = threading.Thread(target=tick, daemon=True, name="kvviz-progress")
+    ctx = get_script_run_ctx()
+    if ctx is not None:
+        add_script_run_ctx(thread, ctx)
+        thread.start()
     try:
-        yield report
+        yield ticker.report
     finally:
+        stop.set()
+        if thread.is_alive():
+            thread.join(timeout=2)
         box.empty()
 
 

@@ -162,3 +162,26 @@ def test_the_held_line_names_the_run_and_its_start():
     line = held_line({"what": "Lesson: rounding or a bug? (lesson5)", "started": 0.0}, now=61.0)
     assert line.startswith("Another run holds the model: Lesson: rounding or a bug? (lesson5), started 00:00:00 UTC "
                            "(61 s ago)")
+
+
+def test_the_progress_line_follows_the_clock_between_reports():
+    """A run that reports half done after 9 s and then works a minute on one step: the line counts down from the
+    measured pace, then says it takes longer, instead of standing at "about 9 s left"."""
+    from pages.runner import _Ticker, progress_text
+
+    now, drawn = [0.0], []
+    t = _Ticker(lambda f, text: drawn.append((f, text)), lambda: now[0])
+    now[0] = 9.0
+    t.report(0.5, "Step 3 of 6")
+    assert drawn[-1] == (0.5, "Step 3 of 6 — about 9 s left")
+    now[0] = 13.0
+    t.tick()
+    assert drawn[-1] == (0.5, "Step 3 of 6 — about 5 s left")
+    now[0] = 69.0
+    t.tick()
+    assert drawn[-1][1] == "Step 3 of 6 — taking longer than the pace so far said: 60 s on this part, 69 s in all"
+    now[0] = 70.0
+    t.report(0.75, "Step 4 of 6")
+    assert drawn[-1][1] == "Step 4 of 6 — about 23 s left"  # the new pace: 70 s for 3/4
+    assert progress_text(0.0, "Loading", 5.0) == "Loading — 5 s so far"
+    assert progress_text(0.4, "Tokens — 3 s left", 20.0) == "Tokens — 3 s left"  # a run's own estimate stands

@@ -107,7 +107,10 @@ def lesson_calls(spec: str):
 
     models = lesson.model_loader(spec, "cpu")
     for dt in ("float32", "float16", "bfloat16", "float64"):
+        t = time.perf_counter()
         models(dt)
+        print(f"lesson model {dt}: loaded in {time.perf_counter() - t:.1f} s (a page pays this once, on the first "
+              "step that needs it)", flush=True)
     def cold(k):  # each step on its own: nothing from the steps before (a lesson walk shares runs: steps 4, 5, 7)
         lesson.clear_memo()
         return lesson.run_step(k, models)

@@ -33,3 +33,33 @@ def greedy_closest_call(res) -> str:
     return (f"Why nothing here: a path flips only where its top two tokens are nearly tied (margin within the gap "
             f"between the paths' logits); the closest call was step {t}, margin {m:.3g} against a gap of {g:.3g}. "
             "Ties are rarer in float32 and in short texts; bfloat16 and longer texts meet one.")
+
+
+def dtypes_line(res) -> tuple[str, str, str | None]:
+    """(verdict, explanation, fix) of a Dtypes sweep: the worst verdict over the compared dtypes, the counts per
+    dtype, and for a dtype bit for bit identical on every prompt why, with fix "half-step" (cache half the prompt
+    and feed the rest token by token: many 1-row products, where 16-bit roundings part) or None."""
+    compared = [d for d in res.dtypes if d != "float64"]
+    n = len(res.prompts)
+    count = {d: {v: res.verdicts[d].count(v) for v in ("identical", "precision", "logic")} for d in compared}
+    worst = next((v for v in ("logic", "precision", "identical") if any(count[d][v] for d in compared)), "identical")
+    parts = []
+    for d in compared:
+        c = count[d]
+        parts.append(f"{d}: " + ", ".join(f"{v} on {k} of {n}" for v, k in c.items() if k))
+    text = ("The cached run against the full forward, per dtype (float64 decides each verdict) - " + "; ".join(parts)
+            + ".")
+    same = [d for d in compared if count[d]["identical"] == n]
+    s = res.settings
+    if not same:
+        return worst, text, None
+    half_step = s.split == "half" and s.mode == "step"
+    why = (f" Why nothing in {' and '.join(same)} here: "
+           + ("with only the last token fed through the cache, " if s.split == "last" else "")
+           + f"on {s.device} these kernels gave the cached and the full products the same bits"
+           + (" - 16-bit products on a CPU are summed in float32 and rounded once at the end, so a last-bit "
+              "difference of the sum rarely survives the rounding to 16 bits (GPU kernels round along the way)"
+              if any(d in ("float16", "bfloat16") for d in same) else "")
+           + "." + ("" if half_step else " Caching half the prompt and feeding the rest token by token makes many "
+                                         "1-row products, and there the 16-bit roundings part."))
+    return worst, text + why, None if half_step else "half-step"

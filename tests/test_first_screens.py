@@ -81,3 +81,45 @@ def test_greedy_default_says_why_no_parting_and_one_click_shows_a_tie():
 
     assert at.text_area(key="greedy_prompt").value == GREEDY_PROMPT and at.session_state["dtype"] == "bfloat16"
     assert at.number_input(key="greedy_n").value == 8
+
+
+def _identical_in(res, dtype):
+    import dataclasses
+
+    return dataclasses.replace(res, verdicts={**res.verdicts, dtype: ["identical"] * len(res.prompts)})
+
+
+def test_why_a_dtype_shows_nothing_and_the_fix_that_shows_its_gap():
+    import dataclasses
+
+    import kvviz
+    from kvviz.firstscreen import dtypes_line
+    from kvviz.views.dtypes.run import run_dtypes
+
+    res = run_dtypes(kvviz.parse_spec("tiny:llama"), ["Hello world, caching is fun! 123"], ["float32", "bfloat16"],
+                     "cpu", "auto", split="last", mode="chunk", prove=False)
+    gaps = dataclasses.replace(res, verdicts={**res.verdicts, "float32": ["precision"], "bfloat16": ["precision"]})
+    verdict, text, fix = dtypes_line(gaps)
+    assert (verdict, fix) == ("precision", None) and "float32: precision on 1 of 1; bfloat16: precision on 1 of 1" in text
+    assert "Why nothing" not in text
+    verdict, text, fix = dtypes_line(_identical_in(gaps, "bfloat16"))  # as the default model's sweep is on a CPU
+    assert verdict == "precision" and fix == "half-step"
+    assert "Why nothing in bfloat16 here: with only the last token fed through the cache" in text
+    assert "summed in float32 and rounded once" in text
+    done = dataclasses.replace(_identical_in(gaps, "bfloat16"),
+                               settings=dataclasses.replace(res.settings, split="half", mode="step"))
+    assert dtypes_line(done)[2] is None  # already half, token by token: nothing more to click
+    both = _identical_in(_identical_in(gaps, "bfloat16"), "float32")
+    assert dtypes_line(both)[0] == "identical" and "Why nothing in float32 and bfloat16" in dtypes_line(both)[1]
+
+
+def test_the_dtypes_page_says_why_and_its_one_click(monkeypatch):
+    import kvviz.views.dtypes.run as dtypes_run
+
+    real = dtypes_run.run_dtypes
+    monkeypatch.setattr(dtypes_run, "run_dtypes", lambda *a, **k: _identical_in(real(*a, **k), "bfloat16"))
+    at = start("pages/dtypes_lab.py", model="tiny:llama", dt_dtypes=["bfloat16"])
+    assert "Verdict: identical" in alerts(at) and "Why nothing in bfloat16 here" in alerts(at)
+    at.button(key="dt_show_gap").click().run()
+    assert not at.exception
+    assert at.selectbox(key="dt_split").value == "half" and at.radio(key="dt_mode").value == "step"

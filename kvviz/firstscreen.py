@@ -63,3 +63,47 @@ def dtypes_line(res) -> tuple[str, str, str | None]:
            + "." + ("" if half_step else " Caching half the prompt and feeding the rest token by token makes many "
                                          "1-row products, and there the 16-bit roundings part."))
     return worst, text + why, None if half_step else "half-step"
+
+
+def serving_why(res) -> tuple[str, str | None]:
+    """(why, fix) for a Serving study where no run of any prompt parted from the reference: the closest call (the
+    reference's smallest top-2 margin) and fix "bfloat16" (more near ties) unless it ran in a 16-bit dtype already;
+    ("", None) when a prompt parted."""
+    if any(p.first_divergence is not None for p in res.prompts):
+        return "", None
+    calls = [(m, p.index, t) for p in res.prompts for t, m in enumerate(p.reference_margins)]
+    if not calls:
+        return "", None
+    m, i, t = min(calls)
+    dtype = res.settings.dtype
+    why = (f"Why nothing here: a condition changes a completion only where the reference's top two tokens are nearly "
+           f"tied, its margin within the run-to-run gap of the logits (a few ε of {dtype}); the closest call was "
+           f"prompt {i}, step {t}, margin {m:.3g}, far above that gap. ")
+    if dtype in ("float16", "bfloat16"):
+        return why + "More prompts or longer completions meet a near tie sooner.", None
+    return why + "bfloat16 (ε = 2⁻⁷) makes near ties common.", "bfloat16"
+
+
+def padding_line(res) -> tuple[str, str]:
+    """(verdict, explanation) of the padding grid: its worst cell and which scenarios give each verdict; an all-
+    identical grid says why."""
+    by: dict[str, list[str]] = {}
+    for c in res.cells:
+        v = str(c["verdict"])
+        name = f"{c['scenario']} ({c['placement']})"
+        by.setdefault(v, []).append(name)
+    worst = next((v for v in ("logic", "precision", "identical") if v in by), "identical")
+    n = len(res.cells)
+    parts = []
+    if "logic" in by:
+        parts.append(f"logic in {len(by['logic'])} of {n} cells - {', '.join(by['logic'])}: the gap stays in float64, "
+                     "the cached run computes another function")
+    if "precision" in by:
+        parts.append(f"precision in {len(by['precision'])} (the gap closes in float64: rounding)")
+    if "identical" in by:
+        parts.append(f"bit for bit identical in {len(by['identical'])}")
+    text = "Against the prompt alone without cache: " + "; ".join(parts) + "."
+    if worst == "identical":
+        text += (" Why nothing here: every scenario that ran summed its shapes in one order on this device (or "
+                 "invariant mode is on); with left padding, the omitted position ids are logic on any machine.")
+    return worst, text

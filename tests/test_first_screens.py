@@ -123,3 +123,56 @@ def test_the_dtypes_page_says_why_and_its_one_click(monkeypatch):
     at.button(key="dt_show_gap").click().run()
     assert not at.exception
     assert at.selectbox(key="dt_split").value == "half" and at.radio(key="dt_mode").value == "step"
+
+
+# Every page that runs a model on opening, with its default controls: the first verdict line shows a difference, or
+# says why there is none here (and the page then offers the click that shows one). The Backends page runs on a click
+# and the KV cache page checks a saved cache bit for bit (equality is its point): neither has a default difference.
+FIRST_SCREENS = ["split_point", "greedy_paths", "dtypes_lab", "padding_lab", "cache_reuse", "loading_trap",
+                 "quantized", "cache_safety", "serving"]
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("page", FIRST_SCREENS)
+def test_every_pages_default_shows_a_difference_or_says_why_not(page):
+    at = start(f"pages/{page}.py", model="tiny:llama")
+    boxes = [e.value for e in list(at.success) + list(at.info) + list(at.error) + list(at.warning)]
+    verdicts = [b for b in boxes if b.startswith(("**Verdict:", "**SAFE**", "**UNSAFE**"))]  # the card: SAFE/UNSAFE
+    assert verdicts, (page, boxes)
+    first = verdicts[0]
+    if first.startswith("**SAFE**"):  # the card's point: it says why (cached paths compute what the full one does)
+        assert "every cached path computes what the full forward computes" in first
+    elif first.startswith("**Verdict: identical.**"):
+        assert "Why nothing" in first, (page, first)
+        assert [b for b in at.button if b.key and b.key.endswith(("show_gap", "show_tie"))], page
+
+
+def test_the_first_screen_list_names_every_page_with_a_run():
+    from kvviz import views
+
+    from conftest import ROOT
+
+    pages = {v.page.stem for v in views.all_views() if v.page and v.page.prefix}
+    assert pages - set(FIRST_SCREENS) == {"backends", "kv_cache"}, pages
+    assert all((ROOT / "pages" / f"{p}.py").exists() for p in FIRST_SCREENS)
+
+
+def test_why_no_serving_condition_parted_and_the_fix():
+    import dataclasses
+
+    import kvviz
+    from kvviz.firstscreen import serving_why
+    from kvviz.views.serving.run import ServeConfig, run_serving
+
+    lm = kvviz.load_model("tiny:llama", "float32", "cpu")
+    res = run_serving(lm, ServeConfig(prompts=["Hello there", "The capital of France is"], runs=1, max_new_tokens=3,
+                                      batch_size=2))
+    same = dataclasses.replace(res, prompts=[dataclasses.replace(p, first_divergence=None) for p in res.prompts])
+    why, fix = serving_why(same)
+    m, i, t = min((m, p.index, t) for p in res.prompts for t, m in enumerate(p.reference_margins))
+    assert fix == "bfloat16" and f"the closest call was prompt {i}, step {t}, margin {m:.3g}" in why
+    parted = dataclasses.replace(same, prompts=[dataclasses.replace(same.prompts[0], first_divergence=1)]
+                                 + same.prompts[1:])
+    assert serving_why(parted) == ("", None)
+    bf16 = dataclasses.replace(same, settings=dataclasses.replace(same.settings, dtype="bfloat16"))
+    assert serving_why(bf16)[1] is None

@@ -107,3 +107,27 @@ def padding_line(res) -> tuple[str, str]:
         text += (" Why nothing here: every scenario that ran summed its shapes in one order on this device (or "
                  "invariant mode is on); with left padding, the omitted position ids are logic on any machine.")
     return worst, text
+
+
+def rounding_away_note(hidden_max_abs, first_module: str | None) -> str:
+    """Where the bisector's first differing module lies before the heatmap's first differing row (or no row differs):
+    one paragraph on why - its difference rounded away in the residual sum. hidden_max_abs: [hidden states,
+    positions] (row 0 the embeddings, row k the output of decoder layer k-1); "" when they agree or nothing differs."""
+    import numpy as np
+
+    from .naming import layer_label, module_index
+
+    if first_module is None:
+        return ""
+    rows = np.flatnonzero(np.asarray(hidden_max_abs).max(axis=-1) > 0)
+    i = module_index(first_module)
+    row = 0 if i is None else i + 1  # the hidden-state row the module's layer writes
+    if rows.size and rows[0] <= row:
+        return ""
+    where = (f"the heatmap's first differing row is {layer_label(int(rows[0]))}" if rows.size else
+             "no hidden state in the heatmap differs at all")
+    return (f"Why the bisector and the heatmap disagree: the bisector found a difference inside {first_module} "
+            f"(its layer writes row {layer_label(row)}), but {where}. A difference of a last bit or so inside a "
+            "layer can round away: the layer adds its output to the residual stream, and x + Δ rounds back to x when "
+            "Δ is below half an ulp of x, so the layer's output comes out bit for bit equal. Only a difference large "
+            "enough to survive that rounding reaches the hidden states the heatmap shows.")

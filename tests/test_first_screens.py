@@ -176,3 +176,18 @@ def test_why_no_serving_condition_parted_and_the_fix():
     assert serving_why(parted) == ("", None)
     bf16 = dataclasses.replace(same, settings=dataclasses.replace(same.settings, dtype="bfloat16"))
     assert serving_why(bf16)[1] is None
+
+
+def test_a_bisector_finding_before_the_heatmaps_first_row_is_explained_as_rounding_away():
+    import numpy as np
+
+    from kvviz.firstscreen import rounding_away_note
+
+    gaps = np.zeros((5, 3))  # embeddings + 4 layers, 3 compared positions
+    gaps[3:, 1] = 1e-6  # the heatmap's first differing row: layer 3 (decoder layer module 2)
+    note = rounding_away_note(gaps, "model.layers.0.self_attn.q_proj")
+    assert "inside model.layers.0.self_attn.q_proj (its layer writes row layer 1)" in note
+    assert "the heatmap's first differing row is layer 3" in note and "x + Δ rounds back to x" in note
+    assert rounding_away_note(gaps, "model.layers.2.mlp") == ""  # they agree: nothing to explain
+    assert rounding_away_note(gaps, None) == ""
+    assert "no hidden state in the heatmap differs" in rounding_away_note(np.zeros((5, 3)), "model.layers.1.mlp")

@@ -131,3 +131,18 @@ def rounding_away_note(hidden_max_abs, first_module: str | None) -> str:
             "layer can round away: the layer adds its output to the residual stream, and x + Δ rounds back to x when "
             "Δ is below half an ulp of x, so the layer's output comes out bit for bit equal. Only a difference large "
             "enough to survive that rounding reaches the hidden states the heatmap shows.")
+
+
+def matrix_why(res, invariant: bool = False) -> tuple[str, str | None]:
+    """(why, fix) for a backends matrix whose every cell that ran is bit for bit the reference; fix "bfloat16" unless
+    it ran in a 16-bit dtype already. ("", None) when a cell differs, or in invariant mode (identical is the point)."""
+    ran = [c for c in res.cells if not c.error]
+    if invariant or not ran or any(c.verdict != "identical" for c in ran):
+        return "", None
+    dtype = res.settings["dtype"]
+    why = (f"Why nothing here: every setting gave the eager no-cache reference's tokens and logits bit for bit - on "
+           f"{res.settings['device']} these attention kernels and cache kinds summed each row in the same order for "
+           "these shapes.")
+    if dtype in ("float16", "bfloat16"):
+        return why + " More tokens or a left-padded batch give other shapes.", None
+    return why + " In bfloat16 (8 bits of mantissa) a reordering shows.", "bfloat16"

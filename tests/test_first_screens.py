@@ -126,10 +126,10 @@ def test_the_dtypes_page_says_why_and_its_one_click(monkeypatch):
 
 
 # Every page that runs a model on opening, with its default controls: the first verdict line shows a difference, or
-# says why there is none here (and the page then offers the click that shows one). The Backends page runs on a click
-# and the KV cache page checks a saved cache bit for bit (equality is its point): neither has a default difference.
+# says why there is none here (and the page then offers the click that shows one). The KV cache page checks a saved
+# cache bit for bit (equality is its point): it has no default difference.
 FIRST_SCREENS = ["split_point", "greedy_paths", "dtypes_lab", "padding_lab", "cache_reuse", "loading_trap",
-                 "quantized", "cache_safety", "serving"]
+                 "quantized", "cache_safety", "serving", "backends"]
 
 
 @pytest.mark.heavy
@@ -153,7 +153,7 @@ def test_the_first_screen_list_names_every_page_with_a_run():
     from conftest import ROOT
 
     pages = {v.page.stem for v in views.all_views() if v.page and v.page.prefix}
-    assert pages - set(FIRST_SCREENS) == {"backends", "kv_cache"}, pages
+    assert pages - set(FIRST_SCREENS) == {"kv_cache"}, pages
     assert all((ROOT / "pages" / f"{p}.py").exists() for p in FIRST_SCREENS)
 
 
@@ -191,3 +191,27 @@ def test_a_bisector_finding_before_the_heatmaps_first_row_is_explained_as_roundi
     assert rounding_away_note(gaps, "model.layers.2.mlp") == ""  # they agree: nothing to explain
     assert rounding_away_note(gaps, None) == ""
     assert "no hidden state in the heatmap differs" in rounding_away_note(np.zeros((5, 3)), "model.layers.1.mlp")
+
+
+def test_the_backends_page_runs_its_default_axes_on_opening():
+    at = start("pages/backends.py", model="tiny:llama")
+    assert not at.exception and "_results_matrix" in at.session_state
+    assert "Run the matrix" not in alerts(at) and "Verdict:" in alerts(at) and at.get("plotly_chart")
+
+
+def test_why_a_matrix_shows_nothing_and_the_fix():
+    import dataclasses
+
+    import kvviz
+    from kvviz.firstscreen import matrix_why
+    from kvviz.views.matrix.run import MatrixConfig, run_matrix
+
+    lm = kvviz.load_model("tiny:llama", "float32", "cpu")
+    res = run_matrix(lm, MatrixConfig("Hello world", max_new_tokens=2, attentions=("eager",), caches=("dynamic",),
+                                      repeats=1))
+    same = dataclasses.replace(res, cells=[dataclasses.replace(c, verdict="identical") for c in res.cells])
+    why, fix = matrix_why(same)
+    assert fix == "bfloat16" and why.startswith("Why nothing here: every setting gave the eager no-cache reference's")
+    assert matrix_why(same, invariant=True) == ("", None)
+    differs = dataclasses.replace(res, cells=[dataclasses.replace(c, verdict="precision") for c in res.cells])
+    assert matrix_why(differs) == ("", None)

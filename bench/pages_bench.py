@@ -101,7 +101,7 @@ def page_calls(lm, spec: str):
 
 def lesson_calls(spec: str):
     """name -> a zero-argument function running one Lesson step (pages/lesson.py) with its default options, on the
-    lesson's models (loaded before timing: bench the steps, not the loads). Goal (issue 29): each <= 10 s on 2 CPU
+    lesson's models (loaded before timing: bench the steps, not the loads). Goal: each <= 10 s on 2 CPU
     cores."""
     from kvviz import lesson
 

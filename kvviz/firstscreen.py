@@ -1,5 +1,5 @@
-"""Why a page's first screen shows no difference, in one sentence, and which one setting would show one (issue 29:
-every page's default run shows a difference or says in its verdict line why there is none here). Pure: results in,
+"""Why a page's first screen shows no difference, in one sentence, and which one setting would show one (every
+page's default run shows a difference or says in its verdict line why there is none here). Pure: results in,
 words out; the pages turn a fix into their one-click button."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""First screens (issue 29): a page's default run shows a difference or says in its verdict line why there is none
+"""First screens: a page's default run shows a difference or says in its verdict line why there is none
 here, with the one click that shows one; one-click scenarios open without Streamlit's widget-state warning."""
 import logging
 

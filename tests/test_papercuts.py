@@ -1,4 +1,5 @@
-"""Papercuts of issue 29, each with its test."""
+"""Papercuts a new user met (slow proofs, silent waits, unexplained flat results, stray characters), each with its
+test."""
 import pytest
 
 import kvviz

@@ -101,13 +101,16 @@ def page_calls(lm, spec: str):
 
 def lesson_calls(spec: str):
     """name -> a zero-argument function running one Lesson step (pages/lesson.py) with its default options, on the
-    lesson's models (loaded before timing: bench the steps, not the loads). Goal (issue 29): each <= 10 s on 2 CPU
+    lesson's models (loaded before timing: bench the steps, not the loads). Goal: each <= 10 s on 2 CPU
     cores."""
     from kvviz import lesson
 
     models = lesson.model_loader(spec, "cpu")
     for dt in ("float32", "float16", "bfloat16", "float64"):
+        t = time.perf_counter()
         models(dt)
+        print(f"lesson model {dt}: loaded in {time.perf_counter() - t:.1f} s (a page pays this once, on the first "
+              "step that needs it)", flush=True)
     def cold(k):  # each step on its own: nothing from the steps before (a lesson walk shares runs: steps 4, 5, 7)
         lesson.clear_memo()
         return lesson.run_step(k, models)

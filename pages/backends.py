@@ -6,6 +6,7 @@ from pages.defaults import DEFAULTS
 from kvviz.views.matrix import figures as matrix_figures
 from kvviz.backends import CACHE_KINDS, COMPILE_MODES
 from kvviz.views.matrix.run import MatrixConfig, run_matrix, sliding_window_config
+from kvviz.firstscreen import matrix_why
 from pages.common import controls, page, show_verdict
 from pages.runner import page_message, progress_bar, run_cached, show_error
 from pages.exporting import exports
@@ -27,7 +28,8 @@ def use_sliding_window_preset() -> None:
         st.session_state["mx_preset_error"] = str(e)
         return
     st.session_state.update(mx_prompt=p.prompt, mx_batch="\n".join(p.batch_with), mx_n=p.max_new_tokens,
-                            mx_attn=list(p.attentions), mx_cache=list(p.caches), mx_preset_error=None)
+                            mx_attn=list(p.attentions), mx_cache=list(p.caches), mx_preset_error=None,
+                            _mx_autorun=True)  # a scenario picks its axes and runs them: no Run click
 
 
 with controls():
@@ -59,6 +61,13 @@ with controls():
                        batch_with=tuple(t for t in batch.splitlines() if t.strip()), invariant=choice.invariant)
 st.caption(f"{len(cfg.cells())} cells × {int(repeats)} repeats, each {int(n)} tokens.")
 key = {"model": choice.key_without("attn"), "cfg": repr(cfg)}
+D = DEFAULTS["matrix"]
+default_cfg = MatrixConfig(prompt=D["prompt"], max_new_tokens=D["n"], attentions=tuple(D["attn"]),
+                           caches=tuple(D["cache"]), compiles=("off",), flag_sets=((),), repeats=D["repeats"],
+                           invariant=choice.invariant)
+# a scenario's axes and the page's default axes (seconds) run at once; other axes wait for the click (can be long)
+if st.session_state.pop("_mx_autorun", False) or cfg == default_cfg:
+    st.session_state["mx_ran"] = repr(key)
 st.button("Run the matrix", type="primary", key="mx_run",
           on_click=lambda k=repr(key): st.session_state.__setitem__("mx_ran", k))
 if st.session_state.get("mx_ran") != repr(key):  # the matrix is long: it runs on the click, views reuse it
@@ -81,8 +90,13 @@ counts = {}
 for c in res.cells:
     counts[c.verdict or "could not run"] = counts.get(c.verdict or "could not run", 0) + 1
 worst = next((v for v in ("logic", "nondeterministic", "precision", "lossy", "identical") if v in counts), "could not run")
+why, fix = matrix_why(res, choice.invariant)  # an identical first screen says why, with one click
 show_verdict(worst, f"The worst of {len(res.cells)} cells against the no-cache eager reference — "
-             + ", ".join(f"{v}: {n}" for v, n in counts.items()) + ". Pick a cell below the grid for its steps.")
+             + ", ".join(f"{v}: {n}" for v, n in counts.items()) + ". Pick a cell below the grid for its steps."
+             + (f" {why}" if why else ""))
+if fix:
+    st.button("Switch to bfloat16 (shows the reordering)", key="mx_show_gap", type="primary",
+              icon=":material/visibility:", on_click=st.session_state.update, kwargs={"dtype": "bfloat16"})
 st.plotly_chart(matrix_figures.matrix_grid(res), width="stretch", key="mx_grid")
 st.caption(f"Reference (eager, no cache, {res.settings['dtype']}): “{res.reference['text']}”. float64 reference: "
            f"“{res.reference['float64_text']}”.")

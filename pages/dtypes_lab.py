@@ -6,7 +6,8 @@ from pages.defaults import DEFAULTS
 import kvviz
 from kvviz.views.dtypes import figures as dtypes_figures
 from kvviz.views.dtypes.run import run_dtypes
-from pages.common import controls, page, prompt_set, verdict_and_chart
+from kvviz.firstscreen import dtypes_line
+from pages.common import controls, page, prompt_set, show_verdict, verdict_and_chart
 from pages.runner import progress_bar, run_cached, show_error
 from pages.ab import ab_run, show_ab
 from pages.exporting import exports
@@ -43,6 +44,12 @@ except Exception as e:  # noqa: BLE001
 
 left, right = verdict_and_chart((1, 2))
 with left:
+    verdict, explanation, fix = dtypes_line(res)  # an identical dtype says why, with the one click that shows a gap
+    show_verdict(verdict, explanation)
+    if fix:
+        st.button("Cache half, feed the rest token by token (shows the 16-bit gaps)", key="dt_show_gap",
+                  on_click=st.session_state.update, icon=":material/visibility:", type="primary",
+                  kwargs={"dt_split": "half", "dt_mode": "step"})
     counts = res.verdict_counts()
     st.markdown("**Verdicts per dtype** (float64 is the reference)")
     st.dataframe(counts, width="stretch")

@@ -55,9 +55,9 @@ parting = [p for p in res.pairs if p.first_divergence is not None]
 left, right = verdict_and_chart((1, 1))
 with left:
     if not parting:
-        st.success(f"All {len(res.paths)} paths chose the same {res.steps} tokens."
-                   + (" Invariant mode is on: the paths' logits agree bit for bit wherever their logic is the same."
-                      if choice.invariant else " " + greedy_closest_call(res)))
+        show_verdict("identical", f"All {len(res.paths)} paths chose the same {res.steps} tokens."
+                     + (" Invariant mode is on: the paths' logits agree bit for bit wherever their logic is the same."
+                        if choice.invariant else " " + greedy_closest_call(res)))
         if not choice.invariant:
             from kvviz.lesson import GREEDY_PROMPT
 

@@ -5,7 +5,8 @@ from pages.defaults import DEFAULTS
 
 from kvviz.views.padding import figures as padding_figures
 from kvviz.views.padding.run import run_padding
-from pages.common import controls, page
+from kvviz.firstscreen import padding_line
+from pages.common import controls, page, show_verdict
 from pages.runner import progress_bar, run_cached, show_error
 from pages.ab import ab_run, show_ab
 from pages.exporting import exports
@@ -39,6 +40,7 @@ except Exception as e:  # noqa: BLE001
     show_error(e)
     st.stop()
 
+show_verdict(*padding_line(res))  # the grid's worst cell, in words, before the grid
 value = st.radio("Number in the cells", ["hidden_relative", "logits_relative"], horizontal=True, key="pad_value",
                  format_func={"hidden_relative": "hidden states", "logits_relative": "logits"}.get)
 st.plotly_chart(padding_figures.padding_grid(res, value), width="stretch", key="pad_grid")

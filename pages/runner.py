@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import threading
 
 import streamlit as st
 
@@ -32,33 +33,83 @@ def _request_stop() -> None:
     st.session_state["_stop_requested"] = True
 
 
+def progress_text(frac: float, msg: str, elapsed: float, since: float = 0.0) -> str:
+    """The progress line: `msg` and the time left, estimated from the measured pace (elapsed / fraction done at the
+    last report) less the time since that report; past the estimate it says so and counts, never a stale "about 9 s
+    left". since: seconds since the last report (a step that takes long reports nothing meanwhile)."""
+    if "left" in msg or frac >= 1:
+        return msg
+    if frac <= 0.02 or elapsed - since <= 0.5:  # no pace measured yet
+        return f"{msg} — {elapsed:.0f} s so far" if elapsed >= 3 else msg
+    left = (elapsed - since) / frac * (1 - frac) - since
+    if left >= 1:
+        return f"{msg} — about {left:.0f} s left"
+    if since >= 3:
+        return (f"{msg} — taking longer than the pace so far said: {since:.0f} s on this part, {elapsed:.0f} s in "
+                "all")
+    return f"{msg} — almost done"
+
+
+class _Ticker:
+    """Redraws the progress line every second from the last report and the clock (a run reports only between its
+    steps)."""
+
+    def __init__(self, draw, clock):
+        self.draw, self.clock = draw, clock
+        self.t0 = self.t_report = clock()
+        self.frac, self.msg = 0.0, ""
+        self.lock = threading.Lock()
+
+    def report(self, frac: float, msg: str) -> None:
+        with self.lock:
+            self.frac, self.msg, self.t_report = min(max(float(frac), 0.0), 1.0), msg, self.clock()
+            self.draw(self.frac, progress_text(self.frac, msg, self.t_report - self.t0))
+
+    def tick(self) -> None:
+        with self.lock:
+            if self.msg:
+                now = self.clock()
+                self.draw(self.frac, progress_text(self.frac, self.msg, now - self.t0, now - self.t_report))
+
+
 @contextlib.contextmanager
 def progress_bar(label: str):
     """Yields a progress callback (fraction, message) drawn as a progress bar at the top of the page, with a time-left
-    estimate and a Stop button; removed when done. Stop interrupts the run at its next progress report (Streamlit
-    reruns on the click) and `run_cached` then shows a one-line note instead of starting it again."""
+    estimate (redrawn every second, also between reports) and a Stop button; removed when done. Stop interrupts the
+    run at its next progress report (Streamlit reruns on the click) and `run_cached` then shows a one-line note
+    instead of starting it again."""
     import time
+
+    from streamlit.runtime.scriptrunner import add_script_run_ctx, get_script_run_ctx
 
     slot = st.session_state.get("_top_slot")
     box = slot if slot is not None else st.empty()
-    t0 = time.perf_counter()
     with box.container():
         bar = st.progress(0.0, text=label)
         n = st.session_state["_stop_seq"] = st.session_state.get("_stop_seq", 0) + 1
         st.button("Stop", key=f"_stop_button_{n}", on_click=_request_stop, icon=":material/stop_circle:",
                   help="Stop this run; the page keeps its controls and you can start it again")
+    ticker = _Ticker(lambda f, text: bar.progress(f, text=text), time.perf_counter)
+    stop = threading.Event()
 
-    def report(frac: float, msg: str) -> None:
-        frac = min(max(float(frac), 0.0), 1.0)
-        elapsed = time.perf_counter() - t0
-        if "left" not in msg and 0.02 < frac < 1 and elapsed > 0.5:
-            left = elapsed / frac * (1 - frac)
-            msg = f"{msg} — about {left:.0f} s left" if left >= 1 else f"{msg} — almost done"
-        bar.progress(frac, text=msg)
+    def tick() -> None:
+        while not stop.wait(1.0):
+            try:
+                ticker.tick()
+            except Exception:  # noqa: BLE001 - the page moved on: stop redrawing
+                return
 
+    thread = threading.Thread(target=tick, daemon=True, name="kvviz-progress")
+    ctx = get_script_run_ctx()
+    if ctx is not None:
+        add_script_run_ctx(thread, ctx)
+        thread.start()
     try:
-        yield report
+        yield ticker.report
     finally:
+        stop.set()
+        if thread.is_alive():
+            thread.join(timeout=2)
         box.empty()
 
 
@@ -103,6 +154,69 @@ def _memory_plan(name: str, key_parts: dict, fresh: bool) -> None:
         st.stop()
 
 
+# The runs working right now in this server process, any session: a run on one model waits for the model's lock
+# while another holds it, and says so (what holds it, since when) instead of a silent wait.
+_RUNNING: dict[int, dict] = {}
+_RUNNING_LOCK = threading.Lock()
+
+
+def _session_id() -> str:
+    from streamlit.runtime.scriptrunner import get_script_run_ctx
+
+    ctx = get_script_run_ctx()
+    return ctx.session_id if ctx is not None else ""
+
+
+def _model_of_session():
+    choice = st.session_state.get("model_choice")
+    return None if choice is None else (choice.spec, choice.device)
+
+
+def others_on_model(model, session: str) -> list[dict]:
+    """The runs of other sessions (tabs, users) working on `model` ((spec, device)) now, oldest first."""
+    with _RUNNING_LOCK:
+        return sorted((r for r in _RUNNING.values() if r["model"] == model and r["session"] != session),
+                      key=lambda r: r["started"])
+
+
+def held_line(run: dict, now: float | None = None) -> str:
+    """One line on a run that holds the model: what it is and when it started."""
+    import time
+
+    now = time.time() if now is None else now
+    when = time.strftime("%H:%M:%S", time.gmtime(run["started"]))
+    return (f"Another run holds the model: {run['what']}, started {when} UTC ({now - run['started']:.0f} s ago), "
+            "in another tab or by another user. Runs on one model take turns: this one starts when it ends.")
+
+
+@contextlib.contextmanager
+def _holding(name: str):
+    """Register this session's run on its model while it works, and show the line above while another run holds
+    the model (left as a caption after the run: it waited)."""
+    import time
+
+    from pages.common import PAGE_TITLES
+
+    model, session = _model_of_session(), _session_id()
+    others = others_on_model(model, session) if model is not None else []
+    note = st.empty()
+    if others:
+        note.info(held_line(others[0]), icon=":material/hourglass_top:")
+    page_name = PAGE_TITLES.get(st.session_state.get("_page", ""), "")
+    what = f"{page_name} ({name})" if page_name and page_name.lower() != name.lower() else (page_name or name)
+    token = object()
+    with _RUNNING_LOCK:
+        _RUNNING[id(token)] = {"model": model, "session": session, "what": what, "started": time.time()}
+    try:
+        yield
+    finally:
+        with _RUNNING_LOCK:
+            _RUNNING.pop(id(token), None)
+        if others:
+            note.caption("⏳ " + held_line(others[0]).replace("this one starts when it ends", "this one waited "
+                                                                "for it"))
+
+
 def run_cached(name: str, key_parts: dict, compute):
     """Run `compute()` once per distinct inputs in this session; view-only reruns reuse the stored result. The
     run's memory plan is shown first, and a run that cannot fit is refused before it starts."""
@@ -120,5 +234,6 @@ def run_cached(name: str, key_parts: dict, compute):
             st.stop()
         if len(store) >= 8:
             store.pop(next(iter(store)))
-        store[key] = compute()
+        with _holding(name):
+            store[key] = compute()
     return store[key]

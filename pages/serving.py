@@ -3,6 +3,7 @@ import streamlit as st
 
 from kvviz.views.serving import figures as serving_figures, report as serving_report, run as serving
 from kvviz.views.serving.engines import ENGINES, engine_status
+from kvviz.firstscreen import serving_why
 from pages.common import controls, page, prompt_set, show_verdict
 from pages.runner import progress_bar, run_cached, show_error
 from pages.defaults import DEFAULTS
@@ -66,7 +67,11 @@ if parting:
     first = min(parting, key=lambda p: p.first_divergence)
     show_verdict(first.verdict or "logic", res.summary_line() + ". " + (first.explanation or ""), first.proof)
 else:
-    show_verdict("identical", text)
+    why, fix = serving_why(res)  # an identical first screen says why, with the one click that shows a parting
+    show_verdict("identical", text + (f" {why}" if why else ""))
+    if fix:
+        st.button("Switch to bfloat16 (near ties: completions part)", key="sv_show_gap", type="primary",
+                  icon=":material/visibility:", on_click=st.session_state.update, kwargs={"dtype": "bfloat16"})
 st.plotly_chart(serving_figures.histogram_figure(res), width="stretch", key="sv_hist")
 if parting:
     st.plotly_chart(serving_figures.divergence_figure(res), width="stretch", key="sv_div")

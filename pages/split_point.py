@@ -8,7 +8,7 @@ from kvviz import plotting
 from kvviz.views.split import figures as split_figures
 from kvviz.inputs import MASK_MODES, POSITION_MODES, encode
 from kvviz.metrics import HIDDEN_METRICS
-from kvviz.firstscreen import split_identical_why
+from kvviz.firstscreen import rounding_away_note, split_identical_why
 from pages.common import controls, page, show_verdict, token_strip, verdict_and_chart
 from pages.state import linked_slider_box
 from pages.runner import page_message, progress_bar, run_cached, show_error
@@ -164,6 +164,9 @@ with st.expander("Where does it start? (bisector)"):
             show_error(e)
         else:
             st.markdown(b.explanation)
+            away = rounding_away_note(res.main.hidden["max_abs"], b.first.name if b.first else None)
+            if away:
+                st.info(away, icon=":material/info:")
             st.dataframe([{"layer": module_row(g.name), "module": g.name, "kind": g.kind,
                            "max |Δ|": g.max_abs}
                           for g in b.modules], hide_index=True, width="stretch")

@@ -192,6 +192,16 @@ def linked_slider_box(key: str, label: str, lo: int, hi: int, default: int, box_
     s1, s2 = st.columns([4, 1])
     s1.slider(label, lo, hi, key=f"{key}_slider",
               on_change=lambda: ss.update({key: int(ss[f"{key}_slider"])}))
-    s2.number_input(box_label, lo, hi, key=f"{key}_typed", help=help,
-                    on_change=lambda: ss.update({key: int(ss[f"{key}_typed"])}))
+    def typed() -> None:  # the box takes any whole number; one outside lo..hi is clamped, and says so
+        v = int(ss[f"{key}_typed"])
+        ss[key] = v
+        if not lo <= v <= hi:
+            ss[f"_{key}_note"] = f"{box_label} = {v} is outside {lo}–{hi}: using {min(max(v, lo), hi)}."
+
+    # no max/min on the box: the browser would keep a typed 999 in it (flagged, not sent) while the run used the old
+    # value; here the value goes through and comes back clamped, with a line saying so
+    s2.number_input(box_label, step=1, key=f"{key}_typed", help=help, on_change=typed)
+    note = ss.pop(f"_{key}_note", None)
+    if note:
+        st.caption(f"⚠️ {note}")
     return value

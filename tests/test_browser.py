@@ -421,3 +421,22 @@ def test_bisector_and_heatmap_use_one_layer_name(server, artifacts):
         m = re.search(r"layer (\d+) \((\S+?)\.(\d+)\b", text)
         assert m and int(m.group(1)) == int(m.group(3)) + 1, text  # "layer k (model.layers.{k-1}…)"
         page.screenshot(path=str(artifacts / "bisector-naming.png"), full_page=True)
+
+
+def test_a_typed_k_past_the_prompt_comes_back_as_the_k_the_run_uses(server, artifacts):
+    with browser() as b:
+        page = b.new_context(viewport={"width": 1280, "height": 900}).new_page()
+        page.goto(link(server, "split_point", presenter=False, model_preset="tiny:gpt2", split_k=4))
+        page.wait_for_selector(".js-plotly-plot", timeout=240_000)
+        wait_idle(page)
+        page.get_by_text("Settings: prompt and controls").click()
+        typed = page.locator('[data-testid="stNumberInput"] input').first
+        typed.fill("999")
+        typed.press("Enter")
+        page.get_by_text("k = 999 is outside").first.wait_for(timeout=120_000)
+        wait_idle(page)
+        no_exception(page)
+        k = typed.input_value()
+        page.screenshot(path=str(artifacts / "split-k-typed-past-the-prompt.png"))
+        assert k not in ("999", "4") and page.get_by_text(f"{k} cached (blue)").count() == 1
+        assert page.locator('[data-testid="stSliderThumbValue"]').first.inner_text().strip() == k

@@ -50,10 +50,13 @@ def test_every_scenario_but_the_window_prepares_with_its_effect(tmp_path):
         assert got[key].view == "split" and got[key].result.verdict == "logic", key
     proof = got["proof"].result  # invariant mode: the cached run equals the full forward bit for bit
     assert proof.verdict == "identical" and proof.settings.execution.invariant
-    layers = got["layers"].result  # dtypes: four dtypes over eight built-in prompts
+    layers = got["layers"].result  # dtypes: four dtypes over four built-in prompts, half cached, token by token
     assert got["layers"].view == "dtypes" and layers.dtypes == ["float64", "float32", "float16", "bfloat16"]
-    assert len(layers.prompts) == 8 and set(layers.verdicts["float64"]) == {"reference"}
+    assert len(layers.prompts) == 4 and set(layers.verdicts["float64"]) == {"reference"}
+    assert (layers.settings.split, layers.settings.mode) == ("half", "step")
     assert set(layers.verdicts["float32"]) == {"precision"}
+    for d in ("float16", "bfloat16"):  # the card's 16-bit gap: many 1-row products round apart in 16 bits
+        assert "precision" in layers.verdicts[d] and "logic" not in layers.verdicts[d], (d, layers.verdicts[d])
 
 
 @pytest.mark.heavy

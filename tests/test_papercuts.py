@@ -1,4 +1,5 @@
-"""Papercuts of issue 29, each with its test."""
+"""Papercuts a new user met (slow proofs, silent waits, unexplained flat results, stray characters), each with its
+test."""
 import pytest
 
 import kvviz
@@ -93,3 +94,95 @@ def test_texts_of_random_bytes_show_their_bytes_not_mojibake():
     assert REPLACEMENT not in shown and "⟨e4⟩" in shown and "⟨ff⟩" in shown and shown.endswith("Hi there")
     clean = tok("Hello world", add_special_tokens=False)["input_ids"]
     assert display_text(tok, clean) == tok.decode(clean)
+
+
+@pytest.mark.app
+def test_the_sliding_window_scenario_runs_on_its_own_and_its_texts_show_no_mojibake():
+    from streamlit.testing.v1 import AppTest
+
+    from conftest import ROOT
+    from kvviz.text import REPLACEMENT
+
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=240)
+    at.run()
+    at.button(key="preset_window").click().run()
+    assert not at.exception, at.exception
+    shown = [e.value for e in list(at.info) + list(at.success) + list(at.error) + list(at.warning)]
+    assert not any("Run the matrix" in v for v in shown), shown  # it ran: no "press Run the matrix"
+    assert any(v.startswith("**Verdict:") for v in shown) and at.get("plotly_chart"), shown
+    texts = [t.value for t in at.text] + [c.value for c in at.caption] + shown
+    assert not [t for t in texts if REPLACEMENT in t]
+
+
+@pytest.mark.app
+def test_a_split_typed_past_the_prompt_shows_the_split_the_run_uses():
+    from test_app import start
+
+    at = start("pages/split_point.py", model="tiny:llama")
+    box = at.number_input(key="split_k_typed")
+    hi = int(at.slider(key="split_k_slider").max)
+    assert box.max is None  # a browser keeps an out-of-range number in a box with a max (flagged, never sent)
+    box.set_value(999).run()
+    assert not at.exception
+    assert at.number_input(key="split_k_typed").value == hi and at.slider(key="split_k_slider").value == hi
+    assert f"{hi} cached" in " ".join(c.value for c in at.caption)
+    assert f"k = 999 is outside 1–{hi}: using {hi}." in " ".join(c.value for c in at.caption)
+    at.number_input(key="split_k_typed").set_value(0).run()
+    assert at.slider(key="split_k_slider").value == 1 and "k = 0 is outside" in " ".join(c.value for c in at.caption)
+
+
+@pytest.mark.app
+def test_a_run_says_which_run_of_another_tab_holds_the_model():
+    import time
+
+    from pages import runner
+    from test_app import start
+
+    other = {"model": ("tiny:llama", "auto"), "session": "another-tab", "what": "Greedy paths (greedy)",
+             "started": time.time() - 125}
+    runner._RUNNING[-1] = other
+    try:
+        at = start("pages/split_point.py", model="tiny:llama")
+    finally:
+        runner._RUNNING.pop(-1, None)
+    said = " ".join(c.value for c in at.caption)
+    import re
+
+    assert re.search(r"Another run holds the model: Greedy paths \(greedy\), started \d\d:\d\d:\d\d UTC "
+                     r"\(1\d\d s ago\)", said), said
+    assert "this one waited for it" in said and "Verdict:" in " ".join(e.value for e in list(at.success) +
+                                                                         list(at.info) + list(at.error))
+    assert not [r for r in runner._RUNNING.values() if r["session"] != "another-tab"]  # its own entry is gone
+    at = start("pages/split_point.py", model="tiny:gpt2")  # another model: nothing held, nothing said
+    assert "Another run holds the model" not in " ".join(c.value for c in at.caption)
+
+
+def test_the_held_line_names_the_run_and_its_start():
+    from pages.runner import held_line
+
+    line = held_line({"what": "Lesson: rounding or a bug? (lesson5)", "started": 0.0}, now=61.0)
+    assert line.startswith("Another run holds the model: Lesson: rounding or a bug? (lesson5), started 00:00:00 UTC "
+                           "(61 s ago)")
+
+
+def test_the_progress_line_follows_the_clock_between_reports():
+    """A run that reports half done after 9 s and then works a minute on one step: the line counts down from the
+    measured pace, then says it takes longer, instead of standing at "about 9 s left"."""
+    from pages.runner import _Ticker, progress_text
+
+    now, drawn = [0.0], []
+    t = _Ticker(lambda f, text: drawn.append((f, text)), lambda: now[0])
+    now[0] = 9.0
+    t.report(0.5, "Step 3 of 6")
+    assert drawn[-1] == (0.5, "Step 3 of 6 — about 9 s left")
+    now[0] = 13.0
+    t.tick()
+    assert drawn[-1] == (0.5, "Step 3 of 6 — about 5 s left")
+    now[0] = 69.0
+    t.tick()
+    assert drawn[-1][1] == "Step 3 of 6 — taking longer than the pace so far said: 60 s on this part, 69 s in all"
+    now[0] = 70.0
+    t.report(0.75, "Step 4 of 6")
+    assert drawn[-1][1] == "Step 4 of 6 — about 23 s left"  # the new pace: 70 s for 3/4
+    assert progress_text(0.0, "Loading", 5.0) == "Loading — 5 s so far"
+    assert progress_text(0.4, "Tokens — 3 s left", 20.0) == "Tokens — 3 s left"  # a run's own estimate stands

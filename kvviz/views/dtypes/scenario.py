@@ -1,5 +1,5 @@
 """A one-click scenario of the Dtypes side by side page, run ahead (kvviz.meeting): the built-in prompts (as many
-as the preset's limit) in float32, float16 and bfloat16 against float64."""
+as the preset's limit) in float32, float16 and bfloat16 against float64, with the preset's split and feed mode."""
 from __future__ import annotations
 
 
@@ -11,4 +11,5 @@ def run(preset, device: str = "cpu", progress=None):
 
     prompts = [r["prompt"] for r in builtin_prompts()][: int(preset.controls.get("dt_limit", 8))]
     return run_dtypes(parse_spec(preset.model), prompts, ["float32", "float16", "bfloat16"], device, "auto",
-                      split="last", mode="chunk", progress=progress)
+                      split=preset.controls.get("dt_split", "last"), mode=preset.controls.get("dt_mode", "chunk"),
+                      progress=progress)

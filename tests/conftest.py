@@ -42,3 +42,35 @@ def artifacts() -> Path:
 @pytest.fixture(scope="session")
 def kvviz_cache() -> Path:
     return _CACHE
+
+
+# --- a rounding gap built on purpose, the same on every CPU and GPU -------------------------------------------------
+import torch.nn.functional as F  # noqa: E402
+from torch.overrides import TorchFunctionMode  # noqa: E402
+
+
+class RowCountRounding(TorchFunctionMode):
+    """A linear layer over several rows sums its inner dimension in two parts, split where the number of rows
+    says, each rounded to the dtype, then added; over one row in one go: a matrix kernel whose blocking depends on
+    how many rows it gets. A full forward and a cached run then differ by rounding on every CPU and GPU (a 16-bit
+    dtype rounds the parts visibly), the gap closes in float64, and invariant mode - whose linear layers go one row
+    at a time - has none of it. The gap case of the verdict rule, built instead of hoped for from this machine's
+    kernels."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, w = args[0], args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            rows, inner = x.reshape(-1, x.shape[-1]).shape
+            if rows > 1 and inner > 2:
+                k = 1 + rows % (inner - 1)
+                out = F.linear(x[..., :k], w[:, :k]) + F.linear(x[..., k:], w[:, k:])
+                return out if bias is None else out + bias
+        return func(*args, **kwargs)
+
+
+@pytest.fixture
+def row_count_rounding():
+    with RowCountRounding():
+        yield

@@ -4,7 +4,6 @@ proof; a precision gap that is a large fraction of the value says rounding was a
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 import kvviz
 from kvviz import invariant, verdict
@@ -40,33 +39,6 @@ def test_amplification_names_the_layer_where_the_gap_jumps():
     assert "amplified" in text and "layer 3 (model.layers.2)" in text  # 2e-7 -> 1e-3: the largest jump
     assert text.index("starts at layer 1 (model.layers.0)") >= 0
     assert verdict.amplification([0.0, 1e-7, 2e-7]) is None  # a small gap: nothing amplified
-
-
-class RowCountRounding(TorchFunctionMode):
-    """A linear layer over several rows sums its inner dimension in two parts, split where the number of rows
-    says, each rounded to the dtype, then added; over one row in one go: a matrix kernel whose blocking depends on
-    how many rows it gets. A full forward and a cached run then differ by rounding on every CPU and GPU (a 16-bit
-    dtype rounds the parts visibly), the gap closes in float64, and invariant mode - whose linear layers go one row
-    at a time - has none of it. The gap case of the verdict rule, built instead of hoped for from this machine's
-    kernels."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear:
-            x, w = args[0], args[1]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            rows, inner = x.reshape(-1, x.shape[-1]).shape
-            if rows > 1 and inner > 2:
-                k = 1 + rows % (inner - 1)
-                out = F.linear(x[..., :k], w[:, :k]) + F.linear(x[..., k:], w[:, k:])
-                return out if bias is None else out + bias
-        return func(*args, **kwargs)
-
-
-@pytest.fixture
-def row_count_rounding():
-    with RowCountRounding():
-        yield
 
 
 def _tiny_gemma3(dtype):

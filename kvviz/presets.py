@@ -34,7 +34,7 @@ PRESETS = (
            {"split_pad": 0, "split_pos": "auto", "split_mask": "new-only"}),
     Preset("layers", "How a 16-bit gap grows across layers", "float64, float32, float16 and bfloat16 side by side "
            "over a few prompts: the cached-vs-full gap per layer, raw and in each dtype's ε.",
-           "pages/dtypes_lab.py", "tiny:llama", "bfloat16", {"dt_source": "built-in set", "dt_limit": 4, "dt_split": "half", "dt_mode": "step"}),
+           "pages/dtypes_lab.py", "tiny:llama", "bfloat16", {"dtypes_source": "built-in set", "dtypes_limit": 4, "dtypes_split": "half", "dtypes_mode": "step"}),
     Preset("bidirectional", "A model that is not causal", "RoBERTa-style attention sees later tokens too, so it "
            "returns no cache: appending tokens changes what the earlier ones compute. Logic - do not use "
            "its cache (`cache`, past_key_values before transformers 5.24).", "pages/split_point.py", "tiny:roberta", "float32",

@@ -25,10 +25,10 @@ def use_sliding_window_preset() -> None:
     try:
         p = sliding_window_config(lm)
     except Exception as e:  # noqa: BLE001
-        st.session_state["mx_preset_error"] = str(e)
+        st.session_state["matrix_preset_error"] = str(e)
         return
-    st.session_state.update(mx_prompt=p.prompt, mx_batch="\n".join(p.batch_with), mx_n=p.max_new_tokens,
-                            mx_attn=list(p.attentions), mx_cache=list(p.caches), mx_preset_error=None,
+    st.session_state.update(matrix_prompt=p.prompt, matrix_batch="\n".join(p.batch_with), matrix_n=p.max_new_tokens,
+                            matrix_attn=list(p.attentions), matrix_cache=list(p.caches), matrix_preset_error=None,
                             _mx_autorun=True)  # a scenario picks its axes and runs them: no Run click
 
 
@@ -36,25 +36,25 @@ with controls():
     if st.session_state.pop("_mx_apply_preset", False):  # opened from a Home preset
         use_sliding_window_preset()
     st.button("Sliding-window preset (the torch.compile report): a short left-padded prompt batched with one longer than the window",
-              key="mx_preset", on_click=use_sliding_window_preset)
-    if st.session_state.get("mx_preset_error"):
+              key="matrix_preset", on_click=use_sliding_window_preset)
+    if st.session_state.get("matrix_preset_error"):
         with page_message():
-            st.error(st.session_state["mx_preset_error"], icon="⚠️")
+            st.error(st.session_state["matrix_preset_error"], icon="⚠️")
     prompt = st.text_area("Prompt (row 0)", DEFAULTS["matrix"]["prompt"],
-                          key="mx_prompt", height=70)
-    batch = st.text_area("Batch it with (one prompt a line; empty: alone)", "", key="mx_batch", height=60)
+                          key="matrix_prompt", height=70)
+    batch = st.text_area("Batch it with (one prompt a line; empty: alone)", "", key="matrix_batch", height=60)
     c1, c2, c3, c4 = st.columns(4)
-    n = c1.number_input("New tokens", 1, 256, DEFAULTS["matrix"]["n"], key="mx_n")
-    repeats = c2.number_input("Repeats", 1, 20, DEFAULTS["matrix"]["repeats"], key="mx_rep")
-    left_pad = c3.number_input("Left padding", 0, 64, 0, key="mx_pad")
-    pos = c4.radio("Position ids", ["auto", "omit"], horizontal=True, key="mx_pos")
+    n = c1.number_input("New tokens", 1, 256, DEFAULTS["matrix"]["n"], key="matrix_n")
+    repeats = c2.number_input("Repeats", 1, 20, DEFAULTS["matrix"]["repeats"], key="matrix_rep")
+    left_pad = c3.number_input("Left padding", 0, 64, 0, key="matrix_pad")
+    pos = c4.radio("Position ids", ["auto", "omit"], horizontal=True, key="matrix_pos")
     a1, a2, a3, a4 = st.columns(4)
     attns = a1.multiselect("Attention", ["eager", "sdpa", "flex_attention", "flash_attention_2"], list(DEFAULTS["matrix"]["attn"]),
-                           key="mx_attn")
-    caches = a2.multiselect("Cache kind", [k.value for k in CACHE_KINDS], list(DEFAULTS["matrix"]["cache"]), key="mx_cache")
-    compiles = a3.multiselect("torch.compile", list(COMPILE_MODES), ["off"], key="mx_compile",
+                           key="matrix_attn")
+    caches = a2.multiselect("Cache kind", [k.value for k in CACHE_KINDS], list(DEFAULTS["matrix"]["cache"]), key="matrix_cache")
+    compiles = a3.multiselect("torch.compile", list(COMPILE_MODES), ["off"], key="matrix_compile",
                               help="Compiling takes a while the first time (about a minute on a CPU).")
-    flags = a4.multiselect("Precision flags", list(FLAG_SETS), ["none"], key="mx_flags")
+    flags = a4.multiselect("Precision flags", list(FLAG_SETS), ["none"], key="matrix_flags")
     cfg = MatrixConfig(prompt=prompt, max_new_tokens=int(n), attentions=tuple(attns), caches=tuple(caches),
                        compiles=tuple(compiles), flag_sets=tuple(FLAG_SETS[f] for f in flags), repeats=int(repeats),
                        left_pad=int(left_pad), position_ids=pos,
@@ -67,10 +67,10 @@ default_cfg = MatrixConfig(prompt=D["prompt"], max_new_tokens=D["n"], attentions
                            invariant=choice.invariant)
 # a scenario's axes and the page's default axes (seconds) run at once; other axes wait for the click (can be long)
 if st.session_state.pop("_mx_autorun", False) or cfg == default_cfg:
-    st.session_state["mx_ran"] = repr(key)
-st.button("Run the matrix", type="primary", key="mx_run",
-          on_click=lambda k=repr(key): st.session_state.__setitem__("mx_ran", k))
-if st.session_state.get("mx_ran") != repr(key):  # the matrix is long: it runs on the click, views reuse it
+    st.session_state["matrix_ran"] = repr(key)
+st.button("Run the matrix", type="primary", key="matrix_run",
+          on_click=lambda k=repr(key): st.session_state.__setitem__("matrix_ran", k))
+if st.session_state.get("matrix_ran") != repr(key):  # the matrix is long: it runs on the click, views reuse it
     st.info("Pick the axes and press **Run the matrix**.")
     st.stop()
 
@@ -95,18 +95,18 @@ show_verdict(worst, f"The worst of {len(res.cells)} cells against the no-cache e
              + ", ".join(f"{v}: {n}" for v, n in counts.items()) + ". Pick a cell below the grid for its steps."
              + (f" {why}" if why else ""))
 if fix:
-    st.button("Switch to bfloat16 (shows the reordering)", key="mx_show_gap", type="primary",
+    st.button("Switch to bfloat16 (shows the reordering)", key="matrix_show_gap", type="primary",
               icon=":material/visibility:", on_click=st.session_state.update, kwargs={"dtype": "bfloat16"})
-st.plotly_chart(matrix_figures.matrix_grid(res), width="stretch", key="mx_grid")
+st.plotly_chart(matrix_figures.matrix_grid(res), width="stretch", key="matrix_grid")
 st.caption(f"Reference (eager, no cache, {res.settings['dtype']}): “{res.reference['text']}”. float64 reference: "
            f"“{res.reference['float64_text']}”.")
 labels = [c.label for c in res.cells]
-pick = st.selectbox("Cell details", labels, key="mx_cell")
+pick = st.selectbox("Cell details", labels, key="matrix_cell")
 cell = res.cells[labels.index(pick)]
 if cell.error:
     st.warning(f"This combination cannot run here: {cell.error}")
 else:
-    st.plotly_chart(matrix_figures.matrix_cell_steps(cell), width="stretch", key="mx_steps")
+    st.plotly_chart(matrix_figures.matrix_cell_steps(cell), width="stretch", key="matrix_steps")
     t1, t2 = st.columns(2)
     t1.markdown("**This cell**")
     t1.text(cell.text)

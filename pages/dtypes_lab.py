@@ -18,15 +18,15 @@ choice, _ = page("Dtypes side by side",
                  needs_model=False)
 
 with controls():
-    source, prompts = prompt_set("dt", ["one prompt", "built-in set", "upload a file"], DEFAULTS["dtypes"]["prompt"],
+    source, prompts = prompt_set("dtypes", ["one prompt", "built-in set", "upload a file"], DEFAULTS["dtypes"]["prompt"],
                                  None, 20)
 
     c1, c2, c3 = st.columns(3)
     dtypes = c1.multiselect("Dtypes (float64 always runs)", ["float32", "float16", "bfloat16"],
-                            default=list(DEFAULTS["dtypes"]["dtypes"]), key="dt_dtypes")
-    split = c2.selectbox("Split", ["last", "half"], key="dt_split",
+                            default=list(DEFAULTS["dtypes"]["dtypes"]), key="dtypes_dtypes")
+    split = c2.selectbox("Split", ["last", "half"], key="dtypes_split",
                          format_func={"last": "all but the last token cached", "half": "half cached"}.get)
-    mode = c3.radio("Feed the rest", ["chunk", "step"], horizontal=True, key="dt_mode")
+    mode = c3.radio("Feed the rest", ["chunk", "step"], horizontal=True, key="dtypes_mode")
 
 
 def compute():
@@ -47,21 +47,21 @@ with left:
     verdict, explanation, fix = dtypes_line(res)  # an identical dtype says why, with the one click that shows a gap
     show_verdict(verdict, explanation)
     if fix:
-        st.button("Cache half, feed the rest token by token (shows the 16-bit gaps)", key="dt_show_gap",
+        st.button("Cache half, feed the rest token by token (shows the 16-bit gaps)", key="dtypes_show_gap",
                   on_click=st.session_state.update, icon=":material/visibility:", type="primary",
-                  kwargs={"dt_split": "half", "dt_mode": "step"})
+                  kwargs={"dtypes_split": "half", "dtypes_mode": "step"})
     counts = res.verdict_counts()
     st.markdown("**Verdicts per dtype** (float64 is the reference)")
     st.dataframe(counts, width="stretch")
-    metric = st.radio("Show", ["max_abs", "eps_units"], horizontal=True, key="dt_metric",
+    metric = st.radio("Show", ["max_abs", "eps_units"], horizontal=True, key="dtypes_metric",
                       format_func={"max_abs": "raw max |Δ|", "eps_units": "in units of each dtype's ε"}.get)
-    how = st.radio("Over the prompts", ["mean", "max"], horizontal=True, key="dt_how")
+    how = st.radio("Over the prompts", ["mean", "max"], horizontal=True, key="dtypes_how")
 with right:
-    st.plotly_chart(dtypes_figures.dtype_curves(res, metric, how), width="stretch", key="dt_chart")
+    st.plotly_chart(dtypes_figures.dtype_curves(res, metric, how), width="stretch", key="dtypes_chart")
 st.subheader(f"Layers × dtypes ({how} over {len(res.prompts)} prompt{'s' if len(res.prompts) != 1 else ''})")
 st.dataframe(res.stat(metric, how).style.format("{:.3g}"), width="stretch")
 with st.expander("A/B: this sweep against one other setting, on one scale"):
-    b = ab_run("dt", "dtypes", choice, None, {"feed mode": [m for m in ("chunk", "step") if m != mode]},
+    b = ab_run("dtypes", "dtypes", choice, None, {"feed mode": [m for m in ("chunk", "step") if m != mode]},
                "Runs the sweep once more with B's setting",
                {"model": choice.key_without("dtype"), "prompts": prompts, "dtypes": dtypes, "split": split, "mode": mode},
                lambda what, other, _, settings_b, report: run_dtypes(
@@ -70,7 +70,7 @@ with st.expander("A/B: this sweep against one other setting, on one scale"):
                    trust_remote_code=choice.trust_remote_code, progress=report, settings=settings_b),
                own_a={"feed mode": mode}, exclude=("dtype",))
     if b is not None:
-        show_ab(dtypes_figures.ab_dtype_curves(res, b.result, b.label_a, b.label_b, metric, how), "dt",
+        show_ab(dtypes_figures.ab_dtype_curves(res, b.result, b.label_a, b.label_b, metric, how), "dtypes",
                 "Both charts on one y range; the third is |B − A| per dtype and layer.")
 checked = [(d, x) for d, xs in res.proved.items() for x in xs if x is not None]
 if checked:

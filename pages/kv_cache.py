@@ -15,16 +15,16 @@ choice, lm = page("KV cache",
                   "from it and check it bit for bit against a freshly computed cache; and see how big caches get.")
 t1, t2 = st.tabs(["Save, load, continue", "Size"])
 with t1:
-    prompt = st.text_area("Prompt to cache", DEFAULTS["kv"]["prompt"], key="kv_prompt", height=70)
+    prompt = st.text_area("Prompt to cache", DEFAULTS["kv"]["prompt"], key="cache_prompt", height=70)
     try:
         data, meta = run_cached("kv_save", {"model": choice.key, "prompt": prompt},
                                 lambda: save_cache_bytes(lm, prompt))
         st.download_button(f"Download the cache ({meta['n_tokens']} tokens, {len(data) / 1024:.0f} KiB)", data,
-                           file_name="kvviz-cache.safetensors", mime="application/octet-stream", key="kv_download")
+                           file_name="kvviz-cache.safetensors", mime="application/octet-stream", key="cache_download")
     except Exception as e:  # noqa: BLE001
         show_error(e)
-    up = st.file_uploader("Load a saved cache (.safetensors)", type=["safetensors"], key="kv_upload")
-    cont = st.text_input("Continue with", " Paris, and the capital of Italy is", key="kv_cont")
+    up = st.file_uploader("Load a saved cache (.safetensors)", type=["safetensors"], key="cache_upload")
+    cont = st.text_input("Continue with", " Paris, and the capital of Italy is", key="cache_cont")
     if up is not None:
         try:
             res = run_cached("kv_load", {"model": choice.key, "file": up.file_id, "cont": cont},
@@ -43,8 +43,8 @@ with t1:
             exports(res, "kv_reload", lm)
 with t2:
     c1, c2 = st.columns(2)
-    tokens = c1.number_input("Tokens", 1, 1_000_000, DEFAULTS["kv"]["tokens"], key="kv_tokens")
-    batch = c2.number_input("Batch", 1, 1024, 1, key="kv_batch")
+    tokens = c1.number_input("Tokens", 1, 1_000_000, DEFAULTS["kv"]["tokens"], key="cache_tokens")
+    batch = c2.number_input("Batch", 1, 1024, 1, key="cache_batch")
     try:
         rep = run_cached("kv_size", {"model": choice.key, "tokens": int(tokens), "batch": int(batch)},
                          lambda: size_report(lm, int(tokens), int(batch),
@@ -63,7 +63,7 @@ with t2:
     st.dataframe(known_table(int(tokens)).style.format(precision=3), hide_index=True, width="stretch")
     shapes = [KVShape.from_model(lm)] + known_configs()
     picked = st.multiselect("Chart", [s.name for s in shapes], [shapes[0].name, "Llama-3-8B", "Gemma-2-2B"],
-                            key="kv_chart_models")
+                            key="cache_chart_models")
     rows = growth([s for s in shapes if s.name in picked], 32768, dtypes=("float32", "bfloat16"))
-    st.plotly_chart(cache_figures.cache_growth(rows), width="stretch", key="kv_growth")
+    st.plotly_chart(cache_figures.cache_growth(rows), width="stretch", key="cache_growth")
     exports(rep, "kv_size", lm)

@@ -15,10 +15,10 @@ choice, lm = page("Loading trap",
                   "frequencies, which from_pretrained(dtype=bfloat16) keeps in float32: two different models, whose "
                   "greedy texts can part although no cache is involved.")
 with controls():
-    prompt = st.text_area("Prompt", DEFAULTS["trap"]["prompt"], key="trap_prompt", height=70)
+    prompt = st.text_area("Prompt", DEFAULTS["trap"]["prompt"], key="loading_trap_prompt", height=70)
     c1, c2 = st.columns(2)
-    n = c1.number_input("New tokens", 1, 256, DEFAULTS["trap"]["n"], key="trap_n")
-    dtype = c2.radio("16-bit dtype", ["bfloat16", "float16"], horizontal=True, key="trap_dtype")
+    n = c1.number_input("New tokens", 1, 256, DEFAULTS["trap"]["n"], key="loading_trap_n")
+    dtype = c2.radio("16-bit dtype", ["bfloat16", "float16"], horizontal=True, key="loading_trap_dtype")
 
 
 def compute():
@@ -37,7 +37,7 @@ with left:
     show_verdict({"different models": "logic", "same model": "identical"}.get(res.verdict, res.verdict),
                  res.explanation)
 with right:
-    st.plotly_chart(loading_trap_figures.loading_trap_steps(res), width="stretch", key="trap_chart")
+    st.plotly_chart(loading_trap_figures.loading_trap_steps(res), width="stretch", key="loading_trap_chart")
 a, b = st.columns(2)
 a.markdown(f"**from_pretrained(dtype={dtype})**")
 a.text(res.loaded_text)

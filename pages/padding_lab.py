@@ -16,13 +16,13 @@ choice, lm = page("Padding and batching",
                   "with the prompt alone, without cache and without padding; the colour is the verdict from rerunning that "
                   "very cell in float64.")
 with controls():
-    prompt = st.text_area("Prompt", DEFAULTS["padding"]["prompt"], key="pad_prompt",
+    prompt = st.text_area("Prompt", DEFAULTS["padding"]["prompt"], key="padding_prompt",
                              height=80)
     c1, c2 = st.columns(2)
-    left_pad = c1.number_input("Left padding (pad tokens)", 0, 64, DEFAULTS["padding"]["left_pad"], key="pad_pad")
-    split = c2.number_input("Split point (0 = half the prompt)", 0, 4096, 0, key="pad_split")
+    left_pad = c1.number_input("Left padding (pad tokens)", 0, 64, DEFAULTS["padding"]["left_pad"], key="padding_pad")
+    split = c2.number_input("Split point (0 = half the prompt)", 0, 4096, 0, key="padding_split")
     prove = st.toggle("Prove the precision cells (rerun the grid in invariant mode; slower)",
-                      DEFAULTS["padding"]["prove"], key="pad_prove",
+                      DEFAULTS["padding"]["prove"], key="padding_prove",
                       help="Off by default so the grid comes quickly; the float64 rerun decides every verdict anyway.")
 
 
@@ -41,9 +41,9 @@ except Exception as e:  # noqa: BLE001
     st.stop()
 
 show_verdict(*padding_line(res))  # the grid's worst cell, in words, before the grid
-value = st.radio("Number in the cells", ["hidden_relative", "logits_relative"], horizontal=True, key="pad_value",
+value = st.radio("Number in the cells", ["hidden_relative", "logits_relative"], horizontal=True, key="padding_value",
                  format_func={"hidden_relative": "hidden states", "logits_relative": "logits"}.get)
-st.plotly_chart(padding_figures.padding_grid(res, value), width="stretch", key="pad_grid")
+st.plotly_chart(padding_figures.padding_grid(res, value), width="stretch", key="padding_grid")
 st.markdown("""
 * **no cache** — padding or batching alone: other matrix shapes, so rounding differs — *precision*.
 * **cache** — correct position ids and mask: still only rounding.
@@ -57,12 +57,12 @@ for c in res.cells:  # a cell the model's own forward cannot run: its one-line r
     if c.get("reason"):
         st.caption(f"**{c['placement']} / {c['scenario']}** — {c['reason']}")
 with st.expander("A/B: this grid against one other setting, on one colour scale"):
-    b = ab_run("pad", "padding", choice, lm, {}, "Runs the grid once more with B's setting",
+    b = ab_run("padding", "padding", choice, lm, {}, "Runs the grid once more with B's setting",
                {"model": choice.key, "prompt": prompt, "pad": int(left_pad), "split": int(split)},
                lambda what, other, lm_b, settings_b, report: run_padding(
                    lm_b, prompt, int(split) or None, int(left_pad), progress=report, settings=settings_b))
     if b is not None:
-        show_ab(padding_figures.ab_padding_grids(res, b.result, b.label_a, b.label_b, value), "pad",
+        show_ab(padding_figures.ab_padding_grids(res, b.result, b.label_a, b.label_b, value), "padding",
                 "The cells' relative gaps (log₁₀) on one colour scale; exact zeros are written 0 and left grey; the "
                 "third grid is |B − A|.", side_by_side=False)
 proved = [c for c in res.cells if c["proved"] is not None]

@@ -20,22 +20,22 @@ choice, lm = page("Serving",
                   "runs, and each parting prompt's log-probs are compared with the float64 reference on the same "
                   "tokens: within the engine's rounding distance is precision, farther is logic.")
 with controls():
-    source, prompts = prompt_set("sv", ["built-in set", "one prompt", "upload a file"], "The capital of France is",
+    source, prompts = prompt_set("serving", ["built-in set", "one prompt", "upload a file"], "The capital of France is",
                                  [SV["category"]], SV["limit"], height=70)
     prefix = st.text_input("Shared prefix (put before every prompt; warmed for 'prefix warm')", "",
-                           key="sv_prefix")
+                           key="serving_prefix")
     c1, c2, c3, c4 = st.columns(4)
     conditions = c1.multiselect("Conditions", list(serving.CONDITIONS), default=list(serving.CONDITIONS),
-                                key="sv_conditions", format_func=serving.CONDITION_LABELS.get)
-    runs = c2.number_input("Runs (R)", 1, 50, SV["runs"], key="sv_runs")
-    new_tokens = c3.number_input("New tokens", 1, 128, SV["n"], key="sv_tokens")
-    batch = c4.number_input("Batch size k", 2, 16, SV["batch"], key="sv_batch")
+                                key="serving_conditions", format_func=serving.CONDITION_LABELS.get)
+    runs = c2.number_input("Runs (R)", 1, 50, SV["runs"], key="serving_runs")
+    new_tokens = c3.number_input("New tokens", 1, 128, SV["n"], key="serving_tokens")
+    batch = c4.number_input("Batch size k", 2, 16, SV["batch"], key="serving_batch")
     c1, c2, c3 = st.columns(3)
-    engine = c1.selectbox("Engine", ENGINES, key="sv_engine")
+    engine = c1.selectbox("Engine", ENGINES, key="serving_engine")
     pages = engine == "transformers"  # vLLM's blocks and llama.cpp's cache are not kvviz's to set
-    page_size = c2.number_input("Page size (tokens)", 4, 256, 8, key="sv_page", disabled=not pages,
+    page_size = c2.number_input("Page size (tokens)", 4, 256, 8, key="serving_page", disabled=not pages,
                                 help=None if pages else "transformers' continuous batching only")
-    seed = c3.number_input("Seed of the batch draws", 0, 10_000, 0, key="sv_seed")
+    seed = c3.number_input("Seed of the batch draws", 0, 10_000, 0, key="serving_seed")
     why = engine_status(engine)
     if why:
         st.info(why)
@@ -70,20 +70,20 @@ else:
     why, fix = serving_why(res)  # an identical first screen says why, with the one click that shows a parting
     show_verdict("identical", text + (f" {why}" if why else ""))
     if fix:
-        st.button("Switch to bfloat16 (near ties: completions part)", key="sv_show_gap", type="primary",
+        st.button("Switch to bfloat16 (near ties: completions part)", key="serving_show_gap", type="primary",
                   icon=":material/visibility:", on_click=st.session_state.update, kwargs={"dtype": "bfloat16"})
-st.plotly_chart(serving_figures.histogram_figure(res), width="stretch", key="sv_hist")
+st.plotly_chart(serving_figures.histogram_figure(res), width="stretch", key="serving_hist")
 if parting:
-    st.plotly_chart(serving_figures.divergence_figure(res), width="stretch", key="sv_div")
+    st.plotly_chart(serving_figures.divergence_figure(res), width="stretch", key="serving_div")
 share = res.warm_differs_share
 c1, c2, c3 = st.columns(3)
 c1.metric("Prompts with 1 distinct completion", f"{res.histogram.get(1, 0)} / {len(res.prompts)}")
 c2.metric("Warm ≠ cold", "—" if share is None else f"{share:.0%}")
 c3.metric("Parting prompts", len(parting))
 st.dataframe(serving_figures.prompt_frame(res), hide_index=True, width="stretch")
-st.plotly_chart(serving_figures.throughput_figure(res), width="stretch", key="sv_tps")
+st.plotly_chart(serving_figures.throughput_figure(res), width="stretch", key="serving_tps")
 with st.expander("Completions of one prompt, run by run"):
-    i = st.number_input("Prompt #", 0, len(res.prompts) - 1, 0, key="sv_show")
+    i = st.number_input("Prompt #", 0, len(res.prompts) - 1, 0, key="serving_show")
     p = res.prompts[int(i)]
     st.text(f"reference: {p.reference_text!r}")
     for c in p.texts:

@@ -18,15 +18,24 @@ SIDEBAR_DEFAULTS = {"model_preset": "default", "model_other": "", "dtype": "floa
 # The prefixes and their pages come from the view registry (each view's Page(prefix=...)).
 PREFIX_OF_PAGE = _views.page_prefixes()
 PAGE_PREFIXES = tuple(PREFIX_OF_PAGE.values())
+LINK_PREFIXES = _views.link_prefixes()  # other prefixes a saved link may carry -> the controls' own
+
+
+def link_key(key: str) -> str:
+    """A saved link's parameter name -> the control it sets (a link made with another prefix still opens)."""
+    for other, own in LINK_PREFIXES.items():
+        if key.startswith(other):
+            return own + key[len(other):]
+    return key
 
 
 SIDEBAR_KEYS = ("model_preset", "model_other", "dtype", "device", "attn", "trust_remote_code", "invariant",
                 "presenter", "devices", "max_memory")
 
 
-_NOT_IN_URL = ("kv_upload", "dt_upload", "mx_run", "mx_preset", "split_bisect", "open_upload", "split_k_typed",
+_NOT_IN_URL = ("cache_upload", "dtypes_upload", "matrix_run", "matrix_preset", "split_bisect", "open_upload", "split_k_typed",
                "split_k_slider",
-               "kv_download", "sv_upload")
+               "cache_download", "serving_upload")
 
 
 def _persistable(key: str) -> bool:
@@ -42,6 +51,7 @@ def remember() -> None:
         ss["_url_read"] = True
         bad = []
         for k, v in st.query_params.items():
+            k = link_key(k)
             if not _persistable(k) or k == "trust_remote_code":  # a link never turns remote code on
                 continue
             try:
@@ -104,7 +114,7 @@ def copy_link() -> None:
 # you set yourself on other pages stay).
 CONTROL_NAMES = {"split_pad": "left padding", "split_pos": "position ids", "split_mask": "attention mask",
                  "split_mode": "feed", "greedy_prompt": "prompt", "greedy_n": "new tokens", "greedy_paths": "paths",
-                 "dt_source": "prompts", "dt_limit": "prompt count", "_mx_preset": "the sliding-window preset"}
+                 "dtypes_source": "prompts", "dtypes_limit": "prompt count", "_mx_preset": "the sliding-window preset"}
 
 
 def start_scenario(preset, state: dict) -> None:

@@ -132,22 +132,22 @@ def test_dtypes_page_set_and_views():
     at = start("pages/dtypes_lab.py")
     assert not at.exception
     assert len(at.get("plotly_chart")) == 1
-    at.radio(key="dt_source").set_value("built-in set").run()
-    at.number_input(key="dt_limit").set_value(4).run()
+    at.radio(key="dtypes_source").set_value("built-in set").run()
+    at.number_input(key="dtypes_limit").set_value(4).run()
     assert not at.exception and len(at.get("plotly_chart")) == 1
     store = at.session_state["_results_dtypes"]
     n = len(store)
-    at.radio(key="dt_metric").set_value("eps_units").run()
-    at.radio(key="dt_how").set_value("max").run()
+    at.radio(key="dtypes_metric").set_value("eps_units").run()
+    at.radio(key="dtypes_how").set_value("max").run()
     assert not at.exception and len(at.session_state["_results_dtypes"]) == n  # views did not recompute
 
 
 def test_padding_and_reuse_pages():
     at = start("pages/padding_lab.py")
     assert not at.exception and len(at.get("plotly_chart")) == 1
-    at.number_input(key="pad_pad").set_value(2).run()
+    at.number_input(key="padding_pad").set_value(2).run()
     assert not at.exception
-    at.text_area(key="pad_prompt").input("").run()
+    at.text_area(key="padding_prompt").input("").run()
     assert not at.exception and "empty" in alerts(at)
     at = start("pages/cache_reuse.py", model="tiny:llama")
     assert not at.exception
@@ -187,30 +187,30 @@ def test_the_dtype_sweep_ignores_the_sidebar_dtype():
 
 
 def test_loading_trap_page():
-    at = start("pages/loading_trap.py", model="tiny:llama", trap_n=4)
+    at = start("pages/loading_trap.py", model="tiny:llama", loading_trap_n=4)
     assert "different models" in alerts(at).lower() or "two different models" in alerts(at)
     assert len(at.text) == 2
 
 
 def test_backends_page_runs_on_click_and_views_do_not_rerun():
-    at = start("pages/backends.py", model="tiny:llama", mx_n=3, mx_rep=1)
+    at = start("pages/backends.py", model="tiny:llama", matrix_n=3, matrix_rep=1)
     assert not at.exception and len(at.get("plotly_chart")) == 0  # nothing runs before the click
     assert "_results_matrix" not in at.session_state
-    at.button(key="mx_run").click().run()
+    at.button(key="matrix_run").click().run()
     assert not at.exception, at.exception
     assert len(at.get("plotly_chart")) == 2
     n = len(at.session_state["_results_matrix"])
-    at.selectbox(key="mx_cell").set_value(at.selectbox(key="mx_cell").options[-1]).run()
+    at.selectbox(key="matrix_cell").set_value(at.selectbox(key="matrix_cell").options[-1]).run()
     assert not at.exception and len(at.session_state["_results_matrix"]) == n  # picking a cell reruns nothing
 
 
 def test_sliding_window_preset_and_bisector_buttons():
     at = start("pages/backends.py", model="tiny:mistral")
-    at.button(key="mx_preset").click().run()
-    assert not at.exception and at.text_area(key="mx_batch").value  # the long companion prompt is filled in
-    assert at.number_input(key="mx_n").value > 8  # past the window of 8
+    at.button(key="matrix_preset").click().run()
+    assert not at.exception and at.text_area(key="matrix_batch").value  # the long companion prompt is filled in
+    assert at.number_input(key="matrix_n").value > 8  # past the window of 8
     at = start("pages/backends.py", model="tiny:llama")
-    at.button(key="mx_preset").click().run()
+    at.button(key="matrix_preset").click().run()
     assert "no sliding window" in alerts(at)
     at = start("pages/split_point.py", model="tiny:llama", split_pad=3, split_pos="omit", invariant=True)
     at.button(key="split_bisect").click().run()
@@ -220,7 +220,7 @@ def test_sliding_window_preset_and_bisector_buttons():
 def test_kv_cache_page_saves_loads_and_sizes():
     from kvviz.views.cache.run import save_cache_bytes
 
-    at = start("pages/kv_cache.py", model="tiny:gemma2", kv_tokens=40)
+    at = start("pages/kv_cache.py", model="tiny:gemma2", cache_tokens=40)
     assert not at.exception
     metrics = {m.label: m.value for m in at.metric}
     assert metrics["formula"] == metrics["measured (live cache)"]
@@ -242,8 +242,8 @@ def test_every_page_offers_its_exports():
     repro = ("split_point", "greedy_paths", "padding_lab", "cache_reuse", "dtypes_lab", "loading_trap", "quantized",
              "cache_safety")
     for path, state in [("split_point", {}), ("greedy_paths", {"greedy_n": 3}), ("padding_lab", {}),
-                        ("cache_reuse", {"reuse_n": 2}), ("dtypes_lab", {"dt_dtypes": ["bfloat16"]}),
-                        ("loading_trap", {"trap_n": 3}), ("quantized", {"quant_n": 3}), ("cache_safety", {})]:
+                        ("cache_reuse", {"reuse_n": 2}), ("dtypes_lab", {"dtypes_dtypes": ["bfloat16"]}),
+                        ("loading_trap", {"loading_trap_n": 3}), ("quantized", {"quant_n": 3}), ("cache_safety", {})]:
         at = start(f"pages/{path}.py", model="tiny:llama", **state)
         labels = [b.label for b in at.get("download_button")]
         assert "Result (JSON)" in labels and "Report (HTML)" in labels, (path, labels)
@@ -268,7 +268,7 @@ def test_home_presets_for_the_sweep_and_the_window():
     at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
     at.run()
     at.button(key="preset_window").click().run()
-    assert not at.exception and at.text_area(key="mx_batch").value and at.number_input(key="mx_n").value > 8
+    assert not at.exception and at.text_area(key="matrix_batch").value and at.number_input(key="matrix_n").value > 8
     at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
     at.run()
     at.button(key="preset_layers").click().run()
@@ -293,6 +293,17 @@ def test_page_settings_survive_a_page_switch():
     at.switch_page("pages/split_point.py").run()
     assert at.radio(key="split_mode").value == "step" and at.number_input(key="split_pad").value == 3
     assert at.query_params["split_mode"] == ['"step"'] or at.query_params["split_mode"] == '"step"'
+
+
+def test_a_link_with_a_pages_other_prefix_opens_its_controls():
+    """Links saved with the Serving page's other prefix (sv_) still set its controls (serving_)."""
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
+    at.query_params.update({"model_preset": '"tiny:llama"', "sv_runs": "1", "sv_tokens": "2", "sv_limit": "2"})
+    at.run()
+    at.switch_page("pages/serving.py").run()
+    assert not at.exception, at.exception
+    assert at.number_input(key="serving_runs").value == 1 and at.number_input(key="serving_tokens").value == 2
+    assert "serving_runs" in at.query_params and "sv_runs" not in at.query_params
 
 
 def test_a_link_opens_the_exact_view_and_bad_parameters_fall_back():
@@ -397,20 +408,20 @@ def test_greedy_ab_runs_b_once_on_a_shared_scale():
 
 
 def test_padding_page_without_padding_and_its_ab():
-    at = start("pages/padding_lab.py", model="tiny:llama", pad_pad=0)
+    at = start("pages/padding_lab.py", model="tiny:llama", padding_pad=0)
     grid = json.loads(at.get("plotly_chart")[0].proto.spec)
     assert grid["data"][0]["y"] == ["alone", "in a batch"]  # no "left-padded" row at padding 0
-    at.selectbox(key="pad_ab_what").set_value("invariant mode").run()
-    at.toggle(key="pad_ab_on").set_value(True).run()
+    at.selectbox(key="padding_ab_what").set_value("invariant mode").run()
+    at.toggle(key="padding_ab_on").set_value(True).run()
     assert not at.exception, at.exception
     titles = [json.loads(c.proto.spec)["layout"]["title"]["text"] for c in at.get("plotly_chart")]
     assert "B — invariant mode = on" in titles and "|B − A| of the relative gap" in titles
 
 
 def test_dtypes_and_reuse_ab():
-    at = start("pages/dtypes_lab.py", model="tiny:llama", dt_dtypes=["bfloat16"])
-    at.selectbox(key="dt_ab_what").set_value("feed mode").run()
-    at.toggle(key="dt_ab_on").set_value(True).run()
+    at = start("pages/dtypes_lab.py", model="tiny:llama", dtypes_dtypes=["bfloat16"])
+    at.selectbox(key="dtypes_ab_what").set_value("feed mode").run()
+    at.toggle(key="dtypes_ab_on").set_value(True).run()
     assert not at.exception, at.exception
     figs = {json.loads(c.proto.spec)["layout"]["title"]["text"]: json.loads(c.proto.spec)
             for c in at.get("plotly_chart")}

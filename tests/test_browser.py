@@ -180,7 +180,7 @@ def _first_screen(page, selector: str) -> dict:
 def test_presenter_mode_fits_verdict_and_chart_and_custom_html_is_readable(server, artifacts, scheme):
     pages = {"split_point": {"split_prompt": "Hello world, caching is fun! " * 3},  # custom HTML: token chips
              "greedy_paths": {"greedy_n": 8},  # custom HTML: the texts panel
-             "quantized": {"quant_n": 8}, "loading_trap": {"trap_n": 6}}
+             "quantized": {"quant_n": 8}, "loading_trap": {"loading_trap_n": 6}}
     with browser() as b:
         ctx = b.new_context(viewport={"width": 1280, "height": 720}, color_scheme=scheme)
         for path, params in pages.items():
@@ -304,8 +304,8 @@ def test_first_screen_in_normal_mode(server, artifacts, scheme):
         for path in names:
             verdict_sel, chart_sel = FIRST_SCREEN[path]
             page = ctx.new_page()
-            short = {"greedy_paths": {"greedy_n": 8}, "quantized": {"quant_n": 4}, "loading_trap": {"trap_n": 6},
-                     "serving": {"sv_limit": 3, "sv_runs": 2}}
+            short = {"greedy_paths": {"greedy_n": 8}, "quantized": {"quant_n": 4}, "loading_trap": {"loading_trap_n": 6},
+                     "serving": {"serving_limit": 3, "serving_runs": 2}}
             page.goto(link(server, path, presenter=False, **short.get(path, {})))
             if path == "backends":  # the matrix runs on its button
                 page.get_by_role("button", name="Run the matrix").click(timeout=120_000)

@@ -118,11 +118,11 @@ def test_the_dtypes_page_says_why_and_its_one_click(monkeypatch):
 
     real = dtypes_run.run_dtypes
     monkeypatch.setattr(dtypes_run, "run_dtypes", lambda *a, **k: _identical_in(real(*a, **k), "bfloat16"))
-    at = start("pages/dtypes_lab.py", model="tiny:llama", dt_dtypes=["bfloat16"])
+    at = start("pages/dtypes_lab.py", model="tiny:llama", dtypes_dtypes=["bfloat16"])
     assert "Verdict: identical" in alerts(at) and "Why nothing in bfloat16 here" in alerts(at)
-    at.button(key="dt_show_gap").click().run()
+    at.button(key="dtypes_show_gap").click().run()
     assert not at.exception
-    assert at.selectbox(key="dt_split").value == "half" and at.radio(key="dt_mode").value == "step"
+    assert at.selectbox(key="dtypes_split").value == "half" and at.radio(key="dtypes_mode").value == "step"
 
 
 # Every page that runs a model on opening, with its default controls: the first verdict line shows a difference, or

@@ -97,6 +97,21 @@ def test_every_view_has_its_facts_in_its_entry():
     prefixes = views.page_prefixes()
     assert len(set(prefixes.values())) == len(prefixes)  # one prefix a page
     assert not any(a != b and a.startswith(b) for a in prefixes.values() for b in prefixes.values())
+    for v in views.all_views():  # a page's controls take its folder's name
+        if v.page:
+            assert v.page.prefix == v.package.rsplit(".", 1)[-1] + "_", (v.name, v.page.prefix)
+    others = views.link_prefixes()  # a saved link's other prefix reads as one page's own, and hides no other's
+    assert set(others.values()) <= set(prefixes.values())
+    assert not any(o.startswith(p) or p.startswith(o) for o in others for p in prefixes.values())
+
+
+def test_a_page_prefix_other_than_its_folders_is_refused():
+    from kvviz.views import MemoryProfile, Page, View, register
+
+    v = View("some_view", "Some view", "SomeResult", "report:reopen", page=Page("some_page", "Investigate", "", prefix="sv_"),
+             memory=MemoryProfile())
+    with pytest.raises(KvvizError, match="take the prefix of its folder, 'somewhere_'"):
+        register(v, "kvviz.views.somewhere")
 
 
 # --- one memory-plan builder: the CLI and the page count the same run the same way ----------------------------

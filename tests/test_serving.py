@@ -205,9 +205,9 @@ def test_serving_page_runs_and_reopens(no_engine_envs):
 
     at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
     at.session_state["model_preset"] = "tiny:llama"
-    at.session_state["sv_limit"] = 3
-    at.session_state["sv_runs"] = 1
-    at.session_state["sv_tokens"] = 2
+    at.session_state["serving_limit"] = 3
+    at.session_state["serving_runs"] = 1
+    at.session_state["serving_tokens"] = 2
     at.run()
     at.switch_page("pages/serving.py")
     at.run()
@@ -215,10 +215,10 @@ def test_serving_page_runs_and_reopens(no_engine_envs):
     assert len(at.get("plotly_chart")) >= 2 and len(at.dataframe) == 1
     res = next(iter(at.session_state["_results_serving"].values()))
     assert len(res.prompts) == 3 and res.settings.runs == 1 and res.settings.page_size == 8
-    assert not at.number_input(key="sv_page").disabled
-    at.selectbox(key="sv_engine").set_value("vllm").run()
+    assert not at.number_input(key="serving_page").disabled
+    at.selectbox(key="serving_engine").set_value("vllm").run()
     assert not at.exception and any("vLLM is not installed" in e.value for e in at.info)
-    assert at.number_input(key="sv_page").disabled  # vLLM's blocks are not kvviz's page size
+    assert at.number_input(key="serving_page").disabled  # vLLM's blocks are not kvviz's page size
 
 
 @pytest.mark.app

@@ -56,7 +56,8 @@ class Page:
     section: str
     icon: str
     title: str | None = None  # the navigation's name for it (default: the view's title)
-    prefix: str = ""  # the session-state / URL prefix of the page's controls ("split_")
+    prefix: str = ""  # the session-state / URL prefix of its controls: "<view folder>_", set by register()
+    link_prefix: str = ""  # another prefix a saved link may carry for these controls (read as `prefix`)
 
 
 @dataclass(frozen=True)
@@ -141,6 +142,12 @@ def register(view: View, package: str = "") -> View:
                          "not know what its runs hold")
     if package and not view.package:
         object.__setattr__(view, "package", package)
+    if view.page is not None:
+        want = (view.package or view.name).rsplit(".", 1)[-1] + "_"
+        if view.page.prefix not in ("", want):
+            raise KvvizError(f"view {view.name!r}: its page's controls take the prefix of its folder, {want!r}, not "
+                             f"{view.page.prefix!r}")
+        object.__setattr__(view.page, "prefix", want)
     _VIEWS[view.name] = view
     return view
 
@@ -203,6 +210,11 @@ def for_run(name: str) -> View | None:
 def page_prefixes() -> dict[str, str]:
     """Page stem -> the prefix of its controls, for every view with a page."""
     return {v.page.stem: v.page.prefix for v in all_views() if v.page and v.page.prefix}
+
+
+def link_prefixes() -> dict[str, str]:
+    """Another prefix a saved link may carry -> the prefix of those controls."""
+    return {v.page.link_prefix: v.page.prefix for v in all_views() if v.page and v.page.link_prefix}
 
 
 def of(result) -> View:

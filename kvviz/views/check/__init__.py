@@ -7,6 +7,6 @@ from .run import Check, CheckCard, run_check
 
 VIEW = View("check", "Is my model cache-safe?", "CheckCard", "report:reopen", None, "report:verdict",
             tables="figures:tables", repro="repro", cli="cli", command="check",
-            page=Page("cache_safety", "Start", ":material/verified_user:", prefix="check_"),
+            page=Page("cache_safety", "Start", ":material/verified_user:"),
             memory=MemoryProfile(forwards=2, float64_only=True, stepwise_reference=True, past_window=True,
                                  weight_copies=True))

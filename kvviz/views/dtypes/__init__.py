@@ -7,5 +7,5 @@ from .run import DtypesResult, run_dtypes
 
 VIEW = View("dtypes", "Dtypes side by side", "DtypesResult", "report:reopen", "figures:main", "report:verdict",
             verdict_is_html=True, tables="figures:tables", repro="repro", cli="cli", command="dtypes",
-            page=Page("dtypes_lab", "Investigate", ":material/stacked_line_chart:", prefix="dt_"),
+            page=Page("dtypes_lab", "Investigate", ":material/stacked_line_chart:", link_prefix="dt_"),
             memory=MemoryProfile(forwards=2, many_prompts=True), scenario="scenario:run")

@@ -9,7 +9,7 @@ def run(preset, device: str = "cpu", progress=None):
 
     from .run import run_dtypes
 
-    prompts = [r["prompt"] for r in builtin_prompts()][: int(preset.controls.get("dt_limit", 8))]
+    prompts = [r["prompt"] for r in builtin_prompts()][: int(preset.controls.get("dtypes_limit", 8))]
     return run_dtypes(parse_spec(preset.model), prompts, ["float32", "float16", "bfloat16"], device, "auto",
-                      split=preset.controls.get("dt_split", "last"), mode=preset.controls.get("dt_mode", "chunk"),
+                      split=preset.controls.get("dtypes_split", "last"), mode=preset.controls.get("dtypes_mode", "chunk"),
                       progress=progress)

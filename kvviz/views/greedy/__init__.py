@@ -8,5 +8,5 @@ from .run import DEFAULT_PATHS, GreedyConfig, GreedyResult, run_greedy
 
 VIEW = View("greedy", "Greedy paths", "GreedyResult", "report:reopen", "figures:main", "report:verdict",
             repro="repro", cli="cli", command="greedy",
-            page=Page("greedy_paths", "Investigate", ":material/call_split:", prefix="greedy_"),
+            page=Page("greedy_paths", "Investigate", ":material/call_split:"),
             memory=MemoryProfile(), scenario="scenario:run")

@@ -7,5 +7,5 @@ from .run import LoadingTrapResult, run_loading_trap
 
 VIEW = View("loading_trap", "Loading trap", "LoadingTrapResult", "report:reopen", "figures:main", None,
             tables="figures:tables", repro="repro", cli="cli", command="loading-trap",
-            page=Page("loading_trap", "Classic traps", ":material/swap_horiz:", prefix="trap_"),
+            page=Page("loading_trap", "Classic traps", ":material/swap_horiz:", link_prefix="trap_"),
             memory=MemoryProfile(reference=False), runs=("trap",))

@@ -8,5 +8,5 @@ from .run import MatrixConfig, MatrixResult, run_matrix, sliding_window_config
 
 VIEW = View("matrix", "Backends & compile", "MatrixResult", "report:reopen", "figures:main", "report:verdict",
             repro="repro", cli="cli", command="matrix",
-            page=Page("backends", "Engine", ":material/memory:", prefix="mx_"), memory=MemoryProfile(),
+            page=Page("backends", "Engine", ":material/memory:", link_prefix="mx_"), memory=MemoryProfile(),
             scenario="scenario:run")

@@ -8,5 +8,5 @@ from .run import PaddingResult, run_padding
 
 VIEW = View("padding", "Padding and batching", "PaddingResult", "report:reopen", "figures:main", "report:verdict",
             verdict_is_html=True, tables="figures:tables", repro="repro", cli="cli", command="padding",
-            page=Page("padding_lab", "Classic traps", ":material/grid_on:", prefix="pad_"),
+            page=Page("padding_lab", "Classic traps", ":material/grid_on:", link_prefix="pad_"),
             memory=MemoryProfile(forwards=2, batch=3))

@@ -7,5 +7,5 @@ from .run import QuantConfig, QuantResult, run_quant
 
 VIEW = View("quant", "Quantized cache & weights", "QuantResult", "report:reopen", "figures:main", None,
             tables="figures:tables", repro="repro", cli="cli", command="quant",
-            page=Page("quantized", "Engine", ":material/compress:", prefix="quant_"),
+            page=Page("quantized", "Engine", ":material/compress:"),
             memory=MemoryProfile(reference=False, weight_copies=True))

@@ -7,5 +7,5 @@ from .run import ReuseResult, run_reuse
 
 VIEW = View("reuse", "Prompt-cache reuse", "ReuseResult", "report:reopen", None, "report:verdict",
             verdict_is_html=True, tables="figures:tables", repro="repro", cli="cli", command="reuse",
-            page=Page("cache_reuse", "Classic traps", ":material/recycling:", prefix="reuse_"),
+            page=Page("cache_reuse", "Classic traps", ":material/recycling:"),
             memory=MemoryProfile())

@@ -8,5 +8,5 @@ from .run import ServeConfig, ServeResult, run_serving
 
 VIEW = View("serving", "Serving", "ServeResult", "report:reopen", "figures:main", "report:verdict",
             tables="figures:tables", repro="repro", cli="cli", command="serve-study",
-            page=Page("serving", "Engine", ":material/dns:", prefix="sv_"),
+            page=Page("serving", "Engine", ":material/dns:", link_prefix="sv_"),
             memory=MemoryProfile())

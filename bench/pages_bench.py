@@ -62,7 +62,7 @@ def page_calls(lm, spec: str):
         return run_reuse(lm, r["prefix"], r["continuations"], r["n"], prove=r["prove"] and None)
 
     def trap():
-        t = D["trap"]
+        t = D["loading_trap"]
         return run_loading_trap(lm, t["prompt"], t["n"], "bfloat16")
 
     def matrix():
@@ -72,9 +72,9 @@ def page_calls(lm, spec: str):
                                            repeats=m["repeats"]))
 
     def kv_cache():
-        save_cache_bytes(lm, D["kv"]["prompt"])
-        return size_report(lm, D["kv"]["tokens"], 1, measure=lm.max_positions is None
-                           or D["kv"]["tokens"] <= lm.max_positions)
+        save_cache_bytes(lm, D["cache"]["prompt"])
+        return size_report(lm, D["cache"]["tokens"], 1, measure=lm.max_positions is None
+                           or D["cache"]["tokens"] <= lm.max_positions)
 
     def quant():
         q = D["quant"]

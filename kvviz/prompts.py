@@ -8,6 +8,9 @@ from pathlib import Path
 
 from .errors import KvvizError
 
+# a prompt whose continuation every small model knows (the pages' default prompt)
+CAPITALS = "The capital of France is Paris, and the capital of Italy is"
+
 BUILTIN = "builtin"
 
 

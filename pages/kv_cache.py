@@ -15,7 +15,7 @@ choice, lm = page("KV cache",
                   "from it and check it bit for bit against a freshly computed cache; and see how big caches get.")
 t1, t2 = st.tabs(["Save, load, continue", "Size"])
 with t1:
-    prompt = st.text_area("Prompt to cache", DEFAULTS["kv"]["prompt"], key="cache_prompt", height=70)
+    prompt = st.text_area("Prompt to cache", DEFAULTS["cache"]["prompt"], key="cache_prompt", height=70)
     try:
         data, meta = run_cached("kv_save", {"model": choice.key, "prompt": prompt},
                                 lambda: save_cache_bytes(lm, prompt))
@@ -43,7 +43,7 @@ with t1:
             exports(res, "kv_reload", lm)
 with t2:
     c1, c2 = st.columns(2)
-    tokens = c1.number_input("Tokens", 1, 1_000_000, DEFAULTS["kv"]["tokens"], key="cache_tokens")
+    tokens = c1.number_input("Tokens", 1, 1_000_000, DEFAULTS["cache"]["tokens"], key="cache_tokens")
     batch = c2.number_input("Batch", 1, 1024, 1, key="cache_batch")
     try:
         rep = run_cached("kv_size", {"model": choice.key, "tokens": int(tokens), "batch": int(batch)},

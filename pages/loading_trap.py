@@ -15,9 +15,9 @@ choice, lm = page("Loading trap",
                   "frequencies, which from_pretrained(dtype=bfloat16) keeps in float32: two different models, whose "
                   "greedy texts can part although no cache is involved.")
 with controls():
-    prompt = st.text_area("Prompt", DEFAULTS["trap"]["prompt"], key="loading_trap_prompt", height=70)
+    prompt = st.text_area("Prompt", DEFAULTS["loading_trap"]["prompt"], key="loading_trap_prompt", height=70)
     c1, c2 = st.columns(2)
-    n = c1.number_input("New tokens", 1, 256, DEFAULTS["trap"]["n"], key="loading_trap_n")
+    n = c1.number_input("New tokens", 1, 256, DEFAULTS["loading_trap"]["n"], key="loading_trap_n")
     dtype = c2.radio("16-bit dtype", ["bfloat16", "float16"], horizontal=True, key="loading_trap_dtype")
 
 

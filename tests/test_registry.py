@@ -105,6 +105,22 @@ def test_every_view_has_its_facts_in_its_entry():
     assert not any(o.startswith(p) or p.startswith(o) for o in others for p in prefixes.values())
 
 
+def test_page_defaults_live_in_the_view_entries():
+    """pages/defaults.py reads each view's Page(defaults=...) by folder; every page that draws a prompt has one."""
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    from pages.defaults import DEFAULTS
+
+    assert DEFAULTS == views.page_defaults()
+    for v in views.all_views():
+        if v.page:
+            folder = v.package.rsplit(".", 1)[-1]
+            assert DEFAULTS[folder] is v.page.defaults
+            source = (ROOT / "pages" / f"{v.page.stem}.py").read_text()
+            assert ("DEFAULTS" in source) == bool(v.page.defaults), v.page.stem  # a page reads the defaults it has
+
+
 def test_a_page_prefix_other_than_its_folders_is_refused():
     from kvviz.views import MemoryProfile, Page, View, register
 

@@ -16,7 +16,7 @@ A view is a scenario kvviz can run and show (split, greedy, …). Its folder hol
 
 Each entry also holds the view's facts that the core reads instead of comparing names: its memory profile (what
 the memory plan counts for it, kvviz.memory; a view without one is refused here), its page (navigation, the
-settings prefix of its controls) and the run names its page gives pages/runner.run_cached.
+settings prefix of its controls, its controls' defaults) and the run names its page gives pages/runner.run_cached.
 
 The export (JSON, reopen, HTML), the repro scripts, the CLI's subcommands and `open`, the memory plan, Prepare
 the meeting and the app's navigation and state iterate this registry; nothing compares view names. Adding a view is its folder plus one line in VIEW_FOLDERS
@@ -58,6 +58,7 @@ class Page:
     title: str | None = None  # the navigation's name for it (default: the view's title)
     prefix: str = ""  # the session-state / URL prefix of its controls: "<view folder>_", set by register()
     link_prefix: str = ""  # another prefix a saved link may carry for these controls (read as `prefix`)
+    defaults: dict = field(default_factory=dict, compare=False)  # its controls' default values (pages/defaults.py)
 
 
 @dataclass(frozen=True)
@@ -210,6 +211,11 @@ def for_run(name: str) -> View | None:
 def page_prefixes() -> dict[str, str]:
     """Page stem -> the prefix of its controls, for every view with a page."""
     return {v.page.stem: v.page.prefix for v in all_views() if v.page and v.page.prefix}
+
+
+def page_defaults() -> dict[str, dict]:
+    """View folder -> its page's default controls, for every view with a page."""
+    return {v.page.prefix.removesuffix("_"): v.page.defaults for v in all_views() if v.page}
 
 
 def link_prefixes() -> dict[str, str]:

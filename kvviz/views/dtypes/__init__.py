@@ -3,9 +3,11 @@
 This folder is the whole view: run.py (config, run, result), figures.py, report.py (reopen, verdict), repro.py, cli.py.
 Registered by one line in kvviz/views/__init__.py."""
 from .. import MemoryProfile, Page, View
+from ...prompts import CAPITALS
 from .run import DtypesResult, run_dtypes
 
 VIEW = View("dtypes", "Dtypes side by side", "DtypesResult", "report:reopen", "figures:main", "report:verdict",
             verdict_is_html=True, tables="figures:tables", repro="repro", cli="cli", command="dtypes",
-            page=Page("dtypes_lab", "Investigate", ":material/stacked_line_chart:", link_prefix="dt_"),
+            page=Page("dtypes_lab", "Investigate", ":material/stacked_line_chart:", link_prefix="dt_",
+                      defaults={"prompt": CAPITALS, "dtypes": ("float32", "float16", "bfloat16")}),
             memory=MemoryProfile(forwards=2, many_prompts=True), scenario="scenario:run")

@@ -4,9 +4,12 @@ change greedy decoding, and how.
 This folder is the whole view: run.py (config, run, result), figures.py, report.py (reopen, verdict), repro.py, cli.py.
 Registered by one line in kvviz/views/__init__.py."""
 from .. import MemoryProfile, Page, View
+from ...prompts import CAPITALS
 from .run import MatrixConfig, MatrixResult, run_matrix, sliding_window_config
 
 VIEW = View("matrix", "Backends & compile", "MatrixResult", "report:reopen", "figures:main", "report:verdict",
             repro="repro", cli="cli", command="matrix",
-            page=Page("backends", "Engine", ":material/memory:", link_prefix="mx_"), memory=MemoryProfile(),
+            page=Page("backends", "Engine", ":material/memory:", link_prefix="mx_",
+                      defaults={"prompt": CAPITALS, "n": 8, "repeats": 2, "attn": ("eager", "sdpa"),
+                      "cache": ("dynamic", "static")}), memory=MemoryProfile(),
             scenario="scenario:run")

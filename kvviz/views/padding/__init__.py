@@ -4,9 +4,11 @@ precision or logic per cell.
 This folder is the whole view: run.py (config, run, result), figures.py, report.py (reopen, verdict), repro.py, cli.py.
 Registered by one line in kvviz/views/__init__.py."""
 from .. import MemoryProfile, Page, View
+from ...prompts import CAPITALS
 from .run import PaddingResult, run_padding
 
 VIEW = View("padding", "Padding and batching", "PaddingResult", "report:reopen", "figures:main", "report:verdict",
             verdict_is_html=True, tables="figures:tables", repro="repro", cli="cli", command="padding",
-            page=Page("padding_lab", "Classic traps", ":material/grid_on:", link_prefix="pad_"),
+            page=Page("padding_lab", "Classic traps", ":material/grid_on:", link_prefix="pad_",
+                      defaults={"prompt": CAPITALS, "left_pad": 4, "prove": False}),
             memory=MemoryProfile(forwards=2, batch=3))

@@ -9,4 +9,4 @@ from .run import MODES, SplitConfig, SplitResult, run_split
 VIEW = View("split", "Split point", "SplitResult", "report:reopen", "figures:main", "report:verdict",
             tables="figures:tables", repro="repro", cli="cli", command="split",
             page=Page("split_point", "Investigate", ":material/content_cut:", prefix="split_"),
-            memory=MemoryProfile(forwards=2, bisector=True, compared_after_split=True), scenario="scenario:run")
+            memory=MemoryProfile(forwards=2, compared_after_split=True), scenario="scenario:run")

@@ -3,6 +3,7 @@ that cannot fit is refused in one line; an allocation failure is never called a 
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 from conftest import ROOT
@@ -218,3 +219,20 @@ def test_plan_bounds_the_measured_peak_on_tiny_models(argv, kvviz_cache):
     assert plan["measured_peak"] > 100 * 1024 ** 2  # torch and transformers at least: a real measurement
     assert plan["total"] >= plan["measured_peak"], plan
     assert plan["over_plan"] is None and "over its plan" not in r.stderr  # a right plan: nothing said
+
+
+@pytest.mark.parametrize("free, runs", ((1024 ** 2, False), (None, True)))
+def test_a_split_runs_its_bisector_only_where_it_fits_beside_the_model(monkeypatch, free, runs):
+    """The bisector a split runs after a failed proof is not in the split's plan: it runs only where its own
+    estimate fits in what is free beside the loaded model."""
+    from kvviz.execution import DEFAULT_SETTINGS
+    from kvviz.loading import load_model
+    from kvviz.views.split import run as split
+
+    calls = []
+    found = SimpleNamespace(finding=lambda: "found")
+    monkeypatch.setattr(split, "_bisector", lambda *a: calls.append(a) or found)
+    monkeypatch.setattr(memory, "free_bytes", lambda device: (free, "a test limit"))
+    lm = load_model("tiny:gemma3", "float32", "cpu")
+    first = split._bisect_first(lm, split.SplitConfig("Hello world, caching is fun!", split=4), DEFAULT_SETTINGS)
+    assert bool(calls) == runs and first == ("found" if runs else None)

@@ -31,9 +31,12 @@ from .errors import KvvizError
 GB = 1024 ** 3
 TWIN_MAX_BYTES = int(1.5 * GB)  # a full float64 twin up to this size is kept when memory allows (it runs faster)
 RUNTIME_BYTES = int(0.8 * GB)  # python + torch + transformers, resident, on the CPU
-# the tokenizer's tables (tokenizers' vocabulary, merges and caches) per vocabulary entry, resident on the CPU:
-# 0.31 GB for a 262k-entry SentencePiece-converted BPE (Gemma 3), measured with tokenizers on Linux
+# the tokenizer's tables (tokenizers' vocabulary, merges and caches), resident on the CPU: about 10 times its files
+# (Gemma 3's 33 MB tokenizer.json: 0.32 GB), or, where there are no files yet (a GGUF not converted), 1.2 KB a
+# vocabulary entry (0.31 GB for those 262k entries); measured with tokenizers on Linux
+TOKENIZER_FILE_FACTOR = 10
 TOKENIZER_BYTES_PER_ENTRY = 1200
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "spiece.model", "vocab.txt")
 BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
 _ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}
 _ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
@@ -59,6 +62,7 @@ class ModelShape:
     checkpoint_dtype: str | None = None
     sliding_window: int | None = None
     source: str = ""
+    tokenizer_bytes: int = 0  # its tokenizer's tables, resident (TOKENIZER_FILE_FACTOR)
 
     @classmethod
     def from_config(cls, cfg: dict, params: int | None = None, largest: int | None = None,
@@ -108,9 +112,11 @@ def shape_of_folder(folder: Path) -> ModelShape | None:
     except (OSError, ValueError):
         return None  # loading says what is wrong with the folder
     stats = _safetensors_stats(folder)
-    if stats is None:
-        return ModelShape.from_config(cfg, source=str(folder))
-    return ModelShape.from_config(cfg, stats[0], stats[1], stats[2], source=str(folder))
+    shape = ModelShape.from_config(cfg, source=str(folder)) if stats is None else \
+        ModelShape.from_config(cfg, stats[0], stats[1], stats[2], source=str(folder))
+    shape.tokenizer_bytes = TOKENIZER_FILE_FACTOR * sum((folder / f).stat().st_size for f in TOKENIZER_FILES
+                                                        if (folder / f).is_file())
+    return shape
 
 
 def _shape_of_gguf(path: Path) -> ModelShape:
@@ -130,7 +136,9 @@ def _shape_of_gguf(path: Path) -> ModelShape:
                intermediate_size=num("feed_forward_length"), num_attention_heads=num("attention.head_count", 1),
                num_key_value_heads=num("attention.head_count_kv") or None,
                vocab_size=len(vocab_field.data) if vocab_field is not None else 0)
-    return ModelShape.from_config(cfg, n, largest, "float32", source=str(path))
+    shape = ModelShape.from_config(cfg, n, largest, "float32", source=str(path))
+    shape.tokenizer_bytes = TOKENIZER_BYTES_PER_ENTRY * shape.vocab
+    return shape
 
 
 def model_shape(spec) -> ModelShape | None:
@@ -544,7 +552,7 @@ def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, vie
     notes = []
     runtime = RUNTIME_BYTES if device.startswith("cpu") else 0
     if shape is not None and device.startswith("cpu"):
-        runtime += TOKENIZER_BYTES_PER_ENTRY * shape.vocab
+        runtime += shape.tokenizer_bytes
     if shape is None:
         notes.append("the model's files are not here yet (hub): its weights are not in the estimate")
         return MemoryPlan(name, view, dt, device, tokens, batch, 0, "unknown", 0, 0, 0, 0, runtime, free,

@@ -452,9 +452,10 @@ def activation_bytes(shape: ModelShape, dtype: str, tokens: int, batch: int, vie
     dtype; its float64 reference), each one forward's working set plus what the view keeps of its forwards, as the
     views hold them now:
 
-    * the run in its dtype: the user's full forward with every position's logits, the compared rows' logits of both
-      paths, the float64 temporaries of one chunk of the logits comparison, and the hidden states (one path's
-      compared rows and two layers where they are reduced layer by layer; every layer of two forwards otherwise);
+    * the run in its dtype: the user's full forward with every position's logits and the compared rows copied out
+      of them, or, later, the compared rows' logits of both paths and the float64 temporaries of one chunk of the
+      logits comparison (the full logits are freed by then); and the hidden states (one path's compared rows and two
+      layers where they are reduced layer by layer; every layer of two forwards otherwise);
     * float64: only the compared positions' logits (logits_to_keep; prefixes keep one row), for both paths - in
       chunks of REFERENCE_LOGITS_BYTES where the reference is computed token by token (the cache-safety card's
       window check) - and the same comparison temporaries; the streamed reference's weight slices are in
@@ -483,8 +484,8 @@ def activation_bytes(shape: ModelShape, dtype: str, tokens: int, batch: int, vie
     ref = working(8) + logits64 + temps + hidden(8)
     if dtype == "float64" and prof.compared_after_split and not prof.bisector:
         run = ref  # a float64 run is its own reference: only the compared positions' logits (kvviz.views.split.run)
-    else:
-        run = working(b) + B * T * V * b + 2 * B * n * V * b + temps + hidden(b)
+    else:  # the full forward (every position's logits, the compared rows copied out of them), then the comparison
+        run = working(b) + max(B * T * V * b + B * n * V * b, 2 * B * n * V * b + temps) + hidden(b)
     if prof.bisector:  # the bisect view
         run = max(run, bisect_bytes(shape, b, T, n, B))
     if not reference:

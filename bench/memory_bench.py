@@ -65,7 +65,7 @@ def build(folder: Path, cfg: dict, shard_bytes: int = 1 << 30) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from kvviz.tiny import _byte_tokenizer
+    from kvviz.tiny import byte_tokenizer
 
     if (folder / "model.safetensors.index.json").is_file():
         return folder
@@ -98,16 +98,17 @@ def build(folder: Path, cfg: dict, shard_bytes: int = 1 << 30) -> Path:
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
                                                                      "weight_map": index}))
     (folder / "config.json").write_text(json.dumps(cfg, indent=1))
-    _byte_tokenizer().save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
     return folder
 
 
-def measure(cmd: list[str], cap: int | None = CAP) -> dict:
+def measure(cmd: list[str], cap: int | None = CAP, env: dict | None = None) -> dict:
     """Run a kvviz CLI command niced under an address-space cap; peak RSS from /usr/bin/time."""
     full = ["nice", "-n", "10"] + (["prlimit", f"--as={cap}"] if cap else []) + \
         ["/usr/bin/time", "-f", "PEAK_KB %M"] + [sys.executable, "-m", "kvviz"] + cmd
     t0 = time.perf_counter()
-    p = subprocess.run(full, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    p = subprocess.run(full, capture_output=True, text=True, cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT), **(env or {})))
     wall = time.perf_counter() - t0
     peak = next((int(line.split()[1]) * 1024 for line in p.stderr.splitlines() if line.startswith("PEAK_KB")), None)
     out = {"cmd": " ".join(cmd), "rc": p.returncode, "wall_s": round(wall, 1), "peak_rss": peak}
@@ -192,16 +193,137 @@ def check_plans() -> int:
     return misses
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Plan against peak for every route x dtype x view that runs long prompts
+
+GGUF_ENV = "KVVIZ_REAL_GEMMA3_GGUF"  # the real gemma-3-270m-q4_k_m.gguf (assembled from its PyPI chunk packages)
+MATRIX_VIEWS = ("split", "greedy", "padding", "reuse", "check", "bisect")
+MATRIX_DTYPES = ("bfloat16", "float32", "float64")
+HUB_ID = "kvviz-bench/gemma-3-270m"
+
+
+def gemma_prompt(folder: Path, tokens: int = 721) -> str:
+    """A prose prompt of exactly `tokens` tokens (with <bos>) for the model in `folder`."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    para = ("The museum guard knew every painting in the building, and at night he walked past them with a small "
+            "lamp, stopping at the one of a small boat on the grey sea. ")
+    ids = tok(para * 60)["input_ids"]
+    start = 1 if ids and ids[0] == tok.bos_token_id else 0
+    return tok.decode(ids[start:start + tokens - start])
+
+
+def hub_cache(root: Path, folder: Path) -> Path:
+    """A local Hugging Face cache holding `folder` as the snapshot of HUB_ID (files linked, nothing copied)."""
+    cache = root / "hub"
+    repo = cache / ("models--" + HUB_ID.replace("/", "--"))
+    snap = repo / "snapshots" / ("0" * 40)
+    if not snap.is_dir():
+        snap.mkdir(parents=True)
+        for f in folder.iterdir():
+            if f.is_file():
+                (snap / f.name).symlink_to(f)
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / "main").write_text("0" * 40)
+    return cache
+
+
+def matrix_cells(gguf: Path | None, root: Path) -> list[tuple[str, str, str, list[str], dict]]:
+    """(route, dtype, view, argv, extra env) of every cell: the real GGUF (.gguf, its converted folder, a hub cache
+    holding that folder) and the random-weight Gemma-3-270M-shaped folder, each dtype, each view."""
+    routes: list[tuple[str, str, dict, Path]] = []
+    if gguf is not None:
+        from kvviz.loading import convert_gguf
+
+        folder = convert_gguf(gguf)
+        routes += [("gguf", str(gguf), {}, folder), ("folder", str(folder), {}, folder),
+                   ("hub", HUB_ID, {"HF_HUB_CACHE": str(hub_cache(root, folder)), "HF_HUB_OFFLINE": "1"}, folder)]
+    routes.append(("random", str(root / "gemma270m"), {}, root / "gemma270m"))
+    cells = []
+    for route, model, env, folder in routes:
+        prompt = gemma_prompt(folder) if route != "random" else \
+            " ".join(["The quick brown fox jumps over the lazy dog."] * 16)[:719]  # 721 byte tokens with BOS
+        half = prompt[: len(prompt) // 2]
+        argv = {"split": ["split", "--prompt", prompt, "--split", "600"],
+                "greedy": ["greedy", "--prompt", prompt, "--max-new-tokens", "8"],
+                "padding": ["padding", "--prompt", prompt, "--split", "600", "--left-pad", "4"],
+                "reuse": ["reuse", "--prefix", half, "--continuation", prompt[len(half):], "--max-new-tokens", "8"],
+                "check": ["check"],
+                "bisect": ["bisect", "--prompt", prompt, "--split", "600"]}
+        for dt in MATRIX_DTYPES:
+            for view in MATRIX_VIEWS:
+                cells.append((route, dt, view, argv[view] + ["--model", model, "--dtype", dt, "--json", "--quiet"],
+                              env))
+    return cells
+
+
+def run_matrix(gguf: Path | None, root: Path, only: str, out: Path, no_proof: bool) -> int:
+    """Run each cell in a fresh process (niced, under the address-space cap), plan and peak side by side; results
+    are appended to `out` (JSON) as each cell ends, so a long matrix can be stopped and resumed."""
+    if gguf is None:
+        print(f"real Gemma 3 GGUF: skipped (no file; give --gguf PATH or ${GGUF_ENV})")
+    done = json.loads(out.read_text()) if out.is_file() else {}
+    wanted = [w for w in only.split(",") if w]
+    for route, dt, view, argv, env in matrix_cells(gguf, root):
+        key = f"{route}/{dt}/{view}"
+        if key in done or (wanted and not any(w in key for w in wanted)):
+            continue
+        if no_proof and view not in ("check", "bisect"):
+            argv = argv + ["--no-proof"]
+        r = measure(argv, env=env)
+        plan = (r.get("json") or {}).get("memory_plan") or {}
+        ratio = plan["total"] / r["peak_rss"] if plan.get("total") and r["peak_rss"] else None
+        done[key] = {"rc": r["rc"], "wall_s": r["wall_s"], "peak_rss": r["peak_rss"], "plan_total": plan.get("total"),
+                     "ratio": ratio, "over_plan": plan.get("over_plan"), "no_proof": "--no-proof" in argv,
+                     "stderr_tail": r["stderr_tail"][-300:] if r["rc"] else ""}
+        out.write_text(json.dumps(done, indent=1))
+        ok = ratio is not None and 1.0 <= ratio <= 1.25
+        print(f"{key}: rc {r['rc']}, {r['wall_s']} s, peak {(r['peak_rss'] or 0) / 1e9:.2f} GB, plan "
+              f"{(plan.get('total') or 0) / 1e9:.2f} GB, plan/peak {ratio or 0:.2f} {'OK' if ok else 'MISS'}",
+              flush=True)
+    return 0
+
+
+def matrix_table(outs: list[Path]) -> str:
+    """docs/benchmarks.md's table from the matrix results."""
+    done = {}
+    for out in outs:
+        done.update(json.loads(out.read_text()))
+    rows = ["| route | dtype | view | plan (GB) | peak RSS (GB) | plan / peak |", "|---|---|---|---|---|---|"]
+    for key, r in done.items():
+        route, dt, view = key.split("/")
+        if r["rc"] != 0 or not r["ratio"]:
+            rows.append(f"| {route} | {dt} | {view} | - | - | failed (rc {r['rc']}) |")
+            continue
+        rows.append(f"| {route} | {dt} | {view}{' (no proof)' if r['no_proof'] else ''} | {r['plan_total'] / 1e9:.2f} "
+                    f"| {r['peak_rss'] / 1e9:.2f} | {r['ratio']:.2f}{'' if 1.0 <= r['ratio'] <= 1.25 else ' MISS'} |")
+    return "\n".join(rows)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=("build", "run", "reference", "plans"))
+    ap.add_argument("what", choices=("build", "run", "reference", "plans", "matrix", "table"))
     ap.add_argument("--root", default="/work/bigmodels")
     ap.add_argument("--write", action="store_true")
-    ap.add_argument("--only", default="", help="comma list of runs: big3b-split,big3b-greedy,gemma-split,gemma-check")
+    ap.add_argument("--only", default="", help="run: comma list of runs (big3b-split,big3b-greedy,gemma-split,"
+                    "gemma-check); matrix: comma list of cell key parts (gguf/bfloat16/split, float64, ...)")
+    ap.add_argument("--gguf", default=os.environ.get(GGUF_ENV), help=f"the real Gemma 3 270M GGUF (or ${GGUF_ENV})")
+    ap.add_argument("--no-proof", action="store_true", help="matrix: runs without the invariant-mode proof")
+    ap.add_argument("--out", default="", help="matrix/table: the results file (default ROOT/memory_matrix.json); "
+                    "table reads every memory_matrix*.json under ROOT")
     args = ap.parse_args()
     root = Path(args.root)
     if args.what == "plans":
         return 1 if check_plans() else 0
+    if args.what in ("matrix", "table"):
+        out = Path(args.out) if args.out else root / "memory_matrix.json"
+        if args.what == "table":
+            print(matrix_table(sorted(root.glob("memory_matrix*.json")) if not args.out else [out]))
+            return 0
+        gguf = Path(args.gguf) if args.gguf and Path(args.gguf).is_file() else None
+        build(root / "gemma270m", GEMMA270M)
+        return run_matrix(gguf, root, args.only, out, args.no_proof)
     if args.what == "build":
         for name, cfg in (("big3b", BIG3B), ("gemma270m", GEMMA270M)):
             t = time.perf_counter()

@@ -103,16 +103,20 @@ def _run(args) -> int:
         _exports(args, out.result, out.lm)
     if out.printed:
         return 0
+    plan = getattr(out.result, "memory_plan", None)
+    over = plan.over_plan() if plan is not None else None  # a wrong plan is said, not only measured
     if getattr(args, "json", False):
         from .export import result_dict
         from .jsonout import dumps
 
         print(dumps(out.payload() if out.payload else result_dict(out.result)))
+        if over:
+            print(f"kvviz: {over}", file=sys.stderr)
         return 0
     text = out.summary() if out.summary else f"verdict: {out.result.verdict.upper()}\n{out.result.explanation}"
     if getattr(args, "invariant", False):
         text = "(run in invariant mode)\n" + text
-    print(text)
+    print(text + (f"\n{over}" if over else ""))
     return 0
 
 

@@ -31,6 +31,12 @@ from .errors import KvvizError
 GB = 1024 ** 3
 TWIN_MAX_BYTES = int(1.5 * GB)  # a full float64 twin up to this size is kept when memory allows (it runs faster)
 RUNTIME_BYTES = int(0.8 * GB)  # python + torch + transformers, resident, on the CPU
+# the tokenizer's tables (tokenizers' vocabulary, merges and caches), resident on the CPU: about 10 times its files
+# (Gemma 3's 33 MB tokenizer.json: 0.32 GB), or, where there are no files yet (a GGUF not converted), 1.2 KB a
+# vocabulary entry (0.31 GB for those 262k entries); measured with tokenizers on Linux
+TOKENIZER_FILE_FACTOR = 10
+TOKENIZER_BYTES_PER_ENTRY = 1200
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "spiece.model", "vocab.txt")
 BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
 _ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}
 _ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
@@ -56,6 +62,7 @@ class ModelShape:
     checkpoint_dtype: str | None = None
     sliding_window: int | None = None
     source: str = ""
+    tokenizer_bytes: int = 0  # its tokenizer's tables, resident (TOKENIZER_FILE_FACTOR)
 
     @classmethod
     def from_config(cls, cfg: dict, params: int | None = None, largest: int | None = None,
@@ -105,9 +112,11 @@ def shape_of_folder(folder: Path) -> ModelShape | None:
     except (OSError, ValueError):
         return None  # loading says what is wrong with the folder
     stats = _safetensors_stats(folder)
-    if stats is None:
-        return ModelShape.from_config(cfg, source=str(folder))
-    return ModelShape.from_config(cfg, stats[0], stats[1], stats[2], source=str(folder))
+    shape = ModelShape.from_config(cfg, source=str(folder)) if stats is None else \
+        ModelShape.from_config(cfg, stats[0], stats[1], stats[2], source=str(folder))
+    shape.tokenizer_bytes = TOKENIZER_FILE_FACTOR * sum((folder / f).stat().st_size for f in TOKENIZER_FILES
+                                                        if (folder / f).is_file())
+    return shape
 
 
 def _shape_of_gguf(path: Path) -> ModelShape:
@@ -127,7 +136,9 @@ def _shape_of_gguf(path: Path) -> ModelShape:
                intermediate_size=num("feed_forward_length"), num_attention_heads=num("attention.head_count", 1),
                num_key_value_heads=num("attention.head_count_kv") or None,
                vocab_size=len(vocab_field.data) if vocab_field is not None else 0)
-    return ModelShape.from_config(cfg, n, largest, "float32", source=str(path))
+    shape = ModelShape.from_config(cfg, n, largest, "float32", source=str(path))
+    shape.tokenizer_bytes = TOKENIZER_BYTES_PER_ENTRY * shape.vocab
+    return shape
 
 
 def model_shape(spec) -> ModelShape | None:
@@ -235,6 +246,26 @@ def measured_peak(device: "torch.device | str") -> int:
     return _peak_rss()
 
 
+def reset_peak(device: "torch.device | str") -> int | None:
+    """Start measuring a run's peak afresh in a process that ran other work before (a page in the app's server):
+    CUDA's peak statistics, or on Linux the process's peak RSS (writing 5 to /proc/self/clear_refs). Returns what
+    the process holds now (the baseline the run's own peak is measured above), None where the peak cannot be reset."""
+    dev = torch.device(device) if not isinstance(device, torch.device) else device
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+        return int(torch.cuda.memory_allocated(dev))
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def _peak_rss() -> int:
     """This process's peak RSS: VmHWM of /proc/self/status where there is one (it starts afresh at exec), else
     ru_maxrss (on Linux ru_maxrss also counts the forking parent's pages before exec: a run started from a big
@@ -273,6 +304,9 @@ class MemoryPlan:
     extra_models: int = 0  # other dtypes' copies (the dtype sweep)
     measured_peak: int | None = None
     notes: list[str] = field(default_factory=list)
+    # where the run shared its process with earlier work (a page in the app's server): what the process held when
+    # the run started (its models, earlier results); the plan then allows that plus the run's parts
+    peak_baseline: int | None = None
 
     @property
     def total(self) -> int:
@@ -320,12 +354,35 @@ class MemoryPlan:
             out.append(f"  {'measured peak':<32}{_gb(self.measured_peak):>10}")
         out.append("  fits" if self.fits else "  does NOT fit: lower " + self.advice())
         out += [f"  note: {n}" for n in self.notes]
+        over = self.over_plan()
+        if over:
+            out.append("  " + over)
         return out
+
+    def allowed(self) -> int:
+        """What the measured peak may reach: the plan's total; in a process that held more than the plan's runtime
+        before the run (peak_baseline), that plus the run's own parts."""
+        if self.peak_baseline is None:
+            return self.total
+        return max(self.total, self.peak_baseline + self.total - self.runtime)
+
+    def over_plan(self) -> str | None:
+        """One line where the run's measured peak exceeded its plan (the plan was wrong: it would let a run start
+        that does not fit), else None."""
+        if self.measured_peak is None or self.measured_peak <= self.allowed():
+            return None
+        peak, allowed = self.measured_peak, self.allowed()
+        what = "CUDA max allocated" if self.device.startswith("cuda") else "peak RSS"
+        held = "" if allowed == self.total else f" with the {_gb(self.peak_baseline)} held before it"
+        return (f"memory: this run peaked at {_gb(peak)} ({what}), {100 * (peak / max(allowed, 1) - 1):.0f} % over "
+                f"its plan of {_gb(allowed)}{held}: the plan undercounts this {self.view} run on {self.model} "
+                f"({self.dtype}, {self.tokens} tokens), so it may let a run start that does not fit")
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d.update(total=self.total, fits=self.fits, total_gib=round(self.total / GB, 3),
-                 measured_peak_gib=None if self.measured_peak is None else round(self.measured_peak / GB, 3))
+                 measured_peak_gib=None if self.measured_peak is None else round(self.measured_peak / GB, 3),
+                 over_plan=self.over_plan())
         return d
 
     def with_peak(self) -> "MemoryPlan":
@@ -355,9 +412,11 @@ def reference_bytes(shape: ModelShape, dtype: str, strategy: str) -> int:
         return stream_keep_bytes(shape.params)
 
     # the largest tensor in float64 (a big head is applied in slices of REFERENCE_CHUNK_BYTES), plus, where the run's dtype
-    # rounds the checkpoint, that tensor read from the checkpoint in its own dtype
+    # rounds the checkpoint, what is read of it from the checkpoint in its own dtype: one slice of rows (an embedding
+    # reads only the looked-up rows; kvviz.reference.CheckpointReader reads into memory, the file is not mapped)
     biggest = min(8 * shape.largest, REFERENCE_CHUNK_BYTES + 8 * max(shape.hidden, 1) * 2)
-    read = shape.largest * BYTES.get(shape.checkpoint_dtype or dtype, 4)
+    read = min(shape.largest, REFERENCE_CHUNK_BYTES // 8 + max(shape.hidden, 1)) * BYTES.get(
+        shape.checkpoint_dtype or dtype, 4)
     from .dtypes import parse_dtype
     from .dtypes import exact_in
 
@@ -393,9 +452,10 @@ def activation_bytes(shape: ModelShape, dtype: str, tokens: int, batch: int, vie
     dtype; its float64 reference), each one forward's working set plus what the view keeps of its forwards, as the
     views hold them now:
 
-    * the run in its dtype: the user's full forward with every position's logits, the compared rows' logits of both
-      paths, the float64 temporaries of one chunk of the logits comparison, and the hidden states (one path's
-      compared rows and two layers where they are reduced layer by layer; every layer of two forwards otherwise);
+    * the run in its dtype: the user's full forward with every position's logits and the compared rows copied out
+      of them, or, later, the compared rows' logits of both paths and the float64 temporaries of one chunk of the
+      logits comparison (the full logits are freed by then); and the hidden states (one path's compared rows and two
+      layers where they are reduced layer by layer; every layer of two forwards otherwise);
     * float64: only the compared positions' logits (logits_to_keep; prefixes keep one row), for both paths - in
       chunks of REFERENCE_LOGITS_BYTES where the reference is computed token by token (the cache-safety card's
       window check) - and the same comparison temporaries; the streamed reference's weight slices are in
@@ -418,17 +478,20 @@ def activation_bytes(shape: ModelShape, dtype: str, tokens: int, batch: int, vie
             return B * n * (L + 1) * H * width + 2 * B * T * H * width
         return prof.forwards * B * T * (L + 1) * H * width
 
-    run = working(b) + B * T * V * b + 2 * B * n * V * b + temps + hidden(b)
-    if prof.bisector:  # the bisector (split runs it where its proof fails) in the run's own dtype
+    logits64 = 2 * B * n * V * 8
+    if prof.stepwise_reference:  # the window check compares token by token: the float64 logits a chunk of rows at a time
+        logits64 = min(logits64, 2 * REFERENCE_LOGITS_BYTES + 2 * B * V * 8)
+    ref = working(8) + logits64 + temps + hidden(8)
+    if dtype == "float64" and prof.compared_after_split and not prof.bisector:
+        run = ref  # a float64 run is its own reference: only the compared positions' logits (kvviz.views.split.run)
+    else:  # the full forward (every position's logits, the compared rows copied out of them), then the comparison
+        run = working(b) + max(B * T * V * b + B * n * V * b, 2 * B * n * V * b + temps) + hidden(b)
+    if prof.bisector:  # the bisect view
         run = max(run, bisect_bytes(shape, b, T, n, B))
     if not reference:
         return int(run)
     if prof.float64_only:  # every run of the view is on the float64 reference
         run = 0
-    logits64 = 2 * B * n * V * 8
-    if prof.stepwise_reference:  # the window check compares token by token: the float64 logits a chunk of rows at a time
-        logits64 = min(logits64, 2 * REFERENCE_LOGITS_BYTES + 2 * B * V * 8)
-    ref = working(8) + logits64 + temps + hidden(8)
     return int(max(run, ref))
 
 
@@ -443,6 +506,20 @@ def bisect_bytes(shape: ModelShape, width: int, tokens: int, compared: int, batc
     ops = 12 * H + 6 * inter + 3 * q + 3 * kv + 3 * shape.heads * T
     working = B * T * (3 * inter + 4 * H) * width + B * shape.heads * T * T * max(width, 4)
     return int(working + B * T * V * width + B * n * (L * (modules + ops) + 2 * V + 8 * H) * width)
+
+
+def fits_beside(lm, view: str, tokens: int, compared: int | None = None) -> bool:
+    """Whether a run of `view` on the loaded model `lm` fits in what is free now, beside the model (an optional step
+    of another run, e.g. the bisector a split runs where its proof fails: it runs only where it fits)."""
+    from .dtypes import dtype_name
+
+    cfg = lm.model.config.get_text_config().to_dict()
+    sizes = [p.numel() for p in lm.model.parameters()]
+    shape = ModelShape.from_config(cfg, sum(sizes), max(sizes))
+    dt = dtype_name(lm.dtype)
+    need = activation_bytes(shape, dt, tokens, 1, view, False, compared) + cache_bytes(shape, dt, tokens, 1, False)
+    free, _ = free_bytes(lm.device)
+    return free is None or need <= free
 
 
 def cache_bytes(shape: ModelShape, dtype: str, tokens: int, batch: int, reference: bool) -> int:
@@ -475,6 +552,8 @@ def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, vie
     dt = dtype_name(parse_dtype(dtype))
     notes = []
     runtime = RUNTIME_BYTES if device.startswith("cpu") else 0
+    if shape is not None and device.startswith("cpu"):
+        runtime += shape.tokenizer_bytes
     if shape is None:
         notes.append("the model's files are not here yet (hub): its weights are not in the estimate")
         return MemoryPlan(name, view, dt, device, tokens, batch, 0, "unknown", 0, 0, 0, 0, runtime, free,
@@ -560,11 +639,11 @@ def check_fits(plan: MemoryPlan) -> MemoryPlan:
 
 def tokens_of_text(spec, text: str) -> int:
     """Tokens of `text` for the model's tokenizer when its files are here (a folder; a GGUF file already converted
-    once), else a bound (UTF-8 bytes + 2)."""
+    once; a hub model in the local cache), else a bound (UTF-8 bytes + 2)."""
     from .loading import parse_spec
 
     ms = parse_spec(spec)
-    shape = model_shape(ms) if ms.kind in ("tiny", "folder", "gguf", "default") else None  # gguf: once converted
+    shape = model_shape(ms)  # gguf: once converted; hub: in the local cache
     folder = Path(shape.source) if shape is not None and shape.source else None
     if folder is not None and folder.is_dir():
         try:

@@ -259,13 +259,10 @@ class StreamedFloat64(TorchFunctionMode):
 
     # -- values
 
-    def _open(self, file: str):
+    def _open(self, file: str) -> "CheckpointReader":
         h = self._handles.get(file)
         if h is None:
-            from safetensors import safe_open
-
-            dev = "cpu" if self.device.type != "cuda" else str(self.device)
-            h = self._handles[file] = safe_open(file, framework="pt", device=dev)
+            h = self._handles[file] = CheckpointReader(file)
         return h
 
     def _value(self, t: torch.Tensor, src) -> torch.Tensor:
@@ -278,7 +275,7 @@ class StreamedFloat64(TorchFunctionMode):
             return hit[1]
         if src is not None:
             file, key = src
-            v = self._open(file).get_tensor(key).to(device=t.device, dtype=torch.float64)
+            v = self._open(file).tensor(key).to(device=t.device, dtype=torch.float64)
         else:
             v = t.to(torch.float64)
         if 8 * v.numel() <= self.room:  # a small model: each weight is upcast once a run, not once a forward
@@ -322,7 +319,13 @@ class StreamedFloat64(TorchFunctionMode):
         if func is F.embedding and len(args) > 1 and self._hit(args[1]):
             weight, src = self.subs[id(args[1])]
             if src is not None and not isinstance(src, torch.Tensor):
-                weight = self._value(weight, src)
+                hit = self.kept.get(id(weight))
+                if hit is not None and hit[0] is weight:
+                    weight = hit[1]
+                elif _plain_lookup(args, kwargs):  # only the looked-up rows, read from the checkpoint
+                    return self._checkpoint_rows(args[0], weight, src)
+                else:
+                    weight = self._value(weight, src)
             out = func(args[0], weight, *args[2:], **kwargs)
             return out.to(torch.float64) if out.dtype.is_floating_point else out
         if func is F.linear and len(args) > 1 and self._hit(args[1]) and not kwargs and \
@@ -348,15 +351,76 @@ class StreamedFloat64(TorchFunctionMode):
         for i in range(0, weight.shape[0], rows):
             if src is not None and not isinstance(src, torch.Tensor):
                 file, key = src
-                w = self._open(file).get_slice(key)[i:i + rows].to(device=x.device, dtype=torch.float64)
+                w = self._open(file).rows(key, i, i + rows).to(device=x.device, dtype=torch.float64)
             else:
                 w = weight[i:i + rows].to(torch.float64)
             out[..., i:i + rows] = F.linear(x, w, None if b64 is None else b64[i:i + rows])
             del w
         return out
 
+    def _checkpoint_rows(self, ids: torch.Tensor, weight: torch.Tensor, src) -> torch.Tensor:
+        """An embedding lookup of a weight held rounded in the loaded model: the rows the ids name, read from the
+        checkpoint in its own dtype and upcast (the same values as the whole float64 table would give)."""
+        file, key = src
+        wanted, where = torch.unique(ids.reshape(-1).cpu(), return_inverse=True)
+        reader = self._open(file)
+        table = torch.cat([reader.rows(key, int(r), int(r) + 1) for r in wanted.tolist()]) if wanted.numel() else \
+            torch.empty(0, weight.shape[1])
+        table = table.to(device=weight.device, dtype=torch.float64)
+        return F.embedding(where.reshape(ids.shape).to(weight.device), table)
+
     def close(self) -> None:
+        for h in self._handles.values():
+            h.close()
         self._handles.clear()
+
+
+def _plain_lookup(args, kwargs) -> bool:
+    """F.embedding called as a lookup only (no max_norm renormalisation, which would write into the weight)."""
+    max_norm = kwargs.get("max_norm", args[3] if len(args) > 3 else None)
+    return max_norm is None and args[0].dtype in (torch.int64, torch.int32)
+
+
+class CheckpointReader:
+    """One safetensors file, read with plain file reads (not mapped into the process: the pages a reference reads
+    from the checkpoint do not stay in the run's resident memory), a whole tensor or a range of its rows."""
+
+    _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+               "BOOL": torch.bool}
+
+    def __init__(self, file: str):
+        self.fh = open(file, "rb")  # noqa: SIM115 - closed by close()
+        n = int.from_bytes(self.fh.read(8), "little")
+        self.header = json.loads(self.fh.read(n))
+        self.base = 8 + n
+
+    def _read(self, offset: int, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+        out = torch.empty(shape, dtype=dtype)
+        if out.numel():
+            buf = out.view(-1).view(torch.uint8).numpy()
+            self.fh.seek(offset)
+            got = self.fh.readinto(memoryview(buf))
+            if got != buf.nbytes:
+                raise KvvizError(f"{self.fh.name} ends inside a tensor (damaged checkpoint?)")
+        return out
+
+    def tensor(self, key: str) -> torch.Tensor:
+        meta = self.header[key]
+        return self._read(self.base + meta["data_offsets"][0], meta["shape"], self._DTYPES[meta["dtype"]])
+
+    def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Rows start..stop (the first dimension) of a tensor."""
+        meta = self.header[key]
+        shape, dt = list(meta["shape"]), self._DTYPES[meta["dtype"]]
+        stop = min(stop, shape[0])
+        row = dt.itemsize
+        for d in shape[1:]:
+            row *= d
+        return self._read(self.base + meta["data_offsets"][0] + start * row, [max(0, stop - start)] + shape[1:], dt)
+
+    def close(self) -> None:
+        self.fh.close()
 
 
 @contextlib.contextmanager

@@ -136,7 +136,7 @@ def workload(key_parts: dict):
                     weights=str(key_parts.get("weights") or cfg.get("weights") or "none"))
 
 
-def _memory_plan(name: str, key_parts: dict, fresh: bool) -> None:
+def _memory_plan(name: str, key_parts: dict, fresh: bool):
     """The run's memory plan beside the result (a caption, the full plan on hover); a run that cannot fit is refused
     in one line naming what to lower, before it starts (kvviz.memory; nothing is loaded to make the plan)."""
     from pages.memory_plan import blocks_run, show_plan
@@ -146,12 +146,30 @@ def _memory_plan(name: str, key_parts: dict, fresh: bool) -> None:
     choice = st.session_state.get("model_choice")
     view = views.for_run(name)
     if view is None or choice is None:
-        return
+        return None
     with st.sidebar:  # beside the run's settings; the page's first screen stays the verdict and the chart
         plan = show_plan(choice, view.name, workload(key_parts))
     if fresh and blocks_run(plan):
         st.error("Cannot run: " + plan.refusal(), icon=":material/memory:")
         st.stop()
+    return plan
+
+
+def _measured(compute, plan):
+    """compute(), with the run's own peak measured against its plan (kvviz.memory.reset_peak: the server ran other
+    work before) and the plan attached to the result (its JSON export carries it)."""
+    from kvviz.memory import reset_peak
+
+    baseline = reset_peak(plan.device) if plan is not None else None
+    result = compute()
+    if baseline is not None:
+        plan.peak_baseline = baseline
+        plan.with_peak()
+        try:
+            result.memory_plan = plan
+        except AttributeError:  # a result that takes no attribute: no plan beside it
+            pass
+    return result
 
 
 # The runs working right now in this server process, any session: a run on one model waits for the model's lock
@@ -222,7 +240,7 @@ def run_cached(name: str, key_parts: dict, compute):
     run's memory plan is shown first, and a run that cannot fit is refused before it starts."""
     store = st.session_state.setdefault(f"_results_{name}", {})
     key = hashlib.sha256(json.dumps(key_parts, sort_keys=True, default=str).encode()).hexdigest()
-    _memory_plan(name, key_parts, key not in store)
+    plan = _memory_plan(name, key_parts, key not in store)
     if key not in store:
         ss = st.session_state
         stopped = ss.setdefault("_stopped", {})
@@ -235,5 +253,10 @@ def run_cached(name: str, key_parts: dict, compute):
         if len(store) >= 8:
             store.pop(next(iter(store)))
         with _holding(name):
-            store[key] = compute()
-    return store[key]
+            store[key] = _measured(compute, plan)
+    result = store[key]
+    plan = getattr(result, "memory_plan", None)
+    over = plan.over_plan() if plan is not None else None
+    if over:  # the plan was wrong for this run: said on the page, not only in a benchmark
+        st.warning(over, icon=":material/memory:")
+    return result

@@ -3,6 +3,7 @@ that cannot fit is refused in one line; an allocation failure is never called a 
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 from conftest import ROOT
@@ -92,6 +93,56 @@ def test_json_result_carries_the_plan_with_the_measured_peak(capsys, tmp_path):
     assert cli.main(["open", str(out)]) == 0  # an exported result with its plan opens again
 
 
+def _plan(**kw):
+    return plan_shape(KNOWN_SHAPES["Llama-3.2-1B"], "m", "bfloat16", "cpu", "split", 64, free=100 * memory.GB, **kw)
+
+
+def test_a_peak_over_the_plan_is_said_in_one_line():
+    plan = _plan()
+    plan.measured_peak = plan.total  # at the plan: nothing to say
+    assert plan.over_plan() is None and plan.to_dict()["over_plan"] is None
+    plan.measured_peak = int(plan.total * 1.25)
+    line = plan.over_plan()
+    assert line.startswith("memory: this run peaked at") and "25 % over its plan" in line and "\n" not in line
+    assert plan.to_dict()["over_plan"] == line and line in "\n".join(plan.lines())
+    # a run in a process that already held more than the process itself (a page in the app's server): the plan
+    # allows that plus the run's parts
+    plan.peak_baseline = 3 * memory.GB
+    plan.measured_peak = plan.peak_baseline + plan.total - plan.runtime
+    assert plan.over_plan() is None
+    plan.measured_peak += 256 * 1024 ** 2
+    assert "held before it" in plan.over_plan()
+
+
+def _too_small_a_plan(monkeypatch):
+    """The test hook: every plan made too small for its run (all parts 1 MiB)."""
+    real = memory.plan_shape
+
+    def small(*a, **k):
+        p = real(*a, **k)
+        for part in ("weights", "reference_bytes", "activations", "cache", "kept", "runtime", "extra_models"):
+            setattr(p, part, 1024 ** 2 if getattr(p, part) else 0)
+        return p
+
+    monkeypatch.setattr(memory, "plan_shape", small)
+
+
+@pytest.mark.parametrize("json_flag", (False, True))
+def test_cli_says_when_the_run_peaked_over_its_plan(monkeypatch, capsys, tmp_path, json_flag):
+    _too_small_a_plan(monkeypatch)
+    out = tmp_path / "r.json"
+    argv = ["split", "--model", "tiny:llama", "--prompt", "Hello world, caching", "--split", "4", "--quiet",
+            "--no-proof", "--json-out", str(out)] + (["--json"] if json_flag else [])
+    assert cli.main(argv) == 0
+    o, e = capsys.readouterr()
+    line = json.loads(out.read_text())["memory_plan"]["over_plan"]
+    assert line.startswith("memory: this run peaked at") and "% over its plan of 6.0 MiB" in line
+    if json_flag:
+        assert json.loads(o)["memory_plan"]["over_plan"] == line and e.strip() == f"kvviz: {line}"
+    else:
+        assert o.strip().splitlines()[-1] == line
+
+
 def test_free_memory_honours_rlimit_as():
     code = ("import resource; resource.setrlimit(resource.RLIMIT_AS, (6 * 1024**3, resource.RLIM_INFINITY)); "
             "from kvviz.memory import free_bytes; import json; print(json.dumps(free_bytes('cpu')))")
@@ -167,3 +218,21 @@ def test_plan_bounds_the_measured_peak_on_tiny_models(argv, kvviz_cache):
     plan = json.loads(r.stdout)["memory_plan"]
     assert plan["measured_peak"] > 100 * 1024 ** 2  # torch and transformers at least: a real measurement
     assert plan["total"] >= plan["measured_peak"], plan
+    assert plan["over_plan"] is None and "over its plan" not in r.stderr  # a right plan: nothing said
+
+
+@pytest.mark.parametrize("free, runs", ((1024 ** 2, False), (None, True)))
+def test_a_split_runs_its_bisector_only_where_it_fits_beside_the_model(monkeypatch, free, runs):
+    """The bisector a split runs after a failed proof is not in the split's plan: it runs only where its own
+    estimate fits in what is free beside the loaded model."""
+    from kvviz.execution import DEFAULT_SETTINGS
+    from kvviz.loading import load_model
+    from kvviz.views.split import run as split
+
+    calls = []
+    found = SimpleNamespace(finding=lambda: "found")
+    monkeypatch.setattr(split, "_bisector", lambda *a: calls.append(a) or found)
+    monkeypatch.setattr(memory, "free_bytes", lambda device: (free, "a test limit"))
+    lm = load_model("tiny:gemma3", "float32", "cpu")
+    first = split._bisect_first(lm, split.SplitConfig("Hello world, caching is fun!", split=4), DEFAULT_SETTINGS)
+    assert bool(calls) == runs and first == ("found" if runs else None)

@@ -38,3 +38,20 @@ def test_a_run_that_cannot_fit_is_refused_before_it_starts(monkeypatch):
     errors = [e.value for e in at.error]
     assert any(e.startswith("Cannot run") for e in errors), errors
     assert calls == [] and not at.get("plotly_chart")  # nothing ran
+
+
+@pytest.mark.parametrize("peak_gib, said", ((0, False), (1024, True)))
+def test_a_run_that_peaked_over_its_plan_says_so_on_the_page(monkeypatch, peak_gib, said):
+    """The test hook: the run's measured peak is reported as peak_gib (its plan is a few GiB at most). Over the plan,
+    the page says so in one line under the run; within it, nothing is said."""
+    import kvviz.memory as memory
+
+    monkeypatch.setattr(memory, "measured_peak", lambda device: peak_gib * memory.GB)
+    at = start("pages/split_point.py")
+    assert not at.exception, at.exception
+    warnings = [w.value for w in at.warning if w.value.startswith("memory: this run peaked at")]
+    assert len(warnings) == int(said), warnings
+    if said:
+        assert "1024.00 GiB (peak RSS)" in warnings[0] and "split run on tiny:llama" in warnings[0]
+    boxes = [m.value for m in list(at.success) + list(at.info) + list(at.error)]
+    assert any("Verdict:" in b for b in boxes), boxes  # the run ran and its result is shown

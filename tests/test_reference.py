@@ -276,3 +276,33 @@ def test_a_small_model_s_weights_are_upcast_once_a_large_one_s_every_forward(mon
     streamed = two_forwards()
     assert len(upcasts) > len(set(upcasts))  # no room: upcast again on the second forward
     assert all(torch.equal(a, b) for a, b in zip(kept, streamed))
+
+
+def test_a_large_bfloat16_model_reads_only_the_rows_it_needs_from_the_checkpoint(monkeypatch):
+    """Where nothing is kept (a model whose float64 copy is large) and the loaded weights are rounded, the embedding
+    lookup reads only the looked-up rows from the checkpoint and a large head is applied in slices read from it; the
+    numbers are still the float32 checkpoint's, bit for bit, and no whole table is read."""
+    from kvviz import reference
+
+    monkeypatch.setattr(reference, "CHUNK_BYTES", 8 * 64 * 16)  # tiny:gemma3's head in slices of 16 rows
+    lm = load_model("tiny:gemma3", "bfloat16", DEVICE)
+    ref = lm.reference("streamed")
+    monkeypatch.setattr(ref.stream64, "keep_bytes", 0)
+    monkeypatch.setattr(ref.stream64, "kept", {})
+    embed = lm.model.get_input_embeddings().weight
+    reads = []
+    real = reference.CheckpointReader._read
+
+    def counting(self, offset, shape, dtype):
+        reads.append(shape)
+        return real(self, offset, shape, dtype)
+
+    monkeypatch.setattr(reference.CheckpointReader, "_read", counting)
+    ids = lm.tokenizer(PROMPT, return_tensors="pt").input_ids.to(lm.device)
+    with Executor(ref).session() as ex:
+        a = ex.forward(ids, use_cache=False)
+    with Executor(load_model("tiny:gemma3", "float32", DEVICE).reference("twin")).session() as ex:
+        b = ex.forward(ids, use_cache=False)
+    assert torch.equal(a.logits, b.logits.to(a.logits.device))
+    _same(list(a.hidden_states), list(b.hidden_states))
+    assert reads and max(s[0] for s in reads if len(s) == 2 and s[1] == embed.shape[1]) <= 16  # never the table

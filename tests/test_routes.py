@@ -181,3 +181,15 @@ def test_twin_keeps_the_route(folder_model):
     ref = lm.reference()
     assert ref.spec == lm.spec and ref.dtype.is_floating_point and str(ref.dtype) == "torch.float64"
     assert ref.reference() is ref and lm.twin("bfloat16") is lm
+
+
+def test_a_hub_model_in_the_local_cache_is_planned_from_its_files(hub_model):
+    """The memory plan of a hub id in the local cache reads its shape and counts the prompt with its tokenizer, as
+    for the same files in a folder (not a bound on the text's bytes)."""
+    from kvviz.memory import Workload, plan_workload
+
+    w = Workload(texts=(PROMPT,))
+    hub = plan_workload(hub_model, "bfloat16", "cpu", "split", w)
+    folder = plan_workload(str(tiny_folder("gpt2")), "bfloat16", "cpu", "split", w)
+    assert hub.tokens == folder.tokens < len(PROMPT.encode()) + 2
+    assert hub.weights == folder.weights > 0 and hub.total == folder.total

@@ -67,7 +67,8 @@ class MemoryProfile:
     forwards: int = 1  # forwards' worth of (all hidden states + logits) kept when hidden states are not streamed
     streamed_hidden: bool = True  # hidden states handed over layer by layer (kvviz.streaming)
     reference: bool = True  # runs the float64 reference (below float64)
-    bisector: bool = False  # may run the bisector in the run's own dtype
+    bisector: bool = False  # runs the bisector in the run's own dtype (a split whose proof fails runs it only
+    # where it fits beside the loaded model: kvviz.memory.fits_beside)
     float64_only: bool = False  # every run is on the float64 reference (the model in its dtype does not run)
     stepwise_reference: bool = False  # the reference compares token by token (its logits a chunk of rows at a time)
     batch: int = 1  # rows in a batch (padding: the padded, the unpadded and a neighbour)

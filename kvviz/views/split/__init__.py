@@ -11,4 +11,4 @@ VIEW = View("split", "Split point", "SplitResult", "report:reopen", "figures:mai
             tables="figures:tables", repro="repro", cli="cli", command="split",
             page=Page("split_point", "Investigate", ":material/content_cut:",
                       defaults={"prompt": CAPITALS}),
-            memory=MemoryProfile(forwards=2, bisector=True, compared_after_split=True), scenario="scenario:run")
+            memory=MemoryProfile(forwards=2, compared_after_split=True), scenario="scenario:run")

@@ -23,7 +23,7 @@ from ...errors import KvvizError
 from ...inputs import MASK_MODES, POSITION_MODES, PromptInputs, build_inputs, check_mode
 from ...execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings, cache_layers, has_cache
 from ...loading import LoadedModel
-from ...memory import REFERENCE_LOGITS_BYTES  # float64 full-forward logits over this: a chunk of rows at a time
+from ...memory import REFERENCE_LOGITS_BYTES, fits_beside  # float64 logits over REFERENCE_LOGITS_BYTES: in chunks
 from ...metrics import HIDDEN_METRICS as HIDDEN_METRIC_LABELS
 from ...metrics import describe_table, logits_divergence, logits_rows, tensor_diff
 from ...streaming import HeldRows, LayerGaps
@@ -500,6 +500,9 @@ def _bisect_first(lm: LoadedModel, cfg: SplitConfig, settings: ExecSettings) -> 
     if _bisector is None:
         return None
     try:
+        inp = build_inputs(lm, cfg.prompt, cfg.left_pad)
+        if not fits_beside(lm, "bisect", inp.total, inp.total - inp.pad - cfg.split):
+            return None  # not planned with the split (its proof holds as a rule): run only where it fits now
         res = _bisector(lm, cfg, settings)
     except Exception:  # noqa: BLE001 - an explanation aid only
         return None

@@ -16,7 +16,8 @@ from ...dtypes import DTYPE_NAMES, dtype_name, parse_dtype, supports_dtype
 from ...errors import KvvizError
 from ...execution import DEFAULT_SETTINGS, ExecSettings, RunSettings
 from ...inputs import encode, validate_prompt
-from ...loading import LoadedModel, ModelSpec, load_model
+from ... import loading
+from ...loading import LoadedModel, ModelSpec
 from ...verdict import Prove
 from ..split.run import SplitConfig, SplitResult, run_split
 
@@ -104,7 +105,7 @@ def _models(source, names: list[str], device, attn, trust_remote_code) -> dict[s
         base = source
     else:
         first = next((d for d in names if d != "float64"), "float64")
-        base = load_model(source, first, device, attn, trust_remote_code=trust_remote_code)
+        base = loading.load_model(source, first, device, attn, trust_remote_code=trust_remote_code)
     models = {"float64": base.reference()}
     for d in names:
         if d != "float64":

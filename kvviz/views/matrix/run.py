@@ -25,7 +25,8 @@ from ...execution import CacheKind, ExecSettings, Executor, Settings, StepPolicy
 from ..greedy.run import Replay, replay_step
 from ...metrics import first_divergence
 from ...inputs import POSITION_MODES, PromptInputs, check_mode, encode, pad_token_id, positions_from_mask
-from ...loading import LoadedModel, load_model
+from ... import loading
+from ...loading import LoadedModel
 from ...verdict import Verdict, classify
 from ...text import display_text
 
@@ -205,7 +206,7 @@ class _Runner:
 
     def model(self, attention: str) -> LoadedModel:
         if attention not in self.models:
-            self.models[attention] = load_model(self.spec, self.dtype, self.device, attention,
+            self.models[attention] = loading.load_model(self.spec, self.dtype, self.device, attention,
                                                 trust_remote_code=self.trust)
         return self.models[attention]
 

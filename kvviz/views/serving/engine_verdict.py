@@ -131,7 +131,7 @@ def engine_verdicts(prompts, lm, lm64, settings, engine, ids, completions, logps
     ex_own = (Executor(lm, settings.with_(invariant=False))
               if float_format(dtype) is not None and float_format(dtype) == dtype_name(lm.dtype) else None)
     for p in prompts:
-        i, paths, seen, refs = p.index, {}, set(), {}
+        i, paths, seen, refs, owns = p.index, {}, set(), {}, {}
         for cond, runs in completions.items():
             for r, toks in enumerate(runs[i]):
                 if (cond, tuple(toks)) in seen or not toks:
@@ -143,7 +143,9 @@ def engine_verdicts(prompts, lm, lm64, settings, engine, ids, completions, logps
                 ref = refs.get(tuple(toks))
                 if ref is None:
                     ref = refs[tuple(toks)] = reference_logprobs(ex64, ids[i], toks)
-                own = None if ex_own is None else reference_logprobs(ex_own, ids[i], toks)
+                own = owns.get(tuple(toks))
+                if own is None and ex_own is not None:  # one forward per token path, as for the reference
+                    own = owns[tuple(toks)] = reference_logprobs(ex_own, ids[i], toks)
                 paths[f"{cond} run {r + 1}"] = path_distance(ref, top, chosen, u, own)
         if not paths:
             if p.first_divergence is not None:

@@ -21,6 +21,7 @@ from ...compat import output_cache
 from ...dtypes import dtype_name, machine_eps
 from ...errors import KvvizError
 from ...inputs import MASK_MODES, POSITION_MODES, PromptInputs, build_inputs, check_mode
+from ...text import display_text
 from ...execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings, cache_layers, has_cache
 from ...loading import LoadedModel
 from ...memory import REFERENCE_LOGITS_BYTES, fits_beside  # float64 logits over REFERENCE_LOGITS_BYTES: in chunks
@@ -280,8 +281,8 @@ def _measure(lm: LoadedModel, comp: Comparison, ref: _Rows, a0: int, gaps: Layer
     comp.hidden = {name: t.cpu().numpy() for name, t in hd.items()}
     top1 = {name: ld.pop(name).cpu().tolist() for name in ("ref_top1", "got_top1")}
     comp.logits = {name: t.cpu().numpy() for name, t in ld.items()}
-    comp.reference_top1 = [lm.tokenizer.decode([i]) for i in top1["ref_top1"]]
-    comp.cached_top1 = [lm.tokenizer.decode([i]) for i in top1["got_top1"]]
+    comp.reference_top1 = [display_text(lm.tokenizer, [i]) for i in top1["ref_top1"]]  # a lone byte as ⟨xx⟩
+    comp.cached_top1 = [display_text(lm.tokenizer, [i]) for i in top1["got_top1"]]
     comp.describe = describe_table(ref_logits[-1], got_last)
     comp.kv = compare_caches(ref.cache, cache, inp.total, inp.pad)
 

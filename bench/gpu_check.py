@@ -20,13 +20,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-APP_TESTS = ("tests/test_app.py", "tests/test_browser.py", "tests/test_streamlit_internals.py")
+APP_TESTS = ("tests/test_app.py", "tests/test_browser.py", "tests/test_streamlit_internals.py",
+             "tests/test_wheel.py")  # the app, and the package build (it installs into a venv of the image's own)
 
 
-def run_tests(extra: list[str]) -> dict:
-    """pytest -m 'not browser' with KVVIZ_TEST_DEVICE=auto; counts and the failing tests from its JUnit XML."""
+def run_tests(extra: list[str], workers: int = 0) -> dict:
+    """pytest -m 'not browser' with KVVIZ_TEST_DEVICE=auto; counts and the failing tests from its JUnit XML.
+    workers > 0: that many pytest-xdist processes sharing the GPU (the suite takes over 10 min serially there)."""
+    import importlib.util
+
     xml = Path(tempfile.mkdtemp()) / "junit.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "not browser and not app", "-p", "no:cacheprovider",
+    par = ["-n", str(workers)] if workers > 0 and importlib.util.find_spec("xdist") else []
+    cmd = [sys.executable, "-m", "pytest", "-q", *par, "-m", "not browser and not app", "-p", "no:cacheprovider",
            f"--junitxml={xml}",
            *[f"--ignore={t}" for t in APP_TESTS], *extra]
     env = dict(os.environ, KVVIZ_TEST_DEVICE="auto", HF_HUB_OFFLINE="1")
@@ -105,6 +110,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-bench", action="store_true")
+    ap.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
+                    help="pytest-xdist processes (0: one process; ignored without pytest-xdist)")
     ap.add_argument("pytest_args", nargs="*", help="extra pytest arguments (e.g. -k split)")
     args = ap.parse_args()
     import torch
@@ -115,7 +122,7 @@ def main() -> int:
     from kvviz.environment import environment
 
     env = environment("cuda")
-    tests = run_tests(args.pytest_args)
+    tests = run_tests(args.pytest_args, args.workers)
     bench = None if args.no_bench else run_bench(args.tokens, args.repeats)
     device_map = run_device_map()
     out = Path(args.out)

@@ -238,6 +238,9 @@ class Executor:
         hidden: True (every layer's hidden states in the output), False (none), or a sink `sink(index, tensor)`
         that gets each hidden state as the forward produces it (kvviz.streaming; the output then carries none)."""
         sink = hidden if callable(hidden) else None
+        dev = getattr(self.lm, "device", None)  # inputs go where the model's embeddings are (a caller's may be on cpu)
+        if dev is not None:
+            ids, mask, positions = (None if t is None else t.to(dev) for t in (ids, mask, positions))
         kwargs: dict = dict(input_ids=ids, use_cache=use_cache, return_dict=True,
                             output_hidden_states=sink is not None or bool(hidden))
         if mask is not None:

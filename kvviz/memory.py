@@ -9,7 +9,8 @@ safetensors headers, or the GGUF header; nothing is loaded) and estimates, in by
 * activations one forward's working set and the hidden states / logits a view keeps while it compares them;
 * cache       the KV cache of the longest sequence (the run's dtype and float64);
 * kept        the results the view holds (per-layer, per-position metrics);
-* runtime     the Python/torch process itself (CPU only).
+* runtime     the Python/torch process itself on the CPU; on CUDA the cuBLAS/cuBLASLt workspaces torch takes from
+              its caching allocator (counted in `max_memory_allocated`).
 
 against what is free: CUDA `torch.cuda.mem_get_info`; CPU: MemAvailable, lowered by a cgroup memory limit and by
 RLIMIT_AS (address space left). A run whose total is over what is free is refused in one line naming what to lower
@@ -31,6 +32,9 @@ from .errors import KvvizError
 GB = 1024 ** 3
 TWIN_MAX_BYTES = int(1.5 * GB)  # a full float64 twin up to this size is kept when memory allows (it runs faster)
 RUNTIME_BYTES = int(0.8 * GB)  # python + torch + transformers, resident, on the CPU
+# cuBLAS and cuBLASLt workspaces on a GPU (32 MiB each on Hopper), allocated through torch's caching allocator: a
+# tiny model split on an H100 peaked at 0.05 GiB of `max_memory_allocated` against a plan of 5 MiB without them
+CUDA_RUNTIME_BYTES = 64 * 1024 ** 2
 # the tokenizer's tables (tokenizers' vocabulary, merges and caches), resident on the CPU: about 10 times its files
 # (Gemma 3's 33 MB tokenizer.json: 0.32 GB), or, where there are no files yet (a GGUF not converted), 1.2 KB a
 # vocabulary entry (0.31 GB for those 262k entries); measured with tokenizers on Linux
@@ -551,7 +555,7 @@ def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, vie
 
     dt = dtype_name(parse_dtype(dtype))
     notes = []
-    runtime = RUNTIME_BYTES if device.startswith("cpu") else 0
+    runtime = RUNTIME_BYTES if device.startswith("cpu") else CUDA_RUNTIME_BYTES if device.startswith("cuda") else 0
     if shape is not None and device.startswith("cpu"):
         runtime += shape.tokenizer_bytes
     if shape is None:

@@ -8,7 +8,7 @@ from kvviz.views.bisect.run import layer_name, run_bisect
 from kvviz.execution import ExecSettings
 from kvviz.views.split.run import SplitConfig
 
-from conftest import DEVICE, PROMPT
+from conftest import DEVICE, PROMPT, RowCountRounding
 
 CFG = SplitConfig(PROMPT * 2, split=20)
 
@@ -36,8 +36,16 @@ def test_invariant_mode_nothing_differs_and_a_broken_op_is_named(monkeypatch):
     lm = kvviz.load_model("tiny:gemma3", "bfloat16", DEVICE)
     res = run_bisect(lm, CFG, ExecSettings(invariant=True))
     assert res.first is None and res.first_op is None
-    # break one op of invariant mode: the trace names that op, inside the attention, with bfloat16 inputs
-    monkeypatch.setattr(invariant, "invariant_sdpa", torch.nn.functional.scaled_dot_product_attention)
+    # break one op of invariant mode so that it depends on the cache (its scale moves by 2^-6 where it reads a
+    # past): the trace names that op, inside the attention, with bfloat16 inputs
+    def broken(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
+        if key.shape[-2] != query.shape[-2]:
+            scale = (scale or query.shape[-1] ** -0.5) * (1 + 2.0 ** -6)
+        return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,
+                                                                dropout_p=dropout_p, is_causal=is_causal,
+                                                                scale=scale, **kw)
+
+    monkeypatch.setattr(invariant, "invariant_sdpa", broken)
     res = run_bisect(lm, CFG, ExecSettings(invariant=True))
     assert res.first_op is not None
     assert res.first_op.op == "scaled_dot_product_attention" and "self_attn" in res.first_op.module
@@ -60,8 +68,10 @@ def test_invariant_mode_says_plainly_that_every_op_agrees_and_reports_progress(c
     assert f"({res.ops_compared} ops compared" in res.explanation
     assert [f for f, _ in seen] == sorted(f for f, _ in seen) and seen[-1] == (1.0, "Done")
     assert any("Op trace: cached run" in m for _, m in seen) and "invariant mode" in seen[0][1]
-    # normal mode on the same scenario names its first op, and counts the ops that agreed before it
-    res = run_bisect(lm, CFG)
+    # normal mode on the same scenario (with a rounding gap built: a linear layer whose summation split depends on
+    # its row count, so on any CPU or GPU) names its first op, and counts the ops that agreed before it
+    with RowCountRounding():
+        res = run_bisect(lm, CFG)
     assert res.first_op is not None and res.ops_compared == res.first_op.ops_compared >= 1
     assert res.explanation.endswith(res.first_op.text)
     # the command line: progress on stderr, the plain sentence on stdout

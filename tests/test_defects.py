@@ -11,13 +11,13 @@ from kvviz.views.quant.run import QuantConfig, check_feasible, run_quant
 from kvviz.repro import repro_script
 from kvviz.views.split.run import SplitConfig, run_split
 
-from conftest import DEVICE, PROMPT
+from conftest import DEVICE, PROMPT, QUANTO
 
 
 @pytest.mark.parametrize("arch,kv,weights,dtype,message", [
-    ("gemma2", "quanto:int4", "none", "float32", "only full attention"),  # QuantizedCache refuses sliding layers
+    pytest.param("gemma2", "quanto:int4", "none", "float32", "only full attention", marks=QUANTO),  # QuantizedCache refuses sliding layers
     ("mistral", "fp8", "none", "float32", "only full attention"),
-    ("llama", "none", "int8", "float64", "not float64"),
+    pytest.param("llama", "none", "int8", "float64", "not float64", marks=QUANTO),
     ("llama", "none", "bnb-nf4", "float32", "needs a CUDA GPU"),
 ])
 def test_the_card_refuses_a_quantization_it_cannot_run_before_its_battery(arch, kv, weights, dtype, message,

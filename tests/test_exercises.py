@@ -16,7 +16,8 @@ def models():
 
 @pytest.mark.parametrize("key, verdict", [("server", "precision"), ("batch", "logic"), ("loop", "logic"),
                                           ("half", "precision")])
-def test_each_exercise_has_the_verdict_its_hidden_setting_makes(models, key, verdict):
+def test_each_exercise_has_the_verdict_its_hidden_setting_makes(models, key, verdict, row_count_rounding):
+    # the rounding gap is built (a linear layer whose summation split depends on its row count): on every CPU and GPU
     run = exercises.run_exercise(key, models, PROMPT)
     assert run.verdict == verdict
     assert run.gap > 0 and run.float64_gap is not None

@@ -22,7 +22,7 @@ from kvviz.views.padding.run import run_padding
 from kvviz.repro import key_figure, repro_script
 from kvviz.views.reuse.run import run_reuse
 
-from conftest import DEVICE, PROMPT
+from conftest import DEVICE, PROMPT, QUANTO
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +166,7 @@ def _loops_calling_forward(script: str) -> list[int]:
 
 
 @pytest.mark.heavy
+@QUANTO  # the quant case: int8 weights, a quanto cache
 def test_repro_scripts_of_every_view_reproduce_their_figure_bit_for_bit(tmp_path):
     """greedy, dtypes, padding, reuse, loading trap, quantized, the backends matrix and the card: each script makes
     kvviz's calls, so its last line is the figure exactly."""

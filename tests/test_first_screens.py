@@ -3,7 +3,9 @@ here, with the one click that shows one; one-click scenarios open without Stream
 import logging
 
 import pytest
-from streamlit.testing.v1 import AppTest
+
+pytest.importorskip("streamlit")  # the app tests need Streamlit (a GPU image may lack it)
+from streamlit.testing.v1 import AppTest  # noqa: E402
 
 from conftest import ROOT
 from test_app import alerts, start

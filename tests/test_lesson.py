@@ -72,7 +72,7 @@ def test_step3_row_alone_vs_batch_on_the_models_weights(models):
     assert f"{f32['differ']} of 64" in r.reveal
 
 
-def test_steps_4_5_cached_vs_full_by_layer(models):
+def test_steps_4_5_cached_vs_full_by_layer(models, row_count_rounding):  # a rounding gap on any CPU/GPU
     five = lesson.step_layers(models, PROMPT)
     d = five.data
     assert d["labels"][0] == "embeddings" and len(d["labels"]) == models("float32").n_layers + 1
@@ -97,7 +97,7 @@ def test_steps_4_5_cached_vs_full_by_layer(models):
         lesson.step_one_layer(models, PROMPT, layer=99)
 
 
-def test_step7_float64_closes_the_gap_and_invariant_mode_makes_it_zero(models):
+def test_step7_float64_closes_the_gap_and_invariant_mode_makes_it_zero(models, row_count_rounding):
     r = lesson.step_referee(models, PROMPT, "bfloat16")
     m = r.data["max"]
     assert m["normal"] > 1e-4

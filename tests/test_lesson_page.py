@@ -2,6 +2,8 @@
 prediction, the reveal, moving between steps) never rerun a step; the handout is offered as one download."""
 import pytest
 
+pytest.importorskip("streamlit")  # the app tests need Streamlit (a GPU image may lack it)
+
 import kvviz.lesson as lesson_mod
 
 from test_app import alerts, count_calls, start

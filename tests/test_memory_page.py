@@ -1,6 +1,8 @@
 """The memory plan on the pages: shown beside every run, and a run that cannot fit is refused before it starts."""
 import pytest
-from streamlit.testing.v1 import AppTest
+
+pytest.importorskip("streamlit")  # the app tests need Streamlit (a GPU image may lack it)
+from streamlit.testing.v1 import AppTest  # noqa: E402
 
 from conftest import ROOT
 

@@ -8,7 +8,7 @@ import pytest
 import kvviz
 from kvviz import views
 
-from conftest import DEVICE
+from conftest import DEVICE, QUANTO
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,6 +21,7 @@ def _bench():
 
 
 @pytest.mark.heavy
+@QUANTO  # the quantized page's default run uses a quanto cache
 def test_the_pages_bench_covers_every_page_that_runs_and_each_call_runs():
     lm = kvviz.load_model("tiny:llama", "float32", DEVICE)
     calls = _bench().page_calls(lm, "tiny:llama")

@@ -163,6 +163,7 @@ def test_a_run_says_which_run_of_another_tab_holds_the_model():
     assert "Another run holds the model" not in " ".join(c.value for c in at.caption)
 
 
+@pytest.mark.app
 def test_the_held_line_names_the_run_and_its_start():
     from pages.runner import held_line
 
@@ -171,6 +172,7 @@ def test_the_held_line_names_the_run_and_its_start():
                            "(61 s ago)")
 
 
+@pytest.mark.app
 def test_the_progress_line_follows_the_clock_between_reports():
     """A run that reports half done after 9 s and then works a minute on one step: the line counts down from the
     measured pace, then says it takes longer, instead of standing at "about 9 s left"."""

@@ -150,6 +150,7 @@ def _page_plan(run_name, key_parts, spec="tiny:llama", dtype="float32"):
 PROMPT = "The capital of France is Paris, and the capital of Italy is"
 
 
+@pytest.mark.app  # the page side imports pages/ (Streamlit)
 @pytest.mark.parametrize("argv, run_name, key_parts", [
     (["split", "--prompt", PROMPT, "--split", "5", "--left-pad", "2"], "split",
      {"cfg": {"prompt": PROMPT, "split": 5, "left_pad": 2, "mode": "chunk"}}),

@@ -51,7 +51,7 @@ def gguf_model() -> str:
     return str(default_gguf_path())
 
 
-ROUTES = ["folder_model", "hub_model", pytest.param("gguf_model", marks=pytest.mark.heavy)]  # the real GGUF: slow
+ROUTES = ["folder_model", "hub_model", pytest.param("gguf_model", marks=[pytest.mark.heavy, pytest.mark.slow])]  # the real GGUF
 
 
 def run_cli(capsys, *argv) -> dict:
@@ -61,6 +61,7 @@ def run_cli(capsys, *argv) -> dict:
     return json.loads(out)
 
 
+@pytest.mark.slow  # the real GGUF
 def test_specs_parse_to_their_kind(folder_model, hub_model, gguf_model):
     assert kvviz.parse_spec(folder_model).kind == "folder"
     assert kvviz.parse_spec(hub_model).kind == "hub"

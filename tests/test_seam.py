@@ -15,7 +15,7 @@ from kvviz.execution import ExecSettings, Executor, register_run_context, unregi
 from kvviz.views.greedy.run import GreedyConfig, run_greedy
 from kvviz.views.split.run import SplitConfig, run_split
 
-from conftest import DEVICE, PROMPT
+from conftest import DEVICE, PROMPT, QUANTO
 
 
 def test_settings_validate_and_describe_themselves():
@@ -264,6 +264,7 @@ def test_the_loop_check_sees_every_spelling_of_a_model_call():  # so that the te
 
 
 @pytest.mark.heavy
+@QUANTO  # the quant view's page run uses a quanto cache
 def test_every_view_runs_through_the_executor(monkeypatch):
     """Every view with a page (the pages bench's first run of each, on a tiny model) and the bisector: each makes
     its model calls through the executor, and no call reaches a model behind the seam's back."""

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -22,7 +23,7 @@ from kvviz.views.serving.figures import prompt_frame
 from kvviz.views.serving.run import CONDITIONS, ServeConfig, load_prompt_set, plan_batches, run_serving
 from kvviz.repro import key_figure
 from kvviz.simkernel import split_k_kernel
-from conftest import DEVICE
+from conftest import ROOT, DEVICE
 
 PROMPTS = ["Hi there", "The cat", "abc", "Once upon", "xyz!"]
 
@@ -192,7 +193,9 @@ def test_cli_runs_and_writes_exports(capsys, tmp_path):
     script = (tmp_path / "r.py").read_text()
     assert "import kvviz" not in script and "init_continuous_batching" in script
     run = subprocess.run([sys.executable, str(tmp_path / "r.py")], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": ""})
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(  # kvviz out of reach, other packages kept
+                             p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                             if p and Path(p).resolve() != ROOT)})
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip().splitlines()[-1] == f"prompts with 1 distinct completion = {key_figure(res):.0f}"
 

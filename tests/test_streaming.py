@@ -56,9 +56,10 @@ def all_at_once(m, cfg: SplitConfig) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize("mode", ["chunk", "step"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_reduced_per_layer_equals_all_at_once(arch, mode):
-    """bfloat16 (gaps of every size) and a prompt past the window of the sliding-window models: every metric of
-    every layer and position bit for bit equal to the stacked reduction."""
+def test_reduced_per_layer_equals_all_at_once(arch, mode, row_count_rounding):
+    """bfloat16 (gaps of every size: built by a row-count-dependent linear layer, so on any CPU or GPU) and a prompt
+    past the window of the sliding-window models: every metric of every layer and position bit for bit equal to the
+    stacked reduction."""
     m = lm(arch, "bfloat16")
     cfg = SplitConfig(PROMPT * 2, split=20, mode=mode)
     comp = split._run(m, cfg, build_inputs(m, cfg.prompt, cfg.left_pad), lambda f, msg: None)
@@ -68,7 +69,7 @@ def test_reduced_per_layer_equals_all_at_once(arch, mode):
         assert comp.hidden[name].dtype == want.dtype
         np.testing.assert_array_equal(comp.hidden[name], want, err_msg=name)
     assert comp.hidden["max_abs"].shape == (m.n_layers + 1, len(build_inputs(m, cfg.prompt).ids[0]) - 20)
-    if arch in ("llama", "mistral"):  # real gaps here: the test compares numbers, not only zeros
+    if arch != "gpt2":  # real gaps (gpt2's Conv1D layers are not F.linear): numbers compared, not only zeros
         assert comp.hidden["max_abs"].max() > 0
 
 
@@ -280,7 +281,7 @@ def test_greedy_fast_preview_rows_equal_all_at_once():
         _cache(ex, inp, 6, rec)
         guide = rec.done()
         fast = _fast_no_cache(ex, inp, 6, StepRecorder("no_cache", 6, lambda: None), guide)
-        ids = torch.cat([inp.ids, torch.tensor([guide.token_ids[:5]])], 1)
+        ids = torch.cat([inp.ids, torch.tensor([guide.token_ids[:5]], device=inp.ids.device)], 1)
         mask = torch.ones_like(ids)
         out = ex.forward(ids, mask, positions_from_mask(mask), use_cache=False)
     start = inp.ids.shape[1] - 1

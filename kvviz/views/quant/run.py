@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -383,6 +384,11 @@ def explain(res: QuantResult) -> str:
     if res.bitwise_equal:
         return (f"Identical, bit for bit: with {res.label} this run computes exactly what the unquantized one does "
                 f"(nothing that was quantized was read, e.g. every token still in the residual).")
+    bad = [i for i, v in enumerate(res.logits_max_abs) if not math.isfinite(v)]
+    if bad:  # e.g. transformers' fp8 QuantizedCache on CUDA
+        return (f"Lossy, and worse: with {res.label} the quantized run produced non-finite values (NaN or inf) from "
+                f"step {bad[0]} on ({len(bad)} of {res.steps} steps): the quantized cache broke the computation, "
+                f"beyond rounding. Try another quantized cache kind.")
     parted = (f"the greedy text agrees for all {res.steps} tokens" if res.agreement >= res.steps else
               f"the greedy text agrees for {res.agreement} of {res.steps} tokens, then parts")
     return (f"Lossy by design ({res.label}): {parted}; per-step KL(unquantized ‖ quantized) mean {res.kl_mean:.3g}, "

@@ -294,3 +294,14 @@ def test_a_folders_one_view_takes_the_folders_name(tmp_path, monkeypatch):
     with pytest.raises(KvvizError, match="named 'another_name': a view takes its folder's name"):
         views.add_folder("named_views.some_folder")
     assert "another_name" not in views._VIEWS
+
+
+def test_the_docs_name_every_alias_the_registry_keeps():
+    """docs/cli.md's sentence on older names lists exactly the entries' command and page URL aliases."""
+    import re
+
+    doc = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
+    sentence = doc[doc.index("Older names still work as aliases"):].split("\n\n")[0]
+    commands = dict(re.findall(r"`([a-z-]+)` runs `([a-z-]+)`", sentence))
+    assert commands == {a: v.command for v in views.all_views() for a in v.command_aliases}
+    assert set(re.findall(r"`/([a-z_]+)`", sentence)) == set(views.page_url_aliases())

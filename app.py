@@ -6,16 +6,32 @@ import streamlit as st
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 st.set_page_config(page_title="kvviz", page_icon=":material/troubleshoot:", layout="wide")
-from pages.common import NAV, sidebar  # noqa: E402  (after set_page_config)
+from pages.common import NAV, OLD_URLS, PAGE_URLS, PAGE_TITLES, sidebar  # noqa: E402  (after set_page_config)
 from pages.state import remember, scenario_guard  # noqa: E402
 
 # Navigation in sections (pages.common.NAV: one place for every page's file, title and icon), always expanded:
-# no page hidden behind "View more".
-BY_STEM = {stem: st.Page(f"pages/{stem}.py", title=title, icon=icon, default=stem == "home")
+# no page hidden behind "View more". A view's page is at its view's name (PAGE_URLS: /split for pages/split_point.py).
+BY_STEM = {stem: st.Page(f"pages/{stem}.py", title=title, icon=icon, url_path=PAGE_URLS.get(stem),
+                         default=stem == "home")
            for items in NAV.values() for stem, title, icon in items}
-PAGES = {section: [BY_STEM[stem] for stem, _, _ in items] for section, items in NAV.items()}
+
+
+def _moved() -> None:  # never drawn: app.py sends an older URL on before any page runs
+    pass
+
+
+# An older URL of a page (a saved link to /split_point): a hidden page, so that Streamlit does not answer "page not
+# found"; below, it sends the browser on to the page's own URL with the link's settings.
+OLD = {old: st.Page(_moved, title=PAGE_TITLES[stem], url_path=old, visibility="hidden")
+       for old, stem in OLD_URLS.items()}
+PAGES = {section: [BY_STEM[stem] for stem, _, _ in items]
+         + [page for old, page in OLD.items() if OLD_URLS[old] in {stem for stem, _, _ in items}]
+         for section, items in NAV.items()}
 STEM = {p.url_path: stem for stem, p in BY_STEM.items()}
 nav = st.navigation(PAGES, expanded=True)
+if nav.url_path in OLD_URLS:
+    link = st.query_params
+    st.switch_page(BY_STEM[OLD_URLS[nav.url_path]], query_params=[(k, v) for k in link for v in link.get_all(k)])
 
 st.session_state.pop("_top_slot", None)  # each page makes its own (pages.common.page)
 st.session_state.pop("_msg_slot", None)

@@ -1,7 +1,9 @@
 """Command line: `python -m kvviz <view> ...` — every view of the library, one subcommand each (`--help` lists them).
 
 The subcommands come from the view registry (kvviz/views/__init__.py): each view's folder has a cli.py with its
-options and its command (shared pieces in kvviz/clirun.py). `_run` is the one run block for all of them: it refuses
+options (`add_arguments`), its help line (`HELP`) and its command (shared pieces in kvviz/clirun.py); the subcommand's
+name is derived from the folder (`loading_trap` -> `loading-trap`) and an older name of it is an argparse alias
+(`View(command_aliases=...)`: `serve-study` runs `serving`). `_run` is the one run block for all of them: it refuses
 the common flags a subcommand cannot honour, writes --json-out / --html / --repro, and prints JSON (--json) or the
 summary. `open` (a saved result) and `sweep-architectures` are the two subcommands that are not views."""
 from __future__ import annotations
@@ -29,7 +31,12 @@ def build_parser() -> argparse.ArgumentParser:
     for view in views.all_views():  # one subcommand per view folder with a cli.py (the cache folder: two views)
         if view.cli and view.package not in seen:
             seen.add(view.package)
-            view.cli_module().add_parser(sub)
+            name = view.command.split(" ")[0]  # derived from the folder by the registry
+            aliases = [a for v in views.all_views() if v.package == view.package for a in v.command_aliases]
+            mod = view.cli_module()
+            p = sub.add_parser(name, aliases=aliases, help=mod.HELP)
+            mod.add_arguments(p)
+            p.set_defaults(command=name)  # an alias as typed runs (and is named in messages) as the subcommand
     op = sub.add_parser("open", help="show a saved result (JSON export) without running any model")
     op.add_argument("file")
     op.set_defaults(handler=cmd_open)

@@ -1,8 +1,8 @@
 """What every subcommand shares (kvviz/cli.py runs them; each view's cli.py defines its own): the common model
 options, loading behind the memory plan, the run settings, progress on stderr, and the Outcome a subcommand returns.
 
-A view's cli.py has `add_parser(subparsers)` (its options; `set_defaults(handler=command, ...)`) and
-`command(args) -> Outcome`. It checks its arguments, runs, and returns; it never prints or exports: kvviz/cli.py
+A view's cli.py has `HELP` (its line in --help), `add_arguments(parser)` (its options on the parser kvviz/cli.py makes
+under the subcommand the registry derives; `set_defaults(handler=command, ...)`) and `command(args) -> Outcome`. It checks its arguments, runs, and returns; it never prints or exports: kvviz/cli.py
 does that for all of them (flags a subcommand cannot honour refused, --json-out/--html/--repro, JSON or summary)."""
 from __future__ import annotations
 

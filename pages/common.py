@@ -180,6 +180,17 @@ NAV = _nav()
 PAGE_TITLES = {stem: title for items in NAV.values() for stem, title, _ in items}
 
 
+def _urls() -> tuple[dict[str, str], dict[str, str]]:
+    from kvviz import views
+
+    return views.page_urls(), views.page_url_aliases()
+
+
+# A view's page is at its view's name (the folder: /split), whatever its script's file name; an older URL of it
+# (its Page(url_aliases=...): /split_point) is a hidden page that app.py sends on to the page's own URL.
+PAGE_URLS, OLD_URLS = _urls()  # page stem -> URL path; older URL path -> page stem
+
+
 # Normal mode: a little less room above the title, so the verdict and the chart come into the first screen.
 NORMAL_CSS = """<style>
 .block-container {padding-top: 2.2rem !important; padding-bottom: 1rem !important;}

@@ -306,6 +306,54 @@ def test_a_link_with_a_pages_other_prefix_opens_its_controls():
     assert "serving_runs" in at.query_params and "sv_runs" not in at.query_params
 
 
+def open_url(at: AppTest, url_path: str) -> AppTest:
+    """Run the page a browser asking for /<url_path> gets (AppTest itself opens pages by file; Streamlit finds a
+    page by the hash of its URL path)."""
+    from streamlit.util import calc_hash
+
+    at._page_hash = calc_hash(url_path)
+    return at.run()
+
+
+def test_every_view_page_is_at_its_views_name_and_its_older_urls_are_kept():
+    """The navigation registers each view's page at its view's name (its folder) and each older URL of it (its
+    Page(url_aliases=...)) as a hidden page of its own, so that no saved link lands on "page not found"."""
+    from pathlib import Path
+
+    from kvviz import views
+
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=60)
+    at.run()
+    registered = {info["url_pathname"]: info.get("script_path", "") for info in at._registered_pages.values()}
+    pages = [v.page for v in views.all_views() if v.page]
+    assert len(pages) == 11
+    for page in pages:
+        assert Path(registered[page.url_path]) == ROOT / "pages" / f"{page.stem}.py", page.url_path
+        for old in page.url_aliases:
+            assert registered[old] == "", old  # a hidden forwarding page, not a second copy of the script
+    assert {"split", "greedy", "matrix", "cache", "check", "split_point", "backends", "kv_cache"} <= set(registered)
+
+
+def test_an_older_page_url_opens_the_page_at_its_own_url_with_the_links_settings():
+    from streamlit.util import calc_hash
+
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
+    at.query_params.update({"model_preset": '"tiny:gpt2"', "split_mode": '"step"', "split_pad": "3"})
+    open_url(at, "split_point")  # a link saved before the page was at /split
+    assert not at.exception, at.exception
+    assert at._finished_page_script_hash == calc_hash("split") and at.title[0].value == "Split point"
+    assert at.radio(key="split_mode").value == "step" and at.number_input(key="split_pad").value == 3
+    assert at.query_params["split_pad"] in ("3", ["3"])  # the page's own URL carries the link's settings on
+    # an older URL and an older settings prefix together: /kv_cache?kv_tokens=40 is the cache page with 40 tokens
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
+    at.query_params.update({"model_preset": '"tiny:gpt2"', "kv_tokens": "40"})
+    open_url(at, "kv_cache")
+    assert not at.exception and at._finished_page_script_hash == calc_hash("cache")
+    assert at.number_input(key="cache_tokens").value == 40
+    open_url(at, "cache")  # and the page's own URL
+    assert not at.exception and at.title[0].value == "KV cache" and at.session_state["_page"] == "kv_cache"
+
+
 def test_a_link_opens_the_exact_view_and_bad_parameters_fall_back():
     at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
     at.query_params.update({"model_preset": '"tiny:gpt2"', "split_mode": '"step"', "split_pad": "3",

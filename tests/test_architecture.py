@@ -107,7 +107,8 @@ def test_every_view_names_real_pieces():
         if v.repro:
             assert all(callable(getattr(v.repro_module(), f)) for f in ("check", "script", "key_figure")), v.name
         if v.cli:
-            assert callable(v.cli_module().add_parser) and callable(v.cli_module().command), v.name
+            mod = v.cli_module()
+            assert isinstance(mod.HELP, str) and callable(mod.add_arguments) and callable(mod.command), v.name
         assert v.package.startswith("kvviz.views.") and v.package.count(".") == 2, v.name  # one folder each
 
 

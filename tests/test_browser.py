@@ -11,7 +11,7 @@ server = app_server_fixture()
 
 def test_split_page_draws_heatmap_with_default_model(server, artifacts):
     with browser() as b:
-        page = open_page(b, server + "/split_point")
+        page = open_page(b, server + "/split")
         assert page.get_by_text("Verdict:").count() >= 1
         # the heatmap is really drawn with its full layer axis, whether the run's result has a gap (a colour
         # bar for the gap) or is bitwise identical (the zero colour and the note)
@@ -33,7 +33,7 @@ def test_split_page_draws_heatmap_with_default_model(server, artifacts):
 
 def test_greedy_page_in_browser(server, artifacts):
     with browser() as b:
-        page = open_page(b, server + "/greedy_paths", height=2400)
+        page = open_page(b, server + "/greedy", height=2400)
         assert page.get_by_text("no cache (full forward each step)").count() >= 1
         assert page.locator(".js-plotly-plot").count() >= 2
         page.screenshot(path=str(artifacts / "greedy-default.png"), full_page=True)
@@ -53,9 +53,9 @@ CHANGES = {  # a control to change on each page, and what to see after it
 
 
 @pytest.mark.parametrize("path, name", [
-    ("dtypes_lab", "dtypes"),
-    ("padding_lab", "padding"),
-    ("cache_reuse", "reuse"),
+    ("dtypes", "dtypes"),
+    ("padding", "padding"),
+    ("reuse", "reuse"),
 ])
 def test_lab_pages_in_browser(server, artifacts, path, name):
     """The lab pages in a real browser on a tiny model (the default model's pages are walked by the tests above and
@@ -131,13 +131,13 @@ def test_four_sessions_at_once_see_the_numbers_of_one(server, artifacts):
     with browser() as b:
         pages = [b.new_context(viewport={"width": 1300, "height": 1400}).new_page() for _ in range(4)]
         for p in pages:  # all four sessions start before any has finished
-            p.goto(server + "/split_point", wait_until="commit")
+            p.goto(server + "/split", wait_until="commit")
         together = [_metrics(p) for p in pages]
         for i, p in enumerate(pages):
             no_exception(p)
             p.screenshot(path=str(artifacts / f"concurrent-{i}.png"))
         alone_page = b.new_context(viewport={"width": 1300, "height": 1400}).new_page()
-        alone_page.goto(server + "/split_point")
+        alone_page.goto(server + "/split")
         alone = _metrics(alone_page)
     assert alone and any(k.startswith("largest relative gap") for k in alone)
     assert all(m == alone for m in together), (together, alone)
@@ -178,9 +178,9 @@ def _first_screen(page, selector: str) -> dict:
 
 @pytest.mark.parametrize("scheme", ["light", "dark"])
 def test_presenter_mode_fits_verdict_and_chart_and_custom_html_is_readable(server, artifacts, scheme):
-    pages = {"split_point": {"split_prompt": "Hello world, caching is fun! " * 3},  # custom HTML: token chips
-             "greedy_paths": {"greedy_n": 8},  # custom HTML: the texts panel
-             "quantized": {"quant_n": 8}, "loading_trap": {"loading_trap_n": 6}}
+    pages = {"split": {"split_prompt": "Hello world, caching is fun! " * 3},  # custom HTML: token chips
+             "greedy": {"greedy_n": 8},  # custom HTML: the texts panel
+             "quant": {"quant_n": 8}, "loading_trap": {"loading_trap_n": 6}}
     with browser() as b:
         ctx = b.new_context(viewport={"width": 1280, "height": 720}, color_scheme=scheme)
         for path, params in pages.items():
@@ -196,11 +196,11 @@ def test_presenter_mode_fits_verdict_and_chart_and_custom_html_is_readable(serve
             chart = _first_screen(page, ".js-plotly-plot")
             assert verdict["y"] + verdict["height"] <= 720, (path, verdict)
             assert chart["y"] < 720 - 200, (path, chart)  # at least its upper part (title and first rows) is seen
-            if path == "split_point":  # the token chips live with the controls, collapsed in presenter mode
+            if path == "split":  # the token chips live with the controls, collapsed in presenter mode
                 page.get_by_text("Settings: prompt and controls").click()
                 page.locator('span[title^="token "]').first.wait_for(timeout=30_000)
                 page.screenshot(path=str(artifacts / f"presenter-{scheme}-{path}-controls.png"))
-            if path not in ("split_point", "greedy_paths"):
+            if path not in ("split", "greedy"):
                 continue  # no custom HTML on these pages: Streamlit's own theme colours
             ratios = page.evaluate(CONTRAST_JS)
             assert ratios, f"no chips or text panels on {path}"
@@ -212,8 +212,8 @@ def test_presenter_mode_fits_verdict_and_chart_and_custom_html_is_readable(serve
 def test_every_page_in_presenter_mode(server, artifacts):
     with browser() as b:
         ctx = b.new_context(viewport={"width": 1280, "height": 720}, color_scheme="dark")
-        for path in ("", "dtypes_lab", "padding_lab", "cache_reuse", "loading_trap", "backends", "kv_cache", "quantized",
-                     "cache_safety", "open_result", "guide", "glossary"):
+        for path in ("", "dtypes", "padding", "reuse", "loading_trap", "matrix", "cache", "quant",
+                     "check", "open_result", "guide", "glossary"):
             page = ctx.new_page()
             page.goto(link(server, path))
             page.wait_for_selector('[data-testid="stMainBlockContainer"] h1', timeout=240_000)
@@ -228,7 +228,7 @@ def test_every_page_in_presenter_mode(server, artifacts):
 def test_a_copied_link_reopens_the_same_view_and_numbers(server, artifacts):
     with browser() as b:
         page = b.new_context(viewport={"width": 1400, "height": 1400}).new_page()
-        page.goto(link(server, "split_point", presenter=False))
+        page.goto(link(server, "split", presenter=False))
         page.wait_for_selector(".js-plotly-plot", timeout=240_000)
         wait_idle(page)
         page.get_by_text("Settings: prompt and controls").click()
@@ -279,16 +279,16 @@ def test_open_a_result_shows_the_page_without_a_model(server, artifacts, tmp_pat
 # Settings you can trust, one naming, the first screen in normal mode, navigation (tiny models)
 
 FIRST_SCREEN = {  # page: (its verdict line, the start of its main chart or table)
-    "split_point": ('[data-testid="stAlert"]:has-text("Verdict:")', ".js-plotly-plot"),
-    "greedy_paths": ('[data-testid="stAlert"]:has-text("Verdict:"), [data-testid="stAlert"]:has-text("chose the same")',
+    "split": ('[data-testid="stAlert"]:has-text("Verdict:")', ".js-plotly-plot"),
+    "greedy": ('[data-testid="stAlert"]:has-text("Verdict:"), [data-testid="stAlert"]:has-text("chose the same")',
                      ".js-plotly-plot"),
-    "dtypes_lab": ('text=Verdicts per dtype', '[data-testid="stDataFrame"]'),
-    "padding_lab": ('.js-plotly-plot', '.js-plotly-plot'),
-    "cache_reuse": ('[data-testid="stAlert"]:has-text("Verdict:")', 'text=Continuation 1'),
+    "dtypes": ('text=Verdicts per dtype', '[data-testid="stDataFrame"]'),
+    "padding": ('.js-plotly-plot', '.js-plotly-plot'),
+    "reuse": ('[data-testid="stAlert"]:has-text("Verdict:")', 'text=Continuation 1'),
     "loading_trap": ('[data-testid="stAlert"]:has-text("Verdict:")', ".js-plotly-plot"),
-    "quantized": ('[data-testid="stAlert"]:has-text("Verdict:")', ".js-plotly-plot"),
-    "cache_safety": ('[data-testid="stAlert"]:has-text("SAFE")', '[data-testid="stTable"]'),
-    "backends": ('[data-testid="stAlert"]:has-text("Verdict:")', ".js-plotly-plot"),
+    "quant": ('[data-testid="stAlert"]:has-text("Verdict:")', ".js-plotly-plot"),
+    "check": ('[data-testid="stAlert"]:has-text("SAFE")', '[data-testid="stTable"]'),
+    "matrix": ('[data-testid="stAlert"]:has-text("Verdict:")', ".js-plotly-plot"),
     "serving": ('[data-testid="stAlert"]:has-text("Verdict:")', ".js-plotly-plot"),
 }
 # (KV cache has no verdict until a saved cache is uploaded; its first screen is the download of the prompt's cache.)
@@ -298,16 +298,16 @@ FIRST_SCREEN = {  # page: (its verdict line, the start of its main chart or tabl
 def test_first_screen_in_normal_mode(server, artifacts, scheme):
     """At 1280×720 without presenter mode: each page's verdict line is wholly in the first screen and its main chart
     (or table) starts there. Dark mode on the three busiest pages."""
-    names = list(FIRST_SCREEN) if scheme == "light" else ["split_point", "greedy_paths", "cache_safety"]
+    names = list(FIRST_SCREEN) if scheme == "light" else ["split", "greedy", "check"]
     with browser() as b:
         ctx = b.new_context(viewport={"width": 1280, "height": 720}, color_scheme=scheme)
         for path in names:
             verdict_sel, chart_sel = FIRST_SCREEN[path]
             page = ctx.new_page()
-            short = {"greedy_paths": {"greedy_n": 8}, "quantized": {"quant_n": 4}, "loading_trap": {"loading_trap_n": 6},
+            short = {"greedy": {"greedy_n": 8}, "quant": {"quant_n": 4}, "loading_trap": {"loading_trap_n": 6},
                      "serving": {"serving_limit": 3, "serving_runs": 2}}
             page.goto(link(server, path, presenter=False, **short.get(path, {})))
-            if path == "backends":  # the matrix runs on its button
+            if path == "matrix":  # the matrix runs on its button
                 page.get_by_role("button", name="Run the matrix").click(timeout=120_000)
             page.wait_for_selector(chart_sel, timeout=300_000)
             wait_idle(page, 300)
@@ -374,7 +374,7 @@ def test_slider_and_box_agree_after_a_failed_load(server, artifacts):
 
     with browser() as b:
         page = b.new_context(viewport={"width": 1280, "height": 900}).new_page()
-        page.goto(link(server, "split_point", presenter=False, model_preset="tiny:gpt2", split_k=6))
+        page.goto(link(server, "split", presenter=False, model_preset="tiny:gpt2", split_k=6))
         page.wait_for_selector(".js-plotly-plot", timeout=240_000)
         wait_idle(page)
         sidebar = page.locator('[data-testid="stSidebar"]')
@@ -409,7 +409,7 @@ def test_bisector_and_heatmap_use_one_layer_name(server, artifacts):
 
     with browser() as b:
         page = b.new_context(viewport={"width": 1280, "height": 900}).new_page()
-        page.goto(link(server, "split_point", presenter=False, model_preset="tiny:llama", dtype="bfloat16"))
+        page.goto(link(server, "split", presenter=False, model_preset="tiny:llama", dtype="bfloat16"))
         page.wait_for_selector(".js-plotly-plot", timeout=240_000)
         wait_idle(page)
         assert page.locator(".js-plotly-plot").first.get_by_text("layer 2", exact=True).count() >= 1
@@ -427,7 +427,7 @@ def test_bisector_and_heatmap_use_one_layer_name(server, artifacts):
 def test_a_typed_k_past_the_prompt_comes_back_as_the_k_the_run_uses(server, artifacts):
     with browser() as b:
         page = b.new_context(viewport={"width": 1280, "height": 900}).new_page()
-        page.goto(link(server, "split_point", presenter=False, model_preset="tiny:gpt2", split_k=4))
+        page.goto(link(server, "split", presenter=False, model_preset="tiny:gpt2", split_k=4))
         page.wait_for_selector(".js-plotly-plot", timeout=240_000)
         wait_idle(page)
         page.get_by_text("Settings: prompt and controls").click()
@@ -441,3 +441,29 @@ def test_a_typed_k_past_the_prompt_comes_back_as_the_k_the_run_uses(server, arti
         page.screenshot(path=str(artifacts / "split-k-typed-past-the-prompt.png"))
         assert k not in ("999", "4") and page.get_by_text(f"{k} cached (blue)").count() == 1
         assert page.locator('[data-testid="stSliderThumbValue"]').first.inner_text().strip() == k
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["fresh-server", "later"])
+def test_an_older_page_url_lands_on_the_pages_own_url_with_its_settings(artifacts, first, request):
+    """A link saved to /split_point (the page's URL before it was at its view's name) opens the Split point page at
+    /split with the link's settings, as the very first request of a fresh server and as a later one."""
+    import contextlib
+    from urllib.parse import parse_qs, urlparse
+
+    from browser import streamlit_server
+
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(streamlit_server())[0] if first else request.getfixturevalue("server")
+        b = stack.enter_context(browser())
+        page = b.new_context(viewport={"width": 1280, "height": 900}).new_page()
+        if not first:
+            page.goto(server + "/guide")
+            page.wait_for_selector('[data-testid="stMainBlockContainer"] h1', timeout=120_000)
+        page.goto(link(server, "split_point", presenter=False, model_preset="tiny:gpt2", split_k=4))
+        page.wait_for_selector(".js-plotly-plot", timeout=240_000)
+        wait_idle(page)
+        no_exception(page)
+        url = urlparse(page.url)
+        assert url.path == "/split" and parse_qs(url.query).get("split_k") == ["4"], page.url
+        assert page.get_by_text("4 cached (blue)").count() == 1  # the run used the link's k
+        page.screenshot(path=str(artifacts / f"older-url-{request.node.callspec.id}.png"))

@@ -253,7 +253,7 @@ def test_the_compat_module_lists_every_entry_it_holds():
      "verdict"),
     (["greedy", "--model", "tiny:llama", "--prompt", "Once upon a time", "--max-new-tokens", "4", "--no-proof"],
      "no_cache = cache"),
-    (["serve-study", "--model", "tiny:llama", "--prompt", "Once upon a time", "--runs", "2", "--max-new-tokens", "3",
+    (["serving", "--model", "tiny:llama", "--prompt", "Once upon a time", "--runs", "2", "--max-new-tokens", "3",
       "--no-proof"], "prefix warm"),
 ])
 def test_views_run_with_future_warnings_as_errors(args, shows):

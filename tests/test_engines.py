@@ -131,7 +131,7 @@ def test_absent_engine_is_one_line(monkeypatch, tmp_path, capsys):
 
     monkeypatch.setenv("KVVIZ_ENGINES", str(tmp_path))
     for engine, label in (("vllm", "vLLM"), ("llama.cpp", "llama.cpp")):
-        code = main(["serve-study", "--model", "tiny:llama", "--engine", engine, "--prompt", "Hi", "--quiet"])
+        code = main(["serving", "--model", "tiny:llama", "--engine", engine, "--prompt", "Hi", "--quiet"])
         err = capsys.readouterr().err
         assert code == 1 and err.count("\n") == 1 and f"{label} is not installed here: `make engines`" in err
 

@@ -65,7 +65,7 @@ def test_presenter_mode_enlarges_home_and_never_cuts_a_tile_label(server, artifa
             page.close()
         assert sizes[True] > sizes[False], sizes
         page = ctx.new_page()
-        page.goto(link("split_point", model_preset="tiny:llama", presenter=True, invariant=True))
+        page.goto(link("split", model_preset="tiny:llama", presenter=True, invariant=True))
         page.wait_for_selector('[data-testid="stMetricLabel"]', timeout=240_000)
         wait_idle(page)
         no_exception(page)

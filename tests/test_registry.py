@@ -28,7 +28,7 @@ ALSO_WORDS = {"cache", "split", "dtypes"}
 def view_words() -> set[str]:
     out = set()
     for v in views.all_views():
-        out |= {v.name, *((v.command, v.command.split(" ")[0]) if v.command else ())}
+        out |= {v.name, *((v.command, v.command.split(" ")[0]) if v.command else ()), *v.command_aliases}
         out |= set(v.run_names())
     return out
 
@@ -175,3 +175,135 @@ def test_the_cli_and_the_page_plan_the_same_run_the_same(argv, run_name, key_par
     assert cli.view == page.view == views.for_run(run_name).name
     assert (cli.tokens, cli.batch, cli.dtype) == (page.tokens, page.batch, page.dtype)
     assert cli.parts() == page.parts() and cli.total == page.total > 0
+
+
+# --- one name: the subcommand and the page's URL path derive from the view's folder; older names are aliases -----
+
+def _folder(v) -> str:
+    return v.package.rsplit(".", 1)[-1]
+
+
+def _subparsers(parser):
+    import argparse
+
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+
+
+def test_every_subcommand_and_page_url_is_derived_from_the_views_folder():
+    from kvviz.cli import build_parser
+
+    sub = _subparsers(build_parser())
+    for v in views.all_views():
+        folder = _folder(v)
+        if v.page:
+            assert v.page.url_path == folder and v.page.prefix == folder + "_", v.name
+            assert v.page.stem in (folder, *v.page.url_aliases), v.name
+        if not v.cli:
+            continue
+        head, *word = v.command.split(" ")
+        assert head == folder.replace("_", "-"), v.name
+        assert (v.name == folder) == (not word), v.name  # a folder's own view, or one word more in a shared folder
+        parser = sub.choices[head]
+        assert parser.get_default("command") == head
+        if word:
+            assert word[0] in _subparsers(parser).choices, v.command
+        for alias in v.command_aliases:  # an older subcommand is the same parser
+            assert sub.choices[alias] is parser and views.for_command(alias) is v
+    assert views.get("loading_trap").command == "loading-trap" and views.get("serving").command == "serving"
+    assert views.for_command("serve-study").name == "serving"
+
+
+def test_help_names_the_derived_subcommand_and_its_alias(capsys):
+    from kvviz.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "serving (serve-study)" in out and "loading-trap" in out
+
+
+def test_an_older_subcommand_runs_the_same_view(capsys, tmp_path):
+    """`serve-study` (an alias) runs the serving view exactly as `serving` does, and names it `serving`."""
+    import json
+
+    from kvviz.cli import main
+
+    got = {}
+    for command in ("serving", "serve-study"):
+        out = tmp_path / f"{command}.json"
+        assert main([command, "--model", "tiny:llama", "--prompt", "Hi there", "--runs", "1", "--max-new-tokens",
+                     "2", "--conditions", "alone", "--quiet", "--json-out", str(out)]) == 0
+        d = json.loads(out.read_text())
+        got[command] = (d["kvviz_result"]["view"], d["settings"], [p["completions"] for p in d["prompts"]])
+    assert got["serving"] == got["serve-study"] and got["serving"][0] == "serving"
+    from kvviz.cli import build_parser  # messages and the memory plan name the subcommand, not the alias as typed
+
+    assert build_parser().parse_args(["serve-study", "--model", "tiny:llama"]).command == "serving"
+
+
+def _entry(**kw):
+    page = kw.pop("page", None)
+    return views.View("some_view", "Some view", "SomeResult", "report:reopen", memory=views.MemoryProfile(),
+                      page=page, **kw)
+
+
+@pytest.fixture
+def scratch_registry(monkeypatch):
+    """The registry as it is, in a copy the test may add to."""
+    monkeypatch.setattr(views, "_VIEWS", dict(views._VIEWS | {v.name: v for v in views.all_views()}))
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"cli": "cli", "command": "some-other"}, "its subcommand is 'some-view'.*command_aliases"),
+    ({"cli": "cli", "command": "some_view"}, "its subcommand is 'some-view'"),
+    ({"cli": "cli", "command_aliases": ("split",)}, "'split' is already view 'split'"),
+    ({"cli": "cli", "command_aliases": ("serve-study",)}, "'serve-study' is already view 'serving'"),
+    ({"command": "some-view"}, "has no cli module"),
+    ({"page": views.Page("some_page", "Investigate", "")}, "pages/some_view.py.*url_aliases"),
+    ({"page": views.Page("some_view", "Investigate", "", url_path="some-view")}, "URL path is its folder"),
+    ({"page": views.Page("some_view", "Investigate", "", url_aliases=("split_point",))}, "already view 'split'"),
+    ({"page": views.Page("some_view", "Investigate", "", url_aliases=("split",))}, "already view 'split'"),
+    ({"page": views.Page("some_view", "Investigate", "", url_aliases=("some_view",))}, "its page's own URL path"),
+])
+def test_an_entry_declaring_another_name_than_the_derived_is_refused(scratch_registry, kw, match):
+    with pytest.raises(KvvizError, match=match):
+        views.register(_entry(**kw), "kvviz.views.some_view")
+    assert "some_view" not in views._VIEWS
+
+
+def test_older_names_are_accepted_as_aliases(scratch_registry):
+    v = views.register(_entry(cli="cli", command_aliases=("some-older",),
+                              page=views.Page("some_page", "Investigate", "", url_aliases=("some_page",))),
+                       "kvviz.views.some_view")
+    assert v.command == "some-view" and v.page.url_path == "some_view" and v.page.prefix == "some_view_"
+    assert views.for_command("some-older") is v and views.page_url_aliases()["some_page"] == "some_page"
+    shared = views.register(views.View("some_part", "Part", "PartResult", "report:reopen", cli="cli",
+                                       command="some-view part", memory=views.MemoryProfile()),
+                            "kvviz.views.some_view")  # a second view of the folder: its subcommand and a word
+    assert views.for_command("some-view part") is shared
+    with pytest.raises(KvvizError, match="'some-view' and a word of its own"):
+        views.register(views.View("other_part", "Part", "PartResult", "report:reopen", cli="cli",
+                                  command="other part", memory=views.MemoryProfile()), "kvviz.views.some_view")
+
+
+def test_a_folders_one_view_takes_the_folders_name(tmp_path, monkeypatch):
+    pkg = tmp_path / "named_views" / "some_folder"
+    pkg.mkdir(parents=True)
+    (tmp_path / "named_views" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text('from kvviz.views import MemoryProfile, View\n'
+                                     'VIEW = View("another_name", "T", "R", "report:reopen", memory=MemoryProfile())\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(KvvizError, match="named 'another_name': a view takes its folder's name"):
+        views.add_folder("named_views.some_folder")
+    assert "another_name" not in views._VIEWS
+
+
+def test_the_docs_name_every_alias_the_registry_keeps():
+    """docs/cli.md's sentence on older names lists exactly the entries' command and page URL aliases."""
+    import re
+
+    doc = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
+    sentence = doc[doc.index("Older names still work as aliases"):].split("\n\n")[0]
+    commands = dict(re.findall(r"`([a-z-]+)` runs `([a-z-]+)`", sentence))
+    assert commands == {a: v.command for v in views.all_views() for a in v.command_aliases}
+    assert set(re.findall(r"`/([a-z_]+)`", sentence)) == set(views.page_url_aliases())

@@ -171,20 +171,20 @@ def _cli(capsys, *args):
     (("--prompt", "  "), "the prompt is empty"),
 ])
 def test_cli_bad_input_one_line_nonzero(capsys, no_engine_envs, args, msg):
-    code, out, err = _cli(capsys, "serve-study", "--model", "tiny:llama", "--quiet", *args)
+    code, out, err = _cli(capsys, "serving", "--model", "tiny:llama", "--quiet", *args)
     assert code == 1 and msg in err and err.count("\n") == 1 and "Traceback" not in err
 
 
 def test_cli_bad_prompt_file_contents(capsys, tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text("{not json\n")
-    code, out, err = _cli(capsys, "serve-study", "--model", "tiny:llama", "--quiet", "--prompts", str(f))
+    code, out, err = _cli(capsys, "serving", "--model", "tiny:llama", "--quiet", "--prompts", str(f))
     assert code == 1 and "line 1: not valid JSON" in err and err.count("\n") == 1
 
 
 @pytest.mark.heavy
 def test_cli_runs_and_writes_exports(capsys, tmp_path):
-    code, out, err = _cli(capsys, "serve-study", "--model", "tiny:llama", "--prompts", "builtin:math_and_facts",
+    code, out, err = _cli(capsys, "serving", "--model", "tiny:llama", "--prompts", "builtin:math_and_facts",
                           "--limit", "5", "--runs", "1", "--max-new-tokens", "2", "--json-out",
                           str(tmp_path / "s.json"), "--repro", str(tmp_path / "r.py"), "--quiet")
     assert code == 0 and "distinct completions per prompt" in out and "tokens/s" in out
@@ -381,5 +381,5 @@ def test_vllm_parting_prompt_is_judged_against_the_float64_reference(monkeypatch
     assert all(k["dtype"] == "float32" for k in log["inits"])  # no float64 engine was asked for
     with pytest.raises(KvvizError, match="tensor_parallel_size applies to the vLLM engine only"):
         ServeConfig(prompts=["a"], tensor_parallel_size=2).validate()
-    code = main(["serve-study", "--model", "tiny:llama", "--prompt", "Hi", "--tensor-parallel-size", "2", "--quiet"])
+    code = main(["serving", "--model", "tiny:llama", "--prompt", "Hi", "--tensor-parallel-size", "2", "--quiet"])
     assert code != 0

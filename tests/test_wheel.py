@@ -76,7 +76,7 @@ def test_the_kvviz_command_runs_a_split_from_outside_the_checkout(installed):
     r = _run(venv, work, str(venv / "bin" / "python"), "-c", "import kvviz; print(kvviz.__file__)")
     assert r.returncode == 0 and str(venv) in r.stdout, (r.stdout, r.stderr[-2000:])
     r = _run(venv, work, str(venv / "bin" / "kvviz"), "--help")
-    assert r.returncode == 0 and "split" in r.stdout and "serve-study" in r.stdout
+    assert r.returncode == 0 and "split" in r.stdout and "serving (serve-study)" in r.stdout
     r = _run(venv, work, str(venv / "bin" / "kvviz"), "split", "--model", "tiny:llama", "--prompt",
              "The capital of France is Paris", "--split", "3", "--dtype", "float32", "--json")
     assert r.returncode == 0, r.stderr[-3000:]

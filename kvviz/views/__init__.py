@@ -9,14 +9,28 @@ A view is a scenario kvviz can run and show (split, greedy, …). Its folder hol
                       result, `tables(result)`: their tables
         report.py     `reopen(dict)`: the result rebuilt from a JSON export; `verdict(result)`: its verdict line
         repro.py      (optional) its standalone repro script: `check`, `script`, `key_figure`
-        cli.py        (optional) its subcommand: `add_parser(subparsers)` (whose `set_defaults` names the
-                      common flags it refuses, and why, as `not_honoured`), `command(args) -> Outcome`
+        cli.py        (optional) its subcommand: `HELP` (its --help line), `add_arguments(parser)` (whose
+                      `set_defaults` names the common flags it refuses, and why, as `not_honoured`),
+                      `command(args) -> Outcome`
         scenario.py   (optional) `run(preset, device, progress)`: a one-click scenario of its page, run ahead
                       by Prepare the meeting (kvviz.meeting)
 
 Each entry also holds the view's facts that the core reads instead of comparing names: its memory profile (what
 the memory plan counts for it, kvviz.memory; a view without one is refused here), its page (navigation, the
 settings prefix of its controls, its controls' defaults) and the run names its page gives pages/runner.run_cached.
+
+One name: a view's folder names it, and everything public is derived from that name (`register` sets them and
+refuses an entry that declares another):
+    JSON `view`        the view's name, which is its folder's (a folder of several views names each one itself)
+    CLI subcommand     the folder with '_' -> '-' (`loading_trap` -> `python -m kvviz loading-trap`); in a folder
+                       of several views, that word and the view's own second word (`cache load`, `cache size`)
+    page URL path      the folder (`/split`, `/loading_trap`); the page script is pages/<folder>.py, or another
+                       file whose name is one of the page's `url_aliases`
+    settings prefix    the folder and '_' (`split_prompt`)
+A name that was public before the rule is kept as an explicit alias in the entry: `command_aliases` (argparse
+aliases: the old subcommand runs the view, --help names the derived one), `Page.url_aliases` (an old URL opens
+the page at its own URL, the link's settings kept: app.py) and `Page.link_prefix` (an old settings prefix in a
+saved link).
 
 The export (JSON, reopen, HTML), the repro scripts, the CLI's subcommands and `open`, the memory plan, Prepare
 the meeting and the app's navigation and state iterate this registry; nothing compares view names. Adding a view is its folder plus one line in VIEW_FOLDERS
@@ -52,12 +66,14 @@ VIEW_FOLDERS = [
 @dataclass(frozen=True)
 class Page:
     """Where the view's page sits in the app's navigation (the page script is pages/<stem>.py)."""
-    stem: str
+    stem: str  # the page script's name: the view's folder, or one of url_aliases (a page file older than the rule)
     section: str
     icon: str
     title: str | None = None  # the navigation's name for it (default: the view's title)
     prefix: str = ""  # the session-state / URL prefix of its controls: "<view folder>_", set by register()
     link_prefix: str = ""  # another prefix a saved link may carry for these controls (read as `prefix`)
+    url_path: str = ""  # its URL path in the app: the view's folder, set by register()
+    url_aliases: tuple[str, ...] = ()  # older URL paths of the page that still open it (app.py sends them on)
     defaults: dict = field(default_factory=dict, compare=False)  # its controls' default values (pages/defaults.py)
 
 
@@ -90,8 +106,10 @@ class View:
     verdict_is_html: bool = False  # the paragraph is an HTML table (dtypes, padding, reuse)
     tables: "str | Callable[[object], list] | None" = None  # result -> its tables (pandas DataFrames), pure
     repro: "str | None" = None  # module with check/script/key_figure: a standalone repro script exists
-    cli: "str | None" = None  # module with add_parser/command/NOT_HONOURED: its CLI subcommand
-    command: str | None = None  # its CLI subcommand as typed ("cache load")
+    cli: "str | None" = None  # module with HELP/add_arguments/command: its CLI subcommand
+    command: str | None = None  # its CLI subcommand as typed, derived from its folder by register() ("loading-trap";
+    # a folder of several views declares "<folder command> <word>": "cache load")
+    command_aliases: tuple[str, ...] = ()  # older subcommands that still run the view (argparse aliases)
     page: Page | None = None  # its page in the app
     memory: MemoryProfile | None = None  # what its memory plan counts (required: register() refuses a view without)
     runs: tuple[str, ...] = ()  # the names its page's runs have in pages/runner.run_cached (default: its name)
@@ -138,27 +156,86 @@ class View:
 _VIEWS: dict[str, View] = {}
 
 
+def command_of(folder: str) -> str:
+    """The CLI subcommand of a view folder: its name with '_' -> '-' (loading_trap -> loading-trap)."""
+    return folder.replace("_", "-")
+
+
 def register(view: View, package: str = "") -> View:
+    """Add a view to the registry, deriving its subcommand, its page's URL path and settings prefix from its folder
+    (the folder's last name, or the view's name without one). An entry that declares another subcommand, URL path,
+    page script or prefix is refused: an older public name goes in `command_aliases` / `Page.url_aliases`."""
     if not isinstance(view.memory, MemoryProfile):
         raise KvvizError(f"view {view.name!r} has no memory profile (View(memory=MemoryProfile(...))): kvviz would "
                          "not know what its runs hold")
-    if package and not view.package:
-        object.__setattr__(view, "package", package)
+    folder = (package or view.package or view.name).rsplit(".", 1)[-1]
+    command = None
+    if view.cli:
+        head = command_of(folder)
+        if view.name == folder:  # the folder's own view: the subcommand is the folder's
+            command = head
+            if view.command not in (None, command):
+                raise KvvizError(f"view {view.name!r}: its subcommand is {command!r} (its name, '_' -> '-'), not "
+                                 f"{view.command!r}; an older subcommand goes in command_aliases")
+        else:  # one of several views in a folder: "<folder's subcommand> <word>"
+            words = (view.command or "").split(" ")
+            if len(words) != 2 or words[0] != head or not words[1]:
+                raise KvvizError(f"view {view.name!r} of the folder {folder!r}: its subcommand is {head!r} and a "
+                                 f"word of its own ('{head} <word>'), not {view.command!r}")
+            command = view.command
+    elif view.command or view.command_aliases:
+        raise KvvizError(f"view {view.name!r} names a subcommand but has no cli module")
     if view.page is not None:
-        want = (view.package or view.name).rsplit(".", 1)[-1] + "_"
+        want = folder + "_"
         if view.page.prefix not in ("", want):
             raise KvvizError(f"view {view.name!r}: its page's controls take the prefix of its folder, {want!r}, not "
                              f"{view.page.prefix!r}")
-        object.__setattr__(view.page, "prefix", want)
+        if view.page.url_path not in ("", folder):
+            raise KvvizError(f"view {view.name!r}: its page's URL path is its folder, {folder!r}, not "
+                             f"{view.page.url_path!r}; an older URL path goes in Page(url_aliases=...)")
+        if folder in view.page.url_aliases:
+            raise KvvizError(f"view {view.name!r}: {folder!r} is its page's own URL path, not an older one")
+        if view.page.stem != folder and view.page.stem not in view.page.url_aliases:
+            raise KvvizError(f"view {view.name!r}: its page script is pages/{folder}.py (its folder), not "
+                             f"pages/{view.page.stem}.py, unless {view.page.stem!r} is one of the page's url_aliases")
+    others = [v for v in _VIEWS.values() if v.name != view.name]
+    pkg = package or view.package
+    owners = {}  # a subcommand's first word -> (the folder's package, the view) that has it
+    for v in others:
+        for c in (v.command, *v.command_aliases):
+            if c:
+                owners.setdefault(c.split(" ")[0], (v.package, v.name))
+    for c in (command, *view.command_aliases):
+        owner = owners.get(c.split(" ")[0]) if c else None
+        if owner and not (c == command and pkg and owner[0] == pkg):  # a folder's views share its subcommand
+            raise KvvizError(f"view {view.name!r}: the subcommand {c!r} is already view {owner[1]!r}'s")
+    if view.page is not None:
+        urls = {u: v.name for v in others if v.page for u in (v.page.url_path, *v.page.url_aliases)}
+        for u in (folder, *view.page.url_aliases):
+            if u in urls:
+                raise KvvizError(f"view {view.name!r}: the URL path {u!r} is already view {urls[u]!r}'s page's")
+    if package and not view.package:
+        object.__setattr__(view, "package", package)
+    object.__setattr__(view, "command", command)
+    if view.page is not None:
+        object.__setattr__(view.page, "prefix", folder + "_")
+        object.__setattr__(view.page, "url_path", folder)
     _VIEWS[view.name] = view
     return view
 
 
 def add_folder(folder: str) -> tuple[View, ...]:
-    """Import a view folder and register the View entries its __init__ declares (`VIEW` or `VIEWS`)."""
+    """Import a view folder and register the View entries its __init__ declares (`VIEW`, named as the folder, or
+    `VIEWS`: several views, one subcommand and one page between them)."""
     package = folder if "." in folder else f"{__name__}.{folder}"
     mod = importlib.import_module(package)
-    entries = getattr(mod, "VIEWS", None) or (getattr(mod, "VIEW"),)
+    entries = getattr(mod, "VIEWS", None)
+    if not entries:
+        entries = (getattr(mod, "VIEW"),)
+        own = package.rsplit(".", 1)[-1]
+        if entries[0].name != own:
+            raise KvvizError(f"the view of the folder {own!r} is named {entries[0].name!r}: a view takes its "
+                             "folder's name (its JSON `view`, subcommand, page and settings prefix derive from it)")
     return tuple(register(v, package) for v in entries)
 
 
@@ -179,15 +256,15 @@ def names(repro: bool | None = None) -> tuple[str, ...]:
 
 
 def for_command(command: str) -> View:
-    """The view of a CLI subcommand as typed ("split", "cache load"); a subcommand of a view folder that is no view
-    of its own ("cache save") goes with the folder's first view."""
+    """The view of a CLI subcommand as typed ("split", "cache load", or an alias: "serve-study"); a subcommand of a
+    view folder that is no view of its own ("cache save") goes with the folder's first view."""
     views = all_views()
     for v in views:
-        if v.command == command:
+        if command == v.command or command in v.command_aliases:
             return v
     head = command.split(" ")[0]
     for v in views:
-        if v.command and v.command.split(" ")[0] == head:
+        if v.command and (v.command.split(" ")[0] == head or head in v.command_aliases):
             return v
     raise KvvizError(f"unknown subcommand {command!r}")
 
@@ -212,6 +289,16 @@ def for_run(name: str) -> View | None:
 def page_prefixes() -> dict[str, str]:
     """Page stem -> the prefix of its controls, for every view with a page."""
     return {v.page.stem: v.page.prefix for v in all_views() if v.page and v.page.prefix}
+
+
+def page_urls() -> dict[str, str]:
+    """Page stem -> its URL path in the app (the view's folder), for every view with a page."""
+    return {v.page.stem: v.page.url_path for v in all_views() if v.page}
+
+
+def page_url_aliases() -> dict[str, str]:
+    """An older URL path of a view's page -> the page's stem (app.py sends such a URL on to the page's own)."""
+    return {old: v.page.stem for v in all_views() if v.page for old in v.page.url_aliases}
 
 
 def page_defaults() -> dict[str, dict]:

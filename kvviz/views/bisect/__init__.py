@@ -6,5 +6,4 @@ from .. import MemoryProfile, Page, View
 from .run import BisectResult, run_bisect
 
 VIEW = View("bisect", "Bisector", "BisectResult", "report:reopen", "figures:main", "report:verdict", cli="cli",
-            command="bisect",
             memory=MemoryProfile(forwards=2, reference=False, bisector=True, compared_after_split=True))

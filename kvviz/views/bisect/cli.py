@@ -5,9 +5,12 @@ from ...clirun import Outcome, load, model_args, progress_to_stderr, settings
 from ...inputs import MASK_MODES, POSITION_MODES
 
 
-def add_parser(sub) -> None:
-    bp = sub.add_parser("bisect", help="name the first module whose output differs between the cached run and the "
-                                       "full forward")
+HELP = ("name the first module whose output differs between the cached run and the "
+        "full forward")
+
+
+def add_arguments(bp) -> None:
+    """Its options, on the parser kvviz.cli makes under the subcommand its folder derives."""
     model_args(bp)
     bp.add_argument("--prompt", required=True)
     bp.add_argument("--split", type=int, required=True)

@@ -7,8 +7,11 @@ from ...errors import KvvizError
 _NO_PROOF = "it runs no proof rerun"
 
 
-def add_parser(sub) -> None:
-    cp = sub.add_parser("cache", help="the KV cache as an object: save, load (continue and compare), size")
+HELP = "the KV cache as an object: save, load (continue and compare), size"
+
+
+def add_arguments(cp) -> None:
+    """Its options, on the parser kvviz.cli makes under the subcommand its folder derives."""
     csub = cp.add_subparsers(dest="cache_command", parser_class=type(cp))
     cs = csub.add_parser("save", help="write the cache of a prompt to a safetensors file")
     model_args(cs)

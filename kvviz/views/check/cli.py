@@ -4,8 +4,11 @@ from __future__ import annotations
 from ...clirun import Outcome, load, model_args, progress_to_stderr, repro_arg
 
 
-def add_parser(sub) -> None:
-    kp = sub.add_parser("check", help="is this model cache-safe? a battery of float64 checks")
+HELP = "is this model cache-safe? a battery of float64 checks"
+
+
+def add_arguments(kp) -> None:
+    """Its options, on the parser kvviz.cli makes under the subcommand its folder derives."""
     model_args(kp)
     kp.add_argument("--weights", default="none", choices=("none", "int8", "int4", "bnb-int8", "bnb-nf4"),
                     help="check the model with weight-only quantized linear layers (optimum-quanto)")

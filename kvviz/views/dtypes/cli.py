@@ -6,8 +6,11 @@ from ...clirun import (Outcome, load, model_args, placement, plan_gate, progress
 from ...errors import KvvizError
 
 
-def add_parser(sub) -> None:
-    dp = sub.add_parser("dtypes", help="the split comparison in several dtypes, over one prompt or a prompt set")
+HELP = "the split comparison in several dtypes, over one prompt or a prompt set"
+
+
+def add_arguments(dp) -> None:
+    """Its options, on the parser kvviz.cli makes under the subcommand its folder derives."""
     model_args(dp)
     src = dp.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt")

@@ -6,8 +6,11 @@ from ...clirun import (Outcome, load, model_args, nonnegative_pad, progress_to_s
 from ...inputs import POSITION_MODES
 
 
-def add_parser(sub) -> None:
-    gp = sub.add_parser("greedy", help="greedy decoding with and without cache: where the paths part and why")
+HELP = "greedy decoding with and without cache: where the paths part and why"
+
+
+def add_arguments(gp) -> None:
+    """Its options, on the parser kvviz.cli makes under the subcommand its folder derives."""
     model_args(gp)
     gp.add_argument("--prompt", required=True)
     gp.add_argument("--max-new-tokens", type=int, default=20)

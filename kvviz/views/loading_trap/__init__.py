@@ -6,7 +6,7 @@ from .. import MemoryProfile, Page, View
 from .run import LoadingTrapResult, run_loading_trap
 
 VIEW = View("loading_trap", "Loading trap", "LoadingTrapResult", "report:reopen", "figures:main", None,
-            tables="figures:tables", repro="repro", cli="cli", command="loading-trap",
+            tables="figures:tables", repro="repro", cli="cli",
             page=Page("loading_trap", "Classic traps", ":material/swap_horiz:", link_prefix="trap_",
                       defaults={"prompt": "This is a ", "n": 12}),
             memory=MemoryProfile(reference=False), runs=("trap",))

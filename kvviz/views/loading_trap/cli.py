@@ -4,8 +4,11 @@ from __future__ import annotations
 from ...clirun import Outcome, load, model_args, repro_arg
 
 
-def add_parser(sub) -> None:
-    tp = sub.add_parser("loading-trap", help="from_pretrained(dtype=16-bit) vs float32 + .to(16-bit): two models")
+HELP = "from_pretrained(dtype=16-bit) vs float32 + .to(16-bit): two models"
+
+
+def add_arguments(tp) -> None:
+    """Its options, on the parser kvviz.cli makes under the subcommand its folder derives."""
     model_args(tp)
     tp.add_argument("--prompt", default="This is a ")
     tp.add_argument("--max-new-tokens", type=int, default=24)

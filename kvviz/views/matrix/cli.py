@@ -6,9 +6,12 @@ from ...errors import KvvizError
 from ...inputs import POSITION_MODES
 
 
-def add_parser(sub) -> None:
-    mp = sub.add_parser("matrix", help="attention × cache kind × compile × precision flags, repeated: which "
-                                       "settings change greedy decoding, and how")
+HELP = ("attention × cache kind × compile × precision flags, repeated: which "
+        "settings change greedy decoding, and how")
+
+
+def add_arguments(mp) -> None:
+    """Its options, on the parser kvviz.cli makes under the subcommand its folder derives."""
     model_args(mp, attn_list=True)
     mp.add_argument("--prompt", default=None, help="the prompt (row 0); required unless --preset sliding-window")
     mp.add_argument("--preset", choices=("sliding-window",), default=None,

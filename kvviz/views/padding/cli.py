@@ -4,8 +4,11 @@ from __future__ import annotations
 from ...clirun import Outcome, load, model_args, nonnegative_pad, progress_to_stderr, repro_arg, settings
 
 
-def add_parser(sub) -> None:
-    pp = sub.add_parser("padding", help="alone / left-padded / in a batch × cache settings: precision or logic")
+HELP = "alone / left-padded / in a batch × cache settings: precision or logic"
+
+
+def add_arguments(pp) -> None:
+    """Its options, on the parser kvviz.cli makes under the subcommand its folder derives."""
     model_args(pp)
     pp.add_argument("--prompt", required=True)
     pp.add_argument("--split", type=int, default=None, help="default: half the prompt")

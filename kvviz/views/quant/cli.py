@@ -4,9 +4,12 @@ from __future__ import annotations
 from ...clirun import Outcome, load, model_args, progress_to_stderr, repro_arg
 
 
-def add_parser(sub) -> None:
-    qp = sub.add_parser("quant", help="a quantized KV cache and/or quantized weights against the unquantized run: "
-                                      "per-step KL, greedy agreement, gap per layer")
+HELP = ("a quantized KV cache and/or quantized weights against the unquantized run: "
+        "per-step KL, greedy agreement, gap per layer")
+
+
+def add_arguments(qp) -> None:
+    """Its options, on the parser kvviz.cli makes under the subcommand its folder derives."""
     model_args(qp)
     qp.add_argument("--prompt", required=True)
     qp.add_argument("--kv", default="none", help="fp8, quanto:int4, quanto:int2, hqq:int4, hqq:int2, hqq:int8, none")

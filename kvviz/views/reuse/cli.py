@@ -4,8 +4,11 @@ from __future__ import annotations
 from ...clirun import Outcome, load, model_args, progress_to_stderr, prove, repro_arg, settings
 
 
-def add_parser(sub) -> None:
-    rp = sub.add_parser("reuse", help="a prompt cache reused for several continuations: fresh, deep copy, reused")
+HELP = "a prompt cache reused for several continuations: fresh, deep copy, reused"
+
+
+def add_arguments(rp) -> None:
+    """Its options, on the parser kvviz.cli makes under the subcommand its folder derives."""
     model_args(rp)
     rp.add_argument("--prefix", required=True)
     rp.add_argument("--continuation", action="append", required=True, help="repeat for several")

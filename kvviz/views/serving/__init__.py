@@ -7,7 +7,7 @@ from .. import MemoryProfile, Page, View
 from .run import ServeConfig, ServeResult, run_serving
 
 VIEW = View("serving", "Serving", "ServeResult", "report:reopen", "figures:main", "report:verdict",
-            tables="figures:tables", repro="repro", cli="cli", command="serve-study",
+            tables="figures:tables", repro="repro", cli="cli", command_aliases=("serve-study",),
             page=Page("serving", "Engine", ":material/dns:", link_prefix="sv_",
                       defaults={"category": "math_and_facts", "limit": 5, "runs": 3, "n": 8, "batch": 4}),
             memory=MemoryProfile())

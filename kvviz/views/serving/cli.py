@@ -1,12 +1,15 @@
-"""`python -m kvviz serve-study`: serving conditions (alone, continuous batch, warm prefix) x R runs."""
+"""`python -m kvviz serving` (or `serve-study`): serving conditions (alone, continuous batch, warm prefix) x R runs."""
 from __future__ import annotations
 
 from ...clirun import Outcome, load, model_args, progress_to_stderr, repro_arg, settings, split_list
 
 
-def add_parser(sub) -> None:
-    vp = sub.add_parser("serve-study", help="serving conditions (alone, continuous batch, warm prefix) × R runs: "
-                                            "distinct completions per prompt, where and why they part")
+HELP = ("serving conditions (alone, continuous batch, warm prefix) × R runs: "
+        "distinct completions per prompt, where and why they part")
+
+
+def add_arguments(vp) -> None:
+    """Its options, on the parser kvviz.cli makes under the subcommand its folder derives."""
     model_args(vp)
     vsrc = vp.add_mutually_exclusive_group()
     vsrc.add_argument("--prompt", help="one prompt")

@@ -8,7 +8,7 @@ from ...prompts import CAPITALS
 from .run import MODES, SplitConfig, SplitResult, run_split
 
 VIEW = View("split", "Split point", "SplitResult", "report:reopen", "figures:main", "report:verdict",
-            tables="figures:tables", repro="repro", cli="cli", command="split",
+            tables="figures:tables", repro="repro", cli="cli",
             page=Page("split_point", "Investigate", ":material/content_cut:",
-                      defaults={"prompt": CAPITALS}),
+                      defaults={"prompt": CAPITALS}, url_aliases=("split_point",)),
             memory=MemoryProfile(forwards=2, compared_after_split=True), scenario="scenario:run")

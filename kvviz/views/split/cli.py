@@ -6,8 +6,11 @@ from ...clirun import (Outcome, load, model_args, nonnegative_pad, progress_to_s
 from ...inputs import MASK_MODES, POSITION_MODES
 
 
-def add_parser(sub) -> None:
-    sp = sub.add_parser("split", help="full forward vs prefix cached + rest through the cache (past_key_values before transformers 5.24)")
+HELP = "full forward vs prefix cached + rest through the cache (past_key_values before transformers 5.24)"
+
+
+def add_arguments(sp) -> None:
+    """Its options, on the parser kvviz.cli makes under the subcommand its folder derives."""
     model_args(sp)
     sp.add_argument("--prompt", required=True)
     sp.add_argument("--split", type=int, required=True, help="prompt tokens [0, K) go to the cache")

@@ -10,7 +10,7 @@ from pages.common import NAV, OLD_URLS, PAGE_URLS, PAGE_TITLES, sidebar  # noqa:
 from pages.state import remember, scenario_guard  # noqa: E402
 
 # Navigation in sections (pages.common.NAV: one place for every page's file, title and icon), always expanded:
-# no page hidden behind "View more". A view's page is at its view's name (PAGE_URLS: /split for pages/split_point.py).
+# no page hidden behind "View more". A view's page is at its view's name (PAGE_URLS: /split for pages/split.py).
 BY_STEM = {stem: st.Page(f"pages/{stem}.py", title=title, icon=icon, url_path=PAGE_URLS.get(stem),
                          default=stem == "home")
            for items in NAV.values() for stem, title, icon in items}
@@ -20,7 +20,7 @@ def _moved() -> None:  # never drawn: app.py sends an older URL on before any pa
     pass
 
 
-# An older URL of a page (a saved link to /split_point): a hidden page, so that Streamlit does not answer "page not
+# An older URL of a page (a saved link to /split_point, the page's URL before the pages took their views' names): a hidden page, so that Streamlit does not answer "page not
 # found"; below, it sends the browser on to the page's own URL with the link's settings.
 OLD = {old: st.Page(_moved, title=PAGE_TITLES[stem], url_path=old, visibility="hidden")
        for old, stem in OLD_URLS.items()}

@@ -60,7 +60,7 @@ class ModelChoice:
 
 def ensure_navigation() -> None:
     """Call first in every page. Streamlit runs a fresh server's very first request as a plain pages/ app (a script from
-    pages/ on its own, without app.py) when that request is a deep link such as /split_point, because a pages/
+    pages/ on its own, without app.py) when that request is a deep link such as /split, because a pages/
     folder exists. app.py's st.navigation switches that off for good; here we switch it off and rerun so the
     page always runs inside app.py, with the shared sidebar."""
     try:

@@ -53,7 +53,7 @@ def test_home_page_runs():
 
 
 def test_split_page_controls_and_view_only_changes(count_runs):
-    at = start("pages/split_point.py")
+    at = start("pages/split.py")
     assert "Verdict:" in alerts(at)
     assert len(at.get("plotly_chart")) == 2
     assert len(count_runs) == 1
@@ -81,7 +81,7 @@ def test_split_page_controls_and_view_only_changes(count_runs):
 
 
 def test_split_page_bad_inputs_keep_the_app_working():
-    at = start("pages/split_point.py")
+    at = start("pages/split.py")
     at.text_area(key="split_prompt").input("   ").run()
     assert not at.exception
     assert "empty" in alerts(at)
@@ -98,7 +98,7 @@ def test_split_page_bad_inputs_keep_the_app_working():
 
 
 def test_split_page_roberta_says_no_cache():
-    at = start("pages/split_point.py", model="tiny:roberta")
+    at = start("pages/split.py", model="tiny:roberta")
     assert not at.exception
     text = alerts(at)
     assert "Verdict: logic" in text and "no cache" in text
@@ -109,7 +109,7 @@ def test_greedy_page_decodes_and_views_do_not_rerun(monkeypatch):
     import kvviz.views.greedy.run as g
 
     calls = count_calls(monkeypatch, g, "run_greedy")
-    at = start("pages/greedy_paths.py")
+    at = start("pages/greedy.py")
     at.number_input(key="greedy_n").set_value(8)
     at.number_input(key="greedy_pad").set_value(3)
     at.multiselect(key="greedy_paths").set_value(["no_cache", "cache", "user_loop"])
@@ -129,7 +129,7 @@ def test_greedy_page_decodes_and_views_do_not_rerun(monkeypatch):
 
 
 def test_dtypes_page_set_and_views():
-    at = start("pages/dtypes_lab.py")
+    at = start("pages/dtypes.py")
     assert not at.exception
     assert len(at.get("plotly_chart")) == 1
     at.radio(key="dtypes_source").set_value("built-in set").run()
@@ -143,13 +143,13 @@ def test_dtypes_page_set_and_views():
 
 
 def test_padding_and_reuse_pages():
-    at = start("pages/padding_lab.py")
+    at = start("pages/padding.py")
     assert not at.exception and len(at.get("plotly_chart")) == 1
     at.number_input(key="padding_pad").set_value(2).run()
     assert not at.exception
     at.text_area(key="padding_prompt").input("").run()
     assert not at.exception and "empty" in alerts(at)
-    at = start("pages/cache_reuse.py", model="tiny:llama")
+    at = start("pages/reuse.py", model="tiny:llama")
     assert not at.exception
     text = alerts(at)
     assert "reused" in text and "logic" in text
@@ -166,7 +166,7 @@ def test_a_folder_model_typed_into_other(tmp_path, count_runs):
 
     folder = tmp_path / "my-model"
     shutil.copytree(tiny_folder("llama"), folder, ignore=shutil.ignore_patterns("kvviz-tiny.json"))
-    at = start("pages/split_point.py", model="other…", model_other=str(folder), split_pad=3, split_pos="omit")
+    at = start("pages/split.py", model="other…", model_other=str(folder), split_pad=3, split_pos="omit")
     text = alerts(at)
     assert "Verdict: logic" in text and "position ids were omitted" in text
     assert "model path not found" not in text and len(count_runs) == 1
@@ -174,13 +174,13 @@ def test_a_folder_model_typed_into_other(tmp_path, count_runs):
 
 
 def test_invariant_mode_from_the_sidebar_proves_the_verdict():
-    at = start("pages/split_point.py", model="tiny:llama", dtype="bfloat16", invariant=True, split_mode="step")
+    at = start("pages/split.py", model="tiny:llama", dtype="bfloat16", invariant=True, split_mode="step")
     text = alerts(at)
     assert "Verdict: identical" in text and "the gap is exactly 0" in text
 
 
 def test_the_dtype_sweep_ignores_the_sidebar_dtype():
-    at = start("pages/dtypes_lab.py", model="tiny:llama")
+    at = start("pages/dtypes.py", model="tiny:llama")
     n = len(at.session_state["_results_dtypes"])
     at.sidebar.selectbox(key="dtype").set_value("bfloat16").run()
     assert not at.exception and len(at.session_state["_results_dtypes"]) == n  # no new result: not rerun
@@ -193,7 +193,7 @@ def test_loading_trap_page():
 
 
 def test_backends_page_runs_on_click_and_views_do_not_rerun():
-    at = start("pages/backends.py", model="tiny:llama", matrix_n=3, matrix_rep=1)
+    at = start("pages/matrix.py", model="tiny:llama", matrix_n=3, matrix_rep=1)
     assert not at.exception and len(at.get("plotly_chart")) == 0  # nothing runs before the click
     assert "_results_matrix" not in at.session_state
     at.button(key="matrix_run").click().run()
@@ -205,14 +205,14 @@ def test_backends_page_runs_on_click_and_views_do_not_rerun():
 
 
 def test_sliding_window_preset_and_bisector_buttons():
-    at = start("pages/backends.py", model="tiny:mistral")
+    at = start("pages/matrix.py", model="tiny:mistral")
     at.button(key="matrix_preset").click().run()
     assert not at.exception and at.text_area(key="matrix_batch").value  # the long companion prompt is filled in
     assert at.number_input(key="matrix_n").value > 8  # past the window of 8
-    at = start("pages/backends.py", model="tiny:llama")
+    at = start("pages/matrix.py", model="tiny:llama")
     at.button(key="matrix_preset").click().run()
     assert "no sliding window" in alerts(at)
-    at = start("pages/split_point.py", model="tiny:llama", split_pad=3, split_pos="omit", invariant=True)
+    at = start("pages/split.py", model="tiny:llama", split_pad=3, split_pos="omit", invariant=True)
     at.button(key="split_bisect").click().run()
     assert not at.exception and any("rotary" in m.value for m in at.markdown)
 
@@ -220,7 +220,7 @@ def test_sliding_window_preset_and_bisector_buttons():
 def test_kv_cache_page_saves_loads_and_sizes():
     from kvviz.views.cache.run import save_cache_bytes
 
-    at = start("pages/kv_cache.py", model="tiny:gemma2", cache_tokens=40)
+    at = start("pages/cache.py", model="tiny:gemma2", cache_tokens=40)
     assert not at.exception
     metrics = {m.label: m.value for m in at.metric}
     assert metrics["formula"] == metrics["measured (live cache)"]
@@ -232,18 +232,17 @@ def test_kv_cache_page_saves_loads_and_sizes():
 
 
 def test_cache_safety_page():
-    at = start("pages/cache_safety.py", model="tiny:roberta")
+    at = start("pages/check.py", model="tiny:roberta")
     assert "UNSAFE" in alerts(at)
-    at = start("pages/cache_safety.py", model="tiny:llama")
+    at = start("pages/check.py", model="tiny:llama")
     assert "SAFE" in alerts(at) and "UNSAFE" not in alerts(at)
 
 
 def test_every_page_offers_its_exports():
-    repro = ("split_point", "greedy_paths", "padding_lab", "cache_reuse", "dtypes_lab", "loading_trap", "quantized",
-             "cache_safety")
-    for path, state in [("split_point", {}), ("greedy_paths", {"greedy_n": 3}), ("padding_lab", {}),
-                        ("cache_reuse", {"reuse_n": 2}), ("dtypes_lab", {"dtypes_dtypes": ["bfloat16"]}),
-                        ("loading_trap", {"loading_trap_n": 3}), ("quantized", {"quant_n": 3}), ("cache_safety", {})]:
+    repro = ("split", "greedy", "padding", "reuse", "dtypes", "loading_trap", "quant", "check")
+    for path, state in [("split", {}), ("greedy", {"greedy_n": 3}), ("padding", {}),
+                        ("reuse", {"reuse_n": 2}), ("dtypes", {"dtypes_dtypes": ["bfloat16"]}),
+                        ("loading_trap", {"loading_trap_n": 3}), ("quant", {"quant_n": 3}), ("check", {})]:
         at = start(f"pages/{path}.py", model="tiny:llama", **state)
         labels = [b.label for b in at.get("download_button")]
         assert "Result (JSON)" in labels and "Report (HTML)" in labels, (path, labels)
@@ -285,12 +284,12 @@ def test_guide_and_glossary_pages():
 
 
 def test_page_settings_survive_a_page_switch():
-    at = start("pages/split_point.py", model="tiny:llama")
+    at = start("pages/split.py", model="tiny:llama")
     at.radio(key="split_mode").set_value("step").run()
     at.number_input(key="split_pad").set_value(3).run()
-    at.switch_page("pages/greedy_paths.py").run()
+    at.switch_page("pages/greedy.py").run()
     assert not at.exception
-    at.switch_page("pages/split_point.py").run()
+    at.switch_page("pages/split.py").run()
     assert at.radio(key="split_mode").value == "step" and at.number_input(key="split_pad").value == 3
     assert at.query_params["split_mode"] == ['"step"'] or at.query_params["split_mode"] == '"step"'
 
@@ -351,7 +350,7 @@ def test_an_older_page_url_opens_the_page_at_its_own_url_with_the_links_settings
     assert not at.exception and at._finished_page_script_hash == calc_hash("cache")
     assert at.number_input(key="cache_tokens").value == 40
     open_url(at, "cache")  # and the page's own URL
-    assert not at.exception and at.title[0].value == "KV cache" and at.session_state["_page"] == "kv_cache"
+    assert not at.exception and at.title[0].value == "KV cache" and at.session_state["_page"] == "cache"
 
 
 def test_a_link_opens_the_exact_view_and_bad_parameters_fall_back():
@@ -359,7 +358,7 @@ def test_a_link_opens_the_exact_view_and_bad_parameters_fall_back():
     at.query_params.update({"model_preset": '"tiny:gpt2"', "split_mode": '"step"', "split_pad": "3",
                             "split_pos": '"omit"', "split_mask": "{broken"})
     at.run()
-    at.switch_page("pages/split_point.py").run()
+    at.switch_page("pages/split.py").run()
     assert not at.exception, at.exception
     assert at.radio(key="split_mode").value == "step" and at.radio(key="split_pos").value == "omit"
     assert at.radio(key="split_mask").value == "full"  # the unreadable one: its default
@@ -368,7 +367,7 @@ def test_a_link_opens_the_exact_view_and_bad_parameters_fall_back():
 
 
 def test_split_ab_runs_b_once_on_a_shared_scale_and_views_do_not_rerun(count_runs):
-    at = start("pages/split_point.py", model="tiny:llama")
+    at = start("pages/split.py", model="tiny:llama")
     assert len(count_runs) == 1 and len(at.get("plotly_chart")) == 2
     at.selectbox(key="split_ab_what").set_value("feed mode").run()
     assert len(count_runs) == 1  # choosing what B changes runs nothing yet
@@ -391,7 +390,7 @@ def test_split_ab_runs_b_once_on_a_shared_scale_and_views_do_not_rerun(count_run
 
 
 def test_stop_leaves_the_page_usable_and_run_again_restarts(count_runs):
-    at = start("pages/split_point.py")
+    at = start("pages/split.py")
     assert len(count_runs) == 1
     # what the Stop button's callback records when clicked during a run (the click itself interrupts the run)
     at.session_state["_stop_requested"] = True
@@ -441,7 +440,7 @@ def test_progress_reports_time_left(monkeypatch):
 def test_greedy_ab_runs_b_once_on_a_shared_scale():
     """A: positions auto, B: positions omitted with left padding (a logic gap on any machine): both maps share B's
     colour range, and view-only changes do not rerun B."""
-    at = start("pages/greedy_paths.py", model="tiny:llama", greedy_n=5, greedy_pad=2)
+    at = start("pages/greedy.py", model="tiny:llama", greedy_n=5, greedy_pad=2)
     at.selectbox(key="greedy_ab_what").set_value("position ids (cache path)").run()
     at.toggle(key="greedy_ab_on").set_value(True).run()
     assert not at.exception, at.exception
@@ -456,7 +455,7 @@ def test_greedy_ab_runs_b_once_on_a_shared_scale():
 
 
 def test_padding_page_without_padding_and_its_ab():
-    at = start("pages/padding_lab.py", model="tiny:llama", padding_pad=0)
+    at = start("pages/padding.py", model="tiny:llama", padding_pad=0)
     grid = json.loads(at.get("plotly_chart")[0].proto.spec)
     assert grid["data"][0]["y"] == ["alone", "in a batch"]  # no "left-padded" row at padding 0
     at.selectbox(key="padding_ab_what").set_value("invariant mode").run()
@@ -467,7 +466,7 @@ def test_padding_page_without_padding_and_its_ab():
 
 
 def test_dtypes_and_reuse_ab():
-    at = start("pages/dtypes_lab.py", model="tiny:llama", dtypes_dtypes=["bfloat16"])
+    at = start("pages/dtypes.py", model="tiny:llama", dtypes_dtypes=["bfloat16"])
     at.selectbox(key="dtypes_ab_what").set_value("feed mode").run()
     at.toggle(key="dtypes_ab_on").set_value(True).run()
     assert not at.exception, at.exception
@@ -477,7 +476,7 @@ def test_dtypes_and_reuse_ab():
     b = next(f for t, f in figs.items() if t.startswith("B — feed mode = step"))
     assert a["layout"]["yaxis"]["range"] == b["layout"]["yaxis"]["range"]  # one scale for A and B
     assert any(t.startswith("|B − A|") for t in figs)
-    at = start("pages/cache_reuse.py", model="tiny:llama", reuse_n=2)
+    at = start("pages/reuse.py", model="tiny:llama", reuse_n=2)
     at.selectbox(key="reuse_ab_what").set_value("dtype").run()
     at.selectbox(key="reuse_ab_dtype").set_value("bfloat16").run()
     at.toggle(key="reuse_ab_on").set_value(True).run()
@@ -511,17 +510,17 @@ def test_a_scenario_is_marked_and_leaving_it_restores_the_defaults():
     at.switch_page("pages/guide.py").run()
     assert at.session_state["model_preset"] == "default"
     at.session_state["model_preset"] = "tiny:gpt2"  # (the default model is for slow tests)
-    at.switch_page("pages/split_point.py").run()
+    at.switch_page("pages/split.py").run()
     assert not at.exception and at.radio(key="split_mask").value == "full" and "Verdict: logic" not in alerts(at)
 
 
 def test_reset_to_defaults_on_a_page():
-    at = start("pages/split_point.py", model="tiny:llama")
+    at = start("pages/split.py", model="tiny:llama")
     at.number_input(key="split_pad").set_value(3).run()
     at.radio(key="split_pos").set_value("omit").run()
     at.selectbox(key="dtype").set_value("bfloat16").run()
     assert "Verdict: logic" in alerts(at)
-    at.button(key="_reset_split_point").click().run()
+    at.button(key="_reset_split").click().run()
     assert not at.exception, at.exception
     assert at.number_input(key="split_pad").value == 0 and at.radio(key="split_pos").value == "auto"
     assert at.selectbox(key="dtype").value == "float32" and at.session_state["model_preset"] == "tiny:llama"
@@ -529,7 +528,7 @@ def test_reset_to_defaults_on_a_page():
 
 
 def test_slider_and_box_agree_after_a_failed_load_and_the_old_message_goes():
-    at = start("pages/split_point.py")
+    at = start("pages/split.py")
     at.number_input(key="split_k_typed").set_value(6).run()
     assert at.slider(key="split_k_slider").value == 6
     at.selectbox(key="model_preset").set_value("other…").run()

@@ -130,7 +130,7 @@ def recovers(at) -> None:
 @pytest.mark.parametrize("spec, words", MODEL_CASES)
 @pytest.mark.app
 def test_bad_models_in_the_app(bad, spec, words):
-    at = app("pages/split_point.py")
+    at = app("pages/split.py")
     at.selectbox(key="model_preset").set_value("other…").run()
     at.text_input(key="model_other").input(spec.format(bad=bad)).run()
     assert not at.exception
@@ -141,7 +141,7 @@ def test_bad_models_in_the_app(bad, spec, words):
 
 @pytest.mark.app
 def test_attention_not_installed_in_the_app():
-    at = app("pages/split_point.py")
+    at = app("pages/split.py")
     at.selectbox(key="attn").set_value("flash_attention_2").run()
     assert not at.exception and "not available" in messages(at)
     assert len(at.get("plotly_chart")) == 0
@@ -156,7 +156,7 @@ def test_attention_not_installed_in_the_app():
 ])
 @pytest.mark.app
 def test_bad_prompts_in_the_app(prompt, words):
-    at = app("pages/split_point.py")
+    at = app("pages/split.py")
     at.text_area(key="split_prompt").input(prompt).run()
     assert not at.exception and words in messages(at)
     assert len(at.get("plotly_chart")) == 0
@@ -171,7 +171,7 @@ def test_out_of_memory_in_the_app(monkeypatch):
     real = split_mod._run
     monkeypatch.setattr(split_mod, "_run", lambda *a, **k: (_ for _ in ()).throw(
         torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")))
-    at = app("pages/split_point.py")
+    at = app("pages/split.py")
     assert not at.exception
     assert "Out of memory" in messages(at) and "shorter prompt" in messages(at)
     assert len(at.get("plotly_chart")) == 0
@@ -182,7 +182,7 @@ def test_out_of_memory_in_the_app(monkeypatch):
 
 @pytest.mark.app
 def test_greedy_page_context_overflow_in_the_app():
-    at = app("pages/greedy_paths.py")
+    at = app("pages/greedy.py")
     at.text_area(key="greedy_prompt").input("y" * 500).run()
     at.number_input(key="greedy_n").set_value(200).run()
     assert not at.exception and "context" in messages(at)

@@ -77,7 +77,7 @@ def test_greedy_page_ab_without_both_paths_says_what_to_do():
     at.session_state["greedy_n"] = 3
     at.session_state["greedy_paths"] = ["no_cache", "generate"]
     at.run()
-    at.switch_page("pages/greedy_paths.py").run()
+    at.switch_page("pages/greedy.py").run()
     assert not at.exception, at.exception
     assert not at.error, [e.value for e in at.error]
     assert any("choose both paths" in i.value for i in at.info)

@@ -66,14 +66,14 @@ def test_the_split_page_shows_why_and_its_one_click(monkeypatch):
 
     real = kvviz.run_split
     monkeypatch.setattr(kvviz, "run_split", lambda *a, **k: dataclasses.replace(real(*a, **k), verdict="identical"))
-    at = start("pages/split_point.py", model="tiny:llama")
+    at = start("pages/split.py", model="tiny:llama")
     assert "Verdict: identical" in alerts(at) and "Why nothing here" in alerts(at)
     at.button(key="split_show_gap").click().run()
     assert not at.exception and at.radio(key="split_mode").value == "step"
 
 
 def test_greedy_default_says_why_no_parting_and_one_click_shows_a_tie():
-    at = start("pages/greedy_paths.py", model="tiny:llama", greedy_n=3)
+    at = start("pages/greedy.py", model="tiny:llama", greedy_n=3)
     text = alerts(at)
     assert "paths chose the same" in text  # tiny llama, 3 tokens, float32: no tie
     assert "Why nothing here" in text and "closest call was step" in text
@@ -120,7 +120,7 @@ def test_the_dtypes_page_says_why_and_its_one_click(monkeypatch):
 
     real = dtypes_run.run_dtypes
     monkeypatch.setattr(dtypes_run, "run_dtypes", lambda *a, **k: _identical_in(real(*a, **k), "bfloat16"))
-    at = start("pages/dtypes_lab.py", model="tiny:llama", dtypes_dtypes=["bfloat16"])
+    at = start("pages/dtypes.py", model="tiny:llama", dtypes_dtypes=["bfloat16"])
     assert "Verdict: identical" in alerts(at) and "Why nothing in bfloat16 here" in alerts(at)
     at.button(key="dtypes_show_gap").click().run()
     assert not at.exception
@@ -130,8 +130,7 @@ def test_the_dtypes_page_says_why_and_its_one_click(monkeypatch):
 # Every page that runs a model on opening, with its default controls: the first verdict line shows a difference, or
 # says why there is none here (and the page then offers the click that shows one). The KV cache page checks a saved
 # cache bit for bit (equality is its point): it has no default difference.
-FIRST_SCREENS = ["split_point", "greedy_paths", "dtypes_lab", "padding_lab", "cache_reuse", "loading_trap",
-                 "quantized", "cache_safety", "serving", "backends"]
+FIRST_SCREENS = ["split", "greedy", "dtypes", "padding", "reuse", "loading_trap", "quant", "check", "serving", "matrix"]
 
 
 @pytest.mark.heavy
@@ -155,7 +154,7 @@ def test_the_first_screen_list_names_every_page_with_a_run():
     from conftest import ROOT
 
     pages = {v.page.stem for v in views.all_views() if v.page and v.page.prefix}
-    assert pages - set(FIRST_SCREENS) == {"kv_cache"}, pages
+    assert pages - set(FIRST_SCREENS) == {"cache"}, pages
     assert all((ROOT / "pages" / f"{p}.py").exists() for p in FIRST_SCREENS)
 
 
@@ -196,7 +195,7 @@ def test_a_bisector_finding_before_the_heatmaps_first_row_is_explained_as_roundi
 
 
 def test_the_backends_page_runs_its_default_axes_on_opening():
-    at = start("pages/backends.py", model="tiny:llama")
+    at = start("pages/matrix.py", model="tiny:llama")
     assert not at.exception and "_results_matrix" in at.session_state
     assert "Run the matrix" not in alerts(at) and "Verdict:" in alerts(at) and at.get("plotly_chart")
 

@@ -20,7 +20,7 @@ def start(page: str, **state) -> AppTest:
 
 
 def test_the_plan_is_shown_beside_the_run():
-    at = start("pages/split_point.py")
+    at = start("pages/split.py")
     assert not at.exception, at.exception
     assert any(c.value.startswith("Memory: about") for c in at.caption), [c.value for c in at.caption]
     boxes = [m.value for m in list(at.success) + list(at.info) + list(at.error)]
@@ -35,7 +35,7 @@ def test_a_run_that_cannot_fit_is_refused_before_it_starts(monkeypatch):
     real = greedy.run_greedy
     monkeypatch.setattr(greedy, "run_greedy", lambda *a, **k: calls.append(1) or real(*a, **k))
     monkeypatch.setattr(memory, "free_bytes", lambda device: (1024 ** 2, "a test limit"))
-    at = start("pages/greedy_paths.py")
+    at = start("pages/greedy.py")
     assert not at.exception, at.exception
     errors = [e.value for e in at.error]
     assert any(e.startswith("Cannot run") for e in errors), errors
@@ -49,7 +49,7 @@ def test_a_run_that_peaked_over_its_plan_says_so_on_the_page(monkeypatch, peak_g
     import kvviz.memory as memory
 
     monkeypatch.setattr(memory, "measured_peak", lambda device: peak_gib * memory.GB)
-    at = start("pages/split_point.py")
+    at = start("pages/split.py")
     assert not at.exception, at.exception
     warnings = [w.value for w in at.warning if w.value.startswith("memory: this run peaked at")]
     assert len(warnings) == int(said), warnings

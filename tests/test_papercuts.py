@@ -118,7 +118,7 @@ def test_the_sliding_window_scenario_runs_on_its_own_and_its_texts_show_no_mojib
 def test_a_split_typed_past_the_prompt_shows_the_split_the_run_uses():
     from test_app import start
 
-    at = start("pages/split_point.py", model="tiny:llama")
+    at = start("pages/split.py", model="tiny:llama")
     box = at.number_input(key="split_k_typed")
     hi = int(at.slider(key="split_k_slider").max)
     assert box.max is None  # a browser keeps an out-of-range number in a box with a max (flagged, never sent)
@@ -142,7 +142,7 @@ def test_a_run_says_which_run_of_another_tab_holds_the_model():
              "started": time.time() - 125}
     runner._RUNNING[-1] = other
     try:
-        at = start("pages/split_point.py", model="tiny:llama")
+        at = start("pages/split.py", model="tiny:llama")
     finally:
         runner._RUNNING.pop(-1, None)
     said = " ".join(c.value for c in at.caption)
@@ -153,11 +153,11 @@ def test_a_run_says_which_run_of_another_tab_holds_the_model():
     assert "this one waited for it" in said and "Verdict:" in " ".join(e.value for e in list(at.success) +
                                                                          list(at.info) + list(at.error))
     assert not [r for r in runner._RUNNING.values() if r["session"] != "another-tab"]  # its own entry is gone
-    at = start("pages/split_point.py", model="tiny:gpt2")  # another model: nothing held, nothing said
+    at = start("pages/split.py", model="tiny:gpt2")  # another model: nothing held, nothing said
     assert "Another run holds the model" not in " ".join(c.value for c in at.caption)
     runner._RUNNING[-1] = {**other, "model": ("tiny:llama", "bfloat16", "auto")}  # the same model in another dtype:
     try:  # another loaded model with its own lock
-        at = start("pages/split_point.py", model="tiny:llama")
+        at = start("pages/split.py", model="tiny:llama")
     finally:
         runner._RUNNING.pop(-1, None)
     assert "Another run holds the model" not in " ".join(c.value for c in at.caption)

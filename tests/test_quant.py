@@ -166,7 +166,7 @@ def test_cli_quant_and_check(capsys, tmp_path):
 def test_quantized_page_and_card_controls():
     from test_app import alerts, start
 
-    at = start("pages/quantized.py", model="tiny:llama", quant_residual=2, quant_n=6)
+    at = start("pages/quant.py", model="tiny:llama", quant_residual=2, quant_n=6)
     assert "Verdict: lossy" in alerts(at)
     assert len(at.get("plotly_chart")) == 2
     assert at.metric[0].value.split(" tokens")[0].endswith("/ 6")  # "a / 6 tokens": the unit on the tile
@@ -174,7 +174,7 @@ def test_quantized_page_and_card_controls():
     assert not at.exception and "nothing is quantized" in alerts(at)
     at.selectbox(key="quant_weights").set_value("int8").run()
     assert not at.exception and "Verdict: lossy" in alerts(at)
-    at = start("pages/cache_safety.py", model="tiny:llama", check_weights="int8")
+    at = start("pages/check.py", model="tiny:llama", check_weights="int8")
     assert "LOSSY" in alerts(at)
 
 

@@ -24,8 +24,9 @@ refuses an entry that declares another):
     JSON `view`        the view's name, which is its folder's (a folder of several views names each one itself)
     CLI subcommand     the folder with '_' -> '-' (`loading_trap` -> `python -m kvviz loading-trap`); in a folder
                        of several views, that word and the view's own second word (`cache load`, `cache size`)
-    page URL path      the folder (`/split`, `/loading_trap`); the page script is pages/<folder>.py, or another
-                       file whose name is one of the page's `url_aliases`
+    page URL path      the folder (`/split`, `/loading_trap`); the page script is pages/<folder>.py (a fresh
+                       Streamlit server looks its first request's URL up among pages/ file names: a page file
+                       named otherwise answers "Page not found" there)
     settings prefix    the folder and '_' (`split_prompt`)
 A name that was public before the rule is kept as an explicit alias in the entry: `command_aliases` (argparse
 aliases: the old subcommand runs the view, --help names the derived one), `Page.url_aliases` (an old URL opens
@@ -66,7 +67,7 @@ VIEW_FOLDERS = [
 @dataclass(frozen=True)
 class Page:
     """Where the view's page sits in the app's navigation (the page script is pages/<stem>.py)."""
-    stem: str  # the page script's name: the view's folder, or one of url_aliases (a page file older than the rule)
+    stem: str  # the page script's name: the view's folder
     section: str
     icon: str
     title: str | None = None  # the navigation's name for it (default: the view's title)
@@ -195,9 +196,9 @@ def register(view: View, package: str = "") -> View:
                              f"{view.page.url_path!r}; an older URL path goes in Page(url_aliases=...)")
         if folder in view.page.url_aliases:
             raise KvvizError(f"view {view.name!r}: {folder!r} is its page's own URL path, not an older one")
-        if view.page.stem != folder and view.page.stem not in view.page.url_aliases:
+        if view.page.stem != folder:
             raise KvvizError(f"view {view.name!r}: its page script is pages/{folder}.py (its folder), not "
-                             f"pages/{view.page.stem}.py, unless {view.page.stem!r} is one of the page's url_aliases")
+                             f"pages/{view.page.stem}.py")
     others = [v for v in _VIEWS.values() if v.name != view.name]
     pkg = package or view.package
     owners = {}  # a subcommand's first word -> (the folder's package, the view) that has it

@@ -8,7 +8,7 @@ from .run import DtypesResult, run_dtypes
 
 VIEW = View("dtypes", "Dtypes side by side", "DtypesResult", "report:reopen", "figures:main", "report:verdict",
             verdict_is_html=True, tables="figures:tables", repro="repro", cli="cli",
-            page=Page("dtypes_lab", "Investigate", ":material/stacked_line_chart:", link_prefix="dt_",
+            page=Page("dtypes", "Investigate", ":material/stacked_line_chart:", link_prefix="dt_",
                       defaults={"prompt": CAPITALS, "dtypes": ("float32", "float16", "bfloat16")},
                       url_aliases=("dtypes_lab",)),
             memory=MemoryProfile(forwards=2, many_prompts=True), scenario="scenario:run")

@@ -8,6 +8,6 @@ from .run import DEFAULT_PATHS, GreedyConfig, GreedyResult, run_greedy
 
 VIEW = View("greedy", "Greedy paths", "GreedyResult", "report:reopen", "figures:main", "report:verdict",
             repro="repro", cli="cli",
-            page=Page("greedy_paths", "Investigate", ":material/call_split:",
+            page=Page("greedy", "Investigate", ":material/call_split:",
                       defaults={"prompt": "This is a ", "n": 12}, url_aliases=("greedy_paths",)),
             memory=MemoryProfile(), scenario="scenario:run")

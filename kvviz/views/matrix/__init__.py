@@ -9,7 +9,7 @@ from .run import MatrixConfig, MatrixResult, run_matrix, sliding_window_config
 
 VIEW = View("matrix", "Backends & compile", "MatrixResult", "report:reopen", "figures:main", "report:verdict",
             repro="repro", cli="cli",
-            page=Page("backends", "Engine", ":material/memory:", link_prefix="mx_",
+            page=Page("matrix", "Engine", ":material/memory:", link_prefix="mx_",
                       defaults={"prompt": CAPITALS, "n": 8, "repeats": 2, "attn": ("eager", "sdpa"),
                       "cache": ("dynamic", "static")}, url_aliases=("backends",)), memory=MemoryProfile(),
             scenario="scenario:run")

@@ -9,6 +9,6 @@ from .run import PaddingResult, run_padding
 
 VIEW = View("padding", "Padding and batching", "PaddingResult", "report:reopen", "figures:main", "report:verdict",
             verdict_is_html=True, tables="figures:tables", repro="repro", cli="cli",
-            page=Page("padding_lab", "Classic traps", ":material/grid_on:", link_prefix="pad_",
+            page=Page("padding", "Classic traps", ":material/grid_on:", link_prefix="pad_",
                       defaults={"prompt": CAPITALS, "left_pad": 4, "prove": False}, url_aliases=("padding_lab",)),
             memory=MemoryProfile(forwards=2, batch=3))

@@ -7,7 +7,7 @@ from .run import QuantConfig, QuantResult, run_quant
 
 VIEW = View("quant", "Quantized cache & weights", "QuantResult", "report:reopen", "figures:main", None,
             tables="figures:tables", repro="repro", cli="cli",
-            page=Page("quantized", "Engine", ":material/compress:",
+            page=Page("quant", "Engine", ":material/compress:",
                       defaults={"prompt": "The museum guard knew every painting in the building, but his favourite was",
                       "kv": "quanto:int4", "n": 24}, url_aliases=("quantized",)),
             memory=MemoryProfile(reference=False, weight_copies=True))

@@ -7,7 +7,7 @@ from .run import ReuseResult, run_reuse
 
 VIEW = View("reuse", "Prompt-cache reuse", "ReuseResult", "report:reopen", None, "report:verdict",
             verdict_is_html=True, tables="figures:tables", repro="repro", cli="cli",
-            page=Page("cache_reuse", "Classic traps", ":material/recycling:",
+            page=Page("reuse", "Classic traps", ":material/recycling:",
                       defaults={"prefix": "You are a helpful assistant. Answer in one short sentence.\n",
                       "continuations": ["Q: What is the capital of France?\nA:", "Q: What colour is the sky?\nA:"],
                       "n": 8, "prove": False}, url_aliases=("cache_reuse",)),

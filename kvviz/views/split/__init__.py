@@ -9,6 +9,6 @@ from .run import MODES, SplitConfig, SplitResult, run_split
 
 VIEW = View("split", "Split point", "SplitResult", "report:reopen", "figures:main", "report:verdict",
             tables="figures:tables", repro="repro", cli="cli",
-            page=Page("split_point", "Investigate", ":material/content_cut:",
+            page=Page("split", "Investigate", ":material/content_cut:",
                       defaults={"prompt": CAPITALS}, url_aliases=("split_point",)),
             memory=MemoryProfile(forwards=2, compared_after_split=True), scenario="scenario:run")

@@ -308,3 +308,15 @@ def test_the_docs_name_every_alias_the_registry_keeps():
     commands = dict(re.findall(r"`([a-z-]+)` runs `([a-z-]+)`", sentence))
     assert commands == {a: v.command for v in views.all_views() for a in v.command_aliases}
     assert set(re.findall(r"`/([a-z_]+)`", sentence)) == set(views.page_url_aliases())
+
+
+def test_every_older_page_url_has_its_file_for_a_fresh_servers_first_request():
+    """A fresh Streamlit server looks its first request's URL up among pages/ file names before app.py runs: an older
+    URL with no file there answered "Page not found" and landed on Home (seen in Chromium). Each older URL keeps a
+    file that only hands the request to app.py (which sends it on to the page's own URL)."""
+    aliases = views.page_url_aliases()
+    assert len(aliases) == 9
+    for old, stem in aliases.items():
+        text = (ROOT / "pages" / f"{old}.py").read_text()
+        assert f"/{stem} with its settings" in text and text.rstrip().endswith("ensure_navigation()"), old
+        assert (ROOT / "pages" / f"{stem}.py").exists() and stem != old

@@ -1,0 +1,6 @@
+"""The Is my model cache-safe? page's older URL (/cache_safety). A fresh Streamlit server looks its very first request up among
+the pages/ file names before app.py runs; this file answers that lookup, then app.py sends the link on to
+/check with its settings."""
+from pages.common import ensure_navigation
+
+ensure_navigation()

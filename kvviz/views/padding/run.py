@@ -125,8 +125,12 @@ def _padding_cells(lm: LoadedModel, settings: ExecSettings, ids: list[int], comp
     placements = [p for p in PLACEMENTS if p != "left-padded" or left_pad > 0]
     with ex.session():
         held = HeldRows(lambda h: h[0, k:])  # the reference's compared rows, layer by layer as they come
-        ref = ex.forward(torch.tensor([ids], device=lm.device), use_cache=False, hidden=held)
-        ref_l = ref.logits[0, k:]
+        # float64 computes only the compared positions' logits (as its scenarios do); the run's own dtype keeps the
+        # user's full forward, and only the compared rows are kept of it
+        keep = len(ids) - k if takes_logits_to_keep(lm.model) and lm.dtype == torch.float64 else None
+        ref = ex.forward(torch.tensor([ids], device=lm.device), use_cache=False, hidden=held, logits_to_keep=keep)
+        ref_l = ref.logits[0, -(len(ids) - k):].clone()
+        del ref
         out = {}
         for placement in placements:
             rows = [ids] + (companions if placement == "in a batch" else [])

@@ -99,9 +99,9 @@ def _scenario(ex: Executor, rows, target: int, extra_pad: int, k: int, use_cache
     pre = ex.forward(ids[:, :c], mask[:, :c], pos[:, :c], hidden=False, logits_to_keep=1 if keep else None)
     if not has_cache(pre):
         raise KvvizError(f"{ex.lm.name} returns no cache (a bidirectional model): past_key_values cannot be used")
+    past, pre = output_cache(pre), None  # only the prefix's cache goes on
     out = ex.forward(ids[:, c:], mask if mask_mode == "full" else mask[:, c:],
-                     pos[:, c:] if pos_mode == "auto" else None, output_cache(pre),
-                     hidden=gaps.sink(lambda h: h[target]))
+                     pos[:, c:] if pos_mode == "auto" else None, past, hidden=gaps.sink(lambda h: h[target]))
     return gaps, out.logits[target].clone()
 
 

@@ -1,0 +1,113 @@
+"""The memory plans of the views that decode (greedy paths, prompt-cache reuse) and of the padding grid count what
+those runs hold: one forward's logits at a time (every position's in the run's dtype, the compared positions' only in
+float64), each step's last row, the batch's rows - checked against the logits every forward of a run leaves alive,
+and the plan's numbers against the model's shape, on tiny models."""
+import weakref
+
+import pytest
+import torch
+
+from kvviz import memory
+from kvviz.execution import Executor
+from kvviz.inputs import encode
+from kvviz.loading import load_model
+from kvviz.memory import BYTES, Workload, model_shape, plan_workload, working_bytes
+
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 5  # 225 byte tokens and BOS: the logits dominate
+
+
+class LiveLogits:
+    """The bytes of model outputs' logits alive at once, per dtype, at the end of every forward (the most seen)."""
+
+    def __init__(self, monkeypatch):
+        self.live: dict[torch.dtype, int] = {}
+        self.most: dict[torch.dtype, int] = {}
+        orig = Executor.forward
+
+        def forward(ex, *a, **k):
+            out = orig(ex, *a, **k)
+            lg = out.logits
+            n = lg.numel() * lg.element_size()
+            self.live[lg.dtype] = self.live.get(lg.dtype, 0) + n
+            self.most[lg.dtype] = max(self.most.get(lg.dtype, 0), self.live[lg.dtype])
+            weakref.finalize(lg, self._free, lg.dtype, n)
+            return out
+
+        monkeypatch.setattr(Executor, "forward", forward)
+
+    def _free(self, dtype, n):
+        self.live[dtype] -= n
+
+
+@pytest.fixture
+def lm():
+    return load_model("tiny:llama", "bfloat16", "cpu")
+
+
+def test_greedy_holds_one_forwards_logits_and_the_plan_counts_that(monkeypatch, lm):
+    from kvviz.views.greedy.run import GreedyConfig, run_greedy
+
+    paths = ("no_cache", "cache", "float64")
+    seen = LiveLogits(monkeypatch)
+    run_greedy(lm, GreedyConfig(PROMPT, 2, paths=paths), prove=False)
+    plan = plan_workload("tiny:llama", "bfloat16", "cpu", "greedy", Workload(texts=(PROMPT,), new_tokens=2,
+                                                                             paths=paths))
+    T, V = plan.tokens, lm.model.config.vocab_size
+    assert T >= len(encode(lm, PROMPT)) + 2  # the prompt and the new tokens
+    rows = 5 * 2 * V  # every path's step rows
+    # the run: one forward's logits over the sequence (the last call's are freed before the next), and step rows
+    assert T * V * 2 // 2 < seen.most[torch.bfloat16] <= T * V * 2 + rows * 2
+    assert T * V * 8 // 2 < seen.most[torch.float64] <= T * V * 8 + rows * 8  # the float64 path decodes the same way
+    shape = model_shape("tiny:llama")
+    assert plan.activations == max(working_bytes(shape, 2, T) + T * V * 2 + rows * (2 + 8) + 5 * 2 * V * 8,
+                                   working_bytes(shape, 8, T) + T * V * 8 + rows * 8)
+    # the default paths (no float64 path): the float64 verdict replays a step with the last position's logits only
+    default = plan_workload("tiny:llama", "bfloat16", "cpu", "greedy", Workload(texts=(PROMPT,), new_tokens=2))
+    assert default.activations == max(working_bytes(shape, 2, T) + T * V * 2 + rows * (2 + 8) + 5 * 2 * V * 8,
+                                      working_bytes(shape, 8, T) + V * 8 + rows * 8)
+
+
+def test_reuse_holds_one_forwards_logits_and_the_plan_counts_that(monkeypatch, lm):
+    from kvviz.views.reuse.run import run_reuse
+
+    half = len(PROMPT) // 2
+    seen = LiveLogits(monkeypatch)
+    run_reuse(lm, PROMPT[:half], [PROMPT[half:]], 2, prove=False)
+    plan = plan_workload("tiny:llama", "bfloat16", "cpu", "reuse",
+                         Workload(texts=(PROMPT[:half],), continuations=(PROMPT[half:],), new_tokens=2))
+    T, V = plan.tokens, lm.model.config.vocab_size
+    assert T >= len(encode(lm, PROMPT)) + 2  # prefix, continuation, new tokens
+    rows = 3 * 2 * V  # each way's step rows
+    # the prefix's logits are not kept beside the fresh prefill of prefix + continuation
+    assert T * V * 2 // 2 < seen.most[torch.bfloat16] <= T * V * 2 + rows * 2
+    assert T * V * 8 // 2 < seen.most[torch.float64] <= T * V * 8 + rows * 8
+    shape = model_shape("tiny:llama")
+    assert plan.activations == max(working_bytes(shape, 2, T) + T * V * 2 + rows * (2 + 8) + 5 * 2 * V * 8,
+                                   working_bytes(shape, 8, T) + T * V * 8 + rows * 8)
+
+
+def test_padding_grid_plan_counts_the_batch_it_builds(monkeypatch, lm):
+    from kvviz.views.padding.run import companion_ids, run_padding
+
+    split, pad = 220, 2
+    seen = LiveLogits(monkeypatch)
+    res = run_padding(lm, PROMPT, split, pad, prove=False)
+    ids = encode(lm, PROMPT)
+    W = max(len(c) for c in companion_ids(lm, ids, None, pad))  # the batch's width: its longest row
+    B, V, n = 3, lm.model.config.vocab_size, len(ids) - split
+    assert n == len(res.compared) == 6 and W > len(ids) + pad
+    # the run's dtype: the whole batch's logits, the reference's full forward freed (its compared rows copied)
+    assert seen.most[torch.bfloat16] == B * W * V * 2
+    # float64: only the compared positions' logits, for the reference and every scenario
+    assert seen.most[torch.float64] == B * n * V * 8
+    plan = plan_workload("tiny:llama", "bfloat16", "cpu", "padding",
+                         Workload(texts=(PROMPT,), left_pad=pad, split=split))
+    assert (plan.tokens, plan.batch) == (W, B)
+    shape = model_shape("tiny:llama")
+    nb = n + pad  # the plan's compared positions: the padded prompt's after the split (a bound)
+    run = max(working_bytes(shape, 2, W) + W * V * 2, working_bytes(shape, 2, W, B) + B * W * V * 2 + 2 * nb * V * 2
+              + nb * (shape.layers + 1) * shape.hidden * 2, 2 * nb * V * 2 + 3 * nb * V * 8)
+    ref = max(working_bytes(shape, 8, W) + nb * V * 8, working_bytes(shape, 8, W, B) + B * nb * V * 8
+              + 2 * nb * V * 8 + nb * (shape.layers + 1) * shape.hidden * 8, 4 * nb * V * 8)
+    assert plan.activations == max(run, ref)
+    assert memory.head_slice_bytes(shape, W) == 0  # a tiny head is applied whole

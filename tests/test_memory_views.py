@@ -2,6 +2,7 @@
 those runs hold: one forward's logits at a time (every position's in the run's dtype, the compared positions' only in
 float64), each step's last row, the batch's rows - checked against the logits every forward of a run leaves alive,
 and the plan's numbers against the model's shape, on tiny models."""
+import dataclasses
 import weakref
 
 import pytest
@@ -13,11 +14,13 @@ from kvviz.inputs import encode
 from kvviz.loading import load_model
 from kvviz.memory import BYTES, Workload, model_shape, plan_workload, working_bytes
 
+GEMMA3_VOCAB = 262144
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 5  # 225 byte tokens and BOS: the logits dominate
 
 
 class LiveLogits:
-    """The bytes of model outputs' logits alive at once, per dtype, at the end of every forward (the most seen)."""
+    """The bytes of model outputs' logits alive at once (their storage, kept by any view of it), per dtype, at the end
+    of every forward (the most seen)."""
 
     def __init__(self, monkeypatch):
         self.live: dict[torch.dtype, int] = {}
@@ -27,10 +30,11 @@ class LiveLogits:
         def forward(ex, *a, **k):
             out = orig(ex, *a, **k)
             lg = out.logits
-            n = lg.numel() * lg.element_size()
+            storage = lg.untyped_storage()  # alive while any view of the logits is (a tensor object may go first)
+            n = storage.nbytes()
             self.live[lg.dtype] = self.live.get(lg.dtype, 0) + n
             self.most[lg.dtype] = max(self.most.get(lg.dtype, 0), self.live[lg.dtype])
-            weakref.finalize(lg, self._free, lg.dtype, n)
+            weakref.finalize(storage, self._free, lg.dtype, n)
             return out
 
         monkeypatch.setattr(Executor, "forward", forward)
@@ -65,6 +69,13 @@ def test_greedy_holds_one_forwards_logits_and_the_plan_counts_that(monkeypatch, 
     default = plan_workload("tiny:llama", "bfloat16", "cpu", "greedy", Workload(texts=(PROMPT,), new_tokens=2))
     assert default.activations == max(working_bytes(shape, 2, T) + T * V * 2 + rows * (2 + 8) + 5 * 2 * V * 8,
                                       working_bytes(shape, 8, T) + V * 8 + rows * 8)
+    # where the logits dominate (the same shape with Gemma 3's vocabulary): the run's one forward is what counts
+    big = dataclasses.replace(shape, vocab=GEMMA3_VOCAB)
+    V, rows = GEMMA3_VOCAB, 5 * 2 * GEMMA3_VOCAB
+    run = working_bytes(big, 2, T) + T * V * 2 + rows * (2 + 8) + 5 * 2 * V * 8
+    assert memory.activation_bytes(big, "bfloat16", T, 1, "greedy", True, steps=2, reference_decodes=False) == run
+    assert memory.activation_bytes(big, "bfloat16", T, 1, "greedy", True, steps=2, reference_decodes=True) == \
+        working_bytes(big, 8, T) + T * V * 8 + memory.head_slice_bytes(big, T) + rows * 8 > run
 
 
 def test_reuse_holds_one_forwards_logits_and_the_plan_counts_that(monkeypatch, lm):
@@ -111,3 +122,11 @@ def test_padding_grid_plan_counts_the_batch_it_builds(monkeypatch, lm):
               + 2 * nb * V * 8 + nb * (shape.layers + 1) * shape.hidden * 8, 4 * nb * V * 8)
     assert plan.activations == max(run, ref)
     assert memory.head_slice_bytes(shape, W) == 0  # a tiny head is applied whole
+    # where the logits dominate (Gemma 3's vocabulary): the run's batch of full rows, float64's compared rows
+    big = dataclasses.replace(shape, vocab=GEMMA3_VOCAB)
+    V = GEMMA3_VOCAB
+    run = working_bytes(big, 2, W, B) + B * W * V * 2 + 2 * nb * V * 2 + nb * (shape.layers + 1) * shape.hidden * 2
+    ref = working_bytes(big, 8, W, B) + B * nb * V * 8 + 2 * nb * V * 8 + nb * (shape.layers + 1) * shape.hidden * 8
+    slices = memory.head_slice_bytes(big, B * nb)
+    assert ref + slices < run == memory.activation_bytes(big, "bfloat16", W, B, "padding", True, nb)
+    assert memory.activation_bytes(big, "float64", W, B, "padding", False, nb) == ref + slices

@@ -550,9 +550,13 @@ def batch_grid_bytes(shape: ModelShape, dtype: str, width: int, batch: int, comp
 
     def phases(w: int) -> int:
         rows = n if w == 8 else W  # float64 computes only the compared positions' logits
-        alone = working_bytes(shape, w, W) + rows * V * w + head_slice_bytes(shape, rows)
-        scenario = working_bytes(shape, w, W, B) + B * rows * V * w + 2 * n * V * w + head_slice_bytes(shape, B * rows) \
-            + n * (shape.layers + 1) * shape.hidden * w  # the reference's compared hidden rows, every layer
+        sliced = head_slice_bytes if w == 8 else (lambda shape, rows: 0)  # the streamed reference's head
+
+        # each forward: its working set and logits (a big head's slice beside them), then its rows copied out
+        alone = max(working_bytes(shape, w, W) + rows * V * w + sliced(shape, rows), rows * V * w + n * V * w)
+        scenario = n * V * w + n * (shape.layers + 1) * shape.hidden * w + max(  # beside the reference's rows
+            working_bytes(shape, w, W, B) + B * rows * V * w + sliced(shape, B * rows),
+            B * rows * V * w + n * V * w)
         cell = 2 * n * V * w + (2 if w == 8 else 3) * n * V * 8  # an upcast of a float64 tensor is itself
         return max(alone, scenario, cell)
 
@@ -763,6 +767,8 @@ def plan_workload(spec, dtype: str, device, view: str, w: Workload) -> MemoryPla
         not isinstance(w.split, bool) and w.split > 0 else None
     if prof.batch_texts:  # the batch is as wide as its longest row: each batch-mate made longer than the prompt
         prompt = tokens - int(w.left_pad or 0) - int(w.new_tokens or 0)
+        if compared is not None:  # the prompt's positions after the split (its padding is not compared)
+            compared = max(1, prompt - int(w.split))
         for text in prof.batch_texts:
             c = tokens_of_text(spec, text)
             tokens = max(tokens, c + max(c - 1, 0) * (prompt // max(1, c - 1) + 1))

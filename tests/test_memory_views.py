@@ -115,18 +115,22 @@ def test_padding_grid_plan_counts_the_batch_it_builds(monkeypatch, lm):
                          Workload(texts=(PROMPT,), left_pad=pad, split=split))
     assert (plan.tokens, plan.batch) == (W, B)
     shape = model_shape("tiny:llama")
-    nb = n + pad  # the plan's compared positions: the padded prompt's after the split (a bound)
-    run = max(working_bytes(shape, 2, W) + W * V * 2, working_bytes(shape, 2, W, B) + B * W * V * 2 + 2 * nb * V * 2
-              + nb * (shape.layers + 1) * shape.hidden * 2, 2 * nb * V * 2 + 3 * nb * V * 8)
-    ref = max(working_bytes(shape, 8, W) + nb * V * 8, working_bytes(shape, 8, W, B) + B * nb * V * 8
-              + 2 * nb * V * 8 + nb * (shape.layers + 1) * shape.hidden * 8, 4 * nb * V * 8)
+    hid = n * (shape.layers + 1) * shape.hidden  # the reference's compared hidden rows, every layer
+
+    def grid(w, rows, V):  # the prompt alone, then a batch's scenario beside the reference's rows, then a cell
+        return max(working_bytes(shape, w, W) + rows * V * w, rows * V * w + n * V * w,
+                   n * V * w + hid * w + max(working_bytes(shape, w, W, B) + B * rows * V * w,
+                                             B * rows * V * w + n * V * w),
+                   2 * n * V * w + (2 if w == 8 else 3) * n * V * 8)
+
+    run, ref = grid(2, W, V), grid(8, n, V)  # float64: the compared positions' logits only
     assert plan.activations == max(run, ref)
     assert memory.head_slice_bytes(shape, W) == 0  # a tiny head is applied whole
     # where the logits dominate (Gemma 3's vocabulary): the run's batch of full rows, float64's compared rows
     big = dataclasses.replace(shape, vocab=GEMMA3_VOCAB)
     V = GEMMA3_VOCAB
-    run = working_bytes(big, 2, W, B) + B * W * V * 2 + 2 * nb * V * 2 + nb * (shape.layers + 1) * shape.hidden * 2
-    ref = working_bytes(big, 8, W, B) + B * nb * V * 8 + 2 * nb * V * 8 + nb * (shape.layers + 1) * shape.hidden * 8
-    slices = memory.head_slice_bytes(big, B * nb)
-    assert ref + slices < run == memory.activation_bytes(big, "bfloat16", W, B, "padding", True, nb)
-    assert memory.activation_bytes(big, "float64", W, B, "padding", False, nb) == ref + slices
+    run = n * V * 2 + hid * 2 + working_bytes(big, 2, W, B) + B * W * V * 2
+    ref = n * V * 8 + hid * 8 + max(working_bytes(big, 8, W, B) + B * n * V * 8 + memory.head_slice_bytes(big, B * n),
+                                    B * n * V * 8 + n * V * 8)
+    assert ref < run == memory.activation_bytes(big, "bfloat16", W, B, "padding", True, n)
+    assert memory.activation_bytes(big, "float64", W, B, "padding", False, n) == ref

@@ -447,7 +447,8 @@ REFERENCE_LOGITS_BYTES = 128 * 1024 ** 2
 
 
 def activation_bytes(shape: ModelShape, dtype: str, tokens: int, batch: int, view: str, reference: bool,
-                     compared: int | None = None, steps: int | None = None, reference_decodes: bool = True) -> int:
+                     compared: int | None = None, steps: int | None = None, reference_decodes: bool = True,
+                     runs: int | None = None) -> int:
     """The most a run holds at once besides weights and caches: the largest of its phases (the run in its own
     dtype; its float64 reference), each one forward's working set plus what the view keeps of its forwards, as the
     views hold them now:
@@ -465,12 +466,13 @@ def activation_bytes(shape: ModelShape, dtype: str, tokens: int, batch: int, vie
 
     compared: positions compared (split: the tokens after the split point); None: every token. steps: tokens each
     decoding run decodes (None: every token, a bound); reference_decodes: the float64 reference decodes too (greedy's
-    float64 path) rather than replaying single steps."""
+    float64 path) rather than replaying single steps; runs: the decoding runs (greedy's paths; None: the view's
+    most)."""
     from .metrics import LOGITS_CHUNK_BYTES
 
     prof = profile(view)
     if prof.decoded_runs:
-        return decoding_bytes(shape, dtype, tokens, prof.decoded_runs, steps, reference, reference_decodes)
+        return decoding_bytes(shape, dtype, tokens, runs or prof.decoded_runs, steps, reference, reference_decodes)
     if prof.batch_texts:
         return batch_grid_bytes(shape, dtype, tokens, batch, compared, reference)
     b = BYTES[dtype]
@@ -520,22 +522,25 @@ def head_slice_bytes(shape: ModelShape, rows: int) -> int:
 
 def decoding_bytes(shape: ModelShape, dtype: str, tokens: int, runs: int, steps: int | None, reference: bool,
                    reference_decodes: bool = True) -> int:
-    """A view that decodes token by token (greedy paths, prompt-cache reuse; kvviz.loops.decode): one forward at a
-    time over the sequence so far, with every position's logits (the user's forward; the last call's are freed
-    before the next call), of which each step keeps the last row - for `runs` runs of `steps` tokens, in the run's
-    dtype and upcast to float64 for the comparison (their log-softmaxes), plus one comparison's float64 temporaries
-    (both sides upcast, difference, exp, product). The float64 reference decodes the same way
-    (reference_decodes) or replays single steps with the last position's logits only (greedy's verdicts)."""
+    """A view that decodes token by token (greedy paths, prompt-cache reuse; kvviz.loops.decode), for `runs` runs
+    of `steps` tokens, the largest of its phases:
+
+    * decoding: one forward at a time over the sequence so far, with every position's logits (the user's forward;
+      the last call's are freed before the next call), beside the step rows kept so far (each step's last row);
+    * comparing: every run's step rows, in the run's dtype and upcast to float64 (their log-softmaxes, kept), and
+      one comparison's float64 temporaries (both sides upcast, difference, exp, product);
+    * the float64 reference, beside those rows: it decodes the same way (reference_decodes) or replays single
+      steps with the last position's logits only (greedy's verdicts)."""
     b, T, V = BYTES[dtype], tokens, shape.vocab
     k = max(1, min(T, T if steps is None else steps))
     rows = runs * k * V  # every run's step rows
-    compare = 5 * k * V * 8
-    run = working_bytes(shape, b, T) + T * V * b + rows * (b + 8) + compare
+    decoding = working_bytes(shape, b, T) + T * V * b + rows * b
+    comparing = rows * (b + 8) + 5 * k * V * 8
     if not reference:
-        return int(run)
+        return int(max(decoding, comparing))
     full = T if reference_decodes else 1
-    ref = working_bytes(shape, 8, T) + full * V * 8 + head_slice_bytes(shape, full) + rows * 8
-    return int(max(run, ref))
+    ref = rows * (b + 8) + working_bytes(shape, 8, T) + full * V * 8 + head_slice_bytes(shape, full)
+    return int(max(decoding, comparing, ref))
 
 
 def batch_grid_bytes(shape: ModelShape, dtype: str, width: int, batch: int, compared: int | None,
@@ -600,11 +605,12 @@ def cache_bytes(shape: ModelShape, dtype: str, tokens: int, batch: int, referenc
 
 def plan_run(spec, dtype: str, device, view: str, tokens: int = 32, batch: int = 1,
              dtypes: tuple[str, ...] = (), reference: str | None = None, compared: int | None = None,
-             copies: int = 0, steps: int | None = None, reference_decodes: bool = True) -> MemoryPlan:
+             copies: int = 0, steps: int | None = None, reference_decodes: bool = True,
+             runs: int | None = None) -> MemoryPlan:
     """The memory plan of one run, from the model's files (nothing loaded). compared: positions compared (split:
     the tokens after the split point; None: every token). copies: extra copies of the loaded model the run makes
-    (weight quantization deep-copies the model before quantizing it). steps, reference_decodes: a decoding view's
-    (activation_bytes)."""
+    (weight quantization deep-copies the model before quantizing it). steps, reference_decodes, runs: a decoding
+    view's (activation_bytes)."""
     from .dtypes import resolve_device
     from .loading import parse_spec
 
@@ -612,13 +618,13 @@ def plan_run(spec, dtype: str, device, view: str, tokens: int = 32, batch: int =
     dev = device if isinstance(device, torch.device) else resolve_device(device)
     free, src = free_bytes(dev)
     return plan_shape(model_shape(ms), ms.display, dtype, str(dev), view, tokens, batch, dtypes, reference, free,
-                      src, compared, copies, steps, reference_decodes)
+                      src, compared, copies, steps, reference_decodes, runs)
 
 
 def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, view: str, tokens: int, batch: int = 1,
                dtypes: tuple[str, ...] = (), reference: str | None = None, free: int | None = None,
                free_from: str = "given", compared: int | None = None, copies: int = 0, steps: int | None = None,
-               reference_decodes: bool = True) -> MemoryPlan:
+               reference_decodes: bool = True, runs: int | None = None) -> MemoryPlan:
     """The plan of a run of a model of this shape, against `free` bytes."""
     from .dtypes import dtype_name, parse_dtype
 
@@ -643,7 +649,7 @@ def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, vie
     if not uses_ref:
         strategy = "none"
     ref = reference_bytes(shape, dt, strategy) if uses_ref else 0
-    acts = activation_bytes(shape, dt, tokens, batch, view, uses_ref, compared, steps, reference_decodes)
+    acts = activation_bytes(shape, dt, tokens, batch, view, uses_ref, compared, steps, reference_decodes, runs)
     cache = cache_bytes(shape, dt, tokens, batch, uses_ref)
     kept = 8 * (shape.layers + 1) * tokens * batch * 8  # per-layer, per-position metrics, a few of them
     if strategy == "streamed":
@@ -780,7 +786,8 @@ def plan_workload(spec, dtype: str, device, view: str, w: Workload) -> MemoryPla
         steps = max(1, int(w.new_tokens or 0)) * max(1, len(w.continuations))  # every continuation's (reuse)
         reference_decodes = prof.reference_decodes_with is None or prof.reference_decodes_with in w.paths
     return plan_run(spec, dtype, device, view, max(tokens, 1), batch, w.dtypes, compared=compared, copies=copies,
-                    steps=steps, reference_decodes=reference_decodes is not False)
+                    steps=steps, reference_decodes=reference_decodes is not False,
+                    runs=len(set(w.paths)) if prof.decoded_runs and w.paths else None)
 
 
 def workload_of_args(args) -> Workload:

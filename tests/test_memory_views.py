@@ -49,7 +49,7 @@ def lm():
 
 
 def test_greedy_holds_one_forwards_logits_and_the_plan_counts_that(monkeypatch, lm):
-    from kvviz.views.greedy.run import GreedyConfig, run_greedy
+    from kvviz.views.greedy.run import DEFAULT_PATHS, GreedyConfig, run_greedy
 
     paths = ("no_cache", "cache", "float64")
     seen = LiveLogits(monkeypatch)
@@ -58,24 +58,33 @@ def test_greedy_holds_one_forwards_logits_and_the_plan_counts_that(monkeypatch, 
                                                                              paths=paths))
     T, V = plan.tokens, lm.model.config.vocab_size
     assert T >= len(encode(lm, PROMPT)) + 2  # the prompt and the new tokens
-    rows = 5 * 2 * V  # every path's step rows
+    rows = 3 * 2 * V  # every path's step rows
     # the run: one forward's logits over the sequence (the last call's are freed before the next), and step rows
     assert T * V * 2 // 2 < seen.most[torch.bfloat16] <= T * V * 2 + rows * 2
     assert T * V * 8 // 2 < seen.most[torch.float64] <= T * V * 8 + rows * 8  # the float64 path decodes the same way
     shape = model_shape("tiny:llama")
-    assert plan.activations == max(working_bytes(shape, 2, T) + T * V * 2 + rows * (2 + 8) + 5 * 2 * V * 8,
-                                   working_bytes(shape, 8, T) + T * V * 8 + rows * 8)
+    assert plan.activations == decoding(shape, T, rows, T * V * 8)
     # the default paths (no float64 path): the float64 verdict replays a step with the last position's logits only
-    default = plan_workload("tiny:llama", "bfloat16", "cpu", "greedy", Workload(texts=(PROMPT,), new_tokens=2))
-    assert default.activations == max(working_bytes(shape, 2, T) + T * V * 2 + rows * (2 + 8) + 5 * 2 * V * 8,
-                                      working_bytes(shape, 8, T) + V * 8 + rows * 8)
+    default = plan_workload("tiny:llama", "bfloat16", "cpu", "greedy", Workload(texts=(PROMPT,), new_tokens=2,
+                                                                                paths=DEFAULT_PATHS))
+    assert default.activations == decoding(shape, T, rows, V * 8)
     # where the logits dominate (the same shape with Gemma 3's vocabulary): the run's one forward is what counts
     big = dataclasses.replace(shape, vocab=GEMMA3_VOCAB)
-    V, rows = GEMMA3_VOCAB, 5 * 2 * GEMMA3_VOCAB
-    run = working_bytes(big, 2, T) + T * V * 2 + rows * (2 + 8) + 5 * 2 * V * 8
-    assert memory.activation_bytes(big, "bfloat16", T, 1, "greedy", True, steps=2, reference_decodes=False) == run
-    assert memory.activation_bytes(big, "bfloat16", T, 1, "greedy", True, steps=2, reference_decodes=True) == \
-        working_bytes(big, 8, T) + T * V * 8 + memory.head_slice_bytes(big, T) + rows * 8 > run
+    V, rows = GEMMA3_VOCAB, 3 * 2 * GEMMA3_VOCAB
+    run = working_bytes(big, 2, T) + T * V * 2 + rows * 2
+    assert run > rows * (2 + 8) + 5 * 2 * V * 8
+    assert memory.activation_bytes(big, "bfloat16", T, 1, "greedy", True, steps=2, reference_decodes=False,
+                                   runs=3) == run
+    assert memory.activation_bytes(big, "bfloat16", T, 1, "greedy", True, steps=2, reference_decodes=True, runs=3) \
+        == rows * (2 + 8) + working_bytes(big, 8, T) + T * V * 8 + memory.head_slice_bytes(big, T) > run
+
+
+def decoding(shape, T, rows, reference_logits, steps=2):
+    """A bfloat16 decoding run's phases: decoding (one forward's logits beside the step rows), comparing (the rows in
+    both dtypes, one comparison's temporaries), the float64 reference beside the rows."""
+    V = shape.vocab
+    return max(working_bytes(shape, 2, T) + T * V * 2 + rows * 2, rows * (2 + 8) + 5 * steps * V * 8,
+               rows * (2 + 8) + working_bytes(shape, 8, T) + reference_logits)
 
 
 def test_reuse_holds_one_forwards_logits_and_the_plan_counts_that(monkeypatch, lm):
@@ -92,9 +101,7 @@ def test_reuse_holds_one_forwards_logits_and_the_plan_counts_that(monkeypatch, l
     # the prefix's logits are not kept beside the fresh prefill of prefix + continuation
     assert T * V * 2 // 2 < seen.most[torch.bfloat16] <= T * V * 2 + rows * 2
     assert T * V * 8 // 2 < seen.most[torch.float64] <= T * V * 8 + rows * 8
-    shape = model_shape("tiny:llama")
-    assert plan.activations == max(working_bytes(shape, 2, T) + T * V * 2 + rows * (2 + 8) + 5 * 2 * V * 8,
-                                   working_bytes(shape, 8, T) + T * V * 8 + rows * 8)
+    assert plan.activations == decoding(model_shape("tiny:llama"), T, rows, T * V * 8)
 
 
 def test_padding_grid_plan_counts_the_batch_it_builds(monkeypatch, lm):

@@ -467,7 +467,7 @@ def activation_bytes(shape: ModelShape, dtype: str, tokens: int, batch: int, vie
     compared: positions compared (split: the tokens after the split point); None: every token. steps: tokens each
     decoding run decodes (None: every token, a bound); reference_decodes: the float64 reference decodes too (greedy's
     float64 path) rather than replaying single steps; runs: the decoding runs (greedy's paths; None: the view's
-    most)."""
+    default)."""
     from .metrics import LOGITS_CHUNK_BYTES
 
     prof = profile(view)
@@ -773,8 +773,8 @@ def plan_workload(spec, dtype: str, device, view: str, w: Workload) -> MemoryPla
         not isinstance(w.split, bool) and w.split > 0 else None
     if prof.batch_texts:  # the batch is as wide as its longest row: each batch-mate made longer than the prompt
         prompt = tokens - int(w.left_pad or 0) - int(w.new_tokens or 0)
-        if compared is not None:  # the prompt's positions after the split (its padding is not compared)
-            compared = max(1, prompt - int(w.split))
+        # the prompt's positions after the split, half of them where none is named (its padding is not compared)
+        compared = max(1, prompt - (min(int(w.split), prompt - 1) if compared is not None else max(1, prompt // 2)))
         for text in prof.batch_texts:
             c = tokens_of_text(spec, text)
             tokens = max(tokens, c + max(c - 1, 0) * (prompt // max(1, c - 1) + 1))

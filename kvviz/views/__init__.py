@@ -78,7 +78,8 @@ class MemoryProfile:
     weight_copies: bool = False  # quantizing weights deep-copies the model first
     many_prompts: bool = False  # runs a set of prompts (fewer prompts is a way to fit)
     # decodes token by token (kvviz.loops.decode): one forward's logits (every position's) at a time, each step's
-    # last row kept; `decoded_runs` runs' rows are kept at once (greedy: its paths; reuse: its ways per continuation)
+    # last row kept; `decoded_runs` runs' rows are kept at once (greedy: its default paths, or the paths a run names;
+    # reuse: its ways per continuation)
     decoded_runs: int = 0
     # the float64 reference decodes (a full forward a step) only when the run's paths include this one; otherwise
     # it replays single steps, the last position's logits only (greedy); None: it decodes like the run (reuse)

@@ -4,11 +4,11 @@ why.
 This folder is the whole view: run.py (config, run, result), figures.py, report.py (reopen, verdict), repro.py, cli.py.
 Registered by one line in kvviz/views/__init__.py."""
 from .. import MemoryProfile, Page, View
-from .run import DEFAULT_PATHS, PATHS, GreedyConfig, GreedyResult, run_greedy
+from .run import DEFAULT_PATHS, GreedyConfig, GreedyResult, run_greedy
 
 VIEW = View("greedy", "Greedy paths", "GreedyResult", "report:reopen", "figures:main", "report:verdict",
             repro="repro", cli="cli", command="greedy",
             page=Page("greedy_paths", "Investigate", ":material/call_split:",
                       defaults={"prompt": "This is a ", "n": 12}),
-            memory=MemoryProfile(decoded_runs=len(PATHS), reference_decodes_with="float64"),
+            memory=MemoryProfile(decoded_runs=len(DEFAULT_PATHS), reference_decodes_with="float64"),
             scenario="scenario:run")

@@ -651,6 +651,9 @@ def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, vie
     ref = reference_bytes(shape, dt, strategy) if uses_ref else 0
     acts = activation_bytes(shape, dt, tokens, batch, view, uses_ref, compared, steps, reference_decodes, runs)
     cache = cache_bytes(shape, dt, tokens, batch, uses_ref)
+    if profile(view).cache_copies:  # its caches one phase at a time: the run's, then the float64 reference's
+        per = 2 * shape.layers * shape.kv_heads * shape.head_dim * tokens * batch
+        cache = profile(view).cache_copies * per * max(BYTES[dt], 8 if uses_ref else 0)
     kept = 8 * (shape.layers + 1) * tokens * batch * 8  # per-layer, per-position metrics, a few of them
     if strategy == "streamed":
         notes.append("float64 reference streamed: the loaded weights upcast one operation at a time")

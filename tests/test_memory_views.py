@@ -64,6 +64,8 @@ def test_greedy_holds_one_forwards_logits_and_the_plan_counts_that(monkeypatch, 
     assert T * V * 8 // 2 < seen.most[torch.float64] <= T * V * 8 + rows * 8  # the float64 path decodes the same way
     shape = model_shape("tiny:llama")
     assert plan.activations == decoding(shape, T, rows, T * V * 8)
+    # one path's cache at a time, the float64 reference's after the run's: the larger of them
+    assert plan.cache == 2 * shape.layers * shape.kv_heads * shape.head_dim * T * 8
     # the default paths (no float64 path): the float64 verdict replays a step with the last position's logits only
     default = plan_workload("tiny:llama", "bfloat16", "cpu", "greedy", Workload(texts=(PROMPT,), new_tokens=2,
                                                                                 paths=DEFAULT_PATHS))
@@ -101,7 +103,10 @@ def test_reuse_holds_one_forwards_logits_and_the_plan_counts_that(monkeypatch, l
     # the prefix's logits are not kept beside the fresh prefill of prefix + continuation
     assert T * V * 2 // 2 < seen.most[torch.bfloat16] <= T * V * 2 + rows * 2
     assert T * V * 8 // 2 < seen.most[torch.float64] <= T * V * 8 + rows * 8
-    assert plan.activations == decoding(model_shape("tiny:llama"), T, rows, T * V * 8)
+    shape = model_shape("tiny:llama")
+    assert plan.activations == decoding(shape, T, rows, T * V * 8)
+    # the prefix's cache, the shared one and a continuation's, the float64 rerun's after the run's
+    assert plan.cache == 3 * 2 * shape.layers * shape.kv_heads * shape.head_dim * T * 8
 
 
 def test_padding_grid_plan_counts_the_batch_it_builds(monkeypatch, lm):

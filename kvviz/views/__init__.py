@@ -85,6 +85,9 @@ class MemoryProfile:
     # it replays single steps, the last position's logits only (greedy); None: it decodes like the run (reuse)
     reference_decodes_with: str | None = None
     batch_texts: tuple[str, ...] = ()  # texts that join the prompt in a batch, each made longer than it (padding)
+    # KV caches of the longest sequence held at once, the run's and the float64 reference's never together (greedy:
+    # one path's; reuse: the prefix's, the shared one and a continuation's); 0: the run's and a spare copy, in both
+    cache_copies: int = 0
 
 
 @dataclass(frozen=True)

@@ -10,5 +10,5 @@ VIEW = View("greedy", "Greedy paths", "GreedyResult", "report:reopen", "figures:
             repro="repro", cli="cli", command="greedy",
             page=Page("greedy_paths", "Investigate", ":material/call_split:",
                       defaults={"prompt": "This is a ", "n": 12}),
-            memory=MemoryProfile(decoded_runs=len(DEFAULT_PATHS), reference_decodes_with="float64"),
+            memory=MemoryProfile(decoded_runs=len(DEFAULT_PATHS), reference_decodes_with="float64", cache_copies=1),
             scenario="scenario:run")

@@ -498,10 +498,10 @@ def activation_bytes(shape: ModelShape, dtype: str, tokens: int, batch: int, vie
         run = working(b) + max(B * T * V * b + B * n * V * b, 2 * B * n * V * b + temps) + hidden(b)
     if prof.bisector:  # the bisect view
         run = max(run, bisect_bytes(shape, b, T, n, B))
+    if prof.float64_only:  # every run of the view is on the float64 reference (a float64 run: the model itself)
+        return int(ref) if reference or dtype == "float64" else 0
     if not reference:
         return int(run)
-    if prof.float64_only:  # every run of the view is on the float64 reference
-        run = 0
     return int(max(run, ref))
 
 

@@ -146,3 +146,14 @@ def test_padding_grid_plan_counts_the_batch_it_builds(monkeypatch, lm):
                                     B * n * V * 8 + n * V * 8)
     assert ref < run == memory.activation_bytes(big, "bfloat16", W, B, "padding", True, n)
     assert memory.activation_bytes(big, "float64", W, B, "padding", False, n) == ref
+
+
+def test_a_float64_card_plans_its_token_by_token_reference_not_every_positions_logits():
+    """The cache-safety card runs everything on the float64 reference: in float64 that is the model itself, so its
+    plan is the reference's (logits a chunk of rows at a time), as in any other dtype - not a full forward's logits
+    over every position, twice."""
+    shape = dataclasses.replace(model_shape("tiny:llama"), vocab=GEMMA3_VOCAB)
+    T = 1028
+    f64 = memory.activation_bytes(shape, "float64", T, 1, "check", False)
+    assert f64 == memory.activation_bytes(shape, "bfloat16", T, 1, "check", True)
+    assert f64 < T * GEMMA3_VOCAB * 8  # less than one forward's logits over every position

@@ -285,19 +285,43 @@ def run_matrix(gguf: Path | None, root: Path, only: str, out: Path, no_proof: bo
     return 0
 
 
-def matrix_table(outs: list[Path]) -> str:
-    """docs/benchmarks.md's table from the matrix results."""
+def plan_now(argv: list[str], env: dict) -> int | None:
+    """This commit's plan total of a cell's command (a child process: a hub cell's cache is read from its env)."""
+    code = ("import sys; from kvviz.cli import build_parser; from kvviz.memory import plan_for_args; "
+            "print(plan_for_args(build_parser().parse_args(sys.argv[1:])).total)")
+    p = subprocess.run(["nice", "-n", "10", sys.executable, "-c", code] + argv, capture_output=True, text=True,
+                       cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT), **(env or {})))
+    try:
+        return int(p.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return None
+
+
+def matrix_table(outs: list[Path], replan: tuple[Path | None, Path] | None = None) -> str:
+    """docs/benchmarks.md's table from the matrix results (a later file's cell replaces an earlier one's). replan:
+    (gguf, root) to add this commit's plan of each cell and its ratio to the peak (the plan recorded at run time is
+    the code's of that run)."""
     done = {}
     for out in outs:
         done.update(json.loads(out.read_text()))
-    rows = ["| route | dtype | view | plan (GB) | peak RSS (GB) | plan / peak |", "|---|---|---|---|---|---|"]
+    cells = {f"{r}/{d}/{v}": (argv, env) for r, d, v, argv, env in matrix_cells(*replan)} if replan else {}
+    head = "| route | dtype | view | plan at run time (GB) | peak RSS (GB) | plan / peak |"
+    rows = [head + (" plan now (GB) | plan now / peak |" if replan else ""), "|---|---|---|---|---|---|"
+            + ("---|---|" if replan else "")]
     for key, r in done.items():
         route, dt, view = key.split("/")
         if r["rc"] != 0 or not r["ratio"]:
-            rows.append(f"| {route} | {dt} | {view} | - | - | failed (rc {r['rc']}) |")
+            rows.append(f"| {route} | {dt} | {view} | - | - | failed (rc {r['rc']}) |" + (" - | - |" if replan else ""))
             continue
-        rows.append(f"| {route} | {dt} | {view}{' (no proof)' if r['no_proof'] else ''} | {r['plan_total'] / 1e9:.2f} "
-                    f"| {r['peak_rss'] / 1e9:.2f} | {r['ratio']:.2f}{'' if 1.0 <= r['ratio'] <= 1.25 else ' MISS'} |")
+        row = (f"| {route} | {dt} | {view}{' (no proof)' if r['no_proof'] else ''} | {r['plan_total'] / 1e9:.2f} "
+               f"| {r['peak_rss'] / 1e9:.2f} | {r['ratio']:.2f}{'' if 1.0 <= r['ratio'] <= 1.25 else ' MISS'} |")
+        if key in cells:
+            argv, env = cells[key]
+            now = plan_now(argv + (["--no-proof"] if r["no_proof"] else []), env)
+            ratio = now / r["peak_rss"] if now else 0
+            row += (f" {now / 1e9:.2f} | {ratio:.2f}{'' if 1.0 <= ratio <= 1.25 else ' MISS'} |" if now else
+                    " - | - |")
+        rows.append(row)
     return "\n".join(rows)
 
 
@@ -310,6 +334,8 @@ def main() -> int:
                     "gemma-check); matrix: comma list of cell key parts (gguf/bfloat16/split, float64, ...)")
     ap.add_argument("--gguf", default=os.environ.get(GGUF_ENV), help=f"the real Gemma 3 270M GGUF (or ${GGUF_ENV})")
     ap.add_argument("--no-proof", action="store_true", help="matrix: runs without the invariant-mode proof")
+    ap.add_argument("--replan", action="store_true", help="table: add this commit's plan of each cell beside the "
+                    "plan recorded at run time")
     ap.add_argument("--out", default="", help="matrix/table: the results file (default ROOT/memory_matrix.json); "
                     "table reads every memory_matrix*.json under ROOT")
     args = ap.parse_args()
@@ -319,7 +345,9 @@ def main() -> int:
     if args.what in ("matrix", "table"):
         out = Path(args.out) if args.out else root / "memory_matrix.json"
         if args.what == "table":
-            print(matrix_table(sorted(root.glob("memory_matrix*.json")) if not args.out else [out]))
+            gguf = Path(args.gguf) if args.gguf and Path(args.gguf).is_file() else None
+            print(matrix_table(sorted(root.glob("memory_matrix*.json")) if not args.out else [out],
+                               (gguf, root) if args.replan else None))
             return 0
         gguf = Path(args.gguf) if args.gguf and Path(args.gguf).is_file() else None
         build(root / "gemma270m", GEMMA270M)

@@ -84,11 +84,12 @@ def decode(call, ids, mask, n, policy=StepPolicy.CACHE, positions=None, step_pos
             ids = torch.cat([ids, nxt], 1)
             if positions is not None:
                 positions = torch.cat([positions, positions[:, -1:] + 1], 1)
+            out = None  # the last call's logits (every position's) are freed before the next call
             out = call(ids, mask, positions, None, use_cache=False, hidden=hidden)
             continue
         if last is not None:
             last = last + 1
         user = policy == StepPolicy.USER_LOOP
-        out = call(nxt, None if user else mask, None if user else last, output_cache(out), use_cache=True,
-                   hidden=hidden)
+        past, out = output_cache(out), None  # only the cache goes on: the last call's logits are freed first
+        out = call(nxt, None if user else mask, None if user else last, past, use_cache=True, hidden=hidden)
     return tokens, logits, hiddens, out

@@ -451,7 +451,8 @@ REFERENCE_LOGITS_BYTES = 128 * 1024 ** 2
 
 
 def activation_bytes(shape: ModelShape, dtype: str, tokens: int, batch: int, view: str, reference: bool,
-                     compared: int | None = None) -> int:
+                     compared: int | None = None, steps: int | None = None, reference_decodes: bool = True,
+                     runs: int | None = None) -> int:
     """The most a run holds at once besides weights and caches: the largest of its phases (the run in its own
     dtype; its float64 reference), each one forward's working set plus what the view keeps of its forwards, as the
     views hold them now:
@@ -465,17 +466,26 @@ def activation_bytes(shape: ModelShape, dtype: str, tokens: int, batch: int, vie
       window check) - and the same comparison temporaries; the streamed reference's weight slices are in
       `reference_bytes`.
 
-    compared: positions compared (split: the tokens after the split point); None: every token."""
+    Views that decode (greedy, reuse) and the padding grid hold less: decoding_bytes and batch_grid_bytes.
+
+    compared: positions compared (split: the tokens after the split point); None: every token. steps: tokens each
+    decoding run decodes (None: every token, a bound); reference_decodes: the float64 reference decodes too (greedy's
+    float64 path) rather than replaying single steps; runs: the decoding runs (greedy's paths; None: the view's
+    default)."""
     from .metrics import LOGITS_CHUNK_BYTES
 
     prof = profile(view)
+    if prof.decoded_runs:
+        return decoding_bytes(shape, dtype, tokens, runs or prof.decoded_runs, steps, reference, reference_decodes)
+    if prof.batch_texts:
+        return batch_grid_bytes(shape, dtype, tokens, batch, compared, reference)
     b = BYTES[dtype]
     T, B, H, L, V = tokens, batch, shape.hidden, shape.layers, shape.vocab
     n = max(1, min(compared or T, T))
     temps = LOGITS_TEMPORARIES * LOGITS_CHUNK_BYTES
 
     def working(width: int) -> int:  # one layer of one forward: MLP and attention scores
-        return B * T * (3 * shape.intermediate + 4 * H) * width + B * shape.heads * T * T * max(width, 4)
+        return working_bytes(shape, width, T, B)
 
     def hidden(width: int) -> int:
         if prof.streamed_hidden:
@@ -492,11 +502,77 @@ def activation_bytes(shape: ModelShape, dtype: str, tokens: int, batch: int, vie
         run = working(b) + max(B * T * V * b + B * n * V * b, 2 * B * n * V * b + temps) + hidden(b)
     if prof.bisector:  # the bisect view
         run = max(run, bisect_bytes(shape, b, T, n, B))
+    if prof.float64_only:  # every run of the view is on the float64 reference (a float64 run: the model itself)
+        return int(ref) if reference or dtype == "float64" else 0
     if not reference:
         return int(run)
-    if prof.float64_only:  # every run of the view is on the float64 reference
-        run = 0
     return int(max(run, ref))
+
+
+def working_bytes(shape: ModelShape, width: int, tokens: int, batch: int = 1) -> int:
+    """One layer of one forward over `tokens` positions: its MLP and attention working set, and the attention
+    scores against every key (at least float32)."""
+    T, B = tokens, batch
+    return B * T * (3 * shape.intermediate + 4 * shape.hidden) * width + B * shape.heads * T * T * max(width, 4)
+
+
+def head_slice_bytes(shape: ModelShape, rows: int) -> int:
+    """The streamed float64 reference applies a head over REFERENCE_CHUNK_BYTES in slices of output features: the
+    output of one slice over `rows` positions, beside the logits it is copied into (kvviz.reference)."""
+    if 8 * shape.vocab * shape.hidden <= REFERENCE_CHUNK_BYTES:
+        return 0
+    return rows * max(1, REFERENCE_CHUNK_BYTES // (8 * max(shape.hidden, 1))) * 8
+
+
+def decoding_bytes(shape: ModelShape, dtype: str, tokens: int, runs: int, steps: int | None, reference: bool,
+                   reference_decodes: bool = True) -> int:
+    """A view that decodes token by token (greedy paths, prompt-cache reuse; kvviz.loops.decode), for `runs` runs
+    of `steps` tokens, the largest of its phases:
+
+    * decoding: one forward at a time over the sequence so far, with every position's logits (the user's forward;
+      the last call's are freed before the next call), beside the step rows kept so far (each step's last row);
+    * comparing: every run's step rows, in the run's dtype and upcast to float64 (their log-softmaxes, kept), and
+      one comparison's float64 temporaries (both sides upcast, difference, exp, product);
+    * the float64 reference, beside those rows: it decodes the same way (reference_decodes) or replays single
+      steps with the last position's logits only (greedy's verdicts)."""
+    b, T, V = BYTES[dtype], tokens, shape.vocab
+    k = max(1, min(T, T if steps is None else steps))
+    rows = runs * k * V  # every run's step rows
+    decoding = working_bytes(shape, b, T) + T * V * b + rows * b
+    comparing = rows * (b + 8) + 5 * k * V * 8
+    if not reference:
+        return int(max(decoding, comparing))
+    full = T if reference_decodes else 1
+    ref = rows * (b + 8) + working_bytes(shape, 8, T) + full * V * 8 + head_slice_bytes(shape, full)
+    return int(max(decoding, comparing, ref))
+
+
+def batch_grid_bytes(shape: ModelShape, dtype: str, width: int, batch: int, compared: int | None,
+                     reference: bool) -> int:
+    """The padding grid (kvviz.views.padding.run): the prompt alone without cache (every position's logits in the
+    run's dtype, its compared rows kept; float64 computes only those), then each scenario over a batch of `batch`
+    rows `width` wide: without cache every row's logits (float64: the compared positions only), with cache the
+    compared positions of every row; the target's compared rows copied out, then compared with the reference's in
+    float64 (both upcast, the difference and its absolute value)."""
+    b, W, B, V = BYTES[dtype], width, batch, shape.vocab
+    n = max(1, min(compared or W, W))
+
+    def phases(w: int) -> int:
+        rows = n if w == 8 else W  # float64 computes only the compared positions' logits
+        sliced = head_slice_bytes if w == 8 else (lambda shape, rows: 0)  # the streamed reference's head
+
+        # each forward: its working set and logits (a big head's slice beside them), then its rows copied out
+        alone = max(working_bytes(shape, w, W) + rows * V * w + sliced(shape, rows), rows * V * w + n * V * w)
+        scenario = n * V * w + n * (shape.layers + 1) * shape.hidden * w + max(  # beside the reference's rows
+            working_bytes(shape, w, W, B) + B * rows * V * w + sliced(shape, B * rows),
+            B * rows * V * w + n * V * w)
+        cell = 2 * n * V * w + (2 if w == 8 else 3) * n * V * 8  # an upcast of a float64 tensor is itself
+        return max(alone, scenario, cell)
+
+    run = phases(b)
+    if not reference:
+        return int(run)
+    return int(max(run, phases(8)))
 
 
 def bisect_bytes(shape: ModelShape, width: int, tokens: int, compared: int, batch: int = 1) -> int:
@@ -533,10 +609,12 @@ def cache_bytes(shape: ModelShape, dtype: str, tokens: int, batch: int, referenc
 
 def plan_run(spec, dtype: str, device, view: str, tokens: int = 32, batch: int = 1,
              dtypes: tuple[str, ...] = (), reference: str | None = None, compared: int | None = None,
-             copies: int = 0) -> MemoryPlan:
+             copies: int = 0, steps: int | None = None, reference_decodes: bool = True,
+             runs: int | None = None) -> MemoryPlan:
     """The memory plan of one run, from the model's files (nothing loaded). compared: positions compared (split:
     the tokens after the split point; None: every token). copies: extra copies of the loaded model the run makes
-    (weight quantization deep-copies the model before quantizing it)."""
+    (weight quantization deep-copies the model before quantizing it). steps, reference_decodes, runs: a decoding
+    view's (activation_bytes)."""
     from .dtypes import resolve_device
     from .loading import parse_spec
 
@@ -544,12 +622,13 @@ def plan_run(spec, dtype: str, device, view: str, tokens: int = 32, batch: int =
     dev = device if isinstance(device, torch.device) else resolve_device(device)
     free, src = free_bytes(dev)
     return plan_shape(model_shape(ms), ms.display, dtype, str(dev), view, tokens, batch, dtypes, reference, free,
-                      src, compared, copies)
+                      src, compared, copies, steps, reference_decodes, runs)
 
 
 def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, view: str, tokens: int, batch: int = 1,
                dtypes: tuple[str, ...] = (), reference: str | None = None, free: int | None = None,
-               free_from: str = "given", compared: int | None = None, copies: int = 0) -> MemoryPlan:
+               free_from: str = "given", compared: int | None = None, copies: int = 0, steps: int | None = None,
+               reference_decodes: bool = True, runs: int | None = None) -> MemoryPlan:
     """The plan of a run of a model of this shape, against `free` bytes."""
     from .dtypes import dtype_name, parse_dtype
 
@@ -574,8 +653,11 @@ def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, vie
     if not uses_ref:
         strategy = "none"
     ref = reference_bytes(shape, dt, strategy) if uses_ref else 0
-    acts = activation_bytes(shape, dt, tokens, batch, view, uses_ref, compared)
+    acts = activation_bytes(shape, dt, tokens, batch, view, uses_ref, compared, steps, reference_decodes, runs)
     cache = cache_bytes(shape, dt, tokens, batch, uses_ref)
+    if profile(view).cache_copies:  # its caches one phase at a time: the run's, then the float64 reference's
+        per = 2 * shape.layers * shape.kv_heads * shape.head_dim * tokens * batch
+        cache = profile(view).cache_copies * per * max(BYTES[dt], 8 if uses_ref else 0)
     kept = 8 * (shape.layers + 1) * tokens * batch * 8  # per-layer, per-position metrics, a few of them
     if strategy == "streamed":
         notes.append("float64 reference streamed: the loaded weights upcast one operation at a time")
@@ -673,6 +755,7 @@ class Workload:
     dtypes: tuple[str, ...] = ()  # the dtypes view: the dtypes run side by side
     split: int | None = None  # the split point (views comparing only the positions after it)
     weights: str = "none"  # weight quantization ("none": the model as loaded)
+    paths: tuple[str, ...] = ()  # the paths a decoding view runs (greedy; empty: its defaults)
 
 
 def plan_workload(spec, dtype: str, device, view: str, w: Workload) -> MemoryPlan:
@@ -695,10 +778,23 @@ def plan_workload(spec, dtype: str, device, view: str, w: Workload) -> MemoryPla
         tokens = max(tokens, 2 * int((sh.sliding_window if sh else 0) or 0) + 4, 64)
     compared = tokens - int(w.split) if prof.compared_after_split and isinstance(w.split, int) and \
         not isinstance(w.split, bool) and w.split > 0 else None
+    if prof.batch_texts:  # the batch is as wide as its longest row: each batch-mate made longer than the prompt
+        prompt = tokens - int(w.left_pad or 0) - int(w.new_tokens or 0)
+        # the prompt's positions after the split, half of them where none is named (its padding is not compared)
+        compared = max(1, prompt - (min(int(w.split), prompt - 1) if compared is not None else max(1, prompt // 2)))
+        for text in prof.batch_texts:
+            c = tokens_of_text(spec, text)
+            tokens = max(tokens, c + max(c - 1, 0) * (prompt // max(1, c - 1) + 1))
     copies = int(prof.weight_copies and str(w.weights or "none") != "none")
     if w.dtypes:
         dtype = w.dtypes[0]
-    return plan_run(spec, dtype, device, view, max(tokens, 1), batch, w.dtypes, compared=compared, copies=copies)
+    steps = reference_decodes = None
+    if prof.decoded_runs:  # each run decodes the new tokens; greedy's float64 reference decodes only as a path
+        steps = max(1, int(w.new_tokens or 0)) * max(1, len(w.continuations))  # every continuation's (reuse)
+        reference_decodes = prof.reference_decodes_with is None or prof.reference_decodes_with in w.paths
+    return plan_run(spec, dtype, device, view, max(tokens, 1), batch, w.dtypes, compared=compared, copies=copies,
+                    steps=steps, reference_decodes=reference_decodes is not False,
+                    runs=len(set(w.paths)) if prof.decoded_runs and w.paths else None)
 
 
 def workload_of_args(args) -> Workload:
@@ -706,6 +802,7 @@ def workload_of_args(args) -> Workload:
     texts = tuple(t for t in (getattr(args, "prompt", None), getattr(args, "prefix", None)) if isinstance(t, str))
     dtypes = getattr(args, "dtypes", None)
     split = getattr(args, "split", None)
+    paths = getattr(args, "paths", None)
     return Workload(texts=texts, continuations=tuple(getattr(args, "continuation", None) or ()),
                     new_tokens=int(getattr(args, "max_new_tokens", 0) or 0),
                     left_pad=int(getattr(args, "left_pad", 0) or 0), tokens=getattr(args, "tokens", None),
@@ -713,7 +810,8 @@ def workload_of_args(args) -> Workload:
                     dtypes=tuple(d.strip() for d in dtypes.split(",") if d.strip()) if isinstance(dtypes, str)
                     else (),
                     split=split if isinstance(split, int) else None,
-                    weights=str(getattr(args, "weights", "none") or "none"))
+                    weights=str(getattr(args, "weights", "none") or "none"),
+                    paths=tuple(p.strip() for p in paths.split(",") if p.strip()) if isinstance(paths, str) else ())
 
 
 def plan_for_args(args) -> MemoryPlan:

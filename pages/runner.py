@@ -133,7 +133,9 @@ def workload(key_parts: dict):
                     tokens=key_parts.get("tokens"), batch=key_parts.get("batch"),
                     dtypes=tuple(dtypes) if isinstance(dtypes, (list, tuple)) else (),
                     split=split if isinstance(split, int) and not isinstance(split, bool) else None,
-                    weights=str(key_parts.get("weights") or cfg.get("weights") or "none"))
+                    weights=str(key_parts.get("weights") or cfg.get("weights") or "none"),
+                    paths=tuple(str(p) for p in cfg.get("paths") or ()) if isinstance(cfg.get("paths"), (list, tuple))
+                    else ())
 
 
 def _memory_plan(name: str, key_parts: dict, fresh: bool):

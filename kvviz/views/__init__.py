@@ -94,6 +94,17 @@ class MemoryProfile:
     past_window: bool = False  # runs past the model's sliding window (at least 2 windows + 4 tokens, 64)
     weight_copies: bool = False  # quantizing weights deep-copies the model first
     many_prompts: bool = False  # runs a set of prompts (fewer prompts is a way to fit)
+    # decodes token by token (kvviz.loops.decode): one forward's logits (every position's) at a time, each step's
+    # last row kept; `decoded_runs` runs' rows are kept at once (greedy: its default paths, or the paths a run names;
+    # reuse: its ways per continuation)
+    decoded_runs: int = 0
+    # the float64 reference decodes (a full forward a step) only when the run's paths include this one; otherwise
+    # it replays single steps, the last position's logits only (greedy); None: it decodes like the run (reuse)
+    reference_decodes_with: str | None = None
+    batch_texts: tuple[str, ...] = ()  # texts that join the prompt in a batch, each made longer than it (padding)
+    # KV caches of the longest sequence held at once, the run's and the float64 reference's never together (greedy:
+    # one path's; reuse: the prefix's, the shared one and a continuation's); 0: the run's and a spare copy, in both
+    cache_copies: int = 0
 
 
 @dataclass(frozen=True)

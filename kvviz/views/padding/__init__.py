@@ -5,10 +5,11 @@ This folder is the whole view: run.py (config, run, result), figures.py, report.
 Registered by one line in kvviz/views/__init__.py."""
 from .. import MemoryProfile, Page, View
 from ...prompts import CAPITALS
-from .run import PaddingResult, run_padding
+from .run import DEFAULT_COMPANIONS, PaddingResult, run_padding
 
 VIEW = View("padding", "Padding and batching", "PaddingResult", "report:reopen", "figures:main", "report:verdict",
             verdict_is_html=True, tables="figures:tables", repro="repro", cli="cli",
             page=Page("padding", "Classic traps", ":material/grid_on:", link_prefix="pad_",
                       defaults={"prompt": CAPITALS, "left_pad": 4, "prove": False}, url_aliases=("padding_lab",)),
-            memory=MemoryProfile(forwards=2, batch=3))
+            memory=MemoryProfile(batch=1 + len(DEFAULT_COMPANIONS), batch_texts=DEFAULT_COMPANIONS,
+                                 compared_after_split=True))

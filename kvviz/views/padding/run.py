@@ -99,9 +99,9 @@ def _scenario(ex: Executor, rows, target: int, extra_pad: int, k: int, use_cache
     pre = ex.forward(ids[:, :c], mask[:, :c], pos[:, :c], hidden=False, logits_to_keep=1 if keep else None)
     if not has_cache(pre):
         raise KvvizError(f"{ex.lm.name} returns no cache (a bidirectional model): past_key_values cannot be used")
+    past, pre = output_cache(pre), None  # only the prefix's cache goes on
     out = ex.forward(ids[:, c:], mask if mask_mode == "full" else mask[:, c:],
-                     pos[:, c:] if pos_mode == "auto" else None, output_cache(pre),
-                     hidden=gaps.sink(lambda h: h[target]))
+                     pos[:, c:] if pos_mode == "auto" else None, past, hidden=gaps.sink(lambda h: h[target]))
     return gaps, out.logits[target].clone()
 
 
@@ -125,8 +125,12 @@ def _padding_cells(lm: LoadedModel, settings: ExecSettings, ids: list[int], comp
     placements = [p for p in PLACEMENTS if p != "left-padded" or left_pad > 0]
     with ex.session():
         held = HeldRows(lambda h: h[0, k:])  # the reference's compared rows, layer by layer as they come
-        ref = ex.forward(torch.tensor([ids], device=lm.device), use_cache=False, hidden=held)
-        ref_l = ref.logits[0, k:]
+        # float64 computes only the compared positions' logits (as its scenarios do); the run's own dtype keeps the
+        # user's full forward, and only the compared rows are kept of it
+        keep = len(ids) - k if takes_logits_to_keep(lm.model) and lm.dtype == torch.float64 else None
+        ref = ex.forward(torch.tensor([ids], device=lm.device), use_cache=False, hidden=held, logits_to_keep=keep)
+        ref_l = ref.logits[0, -(len(ids) - k):].clone()
+        del ref
         out = {}
         for placement in placements:
             rows = [ids] + (companions if placement == "in a batch" else [])

@@ -78,12 +78,14 @@ def _reuse_runs(lm: LoadedModel, settings: ExecSettings, prefix: list[int], cont
         pre = ex.forward(torch.tensor([prefix], device=dev), hidden=False)
         if not has_cache(pre):
             raise KvvizError(f"{lm.name} returns no cache (a bidirectional model): past_key_values cannot be used")
-        shared = copy.deepcopy(output_cache(pre))  # the object every continuation of "reused" shares
+        prefix_cache = output_cache(pre)
+        del pre  # only the prefix's cache is used: its logits (every prefix position's) are freed
+        shared = copy.deepcopy(prefix_cache)  # the object every continuation of "reused" shares
         for i, cont in enumerate(conts):
             c = torch.tensor([cont], device=dev)
             res[(i, "fresh")] = _decode_after(ex, None, torch.tensor([prefix + cont], device=dev), n)
             if "deepcopy" in ways:
-                res[(i, "deepcopy")] = _decode_after(ex, copy.deepcopy(output_cache(pre)), c, n)
+                res[(i, "deepcopy")] = _decode_after(ex, copy.deepcopy(prefix_cache), c, n)
             if "reused" in ways:
                 res[(i, "reused")] = _decode_after(ex, shared, c, n)
     return res

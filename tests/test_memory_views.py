@@ -1,0 +1,159 @@
+"""The memory plans of the views that decode (greedy paths, prompt-cache reuse) and of the padding grid count what
+those runs hold: one forward's logits at a time (every position's in the run's dtype, the compared positions' only in
+float64), each step's last row, the batch's rows - checked against the logits every forward of a run leaves alive,
+and the plan's numbers against the model's shape, on tiny models."""
+import dataclasses
+import weakref
+
+import pytest
+import torch
+
+from kvviz import memory
+from kvviz.execution import Executor
+from kvviz.inputs import encode
+from kvviz.loading import load_model
+from kvviz.memory import BYTES, Workload, model_shape, plan_workload, working_bytes
+
+GEMMA3_VOCAB = 262144
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 5  # 225 byte tokens and BOS: the logits dominate
+
+
+class LiveLogits:
+    """The bytes of model outputs' logits alive at once (their storage, kept by any view of it), per dtype, at the end
+    of every forward (the most seen)."""
+
+    def __init__(self, monkeypatch):
+        self.live: dict[torch.dtype, int] = {}
+        self.most: dict[torch.dtype, int] = {}
+        orig = Executor.forward
+
+        def forward(ex, *a, **k):
+            out = orig(ex, *a, **k)
+            lg = out.logits
+            storage = lg.untyped_storage()  # alive while any view of the logits is (a tensor object may go first)
+            n = storage.nbytes()
+            self.live[lg.dtype] = self.live.get(lg.dtype, 0) + n
+            self.most[lg.dtype] = max(self.most.get(lg.dtype, 0), self.live[lg.dtype])
+            weakref.finalize(storage, self._free, lg.dtype, n)
+            return out
+
+        monkeypatch.setattr(Executor, "forward", forward)
+
+    def _free(self, dtype, n):
+        self.live[dtype] -= n
+
+
+@pytest.fixture
+def lm():
+    return load_model("tiny:llama", "bfloat16", "cpu")
+
+
+def test_greedy_holds_one_forwards_logits_and_the_plan_counts_that(monkeypatch, lm):
+    from kvviz.views.greedy.run import DEFAULT_PATHS, GreedyConfig, run_greedy
+
+    paths = ("no_cache", "cache", "float64")
+    seen = LiveLogits(monkeypatch)
+    run_greedy(lm, GreedyConfig(PROMPT, 2, paths=paths), prove=False)
+    plan = plan_workload("tiny:llama", "bfloat16", "cpu", "greedy", Workload(texts=(PROMPT,), new_tokens=2,
+                                                                             paths=paths))
+    T, V = plan.tokens, lm.model.config.vocab_size
+    assert T >= len(encode(lm, PROMPT)) + 2  # the prompt and the new tokens
+    rows = 3 * 2 * V  # every path's step rows
+    # the run: one forward's logits over the sequence (the last call's are freed before the next), and step rows
+    assert T * V * 2 // 2 < seen.most[torch.bfloat16] <= T * V * 2 + rows * 2
+    assert T * V * 8 // 2 < seen.most[torch.float64] <= T * V * 8 + rows * 8  # the float64 path decodes the same way
+    shape = model_shape("tiny:llama")
+    assert plan.activations == decoding(shape, T, rows, T * V * 8)
+    # one path's cache at a time, the float64 reference's after the run's: the larger of them
+    assert plan.cache == 2 * shape.layers * shape.kv_heads * shape.head_dim * T * 8
+    # the default paths (no float64 path): the float64 verdict replays a step with the last position's logits only
+    default = plan_workload("tiny:llama", "bfloat16", "cpu", "greedy", Workload(texts=(PROMPT,), new_tokens=2,
+                                                                                paths=DEFAULT_PATHS))
+    assert default.activations == decoding(shape, T, rows, V * 8)
+    # where the logits dominate (the same shape with Gemma 3's vocabulary): the run's one forward is what counts
+    big = dataclasses.replace(shape, vocab=GEMMA3_VOCAB)
+    V, rows = GEMMA3_VOCAB, 3 * 2 * GEMMA3_VOCAB
+    run = working_bytes(big, 2, T) + T * V * 2 + rows * 2
+    assert run > rows * (2 + 8) + 5 * 2 * V * 8
+    assert memory.activation_bytes(big, "bfloat16", T, 1, "greedy", True, steps=2, reference_decodes=False,
+                                   runs=3) == run
+    assert memory.activation_bytes(big, "bfloat16", T, 1, "greedy", True, steps=2, reference_decodes=True, runs=3) \
+        == rows * (2 + 8) + working_bytes(big, 8, T) + T * V * 8 + memory.head_slice_bytes(big, T) > run
+
+
+def decoding(shape, T, rows, reference_logits, steps=2):
+    """A bfloat16 decoding run's phases: decoding (one forward's logits beside the step rows), comparing (the rows in
+    both dtypes, one comparison's temporaries), the float64 reference beside the rows."""
+    V = shape.vocab
+    return max(working_bytes(shape, 2, T) + T * V * 2 + rows * 2, rows * (2 + 8) + 5 * steps * V * 8,
+               rows * (2 + 8) + working_bytes(shape, 8, T) + reference_logits)
+
+
+def test_reuse_holds_one_forwards_logits_and_the_plan_counts_that(monkeypatch, lm):
+    from kvviz.views.reuse.run import run_reuse
+
+    half = len(PROMPT) // 2
+    seen = LiveLogits(monkeypatch)
+    run_reuse(lm, PROMPT[:half], [PROMPT[half:]], 2, prove=False)
+    plan = plan_workload("tiny:llama", "bfloat16", "cpu", "reuse",
+                         Workload(texts=(PROMPT[:half],), continuations=(PROMPT[half:],), new_tokens=2))
+    T, V = plan.tokens, lm.model.config.vocab_size
+    assert T >= len(encode(lm, PROMPT)) + 2  # prefix, continuation, new tokens
+    rows = 3 * 2 * V  # each way's step rows
+    # the prefix's logits are not kept beside the fresh prefill of prefix + continuation
+    assert T * V * 2 // 2 < seen.most[torch.bfloat16] <= T * V * 2 + rows * 2
+    assert T * V * 8 // 2 < seen.most[torch.float64] <= T * V * 8 + rows * 8
+    shape = model_shape("tiny:llama")
+    assert plan.activations == decoding(shape, T, rows, T * V * 8)
+    # the prefix's cache, the shared one and a continuation's, the float64 rerun's after the run's
+    assert plan.cache == 3 * 2 * shape.layers * shape.kv_heads * shape.head_dim * T * 8
+
+
+def test_padding_grid_plan_counts_the_batch_it_builds(monkeypatch, lm):
+    from kvviz.views.padding.run import companion_ids, run_padding
+
+    split, pad = 220, 2
+    seen = LiveLogits(monkeypatch)
+    res = run_padding(lm, PROMPT, split, pad, prove=False)
+    ids = encode(lm, PROMPT)
+    W = max(len(c) for c in companion_ids(lm, ids, None, pad))  # the batch's width: its longest row
+    B, V, n = 3, lm.model.config.vocab_size, len(ids) - split
+    assert n == len(res.compared) == 6 and W > len(ids) + pad
+    # the run's dtype: the whole batch's logits, the reference's full forward freed (its compared rows copied)
+    assert seen.most[torch.bfloat16] == B * W * V * 2
+    # float64: only the compared positions' logits, for the reference and every scenario
+    assert seen.most[torch.float64] == B * n * V * 8
+    plan = plan_workload("tiny:llama", "bfloat16", "cpu", "padding",
+                         Workload(texts=(PROMPT,), left_pad=pad, split=split))
+    assert (plan.tokens, plan.batch) == (W, B)
+    shape = model_shape("tiny:llama")
+    hid = n * (shape.layers + 1) * shape.hidden  # the reference's compared hidden rows, every layer
+
+    def grid(w, rows, V):  # the prompt alone, then a batch's scenario beside the reference's rows, then a cell
+        return max(working_bytes(shape, w, W) + rows * V * w, rows * V * w + n * V * w,
+                   n * V * w + hid * w + max(working_bytes(shape, w, W, B) + B * rows * V * w,
+                                             B * rows * V * w + n * V * w),
+                   2 * n * V * w + (2 if w == 8 else 3) * n * V * 8)
+
+    run, ref = grid(2, W, V), grid(8, n, V)  # float64: the compared positions' logits only
+    assert plan.activations == max(run, ref)
+    assert memory.head_slice_bytes(shape, W) == 0  # a tiny head is applied whole
+    # where the logits dominate (Gemma 3's vocabulary): the run's batch of full rows, float64's compared rows
+    big = dataclasses.replace(shape, vocab=GEMMA3_VOCAB)
+    V = GEMMA3_VOCAB
+    run = n * V * 2 + hid * 2 + working_bytes(big, 2, W, B) + B * W * V * 2
+    ref = n * V * 8 + hid * 8 + max(working_bytes(big, 8, W, B) + B * n * V * 8 + memory.head_slice_bytes(big, B * n),
+                                    B * n * V * 8 + n * V * 8)
+    assert ref < run == memory.activation_bytes(big, "bfloat16", W, B, "padding", True, n)
+    assert memory.activation_bytes(big, "float64", W, B, "padding", False, n) == ref
+
+
+def test_a_float64_card_plans_its_token_by_token_reference_not_every_positions_logits():
+    """The cache-safety card runs everything on the float64 reference: in float64 that is the model itself, so its
+    plan is the reference's (logits a chunk of rows at a time), as in any other dtype - not a full forward's logits
+    over every position, twice."""
+    shape = dataclasses.replace(model_shape("tiny:llama"), vocab=GEMMA3_VOCAB)
+    T = 1028
+    f64 = memory.activation_bytes(shape, "float64", T, 1, "check", False)
+    assert f64 == memory.activation_bytes(shape, "bfloat16", T, 1, "check", True)
+    assert f64 < T * GEMMA3_VOCAB * 8  # less than one forward's logits over every position

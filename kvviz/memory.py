@@ -9,7 +9,8 @@ safetensors headers, or the GGUF header; nothing is loaded) and estimates, in by
 * activations one forward's working set and the hidden states / logits a view keeps while it compares them;
 * cache       the KV cache of the longest sequence (the run's dtype and float64);
 * kept        the results the view holds (per-layer, per-position metrics);
-* runtime     the Python/torch process itself on the CPU; on CUDA the cuBLAS/cuBLASLt workspaces torch takes from
+* runtime     the Python/torch process itself on the CPU (measured when this module is imported, plus what a run
+              adds to it: `process_runtime_bytes`); on CUDA the cuBLAS/cuBLASLt workspaces torch takes from
               its caching allocator (counted in `max_memory_allocated`).
 
 against what is free: CUDA `torch.cuda.mem_get_info`; CPU: MemAvailable, lowered by a cgroup memory limit and by
@@ -31,7 +32,13 @@ from .errors import KvvizError
 
 GB = 1024 ** 3
 TWIN_MAX_BYTES = int(1.5 * GB)  # a full float64 twin up to this size is kept when memory allows (it runs faster)
-RUNTIME_BYTES = int(0.8 * GB)  # python + torch + transformers, resident, on the CPU
+# The process itself on the CPU: what it held when this module was imported (python, torch and whatever came with
+# them - a CUDA build of torch maps ~0.4 GB of libraries more than the CPU wheel, a server its framework), measured,
+# plus what a run adds besides the model's own parts (transformers' model code, the tokenizer library, the
+# allocator's arenas and thread pools): about 0.2 GB for a tiny model on this process, allowed 0.5 GiB, since the
+# larger runs' allocator and page-cache slack scale with them. RUNTIME_BYTES where the process's size cannot be read.
+RUNTIME_BYTES = int(0.8 * GB)
+RUNTIME_GROWTH = int(0.5 * GB)
 # cuBLAS and cuBLASLt workspaces on a GPU (32 MiB each on Hopper), allocated through torch's caching allocator: a
 # tiny model split on an H100 peaked at 0.05 GiB of `max_memory_allocated` against a plan of 5 MiB without them
 CUDA_RUNTIME_BYTES = 64 * 1024 ** 2
@@ -276,6 +283,15 @@ def _status_bytes(field: str) -> int | None:
     except OSError:
         pass
     return None
+
+
+_PROCESS_AT_IMPORT = _status_bytes("VmRSS")
+
+
+def process_runtime_bytes() -> int:
+    """The plan's runtime part on the CPU: this process as it was when kvviz.memory was imported, plus what a run
+    adds to it besides the model (RUNTIME_GROWTH); RUNTIME_BYTES where /proc/self/status cannot be read."""
+    return RUNTIME_BYTES if _PROCESS_AT_IMPORT is None else _PROCESS_AT_IMPORT + RUNTIME_GROWTH
 
 
 def _peak_rss() -> int:
@@ -636,7 +652,8 @@ def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, vie
 
     dt = dtype_name(parse_dtype(dtype))
     notes = []
-    runtime = RUNTIME_BYTES if device.startswith("cpu") else CUDA_RUNTIME_BYTES if device.startswith("cuda") else 0
+    runtime = (process_runtime_bytes() if device.startswith("cpu") else CUDA_RUNTIME_BYTES if device.startswith("cuda")
+               else 0)
     if shape is not None and device.startswith("cpu"):
         runtime += shape.tokenizer_bytes
     if shape is None:

@@ -22,6 +22,13 @@ os.environ["HF_HUB_CACHE"] = str(_CACHE / "hf-hub")
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Under pytest-xdist (`make test` runs `-n 2`), the cores are shared: each worker gets its share of torch's threads,
+# so two workers do not each start a pool as wide as the machine (oversubscribed, both run slower).
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 PROMPT = "Hello world, caching is fun! 123"
 # The device library tests run on: cpu by default (CI); `make gpu-check` sets KVVIZ_TEST_DEVICE=auto on a GPU machine.
 DEVICE = os.environ.get("KVVIZ_TEST_DEVICE", "cpu")

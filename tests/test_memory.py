@@ -224,6 +224,31 @@ def test_plan_bounds_the_measured_peak_on_tiny_models(argv, kvviz_cache):
     assert plan["over_plan"] is None and "over its plan" not in r.stderr  # a right plan: nothing said
 
 
+def test_a_bigger_process_is_planned_bigger(kvviz_cache):
+    """The runtime part is this process as measured, not a constant: a process that holds 0.4 GB more before kvviz
+    is imported (what a CUDA build of torch maps on a CPU run: a tiny greedy run in CI peaked at 0.92 GB over a
+    fixed 0.86 GB plan) is planned 0.4 GB bigger, and its plan still bounds its peak."""
+    import os
+
+    argv = ["greedy", "--model", "tiny:llama", "--prompt", "Hello world", "--max-new-tokens", "4", "--dtype",
+            "bfloat16", "--json", "--quiet"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]))
+    plans = []
+    for ballast in (0, 400):
+        code = (f"ballast = b'x' * ({ballast} << 20)\nimport sys, runpy\nsys.argv = ['kvviz'] + {argv!r}\n"
+                "runpy.run_module('kvviz', run_name='__main__')")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env,
+                           timeout=600)
+        assert r.returncode == 0, r.stderr[-800:]
+        plans.append(json.loads(r.stdout)["memory_plan"])
+    small, big = plans
+    assert big["measured_peak"] - small["measured_peak"] > 350 * 1024 ** 2  # the ballast is resident
+    assert big["runtime"] - small["runtime"] > 350 * 1024 ** 2
+    for plan in plans:
+        assert plan["total"] >= plan["measured_peak"] and plan["over_plan"] is None, plan
+
+
 @pytest.mark.parametrize("free, runs", ((1024 ** 2, False), (None, True)))
 def test_a_split_runs_its_bisector_only_where_it_fits_beside_the_model(monkeypatch, free, runs):
     """The bisector a split runs after a failed proof is not in the split's plan: it runs only where its own

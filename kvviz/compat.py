@@ -8,7 +8,8 @@ Entries:
 - the cache keyword: `cache` (transformers >= 5.24) - `past_key_values` / `cache_params` before; outputs carry the
   cache as `.cache` (>= 5.24) or `.past_key_values` / `.cache_params`;
 - output capturing: the running forward's collector of recorded hidden states
-  (`transformers.utils.output_capturing._active_collector`);
+  (`transformers.utils.output_capturing._active_collector`) and its hooks, installed before kvviz's own
+  (`_CAN_RECORD_REGISTRY`, `maybe_install_capturing_hooks`);
 - GGUF/checkpoint conversion mapping (`transformers.conversion_mapping`, `transformers.core_model_loading`);
 - continuous batching: the manager's generation loop and its batch processor factory;
 - cache layer state: the fields a cache layer holds its keys/values in (`keys`, `values`, `is_initialized`).
@@ -16,6 +17,7 @@ Entries:
 from __future__ import annotations
 
 import inspect
+import os
 import warnings
 
 import torch
@@ -182,6 +184,36 @@ def _output_collector():
 
 
 OUTPUT_COLLECTOR = _output_collector()
+
+
+def install_output_recorder(model) -> None:
+    """Install transformers' output-recording hooks on `model` now. transformers installs them lazily, in the first
+    forward that records hidden states; a hook kvviz attached before that forward would then run before the
+    recorder's on every layer (torch runs hooks in the order registered) and find the record one layer short (that
+    first forward keeps one layer output more alive). Idempotent; nothing where this transformers has no recorder."""
+    try:
+        from transformers.utils import output_capturing
+    except ImportError:
+        return
+    install = getattr(output_capturing, "maybe_install_capturing_hooks", None)
+    if install is None:
+        return
+    for module in model.modules():  # outermost first, as the forwards run: an outer record installs its inner ones
+        if _records_outputs(module, os.path.basename(output_capturing.__file__)):
+            install(module)
+
+
+def _records_outputs(module, source: str) -> bool:
+    """Whether the module's forward is wrapped by transformers' `capture_outputs` (the forwards that install the
+    recorder: installing it from any other module, e.g. a ForCausalLM whose class also declares what it can record,
+    would hook every layer a second time)."""
+    f = getattr(type(module), "forward", None)
+    while f is not None:
+        code = getattr(f, "__code__", None)
+        if code is not None and os.path.basename(code.co_filename) == source:
+            return True
+        f = getattr(f, "__wrapped__", None)
+    return False
 
 
 # ------------------------------------------------------------------------------------------------------------------

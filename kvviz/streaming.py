@@ -31,6 +31,7 @@ import torch
 from .errors import KvvizError
 
 from .compat import OUTPUT_COLLECTOR as _COLLECTOR  # None where this transformers has none: reduced after the forward
+from .compat import install_output_recorder
 
 Sink = Callable[[int, torch.Tensor], None]  # (index in hidden_states, the tensor [B, T, H])
 
@@ -81,6 +82,8 @@ def hidden_hooks(model, sink: Sink, hooks: bool = True) -> Iterator[_Stream]:
     handles = []
     try:
         layers = decoder_layers(model) if hooks and _COLLECTOR is not None else None
+        if layers:
+            install_output_recorder(model)  # the recorder's hooks first: each layer records, then the stream drains
         for layer in layers or ():
             handles.append(layer.register_forward_hook(stream.hook))
         yield stream

@@ -288,3 +288,35 @@ def test_a_failure_in_the_engine_thread_reaches_the_caller_as_one_line(monkeypat
         TransformersEngine().run(lm, [Request("a", [5, 6, 7, 8], 2)], max_in_flight=1, prefix_sharing=False)
     msg = str(err.value)
     assert "\n" not in msg and f"transformers {V}" in msg and "TypeError" in msg, msg
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Output capturing: the recorder's hooks are installed before kvviz's stream hooks, once
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt2", "gpt_neox"])
+@pytest.mark.parametrize("first", ["install", "forward"])
+def test_the_output_recorder_installs_once_before_the_streams_hooks(arch, first):
+    """compat.install_output_recorder installs transformers' hidden-state recorder on the module whose forward
+    records (capture_outputs), as that forward does lazily: one recorder hook a decoder layer, whether kvviz or a
+    forward recording hidden states comes first (installed from another module, e.g. the ForCausalLM that also
+    declares what it can record, every layer got a second recorder after a forward had installed one)."""
+    from kvviz.loading import clear_cache
+    from kvviz.streaming import decoder_layers
+
+    clear_cache()
+    lm = kvviz.load_model(f"tiny:{arch}", "float32", DEVICE)
+    layers = decoder_layers(lm.model)
+    before = [len(layer._forward_hooks) for layer in layers]
+    steps = [lambda: compat.install_output_recorder(lm.model),
+             lambda: Executor(lm).forward(torch.tensor([[1, 2, 3]]), hidden=True)]
+    for step in steps if first == "install" else steps[::-1]:
+        step()
+        if first == "install" and compat.OUTPUT_COLLECTOR is not None:
+            assert [len(layer._forward_hooks) - b for layer, b in zip(layers, before)] == [1] * len(layers), \
+                moved(f"{type(lm.model).__name__}: the output recorder's hooks (capture_outputs, "
+                      "maybe_install_capturing_hooks) were not installed once a layer")
+    compat.install_output_recorder(lm.model)
+    want = [b + (compat.OUTPUT_COLLECTOR is not None) for b in before]
+    assert [len(layer._forward_hooks) for layer in layers] == want, \
+        moved("the output recorder's hooks were installed twice (by kvviz and by a forward recording hidden states)")

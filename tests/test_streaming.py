@@ -267,6 +267,27 @@ def test_no_cache_decode_never_holds_every_layer():
     assert peak <= 2 < n_layers
 
 
+def test_a_fresh_models_first_forward_holds_two_layers_too():
+    """transformers installs its hidden-state recorder's hooks in a model's first forward that records them; the
+    stream's hooks are attached before that forward, so without installing the recorder's first
+    (compat.install_output_recorder) they ran before it and the first forward kept a third layer output alive
+    (which test ran first in a worker decided whether the test above saw a fresh model)."""
+    from kvviz.loading import clear_cache
+
+    clear_cache()
+    m = lm("llama")
+    assert not any(getattr(mod, "_output_capturing_hooks_installed", False) for mod in m.model.modules())  # fresh
+    inp = build_inputs(m, PROMPT, extra_tokens=4)
+
+    def run():
+        ex = Executor(m, max_len=inp.total + 4)
+        with ex.session():
+            ex.decode(inp.ids, inp.mask, 4, policy="no_cache", positions=inp.positions)
+
+    peak, n_layers = _live_layer_outputs(m, run)
+    assert peak <= 2 < n_layers
+
+
 def test_greedy_fast_preview_rows_equal_all_at_once():
     """The fast no-cache preview's teacher-forced forward keeps only the steps' rows of each layer: they are the
     rows of the same forward returning every hidden state."""

@@ -34,9 +34,10 @@ GB = 1024 ** 3
 TWIN_MAX_BYTES = int(1.5 * GB)  # a full float64 twin up to this size is kept when memory allows (it runs faster)
 # The process itself on the CPU: what it held when this module was imported (python, torch and whatever came with
 # them - a CUDA build of torch maps ~0.4 GB of libraries more than the CPU wheel, a server its framework), measured,
-# plus what a run adds besides the model's own parts (transformers' model code, the tokenizer library, the
-# allocator's arenas and thread pools): about 0.2 GB for a tiny model on this process, allowed 0.5 GiB, since the
-# larger runs' allocator and page-cache slack scale with them. RUNTIME_BYTES where the process's size cannot be read.
+# plus what a run adds besides the parts the plan models (transformers' model code, the tokenizer library, the
+# allocator's arenas and thread pools, what the allocator keeps of freed tensors): 0.18 GB on a tiny model and on
+# the random-weight Gemma 3 270M shape, up to 0.45 GB on the real Gemma 3 GGUF's split (docs/benchmarks.md), allowed
+# 0.5 GiB. RUNTIME_BYTES where the process's size cannot be read.
 RUNTIME_BYTES = int(0.8 * GB)
 RUNTIME_GROWTH = int(0.5 * GB)
 # cuBLAS and cuBLASLt workspaces on a GPU (32 MiB each on Hopper), allocated through torch's caching allocator: a

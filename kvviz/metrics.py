@@ -37,6 +37,21 @@ def hidden_divergence(ref: torch.Tensor, got: torch.Tensor, eps: float) -> dict[
 LOGITS_CHUNK_BYTES = 64 * 1024 ** 2  # float64 working set of one chunk of positions in logits_divergence
 
 
+def max_abs_gap(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
+    """(max |got - ref|, max |ref|) in float64 over two tensors of one shape, in chunks of LOGITS_CHUNK_BYTES of
+    float64 (a module's output over a 262k vocabulary is not upcast whole, twice). The same maxima as upcasting
+    whole: each element's difference is computed the same way."""
+    a, b = ref.reshape(-1), got.reshape(-1)
+    step = max(1, LOGITS_CHUNK_BYTES // 8)
+    gap = size = 0.0
+    for i in range(0, a.numel(), step):
+        x = a[i:i + step].double()
+        gap = max(gap, float((b[i:i + step].double() - x).abs_().max()))
+        size = max(size, float(x.abs_().max()))
+        del x
+    return gap, size
+
+
 def logits_rows(logits: torch.Tensor) -> int:
     """Positions per chunk when logits [positions, vocab] are reduced in float64 (LOGITS_CHUNK_BYTES a chunk)."""
     return max(1, LOGITS_CHUNK_BYTES // (8 * max(1, logits.shape[-1])))

@@ -20,6 +20,7 @@ from ...errors import KvvizError
 from ...execution import DEFAULT_SETTINGS, ExecSettings, Executor, Settings, has_cache
 from ...inputs import build_inputs
 from ...loading import LoadedModel
+from ...metrics import max_abs_gap
 from ...naming import module_label
 from ...verdict import Finding
 from ..split.run import SplitConfig, cached_mask, check_split, takes_logits_to_keep
@@ -177,9 +178,8 @@ class _Recorder:
                 e["ok"] = False
                 return
             got = t.detach()
-            e["max_abs"] = max(e["max_abs"], float((got.double() - part.double()).abs().max()) if got.numel()
-                               else 0.0)
-            e["ref_max"] = max(e["ref_max"], float(part.double().abs().max()) if part.numel() else 0.0)
+            gap, size = max_abs_gap(part, got)  # in float64 chunks: the head's output is rows × vocabulary
+            e["max_abs"], e["ref_max"] = max(e["max_abs"], gap), max(e["ref_max"], size)
             e["off"] += got.shape[want[0]]
             wx = self.ref.inputs.get(name)
             xpart = _part(wx, x, e["in_off"]) if wx is not None and x is not None else None
@@ -225,10 +225,8 @@ def _seq_slice(t: torch.Tensor, total: int, start: int, n: int) -> torch.Tensor 
 
 
 def _gap(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
-    d = (a.double() - b.double()).abs()
-    ref = a.double().abs().max().clamp_min(torch.finfo(torch.float64).tiny)
-    mx = float(d.max()) if d.numel() else 0.0
-    return mx, mx / float(ref)
+    mx, ref = max_abs_gap(a, b)
+    return mx, mx / max(ref, torch.finfo(torch.float64).tiny)
 
 
 def run_bisect(lm: LoadedModel, cfg: SplitConfig, settings: ExecSettings | None = None,

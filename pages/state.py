@@ -2,7 +2,11 @@
 Reset to defaults, and controls with one source of truth (linked slider and box)."""
 from __future__ import annotations
 
+import ast
+import functools
 import json
+import re
+from pathlib import Path
 
 import streamlit as st
 
@@ -43,6 +47,49 @@ def _persistable(key: str) -> bool:
         and not key.startswith(("dl_", "_"))
 
 
+# What a control holds, by the widget that draws it. A link's value of another kind (split_pad="abc", presenter="x",
+# split_prompt=42) would make Streamlit raise when the page draws the widget; it is refused like unreadable JSON.
+# selectbox and radio are not listed: Streamlit itself puts a value outside their options back to the default.
+_KIND_OF_WIDGET = {"number_input": "number", "slider": "number", "text_area": "text", "text_input": "text",
+                   "toggle": "bool", "checkbox": "bool", "multiselect": "list"}
+_FITS = {"number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+         "text": lambda v: isinstance(v, str), "bool": lambda v: isinstance(v, bool),
+         "list": lambda v: isinstance(v, list)}
+
+
+def _key_pattern(node: ast.expr) -> str | None:
+    """A widget's key= as a regular expression: a literal as is, an f-string's fields as `.+`; None otherwise."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return re.escape(node.value)
+    if isinstance(node, ast.JoinedStr):
+        return "".join(re.escape(part.value) if isinstance(part, ast.Constant) else ".+" for part in node.values)
+    return None
+
+
+@functools.cache
+def control_kinds() -> tuple[tuple[re.Pattern, str], ...]:
+    """(key pattern, kind) of every widget in app.py and pages/*.py whose value has one kind: read off the calls in
+    the code, so a new control is covered without a list to keep."""
+    root = Path(__file__).resolve().parents[1]
+    found = []
+    for path in [root / "app.py", *sorted((root / "pages").glob("*.py"))]:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Call):
+                continue
+            name = getattr(node.func, "attr", getattr(node.func, "id", None))
+            kind = _KIND_OF_WIDGET.get(name)
+            key = next((_key_pattern(k.value) for k in node.keywords if k.arg == "key"), None)
+            if kind and key:
+                found.append((re.compile(key), kind))
+    return tuple(found)
+
+
+def fits_control(key: str, value) -> bool:
+    """Whether `value` is of the kind the control `key` holds (a key no widget names: any JSON value)."""
+    kinds = {kind for pattern, kind in control_kinds() if pattern.fullmatch(key)}
+    return not kinds or any(_FITS[kind](value) for kind in kinds)
+
+
 def remember() -> None:
     """Called by app.py at the start of every run: stash the controls' current values (and read a link's once)."""
     ss = st.session_state
@@ -55,8 +102,13 @@ def remember() -> None:
             if not _persistable(k) or k == "trust_remote_code":  # a link never turns remote code on
                 continue
             try:
-                stash[k] = json.loads(v)
+                value = json.loads(v)
             except (json.JSONDecodeError, TypeError):
+                bad.append(k)
+                continue
+            if fits_control(k, value):
+                stash[k] = value
+            else:
                 bad.append(k)
         for k in SIDEBAR_KEYS:
             if k in stash and k not in ss:

@@ -13,7 +13,8 @@ import streamlit as st
 from kvviz import views as _views
 
 SIDEBAR_DEFAULTS = {"model_preset": "default", "model_other": "", "dtype": "float32", "device": "auto",
-                    "attn": "auto", "trust_remote_code": False, "invariant": False, "presenter": False}
+                    "attn": "auto", "trust_remote_code": False, "invariant": False, "presenter": False,
+                    "devices": "one device", "max_memory": ""}
 
 
 # Page controls persist across page switches and live in the URL. Streamlit forgets the state of widgets that a run
@@ -114,7 +115,7 @@ def remember() -> None:
             if k in stash and k not in ss:
                 ss[k] = stash[k]
         if bad:
-            ss["_url_note"] = f"Some settings in the link could not be read and use their defaults: {', '.join(bad)}"
+            link_defaults_note(bad)
     for k in list(ss.keys()):
         if _persistable(k):
             try:
@@ -122,6 +123,27 @@ def remember() -> None:
             except TypeError:
                 continue
             stash[k] = ss[k]
+
+
+def link_defaults_note(keys: list[str]) -> None:
+    """The one line the page shows above its controls: these settings of the link use their defaults."""
+    ss = st.session_state
+    named = ss.pop("_url_note_keys", [])
+    named += [k for k in keys if k not in named]
+    ss["_url_note_keys"] = named
+    ss["_url_note"] = f"Some settings in the link could not be read and use their defaults: {', '.join(named)}"
+
+
+def fall_back_outside(choices: dict[str, list]) -> None:
+    """A sidebar choice (from a link) that is not among its options goes back to its default, and the note says so;
+    left to the widget, Streamlit would show its first option instead (dtype float8 became float64)."""
+    ss = st.session_state
+    odd = [k for k, options in choices.items() if k in ss and ss[k] not in options]
+    for k in odd:
+        ss[k] = SIDEBAR_DEFAULTS[k]
+        ss.setdefault("_stash", {})[k] = SIDEBAR_DEFAULTS[k]
+    if odd:
+        link_defaults_note(odd)
 
 
 def restore(prefix: str) -> None:

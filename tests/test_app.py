@@ -388,6 +388,21 @@ def test_a_link_value_of_the_wrong_kind_falls_back_instead_of_raising():
     assert "greedy_n" in alerts(at) and "greedy_fast" in alerts(at) and len(at.get("plotly_chart")) == 2
 
 
+def test_a_link_sidebar_choice_outside_its_options_gets_the_default_and_says_so():
+    # left to the selectbox, dtype=float8 became its first option (float64) without a word
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
+    at.query_params.update({"model_preset": '"tiny:gpt2"', "dtype": '"float8"', "device": '"tpu"',
+                            "attn": '"magic"', "devices": '"many"'})
+    at.run()
+    at.switch_page("pages/split.py").run()
+    assert not at.exception, at.exception
+    assert at.selectbox(key="dtype").value == "float32" and at.selectbox(key="attn").value == "auto"
+    assert at.selectbox(key="device").value == "auto" and at.selectbox(key="devices").value == "one device"
+    text = alerts(at)
+    assert "could not be read" in text and all(k in text for k in ("dtype", "device", "attn", "devices"))
+    assert "float32" in text and len(at.get("plotly_chart")) == 2  # the run is float32
+
+
 def test_every_typed_control_has_a_kind_for_links():
     from pages.state import fits_control
 

@@ -196,3 +196,26 @@ def test_bad_upload_in_the_dtypes_page():
     for data, words in ((b"\xff\xfe\xfa", "not UTF-8"), (b"", "no prompts")):
         with pytest.raises(KvvizError, match=words):
             parse_prompts(data, "upload.txt")
+
+
+def test_a_cache_longer_than_the_context_is_one_line(tmp_path, capsys):
+    # saving the cache of a prompt past the model's position table indexed out of range (IndexError)
+    from kvviz.views.cache.run import save_cache_bytes
+
+    lm = kvviz.load_model("tiny:gpt2", "float32", DEVICE)
+    with pytest.raises(KvvizError, match="longer than the model's context"):
+        save_cache_bytes(lm, "word " * 600)
+    code = main(["cache", "save", "--model", "tiny:gpt2", "--prompt", "word " * 600, "--out",
+                 str(tmp_path / "c.safetensors")])
+    err = capsys.readouterr().err
+    assert code == 1 and "longer than the model's context" in err and "Traceback" not in err
+
+
+@pytest.mark.app
+def test_a_cache_longer_than_the_context_in_the_app():
+    at = app("pages/cache.py")
+    at.text_area(key="cache_prompt").input("word " * 600).run()
+    assert not at.exception and "longer than the model's context" in messages(at)
+    assert "Unexpected" not in messages(at)
+    at.text_area(key="cache_prompt").input("The capital of France is").run()
+    assert not at.exception and not at.error and "Download the cache" in at.get("download_button")[0].proto.label

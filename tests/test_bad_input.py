@@ -273,3 +273,20 @@ def test_a_damaged_result_in_open_a_result_is_one_line_and_the_page_keeps_workin
             assert len(at.get("plotly_chart")) == 0 and not any("result of" in c.value for c in at.caption), name
         else:
             assert not at.error and len(at.get("plotly_chart")) >= 1
+
+
+def test_flex_attention_in_float64_on_the_cpu_is_one_line(capsys):
+    # torch's FlexAttention has no float64 CPU kernel: the float64 reference failed deep in inductor (a traceback
+    # in the CLI, "Unexpected error (InductorError)" on the page)
+    if str(DEVICE) != "cpu":
+        pytest.skip("a CPU limit of torch's FlexAttention")
+    with pytest.raises(KvvizError, match="flex_attention has no float64 kernel"):
+        kvviz.load_model("tiny:llama", "float64", DEVICE, "flex_attention")
+    lm = kvviz.load_model("tiny:llama", "float32", DEVICE, "eager")
+    from kvviz.reference import reference_model
+
+    class Flex:  # the float32 model as loaded with flex_attention: its reference is refused before any run
+        dtype, device, attn_implementation = lm.dtype, lm.device, "flex_attention"
+
+    with pytest.raises(KvvizError, match="flex_attention has no float64 kernel"):
+        reference_model(Flex())

@@ -78,3 +78,12 @@ def exact_in(src: torch.dtype | None, dst: torch.dtype) -> bool:
     wider = {torch.float32: (torch.float16, torch.bfloat16), torch.float64: (torch.float32, torch.float16,
                                                                               torch.bfloat16)}
     return src in wider.get(dst, ())
+
+
+def check_attention_dtype(attn: str, dt: "torch.dtype", dev: "torch.device") -> None:
+    """Refuse in one line an attention implementation that has no kernel for this dtype on this device (torch's
+    FlexAttention compiles float32, float16 and bfloat16 only on the CPU)."""
+    if attn == "flex_attention" and dt == torch.float64 and dev.type == "cpu":
+        raise KvvizError("flex_attention has no float64 kernel on the CPU (torch's FlexAttention takes float32, "
+                         "float16 and bfloat16 there), and a verdict's reference runs the model in float64: pick "
+                         "sdpa or eager, or run on a GPU")

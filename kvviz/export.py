@@ -64,6 +64,8 @@ def open_result(data: "str | bytes") -> OpenedResult:
     if not isinstance(d, dict) or "kvviz_result" not in d:
         raise KvvizError("this JSON is not a kvviz result (no kvviz_result header)")
     head = d.pop("kvviz_result")
+    if not isinstance(head, dict):
+        raise KvvizError("this JSON is not a kvviz result (its kvviz_result header is not an object)")
     view = head.get("view")
     if head.get("format") != FORMAT:
         raise KvvizError(f"this result has format {head.get('format')!r}; this kvviz reads format {FORMAT}")

@@ -70,16 +70,22 @@ def encode(lm, prompt: str) -> list[int]:
     return [int(i) for i in ids]
 
 
-def build_inputs(lm, prompt: str, left_pad: int = 0, extra_tokens: int = 0) -> PromptInputs:
-    """Tokenize, left-pad with `left_pad` pad tokens, and check that pad + prompt (+ tokens to come) fits."""
-    if not isinstance(left_pad, int) or left_pad < 0:
-        raise KvvizError(f"left padding must be 0 or more, not {left_pad}")
-    ids = encode(lm, prompt)
+def check_context(lm, ids: list[int], left_pad: int = 0, extra_tokens: int = 0) -> None:
+    """Refuse in one line a prompt that, with its padding and the tokens to come, is longer than the model's
+    context (the model would index past its position table)."""
     total = left_pad + len(ids) + extra_tokens
     limit = lm.max_positions
     if limit is not None and total > limit:
         raise KvvizError(f"the prompt is {len(ids)} tokens (+{left_pad} padding, +{extra_tokens} to generate) = "
                          f"{total}, longer than the model's context of {limit} tokens")
+
+
+def build_inputs(lm, prompt: str, left_pad: int = 0, extra_tokens: int = 0) -> PromptInputs:
+    """Tokenize, left-pad with `left_pad` pad tokens, and check that pad + prompt (+ tokens to come) fits."""
+    if not isinstance(left_pad, int) or left_pad < 0:
+        raise KvvizError(f"left padding must be 0 or more, not {left_pad}")
+    ids = encode(lm, prompt)
+    check_context(lm, ids, left_pad, extra_tokens)
     pid = pad_token_id(lm.tokenizer)
     dev = lm.device
     full = torch.tensor([[pid] * left_pad + ids], dtype=torch.long, device=dev)

@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from .dtypes import dtype_name, float64_device, parse_dtype, resolve_device, supports_dtype
+from .dtypes import check_attention_dtype, dtype_name, float64_device, parse_dtype, resolve_device, supports_dtype
 from .errors import KvvizError
 from .float64 import keep_float64
 from .placement import ONE, Placement, check_placement, input_device, max_memory_for, parse_placement
@@ -495,6 +495,7 @@ def load_model(spec: "str | ModelSpec" = DEFAULT_SPEC, dtype="float32", device: 
     attn = (attn_implementation or "auto").strip()
     if attn not in ATTN_CHOICES:
         raise KvvizError(f"unknown attention implementation '{attn}'; choose one of {', '.join(ATTN_CHOICES)}")
+    check_attention_dtype(attn, dt, dev)
     place = parse_placement(placement, max_memory)
     check_placement(place, dev, dt)
     key = (ms.key, dtype_name(dt), str(dev), attn, bool(trust_remote_code), place.key)

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .dtypes import exact_in
+from .dtypes import check_attention_dtype, exact_in
 from .errors import KvvizError
 from .memory import REFERENCE_CHUNK_BYTES as CHUNK_BYTES
 from .float64 import keep64
@@ -80,6 +80,7 @@ def reference_model(lm, strategy: str | None = None):
     strategy: "auto" (default; $KVVIZ_REFERENCE overrides), "twin" or "streamed"."""
     if lm.dtype == torch.float64:
         return lm
+    check_attention_dtype(getattr(lm, "attn_implementation", ""), torch.float64, lm.device)
     strategy = (strategy or os.environ.get(ENV_STRATEGY) or "auto").strip().lower()
     if strategy not in STRATEGIES:
         raise KvvizError(f"unknown float64 reference strategy '{strategy}'; choose one of {', '.join(STRATEGIES)}")

@@ -15,8 +15,8 @@ import kvviz
 from kvviz.execution import ExecSettings
 from pages.devices import devices_control, placement_caption, placement_kwargs
 from pages.runner import progress_bar, show_error
-from pages.state import (PREFIX_OF_PAGE, SIDEBAR_DEFAULTS, copy_link, reset_to_defaults, restore, scenario_banner,
-                         sync_url)
+from pages.state import (PREFIX_OF_PAGE, SIDEBAR_DEFAULTS, copy_link, fall_back_outside, reset_to_defaults, restore,
+                         scenario_banner, sync_url)
 
 PRESETS = ["default"] + [f"tiny:{a}" for a in kvviz.TINY_MODELS] + ["other…"]
 
@@ -77,6 +77,10 @@ def sidebar() -> ModelChoice:
     ss = st.session_state
     for k, v in SIDEBAR_DEFAULTS.items():
         ss.setdefault(k, v)
+    from pages.devices import CHOICES as DEVICES_CHOICES
+
+    fall_back_outside({"model_preset": PRESETS, "dtype": kvviz.DTYPE_NAMES, "device": DEVICES,
+                       "attn": kvviz.ATTN_CHOICES, "devices": list(DEVICES_CHOICES)})
     with st.sidebar:
         st.header("Model")
         st.selectbox("Model", PRESETS, key="model_preset",
@@ -221,6 +225,7 @@ def page(title: str, caption: str, needs_model: bool = True):
     st.session_state["_top_slot"] = st.empty()  # progress and Stop go here, at the top, while a run works
     st.session_state["_msg_slot"] = st.empty()  # this run's load message; replaces the last run's at once
     if st.session_state.get("_url_note"):
+        st.session_state.pop("_url_note_keys", None)
         st.info(st.session_state.pop("_url_note"), icon="ℹ️")
     choice = st.session_state["model_choice"]
     if not needs_model:

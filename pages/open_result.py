@@ -2,6 +2,7 @@
 import streamlit as st
 
 from kvviz import views
+from kvviz.errors import KvvizError
 from kvviz.export import open_result
 from kvviz.plotting import plain_index
 from pages.common import page, show_verdict, verdict_style
@@ -39,20 +40,31 @@ except Exception as e:  # noqa: BLE001
     show_error(e)
     st.stop()
 res = opened.result
-settings = getattr(res, "settings", None)
-settings = settings if isinstance(settings, dict) else settings.to_dict() if settings is not None else res.to_dict()
+view = views.get(opened.view)  # the registry: the view's verdict line, charts and tables, as its page draws them
+try:  # everything drawn is built first: a damaged field is one line, never half a result above an exception
+    settings = getattr(res, "settings", None)
+    settings = settings if isinstance(settings, dict) else settings.to_dict() if settings is not None else res.to_dict()
+    verdict, text = view.verdict_text(res)
+    if not isinstance(verdict, str) or not isinstance(text, str):
+        raise TypeError("its verdict is not text")
+    style = None if view.verdict_is_html else verdict_style(verdict) or "info"
+    figures = list(view.main_figures(res))
+    tables = list(view.main_tables(res))
+except Exception as e:  # noqa: BLE001 - a file is input: any failure to draw it is one line
+    first = (str(e).strip().splitlines() or [""])[0][:120]
+    show_error(KvvizError(f"this {opened.view} result is incomplete or damaged: it cannot be drawn "
+                          f"({type(e).__name__}: {first})"))
+    st.stop()
 st.caption(f"A **{opened.view}** result of `{settings.get('model')}` in {settings.get('dtype', '—')} on "
            f"{settings.get('device', '—')}.")
 if opened.environment_differences:
     st.warning("Computed elsewhere — its numbers may not be reproduced bit for bit here: "
                + "; ".join(opened.environment_differences[:6]), icon="ℹ️")
-view = views.get(opened.view)  # the registry: the view's verdict line, charts and tables, as its page draws them
-verdict, text = view.verdict_text(res)
-if not view.verdict_is_html:  # (dtypes, padding, reuse: the verdict is their table, below)
-    show_verdict(verdict, text, style=verdict_style(verdict) or "info")
-for i, fig in enumerate(view.main_figures(res)):
+if style is not None:  # (dtypes, padding, reuse: the verdict is their table, below)
+    show_verdict(verdict, text, style=style)
+for i, fig in enumerate(figures):
     st.plotly_chart(fig, width="stretch", key=f"open_fig_{i}")
-for table in view.main_tables(res):
+for table in tables:
     st.dataframe(table, width="stretch", hide_index=plain_index(table))
 with st.expander("Settings"):
     st.json(settings)

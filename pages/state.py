@@ -2,14 +2,19 @@
 Reset to defaults, and controls with one source of truth (linked slider and box)."""
 from __future__ import annotations
 
+import ast
+import functools
 import json
+import re
+from pathlib import Path
 
 import streamlit as st
 
 from kvviz import views as _views
 
 SIDEBAR_DEFAULTS = {"model_preset": "default", "model_other": "", "dtype": "float32", "device": "auto",
-                    "attn": "auto", "trust_remote_code": False, "invariant": False, "presenter": False}
+                    "attn": "auto", "trust_remote_code": False, "invariant": False, "presenter": False,
+                    "devices": "one device", "max_memory": ""}
 
 
 # Page controls persist across page switches and live in the URL. Streamlit forgets the state of widgets that a run
@@ -43,6 +48,49 @@ def _persistable(key: str) -> bool:
         and not key.startswith(("dl_", "_"))
 
 
+# What a control holds, by the widget that draws it. A link's value of another kind (split_pad="abc", presenter="x",
+# split_prompt=42) would make Streamlit raise when the page draws the widget; it is refused like unreadable JSON.
+# selectbox and radio are not listed: Streamlit itself puts a value outside their options back to the default.
+_KIND_OF_WIDGET = {"number_input": "number", "slider": "number", "text_area": "text", "text_input": "text",
+                   "toggle": "bool", "checkbox": "bool", "multiselect": "list"}
+_FITS = {"number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+         "text": lambda v: isinstance(v, str), "bool": lambda v: isinstance(v, bool),
+         "list": lambda v: isinstance(v, list)}
+
+
+def _key_pattern(node: ast.expr) -> str | None:
+    """A widget's key= as a regular expression: a literal as is, an f-string's fields as `.+`; None otherwise."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return re.escape(node.value)
+    if isinstance(node, ast.JoinedStr):
+        return "".join(re.escape(part.value) if isinstance(part, ast.Constant) else ".+" for part in node.values)
+    return None
+
+
+@functools.cache
+def control_kinds() -> tuple[tuple[re.Pattern, str], ...]:
+    """(key pattern, kind) of every widget in app.py and pages/*.py whose value has one kind: read off the calls in
+    the code, so a new control is covered without a list to keep."""
+    root = Path(__file__).resolve().parents[1]
+    found = []
+    for path in [root / "app.py", *sorted((root / "pages").glob("*.py"))]:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Call):
+                continue
+            name = getattr(node.func, "attr", getattr(node.func, "id", None))
+            kind = _KIND_OF_WIDGET.get(name)
+            key = next((_key_pattern(k.value) for k in node.keywords if k.arg == "key"), None)
+            if kind and key:
+                found.append((re.compile(key), kind))
+    return tuple(found)
+
+
+def fits_control(key: str, value) -> bool:
+    """Whether `value` is of the kind the control `key` holds (a key no widget names: any JSON value)."""
+    kinds = {kind for pattern, kind in control_kinds() if pattern.fullmatch(key)}
+    return not kinds or any(_FITS[kind](value) for kind in kinds)
+
+
 def remember() -> None:
     """Called by app.py at the start of every run: stash the controls' current values (and read a link's once)."""
     ss = st.session_state
@@ -55,14 +103,19 @@ def remember() -> None:
             if not _persistable(k) or k == "trust_remote_code":  # a link never turns remote code on
                 continue
             try:
-                stash[k] = json.loads(v)
+                value = json.loads(v)
             except (json.JSONDecodeError, TypeError):
+                bad.append(k)
+                continue
+            if fits_control(k, value):
+                stash[k] = value
+            else:
                 bad.append(k)
         for k in SIDEBAR_KEYS:
             if k in stash and k not in ss:
                 ss[k] = stash[k]
         if bad:
-            ss["_url_note"] = f"Some settings in the link could not be read and use their defaults: {', '.join(bad)}"
+            link_defaults_note(bad)
     for k in list(ss.keys()):
         if _persistable(k):
             try:
@@ -70,6 +123,27 @@ def remember() -> None:
             except TypeError:
                 continue
             stash[k] = ss[k]
+
+
+def link_defaults_note(keys: list[str]) -> None:
+    """The one line the page shows above its controls: these settings of the link use their defaults."""
+    ss = st.session_state
+    named = ss.pop("_url_note_keys", [])
+    named += [k for k in keys if k not in named]
+    ss["_url_note_keys"] = named
+    ss["_url_note"] = f"Some settings in the link could not be read and use their defaults: {', '.join(named)}"
+
+
+def fall_back_outside(choices: dict[str, list]) -> None:
+    """A sidebar choice (from a link) that is not among its options goes back to its default, and the note says so;
+    left to the widget, Streamlit would show its first option instead (dtype float8 became float64)."""
+    ss = st.session_state
+    odd = [k for k, options in choices.items() if k in ss and ss[k] not in options]
+    for k in odd:
+        ss[k] = SIDEBAR_DEFAULTS[k]
+        ss.setdefault("_stash", {})[k] = SIDEBAR_DEFAULTS[k]
+    if odd:
+        link_defaults_note(odd)
 
 
 def restore(prefix: str) -> None:

@@ -196,3 +196,97 @@ def test_bad_upload_in_the_dtypes_page():
     for data, words in ((b"\xff\xfe\xfa", "not UTF-8"), (b"", "no prompts")):
         with pytest.raises(KvvizError, match=words):
             parse_prompts(data, "upload.txt")
+
+
+def test_a_cache_longer_than_the_context_is_one_line(tmp_path, capsys):
+    # saving the cache of a prompt past the model's position table indexed out of range (IndexError)
+    from kvviz.views.cache.run import save_cache_bytes
+
+    lm = kvviz.load_model("tiny:gpt2", "float32", DEVICE)
+    with pytest.raises(KvvizError, match="longer than the model's context"):
+        save_cache_bytes(lm, "word " * 600)
+    code = main(["cache", "save", "--model", "tiny:gpt2", "--prompt", "word " * 600, "--out",
+                 str(tmp_path / "c.safetensors")])
+    err = capsys.readouterr().err
+    assert code == 1 and "longer than the model's context" in err and "Traceback" not in err
+
+
+@pytest.mark.app
+def test_a_cache_longer_than_the_context_in_the_app():
+    at = app("pages/cache.py")
+    at.text_area(key="cache_prompt").input("word " * 600).run()
+    assert not at.exception and "longer than the model's context" in messages(at)
+    assert "Unexpected" not in messages(at)
+    at.text_area(key="cache_prompt").input("The capital of France is").run()
+    assert not at.exception and not at.error and "Download the cache" in at.get("download_button")[0].proto.label
+
+
+def _damaged_split_results() -> dict[str, tuple[bytes, str]]:
+    """A split result exported from a tiny run, damaged in ways a hand-edited or truncated file is: name -> (bytes,
+    the words of its one line)."""
+    import json
+
+    from kvviz.export import export_json
+
+    lm = kvviz.load_model("tiny:gpt2", "float32", DEVICE)
+    good = json.loads(export_json(kvviz.run_split(lm, kvviz.SplitConfig("Hello world again", 2), prove=False)))
+    header_text = {**good, "kvviz_result": "yes"}
+    wrong_kinds = {**good, "verdict": {"garbage": 1}, "tokens": {"garbage": 1}}
+    return {"good": (json.dumps(good).encode(), ""),
+            "header": (json.dumps(header_text).encode(), "its kvviz_result header is not an object"),
+            "fields": (json.dumps(wrong_kinds).encode(), "this split result is incomplete or damaged")}
+
+
+def test_a_damaged_result_header_is_one_line():
+    from kvviz.export import open_result
+
+    with pytest.raises(KvvizError, match="header is not an object"):
+        open_result(_damaged_split_results()["header"][0])
+
+
+@pytest.mark.app
+def test_a_damaged_result_in_open_a_result_is_one_line_and_the_page_keeps_working(monkeypatch):
+    # a header that is text raised AttributeError ("Unexpected error"); fields of another kind (a verdict that is
+    # an object) raised while the page drew them: Streamlit's exception box
+    import streamlit
+    from streamlit.testing.v1 import AppTest
+
+    files = _damaged_split_results()
+    current = {"data": files["header"][0]}
+
+    class Upload:
+        name = "kvviz-split.json"
+
+        def getvalue(self):
+            return current["data"]
+
+    monkeypatch.setattr(streamlit, "file_uploader", lambda *a, **k: Upload())
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
+    at.run()
+    at.switch_page("pages/open_result.py").run()
+    for name in ("header", "fields", "good"):
+        current["data"], words = files[name]
+        at.run()
+        assert not at.exception, (name, at.exception)
+        if words:
+            assert [e.value for e in at.error] and words in at.error[0].value and "Unexpected" not in messages(at)
+            assert len(at.get("plotly_chart")) == 0 and not any("result of" in c.value for c in at.caption), name
+        else:
+            assert not at.error and len(at.get("plotly_chart")) >= 1
+
+
+def test_flex_attention_in_float64_on_the_cpu_is_one_line(capsys):
+    # torch's FlexAttention has no float64 CPU kernel: the float64 reference failed deep in inductor (a traceback
+    # in the CLI, "Unexpected error (InductorError)" on the page)
+    if str(DEVICE) != "cpu":
+        pytest.skip("a CPU limit of torch's FlexAttention")
+    with pytest.raises(KvvizError, match="flex_attention has no float64 kernel"):
+        kvviz.load_model("tiny:llama", "float64", DEVICE, "flex_attention")
+    lm = kvviz.load_model("tiny:llama", "float32", DEVICE, "eager")
+    from kvviz.reference import reference_model
+
+    class Flex:  # the float32 model as loaded with flex_attention: its reference is refused before any run
+        dtype, device, attn_implementation = lm.dtype, lm.device, "flex_attention"
+
+    with pytest.raises(KvvizError, match="flex_attention has no float64 kernel"):
+        reference_model(Flex())

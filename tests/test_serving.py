@@ -151,7 +151,8 @@ def test_bad_config_one_line(no_engine_envs):
                      (ServeConfig(prompts=["a"], engine="vllm"), "vLLM is not installed here: .*make engines"),
                      (ServeConfig(prompts=["a"], engine="llama.cpp", conditions=("alone",)),
                       "llama.cpp is not installed here: .*make engines"),
-                     (ServeConfig(prompts=["a"], engine="llama.cpp"), "llama.cpp is not installed here")):
+                     (ServeConfig(prompts=["a"], engine="llama.cpp"), "llama.cpp is not installed here"),
+                     (ServeConfig(prompts=["a"], shared_prefix=" \n\t"), "the shared prefix is only whitespace")):
         with pytest.raises(KvvizError, match=msg):
             run_serving(lm, cfg)
 
@@ -169,6 +170,7 @@ def _cli(capsys, *args):
     (("--runs", "0"), "runs must be"),
     (("--conditions", "alone,hot"), "unknown condition 'hot'"),
     (("--prompt", "  "), "the prompt is empty"),
+    (("--prefix", "  "), "the shared prefix is only whitespace"),
 ])
 def test_cli_bad_input_one_line_nonzero(capsys, no_engine_envs, args, msg):
     code, out, err = _cli(capsys, "serving", "--model", "tiny:llama", "--quiet", *args)
@@ -222,6 +224,24 @@ def test_serving_page_runs_and_reopens(no_engine_envs):
     at.selectbox(key="serving_engine").set_value("vllm").run()
     assert not at.exception and any("vLLM is not installed" in e.value for e in at.info)
     assert at.number_input(key="serving_page").disabled  # vLLM's blocks are not kvviz's page size
+
+
+@pytest.mark.app
+def test_serving_page_whitespace_prefix_is_one_line_naming_the_prefix(no_engine_envs):
+    # it said "the prompt is empty" (the prefix alone went through the prompt check)
+    from streamlit.testing.v1 import AppTest
+
+    from conftest import ROOT
+
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
+    at.session_state["model_preset"] = "tiny:llama"
+    at.session_state["serving_prefix"] = "   \t "
+    at.run()
+    at.switch_page("pages/serving.py").run()
+    assert not at.exception, at.exception
+    assert [e.value for e in at.error] == [
+        "the shared prefix is only whitespace; leave it empty for no prefix, or give the text every prompt starts with"]
+    assert len(at.get("plotly_chart")) == 0
 
 
 @pytest.mark.app

@@ -21,7 +21,7 @@ from ...dtypes import dtype_name
 from ...errors import KvvizError
 from ...execution import Executor, cache_layers
 from ...fingerprint import fingerprint
-from ...inputs import encode
+from ...inputs import check_context, encode
 from ...loading import LoadedModel
 from ...streaming import HeldRows, LayerGaps
 
@@ -46,6 +46,7 @@ def save_cache(lm: LoadedModel, prompt: str, path: str | Path) -> dict:
     from safetensors.torch import save_file
 
     ids = encode(lm, prompt)
+    check_context(lm, ids)
     cache = prefill(lm, ids)
     tensors = {"token_ids": torch.tensor(ids, dtype=torch.long)}
     layers = []

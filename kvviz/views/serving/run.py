@@ -105,6 +105,9 @@ class ServeConfig:
                              "batching runs the model on one device)")
         if not isinstance(self.shared_prefix, str):
             raise KvvizError("the shared prefix must be text")
+        if self.shared_prefix and not self.shared_prefix.strip():
+            raise KvvizError("the shared prefix is only whitespace; leave it empty for no prefix, or give the text "
+                             "every prompt starts with")
 
 
 @dataclass(frozen=True)

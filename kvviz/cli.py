@@ -175,14 +175,19 @@ def main(argv: list[str] | None = None) -> int:
     except KvvizError as e:
         print(f"kvviz: error: {e}", file=sys.stderr)
         return 1
-    except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
-        if not is_out_of_memory(e):
-            raise
-        free_memory(e)
-        print(f"kvviz: error: {OUT_OF_MEMORY_HINT}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # output piped into `head`: not an error
         sys.stderr.close()
         return 0
+    except Exception as e:  # noqa: BLE001 - one line, as the app says it; the traceback on request
+        if is_out_of_memory(e):  # torch.OutOfMemoryError is a RuntimeError
+            free_memory(e)
+            print(f"kvviz: error: {OUT_OF_MEMORY_HINT}", file=sys.stderr)
+            return 1
+        if os.environ.get("KVVIZ_DEBUG"):
+            raise
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        print(f"kvviz: unexpected error ({type(e).__name__}): {first} - a bug in kvviz or in the model's own code; "
+              f"KVVIZ_DEBUG=1 shows the traceback", file=sys.stderr)
+        return 3

@@ -58,6 +58,33 @@ def test_bad_input_one_line_nonzero(capsys, args, msg):
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+def test_an_unexpected_error_is_one_line_and_its_traceback_on_request(capsys, monkeypatch):
+    """An error kvviz did not foresee (a bug, or a model's own code failing) is one line and exit 3, as the app
+    shows it; KVVIZ_DEBUG=1 lets the traceback through. An out-of-memory error keeps its own line (exit 1)."""
+    from kvviz import views
+
+    split = views.get("split")
+    real = split.cli_module()
+
+    def boom(args):
+        raise ValueError("a model's own code failed\nsecond line of its message")
+
+    monkeypatch.setattr(real, "command", boom)
+    monkeypatch.delenv("KVVIZ_DEBUG", raising=False)
+    argv = ["split", "--model", "tiny:llama", "--prompt", PROMPT, "--split", "3", "--quiet"]
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 3 and out == ""
+    assert err.strip().splitlines() == [
+        "kvviz: unexpected error (ValueError): a model's own code failed - a bug in kvviz or in the model's own "
+        "code; KVVIZ_DEBUG=1 shows the traceback"]
+    monkeypatch.setenv("KVVIZ_DEBUG", "1")
+    with pytest.raises(ValueError, match="own code failed"):
+        main(argv)
+    monkeypatch.setattr(real, "command", lambda args: (_ for _ in ()).throw(RuntimeError("CUDA out of memory.")))
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 1 and "out of memory; use a shorter prompt" in err and len(err.strip().splitlines()) == 1
+
+
 def test_bad_argument_types_exit_2():
     # through the real entry point: argparse errors are one line too
     p = subprocess.run([sys.executable, "-m", "kvviz", "split", "--model", "tiny:gpt2", "--prompt", "x",

@@ -598,13 +598,15 @@ def bisect_bytes(shape: ModelShape, width: int, tokens: int, compared: int, batc
     """The bisector (kvviz.views.bisect.run): one full forward's working set and logits over every position, plus
     what it records of the compared positions - the outputs and inputs of every module of a layer (norms,
     projections, attention, MLP parts), then, in its op trace, the output of every op (the same tensors and the
-    attention scores against every key), and the head's logits rows in both."""
+    attention scores against every key; at least float32: a 16-bit model computes its norms, softmaxes and rotary
+    embeddings in float32, and the trace records those outputs as they are), and the head's logits rows in both."""
     T, B, H, L, V, n = tokens, batch, shape.hidden, shape.layers, shape.vocab, compared
     q, kv, inter = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.intermediate
     modules = 2 * (10 * H + 2 * q + 2 * kv + 4 * inter)
     ops = 12 * H + 6 * inter + 3 * q + 3 * kv + 3 * shape.heads * T
     working = B * T * (3 * inter + 4 * H) * width + B * shape.heads * T * T * max(width, 4)
-    return int(working + B * T * V * width + B * n * (L * (modules + ops) + 2 * V + 8 * H) * width)
+    return int(working + B * T * V * width + B * n * (L * modules * width + L * ops * max(width, 4)
+                                                      + (2 * V + 8 * H) * width))
 
 
 def fits_beside(lm, view: str, tokens: int, compared: int | None = None) -> bool:

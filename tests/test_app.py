@@ -366,36 +366,34 @@ def test_a_link_opens_the_exact_view_and_bad_parameters_fall_back():
     assert "Verdict: logic" in text and "split_mask" in text and "could not be read" in text
 
 
+def _opened_link(page: str, params: dict):
+    """The app opened from a link with these query parameters (on a tiny model), on pages/<page>.py, run without
+    an exception."""
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
+    at.query_params.update({"model_preset": '"tiny:gpt2"', **params})
+    at.run()
+    at.switch_page(f"pages/{page}.py").run()
+    assert not at.exception, at.exception
+    return at
+
+
 def test_a_link_value_of_the_wrong_kind_falls_back_instead_of_raising():
     # readable JSON of another kind than the control holds: a number box given text, a text area a number, toggles
     # (page, A/B, sidebar) a string, a number box null; each would raise in the widget
-    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
     bad = {"split_pad": '"abc"', "split_prompt": "42", "split_log": '"yes"', "split_ab_on": '"x"',
            "presenter": '"x"', "invariant": '"x"'}
-    at.query_params.update({"model_preset": '"tiny:gpt2"', "split_mode": '"step"', **bad})
-    at.run()
-    at.switch_page("pages/split.py").run()
-    assert not at.exception, at.exception
+    at = _opened_link("split", {"split_mode": '"step"', **bad})
     text = alerts(at)
     assert "could not be read" in text and all(k in text for k in bad)
     assert at.radio(key="split_mode").value == "step"  # the readable one still applies
     assert at.number_input(key="split_pad").value == 0 and len(at.get("plotly_chart")) == 2
-    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
-    at.query_params.update({"model_preset": '"tiny:gpt2"', "greedy_n": "null", "greedy_fast": "1"})
-    at.run()
-    at.switch_page("pages/greedy.py").run()
-    assert not at.exception, at.exception
+    at = _opened_link("greedy", {"greedy_n": "null", "greedy_fast": "1"})
     assert "greedy_n" in alerts(at) and "greedy_fast" in alerts(at) and len(at.get("plotly_chart")) == 2
 
 
 def test_a_link_sidebar_choice_outside_its_options_gets_the_default_and_says_so():
     # left to the selectbox, dtype=float8 became its first option (float64) without a word
-    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
-    at.query_params.update({"model_preset": '"tiny:gpt2"', "dtype": '"float8"', "device": '"tpu"',
-                            "attn": '"magic"', "devices": '"many"'})
-    at.run()
-    at.switch_page("pages/split.py").run()
-    assert not at.exception, at.exception
+    at = _opened_link("split", {"dtype": '"float8"', "device": '"tpu"', "attn": '"magic"', "devices": '"many"'})
     assert at.selectbox(key="dtype").value == "float32" and at.selectbox(key="attn").value == "auto"
     assert at.selectbox(key="device").value == "auto" and at.selectbox(key="devices").value == "one device"
     text = alerts(at)

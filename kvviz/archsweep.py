@@ -25,7 +25,7 @@ from pathlib import Path
 
 from .archconfig import (FFN, HEAD_DIM, HEADS, HIDDEN, KV_HEADS, LAYERS, VOCAB, WINDOW,  # noqa: F401 (re-exported)
                          tiny_arch_config)
-from .errors import KvvizError
+from .errors import KvvizError, first_line
 
 SEED = 1234
 PROMPT = "The guard knew each one."  # 25 byte tokens: past the window of 8 (2 x 8 + 4)
@@ -96,8 +96,7 @@ def _time_limit(seconds: float | None):
 
 
 def _one_line(e: BaseException) -> str:
-    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    return f"{type(e).__name__}: {text}"[:220]
+    return f"{type(e).__name__}: {first_line(e, 218 - len(type(e).__name__))}"
 
 
 def build_arch(model_type: str, folder: Path) -> dict:

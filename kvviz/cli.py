@@ -14,7 +14,7 @@ import os
 import sys
 
 from .clirun import Outcome, PlanShown
-from .errors import OUT_OF_MEMORY_HINT, KvvizError, free_memory, is_out_of_memory
+from .errors import OUT_OF_MEMORY_HINT, KvvizError, first_line, free_memory, is_out_of_memory
 
 
 class _Parser(argparse.ArgumentParser):
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         if os.environ.get("KVVIZ_DEBUG"):
             raise
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        first = first_line(e)
         print(f"kvviz: unexpected error ({type(e).__name__}): {first} - a bug in kvviz or in the model's own code; "
               f"KVVIZ_DEBUG=1 shows the traceback", file=sys.stderr)
         return 3

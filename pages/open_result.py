@@ -2,7 +2,7 @@
 import streamlit as st
 
 from kvviz import views
-from kvviz.errors import KvvizError
+from kvviz.errors import KvvizError, first_line
 from kvviz.export import open_result
 from kvviz.plotting import plain_index
 from pages.common import page, show_verdict, verdict_style
@@ -51,9 +51,8 @@ try:  # everything drawn is built first: a damaged field is one line, never half
     figures = list(view.main_figures(res))
     tables = list(view.main_tables(res))
 except Exception as e:  # noqa: BLE001 - a file is input: any failure to draw it is one line
-    first = (str(e).strip().splitlines() or [""])[0][:120]
     show_error(KvvizError(f"this {opened.view} result is incomplete or damaged: it cannot be drawn "
-                          f"({type(e).__name__}: {first})"))
+                          f"({type(e).__name__}: {first_line(e, 120, fallback='')})"))
     st.stop()
 st.caption(f"A **{opened.view}** result of `{settings.get('model')}` in {settings.get('dtype', '—')} on "
            f"{settings.get('device', '—')}.")

@@ -9,7 +9,7 @@ import threading
 
 import streamlit as st
 
-from kvviz.errors import OUT_OF_MEMORY_HINT, KvvizError, free_memory, is_out_of_memory
+from kvviz.errors import OUT_OF_MEMORY_HINT, KvvizError, first_line, free_memory, is_out_of_memory
 
 def page_message():
     """Where a message about the controls goes: the top of the page (the controls may be collapsed)."""
@@ -25,8 +25,7 @@ def show_error(e: BaseException) -> None:
         free_memory(e)
         st.error(OUT_OF_MEMORY_HINT[0].upper() + OUT_OF_MEMORY_HINT[1:] + ".", icon="⚠️")
     else:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-        st.error(f"Unexpected error ({type(e).__name__}): {first}", icon="⚠️")
+        st.error(f"Unexpected error ({type(e).__name__}): {first_line(e)}", icon="⚠️")
 
 
 def _request_stop() -> None:

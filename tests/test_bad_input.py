@@ -101,6 +101,20 @@ def test_out_of_memory_is_one_line_and_frees(monkeypatch, capsys):
     assert code == 1 and "out of memory" in err and "shorter prompt" in err and freed
 
 
+@pytest.mark.parametrize("error, limit, fallback, line", [
+    (ValueError("\n  \n  shape mismatch: [3, 4] vs [3, 5]  \n at layer 2\n"), 300, None, "shape mismatch: [3, 4] vs [3, 5]"),
+    (RuntimeError(), 300, None, "RuntimeError"),
+    (RuntimeError(" "), 300, "", ""),
+    (ValueError("x" * 50), 10, None, "x" * 9 + "…"),
+    (ValueError("x" * 10), 10, None, "x" * 10),
+])
+def test_first_line_of_an_error(error, limit, fallback, line):
+    """Every one-line message of an error kvviz did not foresee (CLI, app, engines, sweeps) is cut the same way."""
+    from kvviz.errors import first_line
+
+    assert first_line(error, limit, fallback) == line
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The same in the app: a message, no exception, no charts, and the app works again afterwards
 

@@ -231,7 +231,7 @@ def test_a_bigger_process_is_planned_bigger(kvviz_cache):
     import os
 
     argv = ["greedy", "--model", "tiny:llama", "--prompt", "Hello world", "--max-new-tokens", "4", "--dtype",
-            "bfloat16", "--json", "--quiet"]
+            "bfloat16", "--device", "cpu", "--json", "--quiet"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]))
     plans = []

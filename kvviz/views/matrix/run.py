@@ -20,7 +20,7 @@ import torch
 
 from ...dtypes import dtype_name
 from ...environment import environment
-from ...errors import KvvizError, is_out_of_memory
+from ...errors import KvvizError, first_line, is_out_of_memory
 from ...execution import CacheKind, ExecSettings, Executor, Settings, StepPolicy
 from ..greedy.run import Replay, replay_step
 from ...metrics import first_divergence
@@ -288,8 +288,7 @@ def _run_cell(runner: _Runner, cell: Cell, ref: tuple, n: int, progress: Callabl
 
 
 def _one_line(e: BaseException) -> str:
-    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    return text[:300] if isinstance(e, KvvizError) else f"{type(e).__name__}: {text[:280]}"
+    return first_line(e) if isinstance(e, KvvizError) else f"{type(e).__name__}: {first_line(e, 280)}"
 
 
 def run_matrix(spec, prompt_or_cfg: "str | MatrixConfig", dtype="float32", device="auto",

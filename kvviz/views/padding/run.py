@@ -13,7 +13,7 @@ import torch
 from ..dtypes.run import split_point
 from ...compat import output_cache
 from ...dtypes import machine_eps
-from ...errors import KvvizError
+from ...errors import KvvizError, first_line
 from ...execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings, has_cache
 from ...inputs import encode, pad_token_id, positions_from_mask, token_texts
 from ...loading import LoadedModel
@@ -153,8 +153,7 @@ def _padding_cells(lm: LoadedModel, settings: ExecSettings, ids: list[int], comp
 
 def cell_failure(lm: LoadedModel, mask_mode: str, e: BaseException) -> str:
     """One line for a cell the model's forward cannot run."""
-    first = (str(e).strip().splitlines() or [""])[0]
-    err = f"{type(e).__name__}: {first[:160]}{'…' if len(first) > 160 else ''}"
+    err = f"{type(e).__name__}: {first_line(e, 161, fallback='')}"
     kind = getattr(lm.config, "model_type", None) or lm.name
     if mask_mode == "new-only":
         return (f"cannot run: {kind}'s forward fails on a mask of the new tokens only ({err}) - a model that builds "

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from ...backends import kv_group_size, quantized_cache  # noqa: F401 - kv_group_size: part of this module's API
-from ...errors import KvvizError
+from ...errors import KvvizError, first_line
 from ...execution import DEFAULT_SETTINGS, Executor, RunInfo, RunSettings, StepPolicy
 from ...inputs import PromptInputs, build_inputs
 from ...loading import LoadedModel
@@ -212,7 +212,7 @@ def _bnb_weights(lm: LoadedModel, scheme: str, progress: Progress) -> LoadedMode
         model = AutoModelForCausalLM.from_pretrained(lm.source, **kw).eval()
     except Exception as e:  # noqa: BLE001 - bitsandbytes' own limits
         raise KvvizError(f"bitsandbytes could not load {lm.name} as {scheme}: "
-                         f"{(str(e).splitlines() or [type(e).__name__])[0][:200]}") from None
+                         f"{first_line(e, 200)}") from None
     note = f"{scheme} weights: the model's files reloaded with bitsandbytes ({scheme[4:]}) on {lm.device}"
     progress(1.0, "Quantized")
     return replace(lm, model=model, description=f"{lm.description}; {note}", warnings=list(lm.warnings) + [note],

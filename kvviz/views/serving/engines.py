@@ -31,7 +31,7 @@ import torch
 from torch.overrides import _get_current_function_mode_stack
 
 from ... import compat
-from ...errors import KvvizError
+from ...errors import KvvizError, first_line
 
 ENGINES = ("transformers", "vllm", "llama.cpp")
 ENGINE_TOGGLES = {
@@ -248,9 +248,8 @@ def _engine_failure(e: BaseException) -> BaseException:
     """The engine thread's exception as the caller's one line (a KvvizError passes through as it is)."""
     if isinstance(e, KvvizError):
         return e
-    first = (str(e).splitlines() or [""])[0]
     return KvvizError(f"the continuous-batching engine failed on transformers {compat.TRANSFORMERS_VERSION}: "
-                      f"{type(e).__name__}: {first}")
+                      f"{type(e).__name__}: {first_line(e, fallback='')}")
 
 
 def _collect(manager, keys: set[str], results: dict, failure: list) -> None:

@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from .dtypes import check_attention_dtype, dtype_name, float64_device, parse_dtype, resolve_device, supports_dtype
-from .errors import KvvizError
+from .errors import KvvizError, first_line
 from .float64 import keep_float64
 from .placement import ONE, Placement, check_placement, input_device, max_memory_for, parse_placement
 from .tiny import TINY_MODELS, TINY_SWEEP, TINY_VERSION, build_tiny
@@ -257,7 +257,7 @@ def _read_gguf_header(path: Path):
     except KvvizError:
         raise
     except Exception as e:  # noqa: BLE001 - any parse failure means an unreadable file
-        raise KvvizError(f"could not read GGUF file {path.name}: {_first_line(e)}") from None
+        raise KvvizError(f"could not read GGUF file {path.name}: {first_line(e)}") from None
     return config, tok
 
 
@@ -291,7 +291,7 @@ def _convert_whole(path: Path, tmp: Path, progress: Progress):
     except KvvizError:
         raise
     except Exception as e:  # noqa: BLE001 - any parse failure means an unreadable file
-        raise KvvizError(f"could not read GGUF file {path.name}: {_first_line(e)}") from None
+        raise KvvizError(f"could not read GGUF file {path.name}: {first_line(e)}") from None
     progress(0.6, "Saving the dequantized weights as safetensors…")
     # tied parameters once, under the standard name (the input embedding's), as save_pretrained writes them
     tied = tied_names(model)
@@ -319,11 +319,6 @@ def hub_reachable(timeout: float = 1.5) -> bool:
             return True
     except OSError:
         return False
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip() or type(e).__name__
-    return text.splitlines()[0][:300]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -572,7 +567,7 @@ def _load(ms: ModelSpec, dt: torch.dtype, dev: torch.device, attn: str, trust_re
         try:
             model.to(dev)
         except RuntimeError as e:
-            raise KvvizError(f"could not move the model to {dev}: {_first_line(e)}") from None
+            raise KvvizError(f"could not move the model to {dev}: {first_line(e)}") from None
     model.eval()
     model.requires_grad_(False)
     if tok.pad_token_id is None:
@@ -638,7 +633,7 @@ def _load_folder(where, ms: ModelSpec, dt: torch.dtype, attn: str, trust_remote_
     except KvvizError:
         raise
     except Exception as e:  # noqa: BLE001
-        raise KvvizError(f"could not read the model config of {ms.ref}: {_first_line(e)}") from None
+        raise KvvizError(f"could not read the model config of {ms.ref}: {first_line(e)}") from None
     model_kwargs = dict(kwargs, dtype=dt, **(dispatch or {}))
     if attn != "auto":
         model_kwargs["attn_implementation"] = attn
@@ -647,7 +642,7 @@ def _load_folder(where, ms: ModelSpec, dt: torch.dtype, attn: str, trust_remote_
             warnings.simplefilter("ignore")
             model = AutoModelForCausalLM.from_pretrained(where, config=config, **model_kwargs)
     except ValueError as e:
-        msg = _first_line(e)
+        msg = first_line(e)
         if "Unrecognized configuration class" in msg or "AutoModelForCausalLM" in msg:
             raise KvvizError(f"{ms.ref} ({getattr(config, 'model_type', '?')}) has no causal-LM head, so it cannot "
                              f"generate text; pick a causal language model") from None
@@ -655,7 +650,7 @@ def _load_folder(where, ms: ModelSpec, dt: torch.dtype, attn: str, trust_remote_
             raise KvvizError(f"attention implementation '{attn}' cannot be used here: {msg}") from None
         raise KvvizError(f"could not load {ms.ref}: {msg}") from None
     except ImportError as e:
-        raise KvvizError(f"attention implementation '{attn}' is not available here: {_first_line(e)}") from None
+        raise KvvizError(f"attention implementation '{attn}' is not available here: {first_line(e)}") from None
     except KvvizError:
         raise
     except Exception as e:  # noqa: BLE001 - OSError, SafetensorError, RuntimeError…: a missing or damaged file
@@ -666,9 +661,9 @@ def _load_folder(where, ms: ModelSpec, dt: torch.dtype, attn: str, trust_remote_
             raise KvvizError(f"not enough memory to load {ms.ref} as {dtype_name(dt)}: {OUT_OF_MEMORY_HINT} "
                              f"(see its memory plan: --plan)") from None
         raise KvvizError(f"could not load the weights of {ms.ref} (missing or damaged file?): "
-                         f"{_first_line(e)}") from None
+                         f"{first_line(e)}") from None
     try:
         tok = AutoTokenizer.from_pretrained(where, **kwargs)
     except Exception as e:  # noqa: BLE001
-        raise KvvizError(f"could not load the tokenizer of {ms.ref}: {_first_line(e)}") from None
+        raise KvvizError(f"could not load the tokenizer of {ms.ref}: {first_line(e)}") from None
     return model, tok

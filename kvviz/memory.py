@@ -513,6 +513,9 @@ def activation_bytes(shape: ModelShape, dtype: str, tokens: int, batch: int, vie
 
     logits64 = 2 * B * n * V * 8
     if prof.stepwise_reference:  # the window check compares token by token: the float64 logits a chunk of rows at a time
+        # (its comparison is one row at a time, but the chunk of temporaries counted here stays: the card measured
+        # in float64 holds ~0.5 GB that no part names - the step loop keeps the freed blocks of the forwards before
+        # it, docs/benchmarks.md)
         logits64 = min(logits64, 2 * REFERENCE_LOGITS_BYTES + 2 * B * V * 8)
     ref = working(8) + logits64 + temps + hidden(8)
     if dtype == "float64" and prof.compared_after_split and not prof.bisector:
@@ -677,6 +680,8 @@ def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, vie
     ref = reference_bytes(shape, dt, strategy) if uses_ref else 0
     acts = activation_bytes(shape, dt, tokens, batch, view, uses_ref, compared, steps, reference_decodes, runs)
     cache = cache_bytes(shape, dt, tokens, batch, uses_ref)
+    if profile(view).float64_only and dt != "float64":  # no cache in the run's dtype: only the float64 reference's
+        cache = cache_bytes(shape, "float64", tokens, batch, False)
     if profile(view).cache_copies:  # its caches one phase at a time: the run's, then the float64 reference's
         per = 2 * shape.layers * shape.kv_heads * shape.head_dim * tokens * batch
         cache = profile(view).cache_copies * per * max(BYTES[dt], 8 if uses_ref else 0)

@@ -157,3 +157,17 @@ def test_a_float64_card_plans_its_token_by_token_reference_not_every_positions_l
     f64 = memory.activation_bytes(shape, "float64", T, 1, "check", False)
     assert f64 == memory.activation_bytes(shape, "bfloat16", T, 1, "check", True)
     assert f64 < T * GEMMA3_VOCAB * 8  # less than one forward's logits over every position
+
+
+def test_the_card_holds_only_float64_caches_in_any_dtype():
+    """The card runs only on the float64 reference, so a bfloat16 card holds float64 caches only (its plan counted
+    a bfloat16 cache beside them); a view that runs in bfloat16 holds both."""
+    from kvviz.memory import plan_shape
+
+    shape = dataclasses.replace(model_shape("tiny:llama"), vocab=GEMMA3_VOCAB)
+    T = 1028
+    bf16 = plan_shape(shape, "m", "bfloat16", "cpu", "check", T)
+    f64 = plan_shape(shape, "m", "float64", "cpu", "check", T)
+    assert bf16.cache == f64.cache == memory.cache_bytes(shape, "float64", T, 1, False)
+    split = plan_shape(shape, "m", "bfloat16", "cpu", "split", T)  # a view that runs in bfloat16 holds both
+    assert split.cache == memory.cache_bytes(shape, "bfloat16", T, 1, True) > bf16.cache

@@ -97,6 +97,21 @@ def wait_idle(page, timeout_s: float = 180) -> None:
     raise TimeoutError("the app kept running")
 
 
+def set_checked(page, label: str, on: bool = True, tries: int = 3) -> None:
+    """Set a Streamlit checkbox or toggle by clicking its label, and see its input take the state: a click that lands
+    while the script reruns (the widget drawn again) can be lost, so it is tried again."""
+    box = page.locator("label", has_text=label).first
+    box.wait_for(timeout=60_000)
+    for _ in range(tries):
+        if box.locator("input").is_checked() == on:
+            return
+        box.click()
+        deadline = time.time() + 15
+        while time.time() < deadline and box.locator("input").is_checked() != on:
+            time.sleep(0.3)
+    assert box.locator("input").is_checked() == on, f"{label!r} did not become {'on' if on else 'off'}"
+
+
 def no_exception(page) -> None:
     assert page.locator('[data-testid="stException"]').count() == 0, "a Streamlit exception box is shown"
     assert page.get_by_text("Traceback").count() == 0

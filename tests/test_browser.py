@@ -1,7 +1,7 @@
 """Real browser: `streamlit run app.py`, headless Chromium via playwright; screenshots in test-artifacts/."""
 import pytest
 
-from browser import app_server_fixture, browser, no_exception, open_page, wait_idle
+from browser import app_server_fixture, browser, no_exception, open_page, set_checked, wait_idle
 
 pytestmark = pytest.mark.browser
 
@@ -38,7 +38,7 @@ def test_greedy_page_in_browser(server, artifacts):
         assert page.locator(".js-plotly-plot").count() >= 2
         page.screenshot(path=str(artifacts / "greedy-default.png"), full_page=True)
         page.get_by_text("Settings: prompt and controls").click()  # the controls are folded on every page
-        page.get_by_text("Fast preview (teacher-forced no-cache path)").click()
+        set_checked(page, "Fast preview (teacher-forced no-cache path)")
         wait_idle(page)
         page.get_by_text("no cache (full forward each step) — fast preview").first.wait_for(timeout=240_000)
         no_exception(page)

@@ -96,7 +96,7 @@ def _time_limit(seconds: float | None):
 
 
 def _one_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: {first_line(e, 218 - len(type(e).__name__))}"
+    return first_line(e, 220, typed=True)
 
 
 def build_arch(model_type: str, folder: Path) -> dict:

@@ -8,13 +8,20 @@ class KvvizError(Exception):
         super().__init__(" ".join(str(message).split()))
 
 
-def first_line(e: BaseException, limit: int = 300, fallback: str | None = None) -> str:
+def first_line(e: BaseException, limit: int = 300, fallback: str | None = None, typed: bool = False) -> str:
     """An exception's message as one line: its first non-empty line, at most `limit` characters ("…" marks a cut);
-    an exception without a message gives `fallback` (its class name by default)."""
+    an exception without a message gives `fallback` (its class name by default).
+    typed: the line starts with the class name ("ValueError: bad shape"; the class name alone without a message),
+    and `limit` counts the whole line."""
+    name = type(e).__name__
     text = next((line.strip() for line in str(e).splitlines() if line.strip()), None)
-    if text is None:
-        return type(e).__name__ if fallback is None else fallback
-    return text if len(text) <= limit else text[:limit - 1] + "…"
+    if typed:
+        line = name if text is None else f"{name}: {text}"
+    elif text is None:
+        return name if fallback is None else fallback
+    else:
+        line = text
+    return line if len(line) <= limit else line[:limit - 1] + "…"
 
 
 OUT_OF_MEMORY_HINT = ("out of memory; use a shorter prompt, fewer new tokens or prompts, a 16-bit dtype or a smaller "

@@ -679,9 +679,8 @@ def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, vie
         strategy = "none"
     ref = reference_bytes(shape, dt, strategy) if uses_ref else 0
     acts = activation_bytes(shape, dt, tokens, batch, view, uses_ref, compared, steps, reference_decodes, runs)
-    cache = cache_bytes(shape, dt, tokens, batch, uses_ref)
-    if profile(view).float64_only and dt != "float64":  # no cache in the run's dtype: only the float64 reference's
-        cache = cache_bytes(shape, "float64", tokens, batch, False)
+    float64_only = profile(view).float64_only  # no cache in the run's dtype: only the float64 reference's
+    cache = cache_bytes(shape, "float64" if float64_only else dt, tokens, batch, uses_ref and not float64_only)
     if profile(view).cache_copies:  # its caches one phase at a time: the run's, then the float64 reference's
         per = 2 * shape.layers * shape.kv_heads * shape.head_dim * tokens * batch
         cache = profile(view).cache_copies * per * max(BYTES[dt], 8 if uses_ref else 0)

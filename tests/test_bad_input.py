@@ -101,18 +101,23 @@ def test_out_of_memory_is_one_line_and_frees(monkeypatch, capsys):
     assert code == 1 and "out of memory" in err and "shorter prompt" in err and freed
 
 
-@pytest.mark.parametrize("error, limit, fallback, line", [
-    (ValueError("\n  \n  shape mismatch: [3, 4] vs [3, 5]  \n at layer 2\n"), 300, None, "shape mismatch: [3, 4] vs [3, 5]"),
-    (RuntimeError(), 300, None, "RuntimeError"),
-    (RuntimeError(" "), 300, "", ""),
-    (ValueError("x" * 50), 10, None, "x" * 9 + "…"),
-    (ValueError("x" * 10), 10, None, "x" * 10),
+@pytest.mark.parametrize("error, limit, fallback, typed, line", [
+    (ValueError("\n  \n  shape mismatch: [3, 4] vs [3, 5]  \n at layer 2\n"), 300, None, False,
+     "shape mismatch: [3, 4] vs [3, 5]"),
+    (RuntimeError(), 300, None, False, "RuntimeError"),
+    (RuntimeError(" "), 300, "", False, ""),
+    (ValueError("x" * 50), 10, None, False, "x" * 9 + "…"),
+    (ValueError("x" * 10), 10, None, False, "x" * 10),
+    (ValueError("\n bad shape \n more"), 300, None, True, "ValueError: bad shape"),
+    (RuntimeError(" "), 300, "", True, "RuntimeError"),
+    (KeyError("x" * 50), 20, None, True, "KeyError: 'xxxxxxxx…"),
 ])
-def test_first_line_of_an_error(error, limit, fallback, line):
-    """Every one-line message of an error kvviz did not foresee (CLI, app, engines, sweeps) is cut the same way."""
+def test_first_line_of_an_error(error, limit, fallback, typed, line):
+    """Every one-line message of an error kvviz did not foresee (CLI, app, engines, sweeps) is cut the same way;
+    typed: with the class name in front (matrix and padding cells, the arch sweep, the serving engines)."""
     from kvviz.errors import first_line
 
-    assert first_line(error, limit, fallback) == line
+    assert first_line(error, limit, fallback, typed=typed) == line
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -288,7 +288,7 @@ def _run_cell(runner: _Runner, cell: Cell, ref: tuple, n: int, progress: Callabl
 
 
 def _one_line(e: BaseException) -> str:
-    return first_line(e) if isinstance(e, KvvizError) else f"{type(e).__name__}: {first_line(e, 280)}"
+    return first_line(e) if isinstance(e, KvvizError) else first_line(e, 300, typed=True)
 
 
 def run_matrix(spec, prompt_or_cfg: "str | MatrixConfig", dtype="float32", device="auto",

@@ -153,7 +153,7 @@ def _padding_cells(lm: LoadedModel, settings: ExecSettings, ids: list[int], comp
 
 def cell_failure(lm: LoadedModel, mask_mode: str, e: BaseException) -> str:
     """One line for a cell the model's forward cannot run."""
-    err = f"{type(e).__name__}: {first_line(e, 161, fallback='')}"
+    err = first_line(e, 180, typed=True)
     kind = getattr(lm.config, "model_type", None) or lm.name
     if mask_mode == "new-only":
         return (f"cannot run: {kind}'s forward fails on a mask of the new tokens only ({err}) - a model that builds "

@@ -249,7 +249,7 @@ def _engine_failure(e: BaseException) -> BaseException:
     if isinstance(e, KvvizError):
         return e
     return KvvizError(f"the continuous-batching engine failed on transformers {compat.TRANSFORMERS_VERSION}: "
-                      f"{type(e).__name__}: {first_line(e, fallback='')}")
+                      + first_line(e, typed=True))
 
 
 def _collect(manager, keys: set[str], results: dict, failure: list) -> None:

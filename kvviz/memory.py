@@ -480,9 +480,9 @@ def activation_bytes(shape: ModelShape, dtype: str, tokens: int, batch: int, vie
       of them, or, later, the compared rows' logits of both paths and the float64 temporaries of one chunk of the
       logits comparison (the full logits are freed by then); and the hidden states (one path's compared rows and two
       layers where they are reduced layer by layer; every layer of two forwards otherwise);
-    * float64: only the compared positions' logits (logits_to_keep; prefixes keep one row), for both paths - in
-      chunks of REFERENCE_LOGITS_BYTES where the reference is computed token by token (the cache-safety card's
-      window check) - and the same comparison temporaries; the streamed reference's weight slices are in
+    * float64: only the compared positions' logits (logits_to_keep; prefixes keep one row), for both paths, and
+      the same comparison temporaries - or, where the reference is compared token by token (the cache-safety
+      card's window check), stepwise_reference_bytes; the streamed reference's weight slices are in
       `reference_bytes`.
 
     Views that decode (greedy, reuse) and the padding grid hold less: decoding_bytes and batch_grid_bytes.
@@ -512,12 +512,10 @@ def activation_bytes(shape: ModelShape, dtype: str, tokens: int, batch: int, vie
         return prof.forwards * B * T * (L + 1) * H * width
 
     logits64 = 2 * B * n * V * 8
-    if prof.stepwise_reference:  # the window check compares token by token: the float64 logits a chunk of rows at a time
-        # (its comparison is one row at a time, but the chunk of temporaries counted here stays: the card measured
-        # in float64 holds ~0.5 GB that no part names - the step loop keeps the freed blocks of the forwards before
-        # it, docs/benchmarks.md)
-        logits64 = min(logits64, 2 * REFERENCE_LOGITS_BYTES + 2 * B * V * 8)
-    ref = working(8) + logits64 + temps + hidden(8)
+    if prof.stepwise_reference:  # the window check compares token by token (kvviz.views.split.run._ChunkedLogits)
+        ref = working(8) + stepwise_reference_bytes(shape, T, n, B) + hidden(8)
+    else:
+        ref = working(8) + logits64 + temps + hidden(8)
     if dtype == "float64" and prof.compared_after_split and not prof.bisector:
         run = ref  # a float64 run is its own reference: only the compared positions' logits (kvviz.views.split.run)
     else:  # the full forward (every position's logits, the compared rows copied out of them), then the comparison
@@ -529,6 +527,28 @@ def activation_bytes(shape: ModelShape, dtype: str, tokens: int, batch: int, vie
     if not reference:
         return int(run)
     return int(max(run, ref))
+
+
+def stepwise_reference_bytes(shape: ModelShape, tokens: int, compared: int, batch: int = 1) -> int:
+    """What the float64 reference compared token by token holds besides one forward's working set and the hidden
+    states (kvviz.views.split.run: the cache-safety card's window check):
+
+    * its logits: the last chunk of compared rows (from the full forward) and the chunk being compared (each chunk a
+      forward over the sequence so far with logits_to_keep rows; REFERENCE_LOGITS_BYTES, or all n rows where they
+      fit), beside one step's row and the comparison's float64 temporaries of that one row;
+    * the allocator's residue of the full forward before the step loop: its working set and one chunk of logits rows
+      stay in the process (freed, not given back; `malloc_trim` returns a tenth of it), so the step loop's
+      forwards are allocated beside them. Measured on Gemma 3 270M in float64, 1028 tokens: the step loop held
+      0.675 GB above the loaded model where the named parts come to ~0.4 GB (docs/benchmarks.md, "The card phase by
+      phase")."""
+    from .metrics import LOGITS_CHUNK_BYTES
+
+    V, B = shape.vocab, batch
+    chunk = min(REFERENCE_LOGITS_BYTES, B * compared * V * 8)
+    row = B * V * 8
+    logits = 2 * chunk + row + LOGITS_TEMPORARIES * min(row, LOGITS_CHUNK_BYTES)
+    residue = working_bytes(shape, 8, tokens, B) + chunk
+    return int(logits + residue)
 
 
 def working_bytes(shape: ModelShape, width: int, tokens: int, batch: int = 1) -> int:

@@ -463,8 +463,16 @@ def profile(view: str):
 
 
 # float64 temporaries of one chunk of positions in kvviz.metrics.logits_divergence (both inputs upcast, two
-# log-softmaxes, exp, difference, product), each LOGITS_CHUNK_BYTES
+# log-softmaxes, exp, difference, product), each LOGITS_CHUNK_BYTES; float64 inputs are not copied (two fewer)
 LOGITS_TEMPORARIES = 7
+
+
+def comparison_temporaries(width: int, rows_bytes: int) -> int:
+    """The float64 temporaries of logits_divergence over logits of `width` bytes per number whose compared rows take
+    `rows_bytes` in float64: one chunk of LOGITS_CHUNK_BYTES at a time (or all the rows where they are less)."""
+    from .metrics import LOGITS_CHUNK_BYTES
+
+    return (LOGITS_TEMPORARIES - (2 if width == 8 else 0)) * min(LOGITS_CHUNK_BYTES, rows_bytes)
 # float64 full-forward logits over this are computed a chunk of rows at a time (kvviz.views.split.run uses REFERENCE_LOGITS_BYTES)
 REFERENCE_LOGITS_BYTES = 128 * 1024 ** 2
 
@@ -491,8 +499,6 @@ def activation_bytes(shape: ModelShape, dtype: str, tokens: int, batch: int, vie
     decoding run decodes (None: every token, a bound); reference_decodes: the float64 reference decodes too (greedy's
     float64 path) rather than replaying single steps; runs: the decoding runs (greedy's paths; None: the view's
     default)."""
-    from .metrics import LOGITS_CHUNK_BYTES
-
     prof = profile(view)
     if prof.decoded_runs:
         return decoding_bytes(shape, dtype, tokens, runs or prof.decoded_runs, steps, reference, reference_decodes)
@@ -501,7 +507,9 @@ def activation_bytes(shape: ModelShape, dtype: str, tokens: int, batch: int, vie
     b = BYTES[dtype]
     T, B, H, L, V = tokens, batch, shape.hidden, shape.layers, shape.vocab
     n = max(1, min(compared or T, T))
-    temps = LOGITS_TEMPORARIES * LOGITS_CHUNK_BYTES
+
+    def temps(width: int) -> int:  # one chunk of the comparison's float64 temporaries
+        return comparison_temporaries(width, B * n * V * 8)
 
     def working(width: int) -> int:  # one layer of one forward: MLP and attention scores
         return working_bytes(shape, width, T, B)
@@ -515,11 +523,11 @@ def activation_bytes(shape: ModelShape, dtype: str, tokens: int, batch: int, vie
     if prof.stepwise_reference:  # the window check compares token by token (kvviz.views.split.run._ChunkedLogits)
         ref = working(8) + stepwise_reference_bytes(shape, T, n, B) + hidden(8)
     else:
-        ref = working(8) + logits64 + temps + hidden(8)
+        ref = working(8) + logits64 + temps(8) + hidden(8)
     if dtype == "float64" and prof.compared_after_split and not prof.bisector:
         run = ref  # a float64 run is its own reference: only the compared positions' logits (kvviz.views.split.run)
     else:  # the full forward (every position's logits, the compared rows copied out of them), then the comparison
-        run = working(b) + max(B * T * V * b + B * n * V * b, 2 * B * n * V * b + temps) + hidden(b)
+        run = working(b) + max(B * T * V * b + B * n * V * b, 2 * B * n * V * b + temps(b)) + hidden(b)
     if prof.bisector:  # the bisect view
         run = max(run, bisect_bytes(shape, b, T, n, B))
     if prof.float64_only:  # every run of the view is on the float64 reference (a float64 run: the model itself)
@@ -541,12 +549,10 @@ def stepwise_reference_bytes(shape: ModelShape, tokens: int, compared: int, batc
       forwards are allocated beside them. Measured on Gemma 3 270M in float64, 1028 tokens: the step loop held
       0.675 GB above the loaded model where the named parts come to ~0.4 GB (docs/benchmarks.md, "The card phase by
       phase")."""
-    from .metrics import LOGITS_CHUNK_BYTES
-
     V, B = shape.vocab, batch
     chunk = min(REFERENCE_LOGITS_BYTES, B * compared * V * 8)
     row = B * V * 8
-    logits = 2 * chunk + row + LOGITS_TEMPORARIES * min(row, LOGITS_CHUNK_BYTES)
+    logits = 2 * chunk + row + comparison_temporaries(8, row)
     residue = working_bytes(shape, 8, tokens, B) + chunk
     return int(logits + residue)
 

@@ -210,8 +210,59 @@ def test_the_step_loop_holds_two_logits_chunks_one_row_and_the_full_forwards_res
     T, n, V = 1028, 516, GEMMA3_VOCAB
     row, chunk = V * 8, memory.REFERENCE_LOGITS_BYTES
     assert chunk < n * row  # the rows come a chunk at a time
-    want = 3 * chunk + row + memory.LOGITS_TEMPORARIES * row + working_bytes(GEMMA3_270M, 8, T)
+    want = 3 * chunk + row + 5 * row + working_bytes(GEMMA3_270M, 8, T)  # float64 rows are compared uncopied
     assert memory.stepwise_reference_bytes(GEMMA3_270M, T, n) == want
     assert want < working_bytes(GEMMA3_270M, 8, T) + 2 * chunk + memory.LOGITS_TEMPORARIES * LOGITS_CHUNK_BYTES
     small = dataclasses.replace(GEMMA3_270M, vocab=1000)  # every compared row fits in one chunk: no chunk is bigger
-    assert memory.stepwise_reference_bytes(small, T, n) == 3 * n * 8000 + 8000 + 7 * 8000 + working_bytes(small, 8, T)
+    assert memory.stepwise_reference_bytes(small, T, n) == 3 * n * 8000 + 8000 + 5 * 8000 + working_bytes(small, 8, T)
+
+
+class LiveTensors:
+    """Bytes of the tensors that torch ops create while the mode is on (storages new to the op, freed when their
+    storage goes), and the most alive at once: what a computation holds beyond its inputs, on any device."""
+
+    def __new__(cls):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        class Mode(TorchDispatchMode):
+            live = peak = 0
+
+            def _free(self, n):
+                self.live -= n
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                given = {a.untyped_storage().data_ptr() for a in tree_flatten((args, kwargs))[0]
+                         if isinstance(a, torch.Tensor)}
+                for t in tree_flatten(out)[0]:
+                    if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given:
+                        st = t.untyped_storage()
+                        self.live += st.nbytes()
+                        self.peak = max(self.peak, self.live)
+                        weakref.finalize(st, self._free, st.nbytes())
+                return out
+
+        return Mode()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [None, 4 * 3000 * 8])
+def test_the_logits_comparison_holds_the_temporaries_the_plan_counts(monkeypatch, dtype, chunk):
+    """kvviz.metrics.logits_divergence, measured op by op: seven float64 temporaries of one chunk of rows where the
+    logits are upcast, five where they are float64 already (an upcast of a float64 tensor is itself) - what
+    memory.comparison_temporaries counts, a chunk at a time (chunk: a smaller LOGITS_CHUNK_BYTES, so 20 rows come
+    in several chunks) or all the rows at once."""
+    from kvviz import metrics
+
+    if chunk:
+        monkeypatch.setattr(metrics, "LOGITS_CHUNK_BYTES", chunk)
+    n, V = 20, 3000
+    ref = torch.randn(n, V, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).to(dtype)
+    got = (ref.double() + 1e-3).to(dtype)
+    mode = LiveTensors()
+    with mode:
+        metrics.logits_divergence(ref, got)
+    planned = memory.comparison_temporaries(BYTES[str(dtype).removeprefix("torch.")], n * V * 8)
+    assert metrics.logits_rows(ref) < n if chunk else metrics.logits_rows(ref) >= n
+    assert planned <= mode.peak <= planned * 1.02, (mode.peak, planned)  # the per-row results are the 2 %

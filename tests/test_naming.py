@@ -80,3 +80,35 @@ def test_gguf_label_read_from_a_written_file(tmp_path):
     w.write_tensors_to_file()
     w.close()
     assert gguf_quantization(path) == "Q4_K_M"
+
+
+def test_a_converted_gguf_is_labelled_from_its_folder_and_relabelled_once_when_older(tmp_path, monkeypatch):
+    """A load takes the quantization label from the converted folder's kvviz.json; a folder labelled by older rules
+    (no label_version) is labelled from the file once and written back, and later loads never parse the GGUF again
+    (its header parse took 0.7 GB for a moment with Gemma 3's 262k-token vocabulary)."""
+    import json
+
+    gguf = pytest.importorskip("gguf")
+    from kvviz.loading import QUANT_LABEL_VERSION, converted_quantization
+
+    path = tmp_path / "model-Q8_0.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_file_type(15)
+    w.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    folder = tmp_path / "converted"
+    folder.mkdir()
+    (folder / "kvviz.json").write_text(json.dumps({"source": str(path), "quantization": "Q8_0", "size": 1}))
+    assert converted_quantization(path, folder) == "Q4_K_M"  # the older label is replaced
+    meta = json.loads((folder / "kvviz.json").read_text())
+    assert meta == {"source": str(path), "quantization": "Q4_K_M", "size": 1, "label_version": QUANT_LABEL_VERSION}
+
+    def no_parse(*a, **k):
+        raise AssertionError("the GGUF was parsed again")
+
+    monkeypatch.setattr(gguf, "GGUFReader", no_parse)
+    assert converted_quantization(path, folder) == "Q4_K_M"
+    assert sorted(p.name for p in folder.iterdir()) == ["kvviz.json"]  # no temporary left behind

@@ -266,10 +266,11 @@ def run_matrix(gguf: Path | None, root: Path, only: str, out: Path, no_proof: bo
     done = json.loads(out.read_text()) if out.is_file() else {}
     wanted = [w for w in only.split(",") if w]
     for route, dt, view, argv, env in matrix_cells(gguf, root):
-        key = f"{route}/{dt}/{view}"
+        proof_optional = view not in ("check", "bisect")  # the card and the bisector always run their proofs
+        key = f"{route}/{dt}/{view}" + ("/proof" if proof_optional and not no_proof else "")
         if key in done or (wanted and not any(w in key for w in wanted)):
             continue
-        if no_proof and view not in ("check", "bisect"):
+        if no_proof and proof_optional:
             argv = argv + ["--no-proof"]
         r = measure(argv, env=env)
         plan = (r.get("json") or {}).get("memory_plan") or {}
@@ -309,14 +310,14 @@ def matrix_table(outs: list[Path], replan: tuple[Path | None, Path] | None = Non
     rows = [head + (" plan now (GB) | plan now / peak |" if replan else ""), "|---|---|---|---|---|---|"
             + ("---|---|" if replan else "")]
     for key, r in done.items():
-        route, dt, view = key.split("/")
+        route, dt, view = key.split("/")[:3]  # a fourth part: "proof" (a cell run with its invariant proof)
         if r["rc"] != 0 or not r["ratio"]:
             rows.append(f"| {route} | {dt} | {view} | - | - | failed (rc {r['rc']}) |" + (" - | - |" if replan else ""))
             continue
         row = (f"| {route} | {dt} | {view}{' (no proof)' if r['no_proof'] else ''} | {r['plan_total'] / 1e9:.2f} "
                f"| {r['peak_rss'] / 1e9:.2f} | {r['ratio']:.2f}{'' if 1.0 <= r['ratio'] <= 1.25 else ' MISS'} |")
-        if key in cells:
-            argv, env = cells[key]
+        if f"{route}/{dt}/{view}" in cells:
+            argv, env = cells[f"{route}/{dt}/{view}"]
             now = plan_now(argv + (["--no-proof"] if r["no_proof"] else []), env)
             ratio = now / r["peak_rss"] if now else 0
             row += (f" {now / 1e9:.2f} | {ratio:.2f}{'' if 1.0 <= ratio <= 1.25 else ' MISS'} |" if now else

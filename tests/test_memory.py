@@ -264,3 +264,21 @@ def test_a_split_runs_its_bisector_only_where_it_fits_beside_the_model(monkeypat
     lm = load_model("tiny:gemma3", "float32", "cpu")
     first = split._bisect_first(lm, split.SplitConfig("Hello world, caching is fun!", split=4), DEFAULT_SETTINGS)
     assert bool(calls) == runs and first == ("found" if runs else None)
+
+
+def test_the_memory_matrix_keeps_a_cell_with_its_proof_beside_the_one_without(tmp_path):
+    """bench/memory_bench.py: a view run with its invariant proof is its own cell ("…/split/proof"), so the table
+    shows it beside the same view without the proof instead of one replacing the other."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import memory_bench
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    cell = {"rc": 0, "wall_s": 1.0, "over_plan": None, "stderr_tail": ""}
+    out = tmp_path / "m.json"
+    out.write_text(json.dumps({
+        "gguf/bfloat16/split": dict(cell, peak_rss=2e9, plan_total=2.4e9, ratio=1.2, no_proof=True),
+        "gguf/bfloat16/split/proof": dict(cell, peak_rss=2.5e9, plan_total=2.4e9, ratio=0.96, no_proof=False)}))
+    rows = memory_bench.matrix_table([out]).splitlines()[2:]
+    assert rows == ["| gguf | bfloat16 | split (no proof) | 2.40 | 2.00 | 1.20 |",
+                    "| gguf | bfloat16 | split | 2.40 | 2.50 | 0.96 MISS |"]

@@ -704,6 +704,11 @@ def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, vie
     if not uses_ref:
         strategy = "none"
     ref = reference_bytes(shape, dt, strategy) if uses_ref else 0
+    if strategy == "streamed" and not stream_keep_bytes(shape.params) and not profile(view).batch_texts:
+        # the streamed reference's slices (the head's, the largest) are held while it applies that one operation,
+        # after the last layer's working set was freed: the two are never held at once, so the float64 phase holds
+        # the larger of them, not both (the padding grid's phases are not built on one working set: left as is)
+        ref -= min(ref, working_bytes(shape, 8, tokens))
     acts = activation_bytes(shape, dt, tokens, batch, view, uses_ref, compared, steps, reference_decodes, runs)
     float64_only = profile(view).float64_only  # no cache in the run's dtype: only the float64 reference's
     cache = cache_bytes(shape, "float64" if float64_only else dt, tokens, batch, uses_ref and not float64_only)

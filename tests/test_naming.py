@@ -69,9 +69,9 @@ def test_gguf_label_comes_from_the_file_type_not_the_largest_tensor():
     assert gguf_quant_label(None, {}) is None
 
 
-def test_gguf_label_read_from_a_written_file(tmp_path):
+def written_gguf(path):
+    """A GGUF file named Q8_0 whose header says Q4_K_M (file type 15), with one small tensor."""
     gguf = pytest.importorskip("gguf")
-    path = tmp_path / "model-Q8_0.gguf"  # the name says Q8_0; the file says Q4_K_M
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_file_type(15)
     w.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
@@ -79,6 +79,11 @@ def test_gguf_label_read_from_a_written_file(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return path
+
+
+def test_gguf_label_read_from_a_written_file(tmp_path):
+    path = written_gguf(tmp_path / "model-Q8_0.gguf")  # the name says Q8_0; the file says Q4_K_M
     assert gguf_quantization(path) == "Q4_K_M"
 
 
@@ -91,14 +96,7 @@ def test_a_converted_gguf_is_labelled_from_its_folder_and_relabelled_once_when_o
     gguf = pytest.importorskip("gguf")
     from kvviz.loading import QUANT_LABEL_VERSION, converted_quantization
 
-    path = tmp_path / "model-Q8_0.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_file_type(15)
-    w.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    path = written_gguf(tmp_path / "model-Q8_0.gguf")
     folder = tmp_path / "converted"
     folder.mkdir()
     (folder / "kvviz.json").write_text(json.dumps({"source": str(path), "quantization": "Q8_0", "size": 1}))

@@ -36,6 +36,13 @@ GEMMA270M = dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], 
                  layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 3, tie_word_embeddings=True,
                  hidden_activation="gelu_pytorch_tanh", bos_token_id=1, eos_token_id=2, pad_token_id=0,
                  dtype="bfloat16")
+# A second sliding-window shape for the card, unlike Gemma 3's in every dimension: every layer sliding (Mistral),
+# a 152k vocabulary, 24 layers, 2 KV heads of 64 - about Qwen2.5-0.5B's size, a 256-token window
+MISTRAL500M = dict(model_type="mistral", architectures=["MistralForCausalLM"], hidden_size=896, intermediate_size=4864,
+                   num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, head_dim=64,
+                   vocab_size=151936, max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                   sliding_window=256, tie_word_embeddings=True, hidden_act="silu", bos_token_id=1, eos_token_id=2,
+                   pad_token_id=0, dtype="bfloat16")
 SPLIT_PROMPT = "The capital of France is Paris, and the capital of Italy is"
 CAP = 20 * 1024 ** 3
 
@@ -354,7 +361,7 @@ def main() -> int:
         build(root / "gemma270m", GEMMA270M)
         return run_matrix(gguf, root, args.only, out, args.no_proof)
     if args.what == "build":
-        for name, cfg in (("big3b", BIG3B), ("gemma270m", GEMMA270M)):
+        for name, cfg in (("big3b", BIG3B), ("gemma270m", GEMMA270M), ("mistral500m", MISTRAL500M)):
             t = time.perf_counter()
             build(root / name, cfg)
             print(f"{name}: {root / name} ({time.perf_counter() - t:.0f} s)")
@@ -375,7 +382,12 @@ def main() -> int:
                         "--json", "--quiet"],
         "gemma-check": ["check", "--model", gemma, "--dtype", "bfloat16", "--json", "--quiet"],
     }
+    for dt in ("bfloat16", "float32", "float64"):
+        runs[f"mistral-check-{dt}"] = ["check", "--model", str(root / "mistral500m"), "--dtype", dt, "--json",
+                                       "--quiet"]
     only = [r for r in args.only.split(",") if r] or list(runs)
+    if any(r.startswith("mistral") for r in only):
+        build(root / "mistral500m", MISTRAL500M)
     results = {}
     for name in only:
         r = measure(runs[name])

@@ -7,6 +7,8 @@ import weakref
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from kvviz import memory
 from kvviz.execution import Executor
@@ -221,33 +223,24 @@ def test_the_step_loop_holds_two_logits_chunks_one_row_and_the_full_forwards_res
     assert memory.stepwise_reference_bytes(small, T, n) == 3 * n * 8000 + 8000 + 5 * 8000 + working_bytes(small, 8, T)
 
 
-class LiveTensors:
+class LiveTensors(TorchDispatchMode):
     """Bytes of the tensors that torch ops create while the mode is on (storages new to the op, freed when their
     storage goes), and the most alive at once: what a computation holds beyond its inputs, on any device."""
+    live = peak = 0
 
-    def __new__(cls):
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils._pytree import tree_flatten
+    def _free(self, n):
+        self.live -= n
 
-        class Mode(TorchDispatchMode):
-            live = peak = 0
-
-            def _free(self, n):
-                self.live -= n
-
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                given = {a.untyped_storage().data_ptr() for a in tree_flatten((args, kwargs))[0]
-                         if isinstance(a, torch.Tensor)}
-                for t in tree_flatten(out)[0]:
-                    if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given:
-                        st = t.untyped_storage()
-                        self.live += st.nbytes()
-                        self.peak = max(self.peak, self.live)
-                        weakref.finalize(st, self._free, st.nbytes())
-                return out
-
-        return Mode()
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {a.untyped_storage().data_ptr() for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given:
+                st = t.untyped_storage()
+                self.live += st.nbytes()
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(st, self._free, st.nbytes())
+        return out
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])

@@ -14,6 +14,8 @@ import functools
 import torch
 from torch.overrides import TorchFunctionMode
 
+from . import memory as _memory
+
 _SOFTMAXES = {torch.softmax, torch.log_softmax, torch.nn.functional.softmax, torch.nn.functional.log_softmax,
               torch.Tensor.softmax, torch.Tensor.log_softmax}
 
@@ -53,10 +55,39 @@ def _is64(x) -> bool:
     return isinstance(x, torch.Tensor) and x.dtype == torch.float64
 
 
+def head_slice_rows(weight_shape) -> int | None:
+    """Output features per slice where a float64 linear's weight is over REFERENCE_CHUNK_BYTES (a large vocabulary's
+    head), else None. Every float64 run (the twin, a float64 model, the streamed reference) applies such a weight in
+    these slices: a matrix kernel's reduction order can depend on how many output features one call has (MKL's dgemm
+    on AVX2 with two threads does), so the streamed reference, which can only hold one slice, and the twin must make
+    the same calls to agree bit for bit."""
+    rows, d = int(weight_shape[0]), int(weight_shape[-1])
+    if 8 * rows * d <= _memory.REFERENCE_CHUNK_BYTES:
+        return None
+    return max(1, _memory.REFERENCE_CHUNK_BYTES // (8 * max(1, d)))
+
+
+def sliced_linear64(x: torch.Tensor, n_out: int, rows: int, weight_slice, bias: torch.Tensor | None = None):
+    """F.linear in float64 in slices of `rows` output features; weight_slice(i, j) gives rows i:j in float64."""
+    out = torch.empty(*x.shape[:-1], n_out, dtype=torch.float64, device=x.device)
+    for i in range(0, n_out, rows):
+        j = min(n_out, i + rows)
+        w = weight_slice(i, j)
+        out[..., i:j] = torch.nn.functional.linear(x, w, None if bias is None else bias[i:j])
+        del w
+    return out
+
+
 def keep64(func, args, kwargs):
     """The rule of a float64 run, for one torch call: float64 -> float32 casts are no-ops and MoE grouped_mm runs
     group by group. Returns (args, kwargs, result): result is not None when the call is answered here. Used by
     KeepFloat64 and by the streamed reference (kvviz.reference), so both keep float64 the same way."""
+    if func is torch.nn.functional.linear and len(args) > 1 and _is64(args[0]) and _is64(args[1]) and not kwargs \
+            and args[1].dim() == 2:
+        rows = head_slice_rows(args[1].shape)
+        if rows is not None:
+            w, b = args[1], args[2] if len(args) > 2 else None
+            return args, kwargs, sliced_linear64(args[0], w.shape[0], rows, lambda i, j: w[i:j], b)
     if func in _PRODUCTS:
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         if len(tensors) == 1 and isinstance(args[-1], (list, tuple)):  # einsum(eq, [a, b])

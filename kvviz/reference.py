@@ -44,8 +44,7 @@ from torch.overrides import TorchFunctionMode
 
 from .dtypes import check_attention_dtype, exact_in
 from .errors import KvvizError
-from .memory import REFERENCE_CHUNK_BYTES as CHUNK_BYTES
-from .float64 import keep64
+from .float64 import head_slice_rows, keep64, sliced_linear64
 
 STRATEGIES = ("auto", "twin", "streamed")
 # A weight larger than this in float64 (a big vocabulary's output head) is applied in slices of output features.
@@ -330,8 +329,8 @@ class StreamedFloat64(TorchFunctionMode):
             out = func(args[0], weight, *args[2:], **kwargs)
             return out.to(torch.float64) if out.dtype.is_floating_point else out
         if func is F.linear and len(args) > 1 and self._hit(args[1]) and not kwargs and \
-                args[1].numel() * 8 > max(CHUNK_BYTES, self.room) and id(args[1]) not in self.kept:
-            return self._sliced_linear(*args)  # a weight too big to hold in float64 (never one a small model keeps)
+                args[1].dim() == 2 and head_slice_rows(args[1].shape) is not None and id(args[1]) not in self.kept:
+            return self._sliced_linear(*args)  # a weight over the slice size: never held whole in float64
         args = tuple(self._sub(a) for a in args)
         if kwargs:
             kwargs = {k: self._sub(v) for k, v in kwargs.items()}
@@ -342,22 +341,20 @@ class StreamedFloat64(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _sliced_linear(self, x, weight, bias=None):
-        """A linear layer whose float64 weight is over CHUNK_BYTES (a large vocabulary's head): applied in slices
-        of output features, so only one slice is ever held in float64. Each output is the same dot product."""
+        """A linear layer whose float64 weight is over REFERENCE_CHUNK_BYTES (a large vocabulary's head): applied in
+        slices of output features, so only one slice is ever held in float64 - the same slices every float64 run
+        makes (kvviz.float64.head_slice_rows), so each output is the same kernel call as the twin's."""
         src = self.subs[id(weight)][1]
-        rows = max(1, CHUNK_BYTES // (8 * weight.shape[1]))
         x = self._sub(x)
         b64 = self._sub(bias) if bias is not None else None
-        out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.float64, device=x.device)
-        for i in range(0, weight.shape[0], rows):
+
+        def piece(i, j):
             if src is not None and not isinstance(src, torch.Tensor):
                 file, key = src
-                w = self._open(file).rows(key, i, i + rows).to(device=x.device, dtype=torch.float64)
-            else:
-                w = weight[i:i + rows].to(torch.float64)
-            out[..., i:i + rows] = F.linear(x, w, None if b64 is None else b64[i:i + rows])
-            del w
-        return out
+                return self._open(file).rows(key, i, j).to(device=x.device, dtype=torch.float64)
+            return weight[i:j].to(torch.float64)
+
+        return sliced_linear64(x, weight.shape[0], head_slice_rows(weight.shape), piece, b64)
 
     def _checkpoint_rows(self, ids: torch.Tensor, weight: torch.Tensor, src) -> torch.Tensor:
         """An embedding lookup of a weight held rounded in the loaded model: the rows the ids name, read from the

@@ -282,9 +282,10 @@ def test_a_large_bfloat16_model_reads_only_the_rows_it_needs_from_the_checkpoint
     """Where nothing is kept (a model whose float64 copy is large) and the loaded weights are rounded, the embedding
     lookup reads only the looked-up rows from the checkpoint and a large head is applied in slices read from it; the
     numbers are still the float32 checkpoint's, bit for bit, and no whole table is read."""
-    from kvviz import reference
+    from kvviz import memory, reference
 
-    monkeypatch.setattr(reference, "CHUNK_BYTES", 8 * 64 * 16)  # tiny:gemma3's head in slices of 16 rows
+    # tiny:gemma3's head in slices of 16 rows - in every float64 run, the twin's included (kvviz.float64.head_slice_rows)
+    monkeypatch.setattr(memory, "REFERENCE_CHUNK_BYTES", 8 * 64 * 16)
     lm = load_model("tiny:gemma3", "bfloat16", DEVICE)
     ref = lm.reference("streamed")
     monkeypatch.setattr(ref.stream64, "keep_bytes", 0)

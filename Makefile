@@ -21,7 +21,7 @@ WORKERS ?= 2
 XDIST := $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist worksteal)
 FAST := -m "not slow and not browser and not app and not heavy"
 
-.PHONY: run test test-fast test-latest test-oldest lock setup setup-dev browser bench bench-memory arch-sweep gpu-check \
+.PHONY: test-any-cpu run test test-fast test-latest test-oldest lock setup setup-dev browser bench bench-memory arch-sweep gpu-check \
 	clean-venv wheel
 
 run: setup
@@ -78,6 +78,19 @@ test: setup-dev
 # The inner loop: library and CLI on tiny models (no default model, no app, no browser, no compile, no repro scripts).
 test-fast: $(DEVSTAMP)
 	$(BIN)/python -m pytest $(FAST) $(XDIST) $(PYTEST_ARGS)
+
+# "Any machine" on this machine: the bit-for-bit and rounding-dependent tests again with another CPU path forced
+# (AVX2 kernels in ATen, MKL and oneDNN, as on an AVX2-only AMD EPYC: ATEN_CPU_CAPABILITY, MKL_ENABLE_INSTRUCTIONS,
+# ONEDNN_MAX_CPU_ISA - without it torch still takes AMX paths for bfloat16 attention here and fails -, and
+# MKL_CBWR=AVX2 for MKL's conditional bitwise reproducibility) at 1 thread and at 2 threads, so a claim that holds
+# only on AVX-512 or at one thread count goes red where it is written.
+BITS_TESTS ?= tests/test_reference.py tests/test_invariant.py tests/test_invariant_sizes.py \
+	tests/test_invariant_scans.py tests/test_streaming.py tests/test_greedy.py tests/test_verdict.py \
+	tests/test_bisect_ops.py tests/test_kvcache.py tests/test_split.py tests/test_export.py
+ANY_CPU_ENV := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 MKL_CBWR=AVX2 ONEDNN_MAX_CPU_ISA=AVX2
+test-any-cpu: $(DEVSTAMP)
+	$(ANY_CPU_ENV) KVVIZ_TEST_THREADS=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(FAST) -p no:cacheprovider $(PYTEST_ARGS) $(BITS_TESTS)
+	$(ANY_CPU_ENV) KVVIZ_TEST_THREADS=2 OMP_NUM_THREADS=2 $(BIN)/python -m pytest $(FAST) -p no:cacheprovider $(PYTEST_ARGS) $(BITS_TESTS)
 
 # Tracking upstream: a second environment with the newest versions requirements.txt allows, then the fast tier there.
 # torch stays the one make_venv chose (constrained: an eager upgrade would otherwise fetch PyPI's newest torch, a CUDA

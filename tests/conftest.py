@@ -24,7 +24,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # Under pytest-xdist (`make test` runs `-n 2`), the cores are shared: each worker gets its share of torch's threads,
 # so two workers do not each start a pool as wide as the machine (oversubscribed, both run slower).
-if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+# KVVIZ_TEST_THREADS pins the count instead (`make test-any-cpu` runs the bit-for-bit tests at 1 and at 2 threads).
+if os.environ.get("KVVIZ_TEST_THREADS"):
+    import torch
+
+    torch.set_num_threads(int(os.environ["KVVIZ_TEST_THREADS"]))
+elif os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     import torch
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))

@@ -34,6 +34,7 @@ proving a point on a prompt; bench/invariant_bench.py measures it.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 
 import torch
@@ -259,19 +260,501 @@ def invariant_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
     return fixed_order_matmul(p, value)
 
 
+# --- fixed-shape kernels: the same bits at library-GEMM speed --------------------------------------------------------
+#
+# A library GEMM (MKL, oneDNN, cuBLAS) picks its algorithm - blocking, K-split, micro-kernel, edge handling - from the
+# call's shape, so a row computed among 1 or among L rows can round differently. Called always with ONE shape, a
+# GEMM's algorithm is fixed; what is left is whether an output element depends on where its row (or column, or batch
+# entry) sits inside that shape: on AVX2 MKL's sgemm does for some row counts (an edge micro-kernel), on AVX-512 it
+# does not. So every fixed shape is *probed* once per device, dtype, shape and thread count: the call on random data,
+# and again with its rows (columns, batch entries) rolled; the shape is used only where every element came out the
+# same wherever it sat, and a smaller or other one is tried otherwise (the per-row and element-by-element forms above
+# remain the last resort). The reduction over a matmul's inner dimension is cut into blocks of T aligned at each row's
+# first nonzero (its first visible key), combined in index order: a cached row whose keys start elsewhere in the
+# tensor (a sliding window's cache, left padding) groups the same terms as the full forward's.
+
+# Row-block families, in order of preference: a family's sizes must each be position-free AND give a row the same
+# bits as each other, so a long prompt goes in the big blocks and a decode step's one row in a small one.
+LINEAR_BLOCKS = {"cpu": ((256, 32), (256, 64), (128, 16), (128, 64), (64, 16), (256,), (128,), (64,), (32,), (16,),
+                         (48,), (24,), (8,)),
+                 "cuda": ((256, 64), (128, 32), (256,), (128,), (64,), (32,), (16,))}
+TILES = {"cpu": (64, 32, 16, 48, 24), "cuda": (64, 32, 16)}
+# every tile bmm call multiplies exactly one of these many [T, T] x [T, T] pairs (the last chunk padded); the probe
+# checks a pair's bits are the same in each
+TILE_BATCHES = (1024, 128, 16)
+_PROBES: dict = {}
+_PROBE_LOCK = threading.Lock()
+
+
+def _where(device: torch.device) -> tuple:
+    """What a probe's verdict depends on besides the shape: the device, its kernels and the thread count."""
+    if device.type == "cpu":
+        return ("cpu", torch.backends.cpu.get_cpu_capability(), torch.get_num_threads())
+    if device.type == "cuda":
+        return ("cuda", torch.cuda.get_device_name(device), torch.backends.cuda.matmul.allow_tf32)
+    return (device.type,)
+
+
+def _probe(key, candidates, works):
+    with _PROBE_LOCK:
+        if key in _PROBES:
+            return _PROBES[key]
+    found = 0
+    for c in candidates:
+        if works(c):
+            found = c
+            break
+    with _PROBE_LOCK:
+        _PROBES[key] = found
+    return found
+
+
+def _probe_data(shape, dtype, device, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
+
+
+def linear_block(x_dtype: torch.dtype, weight: torch.Tensor, bias, call, k: int, kind: tuple = ("linear",)) -> tuple:
+    """Row-block sizes (largest first) for `call(rows [b, k], weight, bias)`, each call of one of these shapes: every
+    row's bits the same wherever it sits in a block and whichever size it goes in; () where none is found here."""
+    key = (*kind, _where(weight.device), x_dtype, weight.dtype, tuple(weight.shape), weight.stride(),
+           None if bias is None else (bias.dtype, tuple(bias.shape), bias.stride()))
+    outs: dict = {}
+
+    def rows_of(b: int):
+        if b not in outs:
+            x = _probe_data((b, k), x_dtype, weight.device, 7)  # the same first rows for every size
+            outs[b] = (x, call(x, weight, bias))
+        return outs[b]
+
+    def works(family: tuple) -> bool:
+        for b in family:
+            x, y = rows_of(b)
+            if not (all(torch.equal(call(x.roll(s, 0), weight, bias), y.roll(s, 0)) for s in (1, b // 2 + 1)) and
+                    torch.equal(call(x[b // 2:].repeat(2, 1)[:b], weight, bias)[0], y[b // 2])):
+                return False
+        small = min(family)
+        return all(torch.equal(rows_of(b)[1][:small], rows_of(small)[1]) for b in family)
+
+    return _probe(key, LINEAR_BLOCKS.get(weight.device.type, LINEAR_BLOCKS["cuda"]), works) or ()
+
+
+def _blocked_rows(rows: torch.Tensor, n_out: int, sizes: tuple, call, out_dtype) -> torch.Tensor:
+    """call(block, out=...) on rows in blocks of exactly one of `sizes` rows: the largest while the rows last, the
+    rest in the smallest (the input padded once with zero rows; every block a contiguous view of it), each block's
+    result written in place into the output."""
+    r = rows.shape[0]
+    big, small = max(sizes), min(sizes)
+    plan, i = [], 0
+    while i < r:
+        b = big if r - i >= big else small
+        plan.append((i, b))
+        i += b
+    total = i
+    if total != r or not rows.is_contiguous():
+        padded = rows.new_zeros(total, rows.shape[1])
+        padded[:r] = rows
+    else:
+        padded = rows
+    out = torch.empty(total, n_out, dtype=out_dtype, device=rows.device)
+    for i, b in plan:
+        call(padded[i:i + b], out=out[i:i + b])
+    return out[:r]
+
+
+def block_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear with every kernel call of one shape [b, K] x [K, N] (b probed; rows in blocks, the last padded)."""
+    wt = weight.t()
+    if bias is None:
+        call = lambda blk, out=None: torch.mm(blk, wt, out=out)  # noqa: E731
+    else:
+        call = lambda blk, out=None: torch.addmm(bias, blk, wt, out=out)  # noqa: E731
+    b = linear_block(x.dtype, weight, bias, lambda blk, w_, c_: call(blk), weight.shape[-1]) \
+        if x.dtype == weight.dtype else 0
+    if not b:
+        return rowwise_linear(x, weight, bias)
+    rows = x.reshape(-1, x.shape[-1])
+    out = _blocked_rows(rows, weight.shape[0], b, call, torch.result_type(rows, weight))
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def block_addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta=1, alpha=1) -> torch.Tensor:
+    """torch.addmm (GPT-2's Conv1D) with every kernel call of one shape, as block_linear."""
+    call = lambda blk, out=None: torch.addmm(bias, blk, b, beta=beta, alpha=alpha, out=out)  # noqa: E731
+    per_row_bias = bias.dim() == 2 and bias.shape[0] != 1
+    rows_b = 0 if per_row_bias or a.dtype != b.dtype else \
+        linear_block(a.dtype, b, bias, lambda blk, w_, c_: call(blk), b.shape[0], ("addmm", float(beta), float(alpha)))
+    if not rows_b:
+        return rowwise_addmm(bias, a, b, beta=beta, alpha=alpha)
+    return _blocked_rows(a, b.shape[1], rows_b, call, torch.result_type(a, b))
+
+
+def tile_size(device: torch.device, dtype: torch.dtype) -> int:
+    """T for the tile GEMMs (bmm calls of [n, T, T] x [n, T, T], n in TILE_BATCHES), 0 where none is position-free:
+    a pair's product must not depend on where it sits in the call (batch entry, row, column) nor on n."""
+    key = ("tile", _where(device), dtype)
+
+    def works(t: int) -> bool:
+        big = TILE_BATCHES[0]
+        a = _probe_data((big, t, t), dtype, device, 2 * t)
+        b = _probe_data((big, t, t), dtype, device, 2 * t + 1)
+        y = torch.bmm(a, b)
+        return (torch.equal(torch.bmm(a.roll(1, 0), b.roll(1, 0)), y.roll(1, 0))
+                and all(torch.equal(torch.bmm(a.roll(s, 1), b), y.roll(s, 1)) for s in (1, t // 2 + 1))
+                and all(torch.equal(torch.bmm(a, b.roll(s, 2)), y.roll(s, 2)) for s in (1, t // 2 + 1))
+                and all(torch.equal(torch.bmm(a[:n], b[:n]), y[:n]) and
+                        torch.equal(torch.bmm(a[n:2 * n], b[n:2 * n]), y[n:2 * n]) for n in TILE_BATCHES[1:]))
+
+    return _probe(key, TILES.get(device.type, TILES["cuda"]), works)
+
+
+def _ordered_sum(parts: torch.Tensor) -> torch.Tensor:
+    """parts [R, n, ...] summed over n in index order (the same bits whatever n is, trailing zeros change nothing)."""
+    if parts.device.type == "cpu":
+        return torch.cumsum(parts, dim=1).select(1, -1)
+    acc = parts[:, 0].clone()
+    for j in range(1, parts.shape[1]):
+        acc += parts[:, j]
+    return acc
+
+
+def _fixed_bmm(lhs: torch.Tensor, rhs: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = bmm of [E, t, t] pairs, in calls of exactly TILE_BATCHES sizes (the last one zero-padded)."""
+    total, t = lhs.shape[0], lhs.shape[1]
+    e0 = 0
+    while e0 < total:
+        left = total - e0
+        size = next((b_ for b_ in TILE_BATCHES if b_ <= left), TILE_BATCHES[-1])
+        if left >= size:
+            torch.bmm(lhs[e0:e0 + size].contiguous(), rhs[e0:e0 + size].contiguous(), out=out[e0:e0 + size])
+        else:
+            x = lhs.new_zeros(size, t, t)
+            y = rhs.new_zeros(size, t, t)
+            x[:left], y[:left] = lhs[e0:], rhs[e0:]
+            out[e0:] = torch.bmm(x, y)[:left]
+        e0 += size
+    return out
+
+
+TILE_PAIRS = 4096  # [t, t] pairs gathered at a time
+TILE_PARTS_BYTES = 32 * 1024 ** 2  # partial products held at a time
+
+
+def tiled_mm(a: torch.Tensor, b: torch.Tensor, t: int, starts: torch.Tensor | None = None) -> torch.Tensor:
+    """a [G, M, K] @ b [G, K, N] (same float dtype) in [t, t] x [t, t] tiles: the inner dimension in blocks of t
+    aligned at each row's start - `starts` [G, M] (attention: the row's first visible key), else its first nonzero -,
+    the blocks' partial products added in index order; blocks where a row tile is all zero are skipped (they add
+    exactly 0). Every bmm call has the shape [n, t, t] x [n, t, t], n in TILE_BATCHES."""
+    g_n, m, k = a.shape
+    dev = a.device
+    if starts is not None and starts.dim() == 0:
+        f = None  # told: every row starts at column 0 (a reduction over the head dimension)
+    elif bool((a[..., 0] != 0).all()) if starts is None else not bool(starts.any()):
+        f = None  # every row starts at its first column: no shift anywhere (scores, causal attention weights)
+    else:
+        lo = (a != 0).to(torch.uint8).argmax(-1) if starts is None else starts  # (0 where a row has none)
+        f = (t - lo % t) % t  # zeros put in front of the row so its first nonzero starts a block
+        if not bool((f == f[:, :1]).all()):
+            return _tiled_rows(a, b, t, f)
+        f = f[:, 0]
+    return _tiled_uniform(a, b, t, f)
+
+
+def _tiled_uniform(a, b, t, f):
+    """tiled_mm where every row of a batch entry has the same shift f[g] (or none)."""
+    g_n, m, k = a.shape
+    n = b.shape[-1]
+    dev, dt = a.device, a.dtype
+    fmax = 0 if f is None else int(f.max())
+    nk, nq, nn = -(-(k + fmax) // t), -(-m // t), -(-n // t)
+    if f is None and m % t == 0 and k % t == 0:
+        at = a
+    else:
+        at = torch.zeros(g_n, nq * t, nk * t, dtype=dt, device=dev)
+    bp = torch.zeros(g_n, nk * t, nn * t, dtype=dt, device=dev)
+    for fv in ([0] if f is None else torch.unique(f).tolist()):
+        sel = slice(None) if f is None else (f == fv)
+        if at is not a:
+            at[sel, :m, fv:fv + k] = a[sel]
+        bp[sel, fv:fv + k, :n] = b[sel]
+    a5 = at.reshape(g_n, nq, t, nk, t)
+    b5 = bp.view(g_n, nk, t, nn, t).permute(0, 1, 3, 2, 4)  # [g, j, n, row, column]
+    acc = torch.empty(g_n, nq, nn, t, t, dtype=dt, device=dev)
+    per_q = max(1, TILE_PARTS_BYTES // max(1, g_n * nk * nn * t * t * a.element_size()))
+    for q0 in range(0, nq, per_q):
+        q1 = min(nq, q0 + per_q)
+        # every (entry, row tile, inner block, column block) pair; inner blocks in index order, then summed in it
+        lhs = a5[:, q0:q1].permute(0, 1, 3, 2, 4)[:, :, :, None].expand(g_n, q1 - q0, nk, nn, t, t)
+        rhs = b5[:, None].expand(g_n, q1 - q0, nk, nn, t, t)
+        parts = torch.empty(g_n, q1 - q0, nk, nn, t, t, dtype=dt, device=dev)
+        _fixed_bmm(lhs.reshape(-1, t, t), rhs.reshape(-1, t, t), parts.view(-1, t, t))
+        acc[:, q0:q1] = parts[:, :, 0] if nk == 1 else _ordered_sum(parts.view(-1, nk, nn, t, t)).view(
+            g_n, q1 - q0, nn, t, t)
+    return acc.permute(0, 1, 3, 2, 4).reshape(g_n, nq * t, nn * t)[:, :m, :n]
+
+
+def _tiled_rows(a: torch.Tensor, b: torch.Tensor, t: int, f: torch.Tensor) -> torch.Tensor:
+    """tiled_mm where rows of one batch entry have different shifts (a sliding window past its size): rows are
+    grouped by (batch entry, shift) into row tiles, each with its own shifted blocks of b."""
+    g_n, m, k = a.shape
+    n = b.shape[-1]
+    dev, dt = a.device, a.dtype
+    nk = -(-(k + t - 1) // t)
+    kp = nk * t
+    nn = -(-n // t)
+    key = (torch.arange(g_n, device=dev)[:, None] * t + f).reshape(-1)
+    order = torch.argsort(key, stable=True)
+    skey = key[order]
+    counts = torch.bincount(skey, minlength=g_n * t)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(order.numel(), device=dev) - starts[skey]
+    per_key = (counts + t - 1) // t
+    base = torch.cumsum(per_key, 0) - per_key
+    tile_of = base[skey] + rank // t
+    slot = rank % t
+    n_tiles = int(per_key.sum())
+    tile_key = torch.zeros(n_tiles, dtype=skey.dtype, device=dev)
+    tile_key[tile_of] = skey
+    tile_g, tile_f = tile_key // t, tile_key % t
+    rows_g, rows_m, rows_f = order // m, order % m, f.reshape(-1)[order]
+    at = torch.zeros(n_tiles, t, kp, dtype=dt, device=dev)
+    for fv in torch.unique(rows_f).tolist():
+        sel = rows_f == fv
+        at[tile_of[sel], slot[sel], fv:fv + k] = a[rows_g[sel], rows_m[sel]]
+    bp = torch.zeros(g_n, t + kp, nn * t, dtype=dt, device=dev)  # t zero rows in front: shift fv reads from t - fv
+    bp[:, t:t + k, :n] = b
+    at4 = at.view(n_tiles, t, nk, t)
+    live = at4.ne(0).any(1).any(-1)  # [tiles, nk]
+    bu = bp.view(g_n, t + kp, nn, t).unfold(1, t, 1)  # [g, start row, column block, column, row]
+    e_tile, e_j = live.nonzero(as_tuple=True)
+    order_j = torch.argsort(e_j, stable=True)
+    e_tile, e_j = e_tile[order_j], e_j[order_j]
+    counts_j = torch.bincount(e_j, minlength=nk).tolist()
+    acc = torch.zeros(n_tiles, nn, t, t, dtype=dt, device=dev)
+    flat = acc.view(-1, t, t)
+    ar_n = torch.arange(nn, device=dev)
+    e0 = 0
+    for j, c in enumerate(counts_j):
+        for s0 in range(e0, e0 + c, max(1, TILE_PAIRS // nn)):
+            s1 = min(e0 + c, s0 + max(1, TILE_PAIRS // nn))
+            et = e_tile[s0:s1]
+            lhs = at4[et, :, j, :][:, None].expand(s1 - s0, nn, t, t).reshape(-1, t, t)
+            rhs = bu[tile_g[et][:, None], (t - tile_f[et] + j * t)[:, None], ar_n].transpose(-1, -2).reshape(-1, t, t)
+            idx = (et[:, None] * nn + ar_n).reshape(-1)
+            flat[idx] = flat[idx] + _fixed_bmm(lhs, rhs, torch.empty_like(lhs))
+        e0 += c
+    out = acc.permute(0, 2, 1, 3).reshape(n_tiles, t, nn * t)
+    res = torch.empty(g_n, m, n, dtype=dt, device=dev)
+    res[rows_g, rows_m] = out[tile_of, slot, :n]
+    return res
+
+
+def fast_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b for invariant mode: tile GEMMs where the device has a position-free tile, else fixed_order_matmul.
+    Products and sums in float32 or better (float64 stays float64), one rounding to the result dtype."""
+    if a.dim() < 2 or b.dim() < 2:
+        return torch.matmul(a, b)
+    out_dtype = torch.result_type(a, b)
+    wide = _wide(out_dtype)
+    t = tile_size(a.device, wide)
+    if not t:
+        return fixed_order_matmul(a, b)
+    return _wide_matmul(a, b, t, wide).to(out_dtype)
+
+
+def _wide_matmul(a, b, t, wide, starts=None):
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    aa = a.to(wide).expand(*batch, m, k).reshape(-1, m, k)
+    bb = b.to(wide).expand(*batch, k, n).reshape(-1, k, n)
+    return tiled_mm(aa, bb, t, starts).reshape(*batch, m, n)
+
+
+def block_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """A sum along `dim` with the tile GEMMs' grouping (blocks aligned at the first nonzero, in index order): the
+    same bits however long the row is and wherever its nonzeros start; falls back to seq_sum."""
+    t = tile_size(x.device, x.dtype) if x.dtype in (torch.float32, torch.float64) else 0
+    if not t or x.device.type == "cpu":  # the CPU's cumsum is a sequential scan: alignment-free already
+        return seq_sum(x, dim)
+    moved = x.movedim(dim, -1)
+    rows = moved.reshape(1, -1, moved.shape[-1])
+    ones = torch.ones(1, moved.shape[-1], 1, dtype=x.dtype, device=x.device)
+    return tiled_mm(rows, ones, t).reshape(moved.shape[:-1])
+
+
+def fast_softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) -> torch.Tensor:
+    out_dtype = dtype or x.dtype
+    w = x.to(_wide(out_dtype if dtype is not None else x.dtype))
+    m = w.amax(dim=dim, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = lanewise(torch.exp, w - m)
+    s = block_sum(e, dim).unsqueeze(dim)
+    return (e / s).to(out_dtype)
+
+
+_NO_SHIFT = torch.tensor(0)  # tiled_mm's starts for a reduction over the head dimension: blocks from column 0
+
+
+ATTENTION_ROWS = {"cpu": (64, 32, 16, 48), "cuda": (64, 128, 32)}
+ATTENTION_KEYS = (512, 256, 128, 64)
+
+
+def attention_tiles(device: torch.device, dtype: torch.dtype, d_qk: int, d_v: int) -> tuple[int, int] | None:
+    """(rows, keys) of the two fixed-shape GEMMs fast_sdpa makes per batch entry and head - scores [rows, d_qk] x
+    [d_qk, keys], weighted values [rows, keys] x [keys, d_v] - where a row's (and a key's) result does not depend
+    on where it sits in the call, else None."""
+    out = []
+    for r in ATTENTION_ROWS.get(device.type, ATTENTION_ROWS["cuda"]):
+        for k in ATTENTION_KEYS:
+            out.append(r * 1000 + k)
+
+    def works(code: int) -> bool:
+        r, k = divmod(code, 1000)
+        q = _probe_data((r, d_qk), dtype, device, r)
+        kt = _probe_data((d_qk, 2 * k), dtype, device, k)[:, :k]  # a slice of a wider key table, as in fast_sdpa
+        y = torch.mm(q, kt)
+        if not (all(torch.equal(torch.mm(q.roll(s_, 0), kt), y.roll(s_, 0)) for s_ in (1, r // 2 + 1)) and
+                all(torch.equal(torch.mm(q, kt.roll(s_, 1)), y.roll(s_, 1)) for s_ in (1, k // 2 + 1))):
+            return False
+        p = _probe_data((r, 2 * k), dtype, device, r + k)[:, :k]
+        v = _probe_data((k, d_v), dtype, device, k + 1)
+        z = torch.mm(p, v)
+        return all(torch.equal(torch.mm(p.roll(s_, 0), v), z.roll(s_, 0)) for s_ in (1, r // 2 + 1))
+
+    found = _probe(("attention", _where(device), dtype, d_qk, d_v), out, works)
+    return divmod(found, 1000) if found else None
+
+
+def fast_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, **_):
+    """scaled_dot_product_attention in invariant mode: the steps eager attention takes in invariant mode, op for op
+    (so eager and SDPA models agree bit for bit there) - scores q·kᵀ rounded to the dtype, scaled in it, the mask
+    added in it; the softmax in float32 or better, its normaliser a running sum; the weights rounded to the dtype,
+    times v - with every GEMM of one of two fixed shapes (attention_tiles), per batch entry and head, a chunk of
+    queries at a time over only the keys the chunk sees. The weighted sum over the keys goes in blocks that start
+    at each query's first visible key, added in order: a cached query whose keys start elsewhere in the tensor (a
+    sliding window's cache, left padding) groups the same terms as the full forward's. A query with no visible key
+    gives 0."""
+    wide = _wide(query.dtype)
+    tiles = attention_tiles(query.device, wide, query.shape[-1], value.shape[-1])
+    if tiles is None:
+        return invariant_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale)
+    mq, w = tiles
+    pow2 = scale is not None and scale > 0 and math.frexp(scale)[0] == 0.5 or scale is None and \
+        math.frexp(query.shape[-1] ** -0.5)[0] == 0.5
+    hq, hk = query.shape[-3], key.shape[-3]
+    if hk != hq:
+        key = key.repeat_interleave(hq // hk, dim=-3)
+        value = value.repeat_interleave(hq // hk, dim=-3)
+    lq, lk, dqk, d = query.shape[-2], key.shape[-2], query.shape[-1], value.shape[-1]
+    scale = dqk ** -0.5 if scale is None else scale
+    batch = torch.broadcast_shapes(query.shape[:-2], key.shape[:-2])
+    dt, dev = query.dtype, query.device
+    q = query.expand(*batch, lq, dqk).reshape(-1, lq, dqk).to(wide)
+    g_n = q.shape[0]
+    if lq % mq:
+        q = torch.cat([q, q.new_zeros(g_n, mq - lq % mq, dqk)], 1)
+    lkp = -(-lk // w) * w
+    kt = torch.zeros(g_n, dqk, lkp, dtype=wide, device=dev)
+    kt[:, :, :lk] = key.expand(*batch, lk, dqk).reshape(-1, lk, dqk).transpose(1, 2)
+    vp = torch.zeros(g_n, lkp + w, d, dtype=wide, device=dev)  # w zero rows past the end: a block may run over
+    vp[:, :lk] = value.expand(*batch, lk, d).reshape(-1, lk, d)
+    out = torch.empty(g_n, lq, d, dtype=dt, device=dev)
+    floor = torch.finfo(wide).min / 2
+    cols = torch.arange(lk, device=dev)
+    for r0 in range(0, lq, mq):
+        r1 = min(lq, r0 + mq)
+        nr = r1 - r0
+        # which keys each query sees: [1 or entries, rows, keys], broadcast over what does not vary
+        visible = torch.ones(1, nr, lk, dtype=torch.bool, device=dev)
+        if is_causal:
+            visible = (cols <= torch.arange(r0, r1, device=dev)[:, None] + (lk - lq))[None]
+        mk = None
+        if attn_mask is not None:
+            mk = attn_mask[..., r0:r1, :].expand(*batch, nr, lk).reshape(-1, nr, lk)
+            visible = visible & (mk if mk.dtype == torch.bool else mk > floor)
+        seen = visible.any(1).any(0).nonzero()
+        if seen.numel() == 0:
+            out[:, r0:r1] = 0
+            continue
+        k0, k1 = int(seen[0]), int(seen[-1]) + 1
+        c0, c1 = k0 // w * w, -(-k1 // w) * w  # the scores' key chunks: aligned anywhere (no sum over keys)
+        sc = torch.empty(g_n, (c1 - c0) // w, mq, w, dtype=wide, device=dev)
+        for g in range(g_n):
+            qg = q[g, r0:r0 + mq]
+            for i, c in enumerate(range(c0, c1, w)):
+                torch.mm(qg, kt[g, :, c:c + w], out=sc[g, i])
+        sc = sc.permute(0, 2, 1, 3).reshape(g_n, mq, c1 - c0)[:, :nr, k0 - c0:k1 - c0]
+        if dt == wide:
+            sc = sc * scale
+        elif pow2:  # the scores rounded to the dtype and scaled in it, as eager attention does: one rounding
+            sc = sc.mul_(scale).to(dt)
+        else:
+            sc = sc.to(dt) * scale
+        vis = visible[..., k0:k1]
+        if mk is not None and mk.dtype != torch.bool:
+            sc = (sc + mk[..., k0:k1].to(dt)).to(wide)
+            vis = vis & (sc > floor)
+        else:
+            sc = sc.to(wide)
+        span = k1 - k0
+        hidden = (~vis).any(0).any(0).nonzero()  # the key columns some query of the chunk does not see
+        if hidden.numel():
+            h0 = int(hidden[0])
+            sc[..., h0:] = sc[..., h0:].masked_fill(~vis[..., h0:], float("-inf"))
+        mx = sc.amax(-1, keepdim=True)
+        mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
+        # exp over a buffer whose length is a multiple of _LANE_BLOCK: every element through the vectorised body
+        n_el = sc.numel()
+        flat = torch.empty(-(-n_el // _LANE_BLOCK) * _LANE_BLOCK, dtype=wide, device=dev)
+        flat[n_el:] = 0
+        e = flat[:n_el].view(sc.shape)
+        torch.sub(sc, mx, out=e)
+        torch.exp(flat, out=flat)
+        den = block_sum(e, -1).unsqueeze(-1)
+        pp = torch.zeros(g_n, nr, span + w, dtype=wide, device=dev)  # w more columns: a block may run past the end
+        p = pp[..., :span]
+        torch.div(e, den.masked_fill(den == 0, 1), out=p)  # a query that sees no key: e is all 0, so are its weights
+        if dt != wide:
+            p.copy_(p.to(dt))  # the weights in the dtype, as eager attention holds them
+        # the weighted sum: blocks of w keys from each query's first visible key (not its first nonzero weight: one
+        # that underflowed to 0 would move the blocks, and a run whose underflows fall elsewhere would group otherwise)
+        first = vis.to(torch.uint8).argmax(-1)  # relative to k0; [1 or entries, rows]
+        uniform = first.shape[0] == 1 and bool((first == first[0, 0]).all())
+        for g in range(g_n):
+            fg = first[0 if first.shape[0] == 1 else g]
+            starts = [int(fg[0])] if uniform or bool((fg == fg[0]).all()) else torch.unique(fg).tolist()
+            for lo in starts:
+                rows = None if len(starts) == 1 else (fg == lo).nonzero().squeeze(1)
+                pr = pp[g] if rows is None else pp[g, rows]
+                n_rows = pr.shape[0]
+                acc = None
+                for c in range(lo, span, w):
+                    blk = pr[:, c:c + w]
+                    if n_rows < mq:
+                        blk = torch.cat([blk, blk.new_zeros(mq - n_rows, w)])
+                    part = torch.mm(blk, vp[g, k0 + c:k0 + c + w])
+                    acc = part if acc is None else acc.add_(part)
+                res = acc[:n_rows].to(dt)
+                if rows is None:
+                    out[g, r0:r1] = res
+                else:
+                    out[g, r0 + rows] = res
+    return out.reshape(*batch, lq, d)
+
+
 class InvariantMode(TorchFunctionMode):
     """Route the shape-sensitive ops to their fixed-order versions (see the module docstring)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear:
-            return rowwise_linear(*args, **kwargs)
+            return block_linear(*args, **kwargs)
         if func is torch.addmm and len(args) >= 3 and args[1].dim() == 2:
-            return rowwise_addmm(*args, **kwargs)
+            return block_addmm(*args, **kwargs)
         if func in _MATMULS and len(args) == 2 and not kwargs:
-            return fixed_order_matmul(*args)
+            return fast_matmul(*args)
         if func in _MATMULS and len(args) == 2 and set(kwargs) == {"out"}:  # transformers' grouped_mm fallback
-            return kwargs["out"].copy_(fixed_order_matmul(*args))
+            return kwargs["out"].copy_(fast_matmul(*args))
         if func in _GROUPED or "grouped_mm_fallback" in str(getattr(func, "_qualified_op_name", "")):
             return rowwise_grouped_mm(*args, **kwargs)
         if func in (torch.logsumexp, torch.Tensor.logsumexp) and args[0].is_floating_point():
@@ -284,9 +767,9 @@ class InvariantMode(TorchFunctionMode):
             x = args[0]
             dim = kwargs.get("dim", args[1] if len(args) > 1 else -1)
             dtype = kwargs.get("dtype", args[2] if len(args) > 2 else None)
-            return fixed_order_softmax(x, dim=dim, dtype=dtype)
+            return fast_softmax(x, dim=dim, dtype=dtype)
         if func is F.scaled_dot_product_attention:
-            return invariant_sdpa(*args, **kwargs)
+            return fast_sdpa(*args, **kwargs)
         if (func in _LANEWISE and args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point()
                 and args[0].numel() and "out" not in kwargs):
             return lanewise(func, *args, **kwargs)

@@ -7,7 +7,8 @@ engines. Whether that changes the bits on a given machine depends on its kernels
 `F.linear` on float32/16-bit inputs that sees more than one row sums its inner dimension in two halves (each a
 running sum in index order, then the two added), and a single row - or any float64 input - is one running sum in
 index order. With `tiny:split` (kvviz/tiny.py) the top token then depends on how many rows the head saw, by
-construction; invariant mode (kvviz/invariant.py) computes every row alone, so under it nothing parts.
+construction; invariant mode (kvviz/invariant.py) gives every linear call one shape (a fixed block of rows, the last
+padded), so under it every row is summed the same way - here always in two halves - and nothing parts.
 """
 from __future__ import annotations
 

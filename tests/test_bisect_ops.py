@@ -45,7 +45,7 @@ def test_invariant_mode_nothing_differs_and_a_broken_op_is_named(monkeypatch):
                                                                 dropout_p=dropout_p, is_causal=is_causal,
                                                                 scale=scale, **kw)
 
-    monkeypatch.setattr(invariant, "invariant_sdpa", broken)
+    monkeypatch.setattr(invariant, "fast_sdpa", broken)
     res = run_bisect(lm, CFG, ExecSettings(invariant=True))
     assert res.first_op is not None
     assert res.first_op.op == "scaled_dot_product_attention" and "self_attn" in res.first_op.module

@@ -87,19 +87,20 @@ def test_constructed_split_parts_where_it_must_and_never_in_invariant_mode():
     assert res.histogram == {2: len(PROMPTS)}
     assert res.conditions["batch"].parting_prompts == 0 and res.conditions["alone"].parting_prompts == len(PROMPTS)
     for p in inv.prompts:
-        assert p.reference == [b] * 3 and p.distinct_all == 1 and p.first_divergence is None
+        # invariant mode: every linear call is one fixed block of rows, so every row takes the split sum: "a", always
+        assert p.reference == [a] * 3 and p.distinct_all == 1 and p.first_divergence is None
     assert inv.histogram == {1: len(PROMPTS)}
 
 
 def test_invariant_mode_covers_the_engine_thread(monkeypatch):
     seen = set()
-    real = invariant.rowwise_linear
+    real = invariant.block_linear
 
     def counting(*a, **k):
         seen.add(threading.current_thread() is threading.main_thread())
         return real(*a, **k)
 
-    monkeypatch.setattr(invariant, "rowwise_linear", counting)
+    monkeypatch.setattr(invariant, "block_linear", counting)
     _study("tiny:llama", PROMPTS[:2], invariant_mode=True, runs=1, max_new_tokens=2, conditions=("alone",))
     assert seen == {True, False}  # the reference in this thread, the engine in its own: both in invariant mode
 

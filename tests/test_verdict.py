@@ -60,9 +60,9 @@ def test_a_failed_proof_says_unproved_and_what_the_bisector_found(monkeypatch, r
     verdict must not say "rounding, not a bug"; it says unproved, the invariant gap and the bisector's first
     finding."""
     lm, cfg = _tiny_gemma3("bfloat16")
-    monkeypatch.setattr(invariant, "rowwise_linear", F.linear)
-    monkeypatch.setattr(invariant, "fixed_order_matmul", lambda a, b: torch.matmul(a, b))
-    monkeypatch.setattr(invariant, "invariant_sdpa", torch.nn.functional.scaled_dot_product_attention)
+    monkeypatch.setattr(invariant, "block_linear", F.linear)
+    monkeypatch.setattr(invariant, "fast_matmul", lambda a, b: torch.matmul(a, b))
+    monkeypatch.setattr(invariant, "fast_sdpa", torch.nn.functional.scaled_dot_product_attention)
     res = run_split(lm, cfg)
     assert res.verdict == "precision" and res.proved is False
     assert "rounding, not a bug" not in res.explanation.lower()

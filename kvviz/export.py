@@ -1,13 +1,16 @@
 """Exports: a result as JSON with the environment it was computed in, opened again without running any model;
 a self-contained HTML report; a standalone repro script.
 
-`export_json(result)` writes {"kvviz_result": {view, format, environment, model_fingerprint}, ...the result...}.
-`open_result(text)` rebuilds the result object (numpy arrays where it has them) so the figures draw it as before,
-and lists what differs between the environment it was computed in and this one.
+`export_json(result)` writes {"kvviz_result": {view, format, environment, numerics, model_fingerprint}, ...the
+result...}; `numerics` holds the process settings that change the last bits (torch's threads, the CPU capability,
+deterministic algorithms, float32 matmul precision, MKL/oneDNN instruction-set variables: kvviz.numerics), which the
+repro script sets again. `open_result(text)` rebuilds the result object (numpy arrays where it has them) so the
+figures draw it as before, and lists what differs between the environment it was computed in and this one.
 """
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -16,6 +19,7 @@ from .environment import compare_environments, environment
 from .errors import KvvizError
 from .execution import COMPILE_OFF, DEFAULT_CACHE, ExecSettings
 from .jsonout import dumps
+from .numerics import describe as describe_numerics, differences as numerics_differences, numerics
 from .plotting import plain_index
 from . import views
 
@@ -43,7 +47,7 @@ def result_dict(result) -> dict:
 def export_json(result, model_fingerprint: dict | None = None) -> str:
     """The result as one JSON document, with the environment and (when given) the model's fingerprint."""
     header = {"view": view_of(result), "format": FORMAT, "environment": environment(_device(result)),
-              "model_fingerprint": model_fingerprint}
+              "numerics": numerics(), "model_fingerprint": model_fingerprint}
     return dumps({"kvviz_result": header, **result_dict(result)})
 
 
@@ -79,7 +83,8 @@ def open_result(data: "str | bytes") -> OpenedResult:
     except (KeyError, TypeError, ValueError, IndexError) as e:
         raise KvvizError(f"this {view} result is incomplete or damaged ({type(e).__name__}: "
                          f"{str(e).splitlines()[0][:120]})") from None
-    return OpenedResult(view, result, compare_environments(head.get("environment")), head)
+    return OpenedResult(view, result, compare_environments(head.get("environment"))
+                        + numerics_differences(head.get("numerics")), head)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -121,11 +126,42 @@ def verdict_text(result) -> tuple[str, str]:
     return views.of(result).verdict_text(result)
 
 
+# Streamlit's chart theme: `import streamlit` makes "streamlit" plotly's default template for the whole process, so
+# every figure built in the app's process - the HTML report's, the meeting bundle's, the lesson handout's, not only
+# the page's - starts with that template, whose colours are placeholders (#000001..#000040) that only Streamlit's
+# frontend replaces. Written to a file they draw black lines, solid black bars, cut-off labels. A figure is written
+# with kvviz's own template instead: plotly's, the one the library draws with outside Streamlit.
+PLACEHOLDER_COLOUR = re.compile(r"#0000(?:0[1-9]|[1-3][0-9]|40)(?![0-9a-fA-F])", re.IGNORECASE)
+TEMPLATE = "plotly"
+
+
+def standalone_figure(fig):
+    """A copy of `fig` to write outside the app: kvviz's own template (whatever the process default is), and
+    ValueError if a Streamlit placeholder colour is still in it (a colour taken from the app's template at build
+    time would draw black). The figure on the page is left as it is."""
+    import plotly.graph_objects as go
+    import plotly.io as pio
+
+    out = go.Figure(fig)
+    out.layout.template = pio.templates[TEMPLATE]  # assigned, not merged: nothing of another template is kept
+    left = sorted(set(PLACEHOLDER_COLOUR.findall(out.to_json())))
+    if left:
+        raise ValueError(f"this figure carries Streamlit's theme placeholder colours {', '.join(left)}: it was built "
+                         "with colours from the app's template, which only the app's frontend replaces")
+    return out
+
+
+def figure_html(fig, include_plotlyjs: bool, div_id: str | None = None) -> str:
+    """One figure as an HTML fragment for a file (report, meeting bundle, handout): standalone_figure's colours and
+    layout; plotly.js inlined where include_plotlyjs (the file then opens offline)."""
+    import plotly.io as pio
+
+    return pio.to_html(standalone_figure(fig), include_plotlyjs=include_plotlyjs, full_html=False, div_id=div_id)
+
+
 def html_report(result) -> str:
     """A self-contained HTML file: verdict, settings, environment, the main charts (plotly inlined: works offline)."""
     import html
-
-    import plotly.io as pio
 
     entry = views.of(result)
     view = entry.name
@@ -134,12 +170,14 @@ def html_report(result) -> str:
     settings = settings if isinstance(settings, dict) else settings.to_dict()
     env = environment(_device(result))
     figs = main_figures(result)
-    parts = [pio.to_html(f, include_plotlyjs=(i == 0), full_html=False) for i, f in enumerate(figs)]
+    parts = [figure_html(f, include_plotlyjs=(i == 0)) for i, f in enumerate(figs)]
     tables = "".join(t.to_html(index=not plain_index(t)) for t in entry.main_tables(result))
     rows = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>"
                    for k, v in settings.items())
     env_rows = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>"
                        for k, v in env.items() if k != "flags")
+    env_rows += (f"<tr><th>numerics</th><td>{html.escape(describe_numerics(numerics()))} (the settings that change "
+                 "the last bits; the repro script sets them again)</td></tr>")
     body_text = text if entry.verdict_is_html else html.escape(text)
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>kvviz — {view}</title>
 <style>body{{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#111;

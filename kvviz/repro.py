@@ -37,9 +37,7 @@ def repro_views() -> tuple[str, ...]:
 
 HEADER = '''# kvviz repro: {title}
 # Standalone: needs only torch and transformers. Run: python {name}
-import copy
-
-import torch
+{prelude}
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 MODEL = {folder!r}  # the model folder kvviz loaded ({model})
@@ -169,8 +167,10 @@ def header(title: str, **head) -> str:
     one_line = {k: (" ".join(str(v).splitlines()) if k in ("title", "model", "name") else v) for k, v in head.items()}
     from . import compat
 
+    from .numerics import numerics, script_prelude
+
     return HEADER.format(title=" ".join(title.splitlines()), loops=loops_source(), compat=compat.script_source(),
-                         cache_kw=compat.cache_argument_name(), **one_line)
+                         cache_kw=compat.cache_argument_name(), prelude=script_prelude(numerics()), **one_line)
 
 
 def loops_source() -> str:
@@ -197,9 +197,14 @@ def float64_mode() -> str:
     """kvviz's own KeepFloat64 mode (kvviz/float64.py), copied into the script so it needs no kvviz."""
     import inspect
 
-    from . import float64
+    from . import float64, memory
 
     src = inspect.getsource(float64)
     body = src.split('"""', 2)[2].replace("from __future__ import annotations\n", "")
+    # float64.py reads one constant of kvviz.memory (the head's slice size): the script carries its value
+    body = body.replace("from . import memory as _memory\n", "import types\n\n_memory = types.SimpleNamespace("
+                        f"REFERENCE_CHUNK_BYTES={memory.REFERENCE_CHUNK_BYTES!r})\n")
+    if "from ." in body:
+        raise KvvizError("kvviz/float64.py imports another kvviz module: the repro script cannot copy it")
     return ("\n# kvviz keeps float64 models in float64 (transformers' float32 'upcasts' would round): its mode, "
             "a copy of float64.py in the kvviz package\n" + body)

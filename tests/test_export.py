@@ -1,5 +1,6 @@
 """Exports: JSON with the environment that reopens without any model, self-contained HTML, repro scripts that
 reproduce the key figure bit for bit."""
+import contextlib
 import inspect
 import json
 import os
@@ -8,6 +9,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 import kvviz
 from kvviz import loops
@@ -93,22 +95,73 @@ def test_html_report_is_self_contained(results, view):
         assert "plotly" in page.lower() and page.count("Plotly.newPlot") >= 1
 
 
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """The test body at n torch threads (as an xdist worker runs at 1), the worker's own count restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def other_caller_env(threads: int) -> dict:
+    """A script's environment unlike the process that computed the figure: the other thread count, and other CPU
+    kernels asked of ATen and MKL. The script must set the result's own numerics over all of them."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    mkl = os.environ.get("MKL_ENABLE_INSTRUCTIONS")
+    return dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(3 - threads), MKL_NUM_THREADS=str(3 - threads),
+                ATEN_CPU_CAPABILITY="default" if cap != "DEFAULT" else "avx2",
+                MKL_ENABLE_INSTRUCTIONS="AVX2" if mkl != "AVX2" else "SSE4_2")
+
+
+def numerics_line(threads: int) -> str:
+    return f"numerics: {threads} thread(s), CPU capability {torch.backends.cpu.get_cpu_capability()}"
+
+
+def test_exports_record_the_numerics(results):
+    """JSON and HTML say which threads, CPU capability and flags computed the result; reopening at another thread
+    count names the difference."""
+    from kvviz.numerics import describe, numerics
+
+    for threads in (1, 2):
+        with torch_threads(threads):
+            head = json.loads(export_json(results["split"]))["kvviz_result"]
+            page = html_report(results["split"])
+        n = head["numerics"]
+        assert n["threads"] == threads and n["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+        assert n["float32_matmul_precision"] == torch.get_float32_matmul_precision()
+        assert n["deterministic_algorithms"] is torch.are_deterministic_algorithms_enabled()
+        assert f"{threads} thread{'s' if threads > 1 else ''}, CPU capability {n['cpu_capability']}" in page
+    with torch_threads(1):
+        text = export_json(results["split"])
+    with torch_threads(2):
+        assert "numerics threads: 1 there, 2 here" in open_result(text).environment_differences
+    assert describe(numerics()) in html_report(results["split"])
+
+
 @pytest.mark.heavy
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("arch, dtype, kw", [
     ("llama", "bfloat16", dict(mode="step", left_pad=2, position_ids="omit")),
     ("gpt2", "float32", dict(mode="chunk")),
     ("gemma2", "float16", dict(mode="step", attention_mask="new-only")),
     ("llama", "float64", dict(mode="chunk", left_pad=1)),
 ])
-def test_repro_script_reproduces_the_figure_bit_for_bit(arch, dtype, kw, tmp_path):
-    m = kvviz.load_model(f"tiny:{arch}", dtype, DEVICE)
-    res = kvviz.run_split(m, kvviz.SplitConfig(PROMPT, 9, **kw))
-    script = tmp_path / "repro.py"
-    script.write_text(repro_script(res, m))
+def test_repro_script_reproduces_the_figure_bit_for_bit(arch, dtype, kw, threads, tmp_path):
+    """Computed at 1 or at 2 threads (an xdist worker runs at 1), the script run with the other count and other CPU
+    kernels asked in its environment: it sets the result's numerics, so its last line is the figure exactly."""
+    with torch_threads(threads):
+        m = kvviz.load_model(f"tiny:{arch}", dtype, DEVICE)
+        res = kvviz.run_split(m, kvviz.SplitConfig(PROMPT, 9, **kw))
+        script = tmp_path / "repro.py"
+        script.write_text(repro_script(res, m))
     assert "import kvviz" not in script.read_text() and "from kvviz" not in script.read_text()
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, HF_HUB_OFFLINE="1"))
+                         env=other_caller_env(threads), cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-500:]
+    assert numerics_line(threads) in out.stdout and "note:" not in out.stdout
     assert out.stdout.strip().splitlines()[-1] == f"max |Δ logits| = {key_figure(res)!r}"
 
 
@@ -167,9 +220,16 @@ def _loops_calling_forward(script: str) -> list[int]:
 
 @pytest.mark.heavy
 @QUANTO  # the quant case: int8 weights, a quanto cache
-def test_repro_scripts_of_every_view_reproduce_their_figure_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_repro_scripts_of_every_view_reproduce_their_figure_bit_for_bit(threads, tmp_path):
     """greedy, dtypes, padding, reuse, loading trap, quantized, the backends matrix and the card: each script makes
-    kvviz's calls, so its last line is the figure exactly."""
+    kvviz's calls and sets the result's numerics (computed here at 1 or 2 threads, the script's caller asking for the
+    other count and other CPU kernels), so its last line, run from the exported folder, is the figure exactly."""
+    with torch_threads(threads):
+        every_view_case(threads, tmp_path)
+
+
+def every_view_case(threads, tmp_path):
     from kvviz.views.check.run import run_check
     from kvviz.views.loading_trap.run import run_loading_trap
     from kvviz.views.matrix.run import MatrixConfig, run_matrix
@@ -205,11 +265,12 @@ def test_repro_scripts_of_every_view_reproduce_their_figure_bit_for_bit(tmp_path
         assert "import kvviz" not in text and "from kvviz" not in text
         assert inspect.getsource(loops.decode) in text and inspect.getsource(loops.feed) in text  # the library's loop
         assert _loops_calling_forward(text) == [], view  # and no loop of its own
-        procs[view] = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                       text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+        procs[view] = subprocess.Popen([sys.executable, script.name], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       text=True, env=other_caller_env(threads), cwd=tmp_path)
     for view, p in procs.items():  # two at a time on two cores would be no faster: all four run together
         out, err = p.communicate(timeout=600)
         assert p.returncode == 0, (view, err[-500:])
+        assert numerics_line(threads) in out and "note:" not in out, (view, out[:500])
         res = cases[view][0]
         assert out.strip().splitlines()[-1] == f"max |Δ logits| = {key_figure(res)!r}", view
     # the padding figure includes the logic cells (positions omitted with pads): far from zero on any machine

@@ -189,13 +189,13 @@ def figure(r: StepResult) -> go.Figure:
 def handout_html(results: list[StepResult], model: str = "") -> str:
     """The whole lesson as one self-contained HTML file (plotly inlined once: it opens offline): each step's
     question, its choices, the answer with the measured numbers, the figure and the explanation."""
-    import plotly.io as pio
+    from .export import figure_html  # kvviz's template, whatever the process default (the app's is Streamlit's)
 
     parts = []
     for i, r in enumerate(sorted(results, key=lambda r: r.step)):
         choices = "".join(f"<li>{html.escape(c)}</li>" for c in r.choices)
         right = (f"<p><b>Answer:</b> {html.escape(r.choices[r.answer])}</p>" if r.answer is not None else "")
-        fig = pio.to_html(figure(r), include_plotlyjs=(i == 0), full_html=False, div_id=f"lesson-step-{r.step}")
+        fig = figure_html(figure(r), include_plotlyjs=(i == 0), div_id=f"lesson-step-{r.step}")
         parts.append(f"""<section class="step" id="step-{r.step}"><h2>Step {r.step}: {html.escape(r.title)}</h2>
 <div class="q"><b>Predict.</b> {html.escape(r.question)}<ol type="a">{choices}</ol></div>
 <details open><summary>Reveal</summary>{right}<p>{html.escape(r.reveal)}</p>{fig}

@@ -1,6 +1,9 @@
 """Repro scripts: a standalone Python file (torch and transformers only, no kvviz) that rebuilds a scenario and
 prints its key figures; its last line `max |Δ logits| = <repr>` equals the result's figure bit for bit on the same
-machine (same model folder, dtype, device, attention implementation, inputs, masks and position ids).
+machine (same model folder, dtype, device, attention implementation, inputs, masks and position ids), whatever
+the threads or CPU variables of whoever runs it: it sets the numerics the result was computed with (torch's threads,
+ATen's CPU capability, MKL/oneDNN/OpenMP variables before `import torch`, deterministic algorithms, float32 matmul
+precision; kvviz.numerics) and prints them first.
 
 Each view's script (kvviz/views/<view>/repro.py: `check`, `script`, `key_figure`) makes exactly the model calls kvviz made (same shapes, same masks and position ids, same
 cache objects in the same order), so the numbers agree to the last bit, not just closely:

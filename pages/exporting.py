@@ -33,6 +33,7 @@ def exports(res, name: str, lm=None) -> None:
                                     file_name=f"kvviz_repro_{name}.py", mime="text/x-python",
                                     key=f"dl_repro_{name}", on_click="ignore",
                                     help="A standalone script (torch + transformers only) that rebuilds this run; "
-                                         "its last line equals this result's max |Δ logits| bit for bit here.")
+                                         "its last line equals this result's max |Δ logits| bit for bit here "
+                                         "(it sets the threads and CPU kernels this result was computed with).")
         elif name in repro_views():
             cols[2].caption(f"No repro script: {why}")

@@ -63,6 +63,28 @@ def run_bench(tokens: int, repeats: int) -> dict | None:
     return json.loads(out.read_text()) if out.exists() else None
 
 
+def run_invariant(models: str, lengths: str) -> dict | None:
+    """bench/invariant_bench.py on CUDA: invariant/normal per model and length (the 8B shape built on the device)."""
+    out = Path(tempfile.mkdtemp()) / "invariant.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "invariant_bench.py"), "--device", "cuda", "--models", models,
+           "--lengths", lengths, "--modes", "chunk", "--repeats", "3", "--root", tempfile.mkdtemp(), "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    return json.loads(out.read_text()) if proc.returncode == 0 and out.exists() else \
+        {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["?"], "rows": []}
+
+
+def invariant_report(inv: dict | None) -> str:
+    if not inv:
+        return ""
+    if inv.get("error"):
+        return f"\nInvariant benchmark (`bench/invariant_bench.py --device cuda`): did not finish: {inv['error'][0]}\n"
+    lines = ["", f"Invariant benchmark (`bench/invariant_bench.py --device cuda`, {inv['dtype']}, split scenario, chunk):",
+             "", "| model | tokens | normal | invariant | ratio |", "|---|---|---|---|---|"]
+    lines += [f"| {r['model']} | {r['tokens']} | {r['normal_s']:.3f} s | {r['invariant_s']:.3f} s | {r['ratio']:.2f}× |"
+              for r in inv["rows"]]
+    return "\n".join(lines) + "\n"
+
+
 def run_device_map() -> dict | None:
     """bench/device_map_check.py on CUDA: the default model spread over GPU 0, CPU RAM and disk vs one device."""
     out = Path(tempfile.mkdtemp()) / "device_map.json"
@@ -113,6 +135,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-bench", action="store_true")
+    ap.add_argument("--invariant-models", default="default,llama1b,llama8b")
+    ap.add_argument("--invariant-lengths", default="16,64,256,1024,4096,8192")
     ap.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
                     help="pytest-xdist processes (0: one process; without pytest-xdist it says so and runs one)")
     ap.add_argument("pytest_args", nargs="*", help="extra pytest arguments (e.g. -k split)")
@@ -128,11 +152,12 @@ def main() -> int:
     tests = run_tests(args.pytest_args, args.workers)
     bench = None if args.no_bench else run_bench(args.tokens, args.repeats)
     device_map = run_device_map()
+    inv = None if args.no_bench else run_invariant(args.invariant_models, args.invariant_lengths)
     out = Path(args.out)
     head = "" if out.exists() else ("# kvviz on a GPU\n\nWritten by `make gpu-check` (bench/gpu_check.py): the library "
                                     "tests with device auto, and the greedy benchmark against the naive script.\n")
     with open(out, "a", encoding="utf-8") as f:
-        f.write(head + report(env, tests, bench) + device_map_report(device_map))
+        f.write(head + report(env, tests, bench) + device_map_report(device_map) + invariant_report(inv))
     print(f"written to {out}")
     return 0 if not tests["failed"] and (device_map or {}).get("ok", False) else 1
 

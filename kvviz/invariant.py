@@ -283,6 +283,7 @@ TILES = {"cpu": (64, 32, 16, 48, 24), "cuda": (64, 32, 16)}
 # checks a pair's bits are the same in each
 TILE_BATCHES = (1024, 128, 16)
 _PROBES: dict = {}
+PROBE_OUTPUTS = 1 << 20  # outputs a linear probe compares (16-bit outputs show a summation order rarely)
 _PROBE_LOCK = threading.Lock()
 
 
@@ -319,22 +320,24 @@ def linear_block(x_dtype: torch.dtype, weight: torch.Tensor, bias, call, k: int,
     row's bits the same wherever it sits in a block and whichever size it goes in; () where none is found here."""
     key = (*kind, _where(weight.device), x_dtype, weight.dtype, tuple(weight.shape), weight.stride(),
            None if bias is None else (bias.dtype, tuple(bias.shape), bias.stride()))
-    outs: dict = {}
-
-    def rows_of(b: int):
-        if b not in outs:
-            x = _probe_data((b, k), x_dtype, weight.device, 7)  # the same first rows for every size
-            outs[b] = (x, call(x, weight, bias))
-        return outs[b]
+    n_out = weight.shape[0] if kind[0] == "linear" else weight.shape[-1]
 
     def works(family: tuple) -> bool:
-        for b in family:
-            x, y = rows_of(b)
-            if not (all(torch.equal(call(x.roll(s, 0), weight, bias), y.roll(s, 0)) for s in (1, b // 2 + 1)) and
-                    torch.equal(call(x[b // 2:].repeat(2, 1)[:b], weight, bias)[0], y[b // 2])):
-                return False
-        small = min(family)
-        return all(torch.equal(rows_of(b)[1][:small], rows_of(small)[1]) for b in family)
+        # a 16-bit output rounds away most differences of summation order (about 1 element in 10^4 shows one), so
+        # the probe compares about a million outputs: blocks of the big size against the same rows in every size
+        # and rolled within each
+        big = max(family)
+        for rep in range(max(1, -(-PROBE_OUTPUTS // (big * n_out)))):
+            x = _probe_data((big, k), x_dtype, weight.device, 7 + rep)
+            y = call(x, weight, bias)
+            for b in family:
+                if b != big and not torch.equal(torch.cat([call(x[i:i + b].clone(), weight, bias)
+                                                           for i in range(0, big, b)]), y):
+                    return False
+                if rep == 0 and not all(torch.equal(call(x[:b].roll(s_, 0), weight, bias), y[:b].roll(s_, 0))
+                                        for s_ in (1, b // 2 + 1)):
+                    return False
+        return True
 
     return _probe(key, LINEAR_BLOCKS.get(weight.device.type, LINEAR_BLOCKS["cuda"]), works) or ()
 
@@ -611,18 +614,36 @@ def attention_tiles(device: torch.device, dtype: torch.dtype, d_qk: int, d_v: in
     def works(code: int) -> bool:
         r, k = divmod(code, 1000)
         q = _probe_data((r, d_qk), dtype, device, r)
-        kt = _probe_data((d_qk, 2 * k), dtype, device, k)[:, :k]  # a slice of a wider key table, as in fast_sdpa
+        table = _probe_data((d_qk, 3 * k), dtype, device, k)
+        kt = table[:, :k]  # a slice of a wider key table, as in fast_sdpa (whose width varies with the prompt)
         y = torch.mm(q, kt)
         if not (all(torch.equal(torch.mm(q.roll(s_, 0), kt), y.roll(s_, 0)) for s_ in (1, r // 2 + 1)) and
-                all(torch.equal(torch.mm(q, kt.roll(s_, 1)), y.roll(s_, 1)) for s_ in (1, k // 2 + 1))):
+                all(torch.equal(torch.mm(q, kt.roll(s_, 1)), y.roll(s_, 1)) for s_ in (1, k // 2 + 1)) and
+                torch.equal(torch.mm(q, table[:, :2 * k][:, :k]), y) and
+                torch.equal(torch.mm(q, table[:, k:2 * k]), torch.mm(q, table[:, k:2 * k].contiguous()))):
             return False
-        p = _probe_data((r, 2 * k), dtype, device, r + k)[:, :k]
-        v = _probe_data((k, d_v), dtype, device, k + 1)
-        z = torch.mm(p, v)
-        return all(torch.equal(torch.mm(p.roll(s_, 0), v), z.roll(s_, 0)) for s_ in (1, r // 2 + 1))
+        wide_p = _probe_data((r, 3 * k), dtype, device, r + k)
+        p = wide_p[:, :k]
+        v = _probe_data((2 * k, d_v), dtype, device, k + 1)
+        z = torch.mm(p, v[:k])
+        return (all(torch.equal(torch.mm(p.roll(s_, 0), v[:k]), z.roll(s_, 0)) for s_ in (1, r // 2 + 1)) and
+                torch.equal(torch.mm(wide_p[:, :2 * k][:, :k], v[:k]), z) and
+                torch.equal(torch.mm(wide_p[:, k:2 * k], v[k:]), torch.mm(wide_p[:, k:2 * k].contiguous(), v[k:])))
 
     found = _probe(("attention", _where(device), dtype, d_qk, d_v), out, works)
     return divmod(found, 1000) if found else None
+
+
+def _bmm_as_mm(n: int, m: int, k: int, cols: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Does one bmm of n [m, k] x [k, cols] pairs (operands slices of wider tensors, as fast_sdpa's) give every pair
+    the bits of its own torch.mm? Then a call over all heads at once is the per-head calls' computation."""
+    def works(_):
+        a = _probe_data((n, m, 3 * k), dtype, device, n + m)[:, :, k:2 * k]
+        b = _probe_data((n, k, 3 * cols), dtype, device, n + cols)[:, :, cols:2 * cols]
+        y = torch.bmm(a, b)
+        return all(torch.equal(y[i], torch.mm(a[i], b[i])) for i in range(n))
+
+    return bool(_probe(("bmm", _where(device), dtype, n, m, k, cols), (1,), works))
 
 
 def fast_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, **_):
@@ -661,6 +682,15 @@ def fast_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     out = torch.empty(g_n, lq, d, dtype=dt, device=dev)
     floor = torch.finfo(wide).min / 2
     cols = torch.arange(lk, device=dev)
+    heads_qk = _bmm_as_mm(g_n, mq, dqk, w, wide, dev)  # all heads in one call where it is the per-head one
+    heads_pv = _bmm_as_mm(g_n, mq, w, d, wide, dev)
+    # the chunks' working buffers, allocated once (a fresh large buffer per chunk costs its page faults every time)
+    sc_buf = torch.empty(g_n * (lkp // w) * mq * w, dtype=wide, device=dev)
+    flat_buf = torch.empty(-(-g_n * mq * lkp // _LANE_BLOCK) * _LANE_BLOCK, dtype=wide, device=dev)
+    pp_buf = torch.empty(g_n * mq * (lkp + w), dtype=wide, device=dev)
+    st_buf = torch.empty(g_n * mq * lkp, dtype=wide, device=dev)
+    cs_buf = torch.empty(g_n * mq * lkp, dtype=wide, device=dev)
+    lo_buf = torch.empty(g_n * mq * lkp, dtype=dt, device=dev)
     for r0 in range(0, lq, mq):
         r1 = min(lq, r0 + mq)
         nr = r1 - r0
@@ -678,25 +708,31 @@ def fast_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
             continue
         k0, k1 = int(seen[0]), int(seen[-1]) + 1
         c0, c1 = k0 // w * w, -(-k1 // w) * w  # the scores' key chunks: aligned anywhere (no sum over keys)
-        sc = torch.empty(g_n, (c1 - c0) // w, mq, w, dtype=wide, device=dev)
-        for g in range(g_n):
-            qg = q[g, r0:r0 + mq]
-            for i, c in enumerate(range(c0, c1, w)):
-                torch.mm(qg, kt[g, :, c:c + w], out=sc[g, i])
-        sc = sc.permute(0, 2, 1, 3).reshape(g_n, mq, c1 - c0)[:, :nr, k0 - c0:k1 - c0]
+        sc = sc_buf[:g_n * (c1 - c0) * mq].view(g_n, (c1 - c0) // w, mq, w)
+        for i, c in enumerate(range(c0, c1, w)):
+            if heads_qk:
+                torch.bmm(q[:, r0:r0 + mq], kt[:, :, c:c + w], out=sc[:, i])
+            else:
+                for g in range(g_n):
+                    torch.mm(q[g, r0:r0 + mq], kt[g, :, c:c + w], out=sc[g, i])
+        span = k1 - k0
+        full = st_buf[:g_n * mq * (c1 - c0)].view(g_n, mq, c1 - c0)
+        full.view(g_n, mq, (c1 - c0) // w, w).copy_(sc.permute(0, 2, 1, 3))
+        sc = full[:, :nr, k0 - c0:k1 - c0]
         if dt == wide:
-            sc = sc * scale
-        elif pow2:  # the scores rounded to the dtype and scaled in it, as eager attention does: one rounding
-            sc = sc.mul_(scale).to(dt)
-        else:
-            sc = sc.to(dt) * scale
+            sc.mul_(scale)
+        else:  # the scores rounded to the dtype and scaled in it, as eager attention does
+            low = lo_buf[:g_n * nr * span].view(g_n, nr, span)
+            if pow2:  # scaling by a power of two is exact: one rounding
+                low.copy_(sc.mul_(scale))
+            else:
+                low.copy_(sc)
+                low.mul_(scale)
+            sc.copy_(low)
         vis = visible[..., k0:k1]
         if mk is not None and mk.dtype != torch.bool:
-            sc = (sc + mk[..., k0:k1].to(dt)).to(wide)
+            sc = (sc.to(dt) + mk[..., k0:k1].to(dt)).to(wide)
             vis = vis & (sc > floor)
-        else:
-            sc = sc.to(wide)
-        span = k1 - k0
         hidden = (~vis).any(0).any(0).nonzero()  # the key columns some query of the chunk does not see
         if hidden.numel():
             h0 = int(hidden[0])
@@ -705,21 +741,34 @@ def fast_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
         # exp over a buffer whose length is a multiple of _LANE_BLOCK: every element through the vectorised body
         n_el = sc.numel()
-        flat = torch.empty(-(-n_el // _LANE_BLOCK) * _LANE_BLOCK, dtype=wide, device=dev)
+        flat = flat_buf[:-(-n_el // _LANE_BLOCK) * _LANE_BLOCK]
         flat[n_el:] = 0
         e = flat[:n_el].view(sc.shape)
         torch.sub(sc, mx, out=e)
         torch.exp(flat, out=flat)
-        den = block_sum(e, -1).unsqueeze(-1)
-        pp = torch.zeros(g_n, nr, span + w, dtype=wide, device=dev)  # w more columns: a block may run past the end
-        p = pp[..., :span]
-        torch.div(e, den.masked_fill(den == 0, 1), out=p)  # a query that sees no key: e is all 0, so are its weights
-        if dt != wide:
-            p.copy_(p.to(dt))  # the weights in the dtype, as eager attention holds them
+        if e.device.type == "cpu":  # the normaliser: a running sum (the CPU's cumsum is a sequential scan)
+            den = torch.cumsum(e, -1, out=cs_buf[:n_el].view(e.shape))[..., -1:]
+        else:
+            den = block_sum(e, -1).unsqueeze(-1)
+        pp = pp_buf[:g_n * nr * (span + w)].view(g_n, nr, span + w)  # w more columns: a block may run past the end
+        pp[..., span:].zero_()
+        den = den.masked_fill(den == 0, 1)  # a query that sees no key: e is all 0, so are its weights
+        if dt != wide:  # the weights in the dtype, as eager attention holds them (divided, rounded once)
+            pp[..., :span] = torch.div(e, den, out=lo_buf[:n_el].view(e.shape))
+        else:
+            torch.div(e, den, out=pp[..., :span])
         # the weighted sum: blocks of w keys from each query's first visible key (not its first nonzero weight: one
         # that underflowed to 0 would move the blocks, and a run whose underflows fall elsewhere would group otherwise)
         first = vis.to(torch.uint8).argmax(-1)  # relative to k0; [1 or entries, rows]
         uniform = first.shape[0] == 1 and bool((first == first[0, 0]).all())
+        if uniform and nr == mq and heads_pv:  # every head's queries start at one key: all heads in one call
+            lo = int(first[0, 0])
+            acc = None
+            for c in range(lo, span, w):
+                part = torch.bmm(pp[:, :, c:c + w], vp[:, k0 + c:k0 + c + w])
+                acc = part if acc is None else acc.add_(part)
+            out[:, r0:r1] = acc.to(dt)
+            continue
         for g in range(g_n):
             fg = first[0 if first.shape[0] == 1 else g]
             starts = [int(fg[0])] if uniform or bool((fg == fg[0]).all()) else torch.unique(fg).tolist()

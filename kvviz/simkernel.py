@@ -4,7 +4,7 @@ Real GEMM libraries pick their kernel (tile sizes, split-K) from the shapes they
 can be summed in another order when it comes with other rows - the root of batch-dependent outputs in serving
 engines. Whether that changes the bits on a given machine depends on its kernels, so a test cannot rely on it.
 `split_k_kernel()` makes the effect explicit and the same everywhere: while it is entered (this thread), every
-`F.linear` on float32/16-bit inputs that sees more than one row sums its inner dimension in two halves (each a
+`F.linear` (and 2-D `torch.mm` / `addmm`) on float32/16-bit inputs that sees more than one row sums its inner dimension in two halves (each a
 running sum in index order, then the two added), and a single row - or any float64 input - is one running sum in
 index order. With `tiny:split` (kvviz/tiny.py) the top token then depends on how many rows the head saw, by
 construction; invariant mode (kvviz/invariant.py) gives every linear call one shape (a fixed block of rows, the last
@@ -35,11 +35,26 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     return out.to(torch.result_type(x, weight)).reshape(*x.shape[:-1], weight.shape[0])
 
 
+def _mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+        beta=1, alpha=1):
+    """torch.mm / addmm (2-D) as the same simulated kernel: a's rows times b's columns."""
+    res = _linear(a, b.t())
+    if alpha != 1:
+        res = res * alpha
+    if bias is not None:
+        res = res + (bias if beta == 1 else bias * beta)
+    return res if out is None else out.copy_(res)
+
+
 class SplitKMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear:
             return _linear(*args, **kwargs)
+        if func is torch.mm and len(args) == 2 and args[0].dim() == 2:  # every GEMM is the simulated one
+            return _mm(*args, out=kwargs.get("out"))
+        if func is torch.addmm and len(args) == 3 and args[1].dim() == 2:
+            return _mm(args[1], args[2], args[0], kwargs.get("out"), kwargs.get("beta", 1), kwargs.get("alpha", 1))
         return func(*args, **kwargs)
 
 

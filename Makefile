@@ -84,7 +84,7 @@ test-fast: $(DEVSTAMP)
 # ONEDNN_MAX_CPU_ISA - without it torch still takes AMX paths for bfloat16 attention here and fails -, and
 # MKL_CBWR=AVX2 for MKL's conditional bitwise reproducibility) at 1 thread and at 2 threads, so a claim that holds
 # only on AVX-512 or at one thread count goes red where it is written.
-BITS_TESTS ?= tests/test_reference.py tests/test_invariant.py tests/test_invariant_sizes.py \
+BITS_TESTS ?= tests/test_reference.py tests/test_invariant.py tests/test_invariant_sizes.py tests/test_invariant_kernels.py \
 	tests/test_invariant_scans.py tests/test_streaming.py tests/test_greedy.py tests/test_verdict.py \
 	tests/test_bisect_ops.py tests/test_kvcache.py tests/test_split.py tests/test_export.py
 ANY_CPU_ENV := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 MKL_CBWR=AVX2 ONEDNN_MAX_CPU_ISA=AVX2

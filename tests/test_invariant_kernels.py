@@ -1,0 +1,110 @@
+"""The fixed-shape invariant kernels (kvviz/invariant.py): a row's bits depend on the row alone - not on how many rows
+come with it, where it sits, where its keys start in the tensor - at library-GEMM speed, and the shape probes refuse
+a kernel whose result depends on position (the per-row forms are then used)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvviz import invariant
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _rand(*shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_linear_row_has_the_same_bits_alone_among_many_and_anywhere(dtype):
+    w, b = _rand(96, 80, dtype=dtype, seed=1), _rand(96, dtype=dtype, seed=2)
+    x = _rand(300, 80, dtype=dtype, seed=3)  # more than a big block: big blocks, then the rest in small ones
+    full = invariant.block_linear(x, w, b)
+    assert full.shape == (300, 96) and torch.allclose(full.float(), F.linear(x, w, b).float(), rtol=0.05, atol=0.05)
+    for r in (0, 1, 31, 255, 256, 299):
+        assert torch.equal(invariant.block_linear(x[r:r + 1], w, b), full[r:r + 1])  # a decode step's one row
+    assert torch.equal(invariant.block_linear(x[7:140], w, b), full[7:140])  # another offset, another count
+    assert torch.equal(invariant.block_linear(x.view(3, 100, 80), w, b), full.view(3, 100, 96))  # batch dims
+
+
+def test_gpt2_style_addmm_is_blocked_too():
+    bias, w = _rand(64, dtype=torch.float32, seed=4), _rand(48, 64, dtype=torch.float32, seed=5)
+    a = _rand(70, 48, dtype=torch.float32, seed=6)
+    full = invariant.block_addmm(bias, a, w)
+    assert torch.allclose(full, torch.addmm(bias, a, w), rtol=1e-5, atol=1e-5)
+    assert all(torch.equal(invariant.block_addmm(bias, a[r:r + 1], w), full[r:r + 1]) for r in (0, 33, 69))
+
+
+def test_a_position_dependent_kernel_is_refused_and_the_per_row_form_used(monkeypatch):
+    """The probe must catch a kernel whose row result depends on where the row sits (AVX2 MKL's sgemm does for
+    some row counts): such a family is never used."""
+    w = _rand(32, 16, dtype=torch.float32, seed=7)
+
+    def skewed(x, weight, bias):  # row i gets i * 2^-20 added: position-dependent by construction
+        return F.linear(x, weight, bias) + torch.arange(x.shape[0], dtype=x.dtype)[:, None] * 2.0 ** -20
+
+    assert invariant.linear_block(torch.float32, w, None, skewed, 16, ("skewed-test",)) == ()
+    assert invariant.linear_block(torch.float32, w, None, lambda x, w_, b_: F.linear(x, w_, b_), 16,
+                                  ("plain-test",)) != ()
+    calls = []
+    monkeypatch.setattr(invariant, "linear_block", lambda *a, **k: ())
+    monkeypatch.setattr(invariant, "rowwise_linear", lambda *a: calls.append(a) or F.linear(*a))
+    invariant.block_linear(_rand(5, 16, dtype=torch.float32, seed=8), w)
+    assert len(calls) == 1
+
+
+def _attn(q, k, v, **kw):
+    return invariant.fast_sdpa(q, k, v, **kw)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_a_query_has_the_same_bits_in_the_full_forward_and_alone_with_its_cache(dtype):
+    lq, h, hk, d = 150, 4, 2, 32  # more queries than a chunk, grouped heads
+    q, k, v = (_rand(1, n, lq, d, dtype=dtype, seed=s) for n, s in ((h, 10), (hk, 11), (hk, 12)))
+    full = _attn(q, k, v, is_causal=True, enable_gqa=True)
+    ref = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(2, 1),
+                                         v.float().repeat_interleave(2, 1), is_causal=True)
+    assert torch.allclose(full.float(), ref, atol=0.03 if dtype == torch.bfloat16 else 1e-5)
+    for t in (0, 1, 63, 64, 149):  # a decode step: one query, the keys so far
+        step = _attn(q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1], enable_gqa=True)
+        assert torch.equal(step, full[:, :, t:t + 1]), t
+    chunk = _attn(q[:, :, 70:], k, v, is_causal=True, enable_gqa=True)  # the rest through the cache, in one go
+    assert torch.equal(chunk, full[:, :, 70:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_a_sliding_window_cache_and_left_padding_group_the_same_terms(dtype):
+    """A window's cache holds the last keys only, so a cached query's keys start elsewhere in the tensor; left
+    padding puts masked keys in front. The weighted sum's blocks start at the query's first visible key, so the
+    bits are the full forward's."""
+    lq, h, d, win = 700, 2, 16, 600  # past a block of keys, past the window
+    q, k, v = (_rand(1, h, lq, d, dtype=dtype, seed=s) for s in (20, 21, 22))
+    i = torch.arange(lq)
+    window = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - win)
+    full = _attn(q, k, v, attn_mask=window[None, None])
+    for t in (599, 600, 650, 699):
+        lo = t - win + 1
+        cached = _attn(q[:, :, t:t + 1], k[:, :, lo:t + 1], v[:, :, lo:t + 1])  # the window's cache, no mask
+        assert torch.equal(cached, full[:, :, t:t + 1]), t
+    pad = 37  # the same prompt left-padded: masked keys in front
+    kp, vp = (torch.cat([torch.zeros(1, h, pad, d, dtype=dtype), x[:, :, :200]], 2) for x in (k, v))
+    qp = torch.cat([torch.zeros(1, h, pad, d, dtype=dtype), q[:, :, :200]], 2)
+    j = torch.arange(pad + 200)
+    mask = (j[None, :] <= j[:, None]) & (j[None, :] >= pad)
+    padded = _attn(qp, kp, vp, attn_mask=mask[None, None])
+    alone = _attn(q[:, :, :200], k[:, :, :200], v[:, :, :200], is_causal=True)
+    assert torch.equal(padded[:, :, pad:], alone)
+
+
+def test_sdpa_equals_the_eager_steps_in_invariant_mode():
+    """Eager attention in invariant mode (tiled matmuls, the fixed-order softmax) and fast_sdpa are the same
+    computation, so eager and SDPA models agree bit for bit in invariant mode (the matrix view relies on it)."""
+    q, k, v = (_rand(1, 3, 90, 24, dtype=torch.bfloat16, seed=s) for s in (30, 31, 32))
+    scale = 24 ** -0.5  # not a power of two: the scores are rounded to the dtype before scaling, as eager does
+    mask = torch.full((90, 90), torch.finfo(torch.bfloat16).min).triu(1).to(torch.bfloat16)
+    with invariant.invariant_mode():
+        w = torch.matmul(q, k.transpose(2, 3)) * scale + mask
+        p = F.softmax(w, dim=-1, dtype=torch.float32).to(torch.bfloat16)
+        eager = torch.matmul(p, v)
+        sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    assert torch.equal(eager, sdpa)

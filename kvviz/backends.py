@@ -77,6 +77,10 @@ def quantized_cache(lm: LoadedModel, backend: str = "fp8", nbits: int | None = N
         raise KvvizError(f"unknown quantized-cache backend '{backend}'; choose one of {', '.join(QUANT_BACKENDS)}")
     kwargs = {} if backend == "fp8" else {k: v for k, v in (("nbits", nbits), ("residual_length", residual_length),
                                                             ("q_group_size", q_group_size)) if v is not None}
+    if backend == "quanto":
+        from .quanto_ext import prepare
+
+        prepare(lm.device)  # quanto's compiled unpack: never a silent wait on its build lock (kvviz/quanto_ext.py)
     try:
         return QuantizedCache(backend=backend, config=lm.config, **kwargs)
     except ImportError as e:

@@ -134,6 +134,9 @@ def quantize_weights(lm: LoadedModel, scheme: str, progress: Progress | None = N
         return q
     from optimum.quanto import freeze, qint4, qint8, quantize
 
+    from ...quanto_ext import prepare
+
+    prepare(lm.device, progress)  # no silent wait on quanto's extension build (kvviz/quanto_ext.py)
     progress(0.05, f"Copying the model to quantize its weights to {scheme}…")
     with lm.lock:
         model = copy.deepcopy(lm.model)
@@ -329,6 +332,11 @@ def run_quant(lm: LoadedModel, cfg: QuantConfig, progress: Progress | None = Non
     """Quantized (KV cache and/or weights) against the unquantized model with a dynamic cache, on `lm`'s dtype."""
     progress = progress or (lambda f, m: None)
     cfg.validate()
+    if parse_kv(cfg.kv)[0] == "quanto" or cfg.weights.strip().lower() in ("int8", "int4"):
+        if package_available("quanto"):
+            from ...quanto_ext import prepare
+
+            prepare(lm.device, lambda f, m: progress(0.0, m))  # a build's wait says so, bounded
     check_feasible(lm, cfg.kv, cfg.weights)
     t0 = time.perf_counter()
     n = cfg.max_new_tokens

@@ -36,6 +36,28 @@ def quantized_cache(model):
                           q_group_size=group)
 
 
+def quanto_unpack_in_pytorch():
+    """optimum-quanto compiles a C++ extension at first use (and waits on its build's lock file) for one CPU
+    kernel, unpack; the same masks and shifts in PyTorch give the same bytes, so this script compiles nothing."""
+    try:
+        from optimum.quanto.library.extensions import get_extension
+
+        ext = get_extension("quanto_cpp")
+    except (ImportError, KeyError):
+        return
+
+    class Unpack:
+        @staticmethod
+        def unpack(packed, bits):
+            parts = [(packed & (2 ** (bits * (i + 1)) - 1)) >> (bits * i) for i in range(8 // bits)]
+            return torch.cat(parts).to(torch.uint8)
+
+    if getattr(ext, "_lib", "absent") is None:
+        ext._lib = Unpack()
+
+
+if WEIGHTS is not None or (KV is not None and KV[0] == "quanto"):
+    quanto_unpack_in_pytorch()
 model = load(DTYPE)
 with torch.no_grad():
     ref_toks, ref_logits = decode_with(model, None)

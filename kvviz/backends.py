@@ -137,8 +137,20 @@ def check_flags(settings: ExecSettings) -> None:
 register_settings_check(check_flags)
 
 
+def _run_wait_limit() -> float:
+    """KVVIZ_RUN_WAIT_TIMEOUT: how long a run waits for the runs ahead of it to release the precision flags."""
+    import os
+
+    try:
+        value = float(os.environ.get("KVVIZ_RUN_WAIT_TIMEOUT", "600"))
+    except ValueError:
+        value = 600.0
+    return value if value > 0 else 600.0
+
+
 class _SharedExclusive:
-    """Many runs at once, or one run that changes process-wide flags alone."""
+    """Many runs at once, or one run that changes process-wide flags alone. A run waits for the others at most
+    KVVIZ_RUN_WAIT_TIMEOUT seconds (600 by default), then is refused in one line: never a silent wait."""
 
     def __init__(self):
         self._cond = threading.Condition()
@@ -156,8 +168,13 @@ class _SharedExclusive:
                 reentrant = True
             else:
                 reentrant = False
-                while self._exclusive or (exclusive and self._shared):
-                    self._cond.wait()
+                limit = _run_wait_limit()
+                if not self._cond.wait_for(lambda: not (self._exclusive or (exclusive and self._shared)), limit):
+                    what = ("a run with precision flags" if self._exclusive else
+                            f"{self._shared} run{'s' if self._shared != 1 else ''} in progress")
+                    raise KvvizError(f"this run waited {limit:.0f} s for {what} to finish (precision flags are "
+                                     f"process-wide, so a run that sets them runs alone): stop it or wait, then "
+                                     f"retry (KVVIZ_RUN_WAIT_TIMEOUT sets the limit)")
                 if exclusive:
                     self._exclusive, self._owner, self._depth = True, me, 1
                 else:

@@ -243,3 +243,38 @@ print(json.dumps({"lib": type(lib).__name__, "same": all(torch.equal(lib.unpack(
     assert outs["pytorch"][1] == {"lib": "_PyTorchUnpack", "same": True}
     assert outs["extension"][0] == outs["pytorch"][0] and "kl" in outs["pytorch"][0]
     assert (_build_dir(tmp_path) / "quanto_cpp.so").exists() and not (_build_dir(tmp_path) / "lock").exists()
+
+
+def test_a_run_waiting_for_the_precision_flags_is_refused_in_one_line_after_its_limit(monkeypatch):
+    """kvviz.backends: a run that sets process-wide precision flags runs alone; it used to wait without limit for
+    the runs in progress (Condition.wait()). Now KVVIZ_RUN_WAIT_TIMEOUT bounds it, and the refusal is one line."""
+    import threading
+
+    from kvviz.backends import _SharedExclusive
+
+    monkeypatch.setenv("KVVIZ_RUN_WAIT_TIMEOUT", "1")
+    gate = _SharedExclusive()
+    holding, release = threading.Event(), threading.Event()
+
+    def other_run():
+        with gate.hold(exclusive=False):
+            holding.set()
+            release.wait(30)
+
+    t = threading.Thread(target=other_run, daemon=True)
+    t.start()
+    assert holding.wait(10)
+    t0 = time.monotonic()
+    with pytest.raises(KvvizError) as e:
+        with gate.hold(exclusive=True):
+            pass
+    assert 1.0 <= time.monotonic() - t0 < 5
+    assert str(e.value) == ("this run waited 1 s for 1 run in progress to finish (precision flags are process-wide, "
+                            "so a run that sets them runs alone): stop it or wait, then retry "
+                            "(KVVIZ_RUN_WAIT_TIMEOUT sets the limit)")
+    release.set()
+    t.join(10)
+    with gate.hold(exclusive=True):  # free again: the refused run left nothing behind
+        with gate.hold(exclusive=True):  # nested in the same thread
+            pass
+    assert gate._shared == 0 and not gate._exclusive

@@ -38,14 +38,14 @@ SIDEBAR_KEYS = ("model_preset", "model_other", "dtype", "device", "attn", "trust
                 "presenter", "devices", "max_memory")
 
 
-_NOT_IN_URL = ("cache_upload", "dtypes_upload", "matrix_run", "matrix_preset", "split_bisect", "open_upload", "split_k_typed",
-               "split_k_slider",
-               "cache_download", "serving_upload")
+# Keys that are not settings although they carry a page's prefix: the linked slider and box of split's k (split_k
+# itself is the setting). The keys of read-only widgets (buttons, uploaders, downloads) are found in the code below.
+_NOT_IN_URL = ("split_k_typed", "split_k_slider")
 
 
 def _persistable(key: str) -> bool:
     return (key.startswith(PAGE_PREFIXES) or key in SIDEBAR_KEYS) and key not in _NOT_IN_URL \
-        and not key.startswith(("dl_", "_"))
+        and not key.startswith(("dl_", "_")) and not is_read_only(key)
 
 
 # What a control holds, by the widget that draws it. A link's value of another kind (split_pad="abc", presenter="x",
@@ -67,22 +67,51 @@ def _key_pattern(node: ast.expr) -> str | None:
     return None
 
 
+# Widgets whose key Streamlit makes read-only: a value assigned to it through st.session_state makes the widget
+# raise StreamlitValueAssignmentNotAllowedError when it is drawn ("st.session_state['dtypes_show_gap'] is read-only"),
+# so such a key is never a setting - never stashed, never in a link, never restored. (Charts and dataframes are
+# read-only only with selections on; their keys are not settings either way.)
+READ_ONLY_WIDGETS = frozenset({"button", "download_button", "form_submit_button", "link_button", "menu_button",
+                               "file_uploader", "camera_input", "audio_input", "chat_input", "data_editor",
+                               "plotly_chart", "dataframe", "altair_chart", "vega_lite_chart", "pydeck_chart"})
+
+
+def _widget_calls():
+    """(widget name, key= expression or None, file, line) of every call in app.py and pages/*.py."""
+    root = Path(__file__).resolve().parents[1]
+    for path in [root / "app.py", *sorted((root / "pages").glob("*.py"))]:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call):
+                name = getattr(node.func, "attr", getattr(node.func, "id", None))
+                key = next((k.value for k in node.keywords if k.arg == "key"), None)
+                yield name, key, path.name, node.lineno
+
+
 @functools.cache
 def control_kinds() -> tuple[tuple[re.Pattern, str], ...]:
     """(key pattern, kind) of every widget in app.py and pages/*.py whose value has one kind: read off the calls in
     the code, so a new control is covered without a list to keep."""
-    root = Path(__file__).resolve().parents[1]
     found = []
-    for path in [root / "app.py", *sorted((root / "pages").glob("*.py"))]:
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if not isinstance(node, ast.Call):
-                continue
-            name = getattr(node.func, "attr", getattr(node.func, "id", None))
-            kind = _KIND_OF_WIDGET.get(name)
-            key = next((_key_pattern(k.value) for k in node.keywords if k.arg == "key"), None)
-            if kind and key:
-                found.append((re.compile(key), kind))
+    for name, key, _, _ in _widget_calls():
+        kind = _KIND_OF_WIDGET.get(name)
+        pattern = _key_pattern(key) if key is not None else None
+        if kind and pattern:
+            found.append((re.compile(pattern), kind))
     return tuple(found)
+
+
+@functools.cache
+def read_only_keys() -> tuple[re.Pattern, ...]:
+    """The key patterns of every read-only widget (READ_ONLY_WIDGETS) in app.py and pages/*.py, read off the code: a
+    new button is covered without a list to keep. tests/test_one_click_fixes.py checks each such key is readable
+    here (a literal or an f-string)."""
+    return tuple(re.compile(p) for name, key, _, _ in _widget_calls()
+                 if name in READ_ONLY_WIDGETS and key is not None and (p := _key_pattern(key)))
+
+
+def is_read_only(key: str) -> bool:
+    """Whether `key` is a read-only widget's (a button's...): the app never assigns it through session state."""
+    return any(p.fullmatch(key) for p in read_only_keys())
 
 
 def fits_control(key: str, value) -> bool:
@@ -150,11 +179,11 @@ def restore(prefix: str) -> None:
     """Before a page draws its controls: bring back the values it had (or a link gave)."""
     ss = st.session_state
     for k, v in ss.get("_stash", {}).items():
-        if k.startswith(prefix) and k not in ss:
+        if k.startswith(prefix) and k not in ss and not is_read_only(k):  # a stash from before may hold a button's
             ss[k] = v
     pending = ss.pop("_pending_controls", None)  # a Home preset
     if pending:
-        mine = {k: v for k, v in pending.items() if k.startswith(prefix)}
+        mine = {k: v for k, v in pending.items() if k.startswith(prefix) and not is_read_only(k)}
         ss.update(mine)
         ss.setdefault("_stash", {}).update(mine)
 

@@ -332,10 +332,14 @@ def sweep(types: list[str] | None = None, timeout: float | None = 120, progress=
     return rows
 
 
+WORKER_SLACK_S = 60.0  # a worker's start (torch, transformers) on top of its types' time limits
+
+
 def _sweep_parallel(types, timeout, progress, workdir, jobs) -> list[ArchRow]:
     import subprocess
     import sys
     import threading
+    import time
 
     groups = [types[i::jobs] for i in range(min(jobs, len(types)))]
     done: dict[str, ArchRow] = {}
@@ -350,12 +354,14 @@ def _sweep_parallel(types, timeout, progress, workdir, jobs) -> list[ArchRow]:
                 done[row.model_type] = row
                 progress(len(done), len(types), row.model_type, row)
         proc.wait()
+        why = stopped.get(proc.pid) or f"its worker process ended (exit {proc.returncode})"
         for t in group:  # a worker that died (out of memory, killed) leaves its remaining types without a row
             with lock:
                 if t not in done:
-                    done[t] = ArchRow(t, "cannot run", f"not reached: its worker process ended (exit {proc.returncode})")
+                    done[t] = ArchRow(t, "cannot run", f"not reached: {why}")
                     progress(len(done), len(types), t, done[t])
 
+    stopped: dict[int, str] = {}
     env_timeout = "0" if not timeout else repr(float(timeout))
     procs, threads = [], []
     for group in groups:
@@ -367,9 +373,20 @@ def _sweep_parallel(types, timeout, progress, workdir, jobs) -> list[ArchRow]:
         th.start()
         procs.append(p)
         threads.append(th)
+    # each type has `timeout` s inside its worker (SIGALRM, which a wait inside C code never sees): the parent
+    # stops a worker past all its types' time plus a minute, so the sweep never waits without limit
+    limit = None if not timeout else float(timeout) * max(len(g) for g in groups) + WORKER_SLACK_S
+    deadline = None if limit is None else time.monotonic() + limit
     try:
         for th in threads:
-            th.join()
+            while th.is_alive():
+                if deadline is not None and time.monotonic() > deadline:
+                    for p in procs:
+                        if p.poll() is None:
+                            stopped[p.pid] = f"its worker passed the sweep's limit ({limit:.0f} s) and was stopped"
+                            p.kill()
+                    deadline = None
+                th.join(timeout=1.0)
     finally:
         for p in procs:
             if p.poll() is None:

@@ -278,3 +278,24 @@ def test_a_run_waiting_for_the_precision_flags_is_refused_in_one_line_after_its_
         with gate.hold(exclusive=True):  # nested in the same thread
             pass
     assert gate._shared == 0 and not gate._exclusive
+
+
+def test_a_parallel_arch_sweep_stops_a_worker_that_hangs(monkeypatch, tmp_path):
+    """kvviz.archsweep: the parallel sweep joined its reader threads without limit; a worker stuck where its own
+    SIGALRM cannot reach (a wait inside C code) hung the sweep. The parent now stops a worker past its types' time
+    limits plus a start-up slack, and each type it never reached says why in one line."""
+    import kvviz.archsweep as archsweep
+
+    hang = tmp_path / "hang.sh"
+    hang.write_text("#!/bin/sh\nexec sleep 300\n")
+    hang.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(hang))
+    monkeypatch.setattr(archsweep, "WORKER_SLACK_S", 1.0)
+    t0 = time.monotonic()
+    rows = archsweep._sweep_parallel(["llama", "gpt2", "mistral"], 0.5, lambda *a: None, None, 2)
+    took = time.monotonic() - t0
+    assert took < 15, took  # 2 types x 0.5 s + 1 s slack, polled each second
+    assert [r.model_type for r in rows] == ["llama", "gpt2", "mistral"]
+    for r in rows:
+        assert r.status == "cannot run"
+        assert r.reason == "not reached: its worker passed the sweep's limit (2 s) and was stopped", r.reason

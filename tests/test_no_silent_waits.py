@@ -23,7 +23,6 @@ from kvviz.errors import KvvizError
 
 from conftest import QUANTO
 
-pytestmark = QUANTO
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "The museum guard knew every painting in the building"
 LIMIT_S = 60  # the brief: the next run finishes or refuses in one line within this
@@ -101,6 +100,7 @@ def _one_line_error(stderr: str) -> str:
     return lines[0]
 
 
+@QUANTO
 def test_pytorch_unpack_gives_the_bytes_of_quanto_s_kernel():
     """kvviz's unpack against the kernel's definition (unpack.cpp: low bits first, each slice stacked on dim 0),
     written out with numpy, for every byte value; and quanto's own op on the CPU goes through it, compiling
@@ -124,6 +124,7 @@ def test_pytorch_unpack_gives_the_bytes_of_quanto_s_kernel():
     assert np.array_equal(torch.ops.quanto.unpack(t, 4).numpy(), want[4])
 
 
+@QUANTO
 def test_a_build_killed_midway_does_not_stop_the_next_quantized_run(tmp_path):
     """A real build killed while it held its lock; then the library call and `kvviz quant` finish within 60 s
     (kvviz computes quanto's unpack in PyTorch and never waits on that lock)."""
@@ -140,6 +141,7 @@ def test_a_build_killed_midway_does_not_stop_the_next_quantized_run(tmp_path):
     assert lock.exists()  # untouched: the PyTorch path never reads it
 
 
+@QUANTO
 def test_with_the_compiled_kernel_a_stale_lock_is_removed_and_a_slow_build_refused_in_one_line(tmp_path):
     """KVVIZ_QUANTO_CPP=extension: the lock left by the killed build is removed (nobody holds it), the build runs
     in a child process with a time limit, and past it the child is killed, its lock removed and the run refused in
@@ -168,6 +170,7 @@ def _hold_lock(path: Path) -> subprocess.Popen:
     return p
 
 
+@QUANTO
 def test_a_build_in_progress_is_waited_on_with_a_limit_then_refused_naming_the_lock_and_its_process(tmp_path):
     from optimum.quanto.library.extensions.extension import Extension
 
@@ -217,6 +220,7 @@ def test_bad_settings_are_one_line(monkeypatch):
         quanto_ext.build_timeout("quanto_cpp")
 
 
+@QUANTO
 @pytest.mark.heavy
 def test_the_compiled_kernel_built_with_a_limit_gives_the_same_quantized_run(tmp_path):
     """KVVIZ_QUANTO_CPP=extension builds quanto's C++ kernel (child process, time limit, temporary

@@ -284,11 +284,45 @@ def load_bounded(ext, limit: float, progress: Progress | None = None) -> None:
     ext._lib = module
 
 
-def _kill(child: subprocess.Popen) -> None:
+def session_members(sid: int) -> list[int]:
+    """The live processes of session `sid` (ninja starts each compiler in a process group of its own, so killing the
+    child's group would leave the compilers running; they stay in its session)."""
+    members = []
     try:
-        os.killpg(child.pid, signal.SIGKILL)
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return members
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if len(fields) > 3 and fields[3] == str(sid) and fields[0] != "Z":  # a zombie has nothing left to kill
+            members.append(int(pid))
+    return members
+
+
+def kill_session(sid: int) -> None:
+    """SIGKILL every process of session `sid` (a child started with start_new_session: its id is the session's)."""
+    for _ in range(3):  # a process may fork while we look: look again
+        members = session_members(sid)
+        if not members:
+            break
+        for pid in members:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.05)
+    try:
+        os.killpg(sid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _kill(child: subprocess.Popen) -> None:
+    kill_session(child.pid)
     try:
         child.wait(timeout=10)
     except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL does not wait for anything

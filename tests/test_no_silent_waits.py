@@ -8,7 +8,6 @@ a temporary TORCH_EXTENSIONS_DIR (kvviz moves quanto's build directories there),
 """
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -86,12 +85,26 @@ def _kill_a_build_midway(tmp_path) -> Path:
             time.sleep(0.05)
         time.sleep(0.5)  # ninja and the compilers are running now
     finally:
-        os.killpg(p.pid, signal.SIGKILL)
+        quanto_ext.kill_session(p.pid)  # ninja runs each compiler in a process group of its own
         p.wait(timeout=30)
+    assert quanto_ext.session_members(p.pid) == [] and _working_in(build) == []  # nothing of it compiling on
     assert lock.exists() and not (build / "quanto_cpp.so").exists()
     os.utime(lock, (time.time() - 10, time.time() - 10))  # as a lock left by an earlier session: past the grace
     assert quanto_ext.lock_holders(str(lock)) == []
     return lock
+
+
+def _working_in(folder: Path) -> list[int]:
+    """Live processes whose working directory is `folder` (ninja runs the compilers in the build directory)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.readlink(f"/proc/{pid}/cwd") == str(folder.resolve()) and \
+                    open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+                found.append(int(pid))
+        except OSError:
+            continue
+    return found
 
 
 def _one_line_error(stderr: str) -> str:
@@ -154,6 +167,7 @@ def test_with_the_compiled_kernel_a_stale_lock_is_removed_and_a_slow_build_refus
     assert "optimum-quanto's quanto_cpp extension build did not finish in 4 s" in line, line
     assert "KVVIZ_QUANTO_BUILD_TIMEOUT" in line and str(_build_dir(tmp_path)) in line
     assert not lock.exists()  # the killed child's lock went with it
+    assert _working_in(_build_dir(tmp_path)) == []  # and its compilers (ninja gives each a process group)
     p, took = _timed([sys.executable, "-c", LIBRARY_RUN], env)
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert "did not finish in 4 s" in out.get("error", ""), (out, p.stderr[-2000:])

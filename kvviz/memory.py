@@ -479,7 +479,7 @@ REFERENCE_LOGITS_BYTES = 128 * 1024 ** 2
 
 def activation_bytes(shape: ModelShape, dtype: str, tokens: int, batch: int, view: str, reference: bool,
                      compared: int | None = None, steps: int | None = None, reference_decodes: bool = True,
-                     runs: int | None = None) -> int:
+                     runs: int | None = None, attention: str = "sdpa", device: str = "cpu") -> int:
     """The most a run holds at once besides weights and caches: the largest of its phases (the run in its own
     dtype; its float64 reference), each one forward's working set plus what the view keeps of its forwards, as the
     views hold them now:
@@ -498,7 +498,7 @@ def activation_bytes(shape: ModelShape, dtype: str, tokens: int, batch: int, vie
     compared: positions compared (split: the tokens after the split point); None: every token. steps: tokens each
     decoding run decodes (None: every token, a bound); reference_decodes: the float64 reference decodes too (greedy's
     float64 path) rather than replaying single steps; runs: the decoding runs (greedy's paths; None: the view's
-    default)."""
+    default). attention, device: the attention kernel's score workspace (score_bytes; Split point's phases)."""
     prof = profile(view)
     if prof.decoded_runs:
         return decoding_bytes(shape, dtype, tokens, runs or prof.decoded_runs, steps, reference, reference_decodes)
@@ -512,7 +512,7 @@ def activation_bytes(shape: ModelShape, dtype: str, tokens: int, batch: int, vie
         return comparison_temporaries(width, B * n * V * 8)
 
     def working(width: int) -> int:  # one layer of one forward: MLP and attention scores
-        return working_bytes(shape, width, T, B)
+        return working_bytes(shape, width, T, B, attention, device)
 
     def hidden(width: int) -> int:
         if prof.streamed_hidden:
@@ -557,11 +557,41 @@ def stepwise_reference_bytes(shape: ModelShape, tokens: int, compared: int, batc
     return int(logits + residue)
 
 
-def working_bytes(shape: ModelShape, width: int, tokens: int, batch: int = 1) -> int:
-    """One layer of one forward over `tokens` positions: its MLP and attention working set, and the attention
-    scores against every key (at least float32)."""
+def score_bytes(width: int, attention: str = "sdpa", device: str = "cpu") -> int:
+    """Bytes held at once per element of one layer's attention scores [batch, heads, q, k] (an element of the
+    causal mask [batch, 1, q, k] comes on top where they are materialised: attention_bytes):
+
+    * eager attention (transformers' eager_attention_forward) materialises the scores, their masked copy, a
+      float32 softmax and its cast back, beside the causal mask: 2.5 score tensors (at least float32; measured op by
+      op on the CPU, splits of 1536-2048 tokens with 8 heads: 18 bytes a score element in float64, 8.3 in
+      float32, the mask's share included; tests/test_memory_views.py);
+    * SDPA's math fallback (CUDA in float64: no fused kernel for it) the scores and their softmax: 2 * width;
+    * a fused SDPA kernel (the CPU's flash kernel in any dtype, CUDA's in 16/32-bit) holds none; the plan keeps one
+      score tensor (at least float32) as the bound for a kernel it cannot see."""
+    if attention == "eager":
+        return 5 * max(width, 4) // 2
+    if device.startswith("cuda") and width == 8:
+        return 2 * width
+    return max(width, 4)
+
+
+def attention_bytes(shape: ModelShape, width: int, tokens: int, batch: int = 1, attention: str = "sdpa",
+                    device: str = "cpu") -> int:
+    """One layer's attention scores over `tokens` queries and keys (score_bytes an element), and where they are
+    materialised (eager, SDPA's math fallback) the causal mask beside them in the forward's dtype."""
     T, B = tokens, batch
-    return B * T * (3 * shape.intermediate + 4 * shape.hidden) * width + B * shape.heads * T * T * max(width, 4)
+    per = score_bytes(width, attention, device)
+    mask = B * T * T * width if attention != "eager" and per > max(width, 4) else 0  # eager's: in its 2.5 tensors
+    return B * shape.heads * T * T * per + mask
+
+
+def working_bytes(shape: ModelShape, width: int, tokens: int, batch: int = 1, attention: str = "sdpa",
+                  device: str = "cpu") -> int:
+    """One layer of one forward over `tokens` positions: its MLP and attention working set, and the attention
+    scores against every key (attention_bytes: what the attention kernel materialises)."""
+    T, B = tokens, batch
+    return B * T * (3 * shape.intermediate + 4 * shape.hidden) * width + attention_bytes(shape, width, T, B,
+                                                                                        attention, device)
 
 
 def head_slice_bytes(shape: ModelShape, rows: int) -> int:
@@ -660,7 +690,7 @@ def cache_bytes(shape: ModelShape, dtype: str, tokens: int, batch: int, referenc
 def plan_run(spec, dtype: str, device, view: str, tokens: int = 32, batch: int = 1,
              dtypes: tuple[str, ...] = (), reference: str | None = None, compared: int | None = None,
              copies: int = 0, steps: int | None = None, reference_decodes: bool = True,
-             runs: int | None = None) -> MemoryPlan:
+             runs: int | None = None, attention: str = "sdpa") -> MemoryPlan:
     """The memory plan of one run, from the model's files (nothing loaded). compared: positions compared (split:
     the tokens after the split point; None: every token). copies: extra copies of the loaded model the run makes
     (weight quantization deep-copies the model before quantizing it). steps, reference_decodes, runs: a decoding
@@ -672,14 +702,15 @@ def plan_run(spec, dtype: str, device, view: str, tokens: int = 32, batch: int =
     dev = device if isinstance(device, torch.device) else resolve_device(device)
     free, src = free_bytes(dev)
     return plan_shape(model_shape(ms), ms.display, dtype, str(dev), view, tokens, batch, dtypes, reference, free,
-                      src, compared, copies, steps, reference_decodes, runs)
+                      src, compared, copies, steps, reference_decodes, runs, attention)
 
 
 def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, view: str, tokens: int, batch: int = 1,
                dtypes: tuple[str, ...] = (), reference: str | None = None, free: int | None = None,
                free_from: str = "given", compared: int | None = None, copies: int = 0, steps: int | None = None,
-               reference_decodes: bool = True, runs: int | None = None) -> MemoryPlan:
-    """The plan of a run of a model of this shape, against `free` bytes."""
+               reference_decodes: bool = True, runs: int | None = None, attention: str = "sdpa") -> MemoryPlan:
+    """The plan of a run of a model of this shape, against `free` bytes. attention: the kernel the model runs
+    ('sdpa', kvviz's default, or 'eager': its score workspace, score_bytes)."""
     from .dtypes import dtype_name, parse_dtype
 
     dt = dtype_name(parse_dtype(dtype))
@@ -708,8 +739,9 @@ def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, vie
         # the streamed reference's slices (the head's, the largest) are held while it applies that one operation,
         # after the last layer's working set was freed: the two are never held at once, so the float64 phase holds
         # the larger of them, not both (the padding grid's phases are not built on one working set: left as is)
-        ref -= min(ref, working_bytes(shape, 8, tokens))
-    acts = activation_bytes(shape, dt, tokens, batch, view, uses_ref, compared, steps, reference_decodes, runs)
+        ref -= min(ref, working_bytes(shape, 8, tokens, attention=attention, device=device))
+    acts = activation_bytes(shape, dt, tokens, batch, view, uses_ref, compared, steps, reference_decodes, runs,
+                            attention, device)
     float64_only = profile(view).float64_only  # no cache in the run's dtype: only the float64 reference's
     cache = cache_bytes(shape, "float64" if float64_only else dt, tokens, batch, uses_ref and not float64_only)
     if profile(view).cache_copies:  # its caches one phase at a time: the run's, then the float64 reference's

@@ -333,9 +333,54 @@ def matrix_table(outs: list[Path], replan: tuple[Path | None, Path] | None = Non
     return "\n".join(rows)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# The split at growing lengths: plan against peak RSS per length (what grows with length: attention workspace,
+# logits of the compared positions, the MLP's intermediate, the float64 evidence's chunks)
+
+LENGTHS = (16, 64, 256, 1024, 4096)
+
+
+def length_prompt(model: str, tokens: int) -> tuple[str, int]:
+    """A prose prompt of about `tokens` tokens for `model` and its exact count (the plan's tokenizer)."""
+    from kvviz.memory import tokens_of_text
+
+    words = ("The museum guard knew every painting in the building, and at night he walked past them with a small "
+             "lamp. ").split(" ")
+    text = " ".join(words[i % len(words)] for i in range(tokens))
+    while tokens_of_text(model, text) > tokens and " " in text:
+        text = text.rsplit(" ", max(1, (tokens_of_text(model, text) - tokens) // 2))[0]
+    return text, tokens_of_text(model, text)
+
+
+def run_lengths(model: str, dtypes: list[str], lengths: list[int], timeout: int) -> list[dict]:
+    """Split at half of each length (--no-proof), a fresh process each: plan total, peak RSS, plan / peak."""
+    rows = []
+    for dt in dtypes:
+        for n in lengths:
+            prompt, T = length_prompt(model, n)
+            r = measure(["split", "--model", model, "--prompt", prompt, "--split", str(T // 2), "--dtype", dt,
+                         "--json", "--quiet", "--no-proof"])
+            plan = (r.get("json") or {}).get("memory_plan") or {}
+            ratio = plan["total"] / r["peak_rss"] if plan.get("total") and r["peak_rss"] else None
+            row = {"model": model, "dtype": dt, "tokens": T, "rc": r["rc"], "wall_s": r["wall_s"],
+                   "plan": plan.get("total"), "peak": r["peak_rss"], "ratio": ratio}
+            rows.append(row)
+            ok = ratio is not None and 1.0 <= ratio <= 1.25
+            print(f"| {Path(model).name} | {dt} | {T} | {(plan.get('total') or 0) / GIB:.3f} | "
+                  f"{(r['peak_rss'] or 0) / GIB:.3f} | {ratio or 0:.2f}{'' if ok else ' MISS'} | {r['wall_s']} |"
+                  + ("" if r["rc"] == 0 else f" rc {r['rc']}: {r['stderr_tail'][-160:]!r}"), flush=True)
+    return rows
+
+
+GIB = 1024 ** 3
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=("build", "run", "reference", "plans", "matrix", "table"))
+    ap.add_argument("what", choices=("build", "run", "reference", "plans", "matrix", "table", "lengths"))
+    ap.add_argument("--model", default="default", help="lengths: the model (spec or folder)")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="lengths: comma list")
+    ap.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="lengths: comma list of token counts")
     ap.add_argument("--root", default="/work/bigmodels")
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--only", default="", help="run: comma list of runs (big3b-split,big3b-greedy,gemma-split,"
@@ -348,6 +393,11 @@ def main() -> int:
                     "table reads every memory_matrix*.json under ROOT")
     args = ap.parse_args()
     root = Path(args.root)
+    if args.what == "lengths":
+        print("| model | dtype | tokens | plan (GiB) | peak RSS (GiB) | plan / peak | wall (s) |\n|---|---|---|---|---|---|---|")
+        run_lengths(args.model, [d for d in args.dtypes.split(",") if d],
+                    [int(x) for x in args.lengths.split(",") if x], 0)
+        return 0
     if args.what == "plans":
         return 1 if check_plans() else 0
     if args.what in ("matrix", "table"):

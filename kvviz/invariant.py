@@ -4,17 +4,24 @@ is *how many* rows/keys each kernel call sees, must agree bit for bit wherever t
 survives is logic, proved.
 
 What changes while the mode is on (a torch function mode: thread-local, entered per run, gone after it, also on
-error; the model itself is never touched):
+error; the model itself is never touched). The contract: a row's result depends only on that row's inputs and the
+keys it sees; masked keys add exactly 0. It is met with fixed shapes and fixed reduction splits, at library-GEMM
+speed (the per-row and element-by-element forms further down remain as the fallback where no fixed shape passes
+its probe):
 
-* linear layers (`F.linear`, `addmm`): one kernel call per row, always of shape [1, K] × [K, N], so a row is
-  computed by the same kernel with the same reduction order whether 1 or L rows are in the batch;
-* other matmuls (attention scores q·kᵀ, attention-weighted values p·v, rotary tables): every output element is a
-  sequential sum over the inner dimension (products in float32 or better, then a running sum), so it does not
-  depend on how many rows or columns are computed, and keys that are masked out (weight exactly 0) add exactly 0;
-* softmax: the maximum (exact in any order), then the normaliser as a sequential running sum, so masked entries
-  (exp = 0) and the number of keys in the row do not change it;
-* `scaled_dot_product_attention`: the same scores, mask, softmax and weighted sum as above, per query over exactly
-  its visible keys (from the mask, `is_causal`, or all keys), grouped heads expanded;
+* linear layers (`F.linear`, `addmm`): rows in blocks of one of a probed family of sizes (e.g. 256 for a long
+  prompt, 32 for a decode step's one row, the last block zero-padded), so every kernel call has one of a few shapes
+  and the K-reduction of a row never depends on how many rows came with it;
+* `scaled_dot_product_attention`: per query chunk, scores with fixed-shape GEMMs [rows, d] x [d, keys], rounded and
+  scaled in the dtype, the mask added, softmax in float32 or better with its normaliser a running sum, the weights
+  rounded to the dtype, times v with fixed-shape GEMMs [rows, keys] x [keys, d] whose key blocks start at each
+  query's first visible key and are added in order - op for op what eager attention computes in this mode, so eager
+  and SDPA models agree bit for bit here; a cached query whose keys start elsewhere in the tensor (a sliding
+  window's cache, left padding) groups the same terms as the full forward's;
+* other matmuls (eager attention's q·kᵀ and p·v): [t, t] x [t, t] tile GEMMs, the inner dimension in blocks of t
+  aligned at each row's first nonzero, partial products added in index order;
+* softmax: the maximum (exact in any order), then the normaliser as a running sum (a sequential scan on the CPU,
+  tile GEMMs elsewhere), so masked entries (exp = 0) and the number of keys in the row do not change it;
 * `conv1d` (the causal short convolutions of Mamba and gated DeltaNet layers): every output element a running sum
   over its own window, so the cached states + new tokens give the bits the full sequence gives;
 * elementwise transcendental functions (exp, sigmoid, tanh, silu, gelu, softplus...): every element through the
@@ -28,8 +35,11 @@ error; the model itself is never touched):
 * logsumexp (attention sinks): max + log of a running sum;
 * norms (RMSNorm's mean, LayerNorm) already reduce each row on its own and are left as they are.
 
-Pure PyTorch: runs on CPU and CUDA. It is slower (per-row kernel calls, explicit products), which is fine for
-proving a point on a prompt; bench/invariant_bench.py measures it.
+Every fixed shape is probed once per device, dtype, shape and thread count before it is used (rows, columns and
+batch entries rolled; operands at other leading dimensions; data whose products cancel, so that a 16-bit output
+still shows a summation order): a GEMM library picks its algorithm from the shape, and on some CPUs (AVX2 MKL) an
+output can depend on where its row sits in the call. Pure PyTorch: runs on CPU and CUDA. bench/invariant_bench.py
+measures the cost against the normal run as the prompt and the model grow.
 """
 from __future__ import annotations
 
@@ -283,7 +293,6 @@ TILES = {"cpu": (64, 32, 16, 48, 24), "cuda": (64, 32, 16)}
 # checks a pair's bits are the same in each
 TILE_BATCHES = (1024, 128, 16)
 _PROBES: dict = {}
-PROBE_OUTPUTS = 1 << 20  # outputs a linear probe compares (16-bit outputs show a summation order rarely)
 _PROBE_LOCK = threading.Lock()
 
 
@@ -315,27 +324,48 @@ def _probe_data(shape, dtype, device, seed: int) -> torch.Tensor:
     return torch.randn(shape, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
 
 
+def _cancelling(shape, stride, dtype, device, k_dim: int, seed: int, negate: bool = False) -> torch.Tensor:
+    """Probe data whose products cancel: along the inner dimension (k_dim) the second half repeats the first (negated
+    with `negate`), so a row times a weight sums to exactly 0 and what a kernel returns is its rounding alone - which
+    differs, in nearly every output and whatever the output dtype, between two summation orders."""
+    g = torch.Generator().manual_seed(seed)
+    full = torch.randn(shape, generator=g, dtype=torch.float64) * torch.exp2(
+        torch.randint(-6, 7, shape, generator=g).to(torch.float64))
+    half = shape[k_dim] // 2
+    first = full.narrow(k_dim, 0, half)
+    full.narrow(k_dim, half, half).copy_(-first if negate else first)
+    if shape[k_dim] % 2:
+        full.narrow(k_dim, shape[k_dim] - 1, 1).zero_()
+    out = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+    out.copy_(full)
+    return out
+
+
 def linear_block(x_dtype: torch.dtype, weight: torch.Tensor, bias, call, k: int, kind: tuple = ("linear",)) -> tuple:
     """Row-block sizes (largest first) for `call(rows [b, k], weight, bias)`, each call of one of these shapes: every
-    row's bits the same wherever it sits in a block and whichever size it goes in; () where none is found here."""
+    row's bits the same wherever it sits in a block and whichever size it goes in; () where none is found here.
+    The probe runs `call` on data of the weight's shape, strides and dtype (a kernel is chosen by those, not by the
+    values) built so that products cancel, and on random data."""
     key = (*kind, _where(weight.device), x_dtype, weight.dtype, tuple(weight.shape), weight.stride(),
            None if bias is None else (bias.dtype, tuple(bias.shape), bias.stride()))
-    n_out = weight.shape[0] if kind[0] == "linear" else weight.shape[-1]
+    k_dim = 1 if kind[0] == "linear" else 0  # where the inner dimension is in the weight: [N, K] or [K, N]
+    dev = weight.device
+    w_probe = _cancelling(tuple(weight.shape), weight.stride(), weight.dtype, dev, k_dim, 3)
+    b_probe = None if bias is None else torch.zeros_like(bias)
 
     def works(family: tuple) -> bool:
-        # a 16-bit output rounds away most differences of summation order (about 1 element in 10^4 shows one), so
-        # the probe compares about a million outputs: blocks of the big size against the same rows in every size
-        # and rolled within each
         big = max(family)
-        for rep in range(max(1, -(-PROBE_OUTPUTS // (big * n_out)))):
-            x = _probe_data((big, k), x_dtype, weight.device, 7 + rep)
-            y = call(x, weight, bias)
+        for rep in range(2):
+            x = _cancelling((big, k), (k, 1), x_dtype, dev, 1, 7, negate=True) if rep == 0 else \
+                _probe_data((big, k), x_dtype, dev, 7)
+            w_ = w_probe if rep == 0 else weight
+            b_ = b_probe if rep == 0 else bias
+            y = call(x, w_, b_)
             for b in family:
-                if b != big and not torch.equal(torch.cat([call(x[i:i + b].clone(), weight, bias)
+                if b != big and not torch.equal(torch.cat([call(x[i:i + b].clone(), w_, b_)
                                                            for i in range(0, big, b)]), y):
                     return False
-                if rep == 0 and not all(torch.equal(call(x[:b].roll(s_, 0), weight, bias), y[:b].roll(s_, 0))
-                                        for s_ in (1, b // 2 + 1)):
+                if not all(torch.equal(call(x[:b].roll(s_, 0), w_, b_), y[:b].roll(s_, 0)) for s_ in (1, b // 2 + 1)):
                     return False
         return True
 
@@ -372,8 +402,8 @@ def block_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         call = lambda blk, out=None: torch.mm(blk, wt, out=out)  # noqa: E731
     else:
         call = lambda blk, out=None: torch.addmm(bias, blk, wt, out=out)  # noqa: E731
-    b = linear_block(x.dtype, weight, bias, lambda blk, w_, c_: call(blk), weight.shape[-1]) \
-        if x.dtype == weight.dtype else 0
+    probe = lambda blk, w_, c_: torch.mm(blk, w_.t()) if c_ is None else torch.addmm(c_, blk, w_.t())  # noqa: E731
+    b = linear_block(x.dtype, weight, bias, probe, weight.shape[-1]) if x.dtype == weight.dtype else 0
     if not b:
         return rowwise_linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
@@ -386,7 +416,8 @@ def block_addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta=1, al
     call = lambda blk, out=None: torch.addmm(bias, blk, b, beta=beta, alpha=alpha, out=out)  # noqa: E731
     per_row_bias = bias.dim() == 2 and bias.shape[0] != 1
     rows_b = 0 if per_row_bias or a.dtype != b.dtype else \
-        linear_block(a.dtype, b, bias, lambda blk, w_, c_: call(blk), b.shape[0], ("addmm", float(beta), float(alpha)))
+        linear_block(a.dtype, b, bias, lambda blk, w_, c_: torch.addmm(c_, blk, w_, beta=beta, alpha=alpha),
+                     b.shape[0], ("addmm", float(beta), float(alpha)))
     if not rows_b:
         return rowwise_addmm(bias, a, b, beta=beta, alpha=alpha)
     return _blocked_rows(a, b.shape[1], rows_b, call, torch.result_type(a, b))

@@ -54,4 +54,6 @@ def summary(res) -> str:
         else:
             lines.append(f"{pr.a} vs {pr.b}: part at step {pr.first_divergence} — {pr.verdict.upper()}: "
                          f"{pr.explanation}")
+    if res.proof_s is not None:
+        lines.append(f"proof: the invariant-mode replay of the parting steps took {res.proof_s:.2f} s")
     return "\n".join(lines)

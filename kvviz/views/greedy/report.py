@@ -16,7 +16,7 @@ def reopen(d: dict):
     return GreedyResult(settings=typed(GreedySettings, d["settings"], paths=lambda v: tuple(map(GreedyPath, v))),
                         model=d["model"],
                         prompt_tokens=d["prompt_tokens"], layer_labels=d["layer_labels"], paths=paths, pairs=pairs,
-                        notes=d.get("notes", []), elapsed_s=d.get("elapsed_s", 0.0))
+                        notes=d.get("notes", []), elapsed_s=d.get("elapsed_s", 0.0), proof_s=d.get("proof_s"))
 
 
 def verdict(result) -> tuple[str, str]:

@@ -189,6 +189,7 @@ class GreedyResult:
     pairs: list[PairResult]
     notes: list[str]
     elapsed_s: float
+    proof_s: float | None = None  # seconds the parting steps' invariant-mode replay took (None: no replay)
 
     def pair(self, a: str, b: str) -> PairResult:
         for p in self.pairs:
@@ -203,7 +204,8 @@ class GreedyResult:
     def to_dict(self) -> dict:
         return {"settings": self.settings.to_dict(), "model": self.model, "prompt_tokens": self.prompt_tokens,
                 "layer_labels": self.layer_labels, "paths": {k: asdict(v) for k, v in self.paths.items()},
-                "pairs": [p.to_dict() for p in self.pairs], "notes": self.notes, "elapsed_s": self.elapsed_s}
+                "pairs": [p.to_dict() for p in self.pairs], "notes": self.notes, "elapsed_s": self.elapsed_s,
+                "proof_s": self.proof_s}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -598,6 +600,7 @@ def run_greedy(lm: LoadedModel, cfg: GreedyConfig, progress: Progress | None = N
     cfg.validate()
     inp = build_inputs(lm, cfg.prompt, cfg.left_pad, extra_tokens=cfg.max_new_tokens)
     f64 = _Float64(lm, cfg, settings, reference)
+    proof_s = None
     runs = _decode_paths(lm, cfg, settings, inp, f64, progress)
     names = [p for p in cfg.paths if p in runs]
     pairs = [_compare(runs[a], runs[b], machine_eps(lm.dtype)) for i, a in enumerate(names) for b in names[i + 1:]]
@@ -611,9 +614,11 @@ def run_greedy(lm: LoadedModel, cfg: GreedyConfig, progress: Progress | None = N
     if not settings.invariant and (prove if prove is not None else
                                    any(p.verdict == Verdict.PRECISION and GreedyPath.FLOAT64 not in (p.a, p.b)
                                        for p in pairs)):
+        t_proof = time.perf_counter()
         prove_pairs(lm, cfg, settings, inp, pairs, progress, runs)
+        proof_s = time.perf_counter() - t_proof
     progress(1.0, "Done")
     return GreedyResult(settings=GreedySettings.of(cfg, RunInfo.of(lm, settings)), model=lm.summary(),
                         prompt_tokens=inp.token_texts, layer_labels=layer_labels(runs[names[0]].hidden.shape[1]),
                         paths=_path_results(lm, runs, names), pairs=pairs, notes=_notes(lm, cfg, runs),
-                        elapsed_s=time.perf_counter() - t_start)
+                        elapsed_s=time.perf_counter() - t_start, proof_s=proof_s)

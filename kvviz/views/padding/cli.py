@@ -34,6 +34,8 @@ def command(args) -> Outcome:
                     + "\n\nrelative gap of the hidden states vs the prompt alone without cache:\n"
                     + res.grid("hidden_relative").to_string(float_format=lambda v: f"{v:.2g}")
                     + "".join(f"\n{c['placement']} / {c['scenario']}: {c['reason']}" for c in res.cells
-                              if c.get("reason")))
+                              if c.get("reason"))
+                    + (f"\n\nproof: the grid's invariant-mode rerun took {res.proof_s:.2f} s"
+                       if res.proof_s is not None else ""))
 
     return Outcome(res, lm, summary)

@@ -8,7 +8,7 @@ def reopen(d: dict):
     from .run import PaddingResult, PaddingSettings
 
     return PaddingResult(settings=typed(PaddingSettings, d["settings"], companions=tuple), model=d["model"],
-                         tokens=d["tokens"], compared=d["compared"], cells=d["cells"])
+                         tokens=d["tokens"], compared=d["compared"], cells=d["cells"], proof_s=d.get("proof_s"))
 
 
 def verdict(result) -> tuple[str, str]:

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Callable
 
+import time
+
 import pandas as pd
 import torch
 
@@ -57,6 +59,7 @@ class PaddingResult:
     tokens: list[str]
     compared: list[int]
     cells: list[dict]  # one per placement × scenario
+    proof_s: float | None = None  # seconds the grid's invariant-mode rerun took (None: no rerun)
 
     @property
     def placements(self) -> list[str]:
@@ -210,15 +213,18 @@ def run_padding(lm: LoadedModel, prompt: str, split: int | None = None, left_pad
         gap64 = max(c64["hidden_relative"], c64["logits_relative"])
         cells.append({"placement": placement, "scenario": label, **c, "float64_relative": gap64,
                       "verdict": classify(c["bitwise_equal"], gap64), "proved": None, "reason": None})
+    proof_s = None
     if prove and not settings.invariant and any(c["verdict"] == Verdict.PRECISION for c in cells):
         progress(0.8, "Rerunning the grid in invariant mode for the proof…")
+        t_proof = time.perf_counter()
         inv = _padding_cells(lm, settings.with_(invariant=True, compile="off"), ids, comp_ids, k, left_pad, only)
         for c in cells:
             if c["verdict"] == Verdict.PRECISION:
                 c["proved"] = inv[(c["placement"], c["scenario"])].get("bitwise_equal")
+        proof_s = time.perf_counter() - t_proof
     progress(1.0, "Done")
     run = RunInfo.of(lm, settings)
     info = PaddingSettings.from_run(run, prompt=prompt, split=k, left_pad=left_pad,
                                     companions=tuple(len(c) for c in comp_ids))
     return PaddingResult(settings=info, model=lm.summary(), tokens=token_texts(lm.tokenizer, ids),
-                         compared=list(range(k, len(ids))), cells=cells)
+                         compared=list(range(k, len(ids))), cells=cells, proof_s=proof_s)

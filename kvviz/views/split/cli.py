@@ -59,4 +59,6 @@ def summary(res) -> str:
     lines += ["", f"verdict: {res.verdict.upper()}", res.explanation]
     if res.proof and "invariant mode" not in res.explanation:  # not when the explanation already says it
         lines.append(res.proof)
+    if res.proof_s is not None:
+        lines.append(f"proof: the invariant-mode rerun took {res.proof_s:.2f} s (the whole run {res.elapsed_s:.2f} s)")
     return "\n".join(lines)

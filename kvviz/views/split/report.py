@@ -30,7 +30,7 @@ def reopen(d: dict):
                        main=comparison(d["result"]), float64=comparison(d.get("float64_evidence")),
                        verdict=d["verdict"], explanation=d["explanation"], notes=d.get("notes", []),
                        elapsed_s=d.get("elapsed_s", 0.0), invariant=comparison(d.get("invariant_check")),
-                       proof=d.get("proof"))
+                       proof=d.get("proof"), proof_s=d.get("proof_s"))
 
 
 def verdict(result) -> tuple[str, str]:

@@ -135,6 +135,7 @@ class SplitResult:
     elapsed_s: float
     invariant: Comparison | None = None  # the same scenario in invariant mode: the proof of a precision verdict
     proof: str | None = None  # one line: what the invariant run shows
+    proof_s: float | None = None  # seconds the invariant rerun for the proof took (None: no rerun)
 
     @property
     def proved(self) -> bool | None:
@@ -164,6 +165,7 @@ class SplitResult:
             "invariant_check": self.invariant.to_dict() if self.invariant is not None else None,
             "proved": self.proved,
             "proof": self.proof,
+            "proof_s": self.proof_s,
             "notes": self.notes,
             "elapsed_s": self.elapsed_s,
         }
@@ -549,12 +551,14 @@ def run_split(lm: LoadedModel, cfg: SplitConfig, progress: Progress | None = Non
             f"from the full forward by up to {main.max_abs:.3g} (max KL {float(main.logits['kl'].max()):.3g}, next "
             f"token agrees at {int(main.logits['argmax_agree'].sum())}/{len(main.logits['argmax_agree'])} "
             f"positions). Not rounding of the usual kind and not a logic error: measure whether it matters.")
-    inv, proof = None, None
+    inv, proof, proof_s = None, None, None
     if main.has_cache and (settings.invariant or (prove if prove is not None else verdict == Verdict.PRECISION)):
         inv = main if settings.invariant else None
         if inv is None:
             progress(0.95, "Rerunning in invariant mode for the proof…")
+            t_proof = time.perf_counter()
             inv = _run(lm, cfg, inp, lambda f, m: None, settings.with_(invariant=True, compile="off"))
+            proof_s = time.perf_counter() - t_proof
         proof = proof_line(verdict, main, inv, settings)
         if verdict == Verdict.PRECISION and not settings.lossy:
             proved = inv.identical
@@ -567,4 +571,4 @@ def run_split(lm: LoadedModel, cfg: SplitConfig, progress: Progress | None = Non
                        tokens=inp.token_texts, token_ids=inp.token_ids, compared=list(range(cfg.split, inp.n_tokens)),
                        layer_labels=layer_labels(lm.n_layers + 1), main=main, float64=f64, verdict=verdict,
                        explanation=explanation, notes=list(lm.warnings), elapsed_s=time.perf_counter() - t0,
-                       invariant=inv, proof=proof)
+                       invariant=inv, proof=proof, proof_s=proof_s)

@@ -14,7 +14,7 @@ import functools
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import memory as _memory
+REFERENCE_CHUNK_BYTES = 128 * 1024 ** 2  # a float64 weight larger than this is applied in slices (kvviz.memory plans it)
 
 _SOFTMAXES = {torch.softmax, torch.log_softmax, torch.nn.functional.softmax, torch.nn.functional.log_softmax,
               torch.Tensor.softmax, torch.Tensor.log_softmax}
@@ -62,9 +62,9 @@ def head_slice_rows(weight_shape) -> int | None:
     on AVX2 with two threads does), so the streamed reference, which can only hold one slice, and the twin must make
     the same calls to agree bit for bit."""
     rows, d = int(weight_shape[0]), int(weight_shape[-1])
-    if 8 * rows * d <= _memory.REFERENCE_CHUNK_BYTES:
+    if 8 * rows * d <= REFERENCE_CHUNK_BYTES:
         return None
-    return max(1, _memory.REFERENCE_CHUNK_BYTES // (8 * max(1, d)))
+    return max(1, REFERENCE_CHUNK_BYTES // (8 * max(1, d)))
 
 
 def sliced_linear64(x: torch.Tensor, n_out: int, rows: int, weight_slice, bias: torch.Tensor | None = None):

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from .errors import KvvizError
+from .float64 import REFERENCE_CHUNK_BYTES  # float64 runs apply a larger weight in slices of this
 
 GB = 1024 ** 3
 TWIN_MAX_BYTES = int(1.5 * GB)  # a full float64 twin up to this size is kept when memory allows (it runs faster)
@@ -53,7 +54,6 @@ BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
 _ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}
 _ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
-REFERENCE_CHUNK_BYTES = 128 * 1024 ** 2  # the streamed reference applies a larger float64 weight in slices of this
 
 
 # ----------------------------------------------------------------------------------------------------------------

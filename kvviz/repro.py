@@ -200,13 +200,10 @@ def float64_mode() -> str:
     """kvviz's own KeepFloat64 mode (kvviz/float64.py), copied into the script so it needs no kvviz."""
     import inspect
 
-    from . import float64, memory
+    from . import float64
 
     src = inspect.getsource(float64)
     body = src.split('"""', 2)[2].replace("from __future__ import annotations\n", "")
-    # float64.py reads one constant of kvviz.memory (the head's slice size): the script carries its value
-    body = body.replace("from . import memory as _memory\n", "import types\n\n_memory = types.SimpleNamespace("
-                        f"REFERENCE_CHUNK_BYTES={memory.REFERENCE_CHUNK_BYTES!r})\n")
     if "from ." in body:
         raise KvvizError("kvviz/float64.py imports another kvviz module: the repro script cannot copy it")
     return ("\n# kvviz keeps float64 models in float64 (transformers' float32 'upcasts' would round): its mode, "

@@ -29,7 +29,7 @@ def _same(a, b, path="") -> None:
     if isinstance(a, dict):
         assert a.keys() == b.keys(), path
         for k in a:
-            if k not in ("elapsed_s", "seconds", "notes", "warnings"):
+            if k not in ("elapsed_s", "proof_s", "seconds", "notes", "warnings"):
                 _same(a[k], b[k], f"{path}.{k}")
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), path
@@ -282,10 +282,10 @@ def test_a_large_bfloat16_model_reads_only_the_rows_it_needs_from_the_checkpoint
     """Where nothing is kept (a model whose float64 copy is large) and the loaded weights are rounded, the embedding
     lookup reads only the looked-up rows from the checkpoint and a large head is applied in slices read from it; the
     numbers are still the float32 checkpoint's, bit for bit, and no whole table is read."""
-    from kvviz import memory, reference
+    from kvviz import float64, reference
 
     # tiny:gemma3's head in slices of 16 rows - in every float64 run, the twin's included (kvviz.float64.head_slice_rows)
-    monkeypatch.setattr(memory, "REFERENCE_CHUNK_BYTES", 8 * 64 * 16)
+    monkeypatch.setattr(float64, "REFERENCE_CHUNK_BYTES", 8 * 64 * 16)
     lm = load_model("tiny:gemma3", "bfloat16", DEVICE)
     ref = lm.reference("streamed")
     monkeypatch.setattr(ref.stream64, "keep_bytes", 0)

@@ -484,9 +484,7 @@ def tiled_mm(a: torch.Tensor, b: torch.Tensor, t: int, starts: torch.Tensor | No
     exactly 0). Every bmm call has the shape [n, t, t] x [n, t, t], n in TILE_BATCHES."""
     g_n, m, k = a.shape
     dev = a.device
-    if starts is not None and starts.dim() == 0:
-        f = None  # told: every row starts at column 0 (a reduction over the head dimension)
-    elif bool((a[..., 0] != 0).all()) if starts is None else not bool(starts.any()):
+    if bool((a[..., 0] != 0).all()) if starts is None else not bool(starts.any()):
         f = None  # every row starts at its first column: no shift anywhere (scores, causal attention weights)
     else:
         lo = (a != 0).to(torch.uint8).argmax(-1) if starts is None else starts  # (0 where a row has none)
@@ -629,7 +627,6 @@ def fast_softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = Non
     return (e / s).to(out_dtype)
 
 
-_NO_SHIFT = torch.tensor(0)  # tiled_mm's starts for a reduction over the head dimension: blocks from column 0
 
 
 ATTENTION_ROWS = {"cpu": (64, 32, 16, 48), "cuda": (64, 128, 32)}

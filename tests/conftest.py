@@ -21,6 +21,9 @@ os.environ["KVVIZ_CACHE"] = str(_CACHE)
 os.environ["HF_HUB_CACHE"] = str(_CACHE / "hf-hub")
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# MKL may use fewer threads than asked when the machine is busy (MKL_DYNAMIC), which changes a GEMM's reduction split
+# and so the last bits between a figure and its repro script; tests pin the thread count they ask for.
+os.environ.setdefault("MKL_DYNAMIC", "FALSE")
 
 # Under pytest-xdist (`make test` runs `-n 2`), the cores are shared: each worker gets its share of torch's threads,
 # so two workers do not each start a pool as wide as the machine (oversubscribed, both run slower).

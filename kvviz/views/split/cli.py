@@ -57,7 +57,7 @@ def summary(res) -> str:
     if res.float64 is not None:
         lines.append(f"float64 rerun: max relative gap {res.float64.max_relative:.3g}")
     lines += ["", f"verdict: {res.verdict.upper()}", res.explanation]
-    if res.proof and "invariant mode" not in res.explanation:  # not when the explanation already says it
+    if res.proof and not res.proof_in_explanation:
         lines.append(res.proof)
     if res.proof_s is not None:
         lines.append(f"proof: the invariant-mode rerun took {res.proof_s:.2f} s (the whole run {res.elapsed_s:.2f} s)")

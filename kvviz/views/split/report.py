@@ -34,5 +34,5 @@ def reopen(d: dict):
 
 
 def verdict(result) -> tuple[str, str]:
-    proof = result.proof if result.proof and "invariant mode" not in result.explanation else None
+    proof = result.proof if result.proof and not result.proof_in_explanation else None
     return result.verdict, result.explanation + (f" {proof}" if proof else "")

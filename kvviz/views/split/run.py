@@ -144,6 +144,12 @@ class SplitResult:
         return None if self.invariant is None else self.invariant.identical
 
     @property
+    def proof_in_explanation(self) -> bool:
+        """A precision verdict's explanation carries its proof state (verdict_for with proved); other verdicts show
+        the proof line beside it."""
+        return self.proof is not None and self.verdict == Verdict.PRECISION
+
+    @property
     def compared_tokens(self) -> list[str]:
         return [self.tokens[i] for i in self.compared]
 

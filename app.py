@@ -6,7 +6,7 @@ import streamlit as st
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 st.set_page_config(page_title="kvviz", page_icon=":material/troubleshoot:", layout="wide")
-from pages.common import NAV, OLD_URLS, PAGE_URLS, PAGE_TITLES, sidebar  # noqa: E402  (after set_page_config)
+from pages.common import NAV, OLD_URLS, PAGE_URLS, PAGE_TITLES, show_notes, sidebar  # noqa: E402  (after set_page_config)
 from pages.state import remember, scenario_guard  # noqa: E402
 
 # Navigation in sections (pages.common.NAV: one place for every page's file, title and icon), always expanded:
@@ -42,5 +42,6 @@ scenario_guard(st.session_state["_page"])  # leaving a one-click scenario brings
 st.session_state["model_choice"] = sidebar()
 try:
     nav.run()
+    show_notes()  # a run's side notes that no verdict box drew (pages.common.show_notes)
 finally:
     st.session_state.pop("_stop_requested", None)  # a Stop clicked after its run ended stops nothing later

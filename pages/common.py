@@ -222,6 +222,7 @@ def page(title: str, caption: str, needs_model: bool = True):
                                                   "and invariant mode back to their defaults (and a scenario's model)")
     st.caption(caption)
     scenario_banner(name)
+    st.session_state["_notes_after_verdict"] = []  # lines drawn below this run's verdict (show_notes)
     st.session_state["_top_slot"] = st.empty()  # progress and Stop go here, at the top, while a run works
     st.session_state["_msg_slot"] = st.empty()  # this run's load message; replaces the last run's at once
     if st.session_state.get("_url_note"):
@@ -278,10 +279,19 @@ def show_verdict(verdict: str, explanation: str, proof: str | None = None, style
         box(f"**Verdict: {verdict}.** {head}")
         with st.expander("Why (the evidence)"):
             st.markdown(explanation + (f"\n\n🔒 {proof}" if proof else ""))
+        show_notes()
         return
     if proof and "invariant mode" in explanation:  # the explanation already says what the proof found
         proof = None
     box(f"**Verdict: {verdict}.** {explanation}" + (f"\n\n🔒 {proof}" if proof else ""))
+    show_notes()
+
+
+def show_notes() -> None:
+    """The run's side notes (e.g. its memory peak went over its plan), below the verdict: the first screen stays the
+    verdict and the chart. Pages without a verdict box get them at their end (app.py)."""
+    for note in st.session_state.pop("_notes_after_verdict", None) or ():
+        st.warning(note, icon=":material/memory:")
 
 
 def token_strip(tokens: list[str], split: int | None = None, highlight: int | None = None, window: int = 64) -> str:

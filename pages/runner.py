@@ -258,6 +258,6 @@ def run_cached(name: str, key_parts: dict, compute):
     result = store[key]
     plan = getattr(result, "memory_plan", None)
     over = plan.over_plan() if plan is not None else None
-    if over:  # the plan was wrong for this run: said on the page, not only in a benchmark
-        st.warning(over, icon=":material/memory:")
+    if over:  # the plan was wrong for this run: said on the page below the verdict (pages.common.show_notes)
+        st.session_state.setdefault("_notes_after_verdict", []).append(over)
     return result

@@ -44,6 +44,7 @@ class ArchRow:
     checks: list[dict] = field(default_factory=list)
     proof: str = ""  # "0" (exactly 0 in invariant mode), "not run (…)" or the first op / module that breaks it
     proof_gap: float | None = None
+    proof_s: float | None = None  # seconds the invariant-mode proof took (None: not run)
     config: dict = field(default_factory=dict)  # what was built: layers, hidden, window, features
     seconds: float = 0.0
     transformers: str = field(default_factory=lambda: _transformers_version())  # the version the row ran on
@@ -206,7 +207,9 @@ def run_arch(model_type: str, workdir: Path, timeout: float | None = 120) -> Arc
             if any(c.name == "causal attention" and c.status == "fail" for c in card.checks):
                 row.proof = "n/a (no cache: bidirectional)"
             else:
+                t_proof = time.perf_counter()
                 row.proof, row.proof_gap = _proof(lm)
+                row.proof_s = round(time.perf_counter() - t_proof, 3)
     except _Timeout as e:
         row.status, row.reason = "cannot run", f"timeout: {e}"
     except (KvvizError, Exception) as e:  # noqa: BLE001
@@ -463,7 +466,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
         ev = r.reason if r.status != "safe" else (
             f"every check passes in float64 ({r.config.get('layers')} layers"
             + (f", window {r.config['window']}" if r.config.get("window") else "") + ")")
-        lines.append(f"| {r.model_type} | {r.status} | {_cell(ev)} | {_cell(r.proof or '—')} | {r.transformers} |")
+        lines.append(f"| {r.model_type} | {r.status} | {_cell(ev)} | {_cell((r.proof or '—') + (f' ({r.proof_s:.1f} s)' if r.proof_s is not None else ''))} | {r.transformers} |")
     lines.append("")
     return "\n".join(lines)
 
@@ -519,7 +522,9 @@ def cli(args) -> int:
         done.append(row)
         if not args.json:
             print(f"[{i}/{n}] {t}: {row.status}" + (f" - {row.reason}" if row.reason else "")
-                  + (f"; proof {row.proof}" if row.proof else "") + f" ({row.seconds:.1f} s)", flush=True)
+                  + (f"; proof {row.proof}" if row.proof else "")
+                  + (f" in {row.proof_s:.1f} s" if row.proof_s is not None else "") + f" ({row.seconds:.1f} s)",
+                  flush=True)
         if out is not None:  # written as it goes: an interrupted sweep keeps its rows
             rows = merge_rows(out / "architectures.json", [row])
             write_docs(rows, out, {"note": note})

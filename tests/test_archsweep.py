@@ -85,6 +85,8 @@ def test_subset_runs_and_matches_the_table(rows):
 
 def test_seed_003_claims_are_rows_with_evidence(rows):
     assert rows["gpt2"].status == "safe" and rows["gpt2"].proof == "0"
+    # the proof's time is reported (issue 38): each proved row says how long its invariant-mode proof took
+    assert all(r.proof_s is not None and 0 < r.proof_s < r.seconds for r in rows.values() if r.proof == "0")
     assert rows["roberta"].status == "unsafe" and "causal attention" in rows["roberta"].reason
     for t in ("gemma3_text", "gemma2", "mistral", "qwen3", "llama"):
         assert rows[t].status == "safe" and rows[t].proof == "0", (t, rows[t].reason, rows[t].proof)

@@ -20,7 +20,7 @@ from kvviz.errors import KvvizError
 from kvviz.execution import ExecSettings
 from kvviz.export import export_json, html_report, open_result
 from kvviz.views.serving.figures import prompt_frame
-from kvviz.views.serving.run import CONDITIONS, ServeConfig, load_prompt_set, plan_batches, run_serving
+from kvviz.views.serving.run import CONDITIONS, ServeConfig, load_prompt_set, plan_batches, run_serving, summary_text
 from kvviz.repro import key_figure
 from kvviz.simkernel import split_k_kernel
 from conftest import ROOT, DEVICE
@@ -85,6 +85,11 @@ def test_constructed_split_parts_where_it_must_and_never_in_invariant_mode():
         assert p.verdict == "precision" and p.float64_gap <= 1e-9
         assert p.proved is True and p.proof.startswith("Precision — proved")
     assert res.histogram == {2: len(PROMPTS)}
+    # the proof's time is reported (issue 38): in the JSON, the reopened result and the text summary
+    assert res.proof_s is not None and 0 < res.proof_s < res.elapsed_s
+    assert type(res).from_dict(json.loads(json.dumps(res.to_dict()))).proof_s == res.proof_s
+    assert f"invariant-mode rerun took {res.proof_s:.2f} s" in summary_text(res)
+    assert inv.proof_s is None  # already in invariant mode: nothing reruns
     assert res.conditions["batch"].parting_prompts == 0 and res.conditions["alone"].parting_prompts == len(PROMPTS)
     for p in inv.prompts:
         # invariant mode: every linear call is one fixed block of rows, so every row takes the split sum: "a", always

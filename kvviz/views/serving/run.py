@@ -179,6 +179,7 @@ class ServeResult:
     elapsed_s: float
     analysis_s: float = 0.0
     batches: dict = field(default_factory=dict)  # run -> the batches of prompt indices (batch condition)
+    proof_s: float | None = None  # seconds the parting conditions' invariant-mode rerun took (None: no rerun)
 
     @property
     def histogram(self) -> dict[int, int]:
@@ -216,6 +217,7 @@ class ServeResult:
                 "histogram": {str(k): v for k, v in self.histogram.items()},
                 "warm_differs_share": self.warm_differs_share, "first_divergences": self.first_divergences,
                 "notes": self.notes, "elapsed_s": self.elapsed_s, "analysis_s": self.analysis_s,
+                "proof_s": self.proof_s,
                 "batches": {str(k): v for k, v in self.batches.items()}}
 
     @classmethod
@@ -230,7 +232,7 @@ class ServeResult:
                  for k, v in d["conditions"].items()}
         return cls(settings=ServeSettings(**s), model=d["model"], engine=d["engine"],
                    prompts=[PromptResult(**p) for p in d["prompts"]], conditions=conds, notes=d.get("notes", []),
-                   elapsed_s=d.get("elapsed_s", 0.0), analysis_s=d.get("analysis_s", 0.0),
+                   elapsed_s=d.get("elapsed_s", 0.0), analysis_s=d.get("analysis_s", 0.0), proof_s=d.get("proof_s"),
                    batches={int(k): v for k, v in d.get("batches", {}).items()})
 
 
@@ -426,6 +428,7 @@ def _study(lm, cfg, engine, settings, reference, prove, progress, t_start) -> Se
     analysis_s = time.perf_counter() - t_an
 
     parting = [p for p in results if p.first_divergence is not None]
+    proof_s = None
     if cfg.engine in WORKER_ENGINES:
         progress(0.85, "Comparing the engine's log-probs with the float64 reference on each path…")
         from .engine_verdict import engine_verdicts
@@ -439,9 +442,11 @@ def _study(lm, cfg, engine, settings, reference, prove, progress, t_start) -> Se
             _explain(p, lm, lm64, ex64, engine, ids, n, plan, prefix_ids, cfg)
         if prove and not settings.invariant:
             progress(0.93, "Rerunning the parting conditions in invariant mode for the proof…")
+            t_proof = time.perf_counter()
             exi = Executor(lm, settings.with_(invariant=True))
             for p in parting:
                 _prove(p, lm, exi, engine, texts, ids, n, plan, prefix_ids)
+            proof_s = time.perf_counter() - t_proof
     notes = list(lm.warnings)
     if settings.invariant:
         notes.append("invariant mode: every condition, the engine's own thread included, ran in it")
@@ -457,7 +462,7 @@ def _study(lm, cfg, engine, settings, reference, prove, progress, t_start) -> Se
                                                    **(engine.info() if hasattr(engine, "info") else {})},
                        prompts=results,
                        conditions=stats, notes=notes, elapsed_s=time.perf_counter() - t_start,
-                       analysis_s=analysis_s, batches=plan)
+                       analysis_s=analysis_s, batches=plan, proof_s=proof_s)
 
 
 def engine_info(name: str, page_size: int) -> dict:
@@ -589,6 +594,9 @@ def summary_text(res: ServeResult) -> str:
             lines.append(f"[{p.index}] {p.prompt[:50]!r}: distinct {p.distinct_all}, {where}"
                          f" — {(p.verdict or '?').upper()}: {p.explanation}"
                          + (f" {p.proof}" if p.proof else ""))
+    if res.proof_s is not None:
+        lines.append(f"proof: the parting conditions' invariant-mode rerun took {res.proof_s:.2f} s "
+                     f"(the whole study {res.elapsed_s:.2f} s)")
     for note in res.notes:
         lines.append(f"note: {note}")
     return "\n".join(lines)

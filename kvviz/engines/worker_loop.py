@@ -40,6 +40,8 @@ def serve(worker) -> None:
                 break
             elif op == "ping":
                 reply = {}
+            elif op in getattr(worker, "OPS", ()):  # an engine's own ops (vLLM's layer capture)
+                reply = getattr(worker, op)(msg) or {}
             else:
                 raise ValueError(f"unknown op {op!r}")
             proto.write(json.dumps({"ok": True, **reply}) + "\n")

@@ -162,14 +162,15 @@ class LayerCapture:
 
     def kvviz_gaps(self, a, b, path, upto, eps):
         """Side a (tag, request) against side b (tag, request) or against a safetensors file's "hidden" [R, T, H]
-        (kvviz's reference: position t in column t), on the positions both hold (below upto)."""
+        at its "positions" (kvviz's reference, or another engine's saved states), on the positions both hold (below
+        upto). b is the reference side of the relative gap."""
         ra, pa = self._kvviz_states(*a)
         if path is not None:
             from safetensors.torch import load_file
 
-            ref = load_file(path)["hidden"]
-            pb = list(range(ref.shape[1]))
-            rb = ref
+            got = load_file(path)
+            rb = got["hidden"]
+            pb = got["positions"].tolist() if "positions" in got else list(range(rb.shape[1]))
         else:
             rb, pb = self._kvviz_states(*b)
         ia, ib = {p: j for j, p in enumerate(pa)}, {p: j for j, p in enumerate(pb)}

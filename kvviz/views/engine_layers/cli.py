@@ -1,0 +1,57 @@
+"""`python -m kvviz engine-layers`: two runs of one prompt through vLLM (warm vs cold, batch vs alone, tensor
+parallel 1 vs N) compared layer by layer inside the engine, each against the float64 reference."""
+from __future__ import annotations
+
+from ...clirun import Outcome, load, model_args, progress_to_stderr, settings
+
+HELP = ("inside the engine: warm vs cold, batch vs alone or tensor parallel 1 vs N in vLLM, layer × token, each "
+        "against the float64 reference; the first layer beyond rounding named")
+
+
+def add_arguments(vp) -> None:
+    """Its options, on the parser kvviz.cli makes under the subcommand its folder derives."""
+    model_args(vp)
+    vp.add_argument("--prompt", required=True, help="the prompt (after --prefix)")
+    vp.add_argument("--prefix", default="", help="a shared prefix before the prompt (for 'warm': the warmer)")
+    vp.add_argument("--pair", default="warm", choices=("warm", "batch", "tp"),
+                    help="warm: cold vs warm prefix cache; batch: alone vs in flight with k-1 neighbours; tp: tensor "
+                         "parallel 1 vs --tensor-parallel-size")
+    vp.add_argument("--max-new-tokens", type=int, default=8)
+    vp.add_argument("--batch-size", type=int, default=4, help="k: requests in flight for --pair batch")
+    vp.add_argument("--engine", default="vllm", choices=("vllm", "llama.cpp"),
+                    help="vllm (its own environment: `make engines`); llama.cpp is refused with the reason")
+    vp.add_argument("--tensor-parallel-size", type=int, default=3,
+                    help="N for --pair tp (must divide the model's attention heads; on a CPU the ranks' threads are "
+                         "bound to cores with VLLM_CPU_OMP_THREADS_BIND, set it yourself to override)")
+    vp.add_argument("--pipeline-parallel-size", type=int, default=1,
+                    help="vLLM's pipeline parallel size (refused: capture needs every layer in one process)")
+    vp.add_argument("--distributed-executor-backend", default=None, choices=("mp", "ray", "uni", "external_launcher"),
+                    help="vLLM's distributed executor backend (ray for several nodes); default: vLLM's choice")
+    vp.set_defaults(handler=command, not_honoured={"no_proof": "it runs no invariant-mode rerun",
+                                                   "invariant": "vLLM's deterministic mode needs CUDA/ROCm kernels"})
+
+
+def command(args) -> Outcome:
+    from .run import EngineLayersConfig, run_engine_layers
+    from ..serving.engines import check_engine
+
+    cfg = EngineLayersConfig(prompt=args.prompt, pair=args.pair, prefix=args.prefix,
+                             max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                             tensor_parallel_size=args.tensor_parallel_size,
+                             pipeline_parallel_size=args.pipeline_parallel_size,
+                             distributed_executor_backend=args.distributed_executor_backend, engine=args.engine)
+    cfg.validate()  # one line before anything loads (llama.cpp, pipeline parallel, bad sizes)
+    check_engine(cfg.engine)
+    lm = load(args)
+    res = run_engine_layers(lm, cfg, progress=progress_to_stderr(args.quiet), settings=settings(args))
+    return Outcome(res, lm, lambda: summary_text(res))
+
+
+def summary_text(res) -> str:
+    a, b = res.labels
+    lines = [f"engine layers — {res.summary_line()}",
+             f"verdict: {res.verdict}. {res.explanation}",
+             f"{a}: {len(res.a.tokens)} tokens, {res.a.cached_tokens} prompt tokens from the cache; "
+             f"{b}: {len(res.b.tokens)} tokens, {res.b.cached_tokens} from the cache"]
+    lines += [f"note: {n}" for n in res.notes]
+    return "\n".join(lines)

@@ -1,0 +1,91 @@
+"""The engine-layers view's figures and tables: pure functions of its result. The layer × token maps are Split
+point's (kvviz.plotting.heatmap: exact zeros in their own colour, one shared colour range for the two sides)."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+
+from ...plotting import METRIC_TITLES, floor_zeros, heatmap, shared_range, short, thin_x, zero_floor
+from .run import METRICS, EngineLayersResult
+
+
+def _labels(res: EngineLayersResult, positions: list[int]) -> list[str]:
+    return [f"{p}: {short(res.tokens[p])}" if p < len(res.tokens) else str(p) for p in positions]
+
+
+def _check(metric: str) -> None:
+    if metric not in METRICS:
+        raise ValueError(f"unknown metric {metric}; choose one of {', '.join(METRICS)}")
+
+
+def pair_heatmap(res: EngineLayersResult, metric: str = "relative", log: bool = True) -> go.Figure:
+    """A against B, layer × token, on the positions both computed with the same inputs."""
+    _check(metric)
+    a, b = res.labels
+    title = (f"{METRIC_TITLES[metric]}: {b} vs {a} inside {res.engine.get('name')} — {res.settings.get('dtype')}; "
+             f"first differing {res.row_label(res.first_differing)}, beyond rounding {res.row_label(res.first_beyond)}")
+    return heatmap(res.gaps[metric], _labels(res, res.positions), res.layer_labels, title, METRIC_TITLES[metric], log)
+
+
+def reference_heatmaps(res: EngineLayersResult, metric: str = "relative", log: bool = True
+                       ) -> tuple[go.Figure, go.Figure]:
+    """Each side against kvviz's float64 reference on its own tokens, on one colour range."""
+    _check(metric)
+    za, zb = (np.asarray(s.reference[metric], dtype=float) for s in (res.a, res.b))
+    zrange = shared_range(za, zb, log)
+    figs = []
+    for s, z in ((res.a, za), (res.b, zb)):
+        title = f"{METRIC_TITLES[metric]}: {s.label} vs the float64 reference (its own tokens)"
+        figs.append(heatmap(z, _labels(res, s.positions), res.layer_labels, title, METRIC_TITLES[metric], log,
+                            zrange=zrange))
+    return figs[0], figs[1]
+
+
+def layer_lines(res: EngineLayersResult, log: bool = True) -> go.Figure:
+    """Per layer, the largest relative gap over tokens: A vs B, each side vs float64, and the rounding bound."""
+    a, b = res.labels
+    series = [(f"{b} vs {a}", res.gaps["relative"], None), (f"{a} vs float64", res.a.reference["relative"], "dash"),
+              (f"{b} vs float64", res.b.reference["relative"], "dash")]
+    rows = [(name, np.asarray(m, dtype=float).max(axis=1) if np.asarray(m).size else np.zeros(len(res.layer_labels)),
+             dash) for name, m, dash in series]
+    rows.append(("rounding bound", np.asarray(res.bound, dtype=float), "dot"))
+    positive = [v for _, vals, _ in rows for v in vals if v > 0]
+    floor = min(positive) / 10 if positive else 1e-20
+    fig = go.Figure()
+    for name, vals, dash in rows:
+        fig.add_trace(go.Scatter(x=res.layer_labels, y=floor_zeros(vals, floor) if log else vals,
+                                 mode="lines+markers", name=name, line=dict(dash=dash), customdata=vals,
+                                 hovertemplate="%{x}: %{customdata:.4g}<extra></extra>"))
+    fig.update_layout(title=f"Relative gap per layer (max over tokens) — {res.settings.get('dtype')}",
+                      xaxis_title="hidden state", yaxis_title="relative gap", height=380,
+                      margin=dict(l=10, r=10, t=60, b=10), legend=dict(orientation="h", y=-0.35))
+    if log:
+        fig.update_yaxes(type="log", exponentformat="power")
+        if any((vals == 0).any() for _, vals, _ in rows):
+            zero_floor(fig, floor, "0 (bitwise equal)")
+    thin_x(fig, list(res.layer_labels))
+    return fig
+
+
+def layers_frame(res: EngineLayersResult) -> pd.DataFrame:
+    a, b = res.labels
+
+    def worst(m):
+        m = np.asarray(m, dtype=float)
+        return m.max(axis=1) if m.size else np.zeros(len(res.layer_labels))
+
+    return pd.DataFrame({"hidden state": res.layer_labels,
+                         f"{b} vs {a} (relative)": worst(res.gaps["relative"]),
+                         f"{b} vs {a} (× ε)": worst(res.gaps["eps_units"]),
+                         f"{a} vs float64": worst(res.a.reference["relative"]),
+                         f"{b} vs float64": worst(res.b.reference["relative"]),
+                         "rounding bound": res.bound})
+
+
+def main(result) -> list:
+    return [pair_heatmap(result), *reference_heatmaps(result), layer_lines(result)]
+
+
+def tables(result) -> list:
+    return [layers_frame(result)]

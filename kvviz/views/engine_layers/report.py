@@ -1,0 +1,12 @@
+"""The engine-layers view's report: its result rebuilt from a JSON export (no engine runs) and its verdict line."""
+from __future__ import annotations
+
+
+def reopen(d: dict):
+    from .run import EngineLayersResult
+
+    return EngineLayersResult.from_dict(d)
+
+
+def verdict(res) -> tuple[str, str]:
+    return res.verdict, res.summary_line() + ". " + res.explanation

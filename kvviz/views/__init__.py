@@ -61,6 +61,7 @@ VIEW_FOLDERS = [
     "check",
     "bisect",
     "serving",
+    "engine_layers",
 ]
 
 

@@ -32,8 +32,9 @@ from .loading import LoadedModel
 from .metrics import hidden_divergence
 
 LESSON_PROMPT = "The capital of France is Paris, and the capital of Italy is"
-# The default model's own greedy text after "This is a ", cut just before the step where (on a 2-core x86 CPU, bfloat16)
-# its cached and no-cache paths met a near tie and parted: the flip comes within a few steps (machine-dependent).
+# The default model's own greedy text after "This is a ", cut just before a step where (on one 2-core x86 CPU, bfloat16)
+# its cached and no-cache paths met a near tie and parted. Machine-dependent: where they do not part, step 6 shows a
+# constructed case that parts on every machine (CONSTRUCTED) and says so.
 GREEDY_PROMPT = "This is a 100% chance of being correct.\n\nThis is a fundamental concept"
 SWEEP = ("float32", "float16", "bfloat16")  # the dtypes of the by-layer step
 Models = Callable[[str], LoadedModel]  # dtype name -> the lesson's model in that dtype ("float64": its reference)
@@ -56,13 +57,17 @@ class StepResult:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def is_right(self, choice: int | None) -> bool | None:
+        """Whether a prediction matches the measured answer (None: no prediction, or this run cannot grade it)."""
+        return None if choice is None or self.answer is None else choice == self.answer
+
     def graded(self, choice: int | None) -> str | None:
         """One line on a student's prediction: right, or what the numbers say instead (None: no prediction)."""
         if choice is None:
             return None
         if self.answer is None:
             return f"You predicted “{self.choices[choice]}”; this run cannot grade it (see the answer)."
-        if choice == self.answer:
+        if self.is_right(choice):
             return f"Right: “{self.choices[choice]}”."
         return f"Not this time: you predicted “{self.choices[choice]}”, the numbers say “{self.choices[self.answer]}”."
 
@@ -147,7 +152,7 @@ def step_float(value: float = 0.1, dtype: str = "bfloat16") -> StepResult:
     rows = {d: {"eps": machine_eps(DTYPES[d]), "ulp": ulp(v, d), "stored": neighbours(v, d)[1],
                 "mantissa_bits": LAYOUT[d][1] + 1, "exponent_bits": LAYOUT[d][0]} for d in LAYOUT}
     order = ["float64", "float32", "float16", "bfloat16"]
-    choices = [f"{d}'s: 2^-{LAYOUT[d][1]} ≈ {machine_eps(DTYPES[d]):.3g}" for d in order]
+    choices = [f"2^-{LAYOUT[d][1]} ≈ {machine_eps(DTYPES[d]):.3g}" for d in order]  # values only: no dtype names
     sign, exp, man = bits_of(v, name)
     rel = abs(stored - v) / abs(v) if v else 0.0
     reveal = (f"ε of {name} is 2^-{m_bits} = {eps:.6g}: {name} stores {m_bits} mantissa bits (plus one implicit "
@@ -282,23 +287,31 @@ def step_row_vs_batch(lm: LoadedModel, prompt: str = LESSON_PROMPT,
             units = ((a - b).abs() / spacing).numpy()
             hist = {"0": int((units == 0).sum()), "1": int((units == 1).sum()), "2": int((units == 2).sum()),
                     "3+": int((units > 2).sum())}
+            worst = int(units.argmax())
+            top = float(a.abs().max())
             per[d] = {"differ": int((a != b).sum()), "total": int(a.numel()), "max_abs": float((a - b).abs().max()),
-                      "max_ulps": float(units.max()), "ulps": hist}
+                      "max_ulps": float(units.max()), "ulps": hist,
+                      # the output with the most ulps: its size against the largest output's (small: a sum that
+                      # cancelled, whose own ulp is tiny), and the gap in ulps of the largest output (the scale)
+                      "worst_size": float(a[worst].abs()) / top if top else 0.0,
+                      "ulps_of_largest": float((a - b).abs().max()) / ulp(top, d) if top else 0.0}
     ref = "float32" if "float32" in per else dtypes[0]
     frac = per[ref]["differ"] / per[ref]["total"]
     answer = 0 if per[ref]["differ"] == 0 else (1 if frac < 0.1 else 2)
     rows, cols = inp.total, weight.shape[0]
     reveal = (f"{name} ({cols} outputs) applied to the last of the prompt's {rows} embedding rows, alone (a 1-row "
               f"product) vs inside the {rows}-row batch: "
-              + "; ".join(f"{d}: {p['differ']} of {p['total']} outputs differ (at most {p['max_ulps']:.0f} ulp)"
-                          for d, p in per.items()) + ".")
+              + "; ".join(f"{d}: {p['differ']} of {p['total']} outputs differ (at most {p['max_ulps']:.0f} ulp of "
+                          f"the output itself)" for d, p in per.items()) + ". " + _ulp_words(per))
     explanation = (
         "The same row times the same matrix should give the same numbers - in exact arithmetic. But a CPU or GPU "
         "library picks its kernel by the shape it sees: a single row (a matrix-vector product) and a block of rows "
         "(a matrix-matrix product) are split into different tiles and summed in a different order, and step 2 showed "
         "what that does. This is exactly the cached path: after the prompt is cached, each new token goes through "
         "every layer as a 1-row product, while the full forward computes that token inside a block of all rows. "
-        "The differences are a last bit or two, and whether they show depends on the dtype: a 16-bit product is "
+        "Each output's rounding error is a few ulps of the terms it adds up, so counted in ulps of the output "
+        "itself it looks large where the terms nearly cancel (a small output has a small ulp); counted at the scale "
+        "of the largest output it is a last bit or few. Whether it shows depends on the dtype: a 16-bit product is "
         "usually accumulated in float32 and then rounded, which can hide (or, rarely, round up) a float32 difference; "
         "float64 kernels here may happen to sum in one order. Which dtype shows most is a property of this machine's "
         "kernels - the numbers on this page were measured here.")
@@ -307,6 +320,23 @@ def step_row_vs_batch(lm: LoadedModel, prompt: str = LESSON_PROMPT,
                                     "outputs differ?",
                       ["none", "a few (under 10%)", "many (10% or more)"], answer, reveal, explanation,
                       {"module": name, "rows": rows, "outputs": cols, "dtypes": per})
+
+
+def _ulp_words(per: dict) -> str:
+    """Step 3's sizes in words, from its numbers: how many differing outputs are within 2 ulp, and the largest count
+    beside the size of that output and the gap in ulps of the largest output."""
+    out = []
+    for d, p in per.items():
+        if not p["differ"]:
+            continue
+        near = p["ulps"]["1"] + p["ulps"]["2"]
+        line = f"{d}: {near} of the {p['differ']} differing outputs are 1-2 ulp apart"
+        if p["max_ulps"] > 2:
+            line += (f"; the largest, {p['max_ulps']:.0f} ulp, is at an output {p['worst_size']:.2g} the size of the largest "
+                     f"(a sum that nearly cancelled), and measured in ulps of the largest output every gap is at most "
+                     f"{p['ulps_of_largest']:.2g} ulp")
+        out.append(line)
+    return ("How far apart: " + "; ".join(out) + ".") if out else "Every dtype gave bit for bit the same outputs."
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -477,9 +507,8 @@ def step_layers(models: Models, prompt: str = LESSON_PROMPT, n_rest: int = 2,
                       {"labels": g64.labels, "dtypes": per, "float64": g64.relative})
 
 
-@_timed
-def step_greedy(lm: LoadedModel, prompt: str = GREEDY_PROMPT, n: int = 6, fast: bool = True) -> StepResult:
-    """Step 6: greedy decoding with and without cache; where they part, the top-2 margin there against the gap."""
+def _greedy_run(lm: LoadedModel, prompt: str, n: int, fast: bool) -> dict:
+    """Greedy with and without cache, stopped where they part: the numbers step 6 draws."""
     from .views.greedy.run import GreedyConfig, run_greedy
 
     res = run_greedy(lm, GreedyConfig(prompt, int(n), paths=("cache", "no_cache"), fast=fast,
@@ -487,43 +516,89 @@ def step_greedy(lm: LoadedModel, prompt: str = GREEDY_PROMPT, n: int = 6, fast: 
     pair = res.pairs[0]
     nc, ca = res.paths["no_cache"], res.paths["cache"]
     steps = min(len(nc.margins), len(pair.max_abs_logit))
-    margins, gaps = nc.margins[:steps], pair.max_abs_logit[:steps]
-    t = pair.first_divergence
-    name = res.settings.dtype
-    if t is None:
-        answer = None
-        i = int(np.argmin(margins)) if margins else 0
-        reveal = (f"In {name} the two paths chose the same {steps} tokens here: no flip. Every step's top-2 margin "
-                  f"stayed above the gap between the paths' logits (the closest call: step {i}, margin "
-                  f"{margins[i]:.3g} against a gap of {gaps[i]:.3g}). A flip needs a near tie; try more tokens or "
-                  "another prompt.") if margins else "No steps were decoded."
+    tok = {pair.a: pair.a_token, pair.b: pair.b_token}
+    return {"model": lm.name, "dtype": res.settings.dtype, "prompt": prompt, "n": int(n), "fast": fast,
+            "parting": pair.first_divergence, "margins": nc.margins[:steps], "gaps": pair.max_abs_logit[:steps],
+            "tokens": nc.tokens[:steps], "cache_tokens": ca.tokens[:steps], "no_cache_text": nc.text,
+            "cache_text": ca.text, "no_cache_token": tok.get("no_cache"), "cache_token": tok.get("cache"),
+            "float64_gap": pair.float64_gap, "verdict": pair.verdict,
+            "settled": nc.settled[:steps] if nc.settled else None}
+
+
+def _no_flip_words(d: dict) -> str:
+    """Why the paths did not part, from the run's numbers: a margin within the logits' gap is needed, not enough."""
+    m, g = d["margins"], d["gaps"]
+    if not m:
+        return "no steps were decoded."
+    i = int(np.argmin(m))
+    close = sum(1 for a, b in zip(m, g) if a <= b)
+    words = (f"the smallest top-2 margin was {m[i]:.3g} at step {i}" + (" (an exact tie)" if m[i] == 0 else "")
+             + (f", where the two paths' logits differed by up to {g[i]:.3g}. " if g[i] else
+                ", where the two paths' logits were bit for bit equal. "))
+    if close:
+        return words + (f"{close} of {len(m)} steps had a margin within that gap, yet the top two tokens' own "
+                        "logits never swapped: the largest difference fell on other tokens of the vocabulary, "
+                        "and a flip needs it on the two tied ones.")
+    return words + f"At every step the margin was larger than the gap, so no rounding could flip the choice."
+
+
+CONSTRUCTED = "tiny:split"  # a tiny model whose top token depends on how many rows its head saw (kvviz/tiny.py)
+CONSTRUCTED_PROMPT = "Once upon a time"
+
+
+@_timed
+def step_greedy(lm: LoadedModel, prompt: str = GREEDY_PROMPT, n: int = 6, fast: bool = True) -> StepResult:
+    """Step 6: greedy decoding with and without cache; where they part, the top-2 margin there against the gap.
+    Where a near tie meets a rounding gap depends on the machine's kernels: when the sidebar's model does not part
+    here, the step shows the same mechanism built to happen on every machine (tiny:split under the simulated
+    split-K kernel of kvviz/simkernel.py) and says so."""
+    live = _greedy_run(lm, prompt, n, fast)
+    d, name = live, live["dtype"]
+    if live["parting"] is None:
+        from .loading import load_model
+        from .simkernel import split_k_kernel
+
+        lm_c = load_model(CONSTRUCTED, name if name in ("float32", "bfloat16") else "float32", lm.device)
+        with split_k_kernel():
+            d = _greedy_run(lm_c, CONSTRUCTED_PROMPT, max(2, int(n)), fast)
+        d["live"] = {k: live[k] for k in ("model", "dtype", "prompt", "n", "margins", "gaps", "no_cache_text")}
+    d["constructed"] = "live" in d
+    t = d["parting"]
+    if t is None:  # the construction parts at step 1 on every machine: only a broken build gets here
+        answer, reveal = None, f"In {d['dtype']} the two paths chose the same {len(d['margins'])} tokens: " \
+                               + _no_flip_words(d)
     else:
-        m, g = margins[t], gaps[t]
+        m, g = d["margins"][t], d["gaps"][t]
         answer = 1 if m <= g else 0
-        others = [margins[i] for i in range(steps) if i != t]
-        reveal = (f"In {name} the paths part at step {t}: no cache chose {pair.b_token if pair.b == 'no_cache' else pair.a_token!r}, "
-                  f"the cache {pair.a_token if pair.a == 'cache' else pair.b_token!r}. The top-2 margin there was "
-                  f"{m:.3g} and the two runs' logits differed by up to {g:.3g}"
+        others = [d["margins"][i] for i in range(len(d["margins"])) if i != t]
+        reveal = ((f"On {live['model']} in {name}, on this machine, the two paths chose the same "
+                   f"{len(live['margins'])} tokens: " + _no_flip_words(live) + " Whether and where a near tie meets "
+                   "a rounding gap depends on the machine's kernels, so here is the same thing built to happen on "
+                   f"every machine: {CONSTRUCTED}, a tiny model whose token “b” has the logit v + T·v − T·v "
+                   "(T = 2^26), under a simulated matrix kernel that sums a block of rows in two halves and one row "
+                   "in one go (many real kernels choose their blocking by shape)"
+                   + (" - in float32, as float16's range ends below 2^26. " if d["dtype"] != name else ". ")
+                   if d["constructed"] else f"Found on this machine with {d['model']}. ")
+                  + f"In {d['dtype']} the paths part at step {t}: no cache chose {d['no_cache_token']!r}, the cache "
+                  f"{d['cache_token']!r}. The top-2 margin there was {m:.3g} and the two runs' logits differed by up "
+                  f"to {g:.3g}"
                   + (": the margin was within the gap, a near tie." if m <= g else
-                     ": the margin exceeded the measured gap at this step (the gap after the histories part is larger).")
+                     ": the margin exceeded the gap measured at this step (the runs' histories already differ).")
                   + (f" At the steps before, margins were {min(others):.3g} or more." if others else "")
-                  + (f" Replayed in float64 on the same tokens the two differ by {pair.float64_gap:.3g}: "
-                     f"{pair.verdict}." if pair.float64_gap is not None else ""))
+                  + (f" Replayed in float64 on the same tokens the two differ by {d['float64_gap']:.3g}: "
+                     f"{d['verdict']}." if d["float64_gap"] is not None else ""))
     explanation = (
         "Greedy decoding takes the top logit at each step. A gap of a few ε in the logits changes nothing as long as "
-        "the best token leads the runner-up by more than the gap; only when the top two are nearly tied - the margin "
-        "smaller than the gap - can rounding flip the choice. From then on the two texts are fed different tokens "
-        "and part for good, so one last-bit difference becomes a different sentence. Near ties are rare, but a long "
-        "generation in a 16-bit dtype meets one sooner or later (in bfloat16 exact ties are common: only 8 bits of "
-        "mantissa). This is transformers#25420: 'greedy output differs with past_key_values' - precision, not a bug.")
+        "the best token leads the runner-up by more than the gap on those two tokens; only when the top two are "
+        "nearly tied - the margin smaller than the gap - can rounding flip the choice. From then on the two texts "
+        "are fed different tokens and part for good, so one last-bit difference becomes a different sentence. Near "
+        "ties are rare, but a long generation in a 16-bit dtype meets one sooner or later (in bfloat16 exact ties "
+        "are common: only 8 bits of mantissa). This is transformers#25420: 'greedy output differs with "
+        "past_key_values' - precision, not a bug.")
     return StepResult(6, TITLES[6], "When the cached and the no-cache greedy paths choose different tokens, what was "
                                     "the top-2 margin at that step?",
                       ["large: a confident choice, far above the gap between the runs",
-                       "within the gap between the runs: a near tie"], answer, reveal, explanation,
-                      {"dtype": name, "prompt": prompt, "n": int(n), "fast": fast, "parting": t, "margins": margins,
-                       "gaps": gaps, "tokens": nc.tokens[:steps], "cache_tokens": ca.tokens[:steps],
-                       "no_cache_text": nc.text, "cache_text": ca.text, "float64_gap": pair.float64_gap,
-                       "verdict": pair.verdict, "settled": nc.settled[:steps] if nc.settled else None})
+                       "within the gap between the runs: a near tie"], answer, reveal, explanation, d)
 
 
 @_timed

@@ -2,18 +2,24 @@
 from __future__ import annotations
 
 import html
+import math
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from .lesson import STEPS, StepResult
+from .plotting import zero_floor
 
 COLOURS = {"float64": "#7f7f7f", "float32": "#1f77b4", "float16": "#2ca02c", "bfloat16": "#d62728"}
-FLOOR = 1e-20  # where exact zeros are drawn on a log axis (labelled "0")
+def floor_of(*series) -> float:
+    """Where a figure draws exact zeros on its log axis (labelled "0"): a decade below its smallest value above 0,
+    so the zero line sits just under the data, not 20 decades down."""
+    small = [v for vals in series for v in vals if v is not None and v > 0]
+    return 10.0 ** (math.floor(math.log10(min(small))) - 1) if small else 1e-20
 
 
-def _floor(values) -> list[float]:
-    return [FLOOR if (v is None or v == 0) else v for v in values]
+def _floor(values, floor: float) -> list[float]:
+    return [floor if (v is None or v == 0) else v for v in values]
 
 
 def _layout(fig: go.Figure, title: str, height: int = 420) -> go.Figure:
@@ -22,9 +28,15 @@ def _layout(fig: go.Figure, title: str, height: int = 420) -> go.Figure:
     return fig
 
 
-def _zero_line(fig: go.Figure, **where) -> None:
-    fig.add_hline(y=FLOOR, line_dash="dot", line_color="#888", annotation_text="0 (bitwise equal)",
-                  annotation_position="bottom right", **where)
+def log_hline(fig: go.Figure, y: float, text: str, colour: str = "#888", dash: str = "dot", above: bool = True,
+              x: float = 1.0) -> None:
+    """A horizontal line on a log y axis with its label next to it: plotly places an annotation on a log axis at
+    log10(y) (add_hline's own label lands at 10^y - at the top of the figure for a y of 1e-20)."""
+    fig.add_hline(y=y, line_dash=dash, line_color=colour)
+    fig.add_annotation(x=x, xref="x domain", y=math.log10(y), yref="y", text=text, showarrow=False,
+                       xanchor="right" if x >= 0.5 else "left", yanchor="bottom" if above else "top",
+                       font=dict(color=colour))
+
 
 
 def fig_float(r: StepResult) -> go.Figure:
@@ -89,15 +101,24 @@ def fig_one_layer(r: StepResult) -> go.Figure:
     fig = make_subplots(rows=1, cols=2, column_widths=[0.35, 0.65],
                         subplot_titles=(f"layer {d['layer']}: the gap in and out",
                                         "growth factor of every layer (gap out ÷ gap in)"))
-    fig.add_trace(go.Bar(x=["entering", "leaving"], y=_floor([d["gap_in"], d["gap_out"]]),
+    fig.add_trace(go.Bar(x=["entering", "leaving"], y=[d["gap_in"], d["gap_out"]],
                          marker_color=["#9ecae1", "#ff7f0e"], name="relative gap",
                          text=[f"{d['gap_in']:.3g}", f"{d['gap_out']:.3g}"], textposition="outside"), 1, 1)
-    fig.update_yaxes(type="log", title="relative gap (log)", row=1, col=1)
-    fig.add_trace(go.Bar(x=list(range(1, len(growth) + 1)), y=[g if g is not None else None for g in growth],
-                         marker_color=colours, name="growth factor", customdata=labels,
-                         hovertemplate="%{customdata}: ×%{y:.3g}<extra></extra>"), 1, 2)
+    fig.update_yaxes(title="relative gap", rangemode="tozero", row=1, col=1)  # linear: ×0.99 looks like ×0.99
+    # growth factors as points on a log axis centred on ×1, with the answer's bands: a bar from the axis floor
+    # made ×0.99 look like a fall
+    known = [g for g in growth if g]
+    reach = max([2.0] + [max(g, 1 / g) for g in known]) * 1.5
+    fig.add_annotation(x=0, xref="x2 domain", y=math.log10(2), yref="y2", text="about the same (×0.5 to ×2)",
+                       showarrow=False, xanchor="left", yanchor="top", font=dict(color="#2ca02c"))
+    fig.add_trace(go.Scatter(x=list(range(1, len(growth) + 1)), y=[g if g else None for g in growth],
+                             mode="markers", marker=dict(color=colours, size=11), name="growth factor",
+                             customdata=labels, hovertemplate="%{customdata}: ×%{y:.3g}<extra></extra>"), 1, 2)
     fig.add_hline(y=1, line_dash="dot", line_color="#888", row=1, col=2)
-    fig.update_yaxes(type="log", title="× (log)", row=1, col=2)
+    fig.add_hrect(y0=0.5, y1=2, fillcolor="#2ca02c", opacity=0.08, line_width=0, row=1, col=2)  # after the points:
+    # plotly skips a shape on a subplot that has no trace yet
+    fig.update_yaxes(type="log", title="× (log, centred on ×1)", range=[-math.log10(reach), math.log10(reach)],
+                     row=1, col=2)
     fig.update_xaxes(title="layer", row=1, col=2)
     f = d["factor"]
     return _layout(fig, f"Step 4 · layer {d['layer']} in {d['dtype']}: "
@@ -107,21 +128,26 @@ def fig_one_layer(r: StepResult) -> go.Figure:
 def fig_layers(r: StepResult) -> go.Figure:
     d = r.data
     x = list(range(len(d["labels"])))
+    floor = floor_of(d["float64"], *[p["relative"] + p["format_error"] for p in d["dtypes"].values()])
     fig = go.Figure()
     for dt, p in d["dtypes"].items():
         c = COLOURS[dt]
-        fig.add_trace(go.Scatter(x=x, y=_floor(p["relative"]), name=f"{dt}: cached vs full", mode="lines+markers",
+        fig.add_trace(go.Scatter(x=x, y=_floor(p["relative"], floor), name=f"{dt}: cached vs full", mode="lines+markers",
                                  line=dict(color=c), customdata=d["labels"],
                                  hovertemplate="%{customdata}: %{y:.3g}<extra>" + dt + "</extra>"))
-        fig.add_trace(go.Scatter(x=x, y=_floor(p["format_error"]), name=f"{dt}: full forward vs float64",
+        fig.add_trace(go.Scatter(x=x, y=_floor(p["format_error"], floor), name=f"{dt}: full forward vs float64",
                                  mode="lines", line=dict(color=c, dash="dot"), customdata=d["labels"],
                                  hovertemplate="%{customdata}: %{y:.3g}<extra>" + dt + " vs float64</extra>"))
-        fig.add_hline(y=p["eps"], line_dash="dash", line_color=c, opacity=0.6,
-                      annotation_text=f"ε {dt}", annotation_position="top left")
-    fig.add_trace(go.Scatter(x=x, y=_floor(d["float64"]), name="float64: cached vs full", mode="lines",
+    # each ε labelled at its own line, at the left; a label below its line where the next ε up is within a decade
+    # and a half (float16's 2^-10 under bfloat16's 2^-7), so no two labels print on top of each other
+    eps = sorted((p["eps"], dt) for dt, p in d["dtypes"].items())
+    for i, (e, dt) in enumerate(eps):
+        crowded = i + 1 < len(eps) and eps[i + 1][0] / e < 10 ** 1.5
+        log_hline(fig, e, f"ε {dt}", COLOURS[dt], dash="dash", above=not crowded, x=0.0)
+    fig.add_trace(go.Scatter(x=x, y=_floor(d["float64"], floor), name="float64: cached vs full", mode="lines",
                              line=dict(color=COLOURS["float64"]), customdata=d["labels"],
                              hovertemplate="%{customdata}: %{y:.3g}<extra>float64</extra>"))
-    _zero_line(fig)
+    zero_floor(fig, floor, "0 (bitwise equal)")
     fig.update_yaxes(type="log", title="relative gap (log)", exponentformat="e")
     fig.update_xaxes(title="hidden state (0 = embeddings)")
     return _layout(fig, f"Step 5 · {r.title}", height=480)
@@ -130,33 +156,36 @@ def fig_layers(r: StepResult) -> go.Figure:
 def fig_greedy(r: StepResult) -> go.Figure:
     d = r.data
     x = list(range(len(d["margins"])))
+    floor = floor_of(d["margins"], d["gaps"])
     fig = go.Figure()
-    fig.add_trace(go.Bar(x=x, y=_floor(d["margins"]), name="top-2 margin (no-cache path)", marker_color="#9ecae1",
+    fig.add_trace(go.Bar(x=x, y=_floor(d["margins"], floor), name="top-2 margin (no-cache path)", marker_color="#9ecae1",
                          customdata=[repr(t) for t in d["tokens"]], hovertemplate="step %{x}: %{customdata}, margin %{y:.3g}"
                                                                "<extra></extra>"))
-    fig.add_trace(go.Scatter(x=x, y=_floor(d["gaps"]), name="largest |Δ logit| between the paths",
+    fig.add_trace(go.Scatter(x=x, y=_floor(d["gaps"], floor), name="largest |Δ logit| between the paths",
                              mode="lines+markers", line=dict(color="#d62728")))
     if d["parting"] is not None:
         fig.add_vline(x=d["parting"], line_dash="dash", line_color="#d62728",
                       annotation_text=f"they part at step {d['parting']}", annotation_position="top")
-    _zero_line(fig)
+    zero_floor(fig, floor, "0 (an exact tie, or no gap)")
     fig.update_yaxes(type="log", title="logit units (log)", exponentformat="e")
     fig.update_xaxes(title="step")
     head = (f"they part at step {d['parting']}" if d["parting"] is not None else
             f"no parting in {len(x)} steps")
-    return _layout(fig, f"Step 6 · greedy in {d['dtype']}: {head}")
+    where = f"{d['model']} (constructed)" if d.get("constructed") else d.get("model", "")
+    return _layout(fig, f"Step 6 · greedy, {where} in {d['dtype']}: {head}")
 
 
 def fig_referee(r: StepResult) -> go.Figure:
     d = r.data
     x = list(range(len(d["labels"])))
+    floor = floor_of(d["normal"], d["float64"], d["invariant"])
     fig = go.Figure()
     for key, name, colour in (("normal", f"{d['dtype']}, normal run", COLOURS.get(d["dtype"], "#1f77b4")),
                               ("float64", "float64, same scenario", COLOURS["float64"]),
                               ("invariant", f"{d['dtype']}, invariant mode", "#9467bd")):
-        fig.add_trace(go.Scatter(x=x, y=_floor(d[key]), name=name, mode="lines+markers", line=dict(color=colour),
+        fig.add_trace(go.Scatter(x=x, y=_floor(d[key], floor), name=name, mode="lines+markers", line=dict(color=colour),
                                  customdata=d["labels"], hovertemplate="%{customdata}: %{y:.3g}<extra></extra>"))
-    _zero_line(fig)
+    zero_floor(fig, floor, "0 (bitwise equal)")
     fig.update_yaxes(type="log", title="relative gap, cached vs full (log)", exponentformat="e")
     fig.update_xaxes(title="hidden state (0 = embeddings)")
     m = d["max"]
@@ -167,12 +196,13 @@ def fig_referee(r: StepResult) -> go.Figure:
 def fig_bug(r: StepResult) -> go.Figure:
     d = r.data
     fig = go.Figure()
+    floor = floor_of([row["hidden"] for row in d["rows"]])
     for dt in dict.fromkeys(row["dtype"] for row in d["rows"]):
         rows = [row for row in d["rows"] if row["dtype"] == dt]
-        fig.add_trace(go.Bar(x=[row["scenario"] for row in rows], y=_floor([row["hidden"] for row in rows]),
+        fig.add_trace(go.Bar(x=[row["scenario"] for row in rows], y=_floor([row["hidden"] for row in rows], floor),
                              name=dt, marker_color=COLOURS.get(dt), text=[f"{row['hidden']:.2g}" for row in rows],
                              textposition="outside"))
-    _zero_line(fig)
+    zero_floor(fig, floor, "0 (bitwise equal)")
     fig.update_layout(barmode="group")
     fig.update_yaxes(type="log", title="largest relative gap (log)", exponentformat="e")
     return _layout(fig, f"Step 8 · {d['left_pad']} pad tokens: the bug's gap stays in float64")
@@ -198,7 +228,7 @@ def handout_html(results: list[StepResult], model: str = "") -> str:
         fig = figure_html(figure(r), include_plotlyjs=(i == 0), div_id=f"lesson-step-{r.step}")
         parts.append(f"""<section class="step" id="step-{r.step}"><h2>Step {r.step}: {html.escape(r.title)}</h2>
 <div class="q"><b>Predict.</b> {html.escape(r.question)}<ol type="a">{choices}</ol></div>
-<details open><summary>Reveal</summary>{right}<p>{html.escape(r.reveal)}</p>{fig}
+<details><summary>Reveal the answer</summary>{right}<p>{html.escape(r.reveal)}</p>{fig}
 <p class="why"><b>Why.</b> {html.escape(r.explanation)}</p></details></section>""")
     missing = [s for s in STEPS if s not in {r.step for r in results}]
     note = (f"<p><i>Steps not computed in this handout: {', '.join(map(str, missing))}.</i></p>" if missing else "")

@@ -16,9 +16,19 @@ the next token only computes its own row instead of the whole sequence again.
 **Hidden state** — the vector a layer hands to the next, one per token. "embeddings" is the input to layer 1; the
 last one is after the final norm.
 
-**Machine epsilon (ε)** — the distance from 1.0 to the next number the dtype can represent: 2⁻²³ ≈ 1.2e-7 (float32),
-2⁻¹⁰ ≈ 9.8e-4 (float16), 2⁻⁷ ≈ 7.8e-3 (bfloat16), 2⁻⁵² ≈ 2.2e-16 (float64). A relative gap of a few ε is a few
-roundings.
+**ulp (unit in the last place)** — the gap between a number and the next one the dtype can store: what one step
+of the last mantissa bit is worth *at that size*. Floats are evenly spaced between two powers of two and the spacing
+doubles at each power, so the ulp grows with the number: in bfloat16 the ulp of 1.0 is 2⁻⁷ ≈ 0.0078 and the ulp of
+100 is 0.5. "Two results 3 ulp apart" means they differ by three steps of the last bit. A count in ulps of a tiny
+result (a sum whose terms cancelled) can be large while the error is small next to the terms that were added.
+
+**Machine epsilon (ε)** — the ulp of 1.0: the distance from 1.0 to the next number up. ε = 2⁻(stored mantissa bits):
+2⁻⁵² ≈ 2.2e-16 (float64), 2⁻²³ ≈ 1.2e-7 (float32), 2⁻¹⁰ ≈ 9.8e-4 (float16), 2⁻⁷ ≈ 7.8e-3 (bfloat16). It is a
+*relative* size: near any number x the spacing is about ε·|x|. A relative gap of a few ε is a few roundings.
+
+**Unit round-off (u)** — the largest relative error of one rounding to the nearest representable number: half the
+spacing, u = ε/2 (2⁻²⁴ ≈ 6e-8 in float32, 2⁻⁸ ≈ 0.0039 in bfloat16). Every +, × or stored result can be off by up to
+u of its size; a sum of n terms can gather up to about n·u, usually far less.
 
 **Relative gap** — max |Δ| over the vector divided by max |reference|.
 

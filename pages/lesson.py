@@ -97,9 +97,9 @@ elif step == 4:
 elif step == 6:
     c1, c2, c3 = st.columns([3, 1, 1])
     options["prompt"] = c1.text_input("Prompt", lesson.GREEDY_PROMPT, key="lesson_prompt6",
-                                      help="The default model's own text, cut just before a near tie it met on a "
-                                           "CPU in bfloat16: the paths part within a few tokens there (on other "
-                                           "machines the tie may fall elsewhere: try more tokens)")
+                                      help="The default model's own text, cut just before a near tie it met on one "
+                                           "CPU in bfloat16. Where the two paths do not part on this machine, the "
+                                           "step says so and shows a constructed case that parts on every machine")
     options["n"] = int(c2.number_input("New tokens", 2, 64, 6, key="lesson_n6"))
     options["dtype"] = c3.selectbox("dtype", LOW, index=2, key="lesson_dtype6")
 elif step == 7:
@@ -135,9 +135,10 @@ if not ss.get(shown_key):
     st.button("Reveal the answer", key=f"lesson_reveal_{step}", icon=":material/visibility:", type="primary",
               on_click=lambda: ss.__setitem__(shown_key, True))
 else:
-    graded = res.graded(None if pred_label is None else res.choices.index(pred_label))
+    picked = None if pred_label is None else res.choices.index(pred_label)
+    graded = res.graded(picked)
     if graded:
-        (st.success if graded.startswith("Right") else st.info)(graded)
+        (st.success if res.is_right(picked) else st.info)(graded)
     if res.answer is not None:
         st.markdown(f"**Answer:** {res.choices[res.answer]}")
     st.markdown(res.reveal)

@@ -21,7 +21,7 @@ def models():
 def test_step1_float_anatomy_bfloat16_eps_is_2_to_the_minus_7():
     r = lesson.step_float(0.1, "bfloat16")
     d = r.data
-    assert d["eps"] == 2.0 ** -7 and r.choices[r.answer].startswith("bfloat16's")
+    assert d["eps"] == 2.0 ** -7 and r.choices[r.answer] == "2^-7 ≈ 0.00781"
     assert d["stored"] == 0.10009765625 and d["below"] == 0.099609375 and d["above"] == 0.1005859375
     assert d["ulp"] == 2.0 ** -11  # 0.1 lies in [2^-4, 2^-3): 8 bits of precision there
     assert d["bits"] == ["0", "01111011", "1001101"]
@@ -117,15 +117,22 @@ def test_step8_the_padding_bug_stays_in_float64(models):
         lesson.step_bug(models, PROMPT, left_pad=0)
 
 
-def test_step6_greedy_margin_against_gap(models):
-    r = lesson.step_greedy(models("bfloat16"), "Hello", 6)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_step6_parts_on_every_machine(models, dtype):
+    """Where the sidebar's model does not part on this machine, the step says so with that run's numbers and shows
+    tiny:split under the simulated split-K kernel, which parts at step 1 whatever the kernels."""
+    r = lesson.step_greedy(models(dtype), "Hello", 6)
     d = r.data
     assert len(d["margins"]) == len(d["gaps"]) >= 1
-    if d["parting"] is None:
-        assert r.answer is None and "no flip" in r.reveal
-    else:
-        t = d["parting"]
-        assert r.answer == (1 if d["margins"][t] <= d["gaps"][t] else 0)
+    t = d["parting"]
+    assert t is not None and r.answer == (1 if d["margins"][t] <= d["gaps"][t] else 0)
+    if d["constructed"]:
+        assert d["model"] == "tiny:split" and t == 1 and r.answer == 1  # margin v/2 against a gap of v
+        assert (d["no_cache_token"], d["cache_token"]) == ("a", "b")
+        assert d["dtype"] == (dtype if dtype != "float16" else "float32")  # 2^26 overflows float16
+        assert d["verdict"] == "precision" and d["float64_gap"] < 1e-12
+        assert d["live"]["model"] == "tiny:llama" and d["live"]["dtype"] == dtype
+        assert "no flip" not in r.reveal and f"On tiny:llama in {dtype}, on this machine" in r.reveal
 
 
 def test_every_figure_and_the_offline_handout(models):
@@ -139,6 +146,7 @@ def test_every_figure_and_the_offline_handout(models):
     for r in results:
         assert f'id="lesson-step-{r.step}"' in page and r.explanation[:40] in page
     assert "Steps not computed in this handout: 4, 5, 6, 7" in page
+    assert "<details open" not in page and page.count("<details>") == 4  # answers hidden until revealed
     # offline: plotly inlined once, no script or resource fetched from the network
     assert page.count("<script type=\"text/javascript\">/**") + page.count("plotly.js v") >= 1
     assert not re.search(r"<script[^>]*\bsrc=", page)

@@ -12,12 +12,16 @@ its probe):
 * linear layers (`F.linear`, `addmm`): rows in blocks of one of a probed family of sizes (e.g. 256 for a long
   prompt, 32 for a decode step's one row, the last block zero-padded), so every kernel call has one of a few shapes
   and the K-reduction of a row never depends on how many rows came with it;
-* `scaled_dot_product_attention`: per query chunk, scores with fixed-shape GEMMs [rows, d] x [d, keys], rounded and
-  scaled in the dtype, the mask added, softmax in float32 or better with its normaliser a running sum, the weights
-  rounded to the dtype, times v with fixed-shape GEMMs [rows, keys] x [keys, d] whose key blocks start at each
-  query's first visible key and are added in order - op for op what eager attention computes in this mode, so eager
-  and SDPA models agree bit for bit here; a cached query whose keys start elsewhere in the tensor (a sliding
-  window's cache, left padding) groups the same terms as the full forward's;
+* `scaled_dot_product_attention`: the library's own fused kernel (flash attention on the CPU), which computes each
+  query row by itself and walks the keys in fixed blocks with an online softmax, given every row's keys from its
+  first visible key on, padded with masked zero keys to a multiple of the block, and the rows padded to a multiple
+  of 8 (a block of 1 or 2 query rows takes another GEMM) - where a probe shows that this gives a row the same bits
+  in the full forward, a cached chunk, alone, left-padded, beside another sequence and through a sliding window's
+  cache. Otherwise, and inside `eager_equal_attention()` (the matrix, which compares eager with SDPA): per query
+  chunk, scores with fixed-shape GEMMs [rows, d] x [d, keys], rounded and scaled in the dtype, the mask added,
+  softmax in float32 or better with its normaliser a running sum, the weights rounded to the dtype, times v with
+  fixed-shape GEMMs [rows, keys] x [keys, d] whose key blocks start at each query's first visible key and are added
+  in order - op for op what eager attention computes in this mode, so eager and SDPA models agree bit for bit;
 * other matmuls (eager attention's q·kᵀ and p·v): [t, t] x [t, t] tile GEMMs, the inner dimension in blocks of t
   aligned at each row's first nonzero, partial products added in index order;
 * softmax: the maximum (exact in any order), then the normaliser as a running sum (a sequential scan on the CPU,
@@ -677,8 +681,175 @@ def _bmm_as_mm(n: int, m: int, k: int, cols: int, dtype: torch.dtype, device: to
     return bool(_probe(("bmm", _where(device), dtype, n, m, k, cols), (1,), works))
 
 
+# --- attention through the library's own fused kernel, where it is invariant -------------------------------------
+#
+# The CPU flash-attention kernel computes each query row by itself (its threads split batch entries, heads and query
+# blocks, never the keys) and walks the keys in blocks of a fixed size with an online softmax; a block whose keys a
+# row does not see adds exactly 0 to it. What can still change a row's bits is where its keys sit: the block
+# boundaries and the length of the last block. So every call gets its keys from the row's first visible key on (the
+# same start in a cached call and a full forward, with left padding or without), padded with masked zero keys to a
+# multiple of NATIVE_KEY_BLOCK. Whether that makes a row's result independent of the call is probed per device, dtype
+# and head size (rows alone, in a chunk, in the full forward, left-padded, beside another sequence); where it does
+# not (or a row's keys start elsewhere than its neighbours': a sliding window), the fixed-shape path below runs.
+NATIVE_KEY_BLOCK = 512
+# query rows per call: a multiple of this, so the kernel's last block of rows (it splits them in 32, 64 or 256) has
+# at least 8: on the CPU a block of 1 or 2 rows goes through another GEMM and rounds a row's scores differently
+NATIVE_ROW_MULTIPLE = 8
+_EAGER_EQUAL = threading.local()
+
+
+@contextlib.contextmanager
+def eager_equal_attention():
+    """Inside, invariant mode's SDPA takes eager attention's steps op for op (fast_sdpa's fixed-shape path), so an
+    eager and an SDPA model agree bit for bit - for a view that compares attention implementations (the matrix).
+    Elsewhere SDPA runs through the native fused kernel where its probe passes (faster, and the normal run's
+    numerics)."""
+    _EAGER_EQUAL.depth = getattr(_EAGER_EQUAL, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _EAGER_EQUAL.depth -= 1
+
+
+def _visible_only(mask: torch.Tensor) -> torch.Tensor | None:
+    """A float mask as visibility (True: the key is seen) where it only hides keys (every entry 0 or -inf-like),
+    else None (a bias the bool form would lose)."""
+    if mask.dtype == torch.bool:
+        return mask
+    floor = torch.finfo(mask.dtype).min / 2
+    zero = mask == 0
+    return zero if bool((zero | (mask <= floor)).all()) else None
+
+
+def _native_call(query, key, value, vis, start: int, scale):
+    """One native call: query [n, h, rows, d] whose rows all see keys from `start` on (vis: [n, 1 or h, rows, lk]),
+    rows padded to NATIVE_ROW_MULTIPLE with copies of the last, keys from `start` padded to NATIVE_KEY_BLOCK."""
+    n, h, lq, _ = query.shape
+    lk, dev = key.shape[-2], query.device
+    rows = -(-lq // NATIVE_ROW_MULTIPLE) * NATIVE_ROW_MULTIPLE
+    if rows > lq:  # the last query block never of 1 or 2 rows (a kernel of another order): copies of the last row
+        query = torch.cat([query, query[:, :, -1:].expand(n, h, rows - lq, query.shape[-1])], 2)
+        vis = torch.cat([vis, vis[:, :, -1:].expand(n, vis.shape[1], rows - lq, lk)], 2)
+    m = lk - start
+    kp = -(-max(m, 1) // NATIVE_KEY_BLOCK) * NATIVE_KEY_BLOCK
+    kk = key.new_zeros(n, h, kp, key.shape[-1])
+    vv = value.new_zeros(n, h, kp, value.shape[-1])
+    kk[:, :, :m] = key[:, :, start:]
+    vv[:, :, :m] = value[:, :, start:]
+    mm = torch.zeros(n, vis.shape[1], rows, kp, dtype=torch.bool, device=dev)
+    mm[..., :m] = vis[..., start:]
+    return F.scaled_dot_product_attention(query, kk, vv, attn_mask=mm, scale=scale)[:, :, :lq]
+
+
+def _native_core(query, key, value, vis, scale):
+    """query [B, H, lq, d], key/value [B, H, lk, d], vis: bool broadcastable to [B, 1 or H, lq, lk] or None (all
+    seen). Each row through the native kernel over its keys from its first visible key on: rows that start at the
+    same key (every row of a causal prompt, of a left-padded one) in one call; a sliding window's rows, which start
+    each at its own key, one call per start. A row that sees no key gives 0."""
+    b, h, lq, _ = query.shape
+    lk, dev = key.shape[-2], query.device
+    if vis is None:
+        vis = torch.ones(1, 1, 1, lk, dtype=torch.bool, device=dev)
+    hm = vis.shape[1]
+    vis = vis.expand(b, hm, lq, lk)
+    seen = vis.any(-1)  # [B, Hm, lq]
+    first = torch.where(seen, vis.to(torch.uint8).argmax(-1), -1)
+    lo = first.amax()
+    if bool(((first == lo) | ~seen).all()):  # one start for every row of every entry: one call
+        out = _native_call(query, key, value, vis, int(lo) if int(lo) >= 0 else 0, scale)
+        return out.masked_fill(~seen.unsqueeze(-1), 0) if not bool(seen.all()) else out
+    out = query.new_zeros(b, h, lq, value.shape[-1])
+    for e in range(b):
+        for g in range(hm):
+            heads = slice(None) if hm == 1 else slice(g, g + 1)
+            f = first[e, g]
+            for s in torch.unique(f[f >= 0]).tolist():
+                rows = (f == s).nonzero().squeeze(1)
+                out[e, heads, rows] = _native_call(query[e:e + 1, heads, rows], key[e:e + 1, heads],
+                                                   value[e:e + 1, heads], vis[e:e + 1, g:g + 1, rows], s, scale)[0]
+    return out
+
+
+def native_attention_ok(device: torch.device, dtype: torch.dtype, d_qk: int, d_v: int) -> bool:
+    """Does _native_core give a row the same bits whatever the call: the full forward, a cached chunk of rows, one
+    row with only its keys, left-padded, beside another sequence? (probed once per device, dtype, sizes, threads)"""
+    def works(_):
+        n, h = 800, 3
+        q = _probe_data((1, h, n, d_qk), dtype, device, 71)
+        k = _probe_data((1, h, n, d_qk), dtype, device, 72)
+        v = _probe_data((1, h, n, d_v), dtype, device, 73)
+        half = n // 2  # the second half's keys repeat the first's with values negated: sums that nearly cancel
+        k[:, :, half:2 * half] = k[:, :, :half]
+        v[:, :, half:2 * half] = -v[:, :, :half]
+
+        def causal(r0, r1, lk, pad=0):
+            rows = torch.arange(r0, r1, device=device)[:, None] + pad
+            c = torch.arange(lk, device=device)[None]
+            return ((c <= rows) & (c >= pad))[None, None]
+
+        full = _native_core(q, k, v, causal(0, n, n), None)
+        if not bool(torch.isfinite(full).all()):
+            return False
+        tries = [(389, n, n), (0, 64, n), (450, 451, 451), (n - 1, n, n), (n - 2, n, n), (n - 33, n, n),
+                 (n - 193, n, n), (200, 264, 300), (0, 700, 700)]
+        for r0, r1, lk in tries:
+            got = _native_core(q[:, :, r0:r1], k[:, :, :lk], v[:, :, :lk], causal(r0, r1, lk), None)
+            if not torch.equal(got, full[:, :, r0:r1]):
+                return False
+        pad = 37  # left padding: junk keys the mask hides, the rows' keys shifted
+        kj = torch.cat([_probe_data((1, h, pad, d_qk), dtype, device, 74), k], 2)
+        vj = torch.cat([_probe_data((1, h, pad, d_v), dtype, device, 75), v], 2)
+        got = _native_core(q, kj, vj, causal(0, n, n + pad, pad), None)
+        if not torch.equal(got, full):
+            return False
+        # beside another sequence (a batch of two, the other unpadded): each as alone
+        qq = torch.cat([q, q.flip(2)]); kk = torch.cat([kj, torch.cat([k, k[:, :, :pad]], 2)])
+        vv = torch.cat([vj, torch.cat([v, v[:, :, :pad]], 2)])
+        vis = torch.cat([causal(0, n, n + pad, pad), causal(0, n, n + pad)])
+        got = _native_core(qq, kk, vv, vis, None)
+        other = _native_core(q.flip(2), k, v, causal(0, n, n), None)
+        if not (torch.equal(got[:1], full) and torch.equal(got[1:], other)):
+            return False
+        win = 300  # a sliding window: the full forward's rows start each at its own key; a cached row's cache holds
+        i = torch.arange(n, device=device)  # its window only
+        wfull = _native_core(q, k, v, ((i[None] <= i[:, None]) & (i[None] > i[:, None] - win))[None, None], None)
+        return all(torch.equal(_native_core(q[:, :, t:t + 1], k[:, :, t - win + 1:t + 1], v[:, :, t - win + 1:t + 1],
+                                            None, None), wfull[:, :, t:t + 1]) for t in (win - 1, win + 37, n - 1))
+
+    return bool(_probe(("native_sdpa", _where(device), dtype, d_qk, d_v), (1,), works))
+
+
+def _native_sdpa(query, key, value, attn_mask, is_causal, scale):
+    """fast_sdpa through the native kernel (see above), or None where that path does not apply."""
+    if query.dim() != 4 or getattr(_EAGER_EQUAL, "depth", 0) > 0:
+        return None
+    if not native_attention_ok(query.device, query.dtype, query.shape[-1], value.shape[-1]):
+        return None
+    vis = None
+    lq, lk = query.shape[-2], key.shape[-2]
+    if attn_mask is not None:
+        vis = _visible_only(attn_mask)
+        if vis is None:
+            return None
+        while vis.dim() < 4:
+            vis = vis.unsqueeze(0)
+        if vis.shape[1] not in (1, query.shape[1]):
+            return None
+    if is_causal:  # aligned at the bottom right, as fast_sdpa (transformers asks for it only where lq == lk)
+        c = torch.arange(lk, device=query.device)[None] <= torch.arange(lq, device=query.device)[:, None] + (lk - lq)
+        vis = c[None, None] if vis is None else vis & c
+    hq, hk = query.shape[1], key.shape[1]
+    if hk != hq:
+        key = key.repeat_interleave(hq // hk, dim=1)
+        value = value.repeat_interleave(hq // hk, dim=1)
+    b = max(query.shape[0], key.shape[0])
+    return _native_core(query.expand(b, *query.shape[1:]), key.expand(b, *key.shape[1:]),
+                        value.expand(b, *value.shape[1:]), vis, scale)
+
+
 def fast_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, **_):
-    """scaled_dot_product_attention in invariant mode: the steps eager attention takes in invariant mode, op for op
+    """scaled_dot_product_attention in invariant mode: the native kernel over fixed key blocks where its probe passes
+    (_native_sdpa; not inside eager_equal_attention), else the steps eager attention takes in invariant mode, op for op
     (so eager and SDPA models agree bit for bit there) - scores q·kᵀ rounded to the dtype, scaled in it, the mask
     added in it; the softmax in float32 or better, its normaliser a running sum; the weights rounded to the dtype,
     times v - with every GEMM of one of two fixed shapes (attention_tiles), per batch entry and head, a chunk of
@@ -686,6 +857,10 @@ def fast_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     at each query's first visible key, added in order: a cached query whose keys start elsewhere in the tensor (a
     sliding window's cache, left padding) groups the same terms as the full forward's. A query with no visible key
     gives 0."""
+    if not dropout_p:
+        native = _native_sdpa(query, key, value, attn_mask, is_causal, scale)
+        if native is not None:
+            return native
     wide = _wide(query.dtype)
     tiles = attention_tiles(query.device, wide, query.shape[-1], value.shape[-1])
     if tiles is None:

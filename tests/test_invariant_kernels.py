@@ -53,12 +53,45 @@ def test_a_position_dependent_kernel_is_refused_and_the_per_row_form_used(monkey
     assert len(calls) == 1
 
 
+@pytest.fixture(params=["native", "fixed-shape"])
+def attention_path(request):
+    """Both of fast_sdpa's paths: the native fused kernel over fixed key blocks (where its probe passes) and the
+    fixed-shape GEMMs that mirror eager attention (the matrix's, and the fallback)."""
+    if request.param == "native":
+        if not invariant.native_attention_ok(torch.device("cpu"), torch.float32, 32, 32):
+            pytest.skip("the native kernel's probe does not pass on this CPU: fast_sdpa falls back")
+        yield request.param
+    else:
+        with invariant.eager_equal_attention():
+            yield request.param
+
+
 def _attn(q, k, v, **kw):
     return invariant.fast_sdpa(q, k, v, **kw)
 
 
+def test_the_native_path_runs_where_its_probe_passes_and_the_fixed_shape_one_where_not(monkeypatch):
+    q, k, v = (_rand(1, 2, 40, 16, dtype=torch.float32, seed=s) for s in (40, 41, 42))
+    ok = invariant.native_attention_ok(torch.device("cpu"), torch.float32, 16, 16)  # probed before counting calls
+    calls = []
+    real = invariant._native_call
+    monkeypatch.setattr(invariant, "_native_call", lambda *a: calls.append(1) or real(*a))
+    out = _attn(q, k, v, is_causal=True)
+    assert torch.allclose(out, F.scaled_dot_product_attention(q, k, v, is_causal=True), atol=1e-6)
+    assert calls == ([1] if ok else [])
+    monkeypatch.setattr(invariant, "native_attention_ok", lambda *a: False)
+    calls.clear()
+    assert torch.allclose(_attn(q, k, v, is_causal=True), out, atol=1e-6) and calls == []
+    # a float mask that is a bias, not only a hiding mask: the native path would lose it, so it never takes it
+    monkeypatch.undo()
+    monkeypatch.setattr(invariant, "_native_call", lambda *a: calls.append(1) or real(*a))
+    bias = torch.linspace(-1, 1, 40)[None, None, None].expand(1, 1, 40, 40)
+    assert torch.allclose(_attn(q, k, v, attn_mask=bias), F.scaled_dot_product_attention(q, k, v, attn_mask=bias),
+                          atol=1e-5) and calls == []
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_attention_a_query_has_the_same_bits_in_the_full_forward_and_alone_with_its_cache(dtype):
+def test_attention_a_query_has_the_same_bits_in_the_full_forward_and_alone_with_its_cache(dtype, attention_path):
     lq, h, hk, d = 150, 4, 2, 32  # more queries than a chunk, grouped heads
     q, k, v = (_rand(1, n, lq, d, dtype=dtype, seed=s) for n, s in ((h, 10), (hk, 11), (hk, 12)))
     full = _attn(q, k, v, is_causal=True, enable_gqa=True)
@@ -73,7 +106,7 @@ def test_attention_a_query_has_the_same_bits_in_the_full_forward_and_alone_with_
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_attention_a_sliding_window_cache_and_left_padding_group_the_same_terms(dtype):
+def test_attention_a_sliding_window_cache_and_left_padding_group_the_same_terms(dtype, attention_path):
     """A window's cache holds the last keys only, so a cached query's keys start elsewhere in the tensor; left
     padding puts masked keys in front. The weighted sum's blocks start at the query's first visible key, so the
     bits are the full forward's."""
@@ -98,11 +131,12 @@ def test_attention_a_sliding_window_cache_and_left_padding_group_the_same_terms(
 
 def test_sdpa_equals_the_eager_steps_in_invariant_mode():
     """Eager attention in invariant mode (tiled matmuls, the fixed-order softmax) and fast_sdpa are the same
-    computation, so eager and SDPA models agree bit for bit in invariant mode (the matrix view relies on it)."""
+    computation, so eager and SDPA models agree bit for bit in invariant mode (the matrix view relies on it: it runs
+    under eager_equal_attention; elsewhere SDPA takes the native kernel, tested below)."""
     q, k, v = (_rand(1, 3, 90, 24, dtype=torch.bfloat16, seed=s) for s in (30, 31, 32))
     scale = 24 ** -0.5  # not a power of two: the scores are rounded to the dtype before scaling, as eager does
     mask = torch.full((90, 90), torch.finfo(torch.bfloat16).min).triu(1).to(torch.bfloat16)
-    with invariant.invariant_mode():
+    with invariant.invariant_mode(), invariant.eager_equal_attention():
         w = torch.matmul(q, k.transpose(2, 3)) * scale + mask
         p = F.softmax(w, dim=-1, dtype=torch.float32).to(torch.bfloat16)
         eager = torch.matmul(p, v)

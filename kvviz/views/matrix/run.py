@@ -24,6 +24,7 @@ from ...errors import KvvizError, first_line, is_out_of_memory
 from ...execution import CacheKind, ExecSettings, Executor, Settings, StepPolicy
 from ..greedy.run import Replay, replay_step
 from ...metrics import first_divergence
+from ...invariant import eager_equal_attention
 from ...inputs import POSITION_MODES, PromptInputs, check_mode, encode, pad_token_id, positions_from_mask
 from ... import loading
 from ...loading import LoadedModel
@@ -302,20 +303,23 @@ def run_matrix(spec, prompt_or_cfg: "str | MatrixConfig", dtype="float32", devic
         spec, dtype, device = spec.spec, spec.dtype, spec.device
     runner = _Runner(spec, dtype, device, cfg, trust_remote_code)
     n = int(cfg.max_new_tokens)
-    progress(0.0, "Reference: the eager no-cache loop, and the same in float64…")
-    ref = runner.reference(n)
     cells = [Cell(a, c, comp, list(flags)) for a, c, comp, flags in cfg.cells()]
-    for i, cell in enumerate(cells):
-        def report(msg: str, i=i) -> None:
-            progress(0.1 + 0.9 * i / len(cells), f"Cell {i + 1}/{len(cells)}: {msg}")
-        try:
-            _run_cell(runner, cell, ref, n, report)
-        except Exception as e:  # noqa: BLE001 - a cell that cannot run becomes an error cell; the grid goes on
-            if is_out_of_memory(e):
-                from ...errors import free_memory
+    # the matrix compares attention implementations against the eager reference: in invariant mode SDPA takes eager
+    # attention's steps op for op, so the two agree bit for bit there (kvviz.invariant.eager_equal_attention)
+    with eager_equal_attention():
+        progress(0.0, "Reference: the eager no-cache loop, and the same in float64…")
+        ref = runner.reference(n)
+        for i, cell in enumerate(cells):
+            def report(msg: str, i=i) -> None:
+                progress(0.1 + 0.9 * i / len(cells), f"Cell {i + 1}/{len(cells)}: {msg}")
+            try:
+                _run_cell(runner, cell, ref, n, report)
+            except Exception as e:  # noqa: BLE001 - a cell that cannot run becomes an error cell; the grid goes on
+                if is_out_of_memory(e):
+                    from ...errors import free_memory
 
-                free_memory(e)
-            cell.error, cell.verdict = _one_line(e), None
+                    free_memory(e)
+                cell.error, cell.verdict = _one_line(e), None
     progress(1.0, "Done")
     lm = runner.model("eager")
     ref_toks, ref_logits, inp, toks64, _ = ref

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -217,6 +216,10 @@ def _meminfo(key: str) -> int | None:
 
 
 def _address_space_left() -> int | None:
+    try:
+        import resource  # POSIX only: no address-space limit to read elsewhere (Windows)
+    except ImportError:
+        return None
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
     if soft == resource.RLIM_INFINITY:
         return None
@@ -250,8 +253,9 @@ def free_bytes(device: "torch.device | str") -> tuple[int | None, str]:
     return min(found)
 
 
-def measured_peak(device: "torch.device | str") -> int:
-    """Peak memory measured so far: CUDA max allocated on a GPU, peak RSS of this process on the CPU."""
+def measured_peak(device: "torch.device | str") -> int | None:
+    """Peak memory measured so far: CUDA max allocated on a GPU, peak RSS of this process on the CPU (None where
+    neither /proc nor `resource` can say)."""
     dev = torch.device(device) if not isinstance(device, torch.device) else device
     if dev.type == "cuda":
         return int(torch.cuda.max_memory_allocated(dev))
@@ -295,12 +299,18 @@ def process_runtime_bytes() -> int:
     return RUNTIME_BYTES if _PROCESS_AT_IMPORT is None else _PROCESS_AT_IMPORT + RUNTIME_GROWTH
 
 
-def _peak_rss() -> int:
+def _peak_rss() -> int | None:
     """This process's peak RSS: VmHWM of /proc/self/status where there is one (it starts afresh at exec), else
     ru_maxrss (on Linux ru_maxrss also counts the forking parent's pages before exec: a run started from a big
     process would report the parent's size)."""
     hwm = _status_bytes("VmHWM")
-    return hwm if hwm is not None else int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    if hwm is not None:
+        return hwm
+    try:
+        import resource  # POSIX only
+    except ImportError:
+        return None
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -5,6 +5,14 @@ for the same calls, measured inside the worker around `llm.generate` / llama.cpp
 The float64 reference and kvviz's no-cache reference are the study's analysis, not engine overhead: reported apart.
 
     python bench/engine_bench.py [vllm] [llama.cpp]   (both where built; `make engines`)
+    python bench/engine_bench.py capture               (vLLM's layer capture, below)
+
+`capture`: the cost of vLLM layer capture (kvviz/engines/vllm_worker.py, LayerCapture) against the engine's plain
+run: two engines at once - one started as the Serving view starts it (no extension), one with the capture extension
+- and the same requests sent round-robin to (a) the plain engine, (b) the extension with capture off (its hooks
+removed), (c) capture on (every layer's rows copied and kept on the worker, the toggles' RPCs included), so the
+machine's load drifts over all three alike. Goals: b/a <= 1.02, c/a <= 1.5. Times are the worker's own (around
+llm.generate) and kvviz's wall clock around each call.
 """
 import sys
 import time
@@ -44,7 +52,51 @@ def bench(name: str, n_prompts: int = 8, new_tokens: int = 16) -> dict:
             "ratio": a / b, "requests": len(walls), "new_tokens": new_tokens}
 
 
+def bench_capture(n_prompts: int = 8, new_tokens: int = 16, reps: int = 2, dtype: str = "float32") -> dict:
+    from kvviz.engines import WorkerClient
+
+    lm = kvviz.load_model("default", dtype, "cpu")
+    ids = [encode(lm, p) for p in load_prompts("builtin", n_prompts)]
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_BATCH_INVARIANT": "0"}
+    start = dict(model=lm.source, dtype=dtype, prefix_caching=True, max_num_seqs=8, block_size=32,
+                 gpu_memory_utilization=0.3)
+    engines = {}
+    try:
+        for name, capture in (("plain", False), ("capture", True)):
+            engines[name] = WorkerClient("vllm", env=env, timeout_s=1800)
+            engines[name].call("start", capture=capture, **start)
+            engines[name].call("generate", groups=[{"requests": [{"key": "w", "ids": ids[0], "max_new_tokens": 2}],
+                                                    "reset": True}], logprobs=5)
+        inside = {"plain": 0.0, "off": 0.0, "on": 0.0}
+        wall = dict(inside)
+        for rep in range(reps):
+            for i, x in enumerate(ids):
+                for how in ("plain", "off", "on"):
+                    eng = engines["plain" if how == "plain" else "capture"]
+                    group = {"requests": [{"key": f"p{i}", "ids": x, "max_new_tokens": new_tokens}], "reset": True}
+                    if how == "on":
+                        group["capture"] = f"r{rep}p{i}"
+                    t0 = time.perf_counter()
+                    out = eng.call("generate", groups=[group], logprobs=5)
+                    wall[how] += time.perf_counter() - t0
+                    inside[how] += float(out["seconds"])
+                    if how == "on":
+                        eng.call("drop", tags=[f"r{rep}p{i}"])
+    finally:
+        for e in engines.values():
+            e.close()
+    return {"inside": inside, "wall": wall, "requests": reps * len(ids), "new_tokens": new_tokens, "dtype": dtype}
+
+
 if __name__ == "__main__":
+    if sys.argv[1:] == ["capture"]:
+        r = bench_capture()
+        for k in ("inside", "wall"):
+            t = r[k]
+            print(f"vLLM layer capture, {r['requests']} requests x {r['new_tokens']} tokens ({r['dtype']}), {k}: plain "
+                  f"{t['plain']:.2f} s, extension off {t['off']:.2f} s ({t['off'] / t['plain']:.3f}x), capture on "
+                  f"{t['on']:.2f} s ({t['on'] / t['plain']:.3f}x)")
+        sys.exit(0)
     names = sys.argv[1:] or ["vllm", "llama.cpp"]
     for n in names:
         if engine_python(n) is None:

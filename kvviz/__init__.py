@@ -11,25 +11,22 @@ Usable from a notebook:
 
 Every view is a folder under kvviz/views/ (run, figures, report, repro, cli); see docs/architecture.md.
 """
-import sys as _sys
-
-from . import compat as _compat
-
-if _compat.range_warning() is not None:  # one line, once per process
-    print(_compat.range_warning(), file=_sys.stderr)
 from .dtypes import DTYPE_NAMES, machine_eps, parse_dtype, resolve_device
 from .errors import KvvizError
 from .execution import ExecSettings, Executor
-from . import backends as _backends, invariant as _invariant, reference as _reference  # noqa: F401,E402 - register cache kinds, flags, compile, invariant mode
+from . import backends as _backends, invariant as _invariant, reference as _reference  # noqa: E402
 from .loading import ATTN_CHOICES, DEFAULT_SPEC, LoadedModel, ModelSpec, cache_dir, clear_cache, load_model, parse_spec
 from .views.split.run import MODES, SplitConfig, SplitResult, run_split
 from .views.bisect.run import run_bisect as _run_bisect  # noqa: E402
 from .views.split.run import register_bisector as _register_bisector  # noqa: E402
 from .loading import register_reference as _register_reference  # noqa: E402
 
-# Registration, explicit and in one place: the float64 reference behind LoadedModel.reference() (loading never
-# imports kvviz.reference), and the bisector that names where an unproved precision verdict starts (split never
-# imports the bisector, which imports split).
+# Registration, explicit and in one place (no module registers anything by being imported): the cache kinds,
+# precision flags and torch.compile (backends) and invariant mode's run context on the execution seam, the float64
+# reference behind LoadedModel.reference() (loading never imports kvviz.reference), and the bisector that names where
+# an unproved precision verdict starts (split never imports the bisector, which imports split).
+_backends.register()
+_invariant.register()
 _register_reference(_reference.reference_model)
 _register_bisector(_run_bisect)
 from .tiny import TINY_ARCHS, TINY_MODELS

@@ -110,15 +110,6 @@ def _quantized_factory(backend: str):
     return make
 
 
-register_cache_kind(CacheKind.STATIC, _static)
-register_cache_kind(CacheKind.OFFLOADED, _offloaded)
-register_cache_kind(CacheKind.OFFLOADED_STATIC, lambda lm, b, n: _static(lm, b, n, offloading=True))
-register_cache_kind(CacheKind.QUANTIZED, _quantized_factory("fp8"))
-for _kind, _b in ((CacheKind.QUANTIZED_FP8, "fp8"), (CacheKind.QUANTIZED_QUANTO, "quanto"),
-                  (CacheKind.QUANTIZED_HQQ, "hqq")):
-    register_cache_kind(_kind, _quantized_factory(_b))
-
-
 # ------------------------------------------------------------------------------------------------------------------
 # Precision flags
 
@@ -132,9 +123,6 @@ def check_flags(settings: ExecSettings) -> None:
             raise KvvizError(f"unknown flag '{flag}'; choose from {', '.join(FLAGS)}, sdpa=<backend>")
     if settings.compile not in COMPILE_MODES:
         raise KvvizError(f"unknown compile mode '{settings.compile}'; choose one of {', '.join(COMPILE_MODES)}")
-
-
-register_settings_check(check_flags)
 
 
 def _run_wait_limit() -> float:
@@ -209,9 +197,6 @@ def _flags_context(settings: ExecSettings, lm: LoadedModel):
     return run()
 
 
-register_run_context(_flags_context)
-
-
 # ------------------------------------------------------------------------------------------------------------------
 # torch.compile
 
@@ -246,9 +231,6 @@ def _compiler(lm: LoadedModel, mode: str) -> Callable:
         return _COMPILED[key]
 
 
-register_compiler(_compiler)
-
-
 def compiler_works() -> tuple[bool, str]:
     """Can torch.compile build kernels here (a C++ compiler on CPU)? (ok, one-line reason)."""
     import shutil
@@ -257,3 +239,25 @@ def compiler_works() -> tuple[bool, str]:
         return True, "CUDA"
     cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     return (True, cxx) if cxx else (False, "no C++ compiler found for torch.compile on the CPU (install g++)")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Registration: explicit, called once by kvviz/__init__.py (idempotent); importing this module registers nothing
+
+
+def _offloaded_static(lm: LoadedModel, batch: int, max_len: int):
+    return _static(lm, batch, max_len, offloading=True)
+
+
+def register() -> None:
+    """Add the cache kinds, the precision-flag checks and run context, and torch.compile to the execution seam."""
+    register_cache_kind(CacheKind.STATIC, _static)
+    register_cache_kind(CacheKind.OFFLOADED, _offloaded)
+    register_cache_kind(CacheKind.OFFLOADED_STATIC, _offloaded_static)
+    register_cache_kind(CacheKind.QUANTIZED, _quantized_factory("fp8"))
+    for kind, backend in ((CacheKind.QUANTIZED_FP8, "fp8"), (CacheKind.QUANTIZED_QUANTO, "quanto"),
+                          (CacheKind.QUANTIZED_HQQ, "hqq")):
+        register_cache_kind(kind, _quantized_factory(backend))
+    register_settings_check(check_flags)
+    register_run_context(_flags_context)
+    register_compiler(_compiler)

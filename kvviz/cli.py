@@ -165,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.command:
         parser.print_help()
         return 2
+    from .compat import range_warning  # said by the CLI when it runs, not by importing kvviz
+
+    if range_warning() is not None:
+        print(range_warning(), file=sys.stderr)
     try:
         return _run(args)
     except PlanShown:

@@ -1107,10 +1107,8 @@ def _run_context(settings, lm):
     return invariant_mode() if settings.invariant else None
 
 
-def _register() -> None:
+def register() -> None:
+    """Add invariant mode's run context to the execution seam; kvviz/__init__.py calls it once (idempotent)."""
     from .execution import register_run_context
 
     register_run_context(_run_context)
-
-
-_register()

@@ -550,7 +550,9 @@ def load_model(spec: "str | ModelSpec" = DEFAULT_SPEC, dtype="float32", device: 
 
 def _load(ms: ModelSpec, dt: torch.dtype, dev: torch.device, attn: str, trust_remote_code: bool,
           progress: Progress, place: Placement = ONE, key: tuple = ()) -> LoadedModel:
-    notes: list[str] = []
+    from .compat import range_warning
+
+    notes: list[str] = [w for w in (range_warning(),) if w is not None]  # shown with the model, never at import
     progress(0.0, f"Preparing {ms.ref}…")
     if ms.kind == "default":
         gguf = default_gguf_path()

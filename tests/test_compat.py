@@ -81,14 +81,7 @@ def test_tested_range_and_its_warning():
     assert compat.in_tested_range(locked)
 
 
-def test_importing_kvviz_outside_the_tested_range_warns_in_one_line():
-    code = ("import transformers; transformers.__version__ = '5.99.0'\n"
-            "import kvviz; print('imported')")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300,
-                       env={**os.environ, "PYTHONWARNINGS": "ignore::FutureWarning"})
-    assert r.returncode == 0 and "imported" in r.stdout, r.stderr[-2000:]
-    lines = [ln for ln in r.stderr.splitlines() if "outside the tested range" in ln]
-    assert len(lines) == 1 and "5.99.0" in lines[0] and compat.TESTED_MIN in lines[0], r.stderr[-2000:]
+# importing kvviz outside the tested range is silent; the CLI and the loaded model say it: tests/test_imports.py
 
 
 # ------------------------------------------------------------------------------------------------------------------

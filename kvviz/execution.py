@@ -28,7 +28,7 @@ from typing import Callable, ContextManager, Iterator
 
 import torch
 
-from . import compat, loops
+from . import cancel, compat, loops
 from .errors import KvvizError
 from .loading import LoadedModel
 from .loops import StepPolicy
@@ -198,7 +198,7 @@ class Executor:
     def session(self) -> Iterator["Executor"]:
         """The model's lock, inference mode, and every registered run context (restored on exit, also on error)."""
         with contextlib.ExitStack() as stack:
-            stack.enter_context(self.lm.lock)
+            stack.enter_context(cancel.acquire(self.lm.lock))  # a stopped run stops waiting for it (kvviz.cancel)
             stack.enter_context(torch.inference_mode() if self.lm.inference_mode else torch.no_grad())
             for factory in list(_RUN_CONTEXTS):
                 cm = factory(self.settings, self.lm)
@@ -208,6 +208,10 @@ class Executor:
                 from .reference import streamed_float64
 
                 stack.enter_context(streamed_float64(self.lm))
+            if self.settings.compile == COMPILE_OFF:  # a checkpoint at every layer while a run can be stopped
+                from .streaming import decoder_layers
+
+                stack.enter_context(cancel.layer_checks(decoder_layers(self.lm.model)))
             yield self
 
     def _callable(self) -> Callable:
@@ -237,6 +241,7 @@ class Executor:
         fresh_cache). mask/positions None are left out (the model then infers them, as a user's loop would).
         hidden: True (every layer's hidden states in the output), False (none), or a sink `sink(index, tensor)`
         that gets each hidden state as the forward produces it (kvviz.streaming; the output then carries none)."""
+        cancel.check()
         sink = hidden if callable(hidden) else None
         dev = getattr(self.lm, "device", None)  # inputs go where the model's embeddings are (a caller's may be on cpu)
         if dev is not None:

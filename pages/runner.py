@@ -5,10 +5,13 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import contextvars
 import threading
+import time
 
 import streamlit as st
 
+from kvviz import cancel
 from kvviz.errors import OUT_OF_MEMORY_HINT, KvvizError, first_line, free_memory, is_out_of_memory
 
 def page_message():
@@ -53,11 +56,17 @@ class _Ticker:
     """Redraws the progress line every second from the last report and the clock (a run reports only between its
     steps)."""
 
-    def __init__(self, draw, clock):
-        self.draw, self.clock = draw, clock
+    def __init__(self, draw, clock, where=None):
+        self.draw, self.clock, self.where = draw, clock, where or (lambda: "")
         self.t0 = self.t_report = clock()
         self.frac, self.msg = 0.0, ""
         self.lock = threading.Lock()
+
+    def _msg(self) -> str:
+        """The last report's message, with the layer the run is at now (kvviz.cancel's checkpoints) while a step
+        reports nothing else: "invariant proof: Full forward without cache… (layer 12 of 30)"."""
+        where = self.where()
+        return f"{self.msg} ({where})" if where and where not in self.msg else self.msg
 
     def report(self, frac: float, msg: str) -> None:
         with self.lock:
@@ -68,17 +77,15 @@ class _Ticker:
         with self.lock:
             if self.msg:
                 now = self.clock()
-                self.draw(self.frac, progress_text(self.frac, self.msg, now - self.t0, now - self.t_report))
+                self.draw(self.frac, progress_text(self.frac, self._msg(), now - self.t0, now - self.t_report))
 
 
 @contextlib.contextmanager
 def progress_bar(label: str):
     """Yields a progress callback (fraction, message) drawn as a progress bar at the top of the page, with a time-left
-    estimate (redrawn every second, also between reports) and a Stop button; removed when done. Stop interrupts the
-    run at its next progress report (Streamlit reruns on the click) and `run_cached` then shows a one-line note
-    instead of starting it again."""
-    import time
-
+    estimate (redrawn every second, also between reports, with the layer the run is at) and a Stop button; removed
+    when done. Inside `run_cached` Stop ends the run at its next checkpoint (a report, a model call, a layer:
+    kvviz.cancel) and `run_cached` then says how far it got instead of starting it again."""
     from streamlit.runtime.scriptrunner import add_script_run_ctx, get_script_run_ctx
 
     slot = st.session_state.get("_top_slot")
@@ -88,8 +95,18 @@ def progress_bar(label: str):
         n = st.session_state["_stop_seq"] = st.session_state.get("_stop_seq", 0) + 1
         st.button("Stop", key=f"_stop_button_{n}", on_click=_request_stop, icon=":material/stop_circle:",
                   help="Stop this run; the page keeps its controls and you can start it again")
-    ticker = _Ticker(lambda f, text: bar.progress(f, text=text), time.perf_counter)
+    token, run = cancel.current(), _RUN.get()
+    ticker = _Ticker(lambda f, text: bar.progress(f, text=text), time.perf_counter,
+                     (lambda: token.where) if token is not None else None)
     stop = threading.Event()
+
+    def report(frac: float, msg: str) -> None:
+        if token is not None:
+            token.check()  # Stop, a closed tab or a rerun: the run ends here (kvviz.cancel)
+            token.where = ""  # a new step: the layer it is at comes with its next checkpoint
+        if run is not None:
+            run["frac"], run["msg"] = frac, msg
+        ticker.report(frac, msg)
 
     def tick() -> None:
         while not stop.wait(1.0):
@@ -104,7 +121,7 @@ def progress_bar(label: str):
         add_script_run_ctx(thread, ctx)
         thread.start()
     try:
-        yield ticker.report
+        yield report
     finally:
         stop.set()
         if thread.is_alive():
@@ -174,9 +191,13 @@ def _measured(compute, plan):
 
 
 # The runs working right now in this server process, any session: a run on one model waits for the model's lock
-# while another holds it, and says so (what holds it, since when) instead of a silent wait.
+# while another holds it, and says so (what holds it, since when) instead of a silent wait. Each entry carries the
+# run's cancel token (kvviz.cancel), its last progress report and an event set when it has ended (the lock freed).
 _RUNNING: dict[int, dict] = {}
 _RUNNING_LOCK = threading.Lock()
+_STOPPED: dict[tuple[str, str], dict] = {}  # (session, run name) -> the last stopped run's entry, read by the rerun
+_RUN: contextvars.ContextVar[dict | None] = contextvars.ContextVar("kvviz_page_run", default=None)
+STOP_WAIT_S = 15.0  # how long the page after a Stop waits for the stopped run to end before saying it still works
 
 
 def _session_id() -> str:
@@ -184,6 +205,31 @@ def _session_id() -> str:
 
     ctx = get_script_run_ctx()
     return ctx.session_id if ctx is not None else ""
+
+
+def _page_probe():
+    """A test the run's checkpoints poll: has this script run been asked to stop or rerun (Stop, another control, a
+    closed tab: Streamlit stops this script run and, with fast reruns, starts the next one at once while this one
+    would go on computing)? None outside a Streamlit script run."""
+    from streamlit.runtime.scriptrunner import get_script_run_ctx
+
+    ctx = get_script_run_ctx()
+    requests = getattr(ctx, "script_requests", None)
+    if requests is None:
+        return None
+
+    def asked() -> bool:
+        state = getattr(getattr(requests, "_state", None), "name", "CONTINUE")
+        if state == "STOP":
+            return True
+        if state != "RERUN":
+            return False
+        data = getattr(requests, "_rerun_data", None)
+        if getattr(data, "fragment_id", None) and not getattr(data, "is_fragment_scoped_rerun", False):
+            return False  # a fragment's rerun waits for this run: it does not interrupt it
+        return True
+
+    return asked
 
 
 def _model_of_session():
@@ -200,8 +246,6 @@ def others_on_model(model, session: str) -> list[dict]:
 
 def held_line(run: dict, now: float | None = None) -> str:
     """One line on a run that holds the model: what it is and when it started."""
-    import time
-
     now = time.time() if now is None else now
     when = time.strftime("%H:%M:%S", time.gmtime(run["started"]))
     return (f"Another run holds the model: {run['what']}, started {when} UTC ({now - run['started']:.0f} s ago), "
@@ -209,11 +253,10 @@ def held_line(run: dict, now: float | None = None) -> str:
 
 
 @contextlib.contextmanager
-def _holding(name: str):
+def _holding(name: str, token: cancel.Token | None = None):
     """Register this session's run on its model while it works, and show the line above while another run holds
-    the model (left as a caption after the run: it waited)."""
-    import time
-
+    the model (left as a caption after the run: it waited). Yields the run's entry; a run stopped by its token is
+    kept for the next script run of this session (stopped_line)."""
     from pages.common import PAGE_TITLES
 
     model, session = _model_of_session(), _session_id()
@@ -223,38 +266,106 @@ def _holding(name: str):
         note.info(held_line(others[0]), icon=":material/hourglass_top:")
     page_name = PAGE_TITLES.get(st.session_state.get("_page", ""), "")
     what = f"{page_name} ({name})" if page_name and page_name.lower() != name.lower() else (page_name or name)
-    token = object()
+    entry = {"model": model, "session": session, "what": what, "started": time.time(), "name": name,
+             "token": token, "done": threading.Event(), "frac": 0.0, "msg": "",
+             "thread": threading.get_ident()}
     with _RUNNING_LOCK:
-        _RUNNING[id(token)] = {"model": model, "session": session, "what": what, "started": time.time()}
+        _RUNNING[id(entry)] = entry
+    reset = _RUN.set(entry)
     try:
-        yield
+        yield entry
     finally:
+        _RUN.reset(reset)
+        entry["ended"] = time.time()
         with _RUNNING_LOCK:
-            _RUNNING.pop(id(token), None)
+            _RUNNING.pop(id(entry), None)
+            if token is not None and token.cancelled:
+                _STOPPED[(session, name)] = entry
+                while len(_STOPPED) > 64:  # sessions that never came back
+                    _STOPPED.pop(next(iter(_STOPPED)))
+        entry["done"].set()
         if others:
             note.caption("⏳ " + held_line(others[0]).replace("this one starts when it ends", "this one waited "
                                                                 "for it"))
 
 
+def stopped_line(entry: dict | None) -> str:
+    """What a stopped run had done, in one line: "Stopped after 42 % (last step: …, layer 12 of 30), 35 s in; the
+    model was free again 0.8 s after Stop."."""
+    if not entry:
+        return "Stopped. Change a control, or start this run again."
+    token = entry.get("token")
+    where = token.where if token is not None else ""
+    step = entry.get("msg") or "before its first step"
+    if where and where not in step:
+        step = f"{step} ({where})"
+    ran = entry.get("ended", time.time()) - entry["started"]
+    freed = entry.get("ended", 0.0) - entry.get("stop_at", entry.get("ended", 0.0))
+    return (f"Stopped after {100 * float(entry.get('frac') or 0):.0f} % of the run (last step: {step.rstrip('…')}), "
+            f"{ran:.0f} s in; the model was free again {max(0.0, freed):.1f} s after Stop. Change a control, or "
+            "start this run again.")
+
+
+def _stop_earlier_runs(session: str) -> dict | None:
+    """This session's runs still working (a Stop or a changed control interrupted their script run): cancel them and
+    wait, with a line, until they have freed the model (STOP_WAIT_S at most). Returns the last one's entry."""
+    with _RUNNING_LOCK:
+        mine = [r for r in _RUNNING.values() if r["session"] == session and not r["done"].is_set()
+                and r.get("thread") != threading.get_ident()]  # not a run this one is part of
+    if not mine:
+        return None
+    note = st.empty()
+    note.info(f"Stopping the run that was working ({mine[-1]['what']})…", icon=":material/stop_circle:")
+    t0 = time.time()
+    for r in mine:
+        r.setdefault("stop_at", t0)
+        if r["token"] is not None:
+            r["token"].cancel("stopped by the page")
+    for r in mine:
+        r["done"].wait(max(0.0, STOP_WAIT_S - (time.time() - t0)))
+    note.empty()
+    late = [r for r in mine if not r["done"].is_set()]
+    if late:
+        st.warning(f"The stopped run ({late[-1]['what']}) is still finishing its current step after "
+                   f"{STOP_WAIT_S:.0f} s; this run waits for the model until it ends.", icon=":material/hourglass_top:")
+    return mine[-1]
+
+
 def run_cached(name: str, key_parts: dict, compute):
     """Run `compute()` once per distinct inputs in this session; view-only reruns reuse the stored result. The
-    run's memory plan is shown first, and a run that cannot fit is refused before it starts."""
+    run's memory plan is shown first, and a run that cannot fit is refused before it starts. The run can be stopped
+    (Stop, a closed tab, a changed control): it ends at its next checkpoint (kvviz.cancel), frees the model, and the
+    next script run says how far it got."""
     store = st.session_state.setdefault(f"_results_{name}", {})
     key = hashlib.sha256(json.dumps(key_parts, sort_keys=True, default=str).encode()).hexdigest()
     plan = _memory_plan(name, key_parts, key not in store)
     if key not in store:
         ss = st.session_state
+        session = _session_id()
+        _stop_earlier_runs(session)
         stopped = ss.setdefault("_stopped", {})
         if ss.pop("_stop_requested", False):
             stopped[name] = key
         if stopped.get(name) == key:
-            st.info("Stopped. Change a control, or start this run again.", icon="⏹️")
+            with _RUNNING_LOCK:
+                entry = _STOPPED.pop((session, name), None)
+            if entry is not None:
+                stopped[f"{name}:line"] = stopped_line(entry)
+            st.info(stopped.get(f"{name}:line") or stopped_line(None), icon="⏹️")
             st.button("Run again", key=f"_run_again_{name}", on_click=lambda: stopped.pop(name, None))
             st.stop()
+        stopped.pop(f"{name}:line", None)
         if len(store) >= 8:
             store.pop(next(iter(store)))
-        with _holding(name):
-            store[key] = _measured(compute, plan)
+        token = cancel.Token(_page_probe())
+        try:
+            with _holding(name, token), cancel.scope(token):
+                result = _measured(compute, plan)
+        except cancel.Cancelled:
+            st.stop()  # the next script run (already started by the click) says what was done
+        if token.cancelled:  # stopped after its last checkpoint: a result of a stopped run is not kept
+            st.stop()
+        store[key] = result
     result = store[key]
     plan = getattr(result, "memory_plan", None)
     over = plan.over_plan() if plan is not None else None

@@ -563,7 +563,8 @@ def run_split(lm: LoadedModel, cfg: SplitConfig, progress: Progress | None = Non
         if inv is None:
             progress(0.95, "Rerunning in invariant mode for the proof…")
             t_proof = time.perf_counter()
-            inv = _run(lm, cfg, inp, lambda f, m: None, settings.with_(invariant=True, compile="off"))
+            inv = _run(lm, cfg, inp, lambda f, m: progress(0.95 + 0.05 * f, f"invariant proof: {m}"),
+                       settings.with_(invariant=True, compile="off"))
             proof_s = time.perf_counter() - t_proof
         proof = proof_line(verdict, main, inv, settings)
         if verdict == Verdict.PRECISION and not settings.lossy:

@@ -1,0 +1,185 @@
+"""Stop means stop (issue 39 item 1): a cancelled run ends at its next checkpoint - a progress report, a model call,
+a decoder layer, a wait for the model's lock - and frees the model's lock within seconds; the CLI's Ctrl-C ends a
+run with exit code 130 and one line."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+import kvviz
+from kvviz import cancel
+from kvviz.views.split.run import run_split
+
+from conftest import ROOT
+
+LONG = "The quick brown fox jumps over the lazy dog. " * 10  # 451 tokens: fed one by one, a run of a minute here
+MEDIUM = "The quick brown fox jumps over the lazy dog. " * 3  # 136 tokens: the run reaches its later phases sooner
+
+
+def _start(lm, cfg, settings=None, prove=None, cancel_when=lambda msg: False):
+    """run_split in a thread under a token; the token is cancelled (from this thread, not by the run's own progress
+    callback, which only records) as soon as a progress message matches cancel_when. Returns (thread, token,
+    outcome, messages, cancelled_at)."""
+    token, outcome, messages, at = cancel.Token(), {}, [], {}
+    hit = threading.Event()
+
+    def progress(frac, msg):
+        messages.append(msg)
+        if cancel_when(msg):
+            hit.set()
+
+    def work():
+        with cancel.scope(token):
+            try:
+                outcome["result"] = run_split(lm, cfg, progress=progress, settings=settings, prove=prove)
+            except BaseException as e:  # noqa: BLE001 - the test reads what ended it
+                outcome["error"] = e
+
+    th = threading.Thread(target=work, daemon=True)
+    th.start()
+    assert hit.wait(300), messages[-3:]
+    at["t"] = time.monotonic()
+    token.cancel("test")
+    return th, token, outcome, messages, at
+
+
+def _assert_stopped_soon(lm, th, outcome, at, limit=10.0):
+    th.join(limit + 5)
+    ended = time.monotonic() - at["t"]
+    assert not th.is_alive(), "the run went on after its token was cancelled"
+    assert isinstance(outcome.get("error"), cancel.Cancelled), outcome
+    assert ended < limit, f"stopped {ended:.1f} s after the cancel"
+    assert lm.lock.acquire(blocking=False), "the model's lock is still held"
+    lm.lock.release()
+    return ended
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return kvviz.load_model("tiny:llama", "float32", "cpu")
+
+
+def test_a_long_run_stopped_mid_way_ends_and_frees_the_lock(lm):
+    cfg = kvviz.SplitConfig(prompt=LONG, split=10, mode="step")
+    th, token, outcome, messages, at = _start(lm, cfg, cancel_when=lambda m: "token 30…" in m)
+    _assert_stopped_soon(lm, th, outcome, at)
+    assert not any("token 200…" in m for m in messages)  # it did not go on feeding tokens
+
+
+def test_the_invariant_proof_stops_inside_its_forwards(lm):
+    """The proof reports only between its phases: the cancel lands while one is running (its full forward, then 126
+    tokens one by one in invariant mode), and the checkpoints at every call and layer end it there."""
+    cfg = kvviz.SplitConfig(prompt=MEDIUM, split=10, mode="step")
+    th, token, outcome, messages, at = _start(lm, cfg, prove=True,
+                                              cancel_when=lambda m: m.startswith("invariant proof: Full forward"))
+    _assert_stopped_soon(lm, th, outcome, at)
+    assert messages[-1].startswith("invariant proof: ")  # the proof says its phase
+    assert token.where.startswith("layer ") or token.checks > 0
+
+
+def test_the_float64_rerun_stops(lm):
+    cfg = kvviz.SplitConfig(prompt=MEDIUM, split=10, mode="step")
+    th, token, outcome, messages, at = _start(lm, cfg, settings=kvviz.ExecSettings(),
+                                              cancel_when=lambda m: m.startswith("float64: Rest through the cache"))
+    _assert_stopped_soon(lm, th, outcome, at)
+    assert not any(m.startswith("invariant proof") for m in messages)
+
+
+def test_every_decoder_layer_is_a_checkpoint_while_a_token_is_current(lm):
+    """Inside a scope each forward checks once, then before every decoder layer (and every module inside one),
+    telling where the run is; outside a scope nothing is attached to the model."""
+    from kvviz.execution import Executor
+    from kvviz.streaming import decoder_layers
+
+    ids = lm.tokenizer("Hello there, this is a prompt", return_tensors="pt")["input_ids"]
+    layers = decoder_layers(lm.model)
+    token = cancel.Token()
+    with cancel.scope(token):
+        with Executor(lm).session() as ex:
+            ex.forward(ids)
+    assert token.checks > len(layers) and token.where == f"layer {len(layers)} of {len(layers)}"
+    assert all(not layer._forward_pre_hooks for layer in layers)  # removed after the session
+    with Executor(lm).session() as ex:
+        assert all(not layer._forward_pre_hooks for layer in layers)
+        ex.forward(ids)
+    stopped = cancel.Token()
+    stopped.cancel()
+    with cancel.scope(stopped), pytest.raises(cancel.Cancelled):
+        with Executor(lm).session() as ex:
+            ex.forward(ids)
+    assert lm.lock.acquire(blocking=False)
+    lm.lock.release()
+
+
+def test_a_run_waiting_for_the_lock_stops_waiting(lm):
+    """Another run holds the model; this one, stopped while it waits, gives up at once instead of queueing."""
+    from kvviz.execution import Executor
+
+    held, release = threading.Event(), threading.Event()
+
+    def holder():
+        with lm.lock:
+            held.set()
+            release.wait(30)
+
+    threading.Thread(target=holder, daemon=True).start()
+    assert held.wait(10)
+    token, outcome = cancel.Token(), {}
+
+    def waiter():
+        with cancel.scope(token):
+            try:
+                with Executor(lm).session():
+                    outcome["ran"] = True
+            except cancel.Cancelled as e:
+                outcome["error"] = e
+
+    th = threading.Thread(target=waiter, daemon=True)
+    th.start()
+    time.sleep(0.5)
+    assert th.is_alive()  # waiting for the lock
+    t0 = time.monotonic()
+    token.cancel()
+    th.join(5)
+    assert not th.is_alive() and isinstance(outcome.get("error"), cancel.Cancelled) and "ran" not in outcome
+    assert time.monotonic() - t0 < 2
+    release.set()
+
+
+def test_a_probe_cancels_at_the_next_checkpoint():
+    asked = []
+    token = cancel.Token(probe=lambda: bool(asked))
+    with cancel.scope(token):
+        cancel.check("step 1")
+        asked.append(True)
+        with pytest.raises(cancel.Cancelled):
+            cancel.check("step 2")
+    assert token.cancelled and token.where == "step 2"
+    cancel.check()  # outside a scope: nothing to stop
+
+
+def test_ctrl_c_ends_a_cli_run_with_one_line_and_exit_130():
+    """A long CLI run (451 tokens one by one, then its float64 rerun and proof) gets SIGINT: it ends within 10 s,
+    exit code 130, one line on stderr, nothing on stdout."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    p = subprocess.Popen([sys.executable, "-m", "kvviz", "split", "--model", "tiny:llama", "--prompt", LONG,
+                          "--split", "10", "--mode", "step", "--quiet"], cwd=ROOT, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(12)  # imports, the model, and into the run
+    assert p.poll() is None, p.communicate()
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGINT)
+    try:
+        out, err = p.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise
+    assert time.monotonic() - t0 < 10
+    assert p.returncode == 130
+    assert out == "" and err.strip() == "kvviz: stopped (Ctrl-C)", err

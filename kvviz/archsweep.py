@@ -344,6 +344,8 @@ def _sweep_parallel(types, timeout, progress, workdir, jobs) -> list[ArchRow]:
     import threading
     import time
 
+    from . import cancel
+
     groups = [types[i::jobs] for i in range(min(jobs, len(types)))]
     done: dict[str, ArchRow] = {}
     lock = threading.Lock()
@@ -390,6 +392,7 @@ def _sweep_parallel(types, timeout, progress, workdir, jobs) -> list[ArchRow]:
                             p.kill()
                     deadline = None
                 th.join(timeout=1.0)
+                cancel.check()  # a stopped sweep: its workers are killed below (kvviz.cancel)
     finally:
         for p in procs:
             if p.poll() is None:

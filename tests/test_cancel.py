@@ -183,3 +183,42 @@ def test_ctrl_c_ends_a_cli_run_with_one_line_and_exit_130():
     assert time.monotonic() - t0 < 10
     assert p.returncode == 130
     assert out == "" and err.strip() == "kvviz: stopped (Ctrl-C)", err
+
+
+def test_a_stopped_run_kills_its_engine_worker(monkeypatch, tmp_path):
+    """An engine worker busy with a long request (here: a worker that sleeps on 'generate') is killed when the run is
+    stopped: the call ends within seconds with Cancelled and the worker process is gone."""
+    from kvviz import engines
+
+    env = tmp_path / "engines" / "vllm"
+    (env / "bin").mkdir(parents=True)
+    os.symlink(sys.executable, env / "bin" / "python")
+    (env / ".kvviz-engine-built").write_text("test\n")
+    worker = tmp_path / "slow_worker.py"
+    worker.write_text("import json, sys, time\n"
+                      "for line in sys.stdin:\n"
+                      "    if json.loads(line)['op'] == 'generate':\n"
+                      "        time.sleep(600)\n"
+                      "    print(json.dumps({'ok': True}), flush=True)\n")
+    monkeypatch.setenv("KVVIZ_ENGINES", str(tmp_path / "engines"))
+    monkeypatch.setitem(engines.WORKERS, "vllm", ("vllm", str(worker), "vllm"))
+    client = engines.WorkerClient("vllm")
+    assert client.call("ping") == {"ok": True}
+    token, outcome = cancel.Token(), {}
+
+    def work():
+        with cancel.scope(token):
+            try:
+                client.call("generate")
+            except cancel.Cancelled as e:
+                outcome["error"] = e
+
+    th = threading.Thread(target=work, daemon=True)
+    th.start()
+    time.sleep(1.5)
+    assert th.is_alive() and client.proc.poll() is None  # busy
+    t0 = time.monotonic()
+    token.cancel()
+    th.join(10)
+    assert not th.is_alive() and isinstance(outcome.get("error"), cancel.Cancelled)
+    assert time.monotonic() - t0 < 5 and client.proc.poll() is not None  # the worker is gone

@@ -105,6 +105,7 @@ class WorkerClient:
                     self.close()
                     raise KvvizError(f"the {self.name} worker gave no answer to '{op}' within {self.timeout_s:.0f} s")
                 self._cv.wait(min(left, 1.0))
+                self._stop_if_cancelled()
             line = self._replies.popleft()
         try:
             reply = json.loads(line)
@@ -113,6 +114,25 @@ class WorkerClient:
         if not reply.get("ok"):
             raise KvvizError(f"{self.name}: {reply.get('error', 'failed')}")
         return reply
+
+    def _stop_if_cancelled(self) -> None:
+        """A stopped run (kvviz.cancel) kills its worker at once: it may be in the middle of a long request."""
+        from .. import cancel
+
+        try:
+            cancel.check()
+        except cancel.Cancelled:
+            self.kill()
+            raise
+
+    def kill(self) -> None:
+        import signal
+
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: the worker and what it spawned
+        except ProcessLookupError:
+            pass
+        self.close()
 
     def _last_error(self) -> str:
         lines = [x for x in self._err if x.strip()]

@@ -12,6 +12,8 @@ never imports kvviz, speaks JSON lines (the same protocol as vllm_worker.py):
       batch. It always starts empty (a batch is cold).
       -> {"ok": true, "outputs": {key: {"tokens", "top", "chosen", "cached_tokens", "seconds"}}, "seconds": s}
   {"op": "stop"}
+Layer capture ("capture": true in start) is refused: llama-cpp-python gives a callback an opaque ggml_tensor pointer
+and binds nothing that reads it (docs/engines.md).
 Greedy: the argmax of the logits llama.cpp computed for the last token; log-probs are log_softmax of those logits.
 """
 import time
@@ -27,6 +29,10 @@ class Worker:
         self._bseqs = 0
 
     def start(self, msg):
+        if msg.get("capture"):
+            raise RuntimeError("layer capture is not reachable here: llama-cpp-python exposes ggml's eval callback "
+                               "(llama_context_params.cb_eval) but binds no ggml tensor API to read a tensor's name "
+                               "or data")
         import llama_cpp
 
         import llama_cpp.llama as module

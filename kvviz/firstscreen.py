@@ -3,6 +3,8 @@ page's default run shows a difference or says in its verdict line why there is n
 words out; the pages turn a fix into their one-click button."""
 from __future__ import annotations
 
+from .verdict import Verdict, worst as worst_of
+
 
 def split_identical_why(res, invariant: bool = False) -> tuple[str, str | None]:
     """(why, fix) for a Split point result that is bit for bit identical; fix: "step" (feed the rest token by
@@ -42,7 +44,7 @@ def dtypes_line(res) -> tuple[str, str, str | None]:
     compared = [d for d in res.dtypes if d != "float64"]
     n = len(res.prompts)
     count = {d: {v: res.verdicts[d].count(v) for v in ("identical", "precision", "logic")} for d in compared}
-    worst = next((v for v in ("logic", "precision", "identical") if any(count[d][v] for d in compared)), "identical")
+    worst = worst_of((v for d in compared for v in res.verdicts[d]), Verdict.IDENTICAL)
     parts = []
     for d in compared:
         c = count[d]
@@ -92,7 +94,7 @@ def padding_line(res) -> tuple[str, str]:
         v = str(c["verdict"])
         name = f"{c['scenario']} ({c['placement']})"
         by.setdefault(v, []).append(name)
-    worst = next((v for v in ("logic", "precision", "identical") if v in by), "identical")
+    worst = worst_of(by, Verdict.IDENTICAL)
     n = len(res.cells)
     parts = []
     if "logic" in by:

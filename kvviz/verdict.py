@@ -37,6 +37,24 @@ class Verdict(StrEnum):
     NONDETERMINISTIC = "nondeterministic"  # repeats of the same run differ (the backends matrix)
 
 
+# Worst first: the one place the verdicts' order is written. A logic error outranks repeats that differ, which outrank
+# rounding, which outranks a lossy-by-design difference, which outranks bit for bit identical.
+SEVERITY = (Verdict.LOGIC, Verdict.NONDETERMINISTIC, Verdict.PRECISION, Verdict.LOSSY, Verdict.IDENTICAL)
+_RANK = {v: i for i, v in enumerate(SEVERITY)}
+
+
+def severity(verdict) -> int:
+    """0 for the worst verdict (logic), larger for better ones; a word that is no verdict ranks after them all."""
+    return _RANK.get(verdict, len(SEVERITY))
+
+
+def worst(verdicts, default: Verdict | None = None) -> Verdict | None:
+    """The worst of `verdicts` (Verdicts or their words, in any order; words that are no verdict, such as "cannot
+    run" or None, are skipped); `default` when none is a verdict."""
+    known = [Verdict(v) for v in verdicts if v in _RANK]
+    return min(known, key=_RANK.__getitem__) if known else default
+
+
 # Whether a run proves a precision verdict in invariant mode: True (always), False (never), None (when its verdict is
 # precision - the default of the views that decide it themselves). One type for every view's `prove`.
 Prove = bool | None

@@ -13,6 +13,7 @@ import streamlit as st
 
 import kvviz
 from kvviz.execution import ExecSettings
+from kvviz.verdict import worst
 from pages.devices import devices_control, placement_caption, placement_kwargs
 from pages.runner import progress_bar, show_error
 from pages.state import (PREFIX_OF_PAGE, SIDEBAR_DEFAULTS, copy_link, fall_back_outside, reset_to_defaults, restore,
@@ -268,7 +269,7 @@ def verdict_style(verdict: str) -> str | None:
     v = _VERDICT_CLASS.get(verdict, verdict)
     if v in VERDICT_STYLE:
         return v
-    return next((w for w in ("logic", "precision", "identical") if w in str(v)), None)
+    return worst(w for w in VERDICT_STYLE if w in str(v))
 
 
 def show_verdict(verdict: str, explanation: str, proof: str | None = None, style: str | None = None) -> None:

@@ -7,6 +7,7 @@ from kvviz.views.matrix import figures as matrix_figures
 from kvviz.backends import CACHE_KINDS, COMPILE_MODES
 from kvviz.views.matrix.run import MatrixConfig, run_matrix, sliding_window_config
 from kvviz.firstscreen import matrix_why
+from kvviz.verdict import worst as worst_of
 from pages.common import controls, page, show_verdict
 from pages.runner import page_message, progress_bar, run_cached, show_error
 from pages.exporting import exports
@@ -89,7 +90,7 @@ except Exception as e:  # noqa: BLE001
 counts = {}
 for c in res.cells:
     counts[c.verdict or "could not run"] = counts.get(c.verdict or "could not run", 0) + 1
-worst = next((v for v in ("logic", "nondeterministic", "precision", "lossy", "identical") if v in counts), "could not run")
+worst = worst_of(counts) or "could not run"
 why, fix = matrix_why(res, choice.invariant)  # an identical first screen says why, with one click
 show_verdict(worst, f"The worst of {len(res.cells)} cells against the no-cache eager reference — "
              + ", ".join(f"{v}: {n}" for v, n in counts.items()) + ". Pick a cell below the grid for its steps."

@@ -4,6 +4,7 @@ import streamlit as st
 from pages.defaults import DEFAULTS
 
 from kvviz.views.reuse import figures as reuse_figures
+from kvviz.verdict import Verdict, worst as worst_of
 from kvviz.views.reuse.run import REUSE_STRATEGIES, run_reuse
 from pages.common import controls, page, show_verdict
 from pages.runner import progress_bar, run_cached, show_error
@@ -41,7 +42,7 @@ except Exception as e:  # noqa: BLE001
     st.stop()
 
 ways = [r for r in res.runs if r["strategy"] != "fresh"]
-worst = next((v for v in ("logic", "precision", "identical") if any(r["verdict"] == v for r in ways)), "identical")
+worst = worst_of((r["verdict"] for r in ways), Verdict.IDENTICAL)
 bad = sorted({r["strategy"] for r in ways if r["verdict"] == worst})
 show_verdict(worst, {"logic": f"Logic: {' and '.join(bad)} compute{'s' if len(bad) == 1 else ''} something else "
                               "than a fresh prefill (the gap stays in float64)"

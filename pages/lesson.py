@@ -159,10 +159,10 @@ if step < len(SHORT) - 1:
     n.button("Next step →", key="lesson_next", on_click=go, args=(step + 1,), type="primary")
 
 st.divider()
-h1, h2 = st.columns([3, 1], vertical_alignment="center")
-h1.markdown("**Handout**: the whole lesson as one HTML file that opens offline - every step with its question, "
-            "answer, figure and explanation (each step's current settings; steps not opened use their defaults; "
-            "about a minute the first time).")
+h1, h2 = st.columns([2, 1], vertical_alignment="center")
+h1.markdown("**Handout**: the whole lesson as one HTML file that opens offline - every step with its question, then "
+            "its answer, figure and explanation folded away until the student opens them (each step's current "
+            "settings; steps not opened use their defaults; about a minute the first time).")
 h2.button("Prepare the handout", key="lesson_handout", icon=":material/description:",
           on_click=lambda: ss.__setitem__("_lesson_make_handout", True))
 if ss.pop("_lesson_make_handout", False):
@@ -179,5 +179,5 @@ if ss.pop("_lesson_make_handout", False):
     except Exception as e:  # noqa: BLE001
         show_error(e)
 if ss.get("_lesson_handout"):
-    h2.download_button("Download the handout (HTML)", ss["_lesson_handout"], file_name="kvviz-lesson.html",
+    h2.download_button("Download (HTML)", ss["_lesson_handout"], file_name="kvviz-lesson.html",
                        mime="text/html", key="lesson_handout_dl", icon=":material/download:")

@@ -114,8 +114,12 @@ def check_step(r: lesson.StepResult) -> None:
     elif r.step == 7:
         m = d["max"]
         assert f"{m['normal']:.2g}" in title
-        if m["normal"] and m["invariant"] == 0 and m["float64"] < m["normal"] * 1e-6:
-            assert r.answer == 1 and "exactly 0 on every layer" in r.reveal
+        a, b, c = m["normal"], m["float64"], m["invariant"]
+        want = (None if not a else 2 if b == c == 0 else 1 if c == 0 and b < a * 1e-6 else
+                0 if b > a * 0.1 and c > a * 0.1 else None)
+        assert r.answer == want  # a result that fits no choice is not graded
+        assert ("exactly 0 on every layer" in r.reveal) == (c == 0)
+        assert ("proves nothing here" in r.reveal) == bool(a and c and b < a * 1e-6)
         _zero_label_at_the_floor(fig, d["normal"] + d["float64"] + d["invariant"])
     elif r.step == 8:
         rows = {(x["scenario"], x["dtype"]): x["hidden"] for x in d["rows"]}

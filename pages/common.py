@@ -272,8 +272,11 @@ def verdict_style(verdict: str) -> str | None:
     return worst(w for w in VERDICT_STYLE if w in str(v))
 
 
-def show_verdict(verdict: str, explanation: str, proof: str | None = None, style: str | None = None) -> None:
-    """The verdict box; style: the class whose colour it takes (default: the verdict itself; "info": neutral)."""
+def show_verdict(verdict: str, explanation: str, proof: str | None = None, style: str | None = None,
+                 proof_in_explanation: bool = False) -> None:
+    """The verdict box; style: the class whose colour it takes (default: the verdict itself; "info": neutral);
+    proof_in_explanation: the result says its explanation already states what the proof found (a precision verdict's
+    proof state), so the proof line is not repeated below it."""
     box = {**VERDICT_STYLE, "info": st.info}.get(style or verdict, st.warning)
     if st.session_state.get("presenter"):  # for a room: the headline, the whole text one click away
         head = explanation.split(". ")[0].rstrip(".") + "."
@@ -282,7 +285,7 @@ def show_verdict(verdict: str, explanation: str, proof: str | None = None, style
             st.markdown(explanation + (f"\n\n🔒 {proof}" if proof else ""))
         show_notes()
         return
-    if proof and "invariant mode" in explanation:  # the explanation already says what the proof found
+    if proof_in_explanation:
         proof = None
     box(f"**Verdict: {verdict}.** {explanation}" + (f"\n\n🔒 {proof}" if proof else ""))
     show_notes()

@@ -172,6 +172,13 @@ class PairResult:
     float64_gap: float | None = None
     proved: bool | None = None  # invariant mode: do the two paths agree bit for bit there? (None: not checked)
     proof: str | None = None
+    parting: str | None = None  # the explanation's first part: the step, the two tokens, their margins, the logit gap
+
+    @property
+    def proof_in_explanation(self) -> bool:
+        """A precision pair's explanation carries its proof state (the invariant replay rewrote it); other verdicts
+        show the proof line beside it."""
+        return self.proof is not None and self.verdict == Verdict.PRECISION
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -412,13 +419,12 @@ def _explain(pair: PairResult, runs: dict[str, PathRun], lm: LoadedModel, cfg: G
     gap64 = float((la - lb).abs().max() / la.abs().max().clamp_min(1e-300))
     pair.float64_gap = gap64
     ma, mb = a.margins[t], b.margins[t]
-    head = (f"At step {t} {PATH_LABELS[pair.a]} chose {name_a} and {PATH_LABELS[pair.b]} chose "
-            f"{name_b}; their top-2 margins there were {ma:.3g} and {mb:.3g}, and the logits differed by up "
-            f"to {pair.max_abs_logit[t]:.3g}.")
+    head = pair.parting = (f"At step {t} {PATH_LABELS[pair.a]} chose {name_a} and {PATH_LABELS[pair.b]} chose "
+                           f"{name_b}; their top-2 margins there were {ma:.3g} and {mb:.3g}, and the logits "
+                           f"differed by up to {pair.max_abs_logit[t]:.3g}.")
     pair.verdict = classify(False, gap64)  # the tokens differ, so the bits do
     if pair.verdict == Verdict.PRECISION:
-        pair.explanation = (head + " Replayed in float64 on the same tokens: a near tie flipped by rounding. "
-                            + precision_sentence(gap64, None))
+        pair.explanation = _precision_explanation(head, gap64)
     else:
         cause = ""
         if GreedyPath.USER_LOOP in (pair.a, pair.b) and cfg.left_pad:
@@ -428,6 +434,15 @@ def _explain(pair: PairResult, runs: dict[str, PathRun], lm: LoadedModel, cfg: G
             cause = " The cache path omits position ids, so the new tokens are numbered counting the pads."
         pair.explanation = (head + f" Replayed in float64 on the same tokens they still differ by {gap64:.3g} "
                                    f"(relative): a logic difference, not rounding." + cause)
+
+
+def _precision_explanation(parting: str, gap64: float, proved: bool | None = None,
+                           invariant_gap: float | None = None) -> str:
+    """A precision pair's explanation from its parts: where the paths part, then the float64 replay and its proof
+    (an unproved one never says "a near tie flipped by rounding")."""
+    return (parting + " Replayed in float64 on the same tokens: "
+            + ("" if proved is False else "a near tie flipped by rounding. ")
+            + precision_sentence(gap64, proved, invariant_gap))
 
 
 class _Progress:
@@ -572,10 +587,7 @@ def prove_pairs(lm: LoadedModel, cfg: GreedyConfig, settings: ExecSettings, inp:
             inv_gap = float((la - lb).abs().max())
             where = f"at step {t}" + (", where they part" if p.first_divergence is not None else ", the last")
             if p.verdict == Verdict.PRECISION and p.float64_gap is not None:  # the explanation carries its proof
-                head = p.explanation.split(" Replayed in float64")[0]
-                p.explanation = (head + " Replayed in float64 on the same tokens: "
-                                 + ("a near tie flipped by rounding. " if p.proved else "")
-                                 + precision_sentence(p.float64_gap, p.proved, inv_gap))
+                p.explanation = _precision_explanation(p.parting, p.float64_gap, p.proved, inv_gap)
             if p.proved:
                 p.proof = (f"Precision — proved: replayed in invariant mode on the same {t} tokens (every row "
                            f"computed the same way whatever the shape), {p.a} and {p.b} give bit for bit the same "

@@ -28,6 +28,11 @@ def _layout(fig: go.Figure, title: str, height: int = 420) -> go.Figure:
     return fig
 
 
+def _whole_ticks(fig: go.Figure, n: int, **where) -> None:
+    """Layers and steps are whole numbers: ticks on them (at most ~16), never at 0.5."""
+    fig.update_xaxes(tick0=0, dtick=max(1, math.ceil(n / 16)), **where)
+
+
 def log_hline(fig: go.Figure, y: float, text: str, colour: str = "#888", dash: str = "dot", above: bool = True,
               x: float = 1.0) -> None:
     """A horizontal line on a log y axis with its label next to it: plotly places an annotation on a log axis at
@@ -120,6 +125,7 @@ def fig_one_layer(r: StepResult) -> go.Figure:
     fig.update_yaxes(type="log", title="× (log, centred on ×1)", range=[-math.log10(reach), math.log10(reach)],
                      row=1, col=2)
     fig.update_xaxes(title="layer", row=1, col=2)
+    _whole_ticks(fig, len(growth), row=1, col=2)
     f = d["factor"]
     return _layout(fig, f"Step 4 · layer {d['layer']} in {d['dtype']}: "
                         + (f"×{f:.3g}" if f is not None else "the gap is born here" if d["gap_out"] else "no gap"))
@@ -150,6 +156,7 @@ def fig_layers(r: StepResult) -> go.Figure:
     zero_floor(fig, floor, "0 (bitwise equal)")
     fig.update_yaxes(type="log", title="relative gap (log)", exponentformat="e")
     fig.update_xaxes(title="hidden state (0 = embeddings)")
+    _whole_ticks(fig, len(x))
     return _layout(fig, f"Step 5 · {r.title}", height=480)
 
 
@@ -169,6 +176,7 @@ def fig_greedy(r: StepResult) -> go.Figure:
     zero_floor(fig, floor, "0 (an exact tie, or no gap)")
     fig.update_yaxes(type="log", title="logit units (log)", exponentformat="e")
     fig.update_xaxes(title="step")
+    _whole_ticks(fig, len(x))
     head = (f"they part at step {d['parting']}" if d["parting"] is not None else
             f"no parting in {len(x)} steps")
     where = f"{d['model']} (constructed)" if d.get("constructed") else d.get("model", "")
@@ -188,6 +196,7 @@ def fig_referee(r: StepResult) -> go.Figure:
     zero_floor(fig, floor, "0 (bitwise equal)")
     fig.update_yaxes(type="log", title="relative gap, cached vs full (log)", exponentformat="e")
     fig.update_xaxes(title="hidden state (0 = embeddings)")
+    _whole_ticks(fig, len(x))
     m = d["max"]
     return _layout(fig, f"Step 7 · {d['dtype']} {m['normal']:.2g} → float64 {m['float64']:.2g} → invariant "
                         + ("0" if m["invariant"] == 0 else f"{m['invariant']:.2g}"))

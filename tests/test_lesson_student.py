@@ -16,7 +16,8 @@ from kvviz.lesson_figures import figure, handout_html
 
 from conftest import DEVICE, PROMPT, ROOT
 
-AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "MKL_CBWR": "AVX2"}  # as make test-any-cpu forces it
 CHILD = "KVVIZ_LESSON_STUDENT_CHILD"
 
 
@@ -167,7 +168,7 @@ def test_a_prediction_is_graded_from_a_typed_answer():
 @pytest.mark.skipif(bool(os.environ.get(CHILD)), reason="the child process runs the walk itself")
 @pytest.mark.parametrize("threads", [1, 2])
 def test_every_step_agrees_on_the_forced_avx2_path(threads):
-    env = {**os.environ, **AVX2, CHILD: "1", "KVVIZ_TEST_THREADS": str(threads)}
+    env = {**os.environ, **AVX2, CHILD: "1", "KVVIZ_TEST_THREADS": str(threads), "OMP_NUM_THREADS": str(threads)}
     env.pop("PYTEST_XDIST_WORKER", None)
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:randomly", "-p", "no:cacheprovider",
                         str(ROOT / "tests" / "test_lesson_student.py"), "-k", "every_step_agrees_with"],
@@ -178,3 +179,16 @@ def test_every_step_agrees_on_the_forced_avx2_path(threads):
     cap = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
                          env=env, capture_output=True, text=True, timeout=300).stdout.strip()
     assert cap in ("AVX2", "DEFAULT") or not torch.backends.cpu.get_cpu_capability().startswith("AVX"), cap
+
+
+@pytest.mark.slow
+def test_the_default_models_lesson_agrees_with_itself():
+    """The Lesson a newcomer opens: the default model, every step with the page's default options."""
+    models = lesson.model_loader("default", DEVICE)
+    done = []
+    for k in lesson.STEPS:
+        r = lesson.run_step(k, models)
+        check_step(r)
+        done.append(r)
+    check_handout(done)
+    assert all(r.answer is not None for r in done if r.step != 4), [(r.step, r.reveal) for r in done]

@@ -43,6 +43,11 @@ MISTRAL500M = dict(model_type="mistral", architectures=["MistralForCausalLM"], h
                    vocab_size=151936, max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
                    sliding_window=256, tie_word_embeddings=True, hidden_act="silu", bos_token_id=1, eos_token_id=2,
                    pad_token_id=0, dtype="bfloat16")
+# Qwen2.5-0.5B's dimensions as a plain Llama (no sliding window): the 0.5-1B shape of the split-by-length bench
+LLAMA500M = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=896, intermediate_size=4864,
+                 num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, head_dim=64, vocab_size=151936,
+                 max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
+                 hidden_act="silu", bos_token_id=1, eos_token_id=2, pad_token_id=0, dtype="bfloat16")
 SPLIT_PROMPT = "The capital of France is Paris, and the capital of Italy is"
 CAP = 20 * 1024 ** 3
 
@@ -352,19 +357,28 @@ def length_prompt(model: str, tokens: int) -> tuple[str, int]:
     return text, tokens_of_text(model, text)
 
 
-def run_lengths(model: str, dtypes: list[str], lengths: list[int], timeout: int) -> list[dict]:
-    """Split at half of each length (--no-proof), a fresh process each: plan total, peak RSS, plan / peak."""
-    rows = []
+def run_lengths(model: str, dtypes: list[str], lengths: list[int], out: Path | None = None,
+                forced: bool = False) -> list[dict]:
+    """Split at half of each length (--no-proof), a fresh process each: plan total, peak RSS, plan / peak, whether
+    the float64 rerun ran; each row appended to `out` (JSON) as it ends (the table can be re-planned from it)."""
+    rows = json.loads(out.read_text()) if out is not None and out.is_file() else []
     for dt in dtypes:
         for n in lengths:
             prompt, T = length_prompt(model, n)
+            # forced: the attention mask of the new tokens only (a logic error kvviz catches), so the float64
+            # rerun happens whatever this CPU's rounding does (same shapes, same phases)
             r = measure(["split", "--model", model, "--prompt", prompt, "--split", str(T // 2), "--dtype", dt,
-                         "--json", "--quiet", "--no-proof"])
+                         "--json", "--quiet", "--no-proof"] + (["--attention-mask", "new-only"] if forced else []))
             plan = (r.get("json") or {}).get("memory_plan") or {}
             ratio = plan["total"] / r["peak_rss"] if plan.get("total") and r["peak_rss"] else None
-            row = {"model": model, "dtype": dt, "tokens": T, "rc": r["rc"], "wall_s": r["wall_s"],
-                   "plan": plan.get("total"), "peak": r["peak_rss"], "ratio": ratio}
+            j = r.get("json") or {}
+            row = {"model": model, "dtype": dt, "tokens": T, "split": T // 2, "rc": r["rc"], "wall_s": r["wall_s"],
+                   "plan": plan.get("total"), "peak": r["peak_rss"], "ratio": ratio,
+                   "float64_ran": j.get("float64_evidence") is not None, "forced": forced,
+                   "attention": (j.get("settings") or {}).get("attention"), "stderr_tail": r["stderr_tail"][-300:]}
             rows.append(row)
+            if out is not None:
+                out.write_text(json.dumps(rows, indent=1))
             ok = ratio is not None and 1.0 <= ratio <= 1.25
             print(f"| {Path(model).name} | {dt} | {T} | {(plan.get('total') or 0) / GIB:.3f} | "
                   f"{(r['peak_rss'] or 0) / GIB:.3f} | {ratio or 0:.2f}{'' if ok else ' MISS'} | {r['wall_s']} |"
@@ -373,6 +387,30 @@ def run_lengths(model: str, dtypes: list[str], lengths: list[int], timeout: int)
 
 
 GIB = 1024 ** 3
+
+
+def replan_lengths(out: Path) -> list[dict]:
+    """This commit's plan of each row of a `lengths` results file (a child process per row, as the CLI plans it:
+    same prompt, same split), settled as the run went (no float64 rerun where the run had none), against the
+    peak recorded."""
+    code = ("import sys, json, types; from kvviz.cli import build_parser; from kvviz.memory import plan_for_args; "
+            "p = plan_for_args(build_parser().parse_args(sys.argv[2:])); "
+            "p.settle(types.SimpleNamespace(float64=None) if sys.argv[1] == '0' else None); print(p.total)")
+    rows = json.loads(out.read_text())
+    for row in rows:
+        prompt, T = length_prompt(row["model"], row["tokens"])
+        argv = ["split", "--model", row["model"], "--prompt", prompt, "--split", str(row["split"]), "--dtype",
+                row["dtype"]] + (["--attention-mask", "new-only"] if row.get("forced") else [])
+        p = subprocess.run([sys.executable, "-c", code, "1" if row["float64_ran"] else "0"] + argv,
+                           capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        row["plan_now"] = int(p.stdout.strip().splitlines()[-1])
+        row["ratio_now"] = row["plan_now"] / row["peak"]
+        ok = 1.0 <= row["ratio_now"] <= 1.25
+        print(f"| {Path(row['model']).name} | {row['dtype']} | {row['tokens']} | "
+              f"{'yes' if row['float64_ran'] else 'no (identical)'}{' (forced)' if row.get('forced') else ''} | "
+              f"{row['plan_now'] / GIB:.3f} | {row['peak'] / GIB:.3f} | {row['ratio_now']:.2f}{'' if ok else ' MISS'} "
+              f"| {row['wall_s']} |", flush=True)
+    return rows
 
 
 def main() -> int:
@@ -387,16 +425,24 @@ def main() -> int:
                     "gemma-check); matrix: comma list of cell key parts (gguf/bfloat16/split, float64, ...)")
     ap.add_argument("--gguf", default=os.environ.get(GGUF_ENV), help=f"the real Gemma 3 270M GGUF (or ${GGUF_ENV})")
     ap.add_argument("--no-proof", action="store_true", help="matrix: runs without the invariant-mode proof")
-    ap.add_argument("--replan", action="store_true", help="table: add this commit's plan of each cell beside the "
+    ap.add_argument("--force-rerun", action="store_true", help="lengths: split with the new tokens' attention mask "
+                    "only (a logic error), so the float64 rerun happens at every length")
+    ap.add_argument("--replan", action="store_true", help="lengths: this commit's plan of each row of --out; table: add this commit's plan of each cell beside the "
                     "plan recorded at run time")
     ap.add_argument("--out", default="", help="matrix/table: the results file (default ROOT/memory_matrix.json); "
                     "table reads every memory_matrix*.json under ROOT")
     args = ap.parse_args()
     root = Path(args.root)
     if args.what == "lengths":
+        if args.replan:
+            print("| model | dtype | tokens | float64 rerun | plan (GiB) | peak RSS (GiB) | plan / peak | wall (s) |\n"
+                  "|---|---|---|---|---|---|---|---|")
+            replan_lengths(Path(args.out))
+            return 0
         print("| model | dtype | tokens | plan (GiB) | peak RSS (GiB) | plan / peak | wall (s) |\n|---|---|---|---|---|---|---|")
         run_lengths(args.model, [d for d in args.dtypes.split(",") if d],
-                    [int(x) for x in args.lengths.split(",") if x], 0)
+                    [int(x) for x in args.lengths.split(",") if x], Path(args.out) if args.out else None,
+                    args.force_rerun)
         return 0
     if args.what == "plans":
         return 1 if check_plans() else 0
@@ -411,7 +457,8 @@ def main() -> int:
         build(root / "gemma270m", GEMMA270M)
         return run_matrix(gguf, root, args.only, out, args.no_proof)
     if args.what == "build":
-        for name, cfg in (("big3b", BIG3B), ("gemma270m", GEMMA270M), ("mistral500m", MISTRAL500M)):
+        for name, cfg in (("big3b", BIG3B), ("gemma270m", GEMMA270M), ("mistral500m", MISTRAL500M),
+                          ("llama500m", LLAMA500M)):
             t = time.perf_counter()
             build(root / name, cfg)
             print(f"{name}: {root / name} ({time.perf_counter() - t:.0f} s)")

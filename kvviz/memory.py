@@ -340,6 +340,10 @@ class MemoryPlan:
     # where the run shared its process with earlier work (a page in the app's server): what the process held when
     # the run started (its models, earlier results); the plan then allows that plus the run's parts
     peak_baseline: int | None = None
+    # the parts of a run that reruns in float64 only where its cached path differs from the full forward (Split
+    # point: kvviz.views.split.run.run_split), for a run where they came out bit for bit equal: no float64 phase.
+    # The plan before the run counts the rerun (it may happen); `settle` applies these after a run that had none.
+    if_identical: dict | None = None
 
     @property
     def total(self) -> int:
@@ -400,16 +404,29 @@ class MemoryPlan:
         return max(self.total, self.peak_baseline + self.total - self.runtime)
 
     def over_plan(self) -> str | None:
-        """One line where the run's measured peak exceeded its plan (the plan was wrong: it would let a run start
-        that does not fit), else None."""
+        """One line for the user where the run's measured peak exceeded its plan (what it means for them, what to
+        do), else None: nothing is said where the plan bounded the run."""
         if self.measured_peak is None or self.measured_peak <= self.allowed():
             return None
         peak, allowed = self.measured_peak, self.allowed()
-        what = "CUDA max allocated" if self.device.startswith("cuda") else "peak RSS"
-        held = "" if allowed == self.total else f" with the {_gb(self.peak_baseline)} held before it"
-        return (f"memory: this run peaked at {_gb(peak)} ({what}), {100 * (peak / max(allowed, 1) - 1):.0f} % over "
-                f"its plan of {_gb(allowed)}{held}: the plan undercounts this {self.view} run on {self.model} "
-                f"({self.dtype}, {self.tokens} tokens), so it may let a run start that does not fit")
+        where = "GPU memory" if self.device.startswith("cuda") else "memory"
+        held = "" if allowed == self.total else f" (with the {_gb(self.peak_baseline)} this app held before it)"
+        return (f"memory: this run peaked at {_gb(peak)} of {where}, {100 * (peak / max(allowed, 1) - 1):.0f} % over "
+                f"its plan of {_gb(allowed)}{held}. The result is not affected; but kvviz checks that a run fits "
+                f"before starting it, and for this {self.view} run ({self.dtype}, {self.tokens} tokens) it guessed "
+                f"low, so a longer one could run out of memory instead of being refused: keep about "
+                f"{_gb(peak - allowed)} more free than the plan says for runs like it.")
+
+    def settle(self, result) -> "MemoryPlan":
+        """After the run: a run that reruns in float64 only where its cached path differs from the full forward
+        (`if_identical`) and whose result has no float64 rerun (`result.float64` is None: the paths were bit for
+        bit equal) is planned without that phase."""
+        if self.if_identical is not None and result is not None and getattr(result, "float64", True) is None:
+            for part, value in self.if_identical.items():
+                setattr(self, part, value)
+            self.if_identical = None
+            self.notes.append("no float64 rerun: the cached path equalled the full forward bit for bit")
+        return self
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -418,7 +435,9 @@ class MemoryPlan:
                  over_plan=self.over_plan())
         return d
 
-    def with_peak(self) -> "MemoryPlan":
+    def with_peak(self, result=None) -> "MemoryPlan":
+        """The measured peak, after the run; with its result, the plan settled first (`settle`)."""
+        self.settle(result)
         self.measured_peak = measured_peak(self.device)
         return self
 
@@ -752,8 +771,23 @@ def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, vie
         ref -= min(ref, working_bytes(shape, 8, tokens, attention=attention, device=device))
     acts = activation_bytes(shape, dt, tokens, batch, view, uses_ref, compared, steps, reference_decodes, runs,
                             attention, device)
+    if strategy == "twin" and device.startswith("cpu"):
+        # loading the twin holds the checkpoint's tensors (in the checkpoint's dtype) beside the float64 copy it
+        # builds: measured on the default model (float32 checkpoint), 0.49 GiB over the loaded twin, in float32
+        # and bfloat16 runs alike; that moment holds no forward's working set (docs/benchmarks.md)
+        acts = max(acts, shape.params * BYTES.get(shape.checkpoint_dtype or "float32", 4))
     float64_only = profile(view).float64_only  # no cache in the run's dtype: only the float64 reference's
     cache = cache_bytes(shape, "float64" if float64_only else dt, tokens, batch, uses_ref and not float64_only)
+    prof = profile(view)
+    if_identical = None
+    if uses_ref and prof.compared_after_split and not prof.bisector and not prof.many_prompts:
+        # Split point reruns in float64 only where the cached path is not bit for bit the full forward
+        # (kvviz.views.split.run.run_split: `main.has_cache and not main.identical`); known only once the run
+        # compared them, so the plan counts the rerun and `settle` drops it after a run that had none
+        if_identical = {"reference": "not run", "reference_bytes": 0, "cache": cache_bytes(shape, dt, tokens, batch,
+                                                                                            False),
+                        "activations": activation_bytes(shape, dt, tokens, batch, view, False, compared, steps,
+                                                        reference_decodes, runs, attention, device)}
     if profile(view).cache_copies:  # its caches one phase at a time: the run's, then the float64 reference's
         per = 2 * shape.layers * shape.kv_heads * shape.head_dim * tokens * batch
         cache = profile(view).cache_copies * per * max(BYTES[dt], 8 if uses_ref else 0)
@@ -761,7 +795,7 @@ def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, vie
     if strategy == "streamed":
         notes.append("float64 reference streamed: the loaded weights upcast one operation at a time")
     return MemoryPlan(name, view, dt, device, tokens, batch, weights, strategy, ref, acts, cache, kept,
-                      runtime, free, free_from, extra_models=others, notes=notes)
+                      runtime, free, free_from, extra_models=others, notes=notes, if_identical=if_identical)
 
 
 # Public shapes for the "what fits where" table (docs/memory.md): Llama 3.2 1B, Llama 3.1 8B, Llama 3.1 70B.
@@ -855,6 +889,7 @@ class Workload:
     split: int | None = None  # the split point (views comparing only the positions after it)
     weights: str = "none"  # weight quantization ("none": the model as loaded)
     paths: tuple[str, ...] = ()  # the paths a decoding view runs (greedy; empty: its defaults)
+    attention: str = "auto"  # the attention implementation the run asks for (its score workspace: score_bytes)
 
 
 def plan_workload(spec, dtype: str, device, view: str, w: Workload) -> MemoryPlan:
@@ -893,7 +928,15 @@ def plan_workload(spec, dtype: str, device, view: str, w: Workload) -> MemoryPla
         reference_decodes = prof.reference_decodes_with is None or prof.reference_decodes_with in w.paths
     return plan_run(spec, dtype, device, view, max(tokens, 1), batch, w.dtypes, compared=compared, copies=copies,
                     steps=steps, reference_decodes=reference_decodes is not False,
-                    runs=len(set(w.paths)) if prof.decoded_runs and w.paths else None)
+                    runs=len(set(w.paths)) if prof.decoded_runs and w.paths else None,
+                    attention=attention_kernel(w.attention))
+
+
+def attention_kernel(requested) -> str:
+    """What the plan counts for an attention request: 'eager' where any requested implementation is eager (the
+    matrix's list: its largest), else 'sdpa' (transformers' default for 'auto'; fused kernels hold less)."""
+    names = [a.strip() for a in str(requested or "auto").split(",")]
+    return "eager" if "eager" in names else "sdpa"
 
 
 def workload_of_args(args) -> Workload:
@@ -910,6 +953,7 @@ def workload_of_args(args) -> Workload:
                     else (),
                     split=split if isinstance(split, int) else None,
                     weights=str(getattr(args, "weights", "none") or "none"),
+                    attention=str(getattr(args, "attns", None) or getattr(args, "attn", None) or "auto"),
                     paths=tuple(p.strip() for p in paths.split(",") if p.strip()) if isinstance(paths, str) else ())
 
 
@@ -927,7 +971,7 @@ def plan_for_args(args) -> MemoryPlan:
 def attach(result, plan: MemoryPlan) -> None:
     """Give `result` its plan, with the peak measured now, as its `memory_plan` attribute: the JSON export and
     `--json` write it beside the result (kvviz.export.result_dict)."""
-    plan.with_peak()
+    plan.with_peak(result)
     result.memory_plan = plan
 
 

@@ -10,14 +10,18 @@ loaded to make the plan (kvviz.memory reads the model's files only).
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import streamlit as st
 
 from kvviz.memory import GB, MemoryPlan, Workload, plan_workload
 
 
 def plan_for(choice, view: str, workload: Workload) -> MemoryPlan:
-    """The plan of a page's run from the sidebar choice (kvviz's ModelChoice: spec, dtype, device): the same
-    builder as the CLI's (kvviz.memory.plan_workload)."""
+    """The plan of a page's run from the sidebar choice (kvviz's ModelChoice: spec, dtype, device, attention): the
+    same builder as the CLI's (kvviz.memory.plan_workload)."""
+    if workload.attention == "auto" and getattr(choice, "attn", None):  # the sidebar's attention implementation
+        workload = replace(workload, attention=str(choice.attn))
     return plan_workload(choice.spec, choice.dtype, choice.device, view, workload)
 
 

@@ -282,3 +282,65 @@ def test_the_memory_matrix_keeps_a_cell_with_its_proof_beside_the_one_without(tm
     rows = memory_bench.matrix_table([out]).splitlines()[2:]
     assert rows == ["| gguf | bfloat16 | split (no proof) | 2.40 | 2.00 | 1.20 |",
                     "| gguf | bfloat16 | split | 2.40 | 2.50 | 0.96 MISS |"]
+
+
+def test_the_over_plan_line_tells_the_user_what_it_means_and_what_to_do():
+    plan = _plan()
+    plan.measured_peak = plan.total + memory.GB
+    line = plan.over_plan()
+    assert "result is not affected" in line and "could run out of memory instead of being refused" in line
+    assert "keep about 1.00 GiB more free than the plan says" in line and "(bfloat16, 64 tokens)" in line
+    assert "\n" not in line and "undercounts" not in line  # one line, in the user's words
+
+
+def _split_plan(dtype="float32", view="split", tokens=4096, **kw):
+    return plan_shape(KNOWN_SHAPES["Llama-3.2-1B"], "m", dtype, "cpu", view, tokens, free=100 * memory.GB,
+                      compared=tokens // 2, **kw)
+
+
+def test_the_plan_knows_the_split_reruns_in_float64_only_where_its_paths_differ():
+    """Split point reruns in float64 only where its cached path is not bit for bit the full forward
+    (run_split): the plan before the run counts that phase; after a run whose paths were identical (no float64 in
+    its result) it is dropped - the reference, its float64 cache and its phase of the activations."""
+    before = _split_plan()
+    assert before.if_identical is not None and before.reference == "streamed"
+    kept = _split_plan().settle(SimpleNamespace(float64=object()))  # the rerun happened: nothing changes
+    assert kept.total == before.total and kept.reference == before.reference
+    after = _split_plan().settle(SimpleNamespace(float64=None))
+    assert after.reference == "not run" and after.reference_bytes == 0 and after.if_identical is None
+    assert after.activations < before.activations and after.cache < before.cache and after.total < before.total
+    assert after.activations == memory.activation_bytes(KNOWN_SHAPES["Llama-3.2-1B"], "float32", 4096, 1, "split",
+                                                        False, 2048)
+    assert any("no float64 rerun" in n for n in after.notes)
+    # no such rule where the run is float64 already, for views that always run their reference, or without a result
+    assert _split_plan("float64").if_identical is None and _split_plan(view="greedy").if_identical is None
+    assert _split_plan().settle(None).total == before.total
+
+
+@pytest.mark.parametrize("argv, float64_ran", [
+    (["--invariant"], False),  # invariant mode: the paths are bit for bit equal where the logic is right
+    (["--attention-mask", "new-only"], True),  # a logic error: the float64 rerun tells it from rounding
+])
+def test_a_split_result_carries_the_plan_of_what_it_ran(tmp_path, argv, float64_ran):
+    out = tmp_path / "r.json"
+    assert cli.main(["split", "--model", "tiny:llama", "--prompt", "Hello world, caching is fun", "--split", "5",
+                     "--quiet", "--no-proof", "--json-out", str(out)] + argv) == 0
+    saved = json.loads(out.read_text())
+    plan = saved["memory_plan"]
+    assert (saved["float64_evidence"] is not None) == float64_ran
+    assert (plan["reference"] == "not run") == (not float64_ran) and (plan["reference_bytes"] == 0) != float64_ran
+    assert plan["total"] >= plan["measured_peak"] and plan["over_plan"] is None
+
+
+def test_the_plan_counts_the_attention_kernel_the_run_asks_for():
+    """--attn reaches the plan (eager attention materialises its scores: a long prompt plans more than with SDPA);
+    the matrix's list plans its largest."""
+    from kvviz.cli import build_parser
+
+    prompt = "word " * 1500
+    plans = {a: memory.plan_for_args(build_parser().parse_args(
+        ["split", "--model", "tiny:llama", "--prompt", prompt, "--split", "10"] + (["--attn", a] if a else [])))
+        for a in ("", "sdpa", "eager")}
+    assert plans[""].activations == plans["sdpa"].activations < plans["eager"].activations
+    assert memory.attention_kernel("eager,sdpa") == "eager" and memory.attention_kernel("auto") == "sdpa"
+    assert memory.Workload().attention == "auto"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
+import time
 from typing import Callable, Iterator
 
 
@@ -29,11 +30,12 @@ class Token:
         self.probe = probe
         self.where = ""
         self.why = ""
+        self.cancelled_at: float | None = None  # time.time() when it was cancelled (or its probe first said so)
         self.checks = 0
 
     def cancel(self, why: str = "stopped") -> None:
         if not self._event.is_set():
-            self.why = why
+            self.why, self.cancelled_at = why, time.time()
             self._event.set()
 
     @property

@@ -35,49 +35,70 @@ def _request_stop() -> None:
     st.session_state["_stop_requested"] = True
 
 
-def progress_text(frac: float, msg: str, elapsed: float, since: float = 0.0) -> str:
+def progress_text(frac: float, msg: str, elapsed: float, since: float = 0.0,
+                  phase: tuple[float, float] | None = None) -> str:
     """The progress line: `msg` and the time left, estimated from the measured pace (elapsed / fraction done at the
     last report) less the time since that report; past the estimate it says so and counts, never a stale "about 9 s
-    left". since: seconds since the last report (a step that takes long reports nothing meanwhile)."""
+    left". since: seconds since the last report (a step that takes long reports nothing meanwhile). phase: (fraction,
+    seconds) where the current phase began ("invariant proof: …" after the normal run): once the phase has a pace of
+    its own, the time left is re-measured from it (a proof ten times slower than the run before it says so)."""
     if "left" in msg or frac >= 1:
         return msg
-    if frac <= 0.02 or elapsed - since <= 0.5:  # no pace measured yet
+    at = elapsed - since  # the last report
+    if phase is not None and frac - phase[0] > 0.005 and at - phase[1] > 0.5:
+        left = (at - phase[1]) / (frac - phase[0]) * (1 - frac) - since
+    elif frac <= 0.02 or at <= 0.5:  # no pace measured yet
         return f"{msg} — {elapsed:.0f} s so far" if elapsed >= 3 else msg
-    left = (elapsed - since) / frac * (1 - frac) - since
+    else:
+        left = at / frac * (1 - frac) - since
     if left >= 1:
-        return f"{msg} — about {left:.0f} s left"
+        return f"{msg} — about {_duration(left)} left"
     if since >= 3:
         return (f"{msg} — taking longer than the pace so far said: {since:.0f} s on this part, {elapsed:.0f} s in "
                 "all")
     return f"{msg} — almost done"
 
 
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
+
+
+def _phase_of(msg: str) -> str:
+    """A message's phase: the words before its first colon ("invariant proof", "float64"), "" for the main run."""
+    head, colon, _ = msg.partition(": ")
+    return head if colon and len(head) <= 24 else ""
+
+
 class _Ticker:
     """Redraws the progress line every second from the last report and the clock (a run reports only between its
-    steps)."""
+    steps), with the layer the run is at (where()) and each phase's own pace."""
 
     def __init__(self, draw, clock, where=None):
         self.draw, self.clock, self.where = draw, clock, where or (lambda: "")
         self.t0 = self.t_report = clock()
         self.frac, self.msg = 0.0, ""
+        self.phase, self.phase_start = "", (0.0, 0.0)
         self.lock = threading.Lock()
 
     def _msg(self) -> str:
         """The last report's message, with the layer the run is at now (kvviz.cancel's checkpoints) while a step
-        reports nothing else: "invariant proof: Full forward without cache… (layer 12 of 30)"."""
+        reports nothing else: "invariant proof: Full forward without cache (layer 12 of 30)"."""
         where = self.where()
-        return f"{self.msg} ({where})" if where and where not in self.msg else self.msg
+        return f"{self.msg.rstrip('…')} ({where})…" if where and where not in self.msg else self.msg
 
     def report(self, frac: float, msg: str) -> None:
         with self.lock:
             self.frac, self.msg, self.t_report = min(max(float(frac), 0.0), 1.0), msg, self.clock()
-            self.draw(self.frac, progress_text(self.frac, msg, self.t_report - self.t0))
+            if _phase_of(msg) != self.phase:
+                self.phase, self.phase_start = _phase_of(msg), (self.frac, self.t_report - self.t0)
+            self.draw(self.frac, progress_text(self.frac, msg, self.t_report - self.t0, 0.0, self.phase_start))
 
     def tick(self) -> None:
         with self.lock:
             if self.msg:
                 now = self.clock()
-                self.draw(self.frac, progress_text(self.frac, self._msg(), now - self.t0, now - self.t_report))
+                self.draw(self.frac, progress_text(self.frac, self._msg(), now - self.t0, now - self.t_report,
+                                                   self.phase_start))
 
 
 @contextlib.contextmanager
@@ -110,6 +131,8 @@ def progress_bar(label: str):
 
     def tick() -> None:
         while not stop.wait(1.0):
+            if token is not None:
+                _ = token.cancelled  # polls the page's stop: timed within a second of the click (stopped_line)
             try:
                 ticker.tick()
             except Exception:  # noqa: BLE001 - the page moved on: stop redrawing
@@ -298,9 +321,11 @@ def stopped_line(entry: dict | None) -> str:
     where = token.where if token is not None else ""
     step = entry.get("msg") or "before its first step"
     if where and where not in step:
-        step = f"{step} ({where})"
+        step = f"{step.rstrip('…')} ({where})"
     ran = entry.get("ended", time.time()) - entry["started"]
-    freed = entry.get("ended", 0.0) - entry.get("stop_at", entry.get("ended", 0.0))
+    stop_at = min(t for t in (entry.get("stop_at"), getattr(token, "cancelled_at", None), entry.get("ended"))
+                  if t is not None)
+    freed = entry.get("ended", stop_at) - stop_at
     return (f"Stopped after {100 * float(entry.get('frac') or 0):.0f} % of the run (last step: {step.rstrip('…')}), "
             f"{ran:.0f} s in; the model was free again {max(0.0, freed):.1f} s after Stop. Change a control, or "
             "start this run again.")
@@ -331,6 +356,75 @@ def _stop_earlier_runs(session: str) -> dict | None:
     return mine[-1]
 
 
+LONG_RUN_S = 120.0  # a run the last pace says will take longer than this is announced first, with its proof's share
+# (model, run name) -> the last finished run's pace: {"tokens", "run_s" (without the proof), "proof_s"}
+_PACE: dict[tuple, dict] = {}
+
+
+def run_estimate(model, name: str, tokens: int | None) -> tuple[float, float, dict] | None:
+    """(seconds of the run, seconds of its automatic invariant proof, the measured run it scales) for a run of
+    `tokens` tokens, from the last finished run of `name` on `model` in this server, scaled by tokens; None when
+    nothing was measured yet."""
+    pace = _PACE.get((model, name))
+    if not pace or not tokens or not pace.get("tokens"):
+        return None
+    scale = tokens / pace["tokens"]
+    return pace["run_s"] * scale, pace["proof_s"] * scale, pace
+
+
+def _record_pace(model, name: str, plan, elapsed: float, result) -> None:
+    tokens = getattr(plan, "tokens", None)
+    if model is None or not tokens:
+        return
+    proof_s = getattr(result, "proof_s", None) or 0.0
+    from kvviz.views.split.run import SplitResult
+
+    _PACE[(model, name)] = {"tokens": int(tokens), "run_s": max(0.0, elapsed - proof_s), "proof_s": proof_s,
+                            "skippable": isinstance(result, SplitResult)}  # its proof is split's automatic one
+
+
+def _announce_long_run(name: str, key: str, model, plan) -> None:
+    """Before a run the measured pace says is long: how long (the run and its proof apart) and buttons to run it as
+    it is or without the automatic invariant proof; the page stops here until one is clicked."""
+    ss = st.session_state
+    est = run_estimate(model, name, getattr(plan, "tokens", None))
+    chosen = ss.setdefault("_long_ok", {})
+    if est is None or sum(est[:2]) <= LONG_RUN_S or chosen.get(name, ("", ""))[0] == key:
+        return
+    run_s, proof_s, pace = est
+    proof = (f", {_duration(run_s)} for the run and {_duration(proof_s)} for the invariant proof after it"
+             if proof_s >= 1 else "")
+    st.warning(f"This run will take about {_duration(run_s + proof_s)} on this machine{proof}: the pace of the "
+               f"last one ({pace['tokens']} tokens in {_duration(pace['run_s'] + pace['proof_s'])}) for "
+               f"{plan.tokens} tokens. The progress bar says each phase as it goes; Stop ends it at once.",
+               icon=":material/schedule:")
+    skip = proof_s >= 1 and pace.get("skippable", True)
+    cols = st.columns(2 if skip else 1)
+    cols[0].button(f"Run it (about {_duration(run_s + proof_s)})", key=f"_long_run_{name}", type="primary",
+                   on_click=chosen.__setitem__, args=(name, (key, "full")))
+    if skip:
+        cols[1].button(f"Run without the proof (about {_duration(run_s)})", key=f"_long_noproof_{name}",
+                       on_click=chosen.__setitem__, args=(name, (key, "no proof")),
+                       help="The verdict stays (the float64 rerun decides it); a precision verdict then says it is "
+                            "not proved. Turn on invariant mode in the sidebar for a proof in one run.")
+    st.stop()
+
+
+@contextlib.contextmanager
+def _proof_choice(name: str, key: str):
+    """The automatic invariant proof off for this run when the user chose "Run without the proof"."""
+    if st.session_state.get("_long_ok", {}).get(name) != (key, "no proof"):
+        yield
+        return
+    from kvviz.views.split.run import AUTO_PROOF
+
+    reset = AUTO_PROOF.set(False)
+    try:
+        yield
+    finally:
+        AUTO_PROOF.reset(reset)
+
+
 def run_cached(name: str, key_parts: dict, compute):
     """Run `compute()` once per distinct inputs in this session; view-only reruns reuse the stored result. The
     run's memory plan is shown first, and a run that cannot fit is refused before it starts. The run can be stopped
@@ -351,20 +445,24 @@ def run_cached(name: str, key_parts: dict, compute):
                 entry = _STOPPED.pop((session, name), None)
             if entry is not None:
                 stopped[f"{name}:line"] = stopped_line(entry)
-            st.info(stopped.get(f"{name}:line") or stopped_line(None), icon="⏹️")
+            st.info(stopped.get(f"{name}:line") or stopped_line(None), icon=":material/stop_circle:")
             st.button("Run again", key=f"_run_again_{name}", on_click=lambda: stopped.pop(name, None))
             st.stop()
         stopped.pop(f"{name}:line", None)
+        model = _model_of_session()
+        _announce_long_run(name, key, model, plan)
         if len(store) >= 8:
             store.pop(next(iter(store)))
         token = cancel.Token(_page_probe())
+        t0 = time.perf_counter()
         try:
-            with _holding(name, token), cancel.scope(token):
+            with _holding(name, token), cancel.scope(token), _proof_choice(name, key):
                 result = _measured(compute, plan)
         except cancel.Cancelled:
             st.stop()  # the next script run (already started by the click) says what was done
         if token.cancelled:  # stopped after its last checkpoint: a result of a stopped run is not kept
             st.stop()
+        _record_pace(model, name, plan, time.perf_counter() - t0, result)
         store[key] = result
     result = store[key]
     plan = getattr(result, "memory_plan", None)

@@ -67,9 +67,9 @@ def lm():
 
 def test_a_long_run_stopped_mid_way_ends_and_frees_the_lock(lm):
     cfg = kvviz.SplitConfig(prompt=LONG, split=10, mode="step")
-    th, token, outcome, messages, at = _start(lm, cfg, cancel_when=lambda m: "token 30…" in m)
+    th, token, outcome, messages, at = _start(lm, cfg, cancel_when=lambda m: "token 30 of" in m)
     _assert_stopped_soon(lm, th, outcome, at)
-    assert not any("token 200…" in m for m in messages)  # it did not go on feeding tokens
+    assert not any("token 200 of" in m for m in messages)  # it did not go on feeding tokens
 
 
 def test_the_invariant_proof_stops_inside_its_forwards(lm):
@@ -222,3 +222,52 @@ def test_a_stopped_run_kills_its_engine_worker(monkeypatch, tmp_path):
     th.join(10)
     assert not th.is_alive() and isinstance(outcome.get("error"), cancel.Cancelled)
     assert time.monotonic() - t0 < 5 and client.proc.poll() is not None  # the worker is gone
+
+
+def test_each_phase_of_the_bar_gets_its_own_pace():
+    """Issue 39 item 5: the normal run took 10 s for a quarter of the bar; its invariant proof then takes 28 s for a
+    tenth: the line says about 112 s left (the proof's own pace), not the 30 s the first pace would say, and says
+    where the run is (the layer) between reports."""
+    from pages.runner import _Ticker
+
+    now, drawn, where = [0.0], [], [""]
+    t = _Ticker(lambda f, text: drawn.append((f, text)), lambda: now[0], lambda: where[0])
+    now[0] = 10.0
+    t.report(0.25, "Rest through the cache, token 40…")
+    assert drawn[-1][1] == "Rest through the cache, token 40… — about 30 s left"
+    now[0] = 12.0
+    t.report(0.5, "invariant proof: Full forward without cache…")  # a new phase: no pace of its own yet
+    now[0] = 40.0
+    where[0] = "layer 3 of 4"
+    t.report(0.6, "invariant proof: Rest through the cache, token 2…")
+    assert drawn[-1][1] == "invariant proof: Rest through the cache, token 2… — about 112 s left"
+    now[0] = 45.0
+    t.tick()
+    assert drawn[-1][1] == ("invariant proof: Rest through the cache, token 2 (layer 3 of 4)… — about 107 s left")
+
+
+@pytest.mark.app
+def test_a_long_run_is_announced_and_can_skip_its_proof(monkeypatch):
+    """A run the last pace says is long: the page says how long (the run and its proof apart) and waits; 'Run without
+    the proof' runs it with no invariant rerun."""
+    from pages import runner
+    from test_app import alerts, start
+
+    model = ("tiny:llama", "float32", "auto")
+    monkeypatch.setitem(runner._PACE, (model, "split"), {"tokens": 10, "run_s": 60.0, "proof_s": 240.0})
+    calls = []
+    real = kvviz.run_split
+    monkeypatch.setattr(kvviz, "run_split", lambda *a, **k: calls.append(1) or real(*a, **k))
+    at = start("pages/split.py", model="tiny:llama")
+    said = alerts(at)
+    assert "This run will take about" in said and "for the invariant proof after it" in said, said
+    assert not calls and "Verdict:" not in said
+    at.button(key="_long_noproof_split").click().run()
+    assert not at.exception, at.exception
+    assert calls and "Verdict:" in alerts(at)
+    (result,) = at.session_state["_results_split"].values()
+    assert result.invariant is None and result.proof_s is None  # no proof was run
+    full = real(kvviz.load_model("tiny:llama", "float32", "auto"), result.settings.config)
+    assert full.verdict == result.verdict and full.proof_s is not None  # the same run proves itself by default
+    pace = runner._PACE[(model, "split")]
+    assert pace["proof_s"] == 0.0 and pace["tokens"] > 10  # re-measured by this run

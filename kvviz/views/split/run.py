@@ -10,6 +10,7 @@ float64) or `logic` (it stays in float64, or the model returns no cache at all).
 """
 from __future__ import annotations
 
+import contextvars
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -240,7 +241,8 @@ def _rest_through_cache(ex: Executor, cfg: SplitConfig, inp: PromptInputs, a0: i
     cache = past
     for j, _, out in ex.feed(rest, past, one_by_one=True, mask_of=mask_of, positions_of=positions_of,
                              hidden=gaps.stepping(lambda h: h[0, -1:])):
-        progress(0.4 + 0.5 * j / max(1, inp.total - a0), f"Rest through the cache, token {j + 1}…")
+        progress(0.4 + 0.5 * j / max(1, inp.total - a0),
+                 f"Rest through the cache, token {j + 1} of {inp.total - a0}…")
         cache = output_cache(out)
         if ref_logits is None:
             lg.append(out.logits[0, -1])
@@ -518,6 +520,19 @@ def _bisect_first(lm: LoadedModel, cfg: SplitConfig, settings: ExecSettings) -> 
     return res.finding()
 
 
+# The automatic phases' costs, each as a multiple of the normal run's time, re-measured by every run (the invariant
+# proof of a long prompt costs ten normal runs or more); the progress bar gives each phase its share of the bar.
+PHASE_COST = {"float64": 1.0, "proof": 2.0}
+# False: no automatic invariant proof after the normal run (the app's "run without the proof" for a long run)
+AUTO_PROOF: contextvars.ContextVar[bool] = contextvars.ContextVar("kvviz_auto_proof", default=True)
+
+
+def _phase_ends(proof: bool) -> tuple[float, float]:
+    """Where the normal run and the float64 rerun end on the bar (the proof takes the rest)."""
+    total = 1.0 + PHASE_COST["float64"] + (PHASE_COST["proof"] if proof else 0.0)
+    return 1.0 / total, (1.0 + PHASE_COST["float64"]) / total
+
+
 def run_split(lm: LoadedModel, cfg: SplitConfig, progress: Progress | None = None,
               reference: LoadedModel | None = None, float64_comparison: Comparison | None = None,
               settings: ExecSettings | None = None, prove: Prove = None) -> SplitResult:
@@ -534,7 +549,11 @@ def run_split(lm: LoadedModel, cfg: SplitConfig, progress: Progress | None = Non
     cfg.validate()
     inp = build_inputs(lm, cfg.prompt, cfg.left_pad)
     check_split(inp.n_tokens, cfg.split)
-    main = _run(lm, cfg, inp, lambda f, m: progress(0.7 * f, m), settings)
+    # the bar's share of each phase from their measured costs (PHASE_COST), the automatic proof included
+    auto_proof = not settings.invariant and prove is not False and AUTO_PROOF.get()
+    ends = _phase_ends(auto_proof)
+    main = _run(lm, cfg, inp, lambda f, m: progress(ends[0] * f, m), settings)
+    main_s = time.perf_counter() - t0
     f64 = None
     if main.has_cache and not main.identical:
         if lm.dtype == torch.float64:
@@ -542,10 +561,13 @@ def run_split(lm: LoadedModel, cfg: SplitConfig, progress: Progress | None = Non
         elif float64_comparison is not None:
             f64 = float64_comparison
         else:
-            progress(0.7, "Rerunning the same scenario in float64 for the verdict…")
+            progress(ends[0], "float64: rerunning the same scenario for the verdict…")
+            t64 = time.perf_counter()
             ref_lm = reference or lm.reference()
             f64 = _run(ref_lm, cfg, build_inputs(ref_lm, cfg.prompt, cfg.left_pad),
-                       lambda f, m: progress(0.7 + 0.3 * f, f"float64: {m}"), settings.with_(compile="off"))
+                       lambda f, m: progress(ends[0] + (ends[1] - ends[0]) * f, f"float64: {m}"),
+                       settings.with_(compile="off"))
+            PHASE_COST["float64"] = (time.perf_counter() - t64) / max(main_s, 1e-3)
     verdict, explanation = verdict_for(cfg, main, f64, prefix=layers_prefix(lm.model))
     if settings.lossy and verdict in (Verdict.PRECISION, Verdict.LOGIC) and not np.isfinite(main.max_abs):
         verdict, explanation = "lossy", (
@@ -558,14 +580,16 @@ def run_split(lm: LoadedModel, cfg: SplitConfig, progress: Progress | None = Non
             f"token agrees at {int(main.logits['argmax_agree'].sum())}/{len(main.logits['argmax_agree'])} "
             f"positions). Not rounding of the usual kind and not a logic error: measure whether it matters.")
     inv, proof, proof_s = None, None, None
-    if main.has_cache and (settings.invariant or (prove if prove is not None else verdict == Verdict.PRECISION)):
+    if main.has_cache and (settings.invariant or (prove if prove is not None else verdict == Verdict.PRECISION
+                                                  and AUTO_PROOF.get())):
         inv = main if settings.invariant else None
         if inv is None:
-            progress(0.95, "Rerunning in invariant mode for the proof…")
+            progress(ends[1], "invariant proof: rerunning in invariant mode…")
             t_proof = time.perf_counter()
-            inv = _run(lm, cfg, inp, lambda f, m: progress(0.95 + 0.05 * f, f"invariant proof: {m}"),
+            inv = _run(lm, cfg, inp, lambda f, m: progress(ends[1] + (1 - ends[1]) * f, f"invariant proof: {m}"),
                        settings.with_(invariant=True, compile="off"))
             proof_s = time.perf_counter() - t_proof
+            PHASE_COST["proof"] = proof_s / max(main_s, 1e-3)
         proof = proof_line(verdict, main, inv, settings)
         if verdict == Verdict.PRECISION and not settings.lossy:
             proved = inv.identical

@@ -221,9 +221,10 @@ class Worker:
             os.environ["VLLM_BATCH_INVARIANT"] = "0"
         for k, v in (msg.get("env") or {}).items():  # e.g. VLLM_CPU_OMP_THREADS_BIND for tensor parallel on a CPU
             os.environ[str(k)] = str(v)
-        import torch
         import vllm
         from vllm import LLM
+
+        import torch  # after vllm: an environment without vLLM says so first
 
         tp = int(msg.get("tensor_parallel_size", 1))
         if tp > 1 and not torch.cuda.is_available() and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):

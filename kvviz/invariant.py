@@ -721,23 +721,39 @@ def _visible_only(mask: torch.Tensor) -> torch.Tensor | None:
     return zero if bool((zero | (mask <= floor)).all()) else None
 
 
-def _native_call(query, key, value, vis, start: int, scale):
-    """One native call: query [n, h, rows, d] whose rows all see keys from `start` on (vis: [n, 1 or h, rows, lk]),
-    rows padded to NATIVE_ROW_MULTIPLE with copies of the last, keys from `start` padded to NATIVE_KEY_BLOCK."""
+def _native_call(query, key, value, vis, start: int, need: torch.Tensor, scale):
+    """Native calls for query [n, h, rows, d] whose rows all see keys from `start` on (vis: [n, 1 or h, rows, lk]);
+    need: [rows], the key blocks (from `start`) each row needs at most. Rows grouped by it, each group in one call:
+    a block no row of a call sees is not computed (it would add exactly 0: a causal prompt's first rows need one)."""
+    if int(need.min()) == int(need.max()):
+        return _native_block_call(query, key, value, vis, start, int(need[0]) * NATIVE_KEY_BLOCK, scale)
+    out = query.new_empty(*query.shape[:-1], value.shape[-1])
+    for blocks in torch.unique(need).tolist():
+        rows = (need == blocks).nonzero().squeeze(1)
+        out[:, :, rows] = _native_block_call(query[:, :, rows], key, value, vis[:, :, rows], start,
+                                             blocks * NATIVE_KEY_BLOCK, scale)
+    return out
+
+
+def _native_block_call(query, key, value, vis, start: int, kp: int, scale):
+    """One native call: the rows padded to NATIVE_ROW_MULTIPLE with copies of the last, the keys from `start` to
+    `start + kp` (kp a multiple of NATIVE_KEY_BLOCK; masked zero keys past the end)."""
     n, h, lq, _ = query.shape
     lk, dev = key.shape[-2], query.device
     rows = -(-lq // NATIVE_ROW_MULTIPLE) * NATIVE_ROW_MULTIPLE
     if rows > lq:  # the last query block never of 1 or 2 rows (a kernel of another order): copies of the last row
         query = torch.cat([query, query[:, :, -1:].expand(n, h, rows - lq, query.shape[-1])], 2)
         vis = torch.cat([vis, vis[:, :, -1:].expand(n, vis.shape[1], rows - lq, lk)], 2)
-    m = lk - start
-    kp = -(-max(m, 1) // NATIVE_KEY_BLOCK) * NATIVE_KEY_BLOCK
-    kk = key.new_zeros(n, h, kp, key.shape[-1])
-    vv = value.new_zeros(n, h, kp, value.shape[-1])
-    kk[:, :, :m] = key[:, :, start:]
-    vv[:, :, :m] = value[:, :, start:]
-    mm = torch.zeros(n, vis.shape[1], rows, kp, dtype=torch.bool, device=dev)
-    mm[..., :m] = vis[..., start:]
+    if start + kp <= lk:  # the keys are there: views, no copies
+        kk, vv, mm = key[:, :, start:start + kp], value[:, :, start:start + kp], vis[..., start:start + kp]
+    else:
+        m = lk - start
+        kk = key.new_zeros(n, h, kp, key.shape[-1])
+        vv = value.new_zeros(n, h, kp, value.shape[-1])
+        kk[:, :, :m] = key[:, :, start:]
+        vv[:, :, :m] = value[:, :, start:]
+        mm = torch.zeros(n, vis.shape[1], rows, kp, dtype=torch.bool, device=dev)
+        mm[..., :m] = vis[..., start:]
     return F.scaled_dot_product_attention(query, kk, vv, attn_mask=mm, scale=scale)[:, :, :lq]
 
 
@@ -752,12 +768,22 @@ def _native_core(query, key, value, vis, scale):
         vis = torch.ones(1, 1, 1, lk, dtype=torch.bool, device=dev)
     hm = vis.shape[1]
     vis = vis.expand(b, hm, lq, lk)
-    seen = vis.any(-1)  # [B, Hm, lq]
-    first = torch.where(seen, vis.to(torch.uint8).argmax(-1), -1)
+    first = vis.view(torch.uint8).argmax(-1)  # [B, Hm, lq] (0 where a row sees nothing: `seen` says)
+    nb = -(-lk // NATIVE_KEY_BLOCK)
+    blocks = torch.stack([vis[..., j * NATIVE_KEY_BLOCK:(j + 1) * NATIVE_KEY_BLOCK].any(-1) for j in range(nb)], -1)
+    seen = blocks.any(-1)
+    last_block = nb - 1 - blocks.flip(-1).view(torch.uint8).argmax(-1)  # the block of each row's last visible key
+    first = torch.where(seen, first, -1)
+
+    def need(f, lb):  # key blocks from the row's first key to the end of its last visible key's block (an upper bound)
+        return (-(-((lb + 1) * NATIVE_KEY_BLOCK - f) // NATIVE_KEY_BLOCK)).clamp_min(1)
+
     lo = first.amax()
-    if bool(((first == lo) | ~seen).all()):  # one start for every row of every entry: one call
-        out = _native_call(query, key, value, vis, int(lo) if int(lo) >= 0 else 0, scale)
-        return out.masked_fill(~seen.unsqueeze(-1), 0) if not bool(seen.all()) else out
+    if bool(((first == lo) | ~seen).all()):  # one start for every row of every entry: one call per row group
+        s = max(int(lo), 0)
+        out = _native_call(query, key, value, vis, s, need(s, torch.where(seen, last_block, 0)).amax(0).amax(0),
+                           scale)
+        return out if bool(seen.all()) else out.masked_fill(~seen.unsqueeze(-1), 0)
     out = query.new_zeros(b, h, lq, value.shape[-1])
     for e in range(b):
         for g in range(hm):
@@ -766,7 +792,8 @@ def _native_core(query, key, value, vis, scale):
             for s in torch.unique(f[f >= 0]).tolist():
                 rows = (f == s).nonzero().squeeze(1)
                 out[e, heads, rows] = _native_call(query[e:e + 1, heads, rows], key[e:e + 1, heads],
-                                                   value[e:e + 1, heads], vis[e:e + 1, g:g + 1, rows], s, scale)[0]
+                                                   value[e:e + 1, heads], vis[e:e + 1, g:g + 1, rows], s,
+                                                   need(s, last_block[e, g, rows]), scale)[0]
     return out
 
 

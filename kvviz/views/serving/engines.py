@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.overrides import _get_current_function_mode_stack
 
-from ... import compat
+from ... import cancel, compat
 from ...errors import KvvizError, first_line
 
 ENGINES = ("transformers", "vllm", "llama.cpp")
@@ -258,6 +258,7 @@ def _collect(manager, keys: set[str], results: dict, failure: list) -> None:
     while waiting:
         if failure:
             raise _engine_failure(failure[0])
+        cancel.check()  # a stopped run: the engine is stopped by the caller's finally (kvviz.cancel)
         res = manager.get_result(timeout=0.2)
         if res is None:
             fatal = compat.cb_fatal_error(manager)

@@ -319,3 +319,25 @@ def test_vllm_batch_vs_alone_and_tensor_parallel_3_float32():
     assert tp.prompts[0]["tokens"]["tp 1"] == tp.a.tokens
     assert tp.engine["settings"]["tp 3"]["tensor_parallel_size"] == 3
     assert tp.engine["settings"]["tp 3"]["VLLM_CPU_OMP_THREADS_BIND"].count("|") == 2
+
+
+def test_the_page_opens_without_starting_an_engine():
+    """The Engine layers page (in the navigation's Engine section) draws its controls and waits for its button: an
+    engine run takes minutes, so the first screen starts nothing; where vLLM is absent it says so in one line."""
+    from streamlit.testing.v1 import AppTest
+
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=600)
+    at.session_state["model_preset"] = "tiny:llama"
+    at.run()
+    at.switch_page("pages/engine_layers.py")
+    at.run()
+    assert not at.exception, at.exception
+    assert at.title[0].value == "Engine layers"
+    assert at.selectbox(key="engine_layers_pair").value == "warm"
+    texts = [i.value for i in at.info]
+    if engine_python("vllm") is None:
+        assert any("not installed here" in t for t in texts), texts
+    else:
+        assert any("Run inside vLLM" in t for t in texts), texts
+        assert at.button(key="engine_layers_run")
+    assert "_results_engine_layers" not in at.session_state

@@ -1,0 +1,81 @@
+"""Page: inside the engine - two runs of one prompt through vLLM (warm vs cold, batch vs alone, tensor parallel 1 vs
+N) compared hidden state by hidden state in vLLM's worker, each against the float64 reference. An engine run takes
+minutes, so it starts on the button, not on the first screen."""
+import dataclasses
+
+import streamlit as st
+
+from kvviz.views.engine_layers import figures as el_figures, report as el_report
+from kvviz.views.engine_layers.run import PAIRS, EngineLayersConfig, run_engine_layers
+from kvviz.views.serving.engines import engine_status
+from pages.common import controls, page, show_verdict
+from pages.exporting import exports
+from pages.runner import progress_bar, run_cached, show_error
+
+choice, lm = page("Engine layers",
+                  "Inside a real engine: vLLM runs the prompt twice - cold and with its prefix warm in the cache, "
+                  "alone and in a batch, or on 1 and N tensor-parallel ranks -, its worker captures every decoder "
+                  "layer's hidden state of both runs and compares them layer × token, and each run is compared with "
+                  "kvviz's float64 reference on its own tokens: within rounding of it at every layer is precision, "
+                  "the first layer beyond is named (logic).")
+with controls(expanded=True):
+    prompt = st.text_area("Prompt", "Rain fell on the quiet town, and the streets shone like polished glass.",
+                          key="engine_layers_prompt", height=70)
+    prefix = st.text_input("Shared prefix (before the prompt; the warmer of 'warm')",
+                           "You are a careful assistant. Answer in one short sentence, with no preamble, no lists "
+                           "and no markdown; if you do not know, say so plainly. ", key="engine_layers_prefix")
+    c1, c2, c3, c4 = st.columns(4)
+    pair = c1.selectbox("Pair", list(PAIRS), key="engine_layers_pair",
+                        format_func=lambda p: {"warm": "cold vs warm prefix", "batch": "alone vs batch",
+                                               "tp": "tensor parallel 1 vs N"}[p])
+    n = c2.number_input("New tokens", 1, 64, 16, key="engine_layers_n")
+    batch = c3.number_input("Batch size k", 2, 16, 4, key="engine_layers_batch", disabled=pair != "batch")
+    tp = c4.number_input("Tensor parallel N", 2, 16, 3, key="engine_layers_tp", disabled=pair != "tp")
+    others = st.number_input("Other built-in prompts, compared at their outputs", 0, 20, 0,
+                             key="engine_layers_others")
+    why = engine_status("vllm")
+    if why:
+        st.info(why)
+        st.stop()
+
+cfg = EngineLayersConfig(prompt=prompt, pair=pair, prefix=prefix, max_new_tokens=int(n), batch_size=int(batch),
+                         tensor_parallel_size=int(tp), others=int(others))
+key = {"model": choice.key, "cfg": dataclasses.asdict(cfg)}
+ran = st.session_state.setdefault("_engine_layers_ran", [])  # the settings already run in this session
+go = st.button("Run inside vLLM", key="engine_layers_run", type="primary", icon=":material/play_arrow:",
+               help="Starts vLLM in its own environment (a minute or more on a CPU; tensor parallel starts two)")
+if not go and key not in ran:
+    st.info("Choose the pair and press **Run inside vLLM**: the engine starts in its own process, so a run takes "
+            "minutes on a CPU.")
+    st.stop()
+
+
+def compute():
+    with progress_bar("Running the prompt twice inside vLLM…") as report:
+        return run_engine_layers(lm, cfg, progress=report, settings=choice.settings)
+
+
+try:
+    cfg.validate()
+    res = run_cached("engine_layers", key, compute)  # once per settings: a rerun shows the stored result
+    if key not in ran:
+        ran.append(key)
+except Exception as e:  # noqa: BLE001
+    show_error(e)
+    st.stop()
+
+verdict, text = el_report.verdict(res)
+show_verdict(verdict, text)
+metric = st.radio("Measure", ["relative", "eps_units", "max_abs"], horizontal=True, key="engine_layers_metric")
+st.plotly_chart(el_figures.pair_heatmap(res, metric), width="stretch", key="engine_layers_pair_map")
+st.plotly_chart(el_figures.layer_lines(res), width="stretch", key="engine_layers_lines")
+fa, fb = el_figures.reference_heatmaps(res, metric)
+st.plotly_chart(fa, width="stretch", key="engine_layers_ref_a")
+st.plotly_chart(fb, width="stretch", key="engine_layers_ref_b")
+st.dataframe(el_figures.layers_frame(res), hide_index=True, width="stretch")
+if res.prompts:
+    st.caption(res.parting_line())
+    st.dataframe(el_figures.prompts_frame(res), hide_index=True, width="stretch")
+for note in res.notes:
+    st.caption(note)
+exports(res, "engine_layers", lm)

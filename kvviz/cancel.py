@@ -118,3 +118,27 @@ def layer_checks(layers) -> Iterator[None]:
         for h in handles:
             h.remove()
 
+
+
+@contextlib.contextmanager
+def op_checks() -> Iterator[None]:
+    """A checkpoint at every torch call while a token is current, for runs whose single layers can take minutes
+    (invariant mode over a long prompt: its fixed-order kernels are loops of small torch calls). Entered outside
+    the run's own modes, so the calls those modes make are checked too; outside a scope nothing is entered."""
+    token = _CURRENT.get()
+    if token is None:
+        yield
+        return
+    from torch.overrides import TorchFunctionMode
+
+    class OpChecks(TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.calls += 1
+            if token._event.is_set() or (self.calls % 64 == 0 and token.cancelled):
+                raise Cancelled(token.why or "stopped")
+            return func(*args, **(kwargs or {}))
+
+    with OpChecks():
+        yield

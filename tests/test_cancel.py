@@ -284,3 +284,31 @@ def test_a_long_run_is_announced_and_can_skip_its_proof(monkeypatch):
     assert full.verdict == result.verdict and full.proof_s is not None  # the same run proves itself by default
     pace = runner._PACE[(model, "split")]
     assert pace["proof_s"] == 0.0 and pace["tokens"] > 10  # re-measured by this run
+
+
+def test_in_invariant_mode_every_torch_call_is_a_checkpoint():
+    """Invariant mode's fixed-order kernels make a layer of a long prompt take minutes (one layer of the default model
+    over 1,800 tokens: over 30 s here): inside them every torch call is a checkpoint, so a stop lands within
+    milliseconds; the numbers are the same as without it (the checks only look)."""
+    import torch
+
+    token = cancel.Token()
+    with cancel.scope(token), cancel.op_checks():
+        x = torch.arange(6.0).reshape(2, 3)
+        assert torch.equal(x @ x.T, torch.tensor([[5.0, 14.0], [14.0, 50.0]]))
+        token.cancel()
+        with pytest.raises(cancel.Cancelled):
+            x @ x.T
+    assert torch.equal(x @ x.T, torch.tensor([[5.0, 14.0], [14.0, 50.0]]))  # outside: nothing checks
+
+
+def test_an_invariant_run_under_a_token_gives_the_same_numbers(lm):
+    import numpy as np
+
+    cfg = kvviz.SplitConfig(prompt="The quick brown fox jumps over the lazy dog.", split=4, mode="step")
+    settings = kvviz.ExecSettings(invariant=True)
+    plain = run_split(lm, cfg, settings=settings)
+    with cancel.scope(cancel.Token()):
+        checked = run_split(lm, cfg, settings=settings)
+    assert checked.verdict == plain.verdict
+    assert all(np.array_equal(plain.main.hidden[k], checked.main.hidden[k]) for k in plain.main.hidden)

@@ -200,8 +200,8 @@ class Executor:
         with contextlib.ExitStack() as stack:
             stack.enter_context(cancel.acquire(self.lm.lock))  # a stopped run stops waiting for it (kvviz.cancel)
             stack.enter_context(torch.inference_mode() if self.lm.inference_mode else torch.no_grad())
-            if self.settings.invariant:  # its layers can take minutes on a long prompt: a checkpoint at every op
-                stack.enter_context(cancel.op_checks())
+            if self.settings.invariant or self.lm.dtype == torch.float64:  # their layers can take minutes on a
+                stack.enter_context(cancel.op_checks())  # long prompt: a checkpoint at every op
             for factory in list(_RUN_CONTEXTS):
                 cm = factory(self.settings, self.lm)
                 if cm is not None:

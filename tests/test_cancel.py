@@ -302,13 +302,20 @@ def test_in_invariant_mode_every_torch_call_is_a_checkpoint():
     assert torch.equal(x @ x.T, torch.tensor([[5.0, 14.0], [14.0, 50.0]]))  # outside: nothing checks
 
 
-def test_an_invariant_run_under_a_token_gives_the_same_numbers(lm):
+@pytest.mark.parametrize("invariant", [True, False])
+def test_a_run_under_a_token_gives_the_same_numbers(lm, invariant):
+    """The checks only look: invariant mode, and the float64 rerun and proof of a normal run, give the same bits."""
     import numpy as np
 
     cfg = kvviz.SplitConfig(prompt="The quick brown fox jumps over the lazy dog.", split=4, mode="step")
-    settings = kvviz.ExecSettings(invariant=True)
+    settings = kvviz.ExecSettings(invariant=invariant)
     plain = run_split(lm, cfg, settings=settings)
     with cancel.scope(cancel.Token()):
         checked = run_split(lm, cfg, settings=settings)
     assert checked.verdict == plain.verdict
-    assert all(np.array_equal(plain.main.hidden[k], checked.main.hidden[k]) for k in plain.main.hidden)
+    for a, b in ((plain.main, checked.main), (plain.float64, checked.float64), (plain.invariant, checked.invariant)):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert all(np.array_equal(a.hidden[k], b.hidden[k]) for k in a.hidden)
+    if not invariant:
+        assert plain.float64 is not None  # the float64 rerun ran (and under the token, checked op by op)

@@ -32,8 +32,13 @@ def greedy_closest_call(res) -> str:
     if not rows:
         return ""
     _, t, m, g = min(rows)
+    if m <= g:  # within reach, and still no flip: the gap fell elsewhere (said so, not "stayed above the gap")
+        return (f"Why nothing here: a path can flip only where its top two tokens are nearly tied (margin within the "
+                f"gap between the paths' logits). At step {t} the margin {m:.3g} was within the gap of {g:.3g}, yet "
+                "the choice held: the logits moved on other tokens than the top two, or both of them alike. "
+                "bfloat16 and longer texts meet more such steps.")
     return (f"Why nothing here: a path flips only where its top two tokens are nearly tied (margin within the gap "
-            f"between the paths' logits); the closest call was step {t}, margin {m:.3g} against a gap of {g:.3g}. "
+            f"between the paths' logits); the closest call was step {t}, margin {m:.3g}, above the gap of {g:.3g}. "
             "Ties are rarer in float32 and in short texts; bfloat16 and longer texts meet one.")
 
 

@@ -215,3 +215,19 @@ def test_why_a_matrix_shows_nothing_and_the_fix():
     assert matrix_why(same, invariant=True) == ("", None)
     differs = dataclasses.replace(res, cells=[dataclasses.replace(c, verdict="precision") for c in res.cells])
     assert matrix_why(differs) == ("", None)
+
+
+def test_greedy_why_line_never_says_a_margin_within_the_gap_stayed_above_it():
+    """Issue 39: 'margin 0 against a gap of 0.312' beside 'stayed above' contradicted itself; the words follow the
+    numbers: within the gap and no flip says why the choice held; above the gap says above."""
+    from types import SimpleNamespace as NS
+
+    from kvviz.firstscreen import greedy_closest_call
+
+    def res(margins, gaps):
+        return NS(pairs=[NS(a="no_cache", b="cache", max_abs_logit=gaps)], paths={"no_cache": NS(margins=margins)})
+
+    within = greedy_closest_call(res([0.9, 0.0, 2.0], [0.3, 0.312, 0.3]))
+    assert "step 1" in within and "margin 0 was within the gap of 0.312" in within and "held" in within
+    above = greedy_closest_call(res([0.9, 0.5, 2.0], [0.3, 0.312, 0.3]))
+    assert "step 1" in above and "margin 0.5, above the gap of 0.312" in above

@@ -352,9 +352,11 @@ def length_prompt(model: str, tokens: int) -> tuple[str, int]:
     words = ("The museum guard knew every painting in the building, and at night he walked past them with a small "
              "lamp. ").split(" ")
     text = " ".join(words[i % len(words)] for i in range(tokens))
-    while tokens_of_text(model, text) > tokens and " " in text:
-        text = text.rsplit(" ", max(1, (tokens_of_text(model, text) - tokens) // 2))[0]
-    return text, tokens_of_text(model, text)
+    lo, hi = 1, len(text)  # the longest prefix of at most `tokens` tokens (a byte tokenizer: one a character)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if tokens_of_text(model, text[:mid]) <= tokens else (lo, mid - 1)
+    return text[:lo], tokens_of_text(model, text[:lo])
 
 
 def run_lengths(model: str, dtypes: list[str], lengths: list[int], out: Path | None = None,

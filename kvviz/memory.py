@@ -555,8 +555,9 @@ def activation_bytes(shape: ModelShape, dtype: str, tokens: int, batch: int, vie
         ref = working(8) + logits64 + temps(8) + hidden(8)
     if dtype == "float64" and prof.compared_after_split and not prof.bisector:
         run = ref  # a float64 run is its own reference: only the compared positions' logits (kvviz.views.split.run)
-    else:  # the full forward (every position's logits, the compared rows copied out of them), then the comparison
-        run = working(b) + max(B * T * V * b + B * n * V * b, 2 * B * n * V * b + temps(b)) + hidden(b)
+    else:  # the full forward (its working set, every position's logits, the compared rows copied out of them),
+        # then the comparison (no forward's working set left by then)
+        run = max(working(b) + B * T * V * b + B * n * V * b, 2 * B * n * V * b + temps(b)) + hidden(b)
     if prof.bisector:  # the bisect view
         run = max(run, bisect_bytes(shape, b, T, n, B))
     if prof.float64_only:  # every run of the view is on the float64 reference (a float64 run: the model itself)
@@ -771,11 +772,16 @@ def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, vie
         ref -= min(ref, working_bytes(shape, 8, tokens, attention=attention, device=device))
     acts = activation_bytes(shape, dt, tokens, batch, view, uses_ref, compared, steps, reference_decodes, runs,
                             attention, device)
-    if strategy == "twin" and device.startswith("cpu"):
-        # loading the twin holds the checkpoint's tensors (in the checkpoint's dtype) beside the float64 copy it
-        # builds: measured on the default model (float32 checkpoint), 0.49 GiB over the loaded twin, in float32
-        # and bfloat16 runs alike; that moment holds no forward's working set (docs/benchmarks.md)
-        acts = max(acts, shape.params * BYTES.get(shape.checkpoint_dtype or "float32", 4))
+    # Loading on the CPU holds the checkpoint's tensors as read (its dtype) beside the copies it converts them to,
+    # before any forward runs: the float64 twin always, and the model where its dtype is wider than the
+    # checkpoint's (a tensor in its own dtype is the file's page, no copy; Gemma 3's float32 checkpoint loaded in
+    # bfloat16 showed no such peak: the card's measured peaks, tests/test_memory_views.py). Measured: the twin of
+    # the default model (float32 checkpoint) 0.49 GiB over the loaded twin, in float32 and bfloat16 runs alike; a
+    # 0.5B Llama's bfloat16 checkpoint loaded in float32 0.49 GiB over its plan without it (docs/benchmarks.md).
+    # Each load is a phase of its own (the process, the weights, what is read, the twin): the activations are
+    # raised where the total would not cover it (`_loading`)
+    read = shape.params * BYTES.get(shape.checkpoint_dtype or dt, 4) if device.startswith("cpu") else 0
+    load = read if BYTES.get(shape.checkpoint_dtype or dt, 4) < BYTES[dt] else 0
     float64_only = profile(view).float64_only  # no cache in the run's dtype: only the float64 reference's
     cache = cache_bytes(shape, "float64" if float64_only else dt, tokens, batch, uses_ref and not float64_only)
     prof = profile(view)
@@ -792,6 +798,13 @@ def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, vie
         per = 2 * shape.layers * shape.kv_heads * shape.head_dim * tokens * batch
         cache = profile(view).cache_copies * per * max(BYTES[dt], 8 if uses_ref else 0)
     kept = 8 * (shape.layers + 1) * tokens * batch * 8  # per-layer, per-position metrics, a few of them
+
+    def _loading(acts: int, ref: int, cache: int) -> int:  # the activations, at least what the loads add
+        return max(acts, load - ref - cache - kept, (read - cache - kept) if strategy == "twin" and ref else 0)
+
+    acts = _loading(acts, ref, cache)
+    if if_identical is not None:
+        if_identical["activations"] = _loading(if_identical["activations"], 0, if_identical["cache"])
     if strategy == "streamed":
         notes.append("float64 reference streamed: the loaded weights upcast one operation at a time")
     return MemoryPlan(name, view, dt, device, tokens, batch, weights, strategy, ref, acts, cache, kept,

@@ -301,3 +301,50 @@ def test_a_long_eager_split_holds_no_more_than_its_plan_measured_op_by_op(tmp_pa
 
     assert mode.peak <= planned("eager") <= 1.25 * mode.peak, (mode.peak, planned("eager"))
     assert planned("sdpa") < mode.peak  # one score tensor a layer: under what eager attention holds
+
+
+# Split point by length (bench/memory_bench.py lengths, docs/benchmarks.md "Memory plan against peak RSS by length"):
+# split at half, --no-proof, peak RSS of the CLI's process (/usr/bin/time); the CLI's process when kvviz.memory was
+# imported: 254.7 MB. The default model as its GGUF route reads it (float32 checkpoint) and a random-weight 0.5B
+# Llama (Qwen2.5-0.5B's dimensions, bfloat16 checkpoint, byte tokenizer).
+SMOLLM2 = memory.ModelShape(params=134515008, layers=30, hidden=576, vocab=49152, intermediate=1536, heads=9,
+                            kv_heads=3, head_dim=64, largest=28311552, checkpoint_dtype="float32",
+                            tokenizer_bytes=35228710)
+LLAMA500M = memory.ModelShape(params=494005120, layers=24, hidden=896, vocab=151936, intermediate=4864, heads=14,
+                              kv_heads=2, head_dim=64, largest=136134656, checkpoint_dtype="bfloat16",
+                              tokenizer_bytes=60080)
+SPLIT_PEAKS = {  # (model, dtype, tokens, whether the float64 rerun ran): peak RSS in bytes
+    ("default", "float32", 16, True): 2_707_910_656, ("default", "float32", 64, True): 2_720_935_936,
+    ("default", "float32", 256, True): 2_756_362_240, ("default", "float32", 1024, False): 1_989_238_784,
+    ("default", "float32", 4096, False): 3_134_513_152, ("default", "bfloat16", 16, True): 2_430_828_544,
+    ("default", "bfloat16", 64, True): 2_471_874_560, ("default", "bfloat16", 256, True): 2_443_325_440,
+    ("default", "bfloat16", 1024, True): 3_003_891_712, ("default", "bfloat16", 4096, True): 5_901_479_936,
+    ("llama500m", "float32", 16, True): 3_443_343_360, ("llama500m", "float32", 256, True): 3_443_458_048,
+    ("llama500m", "float32", 1024, True): 4_299_259_904, ("llama500m", "float32", 4096, False): 6_689_918_976,
+    ("llama500m", "bfloat16", 16, True): 1_756_004_352,
+    ("llama500m", "bfloat16", 1024, False): 2_384_683_008,
+}
+
+
+# the float64 rerun forced where this CPU's float32 paths came out identical: the new tokens' attention mask only (a
+# logic error, `lengths --force-rerun`); bounded, but at 4096 tokens 1.41x (that run held 0.67 GiB less than the
+# bfloat16 run whose rerun came by itself; not explained yet: docs/benchmarks.md)
+FORCED_PEAKS = {("default", "float32", 1024, True): 3_002_052_608, ("default", "float32", 4096, True): 5_183_852_544}
+
+
+@pytest.mark.parametrize("model, dtype, tokens, rerun", list(SPLIT_PEAKS) + list(FORCED_PEAKS))
+def test_the_split_plan_bounds_its_measured_peaks_from_16_to_4096_tokens(monkeypatch, model, dtype, tokens, rerun):
+    """At least the peak, at most 1.25x it, the plan settled by what ran (the float64 rerun only where the cached path
+    differed). Before: the plan always counted the rerun (1.85x at 1024 float32 tokens, 2.33x at 4096, where the paths
+    came out identical) and not the checkpoint's tensors held while loading the twin or converting a bfloat16
+    checkpoint to float32 (0.91x at 16 tokens, 0.85x on the 0.5B Llama)."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(memory, "_PROCESS_AT_IMPORT", 254_700_000)
+    shape = SMOLLM2 if model == "default" else LLAMA500M
+    plan = memory.plan_shape(shape, model, dtype, "cpu", "split", tokens, free=20 * 1024 ** 3,
+                             compared=tokens - tokens // 2)
+    plan.settle(SimpleNamespace(float64=object() if rerun else None))
+    peak = {**SPLIT_PEAKS, **FORCED_PEAKS}[model, dtype, tokens, rerun]
+    most = 1.25 if (model, dtype, tokens, rerun) in SPLIT_PEAKS else 1.45
+    assert 1.0 <= plan.total / peak <= most, (plan.total / peak, plan.parts())

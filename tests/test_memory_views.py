@@ -322,7 +322,7 @@ SPLIT_PEAKS = {  # (model, dtype, tokens, whether the float64 rerun ran): peak R
     ("llama500m", "float32", 16, True): 3_443_343_360, ("llama500m", "float32", 256, True): 3_443_458_048,
     ("llama500m", "float32", 1024, True): 4_299_259_904, ("llama500m", "float32", 4096, False): 6_689_918_976,
     ("llama500m", "bfloat16", 16, True): 1_756_004_352,
-    ("llama500m", "bfloat16", 1024, False): 2_384_683_008,
+    ("llama500m", "bfloat16", 1024, False): 2_384_683_008, ("llama500m", "bfloat16", 4096, True): 9_107_660_800,
 }
 
 

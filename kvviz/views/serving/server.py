@@ -121,18 +121,23 @@ class ServerEngine:
                              f"and the local weights disagree (or the server returns no token ids)")
         return int(enc[0])
 
+    def _entry_id(self, tok, e: dict) -> int:
+        return int(e["id"]) if e.get("id") is not None else self._token_id(tok, e["token"])
+
     def _parse(self, tok, lp, cached: int) -> RequestOut:
-        if not lp or not lp.get("tokens"):
+        if lp and lp.get("content"):  # llama-server's newer form: per step {id, token, logprob, top_logprobs: [..]}
+            toks = [self._entry_id(tok, e) for e in lp["content"]]
+            chosen = [float(e["logprob"]) for e in lp["content"]]
+            top = [sorted(((self._entry_id(tok, x), float(x["logprob"])) for x in e.get("top_logprobs") or []),
+                          key=lambda x: -x[1]) for e in lp["content"]]
+        elif lp and lp.get("tokens"):  # the OpenAI completions form (vLLM, SGLang, llama-cpp-python)
+            toks = [self._token_id(tok, s) for s in lp["tokens"]]
+            chosen = [None if v is None else float(v) for v in lp.get("token_logprobs") or []]
+            top = [sorted(((self._token_id(tok, s), float(v)) for s, v in (step or {}).items()), key=lambda x: -x[1])
+                   for step in lp.get("top_logprobs") or []]
+        else:
             raise KvvizError(f"the server at {self.url} returned no log-probs (it must honour `logprobs` on "
                              f"/v1/completions)")
-        toks = [self._token_id(tok, s) for s in lp["tokens"]]
-        chosen = [None if v is None else float(v) for v in lp.get("token_logprobs") or []]
-        top = []
-        for step in lp.get("top_logprobs") or []:
-            pairs = {}
-            for s, v in (step or {}).items():
-                pairs[self._token_id(tok, s)] = float(v)
-            top.append(sorted(pairs.items(), key=lambda x: -x[1]))
         for t, c, step in zip(toks, chosen, top):  # the chosen token belongs to its step's top-k
             if c is not None and t not in dict(step):
                 step.append((t, c))

@@ -159,6 +159,21 @@ def figure_html(fig, include_plotlyjs: bool, div_id: str | None = None) -> str:
     return pio.to_html(standalone_figure(fig), include_plotlyjs=include_plotlyjs, full_html=False, div_id=div_id)
 
 
+def shown(v) -> str:
+    """A setting's value for people: an enum as its word, a missing value as "not set", a sequence joined."""
+    import enum
+
+    if v is None:
+        return "not set"
+    if isinstance(v, enum.Enum):
+        return str(v.value)
+    if isinstance(v, (list, tuple)):
+        return ", ".join(shown(x) for x in v) if v else "none"
+    if isinstance(v, dict):
+        return ", ".join(f"{k}: {shown(x)}" for k, x in v.items()) if v else "none"
+    return str(v)
+
+
 def html_report(result) -> str:
     """A self-contained HTML file: verdict, settings, environment, the main charts (plotly inlined: works offline)."""
     import html
@@ -172,9 +187,9 @@ def html_report(result) -> str:
     figs = main_figures(result)
     parts = [figure_html(f, include_plotlyjs=(i == 0)) for i, f in enumerate(figs)]
     tables = "".join(t.to_html(index=not plain_index(t)) for t in entry.main_tables(result))
-    rows = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>"
+    rows = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(shown(v))}</td></tr>"
                    for k, v in settings.items())
-    env_rows = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>"
+    env_rows = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(shown(v))}</td></tr>"
                        for k, v in env.items() if k != "flags")
     env_rows += (f"<tr><th>numerics</th><td>{html.escape(describe_numerics(numerics()))} (the settings that change "
                  "the last bits; the repro script sets them again)</td></tr>")

@@ -77,7 +77,7 @@ def heatmap(z: np.ndarray, x_labels: list[str], y_labels: list[str], title: str,
                      range=[-0.5, len(x_labels) - 0.5])
     fig.update_yaxes(tickmode="array", tickvals=ys, ticktext=y_labels, autorange="reversed",
                      range=[len(y_labels) - 0.5, -0.5])
-    return fig
+    return fit_text(fig)
 
 
 def shared_range(za: np.ndarray, zb: np.ndarray, log: bool) -> tuple[float, float] | None:
@@ -115,3 +115,51 @@ def thin_x(fig: go.Figure, labels: list[str], most: int = 16) -> None:
 def plain_index(table) -> bool:
     """A table whose index is only row numbers (not worth showing) - a grid indexed by labels keeps its index."""
     return table.index.name is None and table.index.dtype != object
+
+
+def wrap_title(text: str, most: int = 44) -> str:
+    """A long title on lines of at most `most` characters (plotly never wraps one: a narrow column cuts it): broken
+    after its ' — ' parts first (a part stays whole where it fits), a longer part between words."""
+    if len(text) <= most or "<br>" in text:
+        return text
+    lines: list[str] = []
+    for i, part in enumerate(text.split(" — ")):
+        part = part if i == len(text.split(" — ")) - 1 else part + " —"
+        if lines and len(lines[-1]) + 1 + len(part) <= most:
+            lines[-1] += " " + part
+            continue
+        line = ""
+        for w in part.split(" "):
+            if line and len(line) + 1 + len(w) > most:
+                lines.append(line)
+                line = w
+            else:
+                line = f"{line} {w}" if line else w
+        lines.append(line)
+    return "<br>".join(lines)
+
+
+def fit_text(fig: go.Figure, most: int = 44) -> go.Figure:
+    """Titles and legends that fit a narrow chart (presenter mode, 1280×720): the title wrapped and left-aligned with
+    the top margin its lines need; a legend that sat below the plot (where it covered the x-axis title) moved to the
+    right of the plot, or - beside a colour bar - to its own row above the plot, right-aligned."""
+    title = (fig.layout.title.text or "").replace("`", "")
+    for t in fig.data:  # labels written for Markdown (`cache`) print their backticks in a legend
+        if t.name and "`" in t.name:
+            t.name = t.name.replace("`", "")
+    wrapped = wrap_title(title, most)
+    lines = wrapped.count("<br>") + 1 if wrapped else 0
+    has_bar = any(getattr(t, "showscale", None) is not False and t.type in ("heatmap", "contour") for t in fig.data)
+    shown = [t for t in fig.data if t.showlegend is not False and t.name]
+    legend_row = bool(shown) and has_bar
+    if legend_row:
+        fig.update_layout(legend=dict(orientation="h", yanchor="bottom", y=1.01, xanchor="right", x=1))
+    elif fig.layout.legend.orientation == "h" and (fig.layout.legend.y or 0) < 0:
+        fig.update_layout(legend=dict(orientation="v", yanchor="top", y=1, xanchor="left", x=1.02))
+    top = 20 + 22 * lines + (28 if legend_row else 0)
+    m = fig.layout.margin
+    fig.update_layout(title=dict(text=wrapped, x=0, xanchor="left", xref="paper", yref="container", y=1, pad=dict(t=12),
+                                 yanchor="top"),
+                      margin=dict(l=m.l if m.l is not None else 10, r=m.r if m.r is not None else 10,
+                                  b=m.b if m.b is not None else 10, t=max(top, m.t or 0)))
+    return fig

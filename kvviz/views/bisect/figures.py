@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from ...plotting import zero_floor, floor_zeros
+from ...plotting import zero_floor, floor_zeros, fit_text
 
 
 def bisect_modules(res) -> go.Figure:
@@ -27,7 +27,7 @@ def bisect_modules(res) -> go.Figure:
     fig.update_yaxes(type="log", exponentformat="power")
     if any(v == 0 for v in vals):
         zero_floor(fig, floor, "0 (bitwise equal)")
-    return fig
+    return fit_text(fig)
 
 
 def main(result) -> list:

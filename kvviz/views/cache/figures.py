@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
+from ...plotting import fit_text
+
 
 def cache_growth(rows: list[dict], log: bool = True) -> go.Figure:
     """KV-cache bytes against context length, one line per model × dtype (rows from kvviz.views.cache.size.growth)."""
@@ -16,5 +18,5 @@ def cache_growth(rows: list[dict], log: bool = True) -> go.Figure:
                       yaxis_title="MiB", height=400, margin=dict(l=10, r=10, t=60, b=10))
     if log:
         fig.update_yaxes(type="log", exponentformat="power")
-    return fig
+    return fit_text(fig)
 

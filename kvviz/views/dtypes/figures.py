@@ -6,7 +6,7 @@ import math
 import numpy as np
 import plotly.graph_objects as go
 
-from ...plotting import METRIC_TITLES, zero_floor, floor_zeros, thin_x
+from ...plotting import METRIC_TITLES, zero_floor, floor_zeros, thin_x, fit_text
 
 
 DTYPE_COLORS = {"float64": "#555555", "float32": "#1f77b4", "float16": "#ff7f0e", "bfloat16": "#2ca02c"}
@@ -50,7 +50,7 @@ def dtype_curves(res, metric: str = "max_abs", how: str = "mean") -> go.Figure:
     if any(v == 0 for _, _, y in series for v in y):
         zero_floor(fig, floor, "0 (bitwise equal)")
     thin_x(fig, list(table.index))
-    return fig
+    return fit_text(fig)
 
 
 def ab_dtype_curves(res_a, res_b, label_a: str, label_b: str, metric: str = "max_abs", how: str = "mean"
@@ -78,7 +78,7 @@ def ab_dtype_curves(res_a, res_b, label_a: str, label_b: str, metric: str = "max
                      margin=dict(l=10, r=10, t=60, b=10), legend=dict(orientation="h", y=-0.35))
     fd.update_yaxes(type="log", exponentformat="power")
     thin_x(fd, list(ta.index))
-    return fa, fb, fd
+    return fit_text(fa), fit_text(fb), fit_text(fd)
 
 
 def main(result) -> list:

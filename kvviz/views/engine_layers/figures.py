@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from ...plotting import METRIC_TITLES, floor_zeros, heatmap, shared_range, short, thin_x, zero_floor
+from ...plotting import METRIC_TITLES, floor_zeros, heatmap, shared_range, short, thin_x, zero_floor, fit_text
 from .run import METRICS, EngineLayersResult
 
 
@@ -65,7 +65,7 @@ def layer_lines(res: EngineLayersResult, log: bool = True) -> go.Figure:
         if any((vals == 0).any() for _, vals, _ in rows):
             zero_floor(fig, floor, "0 (bitwise equal)")
     thin_x(fig, list(res.layer_labels))
-    return fig
+    return fit_text(fig)
 
 
 def layers_frame(res: EngineLayersResult) -> pd.DataFrame:

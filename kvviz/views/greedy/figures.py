@@ -5,7 +5,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from ...plotting import short, heatmap, shared_range
+from ...plotting import short, heatmap, shared_range, fit_text, zero_floor
 from .run import GreedyPath
 
 
@@ -50,7 +50,9 @@ def greedy_margins(res) -> go.Figure:
                       xaxis_title="step", yaxis_title="top-1 − top-2 logit", height=380,
                       margin=dict(l=10, r=10, t=60, b=10), legend=dict(orientation="h", y=-0.3))
     fig.update_yaxes(type="log", exponentformat="power")
-    return fig
+    if any(m == 0 for p in res.paths.values() for m in p.margins):
+        zero_floor(fig, floor, "× margin 0 (a tie), drawn at this floor")
+    return fit_text(fig)
 
 
 def greedy_heatmap(res, pair=None, log: bool = True) -> go.Figure:
@@ -112,7 +114,7 @@ def greedy_reference_gap(res) -> go.Figure | None:
                       xaxis_title="step", yaxis_title="max |Δ logit| vs float64", height=360,
                       margin=dict(l=10, r=10, t=60, b=10), legend=dict(orientation="h", y=-0.3))
     fig.update_yaxes(type="log", exponentformat="power")
-    return fig
+    return fit_text(fig)
 
 
 def greedy_step_frame(res) -> pd.DataFrame:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pandas as pd
 import plotly.graph_objects as go
 
-from ...plotting import zero_floor, floor_zeros
+from ...plotting import zero_floor, floor_zeros, fit_text
 
 
 def loading_trap_steps(res) -> go.Figure:
@@ -22,7 +22,7 @@ def loading_trap_steps(res) -> go.Figure:
     fig.update_layout(title="from_pretrained(dtype) vs float32 + .to(dtype): max |Δ logit| per step",
                       xaxis_title="step", yaxis_title="max |Δ logit|", height=360, margin=dict(l=10, r=10, t=60, b=10))
     fig.update_yaxes(type="log", exponentformat="power")
-    return fig
+    return fit_text(fig)
 
 
 def main(result) -> list:

@@ -4,6 +4,8 @@ from __future__ import annotations
 import numpy as np
 import plotly.graph_objects as go
 
+from ...plotting import fit_text
+
 
 MATRIX_COLOURS = {"identical": "#2e7d32", "precision": "#1565c0", "logic": "#c62828", "nondeterministic": "#ef6c00",
                   "lossy": "#6a1b9a", "error": "#9e9e9e"}
@@ -41,7 +43,7 @@ def matrix_grid(res) -> go.Figure:
                             f"{res.settings['repeats']} repeats",
                       height=max(260, 60 * len(settings) + 140), margin=dict(l=10, r=10, t=60, b=10))
     fig.update_yaxes(autorange="reversed")
-    return fig
+    return fit_text(fig)
 
 
 def _matrix_row(c) -> str:
@@ -62,7 +64,7 @@ def matrix_cell_steps(cell) -> go.Figure:
     fig.update_layout(title=f"{cell.label} vs the eager no-cache reference", xaxis_title="step",
                       height=340, margin=dict(l=10, r=10, t=60, b=10), legend=dict(orientation="h", y=-0.3))
     fig.update_yaxes(type="log", exponentformat="power")
-    return fig
+    return fit_text(fig)
 
 
 def main(result) -> list:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import plotly.graph_objects as go
 
-from ...plotting import ZERO_COLOUR, shared_range, VERDICT_COLORS
+from ...plotting import ZERO_COLOUR, shared_range, VERDICT_COLORS, fit_text
 
 
 def padding_grid(res, value: str = "hidden_relative") -> go.Figure:
@@ -35,7 +35,7 @@ def padding_grid(res, value: str = "hidden_relative") -> go.Figure:
                             f"{res.settings.device}", height=140 + 80 * len(rows), margin=dict(l=90, r=10, t=60, b=10))
     fig.update_yaxes(autorange="reversed")
     _two_line_columns(fig, cols)
-    return fig
+    return fit_text(fig)
 
 
 def _two_line_columns(fig: go.Figure, cols: list[str]) -> None:
@@ -68,7 +68,7 @@ def ab_padding_grids(res_a, res_b, label_a: str, label_b: str, value: str = "hid
                           plot_bgcolor=ZERO_COLOUR)
         fig.update_yaxes(autorange="reversed")
         _two_line_columns(fig, cols)
-        return fig
+        return fit_text(fig)
 
     return (grid(za, res_a, f"A — {label_a}"), grid(zb, res_b, f"B — {label_b}"),
             grid(np.abs(zb - za), res_a, "|B − A| of the relative gap", verdicts=False))

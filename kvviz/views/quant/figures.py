@@ -4,7 +4,7 @@ from __future__ import annotations
 import pandas as pd
 import plotly.graph_objects as go
 
-from ...plotting import zero_floor, floor_zeros, thin_x
+from ...plotting import zero_floor, floor_zeros, thin_x, fit_text
 
 
 def quant_steps(res) -> go.Figure:
@@ -36,7 +36,7 @@ def quant_steps(res) -> go.Figure:
                       yaxis_title="KL (nats)", height=380, margin=dict(l=10, r=10, t=60, b=10),
                       legend=dict(orientation="h", y=-0.3))
     fig.update_yaxes(type="log", exponentformat="power")
-    return fig
+    return fit_text(fig)
 
 
 def quant_layers(res) -> go.Figure:
@@ -53,7 +53,7 @@ def quant_layers(res) -> go.Figure:
                       yaxis_title="max |Δ| / max |unquantized|", height=360, margin=dict(l=10, r=10, t=60, b=10))
     fig.update_yaxes(type="log", exponentformat="power")
     thin_x(fig, list(res.layers))
-    return fig
+    return fit_text(fig)
 
 
 def quant_frame(res) -> pd.DataFrame:

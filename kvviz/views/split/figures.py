@@ -7,7 +7,7 @@ import plotly.graph_objects as go
 
 from ...metrics import HIDDEN_METRICS
 from .run import SplitResult
-from ...plotting import METRIC_TITLES, short, heatmap, shared_range, zero_floor, floor_zeros, thin_x
+from ...plotting import METRIC_TITLES, short, heatmap, shared_range, zero_floor, floor_zeros, thin_x, fit_text
 
 
 def split_heatmap(res: SplitResult, metric: str = "relative", log: bool = True) -> go.Figure:
@@ -77,7 +77,7 @@ def layer_lines(res: SplitResult, metric: str = "relative", log: bool = True) ->
         if any((np.asarray(m) == 0).any() for m, _ in series):
             zero_floor(fig, floor, "0 (bitwise equal)")
     thin_x(fig, list(x))
-    return fig
+    return fit_text(fig)
 
 
 def logits_frame(res: SplitResult) -> pd.DataFrame:

@@ -790,10 +790,9 @@ def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, vie
         # Split point reruns in float64 only where the cached path is not bit for bit the full forward
         # (kvviz.views.split.run.run_split: `main.has_cache and not main.identical`); known only once the run
         # compared them, so the plan counts the rerun and `settle` drops it after a run that had none
-        if_identical = {"reference": "not run", "reference_bytes": 0, "cache": cache_bytes(shape, dt, tokens, batch,
-                                                                                            False),
-                        "activations": activation_bytes(shape, dt, tokens, batch, view, False, compared, steps,
-                                                        reference_decodes, runs, attention, device)}
+        if_identical = dict(reference="not run", reference_bytes=0, cache=cache_bytes(shape, dt, tokens, batch, False),
+                            activations=activation_bytes(shape, dt, tokens, batch, view, False, compared, steps,
+                                                         reference_decodes, runs, attention, device))
     if profile(view).cache_copies:  # its caches one phase at a time: the run's, then the float64 reference's
         per = 2 * shape.layers * shape.kv_heads * shape.head_dim * tokens * batch
         cache = profile(view).cache_copies * per * max(BYTES[dt], 8 if uses_ref else 0)

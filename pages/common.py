@@ -153,7 +153,6 @@ PRESENTER_CSS = """<style>
 # views are listed here. Adding a view with a page: its folder names the page, and the page script is pages/<stem>.py.
 _OTHER_PAGES = {
     "Lesson": [("lesson", "Lesson: rounding or a bug?", ":material/school:")],
-    "Engine": [None, ("engine_layers", "Engine layers", ":material/layers:")],
     "Start": [("home", "About kvviz", ":material/home:"), None,
               ("open_result", "Open a result", ":material/folder_open:")],
     "Reference": [("guide", "Guide", ":material/menu_book:"),

@@ -208,14 +208,14 @@ def test_a_link_that_names_a_button_opens_the_page():
 
 
 def _one_click_buttons() -> dict[str, str]:
-    """key -> page of every button in pages/ whose click sets settings through st.session_state.update (a page's
-    one-click fix)."""
+    """key -> page of every button in pages/ whose click sets settings through st.session_state.update or starts a
+    scenario (pages.state.start_scenario) - a page's one-click fix."""
     found = {}
     for path in sorted((ROOT / "pages").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "button":
                 kw = {k.arg: k.value for k in node.keywords}
-                if "on_click" in kw and ast.unparse(kw["on_click"]) == "st.session_state.update":
+                if "on_click" in kw and ast.unparse(kw["on_click"]) in ("st.session_state.update", "start_scenario"):
                     found[ast.literal_eval(kw["key"])] = path.stem
     return found
 

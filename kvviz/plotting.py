@@ -139,27 +139,39 @@ def wrap_title(text: str, most: int = 44) -> str:
     return "<br>".join(lines)
 
 
-def fit_text(fig: go.Figure, most: int = 44) -> go.Figure:
-    """Titles and legends that fit a narrow chart (presenter mode, 1280×720): the title wrapped and left-aligned with
-    the top margin its lines need; a legend that sat below the plot (where it covered the x-axis title) moved to the
-    right of the plot, or - beside a colour bar - to its own row above the plot, right-aligned."""
+def fit_text(fig: go.Figure, most: int = 44, width: int = 380) -> go.Figure:
+    """Titles and legends that fit a narrow chart (presenter mode's chart column at 1280×720 is ~400 px): the title
+    wrapped and left-aligned; the legend (below the plot it covered the x-axis title, on the right a long name was cut)
+    in rows of its own between the title and the plot (a long name's trailing aside cut), the rows it needs at `width` px
+    reserved in the top margin and added to the height (the plot keeps its size); Markdown backticks dropped."""
     title = (fig.layout.title.text or "").replace("`", "")
     for t in fig.data:  # labels written for Markdown (`cache`) print their backticks in a legend
         if t.name and "`" in t.name:
             t.name = t.name.replace("`", "")
+        if t.name and len(t.name) > 36 and t.name.endswith(")") and " (" in t.name:  # a long aside: cut in a column
+            t.name = t.name[: t.name.rindex(" (")]
     wrapped = wrap_title(title, most)
     lines = wrapped.count("<br>") + 1 if wrapped else 0
-    has_bar = any(getattr(t, "showscale", None) is not False and t.type in ("heatmap", "contour") for t in fig.data)
-    shown = [t for t in fig.data if t.showlegend is not False and t.name]
-    legend_row = bool(shown) and has_bar
-    if legend_row:
-        fig.update_layout(legend=dict(orientation="h", yanchor="bottom", y=1.01, xanchor="right", x=1))
-    elif fig.layout.legend.orientation == "h" and (fig.layout.legend.y or 0) < 0:
-        fig.update_layout(legend=dict(orientation="v", yanchor="top", y=1, xanchor="left", x=1.02))
-    top = 20 + 22 * lines + (28 if legend_row else 0)
+    items = [t for t in fig.data if t.showlegend is not False and t.name and t.type not in ("heatmap", "contour")]
+    shown = fig.layout.showlegend is not False and (len(items) > 1 or any(t.showlegend for t in items))
+    rows, used = (1, 0) if shown else (0, 0)
+    for t in items if shown else []:
+        w = 40 + 7 * len(t.name)
+        if used and used + w > width:
+            rows, used = rows + 1, 0
+        used += w
+    legend_h = 22 * rows + (8 if rows else 0)
+    if shown:
+        fig.update_layout(legend=dict(orientation="h", xref="paper", x=0, xanchor="left", yref="paper", y=1.01,
+                                      yanchor="bottom"))
+    height = (fig.layout.height or 450) + legend_h
+    top = 24 + 22 * lines + legend_h
     m = fig.layout.margin
-    fig.update_layout(title=dict(text=wrapped, x=0, xanchor="left", xref="paper", yref="container", y=1, pad=dict(t=12),
-                                 yanchor="top"),
+    fig.update_layout(height=height,
+                      title=dict(text=wrapped, x=0, xanchor="left", xref="container", pad=dict(l=10),
+                                 yref="container", y=1 - (8 + 11 * lines) / height, yanchor="middle"),
                       margin=dict(l=m.l if m.l is not None else 10, r=m.r if m.r is not None else 10,
                                   b=m.b if m.b is not None else 10, t=max(top, m.t or 0)))
+    fig.update_xaxes(automargin=True)  # tick labels and axis titles push the margins, never overlap
+    fig.update_yaxes(automargin=True)
     return fig

@@ -44,8 +44,8 @@ def greedy_margins(res) -> go.Figure:
             fig.add_vline(x=pr.first_divergence, line_dash="dot", line_color="#c0392b")
     t = first_parting(res)
     if t is not None:
-        fig.add_annotation(x=t, y=1, yref="paper", text=f"first parting: step {t}", showarrow=False,
-                           font=dict(color="#c0392b"), xanchor="left")
+        fig.add_annotation(x=t, y=1, yref="paper", yanchor="top", text=f"first parting: step {t}", showarrow=False,
+                           font=dict(color="#c0392b"), xanchor="left")  # inside the plot: the legend is above it
     fig.update_layout(title=f"Top-2 margin per step — {res.settings.dtype} on {res.settings.device}",
                       xaxis_title="step", yaxis_title="top-1 − top-2 logit", height=380,
                       margin=dict(l=10, r=10, t=60, b=10), legend=dict(orientation="h", y=-0.3))
@@ -66,8 +66,9 @@ def greedy_heatmap(res, pair=None, log: bool = True) -> go.Figure:
     fig = heatmap(pair.hidden_relative, labels, res.layer_labels, title, "relative gap", log, x_title="step")
     if pair.first_divergence is not None:
         fig.add_vline(x=pair.first_divergence - 0.5, line_color="#c0392b", line_width=2)
-        fig.add_annotation(x=pair.first_divergence, y=1.02, yref="paper", showarrow=False, text="paths part",
-                           font=dict(color="#c0392b"))
+        fig.add_annotation(x=pair.first_divergence, y=1, yref="paper", yanchor="top", xanchor="left",
+                           showarrow=False, text="paths part", font=dict(color="#c0392b"),
+                           bgcolor="rgba(255,255,255,0.85)")  # inside the plot: the legend row is above it
     return fig
 
 

@@ -20,6 +20,8 @@ PAGES = {"split": {}, "greedy": {"greedy_n": 8}, "dtypes": {}, "padding": {}, "l
 TEXT_JS = """() => {
   const named = 'text.gtitle, .legendtext, .xtitle, .ytitle, .cbtitle text, .annotation-text';
   const box = (el) => el.getBoundingClientRect();
+  const hit = (a, b) => Math.min(a.right, b.right) - Math.max(a.left, b.left) > 2 &&
+                        Math.min(a.bottom, b.bottom) - Math.max(a.top, b.top) > 2;
   const out = [];
   document.querySelectorAll('.js-plotly-plot').forEach((plot, i) => {
     const fb = box(plot);
@@ -34,8 +36,21 @@ TEXT_JS = """() => {
                   box: [r.left - fb.left, r.top - fb.top, r.width, r.height].map(Math.round),
                   figure_size: [Math.round(fb.width), Math.round(fb.height)]});
     }
-    const hit = (a, b) => Math.min(a.right, b.right) - Math.max(a.left, b.left) > 2 &&
-                          Math.min(a.bottom, b.bottom) - Math.max(a.top, b.top) > 2;
+    plot.querySelectorAll('.legend').forEach(lg => {  // a legend clips its entries to its background
+      const bg = lg.querySelector('rect.bg');
+      if (!bg) return;
+      const lb = box(bg);
+      lg.querySelectorAll('.legendtext').forEach(t => {
+        const r = box(t);
+        if (t.textContent.trim() && r.right > lb.right + 1)
+          out.push({figure: title.slice(0, 60), problem: 'cut by its legend', text: t.textContent.slice(0, 60)});
+      });
+      const marks = [...lg.querySelectorAll('.legendpoints, .legendlines, .legendsymbols')];
+      lg.querySelectorAll('.legendtext').forEach(t => marks.forEach(m => {
+        if (!m.closest('.traces').contains(t) && hit(box(t), box(m)))
+          out.push({figure: title.slice(0, 60), problem: 'legend text over another entry', text: t.textContent.slice(0, 60)});
+      }));
+    });
     for (let a = 0; a < texts.length; a++) {
       const ra = box(texts[a]);
       for (let b = a + 1; b < texts.length; b++)

@@ -103,3 +103,35 @@ def test_figure_text_fits_and_does_not_overlap(server, artifacts, presenter):
 
     (artifacts / f"text-fit-{'presenter' if presenter else 'normal'}.json").write_text(json.dumps(problems, indent=1))
     assert not problems, problems
+
+
+def test_titles_wrap_at_their_parts_and_settings_read_as_words():
+    """No browser: the pieces the figures and reports use."""
+    from kvviz.export import shown
+    from kvviz.plotting import wrap_title
+    from kvviz.views.greedy.run import GreedyPath
+
+    t = wrap_title("relative gap: cached vs full forward — bfloat16 on cpu, split 8 (chunk) — bitwise identical: "
+                   "0 everywhere")
+    assert t.split("<br>") == ["relative gap: cached vs full forward —", "bfloat16 on cpu, split 8 (chunk) —",
+                               "bitwise identical: 0 everywhere"]
+    assert wrap_title("Top-2 margin per step — float32 on cpu") == "Top-2 margin per step — float32 on cpu"
+    assert all(len(line) <= 44 for line in wrap_title("Distance from the float64 reference: is the cache path "
+                                                      "further from the truth?").split("<br>"))
+    assert shown((GreedyPath.NO_CACHE, GreedyPath.CACHE)) == "no_cache, cache"
+    assert shown(None) == "not set" and shown(GreedyPath.FLOAT64) == "float64" and shown(3) == "3"
+
+
+def test_greedy_report_writes_paths_as_words_and_legends_without_backticks():
+    import kvviz
+    from kvviz.export import html_report
+    from kvviz.views.greedy import figures
+    from kvviz.views.greedy.run import GreedyConfig, run_greedy
+
+    lm = kvviz.load_model("tiny:llama", "float32", "cpu")
+    res = run_greedy(lm, GreedyConfig("Hello world", 4))
+    page = html_report(res)
+    assert "GreedyPath." not in page and "<td>None</td>" not in page
+    fig = figures.greedy_margins(res)
+    assert fig.data and not any("`" in (t.name or "") for t in fig.data)
+    assert fig.layout.legend.yanchor == "bottom" and fig.layout.legend.y > 1  # above the plot, not over its axis

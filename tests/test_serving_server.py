@@ -105,6 +105,10 @@ def fake_server():
         s.server_close()
 
 
+PREFIX = ("You are a careful assistant. Answer in one short sentence, with no preamble, no lists and no markdown; "
+          "if you do not know, say so plainly. ")  # longer than one of vLLM's 32-token blocks
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -185,7 +189,8 @@ def vllm_server():
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     proc = subprocess.Popen([str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
                              "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-                             "--enable-prefix-caching", "--max-num-seqs", "8", "--enforce-eager"],
+                             "--enable-prefix-caching", "--max-num-seqs", "8", "--enforce-eager",
+                             "--enable-prompt-tokens-details", "--block-size", "32"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 1200
@@ -212,13 +217,16 @@ def vllm_server():
 @pytest.mark.slow
 def test_real_vllm_server_end_to_end(vllm_server, capsys):
     code = main(["serving", "--server", vllm_server, "--model", "default", "--prompts", "builtin:math_and_facts",
-                 "--limit", "3", "--runs", "2", "--max-new-tokens", "8", "--batch-size", "3", "--json", "--no-proof"])
+                 "--limit", "3", "--runs", "2", "--max-new-tokens", "8", "--batch-size", "3", "--json", "--no-proof",
+                 "--prefix", PREFIX])
     out, err = capsys.readouterr()
     assert code == 0, err
     res = json.loads(out)
     res = res.get("result", res)
     assert res["engine"]["name"] == "server" and res["engine"]["token_ids"].startswith("returned by the server")
     assert res["engine"]["probe_gap"] < 0.1  # float32 vs float32: rounding, far below the 1-nat refusal
+    # cold: a salt per request, nothing from the cache; warm: the prefix's full 32-token blocks from the cache
+    assert res["conditions"]["alone"]["cached_tokens"] == 0 and res["conditions"]["warm"]["cached_tokens"] > 0
     judged = [p for p in res["prompts"] if p.get("engine_paths")]
     assert judged and all(v["distance"] <= v["rounding"] for p in judged for v in p["engine_paths"].values())
 

@@ -119,12 +119,13 @@ def plain_index(table) -> bool:
 
 def wrap_title(text: str, most: int = 44) -> str:
     """A long title on lines of at most `most` characters (plotly never wraps one: a narrow column cuts it): broken
-    after its ' — ' parts first (a part stays whole where it fits), a longer part between words."""
+    after its ' — ' and '; ' parts first (a part stays whole where it fits), a longer part between words."""
     if len(text) <= most or "<br>" in text:
         return text
+    import re
+
     lines: list[str] = []
-    for i, part in enumerate(text.split(" — ")):
-        part = part if i == len(text.split(" — ")) - 1 else part + " —"
+    for part in re.split(r"(?<= —) |(?<=;) ", text):  # ' — ' and '; ' end a part
         if lines and len(lines[-1]) + 1 + len(part) <= most:
             lines[-1] += " " + part
             continue

@@ -47,7 +47,9 @@ with left:
     verdict, explanation, fix = dtypes_line(res)  # an identical dtype says why, with the one click that shows a gap
     show_verdict(verdict, explanation)
     if fix:
-        st.button("Cache half, feed the rest token by token (shows the 16-bit gaps)", key="dtypes_show_gap",
+        st.button("Cache half, rest token by token", key="dtypes_show_gap",
+                  help="Cache half the prompt and feed the rest one token at a time: many 1-row products, where "
+                       "16-bit roundings part",
                   on_click=st.session_state.update, icon=":material/visibility:", type="primary",
                   kwargs={"dtypes_split": "half", "dtypes_mode": "step"})
     counts = res.verdict_counts()

@@ -66,10 +66,10 @@ with left:
             from pages.state import start_scenario
 
             tie = next(p for p in PRESETS if p.key == "tie")
-            st.button(f"Show a near tie that flips on any machine (scenario: {tie.model} in {tie.dtype})",
+            st.button("Show a near tie (flips on any machine)",
                       key="greedy_show_tie", icon=":material/visibility:", type="primary",
                       on_click=start_scenario, args=(tie, preset_state(tie)),
-                      help=f"{tie.what} Used on this page only: another page, another model or Reset to defaults "
+                      help=f"A scenario: {tie.model} in {tie.dtype}. {tie.what} Used on this page only: another page, another model or Reset to defaults "
                            "brings back the defaults.")
     else:
         first = min(parting, key=lambda p: p.first_divergence)
@@ -82,7 +82,7 @@ with right:
 pair_names = [f"{p.a} vs {p.b}" for p in res.pairs]
 primary = greedy_figures.primary_pair(res)
 sel = st.selectbox("Hidden-state heatmap for", pair_names, index=res.pairs.index(primary), key="greedy_pair")
-log = st.toggle("Log colour scale", True, key="greedy_log")
+log = st.toggle("Log colours", True, key="greedy_log", help="Colour the gaps on a log scale")
 st.plotly_chart(greedy_figures.greedy_heatmap(res, res.pairs[pair_names.index(sel)], log), width="stretch",
                 key="greedy_heatmap")
 with st.expander("A/B: this decoding against one other setting, on one colour scale"):

@@ -124,7 +124,7 @@ with right:
     metric = v1.selectbox("Metric", list(HIDDEN_METRICS), index=2, key="split_metric",
                           format_func=plotting.METRIC_TITLES.get,
                           help="; ".join(f"{plotting.METRIC_TITLES[k]}: {v}" for k, v in HIDDEN_METRICS.items()))
-    log = v2.toggle("Log colour scale", True, key="split_log")
+    log = v2.toggle("Log colours", True, key="split_log", help="Colour the gaps on a log scale")
     chart_box.plotly_chart(split_figures.split_heatmap(res, metric, log), width="stretch", key="split_heatmap")
 st.plotly_chart(split_figures.layer_lines(res, metric, log), width="stretch", key="split_lines")
 

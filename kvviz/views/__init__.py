@@ -77,6 +77,8 @@ class Page:
     url_path: str = ""  # its URL path in the app: the view's folder, set by register()
     url_aliases: tuple[str, ...] = ()  # older URL paths of the page that still open it (app.py sends them on)
     defaults: dict = field(default_factory=dict, compare=False)  # its controls' default values (pages/defaults.py)
+    starts_engine: bool = False  # its run button starts an engine's own process (vLLM): its first screen runs
+    # nothing, and the pages bench and seam checks leave it to its own tests
 
 
 @dataclass(frozen=True)

@@ -10,5 +10,5 @@ from .run import EngineLayersConfig, EngineLayersResult, run_engine_layers  # no
 # memory: kvviz runs two no-cache forwards of the prompt (the float64 reference and its own run in the engine's
 # dtype), every hidden state kept (they go to the worker as a file); the engine's memory is its own process's
 VIEW = View("engine_layers", "Engine layers", "EngineLayersResult", "report:reopen", "figures:main", "report:verdict",
-            tables="figures:tables", cli="cli", page=Page("engine_layers", "Engine", ":material/layers:"),
+            tables="figures:tables", cli="cli", page=Page("engine_layers", "Engine", ":material/layers:", starts_engine=True),
             memory=MemoryProfile(forwards=3, streamed_hidden=False))

@@ -62,7 +62,7 @@ _FULL_FORWARD = (GreedyPath.NO_CACHE, GreedyPath.FLOAT64)  # the paths that run 
 MAX_NEW_TOKENS = 1024
 PATH_LABELS = {
     GreedyPath.NO_CACHE: "no cache (full forward each step)",
-    GreedyPath.CACHE: "cache (cache=, past_key_values= before transformers 5.24)",
+    GreedyPath.CACHE: "cache (the cache passed back each step)",
     GreedyPath.GENERATE: "model.generate",
     GreedyPath.USER_LOOP: "the loop people write (no mask or positions after the prompt)",
     GreedyPath.FLOAT64: "float64 reference (no cache)",

@@ -104,6 +104,26 @@ def label(verdict: str, proved: bool | None = None) -> str:
     return f"precision ({proof_state(proved)})"
 
 
+_HEADLINES = {
+    Verdict.IDENTICAL: "Bit for bit the same both ways.",
+    Verdict.LOGIC: "The two paths compute different things: a gap float64 does not close.",
+    Verdict.LOSSY: "Different numbers by design (a quantized cache or weights).",
+    Verdict.NONDETERMINISTIC: "Repeats of the very same run differ.",
+}
+UNKNOWN = object()  # `headline`'s proof state when the caller does not know it
+
+
+def headline(verdict, proved=UNKNOWN) -> str:
+    """The verdict in one sentence, for a room (presenter mode): from the verdict and its proof state, never cut
+    out of an explanation's text."""
+    if verdict == Verdict.PRECISION:
+        if proved is UNKNOWN:
+            return "Precision: the gap closes in float64."
+        return {True: f"{ROUNDING_NOT_A_BUG} - proved.", None: f"{ROUNDING_NOT_A_BUG} by the numbers (not proved).",
+                False: "Precision, unproved: a gap survives invariant mode."}[proved]
+    return _HEADLINES.get(verdict, f"{str(verdict).capitalize()}.")
+
+
 def precision_sentence(float64_gap: float, proved: bool | None, invariant_gap: float | None = None,
                        first: Finding | None = None, normal_gap: float | None = None) -> str:
     """The one sentence that says why a precision verdict is (or is not yet shown to be) rounding."""

@@ -13,7 +13,7 @@ import streamlit as st
 
 import kvviz
 from kvviz.execution import ExecSettings
-from kvviz.verdict import worst
+from kvviz.verdict import UNKNOWN, headline, worst
 from pages.devices import devices_control, placement_caption, placement_kwargs
 from pages.runner import progress_bar, show_error
 from pages.state import (PREFIX_OF_PAGE, SIDEBAR_DEFAULTS, copy_link, fall_back_outside, reset_to_defaults, restore,
@@ -273,14 +273,14 @@ def verdict_style(verdict: str) -> str | None:
 
 
 def show_verdict(verdict: str, explanation: str, proof: str | None = None, style: str | None = None,
-                 proof_in_explanation: bool = False) -> None:
+                 proof_in_explanation: bool = False, proved=UNKNOWN) -> None:
     """The verdict box; style: the class whose colour it takes (default: the verdict itself; "info": neutral);
     proof_in_explanation: the result says its explanation already states what the proof found (a precision verdict's
-    proof state), so the proof line is not repeated below it."""
+    proof state), so the proof line is not repeated below it; proved: the proof's state (True, False, None: not run)
+    where the page knows it, for presenter mode's headline."""
     box = {**VERDICT_STYLE, "info": st.info}.get(style or verdict, st.warning)
     if st.session_state.get("presenter"):  # for a room: the headline, the whole text one click away
-        head = explanation.split(". ")[0].rstrip(".") + "."
-        box(f"**Verdict: {verdict}.** {head}")
+        box(f"**Verdict: {verdict}.** {headline(verdict, proved)}")
         with st.expander("Why (the evidence)"):
             st.markdown(explanation + (f"\n\n🔒 {proof}" if proof else ""))
         show_notes()

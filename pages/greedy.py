@@ -73,7 +73,8 @@ with left:
                            "brings back the defaults.")
     else:
         first = min(parting, key=lambda p: p.first_divergence)
-        show_verdict(first.verdict, first.explanation, first.proof, proof_in_explanation=first.proof_in_explanation)
+        show_verdict(first.verdict, first.explanation, first.proof, proof_in_explanation=first.proof_in_explanation,
+                     proved=first.proved)
     st.markdown(greedy_figures.texts_html(res), unsafe_allow_html=True)
     if res.settings.fast:
         st.caption("⚡ Fast preview: hollow markers are steps not settled (margin within the measured gap).")

@@ -65,7 +65,8 @@ verdict, text = serving_report.verdict(res)
 parting = [p for p in res.prompts if p.first_divergence is not None]
 if parting:
     first = min(parting, key=lambda p: p.first_divergence)
-    show_verdict(first.verdict or "logic", res.summary_line() + ". " + (first.explanation or ""), first.proof)
+    show_verdict(first.verdict or "logic", res.summary_line() + ". " + (first.explanation or ""), first.proof,
+                 proved=first.proved)
 else:
     why, fix = serving_why(res)  # an identical first screen says why, with the one click that shows a parting
     show_verdict("identical", text + (f" {why}" if why else ""))

@@ -78,7 +78,7 @@ left, right = verdict_and_chart()
 with left:
     why, fix = split_identical_why(res, choice.invariant)  # an identical first screen says why, with one click
     show_verdict(res.verdict, res.explanation + (f" {why}" if why else ""), res.proof,
-                 proof_in_explanation=res.proof_in_explanation)
+                 proof_in_explanation=res.proof_in_explanation, proved=res.proved)
     if fix:
         st.button({"step": "Feed the rest token by token (shows the gap)",
                    "bfloat16": "Switch to bfloat16 (shows the gap)"}[fix], key="split_show_gap",

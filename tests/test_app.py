@@ -640,3 +640,15 @@ def test_home_prepares_the_meeting_with_its_button():
     assert "2 result(s) ready" in alerts(at) and "error" not in alerts(at).lower()
     assert sorted(f.name for f in out.glob("*.json")) == ["bidirectional.json", "layers.json"]
     assert (out / "meeting.html").read_text().count("<section") == 2
+
+
+def test_presenter_mode_headlines_the_verdict_from_its_proof_state():
+    """Presenter mode shows the verdict in one sentence written from the result's verdict and proof state (the whole
+    explanation one click away), on a split that parts in bfloat16 and is proved."""
+    from kvviz.verdict import headline
+
+    at = start("pages/split.py", model="tiny:llama", presenter=True, dtype="bfloat16")
+    box = alerts(at)
+    assert "Verdict: precision." in box, box
+    assert headline("precision", True) in box, box
+    assert not at.exception

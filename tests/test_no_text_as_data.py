@@ -136,3 +136,23 @@ def test_the_verdict_box_drops_the_proof_line_on_the_results_flag_not_its_words(
         assert not at.exception, at.exception
         text = " ".join(e.value for e in at.info)
         assert "Verdict: precision" in text and ("PROOF LINE" in text) is shown, text
+
+
+def test_presenter_headline_comes_from_the_verdict_and_proof_state_not_from_the_text():
+    """Presenter mode's one-sentence verdict is written from (verdict, proved), never cut out of the explanation
+    (it was `explanation.split(". ")[0]`: an explanation starting "max |Δ| 1.5e-05. …" headlined as a number)."""
+    from kvviz.verdict import ROUNDING_NOT_A_BUG, UNKNOWN, Verdict, headline
+
+    src = (ROOT / "pages" / "common.py").read_text()
+    tree = ast.parse(src)
+    fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "show_verdict")
+    cuts = [n.lineno for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+            and isinstance(n.func.value, ast.Name) and n.func.value.id == "explanation" and n.func.attr in STRING_TESTS]
+    assert cuts == []
+    assert headline(Verdict.PRECISION, True) == f"{ROUNDING_NOT_A_BUG} - proved."
+    assert "not proved" in headline(Verdict.PRECISION, None)
+    assert headline(Verdict.PRECISION, False).startswith("Precision, unproved")
+    assert headline(Verdict.PRECISION, UNKNOWN) == "Precision: the gap closes in float64."
+    words = {headline(v) for v in Verdict}
+    assert len(words) == len(Verdict)  # one sentence a verdict, none empty
+    assert all(w.endswith(".") and len(w) < 80 for w in words)

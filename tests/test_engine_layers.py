@@ -324,14 +324,9 @@ def test_vllm_batch_vs_alone_and_tensor_parallel_3_float32():
 def test_the_page_opens_without_starting_an_engine():
     """The Engine layers page (in the navigation's Engine section) draws its controls and waits for its button: an
     engine run takes minutes, so the first screen starts nothing; where vLLM is absent it says so in one line."""
-    from streamlit.testing.v1 import AppTest
+    from test_app import start
 
-    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=600)
-    at.session_state["model_preset"] = "tiny:llama"
-    at.run()
-    at.switch_page("pages/engine_layers.py")
-    at.run()
-    assert not at.exception, at.exception
+    at = start("pages/engine_layers.py", model="tiny:llama")
     assert at.title[0].value == "Engine layers"
     assert at.selectbox(key="engine_layers_pair").value == "warm"
     texts = [i.value for i in at.info]

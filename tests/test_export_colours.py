@@ -79,7 +79,7 @@ def test_the_report_downloaded_from_a_page_has_no_placeholder_colour(monkeypatch
     """The split page rendered by AppTest (its charts drawn with Streamlit's theme), then its Report (HTML) download
     made by the page's own callable (pages/exporting.py)."""
     from streamlit.elements.widgets import button
-    from streamlit.testing.v1 import AppTest
+    from test_app import start
 
     written = {}
     real = button.marshall_file
@@ -90,12 +90,7 @@ def test_the_report_downloaded_from_a_page_has_no_placeholder_colour(monkeypatch
         return real(coordinates, data, proto, mimetype, file_name, **kw)
 
     monkeypatch.setattr(button, "marshall_file", capture)
-    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
-    at.session_state["model_preset"] = "tiny:llama"
-    at.run()
-    at.switch_page("pages/split.py")
-    at.run()
-    assert not at.exception, at.exception
+    at = start("pages/split.py", model="tiny:llama")
     assert len(at.get("plotly_chart")) == 2 and pio.templates.default == "streamlit"
     page = written["kvviz-split.html"]
     assert "Verdict:" in page and page.count('class="plotly-graph-div"') == 2

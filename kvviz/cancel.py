@@ -39,6 +39,11 @@ class Token:
             self._event.set()
 
     @property
+    def is_set(self) -> bool:
+        """Cancelled already (the page's probe not asked: cheap enough to test on every torch op)."""
+        return self._event.is_set()
+
+    @property
     def cancelled(self) -> bool:
         if not self._event.is_set() and self.probe is not None:
             try:
@@ -136,7 +141,7 @@ def op_checks() -> Iterator[None]:
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
             self.calls += 1
-            if token._event.is_set() or (self.calls % 64 == 0 and token.cancelled):
+            if token.is_set or (self.calls % 64 == 0 and token.cancelled):
                 raise Cancelled(token.why or "stopped")
             return func(*args, **(kwargs or {}))
 

@@ -12,7 +12,15 @@ Entries:
   (`_CAN_RECORD_REGISTRY`, `maybe_install_capturing_hooks`);
 - GGUF/checkpoint conversion mapping (`transformers.conversion_mapping`, `transformers.core_model_loading`);
 - continuous batching: the manager's generation loop and its batch processor factory;
-- cache layer state: the fields a cache layer holds its keys/values in (`keys`, `values`, `is_initialized`).
+- cache layer state: the fields a cache layer holds its keys/values in (`keys`, `values`, `is_initialized`);
+- the attention kernel a loaded model runs (`config._attn_implementation`);
+- torch's grouped matmul before it was public (`torch._grouped_mm`) and an op's qualified name (`_qualified_op_name`);
+- the model modules transformers has imported (`sys.modules["transformers.models.*"]`), for invariant mode's scans;
+- optimum-quanto's compiled extension handle (`Extension._lib`);
+- Streamlit's script-run requests (`ScriptRequests._state`, `_rerun_data`): has the page asked this run to stop.
+
+Outside this module a foreign object's private attribute is read only in a function named `compat_*` of code that
+runs without kvviz (the engines' workers, standalone repro scripts); tests/test_compat.py walks the AST for it.
 """
 from __future__ import annotations
 
@@ -405,3 +413,42 @@ def continuous_batching_config_classes():
     except ImportError as e:
         raise incompatible("the Serving study (continuous batching)", f"its configuration moved ({e})") from None
     return ContinuousBatchingConfig, WorkloadHints
+
+
+def attention_implementation(model) -> str | None:
+    """The attention kernel a loaded model runs ("sdpa", "eager", ...): transformers keeps it in its config."""
+    return getattr(model.config, "_attn_implementation", None)
+
+
+def grouped_mm_functions() -> tuple:
+    """torch's grouped matmul(s) a MoE forward may call: `torch.nn.functional.grouped_mm` and the older private op."""
+    return tuple(f for f in (getattr(torch.nn.functional, "grouped_mm", None), getattr(torch, "_grouped_mm", None))
+                 if f is not None)
+
+
+def op_qualified_name(func) -> str:
+    """A torch op's qualified name ("aten::..." or a library's "ns::op"), "" for a plain function."""
+    return str(getattr(func, "_qualified_op_name", ""))
+
+
+def transformers_model_modules():
+    """(name, module) of every transformers model module imported so far (the modeling code kvviz may wrap)."""
+    import sys
+
+    return [(name, mod) for name, mod in list(sys.modules.items())
+            if name.startswith("transformers.models.") and mod is not None]
+
+
+def extension_lib(ext):
+    """optimum-quanto's loaded extension library (None: not built/loaded yet)."""
+    return ext._lib
+
+
+def set_extension_lib(ext, lib) -> None:
+    ext._lib = lib
+
+
+def script_request_state(requests) -> tuple[str, object]:
+    """Streamlit's pending request for a script run: ("CONTINUE" | "STOP" | "RERUN", the rerun's data or None)."""
+    state = getattr(getattr(requests, "_state", None), "name", "CONTINUE")
+    return state, getattr(requests, "_rerun_data", None)

@@ -118,7 +118,7 @@ class ExecSettings:
     invariant: bool = False
 
     def __post_init__(self) -> None:
-        if self.cache in CacheKind._value2member_map_:  # a word from JSON or a flag becomes its kind
+        if self.cache in {k.value for k in CacheKind}:  # a word from JSON or a flag becomes its kind
             object.__setattr__(self, "cache", CacheKind(self.cache))
 
     def validate(self) -> "ExecSettings":

@@ -55,6 +55,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from . import compat
+
 _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm, torch.mm,
             torch.Tensor.mm}
 _SOFTMAXES = {torch.softmax, F.softmax, torch.Tensor.softmax, torch.nn.functional.softmax}
@@ -122,7 +124,7 @@ def rowwise_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out
 
 
-_GROUPED = tuple(f for f in (getattr(F, "grouped_mm", None), getattr(torch, "_grouped_mm", None)) if f is not None)
+_GROUPED = compat.grouped_mm_functions()
 
 
 def _acc_dtype(device: torch.device, wide: torch.dtype) -> torch.dtype:
@@ -1037,7 +1039,7 @@ class InvariantMode(TorchFunctionMode):
             return fast_matmul(*args)
         if func in _MATMULS and len(args) == 2 and set(kwargs) == {"out"}:  # transformers' grouped_mm fallback
             return kwargs["out"].copy_(fast_matmul(*args))
-        if func in _GROUPED or "grouped_mm_fallback" in str(getattr(func, "_qualified_op_name", "")):
+        if func in _GROUPED or "grouped_mm_fallback" in compat.op_qualified_name(func):
             return rowwise_grouped_mm(*args, **kwargs)
         if func in (torch.logsumexp, torch.Tensor.logsumexp) and args[0].is_floating_point():
             x = args[0]
@@ -1073,12 +1075,8 @@ _SWAP_LOCK = threading.Lock()
 def _swap_scans() -> None:
     """Route each loaded transformers modeling module's chunked scan to its recurrence while invariant mode is on in
     the calling thread (elsewhere the wrapper calls the original: other threads and normal runs are unchanged)."""
-    import sys
-
     with _SWAP_LOCK:
-        for name, mod in list(sys.modules.items()):
-            if not name.startswith("transformers.models.") or mod is None:
-                continue
+        for name, mod in compat.transformers_model_modules():
             for chunked, recurrent in _SCANS:
                 orig, rec = getattr(mod, chunked, None), getattr(mod, recurrent, None)
                 if orig is None or rec is None or (name, chunked) in _SWAPPED:

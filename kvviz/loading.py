@@ -26,6 +26,7 @@ from typing import Callable
 
 import torch
 
+from . import compat
 from .dtypes import check_attention_dtype, dtype_name, float64_device, parse_dtype, resolve_device, supports_dtype
 from .errors import KvvizError, first_line
 from .float64 import keep_float64
@@ -606,7 +607,7 @@ def _load(ms: ModelSpec, dt: torch.dtype, dev: torch.device, attn: str, trust_re
         notes.append("the tokenizer has no pad token: kvviz pads with the EOS token (masked out)")
     progress(1.0, "Model ready")
     lm = LoadedModel(spec=ms, model=model, tokenizer=tok, dtype=dt,
-                     device=dev, attn_requested=attn, attn_implementation=model.config._attn_implementation,
+                     device=dev, attn_requested=attn, attn_implementation=compat.attention_implementation(model),
                      description=description, source=source, trust_remote_code=bool(trust_remote_code),
                      warnings=notes, placement=place, asked_device=requested)
     return lm

@@ -40,6 +40,7 @@ import threading
 import time
 from typing import Callable
 
+from .compat import extension_lib, set_extension_lib
 from .errors import KvvizError
 
 Progress = Callable[[float, str], None]
@@ -120,10 +121,10 @@ def prepare(device=None, progress: Progress | None = None) -> str | None:
             if ext is None:
                 _PREPARED.add(name)
                 continue
-            if ext._lib is None:
+            if extension_lib(ext) is None:
                 _redirect(ext)
                 if name == CPP and cpp_mode() == "pytorch":
-                    ext._lib = _PyTorchUnpack()
+                    set_extension_lib(ext, _PyTorchUnpack())
                     notes.append("optimum-quanto's CPU unpack runs in PyTorch (nothing compiled)")
                 else:
                     load_bounded(ext, build_timeout(name), progress)
@@ -281,7 +282,7 @@ def load_bounded(ext, limit: float, progress: Progress | None = None) -> None:
     except ImportError as e:
         raise KvvizError(f"optimum-quanto's {ext.name} extension at {path} does not load: "
                          f"{str(e).splitlines()[0][:160]}") from None
-    ext._lib = module
+    set_extension_lib(ext, module)
 
 
 def session_members(sid: int) -> list[int]:

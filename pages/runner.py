@@ -12,6 +12,7 @@ import time
 import streamlit as st
 
 from kvviz import cancel
+from kvviz.compat import script_request_state
 from kvviz.errors import OUT_OF_MEMORY_HINT, KvvizError, first_line, free_memory, is_out_of_memory
 
 def page_message():
@@ -242,12 +243,11 @@ def _page_probe():
         return None
 
     def asked() -> bool:
-        state = getattr(getattr(requests, "_state", None), "name", "CONTINUE")
+        state, data = script_request_state(requests)
         if state == "STOP":
             return True
         if state != "RERUN":
             return False
-        data = getattr(requests, "_rerun_data", None)
         if getattr(data, "fragment_id", None) and not getattr(data, "is_fragment_scoped_rerun", False):
             return False  # a fragment's rerun waits for this run: it does not interrupt it
         return True

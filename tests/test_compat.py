@@ -313,3 +313,67 @@ def test_the_output_recorder_installs_once_before_the_streams_hooks(arch, first)
     want = [b + (compat.OUTPUT_COLLECTOR is not None) for b in before]
     assert [len(layer._forward_hooks) for layer in layers] == want, \
         moved("the output recorder's hooks were installed twice (by kvviz and by a forward recording hidden states)")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The seam complete (issue 40 item 5): no foreign private attribute outside compat, by the AST (not a list of names)
+# ------------------------------------------------------------------------------------------------------------------
+ALLOWED_PRIVATE = {"os._exit"}  # documented API: a child process leaves without running its parent's clean-ups
+
+
+def foreign_private_access(path: Path) -> list[str]:
+    """`obj._name` (and getattr/setattr/hasattr(obj, "_name")) in `path` where obj is neither self/cls nor something
+    the file imported from kvviz/pages/bench, outside functions named `compat_*` (code that runs without kvviz: the
+    engines' workers, standalone repro scripts). `_kvviz*` names are kvviz's own markers on foreign objects."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    own = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ImportFrom) and (n.level > 0 or (n.module or "").startswith(("kvviz", "pages", "bench"))):
+            own |= {a.asname or a.name for a in n.names}
+        elif isinstance(n, ast.Import):
+            own |= {(a.asname or a.name).split(".")[0] for a in n.names if a.name.startswith(("kvviz", "pages", "bench"))}
+    exempt = {id(m) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+              and f.name.startswith("compat_") for m in ast.walk(f)}
+
+    def private(name) -> bool:
+        return isinstance(name, str) and name.startswith("_") and not name.startswith(("__", "_kvviz"))
+
+    def root(node):
+        while isinstance(node, ast.Attribute):
+            node = node.value
+        return node.id if isinstance(node, ast.Name) else None
+
+    hits = []
+    for n in ast.walk(tree):
+        if id(n) in exempt:
+            continue
+        if isinstance(n, ast.Attribute) and private(n.attr):
+            text = ast.unparse(n)
+            if root(n.value) not in {"self", "cls"} | own and text not in ALLOWED_PRIVATE:
+                hits.append(f"{path.relative_to(ROOT)}:{n.lineno}: {text}")
+        elif (isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in {"getattr", "setattr", "hasattr"}
+              and len(n.args) >= 2 and isinstance(n.args[1], ast.Constant) and private(n.args[1].value)
+              and root(n.args[0]) not in {"self", "cls"} | own):
+            hits.append(f"{path.relative_to(ROOT)}:{n.lineno}: {ast.unparse(n)}")
+    return hits
+
+
+def test_no_foreign_private_attribute_outside_the_compat_module(tmp_path):
+    files = [p for d in ("kvviz", "pages", "bench") for p in (ROOT / d).rglob("*.py")] + [ROOT / "app.py"]
+    hits = [h for p in sorted(files) if p != ROOT / "kvviz" / "compat.py" for h in foreign_private_access(p)]
+    assert hits == [], "private attributes of foreign objects outside kvviz/compat.py:\n" + "\n".join(hits)
+    # the scan finds what it must: a private field of a foreign object, also through getattr, not in compat_* code
+    probe = tmp_path / "probe.py"
+    probe.write_text("import torch\nfrom kvviz import cancel\n"
+                     "def f(model, tok):\n    a = model.config._attn_implementation\n"
+                     "    b = getattr(torch, '_grouped_mm', None)\n    c = cancel._helper\n    return self_ok(tok)\n"
+                     "def compat_ctx(llm):\n    return llm._ctx\n")
+    probe = probe.rename(ROOT / "bench" / f"_probe_{tmp_path.name}.py")
+    try:
+        found = foreign_private_access(probe)
+    finally:
+        probe.unlink()
+    assert [h.split(": ", 1)[1] for h in found] == ["model.config._attn_implementation",
+                                                     "getattr(torch, '_grouped_mm', None)"]

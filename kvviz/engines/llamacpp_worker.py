@@ -21,6 +21,16 @@ import time
 from worker_loop import serve  # beside this file (a worker runs without kvviz)
 
 
+def compat_context(llm):
+    """llama-cpp-python's low-level context of a Llama (its logits, KV cells): a private field, read only here."""
+    return llm._ctx
+
+
+def compat_model(llm):
+    """llama-cpp-python's low-level model of a Llama (to open a second context on the same weights)."""
+    return llm._model
+
+
 class Worker:
     def __init__(self):
         self.llm = None
@@ -66,7 +76,7 @@ class Worker:
     def _logits(self, ctx=None, i=-1):
         import numpy as np
 
-        ptr = (ctx or self.llm._ctx).get_logits_ith(i)
+        ptr = (ctx or compat_context(self.llm)).get_logits_ith(i)
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).astype(np.float64)
 
     def _step(self, x, k):
@@ -90,7 +100,7 @@ class Worker:
         params = type(base).from_buffer_copy(base)
         params.n_seq_max = n_seq
         params.kv_unified = True
-        self._bctx = internals.LlamaContext(model=self.llm._model, params=params, verbose=False)
+        self._bctx = internals.LlamaContext(model=compat_model(self.llm), params=params, verbose=False)
         self._bbatch = internals.LlamaBatch(n_tokens=self.llm.n_batch, embd=0, n_seq_max=1, verbose=False)
         self._bseqs = n_seq
         if llama_cpp.llama_n_seq_max(self._bctx.ctx) < n_seq:
@@ -159,12 +169,12 @@ class Worker:
                 if a != b:
                     break
                 keep += 1
-        if keep > 0 and llm._ctx.kv_cache_seq_rm(-1, keep, -1):
+        if keep > 0 and compat_context(llm).kv_cache_seq_rm(-1, keep, -1):
             llm.n_tokens = keep
         else:
             keep = 0
             llm.reset()
-            llm._ctx.kv_cache_clear()
+            compat_context(llm).kv_cache_clear()
         llm.eval(ids[keep:])
         return keep
 

@@ -36,7 +36,7 @@ def quantized_cache(model):
                           q_group_size=group)
 
 
-def quanto_unpack_in_pytorch():
+def compat_quanto_unpack_in_pytorch():
     """optimum-quanto compiles a C++ extension at first use (and waits on its build's lock file) for one CPU
     kernel, unpack; the same masks and shifts in PyTorch give the same bytes, so this script compiles nothing."""
     try:
@@ -57,7 +57,7 @@ def quanto_unpack_in_pytorch():
 
 
 if WEIGHTS is not None or (KV is not None and KV[0] == "quanto"):
-    quanto_unpack_in_pytorch()
+    compat_quanto_unpack_in_pytorch()
 model = load(DTYPE)
 with torch.no_grad():
     ref_toks, ref_logits = decode_with(model, None)

@@ -169,7 +169,7 @@ class TransformersEngine:
                                       scheduler_type="fifo", max_blocks_per_request=0)
         hints = WorkloadHints(max_prompt_length=max(len(r.ids) for r in requests),
                               max_generated_length=gc.max_new_tokens, num_requests=len(requests))
-        original_attn = model.config._attn_implementation
+        original_attn = compat.attention_implementation(model)
         modes = _thread_modes()
         if lm.dtype == torch.float64:  # the engine casts its logits with .float(): keep float64 a float64 run
             from ...float64 import KeepFloat64
@@ -209,7 +209,7 @@ class TransformersEngine:
                     manager.stop(block=True, timeout=60)
                     manager.destroy()
             finally:
-                if model.config._attn_implementation != original_attn:
+                if compat.attention_implementation(model) != original_attn:
                     model.set_attn_implementation(original_attn)
                 _gc.unfreeze()
         seconds = time.perf_counter() - t0

@@ -63,7 +63,7 @@ TINY_CONSTRUCTED: dict[str, str] = {"tie": "llama", "split": "llama"}
 TINY_MODELS = TINY_ARCHS + tuple(TINY_CONSTRUCTED)
 
 # Sweep regressions: architectures where the architecture sweep (kvviz.archsweep) found a problem in kvviz, each
-# built by the sweep's own config builder (kvviz.archconfig) and loadable as tiny:<name>; tests/test_sweep_regressions.py
+# built by the sweep's own config builder (kvviz.archconfig) and loadable as tiny:<name>; tests/test_architecture_families.py
 # fails if the problem comes back. Not in TINY_ARCHS (the per-architecture test matrix) nor the app's model list.
 TINY_SWEEP: dict[str, str] = {
     "mamba": "mamba",  # a state-space cache (cache_params, linear-attention layers only): no past_key_values

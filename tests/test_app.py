@@ -652,3 +652,53 @@ def test_presenter_mode_headlines_the_verdict_from_its_proof_state():
     assert "Verdict: precision." in box, box
     assert headline("precision", True) in box, box
     assert not at.exception
+
+
+@pytest.mark.app
+def test_prove_it_is_rounding_shows_the_normal_runs_gap_beside():
+    from streamlit.testing.v1 import AppTest
+
+    from conftest import ROOT
+
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=180)
+    at.run()
+    at.button(key="preset_proof").click().run()
+    at.run()
+    assert not at.exception
+    labels = {m.label: m.value for m in at.metric}
+    assert "max |Δ|, normal run (absolute)" in labels and labels["max |Δ|, invariant mode (absolute)"] == "0"
+    assert float(labels["max |Δ|, normal run (absolute)"]) > 0
+
+
+@pytest.mark.app
+def test_a_split_typed_past_the_prompt_shows_the_split_the_run_uses():
+    from test_app import start
+
+    at = start("pages/split.py", model="tiny:llama")
+    box = at.number_input(key="split_k_typed")
+    hi = int(at.slider(key="split_k_slider").max)
+    assert box.max is None  # a browser keeps an out-of-range number in a box with a max (flagged, never sent)
+    box.set_value(999).run()
+    assert not at.exception
+    assert at.number_input(key="split_k_typed").value == hi and at.slider(key="split_k_slider").value == hi
+    assert f"{hi} cached" in " ".join(c.value for c in at.caption)
+    assert f"k = 999 is outside 1–{hi}: using {hi}." in " ".join(c.value for c in at.caption)
+    at.number_input(key="split_k_typed").set_value(0).run()
+    assert at.slider(key="split_k_slider").value == 1 and "k = 0 is outside" in " ".join(c.value for c in at.caption)
+
+
+@pytest.mark.app
+def test_greedy_page_ab_without_both_paths_says_what_to_do():
+    from streamlit.testing.v1 import AppTest
+
+    from conftest import ROOT
+
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=240)
+    at.session_state["model_preset"] = "tiny:llama"
+    at.session_state["greedy_n"] = 3
+    at.session_state["greedy_paths"] = ["no_cache", "generate"]
+    at.run()
+    at.switch_page("pages/greedy.py").run()
+    assert not at.exception, at.exception
+    assert not at.error, [e.value for e in at.error]
+    assert any("choose both paths" in i.value for i in at.info)

@@ -25,6 +25,8 @@ from kvviz.repro import key_figure, repro_script
 from kvviz.views.reuse.run import run_reuse
 
 from conftest import DEVICE, PROMPT, QUANTO
+import dataclasses
+from kvviz.views.split.run import SplitConfig, run_split
 
 
 @pytest.fixture(scope="module")
@@ -339,3 +341,13 @@ def test_a_result_with_its_memory_plan_reopens_for_every_view_type(tmp_path, cap
     assert "memory_plan" in d
     opened = open_result(out.read_bytes())
     assert opened.view == "loading_trap" and opened.header["memory_plan"] == d["memory_plan"]
+
+
+@pytest.mark.parametrize("model", [r"C:\Users\ana\models\llama", 'odd """ name\nwith a line break\\'])
+def test_a_repro_script_compiles_whatever_the_model_spec(model):
+    lm = kvviz.load_model("tiny:llama", "float32", DEVICE)
+    res = run_split(lm, SplitConfig(PROMPT, split=5))
+    res.settings = dataclasses.replace(res.settings, model=model)
+    script = repro_script(res, lm)
+    compile(script, "kvviz_repro.py", "exec")  # a SyntaxError here is the defect
+    assert script.startswith("# kvviz repro: split of C:") or "odd" in script.splitlines()[0]

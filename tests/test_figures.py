@@ -196,3 +196,14 @@ def test_a_dtype_line_hidden_under_another_says_so():
     res.dtypes = ["float64", "float16", "bfloat16"]
     names = [t.name for t in dtypes_figures.dtype_curves(res).data]
     assert names == ["float64", "float16 (= bfloat16, under it)", "bfloat16"]
+
+
+def test_the_tie_hover_names_both_tokens():
+    from kvviz.views.greedy import figures
+
+    lm = kvviz.load_model("tiny:tie", "bfloat16", DEVICE)
+    res = run_greedy(lm, GreedyConfig("Once upon a time", 3, paths=("no_cache", "cache")), prove=False)
+    fig = figures.greedy_margins(res)
+    for trace in fig.data:
+        assert "!r" not in trace.hovertemplate  # plotly has no !r: it drew "chose - over -"
+        assert all(c[0].startswith(("'", '"')) and c[1].startswith(("'", '"')) for c in trace.customdata)

@@ -77,3 +77,13 @@ def test_the_sliding_window_scenario_prepares(tmp_path):
 def test_an_unknown_scenario_is_one_clear_line(tmp_path):
     with pytest.raises(KvvizError, match="unknown scenario nope"):
         prepare(["nope"], tmp_path)
+
+
+def test_the_guide_counts_its_reports():
+    from conftest import ROOT
+
+    guide = (ROOT / "docs" / "guide.md").read_text()
+    rows = [line for line in guide.split("## The numbers")[0].splitlines() if line.startswith("| ")
+            and not line.startswith("| report")]
+    words = {5: "five", 6: "six", 7: "seven"}
+    assert f"made from {words[len(rows)]} public reports" in guide, len(rows)

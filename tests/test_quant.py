@@ -14,6 +14,7 @@ from kvviz.export import export_json, html_report, open_result
 from kvviz.views.quant.run import QuantConfig, parse_kv, quantize_weights, run_quant
 
 from conftest import DEVICE, HQQ, QUANTO
+from kvviz.views.quant.run import check_feasible
 
 PROMPT = "The museum guard knew every painting in the building"
 
@@ -215,3 +216,45 @@ def test_quantized_cache_kinds_on_the_seam_and_progress_per_token(llama):
     fractions = [f for f, _ in seen]
     assert fractions == sorted(fractions) and fractions[-1] == 1.0
     assert sum(m.endswith(" of 3") for _, m in seen) == 9  # three passes of three tokens
+
+
+@pytest.mark.parametrize("arch,kv,weights,dtype,message", [
+    pytest.param("gemma2", "quanto:int4", "none", "float32", "only full attention", marks=QUANTO),  # QuantizedCache refuses sliding layers
+    ("mistral", "fp8", "none", "float32", "only full attention"),
+    pytest.param("llama", "none", "int8", "float64", "not float64", marks=QUANTO),
+    ("llama", "none", "bnb-nf4", "float32", "needs a CUDA GPU"),
+])
+def test_the_card_refuses_a_quantization_it_cannot_run_before_its_battery(arch, kv, weights, dtype, message,
+                                                                         monkeypatch):
+    if "CUDA" in message and kvviz.load_model(f"tiny:{arch}", dtype, DEVICE).device.type == "cuda":
+        pytest.skip("bitsandbytes runs on a CUDA GPU: there is nothing to refuse")
+    lm = kvviz.load_model(f"tiny:{arch}", dtype, DEVICE)
+    battery = []
+    import kvviz.views.check.run as check
+
+    monkeypatch.setattr(check, "_split_gap", lambda *a, **k: battery.append(a) or 0.0)
+    with pytest.raises(KvvizError, match=message):
+        run_check(lm, kv=kv, weights=weights)
+    assert battery == []  # refused before the first float64 check ran
+    with pytest.raises(KvvizError, match=message):
+        check_feasible(lm, kv, weights)
+
+
+def test_a_missing_quantization_package_is_named_before_anything_runs(monkeypatch):
+    import kvviz.views.quant.run as quant
+
+    monkeypatch.setattr(quant, "package_available", lambda backend: backend not in ("hqq",))
+    lm = kvviz.load_model("tiny:llama", "float32", DEVICE)
+    with pytest.raises(KvvizError, match="needs the package hqq"):
+        check_feasible(lm, "hqq:int4", "none")
+    check_feasible(lm, "fp8", "none")  # no package needed: fine
+
+
+def test_quant_on_a_model_without_a_cache_is_one_line(capsys):
+    lm = kvviz.load_model("tiny:roberta", "float32", DEVICE)
+    with pytest.raises(KvvizError, match="returns no KV cache"):
+        run_quant(lm, QuantConfig("Hello", kv="fp8", max_new_tokens=3))
+    code = main(["quant", "--model", "tiny:roberta", "--prompt", "Hello", "--kv", "fp8", "--max-new-tokens", "3",
+                 "--quiet", "--device", DEVICE])
+    err = capsys.readouterr().err
+    assert code == 1 and err.startswith("kvviz: error:") and "no KV cache" in err and "Unexpected" not in err

@@ -68,3 +68,10 @@ def test_a_failed_proof_says_unproved_and_what_the_bisector_found(monkeypatch, r
     assert "rounding, not a bug" not in res.explanation.lower()
     assert "Precision, unproved" in res.explanation and "survives" in res.explanation
     assert "bisector finds first" in res.explanation and "model.layers." in res.explanation
+
+
+def test_units_on_the_normal_runs_gap():
+    from kvviz.verdict import precision_sentence
+
+    text = precision_sentence(1e-16, True, 0.0, normal_gap=4.0)
+    assert "against a largest absolute gap of 4 (in the hidden state's own units) in the normal run" in text

@@ -1,6 +1,7 @@
-"""What the architecture sweep (kvviz.archsweep) found wrong in kvviz, each on a tiny model of the
-architecture that showed it (kvviz.tiny.TINY_SWEEP, built by the sweep's own config builder): every test here fails
-if its problem comes back."""
+"""Model families with their own ways (float32 casts inside a float64 model, routers, RWKV/Mamba states as caches,
+linear-attention hybrids, ALiBi and mask-built positions, multimodal configs, parallel residual streams): each runs
+the split and the card correctly, on a tiny model of the family (kvviz.tiny.TINY_SWEEP, built by the architecture
+sweep's own config builder)."""
 import pytest
 
 from kvviz.compat import output_cache, transformers_at_least

@@ -14,7 +14,8 @@ Entries:
 - continuous batching: the manager's generation loop and its batch processor factory;
 - cache layer state: the fields a cache layer holds its keys/values in (`keys`, `values`, `is_initialized`);
 - the attention kernel a loaded model runs (`config._attn_implementation`);
-- torch's grouped matmul before it was public (`torch._grouped_mm`) and an op's qualified name (`_qualified_op_name`);
+- an op's qualified name (`_qualified_op_name`); torch's grouped matmul before it was public (`torch._grouped_mm`)
+  is float64.py's own `compat_grouped_mm_functions` (float64.py is copied into repro scripts);
 - the model modules transformers has imported (`sys.modules["transformers.models.*"]`), for invariant mode's scans;
 - optimum-quanto's compiled extension handle (`Extension._lib`);
 - Streamlit's script-run requests (`ScriptRequests._state`, `_rerun_data`): has the page asked this run to stop.
@@ -418,12 +419,6 @@ def continuous_batching_config_classes():
 def attention_implementation(model) -> str | None:
     """The attention kernel a loaded model runs ("sdpa", "eager", ...): transformers keeps it in its config."""
     return getattr(model.config, "_attn_implementation", None)
-
-
-def grouped_mm_functions() -> tuple:
-    """torch's grouped matmul(s) a MoE forward may call: `torch.nn.functional.grouped_mm` and the older private op."""
-    return tuple(f for f in (getattr(torch.nn.functional, "grouped_mm", None), getattr(torch, "_grouped_mm", None))
-                 if f is not None)
 
 
 def op_qualified_name(func) -> str:

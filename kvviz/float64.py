@@ -12,8 +12,6 @@ from __future__ import annotations
 import functools
 
 import torch
-
-from .compat import grouped_mm_functions
 from torch.overrides import TorchFunctionMode
 
 REFERENCE_CHUNK_BYTES = 128 * 1024 ** 2  # a float64 weight larger than this is applied in slices (kvviz.memory plans it)
@@ -41,7 +39,14 @@ def grouped_mm64(mat_a, mat_b, *, offs=None, bias=None, out_dtype=None):
     return out if out_dtype is None else out.to(out_dtype)
 
 
-_GROUPED = grouped_mm_functions()
+def compat_grouped_mm_functions() -> tuple:
+    """torch's grouped matmul(s) a MoE forward may call: `torch.nn.functional.grouped_mm` and, before it was public,
+    `torch._grouped_mm` (this module is copied into repro scripts, so it keeps its own compat, imports no kvviz)."""
+    return tuple(f for f in (getattr(torch.nn.functional, "grouped_mm", None), getattr(torch, "_grouped_mm", None))
+                 if f is not None)
+
+
+_GROUPED = compat_grouped_mm_functions()
 
 
 _PRODUCTS = {torch.nn.functional.linear, torch.matmul, torch.Tensor.matmul, torch.mm, torch.bmm, torch.einsum,

@@ -56,6 +56,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from . import compat
+from .float64 import compat_grouped_mm_functions
 
 _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm, torch.mm,
             torch.Tensor.mm}
@@ -124,7 +125,7 @@ def rowwise_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out
 
 
-_GROUPED = compat.grouped_mm_functions()
+_GROUPED = compat_grouped_mm_functions()
 
 
 def _acc_dtype(device: torch.device, wide: torch.dtype) -> torch.dtype:

@@ -109,6 +109,12 @@ def state_argument(model) -> str | None:
     return None
 
 
+def takes_logits_to_keep(model) -> bool:
+    """Whether the model's forward takes `logits_to_keep` (only the last rows' logits: the vocabulary is the costly
+    part); older or custom models do not."""
+    return "logits_to_keep" in _forward_params(model)
+
+
 def deprecated_names(fn) -> set[str]:
     """The old keyword names a transformers forward still accepts through `deprecate_kwarg` (read from the
     decorator's closure, walking `__wrapped__`): {"past_key_values"} on a key/value model of 5.24, {"cache_params"}
@@ -447,3 +453,11 @@ def script_request_state(requests) -> tuple[str, object]:
     """Streamlit's pending request for a script run: ("CONTINUE" | "STOP" | "RERUN", the rerun's data or None)."""
     state = getattr(getattr(requests, "_state", None), "name", "CONTINUE")
     return state, getattr(requests, "_rerun_data", None)
+
+
+def tensor_version(t: torch.Tensor) -> int | None:
+    """A tensor's in-place version counter (`_version`), None for an inference tensor (it tracks none)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None

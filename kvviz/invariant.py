@@ -724,51 +724,58 @@ def _visible_only(mask: torch.Tensor) -> torch.Tensor | None:
     return zero if bool((zero | (mask <= floor)).all()) else None
 
 
-def _native_call(query, key, value, vis, start: int, need: torch.Tensor, scale):
-    """Native calls for query [n, h, rows, d] whose rows all see keys from `start` on (vis: [n, 1 or h, rows, lk]);
-    need: [rows], the key blocks (from `start`) each row needs at most. Rows grouped by it, each group in one call:
-    a block no row of a call sees is not computed (it would add exactly 0: a causal prompt's first rows need one)."""
+class _Call:
+    """One native call of a plan: query rows `rows` (None: all) of batch entry `entry` (None: all) and heads `heads`,
+    over the keys from `start` to `start + kp` (kp a multiple of NATIVE_KEY_BLOCK; masked zero keys past the end),
+    with `mask` (additive, the query's dtype: [n, 1 or h, rows padded to NATIVE_ROW_MULTIPLE, kp])."""
+    __slots__ = ("entry", "heads", "rows", "start", "kp", "mask")
+
+    def __init__(self, entry, heads, rows, start, kp, mask):
+        self.entry, self.heads, self.rows, self.start, self.kp, self.mask = entry, heads, rows, start, kp, mask
+
+
+def _additive(vis: torch.Tensor, dtype) -> torch.Tensor:
+    """A bool mask as SDPA turns it into an additive one (0 where seen, -inf where hidden), once for every layer."""
+    return torch.zeros(vis.shape, dtype=dtype, device=vis.device).masked_fill_(~vis, float("-inf"))
+
+
+def _block_call(vis, entry, heads, rows, start: int, kp: int, dtype) -> _Call:
+    """The call for `vis`'s rows (already selected: [n, 1 or h, lq, lk]): rows padded to NATIVE_ROW_MULTIPLE with
+    copies of the last (the kernel's last block of rows never of 1 or 2: another GEMM, other bits), keys from
+    `start` to `start + kp`."""
+    n, hm, lq, lk = vis.shape
+    padded = -(-lq // NATIVE_ROW_MULTIPLE) * NATIVE_ROW_MULTIPLE
+    if padded > lq:
+        vis = torch.cat([vis, vis[:, :, -1:].expand(n, hm, padded - lq, lk)], 2)
+    if start + kp <= lk:
+        mm = vis[..., start:start + kp]
+    else:
+        mm = torch.zeros(n, hm, padded, kp, dtype=torch.bool, device=vis.device)
+        mm[..., :lk - start] = vis[..., start:]
+    return _Call(entry, heads, rows, start, kp, _additive(mm, dtype))
+
+
+def _grouped_calls(vis, entry, heads, start: int, need: torch.Tensor, dtype) -> list:
+    """Calls for rows that all see keys from `start` on; need: [rows], the key blocks (from `start`) each row needs at
+    most. Rows grouped by it, a call a group: a block no row of a call sees is not computed (it would add exactly 0:
+    a causal prompt's first rows need one)."""
     if int(need.min()) == int(need.max()):
-        return _native_block_call(query, key, value, vis, start, int(need[0]) * NATIVE_KEY_BLOCK, scale)
-    out = query.new_empty(*query.shape[:-1], value.shape[-1])
+        return [_block_call(vis, entry, heads, None, start, int(need[0]) * NATIVE_KEY_BLOCK, dtype)]
+    calls = []
     for blocks in torch.unique(need).tolist():
         rows = (need == blocks).nonzero().squeeze(1)
-        out[:, :, rows] = _native_block_call(query[:, :, rows], key, value, vis[:, :, rows], start,
-                                             blocks * NATIVE_KEY_BLOCK, scale)
-    return out
+        calls.append(_block_call(vis[:, :, rows], entry, heads, rows, start, blocks * NATIVE_KEY_BLOCK, dtype))
+    return calls
 
 
-def _native_block_call(query, key, value, vis, start: int, kp: int, scale):
-    """One native call: the rows padded to NATIVE_ROW_MULTIPLE with copies of the last, the keys from `start` to
-    `start + kp` (kp a multiple of NATIVE_KEY_BLOCK; masked zero keys past the end)."""
-    n, h, lq, _ = query.shape
-    lk, dev = key.shape[-2], query.device
-    rows = -(-lq // NATIVE_ROW_MULTIPLE) * NATIVE_ROW_MULTIPLE
-    if rows > lq:  # the last query block never of 1 or 2 rows (a kernel of another order): copies of the last row
-        query = torch.cat([query, query[:, :, -1:].expand(n, h, rows - lq, query.shape[-1])], 2)
-        vis = torch.cat([vis, vis[:, :, -1:].expand(n, vis.shape[1], rows - lq, lk)], 2)
-    if start + kp <= lk:  # the keys are there: views, no copies
-        kk, vv, mm = key[:, :, start:start + kp], value[:, :, start:start + kp], vis[..., start:start + kp]
-    else:
-        m = lk - start
-        kk = key.new_zeros(n, h, kp, key.shape[-1])
-        vv = value.new_zeros(n, h, kp, value.shape[-1])
-        kk[:, :, :m] = key[:, :, start:]
-        vv[:, :, :m] = value[:, :, start:]
-        mm = torch.zeros(n, vis.shape[1], rows, kp, dtype=torch.bool, device=dev)
-        mm[..., :m] = vis[..., start:]
-    return F.scaled_dot_product_attention(query, kk, vv, attn_mask=mm, scale=scale)[:, :, :lq]
-
-
-def _native_core(query, key, value, vis, scale):
-    """query [B, H, lq, d], key/value [B, H, lk, d], vis: bool broadcastable to [B, 1 or H, lq, lk] or None (all
-    seen). Each row through the native kernel over its keys from its first visible key on: rows that start at the
-    same key (every row of a causal prompt, of a left-padded one) in one call; a sliding window's rows, which start
-    each at its own key, one call per start. A row that sees no key gives 0."""
-    b, h, lq, _ = query.shape
-    lk, dev = key.shape[-2], query.device
+def _native_plan(vis, b: int, lq: int, lk: int, dtype, device):
+    """(calls, unseen) for query rows seeing keys as `vis` says (bool broadcastable to [b, 1 or h, lq, lk]; None: all
+    seen): each row over its keys from its first visible key on; rows that start at the same key (every row of a
+    causal prompt, of a left-padded one) grouped; a sliding window's rows, which start each at its own key, a call
+    per start. unseen: [b, Hm, lq] rows that see no key (they give 0), None where every row sees one. Depends on the
+    mask and shapes only: made once a forward (_plan_for), run in every layer."""
     if vis is None:
-        vis = torch.ones(1, 1, 1, lk, dtype=torch.bool, device=dev)
+        vis = torch.ones(1, 1, 1, lk, dtype=torch.bool, device=device)
     hm = vis.shape[1]
     vis = vis.expand(b, hm, lq, lk)
     first = vis.view(torch.uint8).argmax(-1)  # [B, Hm, lq] (0 where a row sees nothing: `seen` says)
@@ -777,27 +784,103 @@ def _native_core(query, key, value, vis, scale):
     seen = blocks.any(-1)
     last_block = nb - 1 - blocks.flip(-1).view(torch.uint8).argmax(-1)  # the block of each row's last visible key
     first = torch.where(seen, first, -1)
+    unseen = None if bool(seen.all()) else ~seen
 
     def need(f, lb):  # key blocks from the row's first key to the end of its last visible key's block (an upper bound)
         return (-(-((lb + 1) * NATIVE_KEY_BLOCK - f) // NATIVE_KEY_BLOCK)).clamp_min(1)
 
     lo = first.amax()
     if bool(((first == lo) | ~seen).all()):  # one start for every row of every entry: one call per row group
-        s = max(int(lo), 0)
-        out = _native_call(query, key, value, vis, s, need(s, torch.where(seen, last_block, 0)).amax(0).amax(0),
-                           scale)
-        return out if bool(seen.all()) else out.masked_fill(~seen.unsqueeze(-1), 0)
-    out = query.new_zeros(b, h, lq, value.shape[-1])
+        st = max(int(lo), 0)
+        return _grouped_calls(vis, None, slice(None), st, need(st, torch.where(seen, last_block, 0)).amax(0).amax(0),
+                              dtype), unseen
+    calls = []
     for e in range(b):
         for g in range(hm):
             heads = slice(None) if hm == 1 else slice(g, g + 1)
             f = first[e, g]
-            for s in torch.unique(f[f >= 0]).tolist():
-                rows = (f == s).nonzero().squeeze(1)
-                out[e, heads, rows] = _native_call(query[e:e + 1, heads, rows], key[e:e + 1, heads],
-                                                   value[e:e + 1, heads], vis[e:e + 1, g:g + 1, rows], s,
-                                                   need(s, last_block[e, g, rows]), scale)[0]
-    return out
+            for st in torch.unique(f[f >= 0]).tolist():
+                rows = (f == st).nonzero().squeeze(1)
+                for c in _grouped_calls(vis[e:e + 1, g:g + 1, rows], e, heads, st, need(st, last_block[e, g, rows]),
+                                        dtype):
+                    c.rows = rows if c.rows is None else rows[c.rows]
+                    calls.append(c)
+    return calls, unseen
+
+
+def _run_call(query, key, value, c: _Call, scale):
+    n, h, lq, d = query.shape
+    padded = c.mask.shape[2]
+    if padded > lq:
+        query = torch.cat([query, query[:, :, -1:].expand(n, h, padded - lq, d)], 2)
+    lk, s, kp = key.shape[-2], c.start, c.kp
+    if s + kp <= lk:  # the keys are there: views, no copies
+        kk, vv = key[:, :, s:s + kp], value[:, :, s:s + kp]
+    else:
+        kk = key.new_zeros(n, h, kp, key.shape[-1])
+        vv = value.new_zeros(n, h, kp, value.shape[-1])
+        kk[:, :, :lk - s] = key[:, :, s:]
+        vv[:, :, :lk - s] = value[:, :, s:]
+    return F.scaled_dot_product_attention(query, kk, vv, attn_mask=c.mask, scale=scale)[:, :, :lq]
+
+
+def _run_plan(query, key, value, plan, scale):
+    calls, unseen = plan
+    if len(calls) == 1 and calls[0].rows is None and calls[0].entry is None:
+        out = _run_call(query, key, value, calls[0], scale)
+    else:
+        out = query.new_zeros(*query.shape[:-1], value.shape[-1])
+        for c in calls:
+            es = slice(None) if c.entry is None else slice(c.entry, c.entry + 1)
+            q, k, v = query[es, c.heads], key[es, c.heads], value[es, c.heads]
+            if c.rows is not None:
+                q = q[:, :, c.rows]
+                out[es, c.heads, c.rows] = _run_call(q, k, v, c, scale)
+            else:
+                out[es, c.heads] = _run_call(q, k, v, c, scale)
+    return out if unseen is None else out.masked_fill(unseen.unsqueeze(-1), 0)
+
+
+def _native_core(query, key, value, vis, scale):
+    """query [B, H, lq, d], key/value [B, H, lk, d], vis: bool broadcastable to [B, 1 or H, lq, lk] or None (all
+    seen). Each row through the native kernel over its keys from its first visible key on (_native_plan). A row
+    that sees no key gives 0."""
+    b, _, lq, _ = query.shape
+    return _run_plan(query, key, value, _native_plan(vis, b, lq, key.shape[-2], query.dtype, query.device), scale)
+
+
+# A forward passes one mask to every layer: its plan is made once and reused while the mask is the same tensor
+# (same storage, offset, shape, strides and version: the cache holds the mask, so its memory cannot be reused by
+# another while cached). One entry per thread; invariant mode's exit drops it.
+_PLANS = threading.local()
+
+
+def _plan_for(attn_mask, is_causal: bool, b: int, hq: int, lq: int, lk: int, dtype, device):
+    """The plan of _native_sdpa's call, or None where the native path does not apply (a mask that is a bias)."""
+    key = (b, hq, lq, lk, dtype, device, bool(is_causal))
+    if attn_mask is not None:
+        key += (attn_mask.data_ptr(), tuple(attn_mask.shape), attn_mask.stride(), attn_mask.storage_offset(),
+                compat.tensor_version(attn_mask), attn_mask.dtype)
+    hit = getattr(_PLANS, "entry", None)
+    if hit is not None and hit[0] == key:
+        return hit[2]
+    vis = None
+    if attn_mask is not None:
+        vis = _visible_only(attn_mask)
+        if vis is None:
+            _PLANS.entry = (key, attn_mask, None)
+            return None
+        while vis.dim() < 4:
+            vis = vis.unsqueeze(0)
+        if vis.shape[1] not in (1, hq):
+            _PLANS.entry = (key, attn_mask, None)
+            return None
+    if is_causal:  # aligned at the bottom right, as fast_sdpa (transformers asks for it only where lq == lk)
+        c = torch.arange(lk, device=device)[None] <= torch.arange(lq, device=device)[:, None] + (lk - lq)
+        vis = c[None, None] if vis is None else vis & c
+    plan = _native_plan(vis, b, lq, lk, dtype, device)
+    _PLANS.entry = (key, attn_mask, plan)
+    return plan
 
 
 def native_attention_ok(device: torch.device, dtype: torch.dtype, d_qk: int, d_v: int) -> bool:
@@ -855,26 +938,17 @@ def _native_sdpa(query, key, value, attn_mask, is_causal, scale):
         return None
     if not native_attention_ok(query.device, query.dtype, query.shape[-1], value.shape[-1]):
         return None
-    vis = None
-    lq, lk = query.shape[-2], key.shape[-2]
-    if attn_mask is not None:
-        vis = _visible_only(attn_mask)
-        if vis is None:
-            return None
-        while vis.dim() < 4:
-            vis = vis.unsqueeze(0)
-        if vis.shape[1] not in (1, query.shape[1]):
-            return None
-    if is_causal:  # aligned at the bottom right, as fast_sdpa (transformers asks for it only where lq == lk)
-        c = torch.arange(lk, device=query.device)[None] <= torch.arange(lq, device=query.device)[:, None] + (lk - lq)
-        vis = c[None, None] if vis is None else vis & c
+    b = max(query.shape[0], key.shape[0])
+    plan = _plan_for(attn_mask, is_causal, b, query.shape[1], query.shape[-2], key.shape[-2], query.dtype,
+                     query.device)
+    if plan is None:
+        return None
     hq, hk = query.shape[1], key.shape[1]
     if hk != hq:
         key = key.repeat_interleave(hq // hk, dim=1)
         value = value.repeat_interleave(hq // hk, dim=1)
-    b = max(query.shape[0], key.shape[0])
-    return _native_core(query.expand(b, *query.shape[1:]), key.expand(b, *key.shape[1:]),
-                        value.expand(b, *value.shape[1:]), vis, scale)
+    return _run_plan(query.expand(b, *query.shape[1:]), key.expand(b, *key.shape[1:]),
+                     value.expand(b, *value.shape[1:]), plan, scale)
 
 
 def fast_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, **_):
@@ -1055,6 +1129,8 @@ class InvariantMode(TorchFunctionMode):
             return fast_softmax(x, dim=dim, dtype=dtype)
         if func is F.scaled_dot_product_attention:
             return fast_sdpa(*args, **kwargs)
+        if func is F.embedding:  # a forward starts: the last one's mask plan is not reused (a mask may be rebuilt in
+            _PLANS.entry = None  # place between forwards; within one, every layer gets the same)
         if (func in _LANEWISE and args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point()
                 and args[0].numel() and "out" not in kwargs):
             return lanewise(func, *args, **kwargs)
@@ -1127,6 +1203,7 @@ def invariant_mode():
             yield
     finally:
         _STATE.depth -= 1
+        _PLANS.entry = None  # the last forward's mask and plan are not kept past the run
 
 
 def _run_context(settings, lm):

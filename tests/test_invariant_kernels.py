@@ -74,8 +74,8 @@ def test_the_native_path_runs_where_its_probe_passes_and_the_fixed_shape_one_whe
     q, k, v = (_rand(1, 2, 40, 16, dtype=torch.float32, seed=s) for s in (40, 41, 42))
     ok = invariant.native_attention_ok(torch.device("cpu"), torch.float32, 16, 16)  # probed before counting calls
     calls = []
-    real = invariant._native_call
-    monkeypatch.setattr(invariant, "_native_call", lambda *a: calls.append(1) or real(*a))
+    real = invariant._run_plan
+    monkeypatch.setattr(invariant, "_run_plan", lambda *a: calls.append(1) or real(*a))
     out = _attn(q, k, v, is_causal=True)
     assert torch.allclose(out, F.scaled_dot_product_attention(q, k, v, is_causal=True), atol=1e-6)
     assert calls == ([1] if ok else [])
@@ -84,7 +84,7 @@ def test_the_native_path_runs_where_its_probe_passes_and_the_fixed_shape_one_whe
     assert torch.allclose(_attn(q, k, v, is_causal=True), out, atol=1e-6) and calls == []
     # a float mask that is a bias, not only a hiding mask: the native path would lose it, so it never takes it
     monkeypatch.undo()
-    monkeypatch.setattr(invariant, "_native_call", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(invariant, "_run_plan", lambda *a: calls.append(1) or real(*a))
     bias = torch.linspace(-1, 1, 40)[None, None, None].expand(1, 1, 40, 40)
     assert torch.allclose(_attn(q, k, v, attn_mask=bias), F.scaled_dot_product_attention(q, k, v, attn_mask=bias),
                           atol=1e-5) and calls == []
@@ -142,3 +142,65 @@ def test_sdpa_equals_the_eager_steps_in_invariant_mode():
         eager = torch.matmul(p, v)
         sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     assert torch.equal(eager, sdpa)
+
+
+def test_a_forwards_mask_is_analysed_once_for_all_its_layers_and_never_reused_stale(monkeypatch):
+    """The native path's plan (each row's first key, key blocks, row groups, the additive masks) depends on the mask
+    only: made once a forward and reused by every layer while the mask is the same tensor, never for another mask
+    or the same one changed in place (its version; an inference tensor has none: a new forward, which starts with
+    its embedding, drops the plan)."""
+    if not invariant.native_attention_ok(torch.device("cpu"), torch.float32, 16, 16):
+        pytest.skip("the native kernel's probe does not pass on this CPU: fast_sdpa falls back")
+    made = []
+    real = invariant._native_plan
+    monkeypatch.setattr(invariant, "_native_plan", lambda *a: made.append(1) or real(*a))
+    q, k, v = (_rand(1, 2, 40, 16, dtype=torch.float32, seed=s) for s in (50, 51, 52))
+
+    def sdpa(mask):  # as a model calls it: the mode hands it to fast_sdpa
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    def fresh(mask):  # what the mask gives with a plan of its own
+        invariant._PLANS.entry = None
+        return sdpa(mask)
+
+    causal = torch.ones(40, 40, dtype=torch.bool).tril()[None, None]
+    with invariant.invariant_mode():
+        first = sdpa(causal)
+        for _ in range(5):  # the layers of one forward: one plan
+            assert torch.equal(sdpa(causal[:, :, :, :40]), first)
+        assert len(made) == 1
+        causal[..., 3, :] = False  # changed in place: a new plan, the new answer
+        assert torch.equal(sdpa(causal), fresh(causal)) and len(made) == 3
+        other = torch.ones(40, 40, dtype=torch.bool).tril(-1)[None, None] | torch.eye(40, dtype=torch.bool)
+        other[..., 10:, :5] = False  # another mask of the same shape
+        assert torch.equal(sdpa(other), fresh(other))
+        with torch.inference_mode():
+            m = torch.ones(1, 1, 40, 40, dtype=torch.bool).tril()
+            before = sdpa(m)
+            m[..., 20:, :8] = False  # an inference tensor tracks no version: the next forward's embedding drops the plan
+            F.embedding(torch.tensor([[1]]), torch.zeros(4, 2))
+            after = sdpa(m)
+            assert torch.equal(after, fresh(m)) and not torch.equal(after, before)
+    assert invariant._PLANS.entry is None  # not kept past the run
+
+
+def test_a_tiny_model_makes_one_plan_a_forward():
+    import kvviz
+    from kvviz.execution import Executor, ExecSettings
+
+    if not invariant.native_attention_ok(torch.device("cpu"), torch.float32, 16, 16):
+        pytest.skip("the native kernel's probe does not pass on this CPU: fast_sdpa falls back")
+    lm = kvviz.load_model("tiny:llama", "float32", "cpu")
+    ids = torch.arange(3, 43)[None]
+    made = []
+    real = invariant._native_plan
+    with Executor(lm, ExecSettings(invariant=True)).session() as ex:  # the probe for its head size runs first
+        ex.forward(ids, torch.ones_like(ids), use_cache=False, hidden=False)
+    invariant._native_plan = lambda *a: made.append(a[1:]) or real(*a)
+    try:
+        with Executor(lm, ExecSettings(invariant=True)).session() as ex:
+            ex.forward(ids, torch.ones_like(ids), use_cache=False, hidden=False)
+    finally:
+        invariant._native_plan = real
+    layers = lm.model.config.num_hidden_layers
+    assert layers > 1 and len(made) == 1, made

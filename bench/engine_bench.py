@@ -24,8 +24,8 @@ import kvviz  # noqa: E402
 from kvviz.engines import engine_python  # noqa: E402
 from kvviz.inputs import encode  # noqa: E402
 from kvviz.prompts import load_prompts  # noqa: E402
-from kvviz.views.serving.engine_workers import make_worker_engine  # noqa: E402
-from kvviz.views.serving.engines import Request  # noqa: E402
+from kvviz.engines.workers import make_worker_engine  # noqa: E402
+from kvviz.engines.serving import Request  # noqa: E402
 
 
 def bench(name: str, n_prompts: int = 8, new_tokens: int = 16) -> dict:

@@ -10,6 +10,7 @@ from .errors import KvvizError
 MAX_PROMPT_CHARS = 100_000
 POSITION_MODES = ("auto", "omit")
 MASK_MODES = ("full", "new-only")
+MODES = ("chunk", "step")  # how a split's rest goes through the cache: one chunk, or a token at a time
 
 
 @dataclass
@@ -98,3 +99,47 @@ def check_mode(value: str, allowed: tuple[str, ...], what: str) -> str:
     if value not in allowed:
         raise KvvizError(f"unknown {what} '{value}'; choose one of {', '.join(allowed)}")
     return value
+
+
+@dataclass
+class SplitConfig:
+    """A prompt split: its first `split` tokens go to the cache, the rest through it (split and bisect run it)."""
+    prompt: str
+    split: int
+    mode: str = "chunk"
+    left_pad: int = 0
+    position_ids: str = "auto"
+    attention_mask: str = "full"
+
+    def validate(self) -> None:
+        check_mode(self.mode, MODES, "mode")
+        check_mode(self.position_ids, POSITION_MODES, "position-ids mode")
+        check_mode(self.attention_mask, MASK_MODES, "attention-mask mode")
+        if not isinstance(self.split, int) or isinstance(self.split, bool):
+            raise KvvizError(f"the split must be a whole number, not {self.split!r}")
+        if not isinstance(self.left_pad, int) or self.left_pad < 0:
+            raise KvvizError(f"left padding must be 0 or more, not {self.left_pad}")
+
+
+def check_split(n_tokens: int, split: int) -> None:
+    if n_tokens < 2:
+        raise KvvizError("the prompt is a single token; a split needs at least 2 tokens")
+    if not 1 <= split <= n_tokens - 1:
+        raise KvvizError(f"split {split} is outside the prompt: choose 1 to {n_tokens - 1} "
+                         f"(the prompt has {n_tokens} tokens; at least one must go to the cache and one after it)")
+
+
+def split_point(n_tokens: int, split: int | str) -> int:
+    """'last': all but the last token go to the cache; 'half'; or a number (clipped)."""
+    if split == "last":
+        return n_tokens - 1
+    if split == "half":
+        return max(1, n_tokens // 2)
+    return min(int(split), n_tokens - 1)
+
+
+def cached_mask(attention_mask: str, inp: PromptInputs, start: int, end: int) -> torch.Tensor:
+    """`full`: past + new (what the model needs); `new-only`: just the new tokens (a mistake transformers accepts)."""
+    if attention_mask == "full":
+        return inp.mask[:, :end]
+    return inp.mask[:, start:end]

@@ -386,7 +386,7 @@ def cached_vs_full(lm: LoadedModel, prompt: str = LESSON_PROMPT, n_rest: int = 2
 
 def _cached_vs_full(lm: LoadedModel, prompt: str, n_rest: int, left_pad: int, positions: str,
                     invariant: bool) -> Gaps:
-    from .views.split.run import takes_logits_to_keep
+    from .compat import takes_logits_to_keep
 
     inp = build_inputs(lm, prompt, left_pad)
     if inp.n_tokens < n_rest + 1:

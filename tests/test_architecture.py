@@ -27,7 +27,7 @@ def test_the_cycle_finder_finds_a_cycle():  # so that the next test can fail
 def test_no_import_cycles_in_the_library():
     graph = import_graph()
     assert {"execution", "views.split.run", "views.greedy.run", "loading"} <= set(graph)
-    assert "execution" in graph["views.split.run"] and "views.split.run" in graph["views.check.run"]
+    assert "execution" in graph["views.split.run"] and "views" in graph["views.check.run"]  # the card composes through the registry
     assert cycles(graph) == []
     assert not {"backends", "quant", "invariant"} & graph["execution"]  # extensions register themselves
 

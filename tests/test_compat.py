@@ -145,7 +145,7 @@ def test_continuous_batching_hooks_exist_with_the_arguments_kvviz_passes_through
 
 
 def test_the_serving_engine_runs_through_the_hooks():
-    from kvviz.views.serving.engines import Request, TransformersEngine
+    from kvviz.engines.serving import Request, TransformersEngine
 
     lm = kvviz.load_model("tiny:llama", "float32", DEVICE)
     eng = TransformersEngine()
@@ -262,8 +262,8 @@ def test_a_failure_in_the_engine_thread_reaches_the_caller_as_one_line(monkeypat
     """What the 5.24 loop signature change did (the thread died with a TypeError): now one line, not a thread
     traceback, naming the installed transformers."""
     from kvviz.errors import KvvizError
-    from kvviz.views.serving import engines
-    from kvviz.views.serving.engines import Request, TransformersEngine
+    from kvviz.engines import serving as engines
+    from kvviz.engines.serving import Request, TransformersEngine
 
     class Broken:
         def __init__(self, modes):

@@ -139,7 +139,7 @@ def test_absent_engine_is_one_line(monkeypatch, tmp_path, capsys):
 def test_engine_verdict_rule():
     """The rule on constructed paths: within rounding and a near tie -> precision; a path farther than rounding,
     uniform log-probs, or a parting step with a wide margin -> logic."""
-    from kvviz.views.serving.engine_verdict import judge, path_distance, rounding_scale
+    from kvviz.engines.verdict import judge, path_distance, rounding_scale
 
     u = rounding_scale("float32")
     ref = torch.log_softmax(torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.5, 0.5 + 1e-6, -3.0, -4.0]], dtype=torch.float64),
@@ -162,7 +162,7 @@ def test_engine_rounding_distance_is_measured_by_kvviz_in_the_engines_dtype():
     """For a float format the rounding distance is 16x kvviz's own gap from float64 in that dtype (on the engine's
     top tokens), not a fixed multiple of the unit round-off: a bfloat16 engine 0.15 nats from float64 where kvviz's
     bfloat16 is 0.1 away is rounding; 2 nats away is logic (a fixed 2^10 · 2^-8 · S would have let 16 nats pass)."""
-    from kvviz.views.serving.engine_verdict import C_OWN, float_format, judge, path_distance, rounding_scale
+    from kvviz.engines.verdict import C_OWN, float_format, judge, path_distance, rounding_scale
 
     assert float_format("bfloat16") == "bfloat16" and float_format("q8 activations x Q4_1 weights") is None
     u = rounding_scale("bfloat16")
@@ -223,7 +223,7 @@ def test_llamacpp_batch_decodes_each_sequence_at_its_own_positions():
     tenths of a nat); a token at a wrong position or attending to its neighbour's cache moves them by more."""
     from kvviz.engines import WorkerClient
     from kvviz.inputs import encode
-    from kvviz.views.serving.engine_workers import gguf_of
+    from kvviz.engines.workers import gguf_of
 
     lm = kvviz.load_model("default", "float32", "cpu")
     gguf, _ = gguf_of(lm)

@@ -236,7 +236,7 @@ def test_no_decode_loop_outside_the_seam():
 # The seam itself (the executor and its one decode loop), and the serving engines: they drive engines that are not
 # kvviz's model calls (transformers' continuous batching; vLLM and llama.cpp in their worker processes, which answer
 # one request line after another), each with its own scheduler loop.
-SEAM = {"execution.py", "loops.py", "views/serving/engines.py", "engines/vllm_worker.py", "engines/llamacpp_worker.py",
+SEAM = {"execution.py", "loops.py", "engines/serving.py", "engines/vllm_worker.py", "engines/llamacpp_worker.py",
         "engines/worker_loop.py"}
 MODEL_METHODS = {"forward", "generate"}  # a model's (or the executor's) call by name
 CACHE_KEYWORDS = {"past_key_values", "cache_params", "use_cache"}  # a model call however it is spelled
@@ -300,7 +300,7 @@ def test_every_view_runs_through_the_executor(monkeypatch):
             run()
             made[name] = len(calls) - before
         # the views whose model calls bypass the executor: only the serving study, whose transformers engine
-        # (continuous batching, kvviz/views/serving/engines.py) drives the model itself
+        # (continuous batching, kvviz/engines/serving.py) drives the model itself
         assert set(bypass) <= {"serving"}, sorted(set(bypass))
         assert all(n > 0 for n in made.values()), made  # each view called the model, through the executor
     finally:

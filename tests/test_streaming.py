@@ -181,7 +181,7 @@ def _padding_all_at_once(m, ids, comp_ids, k, left_pad) -> dict:
     """Padding's hidden-state numbers as computed before: every layer of the reference and of each scenario
     stacked, one hidden_divergence, torch.equal on the stacks."""
     from kvviz.views.padding import run as padding
-    from kvviz.views.split.run import takes_logits_to_keep
+    from kvviz.compat import takes_logits_to_keep
 
     eps = machine_eps(m.dtype)
     ex = Executor(m, max_len=max(len(c) for c in comp_ids + [ids]) + left_pad)

@@ -129,6 +129,9 @@ class View:
     memory: MemoryProfile | None = None  # what its memory plan counts (required: register() refuses a view without)
     runs: tuple[str, ...] = ()  # the names its page's runs have in pages/runner.run_cached (default: its name)
     scenario: "str | Callable | None" = None  # "scenario:run": run(preset, device, progress) -> result
+    # the protocol (kvviz.protocol): its typed, validated config class and its `run(lm, config, ctx) -> result`
+    config: "str | type | None" = None  # "run:SplitConfig"
+    run: "str | Callable | None" = None  # "run:run"
     package: str = field(default="", compare=False)  # the folder's package, set by register()
 
     def resolve(self, ref):
@@ -157,6 +160,13 @@ class View:
         if fn is None:
             return getattr(result, "verdict", ""), getattr(result, "explanation", "")
         return fn(result)
+
+    def config_type(self) -> type:
+        return self.resolve(self.config)
+
+    def runner(self) -> Callable:
+        """The view's `run(lm, config, ctx: kvviz.protocol.RunContext) -> result`."""
+        return self.resolve(self.run)
 
     def repro_module(self):
         return self.resolve(self.repro)

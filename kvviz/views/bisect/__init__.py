@@ -6,4 +6,5 @@ from .. import MemoryProfile, Page, View
 from .run import BisectResult, run_bisect
 
 VIEW = View("bisect", "Bisector", "BisectResult", "report:reopen", "figures:main", "report:verdict", cli="cli",
+            config="run:BisectConfig", run="run:run",
             memory=MemoryProfile(forwards=2, reference=False, bisector=True, compared_after_split=True))

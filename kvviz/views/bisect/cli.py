@@ -23,7 +23,7 @@ def add_arguments(bp) -> None:
 
 def command(args) -> Outcome:
     from ...naming import module_label
-    from ..split.run import SplitConfig
+    from ...inputs import SplitConfig
     from .run import run_bisect
 
     cfg = SplitConfig(prompt=args.prompt, split=args.split, mode=args.mode, left_pad=args.left_pad,

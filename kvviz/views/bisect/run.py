@@ -15,15 +15,15 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ...compat import output_cache
+from ...compat import output_cache, takes_logits_to_keep
 from ...errors import KvvizError
 from ...execution import DEFAULT_SETTINGS, ExecSettings, Executor, Settings, has_cache
-from ...inputs import build_inputs
+from ...inputs import SplitConfig, build_inputs, cached_mask, check_split
 from ...loading import LoadedModel
+from ...protocol import DEFAULT_CONTEXT, RunContext
 from ...metrics import max_abs_gap
 from ...naming import module_label
 from ...verdict import Finding
-from ..split.run import SplitConfig, cached_mask, check_split, takes_logits_to_keep
 
 _KINDS = (  # (pattern on the module's own name, kind) - first match wins
     (r"(embed_tokens|wte|wpe|embed_in|word_embeddings|position_embeddings|embeddings)$", "embedding"),
@@ -319,7 +319,7 @@ def _explain(res: BisectResult, settings: ExecSettings, ops: bool) -> str:
 def _cached_rest(ex: Executor, cfg: SplitConfig, inp, a0: int, past) -> None:
     positions_of = (lambda s, e: inp.positions[:, a0 + s:a0 + e]) if cfg.position_ids == "auto" else None
     for _ in ex.feed(inp.ids[:, a0:], past, one_by_one=cfg.mode != "chunk", hidden=False,
-                     mask_of=lambda s, e: cached_mask(cfg, inp, a0 + s, a0 + e), positions_of=positions_of):
+                     mask_of=lambda s, e: cached_mask(cfg.attention_mask, inp, a0 + s, a0 + e), positions_of=positions_of):
         pass
 
 
@@ -476,6 +476,17 @@ def _trace_ops(ex: Executor, lm: LoadedModel, cfg: SplitConfig, inp, a0: int, n:
     cached = _OpTrace(lm.model, inp.total, a0, steps, compare_with=full.record)
     pos = inp.positions[:, a0:a0 + steps] if cfg.position_ids == "auto" else None
     with cached:
-        ex.forward(inp.ids[:, a0:a0 + steps], cached_mask(cfg, inp, a0, a0 + steps), pos, past, hidden=False)
+        ex.forward(inp.ids[:, a0:a0 + steps], cached_mask(cfg.attention_mask, inp, a0, a0 + steps), pos, past, hidden=False)
     return cached
 
+
+@dataclass
+class BisectConfig(SplitConfig):
+    """A split to bisect; ops: also trace both runs op by op."""
+    ops: bool = True
+
+
+def run(lm: LoadedModel, config: SplitConfig, ctx: RunContext = DEFAULT_CONTEXT) -> BisectResult:
+    """The view's run (kvviz.protocol: one signature for every view)."""
+    with ctx.running() as progress:
+        return run_bisect(lm, config, ctx.settings, ops=getattr(config, "ops", True), progress=progress)

@@ -23,6 +23,7 @@ from ...execution import Executor, cache_layers
 from ...fingerprint import fingerprint
 from ...inputs import check_context, encode
 from ...loading import LoadedModel
+from ...protocol import DEFAULT_CONTEXT, RunContext
 from ...streaming import HeldRows, LayerGaps
 
 FORMAT = "kvviz-kv-cache/1"
@@ -248,3 +249,31 @@ def continue_and_compare(lm: LoadedModel, loaded: LoadedCache, text: str) -> Con
                           next_token_loaded=tok.decode([int(la[-1].argmax())]),
                           next_token_fresh=tok.decode([int(lb[-1].argmax())]),
                           meta={k: v for k, v in loaded.meta.items() if k != "layers"})
+
+
+@dataclass(frozen=True)
+class ReloadConfig:
+    """A saved cache reloaded and continued with `continuation`, against a fresh cache of the same tokens. source: a
+    saved cache (its path or bytes); None: the prompt's cache saved now."""
+    prompt: str = ""
+    continuation: str = ""
+    source: "str | Path | bytes | None" = None
+
+    def validate(self) -> "ReloadConfig":
+        if not self.continuation:
+            raise KvvizError("the continuation is empty; give some text to feed after the cached tokens")
+        if self.source is None and not (isinstance(self.prompt, str) and self.prompt):
+            raise KvvizError("give a prompt to cache or a saved cache to reload")
+        return self
+
+
+def run(lm: LoadedModel, config: ReloadConfig, ctx: RunContext = DEFAULT_CONTEXT) -> ContinueResult:
+    """The view's run (kvviz.protocol: one signature for every view)."""
+    config.validate()
+    with ctx.running() as progress:
+        source = config.source
+        if source is None:
+            progress(0.1, "Saving the prompt's cache…")
+            source, _ = save_cache_bytes(lm, config.prompt)
+        progress(0.5, "Reloading it and continuing…")
+        return continue_and_compare(lm, load_cache(lm, source), config.continuation)

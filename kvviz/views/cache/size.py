@@ -19,6 +19,7 @@ from ...dtypes import DTYPE_NAMES, parse_dtype
 from ...errors import KvvizError
 from ...execution import Executor, cache_layers
 from ...loading import LoadedModel
+from ...protocol import DEFAULT_CONTEXT, RunContext
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "data" / "configs"
 BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
@@ -144,10 +145,7 @@ class SizeReport:
 
 
 def size_report(lm: LoadedModel, tokens: int, batch: int = 1, measure: bool = True) -> SizeReport:
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
-        raise KvvizError(f"--tokens must be 1 or more, not {tokens}")
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise KvvizError(f"--batch must be 1 or more, not {batch}")
+    SizeConfig(tokens, batch, measure).validate()
     shape = KVShape.from_model(lm)
     dtype = shape.dtype
     measured, note = None, ""
@@ -187,3 +185,24 @@ def growth(shapes: list[KVShape], max_tokens: int, dtypes=DTYPE_NAMES[1:], point
             for d in dtypes:
                 out.append({"model": s.name, "dtype": d, "tokens": t, "bytes": formula_bytes(s, t, d)})
     return out
+
+
+@dataclass(frozen=True)
+class SizeConfig:
+    """The cache's size for `tokens` tokens and `batch` rows: the formula, and measured unless measure is False."""
+    tokens: int = 1024
+    batch: int = 1
+    measure: bool = True
+
+    def validate(self) -> "SizeConfig":
+        for name, v in (("--tokens", self.tokens), ("--batch", self.batch)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise KvvizError(f"{name} must be 1 or more, not {v}")
+        return self
+
+
+def run(lm: LoadedModel, config: SizeConfig, ctx: RunContext = DEFAULT_CONTEXT) -> SizeReport:
+    """The view's run (kvviz.protocol: one signature for every view)."""
+    config.validate()
+    with ctx.running():
+        return size_report(lm, config.tokens, config.batch, measure=config.measure)

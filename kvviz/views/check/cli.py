@@ -21,13 +21,12 @@ def add_arguments(kp) -> None:
 
 
 def command(args) -> Outcome:
-    from ..quant.run import QuantConfig
-    from .run import run_check
+    from ...protocol import RunContext
+    from .run import CheckConfig, run
 
-    if args.weights != "none" or args.kv != "none":
-        QuantConfig("x", kv=args.kv, weights=args.weights).validate()  # bad names fail before any model loads
+    config = CheckConfig(weights=args.weights, kv=args.kv).validate()  # bad names fail before any model loads
     lm = load(args)
-    card = run_check(lm, progress=progress_to_stderr(args.quiet), weights=args.weights, kv=args.kv)
+    card = run(lm, config, RunContext(progress=progress_to_stderr(args.quiet)))
 
     def summary() -> str:
         return "\n".join([f"[{c.status:^5}] {c.name:<34} {c.evidence}" for c in card.checks]

@@ -18,11 +18,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 
+from ...errors import KvvizError
 from ...execution import Settings
 from ...loading import LoadedModel
-from ..padding.run import run_padding
-from ..reuse.run import run_reuse
-from ..split.run import SplitConfig, run_split
+from ...protocol import DEFAULT_CONTEXT, RunContext
+from ... import views
 from ...verdict import Verdict, classify
 
 PROMPT = ("The museum guard knew every painting in the building, but he had a favourite one hanging in the far "
@@ -62,6 +62,15 @@ class CheckCard:
         return {**asdict(self), "settings": self.settings.to_dict()}
 
 
+def _compose(view: str, lm: LoadedModel, config, progress=None):
+    """Another view's run, through the registry (kvviz.protocol): the card judges in float64, no invariant rerun."""
+    return views.get(view).runner()(lm, config, RunContext(prove=False, progress=progress))
+
+
+def _split_config(prompt: str, **kw):
+    return views.get("split").config_type()(prompt, **kw)
+
+
 def _gap_check(name: str, rel: "float | tuple | None", what: str) -> Check:
     rel, logits, scenario = rel if isinstance(rel, tuple) else (rel, None, None)
     if rel is None:
@@ -76,8 +85,8 @@ def _gap_check(name: str, rel: "float | tuple | None", what: str) -> Check:
 def _split_gap(lm64: LoadedModel, prompt: str, **kw) -> tuple[float | None, float | None, dict]:
     """The split check in float64: its largest relative gap, its largest |Δ logit| and the scenario."""
     n = len(lm64.tokenizer(prompt)["input_ids"])
-    cfg = SplitConfig(prompt, split=max(1, n // 2), **kw)
-    res = run_split(lm64, cfg, prove=False)
+    cfg = _split_config(prompt, split=max(1, n // 2), **kw)
+    res = _compose("split", lm64, cfg)
     scenario = {"prompt": prompt, "split": cfg.split, "mode": cfg.mode, "left_pad": cfg.left_pad}
     if not res.main.has_cache:
         return None, None, scenario
@@ -96,7 +105,7 @@ def _remote_code(lm: LoadedModel) -> Check:
 
 
 def _bidirectional(lm64: LoadedModel, prompt: str = PROMPT) -> Check | None:
-    res = run_split(lm64, SplitConfig(prompt, split=5), prove=False)
+    res = _compose("split", lm64, _split_config(prompt, split=5))
     if res.main.has_cache:
         return None
     change = res.main.bidirectional_change
@@ -125,10 +134,8 @@ def _window_check(lm64: LoadedModel, base: str = PROMPT) -> Check:
 
 
 def _quantized_check(lm: LoadedModel, kv: str, weights: str, progress) -> Check:
-    from ..quant.run import QuantConfig, run_quant
-
-    cfg = QuantConfig(PROMPT, kv=kv, weights=weights, max_new_tokens=16)
-    res = run_quant(lm, cfg, progress=progress)
+    cfg = views.get("quant").config_type()(PROMPT, kv=kv, weights=weights, max_new_tokens=16)
+    res = _compose("quant", lm, cfg, progress)
     if res.bitwise_equal:
         return Check(f"quantized ({cfg.label})", "pass", res.explanation, 0.0)
     agree = (f"greedy agrees for all {res.steps} tokens" if res.agreement >= res.steps
@@ -147,12 +154,10 @@ def run_check(lm: LoadedModel, progress=None, weights: str = "none", kv: str = "
     """The cache-safety card of `lm`'s model (its float64 twin runs the checks). weights / kv: check the model
     with quantized weights (int8, int4) and/or a quantized KV cache (see kvviz.views.quant.run): the card is then at best
     `lossy`, with the measured loss."""
-    from ..quant.run import check_feasible
-
     progress = progress or (lambda f, m: None)
     quantized = (weights or "none") != "none" or (kv or "none") != "none"
     if quantized:  # names, packages, devices, dtypes and a cache the model refuses: all fail before the battery
-        check_feasible(lm, kv or "none", weights or "none")
+        views.get("quant").config_type()(prompt, kv=kv or "none", weights=weights or "none").check_feasible(lm)
     lm64 = lm.reference()
     checks: list[Check] = []
     progress(0.05, "Is the model causal?")
@@ -170,12 +175,14 @@ def run_check(lm: LoadedModel, progress=None, weights: str = "none", kv: str = "
         progress(0.55, "alone vs in a batch")
         # float64 decides here; no invariant rerun; only the cell the card reads (the whole grid is 5x slower, and
         # its new-only-mask cells crash models that build positions or alibi from the mask: OPT, BLOOM)
-        pad = run_padding(lm64, prompt, left_pad=2, prove=False, only=(("in a batch", "cache"),))
+        pad = _compose("padding", lm64, views.get("padding").config_type()(prompt, left_pad=2,
+                                                                           only=(("in a batch", "cache"),)))
         cell = next(c for c in pad.cells if c["placement"] == "in a batch" and c["scenario"] == "cache")
         checks.append(_gap_check("alone vs in a batch", max(cell["hidden_relative"], cell["logits_relative"]),
                                  "the prompt in a left-padded batch with longer prompts, through the cache"))
         progress(0.7, "prompt-cache reuse")
-        reuse = run_reuse(lm64, reuse_prefix, list(reuse_questions), 3, prove=False, ways=("deepcopy",))
+        reuse = _compose("reuse", lm64, views.get("reuse").config_type()(reuse_prefix, tuple(reuse_questions), 3,
+                                                                         ways=("deepcopy",)))
         worst = max(r["float64_relative"] for r in reuse.runs if r["strategy"] == "deepcopy")
         checks.append(_gap_check("prompt-cache reuse (deep copy)", worst,
                                  "a cached prefix reused for two continuations through deep copies"))
@@ -220,3 +227,30 @@ def run_check(lm: LoadedModel, progress=None, weights: str = "none", kv: str = "
                                             float64_device=str(lm64.device)))
 
 
+@dataclass(frozen=True)
+class CheckConfig:
+    """The cache-safety card; weights / kv: check the model quantized (see run_check)."""
+    weights: str = "none"
+    kv: str = "none"
+    prompt: str = PROMPT
+    reuse_prefix: str = "Answer in one short sentence."
+    reuse_questions: tuple[str, ...] = (" Q: What is the capital of France? A:", " Q: What colour is the sky? A:")
+
+    def validate(self) -> "CheckConfig":
+        if not isinstance(self.prompt, str) or not self.prompt.strip():
+            raise KvvizError("the prompt is empty")
+        if not self.reuse_questions:
+            raise KvvizError("give at least one question for the prompt-cache reuse check")
+        if (self.weights or "none") != "none" or (self.kv or "none") != "none":
+            views.get("quant").config_type()(self.prompt, kv=self.kv or "none", weights=self.weights or "none")\
+                .validate()
+        return self
+
+
+def run(lm: LoadedModel, config: CheckConfig, ctx: RunContext = DEFAULT_CONTEXT) -> CheckCard:
+    """The view's run (kvviz.protocol: one signature for every view). The card judges in float64 (no proof runs)
+    and composes split, padding, reuse and quant through the registry."""
+    config.validate()
+    with ctx.running() as progress:
+        return run_check(lm, progress, config.weights, config.kv, config.prompt, config.reuse_prefix,
+                         tuple(config.reuse_questions))

@@ -11,4 +11,5 @@ VIEW = View("dtypes", "Dtypes side by side", "DtypesResult", "report:reopen", "f
             page=Page("dtypes", "Investigate", ":material/stacked_line_chart:", link_prefix="dt_",
                       defaults={"prompt": CAPITALS, "dtypes": ("float32", "float16", "bfloat16")},
                       url_aliases=("dtypes_lab",)),
+            config="run:DtypesConfig", run="run:run",
             memory=MemoryProfile(forwards=2, many_prompts=True), scenario="scenario:run")

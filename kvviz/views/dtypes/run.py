@@ -15,11 +15,13 @@ import pandas as pd
 from ...dtypes import DTYPE_NAMES, dtype_name, parse_dtype, supports_dtype
 from ...errors import KvvizError
 from ...execution import DEFAULT_SETTINGS, ExecSettings, RunSettings
-from ...inputs import encode, validate_prompt
+from ...inputs import MODES, check_mode, encode, split_point, validate_prompt  # noqa: F401 - split_point: repro
 from ... import loading
 from ...loading import LoadedModel, ModelSpec
+from ...protocol import DEFAULT_CONTEXT, RunContext
 from ...verdict import Prove
-from ..split.run import SplitConfig, SplitResult, run_split
+from ... import views
+from ...inputs import SplitConfig
 
 Progress = Callable[[float, str], None]
 VERDICTS = ("identical", "precision", "logic")
@@ -61,7 +63,7 @@ class DtypesResult:
     logits_max_abs: dict[str, list[float]]
     verdicts: dict[str, list[str]]
     elapsed_s: float
-    single: dict[str, SplitResult] = field(default_factory=dict)  # full results when the set is one prompt
+    single: dict[str, object] = field(default_factory=dict)  # full split results when the set is one prompt
     proved: dict[str, list] = field(default_factory=dict)  # per dtype and prompt: proved in invariant mode (or None)
 
     METRICS = ("max_abs", "relative", "eps_units")
@@ -90,15 +92,6 @@ class DtypesResult:
         }
 
 
-def split_point(n_tokens: int, split: int | str) -> int:
-    """'last': all but the last token go to the cache; 'half'; or a number (clipped)."""
-    if split == "last":
-        return n_tokens - 1
-    if split == "half":
-        return max(1, n_tokens // 2)
-    return min(int(split), n_tokens - 1)
-
-
 def _models(source, names: list[str], device, attn, trust_remote_code) -> dict[str, LoadedModel]:
     """One loaded model per dtype, float64 first. `source` is a LoadedModel (its twins are used) or a spec."""
     if isinstance(source, LoadedModel):
@@ -122,7 +115,7 @@ class _Collector:
         self.verdicts = {d: [] for d in names}
         self.proved = {d: [] for d in names}
 
-    def add(self, d: str, res: SplitResult, reference: bool) -> None:
+    def add(self, d: str, res, reference: bool) -> None:
         self.proved[d].append(None if reference else res.proved)
         for m in DtypesResult.METRICS:
             self.per_prompt[m][d].append(res.main.hidden[m].max(axis=1))
@@ -149,7 +142,10 @@ def run_dtypes(model: "LoadedModel | ModelSpec | str", prompts: list[str], dtype
     lm64 = models["float64"]
     skipped = [d for d in names if not supports_dtype(models[d].device, parse_dtype(d))]
     out = _Collector(names)
-    single: dict[str, SplitResult] = {}
+    single: dict = {}
+    # the split view composed through the registry; its library run (not the protocol's) takes the float64
+    # comparison already measured, so float64 runs once per prompt for every dtype
+    run_split = views.get("split").resolve("run:run_split")
     kept_prompts: list[str] = []
     labels: list[str] = []
     for i, prompt in enumerate(prompts):
@@ -187,3 +183,32 @@ def run_dtypes(model: "LoadedModel | ModelSpec | str", prompts: list[str], dtype
         logits_max_abs=out.logits_max, verdicts=out.verdicts, elapsed_s=time.perf_counter() - t0, single=single,
         proved=out.proved)
 
+
+@dataclass(frozen=True)
+class DtypesConfig:
+    """The split comparison over a set of prompts in several dtypes (float64, the yardstick, always runs)."""
+    prompts: tuple[str, ...]
+    dtypes: tuple[str, ...] = tuple(DTYPE_NAMES)
+    split: int | str = "last"  # 'last', 'half' or a number of cached tokens
+    mode: str = "chunk"
+
+    def validate(self) -> "DtypesConfig":
+        if not self.prompts:
+            raise KvvizError("no prompts to run")
+        for p in self.prompts:
+            validate_prompt(p)
+        for d in self.dtypes:
+            parse_dtype(d)
+        check_mode(self.mode, MODES, "mode")
+        if self.split not in ("last", "half") and (isinstance(self.split, bool) or not isinstance(self.split, int)
+                                                   or self.split < 1):
+            raise KvvizError(f"the split is 'last', 'half' or a whole number of 1 or more, not {self.split!r}")
+        return self
+
+
+def run(lm: LoadedModel, config: DtypesConfig, ctx: RunContext = DEFAULT_CONTEXT) -> DtypesResult:
+    """The view's run (kvviz.protocol: one signature for every view)."""
+    config.validate()
+    with ctx.running() as progress:
+        return run_dtypes(lm, list(config.prompts), config.dtypes, split=config.split, mode=config.mode,
+                          progress=progress, settings=ctx.settings, prove=ctx.prove)

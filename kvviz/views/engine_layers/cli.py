@@ -36,7 +36,7 @@ def add_arguments(vp) -> None:
 
 def command(args) -> Outcome:
     from .run import EngineLayersConfig, run_engine_layers
-    from ..serving.engines import check_engine
+    from ...engines.serving import check_engine
 
     cfg = EngineLayersConfig(prompt=args.prompt, pair=args.pair, prefix=args.prefix,
                              max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, others=args.others,

@@ -32,11 +32,12 @@ import torch
 
 from ...errors import KvvizError
 from ...execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo
+from ...protocol import DEFAULT_CONTEXT, RunContext
 from ...inputs import check_context, encode
 from ...metrics import first_divergence, hidden_divergence
 from ...naming import layer_labels
 from ...text import display_tokens
-from ..serving.engine_verdict import C_OWN, K_GROWTH, UNIT_ROUNDOFF
+from ...engines.verdict import C_OWN, K_GROWTH, UNIT_ROUNDOFF
 
 PAIRS = {"warm": ("cold", "warm"), "batch": ("alone", "batch"), "tp": ("tp 1", "tp N")}
 ENGINES = ("vllm", "llama.cpp")
@@ -198,7 +199,7 @@ class _Engine:
 
     def __init__(self, lm, cfg: EngineLayersConfig, tp: int, seqs: int):
         from ...engines import WorkerClient
-        from ..serving.engine_workers import _cpu_only
+        from ...engines.workers import _cpu_only
 
         env = {"VLLM_BATCH_INVARIANT": "0"}
         if _cpu_only():  # (TP > 1 on a CPU: the worker binds each rank's threads to a core, vllm_worker.py)
@@ -295,8 +296,8 @@ def _first_row(m: np.ndarray, bound: np.ndarray | None) -> int | None:
 def run_engine_layers(lm, cfg: EngineLayersConfig, progress: Progress | None = None,
                       settings: ExecSettings | None = None) -> EngineLayersResult:
     """Run the pair (module docstring) and judge it. The engine runs the model's folder in the model's dtype."""
-    from ..serving.engines import check_engine
-    from ..serving.engine_workers import check_vllm_dtype
+    from ...engines.serving import check_engine
+    from ...engines.workers import check_vllm_dtype
     from ...dtypes import dtype_name
 
     progress = progress or (lambda f, m: None)
@@ -429,7 +430,7 @@ def _output_rows(lm, prompts, outs, ex64, ex_own, dtype, label_a, label_b) -> li
     """Per prompt, the two sides at their outputs: tokens, distinct completions, the step where they part and the
     Serving view's verdict (each side's top-5 log-probs against the float64 reference on its own tokens; a parting
     step's reference margin against the rounding distance)."""
-    from ..serving.engine_verdict import judge, margin_at, path_distance, reference_logprobs, rounding_scale
+    from ...engines.verdict import judge, margin_at, path_distance, reference_logprobs, rounding_scale
 
     u = rounding_scale(dtype)
     rows = []
@@ -495,3 +496,9 @@ def _judge(a: Side, b: Side, gaps, first_diff, first_beyond, fd, labels, bound, 
         return "identical", text
     return "precision", ("both runs stay within rounding of the float64 reference at every layer: the gap between "
                          "them is the order of rounding, not a bug. " + text)
+
+
+def run(lm, config: EngineLayersConfig, ctx: RunContext = DEFAULT_CONTEXT) -> EngineLayersResult:
+    """The view's run (kvviz.protocol: one signature for every view)."""
+    with ctx.running() as progress:
+        return run_engine_layers(lm, config, progress, settings=ctx.settings)

@@ -24,15 +24,16 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ...compat import output_cache
 from ...dtypes import machine_eps
 from ...errors import KvvizError
 from ...inputs import POSITION_MODES, PromptInputs, build_inputs, check_mode, pad_token_id, positions_from_mask
 from ...execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings, StepPolicy
 from ...loading import LoadedModel
+from ...protocol import DEFAULT_CONTEXT, RunContext
 from ...metrics import first_divergence, hidden_divergence
 from ...text import display_tokens
-from ..split.run import layer_labels
+from ...naming import layer_labels
+from ...replay import Replay, replay_step, top2
 from ...streaming import HeldRows
 from ...verdict import Prove, Verdict, classify, precision_sentence
 
@@ -46,14 +47,6 @@ class GreedyPath(StrEnum):
     GENERATE = "generate"
     USER_LOOP = "user_loop"
     FLOAT64 = "float64"
-
-
-class Replay(StrEnum):
-    """Which computation a path's logits come from, as far as exact arithmetic is concerned (replay_step)."""
-    FULL = "full"  # a full forward over the sequence
-    USER = "user"  # through the cache with no mask or position ids after the prompt
-    CACHED = "cached"  # through the cache with the grown mask and position ids
-    CACHED_OMIT = "cached_omit"  # through the cache with the mask, position ids omitted
 
 
 PATHS = tuple(GreedyPath)
@@ -224,16 +217,6 @@ def _last(out) -> tuple[torch.Tensor, torch.Tensor]:
     return out.logits[0, -1], torch.stack([h[0, -1] for h in out.hidden_states])
 
 
-def _top2(logits: torch.Tensor) -> tuple[int, int, float]:
-    """The greedy choice exactly as argmax makes it (on ties topk may pick another index), the runner-up and the
-    margin between them (0 for a tie, common in 16-bit dtypes)."""
-    t1 = int(logits.argmax())
-    rest = logits.clone()
-    rest[t1] = float("-inf")
-    t2 = int(rest.argmax())
-    return t1, t2, float(logits[t1].double() - logits[t2].double())
-
-
 class StepRecorder:
     def __init__(self, name: str, n: int, on_step: Callable[[], None]):
         self.name, self.n, self.on_step = name, n, on_step
@@ -246,7 +229,7 @@ class StepRecorder:
         self.t0 = time.perf_counter()
 
     def add(self, logits: torch.Tensor, hidden: torch.Tensor, token: int | None = None) -> int:
-        t1, t2, margin = _top2(logits)
+        t1, t2, margin = top2(logits)
         self.tokens.append(t1 if token is None else token)
         self.margins.append(margin)
         self.top2.append(t2)
@@ -377,25 +360,6 @@ def _logic(path: GreedyPath, positions: str) -> Replay:
     if path == GreedyPath.USER_LOOP:
         return Replay.USER
     return Replay.CACHED_OMIT if path == GreedyPath.CACHE and positions == "omit" else Replay.CACHED
-
-
-def replay_step(ex: Executor, inp: PromptInputs, logic: Replay, forced: list[int]) -> torch.Tensor:
-    """The logits a computation gives after being fed `forced` tokens, with the masks and position ids that path
-    uses. Run in float64, where shapes do not matter, so the fed tokens go in one chunk."""
-    dev = inp.ids.device
-    extra = torch.tensor([forced], dtype=inp.ids.dtype, device=dev)
-    mask = torch.cat([inp.mask, torch.ones_like(extra)], 1)
-    logic = Replay(logic)
-    if logic == Replay.FULL:
-        return ex.forward(torch.cat([inp.ids, extra], 1), mask, positions_from_mask(mask), use_cache=False,
-                          hidden=False, logits_to_keep=1).logits[0, -1]
-    user = logic == Replay.USER
-    out = ex.forward(inp.ids, inp.mask, None if user else inp.positions, hidden=False, logits_to_keep=1)
-    if not forced:
-        return out.logits[0, -1]
-    pos = inp.positions[:, -1:] + torch.arange(1, len(forced) + 1, device=dev)
-    return ex.forward(extra, None if user else mask, None if logic in (Replay.USER, Replay.CACHED_OMIT) else pos,
-                      output_cache(out), hidden=False, logits_to_keep=1).logits[0, -1]
 
 
 def _replay_memo(memo: dict, ex64: Executor, inp64, logic: str, forced: list[int]) -> torch.Tensor:
@@ -634,3 +598,9 @@ def run_greedy(lm: LoadedModel, cfg: GreedyConfig, progress: Progress | None = N
                         prompt_tokens=inp.token_texts, layer_labels=layer_labels(runs[names[0]].hidden.shape[1]),
                         paths=_path_results(lm, runs, names), pairs=pairs, notes=_notes(lm, cfg, runs),
                         elapsed_s=time.perf_counter() - t_start, proof_s=proof_s)
+
+
+def run(lm: LoadedModel, config: GreedyConfig, ctx: RunContext = DEFAULT_CONTEXT) -> GreedyResult:
+    """The view's run (kvviz.protocol: one signature for every view)."""
+    with ctx.running() as progress:
+        return run_greedy(lm, config, progress, settings=ctx.settings, prove=ctx.prove)

@@ -20,6 +20,7 @@ from ...execution import Executor, Settings, StepPolicy
 from ...metrics import first_divergence
 from ...inputs import build_inputs
 from ...loading import LoadedModel
+from ...protocol import DEFAULT_CONTEXT, RunContext
 
 
 @dataclass
@@ -85,14 +86,27 @@ def _greedy(lm: LoadedModel, prompt: str, n: int) -> tuple[list[int], torch.Tens
     return d.tokens, torch.stack([lg.double() for lg in d.logits])
 
 
+@dataclass(frozen=True)
+class LoadingTrapConfig:
+    """from_pretrained(dtype) against float32 + .to(dtype), greedy for max_new_tokens."""
+    prompt: str = "This is a "
+    max_new_tokens: int = 24
+    dtype: str = "bfloat16"  # a 16-bit dtype
+
+    def validate(self) -> "LoadingTrapConfig":
+        if parse_dtype(self.dtype) in (torch.float32, torch.float64):
+            raise KvvizError("the loading trap is about 16-bit dtypes: choose bfloat16 or float16")
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
+                or not 1 <= self.max_new_tokens <= 256:
+            raise KvvizError(f"new tokens must be between 1 and 256, not {self.max_new_tokens}")
+        return self
+
+
 def run_loading_trap(lm: LoadedModel, prompt: str = "This is a ", max_new_tokens: int = 24,
                      dtype: str = "bfloat16") -> LoadingTrapResult:
     """`lm` gives the model (any dtype: its twins are used). Compares from_pretrained(dtype) with float32 + .to()."""
+    LoadingTrapConfig(prompt, max_new_tokens, dtype).validate()
     dt = parse_dtype(dtype)
-    if dt in (torch.float32, torch.float64):
-        raise KvvizError("the loading trap is about 16-bit dtypes: choose bfloat16 or float16")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or not 1 <= max_new_tokens <= 256:
-        raise KvvizError(f"new tokens must be between 1 and 256, not {max_new_tokens}")
     loaded = lm.twin(dt)
     cast = _cast_copy(lm.twin("float32"), dt)
     buffers = _buffers(loaded.model, cast.model)
@@ -120,3 +134,9 @@ def run_loading_trap(lm: LoadedModel, prompt: str = "This is a ", max_new_tokens
                              buffers=buffers, loaded_tokens=a_toks, cast_tokens=b_toks,
                              loaded_text=tok.decode(a_toks), cast_text=tok.decode(b_toks), first_divergence=div,
                              max_abs_logit=gaps, verdict=verdict, explanation=text)
+
+
+def run(lm: LoadedModel, config: LoadingTrapConfig, ctx: RunContext = DEFAULT_CONTEXT) -> LoadingTrapResult:
+    """The view's run (kvviz.protocol: one signature for every view)."""
+    with ctx.running():  # its runs are its own: from_pretrained(dtype) against float32 + .to(dtype)
+        return run_loading_trap(lm, config.prompt, config.max_new_tokens, config.dtype)

@@ -11,5 +11,6 @@ VIEW = View("matrix", "Backends & compile", "MatrixResult", "report:reopen", "fi
             repro="repro", cli="cli",
             page=Page("matrix", "Engine", ":material/memory:", link_prefix="mx_",
                       defaults={"prompt": CAPITALS, "n": 8, "repeats": 2, "attn": ("eager", "sdpa"),
-                      "cache": ("dynamic", "static")}, url_aliases=("backends",)), memory=MemoryProfile(),
+                      "cache": ("dynamic", "static")}, url_aliases=("backends",)), config="run:MatrixConfig", run="run:run",
+            memory=MemoryProfile(),
             scenario="scenario:run")

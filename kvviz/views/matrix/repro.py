@@ -4,7 +4,7 @@ from __future__ import annotations
 from ...errors import KvvizError
 from ...inputs import encode
 from ...repro import NO_FLOAT64, float64_mode, header, module_body
-from ..quant.run import kv_group_size
+from ...backends import kv_group_size
 
 TEMPLATE = '''
 DTYPE = torch.{dtype}

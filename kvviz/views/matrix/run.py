@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -22,12 +22,13 @@ from ...dtypes import dtype_name
 from ...environment import environment
 from ...errors import KvvizError, first_line, is_out_of_memory
 from ...execution import CacheKind, ExecSettings, Executor, Settings, StepPolicy
-from ..greedy.run import Replay, replay_step
+from ...replay import Replay, replay_step
 from ...metrics import first_divergence
 from ...invariant import eager_equal_attention
 from ...inputs import POSITION_MODES, PromptInputs, check_mode, encode, pad_token_id, positions_from_mask
 from ... import loading
 from ...loading import LoadedModel
+from ...protocol import DEFAULT_CONTEXT, RunContext
 from ...verdict import Verdict, classify
 from ...text import display_text
 
@@ -352,3 +353,11 @@ def sliding_window_config(lm: LoadedModel, max_new_tokens: int | None = None) ->
     attns = ("eager",) if lm.arch.startswith("gemma2") else ("eager", "sdpa")
     return MatrixConfig(prompt=WINDOW_SHORT_PROMPT, max_new_tokens=n, attentions=attns, caches=("dynamic", "static"),
                         batch_with=(long_prompt,), repeats=2)
+
+
+def run(lm: LoadedModel, config: MatrixConfig, ctx: RunContext = DEFAULT_CONTEXT) -> MatrixResult:
+    """The view's run (kvviz.protocol: one signature for every view)."""
+    # its axes are its own settings; the context's invariant mode runs every cell in invariant mode
+    cfg = replace(config, invariant=True) if ctx.settings.invariant else config
+    with ctx.running() as progress:
+        return run_matrix(lm, cfg, progress=progress)

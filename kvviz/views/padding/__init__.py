@@ -11,5 +11,6 @@ VIEW = View("padding", "Padding and batching", "PaddingResult", "report:reopen",
             verdict_is_html=True, tables="figures:tables", repro="repro", cli="cli",
             page=Page("padding", "Classic traps", ":material/grid_on:", link_prefix="pad_",
                       defaults={"prompt": CAPITALS, "left_pad": 4, "prove": False}, url_aliases=("padding_lab",)),
+            config="run:PaddingConfig", run="run:run",
             memory=MemoryProfile(batch=1 + len(DEFAULT_COMPANIONS), batch_texts=DEFAULT_COMPANIONS,
                                  compared_after_split=True))

@@ -12,15 +12,15 @@ import time
 import pandas as pd
 import torch
 
-from ..dtypes.run import split_point
-from ...compat import output_cache
+from ...compat import output_cache, takes_logits_to_keep
 from ...dtypes import machine_eps
 from ...errors import KvvizError, first_line
 from ...execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings, has_cache
-from ...inputs import encode, pad_token_id, positions_from_mask, token_texts
+from ...inputs import (check_split, encode, pad_token_id, positions_from_mask, split_point, token_texts,
+                      validate_prompt)
 from ...loading import LoadedModel
+from ...protocol import DEFAULT_CONTEXT, RunContext
 from ...streaming import HeldRows, LayerGaps
-from ..split.run import takes_logits_to_keep, check_split
 from ...verdict import Prove, Verdict, classify
 
 Progress = Callable[[float, str], None]
@@ -177,12 +177,12 @@ def companion_ids(lm: LoadedModel, ids: list[int], companions: list[str] | None,
 
 def run_padding(lm: LoadedModel, prompt: str, split: int | None = None, left_pad: int = 4,
                 companions: list[str] | None = None, progress: Progress | None = None,
-                settings: ExecSettings | None = None, prove: Prove = True,
+                settings: ExecSettings | None = None, prove: Prove = None,
                 only: tuple[tuple[str, str], ...] | None = None) -> PaddingResult:
     """The same prompt alone, left-padded, and in a batch with longer prompts; with and without cache, position
     ids auto or omitted, mask full or new-only. Each cell is compared with the prompt alone, no cache, no padding.
-    With left_pad 0 the "left-padded" placement is the same as "alone" and is left out. prove: when a cell is
-    "precision", rerun the grid in invariant mode; each cell's `proved` says whether its gap is exactly 0 there.
+    With left_pad 0 the "left-padded" placement is the same as "alone" and is left out. prove (None or True; False:
+    never): when a cell is "precision", rerun the grid in invariant mode; each cell's `proved` says whether its gap is exactly 0 there.
     only: the (placement, scenario) cells to run (None: all); the cache-safety card needs one, and a model that
     builds its positions or alibi from the mask (OPT, BLOOM) cannot run the new-only-mask scenarios at all."""
     progress = progress or _noop
@@ -214,7 +214,7 @@ def run_padding(lm: LoadedModel, prompt: str, split: int | None = None, left_pad
         cells.append({"placement": placement, "scenario": label, **c, "float64_relative": gap64,
                       "verdict": classify(c["bitwise_equal"], gap64), "proved": None, "reason": None})
     proof_s = None
-    if prove and not settings.invariant and any(c["verdict"] == Verdict.PRECISION for c in cells):
+    if prove is not False and not settings.invariant and any(c["verdict"] == Verdict.PRECISION for c in cells):
         progress(0.8, "Rerunning the grid in invariant mode for the proof…")
         t_proof = time.perf_counter()
         inv = _padding_cells(lm, settings.with_(invariant=True, compile="off"), ids, comp_ids, k, left_pad, only)
@@ -228,3 +228,30 @@ def run_padding(lm: LoadedModel, prompt: str, split: int | None = None, left_pad
                                     companions=tuple(len(c) for c in comp_ids))
     return PaddingResult(settings=info, model=lm.summary(), tokens=token_texts(lm.tokenizer, ids),
                          compared=list(range(k, len(ids))), cells=cells, proof_s=proof_s)
+
+
+@dataclass(frozen=True)
+class PaddingConfig:
+    """The prompt alone, left-padded and in a batch (run_padding)."""
+    prompt: str
+    split: int | None = None  # tokens to the cache (None: half the prompt)
+    left_pad: int = 4
+    companions: tuple[str, ...] | None = None  # the batch's longer prompts (None: built from the prompt)
+    only: tuple[tuple[str, str], ...] | None = None  # the (placement, scenario) cells to run (None: all)
+
+    def validate(self) -> "PaddingConfig":
+        validate_prompt(self.prompt)
+        if isinstance(self.left_pad, bool) or not isinstance(self.left_pad, int) or self.left_pad < 0:
+            raise KvvizError(f"left padding must be 0 or more, not {self.left_pad}")
+        if self.split is not None and (isinstance(self.split, bool) or not isinstance(self.split, int)):
+            raise KvvizError(f"the split must be a whole number, not {self.split!r}")
+        return self
+
+
+def run(lm: LoadedModel, config: PaddingConfig, ctx: RunContext = DEFAULT_CONTEXT) -> PaddingResult:
+    """The view's run (kvviz.protocol: one signature for every view)."""
+    config.validate()
+    with ctx.running() as progress:
+        return run_padding(lm, config.prompt, config.split, config.left_pad,
+                           None if config.companions is None else list(config.companions), progress,
+                           settings=ctx.settings, prove=ctx.prove, only=config.only)

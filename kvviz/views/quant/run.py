@@ -43,8 +43,9 @@ from ...errors import KvvizError, first_line
 from ...execution import DEFAULT_SETTINGS, Executor, RunInfo, RunSettings, StepPolicy
 from ...inputs import PromptInputs, build_inputs
 from ...loading import LoadedModel
+from ...protocol import DEFAULT_CONTEXT, RunContext
 from ...metrics import hidden_divergence, logits_divergence
-from ..split.run import layer_labels
+from ...naming import layer_labels
 from ...text import display_tokens
 
 Progress = Callable[[float, str], None]
@@ -246,6 +247,10 @@ class QuantConfig:
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 raise KvvizError(f"{name} must be a whole number from {lo} to {hi}, not {v!r}")
 
+    def check_feasible(self, lm: LoadedModel) -> None:
+        """What can be known before any run (check_feasible): KvvizError with one line."""
+        check_feasible(lm, self.kv, self.weights)
+
     @property
     def label(self) -> str:
         parts = []
@@ -406,3 +411,9 @@ def explain(res: QuantResult) -> str:
             + f"; next-token choice agrees on "
             f"{sum(res.argmax_agree)} of {res.steps} teacher-forced steps. This is neither precision nor logic: "
             f"quantization changes the numbers, and how much depends on the model.")
+
+
+def run(lm: LoadedModel, config: QuantConfig, ctx: RunContext = DEFAULT_CONTEXT) -> QuantResult:
+    """The view's run (kvviz.protocol: one signature for every view)."""
+    with ctx.running() as progress:  # quantization decides its own cache and weights
+        return run_quant(lm, config, progress)

@@ -11,4 +11,5 @@ VIEW = View("reuse", "Prompt-cache reuse", "ReuseResult", "report:reopen", None,
                       defaults={"prefix": "You are a helpful assistant. Answer in one short sentence.\n",
                       "continuations": ["Q: What is the capital of France?\nA:", "Q: What colour is the sky?\nA:"],
                       "n": 8, "prove": False}, url_aliases=("cache_reuse",)),
+            config="run:ReuseConfig", run="run:run",
             memory=MemoryProfile(decoded_runs=len(REUSE_STRATEGIES), cache_copies=3))

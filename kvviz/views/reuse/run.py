@@ -20,6 +20,7 @@ from ...execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunS
 from ...metrics import first_divergence
 from ...inputs import encode, token_texts
 from ...loading import LoadedModel
+from ...protocol import DEFAULT_CONTEXT, RunContext
 from ...verdict import Prove, Verdict, classify
 
 Progress = Callable[[float, str], None]
@@ -175,3 +176,29 @@ def run_reuse(lm: LoadedModel, prefix: str, continuations: list[str], max_new_to
     run = RunInfo.of(lm, settings)
     info = ReuseSettings.from_run(run, prefix=prefix, continuations=tuple(conts), max_new_tokens=max_new_tokens)
     return ReuseResult(settings=info, model=lm.summary(), prefix_tokens=token_texts(tok, prefix_ids), runs=runs)
+
+
+@dataclass(frozen=True)
+class ReuseConfig:
+    """A shared prefix cached once, reused for several continuations (run_reuse)."""
+    prefix: str
+    continuations: tuple[str, ...]
+    max_new_tokens: int = 12
+    ways: tuple[str, ...] = tuple(REUSE_STRATEGIES)
+
+    def validate(self) -> "ReuseConfig":
+        bad = [w for w in self.ways if w not in REUSE_STRATEGIES]
+        if bad:
+            raise KvvizError(f"unknown way '{bad[0]}'; choose from {', '.join(REUSE_STRATEGIES)}")
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
+                or not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
+            raise KvvizError(f"new tokens must be between 1 and {MAX_NEW_TOKENS}, not {self.max_new_tokens}")
+        return self
+
+
+def run(lm: LoadedModel, config: ReuseConfig, ctx: RunContext = DEFAULT_CONTEXT) -> ReuseResult:
+    """The view's run (kvviz.protocol: one signature for every view)."""
+    config.validate()
+    with ctx.running() as progress:
+        return run_reuse(lm, config.prefix, list(config.continuations), config.max_new_tokens, progress,
+                         settings=ctx.settings, prove=ctx.prove, ways=tuple(config.ways))

@@ -10,4 +10,5 @@ VIEW = View("serving", "Serving", "ServeResult", "report:reopen", "figures:main"
             tables="figures:tables", repro="repro", cli="cli", command_aliases=("serve-study",),
             page=Page("serving", "Engine", ":material/dns:", link_prefix="sv_",
                       defaults={"category": "math_and_facts", "limit": 5, "runs": 3, "n": 8, "batch": 4}),
+            config="run:ServeConfig", run="run:run",
             memory=MemoryProfile())

@@ -1,7 +1,7 @@
 """Serving: the same prompts under serving conditions, R runs each — how many distinct completions, where they
 part from the reference, and why (precision or logic, proved in invariant mode).
 
-Conditions (each run R times through the engine, see kvviz/views/serving/engines.py):
+Conditions (each run R times through the engine, see kvviz/engines/serving.py):
   reference  each prompt alone, without cache: kvviz's greedy no-cache loop (a full forward at every step) - the
              reference every engine run is compared with (run once: the same shapes give the same bits);
   alone      each prompt alone in the engine (one request in flight, prefix sharing off): the cache, cold;
@@ -28,14 +28,15 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 from typing import Callable
 
-from .engines import ENGINES, MIN_PAGE, Request, check_engine, engine_status, make_engine
+from ...engines.serving import ENGINES, MIN_PAGE, Request, check_engine, engine_status, make_engine
 from ...errors import KvvizError
 from ...metrics import first_divergence
 from ...execution import COMPILE_OFF, DEFAULT_CACHE, DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings
 from ...inputs import build_inputs, encode
+from ...replay import Replay, no_cache_tokens, replay_step
 from ...loading import LoadedModel
-from ..split.run import classify
-from ...verdict import Prove, Verdict
+from ...protocol import DEFAULT_CONTEXT, RunContext
+from ...verdict import Prove, Verdict, classify
 
 CONDITIONS = ("alone", "batch", "warm")
 WORKER_ENGINES = ("vllm", "llama.cpp")  # engines judged against the float64 reference by their log-probs
@@ -314,13 +315,9 @@ def _requests(cond: str, ids: list[list[int]], n: int, run: int, plan: dict, pre
 
 
 def _reference(ex: Executor, lm: LoadedModel, text: str, n: int) -> tuple[list[int], list[float]]:
-    from ..greedy.run import GreedyPath, no_cache_loop, StepRecorder
-
     inp = build_inputs(lm, text, 0, extra_tokens=n)
-    rec = StepRecorder(GreedyPath.NO_CACHE, n, lambda: None)
     with ex.session():
-        no_cache_loop(ex, inp, n, rec)
-    return rec.tokens, rec.margins
+        return no_cache_tokens(ex, inp, n)
 
 
 def _engine_run(engine, ex: Executor, reqs, per_batch, sharing, seq):
@@ -331,10 +328,10 @@ def _engine_run(engine, ex: Executor, reqs, per_batch, sharing, seq):
 
 def run_serving(lm: LoadedModel, cfg: ServeConfig, progress: Progress | None = None,
                 settings: ExecSettings | None = None, reference: LoadedModel | None = None,
-                prove: Prove = True) -> ServeResult:
+                prove: Prove = None) -> ServeResult:
     """Run the study (see the module docstring). settings: how the model runs (invariant mode included); reference:
-    the float64 model for the verdicts (lm.reference() when needed); prove: rerun parting conditions in invariant
-    mode (not needed when the study already runs in it)."""
+    the float64 model for the verdicts (lm.reference() when needed); prove (None or True; False: never): rerun
+    parting conditions in invariant mode (not needed when the study already runs in it)."""
     progress = progress or (lambda f, m: None)
     settings = (settings or DEFAULT_SETTINGS).validate()
     if settings.compile != COMPILE_OFF or settings.cache != DEFAULT_CACHE:
@@ -352,11 +349,11 @@ def run_serving(lm: LoadedModel, cfg: ServeConfig, progress: Progress | None = N
         return _study(lm, cfg, engine, settings, reference, prove, progress, time.perf_counter())
     check_engine(cfg.engine)
     if cfg.engine in WORKER_ENGINES:
-        from .engine_workers import check_settings
+        from ...engines.workers import check_settings
 
         check_settings(cfg.engine, settings)
     t_start = time.perf_counter()
-    from .engine_workers import make_worker_engine
+    from ...engines.workers import make_worker_engine
 
     engine = make_worker_engine(cfg.engine, cfg.tensor_parallel_size) or make_engine(cfg.engine, cfg.page_size,
                                                                                      cfg.tensor_parallel_size)
@@ -447,7 +444,7 @@ def _study(lm, cfg, engine, settings, reference, prove, progress, t_start) -> Se
     proof_s = None
     if cfg.engine in WORKER_ENGINES or cfg.server:
         progress(0.85, "Comparing the engine's log-probs with the float64 reference on each path…")
-        from .engine_verdict import engine_verdicts
+        from ...engines.verdict import engine_verdicts
 
         engine_verdicts(results, lm, reference or lm.reference(), settings, engine, ids, completions, logps)
     elif parting:
@@ -456,7 +453,7 @@ def _study(lm, cfg, engine, settings, reference, prove, progress, t_start) -> Se
         ex64 = Executor(lm64, settings.with_(invariant=False))
         for p in parting:
             _explain(p, lm, lm64, ex64, engine, ids, n, plan, prefix_ids, cfg)
-        if prove and not settings.invariant:
+        if prove is not False and not settings.invariant:
             progress(0.93, "Rerunning the parting conditions in invariant mode for the proof…")
             t_proof = time.perf_counter()
             exi = Executor(lm, settings.with_(invariant=True))
@@ -482,7 +479,7 @@ def _study(lm, cfg, engine, settings, reference, prove, progress, t_start) -> Se
 
 
 def engine_info(name: str, page_size: int) -> dict:
-    from .engines import ENGINE_TOGGLES
+    from ...engines.serving import ENGINE_TOGGLES
 
     info = {"name": name, "toggles": list(ENGINE_TOGGLES.get(name, ())), "page_size": page_size}
     if name == "transformers":
@@ -495,8 +492,6 @@ def engine_info(name: str, page_size: int) -> dict:
 def _explain(p: PromptResult, lm, lm64, ex64: Executor, engine, ids, n, plan, prefix_ids, cfg) -> None:
     """The first divergence replayed in float64 on the same tokens: the reference computation (a full forward)
     against the same engine condition (same neighbours or warmer) run on the float64 model."""
-    from ..greedy.run import Replay, replay_step
-
     t, cond = p.first_divergence, p.condition
     forced = p.reference[:t]
     ids64 = [encode(lm64, cfg.shared_prefix + q) for q in cfg.prompts]
@@ -616,3 +611,9 @@ def summary_text(res: ServeResult) -> str:
     for note in res.notes:
         lines.append(f"note: {note}")
     return "\n".join(lines)
+
+
+def run(lm: LoadedModel, config: ServeConfig, ctx: RunContext = DEFAULT_CONTEXT) -> ServeResult:
+    """The view's run (kvviz.protocol: one signature for every view)."""
+    with ctx.running() as progress:
+        return run_serving(lm, config, progress, settings=ctx.settings, prove=ctx.prove)

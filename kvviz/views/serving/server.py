@@ -2,7 +2,7 @@
 
 `kvviz serving --server URL --model <local weights>` runs the same conditions against a server someone else started
 (`vllm serve`, `llama-server`, SGLang) and judges every distinct completion against kvviz's float64 reference on the
-local weights (engine_verdict.py, the path the worker engines take). Each request: the prompt as token ids, greedy
+local weights (kvviz/engines/verdict.py, the path the worker engines take). Each request: the prompt as token ids, greedy
 (temperature 0), `max_tokens`, `logprobs` = TOP_K, `ignore_eos`, and `return_tokens_as_token_ids` (vLLM: the
 returned tokens are "token_id:N", read exactly). A server that ignores that option returns token strings: each is
 mapped through the local tokenizer (its exact vocabulary piece, else its encoding when that is one token) and the
@@ -30,7 +30,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 from ...errors import KvvizError
-from .engines import EngineRun, Request, RequestOut
+from ...engines.serving import EngineRun, Request, RequestOut
 
 TOP_K = 5
 PROBE_TEXT = "The capital of France is"
@@ -160,7 +160,7 @@ class ServerEngine:
         from ...dtypes import dtype_name
         from ...execution import Executor
         from ...inputs import encode
-        from .engine_verdict import reference_logprobs
+        from ...engines.verdict import reference_logprobs
 
         self.dtype = dtype_name(lm.dtype)  # the local weights' dtype: name the one the server runs with --dtype
         try:

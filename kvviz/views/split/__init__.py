@@ -11,4 +11,5 @@ VIEW = View("split", "Split point", "SplitResult", "report:reopen", "figures:mai
             tables="figures:tables", repro="repro", cli="cli",
             page=Page("split", "Investigate", ":material/content_cut:",
                       defaults={"prompt": CAPITALS}, url_aliases=("split_point",)),
+            config="run:SplitConfig", run="run:run",
             memory=MemoryProfile(forwards=2, compared_after_split=True), scenario="scenario:run")

@@ -18,13 +18,14 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ...compat import output_cache
+from ...compat import output_cache, takes_logits_to_keep
 from ...dtypes import dtype_name, machine_eps
-from ...errors import KvvizError
-from ...inputs import MASK_MODES, POSITION_MODES, PromptInputs, build_inputs, check_mode
+from ...inputs import MODES, PromptInputs, SplitConfig, build_inputs, cached_mask, check_split  # noqa: F401 - MODES
 from ...text import display_text
 from ...execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings, cache_layers, has_cache
 from ...loading import LoadedModel
+from ...protocol import DEFAULT_CONTEXT, RunContext
+from ...naming import layer_labels
 from ...memory import REFERENCE_LOGITS_BYTES, fits_beside  # float64 logits over REFERENCE_LOGITS_BYTES: in chunks
 from ...metrics import HIDDEN_METRICS as HIDDEN_METRIC_LABELS
 from ...metrics import describe_table, logits_divergence, logits_rows, tensor_diff
@@ -32,28 +33,8 @@ from ...streaming import HeldRows, LayerGaps
 from ...verdict import (Finding, Prove, Verdict, amplification, classify, layers_prefix,  # noqa: F401
                        precision_sentence)
 
-MODES = ("chunk", "step")
 
 Progress = Callable[[float, str], None]
-
-
-@dataclass
-class SplitConfig:
-    prompt: str
-    split: int
-    mode: str = "chunk"
-    left_pad: int = 0
-    position_ids: str = "auto"
-    attention_mask: str = "full"
-
-    def validate(self) -> None:
-        check_mode(self.mode, MODES, "mode")
-        check_mode(self.position_ids, POSITION_MODES, "position-ids mode")
-        check_mode(self.attention_mask, MASK_MODES, "attention-mask mode")
-        if not isinstance(self.split, int) or isinstance(self.split, bool):
-            raise KvvizError(f"the split must be a whole number, not {self.split!r}")
-        if not isinstance(self.left_pad, int) or self.left_pad < 0:
-            raise KvvizError(f"left padding must be 0 or more, not {self.left_pad}")
 
 
 @dataclass(frozen=True)
@@ -178,13 +159,6 @@ class SplitResult:
         }
 
 
-def layer_labels(n_hidden: int) -> list[str]:
-    """hidden_states[0] is the embeddings; in transformers 5 the last one is after the final norm (kvviz.naming)."""
-    from ...naming import layer_labels as _labels
-
-    return _labels(n_hidden)
-
-
 def compare_caches(ref_cache, got_cache, total: int, pad: int) -> list[dict]:
     """Per layer: elements of K and V that differ (non-pad positions), and the max |Δ|.
 
@@ -230,7 +204,7 @@ def _rest_through_cache(ex: Executor, cfg: SplitConfig, inp: PromptInputs, a0: i
     logits [n_rest, V] (token by token with `ref_logits` given: a _Compared, each step's row compared as it comes)
     and the grown cache."""
     rest = inp.ids[:, a0:]
-    mask_of = (lambda s, e: cached_mask(cfg, inp, a0 + s, a0 + e))
+    mask_of = (lambda s, e: cached_mask(cfg.attention_mask, inp, a0 + s, a0 + e))
     positions_of = (lambda s, e: inp.positions[:, a0 + s:a0 + e]) if cfg.position_ids == "auto" else None
     if cfg.mode == "chunk":
         progress(0.5, "Rest through the cache, one chunk…")
@@ -399,22 +373,6 @@ class _ChunkedLogits:
         return chunk[start - s:stop - s]
 
 
-def takes_logits_to_keep(model) -> bool:
-    import inspect
-
-    try:
-        return "logits_to_keep" in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def cached_mask(cfg: SplitConfig, inp: PromptInputs, start: int, end: int) -> torch.Tensor:
-    """`full`: past + new (what the model needs); `new-only`: just the new tokens (a mistake transformers accepts)."""
-    if cfg.attention_mask == "full":
-        return inp.mask[:, :end]
-    return inp.mask[:, start:end]
-
-
 def _likely_cause(cfg: SplitConfig, comp: Comparison) -> str:
     if not comp.has_cache:
         return ("the model returned no cache at all: it is bidirectional (every token attends to later ones too, "
@@ -468,14 +426,6 @@ def verdict_for(cfg: SplitConfig, main: Comparison, f64: Comparison | None, prov
     return "logic", (
         f"Logic, not rounding: the gap is {gap:.3g} of the value's size in {main.dtype} and still {gap64:.3g} in "
         f"float64, where rounding could explain at most ~1e-12. Likely cause: {_likely_cause(cfg, main)}.")
-
-
-def check_split(n_tokens: int, split: int) -> None:
-    if n_tokens < 2:
-        raise KvvizError("the prompt is a single token; a split needs at least 2 tokens")
-    if not 1 <= split <= n_tokens - 1:
-        raise KvvizError(f"split {split} is outside the prompt: choose 1 to {n_tokens - 1} "
-                         f"(the prompt has {n_tokens} tokens; at least one must go to the cache and one after it)")
 
 
 def proof_line(verdict: str, main: Comparison, inv: Comparison, settings: ExecSettings) -> str:
@@ -603,3 +553,9 @@ def run_split(lm: LoadedModel, cfg: SplitConfig, progress: Progress | None = Non
                        layer_labels=layer_labels(lm.n_layers + 1), main=main, float64=f64, verdict=verdict,
                        explanation=explanation, notes=list(lm.warnings), elapsed_s=time.perf_counter() - t0,
                        invariant=inv, proof=proof, proof_s=proof_s)
+
+
+def run(lm: LoadedModel, config: SplitConfig, ctx: RunContext = DEFAULT_CONTEXT) -> SplitResult:
+    """The view's run (kvviz.protocol: one signature for every view)."""
+    with ctx.running() as progress:
+        return run_split(lm, config, progress, settings=ctx.settings, prove=ctx.prove)

@@ -1,4 +1,4 @@
-"""The Serving view's real engines in their own environments: vLLM and llama.cpp, each a worker process
+"""Real engines in their own environments (Serving, Engine layers): vLLM and llama.cpp, each a worker process
 (kvviz/engines/) behind the same `run(lm, requests, …) -> EngineRun` the transformers engine has.
 
 Per request they return the token ids, the per-step top-k log-probs with the chosen token's, the cached prompt
@@ -21,8 +21,8 @@ from __future__ import annotations
 import os
 import time
 
-from ...errors import KvvizError
-from .engines import EngineRun, Request, RequestOut
+from ..errors import KvvizError
+from .serving import EngineRun, Request, RequestOut
 
 TOP_K = 5
 VLLM_BLOCK = 32
@@ -62,7 +62,7 @@ class WorkerEngine:
                 "start_s": self.start_s, "top_k": TOP_K}
 
     def _start(self, key, **fields) -> None:
-        from ...engines import WorkerClient
+        from . import WorkerClient
 
         if self._key == key and self._client is not None:
             return
@@ -124,7 +124,7 @@ class VllmWorkerEngine(WorkerEngine):
 
     def run(self, lm, requests: list[Request], *, max_in_flight: int, prefix_sharing: bool,
             sequential_keys: set[str] | None = None, invariant: bool = False) -> EngineRun:
-        from ...dtypes import dtype_name
+        from ..dtypes import dtype_name
 
         if not requests:
             return EngineRun({}, 0.0, 0)
@@ -185,7 +185,7 @@ def gguf_of(lm) -> tuple[str, str | None]:
 
 def make_worker_engine(name: str, tensor_parallel_size: int = 1) -> WorkerEngine | None:
     """The worker engine for `name`, or None where the in-process one runs (transformers; vLLM importable here)."""
-    from .engines import vllm_available
+    from .serving import vllm_available
 
     if name == "llama.cpp":
         return LlamaCppEngine()
@@ -196,7 +196,7 @@ def make_worker_engine(name: str, tensor_parallel_size: int = 1) -> WorkerEngine
 
 def check_settings(name: str, settings) -> None:
     """Refuse, in one line and before anything runs, what the engine cannot honour here."""
-    from .engines import vllm_available
+    from .serving import vllm_available
 
     if settings.invariant and name == "vllm" and not vllm_available() and _cpu_only():
         raise KvvizError(INVARIANT_REFUSED["vllm"])

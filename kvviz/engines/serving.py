@@ -1,0 +1,387 @@
+"""Serving engines (the Serving and Engine layers views run them): small, explicit adapters, each saying what
+it can toggle.
+
+* `transformers` (default, CPU and GPU): transformers' own continuous batching - a paged KV cache and a FIFO
+  scheduler (`generation/continuous_batching/`, the engine behind `model.generate_batch`). kvviz drives the
+  `ContinuousBatchingManager` that `generate_batch` drives, with these toggles:
+    - `max_requests_per_batch`  how many requests are in flight together (1: each request alone; k: batches of k);
+    - `allow_block_sharing`     prefix sharing: completed cache pages are hashed and reused by a later request
+                                whose prompt starts with the same tokens (a warm prefix); off: every prefill is cold;
+    - `page_size`               tokens per cache page (prefix sharing works in whole pages; at least 4);
+    - attention                 the model's own: `sdpa` stays `sdpa` (paged), `eager` runs as `paged|eager`
+                                (the only two CB implementations besides flash; kvviz never switches to flash);
+    - CUDA graphs, compile and async double-buffering are off, so the batches are exactly those the scheduler
+      makes (nothing padded), the same on every machine.
+  The engine runs its loop in a background thread. kvviz runs that thread under the caller's torch function modes
+  (invariant mode, the float64 keep-mode), so invariant mode covers the engine as it covers every other path, and
+  it reads each step's scores where the engine samples from them (top-2 margin per request; the full row where asked).
+  While a run holds the model's lock the engine may switch the model's attention to `paged|eager`; it is switched
+  back when the run ends, also on error.
+* `vllm` (where it is importable, GPU): offline `vllm.LLM(...)` with `enable_prefix_caching` on/off,
+  `VLLM_BATCH_INVARIANT` on/off and `tensor_parallel_size`. Where it is absent `engine_status("vllm")` says so in
+  one line and nothing else needs it.
+"""
+from __future__ import annotations
+
+import gc as _gc
+import importlib.util
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch.overrides import _get_current_function_mode_stack
+
+from .. import cancel, compat
+from ..errors import KvvizError, first_line
+
+ENGINES = ("transformers", "vllm", "llama.cpp")
+ENGINE_TOGGLES = {
+    "transformers": ("max_requests_per_batch (1 = alone, k = batches of k)", "allow_block_sharing (prefix sharing: "
+                     "warm vs cold)", "page_size (prefix sharing works in whole pages)",
+                     "attention: the model's sdpa, or eager as paged|eager", "CUDA graphs / compile / async: off"),
+    "vllm": ("enable_prefix_caching on/off", "VLLM_BATCH_INVARIANT on/off", "tensor_parallel_size (Ray for several "
+             "nodes, as vLLM documents)"),
+    "llama.cpp": ("the context emptied before a prompt (cache_prompt=false) or its common prefix reused "
+                  "(prompt cache / slot reuse)", "batch neighbours: k sequences in one context with a unified KV buffer "
+                  "(parallel slots), one llama_batch per step"),
+}
+MIN_PAGE = 4
+_TIMEOUT_S = 600.0
+
+
+def vllm_available() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def engine_status(name: str) -> str | None:
+    """None when the engine can run here, else one line saying why not (and how to get it)."""
+    from . import engine_python, how_to_get
+
+    if name not in ENGINES:
+        return f"unknown engine '{name}'; choose one of {', '.join(ENGINES)}"
+    if name == "vllm" and not vllm_available() and engine_python("vllm") is None:
+        return how_to_get("vllm")
+    if name == "llama.cpp" and engine_python("llama.cpp") is None:
+        return how_to_get("llama.cpp")
+    return None
+
+
+def check_engine(name: str) -> None:
+    msg = engine_status(name)
+    if msg is not None:
+        raise KvvizError(msg)
+
+
+@dataclass
+class Request:
+    """One request: its token ids, how many new tokens, and whether kvviz keeps its full score rows."""
+
+    key: str
+    ids: list[int]
+    max_new_tokens: int
+    keep_scores: bool = False
+
+
+@dataclass
+class RequestOut:
+    tokens: list[int]
+    margins: list[float]  # top-2 margin of the engine's scores at each step (empty when not captured)
+    scores: list[torch.Tensor] = field(default_factory=list, repr=False)  # full rows, float64 (keep_scores only)
+    cached_tokens: int = 0  # prompt tokens taken from the cache (prefix sharing) instead of being computed
+    logprobs: list = field(default_factory=list, repr=False)  # per step: [(token id, log-prob)] top-k, best first
+    chosen: list = field(default_factory=list, repr=False)  # per step: the chosen token's log-prob (worker engines)
+
+
+@dataclass
+class EngineRun:
+    outputs: dict[str, RequestOut]
+    seconds: float
+    new_tokens: int
+
+
+class _Capture:
+    """Reads the scores the engine samples from (its greedy argmax): which request each row belongs to, the top-2
+    margin, maybe the whole row. Hooked on this manager's model runner only (no per-op cost)."""
+
+    def __init__(self, manager, keep: set[str], margins: dict, scores: dict):
+        self.manager, self.keep, self.margins, self.scores = manager, keep, margins, scores
+        self.cached: dict[str, int] = {}
+
+    def hook(self, batch_processor) -> None:
+        compat.cb_hook_sampler(batch_processor, self.record)
+        compat.cb_hook_prefix_match(batch_processor, self.matched)
+
+    def matched(self, request_id: str, n: int) -> None:
+        self.cached[request_id] = self.cached.get(request_id, 0) + n
+
+    def record(self, rows: list[str], probs: torch.Tensor) -> None:
+        if not rows or len(rows) > probs.shape[0]:
+            return
+        top = probs[: len(rows)].double().topk(2, dim=-1).values
+        gaps = (top[:, 0] - top[:, 1]).cpu().tolist()
+        for i, rid in enumerate(rows):
+            self.margins.setdefault(rid, []).append(gaps[i])
+            if rid in self.keep:
+                self.scores.setdefault(rid, []).append(probs[i].detach().double().cpu())
+
+
+def _thread_modes() -> list:
+    """The torch function modes active in the calling thread (invariant mode, float64 keep-mode, test kernels)."""
+    try:
+        return list(_get_current_function_mode_stack())
+    except Exception:  # noqa: BLE001 - private torch API: without it the engine runs without them
+        return []
+
+
+class TransformersEngine:
+    """transformers' continuous batching, one manager per call (see the module docstring)."""
+
+    name = "transformers"
+
+    def __init__(self, page_size: int = 8):
+        if not isinstance(page_size, int) or page_size < MIN_PAGE:
+            raise KvvizError(f"the page size must be a whole number, {MIN_PAGE} or more, not {page_size!r}")
+        self.page_size = page_size
+
+    def close(self) -> None:
+        """Nothing to free: each run makes and destroys its own manager."""
+
+    def run(self, lm, requests: list[Request], *, max_in_flight: int, prefix_sharing: bool,
+            sequential_keys: set[str] | None = None, invariant: bool = False) -> EngineRun:
+        """Run `requests` through one engine instance (call inside the Executor's session: the model's lock and
+        run contexts). max_in_flight: requests per batch. sequential_keys: requests that are submitted only after
+        every earlier request has finished (a warmer and its target), so their batches are exactly planned. invariant:
+        nothing to set here - invariant mode reaches the engine's thread as the caller's torch function modes."""
+        from transformers import GenerationConfig
+        ContinuousBatchingConfig, WorkloadHints = compat.continuous_batching_config_classes()
+
+        if not requests:
+            return EngineRun({}, 0.0, 0)
+        model = lm.model
+        longest = max(len(r.ids) + r.max_new_tokens for r in requests)
+        pages_per = -(-longest // self.page_size) + 1
+        num_blocks = pages_per * (len(requests) + 2) + 8
+        gc = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=max(r.max_new_tokens for r in requests),
+                              eos_token_id=-1, pad_token_id=0)
+        cb = ContinuousBatchingConfig(page_size=self.page_size, num_blocks=num_blocks,
+                                      max_batch_tokens=max(64, max_in_flight * longest),
+                                      max_requests_per_batch=max_in_flight, allow_block_sharing=prefix_sharing,
+                                      use_async_batching=False, use_cuda_graph=False, auto_switch_to_flash=False,
+                                      scheduler_type="fifo", max_blocks_per_request=0)
+        hints = WorkloadHints(max_prompt_length=max(len(r.ids) for r in requests),
+                              max_generated_length=gc.max_new_tokens, num_requests=len(requests))
+        original_attn = compat.attention_implementation(model)
+        modes = _thread_modes()
+        if lm.dtype == torch.float64:  # the engine casts its logits with .float(): keep float64 a float64 run
+            from ..float64 import KeepFloat64
+
+            modes.append(KeepFloat64())
+        margins: dict[str, list[float]] = {}
+        scores: dict[str, list[torch.Tensor]] = {}
+        keep = {r.key for r in requests if r.keep_scores}
+        results: dict[str, object] = {}
+        t0 = time.perf_counter()
+        manager = None
+        # transformers' stop() runs gc.collect() (twice per manager): freeze what exists before the run so that those
+        # collections only scan the run's own objects (unfrozen after, also on error; only gc speed changes)
+        _gc.freeze()
+        try:
+            try:
+                manager = model.init_continuous_batching(generation_config=gc, continuous_batching_config=cb,
+                                                         workload_hints=hints)
+            except (ValueError, RuntimeError) as e:
+                raise KvvizError(f"transformers' continuous batching cannot run this model: "
+                                 f"{str(e).splitlines()[0]}") from None
+            capture = _Capture(manager, keep, margins, scores)
+            failure = compat.cb_hook_manager(manager, lambda: _entered(modes), capture.hook)
+            seq = sequential_keys or set()
+            batch_now = [r for r in requests if r.key not in seq]
+            for r in batch_now:
+                manager.add_request(r.ids, request_id=r.key, max_new_tokens=r.max_new_tokens, eos_token_id=-1)
+            manager.start()
+            _collect(manager, {r.key for r in batch_now}, results, failure)
+            for r in requests:
+                if r.key in seq:
+                    manager.add_request(r.ids, request_id=r.key, max_new_tokens=r.max_new_tokens, eos_token_id=-1)
+                    _collect(manager, {r.key}, results, failure)
+        finally:
+            try:
+                if manager is not None:
+                    manager.stop(block=True, timeout=60)
+                    manager.destroy()
+            finally:
+                if compat.attention_implementation(model) != original_attn:
+                    model.set_attn_implementation(original_attn)
+                _gc.unfreeze()
+        seconds = time.perf_counter() - t0
+        outs: dict[str, RequestOut] = {}
+        new = 0
+        for r in requests:
+            res = results[r.key]
+            toks = [int(t) for t in res.generated_tokens]
+            new += len(toks)
+            m = margins.get(r.key, [])
+            outs[r.key] = RequestOut(toks, m[-len(toks):] if len(m) >= len(toks) else m, scores.get(r.key, []),
+                                     capture.cached.get(r.key, 0))
+        return EngineRun(outs, seconds, new)
+
+
+class _entered:
+    """Enter a list of torch function modes (outermost first) and leave them in reverse order."""
+
+    def __init__(self, modes: list):
+        self.modes = modes
+
+    def __enter__(self):
+        self.done = []
+        for m in self.modes:
+            m.__enter__()
+            self.done.append(m)
+        return self
+
+    def __exit__(self, *exc):
+        for m in reversed(self.done):
+            m.__exit__(None, None, None)
+        return False
+
+
+def _engine_failure(e: BaseException) -> BaseException:
+    """The engine thread's exception as the caller's one line (a KvvizError passes through as it is)."""
+    if isinstance(e, KvvizError):
+        return e
+    return KvvizError(f"the continuous-batching engine failed on transformers {compat.TRANSFORMERS_VERSION}: "
+                      + first_line(e, typed=True))
+
+
+def _collect(manager, keys: set[str], results: dict, failure: list) -> None:
+    deadline = time.perf_counter() + _TIMEOUT_S
+    waiting = set(keys)
+    while waiting:
+        if failure:
+            raise _engine_failure(failure[0])
+        cancel.check()  # a stopped run: the engine is stopped by the caller's finally (kvviz.cancel)
+        res = manager.get_result(timeout=0.2)
+        if res is None:
+            fatal = compat.cb_fatal_error(manager)
+            if fatal is not None:
+                raise KvvizError(f"the continuous-batching engine failed: {str(fatal).splitlines()[0]}")
+            if compat.cb_stopped_and_drained(manager):
+                if failure:
+                    raise _engine_failure(failure[0])
+                raise KvvizError("the continuous-batching engine stopped before every request finished")
+            if time.perf_counter() > deadline:
+                raise KvvizError(f"the continuous-batching engine gave no result within {_TIMEOUT_S:.0f} s")
+            continue
+        if res.is_finished() and res.request_id in waiting:
+            if res.error is not None:
+                raise KvvizError(f"request {res.request_id} failed in the engine: {str(res.error).splitlines()[0]}")
+            results[res.request_id] = res
+            waiting.discard(res.request_id)
+
+
+def make_engine(name: str, page_size: int = 8, tensor_parallel_size: int = 1):
+    check_engine(name)
+    if name == "transformers":
+        if tensor_parallel_size != 1:
+            raise KvvizError("tensor_parallel_size applies to the vLLM engine only (transformers' continuous "
+                             "batching runs the model on one device)")
+        return TransformersEngine(page_size)
+    return VllmEngine(tensor_parallel_size)
+
+
+class VllmEngine:
+    """Offline vllm.LLM over the model's folder. Toggles: prefix caching on/off (`prefix_sharing`), batch-invariant
+    kernels (VLLM_BATCH_INVARIANT, on in kvviz's invariant mode; set for the run and restored after it),
+    tensor_parallel_size, max_num_seqs (requests in flight). One LLM at a time: a run with other toggles shuts the
+    previous one down first (each takes most of the GPU's memory), and `close()` frees the last. Margins are read
+    from the top-2 logprobs (a logprob gap is the logit gap). Tested with a stand-in `vllm` module
+    (tests/test_serving.py); run on a GPU machine for real figures."""
+
+    name = "vllm"
+
+    def __init__(self, tensor_parallel_size: int = 1):
+        self.tp = tensor_parallel_size
+        self._llm = None
+        self._key = None
+
+    def _engine(self, lm, key):
+        from ..dtypes import dtype_name
+
+        if self._key != key:
+            self.close()
+            from vllm import LLM
+
+            prefix_sharing, max_in_flight, _ = key
+            self._llm = LLM(model=lm.source, dtype=dtype_name(lm.dtype), enable_prefix_caching=prefix_sharing,
+                            tensor_parallel_size=self.tp, max_num_seqs=max_in_flight, enforce_eager=True)
+            self._key = key
+        return self._llm
+
+    def close(self) -> None:
+        llm, self._llm, self._key = self._llm, None, None
+        if llm is None:
+            return
+        for path in ("llm_engine.engine_core.shutdown", "llm_engine.shutdown"):
+            obj = llm
+            try:
+                for part in path.split("."):
+                    obj = getattr(obj, part)
+            except AttributeError:
+                continue
+            obj()
+            break
+        del llm
+        import gc
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def run(self, lm, requests: list[Request], *, max_in_flight: int, prefix_sharing: bool,
+            sequential_keys: set[str] | None = None, invariant: bool = False) -> EngineRun:
+        import os
+
+        if lm.dtype == torch.float64:
+            raise KvvizError("vLLM has no float64 mode")
+        saved = os.environ.get("VLLM_BATCH_INVARIANT")
+        os.environ["VLLM_BATCH_INVARIANT"] = "1" if invariant else "0"
+        try:
+            from vllm import SamplingParams
+
+            llm = self._engine(lm, (prefix_sharing, max_in_flight, invariant))
+            seq = sequential_keys or set()
+            outs: dict[str, RequestOut] = {}
+            t0 = time.perf_counter()
+            groups = [[r for r in requests if r.key not in seq]] + [[r] for r in requests if r.key in seq]
+            for group in groups:
+                if not group:
+                    continue
+                res = llm.generate([{"prompt_token_ids": r.ids} for r in group],
+                                   [SamplingParams(temperature=0.0, max_tokens=r.max_new_tokens, ignore_eos=True,
+                                                   logprobs=5) for r in group])
+                for r, o in zip(group, res):
+                    c = o.outputs[0]
+                    toks = [int(t) for t in c.token_ids]
+                    top = [sorted(((int(i), float(getattr(v, "logprob", v))) for i, v in step.items()),
+                                  key=lambda x: -x[1]) for step in (c.logprobs or [])]
+                    chosen = [dict(s).get(t) for t, s in zip(toks, top)]
+                    outs[r.key] = RequestOut(toks, _logprob_margins(c.logprobs),
+                                             cached_tokens=int(getattr(o, "num_cached_tokens", 0) or 0),
+                                             logprobs=top, chosen=chosen)
+            return EngineRun(outs, time.perf_counter() - t0, sum(len(o.tokens) for o in outs.values()))
+        finally:
+            if saved is None:
+                os.environ.pop("VLLM_BATCH_INVARIANT", None)
+            else:
+                os.environ["VLLM_BATCH_INVARIANT"] = saved
+
+
+def _logprob_margins(steps) -> list[float]:
+    """Top-2 gap of each step's logprobs ({token id: Logprob(logprob=…)} per step); [] when vLLM gave none."""
+    out = []
+    for step in steps or []:
+        vals = sorted((float(getattr(v, "logprob", v)) for v in step.values()), reverse=True)
+        if len(vals) < 2:
+            return []
+        out.append(vals[0] - vals[1])
+    return out

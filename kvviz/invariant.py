@@ -48,6 +48,7 @@ measures the cost against the normal run as the prompt and the model grow.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 
@@ -1106,6 +1107,8 @@ class InvariantMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _PLAIN:  # most ops (views, adds, casts): passed through without the routing below
+            return func(*args, **kwargs)
         if func is F.linear:
             return block_linear(*args, **kwargs)
         if func is torch.addmm and len(args) >= 3 and args[1].dim() == 2:
@@ -1136,7 +1139,19 @@ class InvariantMode(TorchFunctionMode):
             return lanewise(func, *args, **kwargs)
         if func is F.conv1d or func is torch.conv1d:
             return fixed_order_conv1d(*args, **kwargs)
+        if func not in _routed() and "grouped_mm_fallback" not in compat.op_qualified_name(func):
+            _PLAIN.add(func)
         return func(*args, **kwargs)
+
+
+_PLAIN: set = set()  # ops InvariantMode never routes, learned as they are first seen
+
+
+@functools.cache
+def _routed() -> frozenset:
+    """Every op InvariantMode may route (some only for some arguments): never taken into _PLAIN."""
+    return frozenset({F.linear, torch.addmm, *_MATMULS, *_GROUPED, torch.logsumexp, torch.Tensor.logsumexp,
+                      *_SOFTMAXES, F.scaled_dot_product_attention, F.embedding, *_LANEWISE, F.conv1d, torch.conv1d})
 
 
 # Chunked scans a model calls as module-level functions of its transformers modeling module, each with the

@@ -32,6 +32,11 @@ def add_arguments(vp) -> None:
     vp.add_argument("--server", default=None,
                     help="URL of your running OpenAI-compatible server (vllm serve, llama-server, SGLang): its "
                          "/v1/completions with log-probs run the conditions, judged against --model's weights")
+    vp.add_argument("--sweep", action="store_true",
+                    help="where determinism ends: requests in flight × prompt length against the engine (or --server)")
+    vp.add_argument("--concurrency", default="1,2,4,8,16,32", help="--sweep: requests in flight per column")
+    vp.add_argument("--lengths", default="16,64,256,1024", help="--sweep: prompt lengths in tokens per row")
+    vp.add_argument("--budget", type=float, default=None, help="--sweep: stop between cells after this many seconds")
     repro_arg(vp)
     vp.set_defaults(handler=command)
 
@@ -42,6 +47,8 @@ def command(args) -> Outcome:
 
     if not args.server:
         check_engine(args.engine)  # one line where vLLM is asked for and absent, before anything loads
+    if args.sweep:
+        return sweep_command(args)
     prompts, source = load_prompt_set(args.prompts, args.prompt, args.limit)
     conditions = args.conditions or "alone,batch,warm"
     cfg = ServeConfig(prompts=prompts, shared_prefix=args.prefix, conditions=split_list(conditions),
@@ -59,3 +66,20 @@ def summary(res) -> str:
     from .run import summary_text
 
     return summary_text(res)
+
+
+def sweep_command(args) -> Outcome:
+    from ...errors import KvvizError
+    from .sweep import SweepConfig, run_sweep, summary_text
+
+    try:
+        conc, lengths = (tuple(int(x) for x in split_list(v)) for v in (args.concurrency, args.lengths))
+    except ValueError:
+        raise KvvizError("--concurrency and --lengths take comma-separated whole numbers, like 1,4,16") from None
+    cfg = SweepConfig(concurrency=conc, lengths=lengths, prompts_per_cell=min(args.limit, 64),
+                      max_new_tokens=args.max_new_tokens, runs=args.runs, seed=args.seed, engine=args.engine,
+                      server=args.server, budget_s=args.budget)
+    cfg.validate()
+    lm = load(args)
+    res = run_sweep(lm, cfg, progress=progress_to_stderr(args.quiet), settings=settings(args))
+    return Outcome(res, lm, lambda: summary_text(res), payload=res.to_dict, exportable=False)

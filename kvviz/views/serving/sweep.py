@@ -1,0 +1,243 @@
+"""Where determinism ends (issue 41 item 4): requests in flight × prompt length against one engine.
+
+Per cell (c requests in flight, prompts of about L tokens, built deterministically from one text): the serving
+study's own conditions - each prompt alone (the cache, cold) and, for c > 1, in a continuous batch of c (the prompts
+with seeded random neighbours filling the batch up to c) - through one engine kept open for the whole grid, judged by
+the serving study's code (`run._study`: distinct completions, first divergence, top-2 margins, the verdict against
+kvviz's float64 reference). The cell reads: distinct completions per prompt, the share of prompts whose batched
+output parts from the same prompt run alone, the earliest first divergence and the reference's top-2 margin there,
+and the cell's verdict (logic if any prompt's is, else precision if any parted, else identical).
+
+The sweep stops cleanly between cells when its time budget is spent (the cells not run are listed) and at every
+kvviz.cancel checkpoint inside one.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+from ...errors import KvvizError
+from ...inputs import encode
+from .run import WORKER_ENGINES, ServeConfig, ServeResult, _study, check_engine
+
+CONCURRENCY = (1, 2, 4, 8, 16, 32)
+LENGTHS = (16, 64, 256, 1024)
+PROMPTS_PER_CELL = 4
+VERDICT_COLOURS = {"identical": "#2e7d32", "precision": "#f9a825", "logic": "#c62828", "not run": "#bdbdbd"}
+
+
+@dataclass
+class SweepConfig:
+    concurrency: tuple[int, ...] = CONCURRENCY
+    lengths: tuple[int, ...] = LENGTHS
+    prompts_per_cell: int = PROMPTS_PER_CELL
+    max_new_tokens: int = 16
+    runs: int = 1
+    seed: int = 0
+    engine: str = "vllm"
+    server: str | None = None
+    text: str = ""  # the text the prompts are cut from ("" : the built-in prompts, joined)
+    budget_s: float | None = None  # stop between cells once this many seconds have passed
+
+    def validate(self) -> None:
+        for name, vals, lo, hi in (("concurrency", self.concurrency, 1, 64), ("lengths", self.lengths, 1, 8192)):
+            if not vals or any(isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi for v in vals):
+                raise KvvizError(f"{name} must be whole numbers from {lo} to {hi}, not {vals!r}")
+        self.concurrency, self.lengths = tuple(sorted(set(self.concurrency))), tuple(sorted(set(self.lengths)))
+        if not isinstance(self.prompts_per_cell, int) or not 1 <= self.prompts_per_cell <= 64:
+            raise KvvizError(f"prompts per cell must be a whole number from 1 to 64, not {self.prompts_per_cell!r}")
+        if self.budget_s is not None and not self.budget_s > 0:
+            raise KvvizError(f"the time budget must be a positive number of seconds, not {self.budget_s!r}")
+
+
+@dataclass
+class Cell:
+    concurrency: int
+    length: int  # the prompts' target length in tokens
+    prompt_tokens: list[int]  # each prompt's real length
+    distinct: list[int]  # per prompt: distinct completions over its runs, alone and batched, the reference included
+    parting_alone: float | None  # share of prompts whose batched output parts from the same prompt run alone
+    parting_reference: float  # share of prompts with a run that parts from the reference
+    first_divergence: int | None
+    margin: float | None  # the reference's top-2 margin at that first divergence
+    verdict: str  # identical, precision or logic
+    verdicts: dict  # verdict -> prompts
+    seconds: float
+    tokens_per_s: float
+
+
+@dataclass
+class SweepResult:
+    config: dict
+    model: dict
+    engine: dict
+    cells: list[Cell]
+    skipped: list[list[int]] = field(default_factory=list)  # [concurrency, length] cells the budget left out
+    elapsed_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def cell(self, c: int, length: int) -> Cell | None:
+        return next((x for x in self.cells if x.concurrency == c and x.length == length), None)
+
+    def to_dict(self) -> dict:
+        return {"kind": "SweepResult", "config": self.config, "model": self.model, "engine": self.engine,
+                "cells": [asdict(c) for c in self.cells], "skipped": self.skipped, "elapsed_s": self.elapsed_s,
+                "notes": self.notes}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SweepResult":
+        return cls(config=d["config"], model=d["model"], engine=d["engine"], cells=[Cell(**c) for c in d["cells"]],
+                   skipped=[list(x) for x in d.get("skipped", [])], elapsed_s=d.get("elapsed_s", 0.0),
+                   notes=d.get("notes", []))
+
+
+def source_text() -> str:
+    from ...prompts import load_prompts
+
+    return "\n".join(load_prompts("builtin"))
+
+
+def build_prompts(lm, text: str, length: int, count: int) -> list[str]:
+    """`count` prompts of `length` tokens cut from `text` (repeated as needed) at evenly spaced token offsets: the
+    same prompts on every machine for the same tokenizer. Decoding and re-encoding can move a length by a token."""
+    ids = encode(lm, text)
+    if not ids:
+        raise KvvizError("the sweep's source text has no tokens")
+    stride = max(1, min(length, len(ids) // max(count, 1)))
+    need = stride * (count - 1) + length
+    ids = ids * (need // len(ids) + 1)
+    return [lm.tokenizer.decode(ids[j * stride:j * stride + length]) for j in range(count)]
+
+
+def cell_of(res: ServeResult, c: int, length: int, seconds: float, prompt_tokens: list[int]) -> Cell:
+    """A serving study's result (conditions alone and, for c > 1, batch) as one cell of the grid."""
+    ps = res.prompts
+    parting_alone = None
+    if "batch" in res.settings.conditions:
+        parting_alone = sum(any(tuple(b) not in {tuple(a) for a in p.completions["alone"]}
+                                for b in p.completions["batch"]) for p in ps) / len(ps)
+    parted = [p for p in ps if p.first_divergence is not None]
+    first = min(parted, key=lambda p: p.first_divergence) if parted else None
+    verdicts = {}
+    for p in ps:
+        v = p.verdict or ("identical" if p.first_divergence is None else "precision")
+        verdicts[v] = verdicts.get(v, 0) + 1
+    verdict = "logic" if "logic" in verdicts else "precision" if parted or "precision" in verdicts else "identical"
+    new = sum(s.new_tokens for k, s in res.conditions.items() if k != "reference")
+    secs = sum(s.seconds for k, s in res.conditions.items() if k != "reference")
+    return Cell(concurrency=c, length=length, prompt_tokens=list(prompt_tokens),
+                distinct=[p.distinct_all for p in ps], parting_alone=parting_alone,
+                parting_reference=len(parted) / len(ps), first_divergence=None if first is None
+                else first.first_divergence, margin=None if first is None else first.margin, verdict=verdict,
+                verdicts=verdicts, seconds=seconds, tokens_per_s=new / secs if secs > 0 else 0.0)
+
+
+def run_sweep(lm, cfg: SweepConfig, progress=None, settings=None, reference=None) -> SweepResult:
+    """The grid, cell by cell through one engine (see the module docstring)."""
+    from ... import cancel
+    from ...execution import DEFAULT_SETTINGS
+
+    progress = progress or (lambda f, m: None)
+    cfg.validate()
+    settings = (settings or DEFAULT_SETTINGS).validate()
+    if cfg.server:
+        from .server import ServerEngine
+
+        engine = ServerEngine(cfg.server)
+        engine.probe(lm, settings)
+        cfg.engine = "server"
+    else:
+        check_engine(cfg.engine)
+        if cfg.engine in WORKER_ENGINES:
+            from ...engines.workers import check_settings
+
+            check_settings(cfg.engine, settings)
+        from ...engines.serving import make_engine
+        from ...engines.workers import make_worker_engine
+
+        engine = make_worker_engine(cfg.engine, 1) or make_engine(cfg.engine, 8, 1)
+    ref = reference or lm.reference() if (cfg.engine in WORKER_ENGINES or cfg.server) else reference
+    text = cfg.text or source_text()
+    t0 = time.perf_counter()
+    grid = [(c, n) for n in cfg.lengths for c in cfg.concurrency]
+    cells, skipped, info = [], [], {}
+    try:
+        for k, (c, n) in enumerate(grid):
+            cancel.check(f"sweep cell {k + 1}/{len(grid)}")
+            if cfg.budget_s is not None and time.perf_counter() - t0 > cfg.budget_s:
+                skipped = [[c2, n2] for c2, n2 in grid[k:]]
+                break
+            progress(k / len(grid), f"cell {k + 1}/{len(grid)}: {c} in flight, {n}-token prompts")
+            prompts = build_prompts(lm, text, n, cfg.prompts_per_cell)
+            scfg = ServeConfig(prompts=prompts, conditions=("alone",) if c == 1 else ("alone", "batch"),
+                               runs=cfg.runs, max_new_tokens=cfg.max_new_tokens, batch_size=max(c, 2),
+                               seed=cfg.seed, engine="transformers" if cfg.server else cfg.engine,
+                               server=cfg.server, prompt_source=f"sweep:{n}")
+            scfg.validate()
+            tc = time.perf_counter()
+            res = _study(lm, scfg, engine, settings, ref, False, lambda f, m: None, tc)
+            cells.append(cell_of(res, c, n, time.perf_counter() - tc, [len(encode(lm, p)) for p in prompts]))
+            info = res.engine
+    finally:
+        if hasattr(engine, "close"):
+            engine.close()
+    progress(1.0, "Done")
+    notes = list(lm.warnings)
+    if skipped:
+        notes.append(f"the time budget ({cfg.budget_s:g} s) ran out: {len(skipped)} cells not run")
+    conf = asdict(cfg)
+    conf["dtype"] = str(lm.dtype).replace("torch.", "") if hasattr(lm, "dtype") else None
+    return SweepResult(config=conf, model=lm.summary(), engine=info, cells=cells, skipped=skipped,
+                       elapsed_s=time.perf_counter() - t0, notes=notes)
+
+
+def summary_text(res: SweepResult) -> str:
+    cfg = res.config
+    lines = [f"model: {res.model.get('description', '')}",
+             f"engine {res.engine.get('name', cfg.get('engine'))} {res.engine.get('version', '')}, "
+             f"{cfg['prompts_per_cell']} prompts a cell, {cfg['max_new_tokens']} new tokens, {cfg['runs']} run(s), "
+             f"{res.elapsed_s:.1f} s", "",
+             f"{'in flight':>9} {'length':>6} {'verdict':>9} {'parts/alone':>11} {'parts/ref':>9} {'distinct':>10}"
+             f" {'first div':>9} {'margin':>8} {'tok/s':>7} {'s':>6}"]
+    for x in res.cells:
+        pa = "—" if x.parting_alone is None else f"{x.parting_alone:.0%}"
+        lines.append(f"{x.concurrency:>9} {x.length:>6} {x.verdict:>9} {pa:>11} {x.parting_reference:>9.0%} "
+                     f"{','.join(map(str, x.distinct)):>10} {'—' if x.first_divergence is None else x.first_divergence:>9}"
+                     f" {'—' if x.margin is None else f'{x.margin:.3g}':>8} {x.tokens_per_s:>7.1f} {x.seconds:>6.1f}")
+    for c, n in res.skipped:
+        lines.append(f"{c:>9} {n:>6}   not run (time budget)")
+    lines += [f"note: {n}" for n in res.notes]
+    return "\n".join(lines)
+
+
+def figure(res: SweepResult):
+    """The grid: requests in flight (x) × prompt length (y), each cell coloured by its verdict (explicit colours)
+    with the share of prompts whose batched output parts from the same prompt alone as its text."""
+    import plotly.graph_objects as go
+
+    cs = sorted({x.concurrency for x in res.cells} | {c for c, _ in res.skipped})
+    ns = sorted({x.length for x in res.cells} | {n for _, n in res.skipped})
+    order = list(VERDICT_COLOURS)
+    z, text = [], []
+    for n in ns:
+        zr, tr = [], []
+        for c in cs:
+            x = res.cell(c, n)
+            v = "not run" if x is None else x.verdict
+            zr.append(order.index(v))
+            tr.append("not run" if x is None else
+                      ("alone" if x.parting_alone is None else f"{x.parting_alone:.0%} part") +
+                      ("" if x.first_divergence is None else f"<br>step {x.first_divergence}"))
+        z.append(zr)
+        text.append(tr)
+    k = len(order)
+    scale = []
+    for i, v in enumerate(order):
+        scale += [[i / k, VERDICT_COLOURS[v]], [(i + 1) / k, VERDICT_COLOURS[v]]]
+    fig = go.Figure(go.Heatmap(z=z, x=[str(c) for c in cs], y=[str(n) for n in ns], text=text,
+                               texttemplate="%{text}", zmin=-0.5, zmax=k - 0.5, colorscale=scale, xgap=2, ygap=2,
+                               colorbar=dict(tickvals=list(range(k)), ticktext=order, title="verdict")))
+    fig.update_layout(title=f"Where determinism ends: {res.engine.get('name', res.config.get('engine'))}, "
+                            "requests in flight × prompt length", xaxis_title="requests in flight",
+                      yaxis_title="prompt tokens", xaxis_type="category", yaxis_type="category", height=420)
+    return fig

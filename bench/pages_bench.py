@@ -25,73 +25,71 @@ import kvviz  # noqa: E402
 def page_calls(lm, spec: str):
     """view name -> a zero-argument function doing what the page does on its first run with its default controls.
     Keep in step with the defaults in pages/*.py (tests/test_pages_bench.py checks the names and a tiny run)."""
-    from kvviz.views.check.run import run_check
-    from kvviz.views.dtypes.run import run_dtypes
-    from kvviz.views.greedy.run import DEFAULT_PATHS, GreedyConfig, run_greedy
-    from kvviz.views.cache.size import size_report
+    from kvviz import views
+    from kvviz.protocol import RunContext
     from kvviz.views.cache.run import save_cache_bytes
-    from kvviz.views.loading_trap.run import run_loading_trap
-    from kvviz.views.matrix.run import MatrixConfig, run_matrix
-    from kvviz.views.padding.run import run_padding
-    from kvviz.views.quant.run import DEFAULT_RESIDUAL, QuantConfig, run_quant
-    from kvviz.views.reuse.run import run_reuse
+    from kvviz.views.quant.run import DEFAULT_RESIDUAL
 
     from pages.defaults import DEFAULTS as D  # the pages' default controls, in one place
+
+    def run(name: str, *args, prove=None, **kw):
+        """The view's run (kvviz.protocol) on its config class made from the page's defaults."""
+        v = views.get(name)
+        return v.runner()(lm, v.config_type()(*args, **kw), RunContext(prove=prove))
 
     def split():
         from kvviz.inputs import encode
 
         n = len(encode(lm, D["split"]["prompt"]))
-        return kvviz.run_split(lm, kvviz.SplitConfig(prompt=D["split"]["prompt"], split=min(max(1, n // 2), n - 1)))
+        return run("split", prompt=D["split"]["prompt"], split=min(max(1, n // 2), n - 1))
 
     def greedy():
+        from kvviz.views.greedy.run import DEFAULT_PATHS
+
         g = D["greedy"]
-        return run_greedy(lm, GreedyConfig(prompt=g["prompt"], max_new_tokens=g["n"], paths=tuple(DEFAULT_PATHS)))
+        return run("greedy", prompt=g["prompt"], max_new_tokens=g["n"], paths=tuple(DEFAULT_PATHS))
 
     def dtypes():
         d = D["dtypes"]
-        return run_dtypes(kvviz.parse_spec(spec), [d["prompt"]], list(d["dtypes"]), "cpu", "auto", split="last",
-                          mode="chunk")
+        return run("dtypes", (d["prompt"],), tuple(d["dtypes"]), split="last", mode="chunk")
 
     def padding():
         p = D["padding"]
-        return run_padding(lm, p["prompt"], None, p["left_pad"], prove=p["prove"])
+        return run("padding", p["prompt"], None, p["left_pad"], prove=None if p["prove"] else False)
 
     def reuse():
         r = D["reuse"]
-        return run_reuse(lm, r["prefix"], r["continuations"], r["n"], prove=r["prove"] and None)
+        return run("reuse", r["prefix"], tuple(r["continuations"]), r["n"], prove=None if r["prove"] else False)
 
     def trap():
         t = D["loading_trap"]
-        return run_loading_trap(lm, t["prompt"], t["n"], "bfloat16")
+        return run("loading_trap", t["prompt"], t["n"], "bfloat16")
 
     def matrix():
         m = D["matrix"]
-        return run_matrix(lm, MatrixConfig(prompt=m["prompt"], max_new_tokens=m["n"], attentions=tuple(m["attn"]),
-                                           caches=tuple(m["cache"]), compiles=("off",), flag_sets=((),),
-                                           repeats=m["repeats"]))
+        return run("matrix", prompt=m["prompt"], max_new_tokens=m["n"], attentions=tuple(m["attn"]),
+                   caches=tuple(m["cache"]), compiles=("off",), flag_sets=((),), repeats=m["repeats"])
 
     def kv_cache():
-        save_cache_bytes(lm, D["cache"]["prompt"])
-        return size_report(lm, D["cache"]["tokens"], 1, measure=lm.max_positions is None
-                           or D["cache"]["tokens"] <= lm.max_positions)
+        save_cache_bytes(lm, D["cache"]["prompt"])  # the page's download button
+        return run("kv_size", D["cache"]["tokens"], 1, measure=lm.max_positions is None
+                   or D["cache"]["tokens"] <= lm.max_positions)
 
     def quant():
         q = D["quant"]
-        return run_quant(lm, QuantConfig(q["prompt"], kv=q["kv"], residual_length=DEFAULT_RESIDUAL, weights="none",
-                                         max_new_tokens=q["n"]))
+        return run("quant", q["prompt"], kv=q["kv"], residual_length=DEFAULT_RESIDUAL, weights="none",
+                   max_new_tokens=q["n"])
 
     def check():
-        return run_check(lm)
+        return run("check")
 
     def serving():
         from kvviz.prompts import builtin_prompts
-        from kvviz.views.serving.run import ServeConfig, run_serving
 
         sv = D["serving"]
         prompts = [r["prompt"] for r in builtin_prompts() if r["category"] == sv["category"]][: sv["limit"]]
-        return run_serving(lm, ServeConfig(prompts=prompts, runs=sv["runs"], max_new_tokens=sv["n"],
-                                           batch_size=sv["batch"], prompt_source="built-in set"))
+        return run("serving", prompts=prompts, runs=sv["runs"], max_new_tokens=sv["n"], batch_size=sv["batch"],
+                   prompt_source="built-in set")
 
     # keyed by the view whose page makes the call (kvviz.views: View.page)
     return {"split": split, "greedy": greedy, "dtypes": dtypes, "padding": padding, "reuse": reuse,

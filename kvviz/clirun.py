@@ -142,7 +142,14 @@ def nonnegative_pad(args) -> None:
 
 def prove(args):
     """run_* functions' `prove`: False with --no-proof, else None (prove where a precision verdict needs it)."""
-    return False if args.no_proof else None
+    return False if getattr(args, "no_proof", False) else None
+
+
+def context(args):
+    """A view's run context (kvviz.protocol.RunContext) from the common options: settings, --no-proof, progress."""
+    from .protocol import RunContext
+
+    return RunContext(settings(args), prove(args), progress_to_stderr(args.quiet))
 
 
 def split_list(text: str) -> tuple[str, ...]:

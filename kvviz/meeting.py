@@ -12,14 +12,17 @@ from .presets import BY_KEY, PRESETS, Preset
 
 def run_scenario(p: Preset, device: str = "cpu", progress=None):
     """The result a scenario's page computes with the scenario's settings (defaults for the rest): the `scenario`
-    hook of the view whose page it is."""
+    hook of the view whose page it is gives the model, config and settings; the view's run (kvviz.protocol) runs
+    them."""
     from . import views
+    from .protocol import RunContext
 
     view = views.for_page(Path(p.page).stem)
-    run = view.resolve(view.scenario)
-    if run is None:
+    setup = view.resolve(view.scenario)
+    if setup is None:
         raise KvvizError(f"scenario {p.key}: its page {p.page} cannot be prepared ahead")
-    return run(p, device, progress)
+    lm, config, settings = setup(p, device)
+    return view.runner()(lm, config, RunContext(settings=settings, progress=progress))
 
 
 def prepare(keys: list[str] | None, out_dir: "str | Path", device: str = "cpu", progress=None) -> list[Path]:

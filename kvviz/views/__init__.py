@@ -4,7 +4,8 @@ A view is a scenario kvviz can run and show (split, greedy, …). Its folder hol
 
     kvviz/views/<name>/
         __init__.py   its View entry (below) and its library API (config, run function, result)
-        run.py        config, run, result (the computation, through kvviz.execution)
+        run.py        config, run, result (the computation, through kvviz.execution); its `run(lm, config, ctx)`
+                      is the one signature every view has (kvviz.protocol), named in its entry (config=, run=)
         figures.py    pure result -> figures/tables; `main(result)`: the charts of its HTML report and Open a
                       result, `tables(result)`: their tables
         report.py     `reopen(dict)`: the result rebuilt from a JSON export; `verdict(result)`: its verdict line
@@ -12,8 +13,8 @@ A view is a scenario kvviz can run and show (split, greedy, …). Its folder hol
         cli.py        (optional) its subcommand: `HELP` (its --help line), `add_arguments(parser)` (whose
                       `set_defaults` names the common flags it refuses, and why, as `not_honoured`),
                       `command(args) -> Outcome`
-        scenario.py   (optional) `run(preset, device, progress)`: a one-click scenario of its page, run ahead
-                      by Prepare the meeting (kvviz.meeting)
+        scenario.py   (optional) `setup(preset, device) -> (lm, config, settings)`: a one-click scenario of its
+                      page, run ahead through the view's run by Prepare the meeting (kvviz.meeting)
 
 Each entry also holds the view's facts that the core reads instead of comparing names: its memory profile (what
 the memory plan counts for it, kvviz.memory; a view without one is refused here), its page (navigation, the
@@ -128,7 +129,7 @@ class View:
     page: Page | None = None  # its page in the app
     memory: MemoryProfile | None = None  # what its memory plan counts (required: register() refuses a view without)
     runs: tuple[str, ...] = ()  # the names its page's runs have in pages/runner.run_cached (default: its name)
-    scenario: "str | Callable | None" = None  # "scenario:run": run(preset, device, progress) -> result
+    scenario: "str | Callable | None" = None  # "scenario:setup": setup(preset, device) -> (lm, config, settings)
     # the protocol (kvviz.protocol): its typed, validated config class and its `run(lm, config, ctx) -> result`
     config: "str | type | None" = None  # "run:SplitConfig"
     run: "str | Callable | None" = None  # "run:run"

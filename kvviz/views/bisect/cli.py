@@ -1,7 +1,7 @@
 """`python -m kvviz bisect`: the first module whose output differs between the cached run and the full forward."""
 from __future__ import annotations
 
-from ...clirun import Outcome, load, model_args, progress_to_stderr, settings
+from ...clirun import Outcome, context, load, model_args
 from ...inputs import MASK_MODES, POSITION_MODES
 
 
@@ -23,14 +23,13 @@ def add_arguments(bp) -> None:
 
 def command(args) -> Outcome:
     from ...naming import module_label
-    from ...inputs import SplitConfig
-    from .run import run_bisect
+    from .run import BisectConfig, run
 
-    cfg = SplitConfig(prompt=args.prompt, split=args.split, mode=args.mode, left_pad=args.left_pad,
+    cfg = BisectConfig(prompt=args.prompt, split=args.split, mode=args.mode, left_pad=args.left_pad,
                       position_ids=args.position_ids, attention_mask=args.attention_mask)
     cfg.validate()
     lm = load(args)
-    res = run_bisect(lm, cfg, settings(args), progress=progress_to_stderr(args.quiet))
+    res = run(lm, cfg, context(args))
 
     def summary() -> str:
         lines = [f"{module_label(g.name):<60} {g.kind:<18} max |Δ| {g.max_abs:<10.3g}"

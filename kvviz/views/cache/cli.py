@@ -1,7 +1,7 @@
 """`python -m kvviz cache save|load|size`: the KV cache as an object."""
 from __future__ import annotations
 
-from ...clirun import Outcome, load, model_args
+from ...clirun import Outcome, context, load, model_args
 from ...errors import KvvizError
 
 _NO_PROOF = "it runs no proof rerun"
@@ -51,10 +51,10 @@ def save(args) -> Outcome:
 
 
 def reload(args) -> Outcome:
-    from .run import continue_and_compare, load_cache
+    from .run import ReloadConfig, run
 
     lm = load(args)
-    res = continue_and_compare(lm, load_cache(lm, args.file), args.cont)
+    res = run(lm, ReloadConfig(continuation=args.cont, source=args.file), context(args))
     return Outcome(res, lm, lambda: (
         f"reloaded {res.n_cached} cached tokens, continued with {len(res.continuation_tokens)}: bitwise equal to "
         f"a fresh cache: {res.bitwise_equal} (largest gap: logits {res.max_abs_logits:.3g}, hidden "
@@ -62,10 +62,11 @@ def reload(args) -> Outcome:
 
 
 def size(args) -> Outcome:
-    from .size import size_report
+    from .size import SizeConfig, run
 
+    cfg = SizeConfig(args.tokens, args.batch, measure=not args.no_measure).validate()
     lm = load(args)
-    rep = size_report(lm, args.tokens, args.batch, measure=not args.no_measure)
+    rep = run(lm, cfg, context(args))
     return Outcome(rep, lm, lambda: (
         f"{rep.model} in {rep.dtype}: {rep.per_token_bytes:,} bytes per token; {args.tokens} tokens × batch "
         f"{args.batch}: formula {rep.formula_bytes:,} bytes, measured "

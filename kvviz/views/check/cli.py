@@ -1,7 +1,7 @@
 """`python -m kvviz check`: is this model cache-safe? The card's battery of float64 checks."""
 from __future__ import annotations
 
-from ...clirun import Outcome, load, model_args, progress_to_stderr, repro_arg
+from ...clirun import Outcome, context, load, model_args, repro_arg
 
 
 HELP = "is this model cache-safe? a battery of float64 checks"
@@ -21,12 +21,11 @@ def add_arguments(kp) -> None:
 
 
 def command(args) -> Outcome:
-    from ...protocol import RunContext
     from .run import CheckConfig, run
 
     config = CheckConfig(weights=args.weights, kv=args.kv).validate()  # bad names fail before any model loads
     lm = load(args)
-    card = run(lm, config, RunContext(progress=progress_to_stderr(args.quiet)))
+    card = run(lm, config, context(args))
 
     def summary() -> str:
         return "\n".join([f"[{c.status:^5}] {c.name:<34} {c.evidence}" for c in card.checks]

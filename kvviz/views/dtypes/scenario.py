@@ -3,13 +3,16 @@ as the preset's limit) in float32, float16 and bfloat16 against float64, with th
 from __future__ import annotations
 
 
-def run(preset, device: str = "cpu", progress=None):
-    from ...loading import parse_spec
+def setup(preset, device: str = "cpu"):
+    """(model, config, settings) of the scenario: kvviz.meeting runs them through the view's run (the float32
+    model's twins give the other dtypes)."""
+    from ...execution import DEFAULT_SETTINGS
+    from ...loading import load_model
     from ...prompts import builtin_prompts
 
-    from .run import run_dtypes
+    from .run import DtypesConfig
 
-    prompts = [r["prompt"] for r in builtin_prompts()][: int(preset.controls.get("dtypes_limit", 8))]
-    return run_dtypes(parse_spec(preset.model), prompts, ["float32", "float16", "bfloat16"], device, "auto",
-                      split=preset.controls.get("dtypes_split", "last"), mode=preset.controls.get("dtypes_mode", "chunk"),
-                      progress=progress)
+    prompts = tuple(r["prompt"] for r in builtin_prompts())[: int(preset.controls.get("dtypes_limit", 8))]
+    cfg = DtypesConfig(prompts, ("float32", "float16", "bfloat16"), split=preset.controls.get("dtypes_split", "last"),
+                       mode=preset.controls.get("dtypes_mode", "chunk"))
+    return load_model(preset.model, "float32", device), cfg, DEFAULT_SETTINGS

@@ -2,7 +2,7 @@
 parallel 1 vs N) compared layer by layer inside the engine, each against the float64 reference."""
 from __future__ import annotations
 
-from ...clirun import Outcome, load, model_args, progress_to_stderr, settings
+from ...clirun import Outcome, context, load, model_args
 
 HELP = ("inside the engine: warm vs cold, batch vs alone or tensor parallel 1 vs N in vLLM, layer × token, each "
         "against the float64 reference; the first layer beyond rounding named")
@@ -35,7 +35,7 @@ def add_arguments(vp) -> None:
 
 
 def command(args) -> Outcome:
-    from .run import EngineLayersConfig, run_engine_layers
+    from .run import EngineLayersConfig, run
     from ...engines.serving import check_engine
 
     cfg = EngineLayersConfig(prompt=args.prompt, pair=args.pair, prefix=args.prefix,
@@ -46,7 +46,7 @@ def command(args) -> Outcome:
     cfg.validate()  # one line before anything loads (llama.cpp, pipeline parallel, bad sizes)
     check_engine(cfg.engine)
     lm = load(args)
-    res = run_engine_layers(lm, cfg, progress=progress_to_stderr(args.quiet), settings=settings(args))
+    res = run(lm, cfg, context(args))
     return Outcome(res, lm, lambda: summary_text(res))
 
 

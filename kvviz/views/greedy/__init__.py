@@ -12,4 +12,4 @@ VIEW = View("greedy", "Greedy paths", "GreedyResult", "report:reopen", "figures:
                       defaults={"prompt": "This is a ", "n": 12}, url_aliases=("greedy_paths",)),
             config="run:GreedyConfig", run="run:run",
             memory=MemoryProfile(decoded_runs=len(DEFAULT_PATHS), reference_decodes_with="float64", cache_copies=1),
-            scenario="scenario:run")
+            scenario="scenario:setup")

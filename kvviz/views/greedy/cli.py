@@ -1,8 +1,7 @@
 """`python -m kvviz greedy`: greedy decoding with and without the cache - where the paths part and why."""
 from __future__ import annotations
 
-from ...clirun import (Outcome, load, model_args, nonnegative_pad, progress_to_stderr, prove, repro_arg,
-                       settings)
+from ...clirun import Outcome, context, load, model_args, nonnegative_pad, repro_arg
 from ...inputs import POSITION_MODES
 
 
@@ -25,7 +24,7 @@ def add_arguments(gp) -> None:
 
 
 def command(args) -> Outcome:
-    from .run import GreedyConfig, run_greedy
+    from .run import GreedyConfig, run
 
     nonnegative_pad(args)
     paths = tuple(p.strip() for p in args.paths.split(",") if p.strip())
@@ -34,7 +33,7 @@ def command(args) -> Outcome:
                        stop_at_divergence=args.stop_at_divergence)
     cfg.validate()  # before loading the model: bad arguments fail at once
     lm = load(args)
-    res = run_greedy(lm, cfg, progress=progress_to_stderr(args.quiet), settings=settings(args), prove=prove(args))
+    res = run(lm, cfg, context(args))
     return Outcome(res, lm, lambda: summary(res))
 
 

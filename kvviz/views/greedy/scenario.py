@@ -2,14 +2,15 @@
 from __future__ import annotations
 
 
-def run(preset, device: str = "cpu", progress=None):
+def setup(preset, device: str = "cpu"):
+    """(model, config, settings) of the scenario: kvviz.meeting runs them through the view's run."""
     from ...execution import ExecSettings
     from ...loading import load_model
 
-    from .run import DEFAULT_PATHS, GreedyConfig, run_greedy
+    from .run import DEFAULT_PATHS, GreedyConfig
 
     c = preset.controls
     lm = load_model(preset.model, preset.dtype, device)
     cfg = GreedyConfig(prompt=c.get("greedy_prompt", "This is a "), max_new_tokens=int(c.get("greedy_n", 24)),
                        paths=tuple(c.get("greedy_paths", DEFAULT_PATHS)))
-    return run_greedy(lm, cfg, progress=progress, settings=ExecSettings(invariant=preset.invariant))
+    return lm, cfg, ExecSettings(invariant=preset.invariant)

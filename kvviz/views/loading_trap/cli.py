@@ -1,7 +1,7 @@
 """`python -m kvviz loading-trap`: from_pretrained(dtype=16-bit) vs float32 + .to(16-bit) - two models."""
 from __future__ import annotations
 
-from ...clirun import Outcome, load, model_args, repro_arg
+from ...clirun import Outcome, context, load, model_args, repro_arg
 
 
 HELP = "from_pretrained(dtype=16-bit) vs float32 + .to(16-bit): two models"
@@ -20,10 +20,11 @@ def add_arguments(tp) -> None:
 
 
 def command(args) -> Outcome:
-    from .run import run_loading_trap
+    from .run import LoadingTrapConfig, run
 
+    cfg = LoadingTrapConfig(args.prompt, args.max_new_tokens, args.cast_dtype).validate()
     lm = load(args)
-    res = run_loading_trap(lm, args.prompt, args.max_new_tokens, args.cast_dtype)
+    res = run(lm, cfg, context(args))
     return Outcome(res, lm, lambda: (f"from_pretrained(dtype={args.cast_dtype}): {res.loaded_text!r}\n"
                                      f"float32 + .to({args.cast_dtype}):     {res.cast_text!r}\n"
                                      f"\nverdict: {res.verdict.upper()}\n{res.explanation}"))

@@ -13,4 +13,4 @@ VIEW = View("matrix", "Backends & compile", "MatrixResult", "report:reopen", "fi
                       defaults={"prompt": CAPITALS, "n": 8, "repeats": 2, "attn": ("eager", "sdpa"),
                       "cache": ("dynamic", "static")}, url_aliases=("backends",)), config="run:MatrixConfig", run="run:run",
             memory=MemoryProfile(),
-            scenario="scenario:run")
+            scenario="scenario:setup")

@@ -1,7 +1,7 @@
 """`python -m kvviz matrix`: attention x cache kind x compile x precision flags, repeated."""
 from __future__ import annotations
 
-from ...clirun import Outcome, load, model_args, progress_to_stderr, repro_arg, split_list
+from ...clirun import Outcome, context, load, model_args, repro_arg, split_list
 from ...errors import KvvizError
 from ...inputs import POSITION_MODES
 
@@ -37,7 +37,7 @@ def add_arguments(mp) -> None:
 
 
 def command(args) -> Outcome:
-    from .run import MatrixConfig, run_matrix, sliding_window_config
+    from .run import MatrixConfig, run, sliding_window_config
 
     flag_sets = tuple(() if f.strip() in ("", "none") else split_list(f) for f in (args.flags or ["none"]))
     if args.preset == "sliding-window":
@@ -53,7 +53,7 @@ def command(args) -> Outcome:
                            batch_with=tuple(args.batch_with), invariant=bool(args.invariant))
         cfg.validate()  # bad axes fail before any model loads
         lm = load(args)
-    res = run_matrix(lm, cfg, trust_remote_code=args.trust_remote_code, progress=progress_to_stderr(args.quiet))
+    res = run(lm, cfg, context(args))
 
     def summary() -> str:
         lines = [f"reference (eager, no cache): {res.reference['text']!r}"]

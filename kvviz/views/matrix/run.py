@@ -24,7 +24,6 @@ from ...errors import KvvizError, first_line, is_out_of_memory
 from ...execution import CacheKind, ExecSettings, Executor, Settings, StepPolicy
 from ...replay import Replay, replay_step
 from ...metrics import first_divergence
-from ...invariant import eager_equal_attention
 from ...inputs import POSITION_MODES, PromptInputs, check_mode, encode, pad_token_id, positions_from_mask
 from ... import loading
 from ...loading import LoadedModel
@@ -215,7 +214,8 @@ class _Runner:
     def reference(self, n: int) -> tuple[list[int], torch.Tensor, PromptInputs, list[int], torch.Tensor]:
         lm = self.model("eager")
         inp, ids, mask = _batch(lm, self.cfg, n)
-        with Executor(lm, ExecSettings(invariant=self.cfg.invariant)).session() as ex:
+        inv = self.cfg.invariant
+        with Executor(lm, ExecSettings(invariant=inv, sdpa_as_eager=inv)).session() as ex:
             toks, logits = _no_cache_loop(ex, ids, mask, n)
         lm64 = lm.reference()
         _, ids64, mask64 = _batch(lm64, self.cfg, n)
@@ -245,7 +245,7 @@ def _run_cell(runner: _Runner, cell: Cell, ref: tuple, n: int, progress: Callabl
 
     cfg = runner.cfg
     settings = ExecSettings(cache=cell.cache, compile=cell.compile, flags=tuple(cell.flags),
-                            invariant=runner.cfg.invariant)
+                            invariant=runner.cfg.invariant, sdpa_as_eager=runner.cfg.invariant)
     lm = runner.model(cell.attention)
     cell.attention_used = lm.attn_implementation
     ref_toks, ref_logits, inp, _, _ = ref
@@ -305,22 +305,21 @@ def run_matrix(spec, prompt_or_cfg: "str | MatrixConfig", dtype="float32", devic
     runner = _Runner(spec, dtype, device, cfg, trust_remote_code)
     n = int(cfg.max_new_tokens)
     cells = [Cell(a, c, comp, list(flags)) for a, c, comp, flags in cfg.cells()]
-    # the matrix compares attention implementations against the eager reference: in invariant mode SDPA takes eager
-    # attention's steps op for op, so the two agree bit for bit there (kvviz.invariant.eager_equal_attention)
-    with eager_equal_attention():
-        progress(0.0, "Reference: the eager no-cache loop, and the same in float64…")
-        ref = runner.reference(n)
-        for i, cell in enumerate(cells):
-            def report(msg: str, i=i) -> None:
-                progress(0.1 + 0.9 * i / len(cells), f"Cell {i + 1}/{len(cells)}: {msg}")
-            try:
-                _run_cell(runner, cell, ref, n, report)
-            except Exception as e:  # noqa: BLE001 - a cell that cannot run becomes an error cell; the grid goes on
-                if is_out_of_memory(e):
-                    from ...errors import free_memory
+    # the matrix compares attention implementations against the eager reference: its invariant runs set
+    # ExecSettings(sdpa_as_eager=True), so SDPA takes eager attention's steps op for op and the two agree bit for bit
+    progress(0.0, "Reference: the eager no-cache loop, and the same in float64…")
+    ref = runner.reference(n)
+    for i, cell in enumerate(cells):
+        def report(msg: str, i=i) -> None:
+            progress(0.1 + 0.9 * i / len(cells), f"Cell {i + 1}/{len(cells)}: {msg}")
+        try:
+            _run_cell(runner, cell, ref, n, report)
+        except Exception as e:  # noqa: BLE001 - a cell that cannot run becomes an error cell; the grid goes on
+            if is_out_of_memory(e):
+                from ...errors import free_memory
 
-                    free_memory(e)
-                cell.error, cell.verdict = _one_line(e), None
+                free_memory(e)
+            cell.error, cell.verdict = _one_line(e), None
     progress(1.0, "Done")
     lm = runner.model("eager")
     ref_toks, ref_logits, inp, toks64, _ = ref
@@ -360,4 +359,4 @@ def run(lm: LoadedModel, config: MatrixConfig, ctx: RunContext = DEFAULT_CONTEXT
     # its axes are its own settings; the context's invariant mode runs every cell in invariant mode
     cfg = replace(config, invariant=True) if ctx.settings.invariant else config
     with ctx.running() as progress:
-        return run_matrix(lm, cfg, progress=progress)
+        return run_matrix(lm, cfg, trust_remote_code=lm.trust_remote_code, progress=progress)

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 
-def run(preset, device: str = "cpu", progress=None):
+def setup(preset, device: str = "cpu"):
+    """(model, config, settings) of the scenario: kvviz.meeting runs them through the view's run."""
+    from ...execution import DEFAULT_SETTINGS
     from ...loading import load_model
 
-    from .run import run_matrix, sliding_window_config
+    from .run import sliding_window_config
 
     lm = load_model(preset.model, preset.dtype, device)
-    return run_matrix(lm, sliding_window_config(lm), progress=progress)
+    return lm, sliding_window_config(lm), DEFAULT_SETTINGS

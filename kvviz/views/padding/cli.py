@@ -1,7 +1,7 @@
 """`python -m kvviz padding`: alone / left-padded / in a batch x cache settings - precision or logic per cell."""
 from __future__ import annotations
 
-from ...clirun import Outcome, load, model_args, nonnegative_pad, progress_to_stderr, repro_arg, settings
+from ...clirun import Outcome, context, load, model_args, nonnegative_pad, repro_arg
 
 
 HELP = "alone / left-padded / in a batch × cache settings: precision or logic"
@@ -18,12 +18,12 @@ def add_arguments(pp) -> None:
 
 
 def command(args) -> Outcome:
-    from .run import run_padding
+    from .run import PaddingConfig, run
 
     nonnegative_pad(args)
+    cfg = PaddingConfig(args.prompt, args.split, args.left_pad).validate()
     lm = load(args)
-    res = run_padding(lm, args.prompt, args.split, args.left_pad, progress=progress_to_stderr(args.quiet),
-                      settings=settings(args), prove=not args.no_proof)
+    res = run(lm, cfg, context(args))
 
     def summary() -> str:
         import pandas as pd

@@ -1,7 +1,7 @@
 """`python -m kvviz quant`: a quantized KV cache and/or quantized weights against the unquantized run."""
 from __future__ import annotations
 
-from ...clirun import Outcome, load, model_args, progress_to_stderr, repro_arg
+from ...clirun import Outcome, context, load, model_args, repro_arg
 
 
 HELP = ("a quantized KV cache and/or quantized weights against the unquantized run: "
@@ -24,13 +24,13 @@ def add_arguments(qp) -> None:
 
 
 def command(args) -> Outcome:
-    from .run import QuantConfig, run_quant
+    from .run import QuantConfig, run
 
     cfg = QuantConfig(args.prompt, kv=args.kv, residual_length=args.residual, weights=args.weights,
                       max_new_tokens=args.max_new_tokens)
     cfg.validate()
     lm = load(args)
-    res = run_quant(lm, cfg, progress=progress_to_stderr(args.quiet))
+    res = run(lm, cfg, context(args))
 
     def summary() -> str:
         lines = [f"unquantized: {res.reference_text!r}", f"quantized:   {res.quantized_text!r}",

@@ -1,7 +1,7 @@
 """`python -m kvviz reuse`: a prompt cache reused for several continuations - fresh, deep copy, reused."""
 from __future__ import annotations
 
-from ...clirun import Outcome, load, model_args, progress_to_stderr, prove, repro_arg, settings
+from ...clirun import Outcome, context, load, model_args, repro_arg
 
 
 HELP = "a prompt cache reused for several continuations: fresh, deep copy, reused"
@@ -18,11 +18,10 @@ def add_arguments(rp) -> None:
 
 
 def command(args) -> Outcome:
-    from .run import run_reuse
+    from .run import ReuseConfig, run
 
     lm = load(args)
-    res = run_reuse(lm, args.prefix, args.continuation, args.max_new_tokens, progress=progress_to_stderr(args.quiet),
-                    settings=settings(args), prove=prove(args))
+    res = run(lm, ReuseConfig(args.prefix, tuple(args.continuation), args.max_new_tokens), context(args))
 
     def summary() -> str:
         return "\n".join(

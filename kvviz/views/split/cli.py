@@ -1,8 +1,7 @@
 """`python -m kvviz split`: full forward vs the prefix cached and the rest fed through the cache (`cache`; `past_key_values` before transformers 5.24)."""
 from __future__ import annotations
 
-from ...clirun import (Outcome, load, model_args, nonnegative_pad, progress_to_stderr, prove, repro_arg,
-                       settings)
+from ...clirun import Outcome, context, load, model_args, nonnegative_pad, repro_arg
 from ...inputs import MASK_MODES, POSITION_MODES
 
 
@@ -23,13 +22,13 @@ def add_arguments(sp) -> None:
 
 
 def command(args) -> Outcome:
-    from .run import SplitConfig, run_split
+    from .run import SplitConfig, run
 
     nonnegative_pad(args)
     cfg = SplitConfig(prompt=args.prompt, split=args.split, mode=args.mode, left_pad=args.left_pad,
                       position_ids=args.position_ids, attention_mask=args.attention_mask)
     lm = load(args)
-    res = run_split(lm, cfg, progress=progress_to_stderr(args.quiet), settings=settings(args), prove=prove(args))
+    res = run(lm, cfg, context(args))
     return Outcome(res, lm, lambda: summary(res))
 
 

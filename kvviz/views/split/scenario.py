@@ -3,12 +3,13 @@ its defaults for the rest."""
 from __future__ import annotations
 
 
-def run(preset, device: str = "cpu", progress=None):
+def setup(preset, device: str = "cpu"):
+    """(model, config, settings) of the scenario: kvviz.meeting runs them through the view's run."""
     from ...execution import ExecSettings
     from ...inputs import encode
     from ...loading import load_model
 
-    from .run import SplitConfig, run_split
+    from .run import SplitConfig
 
     c = preset.controls
     lm = load_model(preset.model, preset.dtype, device)
@@ -17,4 +18,4 @@ def run(preset, device: str = "cpu", progress=None):
     cfg = SplitConfig(prompt=prompt, split=int(c.get("split_k", min(max(1, n // 2), n - 1))),
                       mode=c.get("split_mode", "chunk"), left_pad=int(c.get("split_pad", 0)),
                       position_ids=c.get("split_pos", "auto"), attention_mask=c.get("split_mask", "full"))
-    return run_split(lm, cfg, progress=progress, settings=ExecSettings(invariant=preset.invariant))
+    return lm, cfg, ExecSettings(invariant=preset.invariant)

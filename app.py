@@ -6,6 +6,11 @@ import streamlit as st
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 st.set_page_config(page_title="kvviz", page_icon=":material/troubleshoot:", layout="wide")
+# A fresh server's first run starts as Streamlit's plain pages/ app (its flat list of pages/*.py file names) until
+# st.navigation below takes over, seconds later (kvviz's imports): that list is hidden meanwhile (pages/__init__.py).
+from pages import HIDE_RAW_NAV  # noqa: E402  (light: streamlit only)
+
+st.html(HIDE_RAW_NAV)
 from pages.common import NAV, OLD_URLS, PAGE_URLS, PAGE_TITLES, show_notes, sidebar  # noqa: E402  (after set_page_config)
 from pages.state import remember, scenario_guard  # noqa: E402
 

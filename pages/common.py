@@ -14,6 +14,7 @@ import streamlit as st
 import kvviz
 from kvviz.execution import ExecSettings
 from kvviz.verdict import UNKNOWN, headline, worst
+from pages import ensure_navigation  # noqa: F401  (pages import it from here)
 from pages.devices import devices_control, placement_caption, placement_kwargs
 from pages.runner import progress_bar, show_error
 from pages.state import (PREFIX_OF_PAGE, SIDEBAR_DEFAULTS, copy_link, fall_back_outside, reset_to_defaults, restore,
@@ -57,20 +58,6 @@ class ModelChoice:
     @property
     def settings(self) -> ExecSettings:
         return ExecSettings(invariant=self.invariant)
-
-
-def ensure_navigation() -> None:
-    """Call first in every page. Streamlit runs a fresh server's very first request as a plain pages/ app (a script from
-    pages/ on its own, without app.py) when that request is a deep link such as /split, because a pages/
-    folder exists. app.py's st.navigation switches that off for good; here we switch it off and rerun so the
-    page always runs inside app.py, with the shared sidebar."""
-    try:
-        from streamlit.runtime.pages_manager import PagesManager
-    except ImportError:  # pragma: no cover - other Streamlit versions
-        return
-    if PagesManager.uses_pages_directory or "model_choice" not in st.session_state:
-        PagesManager.uses_pages_directory = False
-        st.rerun()
 
 
 def sidebar() -> ModelChoice:

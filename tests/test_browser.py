@@ -467,3 +467,34 @@ def test_an_older_page_url_lands_on_the_pages_own_url_with_its_settings(artifact
         assert url.path == "/split" and parse_qs(url.query).get("split_k") == ["4"], page.url
         assert page.get_by_text("4 cached (blue)").count() == 1  # the run used the link's k
         page.screenshot(path=str(artifacts / f"older-url-{request.node.callspec.id}.png"))
+
+
+def test_a_fresh_servers_deep_link_never_shows_the_raw_file_list(artifacts):
+    """A fresh server's first request, a copied link to /glossary: Streamlit starts it as a plain pages/ app, whose
+    navigation is the flat list of pages/*.py file names ('app', 'ab', 'common', ...) until app.py's sectioned one
+    arrives seconds later (kvviz's imports). That list is never on screen for more than one 100 ms look (it used to
+    stay ~5 s: the page's own imports ran before the hand-off to app.py); the sectioned navigation comes."""
+    import time
+
+    from browser import streamlit_server
+
+    with streamlit_server() as (server, _log), browser() as b:
+        page = b.new_page(viewport={"width": 1280, "height": 720})
+        page.goto(link(server, "glossary", presenter=False), wait_until="commit")
+        raw_seen, t0 = [], time.time()
+        while time.time() - t0 < 180:
+            state = page.evaluate("""() => { const n = document.querySelector('[data-testid=stSidebarNav]');
+              if (!n) return 'none';
+              if (n.querySelector('[data-testid=stNavSectionHeader]')) return 'sections';
+              const shown = getComputedStyle(n).visibility !== 'hidden' && n.innerText.includes('common');
+              return shown ? 'raw' : 'hidden'; }""")
+            if state == "raw":
+                raw_seen.append(round(time.time() - t0, 2))
+            if state == "sections":
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("the sectioned navigation never came")
+        page.screenshot(path=str(artifacts / "fresh-deep-link.png"))
+        assert len(raw_seen) <= 1, f"the raw pages/ file list was on screen at {raw_seen} s"
+        assert page.locator('[data-testid="stSidebarNav"]').get_by_text("Reference", exact=True).count() == 1

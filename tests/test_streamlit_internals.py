@@ -1,4 +1,4 @@
-"""The one place kvviz touches Streamlit internals (pages/common.py: ensure_navigation) must notice when
+"""The one place kvviz touches Streamlit internals (pages/__init__.py: ensure_navigation) must notice when
 Streamlit changes them: this test fails then, instead of the deep-link fix silently doing nothing."""
 
 
@@ -18,9 +18,9 @@ def test_ensure_navigation_is_the_only_place_that_uses_it():
     users = [p.relative_to(root).as_posix() for p in [*root.glob("pages/*.py"), root / "app.py",
                                                       *root.glob("kvviz/*.py")]
              if "PagesManager" in p.read_text(encoding="utf-8")]
-    assert users == ["pages/common.py"]
+    assert users == ["pages/__init__.py"]
     import ast
 
-    tree = ast.parse((root / "pages/common.py").read_text(encoding="utf-8"))
+    tree = ast.parse((root / "pages/__init__.py").read_text(encoding="utf-8"))
     funcs = [n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and "PagesManager" in ast.unparse(n)]
-    assert funcs == ["ensure_navigation"]
+    assert funcs == ["ensure_navigation", "_in_a_plain_pages_run"]

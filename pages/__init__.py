@@ -1,0 +1,39 @@
+"""kvviz's pages (app.py lists them). Every page script imports this package first, so a fresh server's very first
+request — run as a plain pages/ app when it is a deep link such as /split (see ensure_navigation) — is handed to
+app.py here, before the page's own imports (seconds of torch and transformers) keep Streamlit's raw list of pages/
+file names on screen."""
+import streamlit as st
+
+# Streamlit's plain pages/ navigation (a flat list of file names, no section headers) is never shown; app.py's
+# sectioned one is. A style-only st.html takes no room on the page.
+HIDE_RAW_NAV = ('<style>[data-testid="stSidebarNav"]:not(:has([data-testid="stNavSectionHeader"]))'
+                '{visibility:hidden}</style>')
+
+
+def ensure_navigation() -> None:
+    """Call first in every page. Streamlit runs a fresh server's very first request as a plain pages/ app (a script from
+    pages/ on its own, without app.py) when that request is a deep link such as /split, because a pages/
+    folder exists. app.py's st.navigation switches that off for good; here we switch it off and rerun so the
+    page always runs inside app.py, with the shared sidebar."""
+    try:
+        from streamlit.runtime.pages_manager import PagesManager
+    except ImportError:  # pragma: no cover - other Streamlit versions
+        return
+    if PagesManager.uses_pages_directory or "model_choice" not in st.session_state:
+        PagesManager.uses_pages_directory = False
+        st.rerun()
+
+
+def _in_a_plain_pages_run() -> bool:
+    from streamlit.runtime.scriptrunner import get_script_run_ctx
+
+    try:
+        from streamlit.runtime.pages_manager import PagesManager
+    except ImportError:  # pragma: no cover - other Streamlit versions
+        return False
+    return bool(PagesManager.uses_pages_directory) and get_script_run_ctx(suppress_warning=True) is not None
+
+
+if _in_a_plain_pages_run():
+    st.html(HIDE_RAW_NAV)  # at once: the rerun into app.py takes a moment on a busy machine
+    ensure_navigation()

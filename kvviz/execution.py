@@ -116,6 +116,9 @@ class ExecSettings:
     compile: str = COMPILE_OFF
     flags: tuple[str, ...] = ()
     invariant: bool = False
+    # invariant mode's SDPA takes eager attention's steps op for op, so an eager and an SDPA model agree bit for bit
+    # (a run that compares attention implementations: the matrix); False: the fused kernel where its probe passes
+    sdpa_as_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.cache in {k.value for k in CacheKind}:  # a word from JSON or a flag becomes its kind
@@ -149,12 +152,20 @@ class ExecSettings:
         if self.flags:
             parts.append("flags " + ",".join(self.flags))
         if self.invariant:
-            parts.append("invariant")
+            parts.append("invariant" + (" (SDPA as eager)" if self.sdpa_as_eager else ""))
         return ", ".join(parts)
 
     def to_dict(self) -> dict:
         return {"cache": str(self.cache), "compile": self.compile, "flags": list(self.flags),
-                "invariant": self.invariant}
+                "invariant": self.invariant, "sdpa_as_eager": self.sdpa_as_eager}
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "ExecSettings":
+        """The settings a JSON export carries (an older export's missing fields take their defaults)."""
+        d = d or {}
+        return cls(cache=d.get("cache", DEFAULT_CACHE), compile=d.get("compile", COMPILE_OFF),
+                   flags=tuple(d.get("flags", ())), invariant=bool(d.get("invariant", False)),
+                   sdpa_as_eager=bool(d.get("sdpa_as_eager", False)))
 
 
 DEFAULT_SETTINGS = ExecSettings()

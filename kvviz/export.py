@@ -17,7 +17,7 @@ import numpy as np
 
 from .environment import compare_environments, environment
 from .errors import KvvizError
-from .execution import COMPILE_OFF, DEFAULT_CACHE, ExecSettings
+from .execution import ExecSettings
 from .jsonout import dumps
 from .numerics import describe as describe_numerics, differences as numerics_differences, numerics
 from .plotting import plain_index
@@ -92,9 +92,7 @@ def open_result(data: "str | bytes") -> OpenedResult:
 
 
 def exec_settings(d: dict | None) -> ExecSettings:
-    d = d or {}
-    return ExecSettings(cache=d.get("cache", DEFAULT_CACHE), compile=d.get("compile", COMPILE_OFF),
-                        flags=tuple(d.get("flags", ())), invariant=bool(d.get("invariant", False)))
+    return ExecSettings.from_dict(d)
 
 
 def typed(cls, d: dict, **conv):

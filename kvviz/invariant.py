@@ -17,7 +17,7 @@ its probe):
   first visible key on, padded with masked zero keys to a multiple of the block, and the rows padded to a multiple
   of 8 (a block of 1 or 2 query rows takes another GEMM) - where a probe shows that this gives a row the same bits
   in the full forward, a cached chunk, alone, left-padded, beside another sequence and through a sliding window's
-  cache. Otherwise, and inside `eager_equal_attention()` (the matrix, which compares eager with SDPA): per query
+  cache. Otherwise, and with `ExecSettings(sdpa_as_eager=True)` (the matrix, which compares eager with SDPA): per query
   chunk, scores with fixed-shape GEMMs [rows, d] x [d, keys], rounded and scaled in the dtype, the mask added,
   softmax in float32 or better with its normaliser a running sum, the weights rounded to the dtype, times v with
   fixed-shape GEMMs [rows, keys] x [keys, d] whose key blocks start at each query's first visible key and are added
@@ -703,11 +703,11 @@ _EAGER_EQUAL = threading.local()
 
 
 @contextlib.contextmanager
-def eager_equal_attention():
+def _eager_sdpa():
     """Inside, invariant mode's SDPA takes eager attention's steps op for op (fast_sdpa's fixed-shape path), so an
-    eager and an SDPA model agree bit for bit - for a view that compares attention implementations (the matrix).
-    Elsewhere SDPA runs through the native fused kernel where its probe passes (faster, and the normal run's
-    numerics)."""
+    eager and an SDPA model agree bit for bit: a run's ExecSettings(sdpa_as_eager=True) (the matrix, which compares
+    attention implementations). Elsewhere SDPA runs through the native fused kernel where its probe passes (faster,
+    and the normal run's numerics)."""
     _EAGER_EQUAL.depth = getattr(_EAGER_EQUAL, "depth", 0) + 1
     try:
         yield
@@ -954,7 +954,8 @@ def _native_sdpa(query, key, value, attn_mask, is_causal, scale):
 
 def fast_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, **_):
     """scaled_dot_product_attention in invariant mode: the native kernel over fixed key blocks where its probe passes
-    (_native_sdpa; not inside eager_equal_attention), else the steps eager attention takes in invariant mode, op for op
+    (_native_sdpa; not with ExecSettings(sdpa_as_eager=True)), else the steps eager attention takes in invariant
+    mode, op for op
     (so eager and SDPA models agree bit for bit there) - scores q·kᵀ rounded to the dtype, scaled in it, the mask
     added in it; the softmax in float32 or better, its normaliser a running sum; the weights rounded to the dtype,
     times v - with every GEMM of one of two fixed shapes (attention_tiles), per batch entry and head, a chunk of
@@ -1221,8 +1222,14 @@ def invariant_mode():
         _PLANS.entry = None  # the last forward's mask and plan are not kept past the run
 
 
+@contextlib.contextmanager
+def _invariant_run(sdpa_as_eager: bool):
+    with invariant_mode(), (_eager_sdpa() if sdpa_as_eager else contextlib.nullcontext()):
+        yield
+
+
 def _run_context(settings, lm):
-    return invariant_mode() if settings.invariant else None
+    return _invariant_run(settings.sdpa_as_eager) if settings.invariant else None
 
 
 def register() -> None:

@@ -62,7 +62,7 @@ def attention_path(request):
             pytest.skip("the native kernel's probe does not pass on this CPU: fast_sdpa falls back")
         yield request.param
     else:
-        with invariant.eager_equal_attention():
+        with invariant._eager_sdpa():
             yield request.param
 
 
@@ -132,11 +132,11 @@ def test_attention_a_sliding_window_cache_and_left_padding_group_the_same_terms(
 def test_sdpa_equals_the_eager_steps_in_invariant_mode():
     """Eager attention in invariant mode (tiled matmuls, the fixed-order softmax) and fast_sdpa are the same
     computation, so eager and SDPA models agree bit for bit in invariant mode (the matrix view relies on it: it runs
-    under eager_equal_attention; elsewhere SDPA takes the native kernel, tested below)."""
+    under ExecSettings(sdpa_as_eager=True); elsewhere SDPA takes the native kernel, tested below)."""
     q, k, v = (_rand(1, 3, 90, 24, dtype=torch.bfloat16, seed=s) for s in (30, 31, 32))
     scale = 24 ** -0.5  # not a power of two: the scores are rounded to the dtype before scaling, as eager does
     mask = torch.full((90, 90), torch.finfo(torch.bfloat16).min).triu(1).to(torch.bfloat16)
-    with invariant.invariant_mode(), invariant.eager_equal_attention():
+    with invariant.invariant_mode(), invariant._eager_sdpa():
         w = torch.matmul(q, k.transpose(2, 3)) * scale + mask
         p = F.softmax(w, dim=-1, dtype=torch.float32).to(torch.bfloat16)
         eager = torch.matmul(p, v)
@@ -177,7 +177,7 @@ def test_a_forwards_mask_is_analysed_once_for_all_its_layers_and_never_reused_st
         with torch.inference_mode():
             m = torch.ones(1, 1, 40, 40, dtype=torch.bool).tril()
             before = sdpa(m)
-            m[..., 20:, :8] = False  # an inference tensor tracks no version: the next forward's embedding drops the plan
+            m[..., 20:, :8] = False  # an inference tensor tracks no version: the next forward's embedding drops it
             F.embedding(torch.tensor([[1]]), torch.zeros(4, 2))
             after = sdpa(m)
             assert torch.equal(after, fresh(m)) and not torch.equal(after, before)
@@ -204,3 +204,27 @@ def test_a_tiny_model_makes_one_plan_a_forward():
         invariant._native_plan = real
     layers = lm.model.config.num_hidden_layers
     assert layers > 1 and len(made) == 1, made
+
+
+def test_sdpa_as_eager_is_a_setting_of_the_run_not_a_thread_state():
+    """ExecSettings(sdpa_as_eager=True) makes invariant mode's SDPA mirror eager attention for that run only (the
+    matrix's runs); it travels in the settings' JSON, and an older export without it reads as False."""
+    import kvviz
+    from kvviz.execution import ExecSettings, Executor
+
+    lm = kvviz.load_model("tiny:llama", "float32", "cpu")
+    ids = torch.arange(3, 43)[None]
+    seen = []
+    real = invariant._native_sdpa
+    invariant._native_sdpa = lambda *a: seen.append(getattr(invariant._EAGER_EQUAL, "depth", 0)) or real(*a)
+    try:
+        for s in (ExecSettings(invariant=True, sdpa_as_eager=True), ExecSettings(invariant=True)):
+            with Executor(lm, s).session() as ex:
+                ex.forward(ids, torch.ones_like(ids), use_cache=False, hidden=False)
+    finally:
+        invariant._native_sdpa = real
+    layers = lm.model.config.num_hidden_layers
+    assert seen == [1] * layers + [0] * layers and getattr(invariant._EAGER_EQUAL, "depth", 0) == 0
+    s = ExecSettings(invariant=True, sdpa_as_eager=True)
+    assert ExecSettings.from_dict(s.to_dict()) == s and "SDPA as eager" in s.label()
+    assert ExecSettings.from_dict({"cache": "dynamic", "invariant": True}) == ExecSettings(invariant=True)

@@ -234,8 +234,7 @@ class ServeResult:
         s = {k: v for k, v in d["settings"].items() if k in names}
         s["conditions"] = tuple(s.get("conditions", ()))
         ex = d["settings"].get("execution") or {}
-        s["execution"] = ExecSettings(cache=ex.get("cache", DEFAULT_CACHE), compile=ex.get("compile", COMPILE_OFF),
-                                      flags=tuple(ex.get("flags", ())), invariant=bool(ex.get("invariant", False)))
+        s["execution"] = ExecSettings.from_dict(ex)
         conds = {k: ConditionStats(**{f.name: v[f.name] for f in fields(ConditionStats) if f.name in v})
                  for k, v in d["conditions"].items()}
         return cls(settings=ServeSettings(**s), model=d["model"], engine=d["engine"],

@@ -269,12 +269,12 @@ def show_verdict(verdict: str, explanation: str, proof: str | None = None, style
     if st.session_state.get("presenter"):  # for a room: the headline, the whole text one click away
         box(f"**Verdict: {verdict}.** {headline(verdict, proved)}")
         with st.expander("Why (the evidence)"):
-            st.markdown(explanation + (f"\n\n🔒 {proof}" if proof else ""))
+            st.markdown(explanation + (f"\n\n:material/lock: {proof}" if proof else ""))
         show_notes()
         return
     if proof_in_explanation:
         proof = None
-    box(f"**Verdict: {verdict}.** {explanation}" + (f"\n\n🔒 {proof}" if proof else ""))
+    box(f"**Verdict: {verdict}.** {explanation}" + (f"\n\n:material/lock: {proof}" if proof else ""))
     show_notes()
 
 

@@ -77,7 +77,7 @@ with st.expander("A/B: this sweep against one other setting, on one scale"):
 checked = [(d, x) for d, xs in res.proved.items() for x in xs if x is not None]
 if checked:
     ok = sum(1 for _, x in checked if x)
-    st.success(f"🔒 Precision — proved for {ok} of {len(checked)} precision verdicts: in invariant mode (every row "
+    st.success(f":material/lock: Precision — proved for {ok} of {len(checked)} precision verdicts: in invariant mode (every row "
                "computed the same way whatever the shape) the cached run equals the full forward bit for bit.")
 st.caption(f"Device: {res.settings.device}; float64 reference on {res.settings.float64_device}. On a CPU some "
            "16-bit kernels compute in float32 and round once at the end, unlike GPU kernels, so 16-bit gaps here can "

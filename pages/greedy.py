@@ -117,7 +117,7 @@ with t1:
 with t2:
     st.dataframe(greedy_figures.greedy_pairs_frame(res), hide_index=True, width="stretch")
     for p in parting:
-        st.caption(f"**{p.a} vs {p.b}** — {p.explanation}" + (f" 🔒 {p.proof}" if p.proof else ""))
+        st.caption(f"**{p.a} vs {p.b}** — {p.explanation}" + (f" :material/lock: {p.proof}" if p.proof else ""))
 with t3:
     st.dataframe([{"path": p.label, "forwards": p.forwards, "seconds": round(p.seconds, 3)}
                   for p in res.paths.values()], hide_index=True, width="stretch")

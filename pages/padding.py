@@ -68,10 +68,10 @@ with st.expander("A/B: this grid against one other setting, on one colour scale"
 proved = [c for c in res.cells if c["proved"] is not None]
 if proved:
     n_ok = sum(c["proved"] for c in proved)
-    st.success(f"🔒 Precision — proved for {n_ok} of {len(proved)} precision cells: in invariant mode (every row "
+    st.success(f":material/lock: Precision — proved for {n_ok} of {len(proved)} precision cells: in invariant mode (every row "
                "computed the same way whatever the shape) their gap is exactly 0.")
 if choice.invariant:
-    st.info("🔒 Invariant mode is on: cells whose logic is right are bit for bit the prompt alone; the rest is logic.")
+    st.info(":material/lock: Invariant mode is on: cells whose logic is right are bit for bit the prompt alone; the rest is logic.")
 st.caption(f"Split at token {res.settings.split} of {len(res.tokens)}; {res.settings.dtype} on "
            f"{res.settings.device}; batch companions of {res.settings.companions} tokens.")
 exports(res, "padding", lm)

@@ -64,7 +64,7 @@ for i, cont in enumerate(res.settings.continuations):
             parts = ("same tokens as fresh" if run["first_divergence"] is None else
                      f"parts from fresh at step {run['first_divergence']}")
             box = {"identical": col.success, "precision": col.info, "logic": col.error}.get(run["verdict"], col.info)
-            proof = {True: " 🔒 proved: bit for bit the fresh run in invariant mode",
+            proof = {True: " :material/lock: proved: bit for bit the fresh run in invariant mode",
                      False: " (in invariant mode it still differs: logic)"}.get(run.get("proved"), "")
             box(f"**{strategy}** — {run['verdict']}, {parts}{proof}")
         col.text(run["text"])

@@ -308,7 +308,7 @@ def _holding(name: str, token: cancel.Token | None = None):
                     _STOPPED.pop(next(iter(_STOPPED)))
         entry["done"].set()
         if others:
-            note.caption("⏳ " + held_line(others[0]).replace("this one starts when it ends", "this one waited "
+            note.caption(":material/hourglass_top: " + held_line(others[0]).replace("this one starts when it ends", "this one waited "
                                                                 "for it"))
 
 

@@ -91,7 +91,7 @@ with st.expander("Completions of one prompt, run by run"):
         for r, t in enumerate(p.texts[c]):
             st.text(f"{serving.CONDITION_LABELS[c]}, run {r + 1}: {t!r}")
 if choice.invariant:
-    st.info("🔒 Invariant mode is on: every condition (the engine's own thread too) computes each row the same way "
+    st.info(":material/lock: Invariant mode is on: every condition (the engine's own thread too) computes each row the same way "
             "whatever comes with it, so each prompt must give exactly one completion everywhere.")
 st.caption(f"Engine {res.engine['name']} {res.engine.get('version', '')}; toggles: "
            + "; ".join(res.engine["toggles"]) + f". {res.settings.dtype} on {res.settings.device}.")

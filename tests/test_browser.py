@@ -498,3 +498,26 @@ def test_a_fresh_servers_deep_link_never_shows_the_raw_file_list(artifacts):
         page.screenshot(path=str(artifacts / "fresh-deep-link.png"))
         assert len(raw_seen) <= 1, f"the raw pages/ file list was on screen at {raw_seen} s"
         assert page.locator('[data-testid="stSidebarNav"]').get_by_text("Reference", exact=True).count() == 1
+
+
+def test_every_symbol_the_pages_print_has_a_glyph_in_chromium():
+    """Debian's chromium has no colour-emoji font: a symbol without a glyph there draws as a box (🔒 did, before the
+    verdicts' proof line took :material/lock:). Each non-letter symbol in the pages' text is drawn on a canvas and
+    compared with a code point that no font has (its box)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    text = "".join(p.read_text(encoding="utf-8") for p in [root / "app.py", *sorted((root / "pages").glob("*.py"))])
+    symbols = sorted({c for c in text if ord(c) > 0x2000 and not c.isalpha() and not 0xFE00 <= ord(c) <= 0xFE0F})
+    assert "→" in symbols and "—" in symbols  # the scan sees the pages' symbols
+    with browser() as b:
+        page = b.new_page()
+        page.set_content("<canvas id=c width=60 height=60></canvas>")
+        missing = page.evaluate("""(chars) => { const cv = document.getElementById('c'), g = cv.getContext('2d');
+          const draw = (ch) => { g.clearRect(0, 0, 60, 60); g.font = '40px sans-serif'; g.fillText(ch, 5, 45);
+                                 return g.getImageData(0, 0, 60, 60).data.join(','); };
+          const box = draw(String.fromCodePoint(0x10FFFD));
+          return chars.filter(ch => draw(ch) === box); }""", symbols)
+    assert not missing, [f"U+{ord(c):04X} {c}" for c in missing]
+    assert not re.search("[\U0001F300-\U0001FAFF]", text)  # no pictographic emoji at all: none has a glyph here

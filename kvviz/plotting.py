@@ -2,6 +2,8 @@
 labels, colour ranges and log-axis floors. Pure: no model runs here."""
 from __future__ import annotations
 
+import re
+
 import math
 
 import numpy as np
@@ -167,10 +169,15 @@ def fit_text(fig: go.Figure, most: int = 44, width: int = 380) -> go.Figure:
     height = (fig.layout.height or 450) + legend_h
     top = 24 + 22 * lines + legend_h
     m = fig.layout.margin
+    # a category axis centres its last label on the plot's right edge: half of it hangs into the right margin, which
+    # automargin measured before the page's font loaded (2 px short: "layer 4 + final norm" cut) - reserved here
+    lasts = [str(t.x[-1]) for t in fig.data if t.type != "heatmap" and t.x is not None and len(t.x)
+             and isinstance(t.x[-1], str)]
+    right = 10 + 4 * max((len(re.sub("<[^>]+>", "", x)) for x in lasts), default=0)
     fig.update_layout(height=height,
                       title=dict(text=wrapped, x=0, xanchor="left", xref="container", pad=dict(l=10),
                                  yref="container", y=1 - (8 + 11 * lines) / height, yanchor="middle"),
-                      margin=dict(l=m.l if m.l is not None else 10, r=m.r if m.r is not None else 10,
+                      margin=dict(l=m.l if m.l is not None else 10, r=max(m.r if m.r is not None else 10, right),
                                   b=m.b if m.b is not None else 10, t=max(top, m.t or 0)))
     fig.update_xaxes(automargin=True)  # tick labels and axis titles push the margins, never overlap
     fig.update_yaxes(automargin=True)

@@ -15,7 +15,9 @@ server = app_server_fixture()
 
 # every chart page with short settings (as test_first_screen_in_normal_mode runs them); the matrix runs on a button
 PAGES = {"split": {}, "greedy": {"greedy_n": 8}, "dtypes": {}, "padding": {}, "loading_trap": {"loading_trap_n": 6},
-         "quant": {"quant_n": 4}, "matrix": {}}
+         "quant": {"quant_n": 4}, "matrix": {}, "serving": {}}
+LESSON_STEPS = ["1 · Floats", "2 · Sums", "3 · One row", "4 · One layer", "5 · All layers", "6 · A word flips",
+                "7 · The referee", "8 · A bug"]
 
 TEXT_JS = """() => {
   const named = 'text.gtitle, .legendtext, .xtitle, .ytitle, .cbtitle text, .annotation-text';
@@ -27,8 +29,15 @@ TEXT_JS = """() => {
     const fb = box(plot);
     if (fb.width === 0 || fb.height === 0) return;  // a figure in a folded expander or another tab
     const texts = [...plot.querySelectorAll(named)].filter(t => t.textContent.trim() && box(t).width > 0);
-    const ticks = [...plot.querySelectorAll('.xtick text, .ytick text')].filter(t => t.textContent.trim() && box(t).width > 0);
+    const ticks = [...plot.querySelectorAll('.xtick text, .ytick text, .colorbar .tick text, .cbaxis text')].filter(t => t.textContent.trim() && box(t).width > 0);
     const title = (plot.querySelector('text.gtitle') || {}).textContent || ('figure ' + i);
+    for (const k of ticks) {  // a tick label cut at the figure's edge (the last x tick's right half)
+      const r = box(k);
+      if (r.left < fb.left - 1 || r.right > fb.right + 1 || r.top < fb.top - 1 || r.bottom > fb.bottom + 1)
+        out.push({figure: title.slice(0, 60), problem: 'tick label clipped', text: k.textContent.slice(0, 60),
+                  box: [r.left - fb.left, r.top - fb.top, r.width, r.height].map(Math.round),
+                  figure_size: [Math.round(fb.width), Math.round(fb.height)]});
+    }
     for (const t of texts) {
       const r = box(t);
       if (r.left < fb.left - 1 || r.right > fb.right + 1 || r.top < fb.top - 1 || r.bottom > fb.bottom + 1)
@@ -102,6 +111,36 @@ def test_figure_text_fits_and_does_not_overlap(server, artifacts, presenter):
     import json
 
     (artifacts / f"text-fit-{'presenter' if presenter else 'normal'}.json").write_text(json.dumps(problems, indent=1))
+    assert not problems, problems
+
+
+@pytest.mark.parametrize("presenter", [True, False], ids=["presenter", "normal"])
+def test_the_lessons_figures_fit(server, artifacts, presenter):
+    """Every Lesson step's figure, its answer revealed, at 1280×720: the same checks as the chart pages'."""
+    problems = {}
+    mode = "presenter" if presenter else "normal"
+    with browser() as b:
+        page = b.new_context(viewport={"width": 1280, "height": 720}).new_page()
+        page.goto(link(server, "lesson", presenter=presenter))
+        page.get_by_text("Lesson: rounding or a bug?").first.wait_for(timeout=240_000)
+        for k, label in enumerate(LESSON_STEPS, start=1):
+            page.get_by_text(label, exact=True).first.click()
+            page.get_by_text(f"Step {k}:").first.wait_for(timeout=300_000)
+            reveal = page.get_by_role("button", name="Reveal the answer").first
+            reveal.wait_for(timeout=300_000)
+            wait_idle(page, 300)
+            reveal.click()
+            page.get_by_text("Why.").first.wait_for(timeout=300_000)
+            wait_idle(page, 300)
+            no_exception(page)
+            _figures_drawn(page)
+            page.screenshot(path=str(artifacts / f"text-fit-{mode}-lesson-step{k}.png"), full_page=True)
+            found = page.evaluate(TEXT_JS)
+            if found:
+                problems[label] = found
+    import json
+
+    (artifacts / f"text-fit-{mode}-lesson.json").write_text(json.dumps(problems, indent=1))
     assert not problems, problems
 
 

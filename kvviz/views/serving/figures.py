@@ -1,6 +1,7 @@
 """The serving view's charts and table: pure functions of its result (the page, the HTML report and a notebook draw the same)."""
 from __future__ import annotations
 
+from ...plotting import fit_text
 from .run import CONDITION_LABELS, ServeResult
 
 
@@ -18,7 +19,7 @@ def histogram_figure(res: ServeResult):
     fig.add_bar(x=xs, y=[h.get(x, 0) for x in xs], name="all runs + reference")
     fig.update_layout(title="Distinct completions per prompt", xaxis_title="distinct completions",
                       yaxis_title="prompts", barmode="group", xaxis=dict(dtick=1), height=380)
-    return fig
+    return fit_text(fig)
 
 
 def divergence_figure(res: ServeResult):
@@ -34,7 +35,7 @@ def divergence_figure(res: ServeResult):
                         marker=dict(size=10))
     fig.update_layout(title="First divergence from the reference: step and top-2 margin there",
                       xaxis_title="step", yaxis_title="reference's top-2 margin", yaxis_type="log", height=380)
-    return fig
+    return fit_text(fig)
 
 
 def throughput_figure(res: ServeResult):
@@ -43,7 +44,7 @@ def throughput_figure(res: ServeResult):
     cs = list(res.conditions.values())
     fig = go.Figure(go.Bar(x=[c.label for c in cs], y=[c.tokens_per_s for c in cs]))
     fig.update_layout(title="Tokens per second per condition", yaxis_title="new tokens / s", height=320)
-    return fig
+    return fit_text(fig)
 
 
 def main(res: ServeResult) -> list:

@@ -9,7 +9,8 @@ import kvviz
 from kvviz import execution, loops
 from kvviz.execution import CacheKind, ExecSettings, StepPolicy
 from kvviz.export import export_json, open_result
-from kvviz.views.greedy.run import GreedyConfig, GreedyPath, Replay, run_greedy
+from kvviz.replay import Replay
+from kvviz.views.greedy.run import GreedyConfig, GreedyPath, run_greedy
 from kvviz.verdict import Verdict
 
 from conftest import DEVICE

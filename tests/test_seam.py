@@ -159,7 +159,7 @@ def test_results_carry_typed_settings():
     assert s.execution == ExecSettings() and s["dtype"] == "bfloat16"
     assert s.config == SplitConfig(PROMPT, split=4)
     assert res.to_dict()["settings"]["execution"] == {"cache": "dynamic", "compile": "off", "flags": [],
-                                                      "invariant": False}
+                                                      "invariant": False, "sdpa_as_eager": False}
     assert execution.RunInfo.of(lm).device == str(lm.device)
 
 

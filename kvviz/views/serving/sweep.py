@@ -164,7 +164,7 @@ def run_sweep(lm, cfg: SweepConfig, progress=None, settings=None, reference=None
     try:
         for k, (c, n) in enumerate(grid):
             cancel.check(f"sweep cell {k + 1}/{len(grid)}")
-            if cfg.budget_s is not None and time.perf_counter() - t0 > cfg.budget_s:
+            if k and cfg.budget_s is not None and time.perf_counter() - t0 > cfg.budget_s:  # one cell at least
                 skipped = [[c2, n2] for c2, n2 in grid[k:]]
                 break
             progress(k / len(grid), f"cell {k + 1}/{len(grid)}: {c} in flight, {n}-token prompts")

@@ -8,7 +8,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from .lesson import STEPS, StepResult
-from .plotting import zero_floor
+from .plotting import fit_text, zero_floor
 
 COLOURS = {"float64": "#7f7f7f", "float32": "#1f77b4", "float16": "#2ca02c", "bfloat16": "#d62728"}
 def floor_of(*series) -> float:
@@ -23,9 +23,8 @@ def _floor(values, floor: float) -> list[float]:
 
 
 def _layout(fig: go.Figure, title: str, height: int = 420) -> go.Figure:
-    fig.update_layout(title=title, height=height, margin=dict(l=10, r=10, t=60, b=10),
-                      legend=dict(orientation="h", y=-0.2))
-    return fig
+    fig.update_layout(title=title, height=height, margin=dict(l=10, r=10, t=60, b=10))
+    return fit_text(fig)  # title wrapped, legend in rows above the plot: it fits presenter mode's column
 
 
 def _whole_ticks(fig: go.Figure, n: int, **where) -> None:
@@ -71,7 +70,7 @@ def fig_sums(r: StepResult) -> go.Figure:
     fig = make_subplots(rows=1, cols=2, subplot_titles=(f"{d['n']} numbers in {d['dtype']}: error of each order",
                                                         f"adding {d['drift_value']:g}, {d['drift_n']} times"))
     orders = list(d["error_ulps"])
-    fig.add_trace(go.Bar(x=orders, y=[d["error_ulps"][o] for o in orders], name="error vs exact (ulps)",
+    fig.add_trace(go.Bar(x=[o.replace(" (", "<br>(") for o in orders], y=[d["error_ulps"][o] for o in orders], name="error vs exact (ulps)",
                          marker_color=COLOURS[d["dtype"]], text=[f"{d['error_ulps'][o]:.3g}" for o in orders],
                          textposition="outside"), 1, 1)
     fig.update_yaxes(title="|sum − exact| in ulps", row=1, col=1)
@@ -84,7 +83,9 @@ def fig_sums(r: StepResult) -> go.Figure:
         fig.add_trace(go.Scatter(x=xs[::step], y=run[::step], name=dt, line=dict(color=COLOURS[dt])), 1, 2)
     fig.update_xaxes(title="additions", row=1, col=2)
     fig.update_yaxes(title="running sum", row=1, col=2)
-    return _layout(fig, f"Step 2 · {r.title}: left to right vs right to left differ by {d['diff_ulps']:.0f} ulp")
+    fig = _layout(fig, f"Step 2 · {r.title}: left to right vs right to left differ by {d['diff_ulps']:.0f} ulp")
+    # a narrow column turns the orders' names: room for them (automargin measured them 2 px short in presenter mode)
+    return fig.update_layout(margin_b=90)
 
 
 def fig_row(r: StepResult) -> go.Figure:
@@ -172,7 +173,8 @@ def fig_greedy(r: StepResult) -> go.Figure:
                              mode="lines+markers", line=dict(color="#d62728")))
     if d["parting"] is not None:
         fig.add_vline(x=d["parting"], line_dash="dash", line_color="#d62728",
-                      annotation_text=f"they part at step {d['parting']}", annotation_position="top")
+                      annotation_text=f"they part at step {d['parting']}", annotation_position="top right",
+                      annotation_yanchor="top")  # inside the plot: above it is the legend's row
     zero_floor(fig, floor, "0 (an exact tie, or no gap)")
     fig.update_yaxes(type="log", title="logit units (log)", exponentformat="e")
     fig.update_xaxes(title="step")

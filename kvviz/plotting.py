@@ -96,7 +96,9 @@ def zero_floor(fig: go.Figure, floor: float, text: str) -> None:
     axis' y as an exponent and would put the label near 1)."""
     fig.add_hline(y=floor, line_dash="dot", line_color="#888")
     fig.add_annotation(x=1, xref="paper", y=float(np.log10(floor)), yref="y", text=text, showarrow=False,
-                       xanchor="right", yanchor="bottom", font=dict(color="#888"))
+                       xanchor="right", yanchor="bottom", xshift=-8, font=dict(color="#888"))
+    # xshift: plotly places the right-anchored label by its width measured before the page's font loaded (3 px over
+    # the figure's edge in the Lesson's step 6)
 
 
 def floor_zeros(values, floor: float) -> list[float]:
@@ -162,12 +164,17 @@ def fit_text(fig: go.Figure, most: int = 44, width: int = 380) -> go.Figure:
     entry = 40 + 7 * max((len(t.name) for t in items), default=0)
     per_row = max(1, (width - 60) // entry) if shown else 1
     rows = -(-len(items) // per_row) if shown else 0
-    legend_h = 22 * rows + (8 if rows else 0)
-    if shown:
-        fig.update_layout(legend=dict(orientation="h", xref="paper", x=0, xanchor="left", yref="paper", y=1.01,
-                                      yanchor="bottom", entrywidth=entry, entrywidthmode="pixels"))
+    # subplot titles sit just above the plot, where the legend goes: the legend goes a row higher
+    sub = 24 if shown and any(a.yref == "paper" and (a.y or 0) >= 0.99 and a.yanchor == "bottom"
+                              for a in fig.layout.annotations) else 0
+    legend_h = 22 * rows + (8 if rows else 0) + sub
     height = (fig.layout.height or 450) + legend_h
     top = 24 + 22 * lines + legend_h
+    if shown:
+        plot_h = max(1, height - max(top, fig.layout.margin.t or 0) - (fig.layout.margin.b or 10))
+        fig.update_layout(legend=dict(orientation="h", xref="paper", x=0, xanchor="left", yref="paper",
+                                      y=1.01 + sub / plot_h, yanchor="bottom", entrywidth=entry,
+                                      entrywidthmode="pixels"))
     m = fig.layout.margin
     # a category axis centres its last label on the plot's right edge: half of it hangs into the right margin, which
     # automargin measured before the page's font loaded (2 px short: "layer 4 + final norm" cut) - reserved here

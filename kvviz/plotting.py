@@ -176,15 +176,22 @@ def fit_text(fig: go.Figure, most: int = 44, width: int = 380) -> go.Figure:
                                       y=1.01 + sub / plot_h, yanchor="bottom", entrywidth=entry,
                                       entrywidthmode="pixels"))
     m = fig.layout.margin
-    # a category axis centres its last label on the plot's right edge: half of it hangs into the right margin, which
-    # automargin measured before the page's font loaded (2 px short: "layer 4 + final norm" cut) - reserved here
-    lasts = [str(t.x[-1]) for t in fig.data if t.type != "heatmap" and t.x is not None and len(t.x)
-             and isinstance(t.x[-1], str)]
-    right = 10 + 4 * max((len(re.sub("<[^>]+>", "", x)) for x in lasts), default=0)
+    # a category axis centres its first and last labels on the plot's edges: half of each hangs into the margin, which
+    # automargin measured before the page's font loaded (short: "layer 4 + final norm", a matrix's "dynamic · compile
+    # off" cut) - reserved here
+    cats = [[str(x) for x in t.x] for t in fig.data if t.x is not None and len(t.x) and isinstance(t.x[-1], str)]
+    left = 10 + 4 * max((len(re.sub("<[^>]+>", "", c[0])) for c in cats), default=0)
+    right = 10 + 4 * max((len(re.sub("<[^>]+>", "", c[-1])) for c in cats), default=0)
+    # category y labels and a colour bar's named ticks lie wholly in their margins (the matrix's were cut by 16 and 3 px)
+    ylabels = [str(y) for t in fig.data if t.y is not None and len(t.y) and isinstance(t.y[-1], str) for y in t.y]
+    left = max(left, 24 + int(7 * max((len(re.sub("<[^>]+>", "", y)) for y in ylabels), default=0)))
+    named = [str(v) for t in fig.data if t.type == "heatmap" and t.colorbar.ticktext for v in t.colorbar.ticktext]
+    if named:
+        right = max(right, 60 + int(6.5 * max(len(v) for v in named)))
     fig.update_layout(height=height,
                       title=dict(text=wrapped, x=0, xanchor="left", xref="container", pad=dict(l=10),
                                  yref="container", y=1 - (8 + 11 * lines) / height, yanchor="middle"),
-                      margin=dict(l=m.l if m.l is not None else 10, r=max(m.r if m.r is not None else 10, right),
+                      margin=dict(l=max(m.l if m.l is not None else 10, left), r=max(m.r if m.r is not None else 10, right),
                                   b=m.b if m.b is not None else 10, t=max(top, m.t or 0)))
     fig.update_xaxes(automargin=True)  # tick labels and axis titles push the margins, never overlap
     fig.update_yaxes(automargin=True)

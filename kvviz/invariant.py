@@ -406,74 +406,6 @@ def _blocked_rows(rows: torch.Tensor, n_out: int, sizes: tuple, call, out_dtype)
     return out[:r]
 
 
-# A 16-bit weight on a oneDNN CPU: the GEMM re-lays the weight out for its kernel at every call (most of a decode
-# step's 64-row call). Laid out once per run instead - where a probe shows the call gives torch.mm's bits for every
-# block size of the weight's family, wherever a row sits - a block costs about one row's plain call. Held for the run
-# (invariant mode's exit drops them), PACKED_BYTES at most: a weight past it takes torch.mm, the same bits. Laying a
-# weight out costs about three of its calls: done at its PACK_AFTER-th call of a run (decode steps), not for a prompt's
-# few forwards.
-PACKED_BYTES = 2 * 1024 ** 3
-PACK_AFTER = 8
-_PACKED = threading.local()
-
-
-def _packed_linear(weight: torch.Tensor, bias, sizes: tuple, probe):
-    """The prepacked oneDNN call for `weight` (rows -> rows @ weight.T + bias), or None where it does not apply."""
-    if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float16) or weight.dim() != 2 or \
-            not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
-        return None
-    key = (weight.data_ptr(), tuple(weight.shape), weight.stride(), compat.tensor_version(weight), weight.dtype,
-           None if bias is None else (bias.data_ptr(), compat.tensor_version(bias)), sizes)
-    held = getattr(_PACKED, "entries", None)
-    if held is None:
-        held = _PACKED.entries = {}
-    seen = held.get(key, 0)
-    if not isinstance(seen, int):
-        return seen[-1]
-    held[key] = seen + 1
-    if seen + 1 < PACK_AFTER or getattr(_PACKED, "bytes", 0) + weight.numel() * weight.element_size() > PACKED_BYTES or \
-            not _packed_ok(weight, bias, sizes, probe):
-        return None
-
-    def pack(w, b_):
-        wp = torch.ops.mkldnn._reorder_linear_weight(w, max(sizes))
-        return lambda rows: torch.ops.mkldnn._linear_pointwise(rows, wp, b_, "none", [], "")
-
-    call = pack(weight, bias)
-    _PACKED.bytes = getattr(_PACKED, "bytes", 0) + weight.numel() * weight.element_size()
-    held[key] = (weight, bias, call)  # the tensors held: their memory is not another's while the key is used
-    return call
-
-
-def _packed_ok(weight, bias, sizes: tuple, probe) -> bool:
-    """Does the prepacked call give torch.mm's (addmm's) bits for every block size of `sizes`, rows rolled, on data
-    whose products cancel and on random data? (probed once per device, dtype, shape and family)"""
-    key = ("packed", _where(weight.device), weight.dtype, tuple(weight.shape), weight.stride(),
-           None if bias is None else (bias.dtype, tuple(bias.shape)), sizes)
-
-    def works(_):
-        k, big = weight.shape[1], max(sizes)
-        try:
-            for rep in range(2):
-                w_ = _cancelling(tuple(weight.shape), weight.stride(), weight.dtype, weight.device, 1, 3) \
-                    if rep == 0 else weight
-                b_ = None if bias is None else (torch.zeros_like(bias) if rep == 0 else bias)
-                x = _cancelling((big, k), (k, 1), weight.dtype, weight.device, 1, 7, negate=True) if rep == 0 else \
-                    _probe_data((big, k), weight.dtype, weight.device, 7)
-                wp = torch.ops.mkldnn._reorder_linear_weight(w_, big)
-                for b in sizes:
-                    for s_ in (0, 1, b // 2 + 1):
-                        blk = x[:b].roll(s_, 0).contiguous()
-                        if not torch.equal(torch.ops.mkldnn._linear_pointwise(blk, wp, b_, "none", [], ""),
-                                           probe(blk, w_, b_)):
-                            return False
-        except (RuntimeError, NotImplementedError):  # a build without the op for this dtype
-            return False
-        return True
-
-    return bool(_probe(key, (1,), works))
-
-
 def block_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear with every kernel call of one shape [b, K] x [K, N] (b probed; rows in blocks, the last padded)."""
     wt = weight.t()
@@ -485,9 +417,6 @@ def block_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     b = linear_block(x.dtype, weight, bias, probe, weight.shape[-1]) if x.dtype == weight.dtype else 0
     if not b:
         return rowwise_linear(x, weight, bias)
-    packed = _packed_linear(weight, bias, b, probe)
-    if packed is not None:
-        call = lambda blk, out=None: out.copy_(packed(blk))  # noqa: E731
     rows = x.reshape(-1, x.shape[-1])
     out = _blocked_rows(rows, weight.shape[0], b, call, torch.result_type(rows, weight))
     return out.reshape(*x.shape[:-1], weight.shape[0])
@@ -1291,7 +1220,6 @@ def invariant_mode():
     finally:
         _STATE.depth -= 1
         _PLANS.entry = None  # the last forward's mask and plan are not kept past the run
-        _PACKED.entries, _PACKED.bytes = None, 0  # nor the weights laid out for it
 
 
 @contextlib.contextmanager

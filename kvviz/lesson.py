@@ -532,7 +532,7 @@ def _no_flip_words(d: dict) -> str:
     if not m:
         return "no steps were decoded."
     i = int(np.argmin(m))
-    close = sum(1 for a, b in zip(m, g) if a <= b)
+    close = sum(1 for a, b in zip(m, g) if 0 < b and a <= b)  # a gap that could flip the choice, and a margin in it
     words = (f"the smallest top-2 margin was {m[i]:.3g} at step {i}" + (" (an exact tie)" if m[i] == 0 else "")
              + (f", where the two paths' logits differed by up to {g[i]:.3g}. " if g[i] else
                 ", where the two paths' logits were bit for bit equal. "))
@@ -540,7 +540,10 @@ def _no_flip_words(d: dict) -> str:
         return words + (f"{close} of {len(m)} steps had a margin within that gap, yet the top two tokens' own "
                         "logits never swapped: the largest difference fell on other tokens of the vocabulary, "
                         "and a flip needs it on the two tied ones.")
-    return words + f"At every step the margin was larger than the gap, so no rounding could flip the choice."
+    if not any(g):
+        return words + ("The two paths' logits were bit for bit equal at every step, so even an exact tie is broken "
+                        "the same way on both: rounding had nothing to flip.")
+    return words + "At every step the margin was larger than the gap, so no rounding could flip the choice."
 
 
 CONSTRUCTED = "tiny:split"  # a tiny model whose top token depends on how many rows its head saw (kvviz/tiny.py)

@@ -189,3 +189,16 @@ def test_steps_share_their_runs_within_a_lesson_walk(models, monkeypatch):
     ref = lesson.step_referee(models, PROMPT, "float32")
     assert len(calls) == walked + 4  # only the invariant-mode run is new
     assert ref.data["normal"] == lesson.step_layers(models, PROMPT).data["dtypes"]["float32"]["relative"]
+
+
+def test_the_no_flip_words_follow_the_numbers():
+    """Why the paths did not part, in words computed from the margins and gaps: an exact tie with bit-for-bit equal
+    logits is not "a margin within that gap" (both are 0: nothing could flip), a margin inside a nonzero gap is."""
+    from kvviz.lesson import _no_flip_words
+
+    equal = _no_flip_words({"margins": [0.5, 0.0, 0.3], "gaps": [0.0, 0.0, 0.0]})
+    assert "an exact tie" in equal and "bit for bit equal at every step" in equal and "within that gap" not in equal
+    inside = _no_flip_words({"margins": [0.5, 0.01, 0.3], "gaps": [0.0, 0.02, 0.0]})
+    assert "1 of 3 steps had a margin within that gap" in inside
+    above = _no_flip_words({"margins": [0.5, 0.2, 0.3], "gaps": [0.01, 0.02, 0.0]})
+    assert "larger than the gap" in above and "within that gap" not in above

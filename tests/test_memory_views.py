@@ -277,19 +277,9 @@ def test_a_long_eager_split_holds_no_more_than_its_plan_measured_op_by_op(tmp_pa
     kept results - peaks under the plan's activations + cache + kept and above 1/1.25 of them. The plan that
     counted one score tensor a layer (what it still counts for a fused SDPA kernel) fell 23 % under this peak:
     eager attention holds the scores, their masked copy and softmax beside the causal mask."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    from memory_bench import build
     from kvviz.views.split.run import SplitConfig, run_split
 
-    folder = build(tmp_path / "long", LONG_LLAMA)
-    T = 1536
-    lm = load_model(str(folder), "float64", "cpu", attn_implementation="eager")
-    assert lm.attn_implementation == "eager"
-    prompt = ("The quick brown fox jumps over the lazy dog. " * 40)[:T - 1]  # byte tokens and BOS
-    assert len(encode(lm, prompt)) == T
+    lm, prompt, T, folder = _long_float64_split_model(tmp_path, "eager")
     mode = LiveTensors()
     with mode:
         run_split(lm, SplitConfig(prompt, split=T // 2, mode="chunk"), prove=False)
@@ -369,21 +359,11 @@ def test_a_long_float64_split_through_sdpas_math_kernel_holds_no_more_than_its_c
     kernel, which materialises the [heads, q, k] scores and their softmax beside the mask), measured on the CPU with
     that kernel forced, op by op, on the long tiny Llama: the plan with device 'cuda' bounds it within 1.25x, and the
     CPU plan (a fused kernel: one score tensor) would not."""
-    import sys
-    from pathlib import Path
-
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    from memory_bench import build
     from kvviz.views.split.run import SplitConfig, run_split
 
-    folder = build(tmp_path / "long", LONG_LLAMA)
-    T = 1536
-    lm = load_model(str(folder), "float64", "cpu", attn_implementation="sdpa")
-    assert lm.attn_implementation == "sdpa"
-    prompt = ("The quick brown fox jumps over the lazy dog. " * 40)[:T - 1]  # byte tokens and BOS
-    assert len(encode(lm, prompt)) == T
+    lm, prompt, T, folder = _long_float64_split_model(tmp_path, "sdpa")
     mode = LiveTensorsThroughSdpa()
     with sdpa_kernel(SDPBackend.MATH), mode:
         run_split(lm, SplitConfig(prompt, split=T // 2, mode="chunk"), prove=False)
@@ -420,3 +400,20 @@ def test_the_cuda_plan_bounds_the_h100_8b_split_wherever_it_splits(tokens):
     p = memory.plan_shape(shape, "8B", "bfloat16", "cuda", "split", tokens, free=80 * memory.GB, compared=1)
     p.measured_peak = int(peak)
     assert p.over_plan() is None
+
+
+def _long_float64_split_model(tmp_path, attention: str, T: int = 1536):
+    """The long tiny Llama (bench/memory_bench.py's builder) in float64 with `attention`, a prompt of T tokens, T and
+    the model's folder."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from memory_bench import build
+
+    folder = build(tmp_path / "long", LONG_LLAMA)
+    lm = load_model(str(folder), "float64", "cpu", attn_implementation=attention)
+    assert lm.attn_implementation == attention
+    prompt = ("The quick brown fox jumps over the lazy dog. " * 40)[:T - 1]  # byte tokens and BOS
+    assert len(encode(lm, prompt)) == T
+    return lm, prompt, T, folder

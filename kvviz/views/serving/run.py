@@ -216,7 +216,8 @@ class ServeResult:
         one = self.histogram.get(1, 0)
         share = self.warm_differs_share
         return (f"{one} of {n} prompts gave exactly 1 distinct completion; {parting} parted from the reference"
-                + ("" if share is None else f"; warm ≠ cold for {share:.0%}"))
+                + ("" if share is None else f"; a warm run's completion differed from the cold one's for "
+                                            f"{share:.0%} of prompts"))
 
     def to_dict(self) -> dict:
         return {"settings": self.settings.to_dict(), "model": self.model, "engine": self.engine,

@@ -41,7 +41,7 @@ def _zero_label_at_the_floor(fig, values) -> None:
 def check_step(r: lesson.StepResult) -> None:
     """The question, the figure and the answer of one computed step agree; every claim from r.data."""
     d, fig = r.data, figure(r)
-    title = fig.layout.title.text
+    title = fig.layout.title.text.replace("<br>", " ")  # fit_text wraps a long title on two lines
     assert title.startswith(f"Step {r.step}") and r.question and r.explanation
     assert "a last bit or two" not in r.reveal + r.explanation
     if r.answer is not None:

@@ -84,7 +84,10 @@ def _has(module: str) -> bool:
 def test_each_run_reports_growing_progress_ending_at_one(lm, name):
     seen: list[float] = []
     ctx = RunContext(progress=lambda f, text: seen.append(f), prove=False)
-    result = views.get(name).runner()(lm, _configs()[name], ctx)
+    v = views.get(name)
+    if v.page is not None and v.page.starts_engine:  # vLLM takes a real checkpoint (tiny:llama's config it refuses)
+        lm = kvviz.load_model("default", "bfloat16", DEVICE)
+    result = v.runner()(lm, _configs()[name], ctx)
     assert type(result).__name__ == views.get(name).result_type
     assert seen and seen == sorted(seen) and seen[-1] == 1.0, seen
     assert all(0.0 <= f <= 1.0 for f in seen)

@@ -7,7 +7,7 @@ import streamlit as st
 
 from kvviz.views.engine_layers import figures as el_figures, report as el_report
 from kvviz.views.engine_layers.run import PAIRS, EngineLayersConfig, run_engine_layers
-from kvviz.views.serving.engines import engine_status
+from kvviz.engines.serving import engine_status
 from pages.common import controls, page, show_verdict
 from pages.exporting import exports
 from pages.runner import progress_bar, run_cached, show_error

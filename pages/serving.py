@@ -2,7 +2,7 @@
 import streamlit as st
 
 from kvviz.views.serving import figures as serving_figures, report as serving_report, run as serving
-from kvviz.views.serving.engines import ENGINES, engine_status
+from kvviz.engines.serving import ENGINES, engine_status
 from kvviz.firstscreen import serving_why
 from pages.common import controls, page, prompt_set, show_verdict
 from pages.runner import progress_bar, run_cached, show_error

@@ -42,7 +42,7 @@ def add_arguments(vp) -> None:
 
 
 def command(args) -> Outcome:
-    from .engines import check_engine
+    from ...engines.serving import check_engine
     from .run import ServeConfig, load_prompt_set, run_serving
 
     if not args.server:

@@ -33,6 +33,9 @@ PAGES = {section: [BY_STEM[stem] for stem, _, _ in items]
          + [page for old, page in OLD.items() if OLD_URLS[old] in {stem for stem, _, _ in items}]
          for section, items in NAV.items()}
 STEM = {p.url_path: stem for stem, p in BY_STEM.items()}
+# .streamlit/config.toml starts with the sidebar navigation off, so that a fresh server's first run (Streamlit's plain
+# pages/ app, before app.py) draws no flat list of file names; app.py's own navigation is drawn.
+st.set_option("client.showSidebarNavigation", True)
 nav = st.navigation(PAGES, expanded=True)
 if nav.url_path in OLD_URLS:
     link = st.query_params

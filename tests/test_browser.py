@@ -409,7 +409,11 @@ def test_bisector_and_heatmap_use_one_layer_name(server, artifacts):
 
     with browser() as b:
         page = b.new_context(viewport={"width": 1280, "height": 900}).new_page()
-        page.goto(link(server, "split", presenter=False, model_preset="tiny:llama", dtype="bfloat16"))
+        # A mask that leaves the 2 pad tokens visible to the rest (a logic fault): the paths part in layer 1's
+        # attention on every CPU. The default prompt's bfloat16 split differs on some CPUs only (AVX2: layer 4;
+        # AVX-512: bit for bit, and the bisector then says nothing differs).
+        page.goto(link(server, "split", presenter=False, model_preset="tiny:llama", dtype="bfloat16", split_pad=2,
+                       split_mask="new-only"))
         page.wait_for_selector(".js-plotly-plot", timeout=240_000)
         wait_idle(page)
         assert page.locator(".js-plotly-plot").first.get_by_text("layer 2", exact=True).count() >= 1
@@ -471,34 +475,36 @@ def test_an_older_page_url_lands_on_the_pages_own_url_with_its_settings(artifact
 
 def test_a_fresh_servers_deep_link_never_shows_the_raw_file_list(artifacts):
     """A fresh server's first request, a copied link to /glossary: Streamlit starts it as a plain pages/ app, whose
-    navigation is the flat list of pages/*.py file names ('app', 'ab', 'common', ...) until app.py's sectioned one
-    arrives seconds later (kvviz's imports). That list is never on screen for more than one 100 ms look (it used to
-    stay ~5 s: the page's own imports ran before the hand-off to app.py); the sectioned navigation comes."""
+    navigation would be the flat list of pages/*.py file names ('app', 'ab', 'common', ...) until app.py's sectioned
+    one arrives (kvviz's imports). .streamlit/config.toml turns the sidebar navigation off and app.py turns it on for
+    its own: the flat list is never drawn — not for one frame (a DOM observer from the page's first script watches
+    every change; it was on screen for ~0.2 s under load when only CSS hid it, ~5 s before that); the sectioned
+    navigation comes."""
     import time
 
     from browser import streamlit_server
 
+    watch = """(() => { window.__rawNav = []; const t0 = performance.now();
+      const look = () => { const n = document.querySelector('[data-testid=stSidebarNav]');
+        if (n && !n.querySelector('[data-testid=stNavSectionHeader]') && n.textContent.includes('common'))
+          window.__rawNav.push(Math.round(performance.now() - t0)); };
+      new MutationObserver(look).observe(document, {childList: true, subtree: true, characterData: true}); })();"""
     with streamlit_server() as (server, _log), browser() as b:
         page = b.new_page(viewport={"width": 1280, "height": 720})
+        page.add_init_script(watch)
         page.goto(link(server, "glossary", presenter=False), wait_until="commit")
-        raw_seen, t0 = [], time.time()
+        t0 = time.time()
         while time.time() - t0 < 180:
-            state = page.evaluate("""() => { const n = document.querySelector('[data-testid=stSidebarNav]');
-              if (!n) return 'none';
-              if (n.querySelector('[data-testid=stNavSectionHeader]')) return 'sections';
-              const shown = getComputedStyle(n).visibility !== 'hidden' && n.innerText.includes('common');
-              return shown ? 'raw' : 'hidden'; }""")
-            if state == "raw":
-                raw_seen.append(round(time.time() - t0, 2))
-            if state == "sections":
+            if page.locator('[data-testid="stNavSectionHeader"]').count():
                 break
             time.sleep(0.1)
         else:
             raise AssertionError("the sectioned navigation never came")
         page.screenshot(path=str(artifacts / "fresh-deep-link.png"))
-        assert len(raw_seen) <= 1, f"the raw pages/ file list was on screen at {raw_seen} s"
+        raw = page.evaluate("window.__rawNav")
+        assert raw == [], f"the raw pages/ file list was drawn at {raw[:5]} ms"
         assert page.locator('[data-testid="stSidebarNav"]').get_by_text("Reference", exact=True).count() == 1
-
+        page.get_by_role("heading", name="Glossary").wait_for(timeout=60_000)  # the link's page, inside app.py
 
 def test_every_symbol_the_pages_print_has_a_glyph_in_chromium():
     """Debian's chromium has no colour-emoji font: a symbol without a glyph there draws as a box (🔒 did, before the

@@ -1,7 +1,12 @@
-"""Page: the Serving view - prompts under serving conditions (alone, in a continuous batch, prefix warm), R runs."""
+"""Page: the Serving view - prompts under serving conditions (alone, in a continuous batch, prefix warm), R runs;
+and where determinism ends: a sweep of requests in flight × prompt length through the same engine (on its button)."""
+import dataclasses
+
 import streamlit as st
 
-from kvviz.views.serving import figures as serving_figures, report as serving_report, run as serving
+from kvviz.clirun import split_list
+from kvviz.errors import KvvizError
+from kvviz.views.serving import figures as serving_figures, report as serving_report, run as serving, sweep
 from kvviz.engines.serving import ENGINES, engine_status
 from kvviz.firstscreen import serving_why
 from pages.common import controls, page, prompt_set, show_verdict
@@ -96,3 +101,66 @@ if choice.invariant:
 st.caption(f"Engine {res.engine['name']} {res.engine.get('version', '')}; toggles: "
            + "; ".join(res.engine["toggles"]) + f". {res.settings.dtype} on {res.settings.device}.")
 exports(res, "serving", lm)
+
+
+# Where determinism ends (kvviz.views.serving.sweep): requests in flight × prompt length through the engine above. It
+# starts the engine's own process (vLLM: minutes on a CPU), so it runs on its button only; Stop (the progress bar's)
+# ends it at its next checkpoint and its engine with it (the worker process is killed).
+st.divider()
+st.subheader("Where determinism ends")
+st.caption("A grid of requests in flight × prompt length through the engine chosen above, with its New tokens, Runs "
+           "and Seed: each cell runs its prompts alone and, above 1 in flight, in a continuous batch of that many "
+           "requests, and judges every completion against the float64 reference. The engine starts on the button and "
+           "is ended when the sweep ends or on Stop.")
+c1, c2, c3, c4 = st.columns(4)
+conc_text = c1.text_input("Requests in flight", "1,2,4,8", key="serving_sweep_concurrency",
+                          help="Comma-separated, 1 to 64: one column each")
+lengths_text = c2.text_input("Prompt lengths (tokens)", "16,64,256", key="serving_sweep_lengths",
+                             help="Comma-separated, 1 to 8192: one row each; prompts are cut from the built-in set")
+per_cell = c3.number_input("Prompts a cell", 1, 64, sweep.PROMPTS_PER_CELL, key="serving_sweep_prompts")
+budget = c4.number_input("Time budget (s; 0: none)", 0.0, 86400.0, 600.0, step=60.0, key="serving_sweep_budget",
+                         help="The sweep stops between cells once this is spent; the cells left are listed as not run")
+try:
+    try:
+        conc, lengths = (tuple(int(x) for x in split_list(t)) for t in (conc_text, lengths_text))
+    except ValueError:
+        raise KvvizError("requests in flight and prompt lengths take comma-separated whole numbers, like 1,4,16") \
+            from None
+    scfg = sweep.SweepConfig(concurrency=conc, lengths=lengths, prompts_per_cell=int(per_cell),
+                             max_new_tokens=int(new_tokens), runs=int(runs), seed=int(seed), engine=engine,
+                             budget_s=float(budget) or None)
+    scfg.validate()
+except Exception as e:  # noqa: BLE001 - a bad grid: one line, the controls stay
+    show_error(e)
+    st.stop()
+# the memory plan: kvviz's process holds one prompt's float64 reference at a time (and on transformers the batch)
+skey = {"model": choice.key, "cfg": dataclasses.asdict(scfg), "tokens": max(scfg.lengths) + int(new_tokens),
+        "batch": max(scfg.concurrency) if pages else 1}
+# the grid last asked for (set by the button's callback: the app may rerun the script before the page reads it)
+st.button("Run the sweep", key="serving_sweep_run", type="primary", icon=":material/play_arrow:",
+          on_click=lambda k=repr(skey): st.session_state.__setitem__("_serving_sweep_ran", k),
+          help="Starts the engine (vLLM: in its own environment, a minute or more on a CPU) and runs the grid")
+if st.session_state.get("_serving_sweep_ran") != repr(skey):
+    st.info(f"Choose the grid and press **Run the sweep**: {len(scfg.concurrency) * len(scfg.lengths)} cells of "
+            f"{int(per_cell)} prompts through {engine}.")
+    st.stop()
+
+
+def sweep_compute():
+    with progress_bar(f"Sweeping {len(scfg.concurrency)} × {len(scfg.lengths)} cells through {engine}…") as report:
+        return sweep.run_sweep(lm, dataclasses.replace(scfg), progress=report, settings=choice.settings)
+
+
+try:
+    sres = run_cached("serving_sweep", skey, sweep_compute)  # once per grid: a rerun shows the stored result
+except Exception as e:  # noqa: BLE001
+    st.session_state.pop("_serving_sweep_ran", None)  # a failed sweep is not started again by the next rerun
+    show_error(e)
+    st.stop()
+sverdict, stext = sweep.verdict(sres)
+show_verdict(sverdict, stext)
+st.plotly_chart(sweep.figure(sres), width="stretch", key="serving_sweep_map")
+st.dataframe(sweep.frame(sres), hide_index=True, width="stretch")
+for note in sres.notes:
+    st.caption(note)
+exports(sres, "serving_sweep", lm)

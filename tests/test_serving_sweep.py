@@ -106,3 +106,240 @@ def test_vllm_small_grid_default_model_bfloat16():
         assert c.verdict in ("identical", "precision", "logic") and c.tokens_per_s > 0
         assert (c.parting_alone is None) == (c.concurrency == 1)
         assert sum(c.verdicts.values()) == 3
+
+
+# --- the sweep as every view has it: reopen, HTML, CLI `open`, the Serving page's section, Stop (issue 41 item 6) ---
+
+def _grid() -> SweepResult:
+    """Three cells and one left out: 1 × 16 identical, 4 × 16 one of two prompts parts in the batch (precision,
+    step 2, margin 0.004), 1 × 64 a logic parting from the reference (alone too), 4 × 64 not run."""
+    ref = [1, 2, 3]
+    a = cell_of(_result([_prompt(0, [ref], [ref], ref)]), 1, 16, 1.0, [16])
+    b = cell_of(_result([_prompt(0, [ref], [[1, 2, 9]], ref, verdict="precision", margin=0.004),
+                         _prompt(1, [ref], [ref], ref)]), 4, 16, 2.0, [16, 17])
+    c = cell_of(_result([_prompt(0, [[1, 7, 7]], [[1, 7, 7]], ref, verdict="logic", margin=0.3)]), 1, 64, 1.0, [64])
+    config = {"engine": "vllm", "dtype": "bfloat16", "device": "cpu", "concurrency": [1, 4], "lengths": [16, 64],
+              "prompts_per_cell": 2, "max_new_tokens": 3, "runs": 1, "seed": 0, "budget_s": 5.0, "server": None}
+    return SweepResult(config=config, model={"spec": "default", "description": "SmolLM2-135M"},
+                       engine={"name": "vllm", "version": "0.0-test"}, cells=[a, b, c], skipped=[[4, 64]],
+                       elapsed_s=4.0, notes=["the time budget (5 s) ran out: 1 cells not run"])
+
+
+def test_the_sweep_reopens_from_its_json_export_through_the_registry():
+    from kvviz import views
+    from kvviz.export import export_json, open_result
+
+    res = _grid()
+    text = export_json(res)
+    assert json.loads(text)["kvviz_result"]["view"] == "serving_sweep"
+    opened = open_result(text)
+    again = opened.result
+    assert opened.view == "serving_sweep" and type(again) is SweepResult and again.to_dict() == res.to_dict()
+    view = views.get(opened.view)
+    figs, figs0 = view.main_figures(again), view.main_figures(res)
+    assert len(figs) == 1 and [f.to_dict()["data"] for f in figs] == [f.to_dict()["data"] for f in figs0]
+    order = list(VERDICT_COLOURS)
+    assert [list(r) for r in figs[0].data[0].z] == [[order.index("identical"), order.index("precision")],
+                                                    [order.index("logic"), order.index("not run")]]
+    assert figs[0].data[0].text[0][1] == "50% part<br>step 2"
+    assert view.verdict_text(again) == view.verdict_text(res)
+    (table,), (table0,) = view.main_tables(again), view.main_tables(res)
+    assert table.equals(table0) and len(table) == 4
+    assert list(table["verdict"]) == ["identical", "precision", "logic", "not run (time budget)"]
+    assert list(table["part from alone"][:3]) == ["0%", "50%", "0%"] and table["distinct per prompt"][1] == "2, 1"
+
+
+def test_the_sweep_verdict_names_where_batched_completions_first_part():
+    from kvviz.views.serving.sweep import verdict
+
+    res = _grid()
+    v, text = verdict(res)
+    assert v == "logic"
+    assert "vllm 0.0-test, SmolLM2-135M in bfloat16: 3 cell(s) of 2 prompts (1, 4 in flight × 16, 64 tokens)" in text
+    assert "1 not run (time budget)" in text
+    assert ("first part from the same prompt alone at 4 in flight (16-token prompts: 50% of them, first divergence "
+            "from the reference at step 2, its top-2 margin there 0.004)") in text
+    assert "part from the float64 reference in 2 of 3 cells; beyond the engine's rounding (logic) at 1 × 64" in text
+    res.cells = res.cells[:2]
+    v, text = verdict(res)
+    assert v == "precision" and "in 1 of 2 cells - each within the engine's rounding" in text
+    res.cells = res.cells[:1]
+    v, text = verdict(res)
+    assert v == "identical" and "determinism did not end within this grid" in text
+
+
+def test_the_sweeps_html_report_draws_the_heatmap_and_its_table():
+    from kvviz.export import html_report
+
+    page = html_report(_grid())
+    assert '"type":"heatmap"' in page.replace(" ", "")
+    assert "Where determinism ends: vllm, requests in flight" in page
+    assert all(c in page for c in VERDICT_COLOURS.values())  # the verdicts' own colours, not a theme's
+    assert "<b>Verdict: logic.</b>" in page and "part from alone" in page and "not run (time budget)" in page
+    assert "<tr><th>engine</th><td>vllm</td></tr>" in page and "<tr><th>lengths</th><td>16, 64</td></tr>" in page
+
+
+def test_cli_sweep_writes_json_and_html_and_open_reopens_it(tmp_path, capsys):
+    from kvviz import views
+    from kvviz.cli import main
+    from kvviz.export import open_result
+
+    out, page = tmp_path / "sweep.json", tmp_path / "sweep.html"
+    assert main(["serving", "--sweep", "--model", "tiny:llama", "--engine", "transformers", "--concurrency", "1,2",
+                 "--lengths", "8,12", "--limit", "2", "--runs", "1", "--max-new-tokens", "2", "--quiet",
+                 "--json-out", str(out), "--html", str(page)]) == 0
+    printed = capsys.readouterr().out
+    assert "in flight length" in printed and "engine transformers" in printed
+    d = json.loads(out.read_text())
+    assert d["kvviz_result"]["view"] == "serving_sweep" and d["kvviz_result"]["model_fingerprint"]
+    assert [(c["concurrency"], c["length"]) for c in d["cells"]] == [(1, 8), (2, 8), (1, 12), (2, 12)]
+    assert '"type":"heatmap"' in page.read_text().replace(" ", "")
+    res = open_result(out.read_bytes()).result
+    verdict, text = views.get("serving_sweep").verdict_text(res)
+    assert main(["open", str(out)]) == 0
+    shown = capsys.readouterr().out
+    assert shown.startswith(f"a Where determinism ends result — verdict: {verdict}\n{text}")
+    assert "4 cell(s) of 2 prompts (1, 2 in flight × 8, 12 tokens)" in shown
+    assert "environment: the same as here" in shown
+
+
+def test_a_stopped_sweep_stops_between_cells_and_closes_its_engine(monkeypatch):
+    from kvviz import cancel
+    from kvviz.engines import serving as engines
+    from kvviz.protocol import RunContext
+    from kvviz.views.serving.sweep import run
+
+    made = []
+    real = engines.make_engine
+
+    def recording(*a, **k):
+        made.append(real(*a, **k))
+        closes = made[-1].close if hasattr(made[-1], "close") else (lambda: None)
+        made[-1].closed = False
+
+        def close():
+            made[-1].closed = True
+            closes()
+
+        made[-1].close = close
+        return made[-1]
+
+    monkeypatch.setattr(engines, "make_engine", recording)
+    lm = kvviz.load_model("tiny:llama", "float32", "cpu")
+    token, seen = cancel.Token(), []
+
+    def progress(f, text):  # Stop pressed as the second cell starts
+        seen.append(text)
+        if text.startswith("cell 2/"):
+            token.cancel("stopped by the test")
+
+    with pytest.raises(cancel.Cancelled):
+        run(lm, SweepConfig(concurrency=(1, 2), lengths=(8,), prompts_per_cell=2, max_new_tokens=2,
+                            engine="transformers"), RunContext(progress=progress, token=token))
+    assert [t.split(":")[0] for t in seen] == ["cell 1/2", "cell 2/2"]
+    assert len(made) == 1 and made[0].closed
+
+
+def _page(**state):
+    from streamlit.testing.v1 import AppTest
+
+    from conftest import ROOT
+
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=300)
+    for k, v in {"serving_limit": 1, "serving_runs": 1, "serving_tokens": 2, **state}.items():
+        at.session_state[k] = v
+    at.run()
+    at.switch_page("pages/serving.py")
+    at.run()
+    assert not at.exception, at.exception
+    return at
+
+
+@pytest.mark.app
+def test_serving_page_sweep_section_runs_on_its_button_only():
+    from kvviz.views.serving.sweep import verdict as sweep_verdict
+
+    at = _page(model_preset="tiny:llama")
+    charts = len(at.get("plotly_chart"))
+    assert "_results_serving_sweep" not in at.session_state  # nothing swept on the first screen
+    assert any("press **Run the sweep**: 12 cells of 4 prompts through transformers" in i.value for i in at.info)
+    at.text_input(key="serving_sweep_concurrency").set_value("1,x").run()
+    assert not at.exception and [e.value for e in at.error] == [
+        "requests in flight and prompt lengths take comma-separated whole numbers, like 1,4,16"]
+    at.text_input(key="serving_sweep_concurrency").set_value("2,1,2").run()
+    at.text_input(key="serving_sweep_lengths").set_value("0").run()
+    assert [e.value for e in at.error] == ["lengths must be whole numbers from 1 to 8192, not (0,)"]
+    at.text_input(key="serving_sweep_lengths").set_value("8,12").run()
+    at.number_input(key="serving_sweep_prompts").set_value(2).run()
+    at.number_input(key="serving_sweep_budget").set_value(0.0).run()  # no budget: every cell
+    assert not at.error and "_results_serving_sweep" not in at.session_state
+    at.button(key="serving_sweep_run").click().run()
+    assert not at.exception, at.exception
+    (res,) = at.session_state["_results_serving_sweep"].values()
+    assert [(c.concurrency, c.length) for c in res.cells] == [(1, 8), (2, 8), (1, 12), (2, 12)]
+    assert res.config["prompts_per_cell"] == 2 and res.config["budget_s"] is None and not res.skipped
+    assert all(len(c.distinct) == 2 for c in res.cells)
+    charts_now = at.get("plotly_chart")
+    assert len(charts_now) == charts + 1
+    assert '"type":"heatmap"' in charts_now[-1].proto.spec.replace(" ", "")
+    assert len(at.dataframe) == 2  # the study's prompts and the sweep's cells
+    v, text = sweep_verdict(res)
+    assert any(m.value == f"**Verdict: {v}.** {text}" for m in [*at.success, *at.warning, *at.error])
+    # a view-only rerun shows the stored sweep (no second run); a tiny budget leaves cells out, listed as not run
+    at.run()
+    assert len(at.session_state["_results_serving_sweep"]) == 1 and len(at.get("plotly_chart")) == charts + 1
+    at.number_input(key="serving_sweep_budget").set_value(0.001).run()
+    assert len(at.get("plotly_chart")) == charts  # a new grid waits for its button
+    at.button(key="serving_sweep_run").click().run()
+    assert not at.exception, at.exception
+    new = [r for r in at.session_state["_results_serving_sweep"].values() if r.skipped]
+    assert len(new) == 1 and len(new[0].cells) == 1 and len(new[0].skipped) == 3
+    assert any("not run (time budget)" in str(df.value.values.tolist()) for df in at.dataframe)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(engine_python("vllm") is None, reason="vLLM's environment is not built here (make engines)")
+def test_vllm_sweep_stopped_mid_grid_kills_the_engine_process(monkeypatch):
+    from kvviz import cancel
+    from kvviz.engines import WorkerClient
+    from kvviz.protocol import RunContext
+    from kvviz.views.serving.sweep import run
+
+    clients = []
+    init = WorkerClient.__init__
+
+    def recording(self, *a, **k):
+        init(self, *a, **k)
+        clients.append(self)
+
+    monkeypatch.setattr(WorkerClient, "__init__", recording)
+    lm = kvviz.load_model("default", "bfloat16", "cpu")
+    token = cancel.Token()
+
+    def progress(f, text):
+        if text.startswith("cell 2/"):
+            token.cancel("stopped by the test")
+
+    with pytest.raises(cancel.Cancelled):
+        run(lm, SweepConfig(concurrency=(1, 2), lengths=(16,), prompts_per_cell=2, max_new_tokens=2, engine="vllm"),
+            RunContext(progress=progress, token=token))
+    assert clients and all(c.proc.wait(timeout=30) is not None for c in clients)  # the worker (vLLM) has exited
+
+
+@pytest.mark.app
+@pytest.mark.slow
+@pytest.mark.skipif(engine_python("vllm") is None, reason="vLLM's environment is not built here (make engines)")
+def test_serving_page_sweeps_a_tiny_grid_through_vllm():
+    from kvviz.views.serving.sweep import verdict as sweep_verdict
+
+    at = _page(model_preset="default", dtype="bfloat16", serving_engine="vllm", serving_conditions=["alone"],
+               serving_sweep_concurrency="1,2", serving_sweep_lengths="16", serving_sweep_prompts=2)
+    assert "_results_serving_sweep" not in at.session_state
+    at.button(key="serving_sweep_run").click().run()
+    assert not at.exception, at.exception
+    (res,) = at.session_state["_results_serving_sweep"].values()
+    assert res.engine["name"] == "vllm" and [(c.concurrency, c.length) for c in res.cells] == [(1, 16), (2, 16)]
+    assert all(sum(c.verdicts.values()) == 2 and c.tokens_per_s > 0 for c in res.cells)
+    v, text = sweep_verdict(res)
+    assert any(m.value == f"**Verdict: {v}.** {text}" for m in [*at.success, *at.warning, *at.error])
+    assert '"type":"heatmap"' in at.get("plotly_chart")[-1].proto.spec.replace(" ", "")

@@ -82,4 +82,4 @@ def sweep_command(args) -> Outcome:
     cfg.validate()
     lm = load(args)
     res = run_sweep(lm, cfg, progress=progress_to_stderr(args.quiet), settings=settings(args))
-    return Outcome(res, lm, lambda: summary_text(res), payload=res.to_dict, exportable=False)
+    return Outcome(res, lm, lambda: summary_text(res), payload=res.to_dict)  # --json-out / --html: its own view's

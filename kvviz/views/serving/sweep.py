@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 
 from ...errors import KvvizError
 from ...inputs import encode
+from ...protocol import DEFAULT_CONTEXT, RunContext
 from .run import WORKER_ENGINES, ServeConfig, ServeResult, _study, check_engine
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32)
@@ -76,6 +77,15 @@ class SweepResult:
     elapsed_s: float = 0.0
     notes: list[str] = field(default_factory=list)
 
+    @property
+    def settings(self) -> dict:
+        """What the sweep ran, for the report's settings table and Open a result's caption."""
+        return {"model": self.model.get("spec") or self.model.get("description"), "dtype": self.config.get("dtype"),
+                "device": self.config.get("device") or self.model.get("device"),
+                "engine": self.engine.get("name", self.config.get("engine")), **{
+                    k: self.config.get(k) for k in ("server", "concurrency", "lengths", "prompts_per_cell",
+                                                     "max_new_tokens", "runs", "seed", "budget_s")}}
+
     def cell(self, c: int, length: int) -> Cell | None:
         return next((x for x in self.cells if x.concurrency == c and x.length == length), None)
 
@@ -132,6 +142,12 @@ def cell_of(res: ServeResult, c: int, length: int, seconds: float, prompt_tokens
                 verdicts=verdicts, seconds=seconds, tokens_per_s=new / secs if secs > 0 else 0.0)
 
 
+def run(lm, config: SweepConfig, ctx: RunContext = DEFAULT_CONTEXT) -> SweepResult:
+    """The view's run (kvviz.protocol: one signature for every view)."""
+    with ctx.running() as progress:
+        return run_sweep(lm, config, progress, settings=ctx.settings)
+
+
 def run_sweep(lm, cfg: SweepConfig, progress=None, settings=None, reference=None) -> SweepResult:
     """The grid, cell by cell through one engine (see the module docstring)."""
     from ... import cancel
@@ -156,12 +172,12 @@ def run_sweep(lm, cfg: SweepConfig, progress=None, settings=None, reference=None
         from ...engines.workers import make_worker_engine
 
         engine = make_worker_engine(cfg.engine, 1) or make_engine(cfg.engine, 8, 1)
-    ref = reference or lm.reference() if (cfg.engine in WORKER_ENGINES or cfg.server) else reference
-    text = cfg.text or source_text()
     t0 = time.perf_counter()
     grid = [(c, n) for n in cfg.lengths for c in cfg.concurrency]
     cells, skipped, info = [], [], {}
-    try:
+    try:  # the engine (vLLM's worker process) is ended however the sweep ends: done, failed or stopped
+        ref = reference or lm.reference() if (cfg.engine in WORKER_ENGINES or cfg.server) else reference
+        text = cfg.text or source_text()
         for k, (c, n) in enumerate(grid):
             cancel.check(f"sweep cell {k + 1}/{len(grid)}")
             if k and cfg.budget_s is not None and time.perf_counter() - t0 > cfg.budget_s:  # one cell at least
@@ -187,6 +203,7 @@ def run_sweep(lm, cfg: SweepConfig, progress=None, settings=None, reference=None
         notes.append(f"the time budget ({cfg.budget_s:g} s) ran out: {len(skipped)} cells not run")
     conf = asdict(cfg)
     conf["dtype"] = str(lm.dtype).replace("torch.", "") if hasattr(lm, "dtype") else None
+    conf["device"] = str(getattr(lm, "device", "cpu"))
     return SweepResult(config=conf, model=lm.summary(), engine=info, cells=cells, skipped=skipped,
                        elapsed_s=time.perf_counter() - t0, notes=notes)
 
@@ -241,3 +258,66 @@ def figure(res: SweepResult):
                             "requests in flight × prompt length", xaxis_title="requests in flight",
                       yaxis_title="prompt tokens", xaxis_type="category", yaxis_type="category", height=420)
     return fig
+
+
+def figures(res: SweepResult) -> list:
+    """Its charts (the page, the HTML report and Open a result draw the same): the grid by verdict."""
+    return [figure(res)]
+
+
+def frame(res: SweepResult):
+    """One row per cell, in the grid's order; the cells the time budget left out, as not run."""
+    import pandas as pd
+
+    from ...text import fmt_number
+
+    rows = [{"in flight": x.concurrency, "prompt tokens": x.length, "verdict": x.verdict,
+             "part from alone": "—" if x.parting_alone is None else f"{x.parting_alone:.0%}",
+             "part from reference": f"{x.parting_reference:.0%}",
+             "distinct per prompt": ", ".join(map(str, x.distinct)),
+             "first divergence": "—" if x.first_divergence is None else x.first_divergence,
+             "ref margin": fmt_number(x.margin), "tokens/s": round(x.tokens_per_s, 1), "s": round(x.seconds, 1)}
+            for x in res.cells]
+    rows += [{"in flight": c, "prompt tokens": n, "verdict": "not run (time budget)"} for c, n in res.skipped]
+    return pd.DataFrame(rows)
+
+
+def tables(res: SweepResult) -> list:
+    return [frame(res)]
+
+
+def reopen(d: dict) -> SweepResult:
+    return SweepResult.from_dict(d)
+
+
+def verdict(res: SweepResult) -> tuple[str, str]:
+    """(the grid's verdict: logic if any cell's is, precision if any parted, else identical; one paragraph saying
+    where batched completions first part from the same prompt alone and what the float64 reference says)."""
+    cfg, cells = res.config, res.cells
+    name = res.engine.get("name", cfg.get("engine"))
+    head = (f"{name} {res.engine.get('version') or ''}".strip() + f", {res.model.get('description') or 'model'} in "
+            f"{cfg.get('dtype') or '?'}: {len(cells)} cell(s) of {cfg.get('prompts_per_cell')} prompts "
+            f"({', '.join(map(str, sorted({x.concurrency for x in cells})))} in flight × "
+            f"{', '.join(map(str, sorted({x.length for x in cells})))} tokens)"
+            + (f", {len(res.skipped)} not run (time budget)" if res.skipped else "") + ". ")
+    if not cells:
+        return "not run", head
+    logic = [x for x in cells if x.verdict == "logic"]
+    parted = [x for x in cells if x.parting_reference > 0 or x.verdict != "identical"]
+    if not parted:
+        return "identical", head + ("Every prompt gave one completion alone, in a batch and as the float64 "
+                                    "reference in every cell: determinism did not end within this grid.")
+    batch = [x for x in cells if x.parting_alone]
+    if batch:
+        b = min(batch, key=lambda x: (x.concurrency, x.length))
+        where = "" if b.first_divergence is None else f", first divergence from the reference at step " \
+            f"{b.first_divergence}" + ("" if b.margin is None else f", its top-2 margin there {b.margin:.3g}")
+        head += (f"Batched completions first part from the same prompt alone at {b.concurrency} in flight "
+                 f"({b.length}-token prompts: {b.parting_alone:.0%} of them{where}). ")
+    else:
+        head += "No batched completion parted from the same prompt alone. "
+    head += f"Completions part from the float64 reference in {len(parted)} of {len(cells)} cells"
+    if logic:
+        return "logic", head + ("; beyond the engine's rounding (logic) at "
+                                + ", ".join(f"{x.concurrency} × {x.length}" for x in logic) + ".")
+    return "precision", head + " - each within the engine's rounding of the reference (precision: near ties)."

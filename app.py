@@ -11,14 +11,12 @@ st.set_page_config(page_title="kvviz", page_icon=":material/troubleshoot:", layo
 from pages import HIDE_RAW_NAV  # noqa: E402  (light: streamlit only)
 
 st.html(HIDE_RAW_NAV)
-from pages.common import NAV, OLD_URLS, PAGE_URLS, PAGE_TITLES, show_notes, sidebar  # noqa: E402  (after set_page_config)
+from pages.common import NAV, OLD_URLS, PAGE_TITLES, nav_page, show_notes, sidebar  # noqa: E402  (after set_page_config)
 from pages.state import remember, scenario_guard  # noqa: E402
 
 # Navigation in sections (pages.common.NAV: one place for every page's file, title and icon), always expanded:
 # no page hidden behind "View more". A view's page is at its view's name (PAGE_URLS: /split for pages/split.py).
-BY_STEM = {stem: st.Page(f"pages/{stem}.py", title=title, icon=icon, url_path=PAGE_URLS.get(stem),
-                         default=stem == "home")
-           for items in NAV.values() for stem, title, icon in items}
+BY_STEM = {stem: nav_page(stem) for items in NAV.values() for stem, _, _ in items}
 
 
 def _moved() -> None:  # never drawn: app.py sends an older URL on before any page runs

@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from .clirun import Outcome, PlanShown
+from .clirun import Outcome, PlanShown, view_arguments
 from .errors import OUT_OF_MEMORY_HINT, KvvizError, first_line, free_memory, is_out_of_memory
 
 
@@ -28,14 +28,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m kvviz", description="Where does a KV cache change a model's numbers, and why?")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     seen = set()
-    for view in views.all_views():  # one subcommand per view folder with a cli.py (the cache folder: two views)
-        if view.cli and view.package not in seen:
+    for view in views.all_views():  # one subcommand per view folder (the cache folder: two views); a view without
+        if view.command and view.package not in seen:  # a cli.py gets one from its config (clirun.view_arguments)
             seen.add(view.package)
             name = view.command.split(" ")[0]  # derived from the folder by the registry
             aliases = [a for v in views.all_views() if v.package == view.package for a in v.command_aliases]
             mod = view.cli_module()
-            p = sub.add_parser(name, aliases=aliases, help=mod.HELP)
-            mod.add_arguments(p)
+            p = sub.add_parser(name, aliases=aliases, help=mod.HELP if mod else view.title)
+            (mod.add_arguments if mod else view_arguments(view))(p)
             p.set_defaults(command=name)  # an alias as typed runs (and is named in messages) as the subcommand
     op = sub.add_parser("open", help="show a saved result (JSON export) without running any model")
     op.add_argument("file")

@@ -154,3 +154,29 @@ def context(args):
 
 def split_list(text: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+
+
+def view_arguments(view) -> Callable:
+    """The subcommand of a view without a cli.py of its own: the common model options, one option per field of its
+    config (kvviz.protocol.config_fields), --repro where it has a repro script; its run through the protocol."""
+    from .protocol import add_config_arguments, config_from
+
+    def add_arguments(p: argparse.ArgumentParser) -> None:
+        model_args(p)
+        add_config_arguments(p, view.config_type())
+        if view.repro:
+            repro_arg(p)
+        p.set_defaults(handler=command)
+
+    def command(args) -> Outcome:
+        cfg = config_from(view.config_type(), vars(args))
+        lm = load(args)
+        res = view.runner()(lm, cfg, context(args))
+
+        def summary() -> str:
+            verdict, text = view.verdict_text(res)
+            return f"verdict: {str(verdict).upper()}" + ("" if view.verdict_is_html else f"\n{text}")
+
+        return Outcome(res, lm, summary)
+
+    return add_arguments

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 from .errors import KvvizError
-from .presets import BY_KEY, PRESETS, Preset
+from .presets import Preset, all_presets, by_key
 
 def run_scenario(p: Preset, device: str = "cpu", progress=None):
     """The result a scenario's page computes with the scenario's settings (defaults for the rest): the `scenario`
@@ -19,10 +19,21 @@ def run_scenario(p: Preset, device: str = "cpu", progress=None):
 
     view = views.for_page(Path(p.page).stem)
     setup = view.resolve(view.scenario)
-    if setup is None:
-        raise KvvizError(f"scenario {p.key}: its page {p.page} cannot be prepared ahead")
-    lm, config, settings = setup(p, device)
+    lm, config, settings = setup(p, device) if setup else _setup_from_controls(p, device, view)
     return view.runner()(lm, config, RunContext(settings=settings, progress=progress))
+
+
+def _setup_from_controls(p: Preset, device: str, view):
+    """A view without a scenario hook: the preset's model and dtype, its controls (`<folder>_<field>`) as the
+    config's fields (defaults for the rest), invariant mode as the preset says."""
+    from .execution import ExecSettings
+    from .loading import load_model
+    from .protocol import config_from
+
+    prefix = view.page.prefix if view.page else ""
+    values = {k.removeprefix(prefix): v for k, v in p.controls.items() if k.startswith(prefix)}
+    config = config_from(view.config_type(), values)
+    return load_model(p.model, p.dtype, device), config, ExecSettings(invariant=p.invariant)
 
 
 def prepare(keys: list[str] | None, out_dir: "str | Path", device: str = "cpu", progress=None) -> list[Path]:
@@ -30,15 +41,16 @@ def prepare(keys: list[str] | None, out_dir: "str | Path", device: str = "cpu", 
     `meeting.html` (every report, one after the other) into `out_dir`. Returns the JSON paths, in order."""
     from .export import export_json, html_report
 
-    keys = [p.key for p in PRESETS] if keys is None else keys
-    unknown = [k for k in keys if k not in BY_KEY]
+    known = by_key()
+    keys = list(known) if keys is None else keys
+    unknown = [k for k in keys if k not in known]
     if unknown:
-        raise KvvizError(f"unknown scenario {', '.join(unknown)}; choose from {', '.join(BY_KEY)}")
+        raise KvvizError(f"unknown scenario {', '.join(unknown)}; choose from {', '.join(known)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths, reports = [], []
     for i, key in enumerate(keys):
-        p = BY_KEY[key]
+        p = known[key]
         sub = None if progress is None else (lambda f, m, i=i: progress((i + f) / len(keys), f"{p.title}: {m}"))
         res = run_scenario(p, device, sub)
         path = out / f"{key}.json"
@@ -72,7 +84,7 @@ def prepared(out_dir: "str | Path") -> list[tuple[str, Path]]:
     """(title, path) of the results prepared in `out_dir`, in scenario order."""
     out = Path(out_dir)
     found = []
-    for p in PRESETS:
+    for p in all_presets():
         f = out / f"{p.key}.json"
         if f.is_file():
             found.append((p.title, f))

@@ -51,6 +51,17 @@ PRESETS = (
 BY_KEY = {p.key: p for p in PRESETS}
 
 
+def all_presets() -> tuple[Preset, ...]:
+    """PRESETS and the scenarios views declare in their registry entry (View(scenarios=...))."""
+    from . import views
+
+    return PRESETS + tuple(p for v in views.all_views() for p in v.scenarios)
+
+
+def by_key() -> dict[str, Preset]:
+    return {p.key: p for p in all_presets()}
+
+
 def preset_state(p: Preset) -> dict:
     """The session-state values a preset sets (sidebar and page controls)."""
     return {"model_preset": p.model, "dtype": p.dtype, "invariant": p.invariant, **p.controls}

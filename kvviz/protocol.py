@@ -54,3 +54,81 @@ class RunContext:
 
 
 DEFAULT_CONTEXT = RunContext()
+
+
+# A view's Config as controls: its dataclass fields, typed. The CLI (a view without a cli.py of its own gets one
+# option per field) and the app (a view without a page script gets a generic page: pages/view.py) both read them.
+@dataclass(frozen=True)
+class ConfigField:
+    name: str
+    kind: str  # "str", "int", "float", "bool", "choice" (a Literal), "list" (a tuple of str)
+    default: object
+    choices: tuple = ()  # a "choice"'s values; a "list"'s allowed values (empty: any)
+
+
+def config_fields(cls) -> list[ConfigField]:
+    """The fields of a view's config dataclass (every field needs a default: a page starts from them)."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            raise TypeError(f"{cls.__name__}.{f.name} has no default")
+        t = hints[f.name]
+        args = typing.get_args(t)
+        if typing.get_origin(t) is typing.Literal:
+            out.append(ConfigField(f.name, "choice", default, args))
+        elif typing.get_origin(t) is tuple:
+            inner = typing.get_args(args[0]) if args and typing.get_origin(args[0]) is typing.Literal else ()
+            out.append(ConfigField(f.name, "list", tuple(default), inner))
+        elif t in (bool, int, float, str):
+            out.append(ConfigField(f.name, t.__name__, default))
+        else:
+            raise TypeError(f"{cls.__name__}.{f.name}: a {t} is not a control (str, int, float, bool, Literal, "
+                            "tuple[str, ...])")
+    return out
+
+
+def config_from(cls, values: dict):
+    """The config from `values` (a page's controls, the CLI's arguments: unknown keys ignored, missing ones take the
+    field's default), validated (KvvizError in one line for a bad value)."""
+    from .errors import KvvizError
+
+    kw = {}
+    for f in config_fields(cls):
+        if f.name not in values or values[f.name] is None:
+            continue
+        v = values[f.name]
+        if f.kind == "list":
+            v = tuple(t.strip() for t in v.split(",") if t.strip()) if isinstance(v, str) else tuple(v)
+            bad = [t for t in v if f.choices and t not in f.choices]
+        else:
+            bad = [v] if f.kind == "choice" and v not in f.choices else []
+        if bad:
+            raise KvvizError(f"{f.name.replace('_', ' ')}: {bad[0]!r} is not one of {', '.join(map(str, f.choices))}")
+        kw[f.name] = v
+    cfg = cls(**kw)
+    return cfg.validate() if hasattr(cfg, "validate") else cfg
+
+
+def add_config_arguments(parser, cls) -> None:
+    """One option per config field: `--max-new-tokens 8`, `--mode step`, `--dtypes a,b`, a bool as a switch."""
+    import argparse
+
+    for f in config_fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        if f.kind == "bool":
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        elif f.kind == "choice":
+            parser.add_argument(flag, default=f.default, choices=f.choices)
+        elif f.kind == "list":
+            parser.add_argument(flag, default=",".join(f.default), help="comma-separated"
+                                + (f": {', '.join(f.choices)}" if f.choices else ""))
+        else:
+            parser.add_argument(flag, default=f.default, type={"int": int, "float": float, "str": str}[f.kind])

@@ -183,6 +183,17 @@ def _urls() -> tuple[dict[str, str], dict[str, str]]:
 PAGE_URLS, OLD_URLS = _urls()  # page stem -> URL path; older URL path -> page stem
 
 
+def nav_page(stem: str):
+    """The st.Page of a navigation entry: its script pages/<stem>.py, or, for a view without a page script of its
+    own, the generic page (pages/view.py: its config's fields as controls) at the view's URL."""
+    from pathlib import Path
+
+    own = Path(__file__).parent / f"{stem}.py"
+    return st.Page(f"pages/{stem if own.is_file() else 'view'}.py", title=PAGE_TITLES[stem],
+                   icon=next(i for items in NAV.values() for s, _, i in items if s == stem),
+                   url_path=PAGE_URLS.get(stem), default=stem == "home")
+
+
 # Normal mode: a little less room above the title, so the verdict and the chart come into the first screen.
 NORMAL_CSS = """<style>
 .block-container {padding-top: 2.2rem !important; padding-bottom: 1rem !important;}

@@ -2,8 +2,8 @@ from pathlib import Path
 
 import streamlit as st
 
-from kvviz.presets import PRESETS, preset_state
-from pages.common import PAGE_TITLES, ensure_navigation
+from kvviz.presets import all_presets, preset_state
+from pages.common import PAGE_TITLES, ensure_navigation, nav_page
 from pages.state import start_scenario
 
 ensure_navigation()
@@ -12,7 +12,7 @@ if st.session_state.get("presenter"):  # Home is not drawn by pages.common.page(
 
     st.markdown(PRESENTER_CSS, unsafe_allow_html=True)
 if st.session_state.get("_goto"):
-    st.switch_page(st.session_state.pop("_goto"))
+    st.switch_page(nav_page(Path(st.session_state.pop("_goto")).stem))
 
 st.title("kvviz: why does the KV cache change my numbers?")
 st.markdown("""
@@ -40,6 +40,7 @@ def go(p) -> None:
     st.session_state["_goto"] = p.page
 
 
+PRESETS = all_presets()
 cols = st.columns(2)
 for i, p in enumerate(PRESETS):
     with cols[i % 2].container(border=True):

@@ -12,9 +12,15 @@ A view is a scenario kvviz can run and show (split, greedy, …). Its folder hol
         repro.py      (optional) its standalone repro script: `check`, `script`, `key_figure`
         cli.py        (optional) its subcommand: `HELP` (its --help line), `add_arguments(parser)` (whose
                       `set_defaults` names the common flags it refuses, and why, as `not_honoured`),
-                      `command(args) -> Outcome`
+                      `command(args) -> Outcome`; without one, the subcommand has the common model options and
+                      one option per config field (kvviz.clirun.view_arguments)
         scenario.py   (optional) `setup(preset, device) -> (lm, config, settings)`: a one-click scenario of its
-                      page, run ahead through the view's run by Prepare the meeting (kvviz.meeting)
+                      page, run ahead through the view's run by Prepare the meeting (kvviz.meeting); without one,
+                      a preset's controls are the config's fields
+A view with a Page entry and no page script pages/<folder>.py gets the generic page (pages/view.py: its config's
+fields as controls, its run through the protocol, its verdict, figures, tables and downloads); its own one-click
+scenarios go in its entry (`scenarios`: kvviz.presets.Preset), listed on Home and run by Prepare the meeting.
+tests/test_toy_view.py adds a view that way, in a temporary package, with no other edit.
 
 Each entry also holds the view's facts that the core reads instead of comparing names: its memory profile (what
 the memory plan counts for it, kvviz.memory; a view without one is refused here), its page (navigation, the
@@ -130,6 +136,8 @@ class View:
     memory: MemoryProfile | None = None  # what its memory plan counts (required: register() refuses a view without)
     runs: tuple[str, ...] = ()  # the names its page's runs have in pages/runner.run_cached (default: its name)
     scenario: "str | Callable | None" = None  # "scenario:setup": setup(preset, device) -> (lm, config, settings)
+    # (default: the preset's model, its controls as the config's fields, invariant mode as the preset says)
+    scenarios: tuple = ()  # one-click scenarios of its own (kvviz.presets.Preset), beside kvviz.presets.PRESETS
     # the protocol (kvviz.protocol): its typed, validated config class and its `run(lm, config, ctx) -> result`
     config: "str | type | None" = None  # "run:SplitConfig"
     run: "str | Callable | None" = None  # "run:run"
@@ -196,7 +204,7 @@ def register(view: View, package: str = "") -> View:
                          "not know what its runs hold")
     folder = (package or view.package or view.name).rsplit(".", 1)[-1]
     command = None
-    if view.cli:
+    if view.cli or (view.config and view.run and view.name == folder):  # no cli.py: one made from its config
         head = command_of(folder)
         if view.name == folder:  # the folder's own view: the subcommand is the folder's
             command = head

@@ -201,6 +201,10 @@ def test_cli_sweep_writes_json_and_html_and_open_reopens_it(tmp_path, capsys):
     assert shown.startswith(f"a Where determinism ends result — verdict: {verdict}\n{text}")
     assert "4 cell(s) of 2 prompts (1, 2 in flight × 8, 12 tokens)" in shown
     assert "environment: the same as here" in shown
+    assert main(["serving", "--sweep", "--model", "tiny:llama", "--engine", "transformers", "--repro", "r.py"]) == 1
+    assert capsys.readouterr().err.strip() == ("kvviz: error: --repro does nothing for `serving --sweep` (no repro "
+                                               "script rebuilds a sweep; it has its --json-out and --html exports); "
+                                               "leave it out")
 
 
 def test_a_stopped_sweep_stops_between_cells_and_closes_its_engine(monkeypatch):
@@ -343,3 +347,36 @@ def test_serving_page_sweeps_a_tiny_grid_through_vllm():
     v, text = sweep_verdict(res)
     assert any(m.value == f"**Verdict: {v}.** {text}" for m in [*at.success, *at.warning, *at.error])
     assert '"type":"heatmap"' in at.get("plotly_chart")[-1].proto.spec.replace(" ", "")
+
+
+@pytest.mark.app
+def test_open_result_page_shows_a_sweep(monkeypatch):
+    import streamlit
+    from streamlit.testing.v1 import AppTest
+
+    from conftest import ROOT
+    from kvviz.export import export_json
+    from kvviz.views.serving.sweep import verdict
+
+    res = _grid()
+    data = export_json(res).encode()
+
+    class Upload:
+        name = "kvviz-serving_sweep.json"
+
+        def getvalue(self):
+            return data
+
+    monkeypatch.setattr(streamlit, "file_uploader", lambda *a, **k: Upload())
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
+    at.run()
+    at.switch_page("pages/open_result.py")
+    at.run()
+    assert not at.exception, at.exception
+    assert any(c.value == "A **serving_sweep** result of `default` in bfloat16 on cpu." for c in at.caption)
+    (chart,) = at.get("plotly_chart")
+    assert '"type":"heatmap"' in chart.proto.spec.replace(" ", "")
+    (table,) = at.dataframe
+    assert list(table.value["verdict"]) == ["identical", "precision", "logic", "not run (time budget)"]
+    v, text = verdict(res)
+    assert [e.value for e in at.error] == [f"**Verdict: {v}.** {text}"]  # logic: the error box

@@ -72,6 +72,9 @@ def sweep_command(args) -> Outcome:
     from ...errors import KvvizError
     from .sweep import SweepConfig, run_sweep, summary_text
 
+    if getattr(args, "repro", None):  # said before the sweep runs, not after it
+        raise KvvizError("--repro does nothing for `serving --sweep` (no repro script rebuilds a sweep; it has its "
+                         "--json-out and --html exports); leave it out")
     try:
         conc, lengths = (tuple(int(x) for x in split_list(v)) for v in (args.concurrency, args.lengths))
     except ValueError:

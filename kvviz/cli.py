@@ -91,9 +91,23 @@ class _Refused(KvvizError):
     """A flag the subcommand cannot honour: exit 2, like any other argument error."""
 
 
+def refused_flags(command: str, not_honoured: dict | None) -> dict[str, str]:
+    """The common flags (argparse dests) a subcommand refuses, and why: those its view's run refuses (View.refuses:
+    --invariant, --no-proof) and those its parser names (`not_honoured`, e.g. --json-out; its reason first)."""
+    from . import views
+    from .protocol import REFUSABLE_FLAGS
+
+    try:
+        view = views.for_command(command)
+    except KvvizError:  # open, sweep-architectures: no view
+        view = None
+    refused = {REFUSABLE_FLAGS[k]: why for k, why in view.refusals().items()} if view else {}
+    return {**refused, **(not_honoured or {})}
+
+
 def _refuse_flags(args) -> None:
     name = _command_name(args)
-    for flag, why in (getattr(args, "not_honoured", None) or {}).items():
+    for flag, why in refused_flags(name, getattr(args, "not_honoured", None)).items():
         if getattr(args, flag, None):
             raise _Refused(f"{_FLAG[flag]} does nothing for `{name}` ({why}); leave it out")
 

@@ -35,9 +35,16 @@ class RunContext:
     token: cancel.Token | None = None
 
     @contextlib.contextmanager
-    def running(self) -> Iterator[Progress]:
+    def running(self, refuses: "dict[str, str] | None" = None) -> Iterator[Progress]:
         """Around a view's run: inside the token's scope (checked once before anything runs), handing the run a
-        progress callback whose fractions never go back, and reporting 1.0 when the run returns."""
+        progress callback whose fractions never go back, and reporting 1.0 when the run returns. `refuses`: what
+        the run cannot honour, and why (the view's REFUSES: "invariant" - invariant mode, "prove" - a proof
+        rerun): asked for in this context, the run is refused in one line before it starts, never ignored."""
+        from .errors import KvvizError
+
+        for what, why in (refuses or {}).items():
+            if (what == "invariant" and self.settings.invariant) or (what == "prove" and self.prove is True):
+                raise KvvizError(f"{REFUSABLE[what]} does nothing for this run ({why})")
         last = [0.0]
 
         def report(fraction: float, text: str = "") -> None:
@@ -54,6 +61,9 @@ class RunContext:
 
 
 DEFAULT_CONTEXT = RunContext()
+# What a view's run may refuse (its REFUSES, named in its registry entry), as a run and the CLI say it
+REFUSABLE = {"invariant": "invariant mode", "prove": "a proof rerun"}
+REFUSABLE_FLAGS = {"invariant": "invariant", "prove": "no_proof"}  # the CLI flag (argparse dest) of each
 
 
 # A view's Config as controls: its dataclass fields, typed. The CLI (a view without a cli.py of its own gets one

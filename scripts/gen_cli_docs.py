@@ -82,9 +82,11 @@ def _key(a: argparse.Action, parser: argparse.ArgumentParser) -> tuple:
     return (tuple(a.option_strings), _flag(a), _default(a), _help(a, parser))
 
 
-def _refused(parser: argparse.ArgumentParser) -> dict[str, str]:
-    """The common run flags a subcommand refuses, and why (its parser's `not_honoured` default)."""
-    return dict(parser.get_default("not_honoured") or {})
+def _refused(parser: argparse.ArgumentParser, command: str) -> dict[str, str]:
+    """The common run flags a subcommand refuses, and why (its view's run refusals and its parser's `not_honoured`)."""
+    from kvviz.cli import refused_flags
+
+    return refused_flags(command, parser.get_default("not_honoured"))
 
 
 def _table(rows: list[tuple[argparse.Action, argparse.ArgumentParser]]) -> list[str]:
@@ -136,7 +138,7 @@ def render(parser: argparse.ArgumentParser | None = None) -> str:
               "section below):", "", "| subcommand | `--invariant` | `--no-proof` | `--json-out` / `--html` |",
               "|---|---|---|---|"]
     for path, _, _, sub, _ in views:
-        refused = _refused(sub)
+        refused = _refused(sub, ' '.join(path))
         word = {f: "refused" if f in refused else "yes" for f in ("invariant", "no_proof", "json_out", "html")}
         out = word["json_out"] if word["json_out"] == word["html"] else "mixed"
         lines.append(f"| `{' '.join(path)}` | {word['invariant']} | {word['no_proof']} | {out} |")
@@ -150,9 +152,9 @@ def render(parser: argparse.ArgumentParser | None = None) -> str:
             lines += ["Subcommands: " + ", ".join(f"[`{' '.join(p)}`](#{'-'.join(p)})" for p, *_ in leaves
                                                   if p[:-1] == path) + "."]
             continue
-        if _refused(sub):
+        if _refused(sub, ' '.join(path)):
             lines += ["Refuses (exit 2):", ""]
-            lines += [f"- `--{flag.replace('_', '-')}`: {_cell(why)}" for flag, why in _refused(sub).items()]
+            lines += [f"- `--{flag.replace('_', '-')}`: {_cell(why)}" for flag, why in _refused(sub, ' '.join(path)).items()]
             lines += [""]
         own = [(a, sub) for a in _options(sub) if path[0] in ("open", "sweep-architectures")
                or _key(a, sub) not in common]

@@ -259,7 +259,7 @@ def test_the_flags_table_in_the_docs_is_the_code_s():
     import re
 
     from kvviz import views
-    from kvviz.cli import build_parser
+    from kvviz.cli import build_parser, refused_flags
 
     from conftest import ROOT
 
@@ -275,7 +275,7 @@ def test_the_flags_table_in_the_docs_is_the_code_s():
             command = f"{name} {leaf}".strip()
             if not any(v.command and v.command.split(" ")[0] == name for v in views.all_views()):
                 continue  # open, sweep-architectures: no view, no common run flags
-            refused = p.get_default("not_honoured") or {}
+            refused = refused_flags(command, p.get_default("not_honoured"))
             word = lambda flag: "refused" if flag in refused else "yes"  # noqa: E731
             code[command] = (word("invariant"), word("no_proof"),
                                               word("json_out") if word("json_out") == word("html") else "mixed")

@@ -105,6 +105,35 @@ def test_a_cancelled_token_stops_each_run_before_it_runs(lm, name):
     assert seen == []  # nothing ran: not even a first progress line
 
 
+@pytest.mark.parametrize("name", _runnable(engine_runs=False))
+def test_what_a_run_cannot_honour_is_refused_in_one_line_never_ignored(lm, name):
+    """A context asking for invariant mode or a proof rerun that the view cannot give (its REFUSES, named in its
+    registry entry) is refused before the run starts, in one line that says why; the CLI refuses the matching flag
+    with the same reason (one declaration: kvviz.cli.refused_flags reads it)."""
+    from kvviz.cli import refused_flags
+    from kvviz.errors import KvvizError
+    from kvviz.execution import ExecSettings
+
+    view = views.get(name)
+    refuses = view.refusals()
+    asks = {"invariant": RunContext(settings=ExecSettings(invariant=True)), "prove": RunContext(prove=True)}
+    for what, why in refuses.items():
+        seen: list[float] = []
+        ctx = dataclasses.replace(asks[what], progress=lambda f, t: seen.append(f))
+        with pytest.raises(KvvizError) as e:
+            view.runner()(lm, _configs()[name], ctx)
+        assert why in str(e.value) and "\n" not in str(e.value) and seen == [], (name, what)
+        flag = {"invariant": "invariant", "prove": "no_proof"}[what]
+        assert refused_flags(view.command, None)[flag] == why
+    assert set(refuses) <= {"invariant", "prove"}
+    # the views whose run takes the proof and invariant mode from the context pass them on (read in their code)
+    if not refuses:
+        import inspect as _inspect
+
+        src = _inspect.getsource(view.runner())
+        assert "ctx.settings" in src and ("ctx.prove" in src or name in {"engine_layers", "serving_sweep"}), name
+
+
 def test_a_token_cancelled_mid_run_stops_it(lm):
     """Cancelled at the first progress line, the split run stops at its next checkpoint (a model call)."""
     token = cancel.Token()

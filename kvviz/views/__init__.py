@@ -140,6 +140,8 @@ class View:
     scenarios: tuple = ()  # one-click scenarios of its own (kvviz.presets.Preset), beside kvviz.presets.PRESETS
     # the protocol (kvviz.protocol): its typed, validated config class and its `run(lm, config, ctx) -> result`
     config: "str | type | None" = None  # "run:SplitConfig"
+    refuses: "str | dict | None" = None  # "run:REFUSES": what its run cannot honour and why (kvviz.protocol.REFUSABLE):
+    # its run refuses such a context in one line, its subcommand the matching flag
     run: "str | Callable | None" = None  # "run:run"
     package: str = field(default="", compare=False)  # the folder's package, set by register()
 
@@ -172,6 +174,10 @@ class View:
 
     def config_type(self) -> type:
         return self.resolve(self.config)
+
+    def refusals(self) -> dict:
+        """What its run cannot honour, and why ({"invariant": why, "prove": why}; empty: it honours both)."""
+        return dict(self.resolve(self.refuses) or {})
 
     def runner(self) -> Callable:
         """The view's `run(lm, config, ctx: kvviz.protocol.RunContext) -> result`."""

@@ -6,5 +6,5 @@ from .. import MemoryProfile, Page, View
 from .run import BisectResult, run_bisect
 
 VIEW = View("bisect", "Bisector", "BisectResult", "report:reopen", "figures:main", "report:verdict", cli="cli",
-            config="run:BisectConfig", run="run:run",
+            config="run:BisectConfig", run="run:run", refuses="run:REFUSES",
             memory=MemoryProfile(forwards=2, reference=False, bisector=True, compared_after_split=True))

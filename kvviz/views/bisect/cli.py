@@ -18,7 +18,7 @@ def add_arguments(bp) -> None:
     bp.add_argument("--left-pad", type=int, default=0)
     bp.add_argument("--position-ids", default="auto", choices=POSITION_MODES)
     bp.add_argument("--attention-mask", default="full", choices=MASK_MODES)
-    bp.set_defaults(handler=command, not_honoured={"no_proof": "the bisector runs no proof rerun"})
+    bp.set_defaults(handler=command)  # what it refuses: its run's REFUSES
 
 
 def command(args) -> Outcome:

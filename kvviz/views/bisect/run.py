@@ -486,7 +486,11 @@ class BisectConfig(SplitConfig):
     ops: bool = True
 
 
+# what its run cannot honour (kvviz.protocol.RunContext.running; the CLI refuses the matching flag)
+REFUSES = {'prove': 'the bisector runs no proof rerun'}
+
+
 def run(lm: LoadedModel, config: SplitConfig, ctx: RunContext = DEFAULT_CONTEXT) -> BisectResult:
     """The view's run (kvviz.protocol: one signature for every view)."""
-    with ctx.running() as progress:
+    with ctx.running(REFUSES) as progress:
         return run_bisect(lm, config, ctx.settings, ops=getattr(config, "ops", True), progress=progress)

@@ -11,9 +11,10 @@ _MEMORY = MemoryProfile(reference=False, batch_from_workload=True)  # no float64
 VIEWS = (
     View("kv_reload", "KV cache: reload", "ContinueResult", "report:reopen_reload", None, "report:verdict_reload",
          cli="cli", command="cache load", memory=_MEMORY, config="run:ReloadConfig", run="run:run",
+         refuses="run:REFUSES",
          page=Page("cache", "Engine", ":material/database:", "KV cache", link_prefix="kv_",
                       defaults={"prompt": "The capital of France is", "tokens": 1024}, url_aliases=("kv_cache",)),
          runs=("kv_save", "kv_load")),
     View("kv_size", "KV cache: sizes", "SizeReport", "report:reopen_size", None, "report:verdict_size", cli="cli",
-         command="cache size", memory=_MEMORY, config="size:SizeConfig", run="size:run"),
+         command="cache size", memory=_MEMORY, config="size:SizeConfig", run="size:run", refuses="size:REFUSES"),
 )

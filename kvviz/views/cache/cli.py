@@ -24,14 +24,13 @@ def add_arguments(cp) -> None:
     model_args(cl)
     cl.add_argument("--file", required=True)
     cl.add_argument("--continue", dest="cont", required=True, help="text fed after the cached tokens")
-    cl.set_defaults(handler=reload, not_honoured={
-        "invariant": "the reload is compared with a plain fresh cache", "no_proof": _NO_PROOF})
+    cl.set_defaults(handler=reload)  # what it refuses: its run's REFUSES
     cz = csub.add_parser("size", help="bytes per token, the formula and the live cache's measured size")
     model_args(cz)
     cz.add_argument("--tokens", type=int, required=True)
     cz.add_argument("--batch", type=int, default=1)
     cz.add_argument("--no-measure", action="store_true", help="formula only (no forward)")
-    cz.set_defaults(handler=size, not_honoured={"invariant": "sizes do not depend on it", "no_proof": _NO_PROOF})
+    cz.set_defaults(handler=size)
     cp.set_defaults(handler=command)
 
 

@@ -267,10 +267,14 @@ class ReloadConfig:
         return self
 
 
+# what its run cannot honour (kvviz.protocol.RunContext.running; the CLI refuses the matching flag)
+REFUSES = {'invariant': 'the reload is compared with a plain fresh cache', 'prove': 'it runs no proof rerun'}
+
+
 def run(lm: LoadedModel, config: ReloadConfig, ctx: RunContext = DEFAULT_CONTEXT) -> ContinueResult:
     """The view's run (kvviz.protocol: one signature for every view)."""
     config.validate()
-    with ctx.running() as progress:
+    with ctx.running(REFUSES) as progress:
         source = config.source
         if source is None:
             progress(0.1, "Saving the prompt's cache…")

@@ -201,8 +201,12 @@ class SizeConfig:
         return self
 
 
+# what its run cannot honour (kvviz.protocol.RunContext.running; the CLI refuses the matching flag)
+REFUSES = {'invariant': 'sizes do not depend on it', 'prove': 'it runs no proof rerun'}
+
+
 def run(lm: LoadedModel, config: SizeConfig, ctx: RunContext = DEFAULT_CONTEXT) -> SizeReport:
     """The view's run (kvviz.protocol: one signature for every view)."""
     config.validate()
-    with ctx.running():
+    with ctx.running(REFUSES):
         return size_report(lm, config.tokens, config.batch, measure=config.measure)

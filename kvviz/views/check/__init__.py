@@ -8,6 +8,6 @@ from .run import Check, CheckCard, run_check
 VIEW = View("check", "Is my model cache-safe?", "CheckCard", "report:reopen", None, "report:verdict",
             tables="figures:tables", repro="repro", cli="cli",
             page=Page("check", "Start", ":material/verified_user:", url_aliases=("cache_safety",)),
-            config="run:CheckConfig", run="run:run",
+            config="run:CheckConfig", run="run:run", refuses="run:REFUSES",
             memory=MemoryProfile(forwards=2, float64_only=True, stepwise_reference=True, past_window=True,
                                  weight_copies=True))

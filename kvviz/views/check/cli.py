@@ -15,9 +15,7 @@ def add_arguments(kp) -> None:
     repro_arg(kp, " of the card's float64 split checks")
     kp.add_argument("--kv", default="none", help="check with a quantized KV cache: fp8, quanto:int4, quanto:int2, "
                                                  "hqq:int4, hqq:int2, hqq:int8")
-    kp.set_defaults(handler=command, not_honoured={
-        "invariant": "the card decides in float64, where invariant mode has nothing to prove",
-        "no_proof": "the card never runs the proof rerun"})
+    kp.set_defaults(handler=command)  # what it refuses: its run's REFUSES
 
 
 def command(args) -> Outcome:

@@ -247,10 +247,14 @@ class CheckConfig:
         return self
 
 
+# what its run cannot honour (kvviz.protocol.RunContext.running; the CLI refuses the matching flag)
+REFUSES = {'invariant': 'the card decides in float64, where invariant mode has nothing to prove', 'prove': 'the card never runs the proof rerun'}
+
+
 def run(lm: LoadedModel, config: CheckConfig, ctx: RunContext = DEFAULT_CONTEXT) -> CheckCard:
     """The view's run (kvviz.protocol: one signature for every view). The card judges in float64 (no proof runs)
     and composes split, padding, reuse and quant through the registry."""
     config.validate()
-    with ctx.running() as progress:
+    with ctx.running(REFUSES) as progress:
         return run_check(lm, progress, config.weights, config.kv, config.prompt, config.reuse_prefix,
                          tuple(config.reuse_questions))

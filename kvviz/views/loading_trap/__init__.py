@@ -9,5 +9,5 @@ VIEW = View("loading_trap", "Loading trap", "LoadingTrapResult", "report:reopen"
             tables="figures:tables", repro="repro", cli="cli",
             page=Page("loading_trap", "Classic traps", ":material/swap_horiz:", link_prefix="trap_",
                       defaults={"prompt": "This is a ", "n": 12}),
-            config="run:LoadingTrapConfig", run="run:run",
+            config="run:LoadingTrapConfig", run="run:run", refuses="run:REFUSES",
             memory=MemoryProfile(reference=False), runs=("trap",))

@@ -136,7 +136,11 @@ def run_loading_trap(lm: LoadedModel, prompt: str = "This is a ", max_new_tokens
                              max_abs_logit=gaps, verdict=verdict, explanation=text)
 
 
+# what its run cannot honour (kvviz.protocol.RunContext.running; the CLI refuses the matching flag)
+REFUSES = {'invariant': 'it compares two loadings of the model, each decoded plainly', 'prove': 'it runs no proof rerun'}
+
+
 def run(lm: LoadedModel, config: LoadingTrapConfig, ctx: RunContext = DEFAULT_CONTEXT) -> LoadingTrapResult:
     """The view's run (kvviz.protocol: one signature for every view)."""
-    with ctx.running():  # its runs are its own: from_pretrained(dtype) against float32 + .to(dtype)
+    with ctx.running(REFUSES):  # its runs are its own: from_pretrained(dtype) against float32 + .to(dtype)
         return run_loading_trap(lm, config.prompt, config.max_new_tokens, config.dtype)

@@ -12,5 +12,6 @@ VIEW = View("matrix", "Backends & compile", "MatrixResult", "report:reopen", "fi
             page=Page("matrix", "Engine", ":material/memory:", link_prefix="mx_",
                       defaults={"prompt": CAPITALS, "n": 8, "repeats": 2, "attn": ("eager", "sdpa"),
                       "cache": ("dynamic", "static")}, url_aliases=("backends",)), config="run:MatrixConfig", run="run:run",
+            refuses="run:REFUSES",
             memory=MemoryProfile(),
             scenario="scenario:setup")

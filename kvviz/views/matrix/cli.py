@@ -31,9 +31,7 @@ def add_arguments(mp) -> None:
     mp.add_argument("--position-ids", default="auto", choices=POSITION_MODES)
     mp.add_argument("--batch-with", action="append", default=[], help="another prompt in the batch (repeatable)")
     repro_arg(mp, " of the cells run without torch.compile")
-    mp.set_defaults(handler=command, not_dispatched="loads one model per attention implementation",
-                    not_honoured={"no_proof": "the matrix runs no proof rerun (its --invariant runs every cell in "
-                                              "invariant mode)"})
+    mp.set_defaults(handler=command, not_dispatched="loads one model per attention implementation")
 
 
 def command(args) -> Outcome:

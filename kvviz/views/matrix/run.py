@@ -354,9 +354,13 @@ def sliding_window_config(lm: LoadedModel, max_new_tokens: int | None = None) ->
                         batch_with=(long_prompt,), repeats=2)
 
 
+# what its run cannot honour (kvviz.protocol.RunContext.running; the CLI refuses the matching flag)
+REFUSES = {'prove': 'the matrix runs no proof rerun (its invariant mode runs every cell in invariant mode)'}
+
+
 def run(lm: LoadedModel, config: MatrixConfig, ctx: RunContext = DEFAULT_CONTEXT) -> MatrixResult:
     """The view's run (kvviz.protocol: one signature for every view)."""
     # its axes are its own settings; the context's invariant mode runs every cell in invariant mode
     cfg = replace(config, invariant=True) if ctx.settings.invariant else config
-    with ctx.running() as progress:
+    with ctx.running(REFUSES) as progress:
         return run_matrix(lm, cfg, trust_remote_code=lm.trust_remote_code, progress=progress)

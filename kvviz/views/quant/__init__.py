@@ -10,5 +10,5 @@ VIEW = View("quant", "Quantized cache & weights", "QuantResult", "report:reopen"
             page=Page("quant", "Engine", ":material/compress:",
                       defaults={"prompt": "The museum guard knew every painting in the building, but his favourite was",
                       "kv": "quanto:int4", "n": 24}, url_aliases=("quantized",)),
-            config="run:QuantConfig", run="run:run",
+            config="run:QuantConfig", run="run:run", refuses="run:REFUSES",
             memory=MemoryProfile(reference=False, weight_copies=True))

@@ -18,9 +18,7 @@ def add_arguments(qp) -> None:
                     help="int8/int4: optimum-quanto weight-only (CPU and CUDA); bnb-int8/bnb-nf4: bitsandbytes (CUDA)")
     qp.add_argument("--max-new-tokens", type=int, default=24)
     repro_arg(qp)
-    qp.set_defaults(handler=command, not_dispatched="quantizes a copy of the weights", not_honoured={
-        "invariant": "a quantized run is lossy by design; invariant mode cannot make it exact",
-        "no_proof": "it runs no proof rerun"})
+    qp.set_defaults(handler=command, not_dispatched="quantizes a copy of the weights")
 
 
 def command(args) -> Outcome:

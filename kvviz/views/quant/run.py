@@ -413,7 +413,11 @@ def explain(res: QuantResult) -> str:
             f"quantization changes the numbers, and how much depends on the model.")
 
 
+# what its run cannot honour (kvviz.protocol.RunContext.running; the CLI refuses the matching flag)
+REFUSES = {'invariant': 'a quantized run is lossy by design; invariant mode cannot make it exact', 'prove': 'it runs no proof rerun'}
+
+
 def run(lm: LoadedModel, config: QuantConfig, ctx: RunContext = DEFAULT_CONTEXT) -> QuantResult:
     """The view's run (kvviz.protocol: one signature for every view)."""
-    with ctx.running() as progress:  # quantization decides its own cache and weights
+    with ctx.running(REFUSES) as progress:  # quantization decides its own cache and weights
         return run_quant(lm, config, progress)

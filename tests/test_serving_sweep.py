@@ -147,6 +147,7 @@ def test_the_sweep_reopens_from_its_json_export_through_the_registry():
     assert table.equals(table0) and len(table) == 4
     assert list(table["verdict"]) == ["identical", "precision", "logic", "not run (time budget)"]
     assert list(table["part from alone"][:3]) == ["0%", "50%", "0%"] and table["distinct per prompt"][1] == "2, 1"
+    assert list(table.iloc[3]) == [4, 64, "not run (time budget)"] + ["—"] * 7  # not NaN
 
 
 def test_the_sweep_verdict_names_where_batched_completions_first_part():

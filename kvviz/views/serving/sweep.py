@@ -278,7 +278,8 @@ def frame(res: SweepResult):
              "first divergence": "—" if x.first_divergence is None else x.first_divergence,
              "ref margin": fmt_number(x.margin), "tokens/s": round(x.tokens_per_s, 1), "s": round(x.seconds, 1)}
             for x in res.cells]
-    rows += [{"in flight": c, "prompt tokens": n, "verdict": "not run (time budget)"} for c, n in res.skipped]
+    blank = dict.fromkeys(rows[0] if rows else (), "—")
+    rows += [{**blank, "in flight": c, "prompt tokens": n, "verdict": "not run (time budget)"} for c, n in res.skipped]
     return pd.DataFrame(rows)
 
 

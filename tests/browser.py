@@ -25,7 +25,7 @@ def free_port() -> int:
 @contextlib.contextmanager
 def streamlit_server(env_extra: dict | None = None):
     port = free_port()
-    env = dict(os.environ, **(env_extra or {}))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env_extra or {}))  # its log written as it happens
     log_path = ROOT / "test-artifacts" / f"streamlit-{port}.log"
     log = open(log_path, "w")
     proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", str(ROOT / "app.py"),
@@ -57,14 +57,22 @@ def streamlit_server(env_extra: dict | None = None):
 
 def app_server_fixture():
     """A module-scoped `server` fixture: the app under `streamlit run`, yielding its URL; the test module fails if
-    the server logged an exception. Use: `server = app_server_fixture()` in a browser test module."""
+    the server logged an exception while its tests ran. Use: `server = app_server_fixture()` in a browser test module.
+
+    One server per test process (an xdist worker) serves every browser module (tests/conftest.py's `app_server`):
+    each start costs a Python process importing torch, transformers and kvviz and its first model load. Sessions
+    share nothing but the loaded models (results are kept per session), as they did within a module; each module
+    reads only its own part of the server's log."""
     import pytest
 
     @pytest.fixture(scope="module")
-    def server():
-        with streamlit_server() as (url, log):
-            yield url
-        text = log.read_text()
+    def server(app_server):
+        url, log = app_server
+        start = log.stat().st_size
+        yield url
+        with open(log, "rb") as f:
+            f.seek(start)
+            text = f.read().decode(errors="replace")
         assert "Traceback" not in text, "the server logged an exception; see " + str(log)
 
     return server
@@ -125,3 +133,84 @@ def open_page(b, url: str, height: int = 1800, ready: str = ".js-plotly-plot", t
     wait_idle(page)
     no_exception(page)
     return page
+
+
+# --- text fit (tests/test_text_fit.py, and the walks that check it on their way) ------------------------------------
+# Every chart page with short settings (as test_first_screen_in_normal_mode runs them); the matrix runs on a button.
+TEXT_FIT_PAGES = {"split": {}, "greedy": {"greedy_n": 8}, "dtypes": {}, "padding": {},
+                  "loading_trap": {"loading_trap_n": 6}, "quant": {"quant_n": 4}, "matrix": {}, "serving": {}}
+
+TEXT_JS = """() => {
+  const named = 'text.gtitle, .legendtext, .xtitle, .ytitle, .cbtitle text, .annotation-text';
+  const box = (el) => el.getBoundingClientRect();
+  const hit = (a, b) => Math.min(a.right, b.right) - Math.max(a.left, b.left) > 2 &&
+                        Math.min(a.bottom, b.bottom) - Math.max(a.top, b.top) > 2;
+  const out = [];
+  document.querySelectorAll('.js-plotly-plot').forEach((plot, i) => {
+    const fb = box(plot);
+    if (fb.width === 0 || fb.height === 0) return;  // a figure in a folded expander or another tab
+    const texts = [...plot.querySelectorAll(named)].filter(t => t.textContent.trim() && box(t).width > 0);
+    const ticks = [...plot.querySelectorAll('.xtick text, .ytick text, .colorbar .tick text, .cbaxis text')].filter(t => t.textContent.trim() && box(t).width > 0);
+    const title = (plot.querySelector('text.gtitle') || {}).textContent || ('figure ' + i);
+    for (const k of ticks) {  // a tick label cut at the figure's edge (the last x tick's right half)
+      const r = box(k);
+      if (r.left < fb.left - 1 || r.right > fb.right + 1 || r.top < fb.top - 1 || r.bottom > fb.bottom + 1)
+        out.push({figure: title.slice(0, 60), problem: 'tick label clipped', text: k.textContent.slice(0, 60),
+                  box: [r.left - fb.left, r.top - fb.top, r.width, r.height].map(Math.round),
+                  figure_size: [Math.round(fb.width), Math.round(fb.height)]});
+    }
+    for (const t of texts) {
+      const r = box(t);
+      if (r.left < fb.left - 1 || r.right > fb.right + 1 || r.top < fb.top - 1 || r.bottom > fb.bottom + 1)
+        out.push({figure: title.slice(0, 60), problem: 'clipped', text: t.textContent.slice(0, 60),
+                  box: [r.left - fb.left, r.top - fb.top, r.width, r.height].map(Math.round),
+                  figure_size: [Math.round(fb.width), Math.round(fb.height)]});
+    }
+    plot.querySelectorAll('.legend').forEach(lg => {  // a legend clips its entries to its background
+      const bg = lg.querySelector('rect.bg');
+      if (!bg) return;
+      const lb = box(bg);
+      lg.querySelectorAll('.legendtext').forEach(t => {
+        const r = box(t);
+        if (t.textContent.trim() && r.right > lb.right + 1)
+          out.push({figure: title.slice(0, 60), problem: 'cut by its legend', text: t.textContent.slice(0, 60)});
+      });
+      const marks = [...lg.querySelectorAll('.legendpoints, .legendlines, .legendsymbols')];
+      lg.querySelectorAll('.legendtext').forEach(t => marks.forEach(m => {
+        if (!m.closest('.traces').contains(t) && hit(box(t), box(m)))
+          out.push({figure: title.slice(0, 60), problem: 'legend text over another entry', text: t.textContent.slice(0, 60)});
+      }));
+    });
+    for (let a = 0; a < texts.length; a++) {
+      const ra = box(texts[a]);
+      for (let b = a + 1; b < texts.length; b++)
+        if (hit(ra, box(texts[b])))
+          out.push({figure: title.slice(0, 60), problem: 'overlap', text: texts[a].textContent.slice(0, 40),
+                    other: texts[b].textContent.slice(0, 40)});
+      for (const k of ticks)
+        if (hit(ra, box(k)))
+          out.push({figure: title.slice(0, 60), problem: 'over a tick label', text: texts[a].textContent.slice(0, 40),
+                    other: k.textContent.slice(0, 40)});
+    }
+  });
+  return out; }"""
+
+
+def figures_drawn(page, timeout_s: float = 600) -> int:
+    """The page's figures have drawn their text (plotly draws after Streamlit's script is idle)."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        n = page.evaluate("() => document.querySelectorAll('.js-plotly-plot text.gtitle').length")
+        if n:
+            time.sleep(1.5)  # the last figures' legends and annotations
+            return n
+        time.sleep(0.5)
+    raise TimeoutError("no plotly figure drew its title")
+
+
+def text_fit_problems(page, shot: Path) -> list:
+    """Once the page's figures have drawn: a full-page screenshot to `shot`, then the text of every plotly figure
+    that lies outside it, over another text or over a tick label (TEXT_JS; [] when all fits)."""
+    figures_drawn(page)
+    page.screenshot(path=str(shot), full_page=True)
+    return page.evaluate(TEXT_JS)

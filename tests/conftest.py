@@ -104,3 +104,79 @@ class RowCountRounding(TorchFunctionMode):
 def row_count_rounding():
     with RowCountRounding():
         yield
+
+
+# --- one app server per test process ---------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def app_server():
+    """`streamlit run app.py` for the browser test modules of this process (tests/browser.py's app_server_fixture
+    gives each module its `server` and checks its part of the log): (URL, log path)."""
+    from browser import streamlit_server
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    with streamlit_server() as (url, log):
+        yield url, log
+
+
+# --- the longest tests start first -----------------------------------------------------------------------------------
+# `make test` runs 2 xdist workers with --dist worksteal: each takes half of the collection in order and an idle one
+# takes the back half of the other's queue. A long test near the end of the collection (text-fit and wheel tests
+# sort last by name) left one worker running it alone for minutes. Modules are ordered by their expected time,
+# longest first, and within a module the known-slow tests first; a module's tests stay together (its module-scoped
+# fixtures are set up once per worker). Seconds below: `make test`'s slowest durations on CI's 2 cores (they only
+# order; a test missing here is estimated by its markers).
+KNOWN_SLOW_S = {
+    "tests/test_engine_layers.py::test_vllm_batch_vs_alone_and_tensor_parallel_3_float32": 140,
+    "tests/test_engine_layers.py::test_vllm_warm_vs_cold_bfloat16_parts": 40,
+    "tests/test_no_silent_waits.py::test_the_compiled_kernel_built_with_a_limit": 95,
+    "tests/test_no_silent_waits.py::test_with_the_compiled_kernel_a_stale_lock": 31,
+    "tests/test_no_silent_waits.py::test_a_build_killed_midway": 26,
+    "tests/test_lesson_browser.py::test_the_lesson_walks_every_step": 100,
+    "tests/test_text_fit.py::test_the_lessons_figures_fit": 60,
+    "tests/test_browser.py::test_split_page_draws_heatmap_with_default_model": 85,
+    "tests/test_browser.py::test_first_screen_in_normal_mode[light]": 150,  # with text fit in normal mode
+    "tests/test_browser.py::test_first_screen_in_normal_mode[dark]": 25,
+    "tests/test_browser.py::test_every_page_in_presenter_mode": 75,
+    "tests/test_browser.py::test_greedy_page_in_browser": 50,
+    "tests/test_browser.py::test_four_sessions_at_once": 43,
+    "tests/test_browser.py::test_a_copied_link_reopens": 30,
+    "tests/test_browser.py::test_presenter_mode_fits_verdict_and_chart_and_custom_html_is_readable[light]": 90,
+    "tests/test_browser.py::test_presenter_mode_fits_verdict": 26,
+    "tests/test_serving_sweep.py::test_vllm_small_grid_default_model": 60,
+    "tests/test_serving_server.py::test_real_vllm_server": 40,
+    "tests/test_engines.py::test_vllm_cold_and_warm_prefix": 45,
+    "tests/test_wheel.py::test_the_readme_notebook_snippet": 50,
+    "tests/test_gguf_stream.py::test_streamed_conversion_equals": 50,
+    "tests/test_gguf_stream.py::test_stop_during_conversion": 25,
+    "tests/test_default_model.py::test_default_model_converts_once": 44,
+    "tests/test_export.py::test_repro_scripts_of_every_view": 40,
+    "tests/test_archsweep.py::test_subset_runs_and_matches_the_table": 45,
+    "tests/test_kvcache.py::test_default_model_is_safe": 31,
+    "tests/test_cancel_browser.py::test_stop_frees_the_model": 28,
+    "tests/test_lesson_student.py::test_every_step_agrees_on_the_forced_avx2_path": 28,
+    "tests/test_lesson_student.py::test_the_default_models_lesson": 25,
+    "tests/test_protocol.py::test_each_run_reports_growing_progress_ending_at_one[engine_layers]": 44,
+}
+_MARKER_S = {"browser": 15.0, "heavy": 10.0, "slow": 8.0, "app": 2.0}
+
+
+def _expected_s(item) -> float:
+    for prefix, s in KNOWN_SLOW_S.items():
+        if item.nodeid.startswith(prefix):
+            return s
+    return max([_MARKER_S[m.name] for m in item.iter_markers() if m.name in _MARKER_S], default=0.3)
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own ordering (parametrized module fixtures)
+def pytest_collection_modifyitems(session, config, items):
+    def module(it) -> str:
+        return it.nodeid.split("::")[0]
+
+    expected = {id(it): _expected_s(it) for it in items}
+    per_module: dict[str, float] = {}
+    for it in items:
+        per_module[module(it)] = per_module.get(module(it), 0.0) + expected[id(it)]
+    own = {id(it): -expected[id(it)] if expected[id(it)] >= 20 else 0.0 for it in items}  # known-slow first
+    order = sorted(range(len(items)), key=lambda i: (-per_module[module(items[i])], module(items[i]),
+                                                      own[id(items[i])], i))
+    items[:] = [items[i] for i in order]

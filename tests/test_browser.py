@@ -176,11 +176,49 @@ def _first_screen(page, selector: str) -> dict:
     return box
 
 
+def _text_fit(page, artifacts, mode: str, path: str, problems: dict) -> None:
+    """test_text_fit.py's check on a page a walk has open anyway: its figures' text inside them, no overlaps."""
+    from browser import text_fit_problems
+
+    page.wait_for_selector(".js-plotly-plot", timeout=600_000)
+    found = text_fit_problems(page, artifacts / f"text-fit-{mode}-{path}.png")
+    if found:
+        problems[path] = found
+
+
+def _open_for_text_fit(ctx, server, artifacts, path: str, params: dict, presenter: bool, problems: dict) -> None:
+    """A chart page the walk opened with other settings (or not at all), opened with text fit's own."""
+    page = ctx.new_page()
+    page.goto(link(server, path, presenter=presenter, **params))
+    if path == "matrix":  # the matrix runs on its button
+        page.get_by_role("button", name="Run the matrix").click(timeout=300_000)
+    page.wait_for_selector(".js-plotly-plot", timeout=600_000)
+    wait_idle(page, 600)
+    no_exception(page)
+    _text_fit(page, artifacts, "presenter" if presenter else "normal", path, problems)
+    page.close()
+
+
+def _no_text_fit_problems(artifacts, name: str, problems: dict) -> None:
+    import json
+
+    (artifacts / f"{name}.json").write_text(json.dumps(problems, indent=1))
+    assert not problems, problems
+
+
 @pytest.mark.parametrize("scheme", ["light", "dark"])
 def test_presenter_mode_fits_verdict_and_chart_and_custom_html_is_readable(server, artifacts, scheme):
+    """Presenter mode at 1280×720: the verdict and the main chart start in the first screen, custom HTML is
+    readable; in light, every chart page's figure text fits (test_text_fit.py's check in presenter mode: on the pages
+    opened here with its settings, then on the others, opened with theirs; dtypes and padding are checked in
+    test_every_page_in_presenter_mode, which opens them with the same settings)."""
+    from browser import TEXT_FIT_PAGES
+
     pages = {"split": {"split_prompt": "Hello world, caching is fun! " * 3},  # custom HTML: token chips
              "greedy": {"greedy_n": 8},  # custom HTML: the texts panel
              "quant": {"quant_n": 8}, "loading_trap": {"loading_trap_n": 6}}
+    fit = {} if scheme != "light" else {k: v for k, v in TEXT_FIT_PAGES.items() if k not in EVERY_PAGE_FITS}
+    problems = {}
     with browser() as b:
         ctx = b.new_context(viewport={"width": 1280, "height": 720}, color_scheme=scheme)
         for path, params in pages.items():
@@ -196,6 +234,9 @@ def test_presenter_mode_fits_verdict_and_chart_and_custom_html_is_readable(serve
             chart = _first_screen(page, ".js-plotly-plot")
             assert verdict["y"] + verdict["height"] <= 720, (path, verdict)
             assert chart["y"] < 720 - 200, (path, chart)  # at least its upper part (title and first rows) is seen
+            if path in fit and fit[path] == params:
+                del fit[path]
+                _text_fit(page, artifacts, "presenter", path, problems)
             if path == "split":  # the token chips live with the controls, collapsed in presenter mode
                 page.get_by_text("Settings: prompt and controls").click()
                 page.locator('span[title^="token "]').first.wait_for(timeout=30_000)
@@ -206,10 +247,23 @@ def test_presenter_mode_fits_verdict_and_chart_and_custom_html_is_readable(serve
             assert ratios, f"no chips or text panels on {path}"
             low = [r for r in ratios if r["ratio"] < 4.5]
             assert not low, (scheme, path, low[:5])
+        for path, params in fit.items():
+            _open_for_text_fit(ctx, server, artifacts, path, params, True, problems)
         ctx.close()
+    if scheme == "light":
+        _no_text_fit_problems(artifacts, "text-fit-presenter", problems)
+
+
+EVERY_PAGE_FITS = ("dtypes", "padding")  # opened below with text fit's settings: checked there
 
 
 def test_every_page_in_presenter_mode(server, artifacts):
+    """Every page opens in presenter mode; on the chart pages it opens with test_text_fit.py's settings (dtypes,
+    padding), their figures' text fits (its check; dark: only colours differ from light)."""
+    from browser import TEXT_FIT_PAGES
+
+    assert all(TEXT_FIT_PAGES[p] == {} for p in EVERY_PAGE_FITS)
+    problems = {}
     with browser() as b:
         ctx = b.new_context(viewport={"width": 1280, "height": 720}, color_scheme="dark")
         for path in ("", "dtypes", "padding", "reuse", "loading_trap", "matrix", "cache", "quant",
@@ -221,8 +275,11 @@ def test_every_page_in_presenter_mode(server, artifacts):
             no_exception(page)
             assert page.locator('[data-testid="stSidebar"]').get_by_text("Presenter mode").count() == 1
             page.screenshot(path=str(artifacts / f"presenter-page-{path or 'home'}.png"))
+            if path in EVERY_PAGE_FITS:
+                _text_fit(page, artifacts, "presenter", path, problems)
             page.close()
         ctx.close()
+    _no_text_fit_problems(artifacts, "text-fit-presenter-every-page", problems)
 
 
 def test_a_copied_link_reopens_the_same_view_and_numbers(server, artifacts):
@@ -297,15 +354,21 @@ FIRST_SCREEN = {  # page: (its verdict line, the start of its main chart or tabl
 @pytest.mark.parametrize("scheme", ["light", "dark"])
 def test_first_screen_in_normal_mode(server, artifacts, scheme):
     """At 1280×720 without presenter mode: each page's verdict line is wholly in the first screen and its main chart
-    (or table) starts there. Dark mode on the three busiest pages."""
+    (or table) starts there. Dark mode on the three busiest pages. In light mode the walk also checks that every
+    chart page's figure text fits (test_text_fit.py's check in normal mode, on the same pages with the same
+    settings; the serving page, shortened here, is opened once more with its own)."""
+    from browser import TEXT_FIT_PAGES
+
     names = list(FIRST_SCREEN) if scheme == "light" else ["split", "greedy", "check"]
+    short = {"greedy": {"greedy_n": 8}, "quant": {"quant_n": 4}, "loading_trap": {"loading_trap_n": 6},
+             "serving": {"serving_limit": 3, "serving_runs": 2}}
+    fit = {} if scheme != "light" else dict(TEXT_FIT_PAGES)  # text-fit pages not yet checked: their settings
+    problems = {}
     with browser() as b:
         ctx = b.new_context(viewport={"width": 1280, "height": 720}, color_scheme=scheme)
         for path in names:
             verdict_sel, chart_sel = FIRST_SCREEN[path]
             page = ctx.new_page()
-            short = {"greedy": {"greedy_n": 8}, "quant": {"quant_n": 4}, "loading_trap": {"loading_trap_n": 6},
-                     "serving": {"serving_limit": 3, "serving_runs": 2}}
             page.goto(link(server, path, presenter=False, **short.get(path, {})))
             if path == "matrix":  # the matrix runs on its button
                 page.get_by_role("button", name="Run the matrix").click(timeout=120_000)
@@ -317,8 +380,15 @@ def test_first_screen_in_normal_mode(server, artifacts, scheme):
             chart = _first_screen(page, chart_sel)
             assert verdict["y"] >= 0 and verdict["y"] + min(verdict["height"], 200) <= 720, (path, verdict)
             assert chart["y"] < 720 - 60, (path, chart)
+            if path in fit and fit[path] == short.get(path, {}):
+                del fit[path]
+                _text_fit(page, artifacts, "normal", path, problems)
             page.close()
+        for path, params in fit.items():  # opened above with other settings
+            _open_for_text_fit(ctx, server, artifacts, path, params, False, problems)
         ctx.close()
+    if scheme == "light":
+        _no_text_fit_problems(artifacts, "text-fit-normal", problems)
 
 
 def test_navigation_shows_every_page_in_sections(server, artifacts):

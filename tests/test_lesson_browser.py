@@ -1,11 +1,13 @@
 """The Lesson in a real browser at 1280x720 with the default model, in presenter mode and a dark colour scheme:
-every step computes, reveals its answer and draws its figure; screenshots in test-artifacts/."""
+every step computes, reveals its answer and draws its figure, and the figure's text fits (tests/browser.py's
+TEXT_JS: test_text_fit.py's check in presenter mode, made here on the way, where the Lesson is walked anyway; its
+normal-mode walk is test_text_fit.py's); screenshots in test-artifacts/."""
 import json
 from urllib.parse import quote
 
 import pytest
 
-from browser import app_server_fixture, browser, no_exception, wait_idle
+from browser import app_server_fixture, browser, no_exception, text_fit_problems, wait_idle
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -24,6 +26,7 @@ def test_the_lesson_walks_every_step_with_its_figure(server, artifacts, scheme, 
         page = ctx.new_page()
         page.goto(f"{server}/lesson?{q}")
         page.get_by_text("Lesson: rounding or a bug?").first.wait_for(timeout=240_000)
+        problems = {}
         nav = page.locator('[data-testid="stSidebarNav"]')
         assert nav.get_by_text("Lesson", exact=True).count() == 1  # its own section, at the top
         for k, label in enumerate(STEPS, start=1):
@@ -42,8 +45,13 @@ def test_the_lesson_walks_every_step_with_its_figure(server, artifacts, scheme, 
             assert plots.count() == 1, (label, plots.count())
             assert f"Step {k}" in plots.first.inner_text(), label
             assert page.locator(".js-plotly-plot .main-svg").count() >= 1
-            page.screenshot(path=str(artifacts / f"lesson-{scheme}-step{k}.png"), full_page=True)
+            found = text_fit_problems(page, artifacts / f"lesson-{scheme}-step{k}.png")
+            if found:
+                problems[label] = found
         ctx.close()
+    (artifacts / f"text-fit-{'presenter' if presenter else 'normal'}-lesson.json").write_text(
+        json.dumps(problems, indent=1))
+    assert not problems, problems
 
 
 def test_presenter_mode_enlarges_home_and_never_cuts_a_tile_label(server, artifacts):

@@ -273,7 +273,9 @@ def test_every_page_in_presenter_mode(server, artifacts):
             page.wait_for_selector('[data-testid="stMainBlockContainer"] h1', timeout=240_000)
             wait_idle(page, 300)
             no_exception(page)
-            assert page.locator('[data-testid="stSidebar"]').get_by_text("Presenter mode").count() == 1
+            toggle = page.locator('[data-testid="stSidebar"]').get_by_text("Presenter mode")
+            toggle.first.wait_for(timeout=60_000)  # the sidebar can still be drawing when the main part is idle
+            assert toggle.count() == 1
             page.screenshot(path=str(artifacts / f"presenter-page-{path or 'home'}.png"))
             if path in EVERY_PAGE_FITS:
                 _text_fit(page, artifacts, "presenter", path, problems)

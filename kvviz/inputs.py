@@ -101,7 +101,7 @@ def check_mode(value: str, allowed: tuple[str, ...], what: str) -> str:
     return value
 
 
-@dataclass
+@dataclass(frozen=True)
 class SplitConfig:
     """A prompt split: its first `split` tokens go to the cache, the rest through it (split and bisect run it)."""
     prompt: str

@@ -124,7 +124,9 @@ def config_from(cls, values: dict):
             raise KvvizError(f"{f.name.replace('_', ' ')}: {bad[0]!r} is not one of {', '.join(map(str, f.choices))}")
         kw[f.name] = v
     cfg = cls(**kw)
-    return cfg.validate() if hasattr(cfg, "validate") else cfg
+    if hasattr(cfg, "validate"):
+        cfg.validate()
+    return cfg
 
 
 def add_config_arguments(parser, cls) -> None:

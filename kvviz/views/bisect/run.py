@@ -480,7 +480,7 @@ def _trace_ops(ex: Executor, lm: LoadedModel, cfg: SplitConfig, inp, a0: int, n:
     return cached
 
 
-@dataclass
+@dataclass(frozen=True)
 class BisectConfig(SplitConfig):
     """A split to bisect; ops: also trace both runs op by op."""
     ops: bool = True

@@ -66,7 +66,7 @@ _RUN_ORDER = (GreedyPath.CACHE, GreedyPath.GENERATE, GreedyPath.USER_LOOP, Greed
 Progress = Callable[[float, str], None]
 
 
-@dataclass
+@dataclass(frozen=True)
 class GreedyConfig:
     prompt: str
     max_new_tokens: int = 20
@@ -88,7 +88,7 @@ class GreedyConfig:
             raise KvvizError(f"unknown path '{bad[0]}'; choose from {', '.join(PATHS)}")
         if len(paths) < 2:
             raise KvvizError("choose at least two paths to compare")
-        self.paths = tuple(GreedyPath(p) for p in paths)
+        object.__setattr__(self, "paths", tuple(GreedyPath(p) for p in paths))  # normalised once, as it is checked
 
 
 @dataclass(frozen=True)

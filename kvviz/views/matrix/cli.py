@@ -1,6 +1,8 @@
 """`python -m kvviz matrix`: attention x cache kind x compile x precision flags, repeated."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ...clirun import Outcome, context, load, model_args, repro_arg, split_list
 from ...errors import KvvizError
 from ...inputs import POSITION_MODES
@@ -41,7 +43,7 @@ def command(args) -> Outcome:
     if args.preset == "sliding-window":
         lm = load(args)
         cfg = sliding_window_config(lm, args.max_new_tokens if args.max_new_tokens != 16 else None)
-        cfg.invariant = bool(args.invariant)
+        cfg = replace(cfg, invariant=bool(args.invariant))
     else:
         if not args.prompt:
             raise KvvizError("give --prompt TEXT (or --preset sliding-window)")

@@ -42,7 +42,7 @@ def _noop(f: float, m: str) -> None:
     pass
 
 
-@dataclass
+@dataclass(frozen=True)
 class MatrixConfig:
     prompt: str
     max_new_tokens: int = 16

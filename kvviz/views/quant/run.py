@@ -227,7 +227,7 @@ def _bnb_weights(lm: LoadedModel, scheme: str, progress: Progress) -> LoadedMode
 # The comparison
 
 
-@dataclass
+@dataclass(frozen=True)
 class QuantConfig:
     prompt: str
     kv: str = "quanto:int4"

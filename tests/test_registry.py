@@ -84,6 +84,13 @@ def test_a_view_without_a_memory_profile_is_refused():
     assert "nameless" not in views.names()
 
 
+def test_a_view_without_a_config_and_run_is_refused(scratch_registry):
+    with pytest.raises(KvvizError, match="names no config class and run"):
+        views.register(views.View("runless", "Runless", "RunlessResult", "report:reopen",
+                                  memory=views.MemoryProfile()))
+    assert "runless" not in views._VIEWS
+
+
 def test_every_view_has_its_facts_in_its_entry():
     for v in views.all_views():
         assert isinstance(v.memory, views.MemoryProfile), v.name
@@ -125,7 +132,7 @@ def test_a_page_prefix_other_than_its_folders_is_refused():
     from kvviz.views import MemoryProfile, Page, View, register
 
     v = View("some_view", "Some view", "SomeResult", "report:reopen", page=Page("some_page", "Investigate", "", prefix="sv_"),
-             memory=MemoryProfile())
+             memory=MemoryProfile(), config="run:C", run="run:run")
     with pytest.raises(KvvizError, match="take the prefix of its folder, 'somewhere_'"):
         register(v, "kvviz.views.somewhere")
 
@@ -245,7 +252,7 @@ def test_an_older_subcommand_runs_the_same_view(capsys, tmp_path):
 def _entry(**kw):
     page = kw.pop("page", None)
     return views.View("some_view", "Some view", "SomeResult", "report:reopen", memory=views.MemoryProfile(),
-                      page=page, **kw)
+                      page=page, config="run:SomeConfig", run="run:run", **kw)
 
 
 @pytest.fixture
@@ -259,7 +266,7 @@ def scratch_registry(monkeypatch):
     ({"cli": "cli", "command": "some_view"}, "its subcommand is 'some-view'"),
     ({"cli": "cli", "command_aliases": ("split",)}, "'split' is already view 'split'"),
     ({"cli": "cli", "command_aliases": ("serve-study",)}, "'serve-study' is already view 'serving'"),
-    ({"command": "some-view"}, "has no cli module"),
+    ({"command": "some-other"}, "its subcommand is 'some-view'"),  # no cli.py: the one made from its config
     ({"page": views.Page("some_page", "Investigate", "")}, r"pages/some_view\.py \(its folder\), not pages/some_page\.py"),
     ({"page": views.Page("some_page", "Investigate", "", url_aliases=("some_page",))}, "not pages/some_page.py"),
     ({"page": views.Page("some_view", "Investigate", "", url_path="some-view")}, "URL path is its folder"),
@@ -280,12 +287,14 @@ def test_older_names_are_accepted_as_aliases(scratch_registry):
     assert v.command == "some-view" and v.page.url_path == "some_view" and v.page.prefix == "some_view_"
     assert views.for_command("some-older") is v and views.page_url_aliases()["some_page"] == "some_view"
     shared = views.register(views.View("some_part", "Part", "PartResult", "report:reopen", cli="cli",
-                                       command="some-view part", memory=views.MemoryProfile()),
+                                       command="some-view part", memory=views.MemoryProfile(),
+                                       config="run:C", run="run:run"),
                             "kvviz.views.some_view")  # a second view of the folder: its subcommand and a word
     assert views.for_command("some-view part") is shared
     with pytest.raises(KvvizError, match="'some-view' and a word of its own"):
         views.register(views.View("other_part", "Part", "PartResult", "report:reopen", cli="cli",
-                                  command="other part", memory=views.MemoryProfile()), "kvviz.views.some_view")
+                                  command="other part", memory=views.MemoryProfile(), config="run:C",
+                                  run="run:run"), "kvviz.views.some_view")
 
 
 def test_a_folders_one_view_takes_the_folders_name(tmp_path, monkeypatch):

@@ -208,6 +208,9 @@ def register(view: View, package: str = "") -> View:
     if not isinstance(view.memory, MemoryProfile):
         raise KvvizError(f"view {view.name!r} has no memory profile (View(memory=MemoryProfile(...))): kvviz would "
                          "not know what its runs hold")
+    if not (view.config and view.run):
+        raise KvvizError(f"view {view.name!r} names no config class and run (View(config='run:<Config>', "
+                         "run='run:run')): every view runs through one protocol (kvviz.protocol)")
     folder = (package or view.package or view.name).rsplit(".", 1)[-1]
     command = None
     if view.cli or (view.config and view.run and view.name == folder):  # no cli.py: one made from its config

@@ -12,8 +12,14 @@ never imports kvviz, speaks JSON lines (the same protocol as vllm_worker.py):
       batch. It always starts empty (a batch is cold).
       -> {"ok": true, "outputs": {key: {"tokens", "top", "chosen", "cached_tokens", "seconds"}}, "seconds": s}
   {"op": "stop"}
-Layer capture ("capture": true in start) is refused: llama-cpp-python gives a callback an opaque ggml_tensor pointer
-and binds nothing that reads it (docs/engines.md).
+Layer capture ("capture": true in start): llama.cpp's eval callback (llama_context_params.cb_eval, set through
+llama-cpp-python's default context params) asks for the token-embedding lookup (each decode's first GET_ROWS node)
+and the tensors the graph names "l_out-<i>" and "result_norm", and reads each (F32, [n_embd, rows]) with ggml's own
+functions, bound here with ctypes from the libggml llama-cpp-python loads (it declares none itself). A group with "capture": tag keeps its one request's states, rows =
+the embeddings, the residual after layers 0 … L-2 and the final norm (transformers' output_hidden_states), at the
+positions it evaluated; logits_all is on so the last layer keeps every row. One-sequence groups only (a batch's
+ubatches interleave sequences). Ops on them, as vllm_worker.py's: "layer_gaps" (a side against another or against an
+.npz reference {"hidden": [R, T, H], "positions"}) and "captured".
 Greedy: the argmax of the logits llama.cpp computed for the last token; log-probs are log_softmax of those logits.
 """
 import time
@@ -36,22 +42,120 @@ class Worker:
         self.llm = None
         self._bctx = None  # the batch context (k sequences), made on the first batch group
         self._bbatch = None
-        self._bseqs = 0
+        self._bseqs = self._bcells = 0
+        self._cap, self._cap_error, self.store = None, None, {}
+
+    OPS = ("layer_gaps", "captured")
+
+    def _bind_ggml(self):
+        import ctypes
+
+        from llama_cpp import _ggml
+
+        g = _ggml.libggml  # dlsym searches libggml's dependencies: libggml-base defines these
+        for fn, res, args in (("ggml_get_name", ctypes.c_char_p, [ctypes.c_void_p]),
+                              ("ggml_nelements", ctypes.c_int64, [ctypes.c_void_p]),
+                              ("ggml_nbytes", ctypes.c_size_t, [ctypes.c_void_p]),
+                              ("ggml_op_desc", ctypes.c_char_p, [ctypes.c_void_p]),
+                              ("ggml_backend_tensor_get", None, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                                                 ctypes.c_size_t])):
+            f = getattr(g, fn)
+            f.restype, f.argtypes = res, args
+        return g
+
+    def _eval_cb(self, t, ask, _user):
+        """ggml's scheduler asks (ask) whether it wants node t, then hands over each wanted node computed; False in that
+        second call would abort the graph, so it is always True. The embeddings have no name of their own (the graph's
+        "inp_embd" is the unused input of vector prompts): they are the decode's first GET_ROWS node, the lookup of
+        the token embeddings (the next GET_ROWS picks the output rows in the last layer)."""
+        import numpy as np
+
+        try:
+            if self._cap is None:
+                return not ask
+            name = self._g.ggml_get_name(t).decode(errors="replace")
+            named = name == "result_norm" or name.startswith("l_out-")
+            if ask:
+                return named or (self._emb_next and self._g.ggml_op_desc(t) == b"GET_ROWS")
+            if not named:
+                name, self._emb_next = "inp_embd", False
+            elif name == "result_norm":
+                self._emb_next = True  # the next decode's embeddings
+            n, nb = int(self._g.ggml_nelements(t)), int(self._g.ggml_nbytes(t))
+            if nb != 4 * n or n % self.n_embd:
+                raise RuntimeError(f"{name}: {nb} bytes for {n} values, not F32 rows of {self.n_embd}")
+            a = np.empty(n, dtype=np.float32)
+            self._g.ggml_backend_tensor_get(t, a.ctypes.data, 0, nb)
+            self._cap.setdefault(name, []).append(a.reshape(-1, self.n_embd))
+        except Exception as e:  # noqa: BLE001 - raised after the decode, never through ggml
+            self._cap_error = self._cap_error or e
+        return True
+
+    def _keep_capture(self, tag, key, positions):
+        import numpy as np
+
+        cap, self._cap = self._cap, None
+        if self._cap_error is not None:
+            e, self._cap_error = self._cap_error, None
+            raise RuntimeError(f"layer capture failed: {e}")
+        layers = sorted(int(n.split("-")[1]) for n in cap if n.startswith("l_out-"))
+        names = ["inp_embd"] + [f"l_out-{i}" for i in layers[:-1]] + ["result_norm"]
+        missing = [n for n in names if n not in cap]
+        if missing or not layers:
+            raise RuntimeError(f"llama.cpp's graph named no {', '.join(missing or ['l_out-*'])} tensor")
+        rows = [np.concatenate(cap[n]) for n in names]
+        if any(r.shape[0] != len(positions) for r in rows):
+            raise RuntimeError(f"captured {[r.shape[0] for r in rows]} rows for {len(positions)} positions")
+        self.store.setdefault(str(tag), {})[key] = (np.stack(rows), list(positions))
+
+    def _states(self, tag, key):
+        got = self.store.get(str(tag), {}).get(key)
+        if got is None:
+            raise RuntimeError(f"no hidden states captured for request {key!r} under {tag!r}")
+        return got
+
+    def captured(self, msg):
+        rows, pos = self._states(msg["tag"], msg["key"])
+        return {"positions": pos, "rows": int(rows.shape[0]), "hidden": int(rows.shape[2])}
+
+    def layer_gaps(self, msg):
+        """Side a against side b or an .npz reference, on the positions both hold (below upto); b is the reference
+        side of the relative gap. Per row and token: max |a - b|, / max |b|, / eps (vllm_worker.py's _gaps)."""
+        import numpy as np
+
+        ra, pa = self._states(*msg["a"])
+        if msg.get("file"):
+            with np.load(msg["file"]) as f:
+                rb, pb = f["hidden"], [int(p) for p in f["positions"]]
+        else:
+            rb, pb = self._states(*msg["b"])
+        if rb.shape[0] != ra.shape[0]:
+            raise RuntimeError(f"{ra.shape[0]} captured rows against {rb.shape[0]} reference rows")
+        upto = msg.get("upto")
+        ib = {p: j for j, p in enumerate(pb)}
+        ia = {p: j for j, p in enumerate(pa)}
+        common = [p for p in pa if p in ib and (upto is None or p < upto)]
+        a = ra[:, [ia[p] for p in common]].astype(np.float64)
+        b = rb[:, [ib[p] for p in common]].astype(np.float64)
+        max_abs = np.abs(a - b).max(axis=-1) if common else np.zeros((ra.shape[0], 0))
+        ref = np.abs(b).max(axis=-1) if common else np.zeros((ra.shape[0], 0))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            rel = np.where(ref > 0, max_abs / np.maximum(ref, 1e-300), np.where(max_abs > 0, np.inf, 0.0))
+        eps = float(msg["eps"])
+        return {"positions": common, "rows": int(ra.shape[0]), "max_abs": max_abs.tolist(),
+                "relative": rel.tolist(), "eps_units": (rel / eps).tolist()}
 
     def start(self, msg):
-        if msg.get("capture"):
-            raise RuntimeError("layer capture is not reachable here: llama-cpp-python exposes ggml's eval callback "
-                               "(llama_context_params.cb_eval) but binds no ggml tensor API to read a tensor's name "
-                               "or data")
         import llama_cpp
 
         import llama_cpp.llama as module
 
         t0 = time.perf_counter()
         threads = int(msg.get("threads", 2))
+        capture = bool(msg.get("capture"))
         kw = dict(n_ctx=int(msg.get("n_ctx", 2048)), n_batch=int(msg.get("n_batch", 512)), n_threads=threads,
                   n_threads_batch=threads,
-                  seed=int(msg.get("seed", 0)), logits_all=False, verbose=False)
+                  seed=int(msg.get("seed", 0)), logits_all=capture, verbose=False)
         extra = bool(msg.get("use_extra_bufts", False))
         # llama_model_params.use_extra_bufts (weight repacking, AMX on CPUs that report it): Llama() exposes no
         # argument for it, so its default params are wrapped. Off by default: on the CPU this was built on, the AMX
@@ -64,13 +168,25 @@ class Worker:
             return p
 
         module.llama_cpp.llama_model_default_params = params
+        ctx_default = llama_cpp.llama_context_default_params
+        if capture:  # the eval callback, through the default context params Llama() starts from
+            self._g = self._bind_ggml()
+            self._cb = llama_cpp.ggml_backend_sched_eval_callback(self._eval_cb)
+
+            def ctx_params():
+                p = ctx_default()
+                p.cb_eval, p.cb_eval_user_data = self._cb, None
+                return p
+
+            module.llama_cpp.llama_context_default_params = ctx_params
         try:
             self.llm = llama_cpp.Llama(model_path=msg["model"], **kw)
         finally:
             module.llama_cpp.llama_model_default_params = default
-        self.n_vocab = self.llm.n_vocab()
+            module.llama_cpp.llama_context_default_params = ctx_default
+        self.n_vocab, self.n_embd = self.llm.n_vocab(), self.llm.n_embd()
         return {"version": llama_cpp.__version__,
-                "settings": {**kw, "n_batch": self.llm.n_batch, "use_extra_bufts": extra},
+                "settings": {**kw, "n_batch": self.llm.n_batch, "use_extra_bufts": extra, "capture": capture},
                 "seconds": time.perf_counter() - t0}
 
     def _logits(self, ctx=None, i=-1):
@@ -87,22 +203,25 @@ class Worker:
         best = np.argsort(-lp, kind="stable")[:k]
         return tok, [[int(i), float(lp[i])] for i in best], float(lp[tok])
 
-    def _batch_context(self, n_seq):
-        """A context holding n_seq sequences in one unified KV buffer (llama-server's parallel slots), with the main
-        context's settings otherwise."""
+    def _batch_context(self, n_seq, cells):
+        """A context holding n_seq sequences in one unified KV buffer (llama-server's parallel slots) of at least
+        `cells` KV cells (the main context's n_ctx, else the batch's need in steps of 256), with the main context's
+        settings otherwise."""
         import llama_cpp
         from llama_cpp import _internals as internals
 
-        if self._bctx is not None and self._bseqs == n_seq:
+        n_ctx = max(self.llm.n_ctx(), -(-cells // 256) * 256)
+        if self._bctx is not None and self._bseqs == n_seq and self._bcells >= cells:
             return
         self._close_batch()
         base = self.llm.context_params
         params = type(base).from_buffer_copy(base)
         params.n_seq_max = n_seq
         params.kv_unified = True
+        params.n_ctx = n_ctx
         self._bctx = internals.LlamaContext(model=compat_model(self.llm), params=params, verbose=False)
         self._bbatch = internals.LlamaBatch(n_tokens=self.llm.n_batch, embd=0, n_seq_max=1, verbose=False)
-        self._bseqs = n_seq
+        self._bseqs, self._bcells = n_seq, llama_cpp.llama_n_ctx(self._bctx.ctx)
         if llama_cpp.llama_n_seq_max(self._bctx.ctx) < n_seq:
             raise RuntimeError(f"llama.cpp gave {llama_cpp.llama_n_seq_max(self._bctx.ctx)} sequences, not {n_seq}")
 
@@ -111,7 +230,7 @@ class Worker:
             if obj is not None:
                 obj.close()
         self._bctx = self._bbatch = None
-        self._bseqs = 0
+        self._bseqs = self._bcells = 0
 
     def _decode(self, items):
         """Decode items (seq, pos, token, wants_logits) in chunks of n_batch; the logits of each item that wants them,
@@ -135,9 +254,9 @@ class Worker:
         ids = [[int(t) for t in r["ids"]] for r in reqs]
         new = [int(r["max_new_tokens"]) for r in reqs]
         need = sum(len(i) + m for i, m in zip(ids, new))
-        if need > self.llm.n_ctx():
-            raise ValueError(f"the batch needs {need} KV cells, the context holds {self.llm.n_ctx()}")
-        self._batch_context(n)
+        self._batch_context(n, need)
+        if need > self._bcells:
+            raise ValueError(f"the batch needs {need} KV cells, llama.cpp gave a context of {self._bcells}")
         self._bctx.kv_cache_clear()
         t0 = time.perf_counter()
         logits = self._decode([(s, p, t, p == len(ids[s]) - 1) for s in range(n) for p, t in enumerate(ids[s])])
@@ -183,12 +302,17 @@ class Worker:
         outs, total = {}, 0.0
         for group in msg["groups"]:
             if len(group["requests"]) > 1:
+                if group.get("capture"):
+                    raise ValueError("llama.cpp layer capture takes one request a group (a batch's ubatches "
+                                     "interleave its sequences)")
                 got, seconds = self._generate_batch(group["requests"], k)
                 outs.update(got)
                 total += seconds
                 continue
             for r in group["requests"]:
                 ids = [int(t) for t in r["ids"]]
+                tag = group.get("capture")
+                self._cap, self._emb_next = ({} if tag else None), True
                 t0 = time.perf_counter()
                 keep = self._feed(ids, bool(group.get("reset")))
                 toks, top, chosen = [], [], []
@@ -201,6 +325,9 @@ class Worker:
                         self.llm.eval([tok])
                 seconds = time.perf_counter() - t0
                 total += seconds
+                if tag:
+                    n = len(toks)
+                    self._keep_capture(tag, r["key"], list(range(keep, len(ids) + n - 1)))
                 outs[r["key"]] = {"tokens": toks, "top": top, "chosen": chosen, "cached_tokens": keep,
                                   "seconds": seconds}
         return {"outputs": outs, "seconds": total}

@@ -149,7 +149,12 @@ class LlamaCppEngine(WorkerEngine):
             return EngineRun({}, 0.0, 0)
         gguf, quant = gguf_of(lm)
         self.dtype = f"q8 activations x {quant or 'GGUF'} weights (llama.cpp kernels)"
-        self._start(gguf, model=gguf, n_ctx=2048, seed=0, threads=int(os.environ.get("KVVIZ_ENGINE_THREADS", 2)))
+        # the one-sequence context: 2048 cells, more (in steps of 1024) for a longer request (the batch context
+        # sizes itself in the worker)
+        n_ctx = max(2048, -(-max(len(r.ids) + r.max_new_tokens for r in requests) // 1024) * 1024,
+                    self._key[1] if self._key and self._key[0] == gguf else 0)
+        self._start((gguf, n_ctx), model=gguf, n_ctx=n_ctx, seed=0,
+                    threads=int(os.environ.get("KVVIZ_ENGINE_THREADS", 2)))
         return self._generate(_groups(requests, max_in_flight, prefix_sharing and not invariant,
                                       sequential_keys or set()))
 

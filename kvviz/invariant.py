@@ -293,7 +293,7 @@ def invariant_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
 
 # Row-block families, in order of preference: a family's sizes must each be position-free AND give a row the same
 # bits as each other, so a long prompt goes in the big blocks and a decode step's one row in a small one.
-LINEAR_BLOCKS = {"cpu": ((256, 32), (256, 64), (128, 16), (128, 64), (64, 16), (256,), (128,), (64,), (32,), (16,),
+LINEAR_BLOCKS = {"cpu": ((256, 16, 1), (256, 32), (256, 64), (128, 16), (128, 64), (64, 16), (256,), (128,), (64,), (32,), (16,),
                          (48,), (24,), (8,)),
                  "cuda": ((256, 64), (128, 32), (256,), (128,), (64,), (32,), (16,))}
 TILES = {"cpu": (64, 32, 16, 48, 24), "cuda": (64, 32, 16)}
@@ -372,9 +372,9 @@ def linear_block(x_dtype: torch.dtype, weight: torch.Tensor, bias, call, k: int,
             w_ = w_probe if rep == 0 else weight
             b_ = b_probe if rep == 0 else bias
             y = call(x, w_, b_)
-            for b in family:
-                if b != big and not torch.equal(torch.cat([call(x[i:i + b].clone(), w_, b_)
-                                                           for i in range(0, big, b)]), y):
+            for b in family:  # block by block: a family that fails stops at its first differing block
+                if b != big and not all(torch.equal(call(x[i:i + b].clone(), w_, b_), y[i:i + b])
+                                        for i in range(0, big, b)):
                     return False
                 if not all(torch.equal(call(x[:b].roll(s_, 0), w_, b_), y[:b].roll(s_, 0)) for s_ in (1, b // 2 + 1)):
                     return False
@@ -384,14 +384,14 @@ def linear_block(x_dtype: torch.dtype, weight: torch.Tensor, bias, call, k: int,
 
 
 def _blocked_rows(rows: torch.Tensor, n_out: int, sizes: tuple, call, out_dtype) -> torch.Tensor:
-    """call(block, out=...) on rows in blocks of exactly one of `sizes` rows: the largest while the rows last, the
-    rest in the smallest (the input padded once with zero rows; every block a contiguous view of it), each block's
-    result written in place into the output."""
+    """call(block, out=...) on rows in blocks of exactly one of `sizes` rows: the largest that the rows left fill,
+    the last block in the smallest (the input padded once with zero rows; every block a contiguous view of it),
+    each block's result written in place into the output."""
     r = rows.shape[0]
-    big, small = max(sizes), min(sizes)
+    desc, small = sorted(sizes, reverse=True), min(sizes)
     plan, i = [], 0
     while i < r:
-        b = big if r - i >= big else small
+        b = next((b_ for b_ in desc if r - i >= b_), small)
         plan.append((i, b))
         i += b
     total = i
@@ -699,6 +699,12 @@ NATIVE_KEY_BLOCK = 512
 # query rows per call: a multiple of this, so the kernel's last block of rows (it splits them in 32, 64 or 256) has
 # at least 8: on the CPU a block of 1 or 2 rows goes through another GEMM and rounds a row's scores differently
 NATIVE_ROW_MULTIPLE = 8
+# Where a row's bits depend on where it sits in the kernel's block of query rows (AVX2: the GEMM's edge rows), every
+# call has exactly NATIVE_SLOT_ROWS rows (one block of the kernel's: it takes 32 rows a block below 192) and a row
+# sits at slot (its last visible key - its first) mod NATIVE_SLOT_ROWS - the same in a full forward, a cached chunk,
+# alone or left-padded; the slots no row of a call fills hold a zero query, dropped. Blocks of slots go in one call
+# as batch entries over the same keys (expanded, not copied).
+NATIVE_SLOT_ROWS = 32
 _EAGER_EQUAL = threading.local()
 
 
@@ -728,11 +734,14 @@ def _visible_only(mask: torch.Tensor) -> torch.Tensor | None:
 class _Call:
     """One native call of a plan: query rows `rows` (None: all) of batch entry `entry` (None: all) and heads `heads`,
     over the keys from `start` to `start + kp` (kp a multiple of NATIVE_KEY_BLOCK; masked zero keys past the end),
-    with `mask` (additive, the query's dtype: [n, 1 or h, rows padded to NATIVE_ROW_MULTIPLE, kp])."""
-    __slots__ = ("entry", "heads", "rows", "start", "kp", "mask")
+    with `mask` (additive, the query's dtype: [n, 1 or h, rows padded to NATIVE_ROW_MULTIPLE, kp]); a slotted call
+    (`slot` set) puts row i at (block blk[i], slot slot[i]) of [blocks, h, NATIVE_SLOT_ROWS] queries, its mask
+    [n, blocks, 1 or h, NATIVE_SLOT_ROWS, kp]."""
+    __slots__ = ("entry", "heads", "rows", "start", "kp", "mask", "blk", "slot")
 
-    def __init__(self, entry, heads, rows, start, kp, mask):
+    def __init__(self, entry, heads, rows, start, kp, mask, blk=None, slot=None):
         self.entry, self.heads, self.rows, self.start, self.kp, self.mask = entry, heads, rows, start, kp, mask
+        self.blk, self.slot = blk, slot
 
 
 def _additive(vis: torch.Tensor, dtype) -> torch.Tensor:
@@ -756,25 +765,50 @@ def _block_call(vis, entry, heads, rows, start: int, kp: int, dtype) -> _Call:
     return _Call(entry, heads, rows, start, kp, _additive(mm, dtype))
 
 
-def _grouped_calls(vis, entry, heads, start: int, need: torch.Tensor, dtype) -> list:
+def _slot_call(vis, entry, heads, rows, start: int, kp: int, dtype, slot: torch.Tensor) -> _Call:
+    """The slotted call for `vis`'s rows ([n, 1 or h, r, lk], already selected; `rows` their indices, slot: [r]):
+    rows of one slot in successive blocks; a slot no row fills sees every key (a zero query: finite, dropped)."""
+    n, hm, r, lk = vis.shape
+    dev = vis.device
+    order = torch.argsort(slot, stable=True)
+    counts = torch.bincount(slot, minlength=NATIVE_SLOT_ROWS)
+    blk = torch.empty_like(slot)
+    blk[order] = torch.arange(r, device=dev) - (torch.cumsum(counts, 0) - counts)[slot[order]]
+    nblk = int(counts.max())
+    w = min(kp, lk - start)
+    mm = torch.zeros(n, nblk, hm, NATIVE_SLOT_ROWS, kp, dtype=torch.bool, device=dev)
+    mm[:, blk, :, slot, :w] = vis[..., start:start + w].permute(2, 0, 1, 3)
+    empty = torch.ones(nblk, NATIVE_SLOT_ROWS, dtype=torch.bool, device=dev)
+    empty[blk, slot] = False
+    mm.permute(1, 3, 0, 2, 4)[empty] = True
+    return _Call(entry, heads, torch.arange(r, device=dev) if rows is None else rows, start, kp, _additive(mm, dtype),
+                 blk, slot)
+
+
+def _grouped_calls(vis, entry, heads, start: int, need: torch.Tensor, dtype, slot=None) -> list:
     """Calls for rows that all see keys from `start` on; need: [rows], the key blocks (from `start`) each row needs at
     most. Rows grouped by it, a call a group: a block no row of a call sees is not computed (it would add exactly 0:
-    a causal prompt's first rows need one)."""
+    a causal prompt's first rows need one). slot: [rows] where the calls are slotted, else None."""
     if int(need.min()) == int(need.max()):
-        return [_block_call(vis, entry, heads, None, start, int(need[0]) * NATIVE_KEY_BLOCK, dtype)]
+        kp = int(need[0]) * NATIVE_KEY_BLOCK
+        return [_block_call(vis, entry, heads, None, start, kp, dtype) if slot is None else
+                _slot_call(vis, entry, heads, None, start, kp, dtype, slot)]
     calls = []
     for blocks in torch.unique(need).tolist():
         rows = (need == blocks).nonzero().squeeze(1)
-        calls.append(_block_call(vis[:, :, rows], entry, heads, rows, start, blocks * NATIVE_KEY_BLOCK, dtype))
+        kp = blocks * NATIVE_KEY_BLOCK
+        calls.append(_block_call(vis[:, :, rows], entry, heads, rows, start, kp, dtype) if slot is None else
+                     _slot_call(vis[:, :, rows], entry, heads, rows, start, kp, dtype, slot[rows]))
     return calls
 
 
-def _native_plan(vis, b: int, lq: int, lk: int, dtype, device):
+def _native_plan(vis, b: int, lq: int, lk: int, dtype, device, slotted: bool = False):
     """(calls, unseen) for query rows seeing keys as `vis` says (bool broadcastable to [b, 1 or h, lq, lk]; None: all
     seen): each row over its keys from its first visible key on; rows that start at the same key (every row of a
     causal prompt, of a left-padded one) grouped; a sliding window's rows, which start each at its own key, a call
     per start. unseen: [b, Hm, lq] rows that see no key (they give 0), None where every row sees one. Depends on the
-    mask and shapes only: made once a forward (_plan_for), run in every layer."""
+    mask and shapes only: made once a forward (_plan_for), run in every layer. slotted: every call of
+    NATIVE_SLOT_ROWS rows, each row at its slot (see there)."""
     if vis is None:
         vis = torch.ones(1, 1, 1, lk, dtype=torch.bool, device=device)
     hm = vis.shape[1]
@@ -786,15 +820,21 @@ def _native_plan(vis, b: int, lq: int, lk: int, dtype, device):
     last_block = nb - 1 - blocks.flip(-1).view(torch.uint8).argmax(-1)  # the block of each row's last visible key
     first = torch.where(seen, first, -1)
     unseen = None if bool(seen.all()) else ~seen
+    slot = None
+    if slotted:
+        last = lk - 1 - vis.flip(-1).view(torch.uint8).argmax(-1)
+        slot = torch.where(seen, (last - first) % NATIVE_SLOT_ROWS, -1)
 
     def need(f, lb):  # key blocks from the row's first key to the end of its last visible key's block (an upper bound)
         return (-(-((lb + 1) * NATIVE_KEY_BLOCK - f) // NATIVE_KEY_BLOCK)).clamp_min(1)
 
     lo = first.amax()
-    if bool(((first == lo) | ~seen).all()):  # one start for every row of every entry: one call per row group
+    row_slot = None if slot is None else slot.amax(0).amax(0)
+    if bool(((first == lo) | ~seen).all()) and (slot is None or bool(((slot == row_slot) | ~seen).all())):
+        # one start for every row of every entry (and one slot for a row in all): one call per row group
         st = max(int(lo), 0)
         return _grouped_calls(vis, None, slice(None), st, need(st, torch.where(seen, last_block, 0)).amax(0).amax(0),
-                              dtype), unseen
+                              dtype, None if slot is None else row_slot.clamp_min(0)), unseen
     calls = []
     for e in range(b):
         for g in range(hm):
@@ -803,7 +843,7 @@ def _native_plan(vis, b: int, lq: int, lk: int, dtype, device):
             for st in torch.unique(f[f >= 0]).tolist():
                 rows = (f == st).nonzero().squeeze(1)
                 for c in _grouped_calls(vis[e:e + 1, g:g + 1, rows], e, heads, st, need(st, last_block[e, g, rows]),
-                                        dtype):
+                                        dtype, None if slot is None else slot[e, g, rows]):
                     c.rows = rows if c.rows is None else rows[c.rows]
                     calls.append(c)
     return calls, unseen
@@ -825,9 +865,34 @@ def _run_call(query, key, value, c: _Call, scale):
     return F.scaled_dot_product_attention(query, kk, vv, attn_mask=c.mask, scale=scale)[:, :, :lq]
 
 
+def _run_slotted(query, key, value, c: _Call, scale, out):
+    """A slotted call (see _Call) for query/key/value [n, h, *, d] of its entries and heads, written into out."""
+    n, h, _, d = query.shape
+    nblk = c.mask.shape[1]
+    lk, s, kp = key.shape[-2], c.start, c.kp
+    for i in range(n):
+        if s + kp <= lk:
+            kk, vv = key[i:i + 1, :, s:s + kp], value[i:i + 1, :, s:s + kp]
+        else:
+            kk = key.new_zeros(1, h, kp, key.shape[-1])
+            vv = value.new_zeros(1, h, kp, value.shape[-1])
+            kk[:, :, :lk - s] = key[i:i + 1, :, s:]
+            vv[:, :, :lk - s] = value[i:i + 1, :, s:]
+        qc = query.new_zeros(nblk, h, NATIVE_SLOT_ROWS, d)
+        qc[c.blk, :, c.slot] = query[i][:, c.rows].transpose(0, 1)
+        res = F.scaled_dot_product_attention(qc, kk.expand(nblk, -1, -1, -1), vv.expand(nblk, -1, -1, -1),
+                                             attn_mask=c.mask[i if c.mask.shape[0] > 1 else 0], scale=scale)
+        out[i][:, c.rows] = res[c.blk, :, c.slot].transpose(0, 1)
+
+
 def _run_plan(query, key, value, plan, scale):
     calls, unseen = plan
-    if len(calls) == 1 and calls[0].rows is None and calls[0].entry is None:
+    if calls and calls[0].slot is not None:
+        out = query.new_zeros(*query.shape[:-1], value.shape[-1])
+        for c in calls:
+            es = slice(None) if c.entry is None else slice(c.entry, c.entry + 1)
+            _run_slotted(query[es, c.heads], key[es, c.heads], value[es, c.heads], c, scale, out[es, c.heads])
+    elif len(calls) == 1 and calls[0].rows is None and calls[0].entry is None:
         out = _run_call(query, key, value, calls[0], scale)
     else:
         out = query.new_zeros(*query.shape[:-1], value.shape[-1])
@@ -842,12 +907,13 @@ def _run_plan(query, key, value, plan, scale):
     return out if unseen is None else out.masked_fill(unseen.unsqueeze(-1), 0)
 
 
-def _native_core(query, key, value, vis, scale):
+def _native_core(query, key, value, vis, scale, slotted: bool = False):
     """query [B, H, lq, d], key/value [B, H, lk, d], vis: bool broadcastable to [B, 1 or H, lq, lk] or None (all
     seen). Each row through the native kernel over its keys from its first visible key on (_native_plan). A row
     that sees no key gives 0."""
     b, _, lq, _ = query.shape
-    return _run_plan(query, key, value, _native_plan(vis, b, lq, key.shape[-2], query.dtype, query.device), scale)
+    return _run_plan(query, key, value, _native_plan(vis, b, lq, key.shape[-2], query.dtype, query.device, slotted),
+                     scale)
 
 
 # A forward passes one mask to every layer: its plan is made once and reused while the mask is the same tensor
@@ -856,9 +922,9 @@ def _native_core(query, key, value, vis, scale):
 _PLANS = threading.local()
 
 
-def _plan_for(attn_mask, is_causal: bool, b: int, hq: int, lq: int, lk: int, dtype, device):
+def _plan_for(attn_mask, is_causal: bool, b: int, hq: int, lq: int, lk: int, dtype, device, slotted: bool = False):
     """The plan of _native_sdpa's call, or None where the native path does not apply (a mask that is a bias)."""
-    key = (b, hq, lq, lk, dtype, device, bool(is_causal))
+    key = (b, hq, lq, lk, dtype, device, bool(is_causal), slotted)
     if attn_mask is not None:
         key += (attn_mask.data_ptr(), tuple(attn_mask.shape), attn_mask.stride(), attn_mask.storage_offset(),
                 compat.tensor_version(attn_mask), attn_mask.dtype)
@@ -879,15 +945,21 @@ def _plan_for(attn_mask, is_causal: bool, b: int, hq: int, lq: int, lk: int, dty
     if is_causal:  # aligned at the bottom right, as fast_sdpa (transformers asks for it only where lq == lk)
         c = torch.arange(lk, device=device)[None] <= torch.arange(lq, device=device)[:, None] + (lk - lq)
         vis = c[None, None] if vis is None else vis & c
-    plan = _native_plan(vis, b, lq, lk, dtype, device)
+    plan = _native_plan(vis, b, lq, lk, dtype, device, slotted)
     _PLANS.entry = (key, attn_mask, plan)
     return plan
 
 
 def native_attention_ok(device: torch.device, dtype: torch.dtype, d_qk: int, d_v: int) -> bool:
+    return bool(native_attention_mode(device, dtype, d_qk, d_v))
+
+
+def native_attention_mode(device: torch.device, dtype: torch.dtype, d_qk: int, d_v: int, modes=(1, 2)) -> int:
     """Does _native_core give a row the same bits whatever the call: the full forward, a cached chunk of rows, one
-    row with only its keys, left-padded, beside another sequence? (probed once per device, dtype, sizes, threads)"""
-    def works(_):
+    row with only its keys, left-padded, beside another sequence? 1: with the rows as they come, 2: slotted
+    (NATIVE_SLOT_ROWS), 0: neither (probed once per device, dtype, sizes, threads)."""
+    def works(mode):
+        core = functools.partial(_native_core, slotted=mode == 2)
         n, h = 800, 3
         q = _probe_data((1, h, n, d_qk), dtype, device, 71)
         k = _probe_data((1, h, n, d_qk), dtype, device, 72)
@@ -901,47 +973,48 @@ def native_attention_ok(device: torch.device, dtype: torch.dtype, d_qk: int, d_v
             c = torch.arange(lk, device=device)[None]
             return ((c <= rows) & (c >= pad))[None, None]
 
-        full = _native_core(q, k, v, causal(0, n, n), None)
+        full = core(q, k, v, causal(0, n, n), None)
         if not bool(torch.isfinite(full).all()):
             return False
         tries = [(389, n, n), (0, 64, n), (450, 451, 451), (n - 1, n, n), (n - 2, n, n), (n - 33, n, n),
                  (n - 193, n, n), (200, 264, 300), (0, 700, 700)]
         for r0, r1, lk in tries:
-            got = _native_core(q[:, :, r0:r1], k[:, :, :lk], v[:, :, :lk], causal(r0, r1, lk), None)
+            got = core(q[:, :, r0:r1], k[:, :, :lk], v[:, :, :lk], causal(r0, r1, lk), None)
             if not torch.equal(got, full[:, :, r0:r1]):
                 return False
         pad = 37  # left padding: junk keys the mask hides, the rows' keys shifted
         kj = torch.cat([_probe_data((1, h, pad, d_qk), dtype, device, 74), k], 2)
         vj = torch.cat([_probe_data((1, h, pad, d_v), dtype, device, 75), v], 2)
-        got = _native_core(q, kj, vj, causal(0, n, n + pad, pad), None)
+        got = core(q, kj, vj, causal(0, n, n + pad, pad), None)
         if not torch.equal(got, full):
             return False
         # beside another sequence (a batch of two, the other unpadded): each as alone
         qq = torch.cat([q, q.flip(2)]); kk = torch.cat([kj, torch.cat([k, k[:, :, :pad]], 2)])
         vv = torch.cat([vj, torch.cat([v, v[:, :, :pad]], 2)])
         vis = torch.cat([causal(0, n, n + pad, pad), causal(0, n, n + pad)])
-        got = _native_core(qq, kk, vv, vis, None)
-        other = _native_core(q.flip(2), k, v, causal(0, n, n), None)
+        got = core(qq, kk, vv, vis, None)
+        other = core(q.flip(2), k, v, causal(0, n, n), None)
         if not (torch.equal(got[:1], full) and torch.equal(got[1:], other)):
             return False
         win = 300  # a sliding window: the full forward's rows start each at its own key; a cached row's cache holds
         i = torch.arange(n, device=device)  # its window only
-        wfull = _native_core(q, k, v, ((i[None] <= i[:, None]) & (i[None] > i[:, None] - win))[None, None], None)
-        return all(torch.equal(_native_core(q[:, :, t:t + 1], k[:, :, t - win + 1:t + 1], v[:, :, t - win + 1:t + 1],
+        wfull = core(q, k, v, ((i[None] <= i[:, None]) & (i[None] > i[:, None] - win))[None, None], None)
+        return all(torch.equal(core(q[:, :, t:t + 1], k[:, :, t - win + 1:t + 1], v[:, :, t - win + 1:t + 1],
                                             None, None), wfull[:, :, t:t + 1]) for t in (win - 1, win + 37, n - 1))
 
-    return bool(_probe(("native_sdpa", _where(device), dtype, d_qk, d_v), (1,), works))
+    return _probe(("native_sdpa", _where(device), dtype, d_qk, d_v, tuple(modes)), tuple(modes), works)
 
 
 def _native_sdpa(query, key, value, attn_mask, is_causal, scale):
     """fast_sdpa through the native kernel (see above), or None where that path does not apply."""
     if query.dim() != 4 or getattr(_EAGER_EQUAL, "depth", 0) > 0:
         return None
-    if not native_attention_ok(query.device, query.dtype, query.shape[-1], value.shape[-1]):
+    mode = native_attention_mode(query.device, query.dtype, query.shape[-1], value.shape[-1])
+    if not mode:
         return None
     b = max(query.shape[0], key.shape[0])
     plan = _plan_for(attn_mask, is_causal, b, query.shape[1], query.shape[-2], key.shape[-2], query.dtype,
-                     query.device)
+                     query.device, mode == 2)
     if plan is None:
         return None
     hq, hk = query.shape[1], key.shape[1]

@@ -53,13 +53,22 @@ def test_a_position_dependent_kernel_is_refused_and_the_per_row_form_used(monkey
     assert len(calls) == 1
 
 
-@pytest.fixture(params=["native", "fixed-shape"])
-def attention_path(request):
-    """Both of fast_sdpa's paths: the native fused kernel over fixed key blocks (where its probe passes) and the
-    fixed-shape GEMMs that mirror eager attention (the matrix's, and the fallback)."""
+@pytest.fixture(params=["native", "slotted", "fixed-shape"])
+def attention_path(request, monkeypatch):
+    """fast_sdpa's paths: the native fused kernel over fixed key blocks (where its probe passes), the same with every
+    call of NATIVE_SLOT_ROWS rows and each row at its slot (where a row's bits depend on its place in the kernel's
+    block of rows: AVX2; forced here where its own probe passes) and the fixed-shape GEMMs that mirror eager
+    attention (the matrix's, and the fallback)."""
     if request.param == "native":
         if not invariant.native_attention_ok(torch.device("cpu"), torch.float32, 32, 32):
             pytest.skip("the native kernel's probe does not pass on this CPU: fast_sdpa falls back")
+        yield request.param
+    elif request.param == "slotted":
+        for dtype in DTYPES:
+            for d in (16, 32):
+                if invariant.native_attention_mode(torch.device("cpu"), dtype, d, d, modes=(2,)) != 2:
+                    pytest.skip("the slotted native kernel's probe does not pass on this CPU")
+        monkeypatch.setattr(invariant, "native_attention_mode", lambda *a, **k: 2)
         yield request.param
     else:
         with invariant._eager_sdpa():
@@ -79,7 +88,7 @@ def test_the_native_path_runs_where_its_probe_passes_and_the_fixed_shape_one_whe
     out = _attn(q, k, v, is_causal=True)
     assert torch.allclose(out, F.scaled_dot_product_attention(q, k, v, is_causal=True), atol=1e-6)
     assert calls == ([1] if ok else [])
-    monkeypatch.setattr(invariant, "native_attention_ok", lambda *a: False)
+    monkeypatch.setattr(invariant, "native_attention_mode", lambda *a, **k: 0)
     calls.clear()
     assert torch.allclose(_attn(q, k, v, is_causal=True), out, atol=1e-6) and calls == []
     # a float mask that is a bias, not only a hiding mask: the native path would lose it, so it never takes it

@@ -296,7 +296,8 @@ def verdict(res: SweepResult) -> tuple[str, str]:
     where batched completions first part from the same prompt alone and what the float64 reference says)."""
     cfg, cells = res.config, res.cells
     name = res.engine.get("name", cfg.get("engine"))
-    head = (f"{name} {res.engine.get('version') or ''}".strip() + f", {res.model.get('description') or 'model'} in "
+    model = (res.model.get("description") or res.model.get("spec") or "the model").split(" (")[0]  # its name
+    head = (f"{name} {res.engine.get('version') or ''}".strip() + f", {model} in "
             f"{cfg.get('dtype') or '?'}: {len(cells)} cell(s) of {cfg.get('prompts_per_cell')} prompts "
             f"({', '.join(map(str, sorted({x.concurrency for x in cells})))} in flight × "
             f"{', '.join(map(str, sorted({x.length for x in cells})))} tokens)"

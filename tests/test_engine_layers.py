@@ -164,12 +164,14 @@ def _cli(*args, timeout=600):
                           cwd=ROOT, timeout=timeout)
 
 
-def test_llamacpp_capture_is_refused_in_one_line_with_the_reason():
-    r = _cli("--prompt", "Hello", "--engine", "llama.cpp", "--quiet")
-    assert r.returncode != 0
-    lines = [x for x in r.stderr.splitlines() if x.strip()]
-    assert len(lines) == 1 and "cb_eval" in lines[0] and "ggml_backend_tensor_get" in lines[0], r.stderr
-    assert "Traceback" not in r.stderr
+def test_llamacpp_batch_and_tp_pairs_are_refused_in_one_line_with_the_reason():
+    """llama.cpp's capture compares warm with cold; the batch and tp pairs are refused before anything loads."""
+    for pair in ("batch", "tp"):
+        r = _cli("--prompt", "Hello", "--engine", "llama.cpp", "--pair", pair, "--quiet")
+        assert r.returncode != 0
+        lines = [x for x in r.stderr.splitlines() if x.strip()]
+        assert len(lines) == 1 and "warm with cold only" in lines[0] and "interleave" in lines[0], r.stderr
+        assert "Traceback" not in r.stderr
 
 
 def test_config_refusals():
@@ -336,3 +338,36 @@ def test_the_page_opens_without_starting_an_engine():
         assert any("Run inside vLLM" in t for t in texts), texts
         assert at.button(key="engine_layers_run")
     assert "_results_engine_layers" not in at.session_state
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(engine_python("llama.cpp") is None,
+                    reason="llama.cpp's environment is not built here (make engines)")
+def test_llamacpp_warm_vs_cold_layer_by_layer_through_the_eval_callback():
+    """llama.cpp on the default GGUF, inside the engine: its eval callback gives every layer's residual (inp_embd,
+    l_out-0 … l_out-28, result_norm) at the positions each run evaluated - cold all of them, warm (the prefix first)
+    only those past the reused prefix; both within the 8-bit-activation bound of the float64 reference of the
+    dequantized GGUF at every layer (a misplaced row or a stale cache would be O(1) away)."""
+    import kvviz
+    from kvviz.export import export_json, html_report, open_result
+    from kvviz.views.engine_layers import EngineLayersConfig, run_engine_layers
+
+    lm = kvviz.load_model("default", "float32", "cpu")
+    res = run_engine_layers(lm, EngineLayersConfig("Rain fell on the quiet town, and the streets shone like polished "
+                                                   "glass.", pair="warm", prefix=PREFIX, max_new_tokens=6,
+                                                   engine="llama.cpp"))
+    assert res.engine["name"] == "llama.cpp" and res.engine["version"] == "0.3.36"
+    assert res.layer_labels[0] == "embeddings" and len(res.layer_labels) == 31
+    n, k = res.prompt_len, res.b.cached_tokens
+    assert res.a.cached_tokens == 0 and 0 < k < n  # the prefix's tokens came from the context
+    assert res.a.positions == list(range(n + 5)) and res.b.positions == list(range(k, n + 5))
+    assert res.positions[0] == k
+    for side in (res.a, res.b):
+        assert side.first_logic is None
+        worst = side.reference["relative"].max(axis=1)
+        assert 0 < float(worst.max()) < 0.25 and (worst <= np.asarray(res.bound)).all()
+        assert float(side.reference["relative"][0].max()) < 1e-6  # the embeddings: a dequantized lookup
+    assert res.verdict in ("identical", "precision") and res.settings["engine_dtype"].startswith("llama.cpp")
+    back = open_result(export_json(res)).result
+    assert back.first_differing == res.first_differing and back.verdict == res.verdict
+    assert "llama.cpp" in html_report(back)

@@ -22,7 +22,8 @@ def add_arguments(vp) -> None:
                     help="also run this many built-in prompts on both sides, compared at their outputs (distinct "
                          "completions per prompt, where they part, the verdict against the float64 reference)")
     vp.add_argument("--engine", default="vllm", choices=("vllm", "llama.cpp"),
-                    help="vllm (its own environment: `make engines`); llama.cpp is refused with the reason")
+                    help="vllm or llama.cpp (their own environments: `make engines`; llama.cpp: the warm pair only, "
+                         "on the GGUF itself)")
     vp.add_argument("--tensor-parallel-size", type=int, default=3,
                     help="N for --pair tp (must divide the model's attention heads; on a CPU the ranks' threads are "
                          "bound to cores with VLLM_CPU_OMP_THREADS_BIND, set it yourself to override)")

@@ -19,11 +19,16 @@ def _check(metric: str) -> None:
         raise ValueError(f"unknown metric {metric}; choose one of {', '.join(METRICS)}")
 
 
+def _dtype(res: EngineLayersResult) -> str:
+    """What the engine computed in (llama.cpp's 8-bit activations, else the model's dtype)."""
+    return res.settings.get("engine_dtype", res.settings.get("dtype"))
+
+
 def pair_heatmap(res: EngineLayersResult, metric: str = "relative", log: bool = True) -> go.Figure:
     """A against B, layer × token, on the positions both computed with the same inputs."""
     _check(metric)
     a, b = res.labels
-    title = (f"{METRIC_TITLES[metric]}: {b} vs {a} inside {res.engine.get('name')} — {res.settings.get('dtype')}; "
+    title = (f"{METRIC_TITLES[metric]}: {b} vs {a} inside {res.engine.get('name')} — {_dtype(res)}; "
              f"first differing {res.row_label(res.first_differing)}, beyond rounding {res.row_label(res.first_beyond)}")
     return heatmap(res.gaps[metric], _labels(res, res.positions), res.layer_labels, title, METRIC_TITLES[metric], log)
 
@@ -57,7 +62,7 @@ def layer_lines(res: EngineLayersResult, log: bool = True) -> go.Figure:
         fig.add_trace(go.Scatter(x=res.layer_labels, y=floor_zeros(vals, floor) if log else vals,
                                  mode="lines+markers", name=name, line=dict(dash=dash), customdata=vals,
                                  hovertemplate="%{x}: %{customdata:.4g}<extra></extra>"))
-    fig.update_layout(title=f"Relative gap per layer (max over tokens) — {res.settings.get('dtype')}",
+    fig.update_layout(title=f"Relative gap per layer (max over tokens) — {_dtype(res)}",
                       xaxis_title="hidden state", yaxis_title="relative gap", height=380,
                       margin=dict(l=10, r=10, t=60, b=10), legend=dict(orientation="h", y=-0.35))
     if log:

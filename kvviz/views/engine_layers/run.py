@@ -1,4 +1,4 @@
-"""Inside the engine: two runs of one prompt through vLLM, compared hidden state by hidden state.
+"""Inside the engine: two runs of one prompt through vLLM or llama.cpp, compared hidden state by hidden state.
 
 A pair of conditions that can part (issue 41):
   warm   cold (the prefix cache emptied, the prompt alone) vs warm (the cache emptied, a warmer - the shared
@@ -11,6 +11,12 @@ as transformers' output_hidden_states) and reduces them there, per layer × toke
 computed with the same input tokens, and each side against kvviz's float64 reference of the same weights on that
 side's own tokens (kvviz writes the reference's states to a safetensors file the worker reads). Only the per layer ×
 token numbers travel as JSON.
+
+llama.cpp (the warm pair only; kvviz/engines/llamacpp_worker.py): its eval callback reads the token-embedding lookup
+and the tensors llama.cpp's graph names l_out-<i> and result_norm - the same rows - on the GGUF itself; the float64
+reference is the GGUF dequantized, and kvviz writes it as an .npz (the llama.cpp environment has numpy, not
+safetensors). kvviz cannot run llama.cpp's 8-bit activations, so its bound is the Serving view's for them at every
+row: K_GROWTH["q8"] · u(q8) relative.
 
 Rounding, per layer: kvviz runs the same tokens in the engine's dtype (its own kernels, the same weights); that
 run's relative gap from float64 at a layer (max over tokens) is what this dtype's rounding does there, and the
@@ -45,12 +51,10 @@ METRICS = ("relative", "eps_units", "max_abs")
 VLLM_BLOCK = 32
 TOP_K = 5  # log-probs per step, for the output-level verdict (the Serving view's)
 MAX_NEW_TOKENS = 64
-LLAMACPP_REFUSED = ("llama.cpp layer capture is refused: llama-cpp-python 0.3.36 exposes ggml's eval callback only as "
-                    "a raw field of its low-level context params (llama_context_params.cb_eval, not an argument of "
-                    "Llama()) and binds none of ggml's tensor API (its _ggml.py loads libggml and declares nothing: "
-                    "no ggml_get_name, ggml_nbytes or ggml_backend_tensor_get, no ggml_tensor layout), so a callback "
-                    "gets an opaque pointer whose name and data it cannot read; compare llama.cpp at its outputs with "
-                    "`kvviz serving --engine llama.cpp`")
+LLAMACPP_REFUSED = ("llama.cpp layer capture compares warm with cold only: a batch's ubatches interleave its "
+                    "sequences' rows in the eval callback, and llama.cpp has no tensor parallelism on a CPU; "
+                    "compare llama.cpp batches at their outputs with `kvviz serving --engine llama.cpp`")
+LLAMACPP_BOUND = K_GROWTH["q8"] * UNIT_ROUNDOFF["q8"]  # relative, every row: 8-bit activations (kvviz cannot run them)
 
 Progress = Callable[[float, str], None]
 
@@ -71,10 +75,10 @@ class EngineLayersConfig:
     def validate(self) -> None:
         if self.engine not in ENGINES:
             raise KvvizError(f"unknown engine '{self.engine}'; choose one of {', '.join(ENGINES)}")
-        if self.engine == "llama.cpp":
-            raise KvvizError(LLAMACPP_REFUSED)
         if self.pair not in PAIRS:
             raise KvvizError(f"unknown pair '{self.pair}'; choose one of {', '.join(PAIRS)}")
+        if self.engine == "llama.cpp" and self.pair != "warm":
+            raise KvvizError(LLAMACPP_REFUSED)
         if not isinstance(self.prompt, str) or not self.prompt.strip():
             raise KvvizError("the prompt is empty; type some text to compare")
         for name, lo, hi in (("max_new_tokens", 1, MAX_NEW_TOKENS), ("batch_size", 2, 64), ("others", 0, 100),
@@ -185,7 +189,8 @@ class EngineLayersResult:
 
     def summary_line(self) -> str:
         a, b = self.labels
-        return (f"{self.engine.get('name')} {self.engine.get('version')} in {self.settings.get('dtype')}: {a} vs {b}, "
+        return (f"{self.engine.get('name')} {self.engine.get('version')} in "
+                f"{self.settings.get('engine_dtype', self.settings.get('dtype'))}: {a} vs {b}, "
                 f"first differing: {self.row_label(self.first_differing)}, first beyond rounding: "
                 f"{self.row_label(self.first_beyond)}")
 
@@ -195,26 +200,33 @@ class EngineLayersResult:
 
 
 class _Engine:
-    """One vLLM worker with layer capture on."""
+    """One vLLM or llama.cpp worker with layer capture on."""
 
     def __init__(self, lm, cfg: EngineLayersConfig, tp: int, seqs: int):
         from ...engines import WorkerClient
-        from ...engines.workers import _cpu_only
+        from ...engines.workers import _cpu_only, gguf_of
 
-        env = {"VLLM_BATCH_INVARIANT": "0"}
-        if _cpu_only():  # (TP > 1 on a CPU: the worker binds each rank's threads to a core, vllm_worker.py)
-            env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
-        self.client = WorkerClient("vllm", env=env, timeout_s=float(os.environ.get("KVVIZ_ENGINE_TIMEOUT", 1800)))
+        timeout = float(os.environ.get("KVVIZ_ENGINE_TIMEOUT", 1800))
+        if cfg.engine == "llama.cpp":
+            self.client = WorkerClient("llama.cpp", timeout_s=timeout)
+            fields = dict(model=gguf_of(lm)[0], n_ctx=2048, seed=0,
+                          threads=int(os.environ.get("KVVIZ_ENGINE_THREADS", 2)), capture=True)
+        else:
+            env = {"VLLM_BATCH_INVARIANT": "0"}
+            if _cpu_only():  # (TP > 1 on a CPU: the worker binds each rank's threads to a core, vllm_worker.py)
+                env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
+            self.client = WorkerClient("vllm", env=env, timeout_s=timeout)
+            fields = dict(model=lm.source, dtype=str(lm.dtype).removeprefix("torch."), prefix_caching=True,
+                          max_num_seqs=seqs, block_size=VLLM_BLOCK, tensor_parallel_size=tp,
+                          pipeline_parallel_size=cfg.pipeline_parallel_size,
+                          distributed_executor_backend=cfg.distributed_executor_backend or None,
+                          gpu_memory_utilization=0.3 if _cpu_only() else None, capture=True)
         try:
-            reply = self.client.call("start", model=lm.source, dtype=str(lm.dtype).removeprefix("torch."),
-                                     prefix_caching=True, max_num_seqs=seqs, block_size=VLLM_BLOCK,
-                                     tensor_parallel_size=tp, pipeline_parallel_size=cfg.pipeline_parallel_size,
-                                     distributed_executor_backend=cfg.distributed_executor_backend or None,
-                                     gpu_memory_utilization=0.3 if _cpu_only() else None, capture=True)
+            reply = self.client.call("start", **fields)
         except BaseException:
             self.client.close()
             raise
-        self.info = {"name": "vllm", "version": reply.get("version"), "settings": reply.get("settings", {}),
+        self.info = {"name": cfg.engine, "version": reply.get("version"), "settings": reply.get("settings", {}),
                      "start_s": float(reply.get("seconds", 0.0))}
 
     def generate(self, groups: list[dict]) -> dict:
@@ -271,12 +283,17 @@ def _states64(lm, ex: Executor, ids: list[int]) -> list[torch.Tensor]:
     return [h[0].detach() for h in out.hidden_states]
 
 
-def _write_reference(states: list[torch.Tensor], folder: str, name: str) -> str:
+def _write_reference(states: list[torch.Tensor], folder: str, name: str, npz: bool = False) -> str:
+    """The reference's states [R, T, H] float64 and positions: safetensors (vLLM's worker), .npz (llama.cpp's)."""
+    hidden = torch.stack([s.to("cpu", torch.float64) for s in states]).contiguous()
+    if npz:
+        path = str(Path(folder) / f"{name}.npz")
+        np.savez(path, hidden=hidden.numpy(), positions=np.arange(hidden.shape[1]))
+        return path
     from safetensors.torch import save_file
 
     path = str(Path(folder) / f"{name}.safetensors")
-    save_file({"hidden": torch.stack([s.to("cpu", torch.float64) for s in states]).contiguous(),
-               "positions": torch.arange(states[0].shape[0])}, path)
+    save_file({"hidden": hidden, "positions": torch.arange(states[0].shape[0])}, path)
     return path
 
 
@@ -307,19 +324,26 @@ def run_engine_layers(lm, cfg: EngineLayersConfig, progress: Progress | None = N
                          "engine-layers view runs the engine as it serves: rerun without --invariant")
     cfg.validate()
     check_engine(cfg.engine)
-    check_vllm_dtype(lm)
-    dtype = dtype_name(lm.dtype)
-    if dtype not in UNIT_ROUNDOFF:
-        raise KvvizError(f"vLLM runs float32, bfloat16 or float16, not {dtype}")
-    if not Path(str(lm.source)).is_dir():
-        raise KvvizError("vLLM runs a model folder: load 'default', a .gguf (kvviz converts it) or a local folder")
+    llama = cfg.engine == "llama.cpp"
+    if llama:
+        from ...engines.workers import gguf_of
+
+        gguf_of(lm)  # one line unless the model came from a GGUF file
+        dtype = "q8"  # llama.cpp's kernels: 8-bit activations on the GGUF's weights
+    else:
+        check_vllm_dtype(lm)
+        dtype = dtype_name(lm.dtype)
+        if dtype not in UNIT_ROUNDOFF:
+            raise KvvizError(f"vLLM runs float32, bfloat16 or float16, not {dtype}")
+        if not Path(str(lm.source)).is_dir():
+            raise KvvizError("vLLM runs a model folder: load 'default', a .gguf (kvviz converts it) or a local folder")
     tp_b = cfg.tensor_parallel_size if cfg.pair == "tp" else 1
     check_parallel(lm, tp_b)
     t0 = time.perf_counter()
     ids = encode(lm, cfg.prefix + cfg.prompt)
     check_context(lm, ids, extra_tokens=cfg.max_new_tokens)
     n = cfg.max_new_tokens
-    eps = float(torch.finfo(lm.dtype).eps)
+    eps = 2 * UNIT_ROUNDOFF["q8"] if llama else float(torch.finfo(lm.dtype).eps)
     label_a, label_b = PAIRS[cfg.pair]
     if cfg.pair == "tp":
         label_a, label_b = "tp 1", f"tp {tp_b}"
@@ -331,7 +355,7 @@ def run_engine_layers(lm, cfg: EngineLayersConfig, progress: Progress | None = N
         ex64 = Executor(lm64, settings.with_(invariant=False))
         ex_own = Executor(lm, settings.with_(invariant=False))
         seqs = max(8, cfg.batch_size)
-        progress(0.05, "starting vLLM (tensor parallel 1)")
+        progress(0.05, "starting llama.cpp" if llama else "starting vLLM (tensor parallel 1)")
         eng = _Engine(lm, cfg, 1, seqs)
         engines.append(eng)
         infos[label_a] = eng.info
@@ -344,15 +368,20 @@ def run_engine_layers(lm, cfg: EngineLayersConfig, progress: Progress | None = N
         outs = eng.generate(groups)
         out_a = outs["A0"]
         toks_a = [int(t) for t in out_a["tokens"]]
-        progress(0.45, "kvviz's float64 reference and its own run in the engine's dtype on A's tokens")
+        progress(0.45, "kvviz's float64 reference" + ("" if llama else " and its own run in the engine's dtype")
+                 + " on A's tokens")
         full_a = ids + toks_a[:-1]
         ref_a = _states64(lm64, ex64, full_a)
-        own_a = _states64(lm, ex_own, full_a)
-        own = [float(hidden_divergence(r, o.to(r.device), eps)["relative"].max()) for r, o in zip(ref_a, own_a)]
-        del own_a
-        floor = K_GROWTH["float"] * UNIT_ROUNDOFF[dtype]
-        bound = np.maximum(C_OWN * np.asarray(own), floor)
-        path_a = _write_reference(ref_a, tmp, "ref_a")
+        if llama:  # kvviz has no 8-bit-activation run: the q8 bound at every row
+            own = [0.0] * len(ref_a)
+            bound = np.full(len(ref_a), LLAMACPP_BOUND)
+        else:
+            own_a = _states64(lm, ex_own, full_a)
+            own = [float(hidden_divergence(r, o.to(r.device), eps)["relative"].max()) for r, o in zip(ref_a, own_a)]
+            del own_a
+            floor = K_GROWTH["float"] * UNIT_ROUNDOFF[dtype]
+            bound = np.maximum(C_OWN * np.asarray(own), floor)
+        path_a = _write_reference(ref_a, tmp, "ref_a", llama)
         del ref_a
         side_a_ref = _matrices(eng.client.call("layer_gaps", a=["A", "A0"], file=path_a, eps=eps))
         pos_a = eng.client.call("captured", tag="A", key="A0")["positions"]
@@ -379,7 +408,7 @@ def run_engine_layers(lm, cfg: EngineLayersConfig, progress: Progress | None = N
             ab = eng.client.call("layer_gaps", a=["B", "B0"], b=["A", "A0"], upto=upto, eps=eps)
         full_b = ids + toks_b[:-1]
         ref_b = _states64(lm64, ex64, full_b) if full_b != full_a else None
-        path_b = path_a if ref_b is None else _write_reference(ref_b, tmp, "ref_b")
+        path_b = path_a if ref_b is None else _write_reference(ref_b, tmp, "ref_b", llama)
         del ref_b
         side_b_ref = _matrices(eng.client.call("layer_gaps", a=["B", "B0"], file=path_b, eps=eps))
         pos_b = eng.client.call("captured", tag="B", key="B0")["positions"]
@@ -390,7 +419,7 @@ def run_engine_layers(lm, cfg: EngineLayersConfig, progress: Progress | None = N
             f.unlink()
         os.rmdir(tmp)
     progress(0.9, "every prompt's two completions against the float64 reference")
-    rows = _output_rows(lm, prompts, outs, ex64, ex_own, dtype, label_a, label_b)
+    rows = _output_rows(lm, prompts, outs, ex64, None if llama else ex_own, dtype, label_a, label_b)
     gaps = _matrices(ab)
     side_a = Side(label_a, toks_a, int(out_a.get("cached_tokens", 0)), pos_a, side_a_ref,
                   _first_row(side_a_ref["relative"], bound), float(out_a.get("seconds", 0.0)))
@@ -401,14 +430,19 @@ def run_engine_layers(lm, cfg: EngineLayersConfig, progress: Progress | None = N
     first_beyond = _first_row(gaps["relative"], bound)
     verdict, why = _judge(side_a, side_b, gaps, first_diff, first_beyond, fd, labels, bound, dtype,
                           own)
-    engine = {"name": "vllm", "version": infos[label_a].get("version"),
+    engine = {"name": cfg.engine, "version": infos[label_a].get("version"),
               "settings": {k: v.get("settings", {}) for k, v in infos.items()},
               "start_s": {k: v.get("start_s") for k, v in infos.items()}}
     run = RunInfo.of(lm, settings).to_dict()
+    if llama:
+        run["engine_dtype"] = f"llama.cpp: 8-bit activations × {gguf_of(lm)[1] or 'GGUF'} weights"
     full = ids + toks_a
     tokens = display_tokens(lm.tokenizer, full)
     notes = []
-    if cfg.pair == "warm" and side_b.cached_tokens == 0:
+    if llama:
+        notes.append(f"llama.cpp's 8-bit activations are not a format kvviz runs: the rounding bound is "
+                     f"{LLAMACPP_BOUND:g} relative at every layer (the Serving view's K · u for them), and ε is 2^-7")
+    elif cfg.pair == "warm" and side_b.cached_tokens == 0:
         notes.append(f"the warm run took no tokens from the prefix cache (vLLM caches whole {VLLM_BLOCK}-token blocks: "
                      f"the prompt and its shared prefix must be longer than {VLLM_BLOCK} tokens)")
     return EngineLayersResult({**run, **asdict(cfg)}, engine, tokens, full, len(ids), labels, side_a, side_b,
@@ -441,7 +475,8 @@ def _output_rows(lm, prompts, outs, ex64, ex_own, dtype, label_a, label_b) -> li
         paths, refs = {}, {}
         for label, o, toks in ((label_a, oa, ta), (label_b, ob, tb)):
             if tuple(toks) not in refs:
-                refs[tuple(toks)] = (reference_logprobs(ex64, q_ids, toks), reference_logprobs(ex_own, q_ids, toks))
+                refs[tuple(toks)] = (reference_logprobs(ex64, q_ids, toks),
+                                     None if ex_own is None else reference_logprobs(ex_own, q_ids, toks))
             ref, own = refs[tuple(toks)]
             top = [[(int(i), float(v)) for i, v in step] for step in o.get("top", [])]
             paths[label] = path_distance(ref, top, o.get("chosen", []), u, own)
@@ -491,7 +526,9 @@ def _judge(a: Side, b: Side, gaps, first_diff, first_beyond, fd, labels, bound, 
         s, row = far[0]
         return "logic", (f"{s.label} leaves the rounding bound of the float64 reference at {name(row)} (its relative gap "
                          f"{float(s.reference['relative'][row].max()):.3g} against a bound of {bound[row]:.3g}, "
-                         f"{C_OWN}× kvviz's own {dtype} run there): rounding cannot explain it. " + text)
+                         + ("K · u for 8-bit activations" if dtype == "q8"
+                            else f"{C_OWN}× kvviz's own {dtype} run there")
+                         + "): rounding cannot explain it. " + text)
     if first_diff is None and fd is None:
         return "identical", text
     return "precision", ("both runs stay within rounding of the float64 reference at every layer: the gap between "

@@ -349,7 +349,8 @@ def _cancelling(shape, stride, dtype, device, k_dim: int, seed: int, negate: boo
     return out
 
 
-def linear_block(x_dtype: torch.dtype, weight: torch.Tensor, bias, call, k: int, kind: tuple = ("linear",)) -> tuple:
+def linear_block(x_dtype: torch.dtype, weight: torch.Tensor, bias, call, k: int, kind: tuple = ("linear",),
+                 families: tuple | None = None) -> tuple:
     """Row-block sizes (largest first) for `call(rows [b, k], weight, bias)`, each call of one of these shapes: every
     row's bits the same wherever it sits in a block and whichever size it goes in; () where none is found here.
     The probe runs `call` on data of the weight's shape, strides and dtype (a kernel is chosen by those, not by the
@@ -359,7 +360,7 @@ def linear_block(x_dtype: torch.dtype, weight: torch.Tensor, bias, call, k: int,
     with _PROBE_LOCK:
         if key in _PROBES:  # probed already (the probe data below is as large as the weight)
             return _PROBES[key] or ()
-    k_dim = 1 if kind[0] == "linear" else 0  # where the inner dimension is in the weight: [N, K] or [K, N]
+    k_dim = 0 if kind[0] == "addmm" else 1  # where the inner dimension is in the weight: [N, K] or [K, N]
     dev = weight.device
     w_probe = _cancelling(tuple(weight.shape), weight.stride(), weight.dtype, dev, k_dim, 3)
     b_probe = None if bias is None else torch.zeros_like(bias)
@@ -380,7 +381,7 @@ def linear_block(x_dtype: torch.dtype, weight: torch.Tensor, bias, call, k: int,
                     return False
         return True
 
-    return _probe(key, LINEAR_BLOCKS.get(weight.device.type, LINEAR_BLOCKS["cuda"]), works) or ()
+    return _probe(key, families or LINEAR_BLOCKS.get(weight.device.type, LINEAR_BLOCKS["cuda"]), works) or ()
 
 
 def _blocked_rows(rows: torch.Tensor, n_out: int, sizes: tuple, call, out_dtype) -> torch.Tensor:
@@ -406,6 +407,15 @@ def _blocked_rows(rows: torch.Tensor, n_out: int, sizes: tuple, call, out_dtype)
     return out[:r]
 
 
+# oneDNN's linear on the CPU (float32), where the GEMM library's smallest position-free block is larger than this
+# family's smallest (AVX2 MKL sgemm: 64 rows, oneDNN's: 2), so a decode step's row is not computed as 64
+ONEDNN_BLOCKS = (256, 16, 2)
+
+
+def _onednn_linear(x, weight, bias):
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
 def block_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear with every kernel call of one shape [b, K] x [K, N] (b probed; rows in blocks, the last padded)."""
     wt = weight.t()
@@ -415,6 +425,12 @@ def block_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         call = lambda blk, out=None: torch.addmm(bias, blk, wt, out=out)  # noqa: E731
     probe = lambda blk, w_, c_: torch.mm(blk, w_.t()) if c_ is None else torch.addmm(c_, blk, w_.t())  # noqa: E731
     b = linear_block(x.dtype, weight, bias, probe, weight.shape[-1]) if x.dtype == weight.dtype else 0
+    if (b and min(b) > min(ONEDNN_BLOCKS) and x.dtype == torch.float32 and weight.device.type == "cpu"
+            and torch.backends.mkldnn.is_available() and weight.dim() == 2):
+        b2 = linear_block(x.dtype, weight, bias, _onednn_linear, weight.shape[-1], ("onednn",), (ONEDNN_BLOCKS,))
+        if b2:
+            b = b2
+            call = lambda blk, out: out.copy_(_onednn_linear(blk, weight, bias))  # noqa: E731
     if not b:
         return rowwise_linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])

@@ -10,14 +10,17 @@ speed (the per-row and element-by-element forms further down remain as the fallb
 its probe):
 
 * linear layers (`F.linear`, `addmm`): rows in blocks of one of a probed family of sizes (e.g. 256 for a long
-  prompt, 32 for a decode step's one row, the last block zero-padded), so every kernel call has one of a few shapes
-  and the K-reduction of a row never depends on how many rows came with it;
+  prompt, 16 for its rest, 1 for a decode step's one row, the last block zero-padded), so every kernel call has one
+  of a few shapes and the K-reduction of a row never depends on how many rows came with it; a float32 linear goes
+  through oneDNN's linear where the GEMM library's smallest such block is larger than oneDNN's (AVX2 MKL: 64 rows);
 * `scaled_dot_product_attention`: the library's own fused kernel (flash attention on the CPU), which computes each
   query row by itself and walks the keys in fixed blocks with an online softmax, given every row's keys from its
   first visible key on, padded with masked zero keys to a multiple of the block, and the rows padded to a multiple
   of 8 (a block of 1 or 2 query rows takes another GEMM) - where a probe shows that this gives a row the same bits
   in the full forward, a cached chunk, alone, left-padded, beside another sequence and through a sliding window's
-  cache. Otherwise, and with `ExecSettings(sdpa_as_eager=True)` (the matrix, which compares eager with SDPA): per query
+  cache. Where a row's bits depend on its place in the kernel's block of query rows (AVX2), every call has 32 rows
+  and a row sits at the slot its number of keys names, the same in every run. Otherwise, and with
+  `ExecSettings(sdpa_as_eager=True)` (the matrix, which compares eager with SDPA): per query
   chunk, scores with fixed-shape GEMMs [rows, d] x [d, keys], rounded and scaled in the dtype, the mask added,
   softmax in float32 or better with its normaliser a running sum, the weights rounded to the dtype, times v with
   fixed-shape GEMMs [rows, keys] x [keys, d] whose key blocks start at each query's first visible key and are added

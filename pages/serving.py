@@ -151,12 +151,17 @@ def sweep_compute():
         return sweep.run_sweep(lm, dataclasses.replace(scfg), progress=report, settings=choice.settings)
 
 
+where = st.empty()  # the button is far below the progress bar: say where it is while the sweep runs
+where.info("Sweeping: its progress, the time left and **Stop** are at the top of the page.",
+           icon=":material/arrow_upward:")
 try:
     sres = run_cached("serving_sweep", skey, sweep_compute)  # once per grid: a rerun shows the stored result
 except Exception as e:  # noqa: BLE001
     st.session_state.pop("_serving_sweep_ran", None)  # a failed sweep is not started again by the next rerun
     show_error(e)
     st.stop()
+finally:  # also when the run stops the script (Stop: the next run says how far it got)
+    where.empty()
 sverdict, stext = sweep.verdict(sres)
 show_verdict(sverdict, stext)
 st.plotly_chart(sweep.figure(sres), width="stretch", key="serving_sweep_map")

@@ -283,6 +283,7 @@ def test_serving_page_sweep_section_runs_on_its_button_only():
     (res,) = at.session_state["_results_serving_sweep"].values()
     assert [(c.concurrency, c.length) for c in res.cells] == [(1, 8), (2, 8), (1, 12), (2, 12)]
     assert res.config["prompts_per_cell"] == 2 and res.config["budget_s"] is None and not res.skipped
+    assert not any("Sweeping:" in i.value for i in at.info)  # the pointer to the progress bar is gone once done
     assert all(len(c.distinct) == 2 for c in res.cells)
     charts_now = at.get("plotly_chart")
     assert len(charts_now) == charts + 1

@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from .clirun import Outcome, PlanShown, view_arguments
+from .clirun import FlagRefused, Outcome, PlanShown, view_arguments
 from .errors import OUT_OF_MEMORY_HINT, KvvizError, first_line, free_memory, is_out_of_memory
 
 
@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.set_defaults(command=name)  # an alias as typed runs (and is named in messages) as the subcommand
     op = sub.add_parser("open", help="show a saved result (JSON export) without running any model")
     op.add_argument("file")
+    op.add_argument("--html", default=None, help="also write its self-contained HTML report to this file")
+    op.add_argument("--quiet", action="store_true", help="no 'written:' line on stderr")
     op.set_defaults(handler=cmd_open)
     from .archsweep import add_parser as _archsweep_parser  # every causal-LM architecture transformers ships
 
@@ -87,8 +89,7 @@ _FLAG = {"invariant": "--invariant", "no_proof": "--no-proof", "json_out": "--js
          "repro": "--repro"}
 
 
-class _Refused(KvvizError):
-    """A flag the subcommand cannot honour: exit 2, like any other argument error."""
+_Refused = FlagRefused  # a flag the subcommand cannot honour: exit 2, like any other argument error
 
 
 def refused_flags(command: str, not_honoured: dict | None) -> dict[str, str]:
@@ -159,9 +160,15 @@ def cmd_open(args) -> Outcome:
         own = getattr(view.cli_module(), "summary", None) if view.cli else None  # the view's own summary, if any
         head = own(res) if own else \
             f"a {view.title} result — verdict: {verdict}" + ("" if view.verdict_is_html else f"\n{text}")
+        if not own:  # its tables, as the page and the HTML report show them
+            head += "".join("\n\n" + t.to_string(index=False) for t in view.main_tables(res))
         return head + "\n\nenvironment: " + ("the same as here" if not opened.environment_differences else
                                              "differs from here — " + "; ".join(opened.environment_differences))
 
+    if args.html:
+        from .export import html_report
+
+        _write(Path(args.html), html_report(res), args)
     return Outcome(res, summary=summary, exportable=False, payload=lambda: json.loads(p.read_text(encoding="utf-8")))
 
 

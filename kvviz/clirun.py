@@ -26,6 +26,10 @@ class Outcome:
     printed: bool = False  # the subcommand printed its output as it went (a long sweep's rows)
 
 
+class FlagRefused(KvvizError):
+    """A flag the subcommand cannot honour (with the others it was given): exit 2, like any other argument error."""
+
+
 class PlanShown(Exception):
     """--plan: the memory plan was printed; nothing is loaded or run."""
 

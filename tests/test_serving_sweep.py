@@ -197,12 +197,16 @@ def test_cli_sweep_writes_json_and_html_and_open_reopens_it(tmp_path, capsys):
     assert '"type":"heatmap"' in page.read_text().replace(" ", "")
     res = open_result(out.read_bytes()).result
     verdict, text = views.get("serving_sweep").verdict_text(res)
-    assert main(["open", str(out)]) == 0
+    again = tmp_path / "again.html"
+    assert main(["open", str(out), "--html", str(again)]) == 0
     shown = capsys.readouterr().out
     assert shown.startswith(f"a Where determinism ends result — verdict: {verdict}\n{text}")
     assert "4 cell(s) of 2 prompts (1, 2 in flight × 8, 12 tokens)" in shown
+    table = views.get("serving_sweep").main_tables(res)[0]
+    assert table.to_string(index=False) in shown  # its cell table, as the page shows it
     assert "environment: the same as here" in shown
-    assert main(["serving", "--sweep", "--model", "tiny:llama", "--engine", "transformers", "--repro", "r.py"]) == 1
+    assert '"type":"heatmap"' in again.read_text().replace(" ", "")  # the report, written again from the JSON
+    assert main(["serving", "--sweep", "--model", "tiny:llama", "--engine", "transformers", "--repro", "r.py"]) == 2
     assert capsys.readouterr().err.strip() == ("kvviz: error: --repro does nothing for `serving --sweep` (no repro "
                                                "script rebuilds a sweep; it has its --json-out and --html exports); "
                                                "leave it out")
@@ -382,3 +386,21 @@ def test_open_result_page_shows_a_sweep(monkeypatch):
     assert list(table.value["verdict"]) == ["identical", "precision", "logic", "not run (time budget)"]
     v, text = verdict(res)
     assert [e.value for e in at.error] == [f"**Verdict: {v}.** {text}"]  # logic: the error box
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--sweep", "--prefix", "Q: "], "--prefix"), (["--sweep", "--prompt", "Hi"], "--prompt"),
+    (["--sweep", "--conditions", "alone"], "--conditions"), (["--sweep", "--page-size", "16"], "--page-size"),
+    (["--sweep", "--batch-size", "8"], "--batch-size"), (["--sweep", "--no-proof"], "--no-proof"),
+    (["--sweep", "--tensor-parallel-size", "2"], "--tensor-parallel-size"),
+    (["--concurrency", "1,2"], "--concurrency"), (["--lengths", "16"], "--lengths"), (["--budget", "5"], "--budget"),
+])
+def test_an_option_of_the_study_alone_or_the_sweep_alone_is_refused_with_the_other(argv, flag, capsys):
+    """Never a flag accepted and ignored: the study's options with --sweep, the sweep's without it - one line, exit 2,
+    before any model loads."""
+    from kvviz.cli import main
+
+    assert main(["serving", "--model", "tiny:llama", "--engine", "transformers", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    with_ = "with" if "--sweep" in argv else "without"
+    assert err.startswith(f"kvviz: error: {flag} does nothing {with_} --sweep") and len(err.splitlines()) == 1

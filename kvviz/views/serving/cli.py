@@ -1,7 +1,7 @@
 """`python -m kvviz serving` (or `serve-study`): serving conditions (alone, continuous batch, warm prefix) x R runs."""
 from __future__ import annotations
 
-from ...clirun import Outcome, load, model_args, progress_to_stderr, repro_arg, settings, split_list
+from ...clirun import FlagRefused, Outcome, load, model_args, progress_to_stderr, repro_arg, settings, split_list
 
 
 HELP = ("serving conditions (alone, continuous batch, warm prefix) × R runs: "
@@ -41,10 +41,27 @@ def add_arguments(vp) -> None:
     vp.set_defaults(handler=command)
 
 
+# Options of the study alone and of the sweep alone (their argparse defaults): given to the other, refused in one line
+STUDY_ONLY = {"prompt": None, "prompts": None, "prefix": "", "conditions": None, "page_size": None,
+              "tensor_parallel_size": 1, "batch_size": 4, "no_proof": False}
+SWEEP_ONLY = {"concurrency": "1,2,4,8,16,32", "lengths": "16,64,256,1024", "budget": None}
+
+
+def _refuse_the_others(args) -> None:
+    other = STUDY_ONLY if args.sweep else SWEEP_ONLY
+    given = [k for k, default in other.items() if getattr(args, k, default) != default]
+    if given:
+        flag = "--" + given[0].replace("_", "-")
+        raise FlagRefused(f"{flag} does nothing {'with' if args.sweep else 'without'} --sweep (the "
+                         f"{'sweep draws its own prompts per cell and runs no proof' if args.sweep else 'study'}"
+                         f"{'' if args.sweep else ' has no grid of requests in flight × lengths'}); leave it out")
+
+
 def command(args) -> Outcome:
     from ...engines.serving import check_engine
     from .run import ServeConfig, load_prompt_set, run_serving
 
+    _refuse_the_others(args)
     if not args.server:
         check_engine(args.engine)  # one line where vLLM is asked for and absent, before anything loads
     if args.sweep:
@@ -73,7 +90,7 @@ def sweep_command(args) -> Outcome:
     from .sweep import SweepConfig, run_sweep, summary_text
 
     if getattr(args, "repro", None):  # said before the sweep runs, not after it
-        raise KvvizError("--repro does nothing for `serving --sweep` (no repro script rebuilds a sweep; it has its "
+        raise FlagRefused("--repro does nothing for `serving --sweep` (no repro script rebuilds a sweep; it has its "
                          "--json-out and --html exports); leave it out")
     try:
         conc, lengths = (tuple(int(x) for x in split_list(v)) for v in (args.concurrency, args.lengths))

@@ -11,5 +11,5 @@ from .run import EngineLayersConfig, EngineLayersResult, run_engine_layers  # no
 # dtype), every hidden state kept (they go to the worker as a file); the engine's memory is its own process's
 VIEW = View("engine_layers", "Engine layers", "EngineLayersResult", "report:reopen", "figures:main", "report:verdict",
             tables="figures:tables", cli="cli", page=Page("engine_layers", "Engine", ":material/layers:", starts_engine=True),
-            config="run:EngineLayersConfig", run="run:run",
+            config="run:EngineLayersConfig", run="run:run", refuses="run:REFUSES",
             memory=MemoryProfile(forwards=3, streamed_hidden=False))

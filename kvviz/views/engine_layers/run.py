@@ -535,7 +535,12 @@ def _judge(a: Side, b: Side, gaps, first_diff, first_beyond, fd, labels, bound, 
                          "them is the order of rounding, not a bug. " + text)
 
 
+# what its run cannot honour (kvviz.protocol.RunContext.running; the CLI refuses the matching flag)
+REFUSES = {"invariant": "vLLM's deterministic mode needs CUDA/ROCm kernels; the engines run as they serve",
+           "prove": "it runs no invariant-mode rerun"}
+
+
 def run(lm, config: EngineLayersConfig, ctx: RunContext = DEFAULT_CONTEXT) -> EngineLayersResult:
     """The view's run (kvviz.protocol: one signature for every view)."""
-    with ctx.running() as progress:
+    with ctx.running(REFUSES) as progress:
         return run_engine_layers(lm, config, progress, settings=ctx.settings)

@@ -21,5 +21,6 @@ VIEW = View("serving", "Serving", "ServeResult", "report:reopen", "figures:main"
 # engine, the batch): the page names its longest prompt and its batch.
 SWEEP = View("serving_sweep", "Where determinism ends", "SweepResult", "sweep:reopen", "sweep:figures",
              "sweep:verdict", tables="sweep:tables", config="sweep:SweepConfig", run="sweep:run",
-             runs=("serving_sweep",), memory=MemoryProfile(many_prompts=True, batch_from_workload=True))
+             runs=("serving_sweep",), memory=MemoryProfile(many_prompts=True, batch_from_workload=True),
+             refuses="sweep:REFUSES")
 VIEWS = (VIEW, SWEEP)

@@ -142,9 +142,13 @@ def cell_of(res: ServeResult, c: int, length: int, seconds: float, prompt_tokens
                 verdicts=verdicts, seconds=seconds, tokens_per_s=new / secs if secs > 0 else 0.0)
 
 
+# what its run cannot honour (kvviz.protocol.RunContext.running; `serving --sweep` refuses --no-proof)
+REFUSES = {"prove": "the sweep runs no proof rerun: its cells are judged against the float64 reference"}
+
+
 def run(lm, config: SweepConfig, ctx: RunContext = DEFAULT_CONTEXT) -> SweepResult:
     """The view's run (kvviz.protocol: one signature for every view)."""
-    with ctx.running() as progress:
+    with ctx.running(REFUSES) as progress:
         return run_sweep(lm, config, progress, settings=ctx.settings)
 
 

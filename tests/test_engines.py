@@ -227,12 +227,15 @@ def test_llamacpp_batch_decodes_each_sequence_at_its_own_positions():
 
     lm = kvviz.load_model("default", "float32", "cpu")
     gguf, _ = gguf_of(lm)
-    prompts = ["The capital of France is", "Water boils at a temperature of one hundred degrees, which",
-               "Hi"]
+    prompts = ["The capital of France is " * 12 + "Paris, and the capital of Italy is",
+               "Water boils at a temperature of one hundred degrees, which " * 18, "Hi"]
     reqs = [{"key": f"p{i}", "ids": encode(lm, t), "max_new_tokens": 3} for i, t in enumerate(prompts)]
+    need = sum(len(r["ids"]) + 3 for r in reqs)
+    assert 256 < need and len(reqs[1]["ids"]) + 3 <= 256  # each prompt fits the context alone, the batch does not
     client = WorkerClient("llama.cpp")
     try:
-        client.call("start", model=gguf, n_ctx=512, n_batch=8, seed=0, threads=2)
+        # the batch's own context grows to hold every sequence (the sweep's 32 in flight × 1024 tokens need 33k cells)
+        client.call("start", model=gguf, n_ctx=256, n_batch=8, seed=0, threads=2)
         alone = client.call("generate", logprobs=5, groups=[{"reset": True, "requests": [r]} for r in reqs])
         batch = client.call("generate", logprobs=5, groups=[{"reset": True, "requests": reqs}])
     finally:
@@ -248,3 +251,25 @@ def test_llamacpp_batch_decodes_each_sequence_at_its_own_positions():
             gaps = [abs(v - lp_a[i]) for i, v in b["top"][step] if i in lp_a]
             assert len(gaps) >= 3, (r["key"], step, a["top"][step], b["top"][step])
             assert max(gaps) < 0.5, (r["key"], step, gaps)  # measured here: at most 0.084 nats
+
+
+@pytest.mark.slow
+@_needs("llama.cpp")
+def test_llamacpp_sweep_small_grid_default_model():
+    """`kvviz serving --sweep --engine llama.cpp` on a 2 × 2 grid (1 and 4 in flight, 16- and 32-token prompts, 2
+    prompts a cell, 4 new tokens) of the default GGUF: every cell runs, with a verdict against the float64 reference
+    of the dequantized GGUF. (3 prompts × 8 tokens at 16 and 64 did not finish in 25 minutes at load 13-17.)"""
+    from kvviz.views.serving.sweep import SweepConfig, figure, run_sweep, summary_text
+
+    lm = kvviz.load_model("default", "float32", "cpu")
+    res = run_sweep(lm, SweepConfig(concurrency=(1, 4), lengths=(16, 32), prompts_per_cell=2, max_new_tokens=4,
+                                    engine="llama.cpp"))
+    assert res.engine["name"] == "llama.cpp" and res.engine["version"] and not res.skipped
+    assert [(c.concurrency, c.length) for c in res.cells] == [(1, 16), (4, 16), (1, 32), (4, 32)]
+    for c in res.cells:
+        assert len(c.distinct) == 2 and all(1 <= d <= 3 for d in c.distinct)  # reference, alone, batch
+        assert all(abs(n - c.length) <= 1 for n in c.prompt_tokens)
+        assert c.verdict in ("identical", "precision") and c.tokens_per_s > 0, c  # no logic on llama.cpp here
+        assert (c.parting_alone is None) == (c.concurrency == 1)
+        assert sum(c.verdicts.values()) == 2
+    assert "llama.cpp" in summary_text(res) and len(figure(res).data[0].z) == 2

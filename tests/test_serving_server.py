@@ -254,3 +254,83 @@ def test_parse_token_strings_and_llama_server_form():
     assert out.tokens == [b] and out.logprobs == [[(b, -0.25), (a, -2.0)]] and out.cached_tokens == 3
     with pytest.raises(KvvizError, match="returned no log-probs"):
         eng._parse(tok, None, 0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A real llama.cpp server: llama-cpp-python's `python -m llama_cpp.server` on the default GGUF (the llama.cpp
+# environment `make engines` builds; skipped where it is absent), started through engines/llamacpp_server.py, which
+# turns llama.cpp's weight repacking off (the AMX-repacked matmul crashes on this machine's CPU). Its `prompt` is a
+# string (token ids are refused with HTTP 422), its log-probs come as token strings, and it reuses the longest prefix
+# of whatever its one context holds (no cache_prompt / cache_salt): kvviz sends the prompt's text where the local
+# tokenizer gives the same ids back, maps the strings through the local tokenizer, and says so.
+
+@pytest.fixture(scope="module")
+def llamacpp_server():
+    from pathlib import Path
+
+    from kvviz.loading import default_gguf_path
+
+    py = engine_python("llama.cpp")
+    if py is None:
+        pytest.skip("llama.cpp's environment is not built here (make engines)")
+    port = _free_port()
+    script = Path(__file__).resolve().parent.parent / "engines" / "llamacpp_server.py"
+    proc = subprocess.Popen([str(py), str(script), "--model", str(default_gguf_path()), "--host", "127.0.0.1",
+                             "--port", str(port), "--n_ctx", "2048", "--n_threads", "2", "--n_threads_batch", "2",
+                             "--verbose", "false"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+                            env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    try:
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                pytest.fail("llama_cpp.server exited: " + proc.stderr.read().decode(errors="replace")[-2000:])
+            try:
+                with urllib.request.urlopen(url + "/v1/models", timeout=5):
+                    break
+            except OSError:
+                time.sleep(1)
+        else:
+            pytest.fail("llama_cpp.server did not answer within 300 s")
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.mark.slow
+def test_real_llamacpp_server_end_to_end(llamacpp_server, capsys):
+    """Two built-in prompts, alone / batch of 2 / warm, 6 tokens: every path within llama.cpp's rounding of the
+    float64 reference. The server has no ignore_eos: a completion may end early (counted in stopped_early), and a
+    run that ended where the reference goes on parts there as '(end of sequence)', judged like any other."""
+    code = main(["serving", "--server", llamacpp_server, "--model", "default", "--prompts", "builtin",
+                 "--limit", "2", "--runs", "1", "--max-new-tokens", "6", "--batch-size", "2", "--json", "--no-proof"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    res = json.loads(out)
+    res = res.get("result", res)
+    eng = res["engine"]
+    assert eng["name"] == "server" and eng["served_model"].endswith(".gguf")
+    assert eng["prompts"].startswith("text") and eng["token_ids"].startswith("mapped from the server's token strings")
+    assert eng["dtype"].startswith("q8 activations")  # a .gguf served: llama.cpp's rounding, not float32's
+    # Q4_1 weights on 8-bit activations against the float64 reference of the dequantized GGUF: tenths of a nat
+    assert 0 < eng["probe_gap"] < 0.5
+    assert eng["stopped_early"] >= 0
+    judged = [p for p in res["prompts"] if p.get("engine_paths")]
+    assert len(judged) == 2
+    for p in judged:
+        for label, v in p["engine_paths"].items():
+            assert not v["uniform"] and v["chose_top"], (label, v)
+            assert v["distance"] <= v["rounding"], (label, v)
+        assert p["verdict"] in (None, "precision"), p["explanation"]
+
+
+@pytest.mark.slow
+def test_real_llamacpp_server_mismatched_weights_refused(llamacpp_server, capsys):
+    code = main(["serving", "--server", llamacpp_server, "--model", "tiny:llama", "--prompt", "Hi", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 1 and "not the local weights" in err and err.count("\n") == 1, err

@@ -111,8 +111,9 @@ def judge(paths: dict[str, dict], parting_step: int | None, margin: float | None
         return "logic", (f"the paths part at step {parting_step} where the reference's top-2 margin is {margin:.3g} "
                          f"nats, beyond 2× the rounding distance ({rounding:.2g}): rounding cannot flip it. {dist}.")
     where = ("" if parting_step is None else
-             f" They part at step {parting_step}, where the reference's top-2 margin is {margin:.3g} nats "
-             f"(within rounding: a near tie).")
+             f" They part at step {parting_step}" + ("." if margin is None else
+                                                     f", where the reference's top-2 margin is {margin:.3g} nats "
+                                                     f"(within rounding: a near tie)."))
     return "precision", f"every path is within the engine's rounding distance of the float64 reference.{where} {dist}."
 
 
@@ -162,7 +163,9 @@ def engine_verdicts(prompts, lm, lm64, settings, engine, ids, completions, logps
             continue
         parted = completions[p.condition][i][p.run]
         ref = refs.get(tuple(parted))
-        margin = margin_at(ref, t) if ref is not None and t < ref.shape[0] else None
+        # a parted path that ended at t (a server stopping on its end token) has no step t: the reference's margin
+        # there on the shared prefix is the same quantity
+        margin = margin_at(ref, t) if ref is not None and t < ref.shape[0] else p.margin
         rounding = paths.get(f"{p.condition} run {p.run + 1}", next(iter(paths.values())))["rounding"]
         p.verdict, why = judge(paths, t, margin, rounding)
         p.explanation = (f"At step {t} {p.condition} run {p.run + 1} chose {p.run_token!r} where kvviz's reference "

@@ -430,7 +430,8 @@ def _study(lm, cfg, engine, settings, reference, prove, progress, t_start) -> Se
             d, c, r = best
             pr.first_divergence, pr.condition, pr.run = d, c, r
             pr.reference_token = tok.decode([ref[d]])
-            pr.run_token = tok.decode([comp[c][r][d]])
+            # a run shorter than the reference ended there (a server without ignore_eos stops on its end token)
+            pr.run_token = tok.decode([comp[c][r][d]]) if d < len(comp[c][r]) else "(end of sequence)"
             pr.margin = ref_m[d]
             rm = margins[c][i][r]
             pr.run_margin = rm[d] if d < len(rm) else None

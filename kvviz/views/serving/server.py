@@ -2,11 +2,15 @@
 
 `kvviz serving --server URL --model <local weights>` runs the same conditions against a server someone else started
 (`vllm serve`, `llama-server`, SGLang) and judges every distinct completion against kvviz's float64 reference on the
-local weights (kvviz/engines/verdict.py, the path the worker engines take). Each request: the prompt as token ids, greedy
-(temperature 0), `max_tokens`, `logprobs` = TOP_K, `ignore_eos`, and `return_tokens_as_token_ids` (vLLM: the
-returned tokens are "token_id:N", read exactly). A server that ignores that option returns token strings: each is
-mapped through the local tokenizer (its exact vocabulary piece, else its encoding when that is one token) and the
-result says so (`info()['token_ids']`).
+local weights (kvviz/engines/verdict.py, the path the worker engines take). Each request: the prompt as token ids (a
+server that refuses them - HTTP 400/422, or llama-cpp-python's 500 naming `prompt` - gets their text instead, only
+where the local tokenizer gives the same ids back from it and the server counts as many prompt tokens), greedy
+(temperature 0, `repeat_penalty` 1: llama-cpp-python's server defaults to 1.1), `max_tokens`, `logprobs` = TOP_K,
+`ignore_eos`, and `return_tokens_as_token_ids` (vLLM: the returned tokens are "token_id:N", read exactly). A server
+that ignores that option returns token strings: each is mapped through the local tokenizer (its exact vocabulary piece,
+else its encoding when that is one token) and the result says so (`info()['token_ids']`). The rounding a path is judged
+with is the local weights' dtype's (start the server with that --dtype), but a server whose /v1/models names a .gguf
+file runs llama.cpp's kernels, and is judged with their 8-bit-activation rounding (GGUF_DTYPE).
 
 Conditions, mapped onto what a server offers:
   alone   one request at a time, cold: a fresh `cache_salt` per request (vLLM: no prefix-cache hit) and
@@ -36,6 +40,8 @@ TOP_K = 5
 PROBE_TEXT = "The capital of France is"
 PROBE_TOKENS = 4
 PROBE_NATS = 1.0
+# a server whose model is a .gguf file runs llama.cpp's kernels (8-bit activations): judged with their rounding
+GGUF_DTYPE = "q8 activations x GGUF weights (a .gguf served: llama.cpp's kernels)"
 TOGGLES = ("cache_salt per request (vLLM: cold prefix cache) / shared for warm", "cache_prompt false/true "
            "(llama.cpp server)", "requests in flight (threads)")
 
@@ -55,6 +61,14 @@ def normalize_url(url: str) -> str:
     return u[:-3] if u.endswith("/v1") else u
 
 
+class _Refused(Exception):
+    """An HTTP status the caller handles itself (a server that refuses token-id prompts)."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
+
+
 class ServerEngine:
     """An OpenAI-compatible completions server behind the Serving view's `run(lm, requests, …) -> EngineRun`."""
 
@@ -67,9 +81,11 @@ class ServerEngine:
         self.token_ids = "returned by the server (return_tokens_as_token_ids)"
         self.version = None
         self.probe_gap: float | None = None
+        self.text_prompts: bool | None = None  # None until the first completion: the server takes token ids or not
+        self.stopped_early = 0  # completions the server ended before max_tokens (it ignores ignore_eos)
 
     # ------------------------------------------------------------------------------------------------ HTTP
-    def _call(self, path: str, body: dict | None = None) -> dict:
+    def _call(self, path: str, body: dict | None = None, refused: tuple = ()) -> dict:
         req = urllib.request.Request(self.url + path, data=None if body is None else json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         try:
@@ -77,6 +93,8 @@ class ServerEngine:
                 return json.loads(r.read().decode())
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace")[:200].replace("\n", " ")
+            if e.code in refused and (e.code != 500 or "prompt" in detail):  # llama-cpp-python: 500 for a 422
+                raise _Refused(e.code) from None
             raise KvvizError(f"the server at {self.url} answered {path} with HTTP {e.code}: {detail}") from None
         except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
             why = getattr(e, "reason", e)
@@ -94,47 +112,86 @@ class ServerEngine:
             self.model_id = str(data[0]["id"])
         return self.model_id
 
+    def _text_prompt(self, tok, ids: list[int]) -> str:
+        """The prompt as text, for a server that takes no token ids: only where the local tokenizer gives the same ids
+        back from it (else the server could run other tokens than those judged)."""
+        ids = list(map(int, ids))
+        lead = 1 if ids[0] in set(tok.all_special_ids) else 0  # a BOS the tokenizer adds back itself
+        for text in dict.fromkeys([tok.decode(ids[lead:]), tok.decode(ids)]):
+            if [int(i) for i in tok(text, add_special_tokens=True)["input_ids"]] == ids:
+                return text
+        raise KvvizError(f"the server at {self.url} takes text prompts only (no token ids), and a prompt's "
+                         f"{len(ids)} tokens do not come back from its text through the local tokenizer: "
+                         f"kvviz cannot be sure the server ran the tokens it judges")
+
     def _complete(self, tok, ids: list[int], n: int, salt: str | None, cache_prompt: bool) -> RequestOut:
+        # greedy with no repetition penalty (llama-cpp-python's server applies 1.1 by default, vLLM's field is another)
         body = {"model": self._model(), "prompt": list(map(int, ids)), "max_tokens": int(n), "temperature": 0.0,
                 "logprobs": TOP_K, "ignore_eos": True, "return_tokens_as_token_ids": True,
-                "cache_prompt": cache_prompt}
+                "cache_prompt": cache_prompt, "repeat_penalty": 1.0}
         if salt is not None:
             body["cache_salt"] = salt
-        reply = self._call("/v1/completions", body)
+        if self.text_prompts:
+            body["prompt"] = self._text_prompt(tok, ids)
+        try:
+            refused = () if self.text_prompts is not None else (400, 422, 500)
+            reply = self._call("/v1/completions", body, refused=refused)
+        except _Refused:  # token ids refused (llama-cpp-python's server: `prompt` is a string): text from now on
+            self.text_prompts = True
+            body["prompt"] = self._text_prompt(tok, ids)
+            reply = self._call("/v1/completions", body)
+        self.text_prompts = bool(self.text_prompts)
+        used = (reply.get("usage") or {}).get("prompt_tokens")
+        if self.text_prompts and used is not None and int(used) != len(ids):
+            raise KvvizError(f"the server at {self.url} made {used} tokens of a prompt's text, the local tokenizer "
+                             f"{len(ids)}: its model ({self.model_id}) is not the local weights' (or it adds tokens "
+                             f"of its own)")
         try:
             choice = reply["choices"][0]
         except (KeyError, IndexError, TypeError):
             raise KvvizError(f"the server at {self.url} answered /v1/completions without choices") from None
         cached = ((reply.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-        return self._parse(tok, choice.get("logprobs"), int(cached))
+        out = self._parse(tok, choice.get("logprobs"), int(cached), choice.get("finish_reason") == "stop")
+        self.stopped_early += len(out.tokens) < n
+        return out
 
-    def _token_id(self, tok, s: str) -> int:
+    def _token_id(self, tok, s: str, strict: bool = True) -> int | None:
+        """The local id of a token the server names (strict: one line where it maps to no single token, else None)."""
         if s.startswith("token_id:"):
             return int(s.split(":", 1)[1])
         self.token_ids = "mapped from the server's token strings through the local tokenizer"
         i = tok.convert_tokens_to_ids(s)
         if isinstance(i, int) and i != tok.unk_token_id and i is not None:
             return i
-        enc = tok.encode(s, add_special_tokens=False)
+        enc = tok.encode(s, add_special_tokens=False) if s else []
         if len(enc) != 1:
-            raise KvvizError(f"the server's token {s!r} is not one token of the local tokenizer: the server's model "
-                             f"and the local weights disagree (or the server returns no token ids)")
+            if not strict:
+                return None
+            raise KvvizError(f"the server's token {s!r} is not one token of the local tokenizer: the server's model is "
+                             f"not the local weights (or the server returns no token ids)")
         return int(enc[0])
 
     def _entry_id(self, tok, e: dict) -> int:
         return int(e["id"]) if e.get("id") is not None else self._token_id(tok, e["token"])
 
-    def _parse(self, tok, lp, cached: int) -> RequestOut:
+    def _parse(self, tok, lp, cached: int, stopped: bool = False) -> RequestOut:
         if lp and lp.get("content"):  # llama-server's newer form: per step {id, token, logprob, top_logprobs: [..]}
             toks = [self._entry_id(tok, e) for e in lp["content"]]
             chosen = [float(e["logprob"]) for e in lp["content"]]
             top = [sorted(((self._entry_id(tok, x), float(x["logprob"])) for x in e.get("top_logprobs") or []),
                           key=lambda x: -x[1]) for e in lp["content"]]
         elif lp and lp.get("tokens"):  # the OpenAI completions form (vLLM, SGLang, llama-cpp-python)
-            toks = [self._token_id(tok, s) for s in lp["tokens"]]
-            chosen = [None if v is None else float(v) for v in lp.get("token_logprobs") or []]
-            top = [sorted(((self._token_id(tok, s), float(v)) for s, v in (step or {}).items()), key=lambda x: -x[1])
-                   for step in lp.get("top_logprobs") or []]
+            strs = list(lp["tokens"])
+            n = len(strs)
+            if n and stopped and self._token_id(tok, strs[-1], strict=False) is None:
+                n -= 1  # a stop token named by no text (llama-cpp-python's server has no ignore_eos): the path ends
+            toks = [self._token_id(tok, s) for s in strs[:n]]
+            chosen = [None if v is None else float(v) for v in (lp.get("token_logprobs") or [])[:n]]
+            # token strings: an alternative that maps to no single local token (a partial UTF-8 piece, which
+            # llama-cpp-python names '') is left out of its step
+            top = [sorted(((i, float(v)) for i, v in ((self._token_id(tok, s, strict=False), v)
+                                                       for s, v in (step or {}).items()) if i is not None),
+                          key=lambda x: -x[1]) for step in (lp.get("top_logprobs") or [])[:n]]
         else:
             raise KvvizError(f"the server at {self.url} returned no log-probs (it must honour `logprobs` on "
                              f"/v1/completions)")
@@ -151,7 +208,9 @@ class ServerEngine:
 
     def info(self) -> dict:
         return {"name": "server", "url": self.url, "served_model": self.model_id, "version": self.version,
-                "dtype": self.dtype, "token_ids": self.token_ids, "top_k": TOP_K, "probe_gap": self.probe_gap,
+                "dtype": self.dtype, "token_ids": self.token_ids,
+                "prompts": "text (the server takes no token ids; each checked to give the same tokens)"
+                if self.text_prompts else "token ids", "stopped_early": self.stopped_early, "top_k": TOP_K, "probe_gap": self.probe_gap,
                 "toggles": list(TOGGLES)}
 
     def probe(self, lm, settings) -> None:
@@ -170,6 +229,8 @@ class ServerEngine:
             pass  # not every server has /version; reachability is decided by the calls below
         ids = encode(lm, PROBE_TEXT)
         out = self._complete(lm.tokenizer, ids, PROBE_TOKENS, f"kvviz-probe-{time.time_ns()}", False)
+        if str(self.model_id).lower().endswith(".gguf"):  # llama-server / llama-cpp-python name the file they serve
+            self.dtype = GGUF_DTYPE
         if not out.tokens:
             raise KvvizError(f"the server at {self.url} returned no tokens for the probe prompt")
         vocab = lm.model.get_output_embeddings().weight.shape[0]

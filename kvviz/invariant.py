@@ -419,6 +419,15 @@ def _onednn_linear(x, weight, bias):
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+@functools.cache
+def _has_onednn_linear() -> bool:
+    """oneDNN's linear is a private torch op: used only where this torch has it (else the GEMM library's blocks)."""
+    try:
+        return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._linear_pointwise is not None
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def block_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear with every kernel call of one shape [b, K] x [K, N] (b probed; rows in blocks, the last padded)."""
     wt = weight.t()
@@ -429,7 +438,7 @@ def block_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     probe = lambda blk, w_, c_: torch.mm(blk, w_.t()) if c_ is None else torch.addmm(c_, blk, w_.t())  # noqa: E731
     b = linear_block(x.dtype, weight, bias, probe, weight.shape[-1]) if x.dtype == weight.dtype else 0
     if (b and min(b) > min(ONEDNN_BLOCKS) and x.dtype == torch.float32 and weight.device.type == "cpu"
-            and torch.backends.mkldnn.is_available() and weight.dim() == 2):
+            and weight.dim() == 2 and _has_onednn_linear()):
         b2 = linear_block(x.dtype, weight, bias, _onednn_linear, weight.shape[-1], ("onednn",), (ONEDNN_BLOCKS,))
         if b2:
             b = b2

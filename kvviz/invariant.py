@@ -11,8 +11,7 @@ its probe):
 
 * linear layers (`F.linear`, `addmm`): rows in blocks of one of a probed family of sizes (e.g. 256 for a long
   prompt, 16 for its rest, 1 for a decode step's one row, the last block zero-padded), so every kernel call has one
-  of a few shapes and the K-reduction of a row never depends on how many rows came with it; a float32 linear goes
-  through oneDNN's linear where the GEMM library's smallest such block is larger than oneDNN's (AVX2 MKL: 64 rows);
+  of a few shapes and the K-reduction of a row never depends on how many rows came with it;
 * `scaled_dot_product_attention`: the library's own fused kernel (flash attention on the CPU), which computes each
   query row by itself and walks the keys in fixed blocks with an online softmax, given every row's keys from its
   first visible key on, padded with masked zero keys to a multiple of the block, and the rows padded to a multiple
@@ -352,8 +351,7 @@ def _cancelling(shape, stride, dtype, device, k_dim: int, seed: int, negate: boo
     return out
 
 
-def linear_block(x_dtype: torch.dtype, weight: torch.Tensor, bias, call, k: int, kind: tuple = ("linear",),
-                 families: tuple | None = None) -> tuple:
+def linear_block(x_dtype: torch.dtype, weight: torch.Tensor, bias, call, k: int, kind: tuple = ("linear",)) -> tuple:
     """Row-block sizes (largest first) for `call(rows [b, k], weight, bias)`, each call of one of these shapes: every
     row's bits the same wherever it sits in a block and whichever size it goes in; () where none is found here.
     The probe runs `call` on data of the weight's shape, strides and dtype (a kernel is chosen by those, not by the
@@ -363,7 +361,7 @@ def linear_block(x_dtype: torch.dtype, weight: torch.Tensor, bias, call, k: int,
     with _PROBE_LOCK:
         if key in _PROBES:  # probed already (the probe data below is as large as the weight)
             return _PROBES[key] or ()
-    k_dim = 0 if kind[0] == "addmm" else 1  # where the inner dimension is in the weight: [N, K] or [K, N]
+    k_dim = 1 if kind[0] == "linear" else 0  # where the inner dimension is in the weight: [N, K] or [K, N]
     dev = weight.device
     w_probe = _cancelling(tuple(weight.shape), weight.stride(), weight.dtype, dev, k_dim, 3)
     b_probe = None if bias is None else torch.zeros_like(bias)
@@ -384,7 +382,7 @@ def linear_block(x_dtype: torch.dtype, weight: torch.Tensor, bias, call, k: int,
                     return False
         return True
 
-    return _probe(key, families or LINEAR_BLOCKS.get(weight.device.type, LINEAR_BLOCKS["cuda"]), works) or ()
+    return _probe(key, LINEAR_BLOCKS.get(weight.device.type, LINEAR_BLOCKS["cuda"]), works) or ()
 
 
 def _blocked_rows(rows: torch.Tensor, n_out: int, sizes: tuple, call, out_dtype) -> torch.Tensor:
@@ -410,24 +408,6 @@ def _blocked_rows(rows: torch.Tensor, n_out: int, sizes: tuple, call, out_dtype)
     return out[:r]
 
 
-# oneDNN's linear on the CPU (float32), where the GEMM library's smallest position-free block is larger than this
-# family's smallest (AVX2 MKL sgemm: 64 rows, oneDNN's: 2), so a decode step's row is not computed as 64
-ONEDNN_BLOCKS = (256, 16, 2)
-
-
-def _onednn_linear(x, weight, bias):
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-
-
-@functools.cache
-def _has_onednn_linear() -> bool:
-    """oneDNN's linear is a private torch op: used only where this torch has it (else the GEMM library's blocks)."""
-    try:
-        return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._linear_pointwise is not None
-    except (AttributeError, RuntimeError):
-        return False
-
-
 def block_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear with every kernel call of one shape [b, K] x [K, N] (b probed; rows in blocks, the last padded)."""
     wt = weight.t()
@@ -437,12 +417,6 @@ def block_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         call = lambda blk, out=None: torch.addmm(bias, blk, wt, out=out)  # noqa: E731
     probe = lambda blk, w_, c_: torch.mm(blk, w_.t()) if c_ is None else torch.addmm(c_, blk, w_.t())  # noqa: E731
     b = linear_block(x.dtype, weight, bias, probe, weight.shape[-1]) if x.dtype == weight.dtype else 0
-    if (b and min(b) > min(ONEDNN_BLOCKS) and x.dtype == torch.float32 and weight.device.type == "cpu"
-            and weight.dim() == 2 and _has_onednn_linear()):
-        b2 = linear_block(x.dtype, weight, bias, _onednn_linear, weight.shape[-1], ("onednn",), (ONEDNN_BLOCKS,))
-        if b2:
-            b = b2
-            call = lambda blk, out: out.copy_(_onednn_linear(blk, weight, bias))  # noqa: E731
     if not b:
         return rowwise_linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])

@@ -91,10 +91,16 @@ def test_the_example_view_is_the_one_the_docs_show():
     """docs/architecture.md shows the example's registry entry, report and subcommand verbatim (and links the rest)."""
     doc = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
     folder = ROOT / "docs" / "example_view" / "next_token"
-    for name in ("__init__.py", "report.py", "cli.py"):
+    for name in ("__init__.py", "report.py"):
         assert (folder / name).read_text(encoding="utf-8").strip() in doc, name
+    run = (folder / "run.py").read_text(encoding="utf-8")
+    for start, end in (("@dataclass(frozen=True)\nclass NextTokenConfig", "@dataclass\nclass NextTokenResult"),
+                       ("REFUSES = ", None)):  # its config and its run, verbatim
+        part = run[run.index(start):run.index(end) if end else None].strip()
+        assert part in doc, start
     for name in ("run.py", "figures.py"):
         assert f"example_view/next_token/{name}" in doc, name
+    assert not (folder / "cli.py").exists()  # its subcommand is made from its config
 
 
 def test_every_view_names_real_pieces():

@@ -7,6 +7,7 @@ from .run import NextTokenResult, run_next_token  # noqa: F401  (the view's libr
 
 # its name is its folder's: the JSON `view` "next_token", the subcommand `next-token` ('_' -> '-'), and a page (if it
 # had one) at /next_token with controls prefixed next_token_. memory: what its memory plan counts - two forwards, no
-# float64 reference (a view without one is refused)
+# float64 reference (a view without one is refused). No cli.py: its subcommand is made from its config
 VIEW = View("next_token", "Next token", "NextTokenResult", reopen="report:reopen", figures="figures:main",
-            verdict="report:verdict", cli="cli", memory=MemoryProfile(forwards=2, reference=False))
+            verdict="report:verdict", config="run:NextTokenConfig", run="run:run", refuses="run:REFUSES",
+            memory=MemoryProfile(forwards=2, reference=False))

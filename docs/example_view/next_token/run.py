@@ -6,8 +6,21 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from kvviz.errors import KvvizError
 from kvviz.execution import ExecSettings, Executor, RunInfo
 from kvviz.inputs import encode
+from kvviz.protocol import DEFAULT_CONTEXT, RunContext
+
+
+@dataclass(frozen=True)
+class NextTokenConfig:
+    """The prompt whose last token is fed through the cache of the rest. Its fields are the subcommand's options
+    (`--prompt`) and a page's controls."""
+    prompt: str = "The cat sat on the"
+
+    def validate(self) -> None:
+        if not self.prompt:
+            raise KvvizError("the prompt is empty")
 
 
 @dataclass
@@ -37,3 +50,12 @@ def run_next_token(lm, prompt: str, settings: ExecSettings | None = None) -> Nex
             + ("bit for bit." if gap == 0 else f"within {gap:.3g} (next token {'the same' if same else 'changes'})."))
     run = RunInfo.of(lm, ex.settings).to_dict()
     return NextTokenResult({**run, "prompt": prompt}, int(ids.shape[1]), gap, same, verdict, text)
+
+
+REFUSES = {"prove": "it runs no proof rerun"}  # what it cannot honour: refused in one line, never ignored
+
+
+def run(lm, config: NextTokenConfig, ctx: RunContext = DEFAULT_CONTEXT) -> NextTokenResult:
+    """The view's run: one signature for every view (kvviz.protocol)."""
+    with ctx.running(REFUSES):
+        return run_next_token(lm, config.prompt, ctx.settings)

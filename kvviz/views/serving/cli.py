@@ -8,6 +8,12 @@ HELP = ("serving conditions (alone, continuous batch, warm prefix) × R runs: "
         "distinct completions per prompt, where and why they part")
 
 
+# Options of the study alone and of the sweep alone (their argparse defaults, used there): given to the other, refused in one line
+STUDY_ONLY = {"prompt": None, "prompts": None, "prefix": "", "conditions": None, "page_size": None,
+              "tensor_parallel_size": 1, "batch_size": 4, "no_proof": False}
+SWEEP_ONLY = {"concurrency": "1,2,4,8,16,32", "lengths": "16,64,256,1024", "budget": None}
+
+
 def add_arguments(vp) -> None:
     """Its options, on the parser kvviz.cli makes under the subcommand its folder derives."""
     model_args(vp)
@@ -16,35 +22,29 @@ def add_arguments(vp) -> None:
     vsrc.add_argument("--prompts", default=None,
                       help="'builtin' (default), 'builtin:<category>', or a .txt (one a line) / .jsonl file")
     vp.add_argument("--limit", type=int, default=20, help="at most this many prompts (default 20)")
-    vp.add_argument("--prefix", default="", help="a shared prefix put before every prompt (warmed for 'warm')")
-    vp.add_argument("--conditions", default=None,
+    vp.add_argument("--prefix", default=STUDY_ONLY["prefix"], help="a shared prefix put before every prompt (warmed for 'warm')")
+    vp.add_argument("--conditions", default=STUDY_ONLY["conditions"],
                     help="comma-separated: alone,batch,warm (default all three)")
     vp.add_argument("--runs", type=int, default=5, help="runs per condition (R)")
     vp.add_argument("--max-new-tokens", type=int, default=16)
-    vp.add_argument("--batch-size", type=int, default=4, help="k: requests in flight in the batch condition")
+    vp.add_argument("--batch-size", type=int, default=STUDY_ONLY["batch_size"], help="k: requests in flight in the batch condition")
     vp.add_argument("--seed", type=int, default=0, help="seed of the batch draws")
     vp.add_argument("--engine", default="transformers", choices=("transformers", "vllm", "llama.cpp"),
                     help="transformers (in kvviz), vllm or llama.cpp (their own environments: `make engines`)")
-    vp.add_argument("--page-size", type=int, default=None,
+    vp.add_argument("--page-size", type=int, default=STUDY_ONLY["page_size"],
                     help="tokens per cache page (prefix sharing is per page; transformers engine only, default 8)")
-    vp.add_argument("--tensor-parallel-size", type=int, default=1,
+    vp.add_argument("--tensor-parallel-size", type=int, default=STUDY_ONLY["tensor_parallel_size"],
                     help="GPUs one vLLM engine spreads the model over (the vLLM engine only; refused otherwise)")
     vp.add_argument("--server", default=None,
                     help="URL of your running OpenAI-compatible server (vllm serve, llama-server, SGLang): its "
                          "/v1/completions with log-probs run the conditions, judged against --model's weights")
     vp.add_argument("--sweep", action="store_true",
                     help="where determinism ends: requests in flight × prompt length against the engine (or --server)")
-    vp.add_argument("--concurrency", default="1,2,4,8,16,32", help="--sweep: requests in flight per column")
-    vp.add_argument("--lengths", default="16,64,256,1024", help="--sweep: prompt lengths in tokens per row")
-    vp.add_argument("--budget", type=float, default=None, help="--sweep: stop between cells after this many seconds")
+    vp.add_argument("--concurrency", default=SWEEP_ONLY["concurrency"], help="--sweep: requests in flight per column")
+    vp.add_argument("--lengths", default=SWEEP_ONLY["lengths"], help="--sweep: prompt lengths in tokens per row")
+    vp.add_argument("--budget", type=float, default=SWEEP_ONLY["budget"], help="--sweep: stop between cells after this many seconds")
     repro_arg(vp)
     vp.set_defaults(handler=command)
-
-
-# Options of the study alone and of the sweep alone (their argparse defaults): given to the other, refused in one line
-STUDY_ONLY = {"prompt": None, "prompts": None, "prefix": "", "conditions": None, "page_size": None,
-              "tensor_parallel_size": 1, "batch_size": 4, "no_proof": False}
-SWEEP_ONLY = {"concurrency": "1,2,4,8,16,32", "lengths": "16,64,256,1024", "budget": None}
 
 
 def _refuse_the_others(args) -> None:

@@ -108,9 +108,9 @@ test-latest:
 	$(LATEST)/bin/python -m pip freeze > $(LATEST)/freeze.txt
 	$(LATEST)/bin/python -m pytest $(FAST) $(XDIST) -p no:cacheprovider $(PYTEST_ARGS)
 
-# The other end of the declared range: the lock with transformers at kvviz.compat.TESTED_MIN, the fast tier.
+# The other end of the declared range: the lock with transformers at kvviz.models.compat.TESTED_MIN, the fast tier.
 OLDEST ?= .venv-oldest
-TESTED_MIN := $(shell sed -n 's/^TESTED_MIN = "\(.*\)"/\1/p' kvviz/compat.py)
+TESTED_MIN := $(shell sed -n 's/^TESTED_MIN = "\(.*\)"/\1/p' kvviz/models/compat.py)
 test-oldest:
 	rm -rf $(OLDEST)
 	$(call make_venv,$(OLDEST))
@@ -120,7 +120,7 @@ test-oldest:
 	$(OLDEST)/bin/python -m pytest $(FAST) $(XDIST) -p no:cacheprovider $(PYTEST_ARGS)
 
 # Refresh the lock: the whole suite on the newest allowed versions; only when it passes, their exact versions become
-# requirements.lock and the tested range's top (kvviz.compat.TESTED_MAX, pyproject.toml) moves to that transformers.
+# requirements.lock and the tested range's top (kvviz.models.compat.TESTED_MAX, pyproject.toml) moves to that transformers.
 lock:
 	$(MAKE) test-latest FAST="" PYTEST_ARGS="$(PYTEST_ARGS)"
 	$(PYTHON) .ci/lock.py $(LATEST)/freeze.txt

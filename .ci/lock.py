@@ -1,5 +1,5 @@
 """`make lock`'s last step: a freeze of the environment the whole suite just passed in becomes requirements.lock,
-and the top of kvviz's tested transformers range (kvviz/compat.py TESTED_MAX, pyproject.toml) moves to its
+and the top of kvviz's tested transformers range (kvviz/models/compat.py TESTED_MAX, pyproject.toml) moves to its
 transformers. Usage: python .ci/lock.py FREEZE_FILE"""
 import re
 import sys
@@ -19,7 +19,7 @@ def main(freeze: str) -> int:
               "install these).\n")
     (ROOT / "requirements.lock").write_text(header + "\n".join(sorted(lines, key=str.lower)) + "\n")
     top = pins["transformers"]
-    compat = ROOT / "kvviz" / "compat.py"
+    compat = ROOT / "kvviz" / "models" / "compat.py"
     compat.write_text(re.sub(r'^TESTED_MAX = ".*"$', f'TESTED_MAX = "{top}"', compat.read_text(), flags=re.M))
     py = ROOT / "pyproject.toml"
     py.write_text(re.sub(r'"transformers>=([^,]+),<=[^"]+"', rf'"transformers>=\1,<={top}"', py.read_text()))

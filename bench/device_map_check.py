@@ -60,7 +60,7 @@ def main() -> int:
     args = ap.parse_args()
     import kvviz
     from kvviz.views.greedy.run import GreedyConfig, run_greedy
-    from kvviz.placement import placement_summary
+    from kvviz.models.placement import placement_summary
 
     plain = kvviz.load_model(args.model, args.dtype, args.device)
     weights = sum(p.numel() * p.element_size() for p in plain.model.parameters())

@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kvviz  # noqa: E402
 from kvviz.engines import engine_python  # noqa: E402
-from kvviz.inputs import encode  # noqa: E402
-from kvviz.prompts import load_prompts  # noqa: E402
+from kvviz.core.inputs import encode  # noqa: E402
+from kvviz.core.prompts import load_prompts  # noqa: E402
 from kvviz.engines.workers import make_worker_engine  # noqa: E402
 from kvviz.engines.serving import Request  # noqa: E402
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvviz.loading import _convert_whole, _read_gguf_header, _saved_config, default_gguf_path  # noqa: E402
-from kvviz.gguf_stream import stream_gguf  # noqa: E402
+from kvviz.models.loading import _convert_whole, _read_gguf_header, _saved_config, default_gguf_path  # noqa: E402
+from kvviz.models.gguf_stream import stream_gguf  # noqa: E402
 
 
 def main() -> None:

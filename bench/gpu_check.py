@@ -146,7 +146,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("gpu-check: no CUDA GPU here; nothing to check (the CPU suite is `make test`)", file=sys.stderr)
         return 1
-    from kvviz.environment import environment
+    from kvviz.core.environment import environment
 
     env = environment("cuda")
     tests = run_tests(args.pytest_args, args.workers)

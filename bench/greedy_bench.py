@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import kvviz  # noqa: E402
-from kvviz.compat import cache_argument, output_cache  # noqa: E402
+from kvviz.models.compat import cache_argument, output_cache  # noqa: E402
 from kvviz.views.greedy.run import GreedyConfig, run_greedy  # noqa: E402
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived an old fisherman who every morning"
@@ -91,7 +91,7 @@ def main() -> int:
     rows = []
     for dtype in args.dtypes.split(","):
         lm = kvviz.load_model(args.model, dtype, args.device)
-        kvviz.load_model(args.model, "float64", kvviz.dtypes.float64_device(lm.device))  # verdict model, loaded once
+        kvviz.load_model(args.model, "float64", kvviz.core.dtypes.float64_device(lm.device))  # verdict model, loaded once
         paths = ("no_cache", "cache", "generate")
         exact_cfg = GreedyConfig(PROMPT, args.tokens, paths=paths)
         fast_cfg = GreedyConfig(PROMPT, args.tokens, paths=paths, fast=True)

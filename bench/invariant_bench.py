@@ -3,7 +3,7 @@
 Times the scenario itself (prefix, full forward, the rest through the cache: kvviz.views.split.run._run) in normal and
 in invariant mode, same process, same model, order alternating, and prints the ratio per model x length x feed mode
 (median of the per-repeat ratios; wall clock, and CPU time of the process beside it, which a machine busy with other
-work disturbs less). The invariant kernels must keep the ratio flat as the length grows (kvviz/invariant.py).
+work disturbs less). The invariant kernels must keep the ratio flat as the length grows (kvviz/core/invariant.py).
 
 Models: `default` (SmolLM2-135M), and random-weight Llama-shaped folders built on first use (safetensors, shard by
 shard; bench/memory_bench.py's builder): `llama1b` (Llama-3.2-1B's shape) and `llama8b` (Llama-3.1-8B's: 16 GB in
@@ -28,9 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import kvviz  # noqa: E402
-from kvviz.execution import ExecSettings  # noqa: E402
-from kvviz.inputs import build_inputs  # noqa: E402
-from kvviz.loading import clear_cache  # noqa: E402
+from kvviz.core.execution import ExecSettings  # noqa: E402
+from kvviz.core.inputs import build_inputs  # noqa: E402
+from kvviz.models.loading import clear_cache  # noqa: E402
 from kvviz.views.split.run import SplitConfig, _run  # noqa: E402
 
 TEXT = ("The capital of France is Paris, and the capital of Italy is Rome. Rivers run to the sea; the sea gives "
@@ -107,7 +107,7 @@ def main() -> int:
     ap.add_argument("--write", action="store_true", help="append the table to docs/benchmarks.md")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    from kvviz.environment import environment
+    from kvviz.core.environment import environment
 
     rows, env = [], None
     for name in (args.model or args.models).split(","):

@@ -77,7 +77,7 @@ def build(folder: Path, cfg: dict, shard_bytes: int = 1 << 30) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from kvviz.tiny import byte_tokenizer
+    from kvviz.models.tiny import byte_tokenizer
 
     if (folder / "model.safetensors.index.json").is_file():
         return folder
@@ -138,8 +138,8 @@ def reference_timing(model: str = "default", repeats: int = 2) -> dict:
     import torch
 
     from kvviz.views.greedy.run import GreedyConfig, run_greedy
-    from kvviz.inputs import build_inputs
-    from kvviz.loading import load_model
+    from kvviz.core.inputs import build_inputs
+    from kvviz.models.loading import load_model
     from kvviz.views.split.run import SplitConfig, _run
 
     lm = load_model(model, "float32", "cpu")
@@ -177,7 +177,7 @@ RECORDED_PEAKS = {
 
 def bench_shape(cfg: dict):
     """The shape of a bench model, from its config and the tensors it writes (no files needed)."""
-    from kvviz.memory import ModelShape
+    from kvviz.core.memory import ModelShape
 
     sizes = []
     for _, shape in _tensors(cfg):
@@ -191,7 +191,7 @@ def bench_shape(cfg: dict):
 def check_plans() -> int:
     """Today's plan against the recorded peaks: at least the peak everywhere, at most 1.5x it on the 270M model
     (its 262k vocabulary's activations dominate: the plan tracks them). Returns the number of misses."""
-    from kvviz.memory import plan_shape
+    from kvviz.core.memory import plan_shape
 
     misses = 0
     for (name, view, tokens, compared), peak in RECORDED_PEAKS.items():
@@ -246,7 +246,7 @@ def matrix_cells(gguf: Path | None, root: Path) -> list[tuple[str, str, str, lis
     holding that folder) and the random-weight Gemma-3-270M-shaped folder, each dtype, each view."""
     routes: list[tuple[str, str, dict, Path]] = []
     if gguf is not None:
-        from kvviz.loading import convert_gguf
+        from kvviz.models.loading import convert_gguf
 
         folder = convert_gguf(gguf)
         routes += [("gguf", str(gguf), {}, folder), ("folder", str(folder), {}, folder),
@@ -300,7 +300,7 @@ def run_matrix(gguf: Path | None, root: Path, only: str, out: Path, no_proof: bo
 
 def plan_now(argv: list[str], env: dict) -> int | None:
     """This commit's plan total of a cell's command (a child process: a hub cell's cache is read from its env)."""
-    code = ("import sys; from kvviz.cli import build_parser; from kvviz.memory import plan_for_args; "
+    code = ("import sys; from kvviz.cli import build_parser; from kvviz.core.memory import plan_for_args; "
             "print(plan_for_args(build_parser().parse_args(sys.argv[1:])).total)")
     p = subprocess.run(["nice", "-n", "10", sys.executable, "-c", code] + argv, capture_output=True, text=True,
                        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT), **(env or {})))
@@ -347,7 +347,7 @@ LENGTHS = (16, 64, 256, 1024, 4096)
 
 def length_prompt(model: str, tokens: int) -> tuple[str, int]:
     """A prose prompt of about `tokens` tokens for `model` and its exact count (the plan's tokenizer)."""
-    from kvviz.memory import tokens_of_text
+    from kvviz.core.memory import tokens_of_text
 
     words = ("The museum guard knew every painting in the building, and at night he walked past them with a small "
              "lamp. ").split(" ")
@@ -395,7 +395,7 @@ def replan_lengths(out: Path) -> list[dict]:
     """This commit's plan of each row of a `lengths` results file (a child process per row, as the CLI plans it:
     same prompt, same split), settled as the run went (no float64 rerun where the run had none), against the
     peak recorded."""
-    code = ("import sys, json, types; from kvviz.cli import build_parser; from kvviz.memory import plan_for_args; "
+    code = ("import sys, json, types; from kvviz.cli import build_parser; from kvviz.core.memory import plan_for_args; "
             "p = plan_for_args(build_parser().parse_args(sys.argv[2:])); "
             "p.settle(types.SimpleNamespace(float64=None) if sys.argv[1] == '0' else None); print(p.total)")
     rows = json.loads(out.read_text())

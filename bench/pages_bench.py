@@ -26,19 +26,19 @@ def page_calls(lm, spec: str):
     """view name -> a zero-argument function doing what the page does on its first run with its default controls.
     Keep in step with the defaults in pages/*.py (tests/test_pages_bench.py checks the names and a tiny run)."""
     from kvviz import views
-    from kvviz.protocol import RunContext
+    from kvviz.core.protocol import RunContext
     from kvviz.views.cache.run import save_cache_bytes
     from kvviz.views.quant.run import DEFAULT_RESIDUAL
 
     from pages.defaults import DEFAULTS as D  # the pages' default controls, in one place
 
     def run(name: str, *args, prove=None, **kw):
-        """The view's run (kvviz.protocol) on its config class made from the page's defaults."""
+        """The view's run (kvviz.core.protocol) on its config class made from the page's defaults."""
         v = views.get(name)
         return v.runner()(lm, v.config_type()(*args, **kw), RunContext(prove=prove))
 
     def split():
-        from kvviz.inputs import encode
+        from kvviz.core.inputs import encode
 
         n = len(encode(lm, D["split"]["prompt"]))
         return run("split", prompt=D["split"]["prompt"], split=min(max(1, n // 2), n - 1))
@@ -84,7 +84,7 @@ def page_calls(lm, spec: str):
         return run("check")
 
     def serving():
-        from kvviz.prompts import builtin_prompts
+        from kvviz.core.prompts import builtin_prompts
 
         sv = D["serving"]
         prompts = [r["prompt"] for r in builtin_prompts() if r["category"] == sv["category"]][: sv["limit"]]
@@ -101,7 +101,7 @@ def lesson_calls(spec: str):
     """name -> a zero-argument function running one Lesson step (pages/lesson.py) with its default options, on the
     lesson's models (loaded before timing: bench the steps, not the loads). Goal: each <= 10 s on 2 CPU
     cores."""
-    from kvviz import lesson
+    from kvviz.teach import lesson
 
     models = lesson.model_loader(spec, "cpu")
     for dt in ("float32", "float16", "bfloat16", "float64"):

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import kvviz  # noqa: E402
-from kvviz.inputs import encode  # noqa: E402
+from kvviz.core.inputs import encode  # noqa: E402
 from kvviz.views.serving.run import ServeConfig, load_prompt_set, plan_batches, run_serving  # noqa: E402
 
 
@@ -124,7 +124,7 @@ def main() -> int:
         row["ratio_frozen"] = (row["study_engine_s"] + row["study_analysis_s"]) / row["plain_frozen_s"]
         rows.append(row)
         print(json.dumps(row), flush=True)
-    from kvviz.environment import environment
+    from kvviz.core.environment import environment
 
     env = environment(lm.device)
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if isinstance(rows[0][k], float)}

@@ -11,25 +11,29 @@ Usable from a notebook:
 
 Every view is a folder under kvviz/views/ (run, figures, report, repro, cli); see docs/architecture.md.
 """
-from .dtypes import DTYPE_NAMES, machine_eps, parse_dtype, resolve_device
-from .errors import KvvizError
-from .execution import ExecSettings, Executor
-from . import backends as _backends, invariant as _invariant, reference as _reference  # noqa: E402
-from .loading import ATTN_CHOICES, DEFAULT_SPEC, LoadedModel, ModelSpec, cache_dir, clear_cache, load_model, parse_spec
+from .core import backends as _backends, invariant as _invariant, memory as _memory, reference as _reference
+from .core.dtypes import DTYPE_NAMES, machine_eps, parse_dtype, resolve_device
+from .core.errors import KvvizError
+from .core.execution import ExecSettings, Executor
+from .models.loading import (ATTN_CHOICES, DEFAULT_SPEC, LoadedModel, ModelSpec, cache_dir, clear_cache, load_model,
+                             parse_spec)
+from .models.loading import register_reference as _register_reference
+from .models.tiny import TINY_ARCHS, TINY_MODELS
+from .views import memory_profile as _memory_profile
+from .views.bisect.run import run_bisect as _run_bisect
 from .views.split.run import MODES, SplitConfig, SplitResult, run_split
-from .views.bisect.run import run_bisect as _run_bisect  # noqa: E402
-from .views.split.run import register_bisector as _register_bisector  # noqa: E402
-from .loading import register_reference as _register_reference  # noqa: E402
+from .views.split.run import register_bisector as _register_bisector
 
 # Registration, explicit and in one place (no module registers anything by being imported): the cache kinds,
 # precision flags and torch.compile (backends) and invariant mode's run context on the execution seam, the float64
-# reference behind LoadedModel.reference() (loading never imports kvviz.reference), and the bisector that names where
-# an unproved precision verdict starts (split never imports the bisector, which imports split).
+# reference behind LoadedModel.reference() (loading never imports kvviz.core.reference), the views' memory profiles
+# behind the memory plan (kvviz.core never imports the views), and the bisector that names where an unproved
+# precision verdict starts (split never imports the bisector, which imports split).
 _backends.register()
 _invariant.register()
 _register_reference(_reference.reference_model)
+_memory.register_profiles(_memory_profile)
 _register_bisector(_run_bisect)
-from .tiny import TINY_ARCHS, TINY_MODELS
 
 __all__ = [
     "ATTN_CHOICES", "DEFAULT_SPEC", "DTYPE_NAMES", "ExecSettings", "Executor", "KvvizError", "LoadedModel", "MODES",

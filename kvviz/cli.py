@@ -1,7 +1,7 @@
 """Command line: `python -m kvviz <view> ...` — every view of the library, one subcommand each (`--help` lists them).
 
 The subcommands come from the view registry (kvviz/views/__init__.py): each view's folder has a cli.py with its
-options (`add_arguments`), its help line (`HELP`) and its command (shared pieces in kvviz/clirun.py); the subcommand's
+options (`add_arguments`), its help line (`HELP`) and its command (shared pieces in kvviz/io/clirun.py); the subcommand's
 name is derived from the folder (`loading_trap` -> `loading-trap`) and an older name of it is an argparse alias
 (`View(command_aliases=...)`: `serve-study` runs `serving`). `_run` is the one run block for all of them: it refuses
 the common flags a subcommand cannot honour, writes --json-out / --html / --repro, and prints JSON (--json) or the
@@ -13,8 +13,8 @@ import json
 import os
 import sys
 
-from .clirun import FlagRefused, Outcome, PlanShown, view_arguments
-from .errors import OUT_OF_MEMORY_HINT, KvvizError, first_line, free_memory, is_out_of_memory
+from .io.clirun import FlagRefused, Outcome, PlanShown, view_arguments
+from .core.errors import OUT_OF_MEMORY_HINT, KvvizError, first_line, free_memory, is_out_of_memory
 
 
 class _Parser(argparse.ArgumentParser):
@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     op.add_argument("--html", default=None, help="also write its self-contained HTML report to this file")
     op.add_argument("--quiet", action="store_true", help="no 'written:' line on stderr")
     op.set_defaults(handler=cmd_open)
-    from .archsweep import add_parser as _archsweep_parser  # every causal-LM architecture transformers ships
+    from .io.archsweep import add_parser as _archsweep_parser  # every causal-LM architecture transformers ships
 
     _archsweep_parser(sub)
     sub.choices["sweep-architectures"].set_defaults(handler=cmd_sweep_architectures)
@@ -53,15 +53,15 @@ def _exports(args, res, lm=None) -> None:
     """--json-out, --html and --repro (every view but bisect): written after the run; a message on stderr each."""
     from pathlib import Path
 
-    from .export import export_json, html_report
+    from .io.export import export_json, html_report
 
     if getattr(args, "memory_plan", None) is not None:
-        from .memory import attach
+        from .core.memory import attach
 
         attach(res, args.memory_plan)  # every JSON result carries the plan, with the measured peak
     fp = None
     if lm is not None:
-        from .fingerprint import fingerprint
+        from .core.fingerprint import fingerprint
 
         fp = fingerprint(lm)
     for flag, make in (("json_out", lambda: export_json(res, fp)), ("html", lambda: html_report(res))):
@@ -69,7 +69,7 @@ def _exports(args, res, lm=None) -> None:
         if target:
             _write(Path(target), make(), args)
     if getattr(args, "repro", None):
-        from .repro import repro_script
+        from .io.repro import repro_script
 
         _write(Path(args.repro), repro_script(res, lm, Path(args.repro).name), args)
 
@@ -96,7 +96,7 @@ def refused_flags(command: str, not_honoured: dict | None) -> dict[str, str]:
     """The common flags (argparse dests) a subcommand refuses, and why: those its view's run refuses (View.refuses:
     --invariant, --no-proof) and those its parser names (`not_honoured`, e.g. --json-out; its reason first)."""
     from . import views
-    from .protocol import REFUSABLE_FLAGS
+    from .core.protocol import REFUSABLE_FLAGS
 
     try:
         view = views.for_command(command)
@@ -128,8 +128,8 @@ def _run(args) -> int:
     plan = getattr(out.result, "memory_plan", None)
     over = plan.over_plan() if plan is not None else None  # a wrong plan is said, not only measured
     if getattr(args, "json", False):
-        from .export import result_dict
-        from .jsonout import dumps
+        from .io.export import result_dict
+        from .io.jsonout import dumps
 
         print(dumps(out.payload() if out.payload else result_dict(out.result)))
         if over:
@@ -146,7 +146,7 @@ def cmd_open(args) -> Outcome:
     from pathlib import Path
 
     from . import views
-    from .export import open_result
+    from .io.export import open_result
 
     p = Path(args.file)
     if not p.is_file():
@@ -166,14 +166,14 @@ def cmd_open(args) -> Outcome:
                                              "differs from here — " + "; ".join(opened.environment_differences))
 
     if args.html:
-        from .export import html_report
+        from .io.export import html_report
 
         _write(Path(args.html), html_report(res), args)
     return Outcome(res, summary=summary, exportable=False, payload=lambda: json.loads(p.read_text(encoding="utf-8")))
 
 
 def cmd_sweep_architectures(args) -> Outcome:
-    from .archsweep import cli
+    from .io.archsweep import cli
 
     cli(args)  # a long sweep prints each row as it finishes, then its totals (or the JSON)
     return Outcome(None, exportable=False, printed=True)
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.command:
         parser.print_help()
         return 2
-    from .compat import range_warning  # said by the CLI when it runs, not by importing kvviz
+    from .models.compat import range_warning  # said by the CLI when it runs, not by importing kvviz
 
     if range_warning() is not None:
         print(range_warning(), file=sys.stderr)

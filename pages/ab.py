@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Callable
 import streamlit as st
 
 import kvviz
-from kvviz.execution import ExecSettings
+from kvviz.core.execution import ExecSettings
 from pages.runner import progress_bar, run_cached, show_error
 
 if TYPE_CHECKING:

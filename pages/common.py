@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import streamlit as st
 
 import kvviz
-from kvviz.execution import ExecSettings
-from kvviz.verdict import UNKNOWN, headline, worst
+from kvviz.core.execution import ExecSettings
+from kvviz.core.verdict import UNKNOWN, headline, worst
 from pages import ensure_navigation  # noqa: F401  (pages import it from here)
 from pages.devices import devices_control, placement_caption, placement_kwargs
 from pages.runner import progress_bar, show_error
@@ -330,7 +330,7 @@ def prompt_set(prefix: str, sources: list[str], prompt: str, categories: list[st
     """The prompt-set control of the views that run many prompts (Dtypes, Serving): one prompt, the built-in set by
     category (`categories` ticked; None: all) or an uploaded .txt/.jsonl file, the first `limit` by default. Keys
     <prefix>_source, _prompt, _cats, _limit, _upload, _up_limit. A bad file is one line and the page stops."""
-    from kvviz.prompts import builtin_prompts, parse_prompts
+    from kvviz.core.prompts import builtin_prompts, parse_prompts
     from pages.runner import page_message
 
     source = st.radio("Prompts", sources, horizontal=True, key=f"{prefix}_source")

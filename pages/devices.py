@@ -10,7 +10,7 @@ from __future__ import annotations
 import streamlit as st
 
 import kvviz
-from kvviz.placement import parse_placement, placement_summary
+from kvviz.models.placement import parse_placement, placement_summary
 
 CHOICES = {"one device": "one", "auto": "auto", "spread": "spread"}
 

@@ -6,7 +6,7 @@ from pages.defaults import DEFAULTS
 import kvviz
 from kvviz.views.dtypes import figures as dtypes_figures
 from kvviz.views.dtypes.run import run_dtypes
-from kvviz.firstscreen import dtypes_line
+from kvviz.teach.firstscreen import dtypes_line
 from pages.common import controls, page, prompt_set, show_verdict, verdict_and_chart
 from pages.runner import progress_bar, run_cached, show_error
 from pages.ab import ab_run, show_ab

@@ -3,17 +3,17 @@ from __future__ import annotations
 
 import streamlit as st
 
-from kvviz.errors import KvvizError
+from kvviz.core.errors import KvvizError
 
 def exports(res, name: str, lm=None) -> None:
     """Every page's downloads: the result as JSON (with the environment), a self-contained HTML report and (split,
     greedy, dtypes, padding, reuse) a standalone repro script. Built on click only, so views stay cheap."""
-    from kvviz.export import export_json, html_report
+    from kvviz.io.export import export_json, html_report
 
     cols = st.columns(3)
 
     def as_json() -> str:  # the model fingerprint (hashes the vocabulary) only when the download is asked for
-        from kvviz.fingerprint import fingerprint
+        from kvviz.core.fingerprint import fingerprint
 
         return export_json(res, fingerprint(lm) if lm is not None else None)
 
@@ -22,7 +22,7 @@ def exports(res, name: str, lm=None) -> None:
     cols[1].download_button("Report (HTML)", lambda: html_report(res), file_name=f"kvviz-{name}.html",
                             mime="text/html", key=f"dl_html_{name}", on_click="ignore")
     if lm is not None:
-        from kvviz.repro import check_reproducible, repro_script, repro_views
+        from kvviz.io.repro import check_reproducible, repro_script, repro_views
 
         try:
             why = None if name in repro_views() and check_reproducible(res) else "not for this view"

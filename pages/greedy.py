@@ -6,8 +6,8 @@ from pages.defaults import DEFAULTS
 from kvviz.views.greedy import figures as greedy_figures
 from kvviz.views.greedy.run import (DEFAULT_PATHS, MAX_NEW_TOKENS, PATH_LABELS, PATHS, GreedyConfig, GreedyPath,
                                     run_greedy)
-from kvviz.inputs import POSITION_MODES
-from kvviz.firstscreen import greedy_closest_call
+from kvviz.core.inputs import POSITION_MODES
+from kvviz.teach.firstscreen import greedy_closest_call
 from pages.common import controls, page, show_verdict, verdict_and_chart
 from pages.runner import progress_bar, run_cached, show_error
 from pages.ab import ab_run, show_ab
@@ -62,7 +62,7 @@ with left:
             # Where a real model meets a near tie depends on the machine's kernels, so the one click opens the
             # constructed scenario that flips on every machine; a scenario is named on the page (its banner) and
             # ends when you leave the page or pick another model - the sidebar is not switched for every page.
-            from kvviz.presets import PRESETS, preset_state
+            from kvviz.teach.presets import PRESETS, preset_state
             from pages.state import start_scenario
 
             tie = next(p for p in PRESETS if p.key == "tie")

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import streamlit as st
 
-from kvviz.presets import all_presets, preset_state
+from kvviz.teach.presets import all_presets, preset_state
 from pages.common import PAGE_TITLES, ensure_navigation, nav_page
 from pages.state import start_scenario
 
@@ -53,7 +53,7 @@ for i, p in enumerate(PRESETS):
 with st.expander("Prepare the meeting: run scenarios ahead, show them at once", icon=":material/event_available:"):
     st.caption("Runs the chosen scenarios now and keeps their results: **Open a result** then shows each at once "
                "(no model runs during the meeting), and offers one HTML report with all of them.")
-    from kvviz.meeting import default_dir, prepare
+    from kvviz.teach.meeting import default_dir, prepare
 
     picked = st.multiselect("Scenarios", [p.key for p in PRESETS], default=["tie", "padding", "proof"],
                             format_func=lambda k: next(p.title for p in PRESETS if p.key == k), key="meeting_keys")

@@ -1,10 +1,10 @@
-"""Page: the Lesson - precision-error accumulation in eight steps, each one live computation (kvviz/lesson.py), a
-"predict, then reveal" question and its figure (kvviz/lesson_figures.py); the whole lesson as one HTML handout."""
+"""Page: the Lesson - precision-error accumulation in eight steps, each one live computation (kvviz/teach/lesson.py), a
+"predict, then reveal" question and its figure (kvviz/teach/lesson_figures.py); the whole lesson as one HTML handout."""
 import streamlit as st
 
-from kvviz import lesson
-from kvviz.dtypes import DTYPE_NAMES
-from kvviz.lesson_figures import figure, handout_html
+from kvviz.teach import lesson
+from kvviz.core.dtypes import DTYPE_NAMES
+from kvviz.teach.lesson_figures import figure, handout_html
 from pages.common import page
 from pages.runner import progress_bar, run_cached, show_error
 
@@ -36,7 +36,7 @@ step = next(k for k, v in SHORT.items() if v == ss["lesson_step"])
 def exercises_page() -> None:
     """Find the bug: a scenario with its settings hidden; the gap, the float64 rerun on request, the student's
     verdict checked against kvviz's, then what was hidden."""
-    from kvviz.exercises import ANSWERS, BY_KEY, run_exercise
+    from kvviz.teach.exercises import ANSWERS, BY_KEY, run_exercise
     from kvviz.views.split.figures import split_heatmap
 
     st.subheader("Exercises: find the bug")

@@ -4,10 +4,10 @@ import streamlit as st
 from pages.defaults import DEFAULTS
 
 from kvviz.views.matrix import figures as matrix_figures
-from kvviz.backends import CACHE_KINDS, COMPILE_MODES
+from kvviz.core.backends import CACHE_KINDS, COMPILE_MODES
 from kvviz.views.matrix.run import MatrixConfig, run_matrix, sliding_window_config
-from kvviz.firstscreen import matrix_why
-from kvviz.verdict import worst as worst_of
+from kvviz.teach.firstscreen import matrix_why
+from kvviz.core.verdict import worst as worst_of
 from pages.common import controls, page, show_verdict
 from pages.runner import page_message, progress_bar, run_cached, show_error
 from pages.exporting import exports

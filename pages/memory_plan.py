@@ -6,7 +6,7 @@
 
 One caption: the estimate against what is free (the full plan on hover); a run that cannot fit gets one error
 line naming what to lower, and `blocks_run(plan)` is True so the page can disable its Run button. Nothing is
-loaded to make the plan (kvviz.memory reads the model's files only).
+loaded to make the plan (kvviz.core.memory reads the model's files only).
 """
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ from dataclasses import replace
 
 import streamlit as st
 
-from kvviz.memory import GB, MemoryPlan, Workload, plan_workload
+from kvviz.core.memory import GB, MemoryPlan, Workload, plan_workload
 
 
 def plan_for(choice, view: str, workload: Workload) -> MemoryPlan:
     """The plan of a page's run from the sidebar choice (kvviz's ModelChoice: spec, dtype, device, attention): the
-    same builder as the CLI's (kvviz.memory.plan_workload)."""
+    same builder as the CLI's (kvviz.core.memory.plan_workload)."""
     if workload.attention == "auto" and getattr(choice, "attn", None):  # the sidebar's attention implementation
         workload = replace(workload, attention=str(choice.attn))
     return plan_workload(choice.spec, choice.dtype, choice.device, view, workload)

@@ -2,9 +2,9 @@
 import streamlit as st
 
 from kvviz import views
-from kvviz.errors import KvvizError, first_line
-from kvviz.export import open_result
-from kvviz.plotting import plain_index
+from kvviz.core.errors import KvvizError, first_line
+from kvviz.io.export import open_result
+from kvviz.core.plotting import plain_index
 from pages.common import page, show_verdict, verdict_style
 from pages.runner import show_error
 from pages.exporting import exports
@@ -13,7 +13,7 @@ page("Open a result",
      "A result downloaded from any page (Result JSON) opens here as it was: verdict, charts and tables, without "
      "loading or running any model. If it was computed with other versions or on another device, it says so.",
      needs_model=False)
-from kvviz.meeting import default_dir, prepared  # noqa: E402
+from kvviz.teach.meeting import default_dir, prepared  # noqa: E402
 
 ready = prepared(default_dir())  # "Prepare the meeting" (Home) left these: they open at once, no model runs
 data = None

@@ -5,7 +5,7 @@ from pages.defaults import DEFAULTS
 
 from kvviz.views.padding import figures as padding_figures
 from kvviz.views.padding.run import run_padding
-from kvviz.firstscreen import padding_line
+from kvviz.teach.firstscreen import padding_line
 from pages.common import controls, page, show_verdict
 from pages.runner import progress_bar, run_cached, show_error
 from pages.ab import ab_run, show_ab

@@ -4,7 +4,7 @@ import streamlit as st
 from pages.defaults import DEFAULTS
 
 from kvviz.views.reuse import figures as reuse_figures
-from kvviz.verdict import Verdict, worst as worst_of
+from kvviz.core.verdict import Verdict, worst as worst_of
 from kvviz.views.reuse.run import REUSE_STRATEGIES, run_reuse
 from pages.common import controls, page, show_verdict
 from pages.runner import progress_bar, run_cached, show_error

@@ -11,9 +11,9 @@ import time
 
 import streamlit as st
 
-from kvviz import cancel
-from kvviz.compat import script_request_state
-from kvviz.errors import OUT_OF_MEMORY_HINT, KvvizError, first_line, free_memory, is_out_of_memory
+from kvviz.core import cancel
+from kvviz.models.compat import script_request_state
+from kvviz.core.errors import OUT_OF_MEMORY_HINT, KvvizError, first_line, free_memory, is_out_of_memory
 
 def page_message():
     """Where a message about the controls goes: the top of the page (the controls may be collapsed)."""
@@ -82,7 +82,7 @@ class _Ticker:
         self.lock = threading.Lock()
 
     def _msg(self) -> str:
-        """The last report's message, with the layer the run is at now (kvviz.cancel's checkpoints) while a step
+        """The last report's message, with the layer the run is at now (kvviz.core.cancel's checkpoints) while a step
         reports nothing else: "invariant proof: Full forward without cache (layer 12 of 30)"."""
         where = self.where()
         return f"{self.msg.rstrip('…')} ({where})…" if where and where not in self.msg else self.msg
@@ -107,7 +107,7 @@ def progress_bar(label: str):
     """Yields a progress callback (fraction, message) drawn as a progress bar at the top of the page, with a time-left
     estimate (redrawn every second, also between reports, with the layer the run is at) and a Stop button; removed
     when done. Inside `run_cached` Stop ends the run at its next checkpoint (a report, a model call, a layer:
-    kvviz.cancel) and `run_cached` then says how far it got instead of starting it again."""
+    kvviz.core.cancel) and `run_cached` then says how far it got instead of starting it again."""
     from streamlit.runtime.scriptrunner import add_script_run_ctx, get_script_run_ctx
 
     slot = st.session_state.get("_top_slot")
@@ -124,7 +124,7 @@ def progress_bar(label: str):
 
     def report(frac: float, msg: str) -> None:
         if token is not None:
-            token.check()  # Stop, a closed tab or a rerun: the run ends here (kvviz.cancel)
+            token.check()  # Stop, a closed tab or a rerun: the run ends here (kvviz.core.cancel)
             token.where = ""  # a new step: the layer it is at comes with its next checkpoint
         if run is not None:
             run["frac"], run["msg"] = frac, msg
@@ -154,9 +154,9 @@ def progress_bar(label: str):
 
 
 def workload(key_parts: dict):
-    """What a run holds, read off its run_cached key (kvviz.memory.Workload): its prompts, new tokens, padding,
+    """What a run holds, read off its run_cached key (kvviz.core.memory.Workload): its prompts, new tokens, padding,
     split point, dtypes, batch, weights."""
-    from kvviz.memory import Workload
+    from kvviz.core.memory import Workload
 
     cfg = key_parts.get("cfg") if isinstance(key_parts.get("cfg"), dict) else {}
     texts = [key_parts.get("prompt"), key_parts.get("prefix"), cfg.get("prompt")]
@@ -180,7 +180,7 @@ def workload(key_parts: dict):
 
 def _memory_plan(name: str, key_parts: dict, fresh: bool):
     """The run's memory plan beside the result (a caption, the full plan on hover); a run that cannot fit is refused
-    in one line naming what to lower, before it starts (kvviz.memory; nothing is loaded to make the plan)."""
+    in one line naming what to lower, before it starts (kvviz.core.memory; nothing is loaded to make the plan)."""
     from pages.memory_plan import blocks_run, show_plan
 
     from kvviz import views
@@ -198,9 +198,9 @@ def _memory_plan(name: str, key_parts: dict, fresh: bool):
 
 
 def _measured(compute, plan):
-    """compute(), with the run's own peak measured against its plan (kvviz.memory.reset_peak: the server ran other
+    """compute(), with the run's own peak measured against its plan (kvviz.core.memory.reset_peak: the server ran other
     work before) and the plan attached to the result (its JSON export carries it)."""
-    from kvviz.memory import reset_peak
+    from kvviz.core.memory import reset_peak
 
     baseline = reset_peak(plan.device) if plan is not None else None
     result = compute()
@@ -216,7 +216,7 @@ def _measured(compute, plan):
 
 # The runs working right now in this server process, any session: a run on one model waits for the model's lock
 # while another holds it, and says so (what holds it, since when) instead of a silent wait. Each entry carries the
-# run's cancel token (kvviz.cancel), its last progress report and an event set when it has ended (the lock freed).
+# run's cancel token (kvviz.core.cancel), its last progress report and an event set when it has ended (the lock freed).
 _RUNNING: dict[int, dict] = {}
 _RUNNING_LOCK = threading.Lock()
 _STOPPED: dict[tuple[str, str], dict] = {}  # (session, run name) -> the last stopped run's entry, read by the rerun
@@ -428,7 +428,7 @@ def _proof_choice(name: str, key: str):
 def run_cached(name: str, key_parts: dict, compute):
     """Run `compute()` once per distinct inputs in this session; view-only reruns reuse the stored result. The
     run's memory plan is shown first, and a run that cannot fit is refused before it starts. The run can be stopped
-    (Stop, a closed tab, a changed control): it ends at its next checkpoint (kvviz.cancel), frees the model, and the
+    (Stop, a closed tab, a changed control): it ends at its next checkpoint (kvviz.core.cancel), frees the model, and the
     next script run says how far it got."""
     store = st.session_state.setdefault(f"_results_{name}", {})
     key = hashlib.sha256(json.dumps(key_parts, sort_keys=True, default=str).encode()).hexdigest()

@@ -4,11 +4,11 @@ import dataclasses
 
 import streamlit as st
 
-from kvviz.clirun import split_list
-from kvviz.errors import KvvizError
+from kvviz.io.clirun import split_list
+from kvviz.core.errors import KvvizError
 from kvviz.views.serving import figures as serving_figures, report as serving_report, run as serving, sweep
 from kvviz.engines.serving import ENGINES, engine_status
-from kvviz.firstscreen import serving_why
+from kvviz.teach.firstscreen import serving_why
 from pages.common import controls, page, prompt_set, show_verdict
 from pages.runner import progress_bar, run_cached, show_error
 from pages.defaults import DEFAULTS

@@ -4,11 +4,11 @@ import streamlit as st
 from pages.defaults import DEFAULTS
 
 import kvviz
-from kvviz import plotting
+from kvviz.core import plotting
 from kvviz.views.split import figures as split_figures
-from kvviz.inputs import MASK_MODES, POSITION_MODES, encode
-from kvviz.metrics import HIDDEN_METRICS
-from kvviz.firstscreen import rounding_away_note, split_identical_why
+from kvviz.core.inputs import MASK_MODES, POSITION_MODES, encode
+from kvviz.core.metrics import HIDDEN_METRICS
+from kvviz.teach.firstscreen import rounding_away_note, split_identical_why
 from pages.common import controls, page, show_verdict, token_strip, verdict_and_chart
 from pages.state import linked_slider_box
 from pages.runner import page_message, progress_bar, run_cached, show_error
@@ -158,7 +158,7 @@ with st.expander("Where does it start? (bisector)", expanded=st.session_state.ge
               on_click=lambda k=bisect_key: st.session_state.__setitem__("split_bisect_for", k))
     if st.session_state.get("split_bisect_for") == bisect_key:
         from kvviz.views.bisect.run import run_bisect
-        from kvviz.naming import module_row
+        from kvviz.core.naming import module_row
 
         try:
             b = run_cached("bisect", {"model": choice.key, "cfg": cfg.__dict__},

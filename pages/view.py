@@ -1,12 +1,12 @@
 """Page: a view without a page script of its own (kvviz/views/<folder>/ with a Page entry and no pages/<folder>.py).
-Its config's fields are its controls (kvviz.protocol.config_fields); its run goes through the protocol; its verdict,
+Its config's fields are its controls (kvviz.core.protocol.config_fields); its run goes through the protocol; its verdict,
 figures and tables come from its registry entry; its downloads are every page's."""
 import dataclasses
 
 import streamlit as st
 
 from kvviz import views
-from kvviz.protocol import RunContext, config_fields, config_from
+from kvviz.core.protocol import RunContext, config_fields, config_from
 from pages.common import controls, page, show_verdict, verdict_and_chart, verdict_style
 from pages.exporting import exports
 from pages.runner import progress_bar, run_cached, show_error

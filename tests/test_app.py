@@ -174,7 +174,7 @@ def test_a_folder_model_typed_into_other(tmp_path, count_runs):
     with a real gap (so the float64 rerun loads the folder again, from the parsed spec)."""
     import shutil
 
-    from kvviz.loading import tiny_folder
+    from kvviz.models.loading import tiny_folder
 
     folder = tmp_path / "my-model"
     shutil.copytree(tiny_folder("llama"), folder, ignore=shutil.ignore_patterns("kvviz-tiny.json"))
@@ -612,7 +612,7 @@ def test_open_a_result_lists_the_prepared_meeting():
     import os
     from pathlib import Path
 
-    from kvviz.meeting import prepare
+    from kvviz.teach.meeting import prepare
 
     prepare(["padding"], Path(os.environ["KVVIZ_CACHE"]) / "meeting")
     at = app()
@@ -645,7 +645,7 @@ def test_home_prepares_the_meeting_with_its_button():
 def test_presenter_mode_headlines_the_verdict_from_its_proof_state():
     """Presenter mode shows the verdict in one sentence written from the result's verdict and proof state (the whole
     explanation one click away), on a split that parts in bfloat16 and is proved."""
-    from kvviz.verdict import headline
+    from kvviz.core.verdict import headline
 
     at = start("pages/split.py", model="tiny:llama", presenter=True, dtype="bfloat16")
     box = alerts(at)

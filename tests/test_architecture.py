@@ -26,10 +26,37 @@ def test_the_cycle_finder_finds_a_cycle():  # so that the next test can fail
 
 def test_no_import_cycles_in_the_library():
     graph = import_graph()
-    assert {"execution", "views.split.run", "views.greedy.run", "loading"} <= set(graph)
-    assert "execution" in graph["views.split.run"] and "views" in graph["views.check.run"]  # the card composes through the registry
+    assert {"core.execution", "views.split.run", "views.greedy.run", "models.loading"} <= set(graph)
+    assert "core.execution" in graph["views.split.run"] and "views" in graph["views.check.run"]  # the card composes through the registry
     assert cycles(graph) == []
-    assert not {"backends", "quant", "invariant"} & graph["execution"]  # extensions register themselves
+    assert not {"core.backends", "views.quant", "core.invariant"} & graph["core.execution"]  # extensions register themselves
+
+
+def test_the_graph_counts_every_kind_of_import(tmp_path):
+    """Function-local, relative and absolute imports are all arrows (a hidden `from .. import views` inside a core
+    function is an upward arrow like any other), and the layer check finds one."""
+    pkg = tmp_path / "kvviz"
+    for d in ("core", "views", "teach"):
+        (pkg / d).mkdir(parents=True)
+        (pkg / d / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "core" / "a.py").write_text("def f():\n    from .. import views\n    from ..teach import lesson\n")
+    (pkg / "core" / "b.py").write_text("import kvviz.teach.lesson\nfrom kvviz.core import a\n")
+    (pkg / "teach" / "lesson.py").write_text("from ..core import a, b\n")
+    graph = _graph.import_graph(pkg)
+    assert graph["core.a"] == {"views", "teach.lesson"} and graph["core.b"] == {"teach.lesson", "core.a"}
+    assert graph["teach.lesson"] == {"core.a", "core.b"}
+    assert _graph.upward_arrows(graph) == ["core.a -> teach.lesson", "core.a -> views", "core.b -> teach.lesson"]
+
+
+def test_the_layers_only_look_down():
+    """kvviz/core and kvviz/models import nothing above them, engines no view, views and io nothing from teach
+    (bench/import_graph.py RANK), counting function-local imports; the top level holds only packages and the entry
+    modules."""
+    assert _graph.upward_arrows(import_graph()) == []
+    assert sorted(p.name for p in (ROOT / "kvviz").glob("*.py")) == ["__init__.py", "__main__.py", "cli.py"]
+    packages = sorted(p.name for p in (ROOT / "kvviz").iterdir() if (p / "__init__.py").is_file())
+    assert packages == sorted(_graph.RANK)
 
 
 def test_the_documented_graph_is_the_code_s():
@@ -65,7 +92,7 @@ def test_a_new_view_is_one_folder_and_one_registry_line(example_view, tmp_path, 
 
     from kvviz import views
     from kvviz.cli import main
-    from kvviz.export import open_result
+    from kvviz.io.export import open_result
 
     assert "next_token" in views.names() and views.get("next_token").command == "next-token"
     out, page = tmp_path / "r.json", tmp_path / "r.html"

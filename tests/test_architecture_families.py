@@ -1,16 +1,16 @@
 """Model families with their own ways (float32 casts inside a float64 model, routers, RWKV/Mamba states as caches,
 linear-attention hybrids, ALiBi and mask-built positions, multimodal configs, parallel residual streams): each runs
-the split and the card correctly, on a tiny model of the family (kvviz.tiny.TINY_SWEEP, built by the architecture
+the split and the card correctly, on a tiny model of the family (kvviz.models.tiny.TINY_SWEEP, built by the architecture
 sweep's own config builder)."""
 import pytest
 
-from kvviz.compat import output_cache, transformers_at_least
+from kvviz.models.compat import output_cache, transformers_at_least
 import torch
 
 import kvviz
 from kvviz.views.check.run import run_check
-from kvviz.execution import Executor, has_cache, state_argument
-from kvviz.float64 import KeepFloat64
+from kvviz.core.execution import Executor, has_cache, state_argument
+from kvviz.core.float64 import KeepFloat64
 from kvviz.views.split.run import SplitConfig, run_split
 
 from conftest import DEVICE

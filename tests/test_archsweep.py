@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from kvviz import archsweep
-from kvviz.errors import KvvizError
+from kvviz.io import archsweep
+from kvviz.core.errors import KvvizError
 
 from conftest import ROOT
 
@@ -17,7 +17,7 @@ TABLE = ROOT / "docs" / "architectures.json"
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
     _for_this_version()  # before the sweep: on a transformers the table does not describe, nothing to compare
-    # two worker processes (`python -m kvviz.archsweep`, the sweep's --jobs path): half the wall time on 2 cores
+    # two worker processes (`python -m kvviz.io.archsweep`, the sweep's --jobs path): half the wall time on 2 cores
     return {r.model_type: r for r in archsweep.sweep(list(archsweep.CI_SUBSET), timeout=None,
                                                         workdir=tmp_path_factory.mktemp("arch"), jobs=2)}
 
@@ -28,7 +28,7 @@ def _table():
 
 def _made_for() -> str:
     """The newest transformers the table's rows were made with (the version the table is for)."""
-    from kvviz.compat import _vtuple
+    from kvviz.models.compat import _vtuple
 
     return max((r["transformers"] for r in _table().values()), key=_vtuple)
 
@@ -39,7 +39,7 @@ def _for_this_version():
     table describes."""
     import transformers
 
-    from kvviz.compat import _vtuple
+    from kvviz.models.compat import _vtuple
 
     made, have = _made_for(), transformers.__version__
     if _vtuple(have) > _vtuple(made):

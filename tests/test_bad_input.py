@@ -8,8 +8,8 @@ import torch
 
 import kvviz
 from kvviz.cli import main
-from kvviz.errors import KvvizError
-from kvviz.loading import tiny_folder
+from kvviz.core.errors import KvvizError
+from kvviz.models.loading import tiny_folder
 
 from conftest import ROOT, DEVICE
 
@@ -115,7 +115,7 @@ def test_out_of_memory_is_one_line_and_frees(monkeypatch, capsys):
 def test_first_line_of_an_error(error, limit, fallback, typed, line):
     """Every one-line message of an error kvviz did not foresee (CLI, app, engines, sweeps) is cut the same way;
     typed: with the class name in front (matrix and padding cells, the arch sweep, the serving engines)."""
-    from kvviz.errors import first_line
+    from kvviz.core.errors import first_line
 
     assert first_line(error, limit, fallback, typed=typed) == line
 
@@ -209,7 +209,7 @@ def test_greedy_page_context_overflow_in_the_app():
 
 
 def test_bad_upload_in_the_dtypes_page():
-    from kvviz.prompts import parse_prompts
+    from kvviz.core.prompts import parse_prompts
 
     # the page hands uploads to parse_prompts; its messages are what the page shows
     for data, words in ((b"\xff\xfe\xfa", "not UTF-8"), (b"", "no prompts")):
@@ -245,7 +245,7 @@ def _damaged_split_results() -> dict[str, tuple[bytes, str]]:
     the words of its one line)."""
     import json
 
-    from kvviz.export import export_json
+    from kvviz.io.export import export_json
 
     lm = kvviz.load_model("tiny:gpt2", "float32", DEVICE)
     good = json.loads(export_json(kvviz.run_split(lm, kvviz.SplitConfig("Hello world again", 2), prove=False)))
@@ -257,7 +257,7 @@ def _damaged_split_results() -> dict[str, tuple[bytes, str]]:
 
 
 def test_a_damaged_result_header_is_one_line():
-    from kvviz.export import open_result
+    from kvviz.io.export import open_result
 
     with pytest.raises(KvvizError, match="header is not an object"):
         open_result(_damaged_split_results()["header"][0])
@@ -302,7 +302,7 @@ def test_flex_attention_in_float64_on_the_cpu_is_one_line(capsys):
     with pytest.raises(KvvizError, match="flex_attention has no float64 kernel"):
         kvviz.load_model("tiny:llama", "float64", DEVICE, "flex_attention")
     lm = kvviz.load_model("tiny:llama", "float32", DEVICE, "eager")
-    from kvviz.reference import reference_model
+    from kvviz.core.reference import reference_model
 
     class Flex:  # the float32 model as loaded with flex_attention: its reference is refused before any run
         dtype, device, attn_implementation = lm.dtype, lm.device, "flex_attention"

@@ -6,12 +6,12 @@ import threading
 
 import pytest
 
-from kvviz.compat import output_cache
+from kvviz.models.compat import output_cache
 import torch
 
 import kvviz
 from kvviz.views.bisect.run import module_kind, run_bisect
-from kvviz.execution import ExecSettings
+from kvviz.core.execution import ExecSettings
 from kvviz.views.loading_trap.run import run_loading_trap
 from kvviz.views.split.run import SplitConfig, run_split
 
@@ -120,8 +120,8 @@ def test_bisector_keeps_only_the_compared_rows(mode):
     output: a real model's head over a long prompt is gigabytes in float64); the cached run's recorder keeps no
     tensor, only gaps - and the gaps are the ones of the whole outputs (every module of a bit-identical run 0,
     a perturbed module's gap > 0)."""
-    from kvviz.execution import Executor
-    from kvviz.inputs import build_inputs
+    from kvviz.core.execution import Executor
+    from kvviz.core.inputs import build_inputs
     from kvviz.views.bisect.run import _Recorder, _cached_rest
 
     lm = private(kvviz.load_model("tiny:gemma3", "float32", DEVICE))
@@ -149,7 +149,7 @@ def test_bisector_keeps_only_the_compared_rows(mode):
 def test_max_abs_gap_in_chunks_is_the_whole_upcasts():
     """metrics.max_abs_gap in float64 chunks gives the maxima of upcasting both tensors whole (chunks that do not
     divide the tensor, the largest gap in the last chunk)."""
-    from kvviz import metrics
+    from kvviz.core import metrics
 
     g = torch.Generator().manual_seed(0)
     ref = torch.randn(7, 13, 11, generator=g).to(torch.bfloat16)
@@ -171,7 +171,7 @@ def test_the_bisectors_comparisons_upcast_one_chunk_at_a_time(mode, monkeypatch)
     output is larger; the verdict and gaps are those of the unchunked run."""
     from torch.overrides import TorchFunctionMode
 
-    from kvviz import metrics
+    from kvviz.core import metrics
 
     lm = private(kvviz.load_model("tiny:llama", "float32", DEVICE))
     total = len(lm.tokenizer(PROMPT)["input_ids"])

@@ -3,9 +3,9 @@ cached run, with its module path (layer naming rule), shapes and dtypes - in nor
 import torch
 
 import kvviz
-from kvviz import invariant
+from kvviz.core import invariant
 from kvviz.views.bisect.run import layer_name, run_bisect
-from kvviz.execution import ExecSettings
+from kvviz.core.execution import ExecSettings
 from kvviz.views.split.run import SplitConfig
 
 from conftest import DEVICE, PROMPT, RowCountRounding

@@ -311,7 +311,7 @@ def test_a_copied_link_reopens_the_same_view_and_numbers(server, artifacts):
 
 def test_open_a_result_shows_the_page_without_a_model(server, artifacts, tmp_path):
     import kvviz
-    from kvviz.export import export_json
+    from kvviz.io.export import export_json
 
     lm = kvviz.load_model("tiny:gpt2", "float32", "cpu")
     res = kvviz.run_split(lm, kvviz.SplitConfig("Hello world, caching is fun!", 4))

@@ -13,7 +13,7 @@ import time
 import pytest
 
 import kvviz
-from kvviz import cancel
+from kvviz.core import cancel
 from kvviz.views.split.run import run_split
 
 from conftest import ROOT
@@ -94,8 +94,8 @@ def test_the_float64_rerun_stops(lm):
 def test_every_decoder_layer_is_a_checkpoint_while_a_token_is_current(lm):
     """Inside a scope each forward checks once, then before every decoder layer (and every module inside one),
     telling where the run is; outside a scope nothing is attached to the model."""
-    from kvviz.execution import Executor
-    from kvviz.streaming import decoder_layers
+    from kvviz.core.execution import Executor
+    from kvviz.core.streaming import decoder_layers
 
     ids = lm.tokenizer("Hello there, this is a prompt", return_tensors="pt")["input_ids"]
     layers = decoder_layers(lm.model)
@@ -119,7 +119,7 @@ def test_every_decoder_layer_is_a_checkpoint_while_a_token_is_current(lm):
 
 def test_a_run_waiting_for_the_lock_stops_waiting(lm):
     """Another run holds the model; this one, stopped while it waits, gives up at once instead of queueing."""
-    from kvviz.execution import Executor
+    from kvviz.core.execution import Executor
 
     held, release = threading.Event(), threading.Event()
 

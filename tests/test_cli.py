@@ -218,7 +218,7 @@ REFUSED = [
 
 @pytest.mark.parametrize("argv,flag", REFUSED)
 def test_a_flag_a_subcommand_cannot_honour_is_refused_in_one_line(argv, flag, capsys, monkeypatch):
-    monkeypatch.setattr("kvviz.loading.load_model", lambda *a, **k: pytest.fail("refused flags must fail before loading"))
+    monkeypatch.setattr("kvviz.models.loading.load_model", lambda *a, **k: pytest.fail("refused flags must fail before loading"))
     code = main([*argv, flag, "--model", "tiny:llama", "--quiet"])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("kvviz: error: " + flag) and len(err.strip().splitlines()) == 1

@@ -1,4 +1,4 @@
-"""kvviz.compat: every transformers internal or version-dependent behaviour kvviz relies on, checked against the
+"""kvviz.models.compat: every transformers internal or version-dependent behaviour kvviz relies on, checked against the
 installed transformers. Each test fails with one line naming the installed version and what moved."""
 import inspect
 import os
@@ -12,8 +12,8 @@ import torch
 import transformers
 
 import kvviz
-from kvviz import compat
-from kvviz.execution import Executor
+from kvviz.models import compat
+from kvviz.core.execution import Executor
 from conftest import DEVICE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,7 +21,7 @@ V = transformers.__version__
 
 
 def moved(what: str) -> str:
-    return f"transformers {V}: {what} (kvviz/compat.py follows it; see docs/compat.md)"
+    return f"transformers {V}: {what} (kvviz/models/compat.py follows it; see docs/compat.md)"
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -73,7 +73,7 @@ def test_tested_range_and_its_warning():
     line = compat.range_warning("5.99.0")
     assert line is not None and "\n" not in line and compat.TESTED_MIN in line and compat.TESTED_MAX in line
     assert compat.range_warning(compat.TESTED_MAX) is None
-    # the declared range is the tested one: pyproject.toml and the lock agree with kvviz.compat
+    # the declared range is the tested one: pyproject.toml and the lock agree with kvviz.models.compat
     py = (ROOT / "pyproject.toml").read_text()
     assert f'"transformers>={compat.TESTED_MIN},<={compat.TESTED_MAX}"' in py
     lock = (ROOT / "requirements.lock").read_text()
@@ -106,7 +106,7 @@ def test_output_collector_is_the_running_forwards_record():
         h.remove()
     assert seen and seen[0] is not None, moved("no record of hidden states is active inside a decoder layer")
     assert isinstance(seen[0], dict) and "hidden_states" in seen[0] or hasattr(seen[0], "get"), \
-        moved(f"the collector holds {type(seen[0]).__name__}, not the record kvviz.streaming drains")
+        moved(f"the collector holds {type(seen[0]).__name__}, not the record kvviz.core.streaming drains")
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -216,13 +216,13 @@ def test_no_transformers_internal_outside_the_compat_module():
     files = [p for d in ("kvviz", "pages", "bench") for p in (ROOT / d).rglob("*.py")] + [ROOT / "app.py"]
     hits = []
     for p in files:
-        if p == ROOT / "kvviz" / "compat.py":
+        if p == ROOT / "kvviz" / "models" / "compat.py":
             continue
         for i, line in _code_lines(p):
             for pat in INTERNALS:
                 if re.search(pat, line):
                     hits.append(f"{p.relative_to(ROOT)}:{i}: {line.strip()[:100]}")
-    assert not hits, "transformers internals outside kvviz/compat.py:\n" + "\n".join(hits)
+    assert not hits, "transformers internals outside kvviz/models/compat.py:\n" + "\n".join(hits)
 
 
 def test_the_compat_module_lists_every_entry_it_holds():
@@ -261,7 +261,7 @@ def test_views_run_with_future_warnings_as_errors(args, shows):
 def test_a_failure_in_the_engine_thread_reaches_the_caller_as_one_line(monkeypatch):
     """What the 5.24 loop signature change did (the thread died with a TypeError): now one line, not a thread
     traceback, naming the installed transformers."""
-    from kvviz.errors import KvvizError
+    from kvviz.core.errors import KvvizError
     from kvviz.engines import serving as engines
     from kvviz.engines.serving import Request, TransformersEngine
 
@@ -294,8 +294,8 @@ def test_the_output_recorder_installs_once_before_the_streams_hooks(arch, first)
     records (capture_outputs), as that forward does lazily: one recorder hook a decoder layer, whether kvviz or a
     forward recording hidden states comes first (installed from another module, e.g. the ForCausalLM that also
     declares what it can record, every layer got a second recorder after a forward had installed one)."""
-    from kvviz.loading import clear_cache
-    from kvviz.streaming import decoder_layers
+    from kvviz.models.loading import clear_cache
+    from kvviz.core.streaming import decoder_layers
 
     clear_cache()
     lm = kvviz.load_model(f"tiny:{arch}", "float32", DEVICE)
@@ -362,8 +362,8 @@ def foreign_private_access(path: Path) -> list[str]:
 
 def test_no_foreign_private_attribute_outside_the_compat_module(tmp_path):
     files = [p for d in ("kvviz", "pages", "bench") for p in (ROOT / d).rglob("*.py")] + [ROOT / "app.py"]
-    hits = [h for p in sorted(files) if p != ROOT / "kvviz" / "compat.py" for h in foreign_private_access(p)]
-    assert hits == [], "private attributes of foreign objects outside kvviz/compat.py:\n" + "\n".join(hits)
+    hits = [h for p in sorted(files) if p != ROOT / "kvviz" / "models" / "compat.py" for h in foreign_private_access(p)]
+    assert hits == [], "private attributes of foreign objects outside kvviz/models/compat.py:\n" + "\n".join(hits)
     # the scan finds what it must: a private field of a foreign object, also through getattr, not in compat_* code
     probe = tmp_path / "probe.py"
     probe.write_text("import torch\nfrom kvviz import cancel\n"

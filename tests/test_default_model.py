@@ -3,7 +3,7 @@
 import pytest
 
 import kvviz
-from kvviz.loading import clear_cache, default_gguf_path
+from kvviz.models.loading import clear_cache, default_gguf_path
 
 pytestmark = pytest.mark.slow
 from conftest import DEVICE
@@ -51,8 +51,8 @@ def test_default_model_converts_once_then_loads_from_cache(tmp_path, monkeypatch
 def test_plan_counts_a_converted_ggufs_tokens_with_its_tokenizer():
     """A GGUF file converted once: the memory plan counts a prompt's tokens with its own tokenizer (before it was
     converted, a bound: UTF-8 bytes + 2 - a 721-token prompt planned as 3,308 tokens, refused on a machine it fits)."""
-    from kvviz import memory
-    from kvviz.inputs import encode
+    from kvviz.core import memory
+    from kvviz.core.inputs import encode
 
     text = "The quick brown fox jumps over the lazy dog. " * 20
     lm = kvviz.load_model("default", "float32", DEVICE)

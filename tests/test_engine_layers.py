@@ -13,7 +13,7 @@ import torch
 
 from conftest import ROOT
 from kvviz.engines import engine_python
-from kvviz.errors import KvvizError
+from kvviz.core.errors import KvvizError
 
 ENGINES_DIR = ROOT / "kvviz" / "engines"
 PREFIX = ("You are a careful assistant. Answer in one short sentence, with no preamble, no lists and no markdown; "
@@ -232,7 +232,7 @@ def _result():
 
 
 def test_export_reopen_and_html_round_trip():
-    from kvviz.export import export_json, html_report, open_result
+    from kvviz.io.export import export_json, html_report, open_result
     from kvviz.views.engine_layers.figures import layers_frame, main, prompts_frame
 
     res = _result()
@@ -270,7 +270,7 @@ def test_vllm_warm_vs_cold_bfloat16_parts_and_is_precision_layer_by_layer():
     both stay within rounding of the float64 reference at every layer (a wrong row-to-request mapping or a
     misread residual would put a side O(1) away from it)."""
     import kvviz
-    from kvviz.export import export_json, open_result
+    from kvviz.io.export import export_json, open_result
     from kvviz.views.engine_layers import EngineLayersConfig, run_engine_layers
 
     lm = kvviz.load_model("default", "bfloat16", "cpu")
@@ -349,7 +349,7 @@ def test_llamacpp_warm_vs_cold_layer_by_layer_through_the_eval_callback():
     only those past the reused prefix; both within the 8-bit-activation bound of the float64 reference of the
     dequantized GGUF at every layer (a misplaced row or a stale cache would be O(1) away)."""
     import kvviz
-    from kvviz.export import export_json, html_report, open_result
+    from kvviz.io.export import export_json, html_report, open_result
     from kvviz.views.engine_layers import EngineLayersConfig, run_engine_layers
 
     lm = kvviz.load_model("default", "float32", "cpu")

@@ -7,8 +7,8 @@ import torch
 from safetensors import safe_open
 
 import kvviz
-from kvviz.execution import Executor
-from kvviz.gguf_stream import INDEX_NAME
+from kvviz.core.execution import Executor
+from kvviz.models.gguf_stream import INDEX_NAME
 
 
 @pytest.mark.slow
@@ -18,7 +18,7 @@ def test_converted_default_model_is_a_standard_checkpoint():
     bit (vLLM read the old folder's missing embedding as zeros: uniform logits)."""
     from transformers import AutoModelForCausalLM
 
-    from kvviz.loading import converted_gguf_folder, default_gguf_path
+    from kvviz.models.loading import converted_gguf_folder, default_gguf_path
 
     lm = kvviz.load_model("default", "float32", "cpu")
     folder = converted_gguf_folder(default_gguf_path())
@@ -88,7 +88,7 @@ def test_vllm_cold_and_warm_prefix_against_the_float64_reference():
 
 def _reopens(res):
     """The export/HTML/open flow of every view: the engine, its paths and verdicts survive the round trip."""
-    from kvviz.export import export_json, html_report, open_result
+    from kvviz.io.export import export_json, html_report, open_result
     from kvviz.views.serving.run import summary_text
 
     back = open_result(export_json(res)).result
@@ -106,7 +106,7 @@ def test_llamacpp_warm_repeat_batch_and_fresh_on_the_gguf_itself():
     against the float64 reference from the same GGUF, dequantized. A wrong position or a sequence reading its
     neighbour's cache would put a path nats away from the reference."""
     from kvviz.views.serving import ServeConfig, run_serving
-    from kvviz.inputs import encode
+    from kvviz.core.inputs import encode
 
     lm = kvviz.load_model("default", "float32", "cpu")
     prompts = ["The capital of France is", "Water boils at a temperature of"]
@@ -191,7 +191,7 @@ def test_worker_failure_is_one_line_and_the_worker_is_stopped(monkeypatch, tmp_p
     import sys
 
     from kvviz.engines import WorkerClient
-    from kvviz.errors import KvvizError
+    from kvviz.core.errors import KvvizError
     from kvviz.views.serving import ServeConfig, run_serving
 
     env = tmp_path / "engines" / "vllm"
@@ -222,7 +222,7 @@ def test_llamacpp_batch_decodes_each_sequence_at_its_own_positions():
     sequence's log-probs match the same prompt decoded alone (every step while the paths agree) to llama.cpp's rounding (8-bit activations:
     tenths of a nat); a token at a wrong position or attending to its neighbour's cache moves them by more."""
     from kvviz.engines import WorkerClient
-    from kvviz.inputs import encode
+    from kvviz.core.inputs import encode
     from kvviz.engines.workers import gguf_of
 
     lm = kvviz.load_model("default", "float32", "cpu")

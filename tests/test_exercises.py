@@ -1,8 +1,9 @@
-"""Find the bug (kvviz/exercises.py): each exercise's hidden scenario gives the verdict its story promises, and the
+"""Find the bug (kvviz/teach/exercises.py): each exercise's hidden scenario gives the verdict its story promises, and the
 check grades an answer against it."""
 import pytest
 
-from kvviz import KvvizError, exercises, lesson
+from kvviz import KvvizError
+from kvviz.teach import exercises, lesson
 
 from conftest import DEVICE
 

@@ -12,16 +12,16 @@ import pytest
 import torch
 
 import kvviz
-from kvviz import loops
+from kvviz.core import loops
 from kvviz.views.greedy import figures as greedy_figures
 from kvviz.views.split import figures as split_figures
 from kvviz.cli import main
 from kvviz.views.dtypes.run import run_dtypes
-from kvviz.errors import KvvizError
-from kvviz.export import export_json, html_report, open_result
+from kvviz.core.errors import KvvizError
+from kvviz.io.export import export_json, html_report, open_result
 from kvviz.views.greedy.run import GreedyConfig, run_greedy
 from kvviz.views.padding.run import run_padding
-from kvviz.repro import key_figure, repro_script
+from kvviz.io.repro import key_figure, repro_script
 from kvviz.views.reuse.run import run_reuse
 
 from conftest import DEVICE, PROMPT, QUANTO
@@ -51,7 +51,7 @@ def test_json_round_trip_without_a_model(results, view, monkeypatch):
     text = export_json(res)
     head = json.loads(text)["kvviz_result"]
     assert head["view"] == view and head["environment"]["torch"] and "flags" in head["environment"]
-    monkeypatch.setattr(kvviz.loading, "_load", lambda *a, **k: pytest.fail("opening a result loaded a model"))
+    monkeypatch.setattr(kvviz.models.loading, "_load", lambda *a, **k: pytest.fail("opening a result loaded a model"))
     opened = open_result(text)
     assert opened.view == view and opened.environment_differences == []
     assert export_json(opened.result) == text.replace(json.dumps(head, ensure_ascii=False), json.dumps(
@@ -125,7 +125,7 @@ def numerics_line(threads: int) -> str:
 def test_exports_record_the_numerics(results):
     """JSON and HTML say which threads, CPU capability and flags computed the result; reopening at another thread
     count names the difference."""
-    from kvviz.numerics import describe, numerics
+    from kvviz.core.numerics import describe, numerics
 
     for threads in (1, 2):
         with torch_threads(threads):

@@ -3,7 +3,7 @@
 `import streamlit` makes "streamlit" plotly's default template for the whole process: its colours are placeholders
 (#000001..#000040) that only Streamlit's frontend replaces. Every figure the app's process builds - the HTML report's,
 the meeting bundle's, the lesson handout's - used to start with it, so a file exported from the app drew black lines
-and solid black bars. kvviz writes figures with its own template (kvviz.export.standalone_figure)."""
+and solid black bars. kvviz writes figures with its own template (kvviz.io.export.standalone_figure)."""
 import numpy as np
 import plotly.graph_objects as go
 import plotly.io as pio
@@ -11,7 +11,7 @@ import pytest
 import streamlit  # noqa: F401  (what the app's process has imported: plotly's default template is Streamlit's)
 
 import kvviz
-from kvviz.export import PLACEHOLDER_COLOUR, figure_html, html_report, main_figures, standalone_figure
+from kvviz.io.export import PLACEHOLDER_COLOUR, figure_html, html_report, main_figures, standalone_figure
 
 from conftest import PROMPT, ROOT
 
@@ -64,9 +64,9 @@ def test_a_colour_taken_from_the_apps_template_is_refused():
 
 
 def test_the_meeting_bundle_and_the_lesson_handout_keep_their_colours(split_result):
-    from kvviz import lesson
-    from kvviz.lesson_figures import handout_html
-    from kvviz.meeting import bundle
+    from kvviz.teach import lesson
+    from kvviz.teach.lesson_figures import handout_html
+    from kvviz.teach.meeting import bundle
 
     meeting = bundle([("split", html_report(split_result))])
     assert placeholders(meeting) == [] and PLOTLY_BLUE in meeting

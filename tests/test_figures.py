@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import kvviz
-from kvviz import plotting
+from kvviz.core import plotting
 from kvviz.views.dtypes import figures as dtypes_figures
 from kvviz.views.greedy import figures as greedy_figures
 from kvviz.views.padding import figures as padding_figures
@@ -156,7 +156,7 @@ def test_ab_heatmaps_share_one_scale_and_draw_the_difference():
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_display_tokens_whole_characters_and_never_the_replacement_sign(arch):
-    from kvviz.text import display_tokens, fmt_number
+    from kvviz.core.text import display_tokens, fmt_number
 
     tok = kvviz.load_model(f"tiny:{arch}", "float32", DEVICE).tokenizer
     ids = tok.encode("a世b🤖", add_special_tokens=False)

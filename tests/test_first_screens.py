@@ -45,7 +45,7 @@ def test_why_an_identical_split_is_identical_and_the_fix_that_shows_a_gap():
     import dataclasses
 
     import kvviz
-    from kvviz.firstscreen import split_identical_why
+    from kvviz.teach.firstscreen import split_identical_why
 
     lm = kvviz.load_model("tiny:llama", "float32", "cpu")
     res = kvviz.run_split(lm, kvviz.SplitConfig(prompt="Hello world, caching is fun! 123", split=6), prove=False)
@@ -94,7 +94,7 @@ def test_why_a_dtype_shows_nothing_and_the_fix_that_shows_its_gap():
     import dataclasses
 
     import kvviz
-    from kvviz.firstscreen import dtypes_line
+    from kvviz.teach.firstscreen import dtypes_line
     from kvviz.views.dtypes.run import run_dtypes
 
     res = run_dtypes(kvviz.parse_spec("tiny:llama"), ["Hello world, caching is fun! 123"], ["float32", "bfloat16"],
@@ -164,7 +164,7 @@ def test_why_no_serving_condition_parted_and_the_fix():
     import dataclasses
 
     import kvviz
-    from kvviz.firstscreen import serving_why
+    from kvviz.teach.firstscreen import serving_why
     from kvviz.views.serving.run import ServeConfig, run_serving
 
     lm = kvviz.load_model("tiny:llama", "float32", "cpu")
@@ -184,7 +184,7 @@ def test_why_no_serving_condition_parted_and_the_fix():
 def test_a_bisector_finding_before_the_heatmaps_first_row_is_explained_as_rounding_away():
     import numpy as np
 
-    from kvviz.firstscreen import rounding_away_note
+    from kvviz.teach.firstscreen import rounding_away_note
 
     gaps = np.zeros((5, 3))  # embeddings + 4 layers, 3 compared positions
     gaps[3:, 1] = 1e-6  # the heatmap's first differing row: layer 3 (decoder layer module 2)
@@ -206,7 +206,7 @@ def test_why_a_matrix_shows_nothing_and_the_fix():
     import dataclasses
 
     import kvviz
-    from kvviz.firstscreen import matrix_why
+    from kvviz.teach.firstscreen import matrix_why
     from kvviz.views.matrix.run import MatrixConfig, run_matrix
 
     lm = kvviz.load_model("tiny:llama", "float32", "cpu")
@@ -225,7 +225,7 @@ def test_greedy_why_line_never_says_a_margin_within_the_gap_stayed_above_it():
     numbers: within the gap and no flip says why the choice held; above the gap says above."""
     from types import SimpleNamespace as NS
 
-    from kvviz.firstscreen import greedy_closest_call
+    from kvviz.teach.firstscreen import greedy_closest_call
 
     def res(margins, gaps):
         return NS(pairs=[NS(a="no_cache", b="cache", max_abs_logit=gaps)], paths={"no_cache": NS(margins=margins)})

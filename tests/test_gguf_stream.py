@@ -1,4 +1,4 @@
-"""GGUF conversion tensor by tensor (kvviz.gguf_stream): sharded safetensors + index, the same bytes as the
+"""GGUF conversion tensor by tensor (kvviz.models.gguf_stream): sharded safetensors + index, the same bytes as the
 whole-model conversion, loaded by transformers through the index."""
 import json
 import os
@@ -10,8 +10,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import kvviz
-from kvviz.gguf_stream import INDEX_NAME, NotStreamable, ShardWriter
-from kvviz.loading import _convert_whole, _read_gguf_header, clear_cache, convert_gguf, default_gguf_path, tiny_folder
+from kvviz.models.gguf_stream import INDEX_NAME, NotStreamable, ShardWriter
+from kvviz.models.loading import _convert_whole, _read_gguf_header, clear_cache, convert_gguf, default_gguf_path, tiny_folder
 
 
 def _read_index(folder):

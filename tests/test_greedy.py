@@ -3,11 +3,11 @@ import pytest
 import torch
 
 import kvviz
-from kvviz.compat import cache_argument, output_cache
-from kvviz.errors import KvvizError
+from kvviz.models.compat import cache_argument, output_cache
+from kvviz.core.errors import KvvizError
 from kvviz.views.greedy.run import PATHS, GreedyConfig, run_greedy
 from conftest import DEVICE
-from kvviz.execution import Executor
+from kvviz.core.execution import Executor
 
 PROMPT = "Once upon a time, there"
 N = 12
@@ -55,9 +55,9 @@ def test_exact_paths_equal_naive_loops_bit_for_bit(arch, dtype):
     assert res.paths["no_cache"].token_ids == nc_ids[0, ids.shape[1]:].tolist()
     assert res.paths["cache"].token_ids == c_ids[0, ids.shape[1]:].tolist()
     # logit for logit: kvviz's captured logits are the naive loops' logits, bitwise
-    from kvviz.execution import Executor
+    from kvviz.core.execution import Executor
     from kvviz.views.greedy.run import StepRecorder, _cache, no_cache_loop  # the same functions run_greedy uses
-    from kvviz.inputs import build_inputs
+    from kvviz.core.inputs import build_inputs
 
     inp = build_inputs(lm, PROMPT, 0, N)
     ex = Executor(lm)
@@ -168,7 +168,7 @@ def test_stop_at_divergence_truncates():
 
 
 def test_result_json_has_everything():
-    from kvviz.jsonout import dumps
+    from kvviz.io.jsonout import dumps
     import json
 
     lm = kvviz.load_model("tiny:llama", "bfloat16", DEVICE)
@@ -237,7 +237,7 @@ def test_the_greedy_proof_replays_the_parting_step_only(monkeypatch):
         calls["invariant" if self.settings.invariant else "normal"] += 1
         return real(self, *a, **k)
 
-    from kvviz.simkernel import split_k_kernel
+    from kvviz.core.simkernel import split_k_kernel
 
     monkeypatch.setattr(Executor, "forward", counting)
     lm = kvviz.load_model("tiny:split", "float32", DEVICE)

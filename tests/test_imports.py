@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 import kvviz
-from kvviz import compat, execution, memory
+from kvviz.models import compat
+from kvviz.core import execution, memory
 
 ROOT = Path(__file__).resolve().parent.parent
 KVVIZ = ROOT / "kvviz"
@@ -50,7 +51,7 @@ def test_outside_the_tested_range_import_is_silent_and_the_cli_and_the_model_say
 def test_kvviz_imports_and_plans_a_run_without_resource():
     code = ("import sys; sys.modules['resource'] = None\n"
             "import kvviz\n"
-            "from kvviz import memory\n"
+            "from kvviz.core import memory\n"
             "assert memory._address_space_left() is None\n"
             "from kvviz.cli import main\n"
             "rc = main(['split', '--model', 'tiny:llama', '--prompt', 'The capital of France is', '--split', '3',"
@@ -109,7 +110,7 @@ def test_no_module_fills_a_registry_by_being_imported():
 
 
 def test_registering_again_adds_nothing():
-    from kvviz import backends, invariant
+    from kvviz.core import backends, invariant
 
     before = (list(execution._CACHE_KINDS), list(execution._RUN_CONTEXTS), list(execution._COMPILER),
               list(execution._SETTINGS_CHECKS))

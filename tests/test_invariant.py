@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 import kvviz
-from kvviz import invariant
-from kvviz.execution import ExecSettings, Executor
+from kvviz.core import invariant
+from kvviz.core.execution import ExecSettings, Executor
 from kvviz.views.greedy.run import GreedyConfig, run_greedy
 from kvviz.views.padding.run import run_padding
 from kvviz.views.split.run import SplitConfig, run_split

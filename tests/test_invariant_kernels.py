@@ -1,11 +1,11 @@
-"""The fixed-shape invariant kernels (kvviz/invariant.py): a row's bits depend on the row alone - not on how many rows
+"""The fixed-shape invariant kernels (kvviz/core/invariant.py): a row's bits depend on the row alone - not on how many rows
 come with it, where it sits, where its keys start in the tensor - at library-GEMM speed, and the shape probes refuse
 a kernel whose result depends on position (the per-row forms are then used)."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kvviz import invariant
+from kvviz.core import invariant
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -195,7 +195,7 @@ def test_a_forwards_mask_is_analysed_once_for_all_its_layers_and_never_reused_st
 
 def test_a_tiny_model_makes_one_plan_a_forward():
     import kvviz
-    from kvviz.execution import Executor, ExecSettings
+    from kvviz.core.execution import Executor, ExecSettings
 
     if not invariant.native_attention_ok(torch.device("cpu"), torch.float32, 16, 16):
         pytest.skip("the native kernel's probe does not pass on this CPU: fast_sdpa falls back")
@@ -219,7 +219,7 @@ def test_sdpa_as_eager_is_a_setting_of_the_run_not_a_thread_state():
     """ExecSettings(sdpa_as_eager=True) makes invariant mode's SDPA mirror eager attention for that run only (the
     matrix's runs); it travels in the settings' JSON, and an older export without it reads as False."""
     import kvviz
-    from kvviz.execution import ExecSettings, Executor
+    from kvviz.core.execution import ExecSettings, Executor
 
     lm = kvviz.load_model("tiny:llama", "float32", "cpu")
     ids = torch.arange(3, 43)[None]

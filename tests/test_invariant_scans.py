@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 import kvviz
-from kvviz import invariant
-from kvviz.execution import ExecSettings
+from kvviz.core import invariant
+from kvviz.core.execution import ExecSettings
 from kvviz.views.split.run import SplitConfig, run_split
 
 from conftest import DEVICE
@@ -112,7 +112,7 @@ def test_logsumexp_and_softmax_do_not_depend_on_masked_keys_or_the_rows_length()
 
 
 def test_granite_swa_proof_is_exactly_0():
-    from kvviz.archsweep import _proof, build_arch
+    from kvviz.io.archsweep import _proof, build_arch
     import tempfile
     from pathlib import Path
 

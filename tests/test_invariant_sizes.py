@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import kvviz
-from kvviz import invariant
-from kvviz.execution import ExecSettings
+from kvviz.core import invariant
+from kvviz.core.execution import ExecSettings
 from kvviz.views.split.run import SplitConfig, run_split
 
 from conftest import DEVICE, PROMPT

@@ -11,8 +11,8 @@ import kvviz
 from kvviz.views.cache.size import KVShape, formula_bytes, known_configs, measured_bytes, per_token_bytes, size_report
 from kvviz.views.check.run import run_check
 from kvviz.cli import main
-from kvviz.errors import KvvizError
-from kvviz.execution import ExecSettings
+from kvviz.core.errors import KvvizError
+from kvviz.core.execution import ExecSettings
 from kvviz.views.cache.run import continue_and_compare, load_cache, save_cache, save_cache_bytes
 from kvviz.views.split.run import SplitConfig, run_split
 

@@ -5,13 +5,13 @@ import numpy as np
 import pytest
 
 import kvviz
-from kvviz.errors import KvvizError
+from kvviz.core.errors import KvvizError
 from kvviz.views.dtypes.run import run_dtypes
 from kvviz.views.padding.run import PLACEMENTS, SCENARIOS, run_padding
 from kvviz.views.reuse.run import run_reuse
-from kvviz.prompts import builtin_prompts, load_prompts, parse_prompts
+from kvviz.core.prompts import builtin_prompts, load_prompts, parse_prompts
 from kvviz.views.split.run import SplitConfig, run_split
-import kvviz.jsonout  # noqa: E402,F401
+import kvviz.io.jsonout  # noqa: E402,F401
 from conftest import DEVICE
 
 PROMPTS = ["Hello world, caching is fun", "def f(x):\n    return x", "Bonjour tout le monde", "1, 2, 3, 4, 5,"]
@@ -45,7 +45,7 @@ def test_dtypes_set_average_equals_mean_of_single_runs():
     # eps units divide by each dtype's own epsilon
     eps = kvviz.machine_eps(kvviz.parse_dtype("bfloat16"))
     np.testing.assert_allclose(res.per_prompt["eps_units"]["bfloat16"], res.per_prompt["relative"]["bfloat16"] / eps)
-    d = json.loads(kvviz.jsonout.dumps(res.to_dict()))
+    d = json.loads(kvviz.io.jsonout.dumps(res.to_dict()))
     assert set(d["per_layer"]["max_abs"]["mean"]) == {"float64", "float32", "bfloat16"}
     assert d["verdict_counts"]["float32"]["logic"] == 0
 

@@ -1,12 +1,13 @@
-"""The Lesson (kvviz/lesson.py): each step's live numbers, its answer, its figure, and the offline handout."""
+"""The Lesson (kvviz/teach/lesson.py): each step's live numbers, its answer, its figure, and the offline handout."""
 import math
 import re
 
 import pytest
 import torch
 
-from kvviz import KvvizError, lesson
-from kvviz.lesson_figures import figure, handout_html
+from kvviz import KvvizError
+from kvviz.teach import lesson
+from kvviz.teach.lesson_figures import figure, handout_html
 
 from conftest import DEVICE
 
@@ -176,7 +177,7 @@ def test_the_pages_bench_times_every_lesson_step():
 
 
 def test_steps_share_their_runs_within_a_lesson_walk(models, monkeypatch):
-    from kvviz.execution import Executor
+    from kvviz.core.execution import Executor
 
     calls = []
     real = Executor.forward
@@ -194,7 +195,7 @@ def test_steps_share_their_runs_within_a_lesson_walk(models, monkeypatch):
 def test_the_no_flip_words_follow_the_numbers():
     """Why the paths did not part, in words computed from the margins and gaps: an exact tie with bit-for-bit equal
     logits is not "a margin within that gap" (both are 0: nothing could flip), a margin inside a nonzero gap is."""
-    from kvviz.lesson import _no_flip_words
+    from kvviz.teach.lesson import _no_flip_words
 
     equal = _no_flip_words({"margins": [0.5, 0.0, 0.3], "gaps": [0.0, 0.0, 0.0]})
     assert "an exact tie" in equal and "bit for bit equal at every step" in equal and "within that gap" not in equal

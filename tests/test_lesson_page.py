@@ -4,7 +4,7 @@ import pytest
 
 pytest.importorskip("streamlit")  # the app tests need Streamlit (a GPU image may lack it)
 
-import kvviz.lesson as lesson_mod
+import kvviz.teach.lesson as lesson_mod
 
 from test_app import alerts, count_calls, start
 
@@ -58,7 +58,7 @@ def test_bad_input_is_one_line_and_the_handout_downloads():
 
 
 def test_find_the_bug_exercises_check_the_students_verdict(monkeypatch):
-    import kvviz.exercises as exercises
+    import kvviz.teach.exercises as exercises
 
     calls = count_calls(monkeypatch, exercises, "run_exercise")
     at = start("pages/lesson.py", model="tiny:llama")

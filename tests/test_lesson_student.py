@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from kvviz import lesson
-from kvviz.lesson_figures import figure, handout_html
+from kvviz.teach import lesson
+from kvviz.teach.lesson_figures import figure, handout_html
 
 from conftest import DEVICE, PROMPT, ROOT
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import kvviz
-from kvviz.errors import KvvizError
-from kvviz.loading import parse_spec, tiny_folder
+from kvviz.core.errors import KvvizError
+from kvviz.models.loading import parse_spec, tiny_folder
 
 from conftest import DEVICE
 
@@ -26,7 +26,7 @@ def test_tiny_models_are_saved_and_loaded_as_folders(kvviz_cache):
 
 @pytest.mark.parametrize("arch", kvviz.TINY_ARCHS)
 def test_each_tiny_arch_loads_with_its_quirks(arch):
-    from kvviz.tiny import TINY_MODEL_TYPES
+    from kvviz.models.tiny import TINY_MODEL_TYPES
 
     lm = kvviz.load_model(f"tiny:{arch}", "float32", DEVICE)
     assert lm.arch == TINY_MODEL_TYPES.get(arch, arch)
@@ -68,7 +68,7 @@ def test_float64_models_stay_float64():
     norm = lm.model.model.norm  # LlamaRMSNorm casts to float32 inside; under kvviz it must not round
     x = torch.randn(1, 3, 64, dtype=torch.float64, device=lm.device)
     with torch.inference_mode():
-        from kvviz.float64 import KeepFloat64
+        from kvviz.core.float64 import KeepFloat64
 
         with KeepFloat64():
             exact = norm(x)
@@ -137,7 +137,7 @@ def test_trust_remote_code_is_off_by_default_and_warned_when_on():
 
 
 def test_cache_dir_honours_xdg(monkeypatch, tmp_path):
-    from kvviz.loading import cache_dir
+    from kvviz.models.loading import cache_dir
 
     monkeypatch.delenv("KVVIZ_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))

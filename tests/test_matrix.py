@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import kvviz
-from kvviz import backends, flags
-from kvviz.errors import KvvizError
-from kvviz.execution import ExecSettings, Executor
+from kvviz.core import backends, flags
+from kvviz.core.errors import KvvizError
+from kvviz.core.execution import ExecSettings, Executor
 from kvviz.views.matrix.run import MatrixConfig, run_matrix, sliding_window_config
 
 from conftest import DEVICE

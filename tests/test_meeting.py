@@ -1,12 +1,12 @@
 """Prepare the meeting: chosen scenarios run ahead into results Open a result shows at once, one HTML bundles them.
-Every scenario of kvviz.presets runs here (the sliding-window one in the heavy tier), each with the effect it
+Every scenario of kvviz.teach.presets runs here (the sliding-window one in the heavy tier), each with the effect it
 promises."""
 import pytest
 
-from kvviz.errors import KvvizError
-from kvviz.export import open_result
-from kvviz.meeting import prepare, prepared
-from kvviz.presets import PRESETS
+from kvviz.core.errors import KvvizError
+from kvviz.io.export import open_result
+from kvviz.teach.meeting import prepare, prepared
+from kvviz.teach.presets import PRESETS
 
 
 

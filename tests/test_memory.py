@@ -1,4 +1,4 @@
-"""Memory plans (kvviz.memory): computed before loading, printed by --plan, carried by every JSON result, and a run
+"""Memory plans (kvviz.core.memory): computed before loading, printed by --plan, carried by every JSON result, and a run
 that cannot fit is refused in one line; an allocation failure is never called a damaged file."""
 import json
 import subprocess
@@ -8,27 +8,29 @@ from types import SimpleNamespace
 import pytest
 from conftest import ROOT
 
-from kvviz import cli, memory
-from kvviz.errors import KvvizError, is_out_of_memory
-from kvviz.memory import KNOWN_SHAPES, ModelShape, plan_run, plan_shape
+from kvviz import cli
+from kvviz.io import clirun
+from kvviz.core import memory
+from kvviz.core.errors import KvvizError, is_out_of_memory
+from kvviz.core.memory import KNOWN_SHAPES, ModelShape, plan_run, plan_shape
 
 
 def _no_loading(monkeypatch):
-    import kvviz.loading
+    import kvviz.models.loading
 
     def boom(*a, **k):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr(kvviz.loading, "load_model", boom)
+    monkeypatch.setattr(kvviz.models.loading, "load_model", boom)
 
 
 def test_plan_reads_the_model_files_without_loading(monkeypatch, capsys):
     _no_loading(monkeypatch)
     plan = plan_run("tiny:llama", "float32", "cpu", "split", tokens=20)
     sh = memory.model_shape("tiny:llama")
-    import kvviz.tiny
+    import kvviz.models.tiny
 
-    cfg = kvviz.tiny.TINY_CONFIGS["llama"]
+    cfg = kvviz.models.tiny.TINY_CONFIGS["llama"]
     assert (sh.layers, sh.hidden, sh.vocab) == (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"])
     assert plan.weights == 4 * sh.params and sh.checkpoint_dtype == "float32"
     assert plan_run("tiny:llama", "bfloat16", "cpu", "split", tokens=20).weights == 2 * sh.params
@@ -43,7 +45,7 @@ def test_weight_quantization_plans_the_model_copy(monkeypatch, capsys):
     from kvviz.cli import build_parser
 
     def plan(argv):
-        return memory.plan_for_args(build_parser().parse_args(argv))
+        return clirun.plan_for_args(build_parser().parse_args(argv))
 
     for view, extra in (("check", []), ("quant", ["--prompt", "Hello world"])):
         base = plan([view, "--model", "tiny:llama", "--dtype", "bfloat16"] + extra)
@@ -145,7 +147,7 @@ def test_cli_says_when_the_run_peaked_over_its_plan(monkeypatch, capsys, tmp_pat
 
 def test_free_memory_honours_rlimit_as():
     code = ("import resource; resource.setrlimit(resource.RLIMIT_AS, (6 * 1024**3, resource.RLIM_INFINITY)); "
-            "from kvviz.memory import free_bytes; import json; print(json.dumps(free_bytes('cpu')))")
+            "from kvviz.core.memory import free_bytes; import json; print(json.dumps(free_bytes('cpu')))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     free, src = json.loads(r.stdout)
     assert free < 6 * 1024 ** 3
@@ -155,7 +157,7 @@ def test_free_memory_honours_rlimit_as():
 def test_allocation_failure_is_not_a_damaged_file(monkeypatch):
     import transformers
 
-    from kvviz.loading import clear_cache, load_model
+    from kvviz.models.loading import clear_cache, load_model
 
     assert is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes"))
     assert is_out_of_memory(OSError(12, "Cannot allocate memory"))
@@ -175,7 +177,7 @@ def test_allocation_failure_is_not_a_damaged_file(monkeypatch):
 def test_logits_compared_in_chunks_of_positions(monkeypatch):
     import torch
 
-    from kvviz import metrics
+    from kvviz.core import metrics
 
     g = torch.Generator().manual_seed(0)
     ref = torch.randn(37, 1000, generator=g, dtype=torch.float32)
@@ -253,8 +255,8 @@ def test_a_bigger_process_is_planned_bigger(kvviz_cache):
 def test_a_split_runs_its_bisector_only_where_it_fits_beside_the_model(monkeypatch, free, runs):
     """The bisector a split runs after a failed proof is not in the split's plan: it runs only where its own
     estimate fits in what is free beside the loaded model."""
-    from kvviz.execution import DEFAULT_SETTINGS
-    from kvviz.loading import load_model
+    from kvviz.core.execution import DEFAULT_SETTINGS
+    from kvviz.models.loading import load_model
     from kvviz.views.split import run as split
 
     calls = []
@@ -340,7 +342,7 @@ def test_the_plan_counts_the_attention_kernel_the_run_asks_for():
     from kvviz.cli import build_parser
 
     prompt = "word " * 1500
-    plans = {a: memory.plan_for_args(build_parser().parse_args(
+    plans = {a: clirun.plan_for_args(build_parser().parse_args(
         ["split", "--model", "tiny:llama", "--prompt", prompt, "--split", "10"] + (["--attn", a] if a else [])))
         for a in ("", "sdpa", "eager")}
     assert plans[""].activations == plans["sdpa"].activations < plans["eager"].activations
@@ -351,7 +353,7 @@ def test_the_plan_counts_the_attention_kernel_the_run_asks_for():
 def test_a_peak_within_measurement_noise_of_its_plan_says_nothing():
     """A peak 2.1 MiB over a 1.2 GiB plan (RSS moves by pages and arenas) drew the over-plan box above the chart;
     only a real miss speaks."""
-    from kvviz.memory import over_plan_slack
+    from kvviz.core.memory import over_plan_slack
 
     plan = memory.plan_workload("tiny:llama", "float32", "cpu", "split", memory.Workload(texts=("Hello world",)))
     allowed = plan.allowed()

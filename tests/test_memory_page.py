@@ -28,7 +28,7 @@ def test_the_plan_is_shown_beside_the_run():
 
 
 def test_a_run_that_cannot_fit_is_refused_before_it_starts(monkeypatch):
-    import kvviz.memory as memory
+    import kvviz.core.memory as memory
     import kvviz.views.greedy.run as greedy
 
     calls = []
@@ -46,7 +46,7 @@ def test_a_run_that_cannot_fit_is_refused_before_it_starts(monkeypatch):
 def test_a_run_that_peaked_over_its_plan_says_so_on_the_page(monkeypatch, peak_gib, said):
     """The test hook: the run's measured peak is reported as peak_gib (its plan is a few GiB at most). Over the plan,
     the page says so in one line under the run; within it, nothing is said."""
-    import kvviz.memory as memory
+    import kvviz.core.memory as memory
 
     monkeypatch.setattr(memory, "measured_peak", lambda device: peak_gib * memory.GB)
     at = start("pages/split.py")

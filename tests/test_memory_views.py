@@ -10,11 +10,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from kvviz import memory
-from kvviz.execution import Executor
-from kvviz.inputs import encode
-from kvviz.loading import load_model
-from kvviz.memory import BYTES, Workload, model_shape, plan_workload, working_bytes
+from kvviz.core import memory
+from kvviz.core.execution import Executor
+from kvviz.core.inputs import encode
+from kvviz.models.loading import load_model
+from kvviz.core.memory import BYTES, Workload, model_shape, plan_workload, working_bytes
 
 GEMMA3_VOCAB = 262144
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 5  # 225 byte tokens and BOS: the logits dominate
@@ -164,7 +164,7 @@ def test_a_float64_card_plans_its_token_by_token_reference_not_every_positions_l
 def test_the_card_holds_only_float64_caches_in_any_dtype():
     """The card runs only on the float64 reference, so a bfloat16 card holds float64 caches only (its plan counted
     a bfloat16 cache beside them); a view that runs in bfloat16 holds both."""
-    from kvviz.memory import plan_shape
+    from kvviz.core.memory import plan_shape
 
     shape = dataclasses.replace(model_shape("tiny:llama"), vocab=GEMMA3_VOCAB)
     T = 1028
@@ -177,7 +177,7 @@ def test_the_card_holds_only_float64_caches_in_any_dtype():
 
 # The real Gemma 3 270M as the GGUF route reads it (float32 checkpoint, its 262k-token tokenizer's tables) and the
 # random-weight folder of the same shape; the cache-safety card's measured peaks, /usr/bin/time (docs/benchmarks.md,
-# "The card phase by phase"), 1028 tokens; the CLI's process when kvviz.memory was imported: 252.5 MB.
+# "The card phase by phase"), 1028 tokens; the CLI's process when kvviz.core.memory was imported: 252.5 MB.
 GEMMA3_270M = memory.ModelShape(params=268098176, layers=18, hidden=640, vocab=GEMMA3_VOCAB, intermediate=2048,
                                 heads=4, kv_heads=1, head_dim=256, largest=167772160, checkpoint_dtype="float32",
                                 sliding_window=512, tokenizer_bytes=333713970)
@@ -211,7 +211,7 @@ def test_the_step_loop_holds_two_logits_chunks_one_row_and_the_full_forwards_res
     and the chunk being compared (REFERENCE_LOGITS_BYTES each, or every compared row where they fit), one step's
     row and its comparison temporaries, and what the full forward before the loop leaves to the allocator (its
     working set and a chunk) - not LOGITS_TEMPORARIES chunks of comparison temporaries."""
-    from kvviz.metrics import LOGITS_CHUNK_BYTES
+    from kvviz.core.metrics import LOGITS_CHUNK_BYTES
 
     T, n, V = 1028, 516, GEMMA3_VOCAB
     row, chunk = V * 8, memory.REFERENCE_LOGITS_BYTES
@@ -246,11 +246,11 @@ class LiveTensors(TorchDispatchMode):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("chunk", [None, 4 * 3000 * 8])
 def test_the_logits_comparison_holds_the_temporaries_the_plan_counts(monkeypatch, dtype, chunk):
-    """kvviz.metrics.logits_divergence, measured op by op: seven float64 temporaries of one chunk of rows where the
+    """kvviz.core.metrics.logits_divergence, measured op by op: seven float64 temporaries of one chunk of rows where the
     logits are upcast, five where they are float64 already (an upcast of a float64 tensor is itself) - what
     memory.comparison_temporaries counts, a chunk at a time (chunk: a smaller LOGITS_CHUNK_BYTES, so 20 rows come
     in several chunks) or all the rows at once."""
-    from kvviz import metrics
+    from kvviz.core import metrics
 
     if chunk:
         monkeypatch.setattr(metrics, "LOGITS_CHUNK_BYTES", chunk)
@@ -294,7 +294,7 @@ def test_a_long_eager_split_holds_no_more_than_its_plan_measured_op_by_op(tmp_pa
 
 
 # Split point by length (bench/memory_bench.py lengths, docs/benchmarks.md "Memory plan against peak RSS by length"):
-# split at half, --no-proof, peak RSS of the CLI's process (/usr/bin/time); the CLI's process when kvviz.memory was
+# split at half, --no-proof, peak RSS of the CLI's process (/usr/bin/time); the CLI's process when kvviz.core.memory was
 # imported: 254.7 MB. The default model as its GGUF route reads it (float32 checkpoint) and a random-weight 0.5B
 # Llama (Qwen2.5-0.5B's dimensions, bfloat16 checkpoint, byte tokenizer).
 SMOLLM2 = memory.ModelShape(params=134515008, layers=30, hidden=576, vocab=49152, intermediate=1536, heads=9,

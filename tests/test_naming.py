@@ -1,4 +1,4 @@
-"""One layer-naming rule (kvviz.naming): the heatmap's rows, the bisector's text, tables and the CLI name the same
+"""One layer-naming rule (kvviz.core.naming): the heatmap's rows, the bisector's text, tables and the CLI name the same
 hidden state the same way; a GGUF file is labelled by its own metadata."""
 import copy
 import dataclasses
@@ -10,9 +10,9 @@ import pytest
 import kvviz
 from kvviz.views.split import figures as split_figures
 from kvviz.views.bisect.run import run_bisect
-from kvviz.execution import ExecSettings
-from kvviz.loading import gguf_quant_label, gguf_quantization
-from kvviz.naming import hover_text, layer_label, layer_labels, module_index, module_label, module_row
+from kvviz.core.execution import ExecSettings
+from kvviz.models.loading import gguf_quant_label, gguf_quantization
+from kvviz.core.naming import hover_text, layer_label, layer_labels, module_index, module_label, module_row
 from kvviz.views.split.run import SplitConfig, run_split
 
 from conftest import DEVICE, PROMPT
@@ -94,7 +94,7 @@ def test_a_converted_gguf_is_labelled_from_its_folder_and_relabelled_once_when_o
     import json
 
     gguf = pytest.importorskip("gguf")
-    from kvviz.loading import QUANT_LABEL_VERSION, converted_quantization
+    from kvviz.models.loading import QUANT_LABEL_VERSION, converted_quantization
 
     path = written_gguf(tmp_path / "model-Q8_0.gguf")
     folder = tmp_path / "converted"

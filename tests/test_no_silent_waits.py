@@ -1,4 +1,4 @@
-"""No silent waits around optimum-quanto (kvviz/quanto_ext.py).
+"""No silent waits around optimum-quanto (kvviz/models/quanto_ext.py).
 
 optimum-quanto compiled a C++ extension at first use and waited, forever and without a word, on its build's lock file
 (torch.utils.file_baton.FileBaton); a build killed mid-way left the file and every later quantized run - page, CLI,
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvviz import quanto_ext
-from kvviz.errors import KvvizError
+from kvviz.models import quanto_ext
+from kvviz.core.errors import KvvizError
 
 from conftest import QUANTO
 
@@ -41,7 +41,7 @@ ext.lib
 LIBRARY_RUN = """
 import json, kvviz
 from kvviz.views.quant.run import QuantConfig, run_quant
-from kvviz.errors import KvvizError
+from kvviz.core.errors import KvvizError
 lm = kvviz.load_model("tiny:llama", device="cpu")
 try:
     r = run_quant(lm, QuantConfig(%r, kv="quanto:int2", weights="int4", residual_length=1, max_new_tokens=4))
@@ -243,7 +243,7 @@ def test_the_compiled_kernel_built_with_a_limit_gives_the_same_quantized_run(tmp
     compare = LIBRARY_RUN + """
 import torch
 from optimum.quanto.library.extensions import get_extension
-from kvviz.quanto_ext import unpack
+from kvviz.models.quanto_ext import unpack
 lib = get_extension("quanto_cpp")._lib
 g = torch.Generator().manual_seed(0)
 t = torch.randint(0, 256, (513, 129), dtype=torch.uint8, generator=g)
@@ -264,11 +264,11 @@ print(json.dumps({"lib": type(lib).__name__, "same": all(torch.equal(lib.unpack(
 
 
 def test_a_run_waiting_for_the_precision_flags_is_refused_in_one_line_after_its_limit(monkeypatch):
-    """kvviz.backends: a run that sets process-wide precision flags runs alone; it used to wait without limit for
+    """kvviz.core.backends: a run that sets process-wide precision flags runs alone; it used to wait without limit for
     the runs in progress (Condition.wait()). Now KVVIZ_RUN_WAIT_TIMEOUT bounds it, and the refusal is one line."""
     import threading
 
-    from kvviz.backends import _SharedExclusive
+    from kvviz.core.backends import _SharedExclusive
 
     monkeypatch.setenv("KVVIZ_RUN_WAIT_TIMEOUT", "1")
     gate = _SharedExclusive()
@@ -299,10 +299,10 @@ def test_a_run_waiting_for_the_precision_flags_is_refused_in_one_line_after_its_
 
 
 def test_a_parallel_arch_sweep_stops_a_worker_that_hangs(monkeypatch, tmp_path):
-    """kvviz.archsweep: the parallel sweep joined its reader threads without limit; a worker stuck where its own
+    """kvviz.io.archsweep: the parallel sweep joined its reader threads without limit; a worker stuck where its own
     SIGALRM cannot reach (a wait inside C code) hung the sweep. The parent now stops a worker past its types' time
     limits plus a start-up slack, and each type it never reached says why in one line."""
-    import kvviz.archsweep as archsweep
+    import kvviz.io.archsweep as archsweep
 
     hang = tmp_path / "hang.sh"
     hang.write_text("#!/bin/sh\nexec sleep 300\n")

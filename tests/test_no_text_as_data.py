@@ -23,7 +23,7 @@ PATTERN_CALLS = {"search", "match", "fullmatch", "findall", "finditer", "split",
 KNOWN = {
     # the sweep counts types "not buildable here" by the reason's prefix; ArchRow needs a typed field (and the stored
     # table its value) - the check-status enums of issue 40 item 4, a later slice
-    "kvviz/archsweep.py": {"reason.startswith"},
+    "kvviz/io/archsweep.py": {"reason.startswith"},
 }
 
 
@@ -98,7 +98,7 @@ def test_greedy_rebuilds_a_proved_explanation_from_its_parts():
     import dataclasses
 
     import kvviz
-    from kvviz.inputs import build_inputs
+    from kvviz.core.inputs import build_inputs
     from kvviz.views.greedy.run import GreedyConfig, GreedyPath, prove_pairs, run_greedy
 
     lm = kvviz.load_model("tiny:tie", "bfloat16", "cpu")  # 16-bit ties "a" and "b" exactly; float64 picks "b"
@@ -141,7 +141,7 @@ def test_the_verdict_box_drops_the_proof_line_on_the_results_flag_not_its_words(
 def test_presenter_headline_comes_from_the_verdict_and_proof_state_not_from_the_text():
     """Presenter mode's one-sentence verdict is written from (verdict, proved), never cut out of the explanation
     (it was `explanation.split(". ")[0]`: an explanation starting "max |Δ| 1.5e-05. …" headlined as a number)."""
-    from kvviz.verdict import ROUNDING_NOT_A_BUG, UNKNOWN, Verdict, headline
+    from kvviz.core.verdict import ROUNDING_NOT_A_BUG, UNKNOWN, Verdict, headline
 
     src = (ROOT / "pages" / "common.py").read_text()
     tree = ast.parse(src)

@@ -2,7 +2,7 @@
 is the verdict and the chart (issue 39 item 6; a fresh server's first split run put the note above the chart)."""
 import pytest
 
-from kvviz.memory import MemoryPlan
+from kvviz.core.memory import MemoryPlan
 
 from test_app import app
 

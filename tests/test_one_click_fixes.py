@@ -53,14 +53,14 @@ def _nothing_parted(real, shown: Shown, field_of_result: str):
 
 
 def _split(monkeypatch, shown, fix):
-    import kvviz.firstscreen as fs
+    import kvviz.teach.firstscreen as fs
 
     monkeypatch.setattr(fs, "split_identical_why", _forced(fs.split_identical_why, shown,
                                                            lambda *a, **k: ("Why nothing here: forced.", fix)))
 
 
 def _dtypes(monkeypatch, shown):
-    import kvviz.firstscreen as fs
+    import kvviz.teach.firstscreen as fs
 
     real = fs.dtypes_line
     monkeypatch.setattr(fs, "dtypes_line", _forced(real, shown, lambda res: (*real(res)[:2], "half-step")))
@@ -73,7 +73,7 @@ def _greedy(monkeypatch, shown):
 
 
 def _serving(monkeypatch, shown):
-    import kvviz.firstscreen as fs
+    import kvviz.teach.firstscreen as fs
     import kvviz.views.serving.run as sv
 
     monkeypatch.setattr(sv, "run_serving", _nothing_parted(sv.run_serving, shown, "prompts"))
@@ -82,7 +82,7 @@ def _serving(monkeypatch, shown):
 
 
 def _matrix(monkeypatch, shown):
-    import kvviz.firstscreen as fs
+    import kvviz.teach.firstscreen as fs
 
     monkeypatch.setattr(fs, "matrix_why", _forced(fs.matrix_why, shown,
                                                   lambda *a, **k: ("Why nothing here: forced.", "bfloat16")))
@@ -112,7 +112,7 @@ CASES = {
 
 
 def _expected(settings: dict) -> dict:
-    from kvviz.lesson import GREEDY_PROMPT
+    from kvviz.teach.lesson import GREEDY_PROMPT
 
     return {k: GREEDY_PROMPT if v == "GREEDY_PROMPT" else v for k, v in settings.items()}
 
@@ -189,7 +189,7 @@ def test_every_one_click_fix_applies_its_settings_and_the_page_keeps_working(cas
 def test_a_link_that_names_a_button_opens_the_page():
     """A link saved before the fix carried the button's key (dtypes_show_gap=false): it opens the page, the
     button draws, nothing is written to its key."""
-    import kvviz.firstscreen as fs
+    import kvviz.teach.firstscreen as fs
 
     real = fs.dtypes_line
     fs.dtypes_line = lambda res: (*real(res)[:2], "half-step")

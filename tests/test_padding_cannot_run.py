@@ -8,7 +8,7 @@ import pytest
 
 import kvviz
 from kvviz.cli import main
-from kvviz.jsonout import dumps
+from kvviz.io.jsonout import dumps
 from kvviz.views.padding.figures import padding_grid
 from kvviz.views.padding.report import reopen
 from kvviz.views.padding.run import CANNOT_RUN, SCENARIOS, run_padding

@@ -1,4 +1,4 @@
-"""Models spread by accelerate (kvviz.placement): part of a tiny model forced to disk offload with max_memory runs
+"""Models spread by accelerate (kvviz.models.placement): part of a tiny model forced to disk offload with max_memory runs
 every view with bit for bit the numbers of the undispatched model."""
 import json
 
@@ -13,7 +13,7 @@ from kvviz.cli import main
 from kvviz.views.dtypes.run import run_dtypes
 from kvviz.views.greedy.run import GreedyConfig, run_greedy
 from kvviz.views.padding.run import run_padding
-from kvviz.placement import Placement, layer_placement, parse_placement
+from kvviz.models.placement import Placement, layer_placement, parse_placement
 from kvviz.views.reuse.run import run_reuse
 from conftest import DEVICE
 
@@ -207,8 +207,8 @@ def test_reduce_per_layer_equals_the_stacked_reduction():
     """Per-layer reduction (each on its layer's device, only numbers moved) = the reduction of the stacked tensors."""
     from functools import partial
 
-    from kvviz.metrics import hidden_divergence
-    from kvviz.placement import reduce_per_layer
+    from kvviz.core.metrics import hidden_divergence
+    from kvviz.models.placement import reduce_per_layer
 
     g = torch.Generator().manual_seed(0)
     ref = [torch.randn(5, 8, generator=g, dtype=torch.float64) for _ in range(4)]

@@ -3,7 +3,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import kvviz
-from kvviz.errors import KvvizError
+from kvviz.core.errors import KvvizError
 from kvviz.views.split.run import SplitConfig, run_split
 from conftest import DEVICE
 
@@ -41,7 +41,7 @@ def test_split_never_crashes(arch, dtype, prompt, split, pad, mode, pos, mask):
         assert expected in str(e) and "\n" not in str(e)
         return
     assert expected is None, f"expected an error about {expected!r}"
-    # the verdict is the one its evidence gives (kvviz.verdict's rule), never just any word
+    # the verdict is the one its evidence gives (kvviz.core.verdict's rule), never just any word
     if not res.main.has_cache:
         assert res.verdict == "logic"
         return

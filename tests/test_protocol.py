@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 import kvviz
-from kvviz import cancel, views
+from kvviz.core import cancel
+from kvviz import views
 from kvviz.engines import engines_root
-from kvviz.protocol import RunContext
+from kvviz.core.protocol import RunContext
 from conftest import DEVICE
 
 PROMPT = "The capital of France is Paris, and the capital of Italy is"
@@ -111,8 +112,8 @@ def test_what_a_run_cannot_honour_is_refused_in_one_line_never_ignored(lm, name)
     registry entry) is refused before the run starts, in one line that says why; the CLI refuses the matching flag
     with the same reason (one declaration: kvviz.cli.refused_flags reads it)."""
     from kvviz.cli import refused_flags
-    from kvviz.errors import KvvizError
-    from kvviz.execution import ExecSettings
+    from kvviz.core.errors import KvvizError
+    from kvviz.core.execution import ExecSettings
 
     view = views.get(name)
     refuses = view.refusals()

@@ -9,8 +9,8 @@ import kvviz
 from kvviz.views.quant import run as quant
 from kvviz.views.check.run import run_check
 from kvviz.cli import main
-from kvviz.errors import KvvizError
-from kvviz.export import export_json, html_report, open_result
+from kvviz.core.errors import KvvizError
+from kvviz.io.export import export_json, html_report, open_result
 from kvviz.views.quant.run import QuantConfig, parse_kv, quantize_weights, run_quant
 
 from conftest import DEVICE, HQQ, QUANTO
@@ -204,7 +204,7 @@ def test_quant_figures_draw_exact_zeros_on_a_labelled_floor(llama):
 def test_quantized_cache_kinds_on_the_seam_and_progress_per_token(llama):
     """The seam's quantized:quanto / quantized:hqq cache kinds pick a group size that fits the model (tiny models have
     kv_heads x head_dim = 32, below transformers' default group of 64), and run_quant reports every token."""
-    from kvviz.execution import ExecSettings
+    from kvviz.core.execution import ExecSettings
     from kvviz.views.greedy.run import GreedyConfig, run_greedy
 
     assert quant.kv_group_size(llama) == 32

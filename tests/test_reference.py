@@ -1,18 +1,18 @@
-"""The streamed float64 reference (kvviz.reference) gives the full float64 twin's numbers bit for bit, through every
+"""The streamed float64 reference (kvviz.core.reference) gives the full float64 twin's numbers bit for bit, through every
 consumer, without holding a float64 copy of the model and without changing the shared model."""
 import threading
 
 import numpy as np
 import pytest
 
-from kvviz.compat import output_cache
+from kvviz.models.compat import output_cache
 import torch
 from conftest import DEVICE, PROMPT
 
-from kvviz.execution import ExecSettings, Executor
-from kvviz.loading import load_model
-from kvviz.reference import is_streamed
-from kvviz.tiny import TINY_ARCHS
+from kvviz.core.execution import ExecSettings, Executor
+from kvviz.models.loading import load_model
+from kvviz.core.reference import is_streamed
+from kvviz.models.tiny import TINY_ARCHS
 
 DTYPES = ("float32", "bfloat16")  # float32: the tiny checkpoints' own dtype; bfloat16: read from the checkpoint
 
@@ -81,7 +81,7 @@ def test_streamed_forward_and_generate_equal_the_twin(arch, dtype):
     if arch != "roberta":
         _same(r1.logits, r2.logits)
         _same(list(r1.hidden_states), list(r2.hidden_states))
-        from kvviz.execution import cache_layers
+        from kvviz.core.execution import cache_layers
 
         _same(cache_layers(output_cache(r1)), cache_layers(output_cache(r2)))
         _same(g1.sequences, g2.sequences)
@@ -111,7 +111,7 @@ def test_bfloat16_reference_reads_the_checkpoint_not_the_rounded_weights():
 @pytest.mark.parametrize("mode", ("chunk", "step"))
 @pytest.mark.parametrize("arch", ("llama", "gpt2", "gemma2", "gpt_neox"))
 def test_split_float64_runs_equal(arch, mode):
-    from kvviz.inputs import build_inputs
+    from kvviz.core.inputs import build_inputs
     from kvviz.views.split.run import SplitConfig, _run
 
     lm = load_model(f"tiny:{arch}", "float32", DEVICE)
@@ -180,7 +180,7 @@ def test_check_card_and_dtype_sweep_equal(monkeypatch):
 
 
 def test_auto_strategy_and_bad_strategy(monkeypatch):
-    from kvviz.errors import KvvizError
+    from kvviz.core.errors import KvvizError
 
     lm = load_model("tiny:llama", "float32", DEVICE)
     monkeypatch.delenv("KVVIZ_REFERENCE", raising=False)
@@ -222,7 +222,7 @@ def test_restored_on_error_and_invisible_to_other_threads():
 @pytest.mark.slow
 def test_default_model_streamed_equals_twin():
     from kvviz.views.greedy.run import GreedyConfig, run_greedy
-    from kvviz.inputs import build_inputs
+    from kvviz.core.inputs import build_inputs
     from kvviz.views.split.run import SplitConfig, _run
 
     lm = load_model("default", "float32", DEVICE)
@@ -240,9 +240,9 @@ def test_default_model_streamed_equals_twin():
 
 def test_a_small_model_s_weights_are_upcast_once_a_large_one_s_every_forward(monkeypatch):
     """The streamed reference keeps upcast weights from run to run where the float64 copy is small
-    (kvviz.memory.stream_keep_bytes), so one-token steps cost what the twin's do; with no room, every forward upcasts
+    (kvviz.core.memory.stream_keep_bytes), so one-token steps cost what the twin's do; with no room, every forward upcasts
     again. Either way the numbers are the same, bit for bit."""
-    from kvviz import reference
+    from kvviz.core import reference
 
     lm = load_model("tiny:llama", "float32", DEVICE)
     ref = lm.reference("streamed")
@@ -282,9 +282,9 @@ def test_a_large_bfloat16_model_reads_only_the_rows_it_needs_from_the_checkpoint
     """Where nothing is kept (a model whose float64 copy is large) and the loaded weights are rounded, the embedding
     lookup reads only the looked-up rows from the checkpoint and a large head is applied in slices read from it; the
     numbers are still the float32 checkpoint's, bit for bit, and no whole table is read."""
-    from kvviz import float64, reference
+    from kvviz.core import float64, reference
 
-    # tiny:gemma3's head in slices of 16 rows - in every float64 run, the twin's included (kvviz.float64.head_slice_rows)
+    # tiny:gemma3's head in slices of 16 rows - in every float64 run, the twin's included (kvviz.core.float64.head_slice_rows)
     monkeypatch.setattr(float64, "REFERENCE_CHUNK_BYTES", 8 * 64 * 16)
     lm = load_model("tiny:gemma3", "bfloat16", DEVICE)
     ref = lm.reference("streamed")

@@ -12,7 +12,7 @@ import pytest
 
 import kvviz
 from kvviz.cli import main
-from kvviz.loading import default_gguf_path, tiny_folder
+from kvviz.models.loading import default_gguf_path, tiny_folder
 from conftest import DEVICE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -187,7 +187,7 @@ def test_twin_keeps_the_route(folder_model):
 def test_a_hub_model_in_the_local_cache_is_planned_from_its_files(hub_model):
     """The memory plan of a hub id in the local cache reads its shape and counts the prompt with its tokenizer, as
     for the same files in a folder (not a bound on the text's bytes)."""
-    from kvviz.memory import Workload, plan_workload
+    from kvviz.core.memory import Workload, plan_workload
 
     w = Workload(texts=(PROMPT,))
     hub = plan_workload(hub_model, "bfloat16", "cpu", "split", w)

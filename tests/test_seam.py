@@ -5,13 +5,14 @@ import threading
 
 import pytest
 
-from kvviz.compat import output_cache
+from kvviz.models.compat import output_cache
 import torch
 
 import kvviz
-from kvviz import execution, loading
-from kvviz.errors import KvvizError
-from kvviz.execution import ExecSettings, Executor, register_run_context, unregister_run_context
+from kvviz.core import execution
+from kvviz.models import loading
+from kvviz.core.errors import KvvizError
+from kvviz.core.execution import ExecSettings, Executor, register_run_context, unregister_run_context
 from kvviz.views.greedy.run import GreedyConfig, run_greedy
 from kvviz.views.split.run import SplitConfig, run_split
 
@@ -169,7 +170,7 @@ def test_results_carry_typed_settings():
 
 def test_decode_policies_agree_in_float64_and_the_user_loop_parts_with_left_padding():
     lm = kvviz.load_model("tiny:llama", "float64", DEVICE)
-    from kvviz.inputs import build_inputs
+    from kvviz.core.inputs import build_inputs
 
     inp = build_inputs(lm, PROMPT, 0, extra_tokens=5)
     ex = Executor(lm, max_len=inp.total + 5)
@@ -230,13 +231,13 @@ def test_no_decode_loop_outside_the_seam():
             body = ast.Module(body=node.body, type_ignores=[])
             if any(model_call(n) for n in ast.walk(body)):
                 offenders.append(f"{path.relative_to(root)}:{node.lineno}")
-    assert offenders == [], f"model calls inside loops outside kvviz/execution.py: {offenders}"
+    assert offenders == [], f"model calls inside loops outside kvviz/core/execution.py: {offenders}"
 
 
 # The seam itself (the executor and its one decode loop), and the serving engines: they drive engines that are not
 # kvviz's model calls (transformers' continuous batching; vLLM and llama.cpp in their worker processes, which answer
 # one request line after another), each with its own scheduler loop.
-SEAM = {"execution.py", "loops.py", "engines/serving.py", "engines/vllm_worker.py", "engines/llamacpp_worker.py",
+SEAM = {"core/execution.py", "core/loops.py", "engines/serving.py", "engines/vllm_worker.py", "engines/llamacpp_worker.py",
         "engines/worker_loop.py"}
 MODEL_METHODS = {"forward", "generate"}  # a model's (or the executor's) call by name
 CACHE_KEYWORDS = {"past_key_values", "cache_params", "use_cache"}  # a model call however it is spelled

@@ -1,7 +1,7 @@
 """The Serving view on tiny models: transformers' continuous batching × {alone, batch of 4, warm prefix} × R runs.
 
 Machine-independent by construction: invariant mode must give exactly one completion per prompt everywhere, and
-`tiny:split` under the simulated split-K kernel (kvviz/simkernel.py) must part exactly where its construction
+`tiny:split` under the simulated split-K kernel (kvviz/core/simkernel.py) must part exactly where its construction
 says (the head sees one row: "b"; several rows: "a") - and never in invariant mode."""
 import json
 import os
@@ -13,16 +13,16 @@ from pathlib import Path
 import pytest
 
 import kvviz
-from kvviz import invariant
+from kvviz.core import invariant
 from kvviz.cli import main
-from kvviz.compat import transformers_at_least as _transformers_at_least
-from kvviz.errors import KvvizError
-from kvviz.execution import ExecSettings
-from kvviz.export import export_json, html_report, open_result
+from kvviz.models.compat import transformers_at_least as _transformers_at_least
+from kvviz.core.errors import KvvizError
+from kvviz.core.execution import ExecSettings
+from kvviz.io.export import export_json, html_report, open_result
 from kvviz.views.serving.figures import prompt_frame
 from kvviz.views.serving.run import CONDITIONS, ServeConfig, load_prompt_set, plan_batches, run_serving, summary_text
-from kvviz.repro import key_figure
-from kvviz.simkernel import split_k_kernel
+from kvviz.io.repro import key_figure
+from kvviz.core.simkernel import split_k_kernel
 from conftest import ROOT, DEVICE
 
 PROMPTS = ["Hi there", "The cat", "abc", "Once upon", "xyz!"]
@@ -371,7 +371,7 @@ def test_vllm_adapter_asks_for_each_condition_s_toggles_one_engine_at_a_time(mon
 
 def test_vllm_parting_prompt_is_judged_against_the_float64_reference(monkeypatch):
     lm = kvviz.load_model("tiny:llama", "float32", DEVICE)
-    from kvviz.inputs import encode
+    from kvviz.core.inputs import encode
 
     PARTING[0] = encode(lm, PROMPTS[0])
     log = _stand_in_vllm(monkeypatch, lm, parting_prompt=0)

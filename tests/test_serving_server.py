@@ -22,8 +22,8 @@ import torch
 import kvviz
 from kvviz.cli import main
 from kvviz.engines import engine_python
-from kvviz.errors import KvvizError
-from kvviz.export import export_json, open_result
+from kvviz.core.errors import KvvizError
+from kvviz.io.export import export_json, open_result
 from kvviz.views.serving.run import ServeConfig, run_serving, summary_text
 from kvviz.views.serving.server import ServerEngine, normalize_url
 
@@ -274,7 +274,7 @@ def test_parse_token_strings_and_llama_server_form():
 def llamacpp_server():
     from pathlib import Path
 
-    from kvviz.loading import default_gguf_path
+    from kvviz.models.loading import default_gguf_path
 
     py = engine_python("llama.cpp")
     if py is None:

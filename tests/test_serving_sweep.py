@@ -7,14 +7,14 @@ import pytest
 
 import kvviz
 from kvviz.engines import engine_python
-from kvviz.errors import KvvizError
+from kvviz.core.errors import KvvizError
 from kvviz.views.serving.sweep import (VERDICT_COLOURS, SweepConfig, SweepResult, build_prompts, cell_of, figure,
                                        run_sweep, summary_text)
 from kvviz.views.serving.run import ConditionStats, PromptResult, ServeResult, ServeSettings
 
 
 def _prompt(i, alone, batch, ref, verdict=None, margin=None):
-    from kvviz.metrics import first_divergence
+    from kvviz.core.metrics import first_divergence
 
     runs = [x for x in alone + batch]
     ds = [d for d in (first_divergence(ref, x) for x in runs) if d is not None]
@@ -72,7 +72,7 @@ def test_prompts_are_deterministic_and_of_the_asked_length():
     a = build_prompts(lm, "The quick brown fox jumps over the lazy dog. " * 3, 64, 4)
     assert a == build_prompts(lm, "The quick brown fox jumps over the lazy dog. " * 3, 64, 4)
     assert len(a) == 4 and len(set(a)) == 4
-    from kvviz.inputs import encode
+    from kvviz.core.inputs import encode
 
     assert all(abs(len(encode(lm, p)) - 64) <= 1 for p in a)
 
@@ -127,7 +127,7 @@ def _grid() -> SweepResult:
 
 def test_the_sweep_reopens_from_its_json_export_through_the_registry():
     from kvviz import views
-    from kvviz.export import export_json, open_result
+    from kvviz.io.export import export_json, open_result
 
     res = _grid()
     text = export_json(res)
@@ -170,7 +170,7 @@ def test_the_sweep_verdict_names_where_batched_completions_first_part():
 
 
 def test_the_sweeps_html_report_draws_the_heatmap_and_its_table():
-    from kvviz.export import html_report
+    from kvviz.io.export import html_report
 
     page = html_report(_grid())
     assert '"type":"heatmap"' in page.replace(" ", "")
@@ -183,7 +183,7 @@ def test_the_sweeps_html_report_draws_the_heatmap_and_its_table():
 def test_cli_sweep_writes_json_and_html_and_open_reopens_it(tmp_path, capsys):
     from kvviz import views
     from kvviz.cli import main
-    from kvviz.export import open_result
+    from kvviz.io.export import open_result
 
     out, page = tmp_path / "sweep.json", tmp_path / "sweep.html"
     assert main(["serving", "--sweep", "--model", "tiny:llama", "--engine", "transformers", "--concurrency", "1,2",
@@ -213,9 +213,9 @@ def test_cli_sweep_writes_json_and_html_and_open_reopens_it(tmp_path, capsys):
 
 
 def test_a_stopped_sweep_stops_between_cells_and_closes_its_engine(monkeypatch):
-    from kvviz import cancel
+    from kvviz.core import cancel
     from kvviz.engines import serving as engines
-    from kvviz.protocol import RunContext
+    from kvviz.core.protocol import RunContext
     from kvviz.views.serving.sweep import run
 
     made = []
@@ -310,9 +310,9 @@ def test_serving_page_sweep_section_runs_on_its_button_only():
 @pytest.mark.slow
 @pytest.mark.skipif(engine_python("vllm") is None, reason="vLLM's environment is not built here (make engines)")
 def test_vllm_sweep_stopped_mid_grid_kills_the_engine_process(monkeypatch):
-    from kvviz import cancel
+    from kvviz.core import cancel
     from kvviz.engines import WorkerClient
-    from kvviz.protocol import RunContext
+    from kvviz.core.protocol import RunContext
     from kvviz.views.serving.sweep import run
 
     clients = []
@@ -358,7 +358,7 @@ def test_serving_page_sweeps_a_tiny_grid_through_vllm():
 @pytest.mark.app
 def test_open_result_page_shows_a_sweep(monkeypatch):
     from conftest import open_result_page
-    from kvviz.export import export_json
+    from kvviz.io.export import export_json
     from kvviz.views.serving.sweep import verdict
 
     res = _grid()

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import kvviz
-from kvviz.errors import KvvizError
+from kvviz.core.errors import KvvizError
 from kvviz.views.split.run import SplitConfig, run_split
-from kvviz.verdict import FLOAT64_CLOSED_REL
+from kvviz.core.verdict import FLOAT64_CLOSED_REL
 
 from conftest import PROMPT, DEVICE
 
@@ -123,7 +123,7 @@ def test_metrics_have_real_values_and_labels():
 def test_describe_matches_pandas():
     import pandas as pd
 
-    from kvviz.metrics import describe
+    from kvviz.core.metrics import describe
 
     x = torch.randn(1000, dtype=torch.float64)
     ours = describe(x).numpy()

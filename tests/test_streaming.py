@@ -1,23 +1,23 @@
-"""Hidden states reduced layer by layer as a forward produces them (kvviz.streaming): the same numbers as the
+"""Hidden states reduced layer by layer as a forward produces them (kvviz.core.streaming): the same numbers as the
 all-at-once reduction, and never more than one path's layers held."""
 import weakref
 
 import numpy as np
 import pytest
 
-from kvviz.compat import output_cache
+from kvviz.models.compat import output_cache
 import torch
 
 import kvviz
-from kvviz import execution
+from kvviz.core import execution
 from kvviz.views.split import run as split
-from kvviz.dtypes import machine_eps
-from kvviz.execution import Executor
-from kvviz.inputs import build_inputs
-from kvviz.metrics import hidden_divergence
-from kvviz.reference import reference_model
+from kvviz.core.dtypes import machine_eps
+from kvviz.core.execution import Executor
+from kvviz.core.inputs import build_inputs
+from kvviz.core.metrics import hidden_divergence
+from kvviz.core.reference import reference_model
 from kvviz.views.split.run import SplitConfig, run_split
-from kvviz.streaming import decoder_layers
+from kvviz.core.streaming import decoder_layers
 
 from conftest import DEVICE, PROMPT
 
@@ -144,7 +144,7 @@ def test_never_more_than_two_layers_of_a_forward_alive(mode):
 
 def test_held_path_is_the_compared_rows_only():
     """The held reference: n_hidden copies of the compared positions, nothing of the prefix's positions."""
-    from kvviz.streaming import HeldRows
+    from kvviz.core.streaming import HeldRows
 
     m = lm("llama", "float32")
     inp = build_inputs(m, PROMPT)
@@ -181,7 +181,7 @@ def _padding_all_at_once(m, ids, comp_ids, k, left_pad) -> dict:
     """Padding's hidden-state numbers as computed before: every layer of the reference and of each scenario
     stacked, one hidden_divergence, torch.equal on the stacks."""
     from kvviz.views.padding import run as padding
-    from kvviz.compat import takes_logits_to_keep
+    from kvviz.models.compat import takes_logits_to_keep
 
     eps = machine_eps(m.dtype)
     ex = Executor(m, max_len=max(len(c) for c in comp_ids + [ids]) + left_pad)
@@ -213,7 +213,7 @@ def _padding_all_at_once(m, ids, comp_ids, k, left_pad) -> dict:
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "tie"])
 def test_padding_cells_reduced_per_layer_equal_all_at_once(arch):
     from kvviz.views.padding import run as padding
-    from kvviz.execution import DEFAULT_SETTINGS
+    from kvviz.core.execution import DEFAULT_SETTINGS
 
     m = lm(arch, "bfloat16")
     ids = padding.encode(m, PROMPT)
@@ -239,7 +239,7 @@ def test_padding_cells_reduced_per_layer_equal_all_at_once(arch):
 def test_decode_keeps_the_same_last_rows(policy):
     """Executor.decode (each forward keeps its layers' last position as they come) gives exactly the tokens,
     logits and hidden rows of the same loop over forwards returning every hidden state."""
-    from kvviz import loops
+    from kvviz.core import loops
 
     m = lm("gemma3", "bfloat16")
     inp = build_inputs(m, PROMPT * 2, extra_tokens=6)
@@ -260,7 +260,7 @@ def test_no_cache_decode_never_holds_every_layer(fresh):
     first forward that records them; the stream's hooks are attached before that forward, so without installing
     the recorder's first (compat.install_output_recorder) they ran before it and the first forward kept a third layer
     output alive (which test ran first in a pytest-xdist worker decided whether the warm case saw a fresh model)."""
-    from kvviz.loading import clear_cache
+    from kvviz.models.loading import clear_cache
 
     if fresh:
         clear_cache()
@@ -282,7 +282,7 @@ def test_greedy_fast_preview_rows_equal_all_at_once():
     """The fast no-cache preview's teacher-forced forward keeps only the steps' rows of each layer: they are the
     rows of the same forward returning every hidden state."""
     from kvviz.views.greedy.run import StepRecorder, _cache, _fast_no_cache
-    from kvviz.inputs import positions_from_mask
+    from kvviz.core.inputs import positions_from_mask
 
     m = lm("llama", "bfloat16")
     inp = build_inputs(m, PROMPT, extra_tokens=6)
@@ -334,7 +334,7 @@ def test_generate_keeps_the_same_last_rows():
 def test_kv_cache_round_trip_gap_equals_all_at_once(tmp_path):
     """The KV cache view's continuation: a reloaded cache whose values were nudged gives the same hidden-state gap
     (and bit-for-bit flag) as both forwards' stacked hidden states."""
-    from kvviz.execution import cache_layers
+    from kvviz.core.execution import cache_layers
     from kvviz.views.cache.run import continue_and_compare, load_cache, prefill, save_cache
 
     m = lm("mistral", "bfloat16")
@@ -370,7 +370,7 @@ def test_token_by_token_comparison_keeps_nothing_per_step():
     forward outlives it. (They used to be kept as small tensors per step and layer; made in the middle of each
     forward, among the float64 reference's large temporaries, they fragmented glibc's heap: the cache-safety card
     of a 270M model grew ~70 MB a step, 5.2 GB instead of 2.8 - docs/benchmarks.md.)"""
-    from kvviz.streaming import HeldRows, LayerGaps
+    from kvviz.core.streaming import HeldRows, LayerGaps
 
     m = lm("llama", "float32")
     inp = build_inputs(m, PROMPT)
@@ -399,8 +399,8 @@ def test_token_by_token_comparison_keeps_nothing_per_step():
 
 
 def test_a_partly_compared_layer_is_an_error():
-    from kvviz.errors import KvvizError
-    from kvviz.streaming import HeldRows, LayerGaps
+    from kvviz.core.errors import KvvizError
+    from kvviz.core.streaming import HeldRows, LayerGaps
 
     held = HeldRows(lambda h: h[0])
     for i in range(3):

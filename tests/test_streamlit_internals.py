@@ -16,7 +16,7 @@ def test_ensure_navigation_is_the_only_place_that_uses_it():
 
     root = Path(__file__).resolve().parents[1]
     users = [p.relative_to(root).as_posix() for p in [*root.glob("pages/*.py"), root / "app.py",
-                                                      *root.glob("kvviz/*.py")]
+                                                      *root.glob("kvviz/**/*.py")]
              if "PagesManager" in p.read_text(encoding="utf-8")]
     assert users == ["pages/__init__.py"]
     import ast

@@ -1,4 +1,4 @@
-"""kvviz.text: how token texts are shown (lone bytes as bytes, never mojibake), in the views and their pages."""
+"""kvviz.core.text: how token texts are shown (lone bytes as bytes, never mojibake), in the views and their pages."""
 import pytest
 
 import kvviz
@@ -7,7 +7,7 @@ from conftest import DEVICE
 
 
 def test_texts_of_random_bytes_show_their_bytes_not_mojibake():
-    from kvviz.text import REPLACEMENT, display_text
+    from kvviz.core.text import REPLACEMENT, display_text
 
     lm = kvviz.load_model("tiny:mistral", "float32", DEVICE)
     from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -28,7 +28,7 @@ def test_the_sliding_window_scenario_runs_on_its_own_and_its_texts_show_no_mojib
     from streamlit.testing.v1 import AppTest
 
     from conftest import ROOT
-    from kvviz.text import REPLACEMENT
+    from kvviz.core.text import REPLACEMENT
 
     at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=240)
     at.run()
@@ -45,7 +45,7 @@ def test_split_next_token_columns_show_lone_bytes_not_mojibake():
     """Split point's logits table (next token, full and cached): a token that is one byte of a UTF-8 character shows
     as its byte (⟨e4⟩), not U+FFFD - on a byte-level tiny model most next tokens are such bytes."""
     import kvviz
-    from kvviz.text import REPLACEMENT
+    from kvviz.core.text import REPLACEMENT
     from kvviz.views.split.figures import logits_frame
     from kvviz.views.split.run import SplitConfig, run_split
 

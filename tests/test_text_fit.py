@@ -51,8 +51,8 @@ def test_the_lessons_figures_fit(server, artifacts, presenter):
 
 def test_titles_wrap_at_their_parts_and_settings_read_as_words():
     """No browser: the pieces the figures and reports use."""
-    from kvviz.export import shown
-    from kvviz.plotting import wrap_title
+    from kvviz.io.export import shown
+    from kvviz.core.plotting import wrap_title
     from kvviz.views.greedy.run import GreedyPath
 
     t = wrap_title("relative gap: cached vs full forward — bfloat16 on cpu, split 8 (chunk) — bitwise identical: "
@@ -68,7 +68,7 @@ def test_titles_wrap_at_their_parts_and_settings_read_as_words():
 
 def test_greedy_report_writes_paths_as_words_and_legends_without_backticks():
     import kvviz
-    from kvviz.export import html_report
+    from kvviz.io.export import html_report
     from kvviz.views.greedy import figures
     from kvviz.views.greedy.run import GreedyConfig, run_greedy
 

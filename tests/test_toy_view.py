@@ -17,7 +17,7 @@ TOY = {
     "__init__.py": '''
         """Toy: the last position's logits, one full forward against the prefix cached and the rest fed through
         the cache."""
-        from kvviz.presets import Preset
+        from kvviz.teach.presets import Preset
         from kvviz.views import MemoryProfile, Page, View
 
         VIEW = View("toy", "Toy gap", "ToyResult", "report:reopen", "report:figures", "report:verdict",
@@ -36,11 +36,11 @@ TOY = {
 
         import torch
 
-        from kvviz.compat import output_cache
-        from kvviz.errors import KvvizError
-        from kvviz.execution import Executor
-        from kvviz.inputs import encode
-        from kvviz.protocol import DEFAULT_CONTEXT
+        from kvviz.models.compat import output_cache
+        from kvviz.core.errors import KvvizError
+        from kvviz.core.execution import Executor
+        from kvviz.core.inputs import encode
+        from kvviz.core.protocol import DEFAULT_CONTEXT
 
 
         @dataclass(frozen=True)
@@ -138,8 +138,8 @@ def toy(tmp_path, monkeypatch):
 
 
 def tokens(text: str) -> int:
-    from kvviz.inputs import encode
-    from kvviz.loading import load_model
+    from kvviz.core.inputs import encode
+    from kvviz.models.loading import load_model
 
     return len(encode(load_model("tiny:llama", "float32", "cpu"), text))
 
@@ -156,7 +156,7 @@ def cli(capsys, *argv):
 
 
 def test_the_toy_view_gets_a_subcommand_export_reopen_html_and_plan(toy, tmp_path, capsys):
-    from kvviz.export import open_result
+    from kvviz.io.export import open_result
 
     assert toy.command == "toy"
     j, h = tmp_path / "toy.json", tmp_path / "toy.html"
@@ -190,7 +190,7 @@ def test_the_toy_view_gets_a_subcommand_export_reopen_html_and_plan(toy, tmp_pat
 
 
 def test_the_toy_view_gets_a_meeting_scenario(toy, tmp_path):
-    from kvviz.meeting import prepare, prepared
+    from kvviz.teach.meeting import prepare, prepared
 
     paths = prepare(["toy_demo"], tmp_path / "meeting")
     doc = json.loads(paths[0].read_text())

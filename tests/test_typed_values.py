@@ -6,12 +6,12 @@ import json
 import pytest
 
 import kvviz
-from kvviz import execution, loops
-from kvviz.execution import CacheKind, ExecSettings, StepPolicy
-from kvviz.export import export_json, open_result
-from kvviz.replay import Replay
+from kvviz.core import execution, loops
+from kvviz.core.execution import CacheKind, ExecSettings, StepPolicy
+from kvviz.io.export import export_json, open_result
+from kvviz.core.replay import Replay
 from kvviz.views.greedy.run import GreedyConfig, GreedyPath, run_greedy
-from kvviz.verdict import Verdict
+from kvviz.core.verdict import Verdict
 
 from conftest import DEVICE
 

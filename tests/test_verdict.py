@@ -1,4 +1,4 @@
-"""One verdict rule (kvviz.verdict): a precision verdict carries its proof (invariant gap exactly 0) or
+"""One verdict rule (kvviz.core.verdict): a precision verdict carries its proof (invariant gap exactly 0) or
 says plainly "unproved", why and what the bisector found first; "rounding, not a bug" never stands beside a failed
 proof; a precision gap that is a large fraction of the value says rounding was amplified and where it jumped."""
 import pytest
@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import kvviz
-from kvviz import invariant, verdict
+from kvviz.core import invariant, verdict
 from kvviz.views.split.run import SplitConfig, run_split
 
 from conftest import DEVICE, PROMPT
@@ -71,7 +71,7 @@ def test_a_failed_proof_says_unproved_and_what_the_bisector_found(monkeypatch, r
 
 
 def test_units_on_the_normal_runs_gap():
-    from kvviz.verdict import precision_sentence
+    from kvviz.core.verdict import precision_sentence
 
     text = precision_sentence(1e-16, True, 0.0, normal_gap=4.0)
     assert "against a largest absolute gap of 4 (in the hidden state's own units) in the normal run" in text

@@ -1,10 +1,10 @@
-"""The order of verdicts, worst first, lives in kvviz.verdict (SEVERITY, severity(), worst()) and nowhere else."""
+"""The order of verdicts, worst first, lives in kvviz.core.verdict (SEVERITY, severity(), worst()) and nowhere else."""
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-from kvviz.verdict import SEVERITY, Verdict, severity, worst
+from kvviz.core.verdict import SEVERITY, Verdict, severity, worst
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = {v.value for v in Verdict}
@@ -42,7 +42,7 @@ def test_the_pages_verdict_style_reads_a_summary_as_its_worst_class():
 def test_the_first_screens_worst_verdicts():
     from types import SimpleNamespace
 
-    from kvviz.firstscreen import dtypes_line, padding_line
+    from kvviz.teach.firstscreen import dtypes_line, padding_line
 
     res = SimpleNamespace(dtypes=["float64", "bfloat16", "float32"], prompts=["a", "b"],
                           verdicts={"float64": ["identical", "identical"], "bfloat16": ["precision", "identical"],
@@ -68,4 +68,4 @@ def _literal_verdict_orders(path: Path) -> list[str]:
 def test_no_module_writes_the_worst_first_order_again():
     files = [p for d in ("kvviz", "pages") for p in sorted((ROOT / d).rglob("*.py"))] + [ROOT / "app.py"]
     hits = [h for p in files for h in _literal_verdict_orders(p)]
-    assert hits == [], "use kvviz.verdict.worst()/severity():\n" + "\n".join(hits)
+    assert hits == [], "use kvviz.core.verdict.worst()/severity():\n" + "\n".join(hits)

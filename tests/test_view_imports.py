@@ -1,7 +1,7 @@
 """Views never import another view's internals (issue 40): a module in kvviz/views/<a>/ imports core modules
 (kvviz/*.py, kvviz/engines/) and the registry (kvviz.views), never kvviz.views.<b> for another folder b. A view that
 composes another (the cache-safety card: split, padding, reuse, quant) does it through the registry and the one run
-signature (kvviz.protocol). Function-local imports count."""
+signature (kvviz.core.protocol). Function-local imports count."""
 from __future__ import annotations
 
 import ast

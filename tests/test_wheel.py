@@ -60,7 +60,7 @@ def test_the_wheel_holds_the_library_its_data_and_declares_its_dependencies(inst
     assert "kvviz/data/prompts.jsonl" in names and any(n.startswith("kvviz/data/configs/") for n in names)
     assert "kvviz/views/split/run.py" in names and not any(n.startswith(("tests/", "pages/")) for n in names)
     meta = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("METADATA"))).decode()
-    from kvviz import compat
+    from kvviz.models import compat
 
     assert f"Requires-Dist: transformers<={compat.TESTED_MAX},>={compat.TESTED_MIN}" in meta or \
         f"Requires-Dist: transformers>={compat.TESTED_MIN},<={compat.TESTED_MAX}" in meta, meta[:2000]

@@ -16,7 +16,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from ..errors import KvvizError
+from ..core.errors import KvvizError
 
 HERE = Path(__file__).resolve().parent
 # engine name -> (environment folder, worker script, the module the environment must import)
@@ -116,8 +116,8 @@ class WorkerClient:
         return reply
 
     def _stop_if_cancelled(self) -> None:
-        """A stopped run (kvviz.cancel) kills its worker at once: it may be in the middle of a long request."""
-        from .. import cancel
+        """A stopped run (kvviz.core.cancel) kills its worker at once: it may be in the middle of a long request."""
+        from ..core import cancel
 
         try:
             cancel.check()

@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 import torch
 from torch.overrides import _get_current_function_mode_stack
 
-from .. import cancel, compat
-from ..errors import KvvizError, first_line
+from ..core import cancel
+from ..models import compat
+from ..core.errors import KvvizError, first_line
 
 ENGINES = ("transformers", "vllm", "llama.cpp")
 ENGINE_TOGGLES = {
@@ -173,7 +174,7 @@ class TransformersEngine:
         original_attn = compat.attention_implementation(model)
         modes = _thread_modes()
         if lm.dtype == torch.float64:  # the engine casts its logits with .float(): keep float64 a float64 run
-            from ..float64 import KeepFloat64
+            from ..core.float64 import KeepFloat64
 
             modes.append(KeepFloat64())
         margins: dict[str, list[float]] = {}
@@ -259,7 +260,7 @@ def _collect(manager, keys: set[str], results: dict, failure: list) -> None:
     while waiting:
         if failure:
             raise _engine_failure(failure[0])
-        cancel.check()  # a stopped run: the engine is stopped by the caller's finally (kvviz.cancel)
+        cancel.check()  # a stopped run: the engine is stopped by the caller's finally (kvviz.core.cancel)
         res = manager.get_result(timeout=0.2)
         if res is None:
             fatal = compat.cb_fatal_error(manager)
@@ -305,7 +306,7 @@ class VllmEngine:
         self._key = None
 
     def _engine(self, lm, key):
-        from ..dtypes import dtype_name
+        from ..core.dtypes import dtype_name
 
         if self._key != key:
             self.close()

@@ -122,8 +122,8 @@ def engine_verdicts(prompts, lm, lm64, settings, engine, ids, completions, logps
     """Every prompt's distinct paths against the float64 reference (engine_paths); a verdict and explanation where
     its paths part from kvviz's reference, or where a path is farther from float64 than rounding explains even
     though the tokens agree (a bug that has not flipped a token yet)."""
-    from ..dtypes import dtype_name
-    from ..execution import Executor
+    from ..core.dtypes import dtype_name
+    from ..core.execution import Executor
 
     ex64 = Executor(lm64, settings.with_(invariant=False))
     dtype = (engine.info().get("dtype") if hasattr(engine, "info") else None) or dtype_name(lm.dtype)

@@ -55,7 +55,7 @@ def thread_binding(tp, cores=None):
 
 
 def _gaps(a, b, eps):
-    """a, b: [R, T, H]; b is the reference side. Per row and token: max |a - b|, / max |b|, / eps (kvviz.metrics'
+    """a, b: [R, T, H]; b is the reference side. Per row and token: max |a - b|, / max |b|, / eps (kvviz.core.metrics'
     hidden_divergence, float64)."""
     import torch
 

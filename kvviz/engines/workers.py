@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import time
 
-from ..errors import KvvizError
+from ..core.errors import KvvizError
 from .serving import EngineRun, Request, RequestOut
 
 TOP_K = 5
@@ -124,7 +124,7 @@ class VllmWorkerEngine(WorkerEngine):
 
     def run(self, lm, requests: list[Request], *, max_in_flight: int, prefix_sharing: bool,
             sequential_keys: set[str] | None = None, invariant: bool = False) -> EngineRun:
-        from ..dtypes import dtype_name
+        from ..core.dtypes import dtype_name
 
         if not requests:
             return EngineRun({}, 0.0, 0)

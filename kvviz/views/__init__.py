@@ -4,8 +4,8 @@ A view is a scenario kvviz can run and show (split, greedy, …). Its folder hol
 
     kvviz/views/<name>/
         __init__.py   its View entry (below) and its library API (config, run function, result)
-        run.py        config, run, result (the computation, through kvviz.execution); its `run(lm, config, ctx)`
-                      is the one signature every view has (kvviz.protocol), named in its entry (config=, run=)
+        run.py        config, run, result (the computation, through kvviz.core.execution); its `run(lm, config, ctx)`
+                      is the one signature every view has (kvviz.core.protocol), named in its entry (config=, run=)
         figures.py    pure result -> figures/tables; `main(result)`: the charts of its HTML report and Open a
                       result, `tables(result)`: their tables
         report.py     `reopen(dict)`: the result rebuilt from a JSON export; `verdict(result)`: its verdict line
@@ -13,17 +13,17 @@ A view is a scenario kvviz can run and show (split, greedy, …). Its folder hol
         cli.py        (optional) its subcommand: `HELP` (its --help line), `add_arguments(parser)` (whose
                       `set_defaults` names the common flags it refuses, and why, as `not_honoured`),
                       `command(args) -> Outcome`; without one, the subcommand has the common model options and
-                      one option per config field (kvviz.clirun.view_arguments)
+                      one option per config field (kvviz.io.clirun.view_arguments)
         scenario.py   (optional) `setup(preset, device) -> (lm, config, settings)`: a one-click scenario of its
-                      page, run ahead through the view's run by Prepare the meeting (kvviz.meeting); without one,
+                      page, run ahead through the view's run by Prepare the meeting (kvviz.teach.meeting); without one,
                       a preset's controls are the config's fields
 A view with a Page entry and no page script pages/<folder>.py gets the generic page (pages/view.py: its config's
 fields as controls, its run through the protocol, its verdict, figures, tables and downloads); its own one-click
-scenarios go in its entry (`scenarios`: kvviz.presets.Preset), listed on Home and run by Prepare the meeting.
+scenarios go in its entry (`scenarios`: kvviz.teach.presets.Preset), listed on Home and run by Prepare the meeting.
 tests/test_toy_view.py adds a view that way, in a temporary package, with no other edit.
 
 Each entry also holds the view's facts that the core reads instead of comparing names: its memory profile (what
-the memory plan counts for it, kvviz.memory; a view without one is refused here), its page (navigation, the
+the memory plan counts for it, kvviz.core.memory; a view without one is refused here), its page (navigation, the
 settings prefix of its controls, its controls' defaults) and the run names its page gives pages/runner.run_cached.
 
 One name: a view's folder names it, and everything public is derived from that name (`register` sets them and
@@ -51,7 +51,8 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..errors import KvvizError
+from ..core.errors import KvvizError
+from ..core.memory import MemoryProfile  # noqa: F401 - a view's entry names it (from .. import MemoryProfile)
 
 # The registry: one line a view folder (kvviz.views.<folder>, or a full dotted package name for a view kept
 # elsewhere). Order = the order of the CLI's subcommands and of the pages within a section of the app's navigation.
@@ -89,35 +90,6 @@ class Page:
 
 
 @dataclass(frozen=True)
-class MemoryProfile:
-    """What kvviz.memory counts for a run of the view, besides the weights (see kvviz.memory.activation_bytes)."""
-    forwards: int = 1  # forwards' worth of (all hidden states + logits) kept when hidden states are not streamed
-    streamed_hidden: bool = True  # hidden states handed over layer by layer (kvviz.streaming)
-    reference: bool = True  # runs the float64 reference (below float64)
-    bisector: bool = False  # runs the bisector in the run's own dtype (a split whose proof fails runs it only
-    # where it fits beside the loaded model: kvviz.memory.fits_beside)
-    float64_only: bool = False  # every run is on the float64 reference (the model in its dtype does not run)
-    stepwise_reference: bool = False  # the reference compares token by token (its logits a chunk of rows at a time)
-    batch: int = 1  # rows in a batch (padding: the padded, the unpadded and a neighbour)
-    batch_from_workload: bool = False  # the batch and token count are the run's own (the cache sizes)
-    compared_after_split: bool = False  # compares only the positions after the split point
-    past_window: bool = False  # runs past the model's sliding window (at least 2 windows + 4 tokens, 64)
-    weight_copies: bool = False  # quantizing weights deep-copies the model first
-    many_prompts: bool = False  # runs a set of prompts (fewer prompts is a way to fit)
-    # decodes token by token (kvviz.loops.decode): one forward's logits (every position's) at a time, each step's
-    # last row kept; `decoded_runs` runs' rows are kept at once (greedy: its default paths, or the paths a run names;
-    # reuse: its ways per continuation)
-    decoded_runs: int = 0
-    # the float64 reference decodes (a full forward a step) only when the run's paths include this one; otherwise
-    # it replays single steps, the last position's logits only (greedy); None: it decodes like the run (reuse)
-    reference_decodes_with: str | None = None
-    batch_texts: tuple[str, ...] = ()  # texts that join the prompt in a batch, each made longer than it (padding)
-    # KV caches of the longest sequence held at once, the run's and the float64 reference's never together (greedy:
-    # one path's; reuse: the prefix's, the shared one and a continuation's); 0: the run's and a spare copy, in both
-    cache_copies: int = 0
-
-
-@dataclass(frozen=True)
 class View:
     name: str  # the `view` of its JSON export
     title: str  # as the pages call it
@@ -137,10 +109,10 @@ class View:
     runs: tuple[str, ...] = ()  # the names its page's runs have in pages/runner.run_cached (default: its name)
     scenario: "str | Callable | None" = None  # "scenario:setup": setup(preset, device) -> (lm, config, settings)
     # (default: the preset's model, its controls as the config's fields, invariant mode as the preset says)
-    scenarios: tuple = ()  # one-click scenarios of its own (kvviz.presets.Preset), beside kvviz.presets.PRESETS
-    # the protocol (kvviz.protocol): its typed, validated config class and its `run(lm, config, ctx) -> result`
+    scenarios: tuple = ()  # one-click scenarios of its own (kvviz.teach.presets.Preset), beside kvviz.teach.presets.PRESETS
+    # the protocol (kvviz.core.protocol): its typed, validated config class and its `run(lm, config, ctx) -> result`
     config: "str | type | None" = None  # "run:SplitConfig"
-    refuses: "str | dict | None" = None  # "run:REFUSES": what its run cannot honour and why (kvviz.protocol.REFUSABLE):
+    refuses: "str | dict | None" = None  # "run:REFUSES": what its run cannot honour and why (kvviz.core.protocol.REFUSABLE):
     # its run refuses such a context in one line, its subcommand the matching flag
     run: "str | Callable | None" = None  # "run:run"
     package: str = field(default="", compare=False)  # the folder's package, set by register()
@@ -180,7 +152,7 @@ class View:
         return dict(self.resolve(self.refuses) or {})
 
     def runner(self) -> Callable:
-        """The view's `run(lm, config, ctx: kvviz.protocol.RunContext) -> result`."""
+        """The view's `run(lm, config, ctx: kvviz.core.protocol.RunContext) -> result`."""
         return self.resolve(self.run)
 
     def repro_module(self):
@@ -210,7 +182,7 @@ def register(view: View, package: str = "") -> View:
                          "not know what its runs hold")
     if not (view.config and view.run):
         raise KvvizError(f"view {view.name!r} names no config class and run (View(config='run:<Config>', "
-                         "run='run:run')): every view runs through one protocol (kvviz.protocol)")
+                         "run='run:run')): every view runs through one protocol (kvviz.core.protocol)")
     folder = (package or view.package or view.name).rsplit(".", 1)[-1]
     command = None
     if view.cli or (view.config and view.run and view.name == folder):  # no cli.py: one made from its config
@@ -287,6 +259,11 @@ def get(name: str) -> View:
     if name not in _VIEWS:
         raise KvvizError(f"unknown view {name!r}")
     return _VIEWS[name]
+
+
+def memory_profile(name: str) -> MemoryProfile:
+    """The memory plan's profile of a view (kvviz.core.memory.profile looks views up through this)."""
+    return get(name).memory
 
 
 def all_views() -> tuple[View, ...]:

@@ -6,10 +6,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kvviz.errors import KvvizError
-from kvviz.execution import ExecSettings, Executor, RunInfo
-from kvviz.inputs import encode
-from kvviz.protocol import DEFAULT_CONTEXT, RunContext
+from kvviz.core.errors import KvvizError
+from kvviz.core.execution import ExecSettings, Executor, RunInfo
+from kvviz.core.inputs import encode
+from kvviz.core.protocol import DEFAULT_CONTEXT, RunContext
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,6 @@ REFUSES = {"prove": "it runs no proof rerun"}  # what it cannot honour: refused 
 
 
 def run(lm, config: NextTokenConfig, ctx: RunContext = DEFAULT_CONTEXT) -> NextTokenResult:
-    """The view's run: one signature for every view (kvviz.protocol)."""
+    """The view's run: one signature for every view (kvviz.core.protocol)."""
     with ctx.running(REFUSES):
         return run_next_token(lm, config.prompt, ctx.settings)

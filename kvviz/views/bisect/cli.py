@@ -1,8 +1,8 @@
 """`python -m kvviz bisect`: the first module whose output differs between the cached run and the full forward."""
 from __future__ import annotations
 
-from ...clirun import Outcome, context, load, model_args
-from ...inputs import MASK_MODES, POSITION_MODES
+from ...io.clirun import Outcome, context, load, model_args
+from ...core.inputs import MASK_MODES, POSITION_MODES
 
 
 HELP = ("name the first module whose output differs between the cached run and the "
@@ -22,7 +22,7 @@ def add_arguments(bp) -> None:
 
 
 def command(args) -> Outcome:
-    from ...naming import module_label
+    from ...core.naming import module_label
     from .run import BisectConfig, run
 
     cfg = BisectConfig(prompt=args.prompt, split=args.split, mode=args.mode, left_pad=args.left_pad,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from ...plotting import zero_floor, floor_zeros, fit_text
+from ...core.plotting import zero_floor, floor_zeros, fit_text
 
 
 def bisect_modules(res) -> go.Figure:

@@ -1,7 +1,7 @@
 """The bisect view's report: its result rebuilt from a JSON export (no model runs) and its verdict line."""
 from __future__ import annotations
 
-from ...export import typed
+from ...io.export import typed
 
 
 def reopen(d: dict):
@@ -14,6 +14,6 @@ def reopen(d: dict):
 
 
 def verdict(result) -> tuple[str, str]:
-    from ...naming import module_label
+    from ...core.naming import module_label
     return (("first difference: " + module_label(result.first.name)) if result.first else "no difference",
             result.explanation)

@@ -15,15 +15,15 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ...compat import output_cache, takes_logits_to_keep
-from ...errors import KvvizError
-from ...execution import DEFAULT_SETTINGS, ExecSettings, Executor, Settings, has_cache
-from ...inputs import SplitConfig, build_inputs, cached_mask, check_split
-from ...loading import LoadedModel
-from ...protocol import DEFAULT_CONTEXT, RunContext
-from ...metrics import max_abs_gap
-from ...naming import module_label
-from ...verdict import Finding
+from ...models.compat import output_cache, takes_logits_to_keep
+from ...core.errors import KvvizError
+from ...core.execution import DEFAULT_SETTINGS, ExecSettings, Executor, Settings, has_cache
+from ...core.inputs import SplitConfig, build_inputs, cached_mask, check_split
+from ...models.loading import LoadedModel
+from ...core.protocol import DEFAULT_CONTEXT, RunContext
+from ...core.metrics import max_abs_gap
+from ...core.naming import module_label
+from ...core.verdict import Finding
 
 _KINDS = (  # (pattern on the module's own name, kind) - first match wins
     (r"(embed_tokens|wte|wpe|embed_in|word_embeddings|position_embeddings|embeddings)$", "embedding"),
@@ -108,7 +108,7 @@ class BisectResult:
         return {**asdict(self), "settings": self.settings.to_dict()}
 
     def finding(self) -> Finding | None:
-        """What it found first, typed (kvviz.verdict.Finding): the first differing module and, where the op trace
+        """What it found first, typed (kvviz.core.verdict.Finding): the first differing module and, where the op trace
         lines one up, its first differing op. None: nothing differs at module level."""
         first, op = self.first, self.first_op
         if first is None:
@@ -357,7 +357,7 @@ def _op_name(func) -> str:
 
 
 def layer_name(module: str) -> str:
-    """The layer naming rule (kvviz.naming): "layer k (model.layers.{k-1}…)" for a module inside decoder layer k-1,
+    """The layer naming rule (kvviz.core.naming): "layer k (model.layers.{k-1}…)" for a module inside decoder layer k-1,
     "embeddings (…)" for the embedding."""
     if module_kind(module) == "embedding":
         return f"embeddings ({module})"
@@ -486,11 +486,11 @@ class BisectConfig(SplitConfig):
     ops: bool = True
 
 
-# what its run cannot honour (kvviz.protocol.RunContext.running; the CLI refuses the matching flag)
+# what its run cannot honour (kvviz.core.protocol.RunContext.running; the CLI refuses the matching flag)
 REFUSES = {'prove': 'the bisector runs no proof rerun'}
 
 
 def run(lm: LoadedModel, config: SplitConfig, ctx: RunContext = DEFAULT_CONTEXT) -> BisectResult:
-    """The view's run (kvviz.protocol: one signature for every view)."""
+    """The view's run (kvviz.core.protocol: one signature for every view)."""
     with ctx.running(REFUSES) as progress:
         return run_bisect(lm, config, ctx.settings, ops=getattr(config, "ops", True), progress=progress)

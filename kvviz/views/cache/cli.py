@@ -1,8 +1,8 @@
 """`python -m kvviz cache save|load|size`: the KV cache as an object."""
 from __future__ import annotations
 
-from ...clirun import Outcome, context, load, model_args
-from ...errors import KvvizError
+from ...io.clirun import Outcome, context, load, model_args
+from ...core.errors import KvvizError
 
 _NO_PROOF = "it runs no proof rerun"
 

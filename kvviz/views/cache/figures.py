@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from ...plotting import fit_text
+from ...core.plotting import fit_text
 
 
 def cache_growth(rows: list[dict], log: bool = True) -> go.Figure:

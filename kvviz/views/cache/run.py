@@ -16,15 +16,15 @@ from pathlib import Path
 import torch
 
 from ... import __version__
-from ...compat import fill_cache_layer, output_cache
-from ...dtypes import dtype_name
-from ...errors import KvvizError
-from ...execution import Executor, cache_layers
-from ...fingerprint import fingerprint
-from ...inputs import check_context, encode
-from ...loading import LoadedModel
-from ...protocol import DEFAULT_CONTEXT, RunContext
-from ...streaming import HeldRows, LayerGaps
+from ...models.compat import fill_cache_layer, output_cache
+from ...core.dtypes import dtype_name
+from ...core.errors import KvvizError
+from ...core.execution import Executor, cache_layers
+from ...core.fingerprint import fingerprint
+from ...core.inputs import check_context, encode
+from ...models.loading import LoadedModel
+from ...core.protocol import DEFAULT_CONTEXT, RunContext
+from ...core.streaming import HeldRows, LayerGaps
 
 FORMAT = "kvviz-kv-cache/1"
 
@@ -267,12 +267,12 @@ class ReloadConfig:
         return self
 
 
-# what its run cannot honour (kvviz.protocol.RunContext.running; the CLI refuses the matching flag)
+# what its run cannot honour (kvviz.core.protocol.RunContext.running; the CLI refuses the matching flag)
 REFUSES = {'invariant': 'the reload is compared with a plain fresh cache', 'prove': 'it runs no proof rerun'}
 
 
 def run(lm: LoadedModel, config: ReloadConfig, ctx: RunContext = DEFAULT_CONTEXT) -> ContinueResult:
-    """The view's run (kvviz.protocol: one signature for every view)."""
+    """The view's run (kvviz.core.protocol: one signature for every view)."""
     config.validate()
     with ctx.running(REFUSES) as progress:
         source = config.source

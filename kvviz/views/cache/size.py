@@ -14,12 +14,12 @@ from pathlib import Path
 
 import torch
 
-from ...compat import output_cache
-from ...dtypes import DTYPE_NAMES, parse_dtype
-from ...errors import KvvizError
-from ...execution import Executor, cache_layers
-from ...loading import LoadedModel
-from ...protocol import DEFAULT_CONTEXT, RunContext
+from ...models.compat import output_cache
+from ...core.dtypes import DTYPE_NAMES, parse_dtype
+from ...core.errors import KvvizError
+from ...core.execution import Executor, cache_layers
+from ...models.loading import LoadedModel
+from ...core.protocol import DEFAULT_CONTEXT, RunContext
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "data" / "configs"
 BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
@@ -201,12 +201,12 @@ class SizeConfig:
         return self
 
 
-# what its run cannot honour (kvviz.protocol.RunContext.running; the CLI refuses the matching flag)
+# what its run cannot honour (kvviz.core.protocol.RunContext.running; the CLI refuses the matching flag)
 REFUSES = {'invariant': 'sizes do not depend on it', 'prove': 'it runs no proof rerun'}
 
 
 def run(lm: LoadedModel, config: SizeConfig, ctx: RunContext = DEFAULT_CONTEXT) -> SizeReport:
-    """The view's run (kvviz.protocol: one signature for every view)."""
+    """The view's run (kvviz.core.protocol: one signature for every view)."""
     config.validate()
     with ctx.running(REFUSES):
         return size_report(lm, config.tokens, config.batch, measure=config.measure)

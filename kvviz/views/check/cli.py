@@ -1,7 +1,7 @@
 """`python -m kvviz check`: is this model cache-safe? The card's battery of float64 checks."""
 from __future__ import annotations
 
-from ...clirun import Outcome, context, load, model_args, repro_arg
+from ...io.clirun import Outcome, context, load, model_args, repro_arg
 
 
 HELP = "is this model cache-safe? a battery of float64 checks"

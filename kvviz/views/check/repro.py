@@ -1,8 +1,8 @@
 """The check view's standalone repro script (torch + transformers only): the cache-safety card's split-based checks in float64 (cached vs full in one chunk and token by token, left padding, past the sliding window); its last line is the largest |Δ logit| over them."""
 from __future__ import annotations
 
-from ...errors import KvvizError
-from ...repro import float64_mode, header
+from ...core.errors import KvvizError
+from ...io.repro import float64_mode, header
 
 TEMPLATE = '''
 CHECKS = {checks!r}  # (name, prompt, split, mode, left_pad): the card's split-based checks, run in float64

@@ -18,12 +18,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 
-from ...errors import KvvizError
-from ...execution import Settings
-from ...loading import LoadedModel
-from ...protocol import DEFAULT_CONTEXT, RunContext
+from ...core.errors import KvvizError
+from ...core.execution import Settings
+from ...models.loading import LoadedModel
+from ...core.protocol import DEFAULT_CONTEXT, RunContext
 from ... import views
-from ...verdict import Verdict, classify
+from ...core.verdict import Verdict, classify
 
 PROMPT = ("The museum guard knew every painting in the building, but he had a favourite one hanging in the far "
           "corner of the east wing.")
@@ -63,7 +63,7 @@ class CheckCard:
 
 
 def _compose(view: str, lm: LoadedModel, config, progress=None):
-    """Another view's run, through the registry (kvviz.protocol): the card judges in float64, no invariant rerun."""
+    """Another view's run, through the registry (kvviz.core.protocol): the card judges in float64, no invariant rerun."""
     return views.get(view).runner()(lm, config, RunContext(prove=False, progress=progress))
 
 
@@ -219,7 +219,7 @@ def run_check(lm: LoadedModel, progress=None, weights: str = "none", kv: str = "
                          + "; ".join(c.evidence for c in quant_checks) + ".",
                 "unsafe": "Unsafe: " + "; ".join(f"{c.name} — {c.evidence}" for c in failed) + "."}[overall])
     progress(1.0, "Done")
-    from ...dtypes import dtype_name
+    from ...core.dtypes import dtype_name
 
     return CheckCard(model=lm.name, overall=overall, checks=checks, summary=summary,
                      settings=CheckSettings(model=lm.name, dtype=dtype_name(lm.dtype), device=str(lm.device),
@@ -247,12 +247,12 @@ class CheckConfig:
         return self
 
 
-# what its run cannot honour (kvviz.protocol.RunContext.running; the CLI refuses the matching flag)
+# what its run cannot honour (kvviz.core.protocol.RunContext.running; the CLI refuses the matching flag)
 REFUSES = {'invariant': 'the card decides in float64, where invariant mode has nothing to prove', 'prove': 'the card never runs the proof rerun'}
 
 
 def run(lm: LoadedModel, config: CheckConfig, ctx: RunContext = DEFAULT_CONTEXT) -> CheckCard:
-    """The view's run (kvviz.protocol: one signature for every view). The card judges in float64 (no proof runs)
+    """The view's run (kvviz.core.protocol: one signature for every view). The card judges in float64 (no proof runs)
     and composes split, padding, reuse and quant through the registry."""
     config.validate()
     with ctx.running(REFUSES) as progress:

@@ -3,7 +3,7 @@
 This folder is the whole view: run.py (config, run, result), figures.py, report.py (reopen, verdict), repro.py, cli.py.
 Registered by one line in kvviz/views/__init__.py."""
 from .. import MemoryProfile, Page, View
-from ...prompts import CAPITALS
+from ...core.prompts import CAPITALS
 from .run import DtypesResult, run_dtypes
 
 VIEW = View("dtypes", "Dtypes side by side", "DtypesResult", "report:reopen", "figures:main", "report:verdict",

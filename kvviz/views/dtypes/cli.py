@@ -1,9 +1,9 @@
 """`python -m kvviz dtypes`: the split comparison in several dtypes over one prompt or a prompt set."""
 from __future__ import annotations
 
-from ...clirun import (Outcome, load, model_args, placement, plan_gate, progress_to_stderr, prove, repro_arg,
+from ...io.clirun import (Outcome, load, model_args, placement, plan_gate, progress_to_stderr, prove, repro_arg,
                        settings, spec)
-from ...errors import KvvizError
+from ...core.errors import KvvizError
 
 
 HELP = "the split comparison in several dtypes, over one prompt or a prompt set"
@@ -24,7 +24,7 @@ def add_arguments(dp) -> None:
 
 
 def command(args) -> Outcome:
-    from ...prompts import load_prompts
+    from ...core.prompts import load_prompts
     from .run import run_dtypes
 
     if args.split not in ("last", "half"):

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import plotly.graph_objects as go
 
-from ...plotting import METRIC_TITLES, zero_floor, floor_zeros, thin_x, fit_text
+from ...core.plotting import METRIC_TITLES, zero_floor, floor_zeros, thin_x, fit_text
 
 
 DTYPE_COLORS = {"float64": "#555555", "float32": "#1f77b4", "float16": "#ff7f0e", "bfloat16": "#2ca02c"}

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...export import typed
+from ...io.export import typed
 
 
 def reopen(d: dict):

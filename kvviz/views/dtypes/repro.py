@@ -1,9 +1,9 @@
 """The dtypes view's standalone repro script (torch + transformers only): the split comparison per dtype (float64 aside) and prompt; its last line is the largest |Δ logit| over all."""
 from __future__ import annotations
 
-from ...errors import KvvizError
-from ...repro import header, plain_head, require_plain
-from ...inputs import encode
+from ...core.errors import KvvizError
+from ...io.repro import header, plain_head, require_plain
+from ...core.inputs import encode
 from .run import split_point
 
 TEMPLATE = '''

@@ -12,16 +12,16 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 
-from ...dtypes import DTYPE_NAMES, dtype_name, parse_dtype, supports_dtype
-from ...errors import KvvizError
-from ...execution import DEFAULT_SETTINGS, ExecSettings, RunSettings
-from ...inputs import MODES, check_mode, encode, split_point, validate_prompt  # noqa: F401 - split_point: repro
-from ... import loading
-from ...loading import LoadedModel, ModelSpec
-from ...protocol import DEFAULT_CONTEXT, RunContext
-from ...verdict import Prove
+from ...core.dtypes import DTYPE_NAMES, dtype_name, parse_dtype, supports_dtype
+from ...core.errors import KvvizError
+from ...core.execution import DEFAULT_SETTINGS, ExecSettings, RunSettings
+from ...core.inputs import MODES, check_mode, encode, split_point, validate_prompt  # noqa: F401 - split_point: repro
+from ...models import loading
+from ...models.loading import LoadedModel, ModelSpec
+from ...core.protocol import DEFAULT_CONTEXT, RunContext
+from ...core.verdict import Prove
 from ... import views
-from ...inputs import SplitConfig
+from ...core.inputs import SplitConfig
 
 Progress = Callable[[float, str], None]
 VERDICTS = ("identical", "precision", "logic")
@@ -207,7 +207,7 @@ class DtypesConfig:
 
 
 def run(lm: LoadedModel, config: DtypesConfig, ctx: RunContext = DEFAULT_CONTEXT) -> DtypesResult:
-    """The view's run (kvviz.protocol: one signature for every view)."""
+    """The view's run (kvviz.core.protocol: one signature for every view)."""
     config.validate()
     with ctx.running() as progress:
         return run_dtypes(lm, list(config.prompts), config.dtypes, split=config.split, mode=config.mode,

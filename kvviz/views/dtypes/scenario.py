@@ -1,14 +1,14 @@
-"""A one-click scenario of the Dtypes side by side page, run ahead (kvviz.meeting): the built-in prompts (as many
+"""A one-click scenario of the Dtypes side by side page, run ahead (kvviz.teach.meeting): the built-in prompts (as many
 as the preset's limit) in float32, float16 and bfloat16 against float64, with the preset's split and feed mode."""
 from __future__ import annotations
 
 
 def setup(preset, device: str = "cpu"):
-    """(model, config, settings) of the scenario: kvviz.meeting runs them through the view's run (the float32
+    """(model, config, settings) of the scenario: kvviz.teach.meeting runs them through the view's run (the float32
     model's twins give the other dtypes)."""
-    from ...execution import DEFAULT_SETTINGS
-    from ...loading import load_model
-    from ...prompts import builtin_prompts
+    from ...core.execution import DEFAULT_SETTINGS
+    from ...models.loading import load_model
+    from ...core.prompts import builtin_prompts
 
     from .run import DtypesConfig
 

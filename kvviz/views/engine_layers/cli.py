@@ -2,7 +2,7 @@
 parallel 1 vs N) compared layer by layer inside the engine, each against the float64 reference."""
 from __future__ import annotations
 
-from ...clirun import Outcome, context, load, model_args
+from ...io.clirun import Outcome, context, load, model_args
 
 HELP = ("inside the engine: warm vs cold, batch vs alone or tensor parallel 1 vs N in vLLM, layer × token, each "
         "against the float64 reference; the first layer beyond rounding named")

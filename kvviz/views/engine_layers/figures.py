@@ -1,12 +1,12 @@
 """The engine-layers view's figures and tables: pure functions of its result. The layer × token maps are Split
-point's (kvviz.plotting.heatmap: exact zeros in their own colour, one shared colour range for the two sides)."""
+point's (kvviz.core.plotting.heatmap: exact zeros in their own colour, one shared colour range for the two sides)."""
 from __future__ import annotations
 
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from ...plotting import METRIC_TITLES, floor_zeros, heatmap, shared_range, short, thin_x, zero_floor, fit_text
+from ...core.plotting import METRIC_TITLES, floor_zeros, heatmap, shared_range, short, thin_x, zero_floor, fit_text
 from .run import METRICS, EngineLayersResult
 
 

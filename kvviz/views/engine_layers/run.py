@@ -36,13 +36,13 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ...errors import KvvizError
-from ...execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo
-from ...protocol import DEFAULT_CONTEXT, RunContext
-from ...inputs import check_context, encode
-from ...metrics import first_divergence, hidden_divergence
-from ...naming import layer_labels
-from ...text import display_tokens
+from ...core.errors import KvvizError
+from ...core.execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo
+from ...core.protocol import DEFAULT_CONTEXT, RunContext
+from ...core.inputs import check_context, encode
+from ...core.metrics import first_divergence, hidden_divergence
+from ...core.naming import layer_labels
+from ...core.text import display_tokens
 from ...engines.verdict import C_OWN, K_GROWTH, UNIT_ROUNDOFF
 
 PAIRS = {"warm": ("cold", "warm"), "batch": ("alone", "batch"), "tp": ("tp 1", "tp N")}
@@ -243,7 +243,7 @@ def _req(key: str, ids: list[int], n: int, salt: str | None = None) -> dict:
 def _prompts(lm, cfg: EngineLayersConfig, ids: list[int]) -> list[tuple[str, list[int], list[int], list[list[int]]]]:
     """(text, ids, warmer, batch neighbours) of the prompt and of cfg.others built-in prompts (compared at their outputs):
     the warmer is the shared prefix (or the identical prompt); the neighbours the next k-1 built-in prompts."""
-    from ...prompts import load_prompts
+    from ...core.prompts import load_prompts
 
     pool = [q for q in load_prompts("builtin") if q != cfg.prompt]
     texts = [cfg.prompt] + pool[: cfg.others]
@@ -315,7 +315,7 @@ def run_engine_layers(lm, cfg: EngineLayersConfig, progress: Progress | None = N
     """Run the pair (module docstring) and judge it. The engine runs the model's folder in the model's dtype."""
     from ...engines.serving import check_engine
     from ...engines.workers import check_vllm_dtype
-    from ...dtypes import dtype_name
+    from ...core.dtypes import dtype_name
 
     progress = progress or (lambda f, m: None)
     settings = (settings or DEFAULT_SETTINGS).validate()
@@ -535,12 +535,12 @@ def _judge(a: Side, b: Side, gaps, first_diff, first_beyond, fd, labels, bound, 
                          "them is the order of rounding, not a bug. " + text)
 
 
-# what its run cannot honour (kvviz.protocol.RunContext.running; the CLI refuses the matching flag)
+# what its run cannot honour (kvviz.core.protocol.RunContext.running; the CLI refuses the matching flag)
 REFUSES = {"invariant": "vLLM's deterministic mode needs CUDA/ROCm kernels; the engines run as they serve",
            "prove": "it runs no invariant-mode rerun"}
 
 
 def run(lm, config: EngineLayersConfig, ctx: RunContext = DEFAULT_CONTEXT) -> EngineLayersResult:
-    """The view's run (kvviz.protocol: one signature for every view)."""
+    """The view's run (kvviz.core.protocol: one signature for every view)."""
     with ctx.running(REFUSES) as progress:
         return run_engine_layers(lm, config, progress, settings=ctx.settings)

@@ -1,8 +1,8 @@
 """`python -m kvviz greedy`: greedy decoding with and without the cache - where the paths part and why."""
 from __future__ import annotations
 
-from ...clirun import Outcome, context, load, model_args, nonnegative_pad, repro_arg
-from ...inputs import POSITION_MODES
+from ...io.clirun import Outcome, context, load, model_args, nonnegative_pad, repro_arg
+from ...core.inputs import POSITION_MODES
 
 
 HELP = "greedy decoding with and without cache: where the paths part and why"

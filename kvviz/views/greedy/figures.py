@@ -5,7 +5,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from ...plotting import short, heatmap, shared_range, fit_text, zero_floor
+from ...core.plotting import short, heatmap, shared_range, fit_text, zero_floor
 from .run import GreedyPath
 
 

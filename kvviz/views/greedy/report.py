@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...export import typed
-from ...verdict import Verdict
+from ...io.export import typed
+from ...core.verdict import Verdict
 
 
 def reopen(d: dict):

@@ -1,9 +1,9 @@
 """The greedy view's standalone repro script (torch + transformers only): the no-cache loop vs the cached loop; its last line is the largest |Δ logit| while both saw the same tokens."""
 from __future__ import annotations
 
-from ...errors import KvvizError
-from ...repro import header, plain_head, require_plain
-from ...inputs import encode
+from ...core.errors import KvvizError
+from ...io.repro import header, plain_head, require_plain
+from ...core.inputs import encode
 from .run import GreedyPath
 
 TEMPLATE = '''

@@ -24,18 +24,18 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ...dtypes import machine_eps
-from ...errors import KvvizError
-from ...inputs import POSITION_MODES, PromptInputs, build_inputs, check_mode, pad_token_id, positions_from_mask
-from ...execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings, StepPolicy
-from ...loading import LoadedModel
-from ...protocol import DEFAULT_CONTEXT, RunContext
-from ...metrics import first_divergence, hidden_divergence
-from ...text import display_tokens
-from ...naming import layer_labels
-from ...replay import Replay, replay_step, top2
-from ...streaming import HeldRows
-from ...verdict import Prove, Verdict, classify, precision_sentence
+from ...core.dtypes import machine_eps
+from ...core.errors import KvvizError
+from ...core.inputs import POSITION_MODES, PromptInputs, build_inputs, check_mode, pad_token_id, positions_from_mask
+from ...core.execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings, StepPolicy
+from ...models.loading import LoadedModel
+from ...core.protocol import DEFAULT_CONTEXT, RunContext
+from ...core.metrics import first_divergence, hidden_divergence
+from ...core.text import display_tokens
+from ...core.naming import layer_labels
+from ...core.replay import Replay, replay_step, top2
+from ...core.streaming import HeldRows
+from ...core.verdict import Prove, Verdict, classify, precision_sentence
 
 
 
@@ -601,6 +601,6 @@ def run_greedy(lm: LoadedModel, cfg: GreedyConfig, progress: Progress | None = N
 
 
 def run(lm: LoadedModel, config: GreedyConfig, ctx: RunContext = DEFAULT_CONTEXT) -> GreedyResult:
-    """The view's run (kvviz.protocol: one signature for every view)."""
+    """The view's run (kvviz.core.protocol: one signature for every view)."""
     with ctx.running() as progress:
         return run_greedy(lm, config, progress, settings=ctx.settings, prove=ctx.prove)

@@ -1,11 +1,11 @@
-"""A one-click scenario of the Greedy paths page, run ahead (kvviz.meeting)."""
+"""A one-click scenario of the Greedy paths page, run ahead (kvviz.teach.meeting)."""
 from __future__ import annotations
 
 
 def setup(preset, device: str = "cpu"):
-    """(model, config, settings) of the scenario: kvviz.meeting runs them through the view's run."""
-    from ...execution import ExecSettings
-    from ...loading import load_model
+    """(model, config, settings) of the scenario: kvviz.teach.meeting runs them through the view's run."""
+    from ...core.execution import ExecSettings
+    from ...models.loading import load_model
 
     from .run import DEFAULT_PATHS, GreedyConfig
 

@@ -1,7 +1,7 @@
 """`python -m kvviz loading-trap`: from_pretrained(dtype=16-bit) vs float32 + .to(16-bit) - two models."""
 from __future__ import annotations
 
-from ...clirun import Outcome, context, load, model_args, repro_arg
+from ...io.clirun import Outcome, context, load, model_args, repro_arg
 
 
 HELP = "from_pretrained(dtype=16-bit) vs float32 + .to(16-bit): two models"

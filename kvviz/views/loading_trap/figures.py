@@ -4,7 +4,7 @@ from __future__ import annotations
 import pandas as pd
 import plotly.graph_objects as go
 
-from ...plotting import zero_floor, floor_zeros, fit_text
+from ...core.plotting import zero_floor, floor_zeros, fit_text
 
 
 def loading_trap_steps(res) -> go.Figure:

@@ -1,8 +1,8 @@
 """The loading_trap view's standalone repro script (torch + transformers only): from_pretrained(dtype) vs float32 + .to(dtype), greedy without cache; its last line is the largest |Δ logit| over the steps."""
 from __future__ import annotations
 
-from ...inputs import encode
-from ...repro import NO_FLOAT64, header
+from ...core.inputs import encode
+from ...io.repro import NO_FLOAT64, header
 
 TEMPLATE = '''
 DTYPE = torch.{dtype}

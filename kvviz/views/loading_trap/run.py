@@ -14,13 +14,13 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ...dtypes import dtype_name, parse_dtype
-from ...errors import KvvizError
-from ...execution import Executor, Settings, StepPolicy
-from ...metrics import first_divergence
-from ...inputs import build_inputs
-from ...loading import LoadedModel
-from ...protocol import DEFAULT_CONTEXT, RunContext
+from ...core.dtypes import dtype_name, parse_dtype
+from ...core.errors import KvvizError
+from ...core.execution import Executor, Settings, StepPolicy
+from ...core.metrics import first_divergence
+from ...core.inputs import build_inputs
+from ...models.loading import LoadedModel
+from ...core.protocol import DEFAULT_CONTEXT, RunContext
 
 
 @dataclass
@@ -136,11 +136,11 @@ def run_loading_trap(lm: LoadedModel, prompt: str = "This is a ", max_new_tokens
                              max_abs_logit=gaps, verdict=verdict, explanation=text)
 
 
-# what its run cannot honour (kvviz.protocol.RunContext.running; the CLI refuses the matching flag)
+# what its run cannot honour (kvviz.core.protocol.RunContext.running; the CLI refuses the matching flag)
 REFUSES = {'invariant': 'it compares two loadings of the model, each decoded plainly', 'prove': 'it runs no proof rerun'}
 
 
 def run(lm: LoadedModel, config: LoadingTrapConfig, ctx: RunContext = DEFAULT_CONTEXT) -> LoadingTrapResult:
-    """The view's run (kvviz.protocol: one signature for every view)."""
+    """The view's run (kvviz.core.protocol: one signature for every view)."""
     with ctx.running(REFUSES):  # its runs are its own: from_pretrained(dtype) against float32 + .to(dtype)
         return run_loading_trap(lm, config.prompt, config.max_new_tokens, config.dtype)

@@ -4,7 +4,7 @@ change greedy decoding, and how.
 This folder is the whole view: run.py (config, run, result), figures.py, report.py (reopen, verdict), repro.py, cli.py.
 Registered by one line in kvviz/views/__init__.py."""
 from .. import MemoryProfile, Page, View
-from ...prompts import CAPITALS
+from ...core.prompts import CAPITALS
 from .run import MatrixConfig, MatrixResult, run_matrix, sliding_window_config
 
 VIEW = View("matrix", "Backends & compile", "MatrixResult", "report:reopen", "figures:main", "report:verdict",

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ...clirun import Outcome, context, load, model_args, repro_arg, split_list
-from ...errors import KvvizError
-from ...inputs import POSITION_MODES
+from ...io.clirun import Outcome, context, load, model_args, repro_arg, split_list
+from ...core.errors import KvvizError
+from ...core.inputs import POSITION_MODES
 
 
 HELP = ("attention × cache kind × compile × precision flags, repeated: which "

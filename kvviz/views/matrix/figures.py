@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import plotly.graph_objects as go
 
-from ...plotting import fit_text
+from ...core.plotting import fit_text
 
 
 MATRIX_COLOURS = {"identical": "#2e7d32", "precision": "#1565c0", "logic": "#c62828", "nondeterministic": "#ef6c00",

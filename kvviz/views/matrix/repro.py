@@ -1,10 +1,10 @@
 """The matrix view's standalone repro script (torch + transformers only): every cell that ran without torch.compile (attention x cache kind x precision flags) against the eager no-cache loop; its last line is the largest cell's max |Δ logit|. Compiled cells are left out (compiled kernels are not a bit-for-bit contract) and the script says which."""
 from __future__ import annotations
 
-from ...errors import KvvizError
-from ...inputs import encode
-from ...repro import NO_FLOAT64, float64_mode, header, module_body
-from ...backends import kv_group_size
+from ...core.errors import KvvizError
+from ...core.inputs import encode
+from ...io.repro import NO_FLOAT64, float64_mode, header, module_body
+from ...core.backends import kv_group_size
 
 TEMPLATE = '''
 DTYPE = torch.{dtype}
@@ -107,7 +107,7 @@ def script(result, lm, name: str) -> str:
     body = TEMPLATE.format(dtype=s["dtype"], rows=rows, prompt=s["prompt"], left_pad=s["left_pad"],
                            steps=s["max_new_tokens"], positions=s["position_ids"],
                            cells=[(c.attention, c.cache, tuple(c.flags)) for c in kept], skipped=skipped,
-                           group=kv_group_size(lm), flags_source=module_body("flags"))
+                           group=kv_group_size(lm), flags_source=module_body("core.flags"))
     return header(title, name=name, folder=lm.source, model=s["model"], device=s["device"], attn="auto",
                   float64_mode=float64_mode() if s["dtype"] == "float64" else NO_FLOAT64) + body
 

@@ -18,18 +18,18 @@ from typing import Callable
 
 import torch
 
-from ...dtypes import dtype_name
-from ...environment import environment
-from ...errors import KvvizError, first_line, is_out_of_memory
-from ...execution import CacheKind, ExecSettings, Executor, Settings, StepPolicy
-from ...replay import Replay, replay_step
-from ...metrics import first_divergence
-from ...inputs import POSITION_MODES, PromptInputs, check_mode, encode, pad_token_id, positions_from_mask
-from ... import loading
-from ...loading import LoadedModel
-from ...protocol import DEFAULT_CONTEXT, RunContext
-from ...verdict import Verdict, classify
-from ...text import display_text
+from ...core.dtypes import dtype_name
+from ...core.environment import environment
+from ...core.errors import KvvizError, first_line, is_out_of_memory
+from ...core.execution import CacheKind, ExecSettings, Executor, Settings, StepPolicy
+from ...core.replay import Replay, replay_step
+from ...core.metrics import first_divergence
+from ...core.inputs import POSITION_MODES, PromptInputs, check_mode, encode, pad_token_id, positions_from_mask
+from ...models import loading
+from ...models.loading import LoadedModel
+from ...core.protocol import DEFAULT_CONTEXT, RunContext
+from ...core.verdict import Verdict, classify
+from ...core.text import display_text
 
 Progress = Callable[[float, str], None]
 VERDICTS = (Verdict.IDENTICAL, Verdict.PRECISION, Verdict.LOGIC, Verdict.NONDETERMINISTIC, Verdict.LOSSY)
@@ -241,7 +241,7 @@ class _Runner:
 
 
 def _run_cell(runner: _Runner, cell: Cell, ref: tuple, n: int, progress: Callable[[str], None]) -> None:
-    from ...backends import compile_stats
+    from ...core.backends import compile_stats
 
     cfg = runner.cfg
     settings = ExecSettings(cache=cell.cache, compile=cell.compile, flags=tuple(cell.flags),
@@ -316,7 +316,7 @@ def run_matrix(spec, prompt_or_cfg: "str | MatrixConfig", dtype="float32", devic
             _run_cell(runner, cell, ref, n, report)
         except Exception as e:  # noqa: BLE001 - a cell that cannot run becomes an error cell; the grid goes on
             if is_out_of_memory(e):
-                from ...errors import free_memory
+                from ...core.errors import free_memory
 
                 free_memory(e)
             cell.error, cell.verdict = _one_line(e), None
@@ -354,12 +354,12 @@ def sliding_window_config(lm: LoadedModel, max_new_tokens: int | None = None) ->
                         batch_with=(long_prompt,), repeats=2)
 
 
-# what its run cannot honour (kvviz.protocol.RunContext.running; the CLI refuses the matching flag)
+# what its run cannot honour (kvviz.core.protocol.RunContext.running; the CLI refuses the matching flag)
 REFUSES = {'prove': 'the matrix runs no proof rerun (its invariant mode runs every cell in invariant mode)'}
 
 
 def run(lm: LoadedModel, config: MatrixConfig, ctx: RunContext = DEFAULT_CONTEXT) -> MatrixResult:
-    """The view's run (kvviz.protocol: one signature for every view)."""
+    """The view's run (kvviz.core.protocol: one signature for every view)."""
     # its axes are its own settings; the context's invariant mode runs every cell in invariant mode
     cfg = replace(config, invariant=True) if ctx.settings.invariant else config
     with ctx.running(REFUSES) as progress:

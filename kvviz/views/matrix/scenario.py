@@ -1,11 +1,11 @@
-"""A one-click scenario of the Backends & compile page, run ahead (kvviz.meeting): the sliding-window grid."""
+"""A one-click scenario of the Backends & compile page, run ahead (kvviz.teach.meeting): the sliding-window grid."""
 from __future__ import annotations
 
 
 def setup(preset, device: str = "cpu"):
-    """(model, config, settings) of the scenario: kvviz.meeting runs them through the view's run."""
-    from ...execution import DEFAULT_SETTINGS
-    from ...loading import load_model
+    """(model, config, settings) of the scenario: kvviz.teach.meeting runs them through the view's run."""
+    from ...core.execution import DEFAULT_SETTINGS
+    from ...models.loading import load_model
 
     from .run import sliding_window_config
 

@@ -4,7 +4,7 @@ precision or logic per cell.
 This folder is the whole view: run.py (config, run, result), figures.py, report.py (reopen, verdict), repro.py, cli.py.
 Registered by one line in kvviz/views/__init__.py."""
 from .. import MemoryProfile, Page, View
-from ...prompts import CAPITALS
+from ...core.prompts import CAPITALS
 from .run import DEFAULT_COMPANIONS, PaddingResult, run_padding
 
 VIEW = View("padding", "Padding and batching", "PaddingResult", "report:reopen", "figures:main", "report:verdict",

@@ -1,7 +1,7 @@
 """`python -m kvviz padding`: alone / left-padded / in a batch x cache settings - precision or logic per cell."""
 from __future__ import annotations
 
-from ...clirun import Outcome, context, load, model_args, nonnegative_pad, repro_arg
+from ...io.clirun import Outcome, context, load, model_args, nonnegative_pad, repro_arg
 
 
 HELP = "alone / left-padded / in a batch × cache settings: precision or logic"

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import plotly.graph_objects as go
 
-from ...plotting import ZERO_COLOUR, shared_range, VERDICT_COLORS, fit_text
+from ...core.plotting import ZERO_COLOUR, shared_range, VERDICT_COLORS, fit_text
 
 
 def padding_grid(res, value: str = "hidden_relative") -> go.Figure:

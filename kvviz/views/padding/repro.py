@@ -1,9 +1,9 @@
 """The padding view's standalone repro script (torch + transformers only): the prompt alone, left-padded and in a batch, every cache setting; its last line is the largest |Δ logit| over the cells."""
 from __future__ import annotations
 
-from ...errors import KvvizError
-from ...repro import header, plain_head, require_plain
-from ...inputs import encode
+from ...core.errors import KvvizError
+from ...io.repro import header, plain_head, require_plain
+from ...core.inputs import encode
 from .run import PLACEMENTS, SCENARIOS, companion_ids
 
 TEMPLATE = '''

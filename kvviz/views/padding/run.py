@@ -12,16 +12,16 @@ import time
 import pandas as pd
 import torch
 
-from ...compat import output_cache, takes_logits_to_keep
-from ...dtypes import machine_eps
-from ...errors import KvvizError, first_line
-from ...execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings, has_cache
-from ...inputs import (check_split, encode, pad_token_id, positions_from_mask, split_point, token_texts,
+from ...models.compat import output_cache, takes_logits_to_keep
+from ...core.dtypes import machine_eps
+from ...core.errors import KvvizError, first_line
+from ...core.execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings, has_cache
+from ...core.inputs import (check_split, encode, pad_token_id, positions_from_mask, split_point, token_texts,
                       validate_prompt)
-from ...loading import LoadedModel
-from ...protocol import DEFAULT_CONTEXT, RunContext
-from ...streaming import HeldRows, LayerGaps
-from ...verdict import Prove, Verdict, classify
+from ...models.loading import LoadedModel
+from ...core.protocol import DEFAULT_CONTEXT, RunContext
+from ...core.streaming import HeldRows, LayerGaps
+from ...core.verdict import Prove, Verdict, classify
 
 Progress = Callable[[float, str], None]
 
@@ -249,7 +249,7 @@ class PaddingConfig:
 
 
 def run(lm: LoadedModel, config: PaddingConfig, ctx: RunContext = DEFAULT_CONTEXT) -> PaddingResult:
-    """The view's run (kvviz.protocol: one signature for every view)."""
+    """The view's run (kvviz.core.protocol: one signature for every view)."""
     config.validate()
     with ctx.running() as progress:
         return run_padding(lm, config.prompt, config.split, config.left_pad,

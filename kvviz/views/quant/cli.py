@@ -1,7 +1,7 @@
 """`python -m kvviz quant`: a quantized KV cache and/or quantized weights against the unquantized run."""
 from __future__ import annotations
 
-from ...clirun import Outcome, context, load, model_args, repro_arg
+from ...io.clirun import Outcome, context, load, model_args, repro_arg
 
 
 HELP = ("a quantized KV cache and/or quantized weights against the unquantized run: "

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pandas as pd
 import plotly.graph_objects as go
 
-from ...plotting import zero_floor, floor_zeros, thin_x, fit_text
+from ...core.plotting import zero_floor, floor_zeros, thin_x, fit_text
 
 
 def quant_steps(res) -> go.Figure:
@@ -57,7 +57,7 @@ def quant_layers(res) -> go.Figure:
 
 
 def quant_frame(res) -> pd.DataFrame:
-    from ...text import fmt_number
+    from ...core.text import fmt_number
 
     n = res.steps
     return pd.DataFrame({

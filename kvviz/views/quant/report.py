@@ -1,7 +1,7 @@
 """The quant view's report: its result rebuilt from a JSON export (no model runs) and its verdict line."""
 from __future__ import annotations
 
-from ...export import typed
+from ...io.export import typed
 
 
 def reopen(d: dict):

@@ -1,9 +1,9 @@
 """The quant view's standalone repro script (torch + transformers only): the unquantized run vs the quantized one teacher forced on its tokens; its last line is the largest |Δ logit| over the steps. The script also needs the quantization package the result used (optimum-quanto or hqq; fp8 needs none)."""
 from __future__ import annotations
 
-from ...errors import KvvizError
-from ...repro import header, plain_head, require_plain
-from ...inputs import encode
+from ...core.errors import KvvizError
+from ...io.repro import header, plain_head, require_plain
+from ...core.inputs import encode
 from .run import kv_group_size, parse_kv
 
 TEMPLATE = '''

@@ -38,15 +38,15 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ...backends import kv_group_size, quantized_cache  # noqa: F401 - kv_group_size: part of this module's API
-from ...errors import KvvizError, first_line
-from ...execution import DEFAULT_SETTINGS, Executor, RunInfo, RunSettings, StepPolicy
-from ...inputs import PromptInputs, build_inputs
-from ...loading import LoadedModel
-from ...protocol import DEFAULT_CONTEXT, RunContext
-from ...metrics import hidden_divergence, logits_divergence
-from ...naming import layer_labels
-from ...text import display_tokens
+from ...core.backends import kv_group_size, quantized_cache  # noqa: F401 - kv_group_size: part of this module's API
+from ...core.errors import KvvizError, first_line
+from ...core.execution import DEFAULT_SETTINGS, Executor, RunInfo, RunSettings, StepPolicy
+from ...core.inputs import PromptInputs, build_inputs
+from ...models.loading import LoadedModel
+from ...core.protocol import DEFAULT_CONTEXT, RunContext
+from ...core.metrics import hidden_divergence, logits_divergence
+from ...core.naming import layer_labels
+from ...core.text import display_tokens
 
 Progress = Callable[[float, str], None]
 
@@ -135,9 +135,9 @@ def quantize_weights(lm: LoadedModel, scheme: str, progress: Progress | None = N
         return q
     from optimum.quanto import freeze, qint4, qint8, quantize
 
-    from ...quanto_ext import prepare
+    from ...models.quanto_ext import prepare
 
-    prepare(lm.device, progress)  # no silent wait on quanto's extension build (kvviz/quanto_ext.py)
+    prepare(lm.device, progress)  # no silent wait on quanto's extension build (kvviz/models/quanto_ext.py)
     progress(0.05, f"Copying the model to quantize its weights to {scheme}…")
     with lm.lock:
         model = copy.deepcopy(lm.model)
@@ -339,7 +339,7 @@ def run_quant(lm: LoadedModel, cfg: QuantConfig, progress: Progress | None = Non
     cfg.validate()
     if parse_kv(cfg.kv)[0] == "quanto" or cfg.weights.strip().lower() in ("int8", "int4"):
         if package_available("quanto"):
-            from ...quanto_ext import prepare
+            from ...models.quanto_ext import prepare
 
             prepare(lm.device, lambda f, m: progress(0.0, m))  # a build's wait says so, bounded
     check_feasible(lm, cfg.kv, cfg.weights)
@@ -413,11 +413,11 @@ def explain(res: QuantResult) -> str:
             f"quantization changes the numbers, and how much depends on the model.")
 
 
-# what its run cannot honour (kvviz.protocol.RunContext.running; the CLI refuses the matching flag)
+# what its run cannot honour (kvviz.core.protocol.RunContext.running; the CLI refuses the matching flag)
 REFUSES = {'invariant': 'a quantized run is lossy by design; invariant mode cannot make it exact', 'prove': 'it runs no proof rerun'}
 
 
 def run(lm: LoadedModel, config: QuantConfig, ctx: RunContext = DEFAULT_CONTEXT) -> QuantResult:
-    """The view's run (kvviz.protocol: one signature for every view)."""
+    """The view's run (kvviz.core.protocol: one signature for every view)."""
     with ctx.running(REFUSES) as progress:  # quantization decides its own cache and weights
         return run_quant(lm, config, progress)

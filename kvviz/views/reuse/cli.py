@@ -1,7 +1,7 @@
 """`python -m kvviz reuse`: a prompt cache reused for several continuations - fresh, deep copy, reused."""
 from __future__ import annotations
 
-from ...clirun import Outcome, context, load, model_args, repro_arg
+from ...io.clirun import Outcome, context, load, model_args, repro_arg
 
 
 HELP = "a prompt cache reused for several continuations: fresh, deep copy, reused"

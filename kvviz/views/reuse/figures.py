@@ -6,7 +6,7 @@ import pandas as pd
 
 def ab_reuse_frame(res_a, res_b) -> pd.DataFrame:
     """A/B for prompt-cache reuse: per continuation and way, A's and B's verdict, gap to fresh and text."""
-    from ...text import fmt_number
+    from ...core.text import fmt_number
 
     b = {(r["index"], r["strategy"]): r for r in res_b.runs}
     rows = []

@@ -1,7 +1,7 @@
 """The reuse view's standalone repro script (torch + transformers only): fresh / deep-copied / reused prefix cache per continuation; its last line is the largest |Δ logit| against fresh while the tokens agree."""
 from __future__ import annotations
 
-from ...repro import header, plain_head, require_plain
+from ...io.repro import header, plain_head, require_plain
 from .run import check_inputs
 
 TEMPLATE = '''

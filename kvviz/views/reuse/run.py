@@ -14,14 +14,14 @@ from typing import Callable
 import pandas as pd
 import torch
 
-from ...compat import output_cache
-from ...errors import KvvizError
-from ...execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings, StepPolicy, has_cache
-from ...metrics import first_divergence
-from ...inputs import encode, token_texts
-from ...loading import LoadedModel
-from ...protocol import DEFAULT_CONTEXT, RunContext
-from ...verdict import Prove, Verdict, classify
+from ...models.compat import output_cache
+from ...core.errors import KvvizError
+from ...core.execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings, StepPolicy, has_cache
+from ...core.metrics import first_divergence
+from ...core.inputs import encode, token_texts
+from ...models.loading import LoadedModel
+from ...core.protocol import DEFAULT_CONTEXT, RunContext
+from ...core.verdict import Prove, Verdict, classify
 
 Progress = Callable[[float, str], None]
 REFERENCE = "fresh"
@@ -197,7 +197,7 @@ class ReuseConfig:
 
 
 def run(lm: LoadedModel, config: ReuseConfig, ctx: RunContext = DEFAULT_CONTEXT) -> ReuseResult:
-    """The view's run (kvviz.protocol: one signature for every view)."""
+    """The view's run (kvviz.core.protocol: one signature for every view)."""
     config.validate()
     with ctx.running() as progress:
         return run_reuse(lm, config.prefix, list(config.continuations), config.max_new_tokens, progress,

@@ -1,7 +1,7 @@
 """`python -m kvviz serving` (or `serve-study`): serving conditions (alone, continuous batch, warm prefix) x R runs."""
 from __future__ import annotations
 
-from ...clirun import FlagRefused, Outcome, load, model_args, progress_to_stderr, repro_arg, settings, split_list
+from ...io.clirun import FlagRefused, Outcome, load, model_args, progress_to_stderr, repro_arg, settings, split_list
 
 
 HELP = ("serving conditions (alone, continuous batch, warm prefix) × R runs: "
@@ -86,7 +86,7 @@ def summary(res) -> str:
 
 
 def sweep_command(args) -> Outcome:
-    from ...errors import KvvizError
+    from ...core.errors import KvvizError
     from .sweep import SweepConfig, run_sweep, summary_text
 
     if getattr(args, "repro", None):  # said before the sweep runs, not after it

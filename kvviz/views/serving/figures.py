@@ -1,7 +1,7 @@
 """The serving view's charts and table: pure functions of its result (the page, the HTML report and a notebook draw the same)."""
 from __future__ import annotations
 
-from ...plotting import fit_text
+from ...core.plotting import fit_text
 from .run import CONDITION_LABELS, ServeResult
 
 
@@ -58,7 +58,7 @@ def prompt_frame(res: ServeResult):
     """One row per prompt: distinct counts, first divergence, margins, verdict, proof."""
     import pandas as pd
 
-    from ...text import fmt_number
+    from ...core.text import fmt_number
 
     rows = []
     for p in res.prompts:

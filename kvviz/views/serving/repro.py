@@ -1,8 +1,8 @@
 """The serving view's standalone repro script (torch + transformers only): the same continuous-batching calls (alone / batch / warm, the same draws) made plainly with transformers' engine, and the no-cache reference; its last line is the number of prompts with 1 distinct completion."""
 from __future__ import annotations
 
-from ...errors import KvvizError
-from ...repro import NO_FLOAT64, float64_mode, header, require_plain
+from ...core.errors import KvvizError
+from ...io.repro import NO_FLOAT64, float64_mode, header, require_plain
 from .run import encode
 
 TEMPLATE = '''

@@ -29,14 +29,14 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Callable
 
 from ...engines.serving import ENGINES, MIN_PAGE, Request, check_engine, engine_status, make_engine
-from ...errors import KvvizError
-from ...metrics import first_divergence
-from ...execution import COMPILE_OFF, DEFAULT_CACHE, DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings
-from ...inputs import build_inputs, encode
-from ...replay import Replay, no_cache_tokens, replay_step
-from ...loading import LoadedModel
-from ...protocol import DEFAULT_CONTEXT, RunContext
-from ...verdict import Prove, Verdict, classify
+from ...core.errors import KvvizError
+from ...core.metrics import first_divergence
+from ...core.execution import COMPILE_OFF, DEFAULT_CACHE, DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings
+from ...core.inputs import build_inputs, encode
+from ...core.replay import Replay, no_cache_tokens, replay_step
+from ...models.loading import LoadedModel
+from ...core.protocol import DEFAULT_CONTEXT, RunContext
+from ...core.verdict import Prove, Verdict, classify
 
 CONDITIONS = ("alone", "batch", "warm")
 WORKER_ENGINES = ("vllm", "llama.cpp")  # engines judged against the float64 reference by their log-probs
@@ -540,7 +540,7 @@ def _prove(p: PromptResult, lm, exi: Executor, engine, texts, ids, n, plan, pref
         parts = (f"in invariant mode {CONDITION_LABELS[cond]} still parts from the reference"
                  + (f" at step {d}" if d is not None else ""))
         if p.verdict == Verdict.PRECISION:
-            # the proof failed: "rounding, not a bug" must not stand beside it (kvviz.verdict's rule)
+            # the proof failed: "rounding, not a bug" must not stand beside it (kvviz.core.verdict's rule)
             p.explanation = p.explanation.replace(": rounding, not a bug.", ": rounding by the numbers, but unproved.")
             p.proof = (f"Precision, unproved: {parts}, so reduction order alone does not explain it and it is not "
                        f"shown to be rounding.")
@@ -551,7 +551,7 @@ def _prove(p: PromptResult, lm, exi: Executor, engine, texts, ids, n, plan, pref
 def load_prompt_set(source: str | None = None, prompt: str | None = None, limit: int | None = DEFAULT_LIMIT
                     ) -> tuple[list[str], str]:
     """The prompts of a study: one prompt, or a set ('builtin', 'builtin:<category>', a .txt/.jsonl file)."""
-    from ...prompts import load_prompts
+    from ...core.prompts import load_prompts
 
     if prompt is not None:
         if not prompt.strip():
@@ -615,6 +615,6 @@ def summary_text(res: ServeResult) -> str:
 
 
 def run(lm: LoadedModel, config: ServeConfig, ctx: RunContext = DEFAULT_CONTEXT) -> ServeResult:
-    """The view's run (kvviz.protocol: one signature for every view)."""
+    """The view's run (kvviz.core.protocol: one signature for every view)."""
     with ctx.running() as progress:
         return run_serving(lm, config, progress, settings=ctx.settings, prove=ctx.prove)

@@ -33,7 +33,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-from ...errors import KvvizError
+from ...core.errors import KvvizError
 from ...engines.serving import EngineRun, Request, RequestOut
 
 TOP_K = 5
@@ -216,9 +216,9 @@ class ServerEngine:
     def probe(self, lm, settings) -> None:
         """Refuse in one line when the server cannot be reached or does not serve the local weights: a short greedy
         completion of PROBE_TEXT, its log-probs against the local model's on the same tokens."""
-        from ...dtypes import dtype_name
-        from ...execution import Executor
-        from ...inputs import encode
+        from ...core.dtypes import dtype_name
+        from ...core.execution import Executor
+        from ...core.inputs import encode
         from ...engines.verdict import reference_logprobs
 
         self.dtype = dtype_name(lm.dtype)  # the local weights' dtype: name the one the server runs with --dtype

@@ -9,16 +9,16 @@ output parts from the same prompt run alone, the earliest first divergence and t
 and the cell's verdict (logic if any prompt's is, else precision if any parted, else identical).
 
 The sweep stops cleanly between cells when its time budget is spent (the cells not run are listed) and at every
-kvviz.cancel checkpoint inside one.
+kvviz.core.cancel checkpoint inside one.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
 
-from ...errors import KvvizError
-from ...inputs import encode
-from ...protocol import DEFAULT_CONTEXT, RunContext
+from ...core.errors import KvvizError
+from ...core.inputs import encode
+from ...core.protocol import DEFAULT_CONTEXT, RunContext
 from .run import WORKER_ENGINES, ServeConfig, ServeResult, _study, check_engine
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32)
@@ -102,7 +102,7 @@ class SweepResult:
 
 
 def source_text() -> str:
-    from ...prompts import load_prompts
+    from ...core.prompts import load_prompts
 
     return "\n".join(load_prompts("builtin"))
 
@@ -142,20 +142,20 @@ def cell_of(res: ServeResult, c: int, length: int, seconds: float, prompt_tokens
                 verdicts=verdicts, seconds=seconds, tokens_per_s=new / secs if secs > 0 else 0.0)
 
 
-# what its run cannot honour (kvviz.protocol.RunContext.running; `serving --sweep` refuses --no-proof)
+# what its run cannot honour (kvviz.core.protocol.RunContext.running; `serving --sweep` refuses --no-proof)
 REFUSES = {"prove": "the sweep runs no proof rerun: its cells are judged against the float64 reference"}
 
 
 def run(lm, config: SweepConfig, ctx: RunContext = DEFAULT_CONTEXT) -> SweepResult:
-    """The view's run (kvviz.protocol: one signature for every view)."""
+    """The view's run (kvviz.core.protocol: one signature for every view)."""
     with ctx.running(REFUSES) as progress:
         return run_sweep(lm, config, progress, settings=ctx.settings)
 
 
 def run_sweep(lm, cfg: SweepConfig, progress=None, settings=None, reference=None) -> SweepResult:
     """The grid, cell by cell through one engine (see the module docstring)."""
-    from ... import cancel
-    from ...execution import DEFAULT_SETTINGS
+    from ...core import cancel
+    from ...core.execution import DEFAULT_SETTINGS
 
     progress = progress or (lambda f, m: None)
     cfg.validate()
@@ -273,7 +273,7 @@ def frame(res: SweepResult):
     """One row per cell, in the grid's order; the cells the time budget left out, as not run."""
     import pandas as pd
 
-    from ...text import fmt_number
+    from ...core.text import fmt_number
 
     rows = [{"in flight": x.concurrency, "prompt tokens": x.length, "verdict": x.verdict,
              "part from alone": "—" if x.parting_alone is None else f"{x.parting_alone:.0%}",

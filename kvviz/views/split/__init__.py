@@ -4,7 +4,7 @@ layer and token, with the float64 and invariant-mode evidence.
 This folder is the whole view: run.py (config, run, result), figures.py, report.py (reopen, verdict), repro.py, cli.py.
 Registered by one line in kvviz/views/__init__.py."""
 from .. import MemoryProfile, Page, View
-from ...prompts import CAPITALS
+from ...core.prompts import CAPITALS
 from .run import MODES, SplitConfig, SplitResult, run_split
 
 VIEW = View("split", "Split point", "SplitResult", "report:reopen", "figures:main", "report:verdict",

@@ -1,8 +1,8 @@
 """`python -m kvviz split`: full forward vs the prefix cached and the rest fed through the cache (`cache`; `past_key_values` before transformers 5.24)."""
 from __future__ import annotations
 
-from ...clirun import Outcome, context, load, model_args, nonnegative_pad, repro_arg
-from ...inputs import MASK_MODES, POSITION_MODES
+from ...io.clirun import Outcome, context, load, model_args, nonnegative_pad, repro_arg
+from ...core.inputs import MASK_MODES, POSITION_MODES
 
 
 HELP = "full forward vs prefix cached + rest through the cache (past_key_values before transformers 5.24)"

@@ -5,9 +5,9 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from ...metrics import HIDDEN_METRICS
+from ...core.metrics import HIDDEN_METRICS
 from .run import SplitResult
-from ...plotting import METRIC_TITLES, short, heatmap, shared_range, zero_floor, floor_zeros, thin_x, fit_text
+from ...core.plotting import METRIC_TITLES, short, heatmap, shared_range, zero_floor, floor_zeros, thin_x, fit_text
 
 
 def split_heatmap(res: SplitResult, metric: str = "relative", log: bool = True) -> go.Figure:

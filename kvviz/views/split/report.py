@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...export import typed, arrays
+from ...io.export import typed, arrays
 
 
 def comparison(d: dict | None):

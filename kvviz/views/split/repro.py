@@ -1,8 +1,8 @@
 """The split view's standalone repro script (torch + transformers only): the prefix cached, the rest in one chunk or token by token, vs one full forward; its last line is the largest |Δ logit|."""
 from __future__ import annotations
 
-from ...errors import KvvizError
-from ...repro import header, plain_head, require_plain
+from ...core.errors import KvvizError
+from ...io.repro import header, plain_head, require_plain
 
 TEMPLATE = '''
 DTYPE = torch.{dtype}

@@ -18,19 +18,19 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ...compat import output_cache, takes_logits_to_keep
-from ...dtypes import dtype_name, machine_eps
-from ...inputs import MODES, PromptInputs, SplitConfig, build_inputs, cached_mask, check_split  # noqa: F401 - MODES
-from ...text import display_text
-from ...execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings, cache_layers, has_cache
-from ...loading import LoadedModel
-from ...protocol import DEFAULT_CONTEXT, RunContext
-from ...naming import layer_labels
-from ...memory import REFERENCE_LOGITS_BYTES, fits_beside  # float64 logits over REFERENCE_LOGITS_BYTES: in chunks
-from ...metrics import HIDDEN_METRICS as HIDDEN_METRIC_LABELS
-from ...metrics import describe_table, logits_divergence, logits_rows, tensor_diff
-from ...streaming import HeldRows, LayerGaps
-from ...verdict import (Finding, Prove, Verdict, amplification, classify, layers_prefix,  # noqa: F401
+from ...models.compat import output_cache, takes_logits_to_keep
+from ...core.dtypes import dtype_name, machine_eps
+from ...core.inputs import MODES, PromptInputs, SplitConfig, build_inputs, cached_mask, check_split  # noqa: F401 - MODES
+from ...core.text import display_text
+from ...core.execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings, cache_layers, has_cache
+from ...models.loading import LoadedModel
+from ...core.protocol import DEFAULT_CONTEXT, RunContext
+from ...core.naming import layer_labels
+from ...core.memory import REFERENCE_LOGITS_BYTES, fits_beside  # float64 logits over REFERENCE_LOGITS_BYTES: in chunks
+from ...core.metrics import HIDDEN_METRICS as HIDDEN_METRIC_LABELS
+from ...core.metrics import describe_table, logits_divergence, logits_rows, tensor_diff
+from ...core.streaming import HeldRows, LayerGaps
+from ...core.verdict import (Finding, Prove, Verdict, amplification, classify, layers_prefix,  # noqa: F401
                        precision_sentence)
 
 
@@ -232,7 +232,7 @@ def _rest_through_cache(ex: Executor, cfg: SplitConfig, inp: PromptInputs, a0: i
 @dataclass
 class _Rows:
     """What the comparison needs of the full forward: the compared positions' hidden states (held layer by layer
-    as the forward produced them: kvviz.streaming) and logits (copies, so the whole prompt's logits - positions ×
+    as the forward produced them: kvviz.core.streaming) and logits (copies, so the whole prompt's logits - positions ×
     vocabulary - are freed at once) and its cache."""
 
     hidden: HeldRows  # n_hidden × [n_rest, H]
@@ -393,7 +393,7 @@ def _likely_cause(cfg: SplitConfig, comp: Comparison) -> str:
 def verdict_for(cfg: SplitConfig, main: Comparison, f64: Comparison | None, proved: bool | None = None,
                 inv: Comparison | None = None, first: Finding | None = None, prefix: str = "model.layers"
                 ) -> tuple[str, str]:
-    """The verdict and its explanation; a precision explanation carries its proof state (kvviz.verdict): proved,
+    """The verdict and its explanation; a precision explanation carries its proof state (kvviz.core.verdict): proved,
     not run, or unproved with the invariant gap and the bisector's first finding - never "rounding, not a bug"
     while the proof failed."""
     if not main.has_cache:
@@ -556,6 +556,6 @@ def run_split(lm: LoadedModel, cfg: SplitConfig, progress: Progress | None = Non
 
 
 def run(lm: LoadedModel, config: SplitConfig, ctx: RunContext = DEFAULT_CONTEXT) -> SplitResult:
-    """The view's run (kvviz.protocol: one signature for every view)."""
+    """The view's run (kvviz.core.protocol: one signature for every view)."""
     with ctx.running() as progress:
         return run_split(lm, config, progress, settings=ctx.settings, prove=ctx.prove)

@@ -1,13 +1,13 @@
-"""A one-click scenario of the Split point page, run ahead (kvviz.meeting): the page's controls from the preset,
+"""A one-click scenario of the Split point page, run ahead (kvviz.teach.meeting): the page's controls from the preset,
 its defaults for the rest."""
 from __future__ import annotations
 
 
 def setup(preset, device: str = "cpu"):
-    """(model, config, settings) of the scenario: kvviz.meeting runs them through the view's run."""
-    from ...execution import ExecSettings
-    from ...inputs import encode
-    from ...loading import load_model
+    """(model, config, settings) of the scenario: kvviz.teach.meeting runs them through the view's run."""
+    from ...core.execution import ExecSettings
+    from ...core.inputs import encode
+    from ...models.loading import load_model
 
     from .run import SplitConfig
 

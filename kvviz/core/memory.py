@@ -1,0 +1,1002 @@
+"""Memory plans: what a run will hold, against what the device has free, before anything is loaded.
+
+`plan_run(spec, dtype, device, view, tokens=..)` reads the model's shape from its files (config.json and the
+safetensors headers, or the GGUF header; nothing is loaded) and estimates, in bytes:
+
+* weights     the model in the run's dtype;
+* reference   the float64 reference: a full twin (8 bytes a parameter) or the streamed reference (the largest
+              tensor in float64, plus that tensor read from the checkpoint where the run's dtype rounds it);
+* activations one forward's working set and the hidden states / logits a view keeps while it compares them;
+* cache       the KV cache of the longest sequence (the run's dtype and float64);
+* kept        the results the view holds (per-layer, per-position metrics);
+* runtime     the Python/torch process itself on the CPU (measured when this module is imported, plus what a run
+              adds to it: `process_runtime_bytes`); on CUDA the cuBLAS/cuBLASLt workspaces torch takes from
+              its caching allocator (counted in `max_memory_allocated`).
+
+against what is free: CUDA `torch.cuda.mem_get_info`; CPU: MemAvailable, lowered by a cgroup memory limit and by
+RLIMIT_AS (address space left). A run whose total is over what is free is refused in one line naming what to lower
+(`MemoryPlan.refusal()`), before loading. Every JSON result carries the plan under `memory_plan`, with the measured
+peak beside the estimate (`measured_peak`).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .errors import KvvizError
+from .float64 import REFERENCE_CHUNK_BYTES  # float64 runs apply a larger weight in slices of this
+
+GB = 1024 ** 3
+TWIN_MAX_BYTES = int(1.5 * GB)  # a full float64 twin up to this size is kept when memory allows (it runs faster)
+# The process itself on the CPU: what it held when this module was imported (python, torch and whatever came with
+# them - a CUDA build of torch maps ~0.4 GB of libraries more than the CPU wheel, a server its framework), measured,
+# plus what a run adds besides the parts the plan models (transformers' model code, the tokenizer library, the
+# allocator's arenas and thread pools, what the allocator keeps of freed tensors): 0.18 GB on a tiny model and on
+# the random-weight Gemma 3 270M shape, up to 0.45 GB on the real Gemma 3 GGUF's split (docs/benchmarks.md), allowed
+# 0.5 GiB. RUNTIME_BYTES where the process's size cannot be read.
+RUNTIME_BYTES = int(0.8 * GB)
+RUNTIME_GROWTH = int(0.5 * GB)
+# cuBLAS and cuBLASLt workspaces on a GPU (32 MiB each on Hopper), allocated through torch's caching allocator: a
+# tiny model split on an H100 peaked at 0.05 GiB of `max_memory_allocated` against a plan of 5 MiB without them
+CUDA_RUNTIME_BYTES = 64 * 1024 ** 2
+# the tokenizer's tables (tokenizers' vocabulary, merges and caches), resident on the CPU: about 10 times its files
+# (Gemma 3's 33 MB tokenizer.json: 0.32 GB), or, where there are no files yet (a GGUF not converted), 1.2 KB a
+# vocabulary entry (0.31 GB for those 262k entries); measured with tokenizers on Linux
+TOKENIZER_FILE_FACTOR = 10
+TOKENIZER_BYTES_PER_ENTRY = 1200
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "spiece.model", "vocab.txt")
+BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
+_ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}
+_ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The model's shape, from its files
+
+
+@dataclass
+class ModelShape:
+    params: int
+    layers: int
+    hidden: int
+    vocab: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    largest: int  # elements of the largest tensor
+    checkpoint_dtype: str | None = None
+    sliding_window: int | None = None
+    source: str = ""
+    tokenizer_bytes: int = 0  # its tokenizer's tables, resident (TOKENIZER_FILE_FACTOR)
+
+    @classmethod
+    def from_config(cls, cfg: dict, params: int | None = None, largest: int | None = None,
+                    checkpoint_dtype: str | None = None, source: str = "") -> "ModelShape":
+        cfg = cfg.get("text_config") or cfg
+        L = int(cfg.get("num_hidden_layers") or cfg.get("n_layer") or 0)
+        h = int(cfg.get("hidden_size") or cfg.get("n_embd") or 0)
+        v = int(cfg.get("vocab_size") or 0)
+        heads = int(cfg.get("num_attention_heads") or cfg.get("n_head") or 1)
+        kv = int(cfg.get("num_key_value_heads") or heads)
+        hd = int(cfg.get("head_dim") or (h // heads if heads else 0))
+        inter = int(cfg.get("intermediate_size") or cfg.get("n_inner") or 4 * h)
+        if params is None:  # no headers: the usual decoder count
+            params = L * (h * hd * (heads + 2 * kv) + heads * hd * h + 3 * h * inter) + v * h * (
+                1 if cfg.get("tie_word_embeddings", True) else 2)
+        return cls(params=int(params), layers=L, hidden=h, vocab=v, intermediate=inter, heads=heads, kv_heads=kv,
+                   head_dim=hd, largest=int(largest or max(v * h, inter * h)), checkpoint_dtype=checkpoint_dtype,
+                   sliding_window=cfg.get("sliding_window"), source=source)
+
+
+def _safetensors_stats(folder: Path) -> tuple[int, int, str | None] | None:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return None
+    n, largest, dtypes = 0, 0, {}
+    for f in files:
+        with open(f, "rb") as fh:
+            size = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(size))
+        for key, meta in header.items():
+            if key == "__metadata__":
+                continue
+            k = 1
+            for d in meta["shape"]:
+                k *= d
+            n += k
+            largest = max(largest, k)
+            dt = _ST_DTYPES.get(meta["dtype"])
+            if dt:
+                dtypes[dt] = dtypes.get(dt, 0) + k
+    return n, largest, (max(dtypes, key=dtypes.get) if dtypes else None)
+
+
+def shape_of_folder(folder: Path) -> ModelShape | None:
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # loading says what is wrong with the folder
+    stats = _safetensors_stats(folder)
+    shape = ModelShape.from_config(cfg, source=str(folder)) if stats is None else \
+        ModelShape.from_config(cfg, stats[0], stats[1], stats[2], source=str(folder))
+    shape.tokenizer_bytes = TOKENIZER_FILE_FACTOR * sum((folder / f).stat().st_size for f in TOKENIZER_FILES
+                                                        if (folder / f).is_file())
+    return shape
+
+
+def _shape_of_gguf(path: Path) -> ModelShape:
+    from gguf import GGUFReader
+
+    r = GGUFReader(str(path))
+    arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
+
+    def num(key, default=0):
+        f = r.fields.get(f"{arch}.{key}")
+        return int(f.parts[-1][0]) if f is not None else default
+
+    n = sum(int(t.n_elements) for t in r.tensors)
+    largest = max(int(t.n_elements) for t in r.tensors)
+    vocab_field = r.fields.get("tokenizer.ggml.tokens")
+    cfg = dict(num_hidden_layers=num("block_count"), hidden_size=num("embedding_length"),
+               intermediate_size=num("feed_forward_length"), num_attention_heads=num("attention.head_count", 1),
+               num_key_value_heads=num("attention.head_count_kv") or None,
+               vocab_size=len(vocab_field.data) if vocab_field is not None else 0)
+    shape = ModelShape.from_config(cfg, n, largest, "float32", source=str(path))
+    shape.tokenizer_bytes = TOKENIZER_BYTES_PER_ENTRY * shape.vocab
+    return shape
+
+
+def model_shape(spec) -> ModelShape | None:
+    """The shape of the model a spec names, from its files only (None: a hub model not in the local cache)."""
+    from ..models.loading import parse_spec
+
+    ms = parse_spec(spec)
+    try:
+        return _model_shape(ms)
+    except Exception:  # noqa: BLE001 - unreadable files: loading reports them in its own words
+        return None
+
+
+def _model_shape(ms) -> ModelShape | None:
+    from ..models.loading import converted_gguf_folder, default_gguf_path, tiny_folder
+
+    if ms.kind == "tiny":
+        return shape_of_folder(tiny_folder(ms.ref))
+    if ms.kind == "folder":
+        return shape_of_folder(Path(ms.ref))
+    if ms.kind in ("default", "gguf"):
+        try:
+            path = default_gguf_path() if ms.kind == "default" else Path(ms.ref)
+            converted = converted_gguf_folder(path)  # this very file's conversion (another version's is not it)
+            if (converted / "kvviz.json").is_file():
+                return shape_of_folder(converted)
+            return _shape_of_gguf(path)
+        except Exception:  # noqa: BLE001 - an unreadable file: loading says so in its own words
+            return None
+    try:  # a hub id: only what is already in the local cache
+        from huggingface_hub import snapshot_download
+
+        return shape_of_folder(Path(snapshot_download(ms.ref, local_files_only=True)))
+    except Exception:  # noqa: BLE001 - not cached: no plan for the weights
+        return None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# What is free
+
+
+def _cgroup_free() -> int | None:
+    for limit_f, used_f in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                            ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                             "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            raw = Path(limit_f).read_text().strip()
+            if raw == "max" or int(raw) >= 1 << 60:
+                return None
+            return int(raw) - int(Path(used_f).read_text().strip())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def _meminfo(key: str) -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _address_space_left() -> int | None:
+    try:
+        import resource  # POSIX only: no address-space limit to read elsewhere (Windows)
+    except ImportError:
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmSize:"):
+                return soft - int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return soft
+
+
+def free_bytes(device: "torch.device | str") -> tuple[int | None, str]:
+    """(bytes free for this run, where the number comes from)."""
+    dev = torch.device(device) if not isinstance(device, torch.device) else device
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        return int(free), "torch.cuda.mem_get_info"
+    found = []
+    avail = _meminfo("MemAvailable")
+    if avail is not None:
+        found.append((avail, "MemAvailable"))
+    cg = _cgroup_free()
+    if cg is not None:
+        found.append((cg, "cgroup memory limit"))
+    aspace = _address_space_left()
+    if aspace is not None:
+        found.append((aspace, "RLIMIT_AS (address space left)"))
+    if not found:
+        return None, "unknown"
+    return min(found)
+
+
+def measured_peak(device: "torch.device | str") -> int | None:
+    """Peak memory measured so far: CUDA max allocated on a GPU, peak RSS of this process on the CPU (None where
+    neither /proc nor `resource` can say)."""
+    dev = torch.device(device) if not isinstance(device, torch.device) else device
+    if dev.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(dev))
+    return _peak_rss()
+
+
+def reset_peak(device: "torch.device | str") -> int | None:
+    """Start measuring a run's peak afresh in a process that ran other work before (a page in the app's server):
+    CUDA's peak statistics, or on Linux the process's peak RSS (writing 5 to /proc/self/clear_refs). Returns what
+    the process holds now (the baseline the run's own peak is measured above), None where the peak cannot be reset."""
+    dev = torch.device(device) if not isinstance(device, torch.device) else device
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+        return int(torch.cuda.memory_allocated(dev))
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+    except OSError:
+        return None
+    return _status_bytes("VmRSS")
+
+
+def _status_bytes(field: str) -> int | None:
+    """A size field of /proc/self/status (VmRSS, VmHWM) in bytes; None where there is no such file."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+_PROCESS_AT_IMPORT = _status_bytes("VmRSS")
+
+
+def process_runtime_bytes() -> int:
+    """The plan's runtime part on the CPU: this process as it was when kvviz.core.memory was imported, plus what a run
+    adds to it besides the model (RUNTIME_GROWTH); RUNTIME_BYTES where /proc/self/status cannot be read."""
+    return RUNTIME_BYTES if _PROCESS_AT_IMPORT is None else _PROCESS_AT_IMPORT + RUNTIME_GROWTH
+
+
+def _peak_rss() -> int | None:
+    """This process's peak RSS: VmHWM of /proc/self/status where there is one (it starts afresh at exec), else
+    ru_maxrss (on Linux ru_maxrss also counts the forking parent's pages before exec: a run started from a big
+    process would report the parent's size)."""
+    hwm = _status_bytes("VmHWM")
+    if hwm is not None:
+        return hwm
+    try:
+        import resource  # POSIX only
+    except ImportError:
+        return None
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The plan
+
+
+@dataclass
+class MemoryPlan:
+    model: str
+    view: str
+    dtype: str
+    device: str
+    tokens: int
+    batch: int
+    weights: int
+    reference: str
+    reference_bytes: int
+    activations: int
+    cache: int
+    kept: int
+    runtime: int
+    available: int | None
+    available_from: str
+    extra_models: int = 0  # other dtypes' copies (the dtype sweep)
+    measured_peak: int | None = None
+    notes: list[str] = field(default_factory=list)
+    # where the run shared its process with earlier work (a page in the app's server): what the process held when
+    # the run started (its models, earlier results); the plan then allows that plus the run's parts
+    peak_baseline: int | None = None
+    # the parts of a run that reruns in float64 only where its cached path differs from the full forward (Split
+    # point: kvviz.views.split.run.run_split), for a run where they came out bit for bit equal: no float64 phase.
+    # The plan before the run counts the rerun (it may happen); `settle` applies these after a run that had none.
+    if_identical: dict | None = None
+
+    @property
+    def total(self) -> int:
+        return (self.weights + self.extra_models + self.reference_bytes + self.activations + self.cache + self.kept
+                + self.runtime)
+
+    @property
+    def fits(self) -> bool:
+        return self.available is None or self.total <= self.available
+
+    def parts(self) -> dict[str, int]:
+        return {"weights": self.weights, "other dtypes": self.extra_models,
+                f"float64 reference ({self.reference})": self.reference_bytes, "activations": self.activations,
+                "KV cache": self.cache, "kept results": self.kept, "runtime": self.runtime}
+
+    def advice(self) -> str:
+        """What to lower, biggest part first."""
+        parts = {k: v for k, v in self.parts().items() if k != "runtime"}  # the process itself: nothing to lower
+        big = max(parts, key=parts.get)
+        if big in ("activations", "KV cache", "kept results"):
+            what = "fewer tokens (a shorter prompt or fewer new tokens)" + (
+                ", fewer prompts" if profile(self.view).many_prompts else "") + (", a smaller batch" if self.batch > 1 else "")
+        elif big == "other dtypes":
+            what = "fewer dtypes"
+        else:
+            what = "a 16-bit dtype or a smaller model"
+        return what + ("" if self.device.startswith("cuda") else ", or a device with more memory")
+
+    def refusal(self) -> str:
+        return (f"this {self.view} run needs about {_gb(self.total)} ({self.summary_parts()}) but only "
+                f"{_gb(self.available)} is free on {self.device} ({self.available_from}); lower: {self.advice()}")
+
+    def summary_parts(self) -> str:
+        return ", ".join(f"{k} {_gb(v)}" for k, v in self.parts().items() if v)
+
+    def lines(self) -> list[str]:
+        out = [f"memory plan: {self.view} on {self.model}, {self.dtype} on {self.device}, {self.tokens} tokens"
+               + (f" × batch {self.batch}" if self.batch > 1 else "")]
+        for k, v in self.parts().items():
+            if v:
+                out.append(f"  {k:<32}{_gb(v):>10}")
+        out.append(f"  {'total':<32}{_gb(self.total):>10}")
+        out.append(f"  {'free (' + self.available_from + ')':<32}{_gb(self.available):>10}")
+        if self.measured_peak is not None:
+            out.append(f"  {'measured peak':<32}{_gb(self.measured_peak):>10}")
+        out.append("  fits" if self.fits else "  does NOT fit: lower " + self.advice())
+        out += [f"  note: {n}" for n in self.notes]
+        over = self.over_plan()
+        if over:
+            out.append("  " + over)
+        return out
+
+    def allowed(self) -> int:
+        """What the measured peak may reach: the plan's total; in a process that held more than the plan's runtime
+        before the run (peak_baseline), that plus the run's own parts."""
+        if self.peak_baseline is None:
+            return self.total
+        return max(self.total, self.peak_baseline + self.total - self.runtime)
+
+    def over_plan(self) -> str | None:
+        """One line for the user where the run's measured peak exceeded its plan (what it means for them, what to
+        do), else None: nothing is said where the plan bounded the run."""
+        if self.measured_peak is None or self.measured_peak <= self.allowed() + over_plan_slack(self.allowed()):
+            return None
+        peak, allowed = self.measured_peak, self.allowed()
+        where = "GPU memory" if self.device.startswith("cuda") else "memory"
+        held = "" if allowed == self.total else f" (with the {_gb(self.peak_baseline)} this app held before it)"
+        return (f"memory: this run peaked at {_gb(peak)} of {where}, {100 * (peak / max(allowed, 1) - 1):.0f} % over "
+                f"its plan of {_gb(allowed)}{held}. The result is not affected; but kvviz checks that a run fits "
+                f"before starting it, and for this {self.view} run ({self.dtype}, {self.tokens} tokens) it guessed "
+                f"low, so a longer one could run out of memory instead of being refused: keep about "
+                f"{_gb(peak - allowed)} more free than the plan says for runs like it.")
+
+    def settle(self, result) -> "MemoryPlan":
+        """After the run: a run that reruns in float64 only where its cached path differs from the full forward
+        (`if_identical`) and whose result has no float64 rerun (`result.float64` is None: the paths were bit for
+        bit equal) is planned without that phase."""
+        if self.if_identical is not None and result is not None and getattr(result, "float64", True) is None:
+            for part, value in self.if_identical.items():
+                setattr(self, part, value)
+            self.if_identical = None
+            self.notes.append("no float64 rerun: the cached path equalled the full forward bit for bit")
+        return self
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(total=self.total, fits=self.fits, total_gib=round(self.total / GB, 3),
+                 measured_peak_gib=None if self.measured_peak is None else round(self.measured_peak / GB, 3),
+                 over_plan=self.over_plan())
+        return d
+
+    def with_peak(self, result=None) -> "MemoryPlan":
+        """The measured peak, after the run; with its result, the plan settled first (`settle`)."""
+        self.settle(result)
+        self.measured_peak = measured_peak(self.device)
+        return self
+
+
+def over_plan_slack(allowed: int) -> int:
+    """How far a measured peak may pass its plan before the over-plan line speaks: the larger of 32 MiB and 1 % - a
+    peak RSS moves by pages and allocator arenas between runs (a split that peaked 2.1 MiB over a 1.2 GiB plan said
+    so above its chart); a plan that is really low misses by far more."""
+    return max(32 * 1024 ** 2, allowed // 100)
+
+
+def _gb(n: int | None) -> str:
+    if n is None:
+        return "unknown"
+    return f"{n / GB:.2f} GiB" if n >= 0.01 * GB else f"{n / 1024 ** 2:.1f} MiB"
+
+
+def stream_keep_bytes(params: int) -> int:
+    """How many bytes of upcast weights the streamed reference keeps for the rest of a run: all of them for a model
+    whose float64 copy is small (<= TWIN_MAX_BYTES: each weight is then upcast once a run instead of once a forward,
+    as fast as the twin), none for a larger one (the point of streaming: no float64 copy of a big model)."""
+    return 8 * params if 8 * params <= TWIN_MAX_BYTES else 0
+
+
+def reference_bytes(shape: ModelShape, dtype: str, strategy: str) -> int:
+    if dtype == "float64":
+        return 0
+    if strategy == "twin":
+        return 8 * shape.params
+    if stream_keep_bytes(shape.params):
+        return stream_keep_bytes(shape.params)
+
+    # the largest tensor in float64 (a big head is applied in slices of REFERENCE_CHUNK_BYTES), plus, where the run's dtype
+    # rounds the checkpoint, what is read of it from the checkpoint in its own dtype: one slice of rows (an embedding
+    # reads only the looked-up rows; kvviz.core.reference.CheckpointReader reads into memory, the file is not mapped)
+    biggest = min(8 * shape.largest, REFERENCE_CHUNK_BYTES + 8 * max(shape.hidden, 1) * 2)
+    read = min(shape.largest, REFERENCE_CHUNK_BYTES // 8 + max(shape.hidden, 1)) * BYTES.get(
+        shape.checkpoint_dtype or dtype, 4)
+    from .dtypes import parse_dtype
+    from .dtypes import exact_in
+
+    lossy = shape.checkpoint_dtype and not exact_in(parse_dtype(shape.checkpoint_dtype), parse_dtype(dtype))
+    return biggest + (read if lossy else 0)
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """What kvviz.core.memory counts for a run of the view, besides the weights (see kvviz.core.memory.activation_bytes)."""
+    forwards: int = 1  # forwards' worth of (all hidden states + logits) kept when hidden states are not streamed
+    streamed_hidden: bool = True  # hidden states handed over layer by layer (kvviz.core.streaming)
+    reference: bool = True  # runs the float64 reference (below float64)
+    bisector: bool = False  # runs the bisector in the run's own dtype (a split whose proof fails runs it only
+    # where it fits beside the loaded model: kvviz.core.memory.fits_beside)
+    float64_only: bool = False  # every run is on the float64 reference (the model in its dtype does not run)
+    stepwise_reference: bool = False  # the reference compares token by token (its logits a chunk of rows at a time)
+    batch: int = 1  # rows in a batch (padding: the padded, the unpadded and a neighbour)
+    batch_from_workload: bool = False  # the batch and token count are the run's own (the cache sizes)
+    compared_after_split: bool = False  # compares only the positions after the split point
+    past_window: bool = False  # runs past the model's sliding window (at least 2 windows + 4 tokens, 64)
+    weight_copies: bool = False  # quantizing weights deep-copies the model first
+    many_prompts: bool = False  # runs a set of prompts (fewer prompts is a way to fit)
+    # decodes token by token (kvviz.core.loops.decode): one forward's logits (every position's) at a time, each step's
+    # last row kept; `decoded_runs` runs' rows are kept at once (greedy: its default paths, or the paths a run names;
+    # reuse: its ways per continuation)
+    decoded_runs: int = 0
+    # the float64 reference decodes (a full forward a step) only when the run's paths include this one; otherwise
+    # it replays single steps, the last position's logits only (greedy); None: it decodes like the run (reuse)
+    reference_decodes_with: str | None = None
+    batch_texts: tuple[str, ...] = ()  # texts that join the prompt in a batch, each made longer than it (padding)
+    # KV caches of the longest sequence held at once, the run's and the float64 reference's never together (greedy:
+    # one path's; reuse: the prefix's, the shared one and a continuation's); 0: the run's and a spare copy, in both
+    cache_copies: int = 0
+
+
+def pick_reference(shape: ModelShape, dtype: str, free: int | None, others: int) -> str:
+    """'twin' where a float64 copy is small and fits easily beside the rest, 'streamed' otherwise."""
+    twin = 8 * shape.params
+    if twin > TWIN_MAX_BYTES:
+        return "streamed"
+    return "twin" if free is None or twin + others <= free // 2 else "streamed"
+
+
+# name -> MemoryProfile: the view registry's lookup, registered by kvviz/__init__.py (memory never imports the views)
+_profiles = None
+
+
+def register_profiles(lookup) -> None:
+    """Where the plan finds a view's MemoryProfile by its name (kvviz.views.memory_profile)."""
+    global _profiles
+    _profiles = lookup
+
+
+def profile(view: str) -> "MemoryProfile":
+    """What the plan counts for a view: its registry entry's MemoryProfile (kvviz/views/<view>/__init__.py)."""
+    if _profiles is None:
+        raise KvvizError("no view registry: import kvviz (it registers the views' memory profiles)")
+    return _profiles(view)
+
+
+# float64 temporaries of one chunk of positions in kvviz.core.metrics.logits_divergence (both inputs upcast, two
+# log-softmaxes, exp, difference, product), each LOGITS_CHUNK_BYTES; float64 inputs are not copied (two fewer)
+LOGITS_TEMPORARIES = 7
+
+
+def comparison_temporaries(width: int, rows_bytes: int) -> int:
+    """The float64 temporaries of logits_divergence over logits of `width` bytes per number whose compared rows take
+    `rows_bytes` in float64: one chunk of LOGITS_CHUNK_BYTES at a time (or all the rows where they are less)."""
+    from .metrics import LOGITS_CHUNK_BYTES
+
+    return (LOGITS_TEMPORARIES - (2 if width == 8 else 0)) * min(LOGITS_CHUNK_BYTES, rows_bytes)
+# float64 full-forward logits over this are computed a chunk of rows at a time (kvviz.views.split.run uses REFERENCE_LOGITS_BYTES)
+REFERENCE_LOGITS_BYTES = 128 * 1024 ** 2
+
+
+def activation_bytes(shape: ModelShape, dtype: str, tokens: int, batch: int, view: str, reference: bool,
+                     compared: int | None = None, steps: int | None = None, reference_decodes: bool = True,
+                     runs: int | None = None, attention: str = "sdpa", device: str = "cpu") -> int:
+    """The most a run holds at once besides weights and caches: the largest of its phases (the run in its own
+    dtype; its float64 reference), each one forward's working set plus what the view keeps of its forwards, as the
+    views hold them now:
+
+    * the run in its dtype: the user's full forward with every position's logits and the compared rows copied out
+      of them, or, later, the compared rows' logits of both paths and the float64 temporaries of one chunk of the
+      logits comparison (the full logits are freed by then); and the hidden states (one path's compared rows and two
+      layers where they are reduced layer by layer; every layer of two forwards otherwise);
+    * float64: only the compared positions' logits (logits_to_keep; prefixes keep one row), for both paths, and
+      the same comparison temporaries - or, where the reference is compared token by token (the cache-safety
+      card's window check), stepwise_reference_bytes; the streamed reference's weight slices are in
+      `reference_bytes`.
+
+    Views that decode (greedy, reuse) and the padding grid hold less: decoding_bytes and batch_grid_bytes.
+
+    compared: positions compared (split: the tokens after the split point); None: every token. steps: tokens each
+    decoding run decodes (None: every token, a bound); reference_decodes: the float64 reference decodes too (greedy's
+    float64 path) rather than replaying single steps; runs: the decoding runs (greedy's paths; None: the view's
+    default). attention, device: the attention kernel's score workspace (score_bytes; Split point's phases)."""
+    prof = profile(view)
+    if prof.decoded_runs:
+        return decoding_bytes(shape, dtype, tokens, runs or prof.decoded_runs, steps, reference, reference_decodes)
+    if prof.batch_texts:
+        return batch_grid_bytes(shape, dtype, tokens, batch, compared, reference)
+    b = BYTES[dtype]
+    T, B, H, L, V = tokens, batch, shape.hidden, shape.layers, shape.vocab
+    n = max(1, min(compared or T, T))
+
+    def temps(width: int) -> int:  # one chunk of the comparison's float64 temporaries
+        return comparison_temporaries(width, B * n * V * 8)
+
+    def working(width: int) -> int:  # one layer of one forward: MLP and attention scores
+        return working_bytes(shape, width, T, B, attention, device)
+
+    def hidden(width: int) -> int:
+        if prof.streamed_hidden:
+            return B * n * (L + 1) * H * width + 2 * B * T * H * width
+        return prof.forwards * B * T * (L + 1) * H * width
+
+    logits64 = 2 * B * n * V * 8
+    if prof.stepwise_reference:  # the window check compares token by token (kvviz.views.split.run._ChunkedLogits)
+        ref = working(8) + stepwise_reference_bytes(shape, T, n, B) + hidden(8)
+    else:
+        ref = working(8) + logits64 + temps(8) + hidden(8)
+    if dtype == "float64" and prof.compared_after_split and not prof.bisector:
+        run = ref  # a float64 run is its own reference: only the compared positions' logits (kvviz.views.split.run)
+    else:  # the full forward (its working set, every position's logits, the compared rows copied out of them),
+        # then the comparison (no forward's working set left by then)
+        run = max(working(b) + B * T * V * b + B * n * V * b, 2 * B * n * V * b + temps(b)) + hidden(b)
+    if prof.bisector:  # the bisect view
+        run = max(run, bisect_bytes(shape, b, T, n, B))
+    if prof.float64_only:  # every run of the view is on the float64 reference (a float64 run: the model itself)
+        return int(ref) if reference or dtype == "float64" else 0
+    if not reference:
+        return int(run)
+    return int(max(run, ref))
+
+
+def stepwise_reference_bytes(shape: ModelShape, tokens: int, compared: int, batch: int = 1) -> int:
+    """What the float64 reference compared token by token holds besides one forward's working set and the hidden
+    states (kvviz.views.split.run: the cache-safety card's window check):
+
+    * its logits: the last chunk of compared rows (from the full forward) and the chunk being compared (each chunk a
+      forward over the sequence so far with logits_to_keep rows; REFERENCE_LOGITS_BYTES, or all n rows where they
+      fit), beside one step's row and the comparison's float64 temporaries of that one row;
+    * the allocator's residue of the full forward before the step loop: its working set and one chunk of logits rows
+      stay in the process (freed, not given back; `malloc_trim` returns a tenth of it), so the step loop's
+      forwards are allocated beside them. Measured on Gemma 3 270M in float64, 1028 tokens: the step loop held
+      0.675 GB above the loaded model where the named parts come to ~0.4 GB (docs/benchmarks.md, "The card phase by
+      phase")."""
+    V, B = shape.vocab, batch
+    chunk = min(REFERENCE_LOGITS_BYTES, B * compared * V * 8)
+    row = B * V * 8
+    logits = 2 * chunk + row + comparison_temporaries(8, row)
+    residue = working_bytes(shape, 8, tokens, B) + chunk
+    return int(logits + residue)
+
+
+def score_bytes(width: int, attention: str = "sdpa", device: str = "cpu") -> int:
+    """Bytes held at once per element of one layer's attention scores [batch, heads, q, k] (an element of the
+    causal mask [batch, 1, q, k] comes on top where they are materialised: attention_bytes):
+
+    * eager attention (transformers' eager_attention_forward) materialises the scores, their masked copy, a
+      float32 softmax and its cast back, beside the causal mask: 2.5 score tensors (at least float32; measured op by
+      op on the CPU, splits of 1536-2048 tokens with 8 heads: 18 bytes a score element in float64, 8.3 in
+      float32, the mask's share included; tests/test_memory_views.py);
+    * SDPA's math fallback (CUDA in float64: no fused kernel for it) the scores and their softmax: 2 * width;
+    * a fused SDPA kernel (the CPU's flash kernel in any dtype, CUDA's in 16/32-bit) holds none; the plan keeps one
+      score tensor (at least float32) as the bound for a kernel it cannot see."""
+    if attention == "eager":
+        return 5 * max(width, 4) // 2
+    if device.startswith("cuda") and width == 8:
+        return 2 * width
+    return max(width, 4)
+
+
+def attention_bytes(shape: ModelShape, width: int, tokens: int, batch: int = 1, attention: str = "sdpa",
+                    device: str = "cpu") -> int:
+    """One layer's attention scores over `tokens` queries and keys (score_bytes an element), and where they are
+    materialised (eager, SDPA's math fallback) the causal mask beside them in the forward's dtype."""
+    T, B = tokens, batch
+    per = score_bytes(width, attention, device)
+    mask = B * T * T * width if attention != "eager" and per > max(width, 4) else 0  # eager's: in its 2.5 tensors
+    return B * shape.heads * T * T * per + mask
+
+
+def working_bytes(shape: ModelShape, width: int, tokens: int, batch: int = 1, attention: str = "sdpa",
+                  device: str = "cpu") -> int:
+    """One layer of one forward over `tokens` positions: its MLP and attention working set, and the attention
+    scores against every key (attention_bytes: what the attention kernel materialises)."""
+    T, B = tokens, batch
+    return B * T * (3 * shape.intermediate + 4 * shape.hidden) * width + attention_bytes(shape, width, T, B,
+                                                                                        attention, device)
+
+
+def head_slice_bytes(shape: ModelShape, rows: int) -> int:
+    """The streamed float64 reference applies a head over REFERENCE_CHUNK_BYTES in slices of output features: the
+    output of one slice over `rows` positions, beside the logits it is copied into (kvviz.core.reference)."""
+    if 8 * shape.vocab * shape.hidden <= REFERENCE_CHUNK_BYTES:
+        return 0
+    return rows * max(1, REFERENCE_CHUNK_BYTES // (8 * max(shape.hidden, 1))) * 8
+
+
+def decoding_bytes(shape: ModelShape, dtype: str, tokens: int, runs: int, steps: int | None, reference: bool,
+                   reference_decodes: bool = True) -> int:
+    """A view that decodes token by token (greedy paths, prompt-cache reuse; kvviz.core.loops.decode), for `runs` runs
+    of `steps` tokens, the largest of its phases:
+
+    * decoding: one forward at a time over the sequence so far, with every position's logits (the user's forward;
+      the last call's are freed before the next call), beside the step rows kept so far (each step's last row);
+    * comparing: every run's step rows, in the run's dtype and upcast to float64 (their log-softmaxes, kept), and
+      one comparison's float64 temporaries (both sides upcast, difference, exp, product);
+    * the float64 reference, beside those rows: it decodes the same way (reference_decodes) or replays single
+      steps with the last position's logits only (greedy's verdicts)."""
+    b, T, V = BYTES[dtype], tokens, shape.vocab
+    k = max(1, min(T, T if steps is None else steps))
+    rows = runs * k * V  # every run's step rows
+    decoding = working_bytes(shape, b, T) + T * V * b + rows * b
+    comparing = rows * (b + 8) + 5 * k * V * 8
+    if not reference:
+        return int(max(decoding, comparing))
+    full = T if reference_decodes else 1
+    ref = rows * (b + 8) + working_bytes(shape, 8, T) + full * V * 8 + head_slice_bytes(shape, full)
+    return int(max(decoding, comparing, ref))
+
+
+def batch_grid_bytes(shape: ModelShape, dtype: str, width: int, batch: int, compared: int | None,
+                     reference: bool) -> int:
+    """The padding grid (kvviz.views.padding.run): the prompt alone without cache (every position's logits in the
+    run's dtype, its compared rows kept; float64 computes only those), then each scenario over a batch of `batch`
+    rows `width` wide: without cache every row's logits (float64: the compared positions only), with cache the
+    compared positions of every row; the target's compared rows copied out, then compared with the reference's in
+    float64 (both upcast, the difference and its absolute value)."""
+    b, W, B, V = BYTES[dtype], width, batch, shape.vocab
+    n = max(1, min(compared or W, W))
+
+    def phases(w: int) -> int:
+        rows = n if w == 8 else W  # float64 computes only the compared positions' logits
+        sliced = head_slice_bytes if w == 8 else (lambda shape, rows: 0)  # the streamed reference's head
+
+        # each forward: its working set and logits (a big head's slice beside them), then its rows copied out
+        alone = max(working_bytes(shape, w, W) + rows * V * w + sliced(shape, rows), rows * V * w + n * V * w)
+        scenario = n * V * w + n * (shape.layers + 1) * shape.hidden * w + max(  # beside the reference's rows
+            working_bytes(shape, w, W, B) + B * rows * V * w + sliced(shape, B * rows),
+            B * rows * V * w + n * V * w)
+        cell = 2 * n * V * w + (2 if w == 8 else 3) * n * V * 8  # an upcast of a float64 tensor is itself
+        return max(alone, scenario, cell)
+
+    run = phases(b)
+    if not reference:
+        return int(run)
+    return int(max(run, phases(8)))
+
+
+def bisect_bytes(shape: ModelShape, width: int, tokens: int, compared: int, batch: int = 1) -> int:
+    """The bisector (kvviz.views.bisect.run): one full forward's working set and logits over every position, plus
+    what it records of the compared positions - the outputs and inputs of every module of a layer (norms,
+    projections, attention, MLP parts), then, in its op trace, the output of every op (the same tensors and the
+    attention scores against every key; at least float32: a 16-bit model computes its norms, softmaxes and rotary
+    embeddings in float32, and the trace records those outputs as they are), and the head's logits rows in both."""
+    T, B, H, L, V, n = tokens, batch, shape.hidden, shape.layers, shape.vocab, compared
+    q, kv, inter = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.intermediate
+    modules = 2 * (10 * H + 2 * q + 2 * kv + 4 * inter)
+    ops = 12 * H + 6 * inter + 3 * q + 3 * kv + 3 * shape.heads * T
+    working = B * T * (3 * inter + 4 * H) * width + B * shape.heads * T * T * max(width, 4)
+    return int(working + B * T * V * width + B * n * (L * modules * width + L * ops * max(width, 4)
+                                                      + (2 * V + 8 * H) * width))
+
+
+def fits_beside(lm, view: str, tokens: int, compared: int | None = None) -> bool:
+    """Whether a run of `view` on the loaded model `lm` fits in what is free now, beside the model (an optional step
+    of another run, e.g. the bisector a split runs where its proof fails: it runs only where it fits)."""
+    from .dtypes import dtype_name
+
+    cfg = lm.model.config.get_text_config().to_dict()
+    sizes = [p.numel() for p in lm.model.parameters()]
+    shape = ModelShape.from_config(cfg, sum(sizes), max(sizes))
+    dt = dtype_name(lm.dtype)
+    need = activation_bytes(shape, dt, tokens, 1, view, False, compared) + cache_bytes(shape, dt, tokens, 1, False)
+    free, _ = free_bytes(lm.device)
+    return free is None or need <= free
+
+
+def cache_bytes(shape: ModelShape, dtype: str, tokens: int, batch: int, reference: bool) -> int:
+    per = 2 * shape.layers * shape.kv_heads * shape.head_dim * tokens * batch
+    return int(per * BYTES[dtype] * 2 + (per * 8 * 2 if reference else 0))  # the cached path and a spare copy
+
+
+def plan_run(spec, dtype: str, device, view: str, tokens: int = 32, batch: int = 1,
+             dtypes: tuple[str, ...] = (), reference: str | None = None, compared: int | None = None,
+             copies: int = 0, steps: int | None = None, reference_decodes: bool = True,
+             runs: int | None = None, attention: str = "sdpa") -> MemoryPlan:
+    """The memory plan of one run, from the model's files (nothing loaded). compared: positions compared (split:
+    the tokens after the split point; None: every token). copies: extra copies of the loaded model the run makes
+    (weight quantization deep-copies the model before quantizing it). steps, reference_decodes, runs: a decoding
+    view's (activation_bytes)."""
+    from .dtypes import resolve_device
+    from ..models.loading import parse_spec
+
+    ms = parse_spec(spec)
+    dev = device if isinstance(device, torch.device) else resolve_device(device)
+    free, src = free_bytes(dev)
+    return plan_shape(model_shape(ms), ms.display, dtype, str(dev), view, tokens, batch, dtypes, reference, free,
+                      src, compared, copies, steps, reference_decodes, runs, attention)
+
+
+def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, view: str, tokens: int, batch: int = 1,
+               dtypes: tuple[str, ...] = (), reference: str | None = None, free: int | None = None,
+               free_from: str = "given", compared: int | None = None, copies: int = 0, steps: int | None = None,
+               reference_decodes: bool = True, runs: int | None = None, attention: str = "sdpa") -> MemoryPlan:
+    """The plan of a run of a model of this shape, against `free` bytes. attention: the kernel the model runs
+    ('sdpa', kvviz's default, or 'eager': its score workspace, score_bytes)."""
+    from .dtypes import dtype_name, parse_dtype
+
+    dt = dtype_name(parse_dtype(dtype))
+    notes = []
+    runtime = (process_runtime_bytes() if device.startswith("cpu") else CUDA_RUNTIME_BYTES if device.startswith("cuda")
+               else 0)
+    if shape is not None and device.startswith("cpu"):
+        runtime += shape.tokenizer_bytes
+    if shape is None:
+        notes.append("the model's files are not here yet (hub): its weights are not in the estimate")
+        return MemoryPlan(name, view, dt, device, tokens, batch, 0, "unknown", 0, 0, 0, 0, runtime, free,
+                          free_from, notes=notes)
+    weights = shape.params * BYTES[dt]
+    others = sum(shape.params * BYTES[d] for d in {dtype_name(parse_dtype(x)) for x in dtypes} - {dt, "float64"})
+    if copies:
+        others += copies * weights
+        notes.append("a copy of the model for weight quantization (deep-copied, then quantized)")
+    uses_ref = dt != "float64" and profile(view).reference
+    strategy = (reference or os.environ.get("KVVIZ_REFERENCE") or "auto").lower()
+    if strategy == "auto":
+        strategy = pick_reference(shape, dt, free, weights + others)
+    if not uses_ref:
+        strategy = "none"
+    ref = reference_bytes(shape, dt, strategy) if uses_ref else 0
+    if strategy == "streamed" and not stream_keep_bytes(shape.params) and not profile(view).batch_texts:
+        # the streamed reference's slices (the head's, the largest) are held while it applies that one operation,
+        # after the last layer's working set was freed: the two are never held at once, so the float64 phase holds
+        # the larger of them, not both (the padding grid's phases are not built on one working set: left as is)
+        ref -= min(ref, working_bytes(shape, 8, tokens, attention=attention, device=device))
+    acts = activation_bytes(shape, dt, tokens, batch, view, uses_ref, compared, steps, reference_decodes, runs,
+                            attention, device)
+    # Loading on the CPU holds the checkpoint's tensors as read (its dtype) beside the copies it converts them to,
+    # before any forward runs: the float64 twin always, and the model where its dtype is wider than the
+    # checkpoint's (a tensor in its own dtype is the file's page, no copy; Gemma 3's float32 checkpoint loaded in
+    # bfloat16 showed no such peak: the card's measured peaks, tests/test_memory_views.py). Measured: the twin of
+    # the default model (float32 checkpoint) 0.49 GiB over the loaded twin, in float32 and bfloat16 runs alike; a
+    # 0.5B Llama's bfloat16 checkpoint loaded in float32 0.49 GiB over its plan without it (docs/benchmarks.md).
+    # Each load is a phase of its own (the process, the weights, what is read, the twin): the activations are
+    # raised where the total would not cover it (`_loading`)
+    read = shape.params * BYTES.get(shape.checkpoint_dtype or dt, 4) if device.startswith("cpu") else 0
+    load = read if BYTES.get(shape.checkpoint_dtype or dt, 4) < BYTES[dt] else 0
+    float64_only = profile(view).float64_only  # no cache in the run's dtype: only the float64 reference's
+    cache = cache_bytes(shape, "float64" if float64_only else dt, tokens, batch, uses_ref and not float64_only)
+    prof = profile(view)
+    if_identical = None
+    if uses_ref and prof.compared_after_split and not prof.bisector and not prof.many_prompts:
+        # Split point reruns in float64 only where the cached path is not bit for bit the full forward
+        # (kvviz.views.split.run.run_split: `main.has_cache and not main.identical`); known only once the run
+        # compared them, so the plan counts the rerun and `settle` drops it after a run that had none
+        if_identical = dict(reference="not run", reference_bytes=0, cache=cache_bytes(shape, dt, tokens, batch, False),
+                            activations=activation_bytes(shape, dt, tokens, batch, view, False, compared, steps,
+                                                         reference_decodes, runs, attention, device))
+    if profile(view).cache_copies:  # its caches one phase at a time: the run's, then the float64 reference's
+        per = 2 * shape.layers * shape.kv_heads * shape.head_dim * tokens * batch
+        cache = profile(view).cache_copies * per * max(BYTES[dt], 8 if uses_ref else 0)
+    kept = 8 * (shape.layers + 1) * tokens * batch * 8  # per-layer, per-position metrics, a few of them
+
+    def _loading(acts: int, ref: int, cache: int) -> int:  # the activations, at least what the loads add
+        return max(acts, load - ref - cache - kept, (read - cache - kept) if strategy == "twin" and ref else 0)
+
+    acts = _loading(acts, ref, cache)
+    if if_identical is not None:
+        if_identical["activations"] = _loading(if_identical["activations"], 0, if_identical["cache"])
+    if strategy == "streamed":
+        notes.append("float64 reference streamed: the loaded weights upcast one operation at a time")
+    return MemoryPlan(name, view, dt, device, tokens, batch, weights, strategy, ref, acts, cache, kept,
+                      runtime, free, free_from, extra_models=others, notes=notes, if_identical=if_identical)
+
+
+# Public shapes for the "what fits where" table (docs/memory.md): Llama 3.2 1B, Llama 3.1 8B, Llama 3.1 70B.
+KNOWN_SHAPES = {
+    "Llama-3.2-1B": ModelShape(params=1_235_814_400, layers=16, hidden=2048, vocab=128256, intermediate=8192,
+                               heads=32, kv_heads=8, head_dim=64, largest=128256 * 2048, checkpoint_dtype="bfloat16"),
+    "Llama-3.1-8B": ModelShape(params=8_030_261_248, layers=32, hidden=4096, vocab=128256, intermediate=14336,
+                               heads=32, kv_heads=8, head_dim=128, largest=128256 * 4096,
+                               checkpoint_dtype="bfloat16"),
+    "Llama-3.1-70B": ModelShape(params=70_553_706_496, layers=80, hidden=8192, vocab=128256, intermediate=28672,
+                                heads=64, kv_heads=8, head_dim=128, largest=128256 * 8192,
+                                checkpoint_dtype="bfloat16"),
+}
+
+
+def fits_table(gpus_gb=(24, 48, 80), dtypes=("bfloat16", "float32"), view: str | None = None,
+               tokens: int = 512) -> str:
+    """Markdown: which model fits which GPU for a verdict (the run plus its float64 reference), streamed reference
+    against the full float64 twin, computed by the same plan code as every run. view: the first registered view
+    (Split point) unless named."""
+    view = view or "split"
+    head = ["model", "dtype", "reference"] + [f"{g} GB GPU" for g in gpus_gb]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, shape in KNOWN_SHAPES.items():
+        for dt in dtypes:
+            for strategy in ("streamed", "twin"):
+                cells = []
+                for g in gpus_gb:
+                    p = plan_shape(shape, name, dt, "cuda", view, tokens, reference=strategy, free=g * 10 ** 9)
+                    cells.append(f"{'yes' if p.fits else 'no'} ({p.total / 10 ** 9:.1f} GB)")
+                rows.append(f"| {name} | {dt} | {strategy} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def choose_reference(lm) -> str:
+    """For a loaded model: 'twin' where a float64 copy of the model is small and fits easily, else 'streamed'."""
+    n = sum(p.numel() for p in lm.model.parameters())
+    free, _ = free_bytes(lm.device)
+    if 8 * n > TWIN_MAX_BYTES:
+        return "streamed"
+    return "twin" if free is None or 8 * n <= free // 2 else "streamed"
+
+
+class NoPlan(Exception):
+    """No plan: the run's own input checks will say what is wrong."""
+
+
+def check_fits(plan: MemoryPlan) -> MemoryPlan:
+    """Raise KvvizError (one line) when the run cannot fit."""
+    if not plan.fits:
+        raise KvvizError(plan.refusal())
+    return plan
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# From command-line arguments (the CLI's --plan and its refusal before loading)
+
+
+def tokens_of_text(spec, text: str) -> int:
+    """Tokens of `text` for the model's tokenizer when its files are here (a folder; a GGUF file already converted
+    once; a hub model in the local cache), else a bound (UTF-8 bytes + 2)."""
+    from ..models.loading import parse_spec
+
+    ms = parse_spec(spec)
+    shape = model_shape(ms)  # gguf: once converted; hub: in the local cache
+    folder = Path(shape.source) if shape is not None and shape.source else None
+    if folder is not None and folder.is_dir():
+        try:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+            return len(tok(text)["input_ids"])
+        except Exception:  # noqa: BLE001 - fall back to the bound
+            pass
+    return len(text.encode("utf-8")) + 2
+
+
+@dataclass
+class Workload:
+    """What a run holds, as the CLI's arguments and a page's run both describe it: kvviz.core.memory.plan_workload turns
+    it into the plan, the same way for both."""
+    texts: tuple[str, ...] = ()  # the prompt(s) and prefix: the longest counts
+    continuations: tuple[str, ...] = ()  # texts appended to it (reuse): the longest counts
+    new_tokens: int = 0
+    left_pad: int = 0
+    tokens: int | None = None  # a run that names its token count (the cache sizes)
+    batch: int | None = None  # a run that names its batch (the cache sizes)
+    dtypes: tuple[str, ...] = ()  # the dtypes view: the dtypes run side by side
+    split: int | None = None  # the split point (views comparing only the positions after it)
+    weights: str = "none"  # weight quantization ("none": the model as loaded)
+    paths: tuple[str, ...] = ()  # the paths a decoding view runs (greedy; empty: its defaults)
+    attention: str = "auto"  # the attention implementation the run asks for (its score workspace: score_bytes)
+
+
+def plan_workload(spec, dtype: str, device, view: str, w: Workload) -> MemoryPlan:
+    """The one memory-plan builder: the CLI (kvviz.io.clirun.plan_for_args) and the pages (pages/memory_plan.py) both call it."""
+    from .inputs import MAX_PROMPT_CHARS
+
+    prof = profile(view)
+    if any(len(t) > MAX_PROMPT_CHARS for t in w.texts):
+        raise NoPlan()
+    tokens = max([tokens_of_text(spec, t) for t in w.texts if t] or [32])
+    if w.continuations:
+        tokens += max(tokens_of_text(spec, c) for c in w.continuations)
+    tokens += int(w.left_pad or 0) + int(w.new_tokens or 0)
+    batch = prof.batch
+    if prof.batch_from_workload:
+        tokens = int(w.tokens) if w.tokens else tokens
+        batch = int(w.batch or 1)
+    if prof.past_window:  # the card's own prompts, past the sliding window when there is one
+        sh = model_shape(spec)
+        tokens = max(tokens, 2 * int((sh.sliding_window if sh else 0) or 0) + 4, 64)
+    compared = tokens - int(w.split) if prof.compared_after_split and isinstance(w.split, int) and \
+        not isinstance(w.split, bool) and w.split > 0 else None
+    if prof.batch_texts:  # the batch is as wide as its longest row: each batch-mate made longer than the prompt
+        prompt = tokens - int(w.left_pad or 0) - int(w.new_tokens or 0)
+        # the prompt's positions after the split, half of them where none is named (its padding is not compared)
+        compared = max(1, prompt - (min(int(w.split), prompt - 1) if compared is not None else max(1, prompt // 2)))
+        for text in prof.batch_texts:
+            c = tokens_of_text(spec, text)
+            tokens = max(tokens, c + max(c - 1, 0) * (prompt // max(1, c - 1) + 1))
+    copies = int(prof.weight_copies and str(w.weights or "none") != "none")
+    if w.dtypes:
+        dtype = w.dtypes[0]
+    steps = reference_decodes = None
+    if prof.decoded_runs:  # each run decodes the new tokens; greedy's float64 reference decodes only as a path
+        steps = max(1, int(w.new_tokens or 0)) * max(1, len(w.continuations))  # every continuation's (reuse)
+        reference_decodes = prof.reference_decodes_with is None or prof.reference_decodes_with in w.paths
+    return plan_run(spec, dtype, device, view, max(tokens, 1), batch, w.dtypes, compared=compared, copies=copies,
+                    steps=steps, reference_decodes=reference_decodes is not False,
+                    runs=len(set(w.paths)) if prof.decoded_runs and w.paths else None,
+                    attention=attention_kernel(w.attention))
+
+
+def attention_kernel(requested) -> str:
+    """What the plan counts for an attention request: 'eager' where any requested implementation is eager (the
+    matrix's list: its largest), else 'sdpa' (transformers' default for 'auto'; fused kernels hold less)."""
+    names = [a.strip() for a in str(requested or "auto").split(",")]
+    return "eager" if "eager" in names else "sdpa"
+
+
+def attach(result, plan: MemoryPlan) -> None:
+    """Give `result` its plan, with the peak measured now, as its `memory_plan` attribute: the JSON export and
+    `--json` write it beside the result (kvviz.io.export.result_dict)."""
+    plan.with_peak(result)
+    result.memory_plan = plan

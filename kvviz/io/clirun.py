@@ -1,0 +1,226 @@
+"""What every subcommand shares (kvviz/cli.py runs them; each view's cli.py defines its own): the common model
+options, loading behind the memory plan, the run settings, progress on stderr, and the Outcome a subcommand returns.
+
+A view's cli.py has `HELP` (its line in --help), `add_arguments(parser)` (its options on the parser kvviz/cli.py makes
+under the subcommand the registry derives; `set_defaults(handler=command, ...)`) and `command(args) -> Outcome`. It checks its arguments, runs, and returns; it never prints or exports: kvviz/cli.py
+does that for all of them (flags a subcommand cannot honour refused, --json-out/--html/--repro, JSON or summary)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+from .. import views
+from ..core import memory
+from ..core.dtypes import DTYPE_NAMES
+from ..core.errors import KvvizError
+from ..models.loading import ATTN_CHOICES
+
+
+@dataclass
+class Outcome:
+    result: object
+    lm: object = None  # the model the result was computed with (for the export's fingerprint and the repro script)
+    summary: "Callable[[], str] | None" = None  # the human summary (default: the result's verdict line)
+    payload: "Callable[[], dict] | None" = None  # what --json prints (default: result.to_dict())
+    exportable: bool = True  # --json-out / --html / --repro apply
+    printed: bool = False  # the subcommand printed its output as it went (a long sweep's rows)
+
+
+class FlagRefused(KvvizError):
+    """A flag the subcommand cannot honour (with the others it was given): exit 2, like any other argument error."""
+
+
+class PlanShown(Exception):
+    """--plan: the memory plan was printed; nothing is loaded or run."""
+
+
+def progress_to_stderr(quiet: bool):
+    if quiet:
+        return None
+    last = {"msg": None}
+
+    def report(frac: float, msg: str) -> None:
+        if msg != last["msg"]:
+            last["msg"] = msg
+            print(f"[{frac * 100:3.0f}%] {msg}", file=sys.stderr, flush=True)
+
+    return report
+
+
+def model_args(p: argparse.ArgumentParser, attn_list: bool = False) -> None:
+    """The options every model-running subcommand has."""
+    p.add_argument("--model", default="default", help="default | tiny:<arch> | hub id | folder | file.gguf")
+    p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES)
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N | mps")
+    if attn_list:  # the matrix: a comma-separated list of attention implementations, one grid column each
+        p.add_argument("--attn", "--attns", dest="attns", default="eager,sdpa",
+                             help="comma-separated: eager,sdpa,flex_attention,flash_attention_2")
+        p.set_defaults(attn="auto")
+    else:
+        p.add_argument("--attn", default="auto", choices=ATTN_CHOICES, help="attention implementation")
+    p.add_argument("--devices", default="one", choices=("one", "auto", "spread"),
+                   help="one: the whole model on --device; auto: accelerate's device_map (GPUs, then CPU RAM, then "
+                              "disk offload); spread: layers split evenly over several GPUs")
+    p.add_argument("--max-memory", default=None,
+                   help="with --devices auto|spread: budget per device, e.g. 0=20GiB,1=20GiB,cpu=64GiB")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run the model's own Python code (off by default; only for models you trust)")
+    p.add_argument("--invariant", action="store_true",
+                   help="run in invariant mode: every op computes a row the same way however many rows it sees, so a "
+                              "cached run equals the full forward bit for bit wherever the logic is right")
+    p.add_argument("--no-proof", action="store_true",
+                   help="skip the invariant-mode rerun that proves precision verdicts (faster; verdicts stay)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
+    p.add_argument("--json-out", default=None, help="also save the result as JSON (with the environment) to this file")
+    p.add_argument("--html", default=None, help="also write a self-contained HTML report to this file")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    p.add_argument("--plan", action="store_true", help="print the memory plan of this run and exit (nothing loaded)")
+
+
+def repro_arg(p: argparse.ArgumentParser, what: str = "") -> None:
+    p.add_argument("--repro", default=None,
+                   help=f"also write a standalone repro script{what} (torch + transformers only)")
+
+
+def spec(args):
+    """The model spec, parsed once from --model and carried whole from here on."""
+    from ..models.loading import parse_spec
+
+    if not hasattr(args, "spec"):
+        args.spec = parse_spec(args.model)
+    return args.spec
+
+
+def settings(args):
+    """How the model runs (kvviz.core.execution.ExecSettings), from the common options."""
+    from ..core.execution import ExecSettings
+
+    return ExecSettings(invariant=bool(getattr(args, "invariant", False))).validate()
+
+
+def plan_gate(args) -> None:
+    """The memory plan, after the arguments are checked and before anything is loaded: --plan prints it and stops;
+    a run that cannot fit is refused in one line (KvvizError); the plan rides on the result (`memory_plan`). Where
+    the input itself is wrong there is no plan: the run then reports that in its own line."""
+    if getattr(args, "memory_plan", None) is not None:
+        return
+    from ..core.memory import check_fits
+
+    plan = plan_or_none(args)
+    if args.plan:
+        if plan is None:
+            raise KvvizError("no memory plan for this input; run it without --plan to see what is wrong")
+        print("\n".join(plan.lines()))
+        raise PlanShown
+    args.memory_plan = check_fits(plan) if plan is not None else None
+
+
+def load(args):
+    from ..models.loading import load_model
+
+    plan_gate(args)
+    return load_model(spec(args), args.dtype, args.device, args.attn, trust_remote_code=args.trust_remote_code,
+                            progress=progress_to_stderr(args.quiet), **placement(args))
+
+
+def placement(args) -> dict:
+    """load_model's placement arguments from --devices/--max-memory (checked in one line; {} for one device). A
+    subcommand that cannot run on a dispatched model says why in its parser defaults (`not_dispatched`)."""
+    from ..models.placement import parse_placement
+
+    place = parse_placement(getattr(args, "devices", "one"), getattr(args, "max_memory", None))
+    if not place.dispatched:
+        return {}
+    why = getattr(args, "not_dispatched", None)
+    if why is None and getattr(args, "weights", "none") not in (None, "none"):
+        why = "quantizes a copy of the weights"
+    if why:
+        raise KvvizError(f"--devices {place.mode} cannot be used with {args.command}: it {why}; use --devices one")
+    return {"placement": place}
+
+
+def nonnegative_pad(args) -> None:
+    if getattr(args, "left_pad", 0) < 0:
+        raise KvvizError(f"--left-pad must be 0 or more, not {args.left_pad}")
+
+
+def prove(args):
+    """run_* functions' `prove`: False with --no-proof, else None (prove where a precision verdict needs it)."""
+    return False if getattr(args, "no_proof", False) else None
+
+
+def context(args):
+    """A view's run context (kvviz.core.protocol.RunContext) from the common options: settings, --no-proof, progress."""
+    from ..core.protocol import RunContext
+
+    return RunContext(settings(args), prove(args), progress_to_stderr(args.quiet))
+
+
+def split_list(text: str) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+
+
+def view_arguments(view) -> Callable:
+    """The subcommand of a view without a cli.py of its own: the common model options, one option per field of its
+    config (kvviz.core.protocol.config_fields), --repro where it has a repro script; its run through the protocol."""
+    from ..core.protocol import add_config_arguments, config_from
+
+    def add_arguments(p: argparse.ArgumentParser) -> None:
+        model_args(p)
+        add_config_arguments(p, view.config_type())
+        if view.repro:
+            repro_arg(p)
+        p.set_defaults(handler=command)
+
+    def command(args) -> Outcome:
+        cfg = config_from(view.config_type(), vars(args))
+        lm = load(args)
+        res = view.runner()(lm, cfg, context(args))
+
+        def summary() -> str:
+            verdict, text = view.verdict_text(res)
+            return f"verdict: {str(verdict).upper()}" + ("" if view.verdict_is_html else f"\n{text}")
+
+        return Outcome(res, lm, summary)
+
+    return add_arguments
+
+
+# The memory plan of a CLI command (its --plan and its refusal before loading), from its parsed arguments
+
+
+def workload_of_args(args) -> memory.Workload:
+    """The workload of a CLI command from its parsed arguments."""
+    texts = tuple(t for t in (getattr(args, "prompt", None), getattr(args, "prefix", None)) if isinstance(t, str))
+    dtypes = getattr(args, "dtypes", None)
+    split = getattr(args, "split", None)
+    paths = getattr(args, "paths", None)
+    return memory.Workload(texts=texts, continuations=tuple(getattr(args, "continuation", None) or ()),
+                          new_tokens=int(getattr(args, "max_new_tokens", 0) or 0),
+                          left_pad=int(getattr(args, "left_pad", 0) or 0), tokens=getattr(args, "tokens", None),
+                          batch=getattr(args, "batch", None),
+                          dtypes=tuple(d.strip() for d in dtypes.split(",") if d.strip()) if isinstance(dtypes, str)
+                          else (),
+                          split=split if isinstance(split, int) else None,
+                          weights=str(getattr(args, "weights", "none") or "none"),
+                          attention=str(getattr(args, "attns", None) or getattr(args, "attn", None) or "auto"),
+                          paths=tuple(p.strip() for p in paths.split(",") if p.strip()) if isinstance(paths, str) else ())
+
+
+def plan_for_args(args) -> memory.MemoryPlan:
+    """The plan of a CLI command from its parsed arguments. Input errors are left to the run itself (its own one
+    line): a prompt over the limit, a model file that cannot be read."""
+    sub = getattr(args, "cache_command", None)
+    view = views.for_command(args.command + (f" {sub}" if sub else "")).name
+    spec = getattr(args, "spec", None) or args.model
+    return memory.plan_workload(spec, args.dtype, args.device, view, workload_of_args(args))
+
+
+def plan_or_none(args) -> memory.MemoryPlan | None:
+    """plan_for_args, or None where the input itself is wrong (the run reports that in its own line)."""
+    try:
+        return plan_for_args(args)
+    except memory.NoPlan:
+        return None

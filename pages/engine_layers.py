@@ -1,20 +1,27 @@
 """Page: inside the engine - two runs of one prompt through vLLM (warm vs cold, batch vs alone, tensor parallel 1 vs
-N) compared hidden state by hidden state in vLLM's worker, each against the float64 reference. An engine run takes
-minutes, so it starts on the button, not on the first screen."""
+N) or llama.cpp (warm vs cold, on the GGUF itself) compared hidden state by hidden state in the engine's worker, each
+against the float64 reference. An engine run takes minutes, so it starts on the button, not on the first screen."""
 import dataclasses
 
 import streamlit as st
 
+from kvviz.core.errors import KvvizError
 from kvviz.views.engine_layers import figures as el_figures, report as el_report
-from kvviz.views.engine_layers.run import PAIRS, EngineLayersConfig, run_engine_layers
+from kvviz.views.engine_layers.run import ENGINES, PAIRS, EngineLayersConfig, run
+from kvviz.core.protocol import RunContext
 from kvviz.engines.serving import engine_status
+from kvviz.engines.workers import gguf_of
 from pages.common import controls, page, show_verdict
 from pages.exporting import exports
 from pages.runner import progress_bar, run_cached, show_error
 
+ENGINE_LABELS = {"vllm": "vLLM", "llama.cpp": "llama.cpp"}
+PAIR_LABELS = {"warm": "cold vs warm prefix", "batch": "alone vs batch", "tp": "tensor parallel 1 vs N"}
+
 choice, lm = page("Engine layers",
-                  "Inside a real engine: vLLM runs the prompt twice - cold and with its prefix warm in the cache, "
-                  "alone and in a batch, or on 1 and N tensor-parallel ranks -, its worker captures every decoder "
+                  "Inside a real engine: vLLM or llama.cpp runs the prompt twice - cold and with its prefix warm in "
+                  "the cache; with vLLM also alone and in a batch, or on 1 and N tensor-parallel ranks -, its worker "
+                  "captures every decoder "
                   "layer's hidden state of both runs and compares them layer × token, and each run is compared with "
                   "kvviz's float64 reference on its own tokens: within rounding of it at every layer is precision, "
                   "the first layer beyond is named (logic).")
@@ -24,43 +31,55 @@ with controls(expanded=True):
     prefix = st.text_input("Shared prefix (before the prompt; the warmer of 'warm')",
                            "You are a careful assistant. Answer in one short sentence, with no preamble, no lists "
                            "and no markdown; if you do not know, say so plainly. ", key="engine_layers_prefix")
-    c1, c2, c3, c4 = st.columns(4)
+    c0, c1, c2, c3, c4 = st.columns(5)
+    engine = c0.selectbox("Engine", ENGINES, key="engine_layers_engine", format_func=ENGINE_LABELS.get,
+                          help="vLLM runs the model's weights in the sidebar's dtype; llama.cpp runs the GGUF file "
+                               "itself (8-bit activations), warm vs cold only")
+    llama = engine == "llama.cpp"
     pair = c1.selectbox("Pair", list(PAIRS), key="engine_layers_pair",
-                        format_func=lambda p: {"warm": "cold vs warm prefix", "batch": "alone vs batch",
-                                               "tp": "tensor parallel 1 vs N"}[p])
+                        format_func=lambda p: PAIR_LABELS[p] + (" (vLLM only)" if llama and p != "warm" else ""))
     n = c2.number_input("New tokens", 1, 64, 16, key="engine_layers_n")
-    batch = c3.number_input("Batch size k", 2, 16, 4, key="engine_layers_batch", disabled=pair != "batch")
-    tp = c4.number_input("Tensor parallel N", 2, 16, 3, key="engine_layers_tp", disabled=pair != "tp")
+    batch = c3.number_input("Batch size k", 2, 16, 4, key="engine_layers_batch", disabled=pair != "batch" or llama)
+    tp = c4.number_input("Tensor parallel N", 2, 16, 3, key="engine_layers_tp", disabled=pair != "tp" or llama)
     others = st.number_input("Other built-in prompts, compared at their outputs", 0, 20, 0,
                              key="engine_layers_others")
-    why = engine_status("vllm")
+    cfg = EngineLayersConfig(prompt=prompt, pair=pair, prefix=prefix, max_new_tokens=int(n), batch_size=int(batch),
+                             tensor_parallel_size=int(tp), others=int(others), engine=engine)
+    try:  # one line for what the engine refuses (llama.cpp: batch, tp; no GGUF) before anything starts
+        cfg.validate()
+        if llama:
+            gguf_of(lm)
+    except KvvizError as e:
+        show_error(e)
+        st.stop()
+    why = engine_status(engine)
     if why:
         st.info(why)
         st.stop()
 
-cfg = EngineLayersConfig(prompt=prompt, pair=pair, prefix=prefix, max_new_tokens=int(n), batch_size=int(batch),
-                         tensor_parallel_size=int(tp), others=int(others))
 key = {"model": choice.key, "cfg": dataclasses.asdict(cfg)}
-ran = st.session_state.setdefault("_engine_layers_ran", [])  # the settings already run in this session
-go = st.button("Run inside vLLM", key="engine_layers_run", type="primary", icon=":material/play_arrow:",
-               help="Starts vLLM in its own environment (a minute or more on a CPU; tensor parallel starts two)")
-if not go and key not in ran:
-    st.info("Choose the pair and press **Run inside vLLM**: the engine starts in its own process, so a run takes "
-            "minutes on a CPU.")
+ran = st.session_state.setdefault("_engine_layers_ran", [])  # the settings asked for (the button) or already run
+label = ENGINE_LABELS[engine]
+# the button marks its settings in its callback: the app may rerun the script before the page reads a button's value
+st.button(f"Run inside {label}", key="engine_layers_run", type="primary", icon=":material/play_arrow:",
+          on_click=lambda k=key: ran.append(k) if k not in ran else None,
+          help=f"Starts {label} in its own environment (" + ("seconds to a minute on a CPU)" if llama else
+                                                             "a minute or more on a CPU; tensor parallel starts two)"))
+if key not in ran:
+    st.info(f"Choose the pair and press **Run inside {label}**: the engine starts in its own process, so a run "
+            f"takes {'a minute or so' if llama else 'minutes'} on a CPU.")
     st.stop()
 
 
 def compute():
-    with progress_bar("Running the prompt twice inside vLLM…") as report:
-        return run_engine_layers(lm, cfg, progress=report, settings=choice.settings)
+    with progress_bar(f"Running the prompt twice inside {label}…") as report:
+        return run(lm, cfg, RunContext(settings=choice.settings, progress=report))
 
 
 try:
-    cfg.validate()
     res = run_cached("engine_layers", key, compute)  # once per settings: a rerun shows the stored result
-    if key not in ran:
-        ran.append(key)
 except Exception as e:  # noqa: BLE001
+    ran.remove(key)  # a failed run is not retried on every rerun: the button asks again
     show_error(e)
     st.stop()
 

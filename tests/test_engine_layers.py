@@ -371,3 +371,86 @@ def test_llamacpp_warm_vs_cold_layer_by_layer_through_the_eval_callback():
     back = open_result(export_json(res)).result
     assert back.first_differing == res.first_differing and back.verdict == res.verdict
     assert "llama.cpp" in html_report(back)
+
+
+def _run_button(at) -> list:
+    return [b for b in at.button if b.key == "engine_layers_run"]
+
+
+def test_the_page_offers_llamacpp_with_its_one_pair_and_says_what_it_refuses_in_one_line(monkeypatch, tmp_path):
+    """The page's Engine control: llama.cpp marks the pairs it refuses "(vLLM only)" and disables their sizes; a
+    refused pair is one line (the view's own refusal) and no Run button; a model without a GGUF is one line; an
+    engine whose environment is not built is one line naming `make engines`, and the page keeps working."""
+    from test_app import start
+
+    from kvviz.views.engine_layers.run import LLAMACPP_REFUSED
+
+    at = start("pages/engine_layers.py", model="tiny:llama")
+    at.selectbox(key="engine_layers_engine").select("llama.cpp").run()
+    assert not at.exception, at.exception
+    assert at.selectbox(key="engine_layers_pair").options == [
+        "cold vs warm prefix", "alone vs batch (vLLM only)", "tensor parallel 1 vs N (vLLM only)"]
+    assert at.number_input(key="engine_layers_batch").disabled and at.number_input(key="engine_layers_tp").disabled
+    # tiny:llama is no GGUF: llama.cpp runs the file itself
+    assert [e.value for e in at.error] == [
+        "the llama.cpp engine runs a GGUF file: load the model from a .gguf file (or 'default', a GGUF), not a "
+        "folder or a hub id"]
+    assert not _run_button(at) and "_results_engine_layers" not in at.session_state
+    for pair in ("batch", "tp"):
+        at.selectbox(key="engine_layers_pair").select(pair).run()
+        assert not at.exception, at.exception
+        assert [e.value for e in at.error] == [LLAMACPP_REFUSED] and not _run_button(at)
+    at.selectbox(key="engine_layers_pair").select("warm").run()
+    at.selectbox(key="engine_layers_engine").select("vllm").run()  # back: vLLM's pairs are offered plainly again
+    assert at.selectbox(key="engine_layers_pair").options == [
+        "cold vs warm prefix", "alone vs batch", "tensor parallel 1 vs N"]
+    at.selectbox(key="engine_layers_pair").select("batch").run()
+    assert not at.number_input(key="engine_layers_batch").disabled and at.number_input(key="engine_layers_tp").disabled
+    assert not at.error
+    if engine_python("vllm") is not None:
+        assert at.button(key="engine_layers_run").label == "Run inside vLLM"
+    monkeypatch.setenv("KVVIZ_ENGINES", str(tmp_path))  # no engine built here
+    at.selectbox(key="engine_layers_engine").select("llama.cpp").run()
+    at.selectbox(key="engine_layers_engine").select("vllm").run()
+    assert not at.exception, at.exception
+    import kvviz.engines.serving as serving
+
+    if not serving.vllm_available():  # (vLLM importable in kvviz's own environment needs no build)
+        assert [i.value for i in at.info] == [
+            f"vLLM is not installed here: `make engines` builds its environment under {tmp_path} (or set "
+            "KVVIZ_ENGINES to where it was built)"] and not _run_button(at)
+    assert at.selectbox(key="engine_layers_engine").value == "vllm"  # the page keeps working
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(engine_python("llama.cpp") is None,
+                    reason="llama.cpp's environment is not built here (make engines)")
+def test_the_page_runs_llamacpp_on_the_default_model_and_draws_the_verdict_heatmaps_and_layer_table():
+    """The page with llama.cpp chosen, on the default model (a GGUF): nothing runs before the button; the button
+    runs warm vs cold inside llama.cpp through the view's run and the page shows the verdict, the layer × token
+    heatmaps (the pair's and each side's against the float64 reference) and the per-layer table, one row a layer."""
+    from test_app import alerts, start
+
+    from kvviz.core.plotting import METRIC_TITLES
+
+    at = start("pages/engine_layers.py", model="default")
+    at.selectbox(key="engine_layers_engine").select("llama.cpp").run()
+    at.number_input(key="engine_layers_n").set_value(6).run()
+    assert not at.error and "_results_engine_layers" not in at.session_state
+    assert at.button(key="engine_layers_run").label == "Run inside llama.cpp"
+    at.button(key="engine_layers_run").click().run()
+    assert not at.exception and not at.error, (at.exception, alerts(at))
+    (res,) = at.session_state["_results_engine_layers"].values()
+    assert res.engine["name"] == "llama.cpp" and res.labels == ("cold", "warm")
+    assert res.verdict in ("identical", "precision")
+    assert any(f"Verdict: {res.verdict}" in t for t in alerts(at).split(" | ")), alerts(at)
+    charts = at.get("plotly_chart")
+    assert len(charts) == 4
+    pair_map = json.loads(charts[0].proto.spec)
+    assert "inside llama.cpp" in pair_map["layout"]["title"]["text"]
+    assert len(pair_map["data"][0]["y"]) == 31  # embeddings, 29 layers' residuals, the last layer + final norm
+    table = at.dataframe[0].value
+    assert len(table) == 31 and table.iloc[0, 0] == "embeddings"
+    at.radio(key="engine_layers_metric").set_value("eps_units").run()  # a view change: no second engine run
+    assert not at.exception and len(at.session_state["_results_engine_layers"]) == 1
+    assert json.loads(at.get("plotly_chart")[0].proto.spec)["layout"]["title"]["text"].startswith(METRIC_TITLES["eps_units"])

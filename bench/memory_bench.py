@@ -415,9 +415,49 @@ def replan_lengths(out: Path) -> list[dict]:
     return rows
 
 
+def serving_prompts(model: str, tokens: int, count: int = 4) -> Path:
+    """A .txt prompt set for `model`: `count` prose prompts of about `tokens` tokens (the longest exactly that)."""
+    prompt, _ = length_prompt(model, tokens)
+    path = Path(f"/tmp/kvviz_serving_{tokens}.txt")
+    path.write_text("\n".join([prompt] + [prompt[:max(1, len(prompt) - 3 * k)] for k in range(1, count)]) + "\n")
+    return path
+
+
+def run_serving(model: str, dtypes: list[str], lengths: list[int], out: Path | None = None, runs: int = 1,
+                new_tokens: int = 8, batch: int = 4) -> list[dict]:
+    """The serving study (transformers' engine, every condition) over 4 prompts of each length, a fresh process
+    each: plan total (settled: without the float64 reference where no prompt parted), peak RSS, plan / peak."""
+    rows = json.loads(out.read_text()) if out is not None and out.is_file() else []
+    for dt in dtypes:
+        for n in lengths:
+            argv = ["serving", "--model", model, "--prompts", str(serving_prompts(model, n)), "--runs", str(runs),
+                    "--max-new-tokens", str(new_tokens), "--batch-size", str(batch), "--dtype", dt, "--json",
+                    "--quiet"]
+            load = os.getloadavg()[0]
+            r = measure(argv)
+            j = r.get("json") or {}
+            plan = j.get("memory_plan") or {}
+            ratio = plan["total"] / r["peak_rss"] if plan.get("total") and r["peak_rss"] else None
+            parted = sum(p.get("first_divergence") is not None for p in j.get("prompts", []))
+            row = {"model": model, "dtype": dt, "tokens": n, "plan_tokens": plan.get("tokens"), "rc": r["rc"],
+                   "wall_s": r["wall_s"], "load": round(load, 1), "plan": plan.get("total"), "peak": r["peak_rss"],
+                   "ratio": ratio, "parted": parted, "cache": plan.get("cache"),
+                   "activations": plan.get("activations"), "reference": plan.get("reference"),
+                   "stderr_tail": r["stderr_tail"][-300:]}
+            rows.append(row)
+            if out is not None:
+                out.write_text(json.dumps(rows, indent=1))
+            ok = ratio is not None and 1.0 <= ratio <= 1.25
+            print(f"| {Path(model).name} | {dt} | {n} | {parted}/4 | {(plan.get('total') or 0) / GIB:.3f} | "
+                  f"{(r['peak_rss'] or 0) / GIB:.3f} | {ratio or 0:.2f}{'' if ok else ' MISS'} | {r['wall_s']} | "
+                  f"{row['load']} |" + ("" if r["rc"] == 0 else f" rc {r['rc']}: {r['stderr_tail'][-160:]!r}"),
+                  flush=True)
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=("build", "run", "reference", "plans", "matrix", "table", "lengths"))
+    ap.add_argument("what", choices=("build", "run", "reference", "plans", "matrix", "table", "lengths", "serving"))
     ap.add_argument("--model", default="default", help="lengths: the model (spec or folder)")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="lengths: comma list")
     ap.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="lengths: comma list of token counts")
@@ -445,6 +485,12 @@ def main() -> int:
         run_lengths(args.model, [d for d in args.dtypes.split(",") if d],
                     [int(x) for x in args.lengths.split(",") if x], Path(args.out) if args.out else None,
                     args.force_rerun)
+        return 0
+    if args.what == "serving":  # 4 prompts a length, every condition, 1 run, 8 new tokens, batch 4
+        print("| model | dtype | tokens | parted | plan (GiB) | peak RSS (GiB) | plan / peak | wall (s) | load |\n"
+              "|---|---|---|---|---|---|---|---|---|")
+        run_serving(args.model, [d for d in args.dtypes.split(",") if d],
+                    [int(x) for x in args.lengths.split(",") if x], Path(args.out) if args.out else None)
         return 0
     if args.what == "plans":
         return 1 if check_plans() else 0

@@ -160,8 +160,8 @@ def workload(key_parts: dict):
 
     cfg = key_parts.get("cfg") if isinstance(key_parts.get("cfg"), dict) else {}
     texts = [key_parts.get("prompt"), key_parts.get("prefix"), cfg.get("prompt")]
-    if isinstance(key_parts.get("prompts"), (list, tuple)):
-        texts += [str(t) for t in key_parts["prompts"]]
+    if isinstance(key_parts.get("prompts"), (list, tuple)):  # a prompt set, a shared prefix before each (serving)
+        texts = [str(key_parts.get("prefix") or "") + str(t) for t in key_parts["prompts"]]
     conts = key_parts.get("conts")
     new = key_parts.get("n") or cfg.get("max_new_tokens") or 0
     split = cfg.get("split", key_parts.get("split"))
@@ -175,7 +175,9 @@ def workload(key_parts: dict):
                     split=split if isinstance(split, int) and not isinstance(split, bool) else None,
                     weights=str(key_parts.get("weights") or cfg.get("weights") or "none"),
                     paths=tuple(str(p) for p in cfg.get("paths") or ()) if isinstance(cfg.get("paths"), (list, tuple))
-                    else ())
+                    else (),
+                    conditions=tuple(str(c) for c in key_parts.get("conditions") or ()),
+                    page_size=int(key_parts["page"] or 0) if "page" in key_parts else None)  # a page None: no paged engine
 
 
 def _memory_plan(name: str, key_parts: dict, fresh: bool):

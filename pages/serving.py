@@ -60,7 +60,7 @@ def compute():
 try:
     cfg.validate()
     res = run_cached("serving", {"model": choice.key, "prompts": prompts, "prefix": prefix, "conditions": conditions,
-                                 "runs": int(runs), "tokens": int(new_tokens), "batch": int(batch), "engine": engine,
+                                 "runs": int(runs), "n": int(new_tokens), "batch": int(batch), "engine": engine,
                                  "page": int(page_size) if pages else None, "seed": int(seed)}, compute)
 except Exception as e:  # noqa: BLE001
     show_error(e)

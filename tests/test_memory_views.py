@@ -417,3 +417,66 @@ def _long_float64_split_model(tmp_path, attention: str, T: int = 1536):
     prompt = ("The quick brown fox jumps over the lazy dog. " * 40)[:T - 1]  # byte tokens and BOS
     assert len(encode(lm, prompt)) == T
     return lm, prompt, T, folder
+
+
+def test_the_serving_plan_counts_each_engine_calls_paged_cache_mask_and_batch_forward(monkeypatch):
+    """A small serving study (tiny Llama, 3 prompts, batches of 2, every condition): each engine call's engine sizes
+    itself with kvviz.core.memory's paged_blocks / paged_batch_tokens (kvviz.engines.serving), its cache tensor is
+    exactly the plan's paged cache ((pages + 2 spare) x page x layers x K,V x kv_heads x head_dim x dtype bytes), and
+    what the engine's thread allocates, measured op by op there (cache, mask, indices, each batch's forward), is
+    under the plan's count of that call; the plan of the study (settled: no prompt parted, no float64 phase) is its
+    largest call or kvviz's own reference loop. Before, the study planned no engine at all (MemoryProfile())."""
+    from transformers.generation.continuous_batching import cache as cb_cache
+
+    from kvviz.engines import serving as engines
+    from kvviz.views.serving.run import ServeConfig, run_serving
+
+    lm = load_model("tiny:llama", "float32", "cpu")
+    prompts = ["The capital of France is Paris and the capital of Italy is", "One two three four five six", "A B C"]
+    threads, caches = [], []
+    modes = engines._thread_modes
+
+    def measured_modes():
+        threads.append(LiveTensors())
+        return modes() + [threads[-1]]
+
+    init = cb_cache.PagedAttentionCache.__init__
+
+    def recorded(self, *a, **k):
+        init(self, *a, **k)
+        caches.append((self.num_blocks, self.cache_tensor.nbytes, self.max_batch_tokens, self.max_tokens_read))
+
+    monkeypatch.setattr(engines, "_thread_modes", measured_modes)
+    monkeypatch.setattr(cb_cache.PagedAttentionCache, "__init__", recorded)
+    res = run_serving(lm, ServeConfig(prompts=prompts, runs=1, max_new_tokens=4, batch_size=2), prove=False)
+    assert res.float64 is None  # nothing parted on this model: the float64 reference never ran
+
+    shape, page, b = model_shape("tiny:llama"), memory.PAGE_SIZE, BYTES["float32"]
+    T = max(len(encode(lm, p)) for p in prompts) + 4
+    calls = [(3, 1), (4, 2), (6, 1)]  # alone: every prompt; batch: 2 batches of 2; warm: a warmer and each prompt
+    assert len(caches) == len(threads) == 3
+    for (requests, k), (blocks, nbytes, batch_tokens, read), thread in zip(calls, caches, threads):
+        cache, rest = memory.paged_call_bytes(shape, b, T, requests, k, page)
+        assert blocks == memory.paged_blocks(T, requests, page) and batch_tokens == memory.paged_batch_tokens(T, k)
+        assert read == blocks * page  # the mask's width: every cache token, and a batch's
+        assert nbytes == cache == (blocks + 2) * page * shape.layers * 2 * shape.kv_heads * shape.head_dim * b
+        assert thread.peak <= cache + rest, (requests, k, thread.peak, cache + rest)
+    plan = plan_workload("tiny:llama", "float32", "cpu", "serving", Workload(texts=tuple(prompts), new_tokens=4,
+                                                                              batch=2))
+    assert plan.tokens == T and plan.if_identical is not None
+    unsettled = plan.cache + plan.activations
+    plan.settle(res)
+    engine = max(sum(memory.paged_call_bytes(shape, b, T, r, k, page)) for r, k in calls)
+    assert plan.reference_bytes == 0 and plan.cache + plan.activations == max(
+        engine, memory.decoding_bytes(shape, "float32", T, 1, 4, False))
+    assert plan.cache + plan.activations >= max(t.peak for t in threads) and unsettled >= engine
+    assert "no prompt parted" in plan.notes[-1]
+    # only the conditions run, and an engine outside this process (vLLM, llama.cpp, a server) plans no pages
+    alone = plan_workload("tiny:llama", "float32", "cpu", "serving", Workload(texts=tuple(prompts), new_tokens=4,
+                                                                               batch=2, conditions=("alone",)))
+    elsewhere = plan_workload("tiny:llama", "float32", "cpu", "serving", Workload(texts=tuple(prompts), new_tokens=4,
+                                                                                   batch=2, page_size=0))
+    loop = memory.decoding_bytes(shape, "float32", T, 1, 4, False)
+    assert alone.if_identical["cache"] + alone.if_identical["activations"] == max(
+        sum(memory.paged_call_bytes(shape, b, T, 3, 1, page)), loop) < engine
+    assert elsewhere.if_identical is None and elsewhere.cache == memory.cache_bytes(shape, "float32", T, 1, True)

@@ -176,6 +176,14 @@ PROMPT = "The capital of France is Paris, and the capital of Italy is"
     (["cache", "size", "--tokens", "300", "--batch", "2"], "kv_size", {"tokens": 300, "batch": 2}),
     (["dtypes", "--prompt", PROMPT, "--dtypes", "bfloat16,float16"], "dtypes",
      {"prompts": [PROMPT], "dtypes": ["bfloat16", "float16"]}),
+    # the study's engine calls: its prompts with the prefix, new tokens, requests in flight, conditions, page size
+    (["serving", "--prompt", PROMPT, "--prefix", "Q: ", "--max-new-tokens", "6", "--batch-size", "3", "--conditions",
+      "alone,batch", "--page-size", "16"], "serving",
+     {"prompts": [PROMPT], "prefix": "Q: ", "conditions": ["alone", "batch"], "runs": 5, "n": 6, "batch": 3,
+      "engine": "transformers", "page": 16, "seed": 0}),
+    (["serving", "--prompt", PROMPT, "--engine", "llama.cpp"], "serving",
+     {"prompts": [PROMPT], "prefix": "", "conditions": ["alone", "batch", "warm"], "runs": 5, "n": 16, "batch": 4,
+      "engine": "llama.cpp", "page": None, "seed": 0}),
 ])
 def test_the_cli_and_the_page_plan_the_same_run_the_same(argv, run_name, key_parts):
     cli = _cli_plan(argv[:1] + (argv[1:2] if argv[0] == "cache" else []) + ["--model", "tiny:llama"]
@@ -184,6 +192,7 @@ def test_the_cli_and_the_page_plan_the_same_run_the_same(argv, run_name, key_par
     assert cli.view == page.view == views.for_run(run_name).name
     assert (cli.tokens, cli.batch, cli.dtype) == (page.tokens, page.batch, page.dtype)
     assert cli.parts() == page.parts() and cli.total == page.total > 0
+    assert cli.if_identical == page.if_identical  # what a run without its float64 phase is planned at
 
 
 # --- one name: the subcommand and the page's URL path derive from the view's folder; older names are aliases -----

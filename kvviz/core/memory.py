@@ -425,7 +425,9 @@ class MemoryPlan:
             for part, value in self.if_identical.items():
                 setattr(self, part, value)
             self.if_identical = None
-            self.notes.append("no float64 rerun: the cached path equalled the full forward bit for bit")
+            self.notes.append("no float64 rerun: " + ("no prompt parted from its reference" if
+                                                      profile(self.view).engine_calls else
+                                                      "the cached path equalled the full forward bit for bit"))
         return self
 
     def to_dict(self) -> dict:
@@ -510,6 +512,11 @@ class MemoryProfile:
     # KV caches of the longest sequence held at once, the run's and the float64 reference's never together (greedy:
     # one path's; reuse: the prefix's, the shared one and a continuation's); 0: the run's and a spare copy, in both
     cache_copies: int = 0
+    # runs its prompts through a paged serving engine in kvviz's process (transformers' continuous batching,
+    # kvviz.engines.serving), one engine per call: per condition (its name, the engine requests one call holds per
+    # prompt, whether they run in batches of the workload's batch); each call's paged cache, attention mask and batch
+    # forward are counted (paged_call_bytes). The float64 reference replays one prompt's call where a prompt parted
+    engine_calls: tuple[tuple[str, int, bool], ...] = ()
 
 
 def pick_reference(shape: ModelShape, dtype: str, free: int | None, others: int) -> str:
@@ -763,14 +770,79 @@ def cache_bytes(shape: ModelShape, dtype: str, tokens: int, batch: int, referenc
     return int(per * BYTES[dtype] * 2 + (per * 8 * 2 if reference else 0))  # the cached path and a spare copy
 
 
+# transformers' continuous batching as kvviz drives it: kvviz.engines.serving.TransformersEngine sizes each call's
+# engine with paged_blocks and paged_batch_tokens, and the plan counts what those sizes allocate (paged_call_bytes)
+PAGE_SIZE = 8  # tokens per cache page where the run names none
+
+
+def paged_blocks(longest: int, requests: int, page_size: int) -> int:
+    """Cache pages one engine call asks for: the longest request (prompt and new tokens) in whole pages and one
+    more, for every request and two spare, and 8 more."""
+    return (-(-longest // page_size) + 1) * (requests + 2) + 8
+
+
+def paged_batch_tokens(longest: int, in_flight: int) -> int:
+    """The most tokens one batch of the engine takes (its max_batch_tokens): every request in flight at its
+    longest, at least 64."""
+    return max(64, in_flight * longest)
+
+
+def paged_call_bytes(shape: ModelShape, width: int, longest: int, requests: int, in_flight: int,
+                     page_size: int) -> tuple[int, int]:
+    """(paged cache, the rest) one engine call holds at once, the model in `width` bytes a number (transformers
+    5.2x's PagedAttentionCache and ContinuousBatchingIOs, allocated when the call starts, freed when it ends):
+
+    * the cache: paged_blocks pages of page_size tokens, K and V of every layer (kv_heads x head_dim), and the two
+      spare ("trash") pages it keeps in front;
+    * the attention mask [max_batch_tokens, cache tokens + max_batch_tokens] in the model's dtype (sdpa and eager
+      need it; one for full attention and one for sliding-window layers), beside the read/write indices (int64);
+    * one batch's forward over every request in flight at its longest: its working set (working_bytes), the K and V
+      read back from the cache and repeated to every head, and the logits of the last rows (logits_to_keep) in the
+      model's dtype, their float32 copy (float64 kept: KeepFloat64) and kvviz's float64 copy of the sampled rows."""
+    L, kv, hd, V = shape.layers, shape.kv_heads, shape.head_dim, shape.vocab
+    blocks = paged_blocks(longest, requests, page_size)
+    cache = (blocks + 2) * page_size * L * 2 * kv * hd * width
+    M = paged_batch_tokens(longest, in_flight)
+    read = blocks * page_size
+    masks = (2 if shape.sliding_window else 1) * M * (read + M) * width + (read + 2 * M) * 8
+    rows = min(requests, in_flight)
+    q = rows * longest  # one batch's tokens: every request in flight at its longest
+    forward = (working_bytes(shape, width, q) + (2 * shape.heads + kv) * hd * q * width
+               + rows * V * (width + max(width, 4) + 8))
+    return int(cache), int(masks + forward)
+
+
+def paged_study_bytes(shape: ModelShape, dtype: str, tokens: int, steps: int | None,
+                      calls: tuple[tuple[int, int], ...], replays: tuple[tuple[int, int], ...], page_size: int,
+                      reference: bool) -> tuple[int, int]:
+    """(cache, activations) of a study through a paged engine (MemoryProfile.engine_calls): the largest of its
+    phases, one at a time (each engine call makes and destroys its own engine):
+
+    * kvviz's reference of each prompt: greedy without cache, a full forward a step (decoding_bytes, one run);
+    * each engine call (requests, requests in flight) in the run's dtype (paged_call_bytes);
+    * where the float64 reference runs: a full forward over the sequence in float64 (the first divergence replayed,
+      every position's logits), then the engine call of that one prompt (`replays`) on the float64 model, with
+      every step's scores kept in float64."""
+    b, T, V = BYTES[dtype], tokens, shape.vocab
+    n = max(1, min(T, T if steps is None else steps))
+    phases = [(0, decoding_bytes(shape, dtype, T, 1, n, False))]
+    phases += [paged_call_bytes(shape, b, T, r, k, page_size) for r, k in calls]
+    if reference:
+        phases.append((0, working_bytes(shape, 8, T) + T * V * 8 + head_slice_bytes(shape, T)))
+        for r, k in replays:
+            cache, rest = paged_call_bytes(shape, 8, T, r, k, page_size)
+            phases.append((cache, rest + (n + 1) * V * 8))
+    return max(phases, key=sum)
+
+
 def plan_run(spec, dtype: str, device, view: str, tokens: int = 32, batch: int = 1,
              dtypes: tuple[str, ...] = (), reference: str | None = None, compared: int | None = None,
              copies: int = 0, steps: int | None = None, reference_decodes: bool = True,
-             runs: int | None = None, attention: str = "sdpa") -> MemoryPlan:
+             runs: int | None = None, attention: str = "sdpa", engine: "PagedCalls | None" = None) -> MemoryPlan:
     """The memory plan of one run, from the model's files (nothing loaded). compared: positions compared (split:
     the tokens after the split point; None: every token). copies: extra copies of the loaded model the run makes
     (weight quantization deep-copies the model before quantizing it). steps, reference_decodes, runs: a decoding
-    view's (activation_bytes)."""
+    view's (activation_bytes). engine: a study's paged engine calls (paged_study_bytes)."""
     from .dtypes import resolve_device
     from ..models.loading import parse_spec
 
@@ -778,15 +850,17 @@ def plan_run(spec, dtype: str, device, view: str, tokens: int = 32, batch: int =
     dev = device if isinstance(device, torch.device) else resolve_device(device)
     free, src = free_bytes(dev)
     return plan_shape(model_shape(ms), ms.display, dtype, str(dev), view, tokens, batch, dtypes, reference, free,
-                      src, compared, copies, steps, reference_decodes, runs, attention)
+                      src, compared, copies, steps, reference_decodes, runs, attention, engine)
 
 
 def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, view: str, tokens: int, batch: int = 1,
                dtypes: tuple[str, ...] = (), reference: str | None = None, free: int | None = None,
                free_from: str = "given", compared: int | None = None, copies: int = 0, steps: int | None = None,
-               reference_decodes: bool = True, runs: int | None = None, attention: str = "sdpa") -> MemoryPlan:
+               reference_decodes: bool = True, runs: int | None = None, attention: str = "sdpa",
+               engine: "PagedCalls | None" = None) -> MemoryPlan:
     """The plan of a run of a model of this shape, against `free` bytes. attention: the kernel the model runs
-    ('sdpa', kvviz's default, or 'eager': its score workspace, score_bytes)."""
+    ('sdpa', kvviz's default, or 'eager': its score workspace, score_bytes). engine: a study's calls to a paged
+    engine in this process (paged_study_bytes: its cache and activations replace the view's own)."""
     from .dtypes import dtype_name, parse_dtype
 
     dt = dtype_name(parse_dtype(dtype))
@@ -819,16 +893,20 @@ def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, vie
     acts = activation_bytes(shape, dt, tokens, batch, view, uses_ref, compared, steps, reference_decodes, runs,
                             attention, device)
     # Loading on the CPU holds the checkpoint's tensors as read (its dtype) beside the copies it converts them to,
-    # before any forward runs: the float64 twin always, and the model where its dtype is wider than the
-    # checkpoint's (a tensor in its own dtype is the file's page, no copy; Gemma 3's float32 checkpoint loaded in
-    # bfloat16 showed no such peak: the card's measured peaks, tests/test_memory_views.py). Measured: the twin of
-    # the default model (float32 checkpoint) 0.49 GiB over the loaded twin, in float32 and bfloat16 runs alike; a
-    # 0.5B Llama's bfloat16 checkpoint loaded in float32 0.49 GiB over its plan without it (docs/benchmarks.md).
+    # before any forward runs: the float64 twin always, and the model where its dtype is not the checkpoint's (a
+    # tensor in its own dtype is the file's page, no copy). Measured: the twin of the default model (float32
+    # checkpoint) 0.49 GiB over the loaded twin, in float32 and bfloat16 runs alike; a 0.5B Llama's bfloat16
+    # checkpoint loaded in float32 0.49 GiB over its plan without it (docs/benchmarks.md); the default model loaded
+    # in bfloat16 peaked at 1.13 GiB and held 0.68 after (0.24 at import): the float32 file read beside its copy,
+    # what a serving study that never loads its float64 reference peaks at. Not counted for a view that runs only
+    # its float64 reference (the card): Gemma 3's float32 checkpoint loaded in bfloat16 for it peaked with no such
+    # transient (the card's measured peaks, tests/test_memory_views.py; why the two differ is not known yet).
     # Each load is a phase of its own (the process, the weights, what is read, the twin): the activations are
     # raised where the total would not cover it (`_loading`)
     read = shape.params * BYTES.get(shape.checkpoint_dtype or dt, 4) if device.startswith("cpu") else 0
-    load = read if BYTES.get(shape.checkpoint_dtype or dt, 4) < BYTES[dt] else 0
     float64_only = profile(view).float64_only  # no cache in the run's dtype: only the float64 reference's
+    ckpt = BYTES.get(shape.checkpoint_dtype or dt, 4)
+    load = read if ckpt < BYTES[dt] or (ckpt > BYTES[dt] and not float64_only) else 0
     cache = cache_bytes(shape, "float64" if float64_only else dt, tokens, batch, uses_ref and not float64_only)
     prof = profile(view)
     if_identical = None
@@ -842,6 +920,13 @@ def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, vie
     if profile(view).cache_copies:  # its caches one phase at a time: the run's, then the float64 reference's
         per = 2 * shape.layers * shape.kv_heads * shape.head_dim * tokens * batch
         cache = profile(view).cache_copies * per * max(BYTES[dt], 8 if uses_ref else 0)
+    if engine is not None:  # a paged engine's calls, one at a time; the float64 reference only where a prompt parts
+        cache, acts = paged_study_bytes(shape, dt, tokens, steps, engine.calls, engine.replays, engine.page_size,
+                                        uses_ref)
+        if uses_ref:
+            c0, a0 = paged_study_bytes(shape, dt, tokens, steps, engine.calls, engine.replays, engine.page_size,
+                                       False)
+            if_identical = dict(reference="not run", reference_bytes=0, cache=c0, activations=a0)
     kept = 8 * (shape.layers + 1) * tokens * batch * 8  # per-layer, per-position metrics, a few of them
 
     def _loading(acts: int, ref: int, cache: int) -> int:  # the activations, at least what the loads add
@@ -946,6 +1031,39 @@ class Workload:
     weights: str = "none"  # weight quantization ("none": the model as loaded)
     paths: tuple[str, ...] = ()  # the paths a decoding view runs (greedy; empty: its defaults)
     attention: str = "auto"  # the attention implementation the run asks for (its score workspace: score_bytes)
+    # a study through a paged engine (MemoryProfile.engine_calls; its prompts are `texts`, each with its prefix, and
+    # its requests in flight `batch`): the conditions it runs (empty: every one the profile names) and the tokens a
+    # cache page holds (None: PAGE_SIZE; 0: no paged engine in this process - vLLM, llama.cpp, a server)
+    conditions: tuple[str, ...] = ()
+    page_size: int | None = None
+
+
+@dataclass(frozen=True)
+class PagedCalls:
+    """A study's calls to a paged engine: (requests, requests in flight) of each call of a run, and of the one-prompt
+    call the float64 reference replays where a prompt parts; the tokens a page holds."""
+    calls: tuple[tuple[int, int], ...]
+    replays: tuple[tuple[int, int], ...]
+    page_size: int
+
+
+def paged_calls(prof: "MemoryProfile", w: Workload) -> PagedCalls | None:
+    """The engine calls of a study (prof.engine_calls) as the workload runs it; None where the view runs no paged
+    engine in this process."""
+    if not prof.engine_calls or w.page_size == 0:
+        return None
+    n, k = max(1, len(w.texts)), max(1, int(w.batch or 1))
+    calls, replays = [], []
+    for name, per_prompt, batched in prof.engine_calls:
+        if w.conditions and name not in w.conditions:
+            continue
+        if batched:  # the prompts cut into batches of k, the last filled up with neighbours
+            calls.append((-(-n // k) * k, k))
+            replays.append((k, k))
+        else:
+            calls.append((per_prompt * n, 1))
+            replays.append((per_prompt, 1))
+    return PagedCalls(tuple(calls), tuple(replays), int(w.page_size or PAGE_SIZE)) if calls else None
 
 
 def plan_workload(spec, dtype: str, device, view: str, w: Workload) -> MemoryPlan:
@@ -982,10 +1100,13 @@ def plan_workload(spec, dtype: str, device, view: str, w: Workload) -> MemoryPla
     if prof.decoded_runs:  # each run decodes the new tokens; greedy's float64 reference decodes only as a path
         steps = max(1, int(w.new_tokens or 0)) * max(1, len(w.continuations))  # every continuation's (reuse)
         reference_decodes = prof.reference_decodes_with is None or prof.reference_decodes_with in w.paths
+    engine = paged_calls(prof, w)
+    if engine is not None:  # each request decodes the new tokens
+        steps = max(1, int(w.new_tokens or 0))
     return plan_run(spec, dtype, device, view, max(tokens, 1), batch, w.dtypes, compared=compared, copies=copies,
                     steps=steps, reference_decodes=reference_decodes is not False,
                     runs=len(set(w.paths)) if prof.decoded_runs and w.paths else None,
-                    attention=attention_kernel(w.attention))
+                    attention=attention_kernel(w.attention), engine=engine)
 
 
 def attention_kernel(requested) -> str:

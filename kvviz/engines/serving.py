@@ -34,6 +34,7 @@ from torch.overrides import _get_current_function_mode_stack
 from ..core import cancel
 from ..models import compat
 from ..core.errors import KvvizError, first_line
+from ..core.memory import PAGE_SIZE, paged_batch_tokens, paged_blocks
 
 ENGINES = ("transformers", "vllm", "llama.cpp")
 ENGINE_TOGGLES = {
@@ -139,7 +140,7 @@ class TransformersEngine:
 
     name = "transformers"
 
-    def __init__(self, page_size: int = 8):
+    def __init__(self, page_size: int = PAGE_SIZE):
         if not isinstance(page_size, int) or page_size < MIN_PAGE:
             raise KvvizError(f"the page size must be a whole number, {MIN_PAGE} or more, not {page_size!r}")
         self.page_size = page_size
@@ -160,12 +161,11 @@ class TransformersEngine:
             return EngineRun({}, 0.0, 0)
         model = lm.model
         longest = max(len(r.ids) + r.max_new_tokens for r in requests)
-        pages_per = -(-longest // self.page_size) + 1
-        num_blocks = pages_per * (len(requests) + 2) + 8
+        num_blocks = paged_blocks(longest, len(requests), self.page_size)  # the memory plan counts these sizes
         gc = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=max(r.max_new_tokens for r in requests),
                               eos_token_id=-1, pad_token_id=0)
         cb = ContinuousBatchingConfig(page_size=self.page_size, num_blocks=num_blocks,
-                                      max_batch_tokens=max(64, max_in_flight * longest),
+                                      max_batch_tokens=paged_batch_tokens(longest, max_in_flight),
                                       max_requests_per_batch=max_in_flight, allow_block_sharing=prefix_sharing,
                                       use_async_batching=False, use_cuda_graph=False, auto_switch_to_flash=False,
                                       scheduler_type="fifo", max_blocks_per_request=0)
@@ -280,7 +280,7 @@ def _collect(manager, keys: set[str], results: dict, failure: list) -> None:
             waiting.discard(res.request_id)
 
 
-def make_engine(name: str, page_size: int = 8, tensor_parallel_size: int = 1):
+def make_engine(name: str, page_size: int = PAGE_SIZE, tensor_parallel_size: int = 1):
     check_engine(name)
     if name == "transformers":
         if tensor_parallel_size != 1:

@@ -192,21 +192,43 @@ def view_arguments(view) -> Callable:
 
 
 def workload_of_args(args) -> memory.Workload:
-    """The workload of a CLI command from its parsed arguments."""
-    texts = tuple(t for t in (getattr(args, "prompt", None), getattr(args, "prefix", None)) if isinstance(t, str))
+    """The workload of a CLI command from its parsed arguments. A prompt set (--prompts, --limit: dtypes, serving)
+    counts each of its prompts; a shared prefix with prompts (serving) is put before each of them."""
+    prompt, prefix = getattr(args, "prompt", None), getattr(args, "prefix", None)
+    texts = tuple(t for t in (prompt, prefix) if isinstance(t, str))
+    if hasattr(args, "prompts"):
+        prompts = [prompt] if isinstance(prompt, str) else _prompt_set(args)
+        texts = tuple((prefix or "") + p for p in prompts)
     dtypes = getattr(args, "dtypes", None)
     split = getattr(args, "split", None)
     paths = getattr(args, "paths", None)
+    engine = getattr(args, "engine", "transformers")
+    conditions = getattr(args, "conditions", None)
     return memory.Workload(texts=texts, continuations=tuple(getattr(args, "continuation", None) or ()),
                           new_tokens=int(getattr(args, "max_new_tokens", 0) or 0),
                           left_pad=int(getattr(args, "left_pad", 0) or 0), tokens=getattr(args, "tokens", None),
-                          batch=getattr(args, "batch", None),
+                          batch=getattr(args, "batch", None) or getattr(args, "batch_size", None),
+                          conditions=split_list(conditions) if isinstance(conditions, str) else (),
+                          # transformers' paged engine runs in this process; vLLM, llama.cpp, a server in theirs
+                          page_size=getattr(args, "page_size", None) if engine == "transformers"
+                          and not getattr(args, "server", None) else 0,
                           dtypes=tuple(d.strip() for d in dtypes.split(",") if d.strip()) if isinstance(dtypes, str)
                           else (),
                           split=split if isinstance(split, int) else None,
                           weights=str(getattr(args, "weights", "none") or "none"),
                           attention=str(getattr(args, "attns", None) or getattr(args, "attn", None) or "auto"),
                           paths=tuple(p.strip() for p in paths.split(",") if p.strip()) if isinstance(paths, str) else ())
+
+
+def _prompt_set(args) -> list[str]:
+    """The prompts of --prompts/--limit as the run loads them (none to plan where they cannot be read: the run says
+    why in its own line)."""
+    from ..core.prompts import load_prompts
+
+    try:
+        return load_prompts(getattr(args, "prompts", None) or "builtin", getattr(args, "limit", None))
+    except (KvvizError, OSError, ValueError):
+        raise memory.NoPlan() from None
 
 
 def plan_for_args(args) -> memory.MemoryPlan:

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Callable
 
 from ...engines.serving import ENGINES, MIN_PAGE, Request, check_engine, engine_status, make_engine
+from ...core.memory import PAGE_SIZE
 from ...core.errors import KvvizError
 from ...core.metrics import first_divergence
 from ...core.execution import COMPILE_OFF, DEFAULT_CACHE, DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings
@@ -49,7 +50,7 @@ CONDITION_LABELS = {
 MAX_RUNS = 1000
 MAX_NEW_TOKENS = 256
 MAX_BATCH = 64
-DEFAULT_PAGE = 8
+DEFAULT_PAGE = PAGE_SIZE
 PAGE_REFUSED = ("the page size is a setting of transformers' continuous batching: vLLM runs its prefix cache in blocks "
                 "of 32 tokens here and llama.cpp has no pages; leave the page size out for this engine")
 DEFAULT_LIMIT = 20
@@ -206,6 +207,16 @@ class ServeResult:
     @property
     def first_divergences(self) -> list[int]:
         return [p.first_divergence for p in self.prompts if p.first_divergence is not None]
+
+    @property
+    def float64(self) -> list | None:
+        """The float64 evidence: each parting prompt's float64 gap (transformers' engine) or every prompt judged
+        against the float64 reference (vLLM, llama.cpp, a server); None where the float64 reference never ran (no
+        prompt parted: kvviz.core.memory.MemoryPlan.settle plans the run without it)."""
+        if self.settings.engine in WORKER_ENGINES or self.settings.engine == "server":
+            return [p.engine_paths for p in self.prompts]
+        parting = [p.float64_gap for p in self.prompts if p.first_divergence is not None]
+        return parting or None
 
     def verdict_counts(self) -> dict[str, int]:
         return dict(Counter(p.verdict or "identical" for p in self.prompts))

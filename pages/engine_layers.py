@@ -6,6 +6,7 @@ import dataclasses
 import streamlit as st
 
 from kvviz.core.errors import KvvizError
+from kvviz.core.plotting import METRIC_TITLES
 from kvviz.views.engine_layers import figures as el_figures, report as el_report
 from kvviz.views.engine_layers.run import ENGINES, PAIRS, EngineLayersConfig, run
 from kvviz.core.protocol import RunContext
@@ -31,7 +32,7 @@ with controls(expanded=True):
     prefix = st.text_input("Shared prefix (before the prompt; the warmer of 'warm')",
                            "You are a careful assistant. Answer in one short sentence, with no preamble, no lists "
                            "and no markdown; if you do not know, say so plainly. ", key="engine_layers_prefix")
-    c0, c1, c2, c3, c4 = st.columns(5)
+    c0, c1, c2, c3, c4 = st.columns([1, 1.5, 1, 1, 1])  # the pair's names are the longest
     engine = c0.selectbox("Engine", ENGINES, key="engine_layers_engine", format_func=ENGINE_LABELS.get,
                           help="vLLM runs the model's weights in the sidebar's dtype; llama.cpp runs the GGUF file "
                                "itself (8-bit activations), warm vs cold only")
@@ -85,7 +86,8 @@ except Exception as e:  # noqa: BLE001
 
 verdict, text = el_report.verdict(res)
 show_verdict(verdict, text)
-metric = st.radio("Measure", ["relative", "eps_units", "max_abs"], horizontal=True, key="engine_layers_metric")
+metric = st.radio("Measure", ["relative", "eps_units", "max_abs"], horizontal=True, key="engine_layers_metric",
+                  format_func=METRIC_TITLES.get)
 st.plotly_chart(el_figures.pair_heatmap(res, metric), width="stretch", key="engine_layers_pair_map")
 st.plotly_chart(el_figures.layer_lines(res), width="stretch", key="engine_layers_lines")
 fa, fb = el_figures.reference_heatmaps(res, metric)

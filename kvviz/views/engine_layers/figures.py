@@ -21,14 +21,15 @@ def _check(metric: str) -> None:
 
 def _dtype(res: EngineLayersResult) -> str:
     """What the engine computed in (llama.cpp's 8-bit activations, else the model's dtype)."""
-    return res.settings.get("engine_dtype", res.settings.get("dtype"))
+    return res.engine_dtype()
 
 
 def pair_heatmap(res: EngineLayersResult, metric: str = "relative", log: bool = True) -> go.Figure:
-    """A against B, layer × token, on the positions both computed with the same inputs."""
+    """A against B, layer × token, on the positions both computed with the same inputs. The dtype is the verdict's
+    and the layer lines' (a fourth title line ran into the bitwise-equal legend of an all-zero map)."""
     _check(metric)
     a, b = res.labels
-    title = (f"{METRIC_TITLES[metric]}: {b} vs {a} inside {res.engine.get('name')} — {_dtype(res)}; "
+    title = (f"{METRIC_TITLES[metric]}: {b} vs {a} inside {res.engine.get('name')}; "
              f"first differing {res.row_label(res.first_differing)}, beyond rounding {res.row_label(res.first_beyond)}")
     return heatmap(res.gaps[metric], _labels(res, res.positions), res.layer_labels, title, METRIC_TITLES[metric], log)
 

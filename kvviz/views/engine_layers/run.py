@@ -187,10 +187,15 @@ class EngineLayersResult:
         return (f"{len(parted)} of {len(self.prompts)} prompts give 2 distinct completions over {a} and {b}"
                 + (f" (verdicts: {', '.join(f'{v}: {c}' for v, c in sorted(counts.items()))})" if counts else ""))
 
+    def engine_dtype(self) -> str:
+        """What the engine computed in: llama.cpp's 8-bit activations × its GGUF's weights, else the model's dtype
+        (without the engine's name, which every title and line names already)."""
+        name = self.engine.get("name")
+        return str(self.settings.get("engine_dtype", self.settings.get("dtype"))).removeprefix(f"{name}: ")
+
     def summary_line(self) -> str:
         a, b = self.labels
-        return (f"{self.engine.get('name')} {self.engine.get('version')} in "
-                f"{self.settings.get('engine_dtype', self.settings.get('dtype'))}: {a} vs {b}, "
+        return (f"{self.engine.get('name')} {self.engine.get('version')} in {self.engine_dtype()}: {a} vs {b}, "
                 f"first differing: {self.row_label(self.first_differing)}, first beyond rounding: "
                 f"{self.row_label(self.first_beyond)}")
 

@@ -6,6 +6,7 @@ The float64 reference and kvviz's no-cache reference are the study's analysis, n
 
     python bench/engine_bench.py [vllm] [llama.cpp]   (both where built; `make engines`)
     python bench/engine_bench.py capture               (vLLM's layer capture, below)
+    python bench/engine_bench.py capture llama.cpp     (llama.cpp's layer capture, below)
 
 `capture`: the cost of vLLM layer capture (kvviz/engines/vllm_worker.py, LayerCapture) against the engine's plain
 run: two engines at once - one started as the Serving view starts it (no extension), one with the capture extension
@@ -13,6 +14,15 @@ run: two engines at once - one started as the Serving view starts it (no extensi
 removed), (c) capture on (every layer's rows copied and kept on the worker, the toggles' RPCs included), each
 variant first, second and third in turn, so the machine's load drifts over all three alike. Goals: b/a <= 1.02, c/a <= 1.5. Times are the worker's own (around
 llm.generate) and kvviz's wall clock around each call.
+
+`capture llama.cpp`: the same three variants for llama.cpp's layer capture (kvviz/engines/llamacpp_worker.py: the
+eval callback reads the embeddings, every l_out-<i> and result_norm; logits_all is on so the last layer keeps every
+row) on the default GGUF, at two prompt lengths: (a) a worker started as the Serving view starts it (no callback),
+(b) a worker started with capture (callback installed, logits_all on) running a group with no capture tag, (c) the
+same worker capturing every row (the kept arrays overwrite one tag, so memory stays flat). Every request starts cold
+(reset: the whole prompt evaluated), greedy, top-5 log-probs, as the view sends it. Same rotation of the variants.
+One thread per worker: on a machine shared beyond its cores llama.cpp's threads wait on each other at every graph
+barrier, and that wait, not the capture, would decide a ratio measured with two.
 """
 import sys
 import time
@@ -90,8 +100,80 @@ def bench_capture(n_prompts: int = 8, new_tokens: int = 16, reps: int = 3, dtype
     return {"inside": inside, "wall": wall, "requests": reps * len(ids), "new_tokens": new_tokens, "dtype": dtype}
 
 
+def long_ids(lm, length: int, k: int) -> list[int]:
+    """Prompt k of `length` tokens: the built-in prompts from the k-th on, joined, cut to length."""
+    texts = load_prompts("builtin")
+    ids: list[int] = []
+    j = k
+    while len(ids) < length:
+        ids += encode(lm, texts[j % len(texts)] + " ")
+        j += 1
+    return ids[:length]
+
+
+def bench_capture_llamacpp(lengths=(32, 256), n_prompts: int = 4, new_tokens: int = 16, reps: int = 2,
+                           threads: int = 1, report=None) -> dict:
+    from kvviz.engines import WorkerClient
+    from kvviz.engines.workers import gguf_of
+
+    lm = kvviz.load_model("default", "float32", "cpu")
+    gguf = gguf_of(lm)[0]
+    workers = {}
+    out = {"lengths": {}, "requests": reps * n_prompts, "new_tokens": new_tokens, "threads": threads}
+    try:
+        for name, capture in (("plain", False), ("capture", True)):
+            workers[name] = WorkerClient("llama.cpp", timeout_s=1800)
+            workers[name].call("start", model=gguf, n_ctx=2048, seed=0, threads=threads, capture=capture)
+        for length in lengths:
+            ids = [long_ids(lm, length, k) for k in range(n_prompts)]
+            for w in workers.values():  # warm-up: the first decode of a length allocates its buffers
+                w.call("generate", groups=[{"requests": [{"key": "w", "ids": ids[0], "max_new_tokens": 2}],
+                                            "reset": True}], logprobs=5)
+            inside = {"plain": 0.0, "off": 0.0, "on": 0.0}
+            wall = dict(inside)
+            order = ("plain", "off", "on")
+            for rep in range(reps):
+                for i, x in enumerate(ids):
+                    turn = rep * len(ids) + i
+                    for how in order[turn % 3:] + order[: turn % 3]:
+                        w = workers["plain" if how == "plain" else "capture"]
+                        group = {"requests": [{"key": f"p{i}", "ids": x, "max_new_tokens": new_tokens}],
+                                 "reset": True}
+                        if how == "on":
+                            group["capture"] = "bench"
+                        t0 = time.perf_counter()
+                        got = w.call("generate", groups=[group], logprobs=5)
+                        wall[how] += time.perf_counter() - t0
+                        inside[how] += float(got["seconds"])
+                        if how == "on":  # every row of every layer kept: prompt + generated - 1 positions
+                            rows = w.call("captured", tag="bench", key=f"p{i}")
+                            assert len(rows["positions"]) == length + new_tokens - 1, rows
+            out["lengths"][length] = {"inside": inside, "wall": wall}
+            if report is not None:
+                report(out, length)
+    finally:
+        for w in workers.values():
+            w.close()
+    return out
+
+
 if __name__ == "__main__":
-    if sys.argv[1:] == ["capture"]:
+    if sys.argv[1:] == ["capture", "llama.cpp"]:
+        if engine_python("llama.cpp") is None:
+            print("llama.cpp: not built (make engines)")
+            sys.exit(0)
+
+        def show(r, length):
+            for k in ("inside", "wall"):
+                t = r["lengths"][length][k]
+                print(f"llama.cpp layer capture, {r['requests']} requests of {length} tokens + {r['new_tokens']} new, "
+                      f"{r['threads']} thread(s), {k}: plain {t['plain']:.2f} s, callback off {t['off']:.2f} s "
+                      f"({t['off'] / t['plain']:.3f}x), capture on {t['on']:.2f} s ({t['on'] / t['plain']:.3f}x)",
+                      flush=True)
+
+        bench_capture_llamacpp(report=show)
+        sys.exit(0)
+    if sys.argv[1:] in (["capture"], ["capture", "vllm"]):
         r = bench_capture()
         for k in ("inside", "wall"):
             t = r[k]

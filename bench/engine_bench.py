@@ -18,12 +18,14 @@ llm.generate) and kvviz's wall clock around each call.
 `capture llama.cpp`: the same three variants for llama.cpp's layer capture (kvviz/engines/llamacpp_worker.py: the
 eval callback reads the embeddings, every l_out-<i> and result_norm; logits_all is on so the last layer keeps every
 row) on the default GGUF, at two prompt lengths: (a) a worker started as the Serving view starts it (no callback),
-(b) a worker started with capture (callback installed, logits_all on) running a group with no capture tag, (c) the
+(b) a worker started with capture (callback installed) running a group with no capture tag, (c) the
 same worker capturing every row (the kept arrays overwrite one tag, so memory stays flat). Every request starts cold
 (reset: the whole prompt evaluated), greedy, top-5 log-probs, as the view sends it. Same rotation of the variants.
 One thread per worker: on a machine shared beyond its cores llama.cpp's threads wait on each other at every graph
-barrier, and that wait, not the capture, would decide a ratio measured with two.
+barrier, and that wait, not the capture, would decide a ratio measured with two. Besides the worker's own time and
+kvviz's wall clock, each worker's CPU time around each call (/proc): with one thread the least disturbed by load.
 """
+import os
 import sys
 import time
 from pathlib import Path
@@ -100,6 +102,13 @@ def bench_capture(n_prompts: int = 8, new_tokens: int = 16, reps: int = 3, dtype
     return {"inside": inside, "wall": wall, "requests": reps * len(ids), "new_tokens": new_tokens, "dtype": dtype}
 
 
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used (Linux /proc; 10 ms ticks): with one thread, what the work cost,
+    whatever else the machine runs."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def long_ids(lm, length: int, k: int) -> list[int]:
     """Prompt k of `length` tokens: the built-in prompts from the k-th on, joined, cut to length."""
     texts = load_prompts("builtin")
@@ -130,7 +139,7 @@ def bench_capture_llamacpp(lengths=(32, 256), n_prompts: int = 4, new_tokens: in
                 w.call("generate", groups=[{"requests": [{"key": "w", "ids": ids[0], "max_new_tokens": 2}],
                                             "reset": True}], logprobs=5)
             inside = {"plain": 0.0, "off": 0.0, "on": 0.0}
-            wall = dict(inside)
+            wall, cpu = dict(inside), dict(inside)
             order = ("plain", "off", "on")
             for rep in range(reps):
                 for i, x in enumerate(ids):
@@ -141,14 +150,15 @@ def bench_capture_llamacpp(lengths=(32, 256), n_prompts: int = 4, new_tokens: in
                                  "reset": True}
                         if how == "on":
                             group["capture"] = "bench"
-                        t0 = time.perf_counter()
+                        c0, t0 = cpu_s(w.proc.pid), time.perf_counter()
                         got = w.call("generate", groups=[group], logprobs=5)
                         wall[how] += time.perf_counter() - t0
+                        cpu[how] += cpu_s(w.proc.pid) - c0
                         inside[how] += float(got["seconds"])
                         if how == "on":  # every row of every layer kept: prompt + generated - 1 positions
                             rows = w.call("captured", tag="bench", key=f"p{i}")
                             assert len(rows["positions"]) == length + new_tokens - 1, rows
-            out["lengths"][length] = {"inside": inside, "wall": wall}
+            out["lengths"][length] = {"inside": inside, "wall": wall, "cpu": cpu}
             if report is not None:
                 report(out, length)
     finally:
@@ -164,7 +174,7 @@ if __name__ == "__main__":
             sys.exit(0)
 
         def show(r, length):
-            for k in ("inside", "wall"):
+            for k in ("cpu", "inside", "wall"):
                 t = r["lengths"][length][k]
                 print(f"llama.cpp layer capture, {r['requests']} requests of {length} tokens + {r['new_tokens']} new, "
                       f"{r['threads']} thread(s), {k}: plain {t['plain']:.2f} s, callback off {t['off']:.2f} s "

@@ -17,7 +17,7 @@ llama-cpp-python's default context params) asks for the token-embedding lookup (
 and the tensors the graph names "l_out-<i>" and "result_norm", and reads each (F32, [n_embd, rows]) with ggml's own
 functions, bound here with ctypes from the libggml llama-cpp-python loads (it declares none itself). A group with "capture": tag keeps its one request's states, rows =
 the embeddings, the residual after layers 0 … L-2 and the final norm (transformers' output_hidden_states), at the
-positions it evaluated; logits_all is on so the last layer keeps every row. One-sequence groups only (a batch's
+positions it evaluated; logits_all is on while it runs so the last layer keeps every row (off for other requests). One-sequence groups only (a batch's
 ubatches interleave sequences). Ops on them, as vllm_worker.py's: "layer_gaps" (a side against another or against an
 .npz reference {"hidden": [R, T, H], "positions"}) and "captured".
 Greedy: the argmax of the logits llama.cpp computed for the last token; log-probs are log_softmax of those logits.
@@ -37,6 +37,13 @@ def compat_model(llm):
     return llm._model
 
 
+def compat_logits_all(llm, on: bool) -> None:
+    """Whether Llama.eval keeps every evaluated token's logits (llama-cpp-python reads this private field at each
+    eval; its scores buffer is sized for every token when the Llama was made with logits_all): on only while a
+    request is captured, so that the last layer keeps every row; off, a prefill computes the output row alone."""
+    llm._logits_all = on
+
+
 class Worker:
     def __init__(self):
         self.llm = None
@@ -44,6 +51,7 @@ class Worker:
         self._bbatch = None
         self._bseqs = self._bcells = 0
         self._cap, self._cap_error, self.store = None, None, {}
+        self.captures = False  # started with layer capture (the eval callback, the scores of every token)
 
     OPS = ("layer_gaps", "captured")
 
@@ -185,6 +193,7 @@ class Worker:
             module.llama_cpp.llama_model_default_params = default
             module.llama_cpp.llama_context_default_params = ctx_default
         self.n_vocab, self.n_embd = self.llm.n_vocab(), self.llm.n_embd()
+        self.captures = capture
         return {"version": llama_cpp.__version__,
                 "settings": {**kw, "n_batch": self.llm.n_batch, "use_extra_bufts": extra, "capture": capture},
                 "seconds": time.perf_counter() - t0}
@@ -313,6 +322,8 @@ class Worker:
                 ids = [int(t) for t in r["ids"]]
                 tag = group.get("capture")
                 self._cap, self._emb_next = ({} if tag else None), True
+                if self.captures:  # every row's logits only while capturing (a plain request's cost otherwise)
+                    compat_logits_all(self.llm, bool(tag))
                 t0 = time.perf_counter()
                 keep = self._feed(ids, bool(group.get("reset")))
                 toks, top, chosen = [], [], []

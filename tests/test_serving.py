@@ -398,3 +398,23 @@ def test_vllm_parting_prompt_is_judged_against_the_float64_reference(monkeypatch
         ServeConfig(prompts=["a"], tensor_parallel_size=2).validate()
     code = main(["serving", "--model", "tiny:llama", "--prompt", "Hi", "--tensor-parallel-size", "2", "--quiet"])
     assert code != 0
+
+
+def test_a_serve_config_is_normalised_when_made_and_validate_changes_nothing():
+    """ServeConfig is frozen like the other views' configs (issue 40): the defaults are set when it is made (the
+    transformers engine's page, each condition once, a server's engine), and validate() only checks."""
+    import dataclasses
+
+    cfg = ServeConfig(prompts=["a"], conditions=["warm", "alone", "warm"])
+    assert (cfg.page_size, cfg.conditions, cfg.engine) == (8, ("warm", "alone"), "transformers")
+    before = dataclasses.asdict(cfg)
+    cfg.validate()
+    assert dataclasses.asdict(cfg) == before
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.page_size = 16
+    server = ServeConfig(prompts=["a"], server="http://localhost:1")
+    assert (server.engine, server.page_size) == ("server", None)
+    server.validate()
+    assert ServeConfig(prompts=["a"], engine="vllm").page_size is None
+    with pytest.raises(KvvizError, match="leave --engine, --page-size"):
+        ServeConfig(prompts=["a"], server="http://localhost:1", page_size=8).validate()

@@ -61,8 +61,10 @@ WARMER_TOKENS = 2
 Progress = Callable[[float, str], None]
 
 
-@dataclass
+@dataclass(frozen=True)
 class ServeConfig:
+    """A study's settings, normalised when made (a server's engine is "server"; each condition once, in order; the
+    transformers engine's page size where none is named) and checked by `validate()`, which changes nothing."""
     prompts: list[str]
     shared_prefix: str = ""
     conditions: tuple[str, ...] = CONDITIONS
@@ -76,13 +78,19 @@ class ServeConfig:
     tensor_parallel_size: int = 1  # the vLLM engine only
     server: str | None = None  # an OpenAI-compatible server's URL (server.py): the engine is the user's server
 
+    def __post_init__(self):
+        if self.server and self.engine == "transformers":  # the default engine: the user's server runs instead
+            object.__setattr__(self, "engine", "server")
+        if isinstance(self.conditions, (list, tuple)):
+            object.__setattr__(self, "conditions", tuple(dict.fromkeys(self.conditions)))
+        if self.page_size is None and self.engine == "transformers":
+            object.__setattr__(self, "page_size", DEFAULT_PAGE)
+
     def validate(self) -> None:
         if self.server:
-            if self.engine not in ("transformers", "server") or self.page_size is not None \
-                    or self.tensor_parallel_size != 1:
+            if self.engine != "server" or self.page_size is not None or self.tensor_parallel_size != 1:
                 raise KvvizError("--server judges the user's running server: leave --engine, --page-size and "
                                  "--tensor-parallel-size out (they are the server's own settings)")
-            self.engine = "server"
         if not isinstance(self.prompts, list) or not self.prompts:
             raise KvvizError("the study needs at least one prompt")
         for name, v, lo, hi in (("runs", self.runs, 1, MAX_RUNS), ("new tokens", self.max_new_tokens, 1,
@@ -90,21 +98,18 @@ class ServeConfig:
                                 ("batch size", self.batch_size, 2, MAX_BATCH)):
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 raise KvvizError(f"{name} must be a whole number from {lo} to {hi}, not {v!r}")
-        conds = tuple(dict.fromkeys(self.conditions))
+        conds = self.conditions if isinstance(self.conditions, tuple) else ()
         bad = [c for c in conds if c not in CONDITIONS]
         if bad:
             raise KvvizError(f"unknown condition '{bad[0]}'; choose from {', '.join(CONDITIONS)}")
         if not conds:
             raise KvvizError("choose at least one condition")
-        self.conditions = conds
         if self.engine not in ENGINES and not self.server:
             raise KvvizError(f"unknown engine '{self.engine}'; choose one of {', '.join(ENGINES)}")
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise KvvizError(f"tensor_parallel_size must be a whole number, 1 or more, not {tp!r}")
-        if self.page_size is None:
-            self.page_size = DEFAULT_PAGE if self.engine == "transformers" else None
-        elif self.engine != "transformers":
+        if self.page_size is not None and self.engine != "transformers":
             raise KvvizError(PAGE_REFUSED)
         if self.page_size is not None and (isinstance(self.page_size, bool) or not isinstance(self.page_size, int)
                                            or self.page_size < MIN_PAGE):

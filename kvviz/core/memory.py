@@ -788,7 +788,7 @@ def paged_batch_tokens(longest: int, in_flight: int) -> int:
 
 
 def paged_call_bytes(shape: ModelShape, width: int, longest: int, requests: int, in_flight: int,
-                     page_size: int) -> tuple[int, int]:
+                     page_size: int, attention: str = "sdpa", device: str = "cpu") -> tuple[int, int]:
     """(paged cache, the rest) one engine call holds at once, the model in `width` bytes a number (transformers
     5.2x's PagedAttentionCache and ContinuousBatchingIOs, allocated when the call starts, freed when it ends):
 
@@ -796,9 +796,13 @@ def paged_call_bytes(shape: ModelShape, width: int, longest: int, requests: int,
       spare ("trash") pages it keeps in front;
     * the attention mask [max_batch_tokens, cache tokens + max_batch_tokens] in the model's dtype (sdpa and eager
       need it; one for full attention and one for sliding-window layers), beside the read/write indices (int64);
-    * one batch's forward over every request in flight at its longest: its working set (working_bytes), the K and V
-      read back from the cache and repeated to every head, and the logits of the last rows (logits_to_keep) in the
-      model's dtype, their float32 copy (float64 kept: KeepFloat64) and kvviz's float64 copy of the sampled rows."""
+    * one batch's forward over every request in flight at its longest: its MLP and projections' working set, the
+      attention scores only where they are materialised (eager: paged|eager; CUDA's float64 math kernel: score_bytes)
+      - the engine always passes its mask, and SDPA's fused kernels take one (the CPU's flash kernel, CUDA's
+      memory-efficient one): a study of 4 prompts of 1024 tokens in batches of 4 on the default model peaked 0.6 GiB
+      under one score tensor of its batch (bench/memory_bench.py serving); the K and V read back from the cache and
+      repeated to every head; the logits of the last rows (logits_to_keep) in the model's dtype, their float32 copy
+      (float64 kept: KeepFloat64) and kvviz's float64 copy of the sampled rows."""
     L, kv, hd, V = shape.layers, shape.kv_heads, shape.head_dim, shape.vocab
     blocks = paged_blocks(longest, requests, page_size)
     cache = (blocks + 2) * page_size * L * 2 * kv * hd * width
@@ -807,14 +811,16 @@ def paged_call_bytes(shape: ModelShape, width: int, longest: int, requests: int,
     masks = (2 if shape.sliding_window else 1) * M * (read + M) * width + (read + 2 * M) * 8
     rows = min(requests, in_flight)
     q = rows * longest  # one batch's tokens: every request in flight at its longest
-    forward = (working_bytes(shape, width, q) + (2 * shape.heads + kv) * hd * q * width
+    materialised = attention == "eager" or score_bytes(width, attention, device) > max(width, 4)
+    scores = attention_bytes(shape, width, q, 1, attention, device) if materialised else 0
+    forward = (q * (3 * shape.intermediate + 4 * shape.hidden + (2 * shape.heads + kv) * hd) * width + scores
                + rows * V * (width + max(width, 4) + 8))
     return int(cache), int(masks + forward)
 
 
 def paged_study_bytes(shape: ModelShape, dtype: str, tokens: int, steps: int | None,
                       calls: tuple[tuple[int, int], ...], replays: tuple[tuple[int, int], ...], page_size: int,
-                      reference: bool) -> tuple[int, int]:
+                      reference: bool, attention: str = "sdpa", device: str = "cpu") -> tuple[int, int]:
     """(cache, activations) of a study through a paged engine (MemoryProfile.engine_calls): the largest of its
     phases, one at a time (each engine call makes and destroys its own engine):
 
@@ -826,11 +832,11 @@ def paged_study_bytes(shape: ModelShape, dtype: str, tokens: int, steps: int | N
     b, T, V = BYTES[dtype], tokens, shape.vocab
     n = max(1, min(T, T if steps is None else steps))
     phases = [(0, decoding_bytes(shape, dtype, T, 1, n, False))]
-    phases += [paged_call_bytes(shape, b, T, r, k, page_size) for r, k in calls]
+    phases += [paged_call_bytes(shape, b, T, r, k, page_size, attention, device) for r, k in calls]
     if reference:
-        phases.append((0, working_bytes(shape, 8, T) + T * V * 8 + head_slice_bytes(shape, T)))
+        phases.append((0, working_bytes(shape, 8, T, 1, attention, device) + T * V * 8 + head_slice_bytes(shape, T)))
         for r, k in replays:
-            cache, rest = paged_call_bytes(shape, 8, T, r, k, page_size)
+            cache, rest = paged_call_bytes(shape, 8, T, r, k, page_size, attention, device)
             phases.append((cache, rest + (n + 1) * V * 8))
     return max(phases, key=sum)
 
@@ -922,10 +928,10 @@ def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, vie
         cache = profile(view).cache_copies * per * max(BYTES[dt], 8 if uses_ref else 0)
     if engine is not None:  # a paged engine's calls, one at a time; the float64 reference only where a prompt parts
         cache, acts = paged_study_bytes(shape, dt, tokens, steps, engine.calls, engine.replays, engine.page_size,
-                                        uses_ref)
+                                        uses_ref, attention, device)
         if uses_ref:
             c0, a0 = paged_study_bytes(shape, dt, tokens, steps, engine.calls, engine.replays, engine.page_size,
-                                       False)
+                                       False, attention, device)
             if_identical = dict(reference="not run", reference_bytes=0, cache=c0, activations=a0)
     kept = 8 * (shape.layers + 1) * tokens * batch * 8  # per-layer, per-position metrics, a few of them
 

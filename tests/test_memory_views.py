@@ -480,3 +480,32 @@ def test_the_serving_plan_counts_each_engine_calls_paged_cache_mask_and_batch_fo
     assert alone.if_identical["cache"] + alone.if_identical["activations"] == max(
         sum(memory.paged_call_bytes(shape, b, T, 3, 1, page)), loop) < engine
     assert elsewhere.if_identical is None and elsewhere.cache == memory.cache_bytes(shape, "float32", T, 1, True)
+
+
+# The Serving study by length (bench/memory_bench.py serving): the default model, 4 prompts of about each length
+# (the longest exactly that, with BOS), every condition, 1 run, 8 new tokens, batches of 4, transformers' engine;
+# peak RSS of the CLI's process (/usr/bin/time), no prompt parted (no float64 phase); the CLI's process when
+# kvviz.core.memory was imported: 255.5 MB. 2026-11-27, 2 shared cores (load 7-10).
+SERVING_PEAKS = {  # (dtype, tokens the plan counts: the longest prompt + 8 new): peak RSS in bytes
+    ("bfloat16", 24): 1_332_588_544, ("bfloat16", 264): 1_335_083_008, ("bfloat16", 1032): 1_366_839_296,
+    ("float32", 24): 1_121_112_064,
+}
+
+
+@pytest.mark.parametrize("dtype, tokens", list(SERVING_PEAKS))
+def test_the_serving_plan_bounds_its_measured_peaks_from_16_to_1024_tokens(monkeypatch, dtype, tokens):
+    """At least the peak, at most 1.25x it, the plan settled by what ran (no prompt parted: no float64 reference).
+    Before: the study planned one sequence and no engine, and the bfloat16 run's loading (the float32 file read beside
+    its bfloat16 copy: 0.45 GiB more than the loaded model holds) was not counted where no float64 phase covered it
+    (0.84x at 16 tokens, 0.90x at 256); one attention score tensor of the batch's forward counted where SDPA's fused
+    kernel holds none put 1024 tokens at 1.58x."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(memory, "_PROCESS_AT_IMPORT", 255_500_000)
+    engine = memory.PagedCalls(((4, 1), (4, 4), (8, 1)), ((1, 1), (4, 4), (2, 1)), memory.PAGE_SIZE)
+    plan = memory.plan_shape(SMOLLM2, "default", dtype, "cpu", "serving", tokens, free=20 * 1024 ** 3, steps=8,
+                             engine=engine)
+    assert plan.if_identical is not None
+    plan.settle(SimpleNamespace(float64=None))
+    peak = SERVING_PEAKS[dtype, tokens]
+    assert 1.0 <= plan.total / peak <= 1.25, (plan.total / peak, plan.parts())

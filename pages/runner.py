@@ -177,7 +177,8 @@ def workload(key_parts: dict):
                     paths=tuple(str(p) for p in cfg.get("paths") or ()) if isinstance(cfg.get("paths"), (list, tuple))
                     else (),
                     conditions=tuple(str(c) for c in key_parts.get("conditions") or ()),
-                    page_size=int(key_parts["page"] or 0) if "page" in key_parts else None)  # a page None: no paged engine
+                    # a serving page's page size (None there: an engine with no pages in this process)
+                    page_size=int(key_parts["page"] or 0) if "page" in key_parts else None)
 
 
 def _memory_plan(name: str, key_parts: dict, fresh: bool):

@@ -189,8 +189,9 @@ def module_body(name: str) -> str:
     import inspect
 
     src = inspect.getsource(importlib.import_module(f"kvviz.{name}")).split('"""', 2)[2]
+    # its kvviz imports dropped too: the script defines its own copies of what they bring (output_cache)
     return "\n".join(line for line in src.splitlines()
-                     if line not in ("import torch", "import contextlib") and not line.startswith("from .compat import"))
+                     if line not in ("import torch", "import contextlib") and not line.startswith("from ."))
 
 
 NO_FLOAT64 = "\n\ndef keep_float64(model):  # not needed here\n    pass\n"

@@ -1,6 +1,7 @@
 # kvviz: two commands on a fresh machine.
 #   make run   - create .venv with the locked versions (requirements.lock), start the app on http://127.0.0.1:8501
-#   make test  - the same set-up, then the whole test suite (browser tests included)
+#   make test  - the same set-up, then the whole test suite (browser tests included) but the real engines'
+#   make test-engines - the tests that drive a real serving engine (vLLM, llama.cpp; `make engines` builds them)
 #   make test-fast   - library and CLI on tiny models only (the inner loop)
 #   make test-latest - the fast tier on the newest versions requirements.txt allows (tracking upstream)
 #   make test-oldest - the fast tier on the oldest transformers kvviz declares (the lock, transformers at TESTED_MIN)
@@ -21,7 +22,7 @@ WORKERS ?= 2
 XDIST := $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist worksteal)
 FAST := -m "not slow and not browser and not app and not heavy"
 
-.PHONY: test-any-cpu run test test-fast test-latest test-oldest lock setup setup-dev browser bench bench-memory arch-sweep gpu-check \
+.PHONY: test-engines test-any-cpu run test test-fast test-latest test-oldest lock setup setup-dev browser bench bench-memory arch-sweep gpu-check \
 	clean-venv wheel
 
 run: setup
@@ -72,8 +73,15 @@ browser:
 	elif command -v sudo >/dev/null 2>&1; then sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
 	else echo "!! install Debian's chromium (/usr/bin/chromium) for the browser tests"; exit 1; fi
 
+# Everything but the tests marked `engine` (a real vLLM / llama.cpp process in its own environment: minutes each,
+# most of the wall time; `make test-engines` runs them, and CI runs both).
 test: setup-dev
-	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not engine" $(XDIST) $(PYTEST_ARGS)
+
+# The real serving engines: vLLM and llama.cpp in the environments `make engines` builds (a test whose engine is not
+# built is skipped with that reason).
+test-engines: setup-dev
+	$(BIN)/python -m pytest -m engine $(XDIST) $(PYTEST_ARGS)
 
 # The inner loop: library and CLI on tiny models (no default model, no app, no browser, no compile, no repro scripts).
 test-fast: $(DEVSTAMP)

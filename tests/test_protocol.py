@@ -69,7 +69,7 @@ def _runnable(engine_runs: bool = True) -> list:
         v = views.get(name)
         if v.page is not None and v.page.starts_engine and engine_runs:
             out.append(pytest.param(name, marks=pytest.mark.skip(reason="needs the vLLM env (make engines)"))
-                       if not (engines_root() / "vllm").exists() else pytest.param(name, marks=pytest.mark.slow))
+                       if not (engines_root() / "vllm").exists() else pytest.param(name, marks=[pytest.mark.slow, pytest.mark.engine]))
         elif name == "quant" and not _has("optimum.quanto"):
             out.append(pytest.param(name, marks=pytest.mark.skip(reason="optimum-quanto is not installed")))
         else:

@@ -221,6 +221,7 @@ def vllm_server():
 
 
 @pytest.mark.slow
+@pytest.mark.engine
 def test_real_vllm_server_end_to_end(vllm_server, capsys):
     code = main(["serving", "--server", vllm_server, "--model", "default", "--prompts", "builtin:math_and_facts",
                  "--limit", "3", "--runs", "2", "--max-new-tokens", "8", "--batch-size", "3", "--json", "--no-proof",
@@ -238,6 +239,7 @@ def test_real_vllm_server_end_to_end(vllm_server, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.engine
 def test_real_vllm_server_mismatched_weights_refused(vllm_server, capsys):
     code = main(["serving", "--server", vllm_server, "--model", "tiny:llama", "--prompt", "Hi", "--quiet"])
     err = capsys.readouterr().err
@@ -290,6 +292,7 @@ def llamacpp_server():
 
 
 @pytest.mark.slow
+@pytest.mark.engine
 def test_real_llamacpp_server_end_to_end(llamacpp_server, capsys):
     """Two built-in prompts, alone / batch of 2 / warm, 6 tokens: every path within llama.cpp's rounding of the
     float64 reference. The server has no ignore_eos: a completion may end early (counted in stopped_early), and a
@@ -317,6 +320,7 @@ def test_real_llamacpp_server_end_to_end(llamacpp_server, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.engine
 def test_real_llamacpp_server_mismatched_weights_refused(llamacpp_server, capsys):
     code = main(["serving", "--server", llamacpp_server, "--model", "tiny:llama", "--prompt", "Hi", "--quiet"])
     err = capsys.readouterr().err

@@ -6,7 +6,8 @@ import json
 import pytest
 
 import kvviz
-from kvviz.engines import engine_python
+
+from conftest import needs_engine
 from kvviz.core.errors import KvvizError
 from kvviz.views.serving.sweep import (VERDICT_COLOURS, SweepConfig, SweepResult, build_prompts, cell_of, figure,
                                        run_sweep, summary_text)
@@ -93,7 +94,7 @@ def test_bad_grid_one_line_and_budget_stops_between_cells():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(engine_python("vllm") is None, reason="vLLM's environment is not built here (make engines)")
+@needs_engine("vllm")
 def test_vllm_small_grid_default_model_bfloat16():
     lm = kvviz.load_model("default", "bfloat16", "cpu")
     res = run_sweep(lm, SweepConfig(concurrency=(1, 4), lengths=(16, 64), prompts_per_cell=3, max_new_tokens=8,
@@ -308,7 +309,7 @@ def test_serving_page_sweep_section_runs_on_its_button_only():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(engine_python("vllm") is None, reason="vLLM's environment is not built here (make engines)")
+@needs_engine("vllm")
 def test_vllm_sweep_stopped_mid_grid_kills_the_engine_process(monkeypatch):
     from kvviz.core import cancel
     from kvviz.engines import WorkerClient
@@ -338,7 +339,7 @@ def test_vllm_sweep_stopped_mid_grid_kills_the_engine_process(monkeypatch):
 
 @pytest.mark.app
 @pytest.mark.slow
-@pytest.mark.skipif(engine_python("vllm") is None, reason="vLLM's environment is not built here (make engines)")
+@needs_engine("vllm")
 def test_serving_page_sweeps_a_tiny_grid_through_vllm():
     from kvviz.views.serving.sweep import verdict as sweep_verdict
 

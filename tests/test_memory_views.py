@@ -484,28 +484,33 @@ def test_the_serving_plan_counts_each_engine_calls_paged_cache_mask_and_batch_fo
 
 # The Serving study by length (bench/memory_bench.py serving): the default model, 4 prompts of about each length
 # (the longest exactly that, with BOS), every condition, 1 run, 8 new tokens, batches of 4, transformers' engine;
-# peak RSS of the CLI's process (/usr/bin/time), no prompt parted (no float64 phase); the CLI's process when
-# kvviz.core.memory was imported: 255.5 MB. 2026-11-27, 2 shared cores (load 7-10).
-SERVING_PEAKS = {  # (dtype, tokens the plan counts: the longest prompt + 8 new): peak RSS in bytes
-    ("bfloat16", 24): 1_332_588_544, ("bfloat16", 264): 1_335_083_008, ("bfloat16", 1032): 1_366_839_296,
-    ("float32", 24): 1_121_112_064,
+# peak RSS of the CLI's process (/usr/bin/time), no prompt parted (no float64 phase); and 8 built-in prompts in
+# bfloat16, alone and in batches of 4, 16 new tokens, --no-proof, where 2 prompts parted (the float64 twin loaded, the
+# replays run). The CLI's process when kvviz.core.memory was imported: 255.5 MB. 2026-11-27, 2 shared cores (load 5-10).
+FOUR = (((4, 1), (4, 4), (8, 1)), ((1, 1), (4, 4), (2, 1)), 8)  # engine calls, float64 replays, new tokens
+SERVING_PEAKS = {  # (dtype, tokens the plan counts: the longest prompt + new tokens, parted): (calls, peak RSS)
+    ("bfloat16", 24, False): (FOUR, 1_332_588_544), ("bfloat16", 264, False): (FOUR, 1_335_083_008),
+    ("bfloat16", 1032, False): (FOUR, 1_366_839_296), ("float32", 24, False): (FOUR, 1_121_112_064),
+    ("float32", 264, False): (FOUR, 1_278_955_520),
+    ("bfloat16", 33, True): ((((8, 1), (8, 4)), ((1, 1), (4, 4)), 16), 2_481_897_472),
 }
 
 
-@pytest.mark.parametrize("dtype, tokens", list(SERVING_PEAKS))
-def test_the_serving_plan_bounds_its_measured_peaks_from_16_to_1024_tokens(monkeypatch, dtype, tokens):
-    """At least the peak, at most 1.25x it, the plan settled by what ran (no prompt parted: no float64 reference).
-    Before: the study planned one sequence and no engine, and the bfloat16 run's loading (the float32 file read beside
-    its bfloat16 copy: 0.45 GiB more than the loaded model holds) was not counted where no float64 phase covered it
-    (0.84x at 16 tokens, 0.90x at 256); one attention score tensor of the batch's forward counted where SDPA's fused
-    kernel holds none put 1024 tokens at 1.58x."""
+@pytest.mark.parametrize("dtype, tokens, parted", list(SERVING_PEAKS))
+def test_the_serving_plan_bounds_its_measured_peaks_from_16_to_1024_tokens(monkeypatch, dtype, tokens, parted):
+    """At least the peak, at most 1.25x it, the plan settled by what ran (the float64 reference only where a prompt
+    parted). Before: the study planned one sequence and no engine, and the bfloat16 run's loading (the float32 file
+    read beside its bfloat16 copy: 0.45 GiB more than the loaded model holds) was not counted where no float64 phase
+    covered it (0.84x at 16 tokens, 0.90x at 256); one attention score tensor of the batch's forward counted where
+    SDPA's fused kernel holds none put 1024 tokens at 1.58x."""
     from types import SimpleNamespace
 
     monkeypatch.setattr(memory, "_PROCESS_AT_IMPORT", 255_500_000)
-    engine = memory.PagedCalls(((4, 1), (4, 4), (8, 1)), ((1, 1), (4, 4), (2, 1)), memory.PAGE_SIZE)
-    plan = memory.plan_shape(SMOLLM2, "default", dtype, "cpu", "serving", tokens, free=20 * 1024 ** 3, steps=8,
+    (calls, replays, steps), peak = SERVING_PEAKS[dtype, tokens, parted]
+    engine = memory.PagedCalls(calls, replays, memory.PAGE_SIZE)
+    plan = memory.plan_shape(SMOLLM2, "default", dtype, "cpu", "serving", tokens, free=20 * 1024 ** 3, steps=steps,
                              engine=engine)
     assert plan.if_identical is not None
-    plan.settle(SimpleNamespace(float64=None))
-    peak = SERVING_PEAKS[dtype, tokens]
+    plan.settle(SimpleNamespace(float64=[0.0] if parted else None))
+    assert (plan.reference_bytes > 0) == parted
     assert 1.0 <= plan.total / peak <= 1.25, (plan.total / peak, plan.parts())

@@ -828,16 +828,24 @@ def paged_study_bytes(shape: ModelShape, dtype: str, tokens: int, steps: int | N
     * each engine call (requests, requests in flight) in the run's dtype (paged_call_bytes);
     * where the float64 reference runs: a full forward over the sequence in float64 (the first divergence replayed,
       every position's logits), then the engine call of that one prompt (`replays`) on the float64 model, with
-      every step's scores kept in float64."""
+      every step's scores kept in float64.
+
+    Each engine call runs in the engine's own thread, beside the residue of the full forward before it (its working
+    set, freed by kvviz's thread and kept by that thread's allocator arena; the engine's thread allocates from its
+    own, as stepwise_reference_bytes counts for the card's step loop): without it the float32 study of 1024-token
+    prompts peaked 7 MB over its plan (bench/memory_bench.py serving)."""
     b, T, V = BYTES[dtype], tokens, shape.vocab
     n = max(1, min(T, T if steps is None else steps))
+    residue = working_bytes(shape, b, T, 1, attention, device)
     phases = [(0, decoding_bytes(shape, dtype, T, 1, n, False))]
-    phases += [paged_call_bytes(shape, b, T, r, k, page_size, attention, device) for r, k in calls]
+    phases += [(c, rest + residue) for c, rest in (paged_call_bytes(shape, b, T, r, k, page_size, attention, device)
+                                                   for r, k in calls)]
     if reference:
-        phases.append((0, working_bytes(shape, 8, T, 1, attention, device) + T * V * 8 + head_slice_bytes(shape, T)))
+        residue = working_bytes(shape, 8, T, 1, attention, device)
+        phases.append((0, residue + T * V * 8 + head_slice_bytes(shape, T)))
         for r, k in replays:
             cache, rest = paged_call_bytes(shape, 8, T, r, k, page_size, attention, device)
-            phases.append((cache, rest + (n + 1) * V * 8))
+            phases.append((cache, rest + residue + (n + 1) * V * 8))
     return max(phases, key=sum)
 
 

@@ -7,7 +7,7 @@ import streamlit as st
 
 from kvviz import views
 from kvviz.core.protocol import RunContext, config_fields, config_from
-from pages.common import controls, page, show_verdict, verdict_and_chart, verdict_style
+from pages.common import VERDICT_STYLE, controls, page, show_notes, show_verdict, verdict_and_chart, verdict_style
 from pages.exporting import exports
 from pages.runner import progress_bar, run_cached, show_error
 
@@ -16,22 +16,31 @@ cls = view.config_type()
 choice, lm = page(view.title, (cls.__doc__ or view.title).strip().split("\n\n")[0])
 prefix, defaults = view.page.prefix, view.page.defaults
 values = {}
-with controls(expanded=True):
+# collapsed, as on every page that runs when it opens: the verdict and the chart keep the first screen (a config of five
+# fields pushed them below it at 1280x720)
+with controls():
+    meta = {f.name: f.metadata for f in dataclasses.fields(cls)}
     for f in config_fields(cls):
         key, label, value = prefix + f.name, f.name.replace("_", " ").capitalize(), defaults.get(f.name, f.default)
+        # its help: the field's own (`field(metadata={"help": ...})`), then the CLI option it is and its default
+        shown = ",".join(f.default) if f.kind == "list" else f.default
+        tip = " ".join(t for t in (meta[f.name].get("help", ""), f"The CLI's `kvviz {view.command} --"
+                                   f"{f.name.replace('_', '-')}`; default: `{shown}`.") if t)
         if f.kind == "bool":
-            values[f.name] = st.checkbox(label, bool(value), key=key)
+            values[f.name] = st.checkbox(label, bool(value), key=key, help=tip)
         elif f.kind == "choice":
-            values[f.name] = st.radio(label, f.choices, index=f.choices.index(value), horizontal=True, key=key)
+            values[f.name] = st.radio(label, f.choices, index=f.choices.index(value), horizontal=True, key=key,
+                                      help=tip)
         elif f.kind == "list" and f.choices:
-            values[f.name] = st.multiselect(label, f.choices, list(value), key=key)
+            values[f.name] = st.multiselect(label, f.choices, list(value), key=key, help=tip)
         elif f.kind == "list":
-            values[f.name] = st.text_input(label + " (comma-separated)", ",".join(value), key=key)
+            values[f.name] = st.text_input(label + " (comma-separated)", ",".join(value), key=key, help=tip)
         elif f.kind in ("int", "float"):
-            values[f.name] = st.number_input(label, value=value, step=1 if f.kind == "int" else None, key=key)
+            values[f.name] = st.number_input(label, value=value, step=1 if f.kind == "int" else None, key=key,
+                                             help=tip)
         else:
-            values[f.name] = st.text_area(label, value, key=key, height=70) if f.name == "prompt" else \
-                st.text_input(label, value, key=key)
+            values[f.name] = st.text_area(label, value, key=key, height=70, help=tip) if f.name == "prompt" else \
+                st.text_input(label, value, key=key, help=tip)
 
 try:
     cfg = config_from(cls, values)
@@ -51,13 +60,38 @@ except Exception as e:  # noqa: BLE001
     show_error(e)
     st.stop()
 verdict, text = view.verdict_text(res)
+
+
+def verdict_box(verdict: str, text: str) -> None:
+    """The verdict box. In presenter mode its headline is the view's own first sentence (the rest one click away):
+    the library's headlines claim checks this page never ran ("Precision: the gap closes in float64.") or only repeat
+    a view's own word ("Verdict: differs. Differs.")."""
+    style = verdict_style(verdict) or "info"
+    if not st.session_state.get("presenter") or view.verdict_is_html:
+        show_verdict(verdict, "" if view.verdict_is_html else text, style=style)
+        return
+    first, _, rest = text.strip().partition(". ")
+    {**VERDICT_STYLE, "info": st.info}[style](f"**Verdict: {verdict}.** {first.rstrip('.')}.")
+    if rest:
+        with st.expander("Why (the evidence)"):
+            st.markdown(text)
+    show_notes()
+
+
 left, right = verdict_and_chart()
 with left:
     if view.verdict_is_html:
         st.html(text)
-    show_verdict(str(verdict), "" if view.verdict_is_html else text, style=verdict_style(str(verdict)) or "info")
+    verdict_box(str(verdict), text)
 with right:
     for i, fig in enumerate(view.main_figures(res)):
+        # tick labels and axis titles push the margins; presenter mode's CSS draws a figure's text at 15 px after
+        # plotly measured it at its own size: a figure made without kvviz.core.plotting.fit_text lost its y ticks'
+        # first digits there ("00n" for 400n), so room for them is kept
+        fig.update_xaxes(automargin=True)
+        fig.update_yaxes(automargin=True)
+        if st.session_state.get("presenter"):
+            fig.update_layout(margin_l=max(fig.layout.margin.l or 0, 56))
         st.plotly_chart(fig, width="stretch", key=f"{view.name}_figure_{i}")
 for table in view.main_tables(res):
     st.dataframe(table, hide_index=True, width="stretch")

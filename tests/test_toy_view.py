@@ -228,3 +228,33 @@ def test_the_toy_view_gets_a_page_whose_controls_run_it(toy):
     # a bad value: one line on the page, no traceback
     at.number_input(key="toy_split").set_value(0).run()
     assert not at.exception and any("the split must be 1 or more" in e.value for e in at.error)
+
+
+def test_the_generic_page_for_a_newcomer(toy):
+    """What a browser showed on the generic page (H3): its controls collapsed as on every page that runs when it
+    opens (five fields pushed the verdict and the chart below the first screen), each with help naming its CLI option
+    and default; in presenter mode the verdict's headline is the view's own sentence (the library's headline claimed
+    "the gap closes in float64", a check this page never runs) and a figure keeps room for its y ticks (presenter
+    mode's 15 px text clipped "400n" to "00n")."""
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=600)
+    at.session_state["model_preset"] = "tiny:llama"
+    at.session_state["presenter"] = True
+    at.run()
+    at.switch_page("pages/view.py").run()
+    assert not at.exception, at.exception
+    assert [e.proto.expanded for e in at.expander if e.label.startswith("Settings")] == [False]
+    split = at.number_input(key="toy_split")
+    assert split.label == "Split" and split.help == "The CLI's `kvviz toy --split`; default: `2`."
+    assert at.radio(key="toy_mode").help == "The CLI's `kvviz toy --mode`; default: `chunk`."
+    boxes = [e.value for e in list(at.info) + list(at.success) + list(at.error) if "Verdict:" in e.value]
+    n = tokens("The capital of France is") - 3
+    assert len(boxes) == 1 and boxes[0].startswith("**Verdict: precision.** largest gap "), boxes
+    assert boxes[0].endswith(f" over {n} positions.") and "float64" not in boxes[0]
+    fig = json.loads(at.get("plotly_chart")[0].proto.spec)
+    assert fig["layout"]["margin"]["l"] >= 56 and fig["layout"]["yaxis"]["automargin"] is True
+    # normal mode: the whole explanation, the figure's own margins
+    at.session_state["presenter"] = False
+    at.run()
+    assert not at.exception, at.exception
+    assert any(e.value.startswith("**Verdict: precision.** largest gap ") for e in at.info)
+    assert "l" not in json.loads(at.get("plotly_chart")[0].proto.spec)["layout"].get("margin", {})

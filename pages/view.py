@@ -26,21 +26,24 @@ with controls():
         shown = ",".join(f.default) if f.kind == "list" else f.default
         tip = " ".join(t for t in (meta[f.name].get("help", ""), f"The CLI's `kvviz {view.command} --"
                                    f"{f.name.replace('_', '-')}`; default: `{shown}`.") if t)
+        # the value goes through session state, never `value=`: after Reset to defaults (which drops the keys) a
+        # widget drawn with `value=` kept showing its old value in the browser while the run took the default
+        if f.kind == "list":
+            value = list(value) if f.choices else ",".join(value)
+        st.session_state.setdefault(key, {"bool": bool, "int": int, "float": float}.get(f.kind, lambda v: v)(value))
         if f.kind == "bool":
-            values[f.name] = st.checkbox(label, bool(value), key=key, help=tip)
+            values[f.name] = st.checkbox(label, key=key, help=tip)
         elif f.kind == "choice":
-            values[f.name] = st.radio(label, f.choices, index=f.choices.index(value), horizontal=True, key=key,
-                                      help=tip)
+            values[f.name] = st.radio(label, f.choices, horizontal=True, key=key, help=tip)
         elif f.kind == "list" and f.choices:
-            values[f.name] = st.multiselect(label, f.choices, list(value), key=key, help=tip)
+            values[f.name] = st.multiselect(label, f.choices, key=key, help=tip)
         elif f.kind == "list":
-            values[f.name] = st.text_input(label + " (comma-separated)", ",".join(value), key=key, help=tip)
+            values[f.name] = st.text_input(label + " (comma-separated)", key=key, help=tip)
         elif f.kind in ("int", "float"):
-            values[f.name] = st.number_input(label, value=value, step=1 if f.kind == "int" else None, key=key,
-                                             help=tip)
+            values[f.name] = st.number_input(label, step=1 if f.kind == "int" else None, key=key, help=tip)
         else:
-            values[f.name] = st.text_area(label, value, key=key, height=70, help=tip) if f.name == "prompt" else \
-                st.text_input(label, value, key=key, help=tip)
+            values[f.name] = st.text_area(label, key=key, height=70, help=tip) if f.name == "prompt" else \
+                st.text_input(label, key=key, help=tip)
 
 try:
     cfg = config_from(cls, values)

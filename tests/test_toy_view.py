@@ -258,3 +258,19 @@ def test_the_generic_page_for_a_newcomer(toy):
     assert not at.exception, at.exception
     assert any(e.value.startswith("**Verdict: precision.** largest gap ") for e in at.info)
     assert "l" not in json.loads(at.get("plotly_chart")[0].proto.spec)["layout"].get("margin", {})
+
+
+def test_reset_to_defaults_on_the_generic_page(toy):
+    """Reset to defaults brings the controls back to the page's defaults, as shown and as run (in a browser, the
+    controls kept the values they had while the run took the defaults: the widgets were drawn with `value=`)."""
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=600)
+    at.session_state["model_preset"] = "tiny:llama"
+    at.run()
+    at.switch_page("pages/view.py").run()
+    at.number_input(key="toy_split").set_value(2).run()
+    at.radio(key="toy_mode").set_value("step").run()
+    assert list(at.dataframe[0].value["position"])[0] == 2
+    at.button(key="_reset_toy").click().run()
+    assert not at.exception, at.exception
+    assert at.number_input(key="toy_split").value == 3 and at.radio(key="toy_mode").value == "chunk"
+    assert list(at.dataframe[0].value["position"])[0] == 3

@@ -389,3 +389,23 @@ def test_an_option_of_the_study_alone_or_the_sweep_alone_is_refused_with_the_oth
     err = capsys.readouterr().err.strip()
     with_ = "with" if "--sweep" in argv else "without"
     assert err.startswith(f"kvviz: error: {flag} does nothing {with_} --sweep") and len(err.splitlines()) == 1
+
+
+def test_the_cli_plans_the_sweep_as_the_sweep(capsys):
+    """`serving --sweep --plan` is the sweep's plan (its view's profile, the longest prompt + new tokens, the largest
+    batch where the engine's pages are in kvviz's process), as the Serving page plans it - not the study's."""
+    from kvviz.cli import main
+
+    base = ["serving", "--sweep", "--model", "tiny:llama", "--lengths", "16,512", "--concurrency", "1,4",
+            "--max-new-tokens", "8", "--plan"]
+    assert main([*base, "--engine", "transformers"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == ("memory plan: serving_sweep on tiny:llama, float32 on cpu, "
+                                                       "520 tokens × batch 4")
+    from kvviz.engines import engine_python
+
+    if engine_python("vllm") is None:  # said in one line before any plan
+        assert main([*base, "--engine", "vllm"]) == 1 and "vLLM is not installed here" in capsys.readouterr().err
+        return
+    assert main([*base, "--engine", "vllm"]) == 0  # vLLM's own process holds its batch: kvviz plans one prompt
+    assert capsys.readouterr().out.splitlines()[0] == "memory plan: serving_sweep on tiny:llama, float32 on cpu, " \
+                                                      "520 tokens"

@@ -235,7 +235,8 @@ def plan_for_args(args) -> memory.MemoryPlan:
     """The plan of a CLI command from its parsed arguments. Input errors are left to the run itself (its own one
     line): a prompt over the limit, a model file that cannot be read."""
     sub = getattr(args, "cache_command", None)
-    view = views.for_command(args.command + (f" {sub}" if sub else "")).name
+    # a subcommand whose options pick another view of its folder names it (`serving --sweep`: serving_sweep)
+    view = getattr(args, "plan_view", None) or views.for_command(args.command + (f" {sub}" if sub else "")).name
     spec = getattr(args, "spec", None) or args.model
     return memory.plan_workload(spec, args.dtype, args.device, view, workload_of_args(args))
 

@@ -100,6 +100,10 @@ def sweep_command(args) -> Outcome:
                       max_new_tokens=args.max_new_tokens, runs=args.runs, seed=args.seed, engine=args.engine,
                       server=args.server, budget_s=args.budget)
     cfg.validate()
+    # its memory plan is the sweep's, as on the Serving page: kvviz's process holds one prompt's float64 reference
+    # at a time, and on transformers' engine (pages in this process) the largest batch of the grid
+    args.plan_view, args.tokens = "serving_sweep", max(cfg.lengths) + cfg.max_new_tokens
+    args.batch = max(cfg.concurrency) if cfg.engine == "transformers" and not cfg.server else 1
     lm = load(args)
     res = run_sweep(lm, cfg, progress=progress_to_stderr(args.quiet), settings=settings(args))
     return Outcome(res, lm, lambda: summary_text(res), payload=res.to_dict)  # --json-out / --html: its own view's

@@ -105,6 +105,29 @@ def wait_idle(page, timeout_s: float = 180) -> None:
     raise TimeoutError("the app kept running")
 
 
+def click_until(page, target, done, timeout_s: float = 240, retry_s: float = 30, tries: int = 3) -> None:
+    """Click `target` (a locator) and wait until `done()` is true. Under load the rerun a click starts can begin
+    seconds later (a wait for "idle" then sees the old page), and a click that lands while the script reruns can be
+    lost: so the condition itself is waited on, and when no run started and nothing changed within `retry_s` the
+    click is made again (a Streamlit radio, button or checkbox click is idempotent here)."""
+    deadline = time.time() + timeout_s
+    for attempt in range(tries):
+        target.click()
+        clicked = time.time()
+        seen_run = False
+        while time.time() < deadline:
+            if done():
+                return
+            if page.locator('[data-testid="stStatusWidget"]').count():
+                seen_run = True
+            elif not seen_run and time.time() - clicked > retry_s and attempt < tries - 1:
+                break  # nothing ran: the click was lost
+            time.sleep(0.3)
+        else:
+            break
+    raise TimeoutError(f"the click did not lead to the expected page within {timeout_s:.0f} s")
+
+
 def set_checked(page, label: str, on: bool = True, tries: int = 3) -> None:
     """Set a Streamlit checkbox or toggle by clicking its label, and see its input take the state: a click that lands
     while the script reruns (the widget drawn again) can be lost, so it is tried again."""

@@ -1,7 +1,7 @@
 """Real browser: `streamlit run app.py`, headless Chromium via playwright; screenshots in test-artifacts/."""
 import pytest
 
-from browser import app_server_fixture, browser, no_exception, open_page, set_checked, wait_idle
+from browser import app_server_fixture, browser, click_until, no_exception, open_page, set_checked, wait_idle
 
 pytestmark = pytest.mark.browser
 
@@ -23,9 +23,10 @@ def test_split_page_draws_heatmap_with_default_model(server, artifacts):
         page.screenshot(path=str(artifacts / "split-default-chunk.png"), full_page=True)
         # run another comparison: token by token (the controls are in the Settings expander)
         page.get_by_text("Settings: prompt and controls").click()
-        page.get_by_text("token by token", exact=True).click()
+        plot = page.locator(".js-plotly-plot").first
+        click_until(page, page.get_by_text("token by token", exact=True),
+                    lambda: plot.count() and "(step)" in plot.inner_text())
         wait_idle(page)
-        page.wait_for_selector(".js-plotly-plot", timeout=120_000)
         no_exception(page)
         assert "step" in page.locator(".js-plotly-plot").first.inner_text()
         page.screenshot(path=str(artifacts / "split-default-step.png"), full_page=True)
@@ -110,8 +111,8 @@ def test_home_prepares_the_meeting_in_browser(server, artifacts, kvviz_cache):
         page.goto(server)
         page.get_by_text("why does the KV cache change my numbers").first.wait_for(timeout=60_000)
         page.get_by_text("Prepare the meeting: run scenarios ahead").click()
-        page.get_by_role("button", name="Prepare", exact=True).click()
-        page.get_by_text("result(s) ready").first.wait_for(timeout=240_000)
+        ready = page.get_by_text("result(s) ready")
+        click_until(page, page.get_by_role("button", name="Prepare", exact=True), lambda: ready.count() >= 1)
         no_exception(page)
         page.screenshot(path=str(artifacts / "home-meeting.png"))
     assert sorted(f.name for f in out.glob("*.json")) == ["padding.json", "proof.json", "tie.json"]
@@ -291,7 +292,9 @@ def test_a_copied_link_reopens_the_same_view_and_numbers(server, artifacts):
         page.wait_for_selector(".js-plotly-plot", timeout=240_000)
         wait_idle(page)
         page.get_by_text("Settings: prompt and controls").click()
-        page.get_by_text("token by token", exact=True).click()
+        plot = page.locator(".js-plotly-plot").first
+        click_until(page, page.get_by_text("token by token", exact=True),
+                    lambda: plot.count() and "(step)" in plot.inner_text())
         wait_idle(page)
         page.get_by_role("button", name="Copy link").click()
         copied = page.locator('[data-testid="stPopover"] code, [data-testid="stPopoverBody"] code').first
@@ -490,9 +493,9 @@ def test_bisector_and_heatmap_use_one_layer_name(server, artifacts):
         wait_idle(page)
         assert page.locator(".js-plotly-plot").first.get_by_text("layer 2", exact=True).count() >= 1
         page.get_by_text("Where does it start? (bisector)").click()
-        page.get_by_role("button", name="Find the first differing module").click()
         shown = page.locator("text=The first difference is in >> visible=true")  # a folded copy may sit above it
-        shown.first.wait_for(timeout=240_000)
+        click_until(page, page.get_by_role("button", name="Find the first differing module"),
+                    lambda: shown.count() >= 1)
         wait_idle(page)
         text = shown.first.inner_text()
         m = re.search(r"layer (\d+) \((\S+?)\.(\d+)\b", text)

@@ -94,7 +94,8 @@ test-fast: $(DEVSTAMP)
 # only on AVX-512 or at one thread count goes red where it is written.
 BITS_TESTS ?= tests/test_reference.py tests/test_invariant.py tests/test_invariant_sizes.py tests/test_invariant_kernels.py \
 	tests/test_invariant_scans.py tests/test_streaming.py tests/test_greedy.py tests/test_verdict.py \
-	tests/test_bisect_ops.py tests/test_kvcache.py tests/test_split.py tests/test_export.py
+	tests/test_bisect_ops.py tests/test_kvcache.py tests/test_split.py tests/test_export.py \
+	tests/test_one_click_fixes.py tests/test_lesson_student.py
 ANY_CPU_ENV := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 MKL_CBWR=AVX2 ONEDNN_MAX_CPU_ISA=AVX2
 test-any-cpu: $(DEVSTAMP)
 	$(ANY_CPU_ENV) KVVIZ_TEST_THREADS=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(FAST) -p no:cacheprovider $(PYTEST_ARGS) $(BITS_TESTS)

@@ -26,9 +26,11 @@ class BRun:
 
 
 def ab_run(prefix: str, name: str, choice: "ModelChoice", lm, scenario: dict[str, list[str]], help_text: str,
-           key_parts: dict, run: Callable, own_a: dict | None = None, exclude: tuple[str, ...] = ()) -> BRun | None:
+           key_parts: dict, run: Callable, own_a: dict | None = None, exclude: tuple[str, ...] = (),
+           workload=None) -> BRun | None:
     """The whole A/B row of a page: the controls (ab_controls), then B's run - run(what, other, lm_b, settings_b,
-    report) - once per distinct inputs with progress and Stop (run_cached "<name>_ab"), errors in one line. own_a:
+    report) - once per distinct inputs with progress and Stop (run_cached "<name>_ab", planned as A's `workload`),
+    errors in one line. own_a:
     A's value of the view's own scenario settings. None until "Run B" is on, or when B failed (the error is shown)."""
     ab = ab_controls(prefix, choice, lm, scenario, help_text, exclude)
     if ab is None:
@@ -40,7 +42,7 @@ def ab_run(prefix: str, name: str, choice: "ModelChoice", lm, scenario: dict[str
             return run(what, other, lm_b, settings_b, report)
 
     try:
-        res_b = run_cached(f"{name}_ab", {**key_parts, "ab": [what, other]}, compute)
+        res_b = run_cached(f"{name}_ab", {**key_parts, "ab": [what, other]}, compute, workload)
     except Exception as e:  # noqa: BLE001 - one line, the page goes on
         show_error(e)
         return None

@@ -3,6 +3,7 @@ import streamlit as st
 
 from pages.defaults import DEFAULTS
 
+from kvviz.core.memory import Workload
 from kvviz.views.cache import figures as cache_figures
 from kvviz.views.cache.size import KVShape, growth, known_configs, known_table, size_report
 from kvviz.views.cache.run import continue_and_compare, load_cache, save_cache_bytes
@@ -18,7 +19,7 @@ with t1:
     prompt = st.text_area("Prompt to cache", DEFAULTS["cache"]["prompt"], key="cache_prompt", height=70)
     try:
         data, meta = run_cached("kv_save", {"model": choice.key, "prompt": prompt},
-                                lambda: save_cache_bytes(lm, prompt))
+                                lambda: save_cache_bytes(lm, prompt), Workload(texts=(prompt,)))
         st.download_button(f"Download the cache ({meta['n_tokens']} tokens, {len(data) / 1024:.0f} KiB)", data,
                            file_name="kvviz-cache.safetensors", mime="application/octet-stream", key="cache_download")
     except Exception as e:  # noqa: BLE001
@@ -28,7 +29,8 @@ with t1:
     if up is not None:
         try:
             res = run_cached("kv_load", {"model": choice.key, "file": up.file_id, "cont": cont},
-                             lambda: continue_and_compare(lm, load_cache(lm, up.getvalue()), cont))
+                             lambda: continue_and_compare(lm, load_cache(lm, up.getvalue()), cont),
+                             Workload(texts=(cont,)))
         except Exception as e:  # noqa: BLE001
             show_error(e)
         else:
@@ -48,7 +50,8 @@ with t2:
     try:
         rep = run_cached("kv_size", {"model": choice.key, "tokens": int(tokens), "batch": int(batch)},
                          lambda: size_report(lm, int(tokens), int(batch),
-                                             measure=lm.max_positions is None or int(tokens) <= lm.max_positions))
+                                             measure=lm.max_positions is None or int(tokens) <= lm.max_positions),
+                         Workload(tokens=int(tokens), batch=int(batch)))
     except Exception as e:  # noqa: BLE001
         show_error(e)
         st.stop()

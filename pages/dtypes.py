@@ -4,6 +4,7 @@ import streamlit as st
 from pages.defaults import DEFAULTS
 
 import kvviz
+from kvviz.core.memory import Workload
 from kvviz.views.dtypes import figures as dtypes_figures
 from kvviz.views.dtypes.run import run_dtypes
 from kvviz.teach.firstscreen import dtypes_line
@@ -28,6 +29,8 @@ with controls():
                          format_func={"last": "all but the last token cached", "half": "half cached"}.get)
     mode = c3.radio("Feed the rest", ["chunk", "step"], horizontal=True, key="dtypes_mode")
 
+work = Workload(texts=tuple(prompts), dtypes=tuple(dtypes))  # its memory plan
+
 
 def compute():
     with progress_bar(f"Running {len(prompts)} prompt(s) × {len(dtypes) + 1} dtypes…") as report:
@@ -37,7 +40,7 @@ def compute():
 
 try:
     res = run_cached("dtypes", {"model": choice.key_without("dtype"), "prompts": prompts, "dtypes": dtypes, "split": split,
-                                "mode": mode}, compute)
+                                "mode": mode}, compute, work)
 except Exception as e:  # noqa: BLE001
     show_error(e)
     st.stop()
@@ -70,7 +73,7 @@ with st.expander("A/B: this sweep against one other setting, on one scale"):
                    choice.model_spec, prompts, dtypes, choice.device, other if what == "attention" else choice.attn,
                    split=split, mode=other if what == "feed mode" else mode,
                    trust_remote_code=choice.trust_remote_code, progress=report, settings=settings_b),
-               own_a={"feed mode": mode}, exclude=("dtype",))
+               own_a={"feed mode": mode}, exclude=("dtype",), workload=work)
     if b is not None:
         show_ab(dtypes_figures.ab_dtype_curves(res, b.result, b.label_a, b.label_b, metric, how), "dtypes",
                 "Both charts on one y range; the third is |B − A| per dtype and layer.")

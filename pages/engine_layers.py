@@ -78,7 +78,7 @@ def compute():
 
 
 try:
-    res = run_cached("engine_layers", key, compute)  # once per settings: a rerun shows the stored result
+    res = run_cached("engine_layers", key, compute, cfg.workload())  # once per settings: a rerun shows the stored result
 except Exception as e:  # noqa: BLE001
     ran.remove(key)  # a failed run is not retried on every rerun: the button asks again
     show_error(e)

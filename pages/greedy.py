@@ -46,7 +46,7 @@ def compute():
 
 
 try:
-    res = run_cached("greedy", key, compute)
+    res = run_cached("greedy", key, compute, cfg.workload())
 except Exception as e:  # noqa: BLE001
     show_error(e)
     st.stop()
@@ -97,7 +97,7 @@ with st.expander("A/B: this decoding against one other setting, on one colour sc
                    lambda what, other, lm_b, settings_b, report: run_greedy(
                        lm_b, GreedyConfig(**{**cfg.__dict__, "position_ids": other}) if what.startswith("position")
                        else cfg, progress=report, settings=settings_b),
-                   own_a={"position ids (cache path)": pos_mode})
+                   own_a={"position ids (cache path)": pos_mode}, workload=cfg.workload())
     if b is not None:
         def parting_of(r):
             p = r.pair(GreedyPath.NO_CACHE, GreedyPath.CACHE)

@@ -3,6 +3,7 @@ import streamlit as st
 
 from pages.defaults import DEFAULTS
 
+from kvviz.core.memory import Workload
 from kvviz.views.loading_trap import figures as loading_trap_figures
 
 from kvviz.views.loading_trap.run import run_loading_trap
@@ -28,7 +29,7 @@ def compute():
 
 try:
     res = run_cached("trap", {"model": choice.key_without("dtype"), "prompt": prompt, "n": int(n), "dtype": dtype},
-                     compute)
+                     compute, Workload(texts=(prompt,), new_tokens=int(n)))
 except Exception as e:  # noqa: BLE001
     show_error(e)
     st.stop()

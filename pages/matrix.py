@@ -82,7 +82,7 @@ def compute():
 
 
 try:
-    res = run_cached("matrix", key, compute)
+    res = run_cached("matrix", key, compute, cfg.workload())
 except Exception as e:  # noqa: BLE001
     show_error(e)
     st.stop()

@@ -3,6 +3,7 @@ import streamlit as st
 
 from pages.defaults import DEFAULTS
 
+from kvviz.core.memory import Workload
 from kvviz.views.padding import figures as padding_figures
 from kvviz.views.padding.run import run_padding
 from kvviz.teach.firstscreen import padding_line
@@ -25,6 +26,8 @@ with controls():
                       DEFAULTS["padding"]["prove"], key="padding_prove",
                       help="Off by default so the grid comes quickly; the float64 rerun decides every verdict anyway.")
 
+work = Workload(texts=(prompt,), left_pad=int(left_pad), split=int(split))  # its memory plan
+
 
 def compute():
     with progress_bar("Running the grid…") as report:
@@ -35,7 +38,7 @@ def compute():
 try:
     res = run_cached("padding", {"model": choice.key, "prompt": prompt, "pad": int(left_pad), "split": int(split),
                                  "prove": bool(prove)},
-                     compute)
+                     compute, work)
 except Exception as e:  # noqa: BLE001
     show_error(e)
     st.stop()
@@ -60,7 +63,8 @@ with st.expander("A/B: this grid against one other setting, on one colour scale"
     b = ab_run("padding", "padding", choice, lm, {}, "Runs the grid once more with B's setting",
                {"model": choice.key, "prompt": prompt, "pad": int(left_pad), "split": int(split)},
                lambda what, other, lm_b, settings_b, report: run_padding(
-                   lm_b, prompt, int(split) or None, int(left_pad), progress=report, settings=settings_b))
+                   lm_b, prompt, int(split) or None, int(left_pad), progress=report, settings=settings_b),
+               workload=work)
     if b is not None:
         show_ab(padding_figures.ab_padding_grids(res, b.result, b.label_a, b.label_b, value), "padding",
                 "The cells' relative gaps (log₁₀) on one colour scale; exact zeros are written 0 and left grey; the "

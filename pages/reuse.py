@@ -3,6 +3,7 @@ import streamlit as st
 
 from pages.defaults import DEFAULTS
 
+from kvviz.core.memory import Workload
 from kvviz.views.reuse import figures as reuse_figures
 from kvviz.core.verdict import Verdict, worst as worst_of
 from kvviz.views.reuse.run import REUSE_STRATEGIES, run_reuse
@@ -26,6 +27,7 @@ with controls():
     prove = st.toggle("Prove precision gaps (rerun in invariant mode; slower)", DEFAULTS["reuse"]["prove"],
                       key="reuse_prove", help="Off by default so the texts come quickly; float64 decides the verdicts.")
 merged = [c.replace("\\n", "\n") for c in conts.splitlines() if c.strip()]
+work = Workload(texts=(prefix,), continuations=tuple(merged), new_tokens=int(n))  # its memory plan
 
 
 def compute():
@@ -36,7 +38,7 @@ def compute():
 
 try:
     res = run_cached("reuse", {"model": choice.key, "prefix": prefix, "conts": merged, "n": int(n),
-                               "prove": bool(prove)}, compute)
+                               "prove": bool(prove)}, compute, work)
 except Exception as e:  # noqa: BLE001
     show_error(e)
     st.stop()
@@ -73,7 +75,8 @@ with st.expander("A/B: these continuations under one other setting"):
     b = ab_run("reuse", "reuse", choice, lm, {}, "Decodes once more with B's setting",
                {"model": choice.key, "prefix": prefix, "conts": merged, "n": int(n)},
                lambda what, other, lm_b, settings_b, report: run_reuse(lm_b, prefix, merged, int(n), progress=report,
-                                                                       settings=settings_b))
+                                                                       settings=settings_b),
+               workload=work)
     if b is not None:
         st.dataframe(reuse_figures.ab_reuse_frame(res, b.result), hide_index=True, width="stretch")
         st.caption("Each way of reusing the prefix under A and B: verdict, the largest relative logit gap to a "

@@ -153,37 +153,10 @@ def progress_bar(label: str):
         box.empty()
 
 
-def workload(key_parts: dict):
-    """What a run holds, read off its run_cached key (kvviz.core.memory.Workload): its prompts, new tokens, padding,
-    split point, dtypes, batch, weights."""
-    from kvviz.core.memory import Workload
-
-    cfg = key_parts.get("cfg") if isinstance(key_parts.get("cfg"), dict) else {}
-    texts = [key_parts.get("prompt"), key_parts.get("prefix"), cfg.get("prompt")]
-    if isinstance(key_parts.get("prompts"), (list, tuple)):  # a prompt set, a shared prefix before each (serving)
-        texts = [str(key_parts.get("prefix") or "") + str(t) for t in key_parts["prompts"]]
-    conts = key_parts.get("conts")
-    new = key_parts.get("n") or cfg.get("max_new_tokens") or 0
-    split = cfg.get("split", key_parts.get("split"))
-    dtypes = key_parts.get("dtypes")
-    return Workload(texts=tuple(str(t) for t in texts if t),
-                    continuations=tuple(str(c) for c in conts) if isinstance(conts, (list, tuple)) else (),
-                    new_tokens=int(new) if str(new).isdigit() else 0,
-                    left_pad=int(key_parts.get("pad") or cfg.get("left_pad") or 0),
-                    tokens=key_parts.get("tokens"), batch=key_parts.get("batch"),
-                    dtypes=tuple(dtypes) if isinstance(dtypes, (list, tuple)) else (),
-                    split=split if isinstance(split, int) and not isinstance(split, bool) else None,
-                    weights=str(key_parts.get("weights") or cfg.get("weights") or "none"),
-                    paths=tuple(str(p) for p in cfg.get("paths") or ()) if isinstance(cfg.get("paths"), (list, tuple))
-                    else (),
-                    conditions=tuple(str(c) for c in key_parts.get("conditions") or ()),
-                    # a serving page's page size (None there: an engine with no pages in this process)
-                    page_size=int(key_parts["page"] or 0) if "page" in key_parts else None)
-
-
-def _memory_plan(name: str, key_parts: dict, fresh: bool):
-    """The run's memory plan beside the result (a caption, the full plan on hover); a run that cannot fit is refused
-    in one line naming what to lower, before it starts (kvviz.core.memory; nothing is loaded to make the plan)."""
+def _memory_plan(name: str, work, fresh: bool):
+    """The run's memory plan beside the result (a caption, the full plan on hover) for its typed workload
+    (kvviz.core.memory.Workload, from the page's config); a run that cannot fit is refused in one line naming what to
+    lower, before it starts (nothing is loaded to make the plan)."""
     from pages.memory_plan import blocks_run, show_plan
 
     from kvviz import views
@@ -192,8 +165,10 @@ def _memory_plan(name: str, key_parts: dict, fresh: bool):
     view = views.for_run(name)
     if view is None or choice is None:
         return None
+    if work is None:  # a run with a plan names what it holds: never a plan guessed from the cache key
+        raise TypeError(f"run_cached({name!r}): the {view.name} view plans its memory; pass workload=")
     with st.sidebar:  # beside the run's settings; the page's first screen stays the verdict and the chart
-        plan = show_plan(choice, view.name, workload(key_parts))
+        plan = show_plan(choice, view.name, work)
     if fresh and blocks_run(plan):
         st.error("Cannot run: " + plan.refusal(), icon=":material/memory:")
         st.stop()
@@ -428,14 +403,15 @@ def _proof_choice(name: str, key: str):
         AUTO_PROOF.reset(reset)
 
 
-def run_cached(name: str, key_parts: dict, compute):
-    """Run `compute()` once per distinct inputs in this session; view-only reruns reuse the stored result. The
-    run's memory plan is shown first, and a run that cannot fit is refused before it starts. The run can be stopped
+def run_cached(name: str, key_parts: dict, compute, workload=None):
+    """Run `compute()` once per distinct inputs (`key_parts`) in this session; view-only reruns reuse the stored
+    result. The run's memory plan (of `workload`, a kvviz.core.memory.Workload: required for a run whose view plans
+    its memory) is shown first, and a run that cannot fit is refused before it starts. The run can be stopped
     (Stop, a closed tab, a changed control): it ends at its next checkpoint (kvviz.core.cancel), frees the model, and the
     next script run says how far it got."""
     store = st.session_state.setdefault(f"_results_{name}", {})
     key = hashlib.sha256(json.dumps(key_parts, sort_keys=True, default=str).encode()).hexdigest()
-    plan = _memory_plan(name, key_parts, key not in store)
+    plan = _memory_plan(name, workload, key not in store)
     if key not in store:
         ss = st.session_state
         session = _session_id()

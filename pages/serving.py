@@ -61,7 +61,8 @@ try:
     cfg.validate()
     res = run_cached("serving", {"model": choice.key, "prompts": prompts, "prefix": prefix, "conditions": conditions,
                                  "runs": int(runs), "n": int(new_tokens), "batch": int(batch), "engine": engine,
-                                 "page": int(page_size) if pages else None, "seed": int(seed)}, compute)
+                                 "page": int(page_size) if pages else None, "seed": int(seed)}, compute,
+                     cfg.workload())
 except Exception as e:  # noqa: BLE001
     show_error(e)
     st.stop()
@@ -133,9 +134,7 @@ try:
 except Exception as e:  # noqa: BLE001 - a bad grid: one line, the controls stay
     show_error(e)
     st.stop()
-# the memory plan: kvviz's process holds one prompt's float64 reference at a time (and on transformers the batch)
-skey = {"model": choice.key, "cfg": dataclasses.asdict(scfg), "tokens": max(scfg.lengths) + int(new_tokens),
-        "batch": max(scfg.concurrency) if pages else 1}
+skey = {"model": choice.key, "cfg": dataclasses.asdict(scfg)}
 # the grid last asked for (set by the button's callback: the app may rerun the script before the page reads it)
 st.button("Run the sweep", key="serving_sweep_run", type="primary", icon=":material/play_arrow:",
           on_click=lambda k=repr(skey): st.session_state.__setitem__("_serving_sweep_ran", k),
@@ -155,7 +154,7 @@ where = st.empty()  # the button is far below the progress bar: say where it is 
 where.info("Sweeping: its progress, the time left and **Stop** are at the top of the page.",
            icon=":material/arrow_upward:")
 try:
-    sres = run_cached("serving_sweep", skey, sweep_compute)  # once per grid: a rerun shows the stored result
+    sres = run_cached("serving_sweep", skey, sweep_compute, scfg.workload())  # once per grid: a rerun shows the stored result
 except Exception as e:  # noqa: BLE001
     st.session_state.pop("_serving_sweep_ran", None)  # a failed sweep is not started again by the next rerun
     show_error(e)

@@ -4,6 +4,7 @@ import streamlit as st
 from pages.defaults import DEFAULTS
 
 import kvviz
+from kvviz.core.memory import Workload
 from kvviz.core import plotting
 from kvviz.views.split import figures as split_figures
 from kvviz.core.inputs import MASK_MODES, POSITION_MODES, encode
@@ -61,6 +62,7 @@ with controls():
 
 cfg = kvviz.SplitConfig(prompt=prompt, split=int(split), mode=mode, left_pad=int(left_pad), position_ids=pos_mode,
                         attention_mask=mask_mode)
+work = Workload(texts=(cfg.prompt,), left_pad=cfg.left_pad, split=cfg.split)  # what it holds: its memory plan
 
 
 def compute():
@@ -69,7 +71,7 @@ def compute():
 
 
 try:
-    res = run_cached("split", {"model": choice.key, "cfg": cfg.__dict__}, compute)
+    res = run_cached("split", {"model": choice.key, "cfg": cfg.__dict__}, compute, work)
 except Exception as e:  # noqa: BLE001 - one line, the app keeps working
     show_error(e)
     st.stop()
@@ -93,7 +95,7 @@ with left:  # tiles: the unit in each label (absolute, relative to |x|, in ε, p
         try:
             normal = run_cached("split_normal", {"model": choice.key, "cfg": cfg.__dict__},
                                 lambda: kvviz.run_split(lm, cfg, settings=choice.settings.with_(invariant=False),
-                                                        prove=False))
+                                                        prove=False), work)
         except Exception as e:  # noqa: BLE001
             show_error(e)
         else:
@@ -133,7 +135,7 @@ with st.expander("A/B: this view against one other setting, on one colour scale"
                "Runs the model once more with B's setting", {"model": choice.key, "cfg": cfg.__dict__},
                lambda what, other, lm_b, settings_b, report: kvviz.run_split(
                    lm_b, kvviz.SplitConfig(**{**cfg.__dict__, "mode": other}) if what == "feed mode" else cfg,
-                   progress=report, settings=settings_b), own_a={"feed mode": mode})
+                   progress=report, settings=settings_b), own_a={"feed mode": mode}, workload=work)
     if b is not None:
         show_ab(split_figures.ab_heatmaps(res, b.result, f"{b.label_a}: {res.verdict}", f"{b.label_b}: {b.result.verdict}",
                                     metric, log), "split",
@@ -162,7 +164,7 @@ with st.expander("Where does it start? (bisector)", expanded=st.session_state.ge
 
         try:
             b = run_cached("bisect", {"model": choice.key, "cfg": cfg.__dict__},
-                           lambda: run_bisect(lm, cfg, choice.settings))
+                           lambda: run_bisect(lm, cfg, choice.settings), work)
         except Exception as e:  # noqa: BLE001
             show_error(e)
         else:

@@ -147,48 +147,59 @@ def _cli_plan(argv):
     return clirun.plan_for_args(build_parser().parse_args(argv))
 
 
-def _page_plan(run_name, key_parts, spec="tiny:llama", dtype="float32"):
+def _page_plan(run_name, work, spec="tiny:llama", dtype="float32"):
+    """The plan a page shows: pages/memory_plan.plan_for of the typed workload the page hands run_cached (its config's
+    `workload()`, or the Workload it builds from its controls)."""
     from pages.memory_plan import plan_for
-    from pages.runner import workload
 
     choice = Namespace(spec=spec, dtype=dtype, device="cpu")
-    return plan_for(choice, views.for_run(run_name).name, workload(key_parts))
+    return plan_for(choice, views.for_run(run_name).name, work)
 
 
 PROMPT = "The capital of France is Paris, and the capital of Italy is"
 
 
+def _page_workloads():
+    from kvviz.core.memory import Workload
+    from kvviz.views.greedy.run import GreedyConfig
+    from kvviz.views.serving.run import ServeConfig
+
+    return [
+        (["split", "--prompt", PROMPT, "--split", "5", "--left-pad", "2"], "split",
+         Workload(texts=(PROMPT,), split=5, left_pad=2)),
+        (["bisect", "--prompt", PROMPT, "--split", "5"], "bisect", Workload(texts=(PROMPT,), split=5)),
+        (["greedy", "--prompt", PROMPT, "--max-new-tokens", "12"], "greedy_ab",
+         GreedyConfig(prompt=PROMPT, max_new_tokens=12).workload()),
+        (["padding", "--prompt", PROMPT, "--left-pad", "3", "--split", "4"], "padding",
+         Workload(texts=(PROMPT,), left_pad=3, split=4)),
+        (["reuse", "--prefix", PROMPT, "--continuation", " Rome", "--continuation", " and Madrid", "--max-new-tokens",
+          "6"], "reuse", Workload(texts=(PROMPT,), continuations=(" Rome", " and Madrid"), new_tokens=6)),
+        (["loading-trap", "--prompt", PROMPT, "--max-new-tokens", "8"], "trap", Workload(texts=(PROMPT,), new_tokens=8)),
+        (["quant", "--prompt", PROMPT, "--max-new-tokens", "8", "--weights", "int8"], "quant",
+         Workload(texts=(PROMPT,), new_tokens=8, weights="int8")),
+        (["check"], "check", Workload(weights="none")),
+        (["cache", "size", "--tokens", "300", "--batch", "2"], "kv_size", Workload(tokens=300, batch=2)),
+        (["dtypes", "--prompt", PROMPT, "--dtypes", "bfloat16,float16"], "dtypes",
+         Workload(texts=(PROMPT,), dtypes=("bfloat16", "float16"))),
+        # the study's engine calls: its prompts with the prefix, new tokens, requests in flight, conditions, page size
+        (["serving", "--prompt", PROMPT, "--prefix", "Q: ", "--max-new-tokens", "6", "--batch-size", "3",
+          "--conditions", "alone,batch", "--page-size", "16"], "serving",
+         ServeConfig(prompts=[PROMPT], shared_prefix="Q: ", conditions=("alone", "batch"), max_new_tokens=6,
+                     batch_size=3, page_size=16).workload()),
+        (["serving", "--prompt", PROMPT, "--engine", "llama.cpp"], "serving",
+         ServeConfig(prompts=[PROMPT], engine="llama.cpp").workload()),
+    ]
+
+
 @pytest.mark.app  # the page side imports pages/ (Streamlit)
-@pytest.mark.parametrize("argv, run_name, key_parts", [
-    (["split", "--prompt", PROMPT, "--split", "5", "--left-pad", "2"], "split",
-     {"cfg": {"prompt": PROMPT, "split": 5, "left_pad": 2, "mode": "chunk"}}),
-    (["bisect", "--prompt", PROMPT, "--split", "5"], "bisect", {"cfg": {"prompt": PROMPT, "split": 5}}),
-    (["greedy", "--prompt", PROMPT, "--max-new-tokens", "12"], "greedy_ab",
-     {"cfg": {"prompt": PROMPT, "max_new_tokens": 12}}),
-    (["padding", "--prompt", PROMPT, "--left-pad", "3", "--split", "4"], "padding",
-     {"prompt": PROMPT, "pad": 3, "split": 4}),
-    (["reuse", "--prefix", PROMPT, "--continuation", " Rome", "--continuation", " and Madrid", "--max-new-tokens",
-      "6"], "reuse", {"prefix": PROMPT, "conts": [" Rome", " and Madrid"], "n": 6}),
-    (["loading-trap", "--prompt", PROMPT, "--max-new-tokens", "8"], "trap", {"prompt": PROMPT, "n": 8}),
-    (["quant", "--prompt", PROMPT, "--max-new-tokens", "8", "--weights", "int8"], "quant",
-     {"prompt": PROMPT, "n": 8, "weights": "int8"}),
-    (["check"], "check", {"weights": "none"}),
-    (["cache", "size", "--tokens", "300", "--batch", "2"], "kv_size", {"tokens": 300, "batch": 2}),
-    (["dtypes", "--prompt", PROMPT, "--dtypes", "bfloat16,float16"], "dtypes",
-     {"prompts": [PROMPT], "dtypes": ["bfloat16", "float16"]}),
-    # the study's engine calls: its prompts with the prefix, new tokens, requests in flight, conditions, page size
-    (["serving", "--prompt", PROMPT, "--prefix", "Q: ", "--max-new-tokens", "6", "--batch-size", "3", "--conditions",
-      "alone,batch", "--page-size", "16"], "serving",
-     {"prompts": [PROMPT], "prefix": "Q: ", "conditions": ["alone", "batch"], "runs": 5, "n": 6, "batch": 3,
-      "engine": "transformers", "page": 16, "seed": 0}),
-    (["serving", "--prompt", PROMPT, "--engine", "llama.cpp"], "serving",
-     {"prompts": [PROMPT], "prefix": "", "conditions": ["alone", "batch", "warm"], "runs": 5, "n": 16, "batch": 4,
-      "engine": "llama.cpp", "page": None, "seed": 0}),
-])
-def test_the_cli_and_the_page_plan_the_same_run_the_same(argv, run_name, key_parts):
+@pytest.mark.parametrize("case", range(12))
+def test_the_cli_and_the_page_plan_the_same_run_the_same(case):
+    """The CLI's plan, read off its arguments (or its config's workload), equals the plan of the typed workload the
+    page builds from the same settings."""
+    argv, run_name, work = _page_workloads()[case]
     cli = _cli_plan(argv[:1] + (argv[1:2] if argv[0] == "cache" else []) + ["--model", "tiny:llama"]
                     + argv[(2 if argv[0] == "cache" else 1):])
-    page = _page_plan(run_name, key_parts)
+    page = _page_plan(run_name, work)
     assert cli.view == page.view == views.for_run(run_name).name
     assert (cli.tokens, cli.batch, cli.dtype) == (page.tokens, page.batch, page.dtype)
     assert cli.parts() == page.parts() and cli.total == page.total > 0

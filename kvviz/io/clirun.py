@@ -192,8 +192,12 @@ def view_arguments(view) -> Callable:
 
 
 def workload_of_args(args) -> memory.Workload:
-    """The workload of a CLI command from its parsed arguments. A prompt set (--prompts, --limit: dtypes, serving)
-    counts each of its prompts; a shared prefix with prompts (serving) is put before each of them."""
+    """The workload of a CLI command: its config's own (`args.workload`, set by a command that builds its typed
+    config before loading: `config.workload()`, as its page plans it), else read off its parsed arguments. A prompt
+    set (--prompts, --limit: dtypes, serving) counts each of its prompts; a shared prefix with prompts (serving) is
+    put before each of them."""
+    if isinstance(getattr(args, "workload", None), memory.Workload):
+        return args.workload
     prompt, prefix = getattr(args, "prompt", None), getattr(args, "prefix", None)
     texts = tuple(t for t in (prompt, prefix) if isinstance(t, str))
     if hasattr(args, "prompts"):

@@ -45,6 +45,7 @@ def command(args) -> Outcome:
                              distributed_executor_backend=args.distributed_executor_backend, engine=args.engine)
     cfg.validate()  # one line before anything loads (llama.cpp, pipeline parallel, bad sizes)
     check_engine(cfg.engine)
+    args.workload = cfg.workload()  # its memory plan: what the config holds, as the Engine layers page plans it
     lm = load(args)
     res = run(lm, cfg, context(args))
     return Outcome(res, lm, lambda: summary_text(res))

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from ...core.errors import KvvizError
+from ...core.memory import Workload
 from ...core.execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo
 from ...core.protocol import DEFAULT_CONTEXT, RunContext
 from ...core.inputs import check_context, encode
@@ -94,6 +95,10 @@ class EngineLayersConfig:
         if self.distributed_executor_backend not in (None, "", "mp", "ray", "uni", "external_launcher"):
             raise KvvizError(f"unknown distributed executor backend '{self.distributed_executor_backend}'; vLLM's are "
                              "mp, ray, uni, external_launcher")
+
+    def workload(self) -> Workload:
+        """What kvviz's process holds, for the memory plan: the float64 reference of the prompt after its prefix."""
+        return Workload(texts=(self.prefix + self.prompt,), new_tokens=int(self.max_new_tokens))
 
 
 def check_parallel(lm, tp: int) -> None:

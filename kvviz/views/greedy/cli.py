@@ -32,6 +32,7 @@ def command(args) -> Outcome:
                        position_ids=args.position_ids, paths=paths, fast=args.fast,
                        stop_at_divergence=args.stop_at_divergence)
     cfg.validate()  # before loading the model: bad arguments fail at once
+    args.workload = cfg.workload()  # its memory plan: what the config holds, as the Greedy page plans it
     lm = load(args)
     res = run(lm, cfg, context(args))
     return Outcome(res, lm, lambda: summary(res))

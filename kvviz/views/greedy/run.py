@@ -26,6 +26,7 @@ import torch
 
 from ...core.dtypes import machine_eps
 from ...core.errors import KvvizError
+from ...core.memory import Workload
 from ...core.inputs import POSITION_MODES, PromptInputs, build_inputs, check_mode, pad_token_id, positions_from_mask
 from ...core.execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings, StepPolicy
 from ...models.loading import LoadedModel
@@ -89,6 +90,11 @@ class GreedyConfig:
         if len(paths) < 2:
             raise KvvizError("choose at least two paths to compare")
         object.__setattr__(self, "paths", tuple(GreedyPath(p) for p in paths))  # normalised once, as it is checked
+
+    def workload(self) -> Workload:
+        """What the run holds, for its memory plan (as the CLI's arguments give it)."""
+        return Workload(texts=(self.prompt,), new_tokens=int(self.max_new_tokens), left_pad=int(self.left_pad),
+                        paths=tuple(str(p) for p in self.paths))
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ def command(args) -> Outcome:
                            repeats=args.repeats, left_pad=args.left_pad, position_ids=args.position_ids,
                            batch_with=tuple(args.batch_with), invariant=bool(args.invariant))
         cfg.validate()  # bad axes fail before any model loads
+        args.workload = cfg.workload()  # its memory plan: what the config holds, as the Matrix page plans it
         lm = load(args)
     res = run(lm, cfg, context(args))
 

@@ -21,6 +21,7 @@ import torch
 from ...core.dtypes import dtype_name
 from ...core.environment import environment
 from ...core.errors import KvvizError, first_line, is_out_of_memory
+from ...core.memory import Workload
 from ...core.execution import CacheKind, ExecSettings, Executor, Settings, StepPolicy
 from ...core.replay import Replay, replay_step
 from ...core.metrics import first_divergence
@@ -71,6 +72,11 @@ class MatrixConfig:
 
     def cells(self):
         return list(itertools.product(self.attentions, self.caches, self.compiles, self.flag_sets))
+
+    def workload(self) -> Workload:
+        """What the run holds, for its memory plan: the prompt and its batch neighbours, the largest attention."""
+        return Workload(texts=(self.prompt, *self.batch_with), new_tokens=int(self.max_new_tokens),
+                        left_pad=int(self.left_pad), attention=",".join(self.attentions))
 
 
 @dataclass

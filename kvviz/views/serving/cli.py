@@ -73,6 +73,7 @@ def command(args) -> Outcome:
                       engine=args.engine, page_size=args.page_size, prompt_source=source,
                       tensor_parallel_size=args.tensor_parallel_size, server=args.server)
     cfg.validate()
+    args.workload = cfg.workload()  # its memory plan: what the config holds, as the Serving page plans it
     lm = load(args)
     res = run_serving(lm, cfg, progress=progress_to_stderr(args.quiet), settings=settings(args),
                       prove=not args.no_proof)
@@ -102,8 +103,7 @@ def sweep_command(args) -> Outcome:
     cfg.validate()
     # its memory plan is the sweep's, as on the Serving page: kvviz's process holds one prompt's float64 reference
     # at a time, and on transformers' engine (pages in this process) the largest batch of the grid
-    args.plan_view, args.tokens = "serving_sweep", max(cfg.lengths) + cfg.max_new_tokens
-    args.batch = max(cfg.concurrency) if cfg.engine == "transformers" and not cfg.server else 1
+    args.plan_view, args.workload = "serving_sweep", cfg.workload()
     lm = load(args)
     res = run_sweep(lm, cfg, progress=progress_to_stderr(args.quiet), settings=settings(args))
     return Outcome(res, lm, lambda: summary_text(res), payload=res.to_dict)  # --json-out / --html: its own view's

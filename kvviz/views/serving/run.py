@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Callable
 
 from ...engines.serving import ENGINES, MIN_PAGE, Request, check_engine, engine_status, make_engine
-from ...core.memory import PAGE_SIZE
+from ...core.memory import PAGE_SIZE, Workload
 from ...core.errors import KvvizError
 from ...core.metrics import first_divergence
 from ...core.execution import COMPILE_OFF, DEFAULT_CACHE, DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings
@@ -85,6 +85,13 @@ class ServeConfig:
             object.__setattr__(self, "conditions", tuple(dict.fromkeys(self.conditions)))
         if self.page_size is None and self.engine == "transformers":
             object.__setattr__(self, "page_size", DEFAULT_PAGE)
+
+    def workload(self) -> Workload:
+        """What kvviz's process holds, for the memory plan: each prompt after the shared prefix, the requests in
+        flight, the conditions, and transformers' pages (0: vLLM, llama.cpp or a server hold theirs elsewhere)."""
+        return Workload(texts=tuple(self.shared_prefix + p for p in self.prompts), new_tokens=int(self.max_new_tokens),
+                        batch=int(self.batch_size), conditions=tuple(self.conditions),
+                        page_size=self.page_size if self.engine == "transformers" else 0)
 
     def validate(self) -> None:
         if self.server:

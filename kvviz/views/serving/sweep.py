@@ -17,6 +17,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from ...core.errors import KvvizError
+from ...core.memory import Workload
 from ...core.inputs import encode
 from ...core.protocol import DEFAULT_CONTEXT, RunContext
 from .run import WORKER_ENGINES, ServeConfig, ServeResult, _study, check_engine
@@ -39,6 +40,12 @@ class SweepConfig:
     server: str | None = None
     text: str = ""  # the text the prompts are cut from ("" : the built-in prompts, joined)
     budget_s: float | None = None  # stop between cells once this many seconds have passed
+
+    def workload(self) -> Workload:
+        """What kvviz's process holds, for the memory plan: one prompt's float64 reference at a time (the longest
+        prompt and its new tokens) and, on transformers' engine (its pages in this process), the largest batch."""
+        return Workload(tokens=max(self.lengths) + int(self.max_new_tokens),
+                        batch=max(self.concurrency) if self.engine == "transformers" and not self.server else 1)
 
     def validate(self) -> None:
         for name, vals, lo, hi in (("concurrency", self.concurrency, 1, 64), ("lengths", self.lengths, 1, 8192)):

@@ -409,3 +409,58 @@ def test_the_cli_plans_the_sweep_as_the_sweep(capsys):
     assert main([*base, "--engine", "vllm"]) == 0  # vLLM's own process holds its batch: kvviz plans one prompt
     assert capsys.readouterr().out.splitlines()[0] == "memory plan: serving_sweep on tiny:llama, float32 on cpu, " \
                                                       "520 tokens"
+
+
+def test_a_row_of_cells_computes_each_prompts_reference_once(monkeypatch):
+    """The same prompts recur in every cell of a row (each concurrency): their no-cache reference decode is computed
+    once for the grid, and the cells come out as when every cell computes its own."""
+    from kvviz.views.serving import run as serving_run
+
+    calls = []
+    real = serving_run._reference
+
+    def counting(ex, lm, text, n):
+        calls.append((text, n))
+        return real(ex, lm, text, n)
+
+    monkeypatch.setattr(serving_run, "_reference", counting)
+    lm = kvviz.load_model("tiny:llama", "float32", "cpu")
+    cfg = dict(concurrency=(1, 2, 3), lengths=(12, 20), prompts_per_cell=2, max_new_tokens=3, engine="transformers")
+    shared = run_sweep(lm, SweepConfig(**cfg))
+    assert len(calls) == 2 * 2 and len(set(calls)) == 4  # 2 rows x 2 prompts, not x 3 cells
+    calls.clear()
+    real_study = serving_run._study
+    monkeypatch.setattr("kvviz.views.serving.sweep._study",
+                        lambda *a: real_study(*a[:-1], None))  # every cell on its own: no memo
+    alone = run_sweep(lm, SweepConfig(**cfg))
+    assert len(calls) == 2 * 2 * 3
+    keep = ("concurrency", "length", "prompt_tokens", "distinct", "parting_alone", "parting_reference",
+            "first_divergence", "margin", "verdict", "verdicts")
+    assert [{k: getattr(c, k) for k in keep} for c in shared.cells] == \
+        [{k: getattr(c, k) for k in keep} for c in alone.cells]
+
+
+def test_vllm_starts_once_for_the_grid_with_room_for_its_largest_cell(monkeypatch):
+    """A vLLM worker made for a sweep asks for max_num_seqs = the grid's largest concurrency on every run, so a
+    cell with fewer requests in flight never restarts the engine (the start key stays the same)."""
+    import types
+
+    from kvviz.engines import workers
+
+    from kvviz.engines.serving import vllm_available
+
+    if vllm_available():  # vLLM importable in kvviz's own environment: the in-process engine runs instead
+        pytest.skip("vLLM runs in this process here")
+    eng = workers.make_worker_engine("vllm", 1, 16)  # as run_sweep makes it for a grid up to 16 in flight
+    started = []
+    monkeypatch.setattr(eng, "_start", lambda key, **kw: started.append((key, kw["max_num_seqs"])))
+    monkeypatch.setattr(eng, "_generate", lambda groups: [len(g) for g, _ in groups])
+    monkeypatch.setattr(workers, "check_vllm_dtype", lambda lm: None)
+    lm = types.SimpleNamespace(source="/m", dtype=__import__("torch").bfloat16)
+    from kvviz.engines.serving import Request
+
+    reqs = [Request(key=f"r{i}", ids=[1, 2, 3], max_new_tokens=2) for i in range(4)]
+    for in_flight in (1, 4, 16, 1):
+        eng.run(lm, reqs, max_in_flight=in_flight, prefix_sharing=False)
+    assert {k for k, _ in started} == {started[0][0]} and {s for _, s in started} == {16}
+    assert workers.VllmWorkerEngine(1).min_seqs == 1  # the study's engine: sized by each run, as before

@@ -118,10 +118,11 @@ def judge(paths: dict[str, dict], parting_step: int | None, margin: float | None
 
 
 
-def engine_verdicts(prompts, lm, lm64, settings, engine, ids, completions, logps) -> None:
+def engine_verdicts(prompts, lm, lm64, settings, engine, ids, completions, logps, memo: dict | None = None) -> None:
     """Every prompt's distinct paths against the float64 reference (engine_paths); a verdict and explanation where
     its paths part from kvviz's reference, or where a path is farther from float64 than rounding explains even
-    though the tokens agree (a bug that has not flipped a token yet)."""
+    though the tokens agree (a bug that has not flipped a token yet). memo: a dict kept across calls on the same
+    models (a sweep's cells) - a token path scored once is not scored again."""
     from ..core.dtypes import dtype_name
     from ..core.execution import Executor
 
@@ -132,7 +133,9 @@ def engine_verdicts(prompts, lm, lm64, settings, engine, ids, completions, logps
     ex_own = (Executor(lm, settings.with_(invariant=False))
               if float_format(dtype) is not None and float_format(dtype) == dtype_name(lm.dtype) else None)
     for p in prompts:
-        i, paths, seen, refs, owns = p.index, {}, set(), {}, {}
+        i, paths, seen = p.index, {}, set()
+        refs = memo.setdefault(("float64 path", tuple(ids[i])), {}) if memo is not None else {}
+        owns = memo.setdefault(("own-format path", tuple(ids[i])), {}) if memo is not None else {}
         for cond, runs in completions.items():
             for r, toks in enumerate(runs[i]):
                 if (cond, tuple(toks)) in seen or not toks:

@@ -112,9 +112,10 @@ def _groups(requests: list[Request], max_in_flight: int, prefix_sharing: bool, s
 class VllmWorkerEngine(WorkerEngine):
     name = "vllm"
 
-    def __init__(self, tensor_parallel_size: int = 1):
+    def __init__(self, tensor_parallel_size: int = 1, max_in_flight: int = 1):
         super().__init__()
         self.tp = tensor_parallel_size
+        self.min_seqs = max_in_flight  # the most requests in flight its runs will ask for: one start serves them all
 
     def _env(self, key) -> dict:
         env = {"VLLM_BATCH_INVARIANT": "1" if key[2] else "0"}
@@ -132,7 +133,7 @@ class VllmWorkerEngine(WorkerEngine):
         if invariant and _cpu_only():
             raise KvvizError(INVARIANT_REFUSED["vllm"])
         self.dtype = dtype_name(lm.dtype)
-        seqs = max(8, max_in_flight)  # alone and batch share one engine unless the batch is larger
+        seqs = max(8, max_in_flight, self.min_seqs)  # alone and batch share one engine unless the batch is larger
         key = (lm.source, self.dtype, invariant, seqs)
         self._start(key, model=lm.source, dtype=self.dtype, prefix_caching=True,
                     max_num_seqs=seqs, block_size=VLLM_BLOCK, tensor_parallel_size=self.tp,
@@ -188,14 +189,15 @@ def gguf_of(lm) -> tuple[str, str | None]:
     return src, info.get("quantization")
 
 
-def make_worker_engine(name: str, tensor_parallel_size: int = 1) -> WorkerEngine | None:
-    """The worker engine for `name`, or None where the in-process one runs (transformers; vLLM importable here)."""
+def make_worker_engine(name: str, tensor_parallel_size: int = 1, max_in_flight: int = 1) -> WorkerEngine | None:
+    """The worker engine for `name`, or None where the in-process one runs (transformers; vLLM importable here).
+    max_in_flight: the most requests in flight its runs will ask for (vLLM sizes max_num_seqs once for them)."""
     from .serving import vllm_available
 
     if name == "llama.cpp":
         return LlamaCppEngine()
     if name == "vllm" and not vllm_available():
-        return VllmWorkerEngine(tensor_parallel_size)
+        return VllmWorkerEngine(tensor_parallel_size, max_in_flight)
     return None
 
 

@@ -386,7 +386,10 @@ def run_serving(lm: LoadedModel, cfg: ServeConfig, progress: Progress | None = N
         engine.close()  # vLLM: free the GPU the last LLM holds
 
 
-def _study(lm, cfg, engine, settings, reference, prove, progress, t_start) -> ServeResult:
+def _study(lm, cfg, engine, settings, reference, prove, progress, t_start, memo: dict | None = None) -> ServeResult:
+    """The study on an open engine. memo: what a sweep's cells share (the same prompts recur in every cell of a
+    row): each prompt's no-cache reference decode and each token path's float64 (and own-format) log-probs, computed
+    once for the whole sweep (the same settings, the same model: the same numbers)."""
     texts = [cfg.shared_prefix + p for p in cfg.prompts]
     ids = [encode(lm, t) for t in texts]
     for t in texts:  # length checks, one line each
@@ -405,7 +408,11 @@ def _study(lm, cfg, engine, settings, reference, prove, progress, t_start) -> Se
     t0 = time.perf_counter()
     for i, t in enumerate(texts):
         progress(0.8 * done / total, f"reference (no cache): prompt {i + 1}/{N}")
-        refs.append(_reference(ex, lm, t, n))
+        memo_i = memo if memo is not None else {}
+        key = ("no-cache reference", t, n)
+        if key not in memo_i:
+            memo_i[key] = _reference(ex, lm, t, n)
+        refs.append(memo_i[key])
         done += 1
     stats = {"reference": ConditionStats("reference", CONDITION_LABELS["reference"], 1, N * n,
                                          time.perf_counter() - t0, 0)}
@@ -470,7 +477,7 @@ def _study(lm, cfg, engine, settings, reference, prove, progress, t_start) -> Se
         progress(0.85, "Comparing the engine's log-probs with the float64 reference on each path…")
         from ...engines.verdict import engine_verdicts
 
-        engine_verdicts(results, lm, reference or lm.reference(), settings, engine, ids, completions, logps)
+        engine_verdicts(results, lm, reference or lm.reference(), settings, engine, ids, completions, logps, memo)
     elif parting:
         progress(0.85, f"Replaying {len(parting)} first divergences in float64 for the verdicts…")
         lm64 = reference or lm.reference()

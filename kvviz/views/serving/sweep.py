@@ -182,13 +182,16 @@ def run_sweep(lm, cfg: SweepConfig, progress=None, settings=None, reference=None
         from ...engines.serving import make_engine
         from ...engines.workers import make_worker_engine
 
-        engine = make_worker_engine(cfg.engine, 1) or make_engine(cfg.engine, 8, 1)
+        # vLLM starts once for the grid, with room for its largest cell (a cell needing another max_num_seqs
+        # restarted the engine: a row going back from 16 to 1 in flight started it again)
+        engine = make_worker_engine(cfg.engine, 1, max(cfg.concurrency)) or make_engine(cfg.engine, 8, 1)
     t0 = time.perf_counter()
     grid = [(c, n) for n in cfg.lengths for c in cfg.concurrency]
     cells, skipped, info = [], [], {}
     try:  # the engine (vLLM's worker process) is ended however the sweep ends: done, failed or stopped
         ref = reference or lm.reference() if (cfg.engine in WORKER_ENGINES or cfg.server) else reference
         text = cfg.text or source_text()
+        memo: dict = {}  # each prompt's reference and each token path's scores, once for the whole grid
         for k, (c, n) in enumerate(grid):
             cancel.check(f"sweep cell {k + 1}/{len(grid)}")
             if k and cfg.budget_s is not None and time.perf_counter() - t0 > cfg.budget_s:  # one cell at least
@@ -202,7 +205,7 @@ def run_sweep(lm, cfg: SweepConfig, progress=None, settings=None, reference=None
                                server=cfg.server, prompt_source=f"sweep:{n}")
             scfg.validate()
             tc = time.perf_counter()
-            res = _study(lm, scfg, engine, settings, ref, False, lambda f, m: None, tc)
+            res = _study(lm, scfg, engine, settings, ref, False, lambda f, m: None, tc, memo)
             cells.append(cell_of(res, c, n, time.perf_counter() - tc, [len(encode(lm, p)) for p in prompts]))
             info = res.engine
     finally:

@@ -1,11 +1,19 @@
-"""Page: a view without a page script of its own (kvviz/views/<folder>/ with a Page entry and no pages/<folder>.py).
-Its config's fields are its controls (kvviz.core.protocol.config_fields); its run goes through the protocol; its verdict,
-figures and tables come from its registry entry; its downloads are every page's."""
+"""Page: a view without a page script of its own (kvviz/views/<folder>/ with a Page entry). Its config's fields are its
+controls (kvviz.core.protocol.config_fields, a field's `help` metadata their tooltip); under its title, its config's
+`ABOUT` (a ClassVar written for users; the docstring is for developers); its run goes through the protocol; its verdict,
+figures and tables come from its registry entry; its downloads are every page's.
+
+Give such a view pages/<folder>.py, the three lines of docs/example_view/pages/next_token.py that run this page: a
+fresh Streamlit server looks its very first request's URL up among the pages/ file names before app.py runs, so a
+link to /<folder> with no file of that name answered "Page not found" there (app.py's navigation, from the second
+request on, serves this page at the view's URL with or without the file)."""
+import argparse
 import dataclasses
 
 import streamlit as st
 
 from kvviz import views
+from kvviz.io.clirun import workload_of_args
 from kvviz.core.protocol import RunContext, config_fields, config_from
 from pages.common import VERDICT_STYLE, controls, page, show_notes, show_verdict, verdict_and_chart, verdict_style
 from pages.exporting import exports
@@ -13,7 +21,7 @@ from pages.runner import progress_bar, run_cached, show_error
 
 view = views.for_page(st.session_state.get("_page", ""))
 cls = view.config_type()
-choice, lm = page(view.title, (cls.__doc__ or view.title).strip().split("\n\n")[0])
+choice, lm = page(view.title, getattr(cls, "ABOUT", ""))
 prefix, defaults = view.page.prefix, view.page.defaults
 values = {}
 # collapsed, as on every page that runs when it opens: the verdict and the chart keep the first screen (a config of five
@@ -58,7 +66,10 @@ def compute():
 
 
 try:
-    res = run_cached(view.run_names()[0], {"model": choice.key, "cfg": dataclasses.asdict(cfg)}, compute)
+    # its memory plan: the config's own workload(), else read off its fields as its subcommand's options are
+    work = cfg.workload() if hasattr(cfg, "workload") else \
+        workload_of_args(argparse.Namespace(**dataclasses.asdict(cfg)))
+    res = run_cached(view.run_names()[0], {"model": choice.key, "cfg": dataclasses.asdict(cfg)}, compute, work)
 except Exception as e:  # noqa: BLE001
     show_error(e)
     st.stop()

@@ -7,7 +7,9 @@ The check (tests/browser.py's TEXT_JS, text_fit_problems) runs inside the walks 
 no page is opened twice for it: the chart pages in normal mode in test_browser.py::test_first_screen_in_normal_mode
 [light], in presenter mode in test_browser.py::test_presenter_mode_fits_verdict_and_chart_and_custom_html_is_readable
 [light] and (dtypes, padding) test_every_page_in_presenter_mode; the Lesson's figures in presenter mode in
-test_lesson_browser.py's walk (the default model, dark: only colours differ); in normal mode here."""
+test_lesson_browser.py's walk (the default model, dark: only colours differ); in normal mode here; the example view's
+chart on the generic page (docs/example_view, which the app does not register) in both modes in
+test_view_page_browser.py::test_the_example_view_as_a_fresh_servers_first_request, on the server of its own it needs."""
 import pytest
 
 from browser import app_server_fixture, browser, no_exception, text_fit_problems, wait_idle

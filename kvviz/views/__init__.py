@@ -20,7 +20,8 @@ A view is a scenario kvviz can run and show (split, greedy, …). Its folder hol
 A view with a Page entry and no page script pages/<folder>.py gets the generic page (pages/view.py: its config's
 fields as controls, its run through the protocol, its verdict, figures, tables and downloads); its own one-click
 scenarios go in its entry (`scenarios`: kvviz.teach.presets.Preset), listed on Home and run by Prepare the meeting.
-tests/test_toy_view.py adds a view that way, in a temporary package, with no other edit.
+tests/test_toy_view.py adds a view that way, in a temporary package, with no other edit. (A link to its page opened
+as a fresh server's first request needs pages/<folder>.py running the generic page: docs/example_view/pages/.)
 
 Each entry also holds the view's facts that the core reads instead of comparing names: its memory profile (what
 the memory plan counts for it, kvviz.core.memory; a view without one is refused here), its page (navigation, the

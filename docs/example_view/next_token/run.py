@@ -2,7 +2,8 @@
 run honours invariant mode, cache kinds and the float64 reference like every other view."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -15,8 +16,13 @@ from kvviz.core.protocol import DEFAULT_CONTEXT, RunContext
 @dataclass(frozen=True)
 class NextTokenConfig:
     """The prompt whose last token is fed through the cache of the rest. Its fields are the subcommand's options
-    (`--prompt`) and a page's controls."""
-    prompt: str = "The cat sat on the"
+    (`--prompt`) and a page's controls (`help`: the control's tooltip); ABOUT is what its page says to the user."""
+    ABOUT: ClassVar[str] = (
+        "Does the KV cache change the next word's scores? The prompt runs whole, then again with its last token fed "
+        "through the cache of the rest; the chart shows the largest difference (0: the very same numbers). Without a "
+        "float64 rerun, this example does not say whether a difference is rounding or a bug.")
+    prompt: str = field(default="The cat sat on the", metadata={
+        "help": "The text the model reads. Its last token is the one fed through the cache of the others."})
 
     def validate(self) -> None:
         if not self.prompt:

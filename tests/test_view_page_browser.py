@@ -116,6 +116,18 @@ def test_the_example_page_speaks_to_users_and_its_chart_is_fitted(example_view):
     assert verdict and ("bit for bit" in verdict[0] or "no float64 reference" in verdict[0]), verdict
 
 
+def test_every_page_of_the_app_has_its_file_for_a_fresh_servers_first_request():
+    """Every view page the app serves has a file in pages/ named as its URL (its own page, or the generic page's
+    three lines): without it, a link to the page opened as a fresh server's first request answered "Page not found"
+    and landed on Home. (A view on the generic page without one still works from the app's second request on.)"""
+    from kvviz import views
+
+    pages = [v.page for v in views.all_views() if v.page is not None]
+    assert len(pages) >= 12
+    for p in pages:
+        assert (ROOT / "pages" / f"{p.url_path}.py").is_file(), p.url_path
+
+
 @pytest.mark.browser
 def test_the_example_view_as_a_fresh_servers_first_request(tmp_path, artifacts):
     """The example view's link opened as the very first request of a fresh server draws the view - its title, its

@@ -455,14 +455,83 @@ def run_serving(model: str, dtypes: list[str], lengths: list[int], out: Path | N
     return rows
 
 
+PHASES = ("reference", "alone", "batch", "float64-full", "float64-alone", "float64-batch", "proof")
+
+
+def serving_phases(model: str, dtype: str, tokens: int, phases: list[str], prompts: int = 4, new_tokens: int = 8,
+                   batch: int = 4) -> None:
+    """The serving study's phases one at a time in this process (call it in a fresh one per length): each phase's
+    peak RSS above what the process held before it (/proc/self/clear_refs), beside the phase the plan counts for it
+    (kvviz.core.memory.paged_study_bytes). Phases: kvviz's no-cache reference of one prompt; the engine's alone and
+    batch calls of `prompts` prompts; the float64 full forward of the replay; the float64 replay of the alone and
+    batch calls (the target's prompt with 1 new token, the neighbours' with `new_tokens`); the proof's first
+    invariant-mode forward (its kernel probes) and its engine call."""
+    from kvviz.core import memory
+    from kvviz.core.execution import DEFAULT_SETTINGS, Executor
+    from kvviz.core.inputs import build_inputs, encode
+    from kvviz.core.replay import Replay, replay_step
+    from kvviz.engines.serving import Request, make_engine
+    from kvviz.models.loading import load_model
+    from kvviz.views.serving.run import _engine_run, _reference
+
+    lm = load_model(model, dtype, "cpu")
+    text, _ = length_prompt(model, tokens)
+    texts = [text[:max(1, len(text) - 3 * k)] for k in range(prompts)]
+    ids = [encode(lm, t) for t in texts]
+    shape, b = memory.model_shape(__import__("kvviz.models.loading", fromlist=["parse_spec"]).parse_spec(model)), \
+        memory.BYTES[dtype]
+    T = max(len(i) for i in ids) + new_tokens
+    eng, ex = make_engine("transformers", memory.PAGE_SIZE), Executor(lm, DEFAULT_SETTINGS)
+    k = min(batch, prompts)
+    lm64 = ex64 = None
+    for ph in phases:
+        if ph.startswith("float64") and lm64 is None:
+            lm64 = lm.reference()
+            ex64 = Executor(lm64, DEFAULT_SETTINGS)
+        base, t0 = memory.reset_peak("cpu"), time.perf_counter()
+        res, res64 = memory.working_bytes(shape, b, T), memory.working_bytes(shape, 8, T)
+        if ph == "reference":
+            _reference(ex, lm, texts[0], new_tokens)
+            plan = memory.decoding_bytes(shape, dtype, T, 1, new_tokens, False)
+        elif ph in ("alone", "batch"):
+            _engine_run(eng, ex, [Request(f"p{i}", x, new_tokens) for i, x in enumerate(ids)],
+                        1 if ph == "alone" else k, False, set())
+            plan = sum(memory.paged_call_bytes(shape, b, T, prompts, 1 if ph == "alone" else k, memory.PAGE_SIZE)) \
+                + res
+        elif ph == "float64-full":
+            with ex64.session():
+                replay_step(ex64, build_inputs(lm64, texts[0], 0, extra_tokens=new_tokens), Replay.FULL, []).double()
+            plan = res64 + T * shape.vocab * 8 + memory.head_slice_bytes(shape, T)
+        elif ph in ("float64-alone", "float64-batch"):
+            ids64 = [encode(lm64, t) for t in texts]
+            n = 1 if ph == "float64-alone" else k
+            reqs = [Request("p0", ids64[0], 1, keep_scores=True)] + [Request(f"p{i}", ids64[i], new_tokens)
+                                                                      for i in range(1, n)]
+            _engine_run(eng, ex64, reqs, n, False, set())
+            plan = sum(memory.paged_call_bytes(shape, 8, T, n, n, memory.PAGE_SIZE)) + res64 + \
+                (new_tokens + 1) * shape.vocab * 8
+        elif ph == "proof":
+            exi = Executor(lm, DEFAULT_SETTINGS.with_(invariant=True))
+            _reference(exi, lm, texts[0], 1)
+            plan = memory.invariant_probe_bytes(shape, b) + memory.decoding_bytes(shape, dtype, T, 1, new_tokens,
+                                                                                   False)
+        else:
+            raise SystemExit(f"unknown phase {ph!r}; choose from {', '.join(PHASES)}")
+        peak = memory.measured_peak("cpu") - base
+        print(f"| {dtype} | {T} | {ph} | {plan / GIB:.3f} | {peak / GIB:.3f} | {plan / max(peak, 1):.2f} | "
+              f"{time.perf_counter() - t0:.1f} | {os.getloadavg()[0]:.1f} |", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=("build", "run", "reference", "plans", "matrix", "table", "lengths", "serving"))
+    ap.add_argument("what", choices=("build", "run", "reference", "plans", "matrix", "table", "lengths", "serving",
+                                     "serving-phases"))
     ap.add_argument("--model", default="default", help="lengths: the model (spec or folder)")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="lengths: comma list")
     ap.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="lengths: comma list of token counts")
     ap.add_argument("--root", default="/work/bigmodels")
     ap.add_argument("--write", action="store_true")
+    ap.add_argument("--phases", default=",".join(PHASES), help="serving-phases: comma list of " + ", ".join(PHASES))
     ap.add_argument("--only", default="", help="run: comma list of runs (big3b-split,big3b-greedy,gemma-split,"
                     "gemma-check); matrix: comma list of cell key parts (gguf/bfloat16/split, float64, ...)")
     ap.add_argument("--gguf", default=os.environ.get(GGUF_ENV), help=f"the real Gemma 3 270M GGUF (or ${GGUF_ENV})")
@@ -491,6 +560,12 @@ def main() -> int:
               "|---|---|---|---|---|---|---|---|---|")
         run_serving(args.model, [d for d in args.dtypes.split(",") if d],
                     [int(x) for x in args.lengths.split(",") if x], Path(args.out) if args.out else None)
+        return 0
+    if args.what == "serving-phases":  # one length and dtype a process (the first in --lengths, --dtypes)
+        print("| dtype | tokens | phase | plan (GiB) | peak over the phase's start (GiB) | plan / peak | wall (s) | load |"
+              "\n|---|---|---|---|---|---|---|---|")
+        serving_phases(args.model, args.dtypes.split(",")[0], int(args.lengths.split(",")[0]),
+                       [p for p in args.phases.split(",") if p])
         return 0
     if args.what == "plans":
         return 1 if check_plans() else 0

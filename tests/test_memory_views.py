@@ -489,11 +489,19 @@ def test_the_serving_plan_counts_each_engine_calls_paged_cache_mask_and_batch_fo
 # bfloat16, alone and in batches of 4, 16 new tokens, --no-proof, where 2 prompts parted (the float64 twin loaded, the
 # replays run). The CLI's process when kvviz.core.memory was imported: 255.5 MB. 2026-11-27, 2 shared cores (load 5-10).
 FOUR = (((4, 1), (4, 4), (8, 1)), ((1, 1), (4, 4), (2, 1)), 8)  # engine calls, float64 replays, new tokens
+# The 4096-token bfloat16 study (2 of 4 prompts parted) never finished here: its float64 replay of the batch of 4
+# (16,416 packed tokens, the engine's mask [16,416 x 41,152] in float64) passed the engine's 600 s limit after 25
+# min; its RSS, sampled every 2 s, reached 11.26e9 B in that replay (the phase paged_study_bytes names its largest)
+# and the plan counts 11.55 GiB (the "3.69 GiB" recorded beside it was this plan settled as if no prompt had parted).
 SERVING_PEAKS = {  # (dtype, tokens the plan counts: the longest prompt + new tokens, parted): (calls, peak RSS)
     ("bfloat16", 24, False): (FOUR, 1_332_588_544), ("bfloat16", 264, False): (FOUR, 1_335_083_008),
     ("bfloat16", 1032, False): (FOUR, 1_366_839_296), ("float32", 24, False): (FOUR, 1_121_112_064),
     ("float32", 264, False): (FOUR, 1_278_955_520), ("float32", 1032, False): (FOUR, 1_978_118_144),
-    ("bfloat16", 33, True): ((((8, 1), (8, 4)), ((1, 1), (4, 4)), 16), 2_481_897_472),
+    ("bfloat16", 33, True): ((((8, 1), (8, 4)), ((1, 1), (4, 4)), 16), 2_481_897_472),  # --no-proof
+    # the same with its proof (2 parted, proved; the invariant-mode probes' transient): the plan before the proof
+    # phase was counted, 2.525 GiB, was 2 MB under this peak (2026-11-27, load 8-14)
+    ("bfloat16", 33, "proved"): ((((8, 1), (8, 4)), ((1, 1), (4, 4)), 16), 2_712_948_736),
+    ("bfloat16", 4104, True): (FOUR, 11_257_417_728),  # at least: sampled, see above (the proof never ran)
 }
 
 
@@ -513,6 +521,53 @@ def test_the_serving_plan_bounds_its_measured_peaks_from_16_to_1024_tokens(monke
     plan = memory.plan_shape(SMOLLM2, "default", dtype, "cpu", "serving", tokens, free=20 * 1024 ** 3, steps=steps,
                              engine=engine)
     assert plan.if_identical is not None
-    plan.settle(SimpleNamespace(float64=[0.0] if parted else None))
-    assert (plan.reference_bytes > 0) == parted
+    plan.settle(SimpleNamespace(float64=[0.0] if parted else None,
+                                proof_s=1.0 if parted == "proved" or tokens == 4104 else None))
+    assert (plan.reference_bytes > 0) == bool(parted)
     assert 1.0 <= plan.total / peak <= 1.25, (plan.total / peak, plan.parts())
+
+
+_PROBE_PEAKS = """
+import sys, torch
+from kvviz.core import memory
+from kvviz.core.invariant import block_linear
+for vocab in (8192, 16384):
+    w, x = torch.randn(vocab, 512), torch.randn(40, 512)
+    base = memory.reset_peak("cpu")
+    block_linear(x, w)  # what invariant mode runs for the head's F.linear: its first call probes the head's shape
+    print(vocab, memory.measured_peak("cpu") - base)
+"""
+
+
+def test_the_serving_plan_counts_the_proofs_kernel_probes_by_the_largest_weights_shape():
+    """The invariant-mode proof's first forward probes each weight shape's kernels on float64 data of that shape
+    (kvviz.core.invariant.linear_block): measured in a fresh process on heads of 8192 and 16384 x 512 (float32), the
+    transient is within 0.8-1.0x of memory.invariant_probe_bytes and grows with the head as it does (on the default
+    model's 49152 x 576 head: 0.68 GB measured, 0.74 planned; the first proof of a study at 256 tokens peaked 0.72 GiB
+    over the call before it). Before, the serving plan had no proof phase: a study at short prompts whose prompts
+    parted planned 0.05 GiB for its float64 phases and met the 0.7 GiB probe in its proof. The phase follows the shape
+    and is dropped where no proof ran (--no-proof: `settle` by the result's proof_s)."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    out = subprocess.run([sys.executable, "-c", _PROBE_PEAKS], capture_output=True, text=True, timeout=120,
+                         check=True).stdout.split()
+    peaks = {int(v): int(p) for v, p in zip(out[::2], out[1::2])}
+    for vocab, peak in peaks.items():
+        term = memory.invariant_probe_bytes(dataclasses.replace(SMOLLM2, largest=vocab * 512), 4)
+        assert 0.8 * term <= peak <= term, (vocab, peak, term)
+    terms = {v: memory.invariant_probe_bytes(dataclasses.replace(SMOLLM2, largest=v * 512), 4) for v in peaks}
+    assert 0.8 <= (peaks[16384] - peaks[8192]) / (terms[16384] - terms[8192]) <= 1.0, peaks  # grows as the term
+    # in the plan: the default model's study of short prompts plans the probe where a prompt parts and a proof runs
+    engine = memory.PagedCalls(*FOUR)
+    plan = memory.plan_shape(SMOLLM2, "default", "bfloat16", "cpu", "serving", 24, free=20 * 1024 ** 3, steps=8,
+                             engine=engine)
+    probe = memory.invariant_probe_bytes(SMOLLM2, 2)
+    assert probe == 28311552 * 26 and plan.activations >= probe
+    unproved = memory.plan_shape(SMOLLM2, "default", "bfloat16", "cpu", "serving", 24, free=20 * 1024 ** 3,
+                                 steps=8, engine=engine).settle(SimpleNamespace(float64=[0.0], proof_s=None))
+    proved = memory.plan_shape(SMOLLM2, "default", "bfloat16", "cpu", "serving", 24, free=20 * 1024 ** 3,
+                               steps=8, engine=engine).settle(SimpleNamespace(float64=[0.0], proof_s=2.0))
+    assert proved.total == plan.total and unproved.total < plan.total - 0.1 * probe
+    assert unproved.reference_bytes == proved.reference_bytes > 0  # the float64 twin stays: it ran

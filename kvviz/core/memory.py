@@ -344,6 +344,10 @@ class MemoryPlan:
     # point: kvviz.views.split.run.run_split), for a run where they came out bit for bit equal: no float64 phase.
     # The plan before the run counts the rerun (it may happen); `settle` applies these after a run that had none.
     if_identical: dict | None = None
+    # the parts of a study whose prompts parted but that ran no invariant-mode proof (--no-proof): the proof's phase
+    # dropped (`settle`, by the result's proof_s; not for a study run in invariant mode throughout, whose first
+    # forward probes the kernels)
+    if_unproved: dict | None = None
 
     @property
     def total(self) -> int:
@@ -428,6 +432,13 @@ class MemoryPlan:
             self.notes.append("no float64 rerun: " + ("no prompt parted from its reference" if
                                                       profile(self.view).engine_calls else
                                                       "the cached path equalled the full forward bit for bit"))
+        elif self.if_unproved is not None and result is not None and getattr(result, "proof_s", 0) is None and \
+                not getattr(getattr(getattr(result, "settings", None), "execution", None), "invariant", False):
+            for part, value in self.if_unproved.items():  # --no-proof: the probes' transient never came
+                setattr(self, part, value)
+            self.notes.append("no invariant-mode proof ran")
+        if result is not None:
+            self.if_unproved = None
         return self
 
     def to_dict(self) -> dict:
@@ -818,9 +829,23 @@ def paged_call_bytes(shape: ModelShape, width: int, longest: int, requests: int,
     return int(cache), int(masks + forward)
 
 
+# kvviz.core.invariant's first run in a process probes the kernels of each weight's shape (linear_block): on data of
+# that shape built in float64 (random values, then a random power of two each, then their product: three float64
+# copies held at once) and copied into the weight's dtype. The largest weight (the head) sets the transient. Measured
+# on the default model (a 49152 x 576 head): the first invariant-mode call of a process peaked 0.72 GiB over the one
+# before it at 256 tokens (0.79 at 1024), the next call 0.03; tests/test_memory_views.py measures it by shape.
+INVARIANT_PROBE_COPIES = 3
+
+
+def invariant_probe_bytes(shape: ModelShape, width: int) -> int:
+    """The transient of invariant mode's kernel probes on the largest weight, the model in `width` bytes a number."""
+    return shape.largest * (INVARIANT_PROBE_COPIES * 8 + width)
+
+
 def paged_study_bytes(shape: ModelShape, dtype: str, tokens: int, steps: int | None,
                       calls: tuple[tuple[int, int], ...], replays: tuple[tuple[int, int], ...], page_size: int,
-                      reference: bool, attention: str = "sdpa", device: str = "cpu") -> tuple[int, int]:
+                      reference: bool, attention: str = "sdpa", device: str = "cpu",
+                      proof: bool = False) -> tuple[int, int]:
     """(cache, activations) of a study through a paged engine (MemoryProfile.engine_calls): the largest of its
     phases, one at a time (each engine call makes and destroys its own engine):
 
@@ -828,7 +853,12 @@ def paged_study_bytes(shape: ModelShape, dtype: str, tokens: int, steps: int | N
     * each engine call (requests, requests in flight) in the run's dtype (paged_call_bytes);
     * where the float64 reference runs: a full forward over the sequence in float64 (the first divergence replayed,
       every position's logits), then the engine call of that one prompt (`replays`) on the float64 model, with
-      every step's scores kept in float64.
+      every step's scores kept in float64 (at 4096-token prompts in batches of 4 this phase is the study's peak:
+      the float64 batch's cache, its mask [batch tokens, cache + batch tokens] and forward - 10.5 GiB measured on the
+      default model beside its 11.55 GiB plan);
+    * where the proof runs (`proof`: the parting conditions rerun in invariant mode, the reference first): the first
+      invariant-mode forward's kernel probes (invariant_probe_bytes) within kvviz's reference loop; the engine calls
+      in invariant mode hold what they hold in the run.
 
     Each engine call runs in the engine's own thread, beside the residue of the full forward before it (its working
     set, freed by kvviz's thread and kept by that thread's allocator arena; the engine's thread allocates from its
@@ -846,6 +876,8 @@ def paged_study_bytes(shape: ModelShape, dtype: str, tokens: int, steps: int | N
         for r, k in replays:
             cache, rest = paged_call_bytes(shape, 8, T, r, k, page_size, attention, device)
             phases.append((cache, rest + residue + (n + 1) * V * 8))
+        if proof:
+            phases.append((0, invariant_probe_bytes(shape, b) + decoding_bytes(shape, dtype, T, 1, n, False)))
     return max(phases, key=sum)
 
 
@@ -923,7 +955,7 @@ def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, vie
     load = read if ckpt < BYTES[dt] or (ckpt > BYTES[dt] and not float64_only) else 0
     cache = cache_bytes(shape, "float64" if float64_only else dt, tokens, batch, uses_ref and not float64_only)
     prof = profile(view)
-    if_identical = None
+    if_identical = if_unproved = None
     if uses_ref and prof.compared_after_split and not prof.bisector and not prof.many_prompts:
         # Split point reruns in float64 only where the cached path is not bit for bit the full forward
         # (kvviz.views.split.run.run_split: `main.has_cache and not main.identical`); known only once the run
@@ -935,12 +967,16 @@ def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, vie
         per = 2 * shape.layers * shape.kv_heads * shape.head_dim * tokens * batch
         cache = profile(view).cache_copies * per * max(BYTES[dt], 8 if uses_ref else 0)
     if engine is not None:  # a paged engine's calls, one at a time; the float64 reference only where a prompt parts
-        cache, acts = paged_study_bytes(shape, dt, tokens, steps, engine.calls, engine.replays, engine.page_size,
-                                        uses_ref, attention, device)
+        def study(f64: bool, proof: bool) -> tuple[int, int]:
+            return paged_study_bytes(shape, dt, tokens, steps, engine.calls, engine.replays, engine.page_size, f64,
+                                     attention, device, proof)
+
+        cache, acts = study(uses_ref, uses_ref)
         if uses_ref:
-            c0, a0 = paged_study_bytes(shape, dt, tokens, steps, engine.calls, engine.replays, engine.page_size,
-                                       False, attention, device)
+            c0, a0 = study(False, False)
             if_identical = dict(reference="not run", reference_bytes=0, cache=c0, activations=a0)
+            c1, a1 = study(True, False)
+            if_unproved = dict(cache=c1, activations=a1)
     kept = 8 * (shape.layers + 1) * tokens * batch * 8  # per-layer, per-position metrics, a few of them
 
     def _loading(acts: int, ref: int, cache: int) -> int:  # the activations, at least what the loads add
@@ -949,10 +985,13 @@ def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, vie
     acts = _loading(acts, ref, cache)
     if if_identical is not None:
         if_identical["activations"] = _loading(if_identical["activations"], 0, if_identical["cache"])
+    if if_unproved is not None:
+        if_unproved["activations"] = _loading(if_unproved["activations"], ref, if_unproved["cache"])
     if strategy == "streamed":
         notes.append("float64 reference streamed: the loaded weights upcast one operation at a time")
     return MemoryPlan(name, view, dt, device, tokens, batch, weights, strategy, ref, acts, cache, kept,
-                      runtime, free, free_from, extra_models=others, notes=notes, if_identical=if_identical)
+                      runtime, free, free_from, extra_models=others, notes=notes, if_identical=if_identical,
+                      if_unproved=if_unproved)
 
 
 # Public shapes for the "what fits where" table (docs/memory.md): Llama 3.2 1B, Llama 3.1 8B, Llama 3.1 70B.

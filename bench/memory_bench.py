@@ -423,6 +423,14 @@ def serving_prompts(model: str, tokens: int, count: int = 4) -> Path:
     return path
 
 
+def cli_plan(argv: list[str]):
+    """The memory plan a `python -m kvviz` command starts under (before its run settles it)."""
+    from kvviz.cli import build_parser
+    from kvviz.io.clirun import plan_for_args
+
+    return plan_for_args(build_parser().parse_args(argv))
+
+
 def run_serving(model: str, dtypes: list[str], lengths: list[int], out: Path | None = None, runs: int = 1,
                 new_tokens: int = 8, batch: int = 4) -> list[dict]:
     """The serving study (transformers' engine, every condition) over 4 prompts of each length, a fresh process
@@ -437,6 +445,8 @@ def run_serving(model: str, dtypes: list[str], lengths: list[int], out: Path | N
             r = measure(argv)
             j = r.get("json") or {}
             plan = j.get("memory_plan") or {}
+            if not plan:  # a run that failed (the 4096-token study: the engine's 600 s limit in its float64 replay)
+                plan = {"total": cli_plan(argv).total, "unsettled": True}  # the plan it started under
             ratio = plan["total"] / r["peak_rss"] if plan.get("total") and r["peak_rss"] else None
             parted = sum(p.get("first_divergence") is not None for p in j.get("prompts", []))
             row = {"model": model, "dtype": dt, "tokens": n, "plan_tokens": plan.get("tokens"), "rc": r["rc"],
@@ -450,7 +460,8 @@ def run_serving(model: str, dtypes: list[str], lengths: list[int], out: Path | N
             ok = ratio is not None and 1.0 <= ratio <= 1.25
             print(f"| {Path(model).name} | {dt} | {n} | {parted}/4 | {(plan.get('total') or 0) / GIB:.3f} | "
                   f"{(r['peak_rss'] or 0) / GIB:.3f} | {ratio or 0:.2f}{'' if ok else ' MISS'} | {r['wall_s']} | "
-                  f"{row['load']} |" + ("" if r["rc"] == 0 else f" rc {r['rc']}: {r['stderr_tail'][-160:]!r}"),
+                  f"{row['load']} |" + ("" if r["rc"] == 0 else f" rc {r['rc']} (plan: as started, unsettled): "
+                                                 f"{r['stderr_tail'][-160:]!r}"),
                   flush=True)
     return rows
 

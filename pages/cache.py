@@ -6,7 +6,7 @@ from pages.defaults import DEFAULTS
 from kvviz.core.memory import Workload
 from kvviz.views.cache import figures as cache_figures
 from kvviz.views.cache.size import KVShape, growth, known_configs, known_table, size_report
-from kvviz.views.cache.run import continue_and_compare, load_cache, save_cache_bytes
+from kvviz.views.cache.run import ReloadConfig, continue_and_compare, load_cache, save_cache_bytes
 from pages.common import page
 from pages.runner import run_cached, show_error
 from pages.exporting import exports
@@ -30,7 +30,7 @@ with t1:
         try:
             res = run_cached("kv_load", {"model": choice.key, "file": up.file_id, "cont": cont},
                              lambda: continue_and_compare(lm, load_cache(lm, up.getvalue()), cont),
-                             Workload(texts=(cont,)))
+                             ReloadConfig(continuation=cont, source=up.getvalue()).workload())
         except Exception as e:  # noqa: BLE001
             show_error(e)
         else:

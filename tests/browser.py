@@ -109,7 +109,8 @@ def click_until(page, target, done, timeout_s: float = 240, retry_s: float = 30,
     """Click `target` (a locator) and wait until `done()` is true. Under load the rerun a click starts can begin
     seconds later (a wait for "idle" then sees the old page), and a click that lands while the script reruns can be
     lost: so the condition itself is waited on, and when no run started and nothing changed within `retry_s` the
-    click is made again (a Streamlit radio, button or checkbox click is idempotent here)."""
+    click is made again. Only for clicks that may land twice: a radio option, a button whose callback sets a value;
+    never a checkbox or toggle (a second click turns it back: use set_checked)."""
     deadline = time.time() + timeout_s
     for attempt in range(tries):
         target.click()

@@ -192,7 +192,7 @@ def _page_workloads():
 
 
 @pytest.mark.app  # the page side imports pages/ (Streamlit)
-@pytest.mark.parametrize("case", range(12))
+@pytest.mark.parametrize("case", range(len(_page_workloads())))
 def test_the_cli_and_the_page_plan_the_same_run_the_same(case):
     """The CLI's plan, read off its arguments (or its config's workload), equals the plan of the typed workload the
     page builds from the same settings."""

@@ -12,13 +12,18 @@ from kvviz.views.serving.sweep import SweepConfig
 PROMPT = "The capital of France is Paris, and the capital of Italy is"
 
 
+def _planned(lines: list[str]) -> list[str]:
+    """A plan's lines without the free memory measured when it was printed (it moves with the machine)."""
+    return [x for x in lines if not x.strip().startswith(("free", "fits", "does not fit"))]
+
+
 def _cli_plan(capsys, argv) -> list[str]:
     assert main([*argv, "--model", "tiny:llama", "--plan"]) == 0
-    return capsys.readouterr().out.splitlines()
+    return _planned(capsys.readouterr().out.splitlines())
 
 
 def _plan(view, cfg) -> list[str]:
-    return plan_workload("tiny:llama", "float32", "cpu", view, cfg.workload()).lines()
+    return _planned(plan_workload("tiny:llama", "float32", "cpu", view, cfg.workload()).lines())
 
 
 @pytest.mark.parametrize("argv, view, cfg", [
@@ -46,10 +51,88 @@ def test_a_configs_workload_carries_what_grows_the_plan():
     assert total("greedy", GreedyConfig(prompt=PROMPT, max_new_tokens=200)) > \
         total("greedy", GreedyConfig(prompt=PROMPT, max_new_tokens=2))
     assert total("matrix", MatrixConfig(prompt=PROMPT, batch_with=(PROMPT * 40,))) > \
-        total("matrix", MatrixConfig(prompt=PROMPT))
+        total("matrix", MatrixConfig(prompt=PROMPT * 40))  # the batch-mate is a second row as long as the longest
+    assert MatrixConfig(prompt=PROMPT, batch_with=("a", "b")).workload().batch == 3
     assert total("serving_sweep", SweepConfig(lengths=(16, 2048), concurrency=(1, 8), engine="transformers")) > \
         total("serving_sweep", SweepConfig(lengths=(16, 64), concurrency=(1, 8), engine="transformers"))
     assert SweepConfig(concurrency=(1, 8), engine="transformers").workload().batch == 8
     assert SweepConfig(concurrency=(1, 8), engine="vllm").workload().batch == 1  # vLLM holds its batch itself
     w = ServeConfig(prompts=["a", "bb"], shared_prefix="P: ", engine="vllm").workload()
-    assert w == Workload(texts=("P: a", "P: bb"), new_tokens=16, batch=4, conditions=w.conditions, page_size=0)
+    assert w == Workload(texts=("P: a", "P: bb"), new_tokens=16, batch=4, conditions=("alone", "batch", "warm"),
+                         page_size=0)
+
+
+def test_a_reload_is_planned_with_the_saved_caches_tokens(tmp_path, capsys):
+    """`cache load` and the KV cache page plan the reloaded cache's tokens (read from the file's header) plus the
+    continuation: a long saved cache is planned long, before anything loads."""
+    import kvviz
+    from kvviz.views.cache.run import ReloadConfig, save_cache, saved_token_count
+
+    lm = kvviz.load_model("tiny:llama", "float32", "cpu")
+    short, long_ = tmp_path / "short.safetensors", tmp_path / "long.safetensors"
+    save_cache(lm, "Hello world", short)
+    save_cache(lm, PROMPT * 6, long_)
+    n_long = len(lm.tokenizer(PROMPT * 6)["input_ids"])
+    assert saved_token_count(long_) == n_long and saved_token_count(long_.read_bytes()) == n_long
+    assert saved_token_count(tmp_path / "missing.safetensors") == 0
+    w = ReloadConfig(continuation=" and then", source=long_).workload()
+    assert w.tokens == n_long + len(" and then".encode()) + 1
+    plan = _cli_plan(capsys, ["cache", "load", "--file", str(long_), "--continue", " and then"])
+    assert plan == _planned(plan_workload("tiny:llama", "float32", "cpu", "kv_reload", w).lines())
+    assert plan_workload("tiny:llama", "float32", "cpu", "kv_reload", w).total > plan_workload(
+        "tiny:llama", "float32", "cpu", "kv_reload", ReloadConfig(continuation=" and then", source=short).workload()).total
+
+
+PAGE_CASES = [  # page, its run, its controls, the CLI command of the same settings (given the run's workload)
+    ("pages/split.py", "split", {"split_prompt": PROMPT, "split_pad": 2},
+     lambda w: ["split", "--prompt", PROMPT, "--split", str(w.split), "--left-pad", "2"]),
+    ("pages/padding.py", "padding", {"padding_prompt": PROMPT, "padding_pad": 3, "padding_split": 4},
+     lambda w: ["padding", "--prompt", PROMPT, "--left-pad", "3", "--split", "4"]),
+    ("pages/reuse.py", "reuse", {"reuse_prefix": PROMPT, "reuse_conts": " Rome\n and Madrid", "reuse_n": 6},
+     lambda w: ["reuse", "--prefix", PROMPT, "--continuation", " Rome", "--continuation", " and Madrid",
+                "--max-new-tokens", "6"]),
+    ("pages/loading_trap.py", "trap", {"loading_trap_prompt": PROMPT, "loading_trap_n": 8},
+     lambda w: ["loading-trap", "--prompt", PROMPT, "--max-new-tokens", "8"]),
+    ("pages/quant.py", "quant", {"quant_prompt": PROMPT, "quant_n": 8, "quant_kv": "quanto:int4"},
+     lambda w: ["quant", "--prompt", PROMPT, "--max-new-tokens", "8", "--weights", w.weights, "--kv", "quanto:int4"]),
+    ("pages/greedy.py", "greedy", {"greedy_prompt": PROMPT, "greedy_n": 12},
+     lambda w: ["greedy", "--prompt", PROMPT, "--max-new-tokens", "12", "--paths", ",".join(w.paths)]),
+    ("pages/cache.py", "kv_size", {"cache_tokens": 300, "cache_batch": 2},
+     lambda w: ["cache", "size", "--tokens", "300", "--batch", "2"]),
+]
+
+
+@pytest.mark.app
+@pytest.mark.parametrize("case", PAGE_CASES, ids=[c[1] for c in PAGE_CASES])
+def test_a_page_hands_its_run_the_workload_of_its_controls_and_plans_as_the_cli(monkeypatch, capsys, case):
+    """The page itself (AppTest, its controls set): the workload it hands run_cached is what its controls say, and
+    its plan is the plan of the same settings on the command line."""
+    from streamlit.testing.v1 import AppTest
+
+    import pages.runner
+    from conftest import ROOT
+
+    path, run_name, state, argv_of = case
+    seen = {}
+
+    def recording(name, key_parts, compute, workload=None):
+        seen[name] = workload
+        raise RuntimeError("recorded")  # the page shows it in one line and stops: nothing runs
+
+    monkeypatch.setattr(pages.runner, "run_cached", recording)
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=300)
+    at.session_state["model_preset"] = "tiny:llama"
+    for k, v in state.items():
+        at.session_state[k] = v
+    at.run()
+    at.switch_page(path)
+    at.run()
+    assert not at.exception, at.exception
+    w = seen[run_name]
+    assert isinstance(w, Workload)
+    if run_name != "kv_size":
+        assert PROMPT in w.texts
+    argv = argv_of(w)
+    cli = argv[:1] + (argv[1:2] if argv[0] == "cache" else []) + (argv[2:] if argv[0] == "cache" else argv[1:])
+    view = __import__("kvviz").views.for_run(run_name).name
+    assert _cli_plan(capsys, cli) == _planned(plan_workload("tiny:llama", "float32", "cpu", view, w).lines())

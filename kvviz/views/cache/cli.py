@@ -52,8 +52,10 @@ def save(args) -> Outcome:
 def reload(args) -> Outcome:
     from .run import ReloadConfig, run
 
+    cfg = ReloadConfig(continuation=args.cont, source=args.file)
+    args.workload = cfg.workload()  # its memory plan: the saved cache's tokens + the continuation, as its page plans it
     lm = load(args)
-    res = run(lm, ReloadConfig(continuation=args.cont, source=args.file), context(args))
+    res = run(lm, cfg, context(args))
     return Outcome(res, lm, lambda: (
         f"reloaded {res.n_cached} cached tokens, continued with {len(res.continuation_tokens)}: bitwise equal to "
         f"a fresh cache: {res.bitwise_equal} (largest gap: logits {res.max_abs_logits:.3g}, hidden "

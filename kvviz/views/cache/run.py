@@ -19,6 +19,7 @@ from ... import __version__
 from ...models.compat import fill_cache_layer, output_cache
 from ...core.dtypes import dtype_name
 from ...core.errors import KvvizError
+from ...core.memory import Workload
 from ...core.execution import Executor, cache_layers
 from ...core.fingerprint import fingerprint
 from ...core.inputs import check_context, encode
@@ -265,6 +266,30 @@ class ReloadConfig:
         if self.source is None and not (isinstance(self.prompt, str) and self.prompt):
             raise KvvizError("give a prompt to cache or a saved cache to reload")
         return self
+
+    def workload(self) -> Workload:
+        """What the run holds, for its memory plan: the reloaded cache and a fresh one of the saved tokens, then the
+        continuation (its UTF-8 bytes + 1 bound its tokens from above: a byte-level BPE token spans a byte or more).
+        The saved token count is read from the file's header alone; an unreadable file plans the continuation only
+        (the run then says what is wrong in its own line)."""
+        cont = len(self.continuation.encode("utf-8")) + 1
+        if self.source is None:
+            return Workload(texts=(self.prompt,), tokens=len(self.prompt.encode("utf-8")) + 1 + cont)
+        return Workload(tokens=saved_token_count(self.source) + cont)
+
+
+def saved_token_count(source) -> int:
+    """The number of cached tokens a saved cache holds (its kvviz metadata's n_tokens), from the header alone; 0 where
+    the file cannot be read as one."""
+    try:
+        if isinstance(source, (bytes, bytearray)):
+            raw = _header_metadata(bytes(source))
+        else:
+            p = Path(source)
+            raw = _header_metadata(p.read_bytes()[:8 + _header_len(p)])
+        return max(0, int(json.loads((raw or {})["kvviz"]).get("n_tokens", 0)))
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
 
 
 # what its run cannot honour (kvviz.core.protocol.RunContext.running; the CLI refuses the matching flag)

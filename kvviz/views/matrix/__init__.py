@@ -13,5 +13,5 @@ VIEW = View("matrix", "Backends & compile", "MatrixResult", "report:reopen", "fi
                       defaults={"prompt": CAPITALS, "n": 8, "repeats": 2, "attn": ("eager", "sdpa"),
                       "cache": ("dynamic", "static")}, url_aliases=("backends",)), config="run:MatrixConfig", run="run:run",
             refuses="run:REFUSES",
-            memory=MemoryProfile(),
+            memory=MemoryProfile(batch_from_workload=True),  # the prompt and its batch-mates in one batch
             scenario="scenario:setup")

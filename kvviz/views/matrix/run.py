@@ -74,9 +74,10 @@ class MatrixConfig:
         return list(itertools.product(self.attentions, self.caches, self.compiles, self.flag_sets))
 
     def workload(self) -> Workload:
-        """What the run holds, for its memory plan: the prompt and its batch neighbours, the largest attention."""
+        """What the run holds, for its memory plan: the prompt and its batch-mates in one batch (as wide as the
+        longest), the new tokens, the largest attention."""
         return Workload(texts=(self.prompt, *self.batch_with), new_tokens=int(self.max_new_tokens),
-                        left_pad=int(self.left_pad), attention=",".join(self.attentions))
+                        left_pad=int(self.left_pad), batch=1 + len(self.batch_with), attention=",".join(self.attentions))
 
 
 @dataclass

@@ -418,3 +418,68 @@ def test_a_serve_config_is_normalised_when_made_and_validate_changes_nothing():
     assert ServeConfig(prompts=["a"], engine="vllm").page_size is None
     with pytest.raises(KvvizError, match="leave --engine, --page-size"):
         ServeConfig(prompts=["a"], server="http://localhost:1", page_size=8).validate()
+
+
+def test_the_engine_wait_ends_on_a_stall_not_on_a_long_run_that_keeps_stepping(monkeypatch):
+    """transformers' engine is waited on while it keeps sampling steps (a float64 replay of a long batch may run for
+    longer than the limit in all), and given up in one line when it takes no step for the limit."""
+    import time
+
+    from kvviz.core.errors import KvvizError
+    from kvviz.core.execution import Executor
+    from kvviz.engines import serving as engines
+
+    lm = kvviz.load_model("tiny:llama", "float32", "cpu")
+    reqs = [engines.Request(key="a", ids=[1, 5, 9, 13], max_new_tokens=6)]
+    monkeypatch.setattr(engines, "_TIMEOUT_S", 1.0)
+    real = engines._Capture.record
+    delays = iter([0.35] * 6)
+
+    def slow(self, rows, probs):  # each step 0.35 s: 6 steps, over 2 s in all, never 1 s without a step
+        time.sleep(next(delays, 0.0))
+        real(self, rows, probs)
+
+    monkeypatch.setattr(engines._Capture, "record", slow)
+    with Executor(lm).session():
+        out = engines.TransformersEngine().run(lm, reqs, max_in_flight=1, prefix_sharing=False)
+    assert len(out.outputs["a"].tokens) == 6 and out.seconds > 2.0
+    delays = iter([0.1, 3.0])  # the second step stalls past the limit
+
+    def stalling(self, rows, probs):
+        time.sleep(next(delays, 0.0))
+        real(self, rows, probs)
+
+    monkeypatch.setattr(engines._Capture, "record", stalling)
+    with pytest.raises(KvvizError, match="gave no result and took no step for 1 s"):
+        with Executor(lm).session():
+            engines.TransformersEngine().run(lm, reqs, max_in_flight=1, prefix_sharing=False)
+
+
+def test_an_engine_given_up_on_mid_step_ends_without_a_traceback(monkeypatch, capfd):
+    """After the wait gives up (one line), the engine's thread may still be inside a long step when stop() stops
+    waiting for it: its end must not print transformers' traceback under kvviz's line."""
+    import time
+
+    from kvviz.core.errors import KvvizError
+    from kvviz.core.execution import Executor
+    from kvviz.engines import serving as engines
+
+    lm = kvviz.load_model("tiny:llama", "float32", "cpu")
+    reqs = [engines.Request(key="a", ids=[1, 5, 9, 13], max_new_tokens=6)]
+    monkeypatch.setattr(engines, "_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(engines, "_STOP_WAIT_S", 0.1)
+    real = engines._Capture.record
+    delays = iter([0.0, 2.0])  # the second step outlasts both the wait and stop()'s wait
+
+    def stalling(self, rows, probs):
+        time.sleep(next(delays, 0.0))
+        real(self, rows, probs)
+
+    monkeypatch.setattr(engines._Capture, "record", stalling)
+    capfd.readouterr()
+    with pytest.raises(KvvizError, match="took no step for 0 s|took no step for 1 s"):
+        with Executor(lm).session():
+            engines.TransformersEngine().run(lm, reqs, max_in_flight=1, prefix_sharing=False)
+    time.sleep(0.5)
+    out, err = capfd.readouterr()
+    assert "Traceback" not in out + err and "Error in generation loop" not in out + err, err[-2000:]

@@ -49,6 +49,7 @@ ENGINE_TOGGLES = {
 }
 MIN_PAGE = 4
 _TIMEOUT_S = 600.0
+_STOP_WAIT_S = 60.0  # how long stop() waits for the engine's thread before destroy() joins it
 
 
 def vllm_available() -> bool:
@@ -108,6 +109,7 @@ class _Capture:
     def __init__(self, manager, keep: set[str], margins: dict, scores: dict):
         self.manager, self.keep, self.margins, self.scores = manager, keep, margins, scores
         self.cached: dict[str, int] = {}
+        self.last_step = time.perf_counter()  # when the engine last sampled: its progress, for the caller's wait
 
     def hook(self, batch_processor) -> None:
         compat.cb_hook_sampler(batch_processor, self.record)
@@ -117,6 +119,7 @@ class _Capture:
         self.cached[request_id] = self.cached.get(request_id, 0) + n
 
     def record(self, rows: list[str], probs: torch.Tensor) -> None:
+        self.last_step = time.perf_counter()
         if not rows or len(rows) > probs.shape[0]:
             return
         top = probs[: len(rows)].double().topk(2, dim=-1).values
@@ -200,16 +203,17 @@ class TransformersEngine:
             for r in batch_now:
                 manager.add_request(r.ids, request_id=r.key, max_new_tokens=r.max_new_tokens, eos_token_id=-1)
             manager.start()
-            _collect(manager, {r.key for r in batch_now}, results, failure)
+            _collect(manager, {r.key for r in batch_now}, results, failure, capture)
             for r in requests:
                 if r.key in seq:
                     manager.add_request(r.ids, request_id=r.key, max_new_tokens=r.max_new_tokens, eos_token_id=-1)
-                    _collect(manager, {r.key}, results, failure)
+                    _collect(manager, {r.key}, results, failure, capture)
         finally:
             try:
                 if manager is not None:
-                    manager.stop(block=True, timeout=60)
-                    manager.destroy()
+                    with compat.cb_quiet_end():  # its shutdown's log: a step still running, no second error
+                        manager.stop(block=True, timeout=_STOP_WAIT_S)
+                        manager.destroy()
             finally:
                 if compat.attention_implementation(model) != original_attn:
                     model.set_attn_implementation(original_attn)
@@ -254,8 +258,11 @@ def _engine_failure(e: BaseException) -> BaseException:
                       + first_line(e, typed=True))
 
 
-def _collect(manager, keys: set[str], results: dict, failure: list) -> None:
-    deadline = time.perf_counter() + _TIMEOUT_S
+def _collect(manager, keys: set[str], results: dict, failure: list, capture: _Capture) -> None:
+    """Wait for `keys`' results. The wait ends in one line when the engine has neither returned a result nor sampled
+    a step for _TIMEOUT_S (a hung engine); a long run that keeps stepping (a float64 replay's many decode steps) is
+    waited on."""
+    started = time.perf_counter()
     waiting = set(keys)
     while waiting:
         if failure:
@@ -270,8 +277,9 @@ def _collect(manager, keys: set[str], results: dict, failure: list) -> None:
                 if failure:
                     raise _engine_failure(failure[0])
                 raise KvvizError("the continuous-batching engine stopped before every request finished")
-            if time.perf_counter() > deadline:
-                raise KvvizError(f"the continuous-batching engine gave no result within {_TIMEOUT_S:.0f} s")
+            if time.perf_counter() > max(started, capture.last_step) + _TIMEOUT_S:
+                raise KvvizError(f"the continuous-batching engine gave no result and took no step for "
+                                 f"{_TIMEOUT_S:.0f} s")
             continue
         if res.is_finished() and res.request_id in waiting:
             if res.error is not None:

@@ -337,6 +337,30 @@ def cb_fatal_error(manager):
     return getattr(status, "fatal_error", None)
 
 
+class cb_quiet_end:
+    """Around a manager's stop() and destroy(): transformers logs its shutdown (a thread still inside a step when
+    stop() stops waiting: "did not exit after join timeout"; stop() clears the batch processor, so that thread's next
+    step fails and its loop logs the error with a traceback) - after kvviz has said in one line why the run ended, or
+    after a normal end where there is nothing to say. Its continuous-batching logger is muted meanwhile."""
+
+    LOGGER = "ContinuousBatchingLogger"  # transformers/generation/continuous_batching/utils.py
+
+    def filter(self, record) -> bool:
+        return False
+
+    def __enter__(self):
+        import logging
+
+        logging.getLogger(self.LOGGER).addFilter(self)
+        return self
+
+    def __exit__(self, *exc):
+        import logging
+
+        logging.getLogger(self.LOGGER).removeFilter(self)
+        return False
+
+
 def cb_stopped_and_drained(manager) -> bool:
     """The engine's thread has ended and no result is waiting."""
     router = getattr(manager, "output_router", None)

@@ -23,12 +23,13 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def streamlit_server(env_extra: dict | None = None):
+def streamlit_server(env_extra: dict | None = None, script: Path | None = None, log_path: Path | None = None):
+    """`streamlit run` of app.py (or of `script`, e.g. view_launcher's) on a free port: (URL, log path)."""
     port = free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env_extra or {}))  # its log written as it happens
-    log_path = ROOT / "test-artifacts" / f"streamlit-{port}.log"
+    log_path = log_path or ROOT / "test-artifacts" / f"streamlit-{port}.log"
     log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", str(ROOT / "app.py"),
+    proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", str(script or ROOT / "app.py"),
                              "--server.port", str(port), "--server.headless", "true"],
                             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -53,6 +54,23 @@ def streamlit_server(env_extra: dict | None = None):
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+def view_launcher(root: Path, folder: str) -> Path:
+    """A launcher under `root` that runs app.py with one more view folder in the registry (the one line a new view
+    adds), `root` first on sys.path: run it with streamlit_server(script=...)."""
+    import textwrap
+
+    launcher = root / "launch.py"
+    launcher.write_text(textwrap.dedent(f"""
+        import runpy, sys
+        sys.path[:0] = [{str(root)!r}, {str(ROOT)!r}]
+        from kvviz import views
+        if {folder!r} not in views.VIEW_FOLDERS:
+            views.VIEW_FOLDERS.append({folder!r})  # the one line
+        runpy.run_path({str(ROOT / "app.py")!r}, run_name="__main__")
+    """))
+    return launcher
 
 
 def app_server_fixture():

@@ -281,12 +281,7 @@ def test_reset_to_defaults_on_the_generic_page_in_a_browser(tmp_path):
     """The toy's page in Chromium (a server of its own: the toy's registry line in its process): after two controls
     are changed, Reset to defaults shows the defaults again - in the browser the controls had kept their old values
     (AppTest, without a frontend, never showed it)."""
-    import os
-    import subprocess
-    import time
-    import urllib.request
-
-    from browser import browser, free_port, wait_idle
+    from browser import browser, click_until, streamlit_server, view_launcher, wait_idle
 
     pkg = tmp_path / "kvviz_toy_pkg" / "toy"
     pkg.mkdir(parents=True)
@@ -294,50 +289,30 @@ def test_reset_to_defaults_on_the_generic_page_in_a_browser(tmp_path):
     for name, text in TOY.items():
         (pkg / name).write_text(textwrap.dedent(text))
     (tmp_path / "pages").symlink_to(ROOT / "pages")  # the app's pages, beside the launcher (st.Page paths)
-    (tmp_path / "launch.py").write_text(textwrap.dedent(f"""
-        import runpy, sys
-        sys.path[:0] = [{str(tmp_path)!r}, {str(ROOT)!r}]
-        from kvviz import views
-        if "kvviz_toy_pkg.toy" not in views.VIEW_FOLDERS:
-            views.VIEW_FOLDERS.append("kvviz_toy_pkg.toy")
-        runpy.run_path({str(ROOT / "app.py")!r}, run_name="__main__")
-    """))
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    with open(tmp_path / "server.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", str(tmp_path / "launch.py"), "--server.port",
-                                 str(port), "--server.headless", "true"], cwd=ROOT, stdout=log,
-                                stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        try:
-            deadline = time.time() + 60
-            while True:
-                try:
-                    with urllib.request.urlopen(url + "/_stcore/health", timeout=2):
-                        break
-                except OSError:
-                    assert time.time() < deadline and proc.poll() is None, "the server did not start"
-                    time.sleep(0.5)
-            with browser() as b:
-                page = b.new_page(viewport={"width": 1280, "height": 720})
-                page.goto(url)  # a fresh server's first visit runs Streamlit's plain pages/ app: the toy's URL waits
-                page.get_by_text("About kvviz").first.wait_for(timeout=60_000)
-                page.goto(url + '/toy?model_preset="tiny:llama"')
-                page.get_by_text("Verdict:").first.wait_for(timeout=60_000)
-                wait_idle(page)
-                page.get_by_text("Settings: prompt and controls").click()
-                split = page.get_by_role("spinbutton", name="Split")
-                split.fill("2")
-                split.press("Enter")
-                wait_idle(page)
-                page.locator('[data-testid="stRadio"] label', has_text="step").click()
-                wait_idle(page)
-                assert page.get_by_text(f"over {tokens('The capital of France is') - 2} positions").count()
-                page.get_by_role("button", name="Reset to defaults").click()
-                wait_idle(page)
-                assert split.input_value() == "3"
-                assert page.locator('[data-testid="stRadio"] label', has_text="chunk").locator("input").is_checked()
-                assert page.get_by_text(f"over {tokens('The capital of France is') - 3} positions").count()
-        finally:
-            proc.terminate()
-            proc.wait(10)
+    with streamlit_server(script=view_launcher(tmp_path, "kvviz_toy_pkg.toy"), log_path=tmp_path / "server.log") \
+            as (url, _):
+        with browser() as b:
+            page = b.new_page(viewport={"width": 1280, "height": 720})
+            page.goto(url)  # a fresh server's first visit runs Streamlit's plain pages/ app: the toy's URL waits
+            page.get_by_text("About kvviz").first.wait_for(timeout=60_000)
+            page.goto(url + '/toy?model_preset="tiny:llama"')
+            page.get_by_text("Verdict:").first.wait_for(timeout=60_000)
+            wait_idle(page)
+            page.get_by_text("Settings: prompt and controls").click()
+            split = page.get_by_role("spinbutton", name="Split")
+            split.fill("2")
+            split.press("Enter")
+            over = page.get_by_text(f"over {tokens('The capital of France is') - 2} positions")
+            over.first.wait_for(timeout=120_000)  # the run with split 2 (a wait on what it shows, not on idle)
+            wait_idle(page)
+            step = page.locator('[data-testid="stRadio"] label', has_text="step")
+            click_until(page, step, lambda: step.locator("input").is_checked())
+            wait_idle(page)
+            assert over.count()
+            click_until(page, page.get_by_role("button", name="Reset to defaults"),
+                        lambda: split.input_value() == "3")
+            wait_idle(page)
+            assert split.input_value() == "3"
+            assert page.locator('[data-testid="stRadio"] label', has_text="chunk").locator("input").is_checked()
+            assert page.get_by_text(f"over {tokens('The capital of France is') - 3} positions").count()
     assert "Traceback" not in (tmp_path / "server.log").read_text()

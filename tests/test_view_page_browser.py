@@ -6,13 +6,8 @@ among the pages/ file names before app.py runs); what the page says is written f
 fields' help, not its developer docstring); its chart fits (test_text_fit.py's check, normal and presenter mode)."""
 import contextlib
 import json
-import os
 import shutil
-import subprocess
 import sys
-import textwrap
-import time
-import urllib.request
 
 import pytest
 from streamlit.testing.v1 import AppTest
@@ -38,40 +33,12 @@ def add_example(root, pages: bool = True) -> None:
 def example_server(tmp_path):
     """`streamlit run` of app.py with the example view's registry line, from `tmp_path` (whose pages/ is the app's
     plus the example's page file): (URL, log path)."""
-    from browser import free_port
+    from browser import streamlit_server, view_launcher
 
     add_example(tmp_path)
-    (tmp_path / "launch.py").write_text(textwrap.dedent(f"""
-        import runpy, sys
-        sys.path[:0] = [{str(tmp_path)!r}, {str(ROOT)!r}]
-        from kvviz import views
-        if "example_views.next_token" not in views.VIEW_FOLDERS:
-            views.VIEW_FOLDERS.append("example_views.next_token")  # the one line
-        runpy.run_path({str(ROOT / "app.py")!r}, run_name="__main__")
-    """))
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log_path = tmp_path / "server.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", str(tmp_path / "launch.py"),
-                                 "--server.port", str(port), "--server.headless", "true"], cwd=ROOT, stdout=log,
-                                stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        try:
-            deadline = time.time() + 60
-            while True:
-                try:
-                    with urllib.request.urlopen(url + "/_stcore/health", timeout=2):
-                        break
-                except OSError:
-                    assert time.time() < deadline and proc.poll() is None, "the server did not start"
-                    time.sleep(0.5)
-            yield url, log_path
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    with streamlit_server(script=view_launcher(tmp_path, "example_views.next_token"),
+                          log_path=tmp_path / "server.log") as (url, log_path):
+        yield url, log_path
 
 
 @pytest.fixture

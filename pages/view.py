@@ -7,13 +7,12 @@ Give such a view pages/<folder>.py, the three lines of docs/example_view/pages/n
 fresh Streamlit server looks its very first request's URL up among the pages/ file names before app.py runs, so a
 link to /<folder> with no file of that name answered "Page not found" there (app.py's navigation, from the second
 request on, serves this page at the view's URL with or without the file)."""
-import argparse
 import dataclasses
 
 import streamlit as st
 
 from kvviz import views
-from kvviz.io.clirun import workload_of_args
+from kvviz.io.clirun import config_workload
 from kvviz.core.protocol import RunContext, config_fields, config_from
 from pages.common import VERDICT_STYLE, controls, page, show_notes, show_verdict, verdict_and_chart, verdict_style
 from pages.exporting import exports
@@ -66,9 +65,7 @@ def compute():
 
 
 try:
-    # its memory plan: the config's own workload(), else read off its fields as its subcommand's options are
-    work = cfg.workload() if hasattr(cfg, "workload") else \
-        workload_of_args(argparse.Namespace(**dataclasses.asdict(cfg)))
+    work = config_workload(cfg)  # its memory plan: as its subcommand plans it
     res = run_cached(view.run_names()[0], {"model": choice.key, "cfg": dataclasses.asdict(cfg)}, compute, work)
 except Exception as e:  # noqa: BLE001
     show_error(e)

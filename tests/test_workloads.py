@@ -136,3 +136,25 @@ def test_a_page_hands_its_run_the_workload_of_its_controls_and_plans_as_the_cli(
     cli = argv[:1] + (argv[1:2] if argv[0] == "cache" else []) + (argv[2:] if argv[0] == "cache" else argv[1:])
     view = __import__("kvviz").views.for_run(run_name).name
     assert _cli_plan(capsys, cli) == _planned(plan_workload("tiny:llama", "float32", "cpu", view, w).lines())
+
+
+def test_a_config_without_workload_is_planned_from_its_fields_as_its_subcommand_reads_them():
+    """The generic page plans a view config without workload() as the subcommand generated from it reads its
+    options: a list field (one comma-separated option there) keeps its values (a tuple read as an option lost them)."""
+    from dataclasses import dataclass
+
+    from kvviz.io.clirun import config_workload
+
+    @dataclass(frozen=True)
+    class Cfg:
+        prompt: str = PROMPT
+        max_new_tokens: int = 7
+        left_pad: int = 2
+        dtypes: tuple[str, ...] = ("bfloat16", "float16")
+        paths: tuple[str, ...] = ("cache", "no_cache")
+
+    w = config_workload(Cfg())
+    assert (w.texts, w.new_tokens, w.left_pad) == ((PROMPT,), 7, 2)
+    assert w.dtypes == ("bfloat16", "float16") and w.paths == ("cache", "no_cache")
+    assert config_workload(GreedyConfig(prompt=PROMPT, max_new_tokens=3)) == \
+        GreedyConfig(prompt=PROMPT, max_new_tokens=3).workload()

@@ -224,6 +224,20 @@ def workload_of_args(args) -> memory.Workload:
                           paths=tuple(p.strip() for p in paths.split(",") if p.strip()) if isinstance(paths, str) else ())
 
 
+def config_workload(cfg) -> memory.Workload:
+    """A view config's workload: its own `workload()`, else read off its fields as the subcommand generated from it
+    reads its options (kvviz.core.protocol.add_config_arguments: a list field is one comma-separated option) - the
+    generic page and that subcommand plan alike."""
+    import argparse
+    import dataclasses
+
+    if callable(getattr(cfg, "workload", None)):
+        return cfg.workload()
+    options = {k: ",".join(map(str, v)) if isinstance(v, (tuple, list)) else v
+               for k, v in dataclasses.asdict(cfg).items()}
+    return workload_of_args(argparse.Namespace(**options))
+
+
 def _prompt_set(args) -> list[str]:
     """The prompts of --prompts/--limit as the run loads them (none to plan where they cannot be read: the run says
     why in its own line)."""

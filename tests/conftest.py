@@ -12,9 +12,14 @@ ARTIFACTS = ROOT / "test-artifacts"
 # the default model's first load really converts; HF stays offline as on the target machines.
 _CACHE = Path(os.environ.get("KVVIZ_TEST_CACHE", "")) if os.environ.get("KVVIZ_TEST_CACHE") else None
 if _CACHE is None:
+    import atexit
+    import shutil
     import tempfile
 
     _CACHE = Path(tempfile.mkdtemp(prefix="kvviz-test-cache-"))
+    # this process's own cache (up to 0.5 GB: the converted default model) goes with it; left behind, every run kept
+    # one per worker and a developer's /tmp filled up (60 GB here after a few days)
+    atexit.register(shutil.rmtree, _CACHE, True)
 os.environ["KVVIZ_CACHE"] = str(_CACHE)
 # A Hugging Face cache of the tests' own (tests/test_routes.py lays a hub model out in it), set before anything
 # imports huggingface_hub, which reads it once; offline as on the target machines.

@@ -101,6 +101,28 @@ def check_mode(value: str, allowed: tuple[str, ...], what: str) -> str:
     return value
 
 
+@dataclass
+class Workload:
+    """What a run holds, as the CLI's arguments and a page's run both describe it: kvviz.core.memory.plan_workload
+    turns it into the plan, the same way for both."""
+    texts: tuple[str, ...] = ()  # the prompt(s) and prefix: the longest counts
+    continuations: tuple[str, ...] = ()  # texts appended to it (reuse): the longest counts
+    new_tokens: int = 0
+    left_pad: int = 0
+    tokens: int | None = None  # a run that names its token count (the cache sizes)
+    batch: int | None = None  # a run that names its batch (the cache sizes)
+    dtypes: tuple[str, ...] = ()  # the dtypes view: the dtypes run side by side
+    split: int | None = None  # the split point (views comparing only the positions after it)
+    weights: str = "none"  # weight quantization ("none": the model as loaded)
+    paths: tuple[str, ...] = ()  # the paths a decoding view runs (greedy; empty: its defaults)
+    attention: str = "auto"  # the attention implementation the run asks for (its score workspace: score_bytes)
+    # a study through a paged engine (MemoryProfile.engine_calls; its prompts are `texts`, each with its prefix, and
+    # its requests in flight `batch`): the conditions it runs (empty: every one the profile names) and the tokens a
+    # cache page holds (None: PAGE_SIZE; 0: no paged engine in this process - vLLM, llama.cpp, a server)
+    conditions: tuple[str, ...] = ()
+    page_size: int | None = None
+
+
 @dataclass(frozen=True)
 class SplitConfig:
     """A prompt split: its first `split` tokens go to the cache, the rest through it (split and bisect run it)."""

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from .errors import KvvizError
+from .inputs import MAX_PROMPT_CHARS, Workload  # noqa: F401 - Workload is part of this module's API
 from .float64 import REFERENCE_CHUNK_BYTES  # float64 runs apply a larger weight in slices of this
 
 GB = 1024 ** 3
@@ -1069,28 +1070,6 @@ def tokens_of_text(spec, text: str) -> int:
     return len(text.encode("utf-8")) + 2
 
 
-@dataclass
-class Workload:
-    """What a run holds, as the CLI's arguments and a page's run both describe it: kvviz.core.memory.plan_workload turns
-    it into the plan, the same way for both."""
-    texts: tuple[str, ...] = ()  # the prompt(s) and prefix: the longest counts
-    continuations: tuple[str, ...] = ()  # texts appended to it (reuse): the longest counts
-    new_tokens: int = 0
-    left_pad: int = 0
-    tokens: int | None = None  # a run that names its token count (the cache sizes)
-    batch: int | None = None  # a run that names its batch (the cache sizes)
-    dtypes: tuple[str, ...] = ()  # the dtypes view: the dtypes run side by side
-    split: int | None = None  # the split point (views comparing only the positions after it)
-    weights: str = "none"  # weight quantization ("none": the model as loaded)
-    paths: tuple[str, ...] = ()  # the paths a decoding view runs (greedy; empty: its defaults)
-    attention: str = "auto"  # the attention implementation the run asks for (its score workspace: score_bytes)
-    # a study through a paged engine (MemoryProfile.engine_calls; its prompts are `texts`, each with its prefix, and
-    # its requests in flight `batch`): the conditions it runs (empty: every one the profile names) and the tokens a
-    # cache page holds (None: PAGE_SIZE; 0: no paged engine in this process - vLLM, llama.cpp, a server)
-    conditions: tuple[str, ...] = ()
-    page_size: int | None = None
-
-
 @dataclass(frozen=True)
 class PagedCalls:
     """A study's calls to a paged engine: (requests, requests in flight) of each call of a run, and of the one-prompt
@@ -1121,8 +1100,6 @@ def paged_calls(prof: "MemoryProfile", w: Workload) -> PagedCalls | None:
 
 def plan_workload(spec, dtype: str, device, view: str, w: Workload) -> MemoryPlan:
     """The one memory-plan builder: the CLI (kvviz.io.clirun.plan_for_args) and the pages (pages/memory_plan.py) both call it."""
-    from .inputs import MAX_PROMPT_CHARS
-
     prof = profile(view)
     if any(len(t) > MAX_PROMPT_CHARS for t in w.texts):
         raise NoPlan()

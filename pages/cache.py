@@ -3,9 +3,8 @@ import streamlit as st
 
 from pages.defaults import DEFAULTS
 
-from kvviz.core.memory import Workload
 from kvviz.views.cache import figures as cache_figures
-from kvviz.views.cache.size import KVShape, growth, known_configs, known_table, size_report
+from kvviz.views.cache.size import KVShape, SizeConfig, growth, known_configs, known_table, size_report
 from kvviz.views.cache.run import ReloadConfig, continue_and_compare, load_cache, save_cache_bytes
 from pages.common import page
 from pages.runner import run_cached, show_error
@@ -19,7 +18,7 @@ with t1:
     prompt = st.text_area("Prompt to cache", DEFAULTS["cache"]["prompt"], key="cache_prompt", height=70)
     try:
         data, meta = run_cached("kv_save", {"model": choice.key, "prompt": prompt},
-                                lambda: save_cache_bytes(lm, prompt), Workload(texts=(prompt,)))
+                                lambda: save_cache_bytes(lm, prompt), ReloadConfig(prompt=prompt).workload())
         st.download_button(f"Download the cache ({meta['n_tokens']} tokens, {len(data) / 1024:.0f} KiB)", data,
                            file_name="kvviz-cache.safetensors", mime="application/octet-stream", key="cache_download")
     except Exception as e:  # noqa: BLE001
@@ -51,7 +50,7 @@ with t2:
         rep = run_cached("kv_size", {"model": choice.key, "tokens": int(tokens), "batch": int(batch)},
                          lambda: size_report(lm, int(tokens), int(batch),
                                              measure=lm.max_positions is None or int(tokens) <= lm.max_positions),
-                         Workload(tokens=int(tokens), batch=int(batch)))
+                         SizeConfig(int(tokens), int(batch)).workload())
     except Exception as e:  # noqa: BLE001
         show_error(e)
         st.stop()

@@ -1,8 +1,7 @@
 """Page: is my model cache-safe? The battery of float64 checks, one line of evidence each."""
 import streamlit as st
 
-from kvviz.core.memory import Workload
-from kvviz.views.check.run import run_check
+from kvviz.views.check.run import CheckConfig, run_check
 from kvviz.views.quant.run import KV_CHOICES, WEIGHT_CHOICES
 from pages.common import controls, page
 from pages.runner import progress_bar, run_cached, show_error
@@ -27,7 +26,7 @@ def compute():
 
 try:
     card = run_cached("check", {"model": choice.key_without("invariant"), "weights": weights, "kv": kv}, compute,
-                      Workload(weights=str(weights)))
+                      CheckConfig(weights=weights, kv=kv).workload())
 except Exception as e:  # noqa: BLE001
     show_error(e)
     st.stop()

@@ -4,9 +4,8 @@ import streamlit as st
 from pages.defaults import DEFAULTS
 
 import kvviz
-from kvviz.core.memory import Workload
 from kvviz.views.dtypes import figures as dtypes_figures
-from kvviz.views.dtypes.run import run_dtypes
+from kvviz.views.dtypes.run import DtypesConfig, run_dtypes
 from kvviz.teach.firstscreen import dtypes_line
 from pages.common import controls, page, prompt_set, show_verdict, verdict_and_chart
 from pages.runner import progress_bar, run_cached, show_error
@@ -29,7 +28,7 @@ with controls():
                          format_func={"last": "all but the last token cached", "half": "half cached"}.get)
     mode = c3.radio("Feed the rest", ["chunk", "step"], horizontal=True, key="dtypes_mode")
 
-work = Workload(texts=tuple(prompts), dtypes=tuple(dtypes))  # its memory plan
+work = DtypesConfig(tuple(prompts), tuple(dtypes), split, mode).workload()  # its memory plan
 
 
 def compute():

@@ -3,10 +3,9 @@ import streamlit as st
 
 from pages.defaults import DEFAULTS
 
-from kvviz.core.memory import Workload
 from kvviz.views.loading_trap import figures as loading_trap_figures
 
-from kvviz.views.loading_trap.run import run_loading_trap
+from kvviz.views.loading_trap.run import LoadingTrapConfig, run_loading_trap
 from pages.common import controls, page, show_verdict, verdict_and_chart
 from pages.runner import progress_bar, run_cached, show_error
 from pages.exporting import exports
@@ -29,7 +28,7 @@ def compute():
 
 try:
     res = run_cached("trap", {"model": choice.key_without("dtype"), "prompt": prompt, "n": int(n), "dtype": dtype},
-                     compute, Workload(texts=(prompt,), new_tokens=int(n)))
+                     compute, LoadingTrapConfig(prompt, int(n), dtype).workload())
 except Exception as e:  # noqa: BLE001
     show_error(e)
     st.stop()

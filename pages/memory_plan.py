@@ -1,7 +1,7 @@
 """The memory plan beside a page's Run button (not a page of its own: app.py's navigation does not list it).
 
     from pages.memory_plan import show_plan
-    plan = show_plan(choice, view, Workload(texts=(prompt,), left_pad=left_pad))
+    plan = show_plan(choice, view, cfg.workload())  # the run's config: what it holds
     run = st.button("Run", disabled=blocks_run(plan))
 
 One caption: the estimate against what is free (the full plan on hover); a run that cannot fit gets one error

@@ -3,9 +3,8 @@ import streamlit as st
 
 from pages.defaults import DEFAULTS
 
-from kvviz.core.memory import Workload
 from kvviz.views.padding import figures as padding_figures
-from kvviz.views.padding.run import run_padding
+from kvviz.views.padding.run import PaddingConfig, run_padding
 from kvviz.teach.firstscreen import padding_line
 from pages.common import controls, page, show_verdict
 from pages.runner import progress_bar, run_cached, show_error
@@ -26,7 +25,7 @@ with controls():
                       DEFAULTS["padding"]["prove"], key="padding_prove",
                       help="Off by default so the grid comes quickly; the float64 rerun decides every verdict anyway.")
 
-work = Workload(texts=(prompt,), left_pad=int(left_pad), split=int(split))  # its memory plan
+work = PaddingConfig(prompt, int(split) or None, int(left_pad)).workload()  # its memory plan
 
 
 def compute():

@@ -3,7 +3,6 @@ import streamlit as st
 
 from pages.defaults import DEFAULTS
 
-from kvviz.core.memory import Workload
 from kvviz.views.quant import figures as quant_figures
 from kvviz.views.quant.run import DEFAULT_RESIDUAL, KV_CHOICES, WEIGHT_CHOICES, package_available, run_quant, QuantConfig
 from pages.common import controls, page, show_verdict, verdict_and_chart
@@ -52,7 +51,7 @@ def compute():
 try:
     res = run_cached("quant", {"model": choice.key_without("invariant"), "prompt": prompt, "kv": kv,
                                "residual": int(residual), "weights": weights, "n": int(n)}, compute,
-                     Workload(texts=(prompt,), new_tokens=int(n), weights=str(weights)))
+                     cfg.workload())
 except Exception as e:  # noqa: BLE001
     show_error(e)
     st.stop()

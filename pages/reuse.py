@@ -3,10 +3,9 @@ import streamlit as st
 
 from pages.defaults import DEFAULTS
 
-from kvviz.core.memory import Workload
 from kvviz.views.reuse import figures as reuse_figures
 from kvviz.core.verdict import Verdict, worst as worst_of
-from kvviz.views.reuse.run import REUSE_STRATEGIES, run_reuse
+from kvviz.views.reuse.run import REUSE_STRATEGIES, ReuseConfig, run_reuse
 from pages.common import controls, page, show_verdict
 from pages.runner import progress_bar, run_cached, show_error
 from pages.ab import ab_run
@@ -27,7 +26,7 @@ with controls():
     prove = st.toggle("Prove precision gaps (rerun in invariant mode; slower)", DEFAULTS["reuse"]["prove"],
                       key="reuse_prove", help="Off by default so the texts come quickly; float64 decides the verdicts.")
 merged = [c.replace("\\n", "\n") for c in conts.splitlines() if c.strip()]
-work = Workload(texts=(prefix,), continuations=tuple(merged), new_tokens=int(n))  # its memory plan
+work = ReuseConfig(prefix, tuple(merged), int(n)).workload()  # its memory plan
 
 
 def compute():

@@ -4,7 +4,6 @@ import streamlit as st
 from pages.defaults import DEFAULTS
 
 import kvviz
-from kvviz.core.memory import Workload
 from kvviz.core import plotting
 from kvviz.views.split import figures as split_figures
 from kvviz.core.inputs import MASK_MODES, POSITION_MODES, encode
@@ -62,7 +61,7 @@ with controls():
 
 cfg = kvviz.SplitConfig(prompt=prompt, split=int(split), mode=mode, left_pad=int(left_pad), position_ids=pos_mode,
                         attention_mask=mask_mode)
-work = Workload(texts=(cfg.prompt,), left_pad=cfg.left_pad, split=cfg.split)  # what it holds: its memory plan
+work = cfg.workload()  # what it holds: its memory plan
 
 
 def compute():

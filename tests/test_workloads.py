@@ -83,36 +83,64 @@ def test_a_reload_is_planned_with_the_saved_caches_tokens(tmp_path, capsys):
         "tiny:llama", "float32", "cpu", "kv_reload", ReloadConfig(continuation=" and then", source=short).workload()).total
 
 
-PAGE_CASES = [  # page, its run, its controls, the CLI command of the same settings (given the run's workload)
+BUILTIN_3 = tuple(__import__("kvviz.core.prompts", fromlist=["load_prompts"]).load_prompts("builtin", 3))
+PAGE_CASES = [  # page, its run, its controls, the CLI command of the same settings (given the run's workload), what
+    # the workload holds from those controls
     ("pages/split.py", "split", {"split_prompt": PROMPT, "split_pad": 2},
-     lambda w: ["split", "--prompt", PROMPT, "--split", str(w.split), "--left-pad", "2"]),
+     lambda w: ["split", "--prompt", PROMPT, "--split", str(w.split), "--left-pad", "2"],
+     {"texts": (PROMPT,), "left_pad": 2}),
+    ("pages/split.py", "split", {"split_prompt": PROMPT, "attn": "eager"},  # the sidebar's attention: --attn
+     lambda w: ["split", "--prompt", PROMPT, "--split", str(w.split), "--attn", "eager"],
+     {"texts": (PROMPT,), "left_pad": 0}),
     ("pages/padding.py", "padding", {"padding_prompt": PROMPT, "padding_pad": 3, "padding_split": 4},
-     lambda w: ["padding", "--prompt", PROMPT, "--left-pad", "3", "--split", "4"]),
+     lambda w: ["padding", "--prompt", PROMPT, "--left-pad", "3", "--split", "4"],
+     {"texts": (PROMPT,), "left_pad": 3, "split": 4}),
+    ("pages/padding.py", "padding", {"padding_prompt": PROMPT, "padding_pad": 0, "padding_split": 0},  # 0: half
+     lambda w: ["padding", "--prompt", PROMPT, "--left-pad", "0"], {"left_pad": 0, "split": None}),
+    ("pages/dtypes.py", "dtypes", {"dtypes_prompt": PROMPT, "dtypes_dtypes": ["bfloat16", "float16"],
+                                   "dtypes_split": "half", "dtypes_mode": "step"},
+     lambda w: ["dtypes", "--prompt", PROMPT, "--dtypes", "bfloat16,float16", "--split", "half", "--mode", "step"],
+     {"texts": (PROMPT,), "dtypes": ("bfloat16", "float16"), "split": None}),
+    ("pages/dtypes.py", "dtypes", {"dtypes_source": "built-in set", "dtypes_limit": 3, "dtypes_dtypes": ["float16"]},
+     lambda w: ["dtypes", "--prompts", "builtin", "--limit", "3", "--dtypes", "float16"],
+     {"texts": BUILTIN_3, "dtypes": ("float16",)}),
     ("pages/reuse.py", "reuse", {"reuse_prefix": PROMPT, "reuse_conts": " Rome\n and Madrid", "reuse_n": 6},
      lambda w: ["reuse", "--prefix", PROMPT, "--continuation", " Rome", "--continuation", " and Madrid",
-                "--max-new-tokens", "6"]),
-    ("pages/loading_trap.py", "trap", {"loading_trap_prompt": PROMPT, "loading_trap_n": 8},
-     lambda w: ["loading-trap", "--prompt", PROMPT, "--max-new-tokens", "8"]),
-    ("pages/quant.py", "quant", {"quant_prompt": PROMPT, "quant_n": 8, "quant_kv": "quanto:int4"},
-     lambda w: ["quant", "--prompt", PROMPT, "--max-new-tokens", "8", "--weights", w.weights, "--kv", "quanto:int4"]),
+                "--max-new-tokens", "6"],
+     {"texts": (PROMPT,), "continuations": (" Rome", " and Madrid"), "new_tokens": 6}),
+    ("pages/loading_trap.py", "trap", {"loading_trap_prompt": PROMPT, "loading_trap_n": 8,
+                                       "loading_trap_dtype": "float16"},
+     lambda w: ["loading-trap", "--prompt", PROMPT, "--max-new-tokens", "8", "--cast-dtype", "float16"],
+     {"texts": (PROMPT,), "new_tokens": 8}),
+    ("pages/quant.py", "quant", {"quant_prompt": PROMPT, "quant_n": 8, "quant_kv": "quanto:int4",
+                                 "quant_weights": "int8"},
+     lambda w: ["quant", "--prompt", PROMPT, "--max-new-tokens", "8", "--weights", "int8", "--kv", "quanto:int4"],
+     {"texts": (PROMPT,), "new_tokens": 8, "weights": "int8"}),
     ("pages/greedy.py", "greedy", {"greedy_prompt": PROMPT, "greedy_n": 12},
-     lambda w: ["greedy", "--prompt", PROMPT, "--max-new-tokens", "12", "--paths", ",".join(w.paths)]),
+     lambda w: ["greedy", "--prompt", PROMPT, "--max-new-tokens", "12", "--paths", ",".join(w.paths)],
+     {"texts": (PROMPT,), "new_tokens": 12}),
+    ("pages/check.py", "check", {"check_weights": "int8"}, lambda w: ["check", "--weights", "int8"],
+     {"texts": (), "weights": "int8"}),
+    ("pages/cache.py", "kv_save", {"cache_prompt": PROMPT},
+     lambda w: ["cache", "save", "--prompt", PROMPT, "--out", "never-written.safetensors"], {"texts": (PROMPT,)}),
     ("pages/cache.py", "kv_size", {"cache_tokens": 300, "cache_batch": 2},
-     lambda w: ["cache", "size", "--tokens", "300", "--batch", "2"]),
+     lambda w: ["cache", "size", "--tokens", "300", "--batch", "2"], {"texts": (), "tokens": 300, "batch": 2}),
 ]
 
 
 @pytest.mark.app
-@pytest.mark.parametrize("case", PAGE_CASES, ids=[c[1] for c in PAGE_CASES])
+@pytest.mark.parametrize("case", PAGE_CASES, ids=[f"{c[1]}-{i}" for i, c in enumerate(PAGE_CASES)])
 def test_a_page_hands_its_run_the_workload_of_its_controls_and_plans_as_the_cli(monkeypatch, capsys, case):
     """The page itself (AppTest, its controls set): the workload it hands run_cached is what its controls say, and
-    its plan is the plan of the same settings on the command line."""
-    from streamlit.testing.v1 import AppTest
+    the plan it shows (pages/memory_plan.plan_for: the sidebar's attention on top) is the plan of the same settings
+    on the command line."""
+    from argparse import Namespace
 
     import pages.runner
-    from conftest import ROOT
+    from apptest import start
+    from pages.memory_plan import plan_for
 
-    path, run_name, state, argv_of = case
+    path, run_name, state, argv_of, expect = case
     seen = {}
 
     def recording(name, key_parts, compute, workload=None):
@@ -120,22 +148,28 @@ def test_a_page_hands_its_run_the_workload_of_its_controls_and_plans_as_the_cli(
         raise RuntimeError("recorded")  # the page shows it in one line and stops: nothing runs
 
     monkeypatch.setattr(pages.runner, "run_cached", recording)
-    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=300)
-    at.session_state["model_preset"] = "tiny:llama"
-    for k, v in state.items():
-        at.session_state[k] = v
-    at.run()
-    at.switch_page(path)
-    at.run()
-    assert not at.exception, at.exception
+    start(path, model="tiny:llama", **state)
     w = seen[run_name]
     assert isinstance(w, Workload)
-    if run_name != "kv_size":
-        assert PROMPT in w.texts
-    argv = argv_of(w)
-    cli = argv[:1] + (argv[1:2] if argv[0] == "cache" else []) + (argv[2:] if argv[0] == "cache" else argv[1:])
+    assert {k: getattr(w, k) for k in expect} == expect
     view = __import__("kvviz").views.for_run(run_name).name
-    assert _cli_plan(capsys, cli) == _planned(plan_workload("tiny:llama", "float32", "cpu", view, w).lines())
+    choice = Namespace(spec="tiny:llama", dtype="float32", device="cpu", attn=state.get("attn", "auto"))
+    assert _cli_plan(capsys, argv_of(w)) == _planned(plan_for(choice, view, w).lines())
+
+
+def test_the_cli_plans_a_configs_workload_with_its_attention(capsys):
+    """A command that plans its config's workload (which names no attention) plans it with --attn, as a page plans
+    it with the sidebar's: eager's materialised scores are in the plan."""
+    from dataclasses import replace
+
+    from kvviz.core.inputs import SplitConfig
+
+    argv = ["split", "--prompt", PROMPT * 8, "--split", "5"]
+    w = SplitConfig(prompt=PROMPT * 8, split=5).workload()
+    eager = _cli_plan(capsys, [*argv, "--attn", "eager"])
+    eager_plan = plan_workload("tiny:llama", "float32", "cpu", "split", replace(w, attention="eager"))
+    assert eager == _planned(eager_plan.lines())
+    assert _cli_plan(capsys, argv) == _plan("split", SplitConfig(prompt=PROMPT * 8, split=5)) != eager
 
 
 def test_a_config_without_workload_is_planned_from_its_fields_as_its_subcommand_reads_them():

@@ -142,6 +142,10 @@ class SplitConfig:
         if not isinstance(self.left_pad, int) or self.left_pad < 0:
             raise KvvizError(f"left padding must be 0 or more, not {self.left_pad}")
 
+    def workload(self) -> Workload:
+        """What the run holds, for its memory plan: the prompt, its left padding, the positions after the split."""
+        return Workload(texts=(self.prompt,), left_pad=int(self.left_pad), split=self.split)
+
 
 def check_split(n_tokens: int, split: int) -> None:
     if n_tokens < 2:

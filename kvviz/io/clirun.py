@@ -7,6 +7,7 @@ does that for all of them (flags a subcommand cannot honour refused, --json-out/
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from dataclasses import dataclass
 from typing import Callable
@@ -193,11 +194,13 @@ def view_arguments(view) -> Callable:
 
 def workload_of_args(args) -> memory.Workload:
     """The workload of a CLI command: its config's own (`args.workload`, set by a command that builds its typed
-    config before loading: `config.workload()`, as its page plans it), else read off its parsed arguments. A prompt
-    set (--prompts, --limit: dtypes, serving) counts each of its prompts; a shared prefix with prompts (serving) is
-    put before each of them."""
+    config before loading: `config.workload()`, as its page plans it; with --attn where it names none, as the page
+    gives it the sidebar's), else read off its parsed arguments. A prompt set (--prompts, --limit: dtypes, serving)
+    counts each of its prompts; a shared prefix with prompts (serving) is put before each of them."""
+    attention = str(getattr(args, "attns", None) or getattr(args, "attn", None) or "auto")
     if isinstance(getattr(args, "workload", None), memory.Workload):
-        return args.workload
+        w = args.workload
+        return dataclasses.replace(w, attention=attention) if w.attention == "auto" else w
     prompt, prefix = getattr(args, "prompt", None), getattr(args, "prefix", None)
     texts = tuple(t for t in (prompt, prefix) if isinstance(t, str))
     if hasattr(args, "prompts"):
@@ -220,7 +223,7 @@ def workload_of_args(args) -> memory.Workload:
                           else (),
                           split=split if isinstance(split, int) else None,
                           weights=str(getattr(args, "weights", "none") or "none"),
-                          attention=str(getattr(args, "attns", None) or getattr(args, "attn", None) or "auto"),
+                          attention=attention,
                           paths=tuple(p.strip() for p in paths.split(",") if p.strip()) if isinstance(paths, str) else ())
 
 
@@ -228,9 +231,6 @@ def config_workload(cfg) -> memory.Workload:
     """A view config's workload: its own `workload()`, else read off its fields as the subcommand generated from it
     reads its options (kvviz.core.protocol.add_config_arguments: a list field is one comma-separated option) - the
     generic page and that subcommand plan alike."""
-    import argparse
-    import dataclasses
-
     if callable(getattr(cfg, "workload", None)):
         return cfg.workload()
     options = {k: ",".join(map(str, v)) if isinstance(v, (tuple, list)) else v

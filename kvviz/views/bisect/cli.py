@@ -28,6 +28,7 @@ def command(args) -> Outcome:
     cfg = BisectConfig(prompt=args.prompt, split=args.split, mode=args.mode, left_pad=args.left_pad,
                       position_ids=args.position_ids, attention_mask=args.attention_mask)
     cfg.validate()
+    args.workload = cfg.workload()  # its memory plan: what the config holds, as its page plans it
     lm = load(args)
     res = run(lm, cfg, context(args))
 

@@ -39,8 +39,9 @@ def command(args) -> Outcome:
 
 
 def save(args) -> Outcome:
-    from .run import save_cache
+    from .run import ReloadConfig, save_cache
 
+    args.workload = ReloadConfig(prompt=args.prompt).workload()  # the prompt's cache, as its page plans it
     lm = load(args)
     meta = save_cache(lm, args.prompt, args.out)
     out = {"file": args.out, "n_tokens": meta["n_tokens"], "layers": len(meta["layers"]),
@@ -66,6 +67,7 @@ def size(args) -> Outcome:
     from .size import SizeConfig, run
 
     cfg = SizeConfig(args.tokens, args.batch, measure=not args.no_measure).validate()
+    args.workload = cfg.workload()  # its memory plan: what the config holds, as its page plans it
     lm = load(args)
     rep = run(lm, cfg, context(args))
     return Outcome(rep, lm, lambda: (

@@ -271,8 +271,11 @@ class ReloadConfig:
         """What the run holds, for its memory plan: the reloaded cache and a fresh one of the saved tokens, then the
         continuation (its UTF-8 bytes + 1 bound its tokens from above: a byte-level BPE token spans a byte or more).
         The saved token count is read from the file's header alone; an unreadable file plans the continuation only
-        (the run then says what is wrong in its own line)."""
+        (the run then says what is wrong in its own line). No continuation and no source: the prompt's cache saved
+        (`cache save`, the page's download)."""
         cont = len(self.continuation.encode("utf-8")) + 1
+        if self.source is None and not self.continuation:
+            return Workload(texts=(self.prompt,))
         if self.source is None:
             return Workload(texts=(self.prompt,), tokens=len(self.prompt.encode("utf-8")) + 1 + cont)
         return Workload(tokens=saved_token_count(self.source) + cont)

@@ -17,6 +17,7 @@ import torch
 from ...models.compat import output_cache
 from ...core.dtypes import DTYPE_NAMES, parse_dtype
 from ...core.errors import KvvizError
+from ...core.inputs import Workload
 from ...core.execution import Executor, cache_layers
 from ...models.loading import LoadedModel
 from ...core.protocol import DEFAULT_CONTEXT, RunContext
@@ -199,6 +200,10 @@ class SizeConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise KvvizError(f"{name} must be 1 or more, not {v}")
         return self
+
+    def workload(self) -> Workload:
+        """What the run holds, for its memory plan: its own tokens and batch."""
+        return Workload(tokens=int(self.tokens), batch=int(self.batch))
 
 
 # what its run cannot honour (kvviz.core.protocol.RunContext.running; the CLI refuses the matching flag)

@@ -22,6 +22,7 @@ def command(args) -> Outcome:
     from .run import CheckConfig, run
 
     config = CheckConfig(weights=args.weights, kv=args.kv).validate()  # bad names fail before any model loads
+    args.workload = config.workload()  # its memory plan: what the config holds, as its page plans it
     lm = load(args)
     card = run(lm, config, context(args))
 

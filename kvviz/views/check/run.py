@@ -19,6 +19,7 @@ from pathlib import Path
 
 
 from ...core.errors import KvvizError
+from ...core.inputs import Workload
 from ...core.execution import Settings
 from ...models.loading import LoadedModel
 from ...core.protocol import DEFAULT_CONTEXT, RunContext
@@ -245,6 +246,11 @@ class CheckConfig:
             views.get("quant").config_type()(self.prompt, kv=self.kv or "none", weights=self.weights or "none")\
                 .validate()
         return self
+
+    def workload(self) -> Workload:
+        """What the run holds, for its memory plan: a quantized copy of the weights; its prompts, past the sliding
+        window, are the memory profile's."""
+        return Workload(weights=str(self.weights or "none"))
 
 
 # what its run cannot honour (kvviz.core.protocol.RunContext.running; the CLI refuses the matching flag)

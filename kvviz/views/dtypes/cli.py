@@ -25,7 +25,7 @@ def add_arguments(dp) -> None:
 
 def command(args) -> Outcome:
     from ...core.prompts import load_prompts
-    from .run import run_dtypes
+    from .run import DtypesConfig, run_dtypes
 
     if args.split not in ("last", "half"):
         try:
@@ -36,6 +36,7 @@ def command(args) -> Outcome:
             raise KvvizError(f"--split must be 1 or more, not {args.split}")
     prompts = [args.prompt] if args.prompt is not None else load_prompts(args.prompts, args.limit)
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    args.workload = DtypesConfig(tuple(prompts), tuple(dtypes), args.split, args.mode).workload()  # as its page plans
     plan_gate(args)
     res = run_dtypes(load(args) if placement(args) else spec(args), prompts, dtypes, args.device, args.attn,
                      split=args.split, mode=args.mode, trust_remote_code=args.trust_remote_code,

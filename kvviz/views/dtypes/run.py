@@ -21,7 +21,7 @@ from ...models.loading import LoadedModel, ModelSpec
 from ...core.protocol import DEFAULT_CONTEXT, RunContext
 from ...core.verdict import Prove
 from ... import views
-from ...core.inputs import SplitConfig
+from ...core.inputs import SplitConfig, Workload
 
 Progress = Callable[[float, str], None]
 VERDICTS = ("identical", "precision", "logic")
@@ -204,6 +204,11 @@ class DtypesConfig:
                                                    or self.split < 1):
             raise KvvizError(f"the split is 'last', 'half' or a whole number of 1 or more, not {self.split!r}")
         return self
+
+    def workload(self) -> Workload:
+        """What the run holds, for its memory plan: each prompt (the longest counts) in each dtype beside float64."""
+        return Workload(texts=tuple(self.prompts), dtypes=tuple(self.dtypes),
+                        split=self.split if isinstance(self.split, int) and not isinstance(self.split, bool) else None)
 
 
 def run(lm: LoadedModel, config: DtypesConfig, ctx: RunContext = DEFAULT_CONTEXT) -> DtypesResult:

@@ -21,6 +21,7 @@ def command(args) -> Outcome:
     from .run import LoadingTrapConfig, run
 
     cfg = LoadingTrapConfig(args.prompt, args.max_new_tokens, args.cast_dtype).validate()
+    args.workload = cfg.workload()  # its memory plan: what the config holds, as its page plans it
     lm = load(args)
     res = run(lm, cfg, context(args))
     return Outcome(res, lm, lambda: (f"from_pretrained(dtype={args.cast_dtype}): {res.loaded_text!r}\n"

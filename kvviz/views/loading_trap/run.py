@@ -18,7 +18,7 @@ from ...core.dtypes import dtype_name, parse_dtype
 from ...core.errors import KvvizError
 from ...core.execution import Executor, Settings, StepPolicy
 from ...core.metrics import first_divergence
-from ...core.inputs import build_inputs
+from ...core.inputs import Workload, build_inputs
 from ...models.loading import LoadedModel
 from ...core.protocol import DEFAULT_CONTEXT, RunContext
 
@@ -100,6 +100,10 @@ class LoadingTrapConfig:
                 or not 1 <= self.max_new_tokens <= 256:
             raise KvvizError(f"new tokens must be between 1 and 256, not {self.max_new_tokens}")
         return self
+
+    def workload(self) -> Workload:
+        """What the run holds, for its memory plan: the prompt and the new tokens (its twins: the memory profile's)."""
+        return Workload(texts=(self.prompt,), new_tokens=int(self.max_new_tokens))
 
 
 def run_loading_trap(lm: LoadedModel, prompt: str = "This is a ", max_new_tokens: int = 24,

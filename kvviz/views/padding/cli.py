@@ -22,6 +22,7 @@ def command(args) -> Outcome:
 
     nonnegative_pad(args)
     cfg = PaddingConfig(args.prompt, args.split, args.left_pad).validate()
+    args.workload = cfg.workload()  # its memory plan: what the config holds, as its page plans it
     lm = load(args)
     res = run(lm, cfg, context(args))
 

@@ -16,7 +16,7 @@ from ...models.compat import output_cache, takes_logits_to_keep
 from ...core.dtypes import machine_eps
 from ...core.errors import KvvizError, first_line
 from ...core.execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings, has_cache
-from ...core.inputs import (check_split, encode, pad_token_id, positions_from_mask, split_point, token_texts,
+from ...core.inputs import (Workload, check_split, encode, pad_token_id, positions_from_mask, split_point, token_texts,
                       validate_prompt)
 from ...models.loading import LoadedModel
 from ...core.protocol import DEFAULT_CONTEXT, RunContext
@@ -246,6 +246,11 @@ class PaddingConfig:
         if self.split is not None and (isinstance(self.split, bool) or not isinstance(self.split, int)):
             raise KvvizError(f"the split must be a whole number, not {self.split!r}")
         return self
+
+    def workload(self) -> Workload:
+        """What the run holds, for its memory plan: the prompt, its left padding, the split (None: half the prompt);
+        its batch-mates are the view's memory profile's."""
+        return Workload(texts=(self.prompt,), left_pad=int(self.left_pad), split=self.split)
 
 
 def run(lm: LoadedModel, config: PaddingConfig, ctx: RunContext = DEFAULT_CONTEXT) -> PaddingResult:

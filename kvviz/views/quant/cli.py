@@ -27,6 +27,7 @@ def command(args) -> Outcome:
     cfg = QuantConfig(args.prompt, kv=args.kv, residual_length=args.residual, weights=args.weights,
                       max_new_tokens=args.max_new_tokens)
     cfg.validate()
+    args.workload = cfg.workload()  # its memory plan: what the config holds, as its page plans it
     lm = load(args)
     res = run(lm, cfg, context(args))
 

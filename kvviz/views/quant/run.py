@@ -41,7 +41,7 @@ import torch
 from ...core.backends import kv_group_size, quantized_cache  # noqa: F401 - kv_group_size: part of this module's API
 from ...core.errors import KvvizError, first_line
 from ...core.execution import DEFAULT_SETTINGS, Executor, RunInfo, RunSettings, StepPolicy
-from ...core.inputs import PromptInputs, build_inputs
+from ...core.inputs import PromptInputs, Workload, build_inputs
 from ...models.loading import LoadedModel
 from ...core.protocol import DEFAULT_CONTEXT, RunContext
 from ...core.metrics import hidden_divergence, logits_divergence
@@ -246,6 +246,10 @@ class QuantConfig:
                                 ("the residual length", self.residual_length, 1, 4096)):
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 raise KvvizError(f"{name} must be a whole number from {lo} to {hi}, not {v!r}")
+
+    def workload(self) -> Workload:
+        """What the run holds, for its memory plan: the prompt, the new tokens, a quantized copy of the weights."""
+        return Workload(texts=(self.prompt,), new_tokens=int(self.max_new_tokens), weights=str(self.weights))
 
     def check_feasible(self, lm: LoadedModel) -> None:
         """What can be known before any run (check_feasible): KvvizError with one line."""

@@ -20,8 +20,10 @@ def add_arguments(rp) -> None:
 def command(args) -> Outcome:
     from .run import ReuseConfig, run
 
+    cfg = ReuseConfig(args.prefix, tuple(args.continuation), args.max_new_tokens)
+    args.workload = cfg.workload()  # its memory plan: what the config holds, as its page plans it
     lm = load(args)
-    res = run(lm, ReuseConfig(args.prefix, tuple(args.continuation), args.max_new_tokens), context(args))
+    res = run(lm, cfg, context(args))
 
     def summary() -> str:
         return "\n".join(

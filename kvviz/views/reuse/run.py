@@ -18,7 +18,7 @@ from ...models.compat import output_cache
 from ...core.errors import KvvizError
 from ...core.execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings, StepPolicy, has_cache
 from ...core.metrics import first_divergence
-from ...core.inputs import encode, token_texts
+from ...core.inputs import Workload, encode, token_texts
 from ...models.loading import LoadedModel
 from ...core.protocol import DEFAULT_CONTEXT, RunContext
 from ...core.verdict import Prove, Verdict, classify
@@ -194,6 +194,11 @@ class ReuseConfig:
                 or not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
             raise KvvizError(f"new tokens must be between 1 and {MAX_NEW_TOKENS}, not {self.max_new_tokens}")
         return self
+
+    def workload(self) -> Workload:
+        """What the run holds, for its memory plan: the prefix, its longest continuation, the new tokens of each."""
+        return Workload(texts=(self.prefix,), continuations=tuple(self.continuations),
+                        new_tokens=int(self.max_new_tokens))
 
 
 def run(lm: LoadedModel, config: ReuseConfig, ctx: RunContext = DEFAULT_CONTEXT) -> ReuseResult:

@@ -27,6 +27,7 @@ def command(args) -> Outcome:
     nonnegative_pad(args)
     cfg = SplitConfig(prompt=args.prompt, split=args.split, mode=args.mode, left_pad=args.left_pad,
                       position_ids=args.position_ids, attention_mask=args.attention_mask)
+    args.workload = cfg.workload()  # its memory plan: what the config holds, as its page plans it
     lm = load(args)
     res = run(lm, cfg, context(args))
     return Outcome(res, lm, lambda: summary(res))

@@ -6,7 +6,7 @@ from streamlit.testing.v1 import AppTest
 
 import kvviz
 
-from apptest import APP_TIMEOUT, app, start  # noqa: F401 - other test modules import them from here
+from apptest import app, start  # tests/apptest.py: the one AppTest start (other test modules import it from here)
 from conftest import ROOT
 
 pytestmark = pytest.mark.app

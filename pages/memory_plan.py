@@ -22,7 +22,8 @@ def plan_for(choice, view: str, workload: Workload) -> MemoryPlan:
     same builder as the CLI's (kvviz.core.memory.plan_workload)."""
     if workload.attention == "auto" and getattr(choice, "attn", None):  # the sidebar's attention implementation
         workload = replace(workload, attention=str(choice.attn))
-    return plan_workload(choice.spec, choice.dtype, choice.device, view, workload)
+    return plan_workload(choice.spec, choice.dtype, choice.device, view, workload,
+                         invariant=bool(getattr(choice, "invariant", False)))
 
 
 def show_plan(choice, view: str, workload: Workload) -> MemoryPlan | None:

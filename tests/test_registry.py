@@ -95,6 +95,8 @@ def test_a_view_without_a_config_and_run_is_refused(scratch_registry):
 def test_every_view_has_its_facts_in_its_entry():
     for v in views.all_views():
         assert isinstance(v.memory, views.MemoryProfile), v.name
+        # the plan counts the proof's kernel probes for exactly the views whose run proves (does not refuse it)
+        assert v.memory.proves == (v.memory.reference and "prove" not in v.refusals()), v.name
         if v.page:
             assert (ROOT / "pages" / f"{v.page.stem}.py").is_file(), v.name
             assert views.for_page(v.page.stem) is v

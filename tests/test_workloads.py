@@ -169,7 +169,11 @@ def test_the_cli_plans_a_configs_workload_with_its_attention(capsys):
     eager = _cli_plan(capsys, [*argv, "--attn", "eager"])
     eager_plan = plan_workload("tiny:llama", "float32", "cpu", "split", replace(w, attention="eager"))
     assert eager == _planned(eager_plan.lines())
-    assert _cli_plan(capsys, argv) == _plan("split", SplitConfig(prompt=PROMPT * 8, split=5)) != eager
+    assert _cli_plan(capsys, argv) == _plan("split", SplitConfig(prompt=PROMPT * 8, split=5))
+    sdpa_plan = plan_workload("tiny:llama", "float32", "cpu", "split", w)
+    # (the lines can round alike: the proof's kernel probes are most of a tiny model's activations)
+    assert sdpa_plan.if_unproved["activations"] < eager_plan.if_unproved["activations"]
+    assert sdpa_plan.total < eager_plan.total
 
 
 def test_a_config_without_workload_is_planned_from_its_fields_as_its_subcommand_reads_them():
@@ -192,3 +196,40 @@ def test_a_config_without_workload_is_planned_from_its_fields_as_its_subcommand_
     assert w.dtypes == ("bfloat16", "float16") and w.paths == ("cache", "no_cache")
     assert config_workload(GreedyConfig(prompt=PROMPT, max_new_tokens=3)) == \
         GreedyConfig(prompt=PROMPT, max_new_tokens=3).workload()
+
+
+def test_a_run_in_invariant_mode_plans_the_kernel_probes_and_keeps_them(capsys):
+    """The first invariant-mode forward probes the kernels of each weight's shape (memory.invariant_probe_bytes): a
+    view with a proof plans it as a phase of its own that `settle` drops when no proof ran (--no-proof); a run in
+    invariant mode throughout (the sidebar's toggle, --invariant) keeps it, and a view without a proof gets it too.
+    The CLI's --plan and the page's plan_for count it alike."""
+    from types import SimpleNamespace
+
+    from kvviz.core import memory
+    from kvviz.core.inputs import SplitConfig
+    from kvviz.views.loading_trap.run import LoadingTrapConfig
+    from pages.memory_plan import plan_for
+
+    w = SplitConfig(prompt=PROMPT, split=3).workload()
+    shape = memory.model_shape("tiny:llama")
+    probe = memory.invariant_probe_bytes(shape, 4)
+    plain = plan_workload("tiny:llama", "float32", "cpu", "split", w)
+    inv = plan_workload("tiny:llama", "float32", "cpu", "split", w, invariant=True)
+    assert plain.if_unproved is not None and inv.if_unproved is None and plain.activations == inv.activations
+    run_only = memory.activation_bytes(shape, "float32", plain.tokens, 1, "split", False, plain.tokens - 3)
+    assert plain.activations == max(plain.if_unproved["activations"], run_only + probe)
+    without = plain.if_unproved["activations"]
+    assert plain.settle(SimpleNamespace(float64=object(), proof_s=None)).activations == without < plain.total
+    before = inv.activations
+    assert inv.settle(SimpleNamespace(float64=object(), proof_s=None, settings=SimpleNamespace(
+        execution=SimpleNamespace(invariant=True)))).activations == before
+    # a view without a proof of its own: nothing planned for probes unless the run is in invariant mode
+    trap = LoadingTrapConfig(prompt=PROMPT).workload()
+    normal = plan_workload("tiny:llama", "float32", "cpu", "loading_trap", trap)
+    trapped = plan_workload("tiny:llama", "float32", "cpu", "loading_trap", trap, invariant=True)
+    assert normal.if_unproved is None and trapped.activations == normal.activations + probe
+    # the CLI and the page plan it the same way
+    cli = _cli_plan(capsys, ["split", "--prompt", PROMPT, "--split", "3", "--invariant"])
+    assert cli == _planned(inv.lines())
+    choice = SimpleNamespace(spec="tiny:llama", dtype="float32", device="cpu", attn="sdpa", invariant=True)
+    assert _planned(plan_for(choice, "split", w).lines()) == cli

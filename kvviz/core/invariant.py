@@ -334,20 +334,31 @@ def _probe_data(shape, dtype, device, seed: int) -> torch.Tensor:
     return torch.randn(shape, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
 
 
+# probe data is built in float64 a slab at a time, at most this many numbers (the weight's copy in its own dtype is
+# the probe's one full-size tensor: a float64 copy of an 8B model's head would be 4 GiB)
+PROBE_SLAB = 1 << 20
+
+
 def _cancelling(shape, stride, dtype, device, k_dim: int, seed: int, negate: bool = False) -> torch.Tensor:
     """Probe data whose products cancel: along the inner dimension (k_dim) the second half repeats the first (negated
     with `negate`), so a row times a weight sums to exactly 0 and what a kernel returns is its rounding alone - which
-    differs, in nearly every output and whatever the output dtype, between two summation orders."""
+    differs, in nearly every output and whatever the output dtype, between two summation orders. 2-D; built in
+    slabs along the other dimension (PROBE_SLAB numbers of float64 at a time)."""
     g = torch.Generator().manual_seed(seed)
-    full = torch.randn(shape, generator=g, dtype=torch.float64) * torch.exp2(
-        torch.randint(-6, 7, shape, generator=g).to(torch.float64))
-    half = shape[k_dim] // 2
-    first = full.narrow(k_dim, 0, half)
-    full.narrow(k_dim, half, half).copy_(-first if negate else first)
-    if shape[k_dim] % 2:
-        full.narrow(k_dim, shape[k_dim] - 1, 1).zero_()
     out = torch.empty_strided(shape, stride, dtype=dtype, device=device)
-    out.copy_(full)
+    o_dim, k = 1 - k_dim, shape[k_dim]
+    step = max(1, PROBE_SLAB // max(1, k))
+    for i in range(0, shape[o_dim], step):
+        part = list(shape)
+        part[o_dim] = min(step, shape[o_dim] - i)
+        full = torch.randn(part, generator=g, dtype=torch.float64)
+        full.mul_(torch.randint(-6, 7, part, generator=g, dtype=torch.float64).exp2_())
+        half = k // 2
+        first = full.narrow(k_dim, 0, half)
+        full.narrow(k_dim, half, half).copy_(-first if negate else first)
+        if k % 2:
+            full.narrow(k_dim, k - 1, 1).zero_()
+        out.narrow(o_dim, i, part[o_dim]).copy_(full)
     return out
 
 
@@ -493,7 +504,6 @@ def tiled_mm(a: torch.Tensor, b: torch.Tensor, t: int, starts: torch.Tensor | No
     the blocks' partial products added in index order; blocks where a row tile is all zero are skipped (they add
     exactly 0). Every bmm call has the shape [n, t, t] x [n, t, t], n in TILE_BATCHES."""
     g_n, m, k = a.shape
-    dev = a.device
     if bool((a[..., 0] != 0).all()) if starts is None else not bool(starts.any()):
         f = None  # every row starts at its first column: no shift anywhere (scores, causal attention weights)
     else:

@@ -513,6 +513,9 @@ class MemoryProfile:
     past_window: bool = False  # runs past the model's sliding window (at least 2 windows + 4 tokens, 64)
     weight_copies: bool = False  # quantizing weights deep-copies the model first
     many_prompts: bool = False  # runs a set of prompts (fewer prompts is a way to fit)
+    # proves a precision verdict by rerunning in invariant mode (its registry entry does not refuse "prove"; a test
+    # checks the two agree): the first invariant-mode forward probes the kernels (invariant_probe_bytes)
+    proves: bool = False
     # decodes token by token (kvviz.core.loops.decode): one forward's logits (every position's) at a time, each step's
     # last row kept; `decoded_runs` runs' rows are kept at once (greedy: its default paths, or the paths a run names;
     # reuse: its ways per continuation)
@@ -830,17 +833,24 @@ def paged_call_bytes(shape: ModelShape, width: int, longest: int, requests: int,
     return int(cache), int(masks + forward)
 
 
-# kvviz.core.invariant's first run in a process probes the kernels of each weight's shape (linear_block): on data of
-# that shape built in float64 (random values, then a random power of two each, then their product: three float64
-# copies held at once) and copied into the weight's dtype. The largest weight (the head) sets the transient. Measured
-# on the default model (a 49152 x 576 head): the first invariant-mode call of a process peaked 0.72 GiB over the one
-# before it at 256 tokens (0.79 at 1024), the next call 0.03; tests/test_memory_views.py measures it by shape.
-INVARIANT_PROBE_COPIES = 3
+# kvviz.core.invariant's first run in a process probes the kernels of each weight's shape (linear_block): on a copy of
+# the weight's shape and dtype (its float64 values built a slab of PROBE_SLAB numbers at a time: two float64 slabs),
+# with the probe's rows (up to 256) times it held about three times over (the block's result, a rolled result, the
+# roll of the reference), beside what the BLAS and the allocator keep around those first calls (PROBE_FIXED).
+# The largest weight (the head) sets the transient. Measured in fresh processes on float32 heads x 512: 8192 rows
+# 55-108 MiB (the named parts 56), 16384 rows 94-145, 65536 rows 360-376 (tests/test_memory_views.py measures it by
+# shape). Before the slabs the values were three float64 copies of the whole weight at once (0.72 GiB on the
+# default model; 12.6 GB on an 8B model's head).
+PROBE_ROWS = 3 * 256
+PROBE_SLAB = 1 << 20  # kvviz.core.invariant.PROBE_SLAB (not imported: invariant imports this module's users)
+PROBE_FIXED = 64 * 1024 ** 2
 
 
 def invariant_probe_bytes(shape: ModelShape, width: int) -> int:
     """The transient of invariant mode's kernel probes on the largest weight, the model in `width` bytes a number."""
-    return shape.largest * (INVARIANT_PROBE_COPIES * 8 + width)
+    outputs = max(shape.vocab, shape.intermediate, shape.hidden)
+    return (shape.largest * width + PROBE_ROWS * outputs * width + 2 * 8 * min(shape.largest, PROBE_SLAB)
+            + PROBE_FIXED)
 
 
 def paged_study_bytes(shape: ModelShape, dtype: str, tokens: int, steps: int | None,
@@ -885,11 +895,13 @@ def paged_study_bytes(shape: ModelShape, dtype: str, tokens: int, steps: int | N
 def plan_run(spec, dtype: str, device, view: str, tokens: int = 32, batch: int = 1,
              dtypes: tuple[str, ...] = (), reference: str | None = None, compared: int | None = None,
              copies: int = 0, steps: int | None = None, reference_decodes: bool = True,
-             runs: int | None = None, attention: str = "sdpa", engine: "PagedCalls | None" = None) -> MemoryPlan:
+             runs: int | None = None, attention: str = "sdpa", engine: "PagedCalls | None" = None,
+             invariant: bool = False) -> MemoryPlan:
     """The memory plan of one run, from the model's files (nothing loaded). compared: positions compared (split:
     the tokens after the split point; None: every token). copies: extra copies of the loaded model the run makes
     (weight quantization deep-copies the model before quantizing it). steps, reference_decodes, runs: a decoding
-    view's (activation_bytes). engine: a study's paged engine calls (paged_study_bytes)."""
+    view's (activation_bytes). engine: a study's paged engine calls (paged_study_bytes). invariant: the run is in
+    invariant mode throughout (its first forward probes the kernels: plan_shape)."""
     from .dtypes import resolve_device
     from ..models.loading import parse_spec
 
@@ -897,17 +909,22 @@ def plan_run(spec, dtype: str, device, view: str, tokens: int = 32, batch: int =
     dev = device if isinstance(device, torch.device) else resolve_device(device)
     free, src = free_bytes(dev)
     return plan_shape(model_shape(ms), ms.display, dtype, str(dev), view, tokens, batch, dtypes, reference, free,
-                      src, compared, copies, steps, reference_decodes, runs, attention, engine)
+                      src, compared, copies, steps, reference_decodes, runs, attention, engine, invariant)
 
 
 def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, view: str, tokens: int, batch: int = 1,
                dtypes: tuple[str, ...] = (), reference: str | None = None, free: int | None = None,
                free_from: str = "given", compared: int | None = None, copies: int = 0, steps: int | None = None,
                reference_decodes: bool = True, runs: int | None = None, attention: str = "sdpa",
-               engine: "PagedCalls | None" = None) -> MemoryPlan:
+               engine: "PagedCalls | None" = None, invariant: bool = False) -> MemoryPlan:
     """The plan of a run of a model of this shape, against `free` bytes. attention: the kernel the model runs
     ('sdpa', kvviz's default, or 'eager': its score workspace, score_bytes). engine: a study's calls to a paged
-    engine in this process (paged_study_bytes: its cache and activations replace the view's own)."""
+    engine in this process (paged_study_bytes: its cache and activations replace the view's own).
+
+    A view with a float64 reference (below float64) proves a precision verdict by rerunning in invariant mode (by
+    default; --no-proof: never), and a run in invariant mode (`invariant`) runs so throughout: the first
+    invariant-mode forward probes the kernels of each weight's shape (invariant_probe_bytes), a phase of the run in
+    its own dtype. The proof's phase is dropped from the plan after a run that ran none (`settle`)."""
     from .dtypes import dtype_name, parse_dtype
 
     dt = dtype_name(parse_dtype(dtype))
@@ -972,12 +989,19 @@ def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, vie
             return paged_study_bytes(shape, dt, tokens, steps, engine.calls, engine.replays, engine.page_size, f64,
                                      attention, device, proof)
 
-        cache, acts = study(uses_ref, uses_ref)
+        cache, acts = study(uses_ref, (uses_ref and prof.proves) or invariant)
         if uses_ref:
-            c0, a0 = study(False, False)
+            c0, a0 = study(False, invariant)
             if_identical = dict(reference="not run", reference_bytes=0, cache=c0, activations=a0)
-            c1, a1 = study(True, False)
-            if_unproved = dict(cache=c1, activations=a1)
+            if prof.proves and not invariant:
+                c1, a1 = study(True, False)
+                if_unproved = dict(cache=c1, activations=a1)
+    elif invariant or (uses_ref and prof.proves):  # the proof's kernel probes (above)
+        run_only = activation_bytes(shape, dt, tokens, batch, view, False, compared, steps, reference_decodes, runs,
+                                    attention, device)
+        if not invariant:
+            if_unproved = dict(cache=cache, activations=acts)
+        acts = max(acts, run_only + invariant_probe_bytes(shape, BYTES[dt]))
     kept = 8 * (shape.layers + 1) * tokens * batch * 8  # per-layer, per-position metrics, a few of them
 
     def _loading(acts: int, ref: int, cache: int) -> int:  # the activations, at least what the loads add
@@ -1098,8 +1122,9 @@ def paged_calls(prof: "MemoryProfile", w: Workload) -> PagedCalls | None:
     return PagedCalls(tuple(calls), tuple(replays), int(w.page_size or PAGE_SIZE)) if calls else None
 
 
-def plan_workload(spec, dtype: str, device, view: str, w: Workload) -> MemoryPlan:
-    """The one memory-plan builder: the CLI (kvviz.io.clirun.plan_for_args) and the pages (pages/memory_plan.py) both call it."""
+def plan_workload(spec, dtype: str, device, view: str, w: Workload, invariant: bool = False) -> MemoryPlan:
+    """The one memory-plan builder: the CLI (kvviz.io.clirun.plan_for_args) and the pages (pages/memory_plan.py) both
+    call it. invariant: the run is in invariant mode (the sidebar's toggle, --invariant)."""
     prof = profile(view)
     if any(len(t) > MAX_PROMPT_CHARS for t in w.texts):
         raise NoPlan()
@@ -1136,7 +1161,7 @@ def plan_workload(spec, dtype: str, device, view: str, w: Workload) -> MemoryPla
     return plan_run(spec, dtype, device, view, max(tokens, 1), batch, w.dtypes, compared=compared, copies=copies,
                     steps=steps, reference_decodes=reference_decodes is not False,
                     runs=len(set(w.paths)) if prof.decoded_runs and w.paths else None,
-                    attention=attention_kernel(w.attention), engine=engine)
+                    attention=attention_kernel(w.attention), engine=engine, invariant=bool(invariant))
 
 
 def attention_kernel(requested) -> str:

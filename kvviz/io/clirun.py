@@ -256,7 +256,8 @@ def plan_for_args(args) -> memory.MemoryPlan:
     # a subcommand whose options pick another view of its folder names it (`serving --sweep`: serving_sweep)
     view = getattr(args, "plan_view", None) or views.for_command(args.command + (f" {sub}" if sub else "")).name
     spec = getattr(args, "spec", None) or args.model
-    return memory.plan_workload(spec, args.dtype, args.device, view, workload_of_args(args))
+    return memory.plan_workload(spec, args.dtype, args.device, view, workload_of_args(args),
+                                invariant=bool(getattr(args, "invariant", False)))
 
 
 def plan_or_none(args) -> memory.MemoryPlan | None:

@@ -22,11 +22,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def child_threads_env() -> dict:
+    """A child process's share of the cores, as tests/conftest.py gives each xdist worker (or KVVIZ_TEST_THREADS): the
+    thread count torch has here. A server left at the machine's count ran its OpenMP threads beside the other
+    worker's: the default model's Split page took 144 s and 84 CPU-s at 2 threads, 77 s and 42 CPU-s at 1 (2 cores,
+    the other one busy). Nothing when the tests run in one process."""
+    if not (os.environ.get("PYTEST_XDIST_WORKER_COUNT") or os.environ.get("KVVIZ_TEST_THREADS")):
+        return {}
+    import torch
+
+    return {"OMP_NUM_THREADS": str(torch.get_num_threads())}
+
+
 @contextlib.contextmanager
 def streamlit_server(env_extra: dict | None = None, script: Path | None = None, log_path: Path | None = None):
     """`streamlit run` of app.py (or of `script`, e.g. view_launcher's) on a free port: (URL, log path)."""
     port = free_port()
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env_extra or {}))  # its log written as it happens
+    # its log written as it happens; its share of the cores
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **child_threads_env(), **(env_extra or {}))
     log_path = log_path or ROOT / "test-artifacts" / f"streamlit-{port}.log"
     log = open(log_path, "w")
     proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", str(script or ROOT / "app.py"),
@@ -96,16 +109,63 @@ def app_server_fixture():
     return server
 
 
+_SHARED: dict = {}  # this process's one Chromium and its playwright driver, started by the first browser()
+
+
+def _shared_chromium():
+    import asyncio
+
+    if "playwright" not in _SHARED:
+        import atexit
+
+        from playwright.sync_api import sync_playwright
+
+        _SHARED["playwright"] = sync_playwright().start()
+        _SHARED["loop"] = asyncio._get_running_loop()  # playwright's loop, "running" between its calls
+        atexit.register(_stop_shared)
+    else:
+        asyncio._set_running_loop(_SHARED["loop"])  # as playwright leaves it after each of its calls
+    b = _SHARED.get("browser")
+    if b is None or not b.is_connected():
+        b = _SHARED["browser"] = _SHARED["playwright"].chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+    return b
+
+
+def _release_loop() -> None:
+    """Between browser blocks the thread has no running asyncio loop, as before any playwright started (playwright
+    marks its loop running after each call: an AppTest or asyncio.run in a later test of this process would fail)."""
+    import asyncio
+
+    asyncio._set_running_loop(None)
+
+
+def _stop_shared() -> None:
+    import asyncio
+
+    asyncio._set_running_loop(_SHARED["loop"])
+    with contextlib.suppress(Exception):
+        _SHARED["browser"].close()
+    with contextlib.suppress(Exception):
+        _SHARED["playwright"].stop()
+
+
 @contextlib.contextmanager
 def browser():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+    """Headless Chromium for one test: every context (and page) opened in the block is closed when it ends, each its
+    own Streamlit session as with a browser of its own. One Chromium per test process serves every block: a launch
+    costs 2-3 s, and the suite opens ~45 browsers."""
+    b = _shared_chromium()
+    try:
+        for ctx in list(b.contexts):  # left by a block that ended without closing them
+            ctx.close()
+        yield b
+    finally:
         try:
-            yield b
+            for ctx in list(b.contexts):
+                with contextlib.suppress(Exception):
+                    ctx.close()
         finally:
-            b.close()
+            _release_loop()
 
 
 def wait_idle(page, timeout_s: float = 180) -> None:

@@ -49,9 +49,11 @@ def installed(tmp_path_factory):
 
 
 def _run(venv, work, *args, timeout=900):
+    from browser import child_threads_env  # under xdist: this worker's share of the cores, not the whole machine
+
     return subprocess.run([*args], capture_output=True, text=True, cwd=work, timeout=timeout,
                           env={"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "HOME": str(Path.home()),
-                               "HF_HUB_OFFLINE": "1"})
+                               "HF_HUB_OFFLINE": "1", **child_threads_env()})
 
 
 def test_the_wheel_holds_the_library_its_data_and_declares_its_dependencies(installed):

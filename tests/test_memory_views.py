@@ -329,7 +329,8 @@ SPLIT_PEAKS = {  # (model, dtype, tokens, whether the float64 rerun ran): peak R
 
 # the float64 rerun forced where this CPU's float32 paths came out identical: the new tokens' attention mask only (a
 # logic error, `lengths --force-rerun`); bounded, but at 4096 tokens 1.41x (that run held 0.67 GiB less than the
-# bfloat16 run whose rerun came by itself; not explained yet: docs/benchmarks.md)
+# bfloat16 run whose rerun came by itself: glibc's residue of freed memory, 1.0-1.2 GiB of that run's peak;
+# docs/benchmarks.md)
 FORCED_PEAKS = {("default", "float32", 1024, True): 3_002_052_608, ("default", "float32", 4096, True): 5_183_852_544}
 
 

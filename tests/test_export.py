@@ -259,6 +259,7 @@ def every_view_case(threads, tmp_path):
                    llama),
         "check": (run_check(gpt2), gpt2),
     }
+    procs = {}
     for view, (res, m) in cases.items():
         script = tmp_path / f"{view}.py"
         script.write_text(repro_script(res, m, script.name))
@@ -266,12 +267,10 @@ def every_view_case(threads, tmp_path):
         assert "import kvviz" not in text and "from kvviz" not in text
         assert inspect.getsource(loops.decode) in text and inspect.getsource(loops.feed) in text  # the library's loop
         assert _loops_calling_forward(text) == [], view  # and no loop of its own
-    # one script at a time: each sets its result's thread count, and eight at once (up to 16 OpenMP threads spinning
-    # on 2 cores) took 130 s where one after another takes 45 s (2026-11-27, 2 cores)
-    for view, (res, _) in cases.items():
-        p = subprocess.run([sys.executable, f"{view}.py"], capture_output=True, text=True, timeout=600,
-                           env=other_caller_env(threads), cwd=tmp_path)
-        out, err = p.stdout, p.stderr
+        procs[view] = subprocess.Popen([sys.executable, script.name], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       text=True, env=other_caller_env(threads), cwd=tmp_path)
+    for view, p in procs.items():  # two at a time on two cores would be no faster: all four run together
+        out, err = p.communicate(timeout=600)
         assert p.returncode == 0, (view, err[-500:])
         assert numerics_line(threads) in out and "note:" not in out, (view, out[:500])
         res = cases[view][0]

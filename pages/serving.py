@@ -113,7 +113,7 @@ st.caption("A grid of requests in flight × prompt length through the engine cho
            "and Seed: each cell runs its prompts alone and, above 1 in flight, in a continuous batch of that many "
            "requests, and judges every completion against the float64 reference. The engine starts on the button and "
            "is ended when the sweep ends or on Stop.")
-c1, c2, c3, c4 = st.columns(4)
+c1, c2, c3, c4, c5 = st.columns(5)
 conc_text = c1.text_input("Requests in flight", "1,2,4,8", key="serving_sweep_concurrency",
                           help="Comma-separated, 1 to 64: one column each")
 lengths_text = c2.text_input("Prompt lengths (tokens)", "16,64,256", key="serving_sweep_lengths",
@@ -121,6 +121,9 @@ lengths_text = c2.text_input("Prompt lengths (tokens)", "16,64,256", key="servin
 per_cell = c3.number_input("Prompts a cell", 1, 64, sweep.PROMPTS_PER_CELL, key="serving_sweep_prompts")
 budget = c4.number_input("Time budget (s; 0: none)", 0.0, 86400.0, 600.0, step=60.0, key="serving_sweep_budget",
                          help="The sweep stops between cells once this is spent; the cells left are listed as not run")
+cell_limit = c5.number_input("Cell limit (s; 0: none)", 0.0, 86400.0, 0.0, step=60.0, key="serving_sweep_cell_limit",
+                             help="A cell still running after this long is stopped and listed as not finished (the "
+                                  "cells at least as large as not run); the sweep goes on with the others")
 try:
     try:
         conc, lengths = (tuple(int(x) for x in split_list(t)) for t in (conc_text, lengths_text))
@@ -129,7 +132,7 @@ try:
             from None
     scfg = sweep.SweepConfig(concurrency=conc, lengths=lengths, prompts_per_cell=int(per_cell),
                              max_new_tokens=int(new_tokens), runs=int(runs), seed=int(seed), engine=engine,
-                             budget_s=float(budget) or None)
+                             budget_s=float(budget) or None, cell_limit_s=float(cell_limit) or None)
     scfg.validate()
 except Exception as e:  # noqa: BLE001 - a bad grid: one line, the controls stay
     show_error(e)

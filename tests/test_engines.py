@@ -272,3 +272,38 @@ def test_llamacpp_sweep_small_grid_default_model():
         assert (c.parting_alone is None) == (c.concurrency == 1)
         assert sum(c.verdicts.values()) == 2
     assert "llama.cpp" in summary_text(res) and len(figure(res).data[0].z) == 2
+
+
+@_needs("llama.cpp")
+def test_llamacpp_cell_past_its_limit_kills_the_worker_and_the_next_cell_starts_a_new_one(monkeypatch):
+    """The sweep's cell limit on the real worker: a cell still waiting for llama.cpp's answer past its limit is
+    stopped at the wait's next wake-up (at most a second) and its worker process killed; the engine, closed as the
+    sweep closes it after such a cell, starts a fresh worker for the next cell, which answers."""
+    from kvviz.core.inputs import encode
+    from kvviz.engines import WorkerClient
+    from kvviz.engines.serving import Request
+    from kvviz.engines.workers import make_worker_engine
+    from kvviz.views.serving.sweep import _cell_limit, _CellLimit
+
+    clients = []
+    init = WorkerClient.__init__
+
+    def recording(self, *a, **k):
+        init(self, *a, **k)
+        clients.append(self)
+
+    monkeypatch.setattr(WorkerClient, "__init__", recording)
+    lm = kvviz.load_model("default", "float32", "cpu")
+    engine = make_worker_engine("llama.cpp", 1, 1, timeout_s=1200.0)
+    req = [Request("p0", encode(lm, "The capital of France is"), 2)]
+    try:
+        with pytest.raises(_CellLimit):
+            with _cell_limit(0.001):
+                engine.run(lm, req, max_in_flight=1, prefix_sharing=False)
+        assert len(clients) == 1 and clients[0].timeout_s == 1200.0
+        assert clients[0].proc.wait(timeout=30) is not None  # killed, not left running
+        engine.close()
+        out = engine.run(lm, req, max_in_flight=1, prefix_sharing=False)
+        assert len(clients) == 2 and len(out.outputs["p0"].tokens) == 2
+    finally:
+        engine.close()

@@ -93,6 +93,93 @@ def test_bad_grid_one_line_and_budget_stops_between_cells():
     assert "not run (time budget)" in summary_text(res)
 
 
+def _stalling_study(monkeypatch, stall: dict):
+    """The sweep's `_study`, except for the cells in `stall` (c, length) -> how they end: "hang" waits at kvviz's
+    checkpoints for ever (as a worker that gives no answer: only a limit or Stop ends it), a string raises that
+    line as the engine's KvvizError (as a worker past its own limit does)."""
+    import time as time_
+
+    from kvviz.core import cancel
+    from kvviz.views.serving import sweep as sweep_mod
+
+    real, calls = sweep_mod._study, []
+
+    def study(lm, scfg, *a, **k):
+        n = int(scfg.prompt_source.split(":")[1])
+        c = max(scfg.batch_size, 2) if "batch" in scfg.conditions else 1
+        calls.append((c, n))
+        how = stall.get((c, n))
+        if how == "hang":
+            while True:
+                cancel.check("a cell that hangs")
+                time_.sleep(0.01)
+        if how:
+            raise KvvizError(how)
+        return real(lm, scfg, *a, **k)
+
+    monkeypatch.setattr(sweep_mod, "_study", study)
+    return calls
+
+
+def test_a_cell_that_fails_or_passes_the_cell_limit_is_not_finished_and_the_others_are_kept(monkeypatch):
+    """The sweep went on after one cell's engine call passed the worker's limit (llama.cpp, 32 in flight × 1024
+    tokens), losing every finished cell. Now: that cell is listed as not finished with its line, the cells at least
+    as large are not run, the smaller ones run, and the engine starts again for the next cell."""
+    lm = kvviz.load_model("tiny:llama", "float32", "cpu")
+    calls = _stalling_study(monkeypatch, {(2, 12): "hang",
+                                          (1, 16): "the llama.cpp worker gave no answer to 'generate' within 900 s"})
+    res = run_sweep(lm, SweepConfig(concurrency=(1, 2, 4), lengths=(8, 12, 16), prompts_per_cell=2,
+                                    max_new_tokens=2, engine="transformers", cell_limit_s=0.5))
+    assert calls == [(1, 8), (2, 8), (4, 8), (1, 12), (2, 12), (1, 16)]  # 4 × 12, 2 × 16, 4 × 16 not run
+    assert [(c.concurrency, c.length) for c in res.cells] == [(1, 8), (2, 8), (4, 8), (1, 12)]
+    assert [u[:2] for u in res.unfinished] == [[2, 12], [4, 12], [1, 16], [2, 16], [4, 16]]
+    reasons = [u[2] for u in res.unfinished]
+    assert reasons[0].startswith("passed the cell limit (0.5 s) after ") and reasons[0].endswith(" s")
+    assert reasons[1] == "not run: the 2 in flight × 12 tokens cell did not finish"
+    assert reasons[2].startswith("the llama.cpp worker gave no answer to 'generate' within 900 s after ")
+    assert reasons[3] == reasons[4] == reasons[1]  # 2 × 16 and 4 × 16 are at least as large as 2 × 12
+    assert "2 cell(s) did not finish and 3 at least as large were not run" in " ".join(res.notes)
+    assert res.config["cell_limit_s"] == 0.5 and not res.skipped
+    # every view of it names them
+    order = list(VERDICT_COLOURS)
+    assert [list(r) for r in figure(res).data[0].z] == [[order.index(c.verdict) for c in res.cells[:3]],
+                                                        [order.index(res.cells[3].verdict)] +
+                                                        [order.index("not finished")] * 2,
+                                                        [order.index("not finished")] * 3]
+    assert figure(res).data[0].text[2][0] == "not finished"
+    assert f"        2     12   not finished: {reasons[0]}" in summary_text(res)
+    from kvviz.views.serving.sweep import frame, verdict
+
+    table = frame(res)
+    assert list(table["verdict"][4:]) == [f"not finished: {r}" for r in reasons] and table.iloc[5]["s"] == "—"
+    assert "4 cell(s) of 2 prompts" in verdict(res)[1] and "5 not finished (the engine failed" in verdict(res)[1]
+    again = SweepResult.from_dict(json.loads(json.dumps(res.to_dict())))
+    assert again.unfinished == res.unfinished and again.to_dict() == json.loads(json.dumps(res.to_dict()))
+
+
+def test_a_sweep_with_no_cell_finished_is_one_line_and_stop_inside_a_limited_cell_stops_the_sweep(monkeypatch):
+    from kvviz.core import cancel
+    from kvviz.core.protocol import RunContext
+    from kvviz.views.serving.sweep import run
+
+    lm = kvviz.load_model("tiny:llama", "float32", "cpu")
+    _stalling_study(monkeypatch, {(1, 8): "hang"})
+    with pytest.raises(KvvizError) as e:
+        run_sweep(lm, SweepConfig(concurrency=(1, 2), lengths=(8,), prompts_per_cell=2, max_new_tokens=2,
+                                  engine="transformers", cell_limit_s=0.3))
+    assert str(e.value).startswith("no cell of the sweep finished: the first (1 in flight × 8 tokens) passed the "
+                                   "cell limit (0.3 s) after ")
+    # Stop while a limited cell hangs: the run stops (Cancelled), it is not a cell that did not finish
+    token = cancel.Token()
+    threading_timer = __import__("threading").Timer(0.3, token.cancel, ("stopped by the test",))
+    threading_timer.start()
+    with pytest.raises(cancel.Cancelled, match="stopped by the test"):
+        run(lm, SweepConfig(concurrency=(1, 2), lengths=(8,), prompts_per_cell=2, max_new_tokens=2,
+                            engine="transformers", cell_limit_s=60), RunContext(token=token))
+    with pytest.raises(KvvizError, match="the cell limit must be a positive number of seconds, not 0"):
+        SweepConfig(cell_limit_s=0).validate()
+
+
 @pytest.mark.slow
 @needs_engine("vllm")
 def test_vllm_small_grid_default_model_bfloat16():
@@ -282,12 +369,14 @@ def test_serving_page_sweep_section_runs_on_its_button_only():
     at.text_input(key="serving_sweep_lengths").set_value("8,12").run()
     at.number_input(key="serving_sweep_prompts").set_value(2).run()
     at.number_input(key="serving_sweep_budget").set_value(0.0).run()  # no budget: every cell
+    at.number_input(key="serving_sweep_cell_limit").set_value(600.0).run()  # each cell stopped after 10 minutes
     assert not at.error and "_results_serving_sweep" not in at.session_state
     at.button(key="serving_sweep_run").click().run()
     assert not at.exception, at.exception
     (res,) = at.session_state["_results_serving_sweep"].values()
     assert [(c.concurrency, c.length) for c in res.cells] == [(1, 8), (2, 8), (1, 12), (2, 12)]
     assert res.config["prompts_per_cell"] == 2 and res.config["budget_s"] is None and not res.skipped
+    assert res.config["cell_limit_s"] == 600.0 and not res.unfinished
     assert not any("Sweeping:" in i.value for i in at.info)  # the pointer to the progress bar is gone once done
     assert all(len(c.distinct) == 2 for c in res.cells)
     charts_now = at.get("plotly_chart")
@@ -379,6 +468,7 @@ def test_open_result_page_shows_a_sweep(monkeypatch):
     (["--sweep", "--batch-size", "8"], "--batch-size"), (["--sweep", "--no-proof"], "--no-proof"),
     (["--sweep", "--tensor-parallel-size", "2"], "--tensor-parallel-size"),
     (["--concurrency", "1,2"], "--concurrency"), (["--lengths", "16"], "--lengths"), (["--budget", "5"], "--budget"),
+    (["--cell-limit", "60"], "--cell-limit"),
 ])
 def test_an_option_of_the_study_alone_or_the_sweep_alone_is_refused_with_the_other(argv, flag, capsys):
     """Never a flag accepted and ignored: the study's options with --sweep, the sweep's without it - one line, exit 2,

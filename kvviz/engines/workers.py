@@ -46,6 +46,7 @@ class WorkerEngine:
     dtype = "float32"
 
     def __init__(self):
+        self.timeout_s = 900.0  # the most seconds one answer may take (WorkerClient's limit)
         self._client = None
         self._key = None
         self.version = None
@@ -67,7 +68,7 @@ class WorkerEngine:
         if self._key == key and self._client is not None:
             return
         self.close()
-        self._client = WorkerClient(self.name, env=self._env(key))
+        self._client = WorkerClient(self.name, env=self._env(key), timeout_s=self.timeout_s)
         t0 = time.perf_counter()
         try:
             reply = self._client.call("start", **fields)
@@ -189,16 +190,18 @@ def gguf_of(lm) -> tuple[str, str | None]:
     return src, info.get("quantization")
 
 
-def make_worker_engine(name: str, tensor_parallel_size: int = 1, max_in_flight: int = 1) -> WorkerEngine | None:
+def make_worker_engine(name: str, tensor_parallel_size: int = 1, max_in_flight: int = 1,
+                       timeout_s: float = 900.0) -> WorkerEngine | None:
     """The worker engine for `name`, or None where the in-process one runs (transformers; vLLM importable here).
-    max_in_flight: the most requests in flight its runs will ask for (vLLM sizes max_num_seqs once for them)."""
+    max_in_flight: the most requests in flight its runs will ask for (vLLM sizes max_num_seqs once for them);
+    timeout_s: the most seconds its worker may take for one answer (then it is stopped: one line)."""
     from .serving import vllm_available
 
-    if name == "llama.cpp":
-        return LlamaCppEngine()
-    if name == "vllm" and not vllm_available():
-        return VllmWorkerEngine(tensor_parallel_size, max_in_flight)
-    return None
+    engine = LlamaCppEngine() if name == "llama.cpp" else VllmWorkerEngine(tensor_parallel_size, max_in_flight) \
+        if name == "vllm" and not vllm_available() else None
+    if engine is not None:
+        engine.timeout_s = timeout_s
+    return engine
 
 
 def check_settings(name: str, settings) -> None:

@@ -11,7 +11,7 @@ HELP = ("serving conditions (alone, continuous batch, warm prefix) × R runs: "
 # Options of the study alone and of the sweep alone (their argparse defaults, used there): given to the other, refused in one line
 STUDY_ONLY = {"prompt": None, "prompts": None, "prefix": "", "conditions": None, "page_size": None,
               "tensor_parallel_size": 1, "batch_size": 4, "no_proof": False}
-SWEEP_ONLY = {"concurrency": "1,2,4,8,16,32", "lengths": "16,64,256,1024", "budget": None}
+SWEEP_ONLY = {"concurrency": "1,2,4,8,16,32", "lengths": "16,64,256,1024", "budget": None, "cell_limit": None}
 
 
 def add_arguments(vp) -> None:
@@ -43,6 +43,10 @@ def add_arguments(vp) -> None:
     vp.add_argument("--concurrency", default=SWEEP_ONLY["concurrency"], help="--sweep: requests in flight per column")
     vp.add_argument("--lengths", default=SWEEP_ONLY["lengths"], help="--sweep: prompt lengths in tokens per row")
     vp.add_argument("--budget", type=float, default=SWEEP_ONLY["budget"], help="--sweep: stop between cells after this many seconds")
+    vp.add_argument("--cell-limit", type=float, default=SWEEP_ONLY["cell_limit"],
+                    help="--sweep: stop a cell still running after this many seconds; it is listed as not finished, "
+                         "the cells at least as large as not run, and the sweep goes on (default: an engine worker's "
+                         "own limit, 900 s an answer)")
     repro_arg(vp)
     vp.set_defaults(handler=command)
 
@@ -99,7 +103,7 @@ def sweep_command(args) -> Outcome:
         raise KvvizError("--concurrency and --lengths take comma-separated whole numbers, like 1,4,16") from None
     cfg = SweepConfig(concurrency=conc, lengths=lengths, prompts_per_cell=min(args.limit, 64),
                       max_new_tokens=args.max_new_tokens, runs=args.runs, seed=args.seed, engine=args.engine,
-                      server=args.server, budget_s=args.budget)
+                      server=args.server, budget_s=args.budget, cell_limit_s=args.cell_limit)
     cfg.validate()
     # its memory plan is the sweep's, as on the Serving page: kvviz's process holds one prompt's float64 reference
     # at a time, and on transformers' engine (pages in this process) the largest batch of the grid

@@ -83,13 +83,14 @@ class ServerEngine:
         self.probe_gap: float | None = None
         self.text_prompts: bool | None = None  # None until the first completion: the server takes token ids or not
         self.stopped_early = 0  # completions the server ended before max_tokens (it ignores ignore_eos)
+        self.timeout_s: float | None = None  # one request's wait; None: KVVIZ_SERVER_TIMEOUT
 
     # ------------------------------------------------------------------------------------------------ HTTP
     def _call(self, path: str, body: dict | None = None, refused: tuple = ()) -> dict:
         req = urllib.request.Request(self.url + path, data=None if body is None else json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(req, timeout=_timeout()) as r:
+            with urllib.request.urlopen(req, timeout=self.timeout_s or _timeout()) as r:
                 return json.loads(r.read().decode())
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace")[:200].replace("\n", " ")
@@ -99,7 +100,7 @@ class ServerEngine:
         except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
             why = getattr(e, "reason", e)
             raise KvvizError(f"the server at {self.url} cannot be reached ({why}; waited at most "
-                             f"{_timeout():.0f} s)") from None
+                             f"{self.timeout_s or _timeout():.0f} s)") from None
         except ValueError:
             raise KvvizError(f"the server at {self.url} did not answer {path} with JSON: is it an OpenAI-compatible "
                              f"server?") from None

@@ -9,10 +9,16 @@ output parts from the same prompt run alone, the earliest first divergence and t
 and the cell's verdict (logic if any prompt's is, else precision if any parted, else identical).
 
 The sweep stops cleanly between cells when its time budget is spent (the cells not run are listed) and at every
-kvviz.core.cancel checkpoint inside one.
+kvviz.core.cancel checkpoint inside one. A cell whose engine fails (a worker that dies or gives no answer within its
+limit) or that passes the cell limit (`cell_limit_s`, checked at the same checkpoints: every second of a worker's
+wait, every layer in kvviz's process, a server's request waits at most that long) is recorded as not finished with
+its one-line reason, its engine is restarted for the next cell, and the cells at least as large (as many in flight
+or more, prompts as long or longer) are listed as not run; the cells finished are kept. Only a sweep with no cell
+finished fails, with the first cell's line.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -25,7 +31,9 @@ from .run import WORKER_ENGINES, ServeConfig, ServeResult, _study, check_engine
 CONCURRENCY = (1, 2, 4, 8, 16, 32)
 LENGTHS = (16, 64, 256, 1024)
 PROMPTS_PER_CELL = 4
-VERDICT_COLOURS = {"identical": "#2e7d32", "precision": "#f9a825", "logic": "#c62828", "not run": "#bdbdbd"}
+VERDICT_COLOURS = {"identical": "#2e7d32", "precision": "#f9a825", "logic": "#c62828", "not finished": "#5d4037",
+                   "not run": "#bdbdbd"}
+WORKER_LIMIT_S = 900.0  # an engine worker's own limit for one answer (kvviz.engines.WorkerClient)
 
 
 @dataclass
@@ -40,6 +48,7 @@ class SweepConfig:
     server: str | None = None
     text: str = ""  # the text the prompts are cut from ("" : the built-in prompts, joined)
     budget_s: float | None = None  # stop between cells once this many seconds have passed
+    cell_limit_s: float | None = None  # a cell still running after this many seconds is stopped, not finished
 
     def workload(self) -> Workload:
         """What kvviz's process holds, for the memory plan: one prompt's float64 reference at a time (the longest
@@ -56,6 +65,8 @@ class SweepConfig:
             raise KvvizError(f"prompts per cell must be a whole number from 1 to 64, not {self.prompts_per_cell!r}")
         if self.budget_s is not None and not self.budget_s > 0:
             raise KvvizError(f"the time budget must be a positive number of seconds, not {self.budget_s!r}")
+        if self.cell_limit_s is not None and not self.cell_limit_s > 0:
+            raise KvvizError(f"the cell limit must be a positive number of seconds, not {self.cell_limit_s!r}")
 
 
 @dataclass
@@ -83,6 +94,9 @@ class SweepResult:
     skipped: list[list[int]] = field(default_factory=list)  # [concurrency, length] cells the budget left out
     elapsed_s: float = 0.0
     notes: list[str] = field(default_factory=list)
+    # [concurrency, length, reason]: cells started and not finished (the engine failed or the cell limit passed),
+    # and the cells at least as large, not run after one of them
+    unfinished: list[list] = field(default_factory=list)
 
     @property
     def settings(self) -> dict:
@@ -91,7 +105,7 @@ class SweepResult:
                 "device": self.config.get("device") or self.model.get("device"),
                 "engine": self.engine.get("name", self.config.get("engine")), **{
                     k: self.config.get(k) for k in ("server", "concurrency", "lengths", "prompts_per_cell",
-                                                     "max_new_tokens", "runs", "seed", "budget_s")}}
+                                                     "max_new_tokens", "runs", "seed", "budget_s", "cell_limit_s")}}
 
     def cell(self, c: int, length: int) -> Cell | None:
         return next((x for x in self.cells if x.concurrency == c and x.length == length), None)
@@ -99,13 +113,13 @@ class SweepResult:
     def to_dict(self) -> dict:
         return {"kind": "SweepResult", "config": self.config, "model": self.model, "engine": self.engine,
                 "cells": [asdict(c) for c in self.cells], "skipped": self.skipped, "elapsed_s": self.elapsed_s,
-                "notes": self.notes}
+                "notes": self.notes, "unfinished": self.unfinished}
 
     @classmethod
     def from_dict(cls, d: dict) -> "SweepResult":
         return cls(config=d["config"], model=d["model"], engine=d["engine"], cells=[Cell(**c) for c in d["cells"]],
                    skipped=[list(x) for x in d.get("skipped", [])], elapsed_s=d.get("elapsed_s", 0.0),
-                   notes=d.get("notes", []))
+                   notes=d.get("notes", []), unfinished=[list(x) for x in d.get("unfinished", [])])
 
 
 def source_text() -> str:
@@ -167,12 +181,15 @@ def run_sweep(lm, cfg: SweepConfig, progress=None, settings=None, reference=None
     progress = progress or (lambda f, m: None)
     cfg.validate()
     settings = (settings or DEFAULT_SETTINGS).validate()
+    limit = cfg.cell_limit_s
     if cfg.server:
-        from .server import ServerEngine
+        from .server import ServerEngine, _timeout
 
         engine = ServerEngine(cfg.server)
         engine.probe(lm, settings)
         cfg.engine = "server"
+        if limit is not None:  # a request in flight is not a checkpoint: it waits at most the cell limit
+            engine.timeout_s = min(_timeout(), limit)
     else:
         check_engine(cfg.engine)
         if cfg.engine in WORKER_ENGINES:
@@ -183,11 +200,14 @@ def run_sweep(lm, cfg: SweepConfig, progress=None, settings=None, reference=None
         from ...engines.workers import make_worker_engine
 
         # vLLM starts once for the grid, with room for its largest cell (a cell needing another max_num_seqs
-        # restarted the engine: a row going back from 16 to 1 in flight started it again)
-        engine = make_worker_engine(cfg.engine, 1, max(cfg.concurrency)) or make_engine(cfg.engine, 8, 1)
+        # restarted the engine: a row going back from 16 to 1 in flight started it again); its worker waits for an
+        # answer at least as long as the cell limit (kvviz's checkpoint stops it at the limit)
+        engine = make_worker_engine(cfg.engine, 1, max(cfg.concurrency),
+                                    timeout_s=max(WORKER_LIMIT_S, (limit or 0) + 60)) or make_engine(cfg.engine, 8, 1)
     t0 = time.perf_counter()
     grid = [(c, n) for n in cfg.lengths for c in cfg.concurrency]
-    cells, skipped, info = [], [], {}
+    cells, skipped, unfinished, info, failure = [], [], [], {}, None
+    failed: list[tuple[int, int]] = []  # the cells started and not finished
     try:  # the engine (vLLM's worker process) is ended however the sweep ends: done, failed or stopped
         ref = reference or lm.reference() if (cfg.engine in WORKER_ENGINES or cfg.server) else reference
         text = cfg.text or source_text()
@@ -195,8 +215,12 @@ def run_sweep(lm, cfg: SweepConfig, progress=None, settings=None, reference=None
         for k, (c, n) in enumerate(grid):
             cancel.check(f"sweep cell {k + 1}/{len(grid)}")
             if k and cfg.budget_s is not None and time.perf_counter() - t0 > cfg.budget_s:  # one cell at least
-                skipped = [[c2, n2] for c2, n2 in grid[k:]]
+                skipped = [[c2, n2] for c2, n2 in grid[k:] if not _at_least(c2, n2, failed)]
                 break
+            after = _at_least(c, n, failed)
+            if after:
+                unfinished.append([c, n, f"not run: the {after[0]} in flight × {after[1]} tokens cell did not finish"])
+                continue
             progress(k / len(grid), f"cell {k + 1}/{len(grid)}: {c} in flight, {n}-token prompts")
             prompts = build_prompts(lm, text, n, cfg.prompts_per_cell)
             scfg = ServeConfig(prompts=prompts, conditions=("alone",) if c == 1 else ("alone", "batch"),
@@ -205,21 +229,79 @@ def run_sweep(lm, cfg: SweepConfig, progress=None, settings=None, reference=None
                                server=cfg.server, prompt_source=f"sweep:{n}")
             scfg.validate()
             tc = time.perf_counter()
-            res = _study(lm, scfg, engine, settings, ref, False, lambda f, m: None, tc, memo)
+            try:
+                with _cell_limit(limit):
+                    res = _study(lm, scfg, engine, settings, ref, False, lambda f, m: None, tc, memo)
+            except (KvvizError, _CellLimit) as e:  # this cell only: the engine starts again for the next one
+                why = f"passed the cell limit ({limit:g} s)" if isinstance(e, _CellLimit) else str(e)
+                unfinished.append([c, n, f"{why} after {time.perf_counter() - tc:.0f} s"])
+                failed.append((c, n))
+                failure = failure or e
+                if hasattr(engine, "close"):
+                    engine.close()
+                continue
             cells.append(cell_of(res, c, n, time.perf_counter() - tc, [len(encode(lm, p)) for p in prompts]))
             info = res.engine
     finally:
         if hasattr(engine, "close"):
             engine.close()
+    if not cells and failure is not None:  # nothing to show: the first cell's line
+        raise KvvizError(f"no cell of the sweep finished: the first ({unfinished[0][0]} in flight × "
+                         f"{unfinished[0][1]} tokens) {unfinished[0][2]}")
     progress(1.0, "Done")
     notes = list(lm.warnings)
     if skipped:
         notes.append(f"the time budget ({cfg.budget_s:g} s) ran out: {len(skipped)} cells not run")
+    if unfinished:
+        notes.append(f"{len(failed)} cell(s) did not finish and {len(unfinished) - len(failed)} at least as large "
+                     "were not run; the cells that finished are kept")
     conf = asdict(cfg)
     conf["dtype"] = str(lm.dtype).replace("torch.", "") if hasattr(lm, "dtype") else None
     conf["device"] = str(getattr(lm, "device", "cpu"))
     return SweepResult(config=conf, model=lm.summary(), engine=info, cells=cells, skipped=skipped,
-                       elapsed_s=time.perf_counter() - t0, notes=notes)
+                       elapsed_s=time.perf_counter() - t0, notes=notes, unfinished=unfinished)
+
+
+class _CellLimit(Exception):
+    """A cell passed SweepConfig.cell_limit_s (raised in place of the cell's Cancelled, the run itself not stopped)."""
+
+
+def _at_least(c: int, n: int, failed: list[tuple[int, int]]) -> tuple[int, int] | None:
+    """The cell that did not finish which this one is at least as large as (as many in flight or more, prompts as
+    long or longer), else None: such a cell is not run."""
+    return next(((c0, n0) for c0, n0 in failed if c >= c0 and n >= n0), None)
+
+
+@contextlib.contextmanager
+def _cell_limit(limit: float | None):
+    """The cell's own stop signal inside the run's: cancelled when the run is (Stop: Cancelled goes on up) or when
+    `limit` seconds have passed (then _CellLimit: this cell is not finished, the sweep goes on). Checked at kvviz's
+    checkpoints: every second of an engine worker's wait (which kills the worker), every layer in this process."""
+    from ...core import cancel
+
+    if limit is None:
+        yield
+        return
+    outer, deadline = cancel.current(), time.monotonic() + limit
+    token = cancel.Token()
+
+    def probe() -> bool:
+        if outer is not None and outer.cancelled:
+            token.cancel(outer.why or "stopped")
+        elif time.monotonic() > deadline:
+            token.cancel("the cell limit")
+        return token.is_set
+
+    token.probe = probe
+    try:
+        with cancel.scope(token):
+            yield
+    except cancel.Cancelled:
+        if outer is not None and outer.is_set:
+            raise
+        if time.monotonic() <= deadline:
+            raise
+        raise _CellLimit() from None
 
 
 def summary_text(res: SweepResult) -> str:
@@ -235,6 +317,8 @@ def summary_text(res: SweepResult) -> str:
         lines.append(f"{x.concurrency:>9} {x.length:>6} {x.verdict:>9} {pa:>11} {x.parting_reference:>9.0%} "
                      f"{','.join(map(str, x.distinct)):>10} {'—' if x.first_divergence is None else x.first_divergence:>9}"
                      f" {'—' if x.margin is None else f'{x.margin:.3g}':>8} {x.tokens_per_s:>7.1f} {x.seconds:>6.1f}")
+    for c, n, why in res.unfinished:
+        lines.append(f"{c:>9} {n:>6}   not finished: {why}")
     for c, n in res.skipped:
         lines.append(f"{c:>9} {n:>6}   not run (time budget)")
     lines += [f"note: {n}" for n in res.notes]
@@ -246,17 +330,18 @@ def figure(res: SweepResult):
     with the share of prompts whose batched output parts from the same prompt alone as its text."""
     import plotly.graph_objects as go
 
-    cs = sorted({x.concurrency for x in res.cells} | {c for c, _ in res.skipped})
-    ns = sorted({x.length for x in res.cells} | {n for _, n in res.skipped})
+    gone = {(c, n): why for c, n, why in res.unfinished}
+    cs = sorted({x.concurrency for x in res.cells} | {c for c, _ in res.skipped} | {c for c, _ in gone})
+    ns = sorted({x.length for x in res.cells} | {n for _, n in res.skipped} | {n for _, n in gone})
     order = list(VERDICT_COLOURS)
     z, text = [], []
     for n in ns:
         zr, tr = [], []
         for c in cs:
             x = res.cell(c, n)
-            v = "not run" if x is None else x.verdict
+            v = x.verdict if x is not None else "not finished" if (c, n) in gone else "not run"
             zr.append(order.index(v))
-            tr.append("not run" if x is None else
+            tr.append(v if x is None else
                       ("alone" if x.parting_alone is None else f"{x.parting_alone:.0%} part") +
                       ("" if x.first_divergence is None else f"<br>step {x.first_divergence}"))
         z.append(zr)
@@ -293,6 +378,8 @@ def frame(res: SweepResult):
              "ref margin": fmt_number(x.margin), "tokens/s": round(x.tokens_per_s, 1), "s": round(x.seconds, 1)}
             for x in res.cells]
     blank = dict.fromkeys(rows[0] if rows else (), "—")
+    rows += [{**blank, "in flight": c, "prompt tokens": n, "verdict": f"not finished: {why}"}
+             for c, n, why in res.unfinished]
     rows += [{**blank, "in flight": c, "prompt tokens": n, "verdict": "not run (time budget)"} for c, n in res.skipped]
     return pd.DataFrame(rows)
 
@@ -315,6 +402,8 @@ def verdict(res: SweepResult) -> tuple[str, str]:
             f"{cfg.get('dtype') or '?'}: {len(cells)} cell(s) of {cfg.get('prompts_per_cell')} prompts "
             f"({', '.join(map(str, sorted({x.concurrency for x in cells})))} in flight × "
             f"{', '.join(map(str, sorted({x.length for x in cells})))} tokens)"
+            + (f", {len(res.unfinished)} not finished (the engine failed, the cell limit passed, or a smaller cell "
+               "did not finish)" if res.unfinished else "")
             + (f", {len(res.skipped)} not run (time budget)" if res.skipped else "") + ". ")
     if not cells:
         return "not run", head

@@ -1,4 +1,6 @@
 """Page: the same prompt alone, left-padded and in a batch, with cache settings right and wrong."""
+import dataclasses
+
 import streamlit as st
 
 from pages.defaults import DEFAULTS
@@ -25,7 +27,8 @@ with controls():
                       DEFAULTS["padding"]["prove"], key="padding_prove",
                       help="Off by default so the grid comes quickly; the float64 rerun decides every verdict anyway.")
 
-work = PaddingConfig(prompt, int(split) or None, int(left_pad)).workload()  # its memory plan
+# its memory plan (the proof's phase only with the proof on)
+work = dataclasses.replace(PaddingConfig(prompt, int(split) or None, int(left_pad)).workload(), prove=bool(prove))
 
 
 def compute():

@@ -1,4 +1,6 @@
 """Page: one prompt cache reused for several continuations ."""
+import dataclasses
+
 import streamlit as st
 
 from pages.defaults import DEFAULTS
@@ -26,7 +28,8 @@ with controls():
     prove = st.toggle("Prove precision gaps (rerun in invariant mode; slower)", DEFAULTS["reuse"]["prove"],
                       key="reuse_prove", help="Off by default so the texts come quickly; float64 decides the verdicts.")
 merged = [c.replace("\\n", "\n") for c in conts.splitlines() if c.strip()]
-work = ReuseConfig(prefix, tuple(merged), int(n)).workload()  # its memory plan
+# its memory plan (the proof's phase only with the proof on)
+work = dataclasses.replace(ReuseConfig(prefix, tuple(merged), int(n)).workload(), prove=bool(prove))
 
 
 def compute():

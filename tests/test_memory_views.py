@@ -581,9 +581,9 @@ def test_the_serving_plan_counts_the_proofs_kernel_probes_by_the_largest_weights
     plan = memory.plan_shape(SMOLLM2, "default", "bfloat16", "cpu", "serving", 24, free=20 * 1024 ** 3, steps=8,
                              engine=engine)
     probe = memory.invariant_probe_bytes(SMOLLM2, 2)
-    from kvviz.core.invariant import PROBE_SLAB
+    from kvviz.core import invariant
 
-    assert memory.PROBE_SLAB == PROBE_SLAB  # the planner's copy of the slab size
+    assert memory.PROBE_SLAB is invariant.PROBE_SLAB  # one constant (kvviz.core.float64), built by and planned by
     assert probe == 28311552 * 2 + 768 * 49152 * 2 + 16 * 2 ** 20 + 64 * 2 ** 20 and plan.activations >= probe
     # where the probe is the largest phase (a 262144-token vocabulary, as Gemma 3's) it is dropped where no proof ran
     big = dataclasses.replace(SMOLLM2, vocab=262144, largest=262144 * 576)

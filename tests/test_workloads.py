@@ -93,10 +93,11 @@ PAGE_CASES = [  # page, its run, its controls, the CLI command of the same setti
      lambda w: ["split", "--prompt", PROMPT, "--split", str(w.split), "--attn", "eager"],
      {"texts": (PROMPT,), "left_pad": 0}),
     ("pages/padding.py", "padding", {"padding_prompt": PROMPT, "padding_pad": 3, "padding_split": 4},
-     lambda w: ["padding", "--prompt", PROMPT, "--left-pad", "3", "--split", "4"],
-     {"texts": (PROMPT,), "left_pad": 3, "split": 4}),
-    ("pages/padding.py", "padding", {"padding_prompt": PROMPT, "padding_pad": 0, "padding_split": 0},  # 0: half
-     lambda w: ["padding", "--prompt", PROMPT, "--left-pad", "0"], {"left_pad": 0, "split": None}),
+     lambda w: ["padding", "--prompt", PROMPT, "--left-pad", "3", "--split", "4", "--no-proof"],  # the proof off
+     {"texts": (PROMPT,), "left_pad": 3, "split": 4, "prove": False}),
+    ("pages/padding.py", "padding", {"padding_prompt": PROMPT, "padding_pad": 0, "padding_split": 0,  # 0: half
+                                     "padding_prove": True},
+     lambda w: ["padding", "--prompt", PROMPT, "--left-pad", "0"], {"left_pad": 0, "split": None, "prove": True}),
     ("pages/dtypes.py", "dtypes", {"dtypes_prompt": PROMPT, "dtypes_dtypes": ["bfloat16", "float16"],
                                    "dtypes_split": "half", "dtypes_mode": "step"},
      lambda w: ["dtypes", "--prompt", PROMPT, "--dtypes", "bfloat16,float16", "--split", "half", "--mode", "step"],
@@ -106,8 +107,11 @@ PAGE_CASES = [  # page, its run, its controls, the CLI command of the same setti
      {"texts": BUILTIN_3, "dtypes": ("float16",)}),
     ("pages/reuse.py", "reuse", {"reuse_prefix": PROMPT, "reuse_conts": " Rome\n and Madrid", "reuse_n": 6},
      lambda w: ["reuse", "--prefix", PROMPT, "--continuation", " Rome", "--continuation", " and Madrid",
-                "--max-new-tokens", "6"],
-     {"texts": (PROMPT,), "continuations": (" Rome", " and Madrid"), "new_tokens": 6}),
+                "--max-new-tokens", "6", "--no-proof"],
+     {"texts": (PROMPT,), "continuations": (" Rome", " and Madrid"), "new_tokens": 6, "prove": False}),
+    ("pages/reuse.py", "reuse", {"reuse_prefix": PROMPT, "reuse_conts": " Rome", "reuse_n": 4, "reuse_prove": True},
+     lambda w: ["reuse", "--prefix", PROMPT, "--continuation", " Rome", "--max-new-tokens", "4"],
+     {"continuations": (" Rome",), "prove": True}),
     ("pages/loading_trap.py", "trap", {"loading_trap_prompt": PROMPT, "loading_trap_n": 8,
                                        "loading_trap_dtype": "float16"},
      lambda w: ["loading-trap", "--prompt", PROMPT, "--max-new-tokens", "8", "--cast-dtype", "float16"],
@@ -174,6 +178,25 @@ def test_the_cli_plans_a_configs_workload_with_its_attention(capsys):
     # (the lines can round alike: the proof's kernel probes are most of a tiny model's activations)
     assert sdpa_plan.if_unproved["activations"] < eager_plan.if_unproved["activations"]
     assert sdpa_plan.total < eager_plan.total
+
+
+def test_a_run_told_not_to_prove_has_no_proof_phase_in_its_plan(capsys):
+    """--no-proof (and a page's proof toggled off: `Workload.prove`) plans no proof phase: the plan was the proved
+    run's (its kernel probes) even where no proof would run. In invariant mode throughout the probes stay."""
+    from dataclasses import replace
+
+    from kvviz.core.inputs import SplitConfig
+
+    w = SplitConfig(prompt=PROMPT * 8, split=5).workload()
+    proved, unproved = (plan_workload("tiny:llama", "float32", "cpu", "split", replace(w, prove=p)) for p in (1, 0))
+    assert proved.if_unproved is not None and unproved.if_unproved is None
+    assert unproved.activations == proved.if_unproved["activations"] < proved.activations
+    assert unproved.total < proved.total
+    argv = ["split", "--prompt", PROMPT * 8, "--split", "5"]
+    assert _cli_plan(capsys, [*argv, "--no-proof"]) == _planned(unproved.lines())
+    assert _cli_plan(capsys, argv) == _planned(proved.lines())
+    inv = plan_workload("tiny:llama", "float32", "cpu", "split", replace(w, prove=False), invariant=True)
+    assert inv.activations >= proved.activations
 
 
 def test_a_config_without_workload_is_planned_from_its_fields_as_its_subcommand_reads_them():

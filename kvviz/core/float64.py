@@ -15,6 +15,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 REFERENCE_CHUNK_BYTES = 128 * 1024 ** 2  # a float64 weight larger than this is applied in slices (kvviz.core.memory plans it)
+# invariant mode's kernel probes build their data in float64 a slab at a time, at most this many numbers (the weight's
+# copy in its own dtype is the probe's one full-size tensor: a float64 copy of an 8B model's head would be 4 GiB);
+# kvviz.core.invariant builds them, kvviz.core.memory plans them
+PROBE_SLAB = 1 << 20
 
 _SOFTMAXES = {torch.softmax, torch.log_softmax, torch.nn.functional.softmax, torch.nn.functional.log_softmax,
               torch.Tensor.softmax, torch.Tensor.log_softmax}

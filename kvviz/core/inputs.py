@@ -121,6 +121,7 @@ class Workload:
     # cache page holds (None: PAGE_SIZE; 0: no paged engine in this process - vLLM, llama.cpp, a server)
     conditions: tuple[str, ...] = ()
     page_size: int | None = None
+    prove: bool = True  # the run may prove a precision verdict in invariant mode (False: --no-proof, a proof toggled off)
 
 
 @dataclass(frozen=True)

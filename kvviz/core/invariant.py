@@ -59,7 +59,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..models import compat
-from .float64 import compat_grouped_mm_functions
+from .float64 import PROBE_SLAB, compat_grouped_mm_functions
 
 _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm, torch.mm,
             torch.Tensor.mm}
@@ -333,10 +333,6 @@ def _probe_data(shape, dtype, device, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(shape, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
 
-
-# probe data is built in float64 a slab at a time, at most this many numbers (the weight's copy in its own dtype is
-# the probe's one full-size tensor: a float64 copy of an 8B model's head would be 4 GiB)
-PROBE_SLAB = 1 << 20
 
 
 def _cancelling(shape, stride, dtype, device, k_dim: int, seed: int, negate: bool = False) -> torch.Tensor:

@@ -29,7 +29,7 @@ import torch
 
 from .errors import KvvizError
 from .inputs import MAX_PROMPT_CHARS, Workload  # noqa: F401 - Workload is part of this module's API
-from .float64 import REFERENCE_CHUNK_BYTES  # float64 runs apply a larger weight in slices of this
+from .float64 import PROBE_SLAB, REFERENCE_CHUNK_BYTES  # float64 runs apply a larger weight in slices of this
 
 GB = 1024 ** 3
 TWIN_MAX_BYTES = int(1.5 * GB)  # a full float64 twin up to this size is kept when memory allows (it runs faster)
@@ -842,7 +842,6 @@ def paged_call_bytes(shape: ModelShape, width: int, longest: int, requests: int,
 # shape). Before the slabs the values were three float64 copies of the whole weight at once (0.72 GiB on the
 # default model; 12.6 GB on an 8B model's head).
 PROBE_ROWS = 3 * 256
-PROBE_SLAB = 1 << 20  # kvviz.core.invariant.PROBE_SLAB (not imported: invariant imports this module's users)
 PROBE_FIXED = 64 * 1024 ** 2
 
 
@@ -896,7 +895,7 @@ def plan_run(spec, dtype: str, device, view: str, tokens: int = 32, batch: int =
              dtypes: tuple[str, ...] = (), reference: str | None = None, compared: int | None = None,
              copies: int = 0, steps: int | None = None, reference_decodes: bool = True,
              runs: int | None = None, attention: str = "sdpa", engine: "PagedCalls | None" = None,
-             invariant: bool = False) -> MemoryPlan:
+             invariant: bool = False, prove: bool = True) -> MemoryPlan:
     """The memory plan of one run, from the model's files (nothing loaded). compared: positions compared (split:
     the tokens after the split point; None: every token). copies: extra copies of the loaded model the run makes
     (weight quantization deep-copies the model before quantizing it). steps, reference_decodes, runs: a decoding
@@ -909,20 +908,20 @@ def plan_run(spec, dtype: str, device, view: str, tokens: int = 32, batch: int =
     dev = device if isinstance(device, torch.device) else resolve_device(device)
     free, src = free_bytes(dev)
     return plan_shape(model_shape(ms), ms.display, dtype, str(dev), view, tokens, batch, dtypes, reference, free,
-                      src, compared, copies, steps, reference_decodes, runs, attention, engine, invariant)
+                      src, compared, copies, steps, reference_decodes, runs, attention, engine, invariant, prove)
 
 
 def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, view: str, tokens: int, batch: int = 1,
                dtypes: tuple[str, ...] = (), reference: str | None = None, free: int | None = None,
                free_from: str = "given", compared: int | None = None, copies: int = 0, steps: int | None = None,
                reference_decodes: bool = True, runs: int | None = None, attention: str = "sdpa",
-               engine: "PagedCalls | None" = None, invariant: bool = False) -> MemoryPlan:
+               engine: "PagedCalls | None" = None, invariant: bool = False, prove: bool = True) -> MemoryPlan:
     """The plan of a run of a model of this shape, against `free` bytes. attention: the kernel the model runs
     ('sdpa', kvviz's default, or 'eager': its score workspace, score_bytes). engine: a study's calls to a paged
     engine in this process (paged_study_bytes: its cache and activations replace the view's own).
 
     A view with a float64 reference (below float64) proves a precision verdict by rerunning in invariant mode (by
-    default; --no-proof: never), and a run in invariant mode (`invariant`) runs so throughout: the first
+    default; `prove` False, --no-proof: never), and a run in invariant mode (`invariant`) runs so throughout: the first
     invariant-mode forward probes the kernels of each weight's shape (invariant_probe_bytes), a phase of the run in
     its own dtype. The proof's phase is dropped from the plan after a run that ran none (`settle`)."""
     from .dtypes import dtype_name, parse_dtype
@@ -973,6 +972,7 @@ def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, vie
     load = read if ckpt < BYTES[dt] or (ckpt > BYTES[dt] and not float64_only) else 0
     cache = cache_bytes(shape, "float64" if float64_only else dt, tokens, batch, uses_ref and not float64_only)
     prof = profile(view)
+    proves = prof.proves and prove  # this run proves a precision verdict (its view can; not told not to)
     if_identical = if_unproved = None
     if uses_ref and prof.compared_after_split and not prof.bisector and not prof.many_prompts:
         # Split point reruns in float64 only where the cached path is not bit for bit the full forward
@@ -989,14 +989,14 @@ def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, vie
             return paged_study_bytes(shape, dt, tokens, steps, engine.calls, engine.replays, engine.page_size, f64,
                                      attention, device, proof)
 
-        cache, acts = study(uses_ref, (uses_ref and prof.proves) or invariant)
+        cache, acts = study(uses_ref, (uses_ref and proves) or invariant)
         if uses_ref:
             c0, a0 = study(False, invariant)
             if_identical = dict(reference="not run", reference_bytes=0, cache=c0, activations=a0)
-            if prof.proves and not invariant:
+            if proves and not invariant:
                 c1, a1 = study(True, False)
                 if_unproved = dict(cache=c1, activations=a1)
-    elif invariant or (uses_ref and prof.proves):  # the proof's kernel probes (above)
+    elif invariant or (uses_ref and proves):  # the proof's kernel probes (above)
         run_only = activation_bytes(shape, dt, tokens, batch, view, False, compared, steps, reference_decodes, runs,
                                     attention, device)
         if not invariant:
@@ -1124,7 +1124,8 @@ def paged_calls(prof: "MemoryProfile", w: Workload) -> PagedCalls | None:
 
 def plan_workload(spec, dtype: str, device, view: str, w: Workload, invariant: bool = False) -> MemoryPlan:
     """The one memory-plan builder: the CLI (kvviz.io.clirun.plan_for_args) and the pages (pages/memory_plan.py) both
-    call it. invariant: the run is in invariant mode (the sidebar's toggle, --invariant)."""
+    call it. invariant: the run is in invariant mode (the sidebar's toggle, --invariant); a workload that will not
+    prove (`w.prove` False) has no proof phase."""
     prof = profile(view)
     if any(len(t) > MAX_PROMPT_CHARS for t in w.texts):
         raise NoPlan()
@@ -1161,7 +1162,8 @@ def plan_workload(spec, dtype: str, device, view: str, w: Workload, invariant: b
     return plan_run(spec, dtype, device, view, max(tokens, 1), batch, w.dtypes, compared=compared, copies=copies,
                     steps=steps, reference_decodes=reference_decodes is not False,
                     runs=len(set(w.paths)) if prof.decoded_runs and w.paths else None,
-                    attention=attention_kernel(w.attention), engine=engine, invariant=bool(invariant))
+                    attention=attention_kernel(w.attention), engine=engine, invariant=bool(invariant),
+                    prove=bool(w.prove))
 
 
 def attention_kernel(requested) -> str:

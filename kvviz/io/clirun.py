@@ -198,9 +198,11 @@ def workload_of_args(args) -> memory.Workload:
     gives it the sidebar's), else read off its parsed arguments. A prompt set (--prompts, --limit: dtypes, serving)
     counts each of its prompts; a shared prefix with prompts (serving) is put before each of them."""
     attention = str(getattr(args, "attns", None) or getattr(args, "attn", None) or "auto")
+    prove = not getattr(args, "no_proof", False)  # --no-proof: the plan has no proof phase
     if isinstance(getattr(args, "workload", None), memory.Workload):
         w = args.workload
-        return dataclasses.replace(w, attention=attention) if w.attention == "auto" else w
+        return dataclasses.replace(w, attention=attention if w.attention == "auto" else w.attention,
+                                   prove=w.prove and prove)
     prompt, prefix = getattr(args, "prompt", None), getattr(args, "prefix", None)
     texts = tuple(t for t in (prompt, prefix) if isinstance(t, str))
     if hasattr(args, "prompts"):
@@ -223,7 +225,7 @@ def workload_of_args(args) -> memory.Workload:
                           else (),
                           split=split if isinstance(split, int) else None,
                           weights=str(getattr(args, "weights", "none") or "none"),
-                          attention=attention,
+                          attention=attention, prove=prove,
                           paths=tuple(p.strip() for p in paths.split(",") if p.strip()) if isinstance(paths, str) else ())
 
 

@@ -178,6 +178,16 @@ def test_a_sweep_with_no_cell_finished_is_one_line_and_stop_inside_a_limited_cel
                             engine="transformers", cell_limit_s=60), RunContext(token=token))
     with pytest.raises(KvvizError, match="the cell limit must be a positive number of seconds, not 0"):
         SweepConfig(cell_limit_s=0).validate()
+    # the real run (no stand-in study): a 1 ms limit stops the first cell inside its reference decode; the model is
+    # free again after it (its lock released, its settings restored): the same grid without the limit runs
+    monkeypatch.undo()
+    with pytest.raises(KvvizError, match=r"^no cell of the sweep finished: the first \(1 in flight × 8 tokens\) "
+                                         r"passed the cell limit \(0.001 s\) after "):
+        run_sweep(lm, SweepConfig(concurrency=(1,), lengths=(8,), prompts_per_cell=1, max_new_tokens=2,
+                                  engine="transformers", cell_limit_s=0.001))
+    res = run_sweep(lm, SweepConfig(concurrency=(1,), lengths=(8,), prompts_per_cell=1, max_new_tokens=2,
+                                    engine="transformers"))
+    assert len(res.cells) == 1 and not res.unfinished
 
 
 @pytest.mark.slow

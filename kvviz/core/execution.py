@@ -226,6 +226,10 @@ class Executor:
                 from .streaming import decoder_layers
 
                 stack.enter_context(cancel.layer_checks(decoder_layers(self.lm.model)))
+                if self.lm.dtype == torch.float64 and self.lm.device.type == "cpu":  # a long float64 forward's
+                    from .float64 import released_between_layers  # freed blocks go back between its layers
+
+                    stack.enter_context(released_between_layers(decoder_layers(self.lm.model)))
             yield self
 
     def _callable(self) -> Callable:

@@ -164,3 +164,73 @@ def keep_float64(model) -> None:
 
     forward._kvviz_float64 = True
     model.forward = forward
+
+
+# --- the allocator's residue of a long float64 forward on the CPU ---------------------------------------------------
+#
+# glibc keeps freed blocks below its mmap threshold (which rises with the largest freed mapping, up to 32 MiB) inside
+# the process: a float64 forward over a long prompt frees a layer's intermediates (tens of MiB each at 4096 tokens)
+# into the heap, and the next layer's, of other sizes, do not all fit in them. Measured on the default model's
+# bfloat16 split at 4096 tokens (half compared): the float64 rerun peaked at 5.38 GiB, 4.38 GiB with the freed
+# blocks given back before each layer (docs/benchmarks.md) - a gigabyte the memory plan cannot see. Where a float64
+# forward's layer input is this large or more, the freed blocks are given back (malloc_trim) before each decoder layer
+# and after the last; shorter forwards leave little and skip it (a decode step's call costs more than it returns).
+RELEASE_MIN_BYTES = 4 * 1024 ** 2
+_TRIM: list = []  # [glibc's malloc_trim, or None where there is none]
+
+
+def _malloc_trim():
+    if not _TRIM:
+        try:
+            import ctypes
+
+            _TRIM.append(ctypes.CDLL("libc.so.6").malloc_trim)
+        except (OSError, AttributeError):  # not glibc (macOS, Windows, musl): nothing to give back this way
+            _TRIM.append(None)
+    return _TRIM[0]
+
+
+def gives_freed_memory_back() -> bool:
+    """Whether this process can give freed heap blocks back between a float64 forward's layers (glibc)."""
+    return _malloc_trim() is not None
+
+
+def release_freed_memory() -> bool:
+    """Give the heap's freed blocks back to the system (glibc); False where that is not available."""
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
+
+
+def released_between_layers(layers):
+    """A context (kvviz.core.execution's session, float64 runs on the CPU): before each layer of `layers` and after the
+    last, the freed blocks go back to the system where the layer's input is RELEASE_MIN_BYTES or more."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def ctx():
+        if layers is None or not len(layers) or _malloc_trim() is None:
+            yield
+            return
+
+        def big(x) -> bool:
+            return isinstance(x, torch.Tensor) and x.numel() * x.element_size() >= RELEASE_MIN_BYTES
+
+        def pre(_module, args, kwargs):
+            if big(args[0] if args else kwargs.get("hidden_states")):
+                release_freed_memory()
+
+        def post(_module, args, kwargs, _output):
+            pre(_module, args, kwargs)
+
+        handles = [layer.register_forward_pre_hook(pre, with_kwargs=True) for layer in layers]
+        handles.append(layers[len(layers) - 1].register_forward_hook(post, with_kwargs=True))
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    return ctx()

@@ -29,7 +29,7 @@ import torch
 
 from .errors import KvvizError
 from .inputs import MAX_PROMPT_CHARS, Workload  # noqa: F401 - Workload is part of this module's API
-from .float64 import PROBE_SLAB, REFERENCE_CHUNK_BYTES  # float64 runs apply a larger weight in slices of this
+from .float64 import PROBE_SLAB, REFERENCE_CHUNK_BYTES, gives_freed_memory_back
 
 GB = 1024 ** 3
 TWIN_MAX_BYTES = int(1.5 * GB)  # a full float64 twin up to this size is kept when memory allows (it runs faster)
@@ -619,7 +619,13 @@ def activation_bytes(shape: ModelShape, dtype: str, tokens: int, batch: int, vie
     logits64 = 2 * B * n * V * 8
     if prof.stepwise_reference:  # the window check compares token by token (kvviz.views.split.run._ChunkedLogits)
         ref = working(8) + stepwise_reference_bytes(shape, T, n, B) + hidden(8)
-    else:
+    elif device.startswith("cpu") and gives_freed_memory_back():
+        # the second path's forward beside the first path's logits, then the comparison (no forward's working set
+        # left by then: a long float64 forward's freed blocks are given back between its layers,
+        # kvviz.core.float64.released_between_layers)
+        ref = max(working(8) + B * n * V * 8, logits64 + temps(8)) + hidden(8)
+    else:  # CUDA's caching allocator keeps a forward's freed blocks reserved, and an allocator that cannot give them
+        # back (not glibc) keeps them in the process: a forward's working set stays beside the comparison
         ref = working(8) + logits64 + temps(8) + hidden(8)
     if dtype == "float64" and prof.compared_after_split and not prof.bisector:
         run = ref  # a float64 run is its own reference: only the compared positions' logits (kvviz.views.split.run)

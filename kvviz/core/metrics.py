@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from .float64 import RELEASE_MIN_BYTES, release_freed_memory
+
 HIDDEN_METRICS = {
     "max_abs": "max |Δ| over the hidden dimension",
     "mean_abs": "mean |Δ| over the hidden dimension",
@@ -61,7 +63,11 @@ def logits_divergence(ref: torch.Tensor, got: torch.Tensor) -> dict[str, torch.T
     """ref, got: [n_positions, vocab]. Per position: max |Δ|, KL(ref || got), argmax agreement, top-5 overlap.
 
     Computed in chunks of positions (each position's numbers depend on its row only), so a large vocabulary costs
-    one chunk's float64 temporaries, not n_positions × vocab × 8 bytes several times over."""
+    one chunk's float64 temporaries, not n_positions × vocab × 8 bytes several times over. A large float64
+    comparison (the float64 reference's) starts with the heap's freed blocks given back (its forwards left them:
+    kvviz.core.float64.released_between_layers)."""
+    if ref.dtype == torch.float64 and ref.device.type == "cpu" and ref.numel() * 8 >= RELEASE_MIN_BYTES:
+        release_freed_memory()
     rows = logits_rows(ref)
     if ref.dim() != 2 or ref.shape[0] <= rows:
         return _logits_divergence(ref, got)

@@ -81,6 +81,20 @@ QUANTO = needs("optimum")  # optimum-quanto (its module is optimum.quanto)
 HQQ = needs("hqq")
 
 
+def record_worker_clients(monkeypatch) -> list:
+    """Every kvviz.engines.WorkerClient started from now on, in order (a test then checks each worker's process)."""
+    from kvviz.engines import WorkerClient
+
+    clients, init = [], WorkerClient.__init__
+
+    def recording(self, *a, **k):
+        init(self, *a, **k)
+        clients.append(self)
+
+    monkeypatch.setattr(WorkerClient, "__init__", recording)
+    return clients
+
+
 def needs_engine(name: str):
     """A test that drives a real serving engine in its own environment (vLLM, llama.cpp: `make engines`): marked
     `engine` (`make test-engines` runs these, `make test` leaves them to it) and skipped where the environment is not

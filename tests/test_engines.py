@@ -280,19 +280,12 @@ def test_llamacpp_cell_past_its_limit_kills_the_worker_and_the_next_cell_starts_
     stopped at the wait's next wake-up (at most a second) and its worker process killed; the engine, closed as the
     sweep closes it after such a cell, starts a fresh worker for the next cell, which answers."""
     from kvviz.core.inputs import encode
-    from kvviz.engines import WorkerClient
+    from conftest import record_worker_clients
     from kvviz.engines.serving import Request
     from kvviz.engines.workers import make_worker_engine
     from kvviz.views.serving.sweep import _cell_limit, _CellLimit
 
-    clients = []
-    init = WorkerClient.__init__
-
-    def recording(self, *a, **k):
-        init(self, *a, **k)
-        clients.append(self)
-
-    monkeypatch.setattr(WorkerClient, "__init__", recording)
+    clients = record_worker_clients(monkeypatch)
     lm = kvviz.load_model("default", "float32", "cpu")
     engine = make_worker_engine("llama.cpp", 1, 1, timeout_s=1200.0)
     req = [Request("p0", encode(lm, "The capital of France is"), 2)]

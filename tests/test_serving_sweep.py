@@ -410,19 +410,12 @@ def test_serving_page_sweep_section_runs_on_its_button_only():
 @pytest.mark.slow
 @needs_engine("vllm")
 def test_vllm_sweep_stopped_mid_grid_kills_the_engine_process(monkeypatch):
+    from conftest import record_worker_clients
     from kvviz.core import cancel
-    from kvviz.engines import WorkerClient
     from kvviz.core.protocol import RunContext
     from kvviz.views.serving.sweep import run
 
-    clients = []
-    init = WorkerClient.__init__
-
-    def recording(self, *a, **k):
-        init(self, *a, **k)
-        clients.append(self)
-
-    monkeypatch.setattr(WorkerClient, "__init__", recording)
+    clients = record_worker_clients(monkeypatch)
     lm = kvviz.load_model("default", "bfloat16", "cpu")
     token = cancel.Token()
 

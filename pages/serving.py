@@ -159,6 +159,7 @@ where.info("Sweeping: its progress, the time left and **Stop** are at the top of
 try:
     sres = run_cached("serving_sweep", skey, sweep_compute, scfg.workload())  # once per grid: a rerun shows the stored result
 except Exception as e:  # noqa: BLE001
+    where.empty()  # before st.stop(): the `finally` below runs after it, too late to clear the pointer
     st.session_state.pop("_serving_sweep_ran", None)  # a failed sweep is not started again by the next rerun
     show_error(e)
     st.stop()

@@ -405,6 +405,14 @@ def test_serving_page_sweep_section_runs_on_its_button_only():
     new = [r for r in at.session_state["_results_serving_sweep"].values() if r.skipped]
     assert len(new) == 1 and len(new[0].cells) == 1 and len(new[0].skipped) == 3
     assert any("not run (time budget)" in str(df.value.values.tolist()) for df in at.dataframe)
+    # a grid none of whose cells finishes within the cell limit: its one line, and no pointer to a sweep still running
+    at.number_input(key="serving_sweep_cell_limit").set_value(0.001).run()
+    at.button(key="serving_sweep_run").click().run()
+    assert not at.exception, at.exception
+    (line,) = [e.value for e in at.error if "no cell" in e.value]
+    assert line.startswith("no cell of the sweep finished: the first (1 in flight × 8 tokens) passed the cell limit "
+                           "(0.001 s) after ")
+    assert not any("Sweeping:" in i.value for i in at.info)
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ computation stays float64 end to end (the same maths, the precision the referenc
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -204,33 +205,23 @@ def release_freed_memory() -> bool:
     return True
 
 
+@contextlib.contextmanager
 def released_between_layers(layers):
     """A context (kvviz.core.execution's session, float64 runs on the CPU): before each layer of `layers` and after the
     last, the freed blocks go back to the system where the layer's input is RELEASE_MIN_BYTES or more."""
-    import contextlib
+    if layers is None or not len(layers) or _malloc_trim() is None:
+        yield
+        return
 
-    @contextlib.contextmanager
-    def ctx():
-        if layers is None or not len(layers) or _malloc_trim() is None:
-            yield
-            return
+    def pre(_module, args, kwargs, _output=None):
+        x = args[0] if args else kwargs.get("hidden_states")
+        if isinstance(x, torch.Tensor) and x.numel() * x.element_size() >= RELEASE_MIN_BYTES:
+            release_freed_memory()
 
-        def big(x) -> bool:
-            return isinstance(x, torch.Tensor) and x.numel() * x.element_size() >= RELEASE_MIN_BYTES
-
-        def pre(_module, args, kwargs):
-            if big(args[0] if args else kwargs.get("hidden_states")):
-                release_freed_memory()
-
-        def post(_module, args, kwargs, _output):
-            pre(_module, args, kwargs)
-
-        handles = [layer.register_forward_pre_hook(pre, with_kwargs=True) for layer in layers]
-        handles.append(layers[len(layers) - 1].register_forward_hook(post, with_kwargs=True))
-        try:
-            yield
-        finally:
-            for h in handles:
-                h.remove()
-
-    return ctx()
+    handles = [layer.register_forward_pre_hook(pre, with_kwargs=True) for layer in layers]
+    handles.append(layers[len(layers) - 1].register_forward_hook(pre, with_kwargs=True))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()

@@ -23,6 +23,9 @@ HERE = Path(__file__).resolve().parent
 WORKERS = {"vllm": ("vllm", "vllm_worker.py", "vllm"), "llama.cpp": ("llamacpp", "llamacpp_worker.py", "llama_cpp")}
 
 
+ANSWER_LIMIT_S = 900.0  # the most seconds a worker may take for one answer, unless its caller gives another
+
+
 def engines_root() -> Path:
     return Path(os.environ.get("KVVIZ_ENGINES") or Path.home() / ".cache" / "kvviz-engines").expanduser()
 
@@ -56,7 +59,7 @@ class WorkerClient:
     """One worker process: `call(op, **fields)` sends a request line and returns the reply (a dict); a failure in
     the worker, a dead worker or a timeout is one KvvizError line. `close()` stops it (and kills it if it hangs)."""
 
-    def __init__(self, name: str, env: dict | None = None, timeout_s: float = 900.0):
+    def __init__(self, name: str, env: dict | None = None, timeout_s: float = ANSWER_LIMIT_S):
         py = engine_python(name)
         if py is None:
             raise KvvizError(how_to_get(name))

@@ -22,6 +22,7 @@ import os
 import time
 
 from ..core.errors import KvvizError
+from . import ANSWER_LIMIT_S
 from .serving import EngineRun, Request, RequestOut
 
 TOP_K = 5
@@ -46,7 +47,7 @@ class WorkerEngine:
     dtype = "float32"
 
     def __init__(self):
-        self.timeout_s = 900.0  # the most seconds one answer may take (WorkerClient's limit)
+        self.timeout_s = ANSWER_LIMIT_S  # the most seconds one answer may take (WorkerClient's limit)
         self._client = None
         self._key = None
         self.version = None
@@ -191,7 +192,7 @@ def gguf_of(lm) -> tuple[str, str | None]:
 
 
 def make_worker_engine(name: str, tensor_parallel_size: int = 1, max_in_flight: int = 1,
-                       timeout_s: float = 900.0) -> WorkerEngine | None:
+                       timeout_s: float = ANSWER_LIMIT_S) -> WorkerEngine | None:
     """The worker engine for `name`, or None where the in-process one runs (transformers; vLLM importable here).
     max_in_flight: the most requests in flight its runs will ask for (vLLM sizes max_num_seqs once for them);
     timeout_s: the most seconds its worker may take for one answer (then it is stopped: one line)."""

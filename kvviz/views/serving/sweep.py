@@ -23,6 +23,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from ...core.errors import KvvizError
+from ...engines import ANSWER_LIMIT_S
 from ...core.memory import Workload
 from ...core.inputs import encode
 from ...core.protocol import DEFAULT_CONTEXT, RunContext
@@ -33,7 +34,6 @@ LENGTHS = (16, 64, 256, 1024)
 PROMPTS_PER_CELL = 4
 VERDICT_COLOURS = {"identical": "#2e7d32", "precision": "#f9a825", "logic": "#c62828", "not finished": "#5d4037",
                    "not run": "#bdbdbd"}
-WORKER_LIMIT_S = 900.0  # an engine worker's own limit for one answer (kvviz.engines.WorkerClient)
 
 
 @dataclass
@@ -203,7 +203,7 @@ def run_sweep(lm, cfg: SweepConfig, progress=None, settings=None, reference=None
         # restarted the engine: a row going back from 16 to 1 in flight started it again); its worker waits for an
         # answer at least as long as the cell limit (kvviz's checkpoint stops it at the limit)
         engine = make_worker_engine(cfg.engine, 1, max(cfg.concurrency),
-                                    timeout_s=max(WORKER_LIMIT_S, (limit or 0) + 60)) or make_engine(cfg.engine, 8, 1)
+                                    timeout_s=max(ANSWER_LIMIT_S, (limit or 0) + 60)) or make_engine(cfg.engine, 8, 1)
     t0 = time.perf_counter()
     grid = [(c, n) for n in cfg.lengths for c in cfg.concurrency]
     cells, skipped, unfinished, info, failure = [], [], [], {}, None
@@ -330,7 +330,7 @@ def figure(res: SweepResult):
     with the share of prompts whose batched output parts from the same prompt alone as its text."""
     import plotly.graph_objects as go
 
-    gone = {(c, n): why for c, n, why in res.unfinished}
+    gone = {(c, n) for c, n, _ in res.unfinished}
     cs = sorted({x.concurrency for x in res.cells} | {c for c, _ in res.skipped} | {c for c, _ in gone})
     ns = sorted({x.length for x in res.cells} | {n for _, n in res.skipped} | {n for _, n in gone})
     order = list(VERDICT_COLOURS)

@@ -25,8 +25,11 @@ runs without kvviz (the engines' workers, standalone repro scripts); tests/test_
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import logging
 import os
+import sys
 import warnings
 
 import torch
@@ -172,8 +175,6 @@ def set_output_cache(out, cache) -> None:
 
 
 def _output_fields(out) -> set[str]:
-    import dataclasses
-
     try:
         return {f.name for f in dataclasses.fields(out)}
     except TypeError:
@@ -349,14 +350,10 @@ class cb_quiet_end:
         return False
 
     def __enter__(self):
-        import logging
-
         logging.getLogger(self.LOGGER).addFilter(self)
         return self
 
     def __exit__(self, *exc):
-        import logging
-
         logging.getLogger(self.LOGGER).removeFilter(self)
         return False
 
@@ -372,8 +369,6 @@ def cb_stopped_and_drained(manager) -> bool:
 # Cache layer state: a transformers 5 cache holds one layer object per decoder layer, its keys and values in the
 # fields `keys` / `values` [B, heads, T, D] (initialised lazily from the first tensors it sees; a sliding layer also
 # counts every token it has seen in `cumulative_length`).
-
-CACHE_LAYER_FIELDS = ("keys", "values", "lazy_initialization")
 
 
 def layer_kv(layer):
@@ -458,8 +453,6 @@ def op_qualified_name(func) -> str:
 
 def transformers_model_modules():
     """(name, module) of every transformers model module imported so far (the modeling code kvviz may wrap)."""
-    import sys
-
     return [(name, mod) for name, mod in list(sys.modules.items())
             if name.startswith("transformers.models.") and mod is not None]
 

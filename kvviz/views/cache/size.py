@@ -69,10 +69,8 @@ class KVShape:
 
 
 def known_configs() -> list[KVShape]:
-    out = []
-    for p in sorted(CONFIG_DIR.glob("*.json")):
-        out.append(KVShape.from_dict(p.stem, json.loads(p.read_text(encoding="utf-8"))))
-    return out
+    return [KVShape.from_dict(p.stem, json.loads(p.read_text(encoding="utf-8")))
+            for p in sorted(CONFIG_DIR.glob("*.json"))]
 
 
 def _bytes(dtype: str) -> int:

@@ -2,7 +2,7 @@
 
 This folder is the whole view: run.py (config, run, result), figures.py, report.py (reopen, verdict), cli.py.
 Registered by one line in kvviz/views/__init__.py."""
-from .. import MemoryProfile, Page, View
+from .. import MemoryProfile, View
 from .run import BisectResult, run_bisect
 
 VIEW = View("bisect", "Bisector", "BisectResult", "report:reopen", "figures:main", "report:verdict", cli="cli",

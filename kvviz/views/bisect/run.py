@@ -352,10 +352,6 @@ _SKIP_OPS = {"__get__", "__getitem__", "size", "dim", "__len__", "stride", "is_f
              "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "all", "any", "eq", "ne", "type_as"}
 
 
-def _op_name(func) -> str:
-    return getattr(func, "__name__", None) or str(func)
-
-
 def layer_name(module: str) -> str:
     """The layer naming rule (kvviz.core.naming): "layer k (model.layers.{k-1}…)" for a module inside decoder layer k-1,
     "embeddings (…)" for the embedding."""
@@ -419,7 +415,7 @@ class _OpTrace:
         return hook
 
     def on_op(self, func, args, out):
-        name = _op_name(func)
+        name = getattr(func, "__name__", None) or str(func)
         if name in _SKIP_OPS or self.first is not None:
             return
         t = _first_tensor(out)

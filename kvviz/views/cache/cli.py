@@ -4,8 +4,6 @@ from __future__ import annotations
 from ...io.clirun import Outcome, context, load, model_args
 from ...core.errors import KvvizError
 
-_NO_PROOF = "it runs no proof rerun"
-
 
 HELP = "the KV cache as an object: save, load (continue and compare), size"
 
@@ -18,7 +16,7 @@ def add_arguments(cp) -> None:
     cs.add_argument("--prompt", required=True)
     cs.add_argument("--out", required=True, help="FILE.safetensors")
     cs.set_defaults(handler=save, not_honoured={
-        "invariant": "the saved cache is the model's plain cache", "no_proof": _NO_PROOF,
+        "invariant": "the saved cache is the model's plain cache", "no_proof": "it runs no proof rerun",
         "json_out": "its product is the --out file", "html": "its product is the --out file"})
     cl = csub.add_parser("load", help="reload a saved cache, continue with text, compare with a fresh cache")
     model_args(cl)

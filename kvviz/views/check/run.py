@@ -28,7 +28,6 @@ from ...core.verdict import Verdict, classify
 
 PROMPT = ("The museum guard knew every painting in the building, but he had a favourite one hanging in the far "
           "corner of the east wing.")
-OVERALL = ("safe", "unsafe", "lossy")
 
 
 @dataclass

@@ -19,11 +19,6 @@ def _check(metric: str) -> None:
         raise ValueError(f"unknown metric {metric}; choose one of {', '.join(METRICS)}")
 
 
-def _dtype(res: EngineLayersResult) -> str:
-    """What the engine computed in (llama.cpp's 8-bit activations, else the model's dtype)."""
-    return res.engine_dtype()
-
-
 def pair_heatmap(res: EngineLayersResult, metric: str = "relative", log: bool = True) -> go.Figure:
     """A against B, layer × token, on the positions both computed with the same inputs. The dtype is the verdict's
     and the layer lines' (a fourth title line ran into the bitwise-equal legend of an all-zero map)."""
@@ -63,7 +58,7 @@ def layer_lines(res: EngineLayersResult, log: bool = True) -> go.Figure:
         fig.add_trace(go.Scatter(x=res.layer_labels, y=floor_zeros(vals, floor) if log else vals,
                                  mode="lines+markers", name=name, line=dict(dash=dash), customdata=vals,
                                  hovertemplate="%{x}: %{customdata:.4g}<extra></extra>"))
-    fig.update_layout(title=f"Relative gap per layer (max over tokens) — {_dtype(res)}",
+    fig.update_layout(title=f"Relative gap per layer (max over tokens) — {res.engine_dtype()}",
                       xaxis_title="hidden state", yaxis_title="relative gap", height=380,
                       margin=dict(l=10, r=10, t=60, b=10), legend=dict(orientation="h", y=-0.35))
     if log:

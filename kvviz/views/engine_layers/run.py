@@ -358,6 +358,11 @@ def run_engine_layers(lm, cfg: EngineLayersConfig, progress: Progress | None = N
     if cfg.pair == "tp":
         label_a, label_b = "tp 1", f"tp {tp_b}"
     prompts = _prompts(lm, cfg, ids)
+
+    def side_groups(side: str) -> list[dict]:  # every prompt's submissions on one side of the pair
+        return [g for k, (_, q_ids, warmer, neigh) in enumerate(prompts)
+                for g in _side_groups(cfg.pair, side, k, q_ids, n, warmer, neigh)]
+
     engines, infos = [], {}
     tmp = tempfile.mkdtemp(prefix="kvviz-engine-layers-")
     try:
@@ -369,11 +374,7 @@ def run_engine_layers(lm, cfg: EngineLayersConfig, progress: Progress | None = N
         eng = _Engine(lm, cfg, 1, seqs)
         engines.append(eng)
         infos[label_a] = eng.info
-        groups = [g for k, (_, q_ids, warmer, neigh) in enumerate(prompts)
-                  for g in _side_groups(cfg.pair, "A", k, q_ids, n, warmer, neigh)]
-        if cfg.pair != "tp":
-            groups += [g for k, (_, q_ids, warmer, neigh) in enumerate(prompts)
-                       for g in _side_groups(cfg.pair, "B", k, q_ids, n, warmer, neigh)]
+        groups = side_groups("A") + ([] if cfg.pair == "tp" else side_groups("B"))
         progress(0.3, f"{label_a}{'' if cfg.pair == 'tp' else ' and ' + label_b}: {len(prompts)} prompt(s)")
         outs = eng.generate(groups)
         out_a = outs["A0"]
@@ -405,8 +406,7 @@ def run_engine_layers(lm, cfg: EngineLayersConfig, progress: Progress | None = N
             engines.append(eng)
             infos[label_b] = eng.info
             progress(0.7, f"tensor parallel {tp_b}: {len(prompts)} prompt(s)")
-            outs.update(eng.generate([g for k, (_, q_ids, warmer, neigh) in enumerate(prompts)
-                                      for g in _side_groups(cfg.pair, "B", k, q_ids, n, warmer, neigh)]))
+            outs.update(eng.generate(side_groups("B")))
         out_b = outs["B0"]
         toks_b = [int(t) for t in out_b["tokens"]]
         fd = first_divergence(toks_a, toks_b)
@@ -503,9 +503,6 @@ def _output_rows(lm, prompts, outs, ex64, ex_own, dtype, label_a, label_b) -> li
 
 
 def _judge(a: Side, b: Side, gaps, first_diff, first_beyond, fd, labels, bound, dtype, own) -> tuple[str, str]:
-    def name(row):
-        return labels[row]
-
     parts = []
     if fd is None:
         parts.append(f"{a.label} and {b.label} chose the same {len(a.tokens)} tokens")
@@ -517,10 +514,10 @@ def _judge(a: Side, b: Side, gaps, first_diff, first_beyond, fd, labels, bound, 
                      "positions both computed")
     else:
         worst = float(gaps["eps_units"].max())
-        parts.append(f"they first differ at {name(first_diff)} (largest relative gap {float(gaps['relative'].max()):.3g}"
-                     f", {worst:.3g} × {dtype}'s ε)")
+        parts.append(f"they first differ at {labels[first_diff]} (largest relative gap "
+                     f"{float(gaps['relative'].max()):.3g}, {worst:.3g} × {dtype}'s ε)")
         parts.append("never beyond the rounding bound" if first_beyond is None else
-                     f"first beyond the rounding bound at {name(first_beyond)}")
+                     f"first beyond the rounding bound at {labels[first_beyond]}")
     far = [(s, s.first_logic) for s in (a, b) if s.first_logic is not None]
     for s in (a, b):
         r = s.reference["relative"]
@@ -529,13 +526,14 @@ def _judge(a: Side, b: Side, gaps, first_diff, first_beyond, fd, labels, bound, 
             ratio = own_ratio(s, own)
             parts.append(f"{s.label} against float64: at most {float(r.max()):.3g} relative "
                          f"({float(r.max(axis=1)[worst_row] / bound[worst_row]):.2g} of the bound at "
-                         f"{name(worst_row)}" + ("" if ratio is None else
-                                                 f"; at most {ratio:.2g}× kvviz's own {dtype} run") + ")")
+                         f"{labels[worst_row]}" + ("" if ratio is None else
+                                                   f"; at most {ratio:.2g}× kvviz's own {dtype} run") + ")")
     text = "; ".join(parts) + "."
     if far:
         s, row = far[0]
-        return "logic", (f"{s.label} leaves the rounding bound of the float64 reference at {name(row)} (its relative gap "
-                         f"{float(s.reference['relative'][row].max()):.3g} against a bound of {bound[row]:.3g}, "
+        return "logic", (f"{s.label} leaves the rounding bound of the float64 reference at {labels[row]} (its "
+                         f"relative gap {float(s.reference['relative'][row].max()):.3g} against a bound of "
+                         f"{bound[row]:.3g}, "
                          + ("K · u for 8-bit activations" if dtype == "q8"
                             else f"{C_OWN}× kvviz's own {dtype} run there")
                          + "): rounding cannot explain it. " + text)

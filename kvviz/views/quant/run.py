@@ -127,12 +127,7 @@ def quantize_weights(lm: LoadedModel, scheme: str, progress: Progress | None = N
             _WEIGHTS.move_to_end(key)
             return _WEIGHTS[key]
     if scheme.startswith("bnb-"):
-        q = _bnb_weights(lm, scheme, progress)
-        with _WEIGHTS_LOCK:
-            _WEIGHTS[key] = q
-            while len(_WEIGHTS) > 2:
-                _WEIGHTS.popitem(last=False)
-        return q
+        return _keep(key, _bnb_weights(lm, scheme, progress))
     from optimum.quanto import freeze, qint4, qint8, quantize
 
     from ...models.quanto_ext import prepare
@@ -160,11 +155,16 @@ def quantize_weights(lm: LoadedModel, scheme: str, progress: Progress | None = N
         note += f"; {total - len(linear)} are not nn.Linear (e.g. GPT-2's Conv1D) and stay unquantized"
     q = replace(lm, model=model, description=f"{lm.description}; {note}", warnings=list(lm.warnings) + [note],
                 lock=threading.RLock(), inference_mode=False)  # quanto's packed int4 weights fail under it
+    progress(1.0, "Quantized")
+    return _keep(key, q)
+
+
+def _keep(key: tuple, q: LoadedModel) -> LoadedModel:
+    """`q` kept under `key` beside the last quantized copy (the oldest beyond two dropped)."""
     with _WEIGHTS_LOCK:
         _WEIGHTS[key] = q
         while len(_WEIGHTS) > 2:
             _WEIGHTS.popitem(last=False)
-    progress(1.0, "Quantized")
     return q
 
 
@@ -341,7 +341,8 @@ def run_quant(lm: LoadedModel, cfg: QuantConfig, progress: Progress | None = Non
     """Quantized (KV cache and/or weights) against the unquantized model with a dynamic cache, on `lm`'s dtype."""
     progress = progress or (lambda f, m: None)
     cfg.validate()
-    if parse_kv(cfg.kv)[0] == "quanto" or cfg.weights.strip().lower() in ("int8", "int4"):
+    backend, _ = parse_kv(cfg.kv)
+    if backend == "quanto" or cfg.weights.strip().lower() in ("int8", "int4"):
         if package_available("quanto"):
             from ...models.quanto_ext import prepare
 
@@ -350,7 +351,6 @@ def run_quant(lm: LoadedModel, cfg: QuantConfig, progress: Progress | None = Non
     t0 = time.perf_counter()
     n = cfg.max_new_tokens
     inp = build_inputs(lm, cfg.prompt, extra_tokens=n)
-    backend, _ = parse_kv(cfg.kv)
     qlm = quantize_weights(lm, cfg.weights, lambda f, m: progress(0.05 + 0.15 * f, m))
     notes = [w for w in qlm.warnings if w not in lm.warnings]
 

@@ -287,10 +287,6 @@ def plan_batches(n: int, k: int, runs: int, seed: int) -> dict[int, list[list[in
     return plan
 
 
-def _warmer(prefix_ids: list[int] | None, ids: list[int]) -> list[int]:
-    return list(prefix_ids) if prefix_ids else list(ids)
-
-
 def _requests(cond: str, ids: list[list[int]], n: int, run: int, plan: dict, prefix_ids: list[int] | None,
               only: int | None = None, forced: list[int] | None = None, keep: bool = False):
     """The engine requests of one run of one condition: (requests, requests per batch, prefix sharing, sequential
@@ -326,7 +322,7 @@ def _requests(cond: str, ids: list[list[int]], n: int, run: int, plan: dict, pre
         return reqs, k, False, seq, counted
     for i in range(len(ids)) if only is None else [only]:  # warm
         wkey, key = f"w{i}", f"p{i}"
-        reqs.append(Request(wkey, _warmer(prefix_ids, ids[i]), WARMER_TOKENS))
+        reqs.append(Request(wkey, list(prefix_ids or ids[i]), WARMER_TOKENS))
         reqs.append(target(i, key))
         seq.update((wkey, key))
         counted[key] = i
@@ -394,10 +390,7 @@ def _study(lm, cfg, engine, settings, reference, prove, progress, t_start, memo:
     ids = [encode(lm, t) for t in texts]
     for t in texts:  # length checks, one line each
         build_inputs(lm, t, 0, extra_tokens=cfg.max_new_tokens)
-    prefix_ids = None
-    if cfg.shared_prefix:
-        full = encode(lm, cfg.shared_prefix)
-        prefix_ids = full
+    prefix_ids = encode(lm, cfg.shared_prefix) if cfg.shared_prefix else None
     n, N = cfg.max_new_tokens, len(ids)
     plan = plan_batches(N, cfg.batch_size, cfg.runs, cfg.seed) if "batch" in cfg.conditions else {}
     ex = Executor(lm, settings)
@@ -405,14 +398,14 @@ def _study(lm, cfg, engine, settings, reference, prove, progress, t_start, memo:
     done = 0
 
     refs: list[tuple[list[int], list[float]]] = []
+    seen = memo if memo is not None else {}
     t0 = time.perf_counter()
     for i, t in enumerate(texts):
         progress(0.8 * done / total, f"reference (no cache): prompt {i + 1}/{N}")
-        memo_i = memo if memo is not None else {}
         key = ("no-cache reference", t, n)
-        if key not in memo_i:
-            memo_i[key] = _reference(ex, lm, t, n)
-        refs.append(memo_i[key])
+        if key not in seen:
+            seen[key] = _reference(ex, lm, t, n)
+        refs.append(seen[key])
         done += 1
     stats = {"reference": ConditionStats("reference", CONDITION_LABELS["reference"], 1, N * n,
                                          time.perf_counter() - t0, 0)}
@@ -544,12 +537,9 @@ def _explain(p: PromptResult, lm, lm64, ex64: Executor, engine, ids, n, plan, pr
     head = (f"At step {t} run {p.run + 1} {CONDITION_LABELS[cond]} chose {p.run_token!r} where the reference chose "
             f"{p.reference_token!r}; the reference's top-2 margin there was {p.margin:.3g}"
             + (f" and the engine's {p.run_margin:.3g}" if p.run_margin is not None else "") + ".")
-    if p.verdict == Verdict.PRECISION:
-        p.explanation = head + (f" Replayed in float64 on the same tokens, the engine ({cond}) and the full forward "
-                                f"agree to {gap64:.2g} (relative): rounding, not a bug.")
-    else:
-        p.explanation = head + (f" Replayed in float64 on the same tokens, the engine ({cond}) and the full forward "
-                                f"still differ by {gap64:.3g} (relative): a logic difference, not rounding.")
+    head += f" Replayed in float64 on the same tokens, the engine ({cond}) and the full forward "
+    p.explanation = head + (f"agree to {gap64:.2g} (relative): rounding, not a bug." if p.verdict == Verdict.PRECISION
+                            else f"still differ by {gap64:.3g} (relative): a logic difference, not rounding.")
 
 
 def _prove(p: PromptResult, lm, exi: Executor, engine, texts, ids, n, plan, prefix_ids) -> None:

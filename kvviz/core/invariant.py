@@ -1,56 +1,45 @@
 """Invariant mode: every op whose result could depend on how many rows or keys are computed together is computed so
-that a row's result depends only on that row's inputs. Then a cached run and a full forward, whose only difference
-is *how many* rows/keys each kernel call sees, must agree bit for bit wherever the logic is right - and a gap that
-survives is logic, proved.
+that a row's result depends only on that row's inputs and the keys it sees (masked keys add exactly 0). A cached run
+and a full forward, which differ only in *how many* rows/keys each kernel call sees, must then agree bit for bit
+wherever the logic is right - and a gap that survives is logic, proved.
 
-What changes while the mode is on (a torch function mode: thread-local, entered per run, gone after it, also on
-error; the model itself is never touched). The contract: a row's result depends only on that row's inputs and the
-keys it sees; masked keys add exactly 0. It is met with fixed shapes and fixed reduction splits, at library-GEMM
-speed (the per-row and element-by-element forms further down remain as the fallback where no fixed shape passes
-its probe):
+A torch function mode (thread-local, entered per run, gone after it, also on error; the model is never touched).
+Fixed shapes and fixed reduction splits, at library-GEMM speed; the per-row and element-by-element forms below are
+the fallback where no fixed shape passes its probe:
 
-* linear layers (`F.linear`, `addmm`): rows in blocks of one of a probed family of sizes (e.g. 256 for a long
-  prompt, 16 for its rest, 1 for a decode step's one row, the last block zero-padded), so every kernel call has one
-  of a few shapes and the K-reduction of a row never depends on how many rows came with it;
-* `scaled_dot_product_attention`: the library's own fused kernel (flash attention on the CPU), which computes each
-  query row by itself and walks the keys in fixed blocks with an online softmax, given every row's keys from its
-  first visible key on, padded with masked zero keys to a multiple of the block, and the rows padded to a multiple
-  of 8 (a block of 1 or 2 query rows takes another GEMM) - where a probe shows that this gives a row the same bits
-  in the full forward, a cached chunk, alone, left-padded, beside another sequence and through a sliding window's
-  cache. Where a row's bits depend on its place in the kernel's block of query rows (AVX2), every call has 32 rows
-  and a row sits at the slot its number of keys names, the same in every run. Otherwise, and with
-  `ExecSettings(sdpa_as_eager=True)` (the matrix, which compares eager with SDPA): per query
-  chunk, scores with fixed-shape GEMMs [rows, d] x [d, keys], rounded and scaled in the dtype, the mask added,
-  softmax in float32 or better with its normaliser a running sum, the weights rounded to the dtype, times v with
-  fixed-shape GEMMs [rows, keys] x [keys, d] whose key blocks start at each query's first visible key and are added
-  in order - op for op what eager attention computes in this mode, so eager and SDPA models agree bit for bit;
+* linear layers (`F.linear`, `addmm`): rows in blocks of one of a probed family of sizes (e.g. 256, 16, 1; the last
+  block zero-padded), so a row's K-reduction never depends on how many rows came with it;
+* `scaled_dot_product_attention`: the library's fused kernel (flash attention on the CPU: each query row by itself,
+  keys in fixed blocks) given every row's keys from its first visible key on, padded with masked zero keys to a
+  multiple of the block and the rows to a multiple of 8 - where a probe shows a row gets the same bits in the full
+  forward, a cached chunk, alone, left-padded, beside another sequence and through a sliding window's cache; where a
+  row's bits depend on its slot in the kernel's block of rows (AVX2), every call has 32 rows, a row at the slot its
+  number of keys names. Otherwise, and with `ExecSettings(sdpa_as_eager=True)` (the matrix): eager attention's steps
+  op for op with fixed-shape GEMMs, key blocks starting at each query's first visible key (fast_sdpa), so eager and
+  SDPA models agree bit for bit;
 * other matmuls (eager attention's q·kᵀ and p·v): [t, t] x [t, t] tile GEMMs, the inner dimension in blocks of t
   aligned at each row's first nonzero, partial products added in index order;
-* softmax: the maximum (exact in any order), then the normaliser as a running sum (a sequential scan on the CPU,
-  tile GEMMs elsewhere), so masked entries (exp = 0) and the number of keys in the row do not change it;
-* `conv1d` (the causal short convolutions of Mamba and gated DeltaNet layers): every output element a running sum
-  over its own window, so the cached states + new tokens give the bits the full sequence gives;
-* elementwise transcendental functions (exp, sigmoid, tanh, silu, gelu, softplus...): every element through the
-  kernel's vectorised body (a CPU kernel's scalar remainder rounds differently, and which elements fall in it
-  depends on the tensor's length);
-* chunked scans a model calls as functions of its modeling module (the gated delta rule of Qwen3-Next, Qwen3.5,
-  OLMo-hybrid, Qwen4-exp: `torch_chunk_gated_delta_rule`) run as the step-by-step recurrence the same module defines
-  (`torch_recurrent_gated_delta_rule`): chunks anchored at a call's first token group a full forward's terms
+* softmax and logsumexp (attention sinks): the maximum, then the normaliser as a running sum, so masked entries
+  (exp = 0) and the row's length change nothing;
+* `conv1d` (Mamba and gated DeltaNet short convolutions): every output element a running sum over its own window;
+* elementwise transcendental functions (exp, sigmoid, silu...): every element through the kernel's vectorised body
+  (a CPU kernel's scalar remainder rounds differently, and which elements fall in it depends on the length);
+* chunked scans a modeling module calls (`torch_chunk_gated_delta_rule`: Qwen3-Next, Qwen3.5, OLMo-hybrid...) run
+  as the recurrence the same module defines: chunks anchored at a call's first token group a full forward's terms
   otherwise than a cached rest's;
 * MoE experts' grouped_mm (and transformers' fallback for it): one kernel call per token row;
-* logsumexp (attention sinks): max + log of a running sum;
-* norms (RMSNorm's mean, LayerNorm) already reduce each row on its own and are left as they are.
+* norms already reduce each row on its own and are left as they are.
 
-Every fixed shape is probed once per device, dtype, shape and thread count before it is used (rows, columns and
-batch entries rolled; operands at other leading dimensions; data whose products cancel, so that a 16-bit output
-still shows a summation order): a GEMM library picks its algorithm from the shape, and on some CPUs (AVX2 MKL) an
-output can depend on where its row sits in the call. Pure PyTorch: runs on CPU and CUDA. bench/invariant_bench.py
-measures the cost against the normal run as the prompt and the model grow.
+Every fixed shape is probed once per device, dtype, shape and thread count (rows, columns and batch entries rolled;
+data whose products cancel, so a 16-bit output still shows a summation order): a GEMM library picks its algorithm
+from the shape, and on some CPUs (AVX2 MKL) an output depends on where its row sits. Pure PyTorch: CPU and CUDA.
+bench/invariant_bench.py measures the cost.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import math
 import threading
 
@@ -72,6 +61,14 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _repeat_kv(query, key, value, dim: int = -3):
+    """key and value with grouped KV heads repeated to the query's heads (at `dim`)."""
+    hq, hk = query.shape[dim], key.shape[dim]
+    if hk == hq:
+        return key, value
+    return key.repeat_interleave(hq // hk, dim=dim), value.repeat_interleave(hq // hk, dim=dim)
+
+
 def seq_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
     """A sum along `dim` in index order (a running sum): the same bits however long the row is, and trailing
     zeros change nothing. On the CPU torch's cumsum is such a sequential scan; on other devices cumsum is a
@@ -84,20 +81,22 @@ def seq_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
     return acc.to(x.dtype)
 
 
+def _per_row(rows: torch.Tensor, other: torch.Tensor, n_out: int, call) -> torch.Tensor:
+    """call(row [1, K]) for every row of `rows`, one kernel call each, written into one [R, n_out] output."""
+    out = torch.empty(rows.shape[0], n_out, dtype=torch.result_type(rows, other), device=rows.device)
+    for r in range(rows.shape[0]):
+        out[r:r + 1] = call(rows[r:r + 1])
+    return out
+
+
 def rowwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear with one [1, K] × [K, N] kernel call per row."""
-    rows = x.reshape(-1, x.shape[-1])
-    out = torch.empty(rows.shape[0], weight.shape[0], dtype=torch.result_type(rows, weight), device=x.device)
-    for r in range(rows.shape[0]):
-        out[r:r + 1] = F.linear(rows[r:r + 1], weight, bias)
+    out = _per_row(x.reshape(-1, x.shape[-1]), weight, weight.shape[0], lambda row: F.linear(row, weight, bias))
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def rowwise_addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta=1, alpha=1) -> torch.Tensor:
-    out = torch.empty(a.shape[0], b.shape[1], dtype=torch.result_type(a, b), device=a.device)
-    for r in range(a.shape[0]):
-        out[r:r + 1] = torch.addmm(bias, a[r:r + 1], b, beta=beta, alpha=alpha)
-    return out
+    return _per_row(a, b, b.shape[1], lambda row: torch.addmm(bias, row, b, beta=beta, alpha=alpha))
 
 
 def rowwise_grouped_mm(mat_a, mat_b, *, offs=None, bias=None, out_dtype=None):
@@ -122,10 +121,7 @@ def rowwise_grouped_mm(mat_a, mat_b, *, offs=None, bias=None, out_dtype=None):
 
 
 def rowwise_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    out = torch.empty(a.shape[0], b.shape[1], dtype=torch.result_type(a, b), device=a.device)
-    for r in range(a.shape[0]):
-        out[r:r + 1] = torch.mm(a[r:r + 1], b)
-    return out
+    return _per_row(a, b, b.shape[1], lambda row: torch.mm(row, b))
 
 
 _GROUPED = compat_grouped_mm_functions()
@@ -144,10 +140,8 @@ def fixed_order_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     float32 or better, the running sum in float64 where the device has it), then one rounding to the result dtype.
     So an element depends only on its own row of a and column of b - not on how many rows, columns or batch
     entries are computed, nor on the inner length when the extra entries are zeros (masked keys: p = 0), at the
-    start or the end. (An earlier version switched to one kernel call per row above a size limit: the full forward
-    of a long prompt and its cached chunk then took different paths, and a kernel call's own reduction order over
-    the keys depends on how many keys there are - on a sliding-window model past its window, invariant mode was
-    not order-identical. See tests/test_invariant_sizes.py.)"""
+    start or the end. No size limit and no second path: a kernel call's own reduction order depends on the number
+    of keys (tests/test_invariant_sizes.py)."""
     if a.dim() < 2 or b.dim() < 2:
         return torch.matmul(a, b)
     out_dtype = torch.result_type(a, b)
@@ -157,8 +151,7 @@ def fixed_order_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     shape = (*torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2], b.shape[-1])
     acc = torch.zeros(shape, dtype=acc_dtype, device=a.device)
     aw, bw = a.to(wide), b.to(wide)
-    # One outer product per inner index, added to the running sum: contiguous [..., m, n] slices (an earlier version
-    # built [..., m, kb, n] product blocks and added strided slices of them - the same bits, ~15x slower on a CPU).
+    # one contiguous [..., m, n] outer product per inner index (strided product blocks: same bits, ~15x slower)
     for j in range(k):
         p = aw[..., :, j:j + 1] * bw[..., j:j + 1, :]
         acc += p if p.dtype == acc_dtype else p.to(acc_dtype)
@@ -234,12 +227,17 @@ def lanewise(func, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
 
 
 def fixed_order_softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return _softmax(x, dim, dtype, seq_sum)
+
+
+def _softmax(x: torch.Tensor, dim: int, dtype: torch.dtype | None, total) -> torch.Tensor:
+    """softmax with its normaliser `total(e, dim)`: a running sum (seq_sum) or the tile GEMMs' grouping (block_sum)."""
     out_dtype = dtype or x.dtype
     w = x.to(_wide(out_dtype if dtype is not None else x.dtype))
     m = w.amax(dim=dim, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # a fully masked row: no NaN
     e = lanewise(torch.exp, w - m)  # a row's length (window cache vs full) must not move elements into the tail
-    s = seq_sum(e, dim=dim).unsqueeze(dim)
+    s = total(e, dim).unsqueeze(dim)
     return (e / s).to(out_dtype)
 
 
@@ -260,10 +258,7 @@ def fixed_order_logsumexp(x: torch.Tensor, dim, keepdim: bool = False) -> torch.
 def invariant_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                    enable_gqa=False, **_):
     """scaled_dot_product_attention per query over exactly its visible keys, in a fixed order."""
-    hq, hk = query.shape[-3], key.shape[-3]
-    if hk != hq:  # grouped KV heads
-        key = key.repeat_interleave(hq // hk, dim=-3)
-        value = value.repeat_interleave(hq // hk, dim=-3)
+    key, value = _repeat_kv(query, key, value)
     lq, lk = query.shape[-2], key.shape[-2]
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     scores = fixed_order_matmul(query, key.transpose(-2, -1)).to(_wide(query.dtype)) * scale
@@ -282,16 +277,11 @@ def invariant_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
 
 # --- fixed-shape kernels: the same bits at library-GEMM speed --------------------------------------------------------
 #
-# A library GEMM (MKL, oneDNN, cuBLAS) picks its algorithm - blocking, K-split, micro-kernel, edge handling - from the
-# call's shape, so a row computed among 1 or among L rows can round differently. Called always with ONE shape, a
-# GEMM's algorithm is fixed; what is left is whether an output element depends on where its row (or column, or batch
-# entry) sits inside that shape: on AVX2 MKL's sgemm does for some row counts (an edge micro-kernel), on AVX-512 it
-# does not. So every fixed shape is *probed* once per device, dtype, shape and thread count: the call on random data,
-# and again with its rows (columns, batch entries) rolled; the shape is used only where every element came out the
-# same wherever it sat, and a smaller or other one is tried otherwise (the per-row and element-by-element forms above
-# remain the last resort). The reduction over a matmul's inner dimension is cut into blocks of T aligned at each row's
-# first nonzero (its first visible key), combined in index order: a cached row whose keys start elsewhere in the
-# tensor (a sliding window's cache, left padding) groups the same terms as the full forward's.
+# A library GEMM picks its algorithm from the call's shape, so every call here has one of a few fixed shapes; each is
+# probed (the call, and again with its rows, columns or batch entries rolled) and used only where an element's bits do
+# not depend on where it sits (on AVX2 MKL's sgemm they do for some row counts). A matmul's inner dimension goes in
+# blocks of T aligned at each row's first nonzero (its first visible key), combined in index order, so a cached row
+# whose keys start elsewhere (a sliding window's cache, left padding) groups the same terms as the full forward's.
 
 # Row-block families, in order of preference: a family's sizes must each be position-free AND give a row the same
 # bits as each other, so a long prompt goes in the big blocks and a decode step's one row in a small one.
@@ -332,7 +322,6 @@ def _probe(key, candidates, works):
 def _probe_data(shape, dtype, device, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(shape, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
-
 
 
 def _cancelling(shape, stride, dtype, device, k_dim: int, seed: int, negate: bool = False) -> torch.Tensor:
@@ -634,15 +623,7 @@ def block_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def fast_softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) -> torch.Tensor:
-    out_dtype = dtype or x.dtype
-    w = x.to(_wide(out_dtype if dtype is not None else x.dtype))
-    m = w.amax(dim=dim, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    e = lanewise(torch.exp, w - m)
-    s = block_sum(e, dim).unsqueeze(dim)
-    return (e / s).to(out_dtype)
-
-
+    return _softmax(x, dim, dtype, block_sum)
 
 
 ATTENTION_ROWS = {"cpu": (64, 32, 16, 48), "cuda": (64, 128, 32)}
@@ -653,10 +634,7 @@ def attention_tiles(device: torch.device, dtype: torch.dtype, d_qk: int, d_v: in
     """(rows, keys) of the two fixed-shape GEMMs fast_sdpa makes per batch entry and head - scores [rows, d_qk] x
     [d_qk, keys], weighted values [rows, keys] x [keys, d_v] - where a row's (and a key's) result does not depend
     on where it sits in the call, else None."""
-    out = []
-    for r in ATTENTION_ROWS.get(device.type, ATTENTION_ROWS["cuda"]):
-        for k in ATTENTION_KEYS:
-            out.append(r * 1000 + k)
+    out = [r * 1000 + k for r in ATTENTION_ROWS.get(device.type, ATTENTION_ROWS["cuda"]) for k in ATTENTION_KEYS]
 
     def works(code: int) -> bool:
         r, k = divmod(code, 1000)
@@ -695,22 +673,17 @@ def _bmm_as_mm(n: int, m: int, k: int, cols: int, dtype: torch.dtype, device: to
 
 # --- attention through the library's own fused kernel, where it is invariant -------------------------------------
 #
-# The CPU flash-attention kernel computes each query row by itself (its threads split batch entries, heads and query
-# blocks, never the keys) and walks the keys in blocks of a fixed size with an online softmax; a block whose keys a
-# row does not see adds exactly 0 to it. What can still change a row's bits is where its keys sit: the block
-# boundaries and the length of the last block. So every call gets its keys from the row's first visible key on (the
-# same start in a cached call and a full forward, with left padding or without), padded with masked zero keys to a
-# multiple of NATIVE_KEY_BLOCK. Whether that makes a row's result independent of the call is probed per device, dtype
-# and head size (rows alone, in a chunk, in the full forward, left-padded, beside another sequence); where it does
-# not (or a row's keys start elsewhere than its neighbours': a sliding window), the fixed-shape path below runs.
+# The CPU flash-attention kernel computes each query row by itself and walks the keys in fixed blocks with an online
+# softmax (a block a row does not see adds exactly 0); what can still change a row's bits is where its keys sit. So
+# every call gets its keys from the row's first visible key on, padded with masked zero keys to a multiple of
+# NATIVE_KEY_BLOCK; probed per device, dtype and head size (native_attention_mode), else the fixed-shape path runs.
 NATIVE_KEY_BLOCK = 512
 # query rows per call: a multiple of this, so the kernel's last block of rows (it splits them in 32, 64 or 256) has
 # at least 8: on the CPU a block of 1 or 2 rows goes through another GEMM and rounds a row's scores differently
 NATIVE_ROW_MULTIPLE = 8
-# Where a row's bits depend on where it sits in the kernel's block of query rows (AVX2: the GEMM's edge rows), every
-# call has exactly NATIVE_SLOT_ROWS rows (one block of the kernel's: it takes 32 rows a block below 192) and a row
-# sits at slot (its last visible key - its first) mod NATIVE_SLOT_ROWS - the same in a full forward, a cached chunk,
-# alone or left-padded; the slots no row of a call fills hold a zero query, dropped. Blocks of slots go in one call
+# Where a row's bits depend on its place in the kernel's block of query rows (AVX2), every call has exactly this many
+# rows (one kernel block below 192 rows) and a row sits at slot (its last visible key - its first) mod
+# NATIVE_SLOT_ROWS, the same in every run; unfilled slots hold a zero query, dropped. Blocks of slots go in one call
 # as batch entries over the same keys (expanded, not copied).
 NATIVE_SLOT_ROWS = 32
 _EAGER_EQUAL = threading.local()
@@ -857,19 +830,25 @@ def _native_plan(vis, b: int, lq: int, lk: int, dtype, device, slotted: bool = F
     return calls, unseen
 
 
+def _key_window(key, value, c: _Call):
+    """key and value [n, h, *, d] from c.start to c.start + c.kp: views where the keys are there, else zero-padded
+    copies."""
+    lk, s, kp = key.shape[-2], c.start, c.kp
+    if s + kp <= lk:
+        return key[:, :, s:s + kp], value[:, :, s:s + kp]
+    kk = key.new_zeros(*key.shape[:2], kp, key.shape[-1])
+    vv = value.new_zeros(*value.shape[:2], kp, value.shape[-1])
+    kk[:, :, :lk - s] = key[:, :, s:]
+    vv[:, :, :lk - s] = value[:, :, s:]
+    return kk, vv
+
+
 def _run_call(query, key, value, c: _Call, scale):
     n, h, lq, d = query.shape
     padded = c.mask.shape[2]
     if padded > lq:
         query = torch.cat([query, query[:, :, -1:].expand(n, h, padded - lq, d)], 2)
-    lk, s, kp = key.shape[-2], c.start, c.kp
-    if s + kp <= lk:  # the keys are there: views, no copies
-        kk, vv = key[:, :, s:s + kp], value[:, :, s:s + kp]
-    else:
-        kk = key.new_zeros(n, h, kp, key.shape[-1])
-        vv = value.new_zeros(n, h, kp, value.shape[-1])
-        kk[:, :, :lk - s] = key[:, :, s:]
-        vv[:, :, :lk - s] = value[:, :, s:]
+    kk, vv = _key_window(key, value, c)
     return F.scaled_dot_product_attention(query, kk, vv, attn_mask=c.mask, scale=scale)[:, :, :lq]
 
 
@@ -877,15 +856,8 @@ def _run_slotted(query, key, value, c: _Call, scale, out):
     """A slotted call (see _Call) for query/key/value [n, h, *, d] of its entries and heads, written into out."""
     n, h, _, d = query.shape
     nblk = c.mask.shape[1]
-    lk, s, kp = key.shape[-2], c.start, c.kp
     for i in range(n):
-        if s + kp <= lk:
-            kk, vv = key[i:i + 1, :, s:s + kp], value[i:i + 1, :, s:s + kp]
-        else:
-            kk = key.new_zeros(1, h, kp, key.shape[-1])
-            vv = value.new_zeros(1, h, kp, value.shape[-1])
-            kk[:, :, :lk - s] = key[i:i + 1, :, s:]
-            vv[:, :, :lk - s] = value[i:i + 1, :, s:]
+        kk, vv = _key_window(key[i:i + 1], value[i:i + 1], c)
         qc = query.new_zeros(nblk, h, NATIVE_SLOT_ROWS, d)
         qc[c.blk, :, c.slot] = query[i][:, c.rows].transpose(0, 1)
         res = F.scaled_dot_product_attention(qc, kk.expand(nblk, -1, -1, -1), vv.expand(nblk, -1, -1, -1),
@@ -924,9 +896,9 @@ def _native_core(query, key, value, vis, scale, slotted: bool = False):
                      scale)
 
 
-# A forward passes one mask to every layer: its plan is made once and reused while the mask is the same tensor
-# (same storage, offset, shape, strides and version: the cache holds the mask, so its memory cannot be reused by
-# another while cached). One entry per thread; invariant mode's exit drops it.
+# A forward passes one mask to every layer: its plan is made once and reused while the mask is the same tensor (same
+# storage, offset, shape, strides and version; the entry holds the mask, so its memory is not reused meanwhile). One
+# entry per thread; invariant mode's exit drops it.
 _PLANS = threading.local()
 
 
@@ -942,12 +914,9 @@ def _plan_for(attn_mask, is_causal: bool, b: int, hq: int, lq: int, lk: int, dty
     vis = None
     if attn_mask is not None:
         vis = _visible_only(attn_mask)
-        if vis is None:
-            _PLANS.entry = (key, attn_mask, None)
-            return None
-        while vis.dim() < 4:
+        while vis is not None and vis.dim() < 4:
             vis = vis.unsqueeze(0)
-        if vis.shape[1] not in (1, hq):
+        if vis is None or vis.shape[1] not in (1, hq):
             _PLANS.entry = (key, attn_mask, None)
             return None
     if is_causal:  # aligned at the bottom right, as fast_sdpa (transformers asks for it only where lq == lk)
@@ -1025,25 +994,18 @@ def _native_sdpa(query, key, value, attn_mask, is_causal, scale):
                      query.device, mode == 2)
     if plan is None:
         return None
-    hq, hk = query.shape[1], key.shape[1]
-    if hk != hq:
-        key = key.repeat_interleave(hq // hk, dim=1)
-        value = value.repeat_interleave(hq // hk, dim=1)
+    key, value = _repeat_kv(query, key, value, 1)
     return _run_plan(query.expand(b, *query.shape[1:]), key.expand(b, *key.shape[1:]),
                      value.expand(b, *value.shape[1:]), plan, scale)
 
 
 def fast_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, **_):
     """scaled_dot_product_attention in invariant mode: the native kernel over fixed key blocks where its probe passes
-    (_native_sdpa; not with ExecSettings(sdpa_as_eager=True)), else the steps eager attention takes in invariant
-    mode, op for op
-    (so eager and SDPA models agree bit for bit there) - scores q·kᵀ rounded to the dtype, scaled in it, the mask
-    added in it; the softmax in float32 or better, its normaliser a running sum; the weights rounded to the dtype,
-    times v - with every GEMM of one of two fixed shapes (attention_tiles), per batch entry and head, a chunk of
-    queries at a time over only the keys the chunk sees. The weighted sum over the keys goes in blocks that start
-    at each query's first visible key, added in order: a cached query whose keys start elsewhere in the tensor (a
-    sliding window's cache, left padding) groups the same terms as the full forward's. A query with no visible key
-    gives 0."""
+    (_native_sdpa; not with ExecSettings(sdpa_as_eager=True)), else eager attention's steps op for op (so eager and
+    SDPA models agree bit for bit) - scores rounded to the dtype, scaled and masked in it; the softmax in float32 or
+    better, its normaliser a running sum; the weights rounded to the dtype, times v - every GEMM of one of two fixed
+    shapes (attention_tiles), a chunk of queries at a time over only the keys it sees. The weighted sum goes in key
+    blocks starting at each query's first visible key, added in order. A query with no visible key gives 0."""
     if not dropout_p:
         native = _native_sdpa(query, key, value, attn_mask, is_causal, scale)
         if native is not None:
@@ -1055,10 +1017,7 @@ def fast_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     mq, w = tiles
     pow2 = scale is not None and scale > 0 and math.frexp(scale)[0] == 0.5 or scale is None and \
         math.frexp(query.shape[-1] ** -0.5)[0] == 0.5
-    hq, hk = query.shape[-3], key.shape[-3]
-    if hk != hq:
-        key = key.repeat_interleave(hq // hk, dim=-3)
-        value = value.repeat_interleave(hq // hk, dim=-3)
+    key, value = _repeat_kv(query, key, value)
     lq, lk, dqk, d = query.shape[-2], key.shape[-2], query.shape[-1], value.shape[-1]
     scale = dqk ** -0.5 if scale is None else scale
     batch = torch.broadcast_shapes(query.shape[:-2], key.shape[:-2])
@@ -1236,10 +1195,9 @@ def _routed() -> frozenset:
                       *_SOFTMAXES, F.scaled_dot_product_attention, F.embedding, *_LANEWISE, F.conv1d, torch.conv1d})
 
 
-# Chunked scans a model calls as module-level functions of its transformers modeling module, each with the
-# step-by-step recurrence the same module defines (chunked name, recurrent name). The chunked form groups tokens in
-# chunks anchored at the call's first token, so a full forward and a cached rest (a call starting elsewhere) add
-# the same terms in other groupings; the recurrence computes token t from the state after t-1 alone.
+# Chunked scans a transformers modeling module calls as module-level functions, each with the step-by-step recurrence
+# the same module defines (chunked name, recurrent name): chunks anchored at the call's first token group a full
+# forward's terms otherwise than a cached rest's; the recurrence computes token t from the state after t-1 alone.
 _SCANS = (("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"),  # Qwen3-Next, Qwen3.5, OLMo-hybrid
           ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention"))  # Kimi-Linear, Bailing-hybrid
 _SWAPPED: dict = {}  # (module name, function name) -> the original function
@@ -1260,9 +1218,6 @@ def _swap_scans() -> None:
 
 
 def _scan_wrapper(orig, rec):
-    import functools
-    import inspect
-
     sig = inspect.signature(orig)
     takes = inspect.signature(rec).parameters
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import threading
 import time
@@ -48,7 +49,6 @@ def _die_with_parent() -> None:
     """In the worker, before it runs (Linux): SIGKILL when kvviz's process dies, so no worker outlives a study."""
     try:
         import ctypes
-        import signal
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
@@ -129,13 +129,14 @@ class WorkerClient:
             raise
 
     def kill(self) -> None:
-        import signal
+        self._killpg()
+        self.close()
 
+    def _killpg(self) -> None:
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: the worker and what it spawned
         except ProcessLookupError:
             pass
-        self.close()
 
     def _last_error(self) -> str:
         lines = [x for x in self._err if x.strip()]
@@ -150,12 +151,7 @@ class WorkerClient:
             except (BrokenPipeError, OSError, subprocess.TimeoutExpired):
                 pass
         if self.proc.poll() is None:
-            import signal
-
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: the worker and what it spawned
-            except ProcessLookupError:
-                pass
+            self._killpg()
             self.proc.wait(timeout=30)
         for s in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
             try:

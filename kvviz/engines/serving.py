@@ -23,6 +23,7 @@ it can toggle.
 """
 from __future__ import annotations
 
+import contextlib
 import gc as _gc
 import importlib.util
 import time
@@ -231,23 +232,13 @@ class TransformersEngine:
         return EngineRun(outs, seconds, new)
 
 
-class _entered:
+@contextlib.contextmanager
+def _entered(modes: list):
     """Enter a list of torch function modes (outermost first) and leave them in reverse order."""
-
-    def __init__(self, modes: list):
-        self.modes = modes
-
-    def __enter__(self):
-        self.done = []
-        for m in self.modes:
-            m.__enter__()
-            self.done.append(m)
-        return self
-
-    def __exit__(self, *exc):
-        for m in reversed(self.done):
-            m.__exit__(None, None, None)
-        return False
+    with contextlib.ExitStack() as stack:
+        for m in modes:
+            stack.enter_context(m)
+        yield
 
 
 def _engine_failure(e: BaseException) -> BaseException:
@@ -340,9 +331,7 @@ class VllmEngine:
             obj()
             break
         del llm
-        import gc
-
-        gc.collect()
+        _gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 

@@ -117,7 +117,6 @@ def judge(paths: dict[str, dict], parting_step: int | None, margin: float | None
     return "precision", f"every path is within the engine's rounding distance of the float64 reference.{where} {dist}."
 
 
-
 def engine_verdicts(prompts, lm, lm64, settings, engine, ids, completions, logps, memo: dict | None = None) -> None:
     """Every prompt's distinct paths against the float64 reference (engine_paths); a verdict and explanation where
     its paths part from kvviz's reference, or where a path is farther from float64 than rounding explains even

@@ -89,9 +89,6 @@ _FLAG = {"invariant": "--invariant", "no_proof": "--no-proof", "json_out": "--js
          "repro": "--repro"}
 
 
-_Refused = FlagRefused  # a flag the subcommand cannot honour: exit 2, like any other argument error
-
-
 def refused_flags(command: str, not_honoured: dict | None) -> dict[str, str]:
     """The common flags (argparse dests) a subcommand refuses, and why: those its view's run refuses (View.refuses:
     --invariant, --no-proof) and those its parser names (`not_honoured`, e.g. --json-out; its reason first)."""
@@ -110,7 +107,7 @@ def _refuse_flags(args) -> None:
     name = _command_name(args)
     for flag, why in refused_flags(name, getattr(args, "not_honoured", None)).items():
         if getattr(args, flag, None):
-            raise _Refused(f"{_FLAG[flag]} does nothing for `{name}` ({why}); leave it out")
+            raise FlagRefused(f"{_FLAG[flag]} does nothing for `{name}` ({why}); leave it out")
 
 
 def _command_name(args) -> str:
@@ -194,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args)
     except PlanShown:
         return 0
-    except _Refused as e:
+    except FlagRefused as e:  # a flag the subcommand cannot honour: exit 2, like any other argument error
         print(f"kvviz: error: {e}", file=sys.stderr)
         return 2
     except KvvizError as e:

@@ -94,8 +94,6 @@ def _time_limit(seconds: float | None):
         signal.signal(signal.SIGALRM, old)
 
 
-
-
 def _one_line(e: BaseException) -> str:
     return first_line(e, 220, typed=True)
 
@@ -127,18 +125,13 @@ def _proof(lm64) -> tuple[str, float | None]:
     from ..core.execution import ExecSettings
     from ..views.split.run import SplitConfig, run_split
 
-    inv = ExecSettings(invariant=True)
-    n = len(lm64.tokenizer(PROMPT)["input_ids"])
-    worst = 0.0
-    for mode in ("chunk",):
-        res = run_split(lm64, SplitConfig(PROMPT, split=n // 2, mode=mode), settings=inv)
-        if not res.main.has_cache:
-            return "n/a (no cache)", None
-        if not res.main.identical:
-            worst = max(worst, res.main.max_abs)
-            first = _first_op(lm64, SplitConfig(PROMPT, split=n // 2, mode=mode))
-            return f"{res.main.max_abs:.3g} survives ({mode}); first: {first}", res.main.max_abs
-    return "0", worst
+    cfg = SplitConfig(PROMPT, split=len(lm64.tokenizer(PROMPT)["input_ids"]) // 2, mode="chunk")
+    res = run_split(lm64, cfg, settings=ExecSettings(invariant=True))
+    if not res.main.has_cache:
+        return "n/a (no cache)", None
+    if not res.main.identical:
+        return f"{res.main.max_abs:.3g} survives (chunk); first: {_first_op(lm64, cfg)}", res.main.max_abs
+    return "0", 0.0
 
 
 def _first_op(lm64, cfg) -> str:
@@ -178,9 +171,7 @@ def run_arch(model_type: str, workdir: Path, timeout: float | None = 120) -> Arc
             except _Timeout:
                 raise
             except Exception as e:  # noqa: BLE001
-                row.reason = _build_failure(model_type, e)
-                if model_type in _CACHE_API:
-                    row.reason = f"{_CACHE_API[model_type]} ({_one_line(e)[:120]})"
+                row.reason = _cache_api_reason(model_type, e) or _build_failure(model_type, e)
                 return row
             try:
                 lm = load_model(str(folder), dtype="float64", device="cpu")
@@ -214,9 +205,7 @@ def run_arch(model_type: str, workdir: Path, timeout: float | None = 120) -> Arc
         row.status, row.reason = "cannot run", f"timeout: {e}"
     except (KvvizError, Exception) as e:  # noqa: BLE001
         row.status = "cannot run"
-        row.reason = "the run failed: " + _one_line(e)
-        if model_type in _CACHE_API:
-            row.reason = f"{_CACHE_API[model_type]} ({_one_line(e)[:120]})"
+        row.reason = _cache_api_reason(model_type, e) or "the run failed: " + _one_line(e)
         row.checks.append({"name": "traceback", "status": "note", "figure": None,
                            "evidence": traceback.format_exc(limit=-2)[-600:]})
         if lm is not None and model_type not in _CACHE_API and cache_path_raises(lm):
@@ -307,6 +296,11 @@ _CACHE_API = {
 }
 
 
+def _cache_api_reason(model_type: str, e: BaseException) -> str | None:
+    """Why a type of _CACHE_API cannot run, with the error it raised; None for any other type."""
+    return f"{_CACHE_API[model_type]} ({_one_line(e)[:120]})" if model_type in _CACHE_API else None
+
+
 def _gap_text(fig) -> str:
     if fig is None:
         return "no cache"
@@ -342,7 +336,6 @@ def _sweep_parallel(types, timeout, progress, workdir, jobs) -> list[ArchRow]:
     import subprocess
     import sys
     import threading
-    import time
 
     from ..core import cancel
 

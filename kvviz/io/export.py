@@ -26,10 +26,6 @@ from .. import views
 FORMAT = 1
 
 
-def view_of(result) -> str:
-    return views.of(result).name
-
-
 def _device(result) -> str | None:
     s = getattr(result, "settings", None)
     return s.get("device") if isinstance(s, dict) else getattr(s, "device", None)
@@ -46,7 +42,7 @@ def result_dict(result) -> dict:
 
 def export_json(result, model_fingerprint: dict | None = None) -> str:
     """The result as one JSON document, with the environment and (when given) the model's fingerprint."""
-    header = {"view": view_of(result), "format": FORMAT, "environment": environment(_device(result)),
+    header = {"view": views.of(result).name, "format": FORMAT, "environment": environment(_device(result)),
               "numerics": numerics(), "model_fingerprint": model_fingerprint}
     return dumps({"kvviz_result": header, **result_dict(result)})
 
@@ -91,16 +87,12 @@ def open_result(data: "str | bytes") -> OpenedResult:
 # Rebuilding each result type
 
 
-def exec_settings(d: dict | None) -> ExecSettings:
-    return ExecSettings.from_dict(d)
-
-
 def typed(cls, d: dict, **conv):
     names = {f.name for f in fields(cls)}
     kw = {k: v for k, v in d.items() if k in names}
     kw.update({k: f(kw[k]) for k, f in conv.items() if k in kw})
     if "execution" in names:
-        kw["execution"] = exec_settings(d.get("execution"))
+        kw["execution"] = ExecSettings.from_dict(d.get("execution"))
     return cls(**kw)
 
 
@@ -117,11 +109,6 @@ def arrays(d: dict | None) -> dict:
 def main_figures(result) -> list:
     """The view's main charts, as the pages draw them (pure functions of the result)."""
     return views.of(result).main_figures(result)
-
-
-def verdict_text(result) -> tuple[str, str]:
-    """(verdict, one paragraph) for the report and Open a result."""
-    return views.of(result).verdict_text(result)
 
 
 # Streamlit's chart theme: `import streamlit` makes "streamlit" plotly's default template for the whole process, so
@@ -185,10 +172,11 @@ def html_report(result) -> str:
     figs = main_figures(result)
     parts = [figure_html(f, include_plotlyjs=(i == 0)) for i, f in enumerate(figs)]
     tables = "".join(t.to_html(index=not plain_index(t)) for t in entry.main_tables(result))
-    rows = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(shown(v))}</td></tr>"
-                   for k, v in settings.items())
-    env_rows = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(shown(v))}</td></tr>"
-                       for k, v in env.items() if k != "flags")
+    def table_rows(items) -> str:
+        return "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(shown(v))}</td></tr>" for k, v in items)
+
+    rows = table_rows(settings.items())
+    env_rows = table_rows((k, v) for k, v in env.items() if k != "flags")
     env_rows += (f"<tr><th>numerics</th><td>{html.escape(describe_numerics(numerics()))} (the settings that change "
                  "the last bits; the repro script sets them again)</td></tr>")
     body_text = text if entry.verdict_is_html else html.escape(text)

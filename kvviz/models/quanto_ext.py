@@ -3,10 +3,9 @@
 optimum-quanto compiles a C++ extension the first time it needs one (`Extension.lib` in
 optimum/quanto/library/extensions/extension.py calls torch.utils.cpp_extension.load). torch's `_jit_compile` takes a
 lock file, `<build directory>/lock` (torch/utils/file_baton.py's FileBaton: created with O_EXCL, removed when the
-build ends), and any other process that finds the file polls until it disappears - forever, without a message. A
-build that was killed (a run stopped by a timeout, a restarted server) leaves the file behind, and every later
-quantized run waited at "token 1 of N" at 0 % CPU. The build itself (`ninja`, run by subprocess.run) has no time
-limit either.
+build ends), and any other process that finds the file polls until it disappears - forever, without a message: a
+killed build (a timeout, a restarted server) leaves the file behind and every later quantized run hangs at 0 % CPU.
+The build itself (`ninja`, run by subprocess.run) has no time limit either.
 
 What kvviz does instead (`prepare(device)`, called before quanto quantizes or dequantizes anything):
 

@@ -50,10 +50,7 @@ def dtypes_line(res) -> tuple[str, str, str | None]:
     n = len(res.prompts)
     count = {d: {v: res.verdicts[d].count(v) for v in ("identical", "precision", "logic")} for d in compared}
     worst = worst_of((v for d in compared for v in res.verdicts[d]), Verdict.IDENTICAL)
-    parts = []
-    for d in compared:
-        c = count[d]
-        parts.append(f"{d}: " + ", ".join(f"{v} on {k} of {n}" for v, k in c.items() if k))
+    parts = [f"{d}: " + ", ".join(f"{v} on {k} of {n}" for v, k in count[d].items() if k) for d in compared]
     text = ("The cached run against the full forward, per dtype (float64 decides each verdict) - " + "; ".join(parts)
             + ".")
     same = [d for d in compared if count[d]["identical"] == n]
@@ -96,9 +93,7 @@ def padding_line(res) -> tuple[str, str]:
     identical grid says why."""
     by: dict[str, list[str]] = {}
     for c in res.cells:
-        v = str(c["verdict"])
-        name = f"{c['scenario']} ({c['placement']})"
-        by.setdefault(v, []).append(name)
+        by.setdefault(str(c["verdict"]), []).append(f"{c['scenario']} ({c['placement']})")
     worst = worst_of(by, Verdict.IDENTICAL)
     n = len(res.cells)
     parts = []

@@ -13,6 +13,7 @@ show the same). Model calls go through kvviz.core.execution.Executor. No Streaml
 """
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import time
@@ -86,12 +87,12 @@ STEPS = tuple(TITLES)
 
 
 def _timed(fn):
+    @functools.wraps(fn)
     def wrapper(*a, **k) -> StepResult:
         t0 = time.perf_counter()
         res = fn(*a, **k)
         res.elapsed_s = time.perf_counter() - t0
         return res
-    wrapper.__name__, wrapper.__doc__ = fn.__name__, fn.__doc__
     return wrapper
 
 
@@ -148,7 +149,7 @@ def step_float(value: float = 0.1, dtype: str = "bfloat16") -> StepResult:
         raise KvvizError(f"{v:g} is larger than the largest {name} ({float(torch.finfo(DTYPES[name]).max):.4g})")
     lo, stored, hi = neighbours(v, name)
     eps = machine_eps(DTYPES[name])
-    e_bits, m_bits = LAYOUT[name]
+    m_bits = LAYOUT[name][1]
     rows = {d: {"eps": machine_eps(DTYPES[d]), "ulp": ulp(v, d), "stored": neighbours(v, d)[1],
                 "mantissa_bits": LAYOUT[d][1] + 1, "exponent_bits": LAYOUT[d][0]} for d in LAYOUT}
     order = ["float64", "float32", "float16", "bfloat16"]
@@ -217,10 +218,7 @@ def step_sums(n: int = 1000, dtype: str = "float32", seed: int = 0, drift_value:
     fwd, bwd = sums["left to right"], sums["right to left"]
     diff = ulps_between(fwd, bwd, name)
     err = {k: abs(s - exact) / ulp(exact, name) for k, s in sums.items()}
-    drift = {}
-    for d in SWEEP:
-        run = sequential_sum(torch.full((int(drift_n),), drift_value, dtype=DTYPES[d]))
-        drift[d] = run
+    drift = {d: sequential_sum(torch.full((int(drift_n),), drift_value, dtype=DTYPES[d])) for d in SWEEP}
     stall = {d: next((i + 1 for i in range(1, len(r)) if r[i] == r[i - 1]), None) for d, r in drift.items()}
     answer = 0 if diff == 0 else (1 if diff <= 64 else 2)
     reveal = (f"Left to right the {n} numbers sum to {fwd:.9g}, right to left to {bwd:.9g}: "

@@ -42,7 +42,6 @@ def log_hline(fig: go.Figure, y: float, text: str, colour: str = "#888", dash: s
                        font=dict(color=colour))
 
 
-
 def fig_float(r: StepResult) -> go.Figure:
     d = r.data
     fig = make_subplots(rows=1, cols=2, column_widths=[0.55, 0.45],

@@ -83,12 +83,7 @@ def bundle(reports: list[tuple[str, str]]) -> str:
 def prepared(out_dir: "str | Path") -> list[tuple[str, Path]]:
     """(title, path) of the results prepared in `out_dir`, in scenario order."""
     out = Path(out_dir)
-    found = []
-    for p in all_presets():
-        f = out / f"{p.key}.json"
-        if f.is_file():
-            found.append((p.title, f))
-    return found
+    return [(p.title, out / f"{p.key}.json") for p in all_presets() if (out / f"{p.key}.json").is_file()]
 
 
 def default_dir() -> Path:

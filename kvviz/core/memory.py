@@ -33,16 +33,12 @@ from .float64 import PROBE_SLAB, REFERENCE_CHUNK_BYTES, gives_freed_memory_back
 
 GB = 1024 ** 3
 TWIN_MAX_BYTES = int(1.5 * GB)  # a full float64 twin up to this size is kept when memory allows (it runs faster)
-# The process itself on the CPU: what it held when this module was imported (python, torch and whatever came with
-# them - a CUDA build of torch maps ~0.4 GB of libraries more than the CPU wheel, a server its framework), measured,
-# plus what a run adds besides the parts the plan models (transformers' model code, the tokenizer library, the
-# allocator's arenas and thread pools, what the allocator keeps of freed tensors): 0.18 GB on a tiny model and on
-# the random-weight Gemma 3 270M shape, up to 0.45 GB on the real Gemma 3 GGUF's split (docs/benchmarks.md), allowed
-# 0.5 GiB. RUNTIME_BYTES where the process's size cannot be read.
+# The process itself on the CPU: what it held when this module was imported (measured), plus RUNTIME_GROWTH for what
+# a run adds besides the parts the plan models (model code, tokenizer library, allocator arenas and thread pools):
+# 0.18-0.45 GB measured (docs/benchmarks.md). RUNTIME_BYTES where the process's size cannot be read.
 RUNTIME_BYTES = int(0.8 * GB)
 RUNTIME_GROWTH = int(0.5 * GB)
-# cuBLAS and cuBLASLt workspaces on a GPU (32 MiB each on Hopper), allocated through torch's caching allocator: a
-# tiny model split on an H100 peaked at 0.05 GiB of `max_memory_allocated` against a plan of 5 MiB without them
+# cuBLAS and cuBLASLt workspaces on a GPU (32 MiB each on Hopper), taken from torch's caching allocator
 CUDA_RUNTIME_BYTES = 64 * 1024 ** 2
 # the tokenizer's tables (tokenizers' vocabulary, merges and caches), resident on the CPU: about 10 times its files
 # (Gemma 3's 33 MB tokenizer.json: 0.32 GB), or, where there are no files yet (a GGUF not converted), 1.2 KB a
@@ -207,13 +203,7 @@ def _cgroup_free() -> int | None:
 
 
 def _meminfo(key: str) -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return _proc_bytes("/proc/meminfo", key)
 
 
 def _address_space_left() -> int | None:
@@ -224,18 +214,17 @@ def _address_space_left() -> int | None:
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
     if soft == resource.RLIM_INFINITY:
         return None
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmSize:"):
-                return soft - int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return soft
+    size = _status_bytes("VmSize")
+    return soft if size is None else soft - size
+
+
+def _device(device: "torch.device | str") -> torch.device:
+    return torch.device(device) if not isinstance(device, torch.device) else device
 
 
 def free_bytes(device: "torch.device | str") -> tuple[int | None, str]:
     """(bytes free for this run, where the number comes from)."""
-    dev = torch.device(device) if not isinstance(device, torch.device) else device
+    dev = _device(device)
     if dev.type == "cuda":
         free, _ = torch.cuda.mem_get_info(dev)
         return int(free), "torch.cuda.mem_get_info"
@@ -257,7 +246,7 @@ def free_bytes(device: "torch.device | str") -> tuple[int | None, str]:
 def measured_peak(device: "torch.device | str") -> int | None:
     """Peak memory measured so far: CUDA max allocated on a GPU, peak RSS of this process on the CPU (None where
     neither /proc nor `resource` can say)."""
-    dev = torch.device(device) if not isinstance(device, torch.device) else device
+    dev = _device(device)
     if dev.type == "cuda":
         return int(torch.cuda.max_memory_allocated(dev))
     return _peak_rss()
@@ -267,7 +256,7 @@ def reset_peak(device: "torch.device | str") -> int | None:
     """Start measuring a run's peak afresh in a process that ran other work before (a page in the app's server):
     CUDA's peak statistics, or on Linux the process's peak RSS (writing 5 to /proc/self/clear_refs). Returns what
     the process holds now (the baseline the run's own peak is measured above), None where the peak cannot be reset."""
-    dev = torch.device(device) if not isinstance(device, torch.device) else device
+    dev = _device(device)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
         return int(torch.cuda.memory_allocated(dev))
@@ -281,8 +270,13 @@ def reset_peak(device: "torch.device | str") -> int | None:
 
 def _status_bytes(field: str) -> int | None:
     """A size field of /proc/self/status (VmRSS, VmHWM) in bytes; None where there is no such file."""
+    return _proc_bytes("/proc/self/status", field)
+
+
+def _proc_bytes(path: str, field: str) -> int | None:
+    """A "field: N kB" line of a /proc file in bytes; None where there is no such file or line."""
     try:
-        with open("/proc/self/status", encoding="ascii") as f:
+        with open(path, encoding="ascii") as f:
             for line in f:
                 if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
@@ -457,9 +451,8 @@ class MemoryPlan:
 
 
 def over_plan_slack(allowed: int) -> int:
-    """How far a measured peak may pass its plan before the over-plan line speaks: the larger of 32 MiB and 1 % - a
-    peak RSS moves by pages and allocator arenas between runs (a split that peaked 2.1 MiB over a 1.2 GiB plan said
-    so above its chart); a plan that is really low misses by far more."""
+    """How far a measured peak may pass its plan before the over-plan line speaks: the larger of 32 MiB and 1 % (a
+    peak RSS moves by pages and allocator arenas between runs; a plan that is really low misses by far more)."""
     return max(32 * 1024 ** 2, allowed // 100)
 
 
@@ -490,8 +483,7 @@ def reference_bytes(shape: ModelShape, dtype: str, strategy: str) -> int:
     biggest = min(8 * shape.largest, REFERENCE_CHUNK_BYTES + 8 * max(shape.hidden, 1) * 2)
     read = min(shape.largest, REFERENCE_CHUNK_BYTES // 8 + max(shape.hidden, 1)) * BYTES.get(
         shape.checkpoint_dtype or dtype, 4)
-    from .dtypes import parse_dtype
-    from .dtypes import exact_in
+    from .dtypes import exact_in, parse_dtype
 
     lossy = shape.checkpoint_dtype and not exact_in(parse_dtype(shape.checkpoint_dtype), parse_dtype(dtype))
     return biggest + (read if lossy else 0)
@@ -536,7 +528,11 @@ class MemoryProfile:
 
 def pick_reference(shape: ModelShape, dtype: str, free: int | None, others: int) -> str:
     """'twin' where a float64 copy is small and fits easily beside the rest, 'streamed' otherwise."""
-    twin = 8 * shape.params
+    return _twin_or_streamed(shape.params, free, others)
+
+
+def _twin_or_streamed(params: int, free: int | None, others: int = 0) -> str:
+    twin = 8 * params
     if twin > TWIN_MAX_BYTES:
         return "streamed"
     return "twin" if free is None or twin + others <= free // 2 else "streamed"
@@ -650,9 +646,7 @@ def stepwise_reference_bytes(shape: ModelShape, tokens: int, compared: int, batc
       fit), beside one step's row and the comparison's float64 temporaries of that one row;
     * the allocator's residue of the full forward before the step loop: its working set and one chunk of logits rows
       stay in the process (freed, not given back; `malloc_trim` returns a tenth of it), so the step loop's
-      forwards are allocated beside them. Measured on Gemma 3 270M in float64, 1028 tokens: the step loop held
-      0.675 GB above the loaded model where the named parts come to ~0.4 GB (docs/benchmarks.md, "The card phase by
-      phase")."""
+      forwards are allocated beside them (measured: docs/benchmarks.md, "The card phase by phase")."""
     V, B = shape.vocab, batch
     chunk = min(REFERENCE_LOGITS_BYTES, B * compared * V * 8)
     row = B * V * 8
@@ -667,8 +661,7 @@ def score_bytes(width: int, attention: str = "sdpa", device: str = "cpu") -> int
 
     * eager attention (transformers' eager_attention_forward) materialises the scores, their masked copy, a
       float32 softmax and its cast back, beside the causal mask: 2.5 score tensors (at least float32; measured op by
-      op on the CPU, splits of 1536-2048 tokens with 8 heads: 18 bytes a score element in float64, 8.3 in
-      float32, the mask's share included; tests/test_memory_views.py);
+      op: tests/test_memory_views.py);
     * SDPA's math fallback (CUDA in float64: no fused kernel for it) the scores and their softmax: 2 * width;
     * a fused SDPA kernel (the CPU's flash kernel in any dtype, CUDA's in 16/32-bit) holds none; the plan keeps one
       score tensor (at least float32) as the bound for a kernel it cannot see."""
@@ -819,9 +812,8 @@ def paged_call_bytes(shape: ModelShape, width: int, longest: int, requests: int,
       need it; one for full attention and one for sliding-window layers), beside the read/write indices (int64);
     * one batch's forward over every request in flight at its longest: its MLP and projections' working set, the
       attention scores only where they are materialised (eager: paged|eager; CUDA's float64 math kernel: score_bytes)
-      - the engine always passes its mask, and SDPA's fused kernels take one (the CPU's flash kernel, CUDA's
-      memory-efficient one): a study of 4 prompts of 1024 tokens in batches of 4 on the default model peaked 0.6 GiB
-      under one score tensor of its batch (bench/memory_bench.py serving); the K and V read back from the cache and
+      - the engine always passes its mask, and SDPA's fused kernels take one (bench/memory_bench.py serving); the K
+      and V read back from the cache and
       repeated to every head; the logits of the last rows (logits_to_keep) in the model's dtype, their float32 copy
       (float64 kept: KeepFloat64) and kvviz's float64 copy of the sampled rows."""
     L, kv, hd, V = shape.layers, shape.kv_heads, shape.head_dim, shape.vocab
@@ -839,14 +831,10 @@ def paged_call_bytes(shape: ModelShape, width: int, longest: int, requests: int,
     return int(cache), int(masks + forward)
 
 
-# kvviz.core.invariant's first run in a process probes the kernels of each weight's shape (linear_block): on a copy of
-# the weight's shape and dtype (its float64 values built a slab of PROBE_SLAB numbers at a time: two float64 slabs),
-# with the probe's rows (up to 256) times it held about three times over (the block's result, a rolled result, the
-# roll of the reference), beside what the BLAS and the allocator keep around those first calls (PROBE_FIXED).
-# The largest weight (the head) sets the transient. Measured in fresh processes on float32 heads x 512: 8192 rows
-# 55-108 MiB (the named parts 56), 16384 rows 94-145, 65536 rows 360-376 (tests/test_memory_views.py measures it by
-# shape). Before the slabs the values were three float64 copies of the whole weight at once (0.72 GiB on the
-# default model; 12.6 GB on an 8B model's head).
+# kvviz.core.invariant's first run in a process probes the kernels of each weight's shape (linear_block): a copy of
+# the weight's shape and dtype (its float64 values built PROBE_SLAB numbers at a time: two float64 slabs), the probe's
+# rows (up to 256) times it held about three times over, and what the BLAS and the allocator keep around those first
+# calls (PROBE_FIXED). The largest weight (the head) sets the transient (measured by shape: tests/test_memory_views.py).
 PROBE_ROWS = 3 * 256
 PROBE_FIXED = 64 * 1024 ** 2
 
@@ -869,17 +857,14 @@ def paged_study_bytes(shape: ModelShape, dtype: str, tokens: int, steps: int | N
     * each engine call (requests, requests in flight) in the run's dtype (paged_call_bytes);
     * where the float64 reference runs: a full forward over the sequence in float64 (the first divergence replayed,
       every position's logits), then the engine call of that one prompt (`replays`) on the float64 model, with
-      every step's scores kept in float64 (at 4096-token prompts in batches of 4 this phase is the study's peak:
-      the float64 batch's cache, its mask [batch tokens, cache + batch tokens] and forward - 10.5 GiB measured on the
-      default model beside its 11.55 GiB plan);
+      every step's scores kept in float64 (at long prompts in batches this phase is the study's peak);
     * where the proof runs (`proof`: the parting conditions rerun in invariant mode, the reference first): the first
       invariant-mode forward's kernel probes (invariant_probe_bytes) within kvviz's reference loop; the engine calls
       in invariant mode hold what they hold in the run.
 
     Each engine call runs in the engine's own thread, beside the residue of the full forward before it (its working
     set, freed by kvviz's thread and kept by that thread's allocator arena; the engine's thread allocates from its
-    own, as stepwise_reference_bytes counts for the card's step loop): without it the float32 study of 1024-token
-    prompts peaked 7 MB over its plan (bench/memory_bench.py serving)."""
+    own, as stepwise_reference_bytes counts for the card's step loop; bench/memory_bench.py serving)."""
     b, T, V = BYTES[dtype], tokens, shape.vocab
     n = max(1, min(T, T if steps is None else steps))
     residue = working_bytes(shape, b, T, 1, attention, device)
@@ -947,14 +932,15 @@ def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, vie
     if copies:
         others += copies * weights
         notes.append("a copy of the model for weight quantization (deep-copied, then quantized)")
-    uses_ref = dt != "float64" and profile(view).reference
+    prof = profile(view)
+    uses_ref = dt != "float64" and prof.reference
     strategy = (reference or os.environ.get("KVVIZ_REFERENCE") or "auto").lower()
     if strategy == "auto":
         strategy = pick_reference(shape, dt, free, weights + others)
     if not uses_ref:
         strategy = "none"
     ref = reference_bytes(shape, dt, strategy) if uses_ref else 0
-    if strategy == "streamed" and not stream_keep_bytes(shape.params) and not profile(view).batch_texts:
+    if strategy == "streamed" and not stream_keep_bytes(shape.params) and not prof.batch_texts:
         # the streamed reference's slices (the head's, the largest) are held while it applies that one operation,
         # after the last layer's working set was freed: the two are never held at once, so the float64 phase holds
         # the larger of them, not both (the padding grid's phases are not built on one working set: left as is)
@@ -963,33 +949,28 @@ def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, vie
                             attention, device)
     # Loading on the CPU holds the checkpoint's tensors as read (its dtype) beside the copies it converts them to,
     # before any forward runs: the float64 twin always, and the model where its dtype is not the checkpoint's (a
-    # tensor in its own dtype is the file's page, no copy). Measured: the twin of the default model (float32
-    # checkpoint) 0.49 GiB over the loaded twin, in float32 and bfloat16 runs alike; a 0.5B Llama's bfloat16
-    # checkpoint loaded in float32 0.49 GiB over its plan without it (docs/benchmarks.md); the default model loaded
-    # in bfloat16 peaked at 1.13 GiB and held 0.68 after (0.24 at import): the float32 file read beside its copy,
-    # what a serving study that never loads its float64 reference peaks at. Not counted for a view that runs only
-    # its float64 reference (the card): Gemma 3's float32 checkpoint loaded in bfloat16 for it peaked with no such
-    # transient (the card's measured peaks, tests/test_memory_views.py; why the two differ is not known yet).
-    # Each load is a phase of its own (the process, the weights, what is read, the twin): the activations are
-    # raised where the total would not cover it (`_loading`)
+    # tensor in its own dtype is the file's page, no copy); measured: docs/benchmarks.md. Not counted for a view that
+    # runs only its float64 reference (the card: no such transient measured, tests/test_memory_views.py; why is not
+    # known yet). Each load is a phase of its own: the activations are raised where the total would not cover it
+    # (`_loading`)
     read = shape.params * BYTES.get(shape.checkpoint_dtype or dt, 4) if device.startswith("cpu") else 0
-    float64_only = profile(view).float64_only  # no cache in the run's dtype: only the float64 reference's
+    float64_only = prof.float64_only  # no cache in the run's dtype: only the float64 reference's
     ckpt = BYTES.get(shape.checkpoint_dtype or dt, 4)
     load = read if ckpt < BYTES[dt] or (ckpt > BYTES[dt] and not float64_only) else 0
     cache = cache_bytes(shape, "float64" if float64_only else dt, tokens, batch, uses_ref and not float64_only)
-    prof = profile(view)
     proves = prof.proves and prove  # this run proves a precision verdict (its view can; not told not to)
     if_identical = if_unproved = None
+    run_only = activation_bytes(shape, dt, tokens, batch, view, False, compared, steps, reference_decodes, runs,
+                                attention, device)  # the activations without the float64 reference
     if uses_ref and prof.compared_after_split and not prof.bisector and not prof.many_prompts:
         # Split point reruns in float64 only where the cached path is not bit for bit the full forward
         # (kvviz.views.split.run.run_split: `main.has_cache and not main.identical`); known only once the run
         # compared them, so the plan counts the rerun and `settle` drops it after a run that had none
         if_identical = dict(reference="not run", reference_bytes=0, cache=cache_bytes(shape, dt, tokens, batch, False),
-                            activations=activation_bytes(shape, dt, tokens, batch, view, False, compared, steps,
-                                                         reference_decodes, runs, attention, device))
-    if profile(view).cache_copies:  # its caches one phase at a time: the run's, then the float64 reference's
+                            activations=run_only)
+    if prof.cache_copies:  # its caches one phase at a time: the run's, then the float64 reference's
         per = 2 * shape.layers * shape.kv_heads * shape.head_dim * tokens * batch
-        cache = profile(view).cache_copies * per * max(BYTES[dt], 8 if uses_ref else 0)
+        cache = prof.cache_copies * per * max(BYTES[dt], 8 if uses_ref else 0)
     if engine is not None:  # a paged engine's calls, one at a time; the float64 reference only where a prompt parts
         def study(f64: bool, proof: bool) -> tuple[int, int]:
             return paged_study_bytes(shape, dt, tokens, steps, engine.calls, engine.replays, engine.page_size, f64,
@@ -1003,8 +984,6 @@ def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, vie
                 c1, a1 = study(True, False)
                 if_unproved = dict(cache=c1, activations=a1)
     elif invariant or (uses_ref and proves):  # the proof's kernel probes (above)
-        run_only = activation_bytes(shape, dt, tokens, batch, view, False, compared, steps, reference_decodes, runs,
-                                    attention, device)
         if not invariant:
             if_unproved = dict(cache=cache, activations=acts)
         acts = max(acts, run_only + invariant_probe_bytes(shape, BYTES[dt]))
@@ -1059,11 +1038,7 @@ def fits_table(gpus_gb=(24, 48, 80), dtypes=("bfloat16", "float32"), view: str |
 
 def choose_reference(lm) -> str:
     """For a loaded model: 'twin' where a float64 copy of the model is small and fits easily, else 'streamed'."""
-    n = sum(p.numel() for p in lm.model.parameters())
-    free, _ = free_bytes(lm.device)
-    if 8 * n > TWIN_MAX_BYTES:
-        return "streamed"
-    return "twin" if free is None or 8 * n <= free // 2 else "streamed"
+    return _twin_or_streamed(sum(p.numel() for p in lm.model.parameters()), free_bytes(lm.device)[0])
 
 
 class NoPlan(Exception):

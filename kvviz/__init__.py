@@ -37,8 +37,7 @@ _register_bisector(_run_bisect)
 
 __all__ = [
     "ATTN_CHOICES", "DEFAULT_SPEC", "DTYPE_NAMES", "ExecSettings", "Executor", "KvvizError", "LoadedModel", "MODES",
-    "ModelSpec", "SplitConfig",
-    "SplitResult", "TINY_ARCHS", "TINY_MODELS", "cache_dir", "clear_cache", "load_model", "machine_eps", "parse_dtype",
-    "parse_spec", "resolve_device", "run_split",
+    "ModelSpec", "SplitConfig", "SplitResult", "TINY_ARCHS", "TINY_MODELS", "cache_dir", "clear_cache", "load_model",
+    "machine_eps", "parse_dtype", "parse_spec", "resolve_device", "run_split",
 ]
 __version__ = "0.1.0"

@@ -142,8 +142,6 @@ def max_memory_for(placement: Placement, device: torch.device) -> dict | None:
         mem = dict(mem or {})
         for i in range(torch.cuda.device_count()):
             mem[i] = 0  # a CPU run keeps every layer off the GPUs
-        if "cpu" not in mem and not mem:
-            return None
     return mem or None
 
 
@@ -155,13 +153,8 @@ def module_devices(model) -> dict[str, str]:
 
 def where(model, path: str, default: str) -> str:
     """Where the module at `path` lives: the entry of the longest module path in the device map that holds it."""
-    dm = module_devices(model)
-    best, where_ = -1, None
-    for k, v in dm.items():
-        if k == "" or path == k or path.startswith(k + "."):
-            if len(k) > best:
-                best, where_ = len(k), v
-    return where_ if where_ is not None else default
+    held = [(len(k), v) for k, v in module_devices(model).items() if k == "" or path == k or path.startswith(k + ".")]
+    return max(held, key=lambda kv: kv[0])[1] if held else default
 
 
 def input_device(model, default: torch.device) -> torch.device:

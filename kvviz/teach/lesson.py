@@ -699,20 +699,12 @@ def model_loader(spec="default", device: str = "cpu", attn: str = "auto", trust_
 
 def run_step(step: int, models: Models, **options) -> StepResult:
     """Step `step` (1-8) with its options (each step's keyword arguments), on `models`."""
-    if step == 1:
-        return step_float(**options)
-    if step == 2:
-        return step_sums(**options)
+    if step in (1, 2):  # no model
+        return (step_float, step_sums)[step - 1](**options)
     if step == 3:
         return step_row_vs_batch(models("float32"), **options)
-    if step == 4:
-        return step_one_layer(models, **options)
-    if step == 5:
-        return step_layers(models, **options)
     if step == 6:
         return step_greedy(models(options.pop("dtype", "bfloat16")), **options)
-    if step == 7:
-        return step_referee(models, **options)
-    if step == 8:
-        return step_bug(models, **options)
+    if step in (4, 5, 7, 8):
+        return {4: step_one_layer, 5: step_layers, 7: step_referee, 8: step_bug}[step](models, **options)
     raise KvvizError(f"the lesson has steps 1 to {len(STEPS)}, not {step!r}")

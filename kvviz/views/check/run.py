@@ -28,6 +28,8 @@ from ...core.verdict import Verdict, classify
 
 PROMPT = ("The museum guard knew every painting in the building, but he had a favourite one hanging in the far "
           "corner of the east wing.")
+REUSE_PREFIX = "Answer in one short sentence."  # the prompt-cache reuse check: a prefix and its continuations
+REUSE_QUESTIONS = (" Q: What is the capital of France? A:", " Q: What colour is the sky? A:")
 
 
 @dataclass
@@ -148,9 +150,7 @@ def _quantized_check(lm: LoadedModel, kv: str, weights: str, progress) -> Check:
 
 
 def run_check(lm: LoadedModel, progress=None, weights: str = "none", kv: str = "none", prompt: str = PROMPT,
-              reuse_prefix: str = "Answer in one short sentence.",
-              reuse_questions: tuple = (" Q: What is the capital of France? A:", " Q: What colour is the sky? A:")
-              ) -> CheckCard:
+              reuse_prefix: str = REUSE_PREFIX, reuse_questions: tuple = REUSE_QUESTIONS) -> CheckCard:
     """The cache-safety card of `lm`'s model (its float64 twin runs the checks). weights / kv: check the model
     with quantized weights (int8, int4) and/or a quantized KV cache (see kvviz.views.quant.run): the card is then at best
     `lossy`, with the measured loss."""
@@ -233,8 +233,8 @@ class CheckConfig:
     weights: str = "none"
     kv: str = "none"
     prompt: str = PROMPT
-    reuse_prefix: str = "Answer in one short sentence."
-    reuse_questions: tuple[str, ...] = (" Q: What is the capital of France? A:", " Q: What colour is the sky? A:")
+    reuse_prefix: str = REUSE_PREFIX
+    reuse_questions: tuple[str, ...] = REUSE_QUESTIONS
 
     def validate(self) -> "CheckConfig":
         if not isinstance(self.prompt, str) or not self.prompt.strip():

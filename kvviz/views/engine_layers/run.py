@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -185,9 +186,7 @@ class EngineLayersResult:
     def parting_line(self) -> str:
         """How many prompts part at their outputs, and their verdicts."""
         parted = [p for p in self.prompts if p["distinct"] > 1]
-        counts = {}
-        for p in self.prompts:
-            counts[p["verdict"]] = counts.get(p["verdict"], 0) + 1
+        counts = Counter(p["verdict"] for p in self.prompts)
         a, b = self.labels
         return (f"{len(parted)} of {len(self.prompts)} prompts give 2 distinct completions over {a} and {b}"
                 + (f" (verdicts: {', '.join(f'{v}: {c}' for v, c in sorted(counts.items()))})" if counts else ""))

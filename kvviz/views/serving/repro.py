@@ -111,8 +111,6 @@ def script(res, lm, name: str) -> str:
     """The Serving study as a standalone script (torch + transformers) that makes the same engine calls plainly and
     prints the same distinct counts; its last line is `prompts with 1 distinct completion = N`."""
     s = res.settings
-    if s.engine != "transformers":
-        raise KvvizError("repro scripts are written for the transformers engine")
     ids = [encode(lm, s.shared_prefix + p.prompt) for p in res.prompts]
     prefix = encode(lm, s.shared_prefix) if s.shared_prefix else None
     title = (f"the Serving study of {s.model}: {len(ids)} prompts × {{{', '.join(s.conditions)}}} × {s.runs} runs, "

@@ -490,11 +490,9 @@ def _study(lm, cfg, engine, settings, reference, prove, progress, t_start, memo:
     if cfg.engine == "transformers" and engine_status("vllm") is not None:
         notes.append("vLLM is not installed here; the transformers engine ran (`make engines` builds vLLM)")
     progress(1.0, "Done")
-    return ServeResult(settings=ServeSettings.from_run(RunInfo.of(lm, settings), prompt_source=cfg.prompt_source,
-                                                       shared_prefix=cfg.shared_prefix, conditions=cfg.conditions,
-                                                       runs=cfg.runs, max_new_tokens=n, batch_size=cfg.batch_size,
-                                                       seed=cfg.seed, engine=cfg.engine, page_size=cfg.page_size,
-                                                       tensor_parallel_size=cfg.tensor_parallel_size),
+    own = {f.name: getattr(cfg, f.name) for f in fields(ServeSettings)
+           if f.name not in RunSettings.__dataclass_fields__}  # the study's own settings, named as in its config
+    return ServeResult(settings=ServeSettings.from_run(RunInfo.of(lm, settings), **own),
                        model=lm.summary(), engine={**engine_info(cfg.engine, cfg.page_size),
                                                    **(engine.info() if hasattr(engine, "info") else {})},
                        prompts=results,

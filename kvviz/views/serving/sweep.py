@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 from ...core.errors import KvvizError
@@ -149,10 +150,7 @@ def cell_of(res: ServeResult, c: int, length: int, seconds: float, prompt_tokens
                                 for b in p.completions["batch"]) for p in ps) / len(ps)
     parted = [p for p in ps if p.first_divergence is not None]
     first = min(parted, key=lambda p: p.first_divergence) if parted else None
-    verdicts = {}
-    for p in ps:
-        v = p.verdict or ("identical" if p.first_divergence is None else "precision")
-        verdicts[v] = verdicts.get(v, 0) + 1
+    verdicts = dict(Counter(p.verdict or ("identical" if p.first_divergence is None else "precision") for p in ps))
     verdict = "logic" if "logic" in verdicts else "precision" if parted or "precision" in verdicts else "identical"
     new = sum(s.new_tokens for k, s in res.conditions.items() if k != "reference")
     secs = sum(s.seconds for k, s in res.conditions.items() if k != "reference")
@@ -199,9 +197,8 @@ def run_sweep(lm, cfg: SweepConfig, progress=None, settings=None, reference=None
         from ...engines.serving import make_engine
         from ...engines.workers import make_worker_engine
 
-        # vLLM starts once for the grid, with room for its largest cell (a cell needing another max_num_seqs
-        # restarted the engine: a row going back from 16 to 1 in flight started it again); its worker waits for an
-        # answer at least as long as the cell limit (kvviz's checkpoint stops it at the limit)
+        # vLLM starts once for the grid, with room for its largest cell (no restart between cells); its worker
+        # waits for an answer at least as long as the cell limit (kvviz's checkpoint stops it at the limit)
         engine = make_worker_engine(cfg.engine, 1, max(cfg.concurrency),
                                     timeout_s=max(ANSWER_LIMIT_S, (limit or 0) + 60)) or make_engine(cfg.engine, 8, 1)
     t0 = time.perf_counter()

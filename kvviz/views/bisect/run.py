@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
@@ -336,11 +336,9 @@ def _compare(full: _Recorder, cached: _Recorder, cfg, settings, lm) -> BisectRes
         # the op between the last agreeing module and this one is not a module: the attention itself
         first = ModuleGap(first.name.rsplit(".", 1)[0], "attention weights / weighted sum", first.layer,
                           first.max_abs, first.relative, True)
-    return BisectResult(settings=BisectSettings(prompt=cfg.prompt, split=cfg.split, mode=cfg.mode,
-                                                left_pad=cfg.left_pad, position_ids=cfg.position_ids,
-                                                attention_mask=cfg.attention_mask, model=lm.name,
-                                                dtype=str(lm.dtype).removeprefix("torch."), execution=settings),
-                        first=first, modules=gaps)
+    split = {f.name: getattr(cfg, f.name) for f in fields(SplitConfig)}  # the split as its config names it
+    return BisectResult(settings=BisectSettings(**split, model=lm.name, dtype=str(lm.dtype).removeprefix("torch."),
+                                                execution=settings), first=first, modules=gaps)
 
 
 # ---- the op trace ------------------------------------------------------------------------------------------------

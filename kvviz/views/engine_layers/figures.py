@@ -20,8 +20,8 @@ def _check(metric: str) -> None:
 
 
 def pair_heatmap(res: EngineLayersResult, metric: str = "relative", log: bool = True) -> go.Figure:
-    """A against B, layer × token, on the positions both computed with the same inputs. The dtype is the verdict's
-    and the layer lines' (a fourth title line ran into the bitwise-equal legend of an all-zero map)."""
+    """A against B, layer × token, on the positions both computed with the same inputs. The dtype is left to the
+    verdict and the layer lines (a fourth title line would overlap an all-zero map's bitwise-equal legend)."""
     _check(metric)
     a, b = res.labels
     title = (f"{METRIC_TITLES[metric]}: {b} vs {a} inside {res.engine.get('name')}; "

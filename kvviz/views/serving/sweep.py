@@ -10,11 +10,10 @@ and the cell's verdict (logic if any prompt's is, else precision if any parted, 
 
 The sweep stops cleanly between cells when its time budget is spent (the cells not run are listed) and at every
 kvviz.core.cancel checkpoint inside one. A cell whose engine fails (a worker that dies or gives no answer within its
-limit) or that passes the cell limit (`cell_limit_s`, checked at the same checkpoints: every second of a worker's
-wait, every layer in kvviz's process, a server's request waits at most that long) is recorded as not finished with
-its one-line reason, its engine is restarted for the next cell, and the cells at least as large (as many in flight
-or more, prompts as long or longer) are listed as not run; the cells finished are kept. Only a sweep with no cell
-finished fails, with the first cell's line.
+limit) or that passes `cell_limit_s` (_cell_limit; a server's request waits at most that long) is recorded as not
+finished with its one-line reason, its engine is restarted for the next cell, and the cells at least as large
+(_at_least) are listed as not run; the cells finished are kept. Only a sweep with no cell finished fails, with the
+first cell's line.
 """
 from __future__ import annotations
 

@@ -124,7 +124,6 @@ def layer_checks(layers) -> Iterator[None]:
             h.remove()
 
 
-
 @contextlib.contextmanager
 def op_checks() -> Iterator[None]:
     """A checkpoint at every torch call while a token is current, for runs whose single layers can take minutes

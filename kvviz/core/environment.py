@@ -57,7 +57,7 @@ def environment(device: str | torch.device | None = None) -> dict:
 
     from .. import __version__
 
-    env = {
+    return {
         "kvviz": __version__,
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -70,7 +70,6 @@ def environment(device: str | torch.device | None = None) -> dict:
         "platform": platform.platform(terse=True),
         "flags": precision_flags(),
     }
-    return env
 
 
 # What must match for bitwise reproduction; the rest is informative.

@@ -15,7 +15,6 @@ HIDDEN_METRICS = {
     "cosine": "cosine distance 1 − cos(reference, cached)",
     "eps_units": "relative gap in units of the dtype's machine epsilon",
 }
-LOGIT_FIELDS = ("max_abs", "kl", "argmax_agree", "top5_overlap")
 
 
 def hidden_divergence(ref: torch.Tensor, got: torch.Tensor, eps: float) -> dict[str, torch.Tensor]:

@@ -13,7 +13,7 @@ import re
 
 EMBEDDINGS = "embeddings"
 FINAL_NORM = " + final norm"
-DEFAULT_BASE = "model.layers"  # Llama-style path; other families name it differently (see `layers_base`)
+DEFAULT_BASE = "model.layers"  # Llama-style path; other families name it differently (verdict.layers_prefix)
 
 _INDEX = re.compile(r"(?:^|\.)(?:layers|h|layer|blocks)\.(\d+)(?:\.|$)")
 
@@ -73,15 +73,3 @@ def hover_text(label: str, base: str = DEFAULT_BASE) -> str:
     k = int(m.group(1))
     extra = " then the final norm" if label.endswith(FINAL_NORM) else ""
     return f"{label}: output of {base}.{k - 1}{extra}"
-
-
-def layers_base(model) -> str:
-    """The path of a loaded model's decoder layer list (e.g. `model.layers`, `gpt_neox.layers`, `transformer.h`)."""
-    import torch
-
-    best = None
-    for name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.ModuleList) and len(mod) > 0 and re.search(r"(layers|h|layer|blocks)$", name):
-            if best is None or len(name) < len(best):
-                best = name
-    return best or DEFAULT_BASE

@@ -2,9 +2,8 @@
 labels, colour ranges and log-axis floors. Pure: no model runs here."""
 from __future__ import annotations
 
-import re
-
 import math
+import re
 
 import numpy as np
 import plotly.graph_objects as go
@@ -97,8 +96,7 @@ def zero_floor(fig: go.Figure, floor: float, text: str) -> None:
     fig.add_hline(y=floor, line_dash="dot", line_color="#888")
     fig.add_annotation(x=1, xref="paper", y=float(np.log10(floor)), yref="y", text=text, showarrow=False,
                        xanchor="right", yanchor="bottom", xshift=-8, font=dict(color="#888"))
-    # xshift: plotly places the right-anchored label by its width measured before the page's font loaded (3 px over
-    # the figure's edge in the Lesson's step 6)
+    # xshift: plotly places the right-anchored label by its width measured before the page's font loaded
 
 
 def floor_zeros(values, floor: float) -> list[float]:
@@ -126,8 +124,6 @@ def wrap_title(text: str, most: int = 44) -> str:
     after its ' — ' and '; ' parts first (a part stays whole where it fits), a longer part between words."""
     if len(text) <= most or "<br>" in text:
         return text
-    import re
-
     lines: list[str] = []
     for part in re.split(r"(?<= —) |(?<=;) ", text):  # ' — ' and '; ' end a part
         if lines and len(lines[-1]) + 1 + len(part) <= most:

@@ -47,7 +47,6 @@ from .errors import KvvizError
 from .float64 import head_slice_rows, keep64, sliced_linear64
 
 STRATEGIES = ("auto", "twin", "streamed")
-# A weight larger than this in float64 (a big vocabulary's output head) is applied in slices of output features.
 ENV_STRATEGY = "KVVIZ_REFERENCE"
 
 # Tensor methods and properties that only read metadata: answered from the loaded parameter, never upcast.
@@ -247,10 +246,8 @@ class StreamedFloat64(TorchFunctionMode):
         self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = plan.kept  # id -> (param, float64 value)
         self.room = plan.keep_bytes - sum(8 * v.numel() for _, v in self.kept.values())
         self._handles: dict[str, object] = {}
-        params = dict(lm.model.named_parameters(remove_duplicate=False))
-        for name, p in params.items():
-            src = plan.from_checkpoint.get(name)
-            self.subs[id(p)] = (p, src)
+        for name, p in lm.model.named_parameters(remove_duplicate=False):
+            self.subs[id(p)] = (p, plan.from_checkpoint.get(name))
         buffers = dict(lm.model.named_buffers())
         for name, value in plan.buffers.items():
             b = buffers.get(name)
@@ -285,10 +282,7 @@ class StreamedFloat64(TorchFunctionMode):
 
     def _sub(self, a):
         if isinstance(a, torch.Tensor):
-            hit = self.subs.get(id(a))
-            if hit is not None and hit[0] is a:
-                return self._value(a, hit[1])
-            return a
+            return self._value(a, self.subs[id(a)][1]) if self._hit(a) else a
         if isinstance(a, (list, tuple)) and a and any(isinstance(x, torch.Tensor) for x in a):
             return type(a)(self._sub(x) for x in a)
         return a
@@ -306,11 +300,11 @@ class StreamedFloat64(TorchFunctionMode):
             desc = getattr(func, "__self__", None)
             prop = getattr(desc, "__name__", None) if getattr(func, "__name__", "") == "__get__" else None
             if prop is not None and prop not in _VALUE_PROPERTIES:
-                if prop == "dtype" and p.dtype.is_floating_point and not isinstance(self.subs[id(p)][1],
-                                                                                        torch.Tensor):
+                src = self.subs[id(p)][1]
+                if prop == "dtype" and isinstance(src, torch.Tensor):  # a buffer: the twin's value's dtype
+                    return src.dtype
+                if prop == "dtype" and p.dtype.is_floating_point:
                     return torch.float64
-                if prop == "dtype" and isinstance(self.subs[id(p)][1], torch.Tensor):
-                    return self.subs[id(p)][1].dtype
                 return func(*args, **kwargs)
             if func in _META_METHODS:
                 return func(*args, **kwargs)

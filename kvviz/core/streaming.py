@@ -7,13 +7,11 @@ against the held path's same layer to the per-position metrics (kvviz.core.metri
 metrics are kept: at most one path's hidden states exist (the held one, only the compared positions), plus the
 layer the model is computing.
 
-How: transformers 5 records hidden states with forward hooks on the decoder layers, appending to a list of the
-running forward (`transformers.utils.output_capturing`, reached through kvviz.models.compat); kvviz adds its own forward hook to each decoder layer
-(the longest ModuleList) for the duration of one call. After a layer returns, every recorded hidden state but the
-newest goes to the sink and is dropped from that list; the newest is left, because transformers replaces the last
-one with the final norm's output at the end of the forward. Whatever is left when the forward returns (the last,
-normed one; every one where the model records hidden states some other way, or where the hooks are off) goes to the
-sink from `out.hidden_states`, which is then cleared. The sink therefore sees exactly the tensors
+How: transformers 5 records hidden states with forward hooks on the decoder layers into a list of the running
+forward (reached through kvviz.models.compat); kvviz adds its own hook to each decoder layer (the longest ModuleList)
+for one call. After a layer returns, every recorded hidden state but the newest (transformers replaces the last one
+with the final norm's output) goes to the sink and is dropped from that list. What is left when the forward returns
+goes to the sink from `out.hidden_states`, which is then cleared. The sink sees exactly the tensors
 `output_hidden_states=True` returns, in order, each once - the numbers cannot differ, only when they are reduced.
 
 Nothing of the shared model is changed beyond the hooks of one call (the caller holds the model's lock: every
@@ -195,10 +193,8 @@ class LayerGaps:
         self.held, self.eps, self.label, self.free = held, eps, label, free
         self.track_equal, self.equal = equal, True
         # metric -> [n_hidden, n_positions] float64 on the CPU, allocated once at the first compared layer and
-        # filled in place: a step-by-step run (hundreds of one-position forwards) then allocates nothing that
-        # outlives its forward. Small long-lived tensors made in the middle of each forward would split the
-        # freed blocks of the forward's large temporaries (the float64 reference's upcast weights), and glibc's
-        # heap would grow by ~70 MB a step on a 270M model (5.2 GB instead of 2.8 for the card; docs/benchmarks.md).
+        # filled in place: small long-lived tensors made in the middle of each forward of a step-by-step run would
+        # split the freed blocks of its large temporaries and grow glibc's heap every step (docs/benchmarks.md).
         self._out: dict[str, torch.Tensor] | None = None
         self._filled: list[int] = []
 

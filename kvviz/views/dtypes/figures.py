@@ -12,6 +12,14 @@ from ...core.plotting import METRIC_TITLES, zero_floor, floor_zeros, thin_x, fit
 DTYPE_COLORS = {"float64": "#555555", "float32": "#1f77b4", "float16": "#ff7f0e", "bfloat16": "#2ca02c"}
 
 
+def _line(x: list, y, dtype: str, name: str, floor: float, dash: str | None = None) -> go.Scatter:
+    """One dtype's curve, its exact zeros drawn at `floor` and hovered as "0 (bitwise equal)"."""
+    return go.Scatter(x=x, y=floor_zeros(y, floor), mode="lines+markers", name=name,
+                      line=dict(color=DTYPE_COLORS.get(dtype), dash=dash),
+                      customdata=[f"{v:.3g}" if v > 0 else "0 (bitwise equal)" for v in y],
+                      hovertemplate="%{x}<br>" + name + ": %{customdata}<extra></extra>")
+
+
 def dtype_curves(res, metric: str = "max_abs", how: str = "mean") -> go.Figure:
     """Per-layer curves, one per dtype, on one log-scale chart (mean or max over the prompt set). In ε units every
     dtype is in its own ε, except the float64 reference: it is drawn in the finest compared dtype's ε (so it cannot
@@ -29,17 +37,13 @@ def dtype_curves(res, metric: str = "max_abs", how: str = "mean") -> go.Figure:
             y = res.stat("relative", how)[d].to_numpy(dtype=float) / _torch.finfo(getattr(_torch, finest)).eps
             name = f"float64 (in {finest}'s ε)"
         series.append((d, name, y))
-    positive = [v for _, _, y in series for v in y if v > 0]
-    floor = min(positive) / 10 if positive else 1e-20
+    floor = min([v / 10 for _, _, y in series for v in y if v > 0], default=1e-20)  # exact zeros are drawn here
     fig = go.Figure()
     for i, (d, name, y) in enumerate(series):
         same = next((n for _, n, o in series[i + 1:] if np.array_equal(o, y)), None)
         if same is not None:  # drawn first, so the later line covers it: say so in the legend
             name += f" (= {same}, under it)"
-        fig.add_trace(go.Scatter(x=list(table.index), y=floor_zeros(y, floor), mode="lines+markers", name=name,
-                                 line=dict(color=DTYPE_COLORS.get(d), dash="dash" if d == "float64" else None),
-                                 customdata=[f"{v:.3g}" if v > 0 else "0 (bitwise equal)" for v in y],
-                                 hovertemplate="%{x}<br>" + name + ": %{customdata}<extra></extra>"))
+        fig.add_trace(_line(list(table.index), y, d, name, floor, "dash" if d == "float64" else None))
     n = len(res.prompts)
     what = METRIC_TITLES.get(metric, metric)
     fig.update_layout(title=f"{what} per layer, {how} over {n} prompt{'s' if n != 1 else ''} — device "
@@ -68,12 +72,7 @@ def ab_dtype_curves(res_a, res_b, label_a: str, label_b: str, metric: str = "max
     fd = go.Figure()
     for d in [d for d in res_a.dtypes if d in res_b.dtypes]:
         diff = np.abs(tb[d].to_numpy(dtype=float) - ta[d].to_numpy(dtype=float))
-        positive = diff[diff > 0]
-        floor = positive.min() / 10 if positive.size else 1e-20
-        fd.add_trace(go.Scatter(x=list(ta.index), y=floor_zeros(diff, floor), mode="lines+markers", name=d,
-                                line=dict(color=DTYPE_COLORS.get(d)),
-                                customdata=[f"{v:.3g}" if v > 0 else "0 (bitwise equal)" for v in diff],
-                                hovertemplate="%{x}<br>" + d + ": %{customdata}<extra></extra>"))
+        fd.add_trace(_line(list(ta.index), diff, d, d, min(diff[diff > 0] / 10, default=1e-20)))
     fd.update_layout(title=f"|B − A| of {METRIC_TITLES.get(metric, metric)} per layer", height=380,
                      margin=dict(l=10, r=10, t=60, b=10), legend=dict(orientation="h", y=-0.35))
     fd.update_yaxes(type="log", exponentformat="power")

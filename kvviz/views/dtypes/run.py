@@ -28,10 +28,6 @@ VERDICTS = ("identical", "precision", "logic")
 REFERENCE = "reference"  # the float64 column's verdict: it is the yardstick, not a result
 
 
-def _noop(f: float, m: str) -> None:
-    pass
-
-
 def eta(t0: float, done: int, total: int) -> str:
     """", about 12 s left" from the time per item so far."""
     if done == 0:
@@ -131,7 +127,7 @@ def run_dtypes(model: "LoadedModel | ModelSpec | str", prompts: list[str], dtype
     every dtype's verdict evidence. `model`: a loaded model (any dtype: its twins are used; device, attn and
     trust_remote_code are then taken from it) or a spec. prove: each precision verdict also runs in invariant mode
     (default: for a single prompt)."""
-    progress = progress or _noop
+    progress = progress or (lambda f, m: None)
     settings = (settings or DEFAULT_SETTINGS).validate()
     t0 = time.perf_counter()
     if not prompts:
@@ -148,6 +144,7 @@ def run_dtypes(model: "LoadedModel | ModelSpec | str", prompts: list[str], dtype
     run_split = views.get("split").resolve("run:run_split")
     kept_prompts: list[str] = []
     labels: list[str] = []
+    prove_each = None if prove or (prove is None and len(prompts) == 1) else False  # None: each precision verdict
     for i, prompt in enumerate(prompts):
         progress(i / len(prompts), f"Prompt {i + 1}/{len(prompts)}{eta(t0, i, len(prompts))}")
         validate_prompt(prompt)
@@ -162,9 +159,7 @@ def run_dtypes(model: "LoadedModel | ModelSpec | str", prompts: list[str], dtype
         labels = f64_res.layer_labels
         for d in names:
             res = f64_res if d == "float64" else run_split(models[d], cfg, float64_comparison=f64_res.main,
-                                                          prove=None if (prove or (prove is None
-                                                                                   and len(prompts) == 1)) else False,
-                                                          settings=settings)
+                                                          prove=prove_each, settings=settings)
             out.add(d, res, reference=d == "float64")
             if len(prompts) == 1:
                 single[d] = res

@@ -26,8 +26,7 @@ def first_parting(res) -> int | None:
 def greedy_margins(res) -> go.Figure:
     """Each path's top-1 minus top-2 logit per step; divergences marked; unsettled preview steps hollow."""
     fig = go.Figure()
-    positive = [m for p in res.paths.values() for m in p.margins if m > 0]
-    floor = min(positive) / 10 if positive else 1e-6  # exact ties (margin 0) are drawn here, as crosses
+    floor = min([m / 10 for p in res.paths.values() for m in p.margins if m > 0], default=1e-6)  # ties: crosses here
     for p in res.paths.values():
         settled = p.settled or [True] * len(p.margins)
         symbols = ["x" if m == 0 else ("circle" if s else "circle-open") for m, s in zip(p.margins, settled)]

@@ -39,7 +39,6 @@ from ...core.streaming import HeldRows
 from ...core.verdict import Prove, Verdict, classify, precision_sentence
 
 
-
 class GreedyPath(StrEnum):
     """A greedy path (the module docstring). A str: it compares and exports as its word ("no_cache"), so JSON
     results, old exports and the page's saved choices read the same."""
@@ -218,11 +217,6 @@ class GreedyResult:
 # One forward helpers
 
 
-def _last(out) -> tuple[torch.Tensor, torch.Tensor]:
-    """The last position's logits and its hidden state in every returned layer: [vocab], [n_hidden, H]."""
-    return out.logits[0, -1], torch.stack([h[0, -1] for h in out.hidden_states])
-
-
 class StepRecorder:
     def __init__(self, name: str, n: int, on_step: Callable[[], None]):
         self.name, self.n, self.on_step = name, n, on_step
@@ -317,10 +311,8 @@ def _fast_no_cache(ex: Executor, inp: PromptInputs, n: int, rec: StepRecorder, g
     diverged = None
     for t in range(n):
         tok = rec.add(logits_all[t], hidden_all[t])
-        if guide.logits is not None and guide.logits.dtype == logits_all.dtype:
-            gap = float((logits_all[t].double() - guide.logits[t].double()).abs().max())
-        else:
-            gap = 0.0
+        same_dtype = guide.logits is not None and guide.logits.dtype == logits_all.dtype
+        gap = float((logits_all[t].double() - guide.logits[t].double()).abs().max()) if same_dtype else 0.0
         floor = 4 * eps * float(logits_all[t].abs().max())
         ok = ok and rec.margins[-1] > 2 * max(gap, floor)
         settled.append(ok)
@@ -328,8 +320,8 @@ def _fast_no_cache(ex: Executor, inp: PromptInputs, n: int, rec: StepRecorder, g
             diverged = t
             break
     if diverged is not None and diverged < n - 1:
-        own_ids, own_mask, own_pos = _grow(ids[:, : inp.ids.shape[1] + diverged], mask[:, : inp.ids.shape[1] + diverged],
-                                           pos[:, : inp.ids.shape[1] + diverged], rec.tokens[-1])
+        cut = inp.ids.shape[1] + diverged
+        own_ids, own_mask, own_pos = _grow(ids[:, :cut], mask[:, :cut], pos[:, :cut], rec.tokens[-1])
         before = len(rec.tokens)
         no_cache_loop(ex, inp, n - diverged - 1, rec, ids=own_ids, mask=own_mask, pos=own_pos)
         settled += [ok] * (len(rec.tokens) - before)

@@ -8,8 +8,7 @@ from ...core.errors import KvvizError
 from ...core.inputs import POSITION_MODES
 
 
-HELP = ("attention × cache kind × compile × precision flags, repeated: which "
-        "settings change greedy decoding, and how")
+HELP = "attention × cache kind × compile × precision flags, repeated: which settings change greedy decoding, and how"
 
 
 def add_arguments(mp) -> None:
@@ -17,9 +16,8 @@ def add_arguments(mp) -> None:
     model_args(mp, attn_list=True)
     mp.add_argument("--prompt", default=None, help="the prompt (row 0); required unless --preset sliding-window")
     mp.add_argument("--preset", choices=("sliding-window",), default=None,
-                    help="sliding-window (the torch.compile report): a short left-padded prompt "
-                         "batched with one longer than the sliding window, "
-                         "generating past the window")
+                    help="sliding-window (the torch.compile report): a short left-padded prompt batched with one "
+                         "longer than the sliding window, generating past the window")
     mp.add_argument("--max-new-tokens", type=int, default=16)
     mp.add_argument("--cache", default="dynamic,static",
                     help="comma-separated: dynamic,static,offloaded,offloaded_static,quantized")

@@ -14,12 +14,12 @@ MATRIX_COLOURS = {"identical": "#2e7d32", "precision": "#1565c0", "logic": "#c62
 def matrix_grid(res) -> go.Figure:
     """Settings (rows) × attention implementations (columns), coloured by verdict; grey cells could not run."""
     attns = list(dict.fromkeys(c.attention for c in res.cells))
-    settings = list(dict.fromkeys(_matrix_row(c) for c in res.cells))
+    settings = list(dict.fromkeys(c.setting for c in res.cells))
     names = list(MATRIX_COLOURS)
     z = np.full((len(settings), len(attns)), np.nan)
     hover = np.empty(z.shape, dtype=object)
     for c in res.cells:
-        i, j = settings.index(_matrix_row(c)), attns.index(c.attention)
+        i, j = settings.index(c.setting), attns.index(c.attention)
         kind = "error" if c.error else c.verdict
         z[i, j] = names.index(kind)
         hover[i, j] = (f"<b>{kind}</b><br>{c.error}" if c.error else
@@ -44,10 +44,6 @@ def matrix_grid(res) -> go.Figure:
                       height=max(260, 60 * len(settings) + 140), margin=dict(l=10, r=10, t=60, b=10))
     fig.update_yaxes(autorange="reversed")
     return fit_text(fig)
-
-
-def _matrix_row(c) -> str:
-    return " · ".join([c.cache, f"compile {c.compile}"] + ([",".join(c.flags)] if c.flags else []))
 
 
 def matrix_cell_steps(cell) -> go.Figure:

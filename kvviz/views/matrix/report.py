@@ -1,6 +1,8 @@
 """The matrix view's report: its result rebuilt from a JSON export (no model runs) and its verdict line."""
 from __future__ import annotations
 
+from collections import Counter
+
 from ...io.export import typed
 
 
@@ -13,7 +15,5 @@ def reopen(d: dict):
 
 
 def verdict(result) -> tuple[str, str]:
-    counts = {}
-    for c in result.cells:
-        counts[c.verdict or "error"] = counts.get(c.verdict or "error", 0) + 1
+    counts = Counter(c.verdict or "error" for c in result.cells)
     return "cells", ", ".join(f"{v}: {n}" for v, n in counts.items())

@@ -33,14 +33,9 @@ from ...core.verdict import Verdict, classify
 from ...core.text import display_text
 
 Progress = Callable[[float, str], None]
-VERDICTS = (Verdict.IDENTICAL, Verdict.PRECISION, Verdict.LOGIC, Verdict.NONDETERMINISTIC, Verdict.LOSSY)
 WINDOW_LONG_PROMPT = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, lit the great lamp, and "
-                  "wrote the weather in a leather log that his grandfather had started sixty years before.")
+                      "wrote the weather in a leather log that his grandfather had started sixty years before.")
 WINDOW_SHORT_PROMPT = "Hi there"
-
-
-def _noop(f: float, m: str) -> None:
-    pass
 
 
 @dataclass(frozen=True)
@@ -103,9 +98,13 @@ class Cell:
     error: str | None = None
 
     @property
+    def setting(self) -> str:
+        """The cell's row in the grid: cache kind, compile mode, flags."""
+        return " · ".join([self.cache, f"compile {self.compile}"] + ([",".join(self.flags)] if self.flags else []))
+
+    @property
     def label(self) -> str:
-        return " · ".join([self.attention, self.cache, f"compile {self.compile}"]
-                          + ([",".join(self.flags)] if self.flags else []))
+        return f"{self.attention} · {self.setting}"
 
 
 @dataclass(frozen=True)
@@ -141,8 +140,7 @@ class MatrixResult:
     def grid(self, value: str = "verdict"):
         import pandas as pd
 
-        rows = [{"attention": c.attention, "setting": " · ".join([c.cache, f"compile {c.compile}"]
-                                                                 + ([",".join(c.flags)] if c.flags else [])),
+        rows = [{"attention": c.attention, "setting": c.setting,
                  "value": (c.error and "error") if c.error else getattr(c, value)} for c in self.cells]
         return pd.DataFrame(rows).pivot(index="setting", columns="attention", values="value")
 
@@ -234,9 +232,8 @@ class _Runner:
         """Replay the step in float64: the reference computation vs the cell's (same cache kind, positions)."""
         lm64 = self.model("eager").reference()
         logic = Replay.CACHED_OMIT if self.cfg.position_ids == "omit" else Replay.CACHED
-        inp64 = PromptInputs(ids=inp.ids.to(lm64.device), mask=inp.mask.to(lm64.device),
-                             positions=inp.positions.to(lm64.device), pad=inp.pad, token_ids=inp.token_ids,
-                             token_texts=inp.token_texts)
+        inp64 = replace(inp, ids=inp.ids.to(lm64.device), mask=inp.mask.to(lm64.device),
+                        positions=inp.positions.to(lm64.device))
         key = (settings.cache, logic, tuple(forced))
         if key not in self.replays:
             ex64 = Executor(lm64, ExecSettings(cache=settings.cache), max_len=inp.total + len(forced) + 1)
@@ -303,7 +300,7 @@ def _one_line(e: BaseException) -> str:
 def run_matrix(spec, prompt_or_cfg: "str | MatrixConfig", dtype="float32", device="auto",
                trust_remote_code: bool = False, progress: Progress | None = None) -> MatrixResult:
     """Run every cell of the matrix (see the module docstring). `spec`: a model spec or a loaded model."""
-    progress = progress or _noop
+    progress = progress or (lambda f, m: None)
     t0 = time.perf_counter()
     cfg = prompt_or_cfg if isinstance(prompt_or_cfg, MatrixConfig) else MatrixConfig(prompt_or_cfg)
     cfg.validate()
@@ -345,13 +342,12 @@ def run_matrix(spec, prompt_or_cfg: "str | MatrixConfig", dtype="float32", devic
 
 
 def sliding_window_config(lm: LoadedModel, max_new_tokens: int | None = None) -> MatrixConfig:
-    """The sliding-window scenario (the torch.compile report): a short left-padded prompt batched with one longer than the sliding window,
-    generating past the window, over attention kinds and dynamic/static caches."""
+    """The sliding-window scenario (the torch.compile report): a short left-padded prompt batched with one longer
+    than the sliding window, generating past the window, over attention kinds and dynamic/static caches."""
     window = getattr(lm.config, "sliding_window", None)
     if not window:
         raise KvvizError(f"{lm.name} has no sliding window; the sliding-window preset (torch.compile report) needs "
-                         f"a model with one "
-                         f"(e.g. tiny:mistral, tiny:gemma2)")
+                         f"a model with one (e.g. tiny:mistral, tiny:gemma2)")
     long_prompt = WINDOW_LONG_PROMPT
     while len(encode(lm, long_prompt)) <= window:
         long_prompt += " " + WINDOW_LONG_PROMPT

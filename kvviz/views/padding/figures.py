@@ -31,16 +31,17 @@ def padding_grid(res, value: str = "hidden_relative") -> go.Figure:
              [0.67, VERDICT_COLORS["logic"]], [1, VERDICT_COLORS["logic"]]]
     fig = go.Figure(go.Heatmap(z=z, x=cols, y=rows, text=text, texttemplate="%{text}", zmin=0, zmax=2,
                                colorscale=scale, showscale=False, hoverinfo="text", xgap=3, ygap=3))
-    fig.update_layout(title=f"Relative gap vs the prompt alone without cache — {res.settings.dtype} on "
-                            f"{res.settings.device}", height=140 + 80 * len(rows), margin=dict(l=90, r=10, t=60, b=10))
+    return _framed(fig, f"Relative gap vs the prompt alone without cache — {res.settings.dtype} on "
+                        f"{res.settings.device}", rows, cols)
+
+
+def _framed(fig: go.Figure, title: str, rows: list[str], cols: list[str], **layout) -> go.Figure:
+    """A grid's frame: placements top down, scenario names on two lines ("cache,<br>positions omitted") so
+    neighbouring columns do not overlap."""
+    fig.update_layout(title=title, height=140 + 80 * len(rows), margin=dict(l=90, r=10, t=60, b=10), **layout)
     fig.update_yaxes(autorange="reversed")
-    _two_line_columns(fig, cols)
-    return fit_text(fig)
-
-
-def _two_line_columns(fig: go.Figure, cols: list[str]) -> None:
-    """Scenario names on two lines ("cache,<br>positions omitted") so neighbouring columns do not overlap."""
     fig.update_xaxes(tickmode="array", tickvals=cols, ticktext=[c.replace(", ", ",<br>") for c in cols])
+    return fit_text(fig)
 
 
 def ab_padding_grids(res_a, res_b, label_a: str, label_b: str, value: str = "hidden_relative"
@@ -51,8 +52,7 @@ def ab_padding_grids(res_a, res_b, label_a: str, label_b: str, value: str = "hid
 
     rows = [p for p in res_a.placements if p in res_b.placements]
     cols = [s[0] for s in SCENARIOS]
-    za = np.array([[res_a.grid(value).loc[p, c] for c in cols] for p in rows], dtype=float)
-    zb = np.array([[res_b.grid(value).loc[p, c] for c in cols] for p in rows], dtype=float)
+    za, zb = (r.grid(value).loc[rows, cols].to_numpy(dtype=float) for r in (res_a, res_b))
     zrange = shared_range(za, zb, True)
 
     def grid(z, res, title, verdicts=True):
@@ -64,11 +64,7 @@ def ab_padding_grids(res_a, res_b, label_a: str, label_b: str, value: str = "hid
                                    textfont=dict(size=13), colorscale="Viridis", xgap=3, ygap=3,
                                    colorbar=dict(title="log₁₀ gap"),
                                    **({} if zrange is None or not verdicts else dict(zmin=zrange[0], zmax=zrange[1]))))
-        fig.update_layout(title=title, height=140 + 80 * len(rows), margin=dict(l=90, r=10, t=60, b=10),
-                          plot_bgcolor=ZERO_COLOUR)
-        fig.update_yaxes(autorange="reversed")
-        _two_line_columns(fig, cols)
-        return fit_text(fig)
+        return _framed(fig, title, rows, cols, plot_bgcolor=ZERO_COLOUR)
 
     return (grid(za, res_a, f"A — {label_a}"), grid(zb, res_b, f"B — {label_b}"),
             grid(np.abs(zb - za), res_a, "|B − A| of the relative gap", verdicts=False))

@@ -4,7 +4,7 @@ from __future__ import annotations
 from ...core.errors import KvvizError
 from ...io.repro import header, plain_head, require_plain
 from ...core.inputs import encode
-from .run import PLACEMENTS, SCENARIOS, companion_ids
+from .run import SCENARIOS, companion_ids
 
 TEMPLATE = '''
 DTYPE = torch.{dtype}
@@ -52,8 +52,7 @@ print("max |Δ logits| = " + repr(worst))
 '''
 
 
-def check(result) -> None:
-    require_plain(result)
+check = require_plain  # a plain run is all its script needs
 
 
 def script(result, lm, name: str) -> str:
@@ -64,9 +63,7 @@ def script(result, lm, name: str) -> str:
         raise KvvizError("this padding result used other batch companions than kvviz's default ones")
     title = f"padding and batching of {s.model}, {s.dtype} on {s.device}"
     body = TEMPLATE.format(dtype=s.dtype, ids=ids, prompt=s.prompt, companions=comps, split=s.split,
-                           left_pad=s.left_pad, placements=tuple(p for p in PLACEMENTS
-                                                                 if p != "left-padded" or s.left_pad > 0),
-                           scenarios=SCENARIOS)
+                           left_pad=s.left_pad, placements=tuple(result.placements), scenarios=SCENARIOS)
     return header(title, **plain_head(result, lm, name)) + body
 
 

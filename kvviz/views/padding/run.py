@@ -40,8 +40,14 @@ DEFAULT_COMPANIONS = (
 )
 
 
-def _noop(f: float, m: str) -> None:
-    pass
+def _placements(left_pad: int) -> list[str]:
+    """The placements that apply: no "left-padded" row when the padding is 0 (it would be "alone" again)."""
+    return [p for p in PLACEMENTS if p != "left-padded" or left_pad > 0]
+
+
+def _check_left_pad(left_pad) -> None:
+    if isinstance(left_pad, bool) or not isinstance(left_pad, int) or left_pad < 0:
+        raise KvvizError(f"left padding must be 0 or more, not {left_pad}")
 
 
 @dataclass(frozen=True)
@@ -63,8 +69,7 @@ class PaddingResult:
 
     @property
     def placements(self) -> list[str]:
-        """The placements that apply: no "left-padded" row when the padding is 0 (it would be "alone" again)."""
-        return [p for p in PLACEMENTS if p != "left-padded" or self.settings.left_pad > 0]
+        return _placements(self.settings.left_pad)
 
     def grid(self, field_name: str = "verdict") -> pd.DataFrame:
         df = pd.DataFrame(self.cells)
@@ -125,7 +130,6 @@ def _padding_cells(lm: LoadedModel, settings: ExecSettings, ids: list[int], comp
                    left_pad: int, only: tuple[tuple[str, str], ...] | None = None) -> dict:
     width = max(len(c) for c in companions + [ids]) + left_pad
     ex = Executor(lm, settings, max_len=width)
-    placements = [p for p in PLACEMENTS if p != "left-padded" or left_pad > 0]
     with ex.session():
         held = HeldRows(lambda h: h[0, k:])  # the reference's compared rows, layer by layer as they come
         # float64 computes only the compared positions' logits (as its scenarios do); the run's own dtype keeps the
@@ -135,7 +139,7 @@ def _padding_cells(lm: LoadedModel, settings: ExecSettings, ids: list[int], comp
         ref_l = ref.logits[0, -(len(ids) - k):].clone()
         del ref
         out = {}
-        for placement in placements:
+        for placement in _placements(left_pad):
             rows = [ids] + (companions if placement == "in a batch" else [])
             extra = left_pad if placement == "left-padded" else 0
             for label, use_cache, pm, mm in SCENARIOS:
@@ -185,10 +189,9 @@ def run_padding(lm: LoadedModel, prompt: str, split: int | None = None, left_pad
     never): when a cell is "precision", rerun the grid in invariant mode; each cell's `proved` says whether its gap is exactly 0 there.
     only: the (placement, scenario) cells to run (None: all); the cache-safety card needs one, and a model that
     builds its positions or alibi from the mask (OPT, BLOOM) cannot run the new-only-mask scenarios at all."""
-    progress = progress or _noop
+    progress = progress or (lambda f, m: None)
     settings = (settings or DEFAULT_SETTINGS).validate()
-    if isinstance(left_pad, bool) or not isinstance(left_pad, int) or left_pad < 0:
-        raise KvvizError(f"left padding must be 0 or more, not {left_pad}")
+    _check_left_pad(left_pad)
     ids = encode(lm, prompt)
     k = split_point(len(ids), "half" if split is None else split)
     check_split(len(ids), k if split is None else split)
@@ -241,8 +244,7 @@ class PaddingConfig:
 
     def validate(self) -> "PaddingConfig":
         validate_prompt(self.prompt)
-        if isinstance(self.left_pad, bool) or not isinstance(self.left_pad, int) or self.left_pad < 0:
-            raise KvvizError(f"left padding must be 0 or more, not {self.left_pad}")
+        _check_left_pad(self.left_pad)
         if self.split is not None and (isinstance(self.split, bool) or not isinstance(self.split, int)):
             raise KvvizError(f"the split must be a whole number, not {self.split!r}")
         return self

@@ -33,10 +33,6 @@ REUSE_STRATEGIES = {
 MAX_NEW_TOKENS = 256
 
 
-def _noop(f: float, m: str) -> None:
-    pass
-
-
 @dataclass(frozen=True)
 class ReuseSettings(RunSettings):
     prefix: str = ""
@@ -101,11 +97,6 @@ def _gaps(toks, logits, ref_toks, ref_logits) -> tuple[int | None, float, float]
     return div, float((gap / b.abs().amax(-1)).max()), float(gap.max())
 
 
-def _relative_gap(toks, logits, ref_toks, ref_logits) -> tuple[int | None, float]:
-    div, rel, _ = _gaps(toks, logits, ref_toks, ref_logits)
-    return div, rel
-
-
 def check_inputs(lm: LoadedModel, prefix: str, continuations: list[str], max_new_tokens: int):
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
             or not 1 <= max_new_tokens <= MAX_NEW_TOKENS:
@@ -132,7 +123,7 @@ def run_reuse(lm: LoadedModel, prefix: str, continuations: list[str], max_new_to
     """A shared prefix cached once and reused for several continuations, three ways, against a fresh prefill.
     prove: rerun in invariant mode and mark each way `proved` (bit for bit the fresh run there) - by default when a
     way is "precision". ways: a subset of fresh/deepcopy/reused to run (fresh, the reference, always runs)."""
-    progress = progress or _noop
+    progress = progress or (lambda f, m: None)
     settings = (settings or DEFAULT_SETTINGS).validate()
     conts, prefix_ids, cont_ids = check_inputs(lm, prefix, continuations, max_new_tokens)
     progress(0.1, f"Decoding {len(conts)} continuation(s) three ways…")
@@ -158,11 +149,10 @@ def run_reuse(lm: LoadedModel, prefix: str, continuations: list[str], max_new_to
                                    "float64_relative": None, "verdict": "reference", "proved": None})
                 continue
             div, rel, gap = _gaps(toks, logits, ref_toks, ref_logits)
-            _, rel64 = _relative_gap(*f64[(i, strategy)], *f64[(i, REFERENCE)])
+            _, rel64, _ = _gaps(*f64[(i, strategy)], *f64[(i, REFERENCE)])
             same = div is None and torch.equal(logits, ref_logits)
             runs.append(row | {"first_divergence": div, "logits_relative": rel, "logits_max_abs": gap,
-                               "float64_relative": rel64,
-                               "verdict": classify(same, rel64), "proved": None})
+                               "float64_relative": rel64, "verdict": classify(same, rel64), "proved": None})
     if not settings.invariant and (prove if prove is not None
                                    else any(r["verdict"] == Verdict.PRECISION for r in runs)):
         progress(0.9, "Rerunning in invariant mode for the proof…")

@@ -10,12 +10,18 @@ from .run import SplitResult
 from ...core.plotting import METRIC_TITLES, short, heatmap, shared_range, zero_floor, floor_zeros, thin_x, fit_text
 
 
-def split_heatmap(res: SplitResult, metric: str = "relative", log: bool = True) -> go.Figure:
-    if not res.main.has_cache:
-        raise ValueError("this result has no cached run to draw (the model returned no cache)")
+def _position_labels(metric: str, *results: SplitResult) -> list[str]:
+    """The first result's compared positions as x labels, once every result has a cached run and `metric` is known."""
+    for r in results:
+        if not r.main.has_cache:
+            raise ValueError("this result has no cached run to draw (the model returned no cache)")
     if metric not in HIDDEN_METRICS:
         raise ValueError(f"unknown metric {metric}; choose one of {', '.join(HIDDEN_METRICS)}")
-    labels = [f"{i}: {short(res.tokens[i])}" for i in res.compared]
+    return [f"{i}: {short(results[0].tokens[i])}" for i in results[0].compared]
+
+
+def split_heatmap(res: SplitResult, metric: str = "relative", log: bool = True) -> go.Figure:
+    labels = _position_labels(metric, res)
     title = (f"{METRIC_TITLES[metric]}: cached vs full forward — {res.settings.dtype} on "
              f"{res.settings.device}, split {res.settings.split} ({res.settings.mode})")
     return heatmap(res.main.hidden[metric], labels, res.layer_labels, title, METRIC_TITLES[metric], log)
@@ -25,16 +31,11 @@ def ab_heatmaps(res_a: SplitResult, res_b: SplitResult, label_a: str, label_b: s
                 log: bool = True) -> tuple[go.Figure, go.Figure, go.Figure]:
     """A/B: two split results of the same prompt and split on ONE shared colour scale, and their difference
     |B − A| per layer and position (drawn like any gap map: exact zeros in their own colour)."""
-    for r in (res_a, res_b):
-        if not r.main.has_cache:
-            raise ValueError("this result has no cached run to draw (the model returned no cache)")
-    if metric not in HIDDEN_METRICS:
-        raise ValueError(f"unknown metric {metric}; choose one of {', '.join(HIDDEN_METRICS)}")
+    labels = _position_labels(metric, res_a, res_b)
     za, zb = (np.asarray(r.main.hidden[metric], dtype=float) for r in (res_a, res_b))
     if za.shape != zb.shape or list(res_a.compared) != list(res_b.compared):
         raise ValueError("A and B compare different positions or layers; use the same prompt and split point")
     zrange = shared_range(za, zb, log)
-    labels = [f"{i}: {short(res_a.tokens[i])}" for i in res_a.compared]
     name = METRIC_TITLES[metric]
     fa = heatmap(za, labels, res_a.layer_labels, f"A — {label_a}", name, log, zrange=zrange)
     fb = heatmap(zb, labels, res_a.layer_labels, f"B — {label_b}", name, log, zrange=zrange)
@@ -54,19 +55,13 @@ def layer_lines(res: SplitResult, metric: str = "relative", log: bool = True) ->
     import torch as _torch
 
     eps_run = _torch.finfo(getattr(_torch, res.settings.dtype)).eps
-    series = []
-    for comp, suffix in runs:
-        if not comp.has_cache:
-            continue
-        m = comp.hidden["relative"] / eps_run if metric == "eps_units" else comp.hidden[metric]
-        series.append((m, suffix))
-    positive = [v for m, _ in series for v in np.ravel(m) if v > 0]
-    floor = min(positive) / 10 if positive else 1e-20
+    series = [(c.hidden["relative"] / eps_run if metric == "eps_units" else c.hidden[metric], suffix)
+              for c, suffix in runs if c.has_cache]
+    floor = min([v / 10 for m, _ in series for v in np.ravel(m) if v > 0], default=1e-20)
     for m, suffix in series:
-        dash = "dash" if suffix else None
         for how, values in (("max", m.max(axis=1)), ("mean", m.mean(axis=1))):
             fig.add_trace(go.Scatter(x=x, y=floor_zeros(values, floor) if log else values, mode="lines+markers",
-                                     name=f"{how} over tokens{suffix}", line=dict(dash=dash),
+                                     name=f"{how} over tokens{suffix}", line=dict(dash="dash" if suffix else None),
                                      customdata=values, hovertemplate="%{x}: %{customdata:.4g}<extra></extra>"))
     unit = f" (in {res.settings.dtype}'s ε)" if metric == "eps_units" else ""
     fig.update_layout(title=f"{METRIC_TITLES[metric]}{unit} per layer — {res.settings.dtype} on {res.settings.device}",

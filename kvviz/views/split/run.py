@@ -315,8 +315,6 @@ def _full_forward(ex: Executor, inp: PromptInputs, a0: int, rows: int | None = N
     return ex.forward(inp.ids, inp.mask, inp.positions, logits_to_keep=keep, hidden=hidden)
 
 
-
-
 def _reference_rows(ex: Executor, inp: PromptInputs, a0: int) -> int | None:
     """Rows per chunk of the float64 full forward's logits when all of them would exceed REFERENCE_LOGITS_BYTES
     (None: all at once, as always for the run's own dtype and for small vocabularies)."""
@@ -542,11 +540,8 @@ def run_split(lm: LoadedModel, cfg: SplitConfig, progress: Progress | None = Non
             PHASE_COST["proof"] = proof_s / max(main_s, 1e-3)
         proof = proof_line(verdict, main, inv, settings)
         if verdict == Verdict.PRECISION and not settings.lossy:
-            proved = inv.identical
-            first = None
-            if not proved:
-                first = _bisect_first(lm, cfg, settings.with_(invariant=True, compile="off"))
-            verdict, explanation = verdict_for(cfg, main, f64, proved, inv, first, layers_prefix(lm.model))
+            first = None if inv.identical else _bisect_first(lm, cfg, settings.with_(invariant=True, compile="off"))
+            verdict, explanation = verdict_for(cfg, main, f64, inv.identical, inv, first, layers_prefix(lm.model))
     progress(1.0, "Done")
     return SplitResult(settings=SplitSettings.of(cfg, RunInfo.of(lm, settings)), model=lm.summary(),
                        tokens=inp.token_texts, token_ids=inp.token_ids, compared=list(range(cfg.split, inp.n_tokens)),

@@ -104,9 +104,7 @@ def kv_group_size(lm: LoadedModel) -> int:
 
 def _quantized_factory(backend: str):
     def make(lm: LoadedModel, batch: int, max_len: int):
-        if backend == "fp8":
-            return quantized_cache(lm, backend)
-        return quantized_cache(lm, backend, q_group_size=kv_group_size(lm))
+        return quantized_cache(lm, backend, q_group_size=None if backend == "fp8" else kv_group_size(lm))
     return make
 
 
@@ -183,18 +181,11 @@ class _SharedExclusive:
 _FLAGS_LOCK = _SharedExclusive()
 
 
+@contextlib.contextmanager
 def _flags_context(settings: ExecSettings, lm: LoadedModel):
     exclusive = bool(settings.flags)
-
-    @contextlib.contextmanager
-    def run():
-        with _FLAGS_LOCK.hold(exclusive):
-            if exclusive:
-                with precision_flags(settings.flags):
-                    yield
-            else:
-                yield
-    return run()
+    with _FLAGS_LOCK.hold(exclusive), (precision_flags(settings.flags) if exclusive else contextlib.nullcontext()):
+        yield
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -254,9 +245,8 @@ def register() -> None:
     register_cache_kind(CacheKind.STATIC, _static)
     register_cache_kind(CacheKind.OFFLOADED, _offloaded)
     register_cache_kind(CacheKind.OFFLOADED_STATIC, _offloaded_static)
-    register_cache_kind(CacheKind.QUANTIZED, _quantized_factory("fp8"))
-    for kind, backend in ((CacheKind.QUANTIZED_FP8, "fp8"), (CacheKind.QUANTIZED_QUANTO, "quanto"),
-                          (CacheKind.QUANTIZED_HQQ, "hqq")):
+    for kind, backend in ((CacheKind.QUANTIZED, "fp8"), (CacheKind.QUANTIZED_FP8, "fp8"),
+                          (CacheKind.QUANTIZED_QUANTO, "quanto"), (CacheKind.QUANTIZED_HQQ, "hqq")):
         register_cache_kind(kind, _quantized_factory(backend))
     register_settings_check(check_flags)
     register_run_context(_flags_context)

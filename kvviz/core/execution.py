@@ -51,11 +51,9 @@ class CacheKind(StrEnum):
     @property
     def lossy(self) -> bool:
         """A quantized cache changes the numbers by design: its gaps are "lossy", not precision or logic."""
-        return self in _LOSSY_CACHES
+        return self.value.startswith("quantized")
 
 
-_LOSSY_CACHES = frozenset({CacheKind.QUANTIZED, CacheKind.QUANTIZED_FP8, CacheKind.QUANTIZED_QUANTO,
-                           CacheKind.QUANTIZED_HQQ})
 DEFAULT_CACHE = CacheKind.DYNAMIC
 COMPILE_OFF = "off"
 
@@ -342,13 +340,13 @@ class Executor:
         rows [B, 1, H], so a no-cache step never holds every layer × every position."""
         from .streaming import HeldRows
 
+        plain = self._caller(fresh_cache)
+
         def call(ids, mask, positions, past, use_cache=True, hidden=True):
             if hidden is not True:
-                return self.forward(ids, mask, positions, past, use_cache=use_cache, hidden=hidden,
-                                    fresh_cache=fresh_cache)
+                return plain(ids, mask, positions, past, use_cache, hidden)
             rows = HeldRows(lambda h: h[:, -1:])
-            out = self.forward(ids, mask, positions, past, use_cache=use_cache, hidden=rows,
-                               fresh_cache=fresh_cache)
+            out = plain(ids, mask, positions, past, use_cache, rows)
             out["hidden_states"] = tuple(rows.layers)
             return out
         return call

@@ -85,6 +85,13 @@ def test_a_view_without_a_memory_profile_is_refused():
     assert "nameless" not in views.names()
 
 
+def test_a_view_that_declares_it_proves_is_refused(scratch_registry):
+    with pytest.raises(KvvizError, match=r"declares MemoryProfile\(proves=True\): whether its run proves is derived"):
+        views.register(views.View("declared", "Declared", "DeclaredResult", "report:reopen",
+                                  memory=views.MemoryProfile(proves=True), config="run:C", run="run:run"))
+    assert "declared" not in views._VIEWS
+
+
 def test_a_view_without_a_config_and_run_is_refused(scratch_registry):
     with pytest.raises(KvvizError, match="names no config class and run"):
         views.register(views.View("runless", "Runless", "RunlessResult", "report:reopen",
@@ -95,8 +102,10 @@ def test_a_view_without_a_config_and_run_is_refused(scratch_registry):
 def test_every_view_has_its_facts_in_its_entry():
     for v in views.all_views():
         assert isinstance(v.memory, views.MemoryProfile), v.name
-        # the plan counts the proof's kernel probes for exactly the views whose run proves (does not refuse it)
-        assert v.memory.proves == (v.memory.reference and "prove" not in v.refusals()), v.name
+        # the plan counts the proof's kernel probes for exactly the views whose run proves (does not refuse it):
+        # derived from the entry, never declared in it
+        assert not v.memory.proves, v.name
+        assert views.memory_profile(v.name).proves == (v.memory.reference and "prove" not in v.refusals()), v.name
         if v.page:
             assert (ROOT / "pages" / f"{v.page.stem}.py").is_file(), v.name
             assert views.for_page(v.page.stem) is v
@@ -104,6 +113,8 @@ def test_every_view_has_its_facts_in_its_entry():
             assert views.for_run(run) is v and views.for_run(run + "_ab") is v
         if v.command:
             assert views.for_command(v.command) is v
+    proving = {v.name for v in views.all_views() if views.memory_profile(v.name).proves}
+    assert proving == {"split", "greedy", "dtypes", "padding", "reuse", "serving"}
     prefixes = views.page_prefixes()
     assert len(set(prefixes.values())) == len(prefixes)  # one prefix a page
     assert not any(a != b and a.startswith(b) for a in prefixes.values() for b in prefixes.values())

@@ -505,8 +505,9 @@ class MemoryProfile:
     past_window: bool = False  # runs past the model's sliding window (at least 2 windows + 4 tokens, 64)
     weight_copies: bool = False  # quantizing weights deep-copies the model first
     many_prompts: bool = False  # runs a set of prompts (fewer prompts is a way to fit)
-    # proves a precision verdict by rerunning in invariant mode (its registry entry does not refuse "prove"; a test
-    # checks the two agree): the first invariant-mode forward probes the kernels (invariant_probe_bytes)
+    # proves a precision verdict by rerunning in invariant mode, whose first forward probes the kernels
+    # (invariant_probe_bytes): never declared, derived by the registry (kvviz.views.memory_profile) from the view's
+    # float64 reference and its run's refusals (a view that runs the reference and does not refuse "prove")
     proves: bool = False
     # decodes token by token (kvviz.core.loops.decode): one forward's logits (every position's) at a time, each step's
     # last row kept; `decoded_runs` runs' rows are kept at once (greedy: its default paths, or the paths a run names;

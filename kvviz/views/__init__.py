@@ -49,7 +49,7 @@ the meeting and the app's navigation and state iterate this registry; nothing co
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from ..core.errors import KvvizError
@@ -181,6 +181,9 @@ def register(view: View, package: str = "") -> View:
     if not isinstance(view.memory, MemoryProfile):
         raise KvvizError(f"view {view.name!r} has no memory profile (View(memory=MemoryProfile(...))): kvviz would "
                          "not know what its runs hold")
+    if view.memory.proves:
+        raise KvvizError(f"view {view.name!r} declares MemoryProfile(proves=True): whether its run proves is derived "
+                         "from its entry (the float64 reference, and `refuses` without 'prove')")
     if not (view.config and view.run):
         raise KvvizError(f"view {view.name!r} names no config class and run (View(config='run:<Config>', "
                          "run='run:run')): every view runs through one protocol (kvviz.core.protocol)")
@@ -263,8 +266,10 @@ def get(name: str) -> View:
 
 
 def memory_profile(name: str) -> MemoryProfile:
-    """The memory plan's profile of a view (kvviz.core.memory.profile looks views up through this)."""
-    return get(name).memory
+    """The memory plan's profile of a view (kvviz.core.memory.profile looks views up through this), with `proves`
+    derived from its entry: it runs the float64 reference and its run does not refuse "prove"."""
+    v = get(name)
+    return replace(v.memory, proves=v.memory.reference and "prove" not in v.refusals())
 
 
 def all_views() -> tuple[View, ...]:

@@ -12,4 +12,4 @@ VIEW = View("dtypes", "Dtypes side by side", "DtypesResult", "report:reopen", "f
                       defaults={"prompt": CAPITALS, "dtypes": ("float32", "float16", "bfloat16")},
                       url_aliases=("dtypes_lab",)),
             config="run:DtypesConfig", run="run:run",
-            memory=MemoryProfile(forwards=2, many_prompts=True, proves=True), scenario="scenario:setup")
+            memory=MemoryProfile(forwards=2, many_prompts=True), scenario="scenario:setup")

@@ -11,5 +11,5 @@ VIEW = View("greedy", "Greedy paths", "GreedyResult", "report:reopen", "figures:
             page=Page("greedy", "Investigate", ":material/call_split:",
                       defaults={"prompt": "This is a ", "n": 12}, url_aliases=("greedy_paths",)),
             config="run:GreedyConfig", run="run:run",
-            memory=MemoryProfile(decoded_runs=len(DEFAULT_PATHS), reference_decodes_with="float64", cache_copies=1, proves=True),
+            memory=MemoryProfile(decoded_runs=len(DEFAULT_PATHS), reference_decodes_with="float64", cache_copies=1),
             scenario="scenario:setup")

@@ -13,4 +13,4 @@ VIEW = View("padding", "Padding and batching", "PaddingResult", "report:reopen",
                       defaults={"prompt": CAPITALS, "left_pad": 4, "prove": False}, url_aliases=("padding_lab",)),
             config="run:PaddingConfig", run="run:run",
             memory=MemoryProfile(batch=1 + len(DEFAULT_COMPANIONS), batch_texts=DEFAULT_COMPANIONS,
-                                 compared_after_split=True, proves=True))
+                                 compared_after_split=True))

@@ -12,4 +12,4 @@ VIEW = View("reuse", "Prompt-cache reuse", "ReuseResult", "report:reopen", None,
                       "continuations": ["Q: What is the capital of France?\nA:", "Q: What colour is the sky?\nA:"],
                       "n": 8, "prove": False}, url_aliases=("cache_reuse",)),
             config="run:ReuseConfig", run="run:run",
-            memory=MemoryProfile(decoded_runs=len(REUSE_STRATEGIES), cache_copies=3, proves=True))
+            memory=MemoryProfile(decoded_runs=len(REUSE_STRATEGIES), cache_copies=3))

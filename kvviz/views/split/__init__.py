@@ -12,4 +12,4 @@ VIEW = View("split", "Split point", "SplitResult", "report:reopen", "figures:mai
             page=Page("split", "Investigate", ":material/content_cut:",
                       defaults={"prompt": CAPITALS}, url_aliases=("split_point",)),
             config="run:SplitConfig", run="run:run",
-            memory=MemoryProfile(forwards=2, compared_after_split=True, proves=True), scenario="scenario:setup")
+            memory=MemoryProfile(forwards=2, compared_after_split=True), scenario="scenario:setup")

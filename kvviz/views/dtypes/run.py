@@ -95,11 +95,7 @@ def _models(source, names: list[str], device, attn, trust_remote_code) -> dict[s
     else:
         first = next((d for d in names if d != "float64"), "float64")
         base = loading.load_model(source, first, device, attn, trust_remote_code=trust_remote_code)
-    models = {"float64": base.reference()}
-    for d in names:
-        if d != "float64":
-            models[d] = base.twin(d)
-    return models
+    return {"float64": base.reference()} | {d: base.twin(d) for d in names if d != "float64"}
 
 
 class _Collector:

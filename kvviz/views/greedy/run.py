@@ -276,11 +276,6 @@ def _cache(ex: Executor, inp: PromptInputs, n: int, rec: StepRecorder, positions
               forced=forced, on_step=_record(rec))
 
 
-def _user_loop(ex: Executor, inp: PromptInputs, n: int, rec: StepRecorder, forced: list[int] | None = None) -> None:
-    """The cached loop as people write it: the prompt with its mask, then only the new token (no mask, no position ids)."""
-    ex.decode(inp.ids, inp.mask, n, policy=StepPolicy.USER_LOOP, forced=forced, on_step=_record(rec))
-
-
 def _generate(ex: Executor, inp: PromptInputs, n: int, rec: StepRecorder) -> None:
     out = ex.generate(inp.ids, inp.mask, n, pad_token_id(ex.lm.tokenizer))
     rec.forwards = len(out.logits)
@@ -434,8 +429,8 @@ def _run_path(name: str, ex: Executor, inp: PromptInputs, steps: int, rec: StepR
             _cache(ex, inp, steps, rec, cfg.position_ids)
         elif name == GreedyPath.GENERATE:
             _generate(ex, inp, steps, rec)
-        else:
-            _user_loop(ex, inp, steps, rec)
+        else:  # the user loop: the prompt with its mask, then only the new token (no mask, no position ids)
+            ex.decode(inp.ids, inp.mask, steps, policy=StepPolicy.USER_LOOP, on_step=_record(rec))
     return rec.done()
 
 

@@ -293,10 +293,6 @@ def _run_cell(runner: _Runner, cell: Cell, ref: tuple, n: int, progress: Callabl
         cell.verdict = classify(False, cell.float64_gap)
 
 
-def _one_line(e: BaseException) -> str:
-    return first_line(e) if isinstance(e, KvvizError) else first_line(e, 300, typed=True)
-
-
 def run_matrix(spec, prompt_or_cfg: "str | MatrixConfig", dtype="float32", device="auto",
                trust_remote_code: bool = False, progress: Progress | None = None) -> MatrixResult:
     """Run every cell of the matrix (see the module docstring). `spec`: a model spec or a loaded model."""
@@ -323,7 +319,8 @@ def run_matrix(spec, prompt_or_cfg: "str | MatrixConfig", dtype="float32", devic
                 from ...core.errors import free_memory
 
                 free_memory(e)
-            cell.error, cell.verdict = _one_line(e), None
+            cell.error = first_line(e) if isinstance(e, KvvizError) else first_line(e, 300, typed=True)
+            cell.verdict = None
     progress(1.0, "Done")
     lm = runner.model("eager")
     ref_toks, ref_logits, inp, toks64, _ = ref

@@ -177,7 +177,7 @@ def app_server():
 # order; a test missing here is estimated by its markers).
 KNOWN_SLOW_S = {
     "tests/test_engine_layers.py::test_vllm_batch_vs_alone_and_tensor_parallel_3_float32": 140,
-    "tests/test_engine_layers.py::test_vllm_warm_vs_cold_bfloat16_parts": 40,
+    "tests/test_engine_layers.py::test_vllm_warm_vs_cold_bfloat16_layer_by_layer": 40,
     "tests/test_no_silent_waits.py::test_the_compiled_kernel_built_with_a_limit": 95,
     "tests/test_no_silent_waits.py::test_with_the_compiled_kernel_a_stale_lock": 31,
     "tests/test_no_silent_waits.py::test_a_build_killed_midway": 26,

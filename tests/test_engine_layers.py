@@ -263,11 +263,13 @@ needs_vllm = needs_engine("vllm")
 
 @pytest.mark.slow
 @needs_vllm
-def test_vllm_warm_vs_cold_bfloat16_parts_and_is_precision_layer_by_layer():
-    """vLLM #40896 on this CPU, inside the engine: in bfloat16 the warm prefix (32 tokens from the cache) and the
-    cold prompt part at generated step 8 on this prompt; their hidden states first differ at a named layer, and
-    both stay within rounding of the float64 reference at every layer (a wrong row-to-request mapping or a
-    misread residual would put a side O(1) away from it)."""
+def test_vllm_warm_vs_cold_bfloat16_layer_by_layer_within_rounding():
+    """vLLM #40896 inside the engine: in bfloat16 the warm prefix (32 tokens from the cache) and the cold prompt,
+    compared layer by layer, and both within rounding of the float64 reference at every layer (a wrong
+    row-to-request mapping or a misread residual would put a side O(1) away from it).
+    Whether they differ at all depends on the CPU's bfloat16 kernels: on the Intel Xeon with AMX their states differ
+    and their tokens part at step 8; on an AMD EPYC with avx512_bf16 the warm prefix gives the cold run's bits at
+    every layer (identical). The verdict and explanation say which; the float64 bound holds on both."""
     import kvviz
     from kvviz.io.export import export_json, open_result
     from kvviz.views.engine_layers import EngineLayersConfig, run_engine_layers
@@ -279,19 +281,24 @@ def test_vllm_warm_vs_cold_bfloat16_parts_and_is_precision_layer_by_layer():
     assert res.b.cached_tokens == 32 and res.a.cached_tokens == 0
     n = res.prompt_len
     assert res.a.positions == list(range(n + 9)) and res.b.positions == list(range(32, n + 9))
-    assert res.first_divergence == 8
-    assert res.positions == list(range(32, n + 8))  # both computed, the same inputs
-    assert res.first_differing is not None and res.first_differing > 0  # the embeddings are a lookup: equal
-    assert float(res.gaps["max_abs"][0].max()) == 0
+    fd = res.first_divergence
+    assert fd is None or 0 < fd < 10
+    assert res.positions == list(range(32, n + (9 if fd is None else fd)))  # both computed, the same inputs
+    assert float(res.gaps["max_abs"][0].max()) == 0  # the embeddings are a lookup: equal
     for side in (res.a, res.b):
         assert side.first_logic is None
         worst = side.reference["relative"].max(axis=1)
         assert (worst <= np.asarray(res.bound)).all()
         assert 0 < float(worst.max()) < 0.2  # bfloat16 rounding, not a misplaced row
-    assert res.verdict == "precision" and "part at generated step 8" in res.explanation
-    assert res.row_label(res.first_differing) in res.explanation
+    assert (f"part at generated step {fd}" if fd is not None else "chose the same 10 tokens") in res.explanation
+    if res.first_differing is None:  # this CPU's kernels: the cached prefix gives the same bits
+        assert fd is None and res.verdict == "identical", (fd, res.verdict)
+        assert "bit for bit equal at every layer" in res.explanation
+    else:
+        assert res.first_differing > 0 and res.verdict == "precision"
+        assert res.row_label(res.first_differing) in res.explanation
     back = open_result(export_json(res)).result
-    assert back.first_differing == res.first_differing and back.verdict == "precision"
+    assert back.first_differing == res.first_differing and back.verdict == res.verdict
 
 
 @pytest.mark.slow

@@ -585,7 +585,7 @@ def test_the_serving_plan_counts_the_proofs_kernel_probes_by_the_largest_weights
     from kvviz.core import invariant
 
     assert memory.PROBE_SLAB is invariant.PROBE_SLAB  # one constant (kvviz.core.float64), built by and planned by
-    assert probe == 28311552 * 2 + 768 * 49152 * 2 + 16 * 2 ** 20 + 64 * 2 ** 20 and plan.activations >= probe
+    assert probe == 28311552 * 2 + 768 * 49152 * 2 + 16 * 2 ** 20 + 112 * 2 ** 20 and plan.activations >= probe
     # where the probe is the largest phase (a 262144-token vocabulary, as Gemma 3's) it is dropped where no proof ran
     big = dataclasses.replace(SMOLLM2, vocab=262144, largest=262144 * 576)
     big_probe = memory.invariant_probe_bytes(big, 2)

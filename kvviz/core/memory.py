@@ -836,8 +836,10 @@ def paged_call_bytes(shape: ModelShape, width: int, longest: int, requests: int,
 # the weight's shape and dtype (its float64 values built PROBE_SLAB numbers at a time: two float64 slabs), the probe's
 # rows (up to 256) times it held about three times over, and what the BLAS and the allocator keep around those first
 # calls (PROBE_FIXED). The largest weight (the head) sets the transient (measured by shape: tests/test_memory_views.py).
+# PROBE_FIXED: 131-171 MiB measured on a 16384 x 512 head (160 MiB planned at 64 MiB) over 12 processes on an AMD EPYC,
+# 168 MiB in CI: 112 MiB keeps every one under the plan.
 PROBE_ROWS = 3 * 256
-PROBE_FIXED = 64 * 1024 ** 2
+PROBE_FIXED = 112 * 1024 ** 2
 
 
 def invariant_probe_bytes(shape: ModelShape, width: int) -> int:

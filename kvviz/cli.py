@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from .io.clirun import FlagRefused, Outcome, PlanShown, view_arguments
+from .io.clirun import FlagRefused, Outcome, PlanShown, ctrl_c_stops, view_arguments
 from .core.errors import OUT_OF_MEMORY_HINT, KvvizError, first_line, free_memory, is_out_of_memory
 
 
@@ -188,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     if range_warning() is not None:
         print(range_warning(), file=sys.stderr)
     try:
-        return _run(args)
+        with ctrl_c_stops():
+            return _run(args)
     except PlanShown:
         return 0
     except FlagRefused as e:  # a flag the subcommand cannot honour: exit 2, like any other argument error

@@ -81,16 +81,22 @@ def check_context(lm, ids: list[int], left_pad: int = 0, extra_tokens: int = 0) 
                          f"{total}, longer than the model's context of {limit} tokens")
 
 
+def left_pad_rows(lm, rows: list[list[int]], extra_pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of token ids left-padded to one width (the longest row + `extra_pad`): ids and attention mask."""
+    width = max(len(r) for r in rows) + extra_pad
+    pid = pad_token_id(lm.tokenizer)
+    ids = torch.tensor([[pid] * (width - len(r)) + r for r in rows], dtype=torch.long, device=lm.device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long, device=lm.device)
+    return ids, mask
+
+
 def build_inputs(lm, prompt: str, left_pad: int = 0, extra_tokens: int = 0) -> PromptInputs:
     """Tokenize, left-pad with `left_pad` pad tokens, and check that pad + prompt (+ tokens to come) fits."""
     if not isinstance(left_pad, int) or left_pad < 0:
         raise KvvizError(f"left padding must be 0 or more, not {left_pad}")
     ids = encode(lm, prompt)
     check_context(lm, ids, left_pad, extra_tokens)
-    pid = pad_token_id(lm.tokenizer)
-    dev = lm.device
-    full = torch.tensor([[pid] * left_pad + ids], dtype=torch.long, device=dev)
-    mask = torch.tensor([[0] * left_pad + [1] * len(ids)], dtype=torch.long, device=dev)
+    full, mask = left_pad_rows(lm, [ids], left_pad)
     return PromptInputs(ids=full, mask=mask, positions=positions_from_mask(mask), pad=left_pad, token_ids=ids,
                         token_texts=token_texts(lm.tokenizer, ids))
 

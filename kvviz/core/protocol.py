@@ -27,6 +27,10 @@ from .verdict import Prove
 Progress = Callable[[float, str], None]
 
 
+def no_progress(fraction: float, text: str = "") -> None:
+    """The progress callback of a run nobody watches."""
+
+
 @dataclass(frozen=True)
 class RunContext:
     settings: ExecSettings = DEFAULT_SETTINGS

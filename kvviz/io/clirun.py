@@ -7,10 +7,13 @@ does that for all of them (flags a subcommand cannot honour refused, --json-out/
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import signal
 import sys
+import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 from .. import views
 from ..core import memory
@@ -37,13 +40,38 @@ class PlanShown(Exception):
     """--plan: the memory plan was printed; nothing is loaded or run."""
 
 
+# Set by Ctrl-C (ctrl_c_stops) before its KeyboardInterrupt: a KeyboardInterrupt that lands in a finalizer (a
+# `__del__`, a garbage-collection callback, where Python prints "Exception ignored" and goes on) is raised again at
+# the run's next progress report.
+_INTERRUPTED = threading.Event()
+
+
+@contextlib.contextmanager
+def ctrl_c_stops() -> Iterator[None]:
+    """Around a CLI run in the main thread: Ctrl-C raises KeyboardInterrupt and marks the run interrupted."""
+    def interrupt(signum, frame):
+        _INTERRUPTED.set()
+        signal.default_int_handler(signum, frame)
+
+    try:
+        old = signal.signal(signal.SIGINT, interrupt)
+    except ValueError:  # not the main thread: Ctrl-C as Python handles it
+        old = None
+    _INTERRUPTED.clear()
+    try:
+        yield
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGINT, old)
+
+
 def progress_to_stderr(quiet: bool):
-    if quiet:
-        return None
     last = {"msg": None}
 
     def report(frac: float, msg: str) -> None:
-        if msg != last["msg"]:
+        if _INTERRUPTED.is_set():
+            raise KeyboardInterrupt
+        if not quiet and msg != last["msg"]:
             last["msg"] = msg
             print(f"[{frac * 100:3.0f}%] {msg}", file=sys.stderr, flush=True)
 

@@ -22,7 +22,7 @@ from ...core.errors import KvvizError
 from ...core.inputs import Workload
 from ...core.execution import Settings
 from ...models.loading import LoadedModel
-from ...core.protocol import DEFAULT_CONTEXT, RunContext
+from ...core.protocol import DEFAULT_CONTEXT, no_progress, RunContext
 from ... import views
 from ...core.verdict import Verdict, classify
 
@@ -154,7 +154,7 @@ def run_check(lm: LoadedModel, progress=None, weights: str = "none", kv: str = "
     """The cache-safety card of `lm`'s model (its float64 twin runs the checks). weights / kv: check the model
     with quantized weights (int8, int4) and/or a quantized KV cache (see kvviz.views.quant.run): the card is then at best
     `lossy`, with the measured loss."""
-    progress = progress or (lambda f, m: None)
+    progress = progress or no_progress
     quantized = (weights or "none") != "none" or (kv or "none") != "none"
     if quantized:  # names, packages, devices, dtypes and a cache the model refuses: all fail before the battery
         views.get("quant").config_type()(prompt, kv=kv or "none", weights=weights or "none").check_feasible(lm)

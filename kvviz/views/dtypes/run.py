@@ -18,7 +18,7 @@ from ...core.execution import DEFAULT_SETTINGS, ExecSettings, RunSettings
 from ...core.inputs import MODES, check_mode, encode, split_point, validate_prompt  # noqa: F401 - split_point: repro
 from ...models import loading
 from ...models.loading import LoadedModel, ModelSpec
-from ...core.protocol import DEFAULT_CONTEXT, RunContext
+from ...core.protocol import DEFAULT_CONTEXT, no_progress, RunContext
 from ...core.verdict import Prove
 from ... import views
 from ...core.inputs import SplitConfig, Workload
@@ -123,7 +123,7 @@ def run_dtypes(model: "LoadedModel | ModelSpec | str", prompts: list[str], dtype
     every dtype's verdict evidence. `model`: a loaded model (any dtype: its twins are used; device, attn and
     trust_remote_code are then taken from it) or a spec. prove: each precision verdict also runs in invariant mode
     (default: for a single prompt)."""
-    progress = progress or (lambda f, m: None)
+    progress = progress or no_progress
     settings = (settings or DEFAULT_SETTINGS).validate()
     t0 = time.perf_counter()
     if not prompts:

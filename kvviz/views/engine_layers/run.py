@@ -40,7 +40,7 @@ import torch
 from ...core.errors import KvvizError
 from ...core.memory import Workload
 from ...core.execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo
-from ...core.protocol import DEFAULT_CONTEXT, RunContext
+from ...core.protocol import DEFAULT_CONTEXT, no_progress, RunContext
 from ...core.inputs import check_context, encode
 from ...core.metrics import first_divergence, hidden_divergence
 from ...core.naming import layer_labels
@@ -326,7 +326,7 @@ def run_engine_layers(lm, cfg: EngineLayersConfig, progress: Progress | None = N
     from ...engines.workers import check_vllm_dtype
     from ...core.dtypes import dtype_name
 
-    progress = progress or (lambda f, m: None)
+    progress = progress or no_progress
     settings = (settings or DEFAULT_SETTINGS).validate()
     if settings.invariant:
         raise KvvizError("vLLM's deterministic mode (VLLM_BATCH_INVARIANT=1) needs its CUDA/ROCm kernels; the "

@@ -30,7 +30,7 @@ from ...core.memory import Workload
 from ...core.inputs import POSITION_MODES, PromptInputs, build_inputs, check_mode, pad_token_id, positions_from_mask
 from ...core.execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings, StepPolicy
 from ...models.loading import LoadedModel
-from ...core.protocol import DEFAULT_CONTEXT, RunContext
+from ...core.protocol import DEFAULT_CONTEXT, no_progress, RunContext
 from ...core.metrics import first_divergence, hidden_divergence
 from ...core.text import display_tokens
 from ...core.naming import layer_labels
@@ -531,7 +531,7 @@ def prove_pairs(lm: LoadedModel, cfg: GreedyConfig, settings: ExecSettings, inp:
     if runs is None:  # the paths' tokens (a caller without them: decode once, normally)
         runs = _decode_paths(lm, GreedyConfig(cfg.prompt, cfg.max_new_tokens, cfg.left_pad, cfg.position_ids,
                                               tuple(n for n in _RUN_ORDER if any(n in (p.a, p.b) for p in todo))),
-                             settings, inp, None, lambda f, m: None)
+                             settings, inp, None, no_progress)
     ex = Executor(lm, settings.with_(invariant=True, compile="off"), max_len=inp.total + cfg.max_new_tokens)
     memo: dict = {}
     with ex.session():
@@ -563,7 +563,7 @@ def run_greedy(lm: LoadedModel, cfg: GreedyConfig, progress: Progress | None = N
     compile, flags, invariant mode) - the float64 path and replays use the same settings without compile.
     prove: rerun the same-dtype paths in invariant mode and mark each pair proved or not (default: when a pair
     parts with a precision verdict)."""
-    progress = progress or (lambda f, m: None)
+    progress = progress or no_progress
     settings = (settings or DEFAULT_SETTINGS).validate()
     t_start = time.perf_counter()
     cfg.validate()

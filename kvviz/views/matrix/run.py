@@ -25,10 +25,10 @@ from ...core.memory import Workload
 from ...core.execution import CacheKind, ExecSettings, Executor, Settings, StepPolicy
 from ...core.replay import Replay, replay_step
 from ...core.metrics import first_divergence
-from ...core.inputs import POSITION_MODES, PromptInputs, check_mode, encode, pad_token_id, positions_from_mask
+from ...core.inputs import POSITION_MODES, PromptInputs, check_mode, encode, left_pad_rows, pad_token_id, positions_from_mask
 from ...models import loading
 from ...models.loading import LoadedModel
-from ...core.protocol import DEFAULT_CONTEXT, RunContext
+from ...core.protocol import DEFAULT_CONTEXT, no_progress, RunContext
 from ...core.verdict import Verdict, classify
 from ...core.text import display_text
 
@@ -157,9 +157,7 @@ def _batch(lm: LoadedModel, cfg: MatrixConfig, n: int) -> tuple[PromptInputs, to
     if lm.max_positions is not None and width + n > lm.max_positions:
         raise KvvizError(f"the batch is {width} tokens + {n} new, more than the model's context of "
                          f"{lm.max_positions}")
-    pid = pad_token_id(lm.tokenizer)
-    ids = torch.tensor([[pid] * (width - len(r)) + r for r in rows], device=lm.device)
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=lm.device)
+    ids, mask = left_pad_rows(lm, rows, cfg.left_pad)
     pad0 = width - len(rows[0])
     inp = PromptInputs(ids=ids[:1], mask=mask[:1], positions=positions_from_mask(mask[:1]), pad=pad0,
                        token_ids=rows[0], token_texts=[lm.tokenizer.decode([i]) for i in rows[0]])
@@ -296,7 +294,7 @@ def _run_cell(runner: _Runner, cell: Cell, ref: tuple, n: int, progress: Callabl
 def run_matrix(spec, prompt_or_cfg: "str | MatrixConfig", dtype="float32", device="auto",
                trust_remote_code: bool = False, progress: Progress | None = None) -> MatrixResult:
     """Run every cell of the matrix (see the module docstring). `spec`: a model spec or a loaded model."""
-    progress = progress or (lambda f, m: None)
+    progress = progress or no_progress
     t0 = time.perf_counter()
     cfg = prompt_or_cfg if isinstance(prompt_or_cfg, MatrixConfig) else MatrixConfig(prompt_or_cfg)
     cfg.validate()

@@ -16,10 +16,10 @@ from ...models.compat import output_cache, takes_logits_to_keep
 from ...core.dtypes import machine_eps
 from ...core.errors import KvvizError, first_line
 from ...core.execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings, has_cache
-from ...core.inputs import (Workload, check_split, encode, pad_token_id, positions_from_mask, split_point, token_texts,
+from ...core.inputs import (Workload, check_split, encode, left_pad_rows, positions_from_mask, split_point, token_texts,
                       validate_prompt)
 from ...models.loading import LoadedModel
-from ...core.protocol import DEFAULT_CONTEXT, RunContext
+from ...core.protocol import DEFAULT_CONTEXT, no_progress, RunContext
 from ...core.streaming import HeldRows, LayerGaps
 from ...core.verdict import Prove, Verdict, classify
 
@@ -84,11 +84,8 @@ class PaddingResult:
 
 def _batch(lm: LoadedModel, rows: list[list[int]], target: int, extra_pad: int):
     """Left-pad rows to one length (plus extra_pad for all). Returns ids, mask, auto positions, target's pad."""
-    width = max(len(r) for r in rows) + extra_pad
-    pid = pad_token_id(lm.tokenizer)
-    ids = torch.tensor([[pid] * (width - len(r)) + r for r in rows], device=lm.device)
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=lm.device)
-    return ids, mask, positions_from_mask(mask), width - len(rows[target])
+    ids, mask = left_pad_rows(lm, rows, extra_pad)
+    return ids, mask, positions_from_mask(mask), ids.shape[1] - len(rows[target])
 
 
 def _scenario(ex: Executor, rows, target: int, extra_pad: int, k: int, use_cache: bool, pos_mode: str,
@@ -189,7 +186,7 @@ def run_padding(lm: LoadedModel, prompt: str, split: int | None = None, left_pad
     never): when a cell is "precision", rerun the grid in invariant mode; each cell's `proved` says whether its gap is exactly 0 there.
     only: the (placement, scenario) cells to run (None: all); the cache-safety card needs one, and a model that
     builds its positions or alibi from the mask (OPT, BLOOM) cannot run the new-only-mask scenarios at all."""
-    progress = progress or (lambda f, m: None)
+    progress = progress or no_progress
     settings = (settings or DEFAULT_SETTINGS).validate()
     _check_left_pad(left_pad)
     ids = encode(lm, prompt)

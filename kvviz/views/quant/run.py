@@ -43,7 +43,7 @@ from ...core.errors import KvvizError, first_line
 from ...core.execution import DEFAULT_SETTINGS, Executor, RunInfo, RunSettings, StepPolicy
 from ...core.inputs import PromptInputs, Workload, build_inputs
 from ...models.loading import LoadedModel
-from ...core.protocol import DEFAULT_CONTEXT, RunContext
+from ...core.protocol import DEFAULT_CONTEXT, no_progress, RunContext
 from ...core.metrics import hidden_divergence, logits_divergence
 from ...core.naming import layer_labels
 from ...core.text import display_tokens
@@ -114,7 +114,7 @@ _WEIGHTS_LOCK = threading.Lock()
 def quantize_weights(lm: LoadedModel, scheme: str, progress: Progress | None = None) -> LoadedModel:
     """`lm` with int8 / int4 weight-only quantized linear layers (optimum-quanto), as a new LoadedModel around a deep
     copy; the last two are kept, so a page rerun does not quantize again."""
-    progress = progress or (lambda f, m: None)
+    progress = progress or no_progress
     scheme = (scheme or "none").strip().lower()
     if scheme == "none":
         return lm
@@ -339,7 +339,7 @@ def _decode(ex: Executor, inp: PromptInputs, n: int, cache, forced: list[int] | 
 
 def run_quant(lm: LoadedModel, cfg: QuantConfig, progress: Progress | None = None) -> QuantResult:
     """Quantized (KV cache and/or weights) against the unquantized model with a dynamic cache, on `lm`'s dtype."""
-    progress = progress or (lambda f, m: None)
+    progress = progress or no_progress
     cfg.validate()
     backend, _ = parse_kv(cfg.kv)
     if backend == "quanto" or cfg.weights.strip().lower() in ("int8", "int4"):

@@ -20,7 +20,7 @@ from ...core.execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo,
 from ...core.metrics import first_divergence
 from ...core.inputs import Workload, encode, token_texts
 from ...models.loading import LoadedModel
-from ...core.protocol import DEFAULT_CONTEXT, RunContext
+from ...core.protocol import DEFAULT_CONTEXT, no_progress, RunContext
 from ...core.verdict import Prove, Verdict, classify
 
 Progress = Callable[[float, str], None]
@@ -123,7 +123,7 @@ def run_reuse(lm: LoadedModel, prefix: str, continuations: list[str], max_new_to
     """A shared prefix cached once and reused for several continuations, three ways, against a fresh prefill.
     prove: rerun in invariant mode and mark each way `proved` (bit for bit the fresh run there) - by default when a
     way is "precision". ways: a subset of fresh/deepcopy/reused to run (fresh, the reference, always runs)."""
-    progress = progress or (lambda f, m: None)
+    progress = progress or no_progress
     settings = (settings or DEFAULT_SETTINGS).validate()
     conts, prefix_ids, cont_ids = check_inputs(lm, prefix, continuations, max_new_tokens)
     progress(0.1, f"Decoding {len(conts)} continuation(s) three ways…")

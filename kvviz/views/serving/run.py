@@ -36,7 +36,7 @@ from ...core.execution import COMPILE_OFF, DEFAULT_CACHE, DEFAULT_SETTINGS, Exec
 from ...core.inputs import build_inputs, encode
 from ...core.replay import Replay, no_cache_tokens, replay_step
 from ...models.loading import LoadedModel
-from ...core.protocol import DEFAULT_CONTEXT, RunContext
+from ...core.protocol import DEFAULT_CONTEXT, no_progress, RunContext
 from ...core.verdict import Prove, Verdict, classify
 
 CONDITIONS = ("alone", "batch", "warm")
@@ -351,7 +351,7 @@ def run_serving(lm: LoadedModel, cfg: ServeConfig, progress: Progress | None = N
     """Run the study (see the module docstring). settings: how the model runs (invariant mode included); reference:
     the float64 model for the verdicts (lm.reference() when needed); prove (None or True; False: never): rerun
     parting conditions in invariant mode (not needed when the study already runs in it)."""
-    progress = progress or (lambda f, m: None)
+    progress = progress or no_progress
     settings = (settings or DEFAULT_SETTINGS).validate()
     if settings.compile != COMPILE_OFF or settings.cache != DEFAULT_CACHE:
         raise KvvizError("the Serving view runs the engine's own paged cache without compile; leave the cache kind "

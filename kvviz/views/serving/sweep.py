@@ -26,7 +26,7 @@ from ...core.errors import KvvizError
 from ...engines import ANSWER_LIMIT_S
 from ...core.memory import Workload
 from ...core.inputs import encode
-from ...core.protocol import DEFAULT_CONTEXT, RunContext
+from ...core.protocol import DEFAULT_CONTEXT, no_progress, RunContext
 from .run import WORKER_ENGINES, ServeConfig, ServeResult, _study, check_engine
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32)
@@ -175,7 +175,7 @@ def run_sweep(lm, cfg: SweepConfig, progress=None, settings=None, reference=None
     from ...core import cancel
     from ...core.execution import DEFAULT_SETTINGS
 
-    progress = progress or (lambda f, m: None)
+    progress = progress or no_progress
     cfg.validate()
     settings = (settings or DEFAULT_SETTINGS).validate()
     limit = cfg.cell_limit_s
@@ -227,7 +227,7 @@ def run_sweep(lm, cfg: SweepConfig, progress=None, settings=None, reference=None
             tc = time.perf_counter()
             try:
                 with _cell_limit(limit):
-                    res = _study(lm, scfg, engine, settings, ref, False, lambda f, m: None, tc, memo)
+                    res = _study(lm, scfg, engine, settings, ref, False, no_progress, tc, memo)
             except (KvvizError, _CellLimit) as e:  # this cell only: the engine starts again for the next one
                 why = f"passed the cell limit ({limit:g} s)" if isinstance(e, _CellLimit) else str(e)
                 unfinished.append([c, n, f"{why} after {time.perf_counter() - tc:.0f} s"])

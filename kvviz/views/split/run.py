@@ -24,7 +24,7 @@ from ...core.inputs import MODES, PromptInputs, SplitConfig, build_inputs, cache
 from ...core.text import display_text
 from ...core.execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings, cache_layers, has_cache
 from ...models.loading import LoadedModel
-from ...core.protocol import DEFAULT_CONTEXT, RunContext
+from ...core.protocol import DEFAULT_CONTEXT, no_progress, RunContext
 from ...core.naming import layer_labels
 from ...core.memory import REFERENCE_LOGITS_BYTES, fits_beside  # float64 logits over REFERENCE_LOGITS_BYTES: in chunks
 from ...core.metrics import HIDDEN_METRICS as HIDDEN_METRIC_LABELS
@@ -491,7 +491,7 @@ def run_split(lm: LoadedModel, cfg: SplitConfig, progress: Progress | None = Non
     settings: how the model runs (cache kind, compile, flags, invariant mode); the float64 rerun uses the same
     settings without compile. prove: also run the scenario in invariant mode (default: when the verdict is
     precision), so a precision verdict comes with its proof (the gap is exactly 0 there)."""
-    progress = progress or (lambda f, m: None)
+    progress = progress or no_progress
     settings = (settings or DEFAULT_SETTINGS).validate()
     t0 = time.perf_counter()
     cfg.validate()

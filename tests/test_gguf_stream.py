@@ -2,6 +2,7 @@
 whole-model conversion, loaded by transformers through the index."""
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,7 +12,8 @@ from safetensors.torch import load_file
 
 import kvviz
 from kvviz.models.gguf_stream import INDEX_NAME, NotStreamable, ShardWriter
-from kvviz.models.loading import _convert_whole, _read_gguf_header, clear_cache, convert_gguf, default_gguf_path, tiny_folder
+from kvviz.models.loading import (_convert_whole, clear_cache, convert_gguf, converted_gguf_folder, default_gguf_path,
+                                  tiny_folder)
 
 
 def _read_index(folder):
@@ -68,12 +70,14 @@ def test_sharded_folder_loads_through_the_index(tmp_path):
 
 
 @pytest.mark.slow
-def test_streamed_conversion_equals_whole_model_conversion(tmp_path, monkeypatch):
+def test_streamed_conversion_equals_whole_model_conversion(tmp_path, default_first_load):
     """The default model: every tensor bit for bit, the same config and tokenizer as transformers' conversion."""
-    monkeypatch.setenv("KVVIZ_CACHE", str(tmp_path / "cache"))
     gguf = default_gguf_path()
-    msgs = []
-    new = convert_gguf(gguf, lambda f, m: msgs.append((f, m)))
+    # the default model's first load converted it into an empty cache (once per process: tests/conftest.py), with
+    # convert_gguf's own progress reports and a copy of the tokenizer it read from the GGUF header
+    new = Path(default_first_load.source)
+    assert new.parent.parent == default_first_load.cache and new.name == converted_gguf_folder(gguf).name
+    msgs = default_first_load.conversion
     assert json.loads((new / "kvviz.json").read_text())["conversion"] == "streamed"
     assert not (new / "model.safetensors").exists() and (new / INDEX_NAME).is_file()
     fracs = [f for f, _ in msgs]
@@ -82,7 +86,7 @@ def test_streamed_conversion_equals_whole_model_conversion(tmp_path, monkeypatch
 
     old = tmp_path / "whole"
     old.mkdir()
-    config, tok = _read_gguf_header(gguf)
+    tok = default_first_load.tokenizer  # what _read_gguf_header(gguf) gave (a deep copy, not the object it saved)
     _convert_whole(gguf, old, lambda f, m: None).save_pretrained(old)
     tok.save_pretrained(old)
     want = load_file(str(old / "model.safetensors"))

@@ -8,6 +8,7 @@ a temporary TORCH_EXTENSIONS_DIR (kvviz moves quanto's build directories there),
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -87,10 +88,34 @@ def _kill_a_build_midway(tmp_path) -> Path:
     finally:
         quanto_ext.kill_session(p.pid)  # ninja runs each compiler in a process group of its own
         p.wait(timeout=30)
-    assert quanto_ext.session_members(p.pid) == [] and _working_in(build) == []  # nothing of it compiling on
+    # nothing of it compiling on: its processes, all sent SIGKILL, gone (on a busy machine the kernel may take a
+    # moment to end the last of them, so this looks again for up to 10 s)
+    deadline = time.monotonic() + 10
+    while (quanto_ext.session_members(p.pid) or _working_in(build)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert quanto_ext.session_members(p.pid) == [] and _working_in(build) == []
     assert lock.exists() and not (build / "quanto_cpp.so").exists()
     os.utime(lock, (time.time() - 10, time.time() - 10))  # as a lock left by an earlier session: past the grace
     assert quanto_ext.lock_holders(str(lock)) == []
+    return lock
+
+
+@pytest.fixture(scope="module")
+def killed_build(tmp_path_factory) -> Path:
+    """One real build killed while it held its lock (_kill_a_build_midway), for the tests of this module: the
+    TORCH_EXTENSIONS_DIR it left behind. Each test works on its own copy (`_copy_of`): they change it."""
+    where = tmp_path_factory.mktemp("killed-build")
+    _kill_a_build_midway(where)
+    return where / "torch_extensions"
+
+
+def _copy_of(killed: Path, tmp_path) -> Path:
+    """The killed build's files (its stale lock, its half-written build directory, their times) under `tmp_path`'s
+    TORCH_EXTENSIONS_DIR, as that build left them; the lock, held by nobody, returned."""
+    shutil.copytree(killed, tmp_path / "torch_extensions", symlinks=True)
+    lock = _build_dir(tmp_path) / "lock"
+    assert lock.exists() and not (_build_dir(tmp_path) / "quanto_cpp.so").exists()
+    assert quanto_ext.lock_holders(str(lock)) == [] and _working_in(_build_dir(tmp_path)) == []
     return lock
 
 
@@ -138,10 +163,10 @@ def test_pytorch_unpack_gives_the_bytes_of_quanto_s_kernel():
 
 
 @QUANTO
-def test_a_build_killed_midway_does_not_stop_the_next_quantized_run(tmp_path):
+def test_a_build_killed_midway_does_not_stop_the_next_quantized_run(tmp_path, killed_build):
     """A real build killed while it held its lock; then the library call and `kvviz quant` finish within 60 s
     (kvviz computes quanto's unpack in PyTorch and never waits on that lock)."""
-    lock = _kill_a_build_midway(tmp_path)
+    lock = _copy_of(killed_build, tmp_path)
     env = _env(tmp_path)
     p, took = _timed([sys.executable, "-c", LIBRARY_RUN], env)
     assert p.returncode == 0, p.stderr[-2000:]
@@ -155,11 +180,11 @@ def test_a_build_killed_midway_does_not_stop_the_next_quantized_run(tmp_path):
 
 
 @QUANTO
-def test_with_the_compiled_kernel_a_stale_lock_is_removed_and_a_slow_build_refused_in_one_line(tmp_path):
+def test_with_the_compiled_kernel_a_stale_lock_is_removed_and_a_slow_build_refused_in_one_line(tmp_path, killed_build):
     """KVVIZ_QUANTO_CPP=extension: the lock left by the killed build is removed (nobody holds it), the build runs
     in a child process with a time limit, and past it the child is killed, its lock removed and the run refused in
     one line - the CLI and the library call, each within 60 s."""
-    lock = _kill_a_build_midway(tmp_path)
+    lock = _copy_of(killed_build, tmp_path)
     env = _env(tmp_path, KVVIZ_QUANTO_CPP="extension", KVVIZ_QUANTO_BUILD_TIMEOUT="4")
     p, took = _timed([sys.executable, "-m", "kvviz", "quant", *QUANT_ARGS], env)
     assert p.returncode == 1 and took < LIMIT_S, (p.returncode, took, p.stderr[-2000:])

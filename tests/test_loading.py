@@ -2,6 +2,7 @@
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -205,3 +206,41 @@ def test_safe_defaults_in_config_and_code():
     for path, text in code.items():
         if path.relative_to(ROOT).parts[0] == "kvviz":  # the library folder, whatever the clone's folder is called
             assert not re.search(r"^\s*(import|from) streamlit", text, re.M), path
+
+
+def test_within_a_conversion_a_gguf_is_parsed_once_and_each_name_map_built_once(tmp_path, monkeypatch):
+    """convert_gguf runs inside compat.gguf_read_once: transformers' config, tokenizer and legacy loader, kvviz's
+    stream and its label each open the file with `gguf.GGUFReader` (imported at each call), and transformers builds
+    the tensor-name map once per module; inside the block each file is parsed once and each map built once (the
+    default model's conversion: 74 s -> 22 s under load, bench/gguf_convert_bench.py read-once). Restored on exit,
+    also on error."""
+    gguf = pytest.importorskip("gguf")
+    from kvviz.models import compat
+    from kvviz.models.loading import gguf_quantization
+
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    w.add_file_type(15)
+    w.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    for step in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file, w.close):
+        step()
+    path = tmp_path / "m.gguf"
+    parsed, built = [], []
+    reader_cls, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    monkeypatch.setattr(gguf, "GGUFReader", lambda p, *a, **k: parsed.append(str(p)) or reader_cls(p, *a, **k))
+    monkeypatch.setattr(gguf, "get_tensor_name_map", lambda a, n: built.append((a, n)) or name_map(a, n))
+    before = (gguf.GGUFReader, gguf.get_tensor_name_map)
+    with compat.gguf_read_once():
+        from gguf import GGUFReader, get_tensor_name_map  # as transformers' loader imports them, at each call
+
+        first = gguf.GGUFReader(str(path))
+        assert GGUFReader(path) is first and gguf.GGUFReader(str(tmp_path / "." / "m.gguf")) is first
+        assert gguf_quantization(path) == "Q4_K_M" and parsed == [str(path)]
+        llama = gguf.MODEL_ARCH.LLAMA
+        assert get_tensor_name_map(llama, 2) is gguf.get_tensor_name_map(llama, 2) and len(built) == 1
+        assert get_tensor_name_map(llama, 3) is not get_tensor_name_map(llama, 2) and len(built) == 2
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == before
+    gguf.GGUFReader(str(path))
+    assert len(parsed) == 2  # outside the block: parsed again
+    with pytest.raises(RuntimeError), compat.gguf_read_once():
+        raise RuntimeError("a conversion that fails")
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == before

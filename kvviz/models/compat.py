@@ -11,6 +11,8 @@ Entries:
   (`transformers.utils.output_capturing._active_collector`) and its hooks, installed before kvviz's own
   (`_CAN_RECORD_REGISTRY`, `maybe_install_capturing_hooks`);
 - GGUF/checkpoint conversion mapping (`transformers.conversion_mapping`, `transformers.core_model_loading`);
+- the `gguf` package's `GGUFReader` and `get_tensor_name_map`, which transformers' GGUF loader imports at each call
+  (gguf_read_once: one parse of a file, one name map, for a whole conversion);
 - continuous batching: the manager's generation loop and its batch processor factory;
 - cache layer state: the fields a cache layer holds its keys/values in (`keys`, `values`, `is_initialized`);
 - the attention kernel a loaded model runs (`config._attn_implementation`);
@@ -25,12 +27,15 @@ runs without kvviz (the engines' workers, standalone repro scripts); tests/test_
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import logging
 import os
 import sys
+import threading
 import warnings
+from typing import Iterator
 
 import torch
 import transformers
@@ -398,6 +403,47 @@ def causal_lm_type_names() -> list[str]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+_GGUF_ONCE = threading.Lock()
+
+
+@contextlib.contextmanager
+def gguf_read_once() -> Iterator[None]:
+    """Within the block, `gguf.GGUFReader(path)` parses each file once and `gguf.get_tensor_name_map(arch, n)` builds
+    each map once; restored on exit. A conversion of the default model parsed the file five times (transformers'
+    config and tokenizer each read it, its legacy loader once more, kvviz's stream and label once each: ~1.2 M numpy
+    views of its 49k-token vocabulary every time) and built the name map 397 times (once per module in
+    `get_gguf_hf_weights_map`). Both are read-only once built.
+    One block at a time in a process (the patch is global): another conversion waits, and a stopped run stops
+    waiting (kvviz.core.cancel)."""
+    import gguf
+
+    from ..core import cancel
+
+    with cancel.acquire(_GGUF_ONCE):
+        reader_cls, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+        readers: dict = {}
+        maps: dict = {}
+
+        def reader(path, *args, **kwargs):
+            if args or kwargs:  # another mode than read-only: its own
+                return reader_cls(path, *args, **kwargs)
+            key = os.path.realpath(path)
+            if key not in readers:
+                readers[key] = reader_cls(path)
+            return readers[key]
+
+        def tensor_name_map(arch, n_blocks):
+            if (arch, n_blocks) not in maps:
+                maps[arch, n_blocks] = name_map(arch, n_blocks)
+            return maps[arch, n_blocks]
+
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, tensor_name_map
+        try:
+            yield
+        finally:
+            gguf.GGUFReader, gguf.get_tensor_name_map = reader_cls, name_map
 
 
 def gguf_utils():

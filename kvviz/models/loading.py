@@ -248,6 +248,10 @@ def convert_gguf(path: Path, progress: Progress = _noop) -> Path:
     final = converted_gguf_folder(path)
 
     def write(tmp: Path) -> None:
+        with compat.gguf_read_once():  # one parse of the file for the whole conversion
+            _write(tmp)
+
+    def _write(tmp: Path) -> None:
         from .gguf_stream import NotStreamable, stream_gguf
 
         compat.quiet_transformers()

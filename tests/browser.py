@@ -168,18 +168,57 @@ def browser():
             _release_loop()
 
 
-def wait_idle(page, timeout_s: float = 180) -> None:
-    """Wait until Streamlit has finished running the script (no running indicator, no spinner, no progress)."""
-    deadline = time.time() + timeout_s
-    time.sleep(0.8)
+# Streamlit's own record of the script run: stApp's data-test-script-state is "initial" until the first run, then
+# "running" (or "rerunRequested", "stopRequested") and "notRunning"; it changes as the server's messages arrive. The
+# status widget (the running man) only shows after 500 ms of a run, so it alone cannot tell a short run from none.
+_RUN_STATE_JS = """() => {
+  const app = document.querySelector('[data-testid="stApp"]');
+  return [app ? app.getAttribute('data-test-script-state') : null,
+          app ? app.getAttribute('data-test-connection-state') : null,
+          document.querySelectorAll('[data-testid="stStatusWidget"]').length,
+          document.querySelectorAll('[data-testid="stProgress"]').length,
+          window.__kvvizRunStateChanges || 0]; }"""
+# counts the changes of the run state from now on (a run that starts and ends between two polls is still seen)
+_WATCH_RUN_STATE_JS = """() => {
+  const app = document.querySelector('[data-testid="stApp"]');
+  window.__kvvizRunStateChanges = 0;
+  if (!app) return false;
+  if (window.__kvvizRunStateApp !== app) {
+    window.__kvvizRunStateApp = app;
+    new MutationObserver(() => { window.__kvvizRunStateChanges++; }).observe(
+      app, {attributes: true, attributeFilter: ['data-test-script-state']});
+  }
+  return true; }"""
+IDLE_SETTLE_S = 0.4  # idle this long unbroken: a rerun (st.rerun, a click during a run) stops and restarts at once
+RUN_START_S = 1.2  # after a click: the longest wait for the run it starts to show (the old fixed wait was 0.8 s)
+
+
+def wait_idle(page, timeout_s: float = 180, started: bool = False) -> None:
+    """Wait until Streamlit has finished running the script (its run state "notRunning", connected, no running
+    indicator, no progress bar) and stayed so for IDLE_SETTLE_S.
+
+    started=False (after a click, a typed value, a navigation whose page shows nothing new yet): the run the action
+    starts may not have reached the browser yet, so the page idle as it was does not count until a change of the run
+    state has been seen or RUN_START_S has passed. started=True: the caller waited for something the run it waits on
+    draws (the page's first run after goto, a text only the new run shows), so that run has started."""
+    t0 = time.time()
+    deadline = t0 + timeout_s
+    page.evaluate(_WATCH_RUN_STATE_JS)
+    seen_run = started
+    idle_since, last_changes = None, 0
     while time.time() < deadline:
-        running = page.locator('[data-testid="stStatusWidget"]').count()
-        progress = page.locator('[data-testid="stProgress"]').count()
-        if not running and not progress:
-            time.sleep(0.5)
-            if not page.locator('[data-testid="stStatusWidget"]').count():
-                return
-        time.sleep(0.3)
+        state, conn, status, progress, changes = page.evaluate(_RUN_STATE_JS)
+        now = time.time()
+        idle = state in ("notRunning", "compilationError") and conn == "CONNECTED" and not status and not progress
+        if not idle or changes != last_changes:  # running, or a run came and went since the last poll
+            seen_run = True
+            idle_since = now if idle else None
+        elif idle_since is None:
+            idle_since = now
+        elif now - idle_since >= IDLE_SETTLE_S and (seen_run or now - t0 >= RUN_START_S):
+            return
+        last_changes = changes
+        time.sleep(0.1)
     raise TimeoutError("the app kept running")
 
 
@@ -232,7 +271,8 @@ def open_page(b, url: str, height: int = 1800, ready: str = ".js-plotly-plot", t
     page = b.new_page(viewport={"width": 1400, "height": height})
     page.goto(url)
     page.wait_for_selector(ready, timeout=timeout_ms)
-    wait_idle(page)
+    wait_idle(page, started=True)  # `ready` shows, or the run has not begun ("initial"): not idle
+    figures_drawn(page, titled=False)  # plotly draws after the script
     no_exception(page)
     return page
 
@@ -298,16 +338,44 @@ TEXT_JS = """() => {
   return out; }"""
 
 
-def figures_drawn(page, timeout_s: float = 600) -> int:
-    """The page's figures have drawn their text (plotly draws after Streamlit's script is idle)."""
+# What the figures show, as TEXT_JS measures it: per Streamlit plotly chart, whether plotly has drawn it (and shown it:
+# it stays hidden until its width is known), its size, and each text element with its box.
+_FIGURES_JS = """() => {
+  const sel = 'text.gtitle, .legendtext, .xtitle, .ytitle, .cbtitle text, .annotation-text, .xtick text, ' +
+              '.ytick text, .colorbar .tick text, .cbaxis text, .legend rect.bg, .legendpoints, .legendlines';
+  const r = (b) => [b.left, b.top, b.width, b.height].map(Math.round);
+  const charts = [...document.querySelectorAll('[data-testid="stPlotlyChart"]')].map(c => {
+    const plot = c.querySelector('.js-plotly-plot');
+    const cb = c.getBoundingClientRect();
+    if (cb.width === 0 || cb.height === 0) return ['folded'];  // a figure in a folded expander or another tab
+    if (!plot || !plot.querySelector('.main-svg') || getComputedStyle(plot).visibility === 'hidden') return null;
+    return [r(plot.getBoundingClientRect()),
+            ...[...plot.querySelectorAll(sel)].map(t => [t.textContent, r(t.getBoundingClientRect())])];
+  });
+  return [document.querySelectorAll('.js-plotly-plot text.gtitle').length, JSON.stringify(charts),
+          charts.every(c => c !== null)]; }"""
+
+
+def figures_drawn(page, timeout_s: float = 600, polls: int = 3, every_s: float = 0.25,
+                  titled: bool = True) -> int:
+    """The page's figures have drawn their text (plotly draws after Streamlit's script is idle, a figure once more when
+    its width is known): a figure's title shows (titled=False: a page that may have no figure), every shown chart is
+    drawn, and what they draw (TEXT_JS's elements, their boxes, the figures' sizes) is the same in `polls` polls
+    `every_s` apart. The number of titled figures."""
     deadline = time.time() + timeout_s
+    last, same = None, 0
     while time.time() < deadline:
-        n = page.evaluate("() => document.querySelectorAll('.js-plotly-plot text.gtitle').length")
-        if n:
-            time.sleep(1.5)  # the last figures' legends and annotations
-            return n
-        time.sleep(0.5)
-    raise TimeoutError("no plotly figure drew its title")
+        n, drawn, complete = page.evaluate(_FIGURES_JS)
+        ready = (n or not titled) and complete
+        if ready and drawn == last:
+            same += 1
+            if same >= polls - 1:
+                return n
+        else:
+            same = 0
+        last = drawn if ready else None
+        time.sleep(every_s)
+    raise TimeoutError("the figures did not finish drawing (no title, or still changing)")
 
 
 def text_fit_problems(page, shot: Path) -> list:

@@ -1,7 +1,8 @@
 """Real browser: `streamlit run app.py`, headless Chromium via playwright; screenshots in test-artifacts/."""
 import pytest
 
-from browser import app_server_fixture, browser, click_until, no_exception, open_page, set_checked, wait_idle
+from browser import (app_server_fixture, browser, click_until, figures_drawn, no_exception, open_page,
+                     set_checked, wait_idle)
 
 pytestmark = pytest.mark.browser
 
@@ -26,7 +27,8 @@ def test_split_page_draws_heatmap_with_default_model(server, artifacts):
         plot = page.locator(".js-plotly-plot").first
         click_until(page, page.get_by_text("token by token", exact=True),
                     lambda: plot.count() and "(step)" in plot.inner_text())
-        wait_idle(page)
+        wait_idle(page, started=True)
+        figures_drawn(page)
         no_exception(page)
         assert "step" in page.locator(".js-plotly-plot").first.inner_text()
         page.screenshot(path=str(artifacts / "split-default-step.png"), full_page=True)
@@ -40,8 +42,9 @@ def test_greedy_page_in_browser(server, artifacts):
         page.screenshot(path=str(artifacts / "greedy-default.png"), full_page=True)
         page.get_by_text("Settings: prompt and controls").click()  # the controls are folded on every page
         set_checked(page, "Fast preview (teacher-forced no-cache path)")
-        wait_idle(page)
         page.get_by_text("no cache (full forward each step) — fast preview").first.wait_for(timeout=240_000)
+        wait_idle(page, started=True)  # the text only the new run draws
+        figures_drawn(page)
         no_exception(page)
         page.screenshot(path=str(artifacts / "greedy-fast.png"), full_page=True)
 
@@ -68,7 +71,7 @@ def test_lab_pages_in_browser(server, artifacts, path, name):
             page.wait_for_selector(".js-plotly-plot", timeout=240_000)
         else:
             page.get_by_text("All runs").first.wait_for(timeout=240_000)
-        wait_idle(page)
+        wait_idle(page, started=True)
         no_exception(page)
         page.screenshot(path=str(artifacts / f"{name}-default.png"), full_page=True)
         label, expect = CHANGES[name]
@@ -120,7 +123,8 @@ def test_home_prepares_the_meeting_in_browser(server, artifacts, kvviz_cache):
 
 def _metrics(page) -> dict:
     page.get_by_text("largest relative gap").first.wait_for(timeout=240_000)
-    wait_idle(page)
+    wait_idle(page, started=True)
+    figures_drawn(page, titled=False)  # plotly draws after the script
     out = {}
     for box in page.locator('[data-testid="stMetric"]').all():
         label = box.locator('[data-testid="stMetricLabel"]').inner_text().strip()
@@ -194,7 +198,7 @@ def _open_for_text_fit(ctx, server, artifacts, path: str, params: dict, presente
     if path == "matrix":  # the matrix runs on its button
         page.get_by_role("button", name="Run the matrix").click(timeout=300_000)
     page.wait_for_selector(".js-plotly-plot", timeout=600_000)
-    wait_idle(page, 600)
+    wait_idle(page, 600, started=True)
     no_exception(page)
     _text_fit(page, artifacts, "presenter" if presenter else "normal", path, problems)
     page.close()
@@ -217,7 +221,7 @@ def test_presenter_mode_fits_verdict_and_chart_and_custom_html_is_readable(serve
 
     pages = {"split": {"split_prompt": "Hello world, caching is fun! " * 3},  # custom HTML: token chips
              "greedy": {"greedy_n": 8},  # custom HTML: the texts panel
-             "quant": {"quant_n": 8}, "loading_trap": {"loading_trap_n": 6}}
+             "quant": {"quant_n": 4}, "loading_trap": {"loading_trap_n": 6}}  # quant, loading_trap: text fit's
     fit = {} if scheme != "light" else {k: v for k, v in TEXT_FIT_PAGES.items() if k not in EVERY_PAGE_FITS}
     problems = {}
     with browser() as b:
@@ -226,7 +230,8 @@ def test_presenter_mode_fits_verdict_and_chart_and_custom_html_is_readable(serve
             page = ctx.new_page()
             page.goto(link(server, path, **params))
             page.wait_for_selector(".js-plotly-plot", timeout=240_000)
-            wait_idle(page)
+            wait_idle(page, started=True)
+            figures_drawn(page, titled=False)  # plotly draws after the script
             no_exception(page)
             page.screenshot(path=str(artifacts / f"presenter-{scheme}-{path}.png"))
             # whatever the verdict (identical, precision or logic), it and the main chart start in the first screen
@@ -272,7 +277,8 @@ def test_every_page_in_presenter_mode(server, artifacts):
             page = ctx.new_page()
             page.goto(link(server, path))
             page.wait_for_selector('[data-testid="stMainBlockContainer"] h1', timeout=240_000)
-            wait_idle(page, 300)
+            wait_idle(page, 300, started=True)
+            figures_drawn(page, titled=False)
             no_exception(page)
             toggle = page.locator('[data-testid="stSidebar"]').get_by_text("Presenter mode")
             toggle.first.wait_for(timeout=60_000)  # the sidebar can still be drawing when the main part is idle
@@ -290,12 +296,12 @@ def test_a_copied_link_reopens_the_same_view_and_numbers(server, artifacts):
         page = b.new_context(viewport={"width": 1400, "height": 1400}).new_page()
         page.goto(link(server, "split", presenter=False))
         page.wait_for_selector(".js-plotly-plot", timeout=240_000)
-        wait_idle(page)
+        wait_idle(page, started=True)
         page.get_by_text("Settings: prompt and controls").click()
         plot = page.locator(".js-plotly-plot").first
         click_until(page, page.get_by_text("token by token", exact=True),
                     lambda: plot.count() and "(step)" in plot.inner_text())
-        wait_idle(page)
+        wait_idle(page, started=True)
         page.get_by_role("button", name="Copy link").click()
         copied = page.locator('[data-testid="stPopover"] code, [data-testid="stPopoverBody"] code').first
         copied.wait_for(timeout=30_000)
@@ -378,7 +384,8 @@ def test_first_screen_in_normal_mode(server, artifacts, scheme):
             if path == "matrix":  # the matrix runs on its button
                 page.get_by_role("button", name="Run the matrix").click(timeout=120_000)
             page.wait_for_selector(chart_sel, timeout=300_000)
-            wait_idle(page, 300)
+            wait_idle(page, 300, started=True)
+            figures_drawn(page, titled=False)
             no_exception(page)
             page.screenshot(path=str(artifacts / f"normal-{scheme}-{path}.png"))
             verdict = _first_screen(page, verdict_sel)
@@ -402,7 +409,7 @@ def test_navigation_shows_every_page_in_sections(server, artifacts):
         page.goto(server)
         page.get_by_text("why does the KV cache change my numbers").first.wait_for(timeout=60_000)
         page.get_by_text("Start with a scenario").first.wait_for(timeout=60_000)
-        wait_idle(page)
+        wait_idle(page, started=True)
         nav = page.locator('[data-testid="stSidebarNav"]')
         for section in ("Start", "Investigate", "Classic traps", "Engine", "Reference"):
             assert nav.get_by_text(section, exact=True).count() == 1, section

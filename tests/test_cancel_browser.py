@@ -29,7 +29,7 @@ def verdict_seconds(b, url: str) -> float:
     page.goto(url)
     page.get_by_text("Verdict:").first.wait_for(timeout=240_000)
     took = time.monotonic() - t0
-    wait_idle(page)
+    wait_idle(page, started=True)
     no_exception(page)
     page.close()
     return took

@@ -7,7 +7,7 @@ from urllib.parse import quote
 
 import pytest
 
-from browser import app_server_fixture, browser, no_exception, text_fit_problems, wait_idle
+from browser import app_server_fixture, browser, figures_drawn, no_exception, text_fit_problems, wait_idle
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -33,14 +33,15 @@ def test_the_lesson_walks_every_step_with_its_figure(server, artifacts, scheme, 
             page.get_by_text(label, exact=True).first.click()
             page.get_by_text(f"Step {k}:").first.wait_for(timeout=300_000)
             page.get_by_role("button", name="Reveal the answer").first.wait_for(timeout=300_000)
-            wait_idle(page, 300)
+            wait_idle(page, 300, started=True)  # "Step k:" is the new run's
             no_exception(page)
             assert page.get_by_text("Predict.").count() >= 1
             page.get_by_role("button", name="Reveal the answer").first.click()
             page.get_by_text("Why.").first.wait_for(timeout=120_000)
-            wait_idle(page, 120)
+            wait_idle(page, 120, started=True)  # "Why." is the new run's
             no_exception(page)
             page.wait_for_selector(".js-plotly-plot .main-svg", timeout=60_000)  # plotly draws after the script
+            figures_drawn(page)
             plots = page.locator(".js-plotly-plot")
             assert plots.count() == 1, (label, plots.count())
             assert f"Step {k}" in plots.first.inner_text(), label
@@ -66,7 +67,7 @@ def test_presenter_mode_enlarges_home_and_never_cuts_a_tile_label(server, artifa
             page = ctx.new_page()
             page.goto(link("", model_preset="tiny:llama", presenter=presenter))
             page.get_by_text("Start with a scenario").first.wait_for(timeout=120_000)
-            wait_idle(page)
+            wait_idle(page, started=True)
             sizes[presenter] = page.evaluate(
                 "parseFloat(getComputedStyle(document.querySelector('[data-testid=\"stMainBlockContainer\"] p'))"
                 ".fontSize)")
@@ -75,7 +76,7 @@ def test_presenter_mode_enlarges_home_and_never_cuts_a_tile_label(server, artifa
         page = ctx.new_page()
         page.goto(link("split", model_preset="tiny:llama", presenter=True, invariant=True))
         page.wait_for_selector('[data-testid="stMetricLabel"]', timeout=240_000)
-        wait_idle(page)
+        wait_idle(page, started=True)
         no_exception(page)
         cut = page.evaluate("""[...document.querySelectorAll('[data-testid="stMetricLabel"]')].filter(
             e => [e, ...e.querySelectorAll('*')].some(x => x.scrollWidth > x.clientWidth + 1)).map(e => e.innerText)""")

@@ -37,10 +37,10 @@ def test_the_lessons_figures_fit(server, artifacts, presenter):
             page.get_by_text(f"Step {k}:").first.wait_for(timeout=300_000)
             reveal = page.get_by_role("button", name="Reveal the answer").first
             reveal.wait_for(timeout=300_000)
-            wait_idle(page, 300)
+            wait_idle(page, 300, started=True)  # "Step k:" is the new run's
             reveal.click()
             page.get_by_text("Why.").first.wait_for(timeout=300_000)
-            wait_idle(page, 300)
+            wait_idle(page, 300, started=True)  # "Why." is the new run's
             no_exception(page)
             found = text_fit_problems(page, artifacts / f"text-fit-{mode}-lesson-step{k}.png")
             if found:

@@ -1,6 +1,7 @@
 """kvviz.models.compat: every transformers internal or version-dependent behaviour kvviz relies on, checked against the
 installed transformers. Each test fails with one line naming the installed version and what moved."""
 import inspect
+import json
 import os
 import re
 import subprocess
@@ -240,22 +241,71 @@ def test_the_compat_module_lists_every_entry_it_holds():
 # No deprecation warning from kvviz's own calls
 
 
-@pytest.mark.parametrize("args,shows", [
-    (["split", "--model", "tiny:llama", "--prompt", "The capital of France is Paris", "--split", "3"], "verdict"),
-    (["split", "--model", "tiny:mamba", "--prompt", "The capital of France is Paris", "--split", "3", "--no-proof"],
-     "verdict"),
-    (["greedy", "--model", "tiny:llama", "--prompt", "Once upon a time", "--max-new-tokens", "4", "--no-proof"],
-     "no_cache = cache"),
-    (["serving", "--model", "tiny:llama", "--prompt", "Once upon a time", "--runs", "2", "--max-new-tokens", "3",
-      "--no-proof"], "prefix warm"),
-])
-def test_views_run_with_future_warnings_as_errors(args, shows):
-    env = {**os.environ, "PYTHONWARNINGS": "error::FutureWarning"}
-    r = subprocess.run([sys.executable, "-W", "error::FutureWarning", "-m", "kvviz", *args, "--quiet"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=600, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "deprecated" not in r.stderr.lower(), r.stderr[-3000:]
-    assert shows in r.stdout, r.stdout[-2000:]
+FUTURE_WARNING_CASES = {  # name: (the command, what its output shows)
+    "split llama": (["split", "--model", "tiny:llama", "--prompt", "The capital of France is Paris", "--split", "3"],
+                    "verdict"),
+    "split mamba": (["split", "--model", "tiny:mamba", "--prompt", "The capital of France is Paris", "--split", "3",
+                     "--no-proof"], "verdict"),
+    "greedy": (["greedy", "--model", "tiny:llama", "--prompt", "Once upon a time", "--max-new-tokens", "4",
+                "--no-proof"], "no_cache = cache"),
+    "serving": (["serving", "--model", "tiny:llama", "--prompt", "Once upon a time", "--runs", "2",
+                 "--max-new-tokens", "3", "--no-proof"], "prefix warm"),
+}
+
+# One interpreter runs every case as `python -m kvviz ARGS` runs it (runpy of kvviz.__main__, SystemExit's code), each
+# case's file descriptors 1 and 2 into files of its own (all it prints, logging's and C code's included), its
+# models loaded afresh (kvviz's model cache cleared before it); one JSON line a case on the real stdout.
+_EACH_CASE_AS_ITS_COMMAND = r"""
+import json, os, runpy, sys, tempfile, traceback
+
+real_stdout = os.dup(1)
+for name, args in json.loads(sys.argv[1]):
+    if "kvviz.models.loading" in sys.modules:  # kvviz is imported by the first case, as `python -m kvviz` does
+        sys.modules["kvviz.models.loading"].clear_cache()
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        sys.stdout.flush(); sys.stderr.flush()
+        saved = os.dup(1), os.dup(2)
+        os.dup2(out.fileno(), 1); os.dup2(err.fileno(), 2)
+        sys.argv = ["kvviz", *args]
+        try:
+            runpy.run_module("kvviz", run_name="__main__")
+            rc = 0
+        except SystemExit as e:
+            rc = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        except BaseException:
+            traceback.print_exc()
+            rc = 1
+        sys.stdout.flush(); sys.stderr.flush()
+        os.dup2(saved[0], 1); os.dup2(saved[1], 2)
+        os.close(saved[0]); os.close(saved[1])
+        out.seek(0); err.seek(0)
+        line = json.dumps({"case": name, "rc": rc, "stdout": out.read().decode(errors="replace"),
+                           "stderr": err.read().decode(errors="replace")})
+    os.write(real_stdout, (line + "\n").encode())
+"""
+
+
+def test_views_run_with_future_warnings_as_errors():
+    """Every case a command of its own, with FutureWarning an error (-W and PYTHONWARNINGS, as for `python -m
+    kvviz`), all in one interpreter (torch and transformers imported once, not once a case): a warning raised at
+    import time fails the case that first imports its module."""
+    from browser import child_threads_env
+
+    env = {**os.environ, "PYTHONWARNINGS": "error::FutureWarning", **child_threads_env()}
+    cases = [(name, [*args, "--quiet"]) for name, (args, _) in FUTURE_WARNING_CASES.items()]
+    r = subprocess.run([sys.executable, "-W", "error::FutureWarning", "-c", _EACH_CASE_AS_ITS_COMMAND,
+                        json.dumps(cases)], capture_output=True, text=True, cwd=ROOT, timeout=900, env=env)
+    assert r.returncode == 0 and "deprecated" not in r.stderr.lower(), r.stderr[-3000:]
+    got = {d["case"]: d for d in map(json.loads, r.stdout.splitlines())}
+    assert list(got) == list(FUTURE_WARNING_CASES), (r.stdout[-2000:], r.stderr[-3000:])
+    failed = []
+    for name, (_, shows) in FUTURE_WARNING_CASES.items():
+        d = got[name]
+        if d["rc"] != 0 or "deprecated" in d["stderr"].lower():
+            failed.append(f"{name}: exit {d['rc']}, stderr: {d['stderr'][-3000:]}")
+        elif shows not in d["stdout"]:
+            failed.append(f"{name}: {shows!r} not in its output: {d['stdout'][-2000:]}")
+    assert not failed, "\n".join(failed)
 
 
 def test_a_failure_in_the_engine_thread_reaches_the_caller_as_one_line(monkeypatch):

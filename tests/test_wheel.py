@@ -19,11 +19,10 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.heavy
 
 
-@pytest.fixture(scope="module")
-def installed(tmp_path_factory):
+def _build_and_install(tmp: Path) -> tuple[Path, Path]:
+    """The wheel built from a copy of the checkout into tmp/dist, installed into the venv tmp/venv: (wheel, venv)."""
     import shutil
 
-    tmp = tmp_path_factory.mktemp("wheel")
     src = tmp / "src"  # a copy: building writes build/ and *.egg-info next to the sources, not into the checkout
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
@@ -34,18 +33,43 @@ def installed(tmp_path_factory):
     assert r.returncode == 0, r.stderr[-3000:]
     wheel = next((tmp / "dist").glob("kvviz-*.whl"))
     venv = tmp / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    # a venv without pip of its own (ensurepip's install took 4 CPU-s, up to 40 s on busy cores): this environment's
+    # pip installs the wheel into it (--python: pip run by the venv's interpreter, its scripts pointing at it)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=300)
     py = venv / "bin" / "python"
-    r = subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--disable-pip-version-check",
-                        str(wheel)], capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps",
+                        "--disable-pip-version-check", str(wheel)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()
     # the dependencies: this environment's packages, after the venv's own (so kvviz is the wheel's)
     (Path(site) / "kvviz_test_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    work = tmp / "elsewhere"
-    work.mkdir()
-    return wheel, venv, work
+    return wheel, venv
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory, worker_id):
+    """(wheel, venv, an empty folder outside the checkout). Under pytest-xdist the wheel and its venv are made once
+    for the session, by the first worker that asks (the others wait for it, then use them read-only): a module
+    fixture is per worker, and this file's tests spread over both workers built it twice."""
+    import fcntl
+
+    work = tmp_path_factory.mktemp("elsewhere")  # this worker's own
+    if worker_id == "master":
+        wheel, venv = _build_and_install(tmp_path_factory.mktemp("wheel"))
+        return wheel, venv, work
+    shared = tmp_path_factory.getbasetemp().parent  # the session's root, above every worker's own basetemp
+    with open(shared / "kvviz-wheel.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        tmp, done = shared / "kvviz-wheel", shared / "kvviz-wheel.done"
+        if not done.exists():  # first here (or the first one failed: its folder is started afresh)
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            wheel, _ = _build_and_install(tmp)
+            done.write_text(wheel.name)
+        return tmp / "dist" / done.read_text(), tmp / "venv", work
 
 
 def _run(venv, work, *args, timeout=900):
@@ -75,7 +99,10 @@ def test_the_wheel_holds_the_library_its_data_and_declares_its_dependencies(inst
 
 def test_the_kvviz_command_runs_a_split_from_outside_the_checkout(installed):
     _, venv, work = installed
-    r = _run(venv, work, str(venv / "bin" / "python"), "-c", "import kvviz; print(kvviz.__file__)")
+    # the venv's python finds the wheel's kvviz (found, not imported: the split below imports it, as does the
+    # notebook snippet's test, which checks the file it imported too)
+    r = _run(venv, work, str(venv / "bin" / "python"), "-c",
+             "import importlib.util; print(importlib.util.find_spec('kvviz').origin)")
     assert r.returncode == 0 and str(venv) in r.stdout, (r.stdout, r.stderr[-2000:])
     r = _run(venv, work, str(venv / "bin" / "kvviz"), "--help")
     assert r.returncode == 0 and "split" in r.stdout and "serving (serve-study)" in r.stdout
@@ -95,7 +122,8 @@ def test_the_readme_notebook_snippet_runs_from_the_installed_package(installed):
     _, venv, work = installed
     readme = (ROOT / "README.md").read_text()
     block = readme.split("## From a notebook", 1)[1].split("```python", 1)[1].split("```", 1)[0]
-    code = block + "\nprint('SNIPPET-OK', res.verdict)\n"
+    code = block + "\nimport kvviz\nprint('SNIPPET-OK', res.verdict, kvviz.__file__)\n"
     r = _run(venv, work, str(venv / "bin" / "python"), "-c", code, timeout=1200)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "SNIPPET-OK" in r.stdout
+    assert str(venv) in r.stdout.split("SNIPPET-OK", 1)[1], r.stdout[-2000:]  # the wheel's kvviz, not the checkout's

@@ -29,9 +29,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # MKL may use fewer threads than asked when the machine is busy (MKL_DYNAMIC), which changes a GEMM's reduction split
 # and so the last bits between a figure and its repro script; tests pin the thread count they ask for.
 os.environ.setdefault("MKL_DYNAMIC", "FALSE")
-# Idle OpenMP threads sleep instead of spinning (set before torch loads; children inherit it): on 2 shared cores a
-# 2-thread child beside the other worker took 24 CPU-s spinning, 8 passive. The split of work is unchanged.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # Under pytest-xdist (`make test` runs `-n 2`), the cores are shared: each worker gets its share of torch's threads,
 # so two workers do not each start a pool as wide as the machine (oversubscribed, both run slower).

@@ -113,11 +113,9 @@ def other_caller_env(threads: int) -> dict:
     kernels asked of ATen and MKL. The script must set the result's own numerics over all of them."""
     cap = torch.backends.cpu.get_cpu_capability()
     mkl = os.environ.get("MKL_ENABLE_INSTRUCTIONS")
-    # OMP_WAIT_POLICY=PASSIVE: an idle OpenMP thread sleeps instead of spinning (how long it waits, not how work is
-    # split): at 2 threads beside the other worker a tiny split took 24 CPU-s spinning, 8 CPU-s passive
     return dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(3 - threads), MKL_NUM_THREADS=str(3 - threads),
                 ATEN_CPU_CAPABILITY="default" if cap != "DEFAULT" else "avx2",
-                MKL_ENABLE_INSTRUCTIONS="AVX2" if mkl != "AVX2" else "SSE4_2", OMP_WAIT_POLICY="PASSIVE")
+                MKL_ENABLE_INSTRUCTIONS="AVX2" if mkl != "AVX2" else "SSE4_2")
 
 
 def numerics_line(threads: int) -> str:

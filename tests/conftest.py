@@ -291,3 +291,37 @@ def pytest_collection_modifyitems(session, config, items):
     order = sorted(range(len(items)), key=lambda i: (-per_module[module(items[i])], module(items[i]),
                                                       own[id(items[i])], i))
     items[:] = [items[i] for i in order]
+
+
+# tests/test_compat.py, tests/test_cli.py: one interpreter runs every case (name, argv) as `python -m kvviz ARGV`
+# runs it (runpy of kvviz.__main__, SystemExit's code), each case's file descriptors 1 and 2 into files of its own
+# (all it prints, logging's and C code's included), its models loaded afresh (kvviz's model cache cleared before
+# it); one JSON line a case on the real stdout (case, rc, stdout, stderr).
+EACH_CASE_AS_ITS_COMMAND = r"""
+import json, os, runpy, sys, tempfile, traceback
+
+real_stdout = os.dup(1)
+for name, args in json.loads(sys.argv[1]):
+    if "kvviz.models.loading" in sys.modules:  # kvviz is imported by the first case, as `python -m kvviz` does
+        sys.modules["kvviz.models.loading"].clear_cache()
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        sys.stdout.flush(); sys.stderr.flush()
+        saved = os.dup(1), os.dup(2)
+        os.dup2(out.fileno(), 1); os.dup2(err.fileno(), 2)
+        sys.argv = ["kvviz", *args]
+        try:
+            runpy.run_module("kvviz", run_name="__main__")
+            rc = 0
+        except SystemExit as e:
+            rc = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        except BaseException:
+            traceback.print_exc()
+            rc = 1
+        sys.stdout.flush(); sys.stderr.flush()
+        os.dup2(saved[0], 1); os.dup2(saved[1], 2)
+        os.close(saved[0]); os.close(saved[1])
+        out.seek(0); err.seek(0)
+        line = json.dumps({"case": name, "rc": rc, "stdout": out.read().decode(errors="replace"),
+                           "stderr": err.read().decode(errors="replace")})
+    os.write(real_stdout, (line + "\n").encode())
+"""

@@ -85,38 +85,14 @@ def test_an_unexpected_error_is_one_line_and_its_traceback_on_request(capsys, mo
     assert code == 1 and "out of memory; use a shorter prompt" in err and len(err.strip().splitlines()) == 1
 
 
-# Each argv run as `python -m kvviz ARGV` runs it (runpy of kvviz.__main__, SystemExit's code), in one interpreter
-# (torch imported once, not once a command); each one's file descriptor 2 into a file of its own; one JSON line each.
-_EACH_AS_ITS_COMMAND = r"""
-import json, os, runpy, sys, tempfile
-
-real_stdout = os.dup(1)
-for argv in json.loads(sys.argv[1]):
-    with tempfile.TemporaryFile() as err:
-        sys.stderr.flush()
-        saved = os.dup(2)
-        os.dup2(err.fileno(), 2)
-        sys.argv = ["kvviz", *argv]
-        try:
-            runpy.run_module("kvviz", run_name="__main__")
-            rc = 0
-        except SystemExit as e:
-            rc = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
-        sys.stderr.flush()
-        os.dup2(saved, 2)
-        os.close(saved)
-        err.seek(0)
-        line = json.dumps({"rc": rc, "stderr": err.read().decode(errors="replace")})
-    os.write(real_stdout, (line + "\n").encode())
-"""
-
-
 def test_bad_argument_types_exit_2():
     # through the real entry point: argparse errors are one line too
     bad = [["split", "--model", "tiny:gpt2", "--prompt", "x", "--split", "abc"],
            ["split", "--prompt", "x", "--split", "1", "--dtype", "int4"]]
-    p = subprocess.run([sys.executable, "-c", _EACH_AS_ITS_COMMAND, json.dumps(bad)], capture_output=True, text=True,
-                       cwd=ROOT, timeout=300)
+    from conftest import EACH_CASE_AS_ITS_COMMAND
+
+    p = subprocess.run([sys.executable, "-c", EACH_CASE_AS_ITS_COMMAND, json.dumps(list(enumerate(bad)))],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     (rc, err), (rc2, err2) = [(d["rc"], d["stderr"]) for d in map(json.loads, p.stdout.splitlines())]
     assert rc == 2, err

@@ -15,7 +15,7 @@ import transformers
 import kvviz
 from kvviz.models import compat
 from kvviz.core.execution import Executor
-from conftest import DEVICE
+from conftest import DEVICE, EACH_CASE_AS_ITS_COMMAND
 
 ROOT = Path(__file__).resolve().parents[1]
 V = transformers.__version__
@@ -252,39 +252,6 @@ FUTURE_WARNING_CASES = {  # name: (the command, what its output shows)
                  "--max-new-tokens", "3", "--no-proof"], "prefix warm"),
 }
 
-# One interpreter runs every case as `python -m kvviz ARGS` runs it (runpy of kvviz.__main__, SystemExit's code), each
-# case's file descriptors 1 and 2 into files of its own (all it prints, logging's and C code's included), its
-# models loaded afresh (kvviz's model cache cleared before it); one JSON line a case on the real stdout.
-_EACH_CASE_AS_ITS_COMMAND = r"""
-import json, os, runpy, sys, tempfile, traceback
-
-real_stdout = os.dup(1)
-for name, args in json.loads(sys.argv[1]):
-    if "kvviz.models.loading" in sys.modules:  # kvviz is imported by the first case, as `python -m kvviz` does
-        sys.modules["kvviz.models.loading"].clear_cache()
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        sys.stdout.flush(); sys.stderr.flush()
-        saved = os.dup(1), os.dup(2)
-        os.dup2(out.fileno(), 1); os.dup2(err.fileno(), 2)
-        sys.argv = ["kvviz", *args]
-        try:
-            runpy.run_module("kvviz", run_name="__main__")
-            rc = 0
-        except SystemExit as e:
-            rc = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
-        except BaseException:
-            traceback.print_exc()
-            rc = 1
-        sys.stdout.flush(); sys.stderr.flush()
-        os.dup2(saved[0], 1); os.dup2(saved[1], 2)
-        os.close(saved[0]); os.close(saved[1])
-        out.seek(0); err.seek(0)
-        line = json.dumps({"case": name, "rc": rc, "stdout": out.read().decode(errors="replace"),
-                           "stderr": err.read().decode(errors="replace")})
-    os.write(real_stdout, (line + "\n").encode())
-"""
-
-
 def test_views_run_with_future_warnings_as_errors():
     """Every case a command of its own, with FutureWarning an error (-W and PYTHONWARNINGS, as for `python -m
     kvviz`), all in one interpreter (torch and transformers imported once, not once a case): a warning raised at
@@ -293,7 +260,7 @@ def test_views_run_with_future_warnings_as_errors():
 
     env = {**os.environ, "PYTHONWARNINGS": "error::FutureWarning", **child_threads_env()}
     cases = [(name, [*args, "--quiet"]) for name, (args, _) in FUTURE_WARNING_CASES.items()]
-    r = subprocess.run([sys.executable, "-W", "error::FutureWarning", "-c", _EACH_CASE_AS_ITS_COMMAND,
+    r = subprocess.run([sys.executable, "-W", "error::FutureWarning", "-c", EACH_CASE_AS_ITS_COMMAND,
                         json.dumps(cases)], capture_output=True, text=True, cwd=ROOT, timeout=900, env=env)
     assert r.returncode == 0 and "deprecated" not in r.stderr.lower(), r.stderr[-3000:]
     got = {d["case"]: d for d in map(json.loads, r.stdout.splitlines())}

@@ -11,6 +11,9 @@ Usable from a notebook:
 
 Every view is a folder under kvviz/views/ (run, figures, report, repro, cli); see docs/architecture.md.
 """
+from .models.compat import defer_hqq_import as _defer_hqq_import
+
+_defer_hqq_import()  # first: before anything imports transformers.cache_utils (see compat)
 from .core import backends as _backends, invariant as _invariant, memory as _memory, reference as _reference
 from .core.dtypes import DTYPE_NAMES, machine_eps, parse_dtype, resolve_device
 from .core.errors import KvvizError

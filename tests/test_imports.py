@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import importlib.util
 import os
 import subprocess
 import sys
@@ -131,3 +132,34 @@ def test_a_run_uses_what_init_registered():
     res = kvviz.run_split(lm, kvviz.SplitConfig(prompt="The capital of France is", split=3),
                           settings=kvviz.ExecSettings(invariant=True))
     assert res.verdict == "identical", res.explanation
+
+
+@pytest.mark.skipif(importlib.util.find_spec("hqq") is None, reason="hqq is not installed")
+def test_hqq_s_module_is_imported_only_by_a_run_that_uses_it():
+    """transformers.cache_utils imports hqq's Quantizer as it loads, and hqq's module torch.compiles as it loads
+    (~1 CPU-s in every process that loads a model). After `import kvviz` (compat.defer_hqq_import) a model loads and a
+    split runs without it; an hqq-quantized cache then imports it and quantizes through the real Quantizer."""
+    code = """
+import sys
+import kvviz
+from kvviz.views.quant.run import QuantConfig, run_quant
+import transformers.cache_utils as cu
+lm = kvviz.load_model("tiny:llama", "float32", "cpu")
+res = kvviz.run_split(lm, kvviz.SplitConfig(prompt="The capital of France is Paris", split=3))
+print("after split", "hqq.core.quantize" in sys.modules, "torch._inductor.compile_fx" in sys.modules, repr(cu.HQQQuantizer))
+q = run_quant(lm, QuantConfig("The capital of France is Paris", kv="hqq:int4", residual_length=2, max_new_tokens=4))
+from hqq.core.quantize import Quantizer
+same = all(getattr(cu.HQQQuantizer, a) == getattr(Quantizer, a) for a in ("quantize", "dequantize", "cuda"))
+print("after hqq", "hqq.core.quantize" in sys.modules, same, max(q.kl) > 0, res.verdict)
+"""
+    r = _python(code)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.strip().splitlines()
+    assert lines[-2] == "after split False False <hqq's Quantizer, imported at first use>", r.stdout[-2000:]
+    assert lines[-1].startswith("after hqq True True True "), r.stdout[-2000:]
+
+
+def test_deferring_hqq_does_nothing_once_cache_utils_is_imported():
+    import transformers.cache_utils  # noqa: F401  (imported by the time this test runs; made sure of here)
+
+    assert compat.defer_hqq_import() is False

@@ -20,7 +20,9 @@ Entries:
   is float64.py's own `compat_grouped_mm_functions` (float64.py is copied into repro scripts);
 - the model modules transformers has imported (`sys.modules["transformers.models.*"]`), for invariant mode's scans;
 - optimum-quanto's compiled extension handle (`Extension._lib`);
-- Streamlit's script-run requests (`ScriptRequests._state`, `_rerun_data`): has the page asked this run to stop.
+- Streamlit's script-run requests (`ScriptRequests._state`, `_rerun_data`): has the page asked this run to stop;
+- hqq's `Quantizer`, which `transformers.cache_utils` imports as it loads when hqq is installed (`HQQQuantizer`):
+  imported at its first use instead (defer_hqq_import).
 
 Outside this module a foreign object's private attribute is read only in a function named `compat_*` of code that
 runs without kvviz (the engines' workers, standalone repro scripts); tests/test_compat.py walks the AST for it.
@@ -444,6 +446,43 @@ def gguf_read_once() -> Iterator[None]:
             yield
         finally:
             gguf.GGUFReader, gguf.get_tensor_name_map = reader_cls, name_map
+
+
+class _DeferredHQQQuantizer:
+    """Stands for hqq's `Quantizer` in transformers.cache_utils: its attributes are the real class's, imported at the
+    first one asked for (a QuantizedCache with the hqq backend quantizing its first keys)."""
+
+    def __getattr__(self, name: str):
+        from hqq.core.quantize import Quantizer
+
+        return getattr(Quantizer, name)
+
+    def __repr__(self) -> str:
+        return "<hqq's Quantizer, imported at first use>"
+
+
+def defer_hqq_import() -> bool:
+    """Import transformers.cache_utils without importing hqq's quantize module, which it imports as it loads when hqq
+    is installed. That module torch.compiles functions as it loads (torch's inductor and its compile workers start):
+    about 1 CPU-second in every process that loads a model, though only an hqq-quantized cache uses it. cache_utils
+    gets a stand-in for `Quantizer` (_DeferredHQQQuantizer); hqq's module stays unimported, so a later
+    `import hqq.core.quantize` is the real one. Nothing is done when cache_utils or hqq's module is already imported
+    or hqq is not installed. True when cache_utils holds the stand-in. Called once by kvviz/__init__.py."""
+    import importlib.util
+    import types
+
+    name = "hqq.core.quantize"
+    if "transformers.cache_utils" in sys.modules or name in sys.modules or importlib.util.find_spec("hqq") is None:
+        return False
+    stand_in = types.ModuleType(name)
+    stand_in.Quantizer = _DeferredHQQQuantizer()
+    sys.modules[name] = stand_in
+    try:
+        import transformers.cache_utils as cache_utils
+    finally:
+        if sys.modules.get(name) is stand_in:
+            del sys.modules[name]
+    return isinstance(getattr(cache_utils, "HQQQuantizer", None), _DeferredHQQQuantizer)
 
 
 def gguf_utils():

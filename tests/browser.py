@@ -378,9 +378,11 @@ def figures_drawn(page, timeout_s: float = 600, polls: int = 3, every_s: float =
     raise TimeoutError("the figures did not finish drawing (no title, or still changing)")
 
 
-def text_fit_problems(page, shot: Path) -> list:
-    """Once the page's figures have drawn: a full-page screenshot to `shot`, then the text of every plotly figure
-    that lies outside it, over another text or over a tick label (TEXT_JS; [] when all fits)."""
-    figures_drawn(page)
+def text_fit_problems(page, shot: Path, drawn: bool = False) -> list:
+    """Once the page's figures have drawn (drawn=True: the caller has just waited for them with figures_drawn): a
+    full-page screenshot to `shot`, then the text of every plotly figure that lies outside it, over another text or
+    over a tick label (TEXT_JS; [] when all fits)."""
+    if not drawn:
+        figures_drawn(page)
     page.screenshot(path=str(shot), full_page=True)
     return page.evaluate(TEXT_JS)

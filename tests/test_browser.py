@@ -181,12 +181,13 @@ def _first_screen(page, selector: str) -> dict:
     return box
 
 
-def _text_fit(page, artifacts, mode: str, path: str, problems: dict) -> None:
-    """test_text_fit.py's check on a page a walk has open anyway: its figures' text inside them, no overlaps."""
+def _text_fit(page, artifacts, mode: str, path: str, problems: dict, drawn: bool = True) -> None:
+    """test_text_fit.py's check on a page a walk has open anyway: its figures' text inside them, no overlaps.
+    drawn: the walk has just waited for the page's figures (figures_drawn)."""
     from browser import text_fit_problems
 
     page.wait_for_selector(".js-plotly-plot", timeout=600_000)
-    found = text_fit_problems(page, artifacts / f"text-fit-{mode}-{path}.png")
+    found = text_fit_problems(page, artifacts / f"text-fit-{mode}-{path}.png", drawn=drawn)
     if found:
         problems[path] = found
 
@@ -200,7 +201,7 @@ def _open_for_text_fit(ctx, server, artifacts, path: str, params: dict, presente
     page.wait_for_selector(".js-plotly-plot", timeout=600_000)
     wait_idle(page, 600, started=True)
     no_exception(page)
-    _text_fit(page, artifacts, "presenter" if presenter else "normal", path, problems)
+    _text_fit(page, artifacts, "presenter" if presenter else "normal", path, problems, drawn=False)
     page.close()
 
 

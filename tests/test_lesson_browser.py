@@ -46,7 +46,7 @@ def test_the_lesson_walks_every_step_with_its_figure(server, artifacts, scheme, 
             assert plots.count() == 1, (label, plots.count())
             assert f"Step {k}" in plots.first.inner_text(), label
             assert page.locator(".js-plotly-plot .main-svg").count() >= 1
-            found = text_fit_problems(page, artifacts / f"lesson-{scheme}-step{k}.png")
+            found = text_fit_problems(page, artifacts / f"lesson-{scheme}-step{k}.png", drawn=True)
             if found:
                 problems[label] = found
         ctx.close()

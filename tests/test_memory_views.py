@@ -557,9 +557,10 @@ for vocab in (16384, 65536):
 def test_the_serving_plan_counts_the_proofs_kernel_probes_by_the_largest_weights_shape():
     """The invariant-mode proof's first forward probes each weight shape's kernels on a copy of that shape
     (kvviz.core.invariant.linear_block): measured in a fresh process on heads of 16384 and 65536 x 512 (float32), the
-    transient is at most memory.invariant_probe_bytes (and more than half of it: the BLAS's and the allocator's
-    buffers around the first calls move it by tens of MiB from process to process, PROBE_FIXED) and grows with the
-    head. Its float64
+    transient is at most memory.invariant_probe_bytes (and more than 0.4 of it: the BLAS's and the allocator's
+    buffers around the first calls move it by tens of MiB from process to process, PROBE_FIXED: 104-171 MiB measured on
+    the 16384 head against a plan of 208 MiB, so half of the plan was too tight a floor) and grows with the head.
+    Its float64
     values are built a slab at a time (PROBE_SLAB): before, three float64 copies of the whole head were held at once
     (0.68 GB on the default model's 49152 x 576 head, 12.6 GB on an 8B model's). Before that, the serving plan had no
     proof phase: a study at short prompts whose prompts parted planned 0.05 GiB for its float64 phases and met the
@@ -574,7 +575,7 @@ def test_the_serving_plan_counts_the_proofs_kernel_probes_by_the_largest_weights
     peaks = {int(v): int(p) for v, p in zip(out[::2], out[1::2])}
     for vocab, peak in peaks.items():
         term = memory.invariant_probe_bytes(dataclasses.replace(SMOLLM2, largest=vocab * 512, vocab=vocab), 4)
-        assert 0.5 * term <= peak <= term, (vocab, peak, term)
+        assert 0.4 * term <= peak <= term, (vocab, peak, term)
     terms = {v: memory.invariant_probe_bytes(dataclasses.replace(SMOLLM2, largest=v * 512, vocab=v), 4) for v in peaks}
     assert peaks[65536] - peaks[16384] >= 0.5 * (terms[65536] - terms[16384]), peaks  # grows with the head
     # in the plan: the default model's study of short prompts plans the probe where a prompt parts and a proof runs

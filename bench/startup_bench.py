@@ -1,20 +1,13 @@
 """A kvviz process's start-up: hqq's module imported when transformers.cache_utils loads (transformers' own way) vs
-at its first use (kvviz.models.compat.defer_hqq_import, what `import kvviz` does); and the app's full garbage
-collection after every script run, with and without the imports' objects frozen.
+at its first use (kvviz.models.compat.defer_hqq_import, what `import kvviz` does).
 
     python bench/startup_bench.py [repeats]
-    python bench/startup_bench.py gc [repeats]
 
 Each repeat runs, alternating, two fresh interpreters that import kvviz, load tiny:llama and run one split (the
 work of a `kvviz split` on a tiny model): "hqq at cache_utils' import" imports transformers.cache_utils before kvviz
 (so hqq's module loads with it, as it does in any process that imports transformers first), "hqq at first use" does
 not. Prints the median wall and CPU seconds (user + system, the children included: hqq's module starts torch's
 compile workers) of each and their ratio. Needs hqq installed.
-
-gc: two fresh interpreters import what app.py imports (streamlit, pages.common: kvviz, torch, transformers), one of
-them then freezing those objects as the app does (pages.runner.freeze_startup_objects); each then loads the default
-model and runs a split (model code and its objects come after the freeze), and times the full collection Streamlit
-makes after every script run (gc.collect(2), median of `repeats`). Prints the seconds and objects of each, and the ratio.
 """
 import json
 import statistics
@@ -51,36 +44,6 @@ def one(first: str) -> tuple[float, float, str]:
     return wall, cpu, r.stderr.strip().splitlines()[-1]
 
 
-GC_WORK = """
-import gc, json, sys, time
-sys.path.insert(0, {root!r})
-import streamlit, pages.common, kvviz
-gc.collect()
-if {freeze}:
-    gc.freeze()
-lm = kvviz.load_model("default", "float32", "cpu")
-res = kvviz.run_split(lm, kvviz.SplitConfig(prompt="The capital of France is Paris", split=3))
-times = []
-for _ in range({repeats}):
-    t0 = time.perf_counter()
-    gc.collect(2)
-    times.append(time.perf_counter() - t0)
-print(json.dumps({{"collect_s": sorted(times)[len(times) // 2], "walked": len(gc.get_objects()),
-                  "frozen": gc.get_freeze_count()}}))
-"""
-
-
-def gc_main(repeats: int = 5) -> None:
-    out = {}
-    for way, freeze in (("full collection, nothing frozen", False), ("imports frozen (the app)", True)):
-        r = subprocess.run([sys.executable, "-c", GC_WORK.format(root=str(ROOT), freeze=freeze, repeats=repeats)],
-                           cwd=ROOT, capture_output=True, text=True, check=True)
-        out[way] = json.loads(r.stdout.strip().splitlines()[-1])
-    a, b = out.values()
-    out["ratio (frozen / not)"] = round(b["collect_s"] / a["collect_s"], 3)
-    print(json.dumps(out, indent=1))
-
-
 def main(repeats: int = 5) -> None:
     got: dict[str, dict[str, list]] = {w: {"wall": [], "cpu": [], "seen": []} for w in WAYS}
     for _ in range(repeats):
@@ -98,7 +61,4 @@ def main(repeats: int = 5) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["gc"]:
-        gc_main(int(sys.argv[2]) if len(sys.argv) > 2 else 5)
-    else:
-        main(int(sys.argv[1]) if len(sys.argv) > 1 else 5)
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 5)

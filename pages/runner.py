@@ -15,33 +15,6 @@ from kvviz.core import cancel
 from kvviz.models.compat import script_request_state
 from kvviz.core.errors import OUT_OF_MEMORY_HINT, KvvizError, first_line, free_memory, is_out_of_memory
 
-_FROZEN = threading.Event()
-
-
-def freeze_startup_objects() -> bool:
-    """Once per server process, after the app's imports: move every object alive now (torch's, transformers', kvviz's
-    modules and what they hold) to the collector's permanent generation (gc.freeze). Streamlit collects garbage fully
-    after every script run (runner.postScriptGC, gc.collect(2)); with those imports that walk took 0.1-0.3 s of each
-    rerun (bench/startup_bench.py gc), spent on objects that live as long as the process. Later objects - models,
-    results - are collected as before. Not under AppTest (a stand-in Runtime; its runner does not collect after a run:
-    the test process's objects stay as they are) nor where the option is off. True when this call froze."""
-    import gc
-
-    from streamlit import config, runtime
-
-    if _FROZEN.is_set() or not runtime.exists() or not config.get_option("runner.postScriptGC"):
-        return False
-    if type(runtime.get_instance()) is not runtime.Runtime:  # AppTest runs the script with a stand-in Runtime
-        return False
-    with _RUNNING_LOCK:
-        if _FROZEN.is_set():
-            return False
-        gc.collect()  # garbage made so far is freed, not frozen
-        gc.freeze()
-        _FROZEN.set()
-    return True
-
-
 def page_message():
     """Where a message about the controls goes: the top of the page (the controls may be collapsed)."""
     slot = st.session_state.get("_msg_slot")

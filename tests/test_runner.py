@@ -69,36 +69,3 @@ def test_the_progress_line_follows_the_clock_between_reports():
     assert drawn[-1][1] == "Step 4 of 6 — about 23 s left"  # the new pace: 70 s for 3/4
     assert progress_text(0.0, "Loading", 5.0) == "Loading — 5 s so far"
     assert progress_text(0.4, "Tokens — 3 s left", 20.0) == "Tokens — 3 s left"  # a run's own estimate stands
-
-
-def test_a_server_freezes_its_startup_objects_once_and_an_apptest_does_not():
-    """pages.runner.freeze_startup_objects (called by app.py): Streamlit collects garbage fully after every script
-    run; in a server (a Runtime) the objects alive after the imports are frozen once, so that collection no longer
-    walks them. Without a Runtime or under AppTest (a stand-in one) nothing is frozen. In a fresh interpreter: gc's
-    freeze is process-wide."""
-    import subprocess
-    import sys
-
-    from conftest import ROOT
-
-    code = """
-import gc
-from unittest import mock
-from pages import runner
-print("bare", runner.freeze_startup_objects(), gc.get_freeze_count())
-from streamlit.runtime import Runtime
-Runtime._instance = mock.MagicMock(spec=Runtime)  # as AppTest runs a script
-print("apptest", runner.freeze_startup_objects(), gc.get_freeze_count())
-Runtime._instance = object.__new__(Runtime)  # a server's
-with mock.patch("streamlit.runtime.exists", return_value=True):
-    first = runner.freeze_startup_objects()
-    frozen = gc.get_freeze_count()
-    later = [[i] for i in range(1000)]
-    again = runner.freeze_startup_objects()
-walked = {id(o) for o in gc.get_objects()}  # what a collection walks: the frozen objects are not among them
-print("server", first, frozen > 100000, again, id(later) in walked, id(runner) not in walked)
-"""
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    want = ["bare False 0", "apptest False 0", "server True True False True True", ""]
-    assert r.stdout.split("\n")[-4:] == want, r.stdout[-2000:]

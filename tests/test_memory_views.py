@@ -558,8 +558,9 @@ def test_the_serving_plan_counts_the_proofs_kernel_probes_by_the_largest_weights
     """The invariant-mode proof's first forward probes each weight shape's kernels on a copy of that shape
     (kvviz.core.invariant.linear_block): measured in a fresh process on heads of 16384 and 65536 x 512 (float32), the
     transient is at most memory.invariant_probe_bytes (and more than 0.4 of it: the BLAS's and the allocator's
-    buffers around the first calls move it by tens of MiB from process to process, PROBE_FIXED: 104-171 MiB measured on
-    the 16384 head against a plan of 208 MiB, so half of the plan was too tight a floor) and grows with the head.
+    buffers around the first calls move it by tens of MiB from process to process, PROBE_FIXED; the whole transient
+    on the 16384 head measured 104-171 MiB against a plan of 208 MiB, so half of the plan was too tight a floor) and
+    grows with the head.
     Its float64
     values are built a slab at a time (PROBE_SLAB): before, three float64 copies of the whole head were held at once
     (0.68 GB on the default model's 49152 x 576 head, 12.6 GB on an 8B model's). Before that, the serving plan had no

@@ -837,7 +837,8 @@ def paged_call_bytes(shape: ModelShape, width: int, longest: int, requests: int,
 # rows (up to 256) times it held about three times over, and what the BLAS and the allocator keep around those first
 # calls (PROBE_FIXED). The largest weight (the head) sets the transient (measured by shape: tests/test_memory_views.py).
 # PROBE_FIXED: 131-171 MiB measured on a 16384 x 512 head (160 MiB planned at 64 MiB) over 12 processes on an AMD EPYC,
-# 168 MiB in CI: 112 MiB keeps every one under the plan (208 MiB); as low as 104 MiB in a loaded suite run.
+# 168 MiB in CI (the whole transient, the fixed part and the head's): 112 MiB keeps every one under the plan (208 MiB);
+# the transient measured as low as 104 MiB in a loaded suite run.
 PROBE_ROWS = 3 * 256
 PROBE_FIXED = 112 * 1024 ** 2
 

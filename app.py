@@ -13,6 +13,9 @@ from pages import HIDE_RAW_NAV  # noqa: E402  (light: streamlit only)
 st.html(HIDE_RAW_NAV)
 from pages.common import NAV, OLD_URLS, PAGE_TITLES, nav_page, show_notes, sidebar  # noqa: E402  (after set_page_config)
 from pages.state import remember, scenario_guard  # noqa: E402
+from pages.runner import freeze_what_lives  # noqa: E402
+
+freeze_what_lives()  # the imports' objects are not walked by the collection after every rerun (pages.runner)
 
 # Navigation in sections (pages.common.NAV: one place for every page's file, title and icon), always expanded:
 # no page hidden behind "View more". A view's page is at its view's name (PAGE_URLS: /split for pages/split.py).

@@ -15,6 +15,42 @@ from kvviz.core import cancel
 from kvviz.models.compat import script_request_state
 from kvviz.core.errors import OUT_OF_MEMORY_HINT, KvvizError, first_line, free_memory, is_out_of_memory
 
+_FREEZE_LOCK = threading.Lock()
+_FROZEN_WITH: set[str] | None = None  # the sessions seen by the last gc.freeze (None: nothing frozen yet)
+
+
+def freeze_what_lives() -> str:
+    """Streamlit collects garbage fully after every script run (runner.postScriptGC, gc.collect(2)); in the app server
+    that walk over torch's, transformers' and kvviz's objects took 0.15 s of each rerun. At the first script run the
+    objects alive are frozen (gc.freeze: no collection walks them). Frozen with them is the state of every session
+    alive then, so that is tracked: once any session seen so far has closed, the next script run unfreezes, collects
+    (a closed tab's state and results are freed one run late, never kept) and freezes again. Returns what it did:
+    "froze", "refroze", "kept" or "off" (under AppTest - a stand-in Runtime -, without a session, or with the
+    option off)."""
+    global _FROZEN_WITH
+    import gc
+
+    from streamlit import config, runtime
+
+    session = _session_id()
+    if not session or not runtime.exists() or not config.get_option("runner.postScriptGC"):
+        return "off"
+    rt = runtime.get_instance()
+    if type(rt) is not runtime.Runtime:  # AppTest runs the script with a stand-in Runtime
+        return "off"
+    with _FREEZE_LOCK:
+        if _FROZEN_WITH is not None:
+            _FROZEN_WITH.add(session)  # new since the freeze, or not: either way watched from now on
+            if all(rt.get_app_session(s) is not None for s in _FROZEN_WITH):
+                return "kept"
+            gc.unfreeze()
+        done = "froze" if _FROZEN_WITH is None else "refroze"
+        gc.collect()  # garbage is freed, not frozen
+        gc.freeze()
+        _FROZEN_WITH = {s for s in (_FROZEN_WITH or set()) | {session} if rt.get_app_session(s) is not None}
+    return done
+
+
 def page_message():
     """Where a message about the controls goes: the top of the page (the controls may be collapsed)."""
     slot = st.session_state.get("_msg_slot")

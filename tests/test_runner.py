@@ -69,3 +69,14 @@ def test_the_progress_line_follows_the_clock_between_reports():
     assert drawn[-1][1] == "Step 4 of 6 — about 23 s left"  # the new pace: 70 s for 3/4
     assert progress_text(0.0, "Loading", 5.0) == "Loading — 5 s so far"
     assert progress_text(0.4, "Tokens — 3 s left", 20.0) == "Tokens — 3 s left"  # a run's own estimate stands
+
+
+def test_no_freeze_outside_a_server_s_script_run():
+    """pages.runner.freeze_what_lives does nothing without a script run (no session) - and under AppTest, whose
+    Runtime is a stand-in (tests/test_cancel_browser.py checks a real server)."""
+    import gc
+
+    from pages import runner
+
+    before = gc.get_freeze_count()
+    assert runner.freeze_what_lives() == "off" and gc.get_freeze_count() == before

@@ -177,18 +177,17 @@ def keep_float64(model) -> None:
 # forward's layer input is this large or more, the freed blocks are given back (malloc_trim) before each decoder layer
 # and after the last; shorter forwards leave little and skip it (a decode step's call costs more than it returns).
 RELEASE_MIN_BYTES = 4 * 1024 ** 2
-_TRIM: list = []  # [glibc's malloc_trim, or None where there is none]
 
 
+@functools.cache
 def _malloc_trim():
-    if not _TRIM:
-        try:
-            import ctypes
+    """glibc's malloc_trim, or None where there is none."""
+    try:
+        import ctypes
 
-            _TRIM.append(ctypes.CDLL("libc.so.6").malloc_trim)
-        except (OSError, AttributeError):  # not glibc (macOS, Windows, musl): nothing to give back this way
-            _TRIM.append(None)
-    return _TRIM[0]
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc (macOS, Windows, musl): nothing to give back this way
+        return None
 
 
 def gives_freed_memory_back() -> bool:

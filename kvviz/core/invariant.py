@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..models import compat
-from .float64 import PROBE_SLAB, compat_grouped_mm_functions
+from .float64 import PROBE_SLAB, _GROUPED
 
 _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm, torch.mm,
             torch.Tensor.mm}
@@ -95,26 +95,20 @@ def rowwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def rowwise_addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta=1, alpha=1) -> torch.Tensor:
-    return _per_row(a, b, b.shape[1], lambda row: torch.addmm(bias, row, b, beta=beta, alpha=alpha))
-
-
 def rowwise_grouped_mm(mat_a, mat_b, *, offs=None, bias=None, out_dtype=None):
     """grouped_mm (MoE experts: the tokens routed to expert g times its weight) with one [1, K] × [K, N] kernel call
     per row: how many tokens an expert gets changes nothing in a row's bits."""
     if mat_a.dim() == 2 and mat_b.dim() == 3:
         ends = offs.tolist() if offs is not None else [mat_a.shape[0]]
         groups = [g for g, end in enumerate(ends) for _ in range(end - (ends[g - 1] if g else 0))]
-    elif mat_a.dim() == 3 and mat_b.dim() == 3:
-        out = torch.stack([rowwise_mm(mat_a[g], mat_b[g]) for g in range(mat_a.shape[0])])
-        groups = None
-    else:
-        raise NotImplementedError("grouped_mm in invariant mode: only 2D x 3D and 3D x 3D")
-    if groups is not None:
         out = torch.zeros(mat_a.shape[0], mat_b.shape[-1], dtype=torch.result_type(mat_a, mat_b),
                           device=mat_a.device)
         for r, g in enumerate(groups):
             out[r:r + 1] = torch.mm(mat_a[r:r + 1], mat_b[g])
+    elif mat_a.dim() == 3 and mat_b.dim() == 3:
+        out = torch.stack([rowwise_mm(mat_a[g], mat_b[g]) for g in range(mat_a.shape[0])])
+    else:
+        raise NotImplementedError("grouped_mm in invariant mode: only 2D x 3D and 3D x 3D")
     if bias is not None:
         out = out + bias
     return out if out_dtype is None else out.to(out_dtype)
@@ -122,9 +116,6 @@ def rowwise_grouped_mm(mat_a, mat_b, *, offs=None, bias=None, out_dtype=None):
 
 def rowwise_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _per_row(a, b, b.shape[1], lambda row: torch.mm(row, b))
-
-
-_GROUPED = compat_grouped_mm_functions()
 
 
 def _acc_dtype(device: torch.device, wide: torch.dtype) -> torch.dtype:
@@ -233,7 +224,7 @@ def fixed_order_softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | Non
 def _softmax(x: torch.Tensor, dim: int, dtype: torch.dtype | None, total) -> torch.Tensor:
     """softmax with its normaliser `total(e, dim)`: a running sum (seq_sum) or the tile GEMMs' grouping (block_sum)."""
     out_dtype = dtype or x.dtype
-    w = x.to(_wide(out_dtype if dtype is not None else x.dtype))
+    w = x.to(_wide(out_dtype))
     m = w.amax(dim=dim, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # a fully masked row: no NaN
     e = lanewise(torch.exp, w - m)  # a row's length (window cache vs full) must not move elements into the tail
@@ -309,11 +300,7 @@ def _probe(key, candidates, works):
     with _PROBE_LOCK:
         if key in _PROBES:
             return _PROBES[key]
-    found = 0
-    for c in candidates:
-        if works(c):
-            found = c
-            break
+    found = next((c for c in candidates if works(c)), 0)
     with _PROBE_LOCK:
         _PROBES[key] = found
     return found
@@ -428,7 +415,7 @@ def block_addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta=1, al
         linear_block(a.dtype, b, bias, lambda blk, w_, c_: torch.addmm(c_, blk, w_, beta=beta, alpha=alpha),
                      b.shape[0], ("addmm", float(beta), float(alpha)))
     if not rows_b:
-        return rowwise_addmm(bias, a, b, beta=beta, alpha=alpha)
+        return _per_row(a, b, b.shape[1], lambda row: torch.addmm(bias, row, b, beta=beta, alpha=alpha))
     return _blocked_rows(a, b.shape[1], rows_b, call, torch.result_type(a, b))
 
 
@@ -483,16 +470,15 @@ TILE_PAIRS = 4096  # [t, t] pairs gathered at a time
 TILE_PARTS_BYTES = 32 * 1024 ** 2  # partial products held at a time
 
 
-def tiled_mm(a: torch.Tensor, b: torch.Tensor, t: int, starts: torch.Tensor | None = None) -> torch.Tensor:
+def tiled_mm(a: torch.Tensor, b: torch.Tensor, t: int) -> torch.Tensor:
     """a [G, M, K] @ b [G, K, N] (same float dtype) in [t, t] x [t, t] tiles: the inner dimension in blocks of t
-    aligned at each row's start - `starts` [G, M] (attention: the row's first visible key), else its first nonzero -,
-    the blocks' partial products added in index order; blocks where a row tile is all zero are skipped (they add
-    exactly 0). Every bmm call has the shape [n, t, t] x [n, t, t], n in TILE_BATCHES."""
-    g_n, m, k = a.shape
-    if bool((a[..., 0] != 0).all()) if starts is None else not bool(starts.any()):
+    aligned at each row's first nonzero, the blocks' partial products added in index order; blocks where a row tile
+    is all zero are skipped (they add exactly 0). Every bmm call has the shape [n, t, t] x [n, t, t], n in
+    TILE_BATCHES."""
+    if bool((a[..., 0] != 0).all()):
         f = None  # every row starts at its first column: no shift anywhere (scores, causal attention weights)
     else:
-        lo = (a != 0).to(torch.uint8).argmax(-1) if starts is None else starts  # (0 where a row has none)
+        lo = (a != 0).to(torch.uint8).argmax(-1)  # (0 where a row has none)
         f = (t - lo % t) % t  # zeros put in front of the row so its first nonzero starts a block
         if not bool((f == f[:, :1]).all()):
             return _tiled_rows(a, b, t, f)
@@ -599,15 +585,11 @@ def fast_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     t = tile_size(a.device, wide)
     if not t:
         return fixed_order_matmul(a, b)
-    return _wide_matmul(a, b, t, wide).to(out_dtype)
-
-
-def _wide_matmul(a, b, t, wide, starts=None):
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
     aa = a.to(wide).expand(*batch, m, k).reshape(-1, m, k)
     bb = b.to(wide).expand(*batch, k, n).reshape(-1, k, n)
-    return tiled_mm(aa, bb, t, starts).reshape(*batch, m, n)
+    return tiled_mm(aa, bb, t).reshape(*batch, m, n).to(out_dtype)
 
 
 def block_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -634,10 +616,10 @@ def attention_tiles(device: torch.device, dtype: torch.dtype, d_qk: int, d_v: in
     """(rows, keys) of the two fixed-shape GEMMs fast_sdpa makes per batch entry and head - scores [rows, d_qk] x
     [d_qk, keys], weighted values [rows, keys] x [keys, d_v] - where a row's (and a key's) result does not depend
     on where it sits in the call, else None."""
-    out = [r * 1000 + k for r in ATTENTION_ROWS.get(device.type, ATTENTION_ROWS["cuda"]) for k in ATTENTION_KEYS]
+    out = [(r, k) for r in ATTENTION_ROWS.get(device.type, ATTENTION_ROWS["cuda"]) for k in ATTENTION_KEYS]
 
-    def works(code: int) -> bool:
-        r, k = divmod(code, 1000)
+    def works(rk: tuple[int, int]) -> bool:
+        r, k = rk
         q = _probe_data((r, d_qk), dtype, device, r)
         table = _probe_data((d_qk, 3 * k), dtype, device, k)
         kt = table[:, :k]  # a slice of a wider key table, as in fast_sdpa (whose width varies with the prompt)
@@ -655,8 +637,7 @@ def attention_tiles(device: torch.device, dtype: torch.dtype, d_qk: int, d_v: in
                 torch.equal(torch.mm(wide_p[:, :2 * k][:, :k], v[:k]), z) and
                 torch.equal(torch.mm(wide_p[:, k:2 * k], v[k:]), torch.mm(wide_p[:, k:2 * k].contiguous(), v[k:])))
 
-    found = _probe(("attention", _where(device), dtype, d_qk, d_v), out, works)
-    return divmod(found, 1000) if found else None
+    return _probe(("attention", _where(device), dtype, d_qk, d_v), out, works) or None
 
 
 def _bmm_as_mm(n: int, m: int, k: int, cols: int, dtype: torch.dtype, device: torch.device) -> bool:
@@ -867,23 +848,19 @@ def _run_slotted(query, key, value, c: _Call, scale, out):
 
 def _run_plan(query, key, value, plan, scale):
     calls, unseen = plan
-    if calls and calls[0].slot is not None:
-        out = query.new_zeros(*query.shape[:-1], value.shape[-1])
-        for c in calls:
-            es = slice(None) if c.entry is None else slice(c.entry, c.entry + 1)
-            _run_slotted(query[es, c.heads], key[es, c.heads], value[es, c.heads], c, scale, out[es, c.heads])
-    elif len(calls) == 1 and calls[0].rows is None and calls[0].entry is None:
+    if len(calls) == 1 and calls[0].rows is None and calls[0].entry is None:  # (a slotted call always has rows)
         out = _run_call(query, key, value, calls[0], scale)
     else:
         out = query.new_zeros(*query.shape[:-1], value.shape[-1])
         for c in calls:
             es = slice(None) if c.entry is None else slice(c.entry, c.entry + 1)
-            q, k, v = query[es, c.heads], key[es, c.heads], value[es, c.heads]
-            if c.rows is not None:
-                q = q[:, :, c.rows]
-                out[es, c.heads, c.rows] = _run_call(q, k, v, c, scale)
+            q, k, v, o = query[es, c.heads], key[es, c.heads], value[es, c.heads], out[es, c.heads]
+            if c.slot is not None:
+                _run_slotted(q, k, v, c, scale, o)
+            elif c.rows is not None:
+                o[:, :, c.rows] = _run_call(q[:, :, c.rows], k, v, c, scale)
             else:
-                out[es, c.heads] = _run_call(q, k, v, c, scale)
+                o.copy_(_run_call(q, k, v, c, scale))
     return out if unseen is None else out.masked_fill(unseen.unsqueeze(-1), 0)
 
 
@@ -1015,11 +992,10 @@ def fast_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     if tiles is None:
         return invariant_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale)
     mq, w = tiles
-    pow2 = scale is not None and scale > 0 and math.frexp(scale)[0] == 0.5 or scale is None and \
-        math.frexp(query.shape[-1] ** -0.5)[0] == 0.5
     key, value = _repeat_kv(query, key, value)
     lq, lk, dqk, d = query.shape[-2], key.shape[-2], query.shape[-1], value.shape[-1]
     scale = dqk ** -0.5 if scale is None else scale
+    pow2 = scale > 0 and math.frexp(scale)[0] == 0.5
     batch = torch.broadcast_shapes(query.shape[:-2], key.shape[:-2])
     dt, dev = query.dtype, query.device
     q = query.expand(*batch, lq, dqk).reshape(-1, lq, dqk).to(wide)
@@ -1180,19 +1156,15 @@ class InvariantMode(TorchFunctionMode):
             return lanewise(func, *args, **kwargs)
         if func is F.conv1d or func is torch.conv1d:
             return fixed_order_conv1d(*args, **kwargs)
-        if func not in _routed() and "grouped_mm_fallback" not in compat.op_qualified_name(func):
+        if func not in _ROUTED and "grouped_mm_fallback" not in compat.op_qualified_name(func):
             _PLAIN.add(func)
         return func(*args, **kwargs)
 
 
 _PLAIN: set = set()  # ops InvariantMode never routes, learned as they are first seen
-
-
-@functools.cache
-def _routed() -> frozenset:
-    """Every op InvariantMode may route (some only for some arguments): never taken into _PLAIN."""
-    return frozenset({F.linear, torch.addmm, *_MATMULS, *_GROUPED, torch.logsumexp, torch.Tensor.logsumexp,
-                      *_SOFTMAXES, F.scaled_dot_product_attention, F.embedding, *_LANEWISE, F.conv1d, torch.conv1d})
+# every op InvariantMode may route (some only for some arguments): never taken into _PLAIN
+_ROUTED = frozenset({F.linear, torch.addmm, *_MATMULS, *_GROUPED, torch.logsumexp, torch.Tensor.logsumexp,
+                     *_SOFTMAXES, F.scaled_dot_product_attention, F.embedding, *_LANEWISE, F.conv1d, torch.conv1d})
 
 
 # Chunked scans a transformers modeling module calls as module-level functions, each with the step-by-step recurrence

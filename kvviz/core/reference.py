@@ -32,6 +32,7 @@ import contextlib
 import copy
 import dataclasses
 import json
+import math
 import os
 import threading
 import weakref
@@ -63,7 +64,6 @@ class StreamPlan:
 
     from_checkpoint: dict[str, tuple[str, str]] = field(default_factory=dict)  # param name -> (file, key)
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # buffer name -> the twin's value
-    note: str = ""
     keep_bytes: int = 0  # upcast weights kept from run to run (a small model's: see memory.stream_keep_bytes)
     kept: dict = field(default_factory=dict, repr=False)  # id(param) -> (param, its float64 value)
 
@@ -86,9 +86,7 @@ def reference_model(lm, strategy: str | None = None):
         from .memory import choose_reference  # noqa: PLC0415
 
         strategy = choose_reference(lm)
-    if strategy == "streamed" and not can_stream(lm):
-        strategy = "twin"
-    if strategy == "streamed":
+    if strategy == "streamed" and can_stream(lm):
         try:
             return streamed_reference(lm)
         except CannotStream:
@@ -101,7 +99,7 @@ def can_stream(lm) -> bool:
     floating-point weights (not quantized ones)."""
     from .dtypes import supports_dtype
 
-    if getattr(lm, "stream64", None) is not None or not supports_dtype(lm.device, torch.float64):
+    if is_streamed(lm) or not supports_dtype(lm.device, torch.float64):
         return False
     if not getattr(lm, "inference_mode", True):
         return False
@@ -165,7 +163,7 @@ def _checkpoint_index(folder: Path) -> dict[str, tuple[str, torch.dtype]]:
             header = json.loads(fh.read(n))
         for key, meta in header.items():
             if key != "__metadata__":
-                out[key] = (str(f), names.get(meta.get("dtype"), None))
+                out[key] = (str(f), names.get(meta.get("dtype")))
     return out
 
 
@@ -223,8 +221,6 @@ def _stream_plan(lm) -> StreamPlan:
         if not exact_in(dt, p.dtype):
             for n in names:
                 plan.from_checkpoint[n] = (file, held[0])
-    if not index and folder is None and lm.dtype in (torch.float16, torch.bfloat16):
-        plan.note = "checkpoint not readable here: float64 upcasts the loaded weights"
     return plan
 
 
@@ -239,9 +235,8 @@ class StreamedFloat64(TorchFunctionMode):
     """Substitutes the model's parameters and buffers by float64 values in every operation that reads them, and
     keeps float64 tensors float64 (KeepFloat64's rule) while the model's forward runs."""
 
-    def __init__(self, lm, plan: StreamPlan, device: torch.device):
+    def __init__(self, lm, plan: StreamPlan):
         super().__init__()
-        self.device = device
         self.subs: dict[int, tuple[torch.Tensor, object]] = {}
         self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = plan.kept  # id -> (param, float64 value)
         self.room = plan.keep_bytes - sum(8 * v.numel() for _, v in self.kept.values())
@@ -314,12 +309,9 @@ class StreamedFloat64(TorchFunctionMode):
             weight, src = self.subs[id(args[1])]
             if src is not None and not isinstance(src, torch.Tensor):
                 hit = self.kept.get(id(weight))
-                if hit is not None and hit[0] is weight:
-                    weight = hit[1]
-                elif _plain_lookup(args, kwargs):  # only the looked-up rows, read from the checkpoint
-                    return self._checkpoint_rows(args[0], weight, src)
-                else:
-                    weight = self._value(weight, src)
+                if (hit is None or hit[0] is not weight) and _plain_lookup(args, kwargs):
+                    return self._checkpoint_rows(args[0], weight, src)  # only the looked-up rows, from the checkpoint
+                weight = self._value(weight, src)  # (the kept float64 value where there is one)
             out = func(args[0], weight, *args[2:], **kwargs)
             return out.to(torch.float64) if out.dtype.is_floating_point else out
         if func is F.linear and len(args) > 1 and self._hit(args[1]) and not kwargs and \
@@ -406,9 +398,7 @@ class CheckpointReader:
         meta = self.header[key]
         shape, dt = list(meta["shape"]), self._DTYPES[meta["dtype"]]
         stop = min(stop, shape[0])
-        row = dt.itemsize
-        for d in shape[1:]:
-            row *= d
+        row = dt.itemsize * math.prod(shape[1:])
         return self._read(self.base + meta["data_offsets"][0] + start * row, [max(0, stop - start)] + shape[1:], dt)
 
     def close(self) -> None:
@@ -419,7 +409,6 @@ class CheckpointReader:
 def streamed_float64(lm):
     """Run `lm` (a streamed reference) in float64 for the duration (this thread). The caller holds the model's
     lock (Executor.session does)."""
-    plan = lm.stream64
     model = lm.model
 
     def enter(module, args, kwargs=None):
@@ -428,7 +417,7 @@ def streamed_float64(lm):
     def leave(module, args, output, kwargs=None):
         _STATE.forward = max(0, getattr(_STATE, "forward", 0) - 1)
 
-    mode = StreamedFloat64(lm, plan, lm.device)
+    mode = StreamedFloat64(lm, lm.stream64)
     saved = getattr(_STATE, "forward", 0)
     h1 = model.register_forward_pre_hook(enter)
     h2 = model.register_forward_hook(leave, always_call=True)

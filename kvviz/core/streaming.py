@@ -35,12 +35,8 @@ Sink = Callable[[int, torch.Tensor], None]  # (index in hidden_states, the tenso
 
 
 def decoder_layers(model) -> torch.nn.ModuleList | None:
-    """The ModuleList of decoder layers (the longest ModuleList of the model)."""
-    best = None
-    for _, m in model.named_modules():
-        if isinstance(m, torch.nn.ModuleList) and (best is None or len(m) > len(best)):
-            best = m
-    return best
+    """The ModuleList of decoder layers (the longest ModuleList of the model, the first of equals)."""
+    return max((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), key=len, default=None)
 
 
 class _Stream:
@@ -64,11 +60,8 @@ class _Stream:
             self.delivered = set()
         self._seen = len(hs)
         for i in range(len(hs) - 1):  # all but the newest (the last one is replaced by the final norm's output)
-            t = hs[i]
-            if t is not None:
-                hs[i] = None
-                self.deliver(i, t)
-            del t
+            t, hs[i] = hs[i], None
+            self.deliver(i, t)  # (None: delivered already)
 
 
 @contextlib.contextmanager
@@ -164,8 +157,7 @@ class HeldRows:
         self.layers: list[torch.Tensor | None] = []
 
     def __call__(self, i: int, h: torch.Tensor) -> None:
-        while len(self.layers) <= i:
-            self.layers.append(None)
+        self.layers.extend([None] * (i + 1 - len(self.layers)))
         self.layers[i] = self.select(h).clone()
 
     def __len__(self) -> int:
@@ -235,13 +227,13 @@ class LayerGaps:
     def stepping(self, select: Callable[[torch.Tensor], torch.Tensor], start: int = 0) -> Sink:
         """The sink of a run of one-position forwards (token by token): forward k's rows are held position
         start + k (a forward begins when hidden state 0 arrives again)."""
-        state = {"j": start - 1, "last": None}
+        j, last = start - 1, None
 
         def take(i: int, h: torch.Tensor) -> None:
-            if state["last"] is None or i <= state["last"]:
-                state["j"] += 1
-            state["last"] = i
-            j = state["j"]
+            nonlocal j, last
+            if last is None or i <= last:
+                j += 1
+            last = i
             self.sink(select, slice(j, j + 1))(i, h)
         return take
 

@@ -24,6 +24,7 @@ model's forward (the shared model is not changed); `compile_stats()` counts what
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 from typing import Callable
@@ -236,15 +237,11 @@ def compiler_works() -> tuple[bool, str]:
 # Registration: explicit, called once by kvviz/__init__.py (idempotent); importing this module registers nothing
 
 
-def _offloaded_static(lm: LoadedModel, batch: int, max_len: int):
-    return _static(lm, batch, max_len, offloading=True)
-
-
 def register() -> None:
     """Add the cache kinds, the precision-flag checks and run context, and torch.compile to the execution seam."""
     register_cache_kind(CacheKind.STATIC, _static)
     register_cache_kind(CacheKind.OFFLOADED, _offloaded)
-    register_cache_kind(CacheKind.OFFLOADED_STATIC, _offloaded_static)
+    register_cache_kind(CacheKind.OFFLOADED_STATIC, functools.partial(_static, offloading=True))
     for kind, backend in ((CacheKind.QUANTIZED, "fp8"), (CacheKind.QUANTIZED_FP8, "fp8"),
                           (CacheKind.QUANTIZED_QUANTO, "quanto"), (CacheKind.QUANTIZED_HQQ, "hqq")):
         register_cache_kind(kind, _quantized_factory(backend))

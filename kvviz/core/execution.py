@@ -35,7 +35,6 @@ from ..models.loading import LoadedModel
 from .loops import StepPolicy
 
 
-
 class CacheKind(StrEnum):
     """The cache kinds of `ExecSettings.cache` (kvviz.core.backends registers their factories). A str: it compares and
     exports as its word ("static"), so JSON results read the same whenever they were written."""
@@ -232,10 +231,8 @@ class Executor:
 
     def _callable(self) -> Callable:
         if self._call is None:
-            if self.settings.compile != COMPILE_OFF:
-                self._call = _COMPILER[0](self.lm, self.settings.compile)
-            else:
-                self._call = self.lm.model
+            self._call = (self.lm.model if self.settings.compile == COMPILE_OFF
+                          else _COMPILER[0](self.lm, self.settings.compile))
         return self._call
 
     # -- building calls -------------------------------------------------------------------------------------------
@@ -384,7 +381,6 @@ class Executor:
                        last)
 
 
-
 @dataclass
 class Decoded:
     """What Executor.decode returns: row 0's tokens, logits [V] and hidden states [n_hidden, H] per step, the
@@ -460,8 +456,11 @@ def has_cache(out) -> bool:
 # What every result records about how it was run
 
 
-class Keyed:
-    """Typed settings read as attributes; `settings["dtype"]` (dict-style) works too."""
+@dataclass(frozen=True)
+class Settings:
+    """Typed settings of a result, read as attributes; `settings["dtype"]` (dict-style) works too. A result whose run
+    is described by its own fields (matrix, loading trap, card, bisector) subclasses it directly, the others
+    RunSettings. `to_dict()` writes them for JSON (tuples as lists, ExecSettings as its dict)."""
 
     def __getitem__(self, name: str):
         try:
@@ -471,12 +470,6 @@ class Keyed:
 
     def get(self, name: str, default=None):
         return getattr(self, name, default)
-
-
-@dataclass(frozen=True)
-class Settings(Keyed):
-    """Typed settings of a result whose run is described by its own fields (matrix, loading trap, card, bisector);
-    `to_dict()` writes them for JSON (tuples as lists, ExecSettings as its dict)."""
 
     def to_dict(self) -> dict:
         def plain(v):
@@ -488,7 +481,7 @@ class Settings(Keyed):
 
 
 @dataclass(frozen=True)
-class RunSettings(Keyed):
+class RunSettings(Settings):
     """The typed settings every result carries: the run (which model as the user wrote it, dtype, device,
     attention, how it ran); each scenario's settings class adds its own fields after these."""
 
@@ -502,13 +495,6 @@ class RunSettings(Keyed):
     @classmethod
     def from_run(cls, run: "RunSettings", **scenario):
         return cls(**{f.name: getattr(run, f.name) for f in fields(RunSettings)}, **scenario)
-
-    def to_dict(self) -> dict:
-        out = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            out[f.name] = v.to_dict() if isinstance(v, ExecSettings) else list(v) if isinstance(v, tuple) else v
-        return out
 
 
 @dataclass(frozen=True)

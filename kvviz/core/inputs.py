@@ -40,10 +40,8 @@ def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
 
 
 def pad_token_id(tokenizer) -> int:
-    for tid in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0):
-        if tid is not None:
-            return int(tid)
-    return 0  # pragma: no cover
+    """The tokenizer's pad token, else its EOS token, else 0."""
+    return int(next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0))
 
 
 def token_texts(tokenizer, ids: list[int]) -> list[str]:

@@ -21,6 +21,7 @@ peak beside the estimate (`measured_peak`).
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -47,7 +48,6 @@ TOKENIZER_FILE_FACTOR = 10
 TOKENIZER_BYTES_PER_ENTRY = 1200
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "spiece.model", "vocab.txt")
 BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
-_ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}
 _ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 
@@ -103,9 +103,7 @@ def _safetensors_stats(folder: Path) -> tuple[int, int, str | None] | None:
         for key, meta in header.items():
             if key == "__metadata__":
                 continue
-            k = 1
-            for d in meta["shape"]:
-                k *= d
+            k = math.prod(meta["shape"])
             n += k
             largest = max(largest, k)
             dt = _ST_DTYPES.get(meta["dtype"])
@@ -119,9 +117,7 @@ def shape_of_folder(folder: Path) -> ModelShape | None:
         cfg = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
         return None  # loading says what is wrong with the folder
-    stats = _safetensors_stats(folder)
-    shape = ModelShape.from_config(cfg, source=str(folder)) if stats is None else \
-        ModelShape.from_config(cfg, stats[0], stats[1], stats[2], source=str(folder))
+    shape = ModelShape.from_config(cfg, *(_safetensors_stats(folder) or ()), source=str(folder))
     shape.tokenizer_bytes = TOKENIZER_FILE_FACTOR * sum((folder / f).stat().st_size for f in TOKENIZER_FILES
                                                         if (folder / f).is_file())
     return shape
@@ -151,36 +147,25 @@ def _shape_of_gguf(path: Path) -> ModelShape:
 
 def model_shape(spec) -> ModelShape | None:
     """The shape of the model a spec names, from its files only (None: a hub model not in the local cache)."""
-    from ..models.loading import parse_spec
+    from ..models.loading import converted_gguf_folder, default_gguf_path, parse_spec, tiny_folder
 
     ms = parse_spec(spec)
     try:
-        return _model_shape(ms)
-    except Exception:  # noqa: BLE001 - unreadable files: loading reports them in its own words
-        return None
-
-
-def _model_shape(ms) -> ModelShape | None:
-    from ..models.loading import converted_gguf_folder, default_gguf_path, tiny_folder
-
-    if ms.kind == "tiny":
-        return shape_of_folder(tiny_folder(ms.ref))
-    if ms.kind == "folder":
-        return shape_of_folder(Path(ms.ref))
-    if ms.kind in ("default", "gguf"):
-        try:
+        if ms.kind == "tiny":
+            return shape_of_folder(tiny_folder(ms.ref))
+        if ms.kind == "folder":
+            return shape_of_folder(Path(ms.ref))
+        if ms.kind in ("default", "gguf"):
             path = default_gguf_path() if ms.kind == "default" else Path(ms.ref)
             converted = converted_gguf_folder(path)  # this very file's conversion (another version's is not it)
             if (converted / "kvviz.json").is_file():
                 return shape_of_folder(converted)
             return _shape_of_gguf(path)
-        except Exception:  # noqa: BLE001 - an unreadable file: loading says so in its own words
-            return None
-    try:  # a hub id: only what is already in the local cache
+        # a hub id: only what is already in the local cache
         from huggingface_hub import snapshot_download
 
         return shape_of_folder(Path(snapshot_download(ms.ref, local_files_only=True)))
-    except Exception:  # noqa: BLE001 - not cached: no plan for the weights
+    except Exception:  # noqa: BLE001 - unreadable files, a hub model not cached: loading reports them in its own words
         return None
 
 
@@ -202,10 +187,6 @@ def _cgroup_free() -> int | None:
     return None
 
 
-def _meminfo(key: str) -> int | None:
-    return _proc_bytes("/proc/meminfo", key)
-
-
 def _address_space_left() -> int | None:
     try:
         import resource  # POSIX only: no address-space limit to read elsewhere (Windows)
@@ -218,35 +199,22 @@ def _address_space_left() -> int | None:
     return soft if size is None else soft - size
 
 
-def _device(device: "torch.device | str") -> torch.device:
-    return torch.device(device) if not isinstance(device, torch.device) else device
-
-
 def free_bytes(device: "torch.device | str") -> tuple[int | None, str]:
     """(bytes free for this run, where the number comes from)."""
-    dev = _device(device)
+    dev = torch.device(device)
     if dev.type == "cuda":
         free, _ = torch.cuda.mem_get_info(dev)
         return int(free), "torch.cuda.mem_get_info"
-    found = []
-    avail = _meminfo("MemAvailable")
-    if avail is not None:
-        found.append((avail, "MemAvailable"))
-    cg = _cgroup_free()
-    if cg is not None:
-        found.append((cg, "cgroup memory limit"))
-    aspace = _address_space_left()
-    if aspace is not None:
-        found.append((aspace, "RLIMIT_AS (address space left)"))
-    if not found:
-        return None, "unknown"
-    return min(found)
+    found = [(n, src) for n, src in ((_proc_bytes("/proc/meminfo", "MemAvailable"), "MemAvailable"),
+                                     (_cgroup_free(), "cgroup memory limit"),
+                                     (_address_space_left(), "RLIMIT_AS (address space left)")) if n is not None]
+    return min(found) if found else (None, "unknown")
 
 
 def measured_peak(device: "torch.device | str") -> int | None:
     """Peak memory measured so far: CUDA max allocated on a GPU, peak RSS of this process on the CPU (None where
     neither /proc nor `resource` can say)."""
-    dev = _device(device)
+    dev = torch.device(device)
     if dev.type == "cuda":
         return int(torch.cuda.max_memory_allocated(dev))
     return _peak_rss()
@@ -256,7 +224,7 @@ def reset_peak(device: "torch.device | str") -> int | None:
     """Start measuring a run's peak afresh in a process that ran other work before (a page in the app's server):
     CUDA's peak statistics, or on Linux the process's peak RSS (writing 5 to /proc/self/clear_refs). Returns what
     the process holds now (the baseline the run's own peak is measured above), None where the peak cannot be reset."""
-    dev = _device(device)
+    dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
         return int(torch.cuda.memory_allocated(dev))
@@ -372,18 +340,14 @@ class MemoryPlan:
         return what + ("" if self.device.startswith("cuda") else ", or a device with more memory")
 
     def refusal(self) -> str:
-        return (f"this {self.view} run needs about {_gb(self.total)} ({self.summary_parts()}) but only "
+        parts = ", ".join(f"{k} {_gb(v)}" for k, v in self.parts().items() if v)
+        return (f"this {self.view} run needs about {_gb(self.total)} ({parts}) but only "
                 f"{_gb(self.available)} is free on {self.device} ({self.available_from}); lower: {self.advice()}")
-
-    def summary_parts(self) -> str:
-        return ", ".join(f"{k} {_gb(v)}" for k, v in self.parts().items() if v)
 
     def lines(self) -> list[str]:
         out = [f"memory plan: {self.view} on {self.model}, {self.dtype} on {self.device}, {self.tokens} tokens"
                + (f" × batch {self.batch}" if self.batch > 1 else "")]
-        for k, v in self.parts().items():
-            if v:
-                out.append(f"  {k:<32}{_gb(v):>10}")
+        out += [f"  {k:<32}{_gb(v):>10}" for k, v in self.parts().items() if v]
         out.append(f"  {'total':<32}{_gb(self.total):>10}")
         out.append(f"  {'free (' + self.available_from + ')':<32}{_gb(self.available):>10}")
         if self.measured_peak is not None:
@@ -527,12 +491,8 @@ class MemoryProfile:
     engine_calls: tuple[tuple[str, int, bool], ...] = ()
 
 
-def pick_reference(shape: ModelShape, dtype: str, free: int | None, others: int) -> str:
-    """'twin' where a float64 copy is small and fits easily beside the rest, 'streamed' otherwise."""
-    return _twin_or_streamed(shape.params, free, others)
-
-
 def _twin_or_streamed(params: int, free: int | None, others: int = 0) -> str:
+    """'twin' where a float64 copy is small and fits easily beside the rest, 'streamed' otherwise."""
     twin = 8 * params
     if twin > TWIN_MAX_BYTES:
         return "streamed"
@@ -761,7 +721,7 @@ def bisect_bytes(shape: ModelShape, width: int, tokens: int, compared: int, batc
     q, kv, inter = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.intermediate
     modules = 2 * (10 * H + 2 * q + 2 * kv + 4 * inter)
     ops = 12 * H + 6 * inter + 3 * q + 3 * kv + 3 * shape.heads * T
-    working = B * T * (3 * inter + 4 * H) * width + B * shape.heads * T * T * max(width, 4)
+    working = working_bytes(shape, width, T, B)  # sdpa on the CPU: one score tensor, at least float32
     return int(working + B * T * V * width + B * n * (L * modules * width + L * ops * max(width, 4)
                                                       + (2 * V + 8 * H) * width))
 
@@ -940,7 +900,7 @@ def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, vie
     uses_ref = dt != "float64" and prof.reference
     strategy = (reference or os.environ.get("KVVIZ_REFERENCE") or "auto").lower()
     if strategy == "auto":
-        strategy = pick_reference(shape, dt, free, weights + others)
+        strategy = _twin_or_streamed(shape.params, free, weights + others)
     if not uses_ref:
         strategy = "none"
     ref = reference_bytes(shape, dt, strategy) if uses_ref else 0
@@ -1063,10 +1023,7 @@ def check_fits(plan: MemoryPlan) -> MemoryPlan:
 def tokens_of_text(spec, text: str) -> int:
     """Tokens of `text` for the model's tokenizer when its files are here (a folder; a GGUF file already converted
     once; a hub model in the local cache), else a bound (UTF-8 bytes + 2)."""
-    from ..models.loading import parse_spec
-
-    ms = parse_spec(spec)
-    shape = model_shape(ms)  # gguf: once converted; hub: in the local cache
+    shape = model_shape(spec)  # gguf: once converted; hub: in the local cache
     folder = Path(shape.source) if shape is not None and shape.source else None
     if folder is not None and folder.is_dir():
         try:

@@ -93,15 +93,11 @@ def classify(bitwise_equal: bool, float64_gap: float | None) -> Verdict:
     return Verdict.PRECISION if float64_gap <= FLOAT64_CLOSED_REL else Verdict.LOGIC
 
 
-def proof_state(proved: bool | None) -> str:
-    return "not run" if proved is None else ("proved" if proved else "unproved")
-
-
 def label(verdict: str, proved: bool | None = None) -> str:
     """A short table cell: "precision (proved)", "precision (unproved)", or the verdict itself."""
     if verdict != Verdict.PRECISION or proved is None:
         return verdict
-    return f"precision ({proof_state(proved)})"
+    return f"precision ({'proved' if proved else 'unproved'})"
 
 
 _HEADLINES = {

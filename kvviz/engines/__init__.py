@@ -101,7 +101,7 @@ class WorkerClient:
         deadline = time.monotonic() + self.timeout_s
         with self._cv:
             while not self._replies:
-                if self.proc.poll() is not None and not self._replies:
+                if self.proc.poll() is not None:
                     raise KvvizError(f"the {self.name} worker stopped during '{op}'{self._last_error()}")
                 left = deadline - time.monotonic()
                 if left <= 0:

@@ -107,8 +107,8 @@ class _Capture:
     """Reads the scores the engine samples from (its greedy argmax): which request each row belongs to, the top-2
     margin, maybe the whole row. Hooked on this manager's model runner only (no per-op cost)."""
 
-    def __init__(self, manager, keep: set[str], margins: dict, scores: dict):
-        self.manager, self.keep, self.margins, self.scores = manager, keep, margins, scores
+    def __init__(self, keep: set[str], margins: dict, scores: dict):
+        self.keep, self.margins, self.scores = keep, margins, scores
         self.cached: dict[str, int] = {}
         self.last_step = time.perf_counter()  # when the engine last sampled: its progress, for the caller's wait
 
@@ -197,7 +197,7 @@ class TransformersEngine:
             except (ValueError, RuntimeError) as e:
                 raise KvvizError(f"transformers' continuous batching cannot run this model: "
                                  f"{str(e).splitlines()[0]}") from None
-            capture = _Capture(manager, keep, margins, scores)
+            capture = _Capture(keep, margins, scores)
             failure = compat.cb_hook_manager(manager, lambda: _entered(modes), capture.hook)
             seq = sequential_keys or set()
             batch_now = [r for r in requests if r.key not in seq]
@@ -221,15 +221,12 @@ class TransformersEngine:
                 _gc.unfreeze()
         seconds = time.perf_counter() - t0
         outs: dict[str, RequestOut] = {}
-        new = 0
         for r in requests:
-            res = results[r.key]
-            toks = [int(t) for t in res.generated_tokens]
-            new += len(toks)
-            m = margins.get(r.key, [])
-            outs[r.key] = RequestOut(toks, m[-len(toks):] if len(m) >= len(toks) else m, scores.get(r.key, []),
+            toks = [int(t) for t in results[r.key].generated_tokens]
+            # the margins of its last len(toks) samples (all of them where fewer were read)
+            outs[r.key] = RequestOut(toks, margins.get(r.key, [])[-len(toks):], scores.get(r.key, []),
                                      capture.cached.get(r.key, 0))
-        return EngineRun(outs, seconds, new)
+        return EngineRun(outs, seconds, sum(len(o.tokens) for o in outs.values()))
 
 
 @contextlib.contextmanager

@@ -129,8 +129,7 @@ def engine_verdicts(prompts, lm, lm64, settings, engine, ids, completions, logps
     dtype = (engine.info().get("dtype") if hasattr(engine, "info") else None) or dtype_name(lm.dtype)
     u = rounding_scale(dtype)
     # the engine's float format, run by kvviz on the same weights: its gap from float64 measures the rounding
-    ex_own = (Executor(lm, settings.with_(invariant=False))
-              if float_format(dtype) is not None and float_format(dtype) == dtype_name(lm.dtype) else None)
+    ex_own = Executor(lm, settings.with_(invariant=False)) if float_format(dtype) == dtype_name(lm.dtype) else None
     for p in prompts:
         i, paths, seen = p.index, {}, set()
         refs = memo.setdefault(("float64 path", tuple(ids[i])), {}) if memo is not None else {}
@@ -154,8 +153,7 @@ def engine_verdicts(prompts, lm, lm64, settings, engine, ids, completions, logps
             if p.first_divergence is not None:
                 p.verdict, p.explanation = None, "the engine returned no log-probs; no engine-vs-reference verdict"
             continue
-        p.engine_paths = {k: {kk: v[kk] for kk in ("distance", "step", "rounding", "chose_top", "uniform", "own")}
-                          for k, v in paths.items()}
+        p.engine_paths = {k: dict(v) for k, v in paths.items()}  # path_distance's fields
         p.float64_gap = max(v["distance"] for v in paths.values())
         t = p.first_divergence
         if t is None:

@@ -105,10 +105,7 @@ def _groups(requests: list[Request], max_in_flight: int, prefix_sharing: bool, s
     free = [r for r in requests if r.key not in seq]
     groups = [(free[i:i + max_in_flight], True) for i in range(0, len(free), max_in_flight)]
     pending = [r for r in requests if r.key in seq]
-    for j, r in enumerate(pending):
-        warm_target = prefix_sharing and j % 2 == 1
-        groups.append(([r], not warm_target))
-    return groups
+    return groups + [([r], not (prefix_sharing and j % 2 == 1)) for j, r in enumerate(pending)]
 
 
 class VllmWorkerEngine(WorkerEngine):

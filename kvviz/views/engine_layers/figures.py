@@ -14,6 +14,12 @@ def _labels(res: EngineLayersResult, positions: list[int]) -> list[str]:
     return [f"{p}: {short(res.tokens[p])}" if p < len(res.tokens) else str(p) for p in positions]
 
 
+def _worst(res: EngineLayersResult, m) -> np.ndarray:
+    """Per row (hidden state), the largest entry over tokens (zeros where nothing was compared)."""
+    m = np.asarray(m, dtype=float)
+    return m.max(axis=1) if m.size else np.zeros(len(res.layer_labels))
+
+
 def _check(metric: str) -> None:
     if metric not in METRICS:
         raise ValueError(f"unknown metric {metric}; choose one of {', '.join(METRICS)}")
@@ -48,8 +54,7 @@ def layer_lines(res: EngineLayersResult, log: bool = True) -> go.Figure:
     a, b = res.labels
     series = [(f"{b} vs {a}", res.gaps["relative"], None), (f"{a} vs float64", res.a.reference["relative"], "dash"),
               (f"{b} vs float64", res.b.reference["relative"], "dash")]
-    rows = [(name, np.asarray(m, dtype=float).max(axis=1) if np.asarray(m).size else np.zeros(len(res.layer_labels)),
-             dash) for name, m, dash in series]
+    rows = [(name, _worst(res, m), dash) for name, m, dash in series]
     rows.append(("rounding bound", np.asarray(res.bound, dtype=float), "dot"))
     positive = [v for _, vals, _ in rows for v in vals if v > 0]
     floor = min(positive) / 10 if positive else 1e-20
@@ -71,16 +76,11 @@ def layer_lines(res: EngineLayersResult, log: bool = True) -> go.Figure:
 
 def layers_frame(res: EngineLayersResult) -> pd.DataFrame:
     a, b = res.labels
-
-    def worst(m):
-        m = np.asarray(m, dtype=float)
-        return m.max(axis=1) if m.size else np.zeros(len(res.layer_labels))
-
     return pd.DataFrame({"hidden state": res.layer_labels,
-                         f"{b} vs {a} (relative)": worst(res.gaps["relative"]),
-                         f"{b} vs {a} (× ε)": worst(res.gaps["eps_units"]),
-                         f"{a} vs float64": worst(res.a.reference["relative"]),
-                         f"{b} vs float64": worst(res.b.reference["relative"]),
+                         f"{b} vs {a} (relative)": _worst(res, res.gaps["relative"]),
+                         f"{b} vs {a} (× ε)": _worst(res, res.gaps["eps_units"]),
+                         f"{a} vs float64": _worst(res, res.a.reference["relative"]),
+                         f"{b} vs float64": _worst(res, res.b.reference["relative"]),
                          "rounding bound": res.bound})
 
 

@@ -437,8 +437,7 @@ def run_engine_layers(lm, cfg: EngineLayersConfig, progress: Progress | None = N
     labels = layer_labels(len(own))
     first_diff = _first_row(gaps["max_abs"], None)
     first_beyond = _first_row(gaps["relative"], bound)
-    verdict, why = _judge(side_a, side_b, gaps, first_diff, first_beyond, fd, labels, bound, dtype,
-                          own)
+    verdict, why = _judge(side_a, side_b, gaps, first_diff, first_beyond, fd, labels, bound, dtype, own)
     engine = {"name": cfg.engine, "version": infos[label_a].get("version"),
               "settings": {k: v.get("settings", {}) for k, v in infos.items()},
               "start_s": {k: v.get("start_s") for k, v in infos.items()}}

@@ -50,7 +50,6 @@ CONDITION_LABELS = {
 MAX_RUNS = 1000
 MAX_NEW_TOKENS = 256
 MAX_BATCH = 64
-DEFAULT_PAGE = PAGE_SIZE
 PAGE_REFUSED = ("the page size is a setting of transformers' continuous batching: vLLM runs its prefix cache in blocks "
                 "of 32 tokens here and llama.cpp has no pages; leave the page size out for this engine")
 DEFAULT_LIMIT = 20
@@ -73,7 +72,7 @@ class ServeConfig:
     batch_size: int = 4
     seed: int = 0
     engine: str = "transformers"
-    page_size: int | None = None  # transformers' continuous batching only (None: DEFAULT_PAGE there)
+    page_size: int | None = None  # transformers' continuous batching only (None: PAGE_SIZE there)
     prompt_source: str = ""
     tensor_parallel_size: int = 1  # the vLLM engine only
     server: str | None = None  # an OpenAI-compatible server's URL (server.py): the engine is the user's server
@@ -84,7 +83,7 @@ class ServeConfig:
         if isinstance(self.conditions, (list, tuple)):
             object.__setattr__(self, "conditions", tuple(dict.fromkeys(self.conditions)))
         if self.page_size is None and self.engine == "transformers":
-            object.__setattr__(self, "page_size", DEFAULT_PAGE)
+            object.__setattr__(self, "page_size", PAGE_SIZE)
 
     def workload(self) -> Workload:
         """What kvviz's process holds, for the memory plan: each prompt after the shared prefix, the requests in
@@ -100,8 +99,8 @@ class ServeConfig:
                                  "--tensor-parallel-size out (they are the server's own settings)")
         if not isinstance(self.prompts, list) or not self.prompts:
             raise KvvizError("the study needs at least one prompt")
-        for name, v, lo, hi in (("runs", self.runs, 1, MAX_RUNS), ("new tokens", self.max_new_tokens, 1,
-                                                                   MAX_NEW_TOKENS),
+        for name, v, lo, hi in (("runs", self.runs, 1, MAX_RUNS),
+                                ("new tokens", self.max_new_tokens, 1, MAX_NEW_TOKENS),
                                 ("batch size", self.batch_size, 2, MAX_BATCH)):
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 raise KvvizError(f"{name} must be a whole number from {lo} to {hi}, not {v!r}")
@@ -141,7 +140,7 @@ class ServeSettings(RunSettings):
     batch_size: int = 0
     seed: int = 0
     engine: str = "transformers"
-    page_size: int | None = DEFAULT_PAGE  # None: an engine without pages set by kvviz (vLLM, llama.cpp)
+    page_size: int | None = PAGE_SIZE  # None: an engine without pages set by kvviz (vLLM, llama.cpp)
     tensor_parallel_size: int = 1
 
 
@@ -257,8 +256,7 @@ class ServeResult:
         names = {f.name for f in fields(ServeSettings)}
         s = {k: v for k, v in d["settings"].items() if k in names}
         s["conditions"] = tuple(s.get("conditions", ()))
-        ex = d["settings"].get("execution") or {}
-        s["execution"] = ExecSettings.from_dict(ex)
+        s["execution"] = ExecSettings.from_dict(d["settings"].get("execution") or {})
         conds = {k: ConditionStats(**{f.name: v[f.name] for f in fields(ConditionStats) if f.name in v})
                  for k, v in d["conditions"].items()}
         return cls(settings=ServeSettings(**s), model=d["model"], engine=d["engine"],
@@ -367,13 +365,10 @@ def run_serving(lm: LoadedModel, cfg: ServeConfig, progress: Progress | None = N
         engine.probe(lm, settings)  # one line: unreachable, or not the local weights
         return _study(lm, cfg, engine, settings, reference, prove, progress, time.perf_counter())
     check_engine(cfg.engine)
-    if cfg.engine in WORKER_ENGINES:
-        from ...engines.workers import check_settings
+    from ...engines.workers import check_settings, make_worker_engine
 
-        check_settings(cfg.engine, settings)
+    check_settings(cfg.engine, settings)  # what a worker engine cannot honour here (a no-op for the others)
     t_start = time.perf_counter()
-    from ...engines.workers import make_worker_engine
-
     engine = make_worker_engine(cfg.engine, cfg.tensor_parallel_size) or make_engine(cfg.engine, cfg.page_size,
                                                                                      cfg.tensor_parallel_size)
     try:

@@ -162,7 +162,7 @@ class ServerEngine:
             return int(s.split(":", 1)[1])
         self.token_ids = "mapped from the server's token strings through the local tokenizer"
         i = tok.convert_tokens_to_ids(s)
-        if isinstance(i, int) and i != tok.unk_token_id and i is not None:
+        if isinstance(i, int) and i != tok.unk_token_id:
             return i
         enc = tok.encode(s, add_special_tokens=False) if s else []
         if len(enc) != 1:
@@ -224,8 +224,7 @@ class ServerEngine:
 
         self.dtype = dtype_name(lm.dtype)  # the local weights' dtype: name the one the server runs with --dtype
         try:
-            v = self._call("/version")
-            self.version = v.get("version")
+            self.version = self._call("/version").get("version")
         except KvvizError:
             pass  # not every server has /version; reachability is decided by the calls below
         ids = encode(lm, PROBE_TEXT)
@@ -262,8 +261,7 @@ class ServerEngine:
                 group = free[g:g + max_in_flight]
                 futs = {r.key: pool.submit(self._complete, tok, r.ids, r.max_new_tokens, f"kvviz-{stamp}-{r.key}",
                                            False) for r in group}
-                for k, f in futs.items():
-                    outs[k] = f.result()
+                outs.update((k, f.result()) for k, f in futs.items())
         pending = [r for r in requests if r.key in seq]
         for j in range(0, len(pending), 2):  # warmer then target: one salt, the target reuses the warmer's cache
             pair = pending[j:j + 2]

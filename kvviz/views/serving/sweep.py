@@ -188,21 +188,18 @@ def run_sweep(lm, cfg: SweepConfig, progress=None, settings=None, reference=None
         if limit is not None:  # a request in flight is not a checkpoint: it waits at most the cell limit
             engine.timeout_s = min(_timeout(), limit)
     else:
-        check_engine(cfg.engine)
-        if cfg.engine in WORKER_ENGINES:
-            from ...engines.workers import check_settings
-
-            check_settings(cfg.engine, settings)
         from ...engines.serving import make_engine
-        from ...engines.workers import make_worker_engine
+        from ...engines.workers import check_settings, make_worker_engine
 
+        check_engine(cfg.engine)
+        check_settings(cfg.engine, settings)
         # vLLM starts once for the grid, with room for its largest cell (no restart between cells); its worker
         # waits for an answer at least as long as the cell limit (kvviz's checkpoint stops it at the limit)
         engine = make_worker_engine(cfg.engine, 1, max(cfg.concurrency),
                                     timeout_s=max(ANSWER_LIMIT_S, (limit or 0) + 60)) or make_engine(cfg.engine, 8, 1)
     t0 = time.perf_counter()
     grid = [(c, n) for n in cfg.lengths for c in cfg.concurrency]
-    cells, skipped, unfinished, info, failure = [], [], [], {}, None
+    cells, skipped, unfinished, info = [], [], [], {}
     failed: list[tuple[int, int]] = []  # the cells started and not finished
     try:  # the engine (vLLM's worker process) is ended however the sweep ends: done, failed or stopped
         ref = reference or lm.reference() if (cfg.engine in WORKER_ENGINES or cfg.server) else reference
@@ -232,16 +229,13 @@ def run_sweep(lm, cfg: SweepConfig, progress=None, settings=None, reference=None
                 why = f"passed the cell limit ({limit:g} s)" if isinstance(e, _CellLimit) else str(e)
                 unfinished.append([c, n, f"{why} after {time.perf_counter() - tc:.0f} s"])
                 failed.append((c, n))
-                failure = failure or e
-                if hasattr(engine, "close"):
-                    engine.close()
+                engine.close()
                 continue
             cells.append(cell_of(res, c, n, time.perf_counter() - tc, [len(encode(lm, p)) for p in prompts]))
             info = res.engine
     finally:
-        if hasattr(engine, "close"):
-            engine.close()
-    if not cells and failure is not None:  # nothing to show: the first cell's line
+        engine.close()
+    if not cells and failed:  # nothing to show: the first cell's line
         raise KvvizError(f"no cell of the sweep finished: the first ({unfinished[0][0]} in flight × "
                          f"{unfinished[0][1]} tokens) {unfinished[0][2]}")
     progress(1.0, "Done")
@@ -343,9 +337,7 @@ def figure(res: SweepResult):
         z.append(zr)
         text.append(tr)
     k = len(order)
-    scale = []
-    for i, v in enumerate(order):
-        scale += [[i / k, VERDICT_COLOURS[v]], [(i + 1) / k, VERDICT_COLOURS[v]]]
+    scale = [[j / k, VERDICT_COLOURS[v]] for i, v in enumerate(order) for j in (i, i + 1)]  # a band per verdict
     fig = go.Figure(go.Heatmap(z=z, x=[str(c) for c in cs], y=[str(n) for n in ns], text=text,
                                texttemplate="%{text}", zmin=-0.5, zmax=k - 0.5, colorscale=scale, xgap=2, ygap=2,
                                colorbar=dict(tickvals=list(range(k)), ticktext=order, title="verdict")))

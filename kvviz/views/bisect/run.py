@@ -224,11 +224,6 @@ def _seq_slice(t: torch.Tensor, total: int, start: int, n: int) -> torch.Tensor 
     return None, None
 
 
-def _gap(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
-    mx, ref = max_abs_gap(a, b)
-    return mx, mx / max(ref, torch.finfo(torch.float64).tiny)
-
-
 def run_bisect(lm: LoadedModel, cfg: SplitConfig, settings: ExecSettings | None = None,
                ops: bool = True, progress: Callable[[float, str], None] | None = None) -> BisectResult:
     """Hook the full forward and the cached run of `cfg` and name the first module whose output differs; with
@@ -292,13 +287,12 @@ def _explain(res: BisectResult, settings: ExecSettings, ops: bool) -> str:
     mode = "In invariant mode" if settings.invariant else "In normal mode"
     first, op = res.first, res.first_op
     if first is None and op is None:
+        same = (f"{mode} every hooked module ({len(res.modules)} compared) gives the same bits in the cached run "
+                f"as in the full forward")
         if not ops:
-            return (f"{mode} every hooked module ({len(res.modules)} compared) gives the same bits in the cached run "
-                    f"as in the full forward (ops not traced).")
+            return f"{same} (ops not traced)."
         if res.ops_compared == 0:
-            return (f"{mode} every hooked module ({len(res.modules)} compared) gives the same bits in the cached run "
-                    f"as in the full forward; no torch op could be lined up between the two runs, so ops were not "
-                    f"compared.")
+            return f"{same}; no torch op could be lined up between the two runs, so ops were not compared."
         return (f"{mode} nothing differs: every torch op agrees bit for bit between the cached run and the full "
                 f"forward ({res.ops_compared} ops compared on the compared positions), and so does every hooked "
                 f"module ({len(res.modules)} compared).")
@@ -425,16 +419,13 @@ class _OpTrace:
         idx = self.counters.get(key, 0)
         self.counters[key] = idx + 1
         full_key = (module, call, name, idx)
-        if not self.compare:
-            sl = None
-            for dim in range(t.dim()):
-                if t.shape[dim] == self.total:
-                    sl = (dim, t.narrow(dim, self.a0, self.n).detach().clone())
-                    break
-            if sl is not None and full_key not in self.record:
+        if not self.compare:  # the compared positions of the first axis of length `total`
+            dim = next((d for d in range(t.dim()) if t.shape[d] == self.total), None)
+            if dim is not None and full_key not in self.record:
                 ins = [a for a in args if isinstance(a, torch.Tensor)]
-                self.record[full_key] = (sl, [list(a.shape) for a in ins], [str(a.dtype).removeprefix("torch.")
-                                                                            for a in ins])
+                rows = t.narrow(dim, self.a0, self.n).detach().clone()
+                self.record[full_key] = ((dim, rows), [list(a.shape) for a in ins],
+                                         [str(a.dtype).removeprefix("torch.") for a in ins])
             return
         ref = self.record.get(full_key)
         if ref is None:
@@ -448,7 +439,8 @@ class _OpTrace:
         self.compared += 1
         if torch.equal(got, want):
             return
-        mx, rel = _gap(want, got)
+        mx, size = max_abs_gap(want, got)
+        rel = mx / max(size, torch.finfo(torch.float64).tiny)
         where = layer_name(module)
         self.first = OpGap(name, module, where, idx, shapes, dtypes, list(want.shape),
                            str(want.dtype).removeprefix("torch."), mx, rel, self.compared)

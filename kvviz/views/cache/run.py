@@ -107,8 +107,6 @@ def _read(path_or_bytes) -> tuple[dict, dict[str, torch.Tensor]]:
                 raise KvvizError(f"no such cache file: {p}")
             tensors = load_file(str(p))
         raw_meta = _raw_metadata(path_or_bytes)
-    except KvvizError:
-        raise
     except (SafetensorError, ValueError, OSError, RuntimeError) as e:
         raise KvvizError(f"this is not a readable safetensors cache file (truncated or damaged?): "
                          f"{str(e).splitlines()[0][:150]}") from None

@@ -118,8 +118,7 @@ def _bidirectional(lm64: LoadedModel, prompt: str = PROMPT) -> Check | None:
                      f"earlier tokens' outputs by only {change:.3g}, float64 rounding): {type(lm64.model).__name__} "
                      f"returns no past_key_values, so there is no cached path to check", change)
     return Check("causal attention", "fail", f"no cache comes back: the model is bidirectional, so appending tokens "
-                 f"changes what earlier tokens compute (by up to {res.main.bidirectional_change:.3g}); "
-                 f"past_key_values cannot be used", res.main.bidirectional_change)
+                 f"changes what earlier tokens compute (by up to {change:.3g}); past_key_values cannot be used", change)
 
 
 def _window_check(lm64: LoadedModel, base: str = PROMPT) -> Check:
@@ -155,9 +154,10 @@ def run_check(lm: LoadedModel, progress=None, weights: str = "none", kv: str = "
     with quantized weights (int8, int4) and/or a quantized KV cache (see kvviz.views.quant.run): the card is then at best
     `lossy`, with the measured loss."""
     progress = progress or no_progress
-    quantized = (weights or "none") != "none" or (kv or "none") != "none"
+    weights, kv = weights or "none", kv or "none"
+    quantized = weights != "none" or kv != "none"
     if quantized:  # names, packages, devices, dtypes and a cache the model refuses: all fail before the battery
-        views.get("quant").config_type()(prompt, kv=kv or "none", weights=weights or "none").check_feasible(lm)
+        views.get("quant").config_type()(prompt, kv=kv, weights=weights).check_feasible(lm)
     lm64 = lm.reference()
     checks: list[Check] = []
     progress(0.05, "Is the model causal?")
@@ -202,7 +202,7 @@ def run_check(lm: LoadedModel, progress=None, weights: str = "none", kv: str = "
             quant_checks.append(Check("quantized", "n/a", "not measured: the model returns no cache"))
         else:
             progress(0.9, "the quantized run against the unquantized one")
-            measured = _quantized_check(lm, kv or "none", weights or "none", lambda f, m: progress(0.9 + 0.09 * f, m))
+            measured = _quantized_check(lm, kv, weights, lambda f, m: progress(0.9 + 0.09 * f, m))
             quant_checks.append(measured)
     elif not quant:
         quant_checks.append(Check("quantized weights", "pass", "the weights are not quantized"))
@@ -223,8 +223,7 @@ def run_check(lm: LoadedModel, progress=None, weights: str = "none", kv: str = "
 
     return CheckCard(model=lm.name, overall=overall, checks=checks, summary=summary,
                      settings=CheckSettings(model=lm.name, dtype=dtype_name(lm.dtype), device=str(lm.device),
-                                            weights=weights or "none", kv=kv or "none",
-                                            float64_device=str(lm64.device)))
+                                            weights=weights, kv=kv, float64_device=str(lm64.device)))
 
 
 @dataclass(frozen=True)

@@ -15,13 +15,12 @@ import pandas as pd
 from ...core.dtypes import DTYPE_NAMES, dtype_name, parse_dtype, supports_dtype
 from ...core.errors import KvvizError
 from ...core.execution import DEFAULT_SETTINGS, ExecSettings, RunSettings
-from ...core.inputs import MODES, check_mode, encode, split_point, validate_prompt  # noqa: F401 - split_point: repro
+from ...core.inputs import MODES, SplitConfig, Workload, check_mode, encode, split_point, validate_prompt
 from ...models import loading
 from ...models.loading import LoadedModel, ModelSpec
 from ...core.protocol import DEFAULT_CONTEXT, no_progress, RunContext
 from ...core.verdict import Prove
 from ... import views
-from ...core.inputs import SplitConfig, Workload
 
 Progress = Callable[[float, str], None]
 VERDICTS = ("identical", "precision", "logic")

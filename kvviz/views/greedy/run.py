@@ -262,18 +262,16 @@ def _record(rec: StepRecorder):
     return on_step
 
 
-def no_cache_loop(ex: Executor, inp: PromptInputs, n: int, rec: StepRecorder, forced: list[int] | None = None,
-                  ids=None, mask=None, pos=None) -> None:
-    """A full forward over the sequence so far at every step (the plain no-cache loop); `forced` feeds given tokens."""
+def no_cache_loop(ex: Executor, inp: PromptInputs, n: int, rec: StepRecorder, ids=None, mask=None, pos=None) -> None:
+    """A full forward over the sequence so far at every step (the plain no-cache loop)."""
     ids, mask, pos = (inp.ids, inp.mask, inp.positions) if ids is None else (ids, mask, pos)
-    ex.decode(ids, mask, n, policy=StepPolicy.NO_CACHE, positions=pos, forced=forced, on_step=_record(rec))
+    ex.decode(ids, mask, n, policy=StepPolicy.NO_CACHE, positions=pos, on_step=_record(rec))
 
 
-def _cache(ex: Executor, inp: PromptInputs, n: int, rec: StepRecorder, positions: str = "auto",
-           forced: list[int] | None = None) -> None:
+def _cache(ex: Executor, inp: PromptInputs, n: int, rec: StepRecorder, positions: str = "auto") -> None:
     """Prefill, then one token at a time through the cache with the full mask and (auto) position ids."""
     ex.decode(inp.ids, inp.mask, n, policy=StepPolicy.CACHE, positions=inp.positions, step_positions=positions,
-              forced=forced, on_step=_record(rec))
+              on_step=_record(rec))
 
 
 def _generate(ex: Executor, inp: PromptInputs, n: int, rec: StepRecorder) -> None:

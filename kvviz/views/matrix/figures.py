@@ -28,8 +28,7 @@ def matrix_grid(res) -> go.Figure:
                        f"<br>{c.seconds_per_token * 1000:.1f} ms/token<br>compiled: "
                        f"{'frames ' + str(c.compiled['frames']) if c.compiled and c.compiled['requested'] else 'no'}")
     n = len(names)
-    scale = [[k / n, MATRIX_COLOURS[v]] for k, v in enumerate(names) for k in (k, k + 1)]
-    scale = [[min(1.0, p), col] for p, col in scale]
+    scale = [[k / n, MATRIX_COLOURS[v]] for k, v in enumerate(names) for k in (k, k + 1)]  # k / n <= n / n = 1
     fig = go.Figure(go.Heatmap(z=z, x=attns, y=settings, zmin=-0.5, zmax=n - 0.5, colorscale=scale,
                                customdata=hover, hovertemplate="%{customdata}<extra></extra>", xgap=3, ygap=3,
                                colorbar=dict(tickvals=list(range(n)), ticktext=names, title="verdict")))

@@ -168,16 +168,13 @@ def _batch(lm: LoadedModel, cfg: MatrixConfig, n: int) -> tuple[PromptInputs, to
 # Decoding
 
 
-def _no_cache_loop(ex: Executor, ids, mask, n: int) -> tuple[list[int], torch.Tensor]:
-    """The reference: a full forward each step (row 0's tokens and logits; every row grows greedily)."""
-    d = ex.decode(ids, mask, n, policy=StepPolicy.NO_CACHE, positions=positions_from_mask(mask), hidden=False)
-    return d.tokens, torch.stack([lg.double() for lg in d.logits])
-
-
-def _cached_loop(ex: Executor, ids, mask, n: int, positions: str) -> tuple[list[int], torch.Tensor]:
-    """Prefill, then one token a step through the cache (position ids auto, or omitted: the model counts them)."""
-    d = ex.decode(ids, mask, n, policy=StepPolicy.CACHE,
-                  positions=positions_from_mask(mask) if positions == "auto" else None, hidden=False)
+def _loop(ex: Executor, ids, mask, n: int, policy: StepPolicy = StepPolicy.NO_CACHE,
+          positions: str = "auto") -> tuple[list[int], torch.Tensor]:
+    """Row 0's tokens and logits (every row grows greedily) of the reference - a full forward each step - or of the
+    cached loop: prefill, then one token a step through the cache (position ids auto, or omitted: the model counts
+    them)."""
+    d = ex.decode(ids, mask, n, policy=policy, positions=positions_from_mask(mask) if positions == "auto" else None,
+                  hidden=False)
     return d.tokens, torch.stack([lg.double() for lg in d.logits])
 
 
@@ -189,7 +186,7 @@ def _generate(ex: Executor, ids, mask, n: int) -> tuple[list[int], torch.Tensor]
 
 def _decode(ex: Executor, ids, mask, n: int, cfg: MatrixConfig) -> tuple[list[int], torch.Tensor]:
     if cfg.position_ids == "omit" or ex.settings.compile != "off":
-        return _cached_loop(ex, ids, mask, n, cfg.position_ids)
+        return _loop(ex, ids, mask, n, StepPolicy.CACHE, cfg.position_ids)
     return _generate(ex, ids, mask, n)
 
 
@@ -219,14 +216,14 @@ class _Runner:
         inp, ids, mask = _batch(lm, self.cfg, n)
         inv = self.cfg.invariant
         with Executor(lm, ExecSettings(invariant=inv, sdpa_as_eager=inv)).session() as ex:
-            toks, logits = _no_cache_loop(ex, ids, mask, n)
+            toks, logits = _loop(ex, ids, mask, n)
         lm64 = lm.reference()
         _, ids64, mask64 = _batch(lm64, self.cfg, n)
         with Executor(lm64).session() as ex64:
-            toks64, logits64 = _no_cache_loop(ex64, ids64, mask64, n)
+            toks64, logits64 = _loop(ex64, ids64, mask64, n)
         return toks, logits, inp, toks64, logits64
 
-    def float64_gap(self, cell: Cell, settings: ExecSettings, forced: list[int], inp: PromptInputs) -> float:
+    def float64_gap(self, settings: ExecSettings, forced: list[int], inp: PromptInputs) -> float:
         """Replay the step in float64: the reference computation vs the cell's (same cache kind, positions)."""
         lm64 = self.model("eager").reference()
         logic = Replay.CACHED_OMIT if self.cfg.position_ids == "omit" else Replay.CACHED
@@ -287,7 +284,7 @@ def _run_cell(runner: _Runner, cell: Cell, ref: tuple, n: int, progress: Callabl
         cell.verdict = Verdict.IDENTICAL
     else:
         step = div if div is not None else int(gaps.argmax())
-        cell.float64_gap = runner.float64_gap(cell, settings, ref_toks[:step], inp)
+        cell.float64_gap = runner.float64_gap(settings, ref_toks[:step], inp)
         cell.verdict = classify(False, cell.float64_gap)
 
 
@@ -318,7 +315,6 @@ def run_matrix(spec, prompt_or_cfg: "str | MatrixConfig", dtype="float32", devic
 
                 free_memory(e)
             cell.error = first_line(e) if isinstance(e, KvvizError) else first_line(e, 300, typed=True)
-            cell.verdict = None
     progress(1.0, "Done")
     lm = runner.model("eager")
     ref_toks, ref_logits, inp, toks64, _ = ref

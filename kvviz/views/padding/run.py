@@ -4,10 +4,9 @@ with the prompt alone without cache and judged by the one rule (kvviz.views.spli
 """
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
 from typing import Callable
-
-import time
 
 import pandas as pd
 import torch
@@ -89,9 +88,9 @@ def _batch(lm: LoadedModel, rows: list[list[int]], target: int, extra_pad: int):
 
 
 def _scenario(ex: Executor, rows, target: int, extra_pad: int, k: int, use_cache: bool, pos_mode: str,
-              mask_mode: str, gaps: LayerGaps) -> tuple[LayerGaps, torch.Tensor]:
-    """The target row's tokens [k, L): their hidden states compared with the reference's layer by layer as they
-    come (`gaps`), and their logits [n_compared, V]."""
+              mask_mode: str, gaps: LayerGaps) -> torch.Tensor:
+    """The target row's tokens [k, L): their logits [n_compared, V]; their hidden states are compared with the
+    reference's layer by layer as they come (`gaps`)."""
     ids, mask, pos, pad = _batch(ex.lm, rows, target, extra_pad)
     c = pad + k  # the column where the cache ends, the same for every row
     # float64 (the reference) computes only the compared positions' logits, and the prefix none: a 262k vocabulary's
@@ -100,14 +99,14 @@ def _scenario(ex: Executor, rows, target: int, extra_pad: int, k: int, use_cache
     if not use_cache:
         out = ex.forward(ids, mask, pos, use_cache=False, hidden=gaps.sink(lambda h: h[target, c:]),
                          logits_to_keep=ids.shape[1] - c if keep and ex.lm.dtype == torch.float64 else None)
-        return gaps, out.logits[target, -(ids.shape[1] - c):].clone()  # the target's rows: the batch's are freed
+        return out.logits[target, -(ids.shape[1] - c):].clone()  # the target's rows: the batch's are freed
     pre = ex.forward(ids[:, :c], mask[:, :c], pos[:, :c], hidden=False, logits_to_keep=1 if keep else None)
     if not has_cache(pre):
         raise KvvizError(f"{ex.lm.name} returns no cache (a bidirectional model): past_key_values cannot be used")
     past, pre = output_cache(pre), None  # only the prefix's cache goes on
     out = ex.forward(ids[:, c:], mask if mask_mode == "full" else mask[:, c:],
                      pos[:, c:] if pos_mode == "auto" else None, past, hidden=gaps.sink(lambda h: h[target]))
-    return gaps, out.logits[target].clone()
+    return out.logits[target].clone()
 
 
 def _cell(gaps: LayerGaps, ref_l, lg) -> dict:
@@ -144,7 +143,7 @@ def _padding_cells(lm: LoadedModel, settings: ExecSettings, ids: list[int], comp
                     continue
                 gaps = LayerGaps(held, machine_eps(lm.dtype), "a padding scenario", equal=True)
                 try:
-                    gaps, lg = _scenario(ex, rows, 0, extra, k, use_cache, pm, mm, gaps)
+                    lg = _scenario(ex, rows, 0, extra, k, use_cache, pm, mm, gaps)
                 except KvvizError:
                     raise
                 except Exception as e:  # noqa: BLE001 - the model's own forward fails on this cell: say why, go on

@@ -30,9 +30,8 @@ def quant_steps(res) -> go.Figure:
                            text=f"greedy texts part at step {res.agreement}", font=dict(color="#c0392b"))
         fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", line=dict(dash="dash", color="#c0392b"),
                                  name="free-running greedy texts part"))
-    fig.update_layout(title=f"KL(unquantized ‖ {res.label}) per step — {res.settings.dtype} on "
-                            f"{res.settings.device}", xaxis_title="decoding step (teacher forced on the unquantized "
-                                                                  "tokens)",
+    fig.update_layout(title=f"KL(unquantized ‖ {res.label}) per step — {res.settings.dtype} on {res.settings.device}",
+                      xaxis_title="decoding step (teacher forced on the unquantized tokens)",
                       yaxis_title="KL (nats)", height=380, margin=dict(l=10, r=10, t=60, b=10),
                       legend=dict(orientation="h", y=-0.3))
     fig.update_yaxes(type="log", exponentformat="power")

@@ -215,8 +215,7 @@ def _bnb_weights(lm: LoadedModel, scheme: str, progress: Progress) -> LoadedMode
     try:
         model = AutoModelForCausalLM.from_pretrained(lm.source, **kw).eval()
     except Exception as e:  # noqa: BLE001 - bitsandbytes' own limits
-        raise KvvizError(f"bitsandbytes could not load {lm.name} as {scheme}: "
-                         f"{first_line(e, 200)}") from None
+        raise KvvizError(f"bitsandbytes could not load {lm.name} as {scheme}: {first_line(e, 200)}") from None
     note = f"{scheme} weights: the model's files reloaded with bitsandbytes ({scheme[4:]}) on {lm.device}"
     progress(1.0, "Quantized")
     return replace(lm, model=model, description=f"{lm.description}; {note}", warnings=list(lm.warnings) + [note],

@@ -15,10 +15,9 @@ def comparison(d: dict | None):
                    hidden=arrays(d.get("hidden")), logits=arrays(d.get("logits")), describe=d.get("describe", {}),
                    kv=d.get("kv", []), reference_top1=d.get("reference_top1", []),
                    cached_top1=d.get("cached_top1", []), bidirectional_change=d.get("bidirectional_change"))
-    if "argmax_agree" in c.logits:
-        c.logits["argmax_agree"] = c.logits["argmax_agree"].astype(bool)
-    if "top5_overlap" in c.logits:
-        c.logits["top5_overlap"] = c.logits["top5_overlap"].astype(np.int64)
+    for name, dtype in (("argmax_agree", bool), ("top5_overlap", np.int64)):
+        if name in c.logits:
+            c.logits[name] = c.logits[name].astype(dtype)
     return c
 
 

@@ -30,8 +30,7 @@ from ...core.memory import REFERENCE_LOGITS_BYTES, fits_beside  # float64 logits
 from ...core.metrics import HIDDEN_METRICS as HIDDEN_METRIC_LABELS
 from ...core.metrics import describe_table, logits_divergence, logits_rows, tensor_diff
 from ...core.streaming import HeldRows, LayerGaps
-from ...core.verdict import (Finding, Prove, Verdict, amplification, classify, layers_prefix,  # noqa: F401
-                       precision_sentence)
+from ...core.verdict import Finding, Prove, Verdict, amplification, classify, layers_prefix, precision_sentence
 
 
 Progress = Callable[[float, str], None]
@@ -200,7 +199,7 @@ class _Compared:
 def _rest_through_cache(ex: Executor, cfg: SplitConfig, inp: PromptInputs, a0: int, past, progress: Progress,
                         ref_logits: torch.Tensor | None, gaps: LayerGaps):
     """Feed tokens [a0, total) through `past`, in one chunk or one by one, with the position ids and mask the user
-    chose; each layer's hidden states are compared with the reference's as they come (`gaps`). Returns `gaps`,
+    chose; each layer's hidden states are compared with the reference's as they come (`gaps`). Returns the
     logits [n_rest, V] (token by token with `ref_logits` given: a _Compared, each step's row compared as it comes)
     and the grown cache."""
     rest = inp.ids[:, a0:]
@@ -210,7 +209,7 @@ def _rest_through_cache(ex: Executor, cfg: SplitConfig, inp: PromptInputs, a0: i
         progress(0.5, "Rest through the cache, one chunk…")
         _, _, got = next(ex.feed(rest, past, mask_of=mask_of, positions_of=positions_of,
                                  hidden=gaps.sink(lambda h: h[0])))
-        return gaps, got.logits[0], output_cache(got)
+        return got.logits[0], output_cache(got)
     lg = []
     cache = past
     for j, _, out in ex.feed(rest, past, one_by_one=True, mask_of=mask_of, positions_of=positions_of,
@@ -225,8 +224,8 @@ def _rest_through_cache(ex: Executor, cfg: SplitConfig, inp: PromptInputs, a0: i
             last = out.logits[0, -1].clone()
         del out
     if ref_logits is None:
-        return gaps, torch.stack(lg), cache
-    return gaps, _Compared({k: torch.cat([m[k] for m in lg]) for k in lg[0]}, last), cache
+        return torch.stack(lg), cache
+    return _Compared({k: torch.cat([m[k] for m in lg]) for k in lg[0]}, last), cache
 
 
 @dataclass
@@ -247,8 +246,7 @@ class _Rows:
         return cls(hidden, logits, output_cache(out))
 
 
-def _measure(lm: LoadedModel, comp: Comparison, ref: _Rows, a0: int, gaps: LayerGaps, got_logits, cache,
-             inp) -> None:
+def _measure(lm: LoadedModel, comp: Comparison, ref: _Rows, gaps: LayerGaps, got_logits, cache, inp) -> None:
     """Every metric, computed on the device (the hidden-state gaps already, layer by layer as the cached run
     produced them); only the small matrices come to the host."""
     ref_logits = ref.logits
@@ -296,10 +294,10 @@ def _run(lm: LoadedModel, cfg: SplitConfig, inp: PromptInputs, progress: Progres
             ref.logits = _ChunkedLogits(ex, inp, a0, ref.logits)
         # the cached path's hidden states are compared with those layer by layer as it produces them
         gaps = LayerGaps(held, machine_eps(lm.dtype), free=cfg.mode == "chunk")
-        gaps, got_logits, cache = _rest_through_cache(ex, cfg, inp, a0, output_cache(pre), progress,
-                                                      ref.logits if cfg.mode == "step" else None, gaps)
+        got_logits, cache = _rest_through_cache(ex, cfg, inp, a0, output_cache(pre), progress,
+                                                ref.logits if cfg.mode == "step" else None, gaps)
         progress(0.9, "Measuring…")
-        _measure(lm, comp, ref, a0, gaps, got_logits, cache, inp)
+        _measure(lm, comp, ref, gaps, got_logits, cache, inp)
     return comp
 
 

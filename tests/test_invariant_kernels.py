@@ -35,6 +35,18 @@ def test_gpt2_style_addmm_is_blocked_too():
     assert all(torch.equal(invariant.block_addmm(bias, a[r:r + 1], w), full[r:r + 1]) for r in (0, 33, 69))
 
 
+def test_addmm_with_a_bias_row_per_row_keeps_each_rows_own_bias():
+    """torch.addmm's input may be a full [R, N] matrix (one bias row per row): each row is computed with its own
+    row, one kernel call each, alone or among the others (it raised a shape error before)."""
+    w, a = _rand(48, 64, dtype=torch.float32, seed=5), _rand(70, 48, dtype=torch.float32, seed=6)
+    bias = _rand(70, 64, dtype=torch.float32, seed=7)
+    full = invariant.block_addmm(bias, a, w, beta=0.5, alpha=2.0)
+    assert full.shape == (70, 64)
+    assert torch.allclose(full, torch.addmm(bias, a, w, beta=0.5, alpha=2.0), rtol=1e-5, atol=1e-5)
+    assert all(torch.equal(invariant.block_addmm(bias[r:r + 1], a[r:r + 1], w, beta=0.5, alpha=2.0), full[r:r + 1])
+               for r in (0, 33, 69))
+
+
 def test_a_position_dependent_kernel_is_refused_and_the_per_row_form_used(monkeypatch):
     """The probe must catch a kernel whose row result depends on where the row sits (AVX2 MKL's sgemm does for
     some row counts): such a family is never used."""

@@ -408,10 +408,16 @@ def block_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def block_addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta=1, alpha=1) -> torch.Tensor:
-    """torch.addmm (GPT-2's Conv1D) with every kernel call of one shape, as block_linear."""
+    """torch.addmm (GPT-2's Conv1D) with every kernel call of one shape, as block_linear. A bias given as a matrix
+    ([R, N] or [1, N]) goes row by row, one [1, K] call each with the row's own bias row, however many rows come."""
+    if bias.dim() == 2:
+        out = torch.empty(a.shape[0], b.shape[1], dtype=torch.result_type(a, b), device=a.device)
+        for r in range(a.shape[0]):
+            out[r:r + 1] = torch.addmm(bias[r:r + 1] if bias.shape[0] > 1 else bias, a[r:r + 1], b, beta=beta,
+                                       alpha=alpha)
+        return out
     call = lambda blk, out=None: torch.addmm(bias, blk, b, beta=beta, alpha=alpha, out=out)  # noqa: E731
-    per_row_bias = bias.dim() == 2 and bias.shape[0] != 1
-    rows_b = 0 if per_row_bias or a.dtype != b.dtype else \
+    rows_b = 0 if a.dtype != b.dtype else \
         linear_block(a.dtype, b, bias, lambda blk, w_, c_: torch.addmm(c_, blk, w_, beta=beta, alpha=alpha),
                      b.shape[0], ("addmm", float(beta), float(alpha)))
     if not rows_b:

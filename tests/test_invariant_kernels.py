@@ -45,6 +45,8 @@ def test_addmm_with_a_bias_row_per_row_keeps_each_rows_own_bias():
     assert torch.allclose(full, torch.addmm(bias, a, w, beta=0.5, alpha=2.0), rtol=1e-5, atol=1e-5)
     assert all(torch.equal(invariant.block_addmm(bias[r:r + 1], a[r:r + 1], w, beta=0.5, alpha=2.0), full[r:r + 1])
                for r in (0, 33, 69))
+    with pytest.raises(RuntimeError):  # a bias of another row count: torch's own error, as torch.addmm gives it
+        invariant.block_addmm(bias[:5], a[:1], w)
 
 
 def test_a_position_dependent_kernel_is_refused_and_the_per_row_form_used(monkeypatch):

@@ -409,8 +409,9 @@ def block_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def block_addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta=1, alpha=1) -> torch.Tensor:
     """torch.addmm (GPT-2's Conv1D) with every kernel call of one shape, as block_linear. A bias given as a matrix
-    ([R, N] or [1, N]) goes row by row, one [1, K] call each with the row's own bias row, however many rows come."""
-    if bias.dim() == 2:
+    ([R, N] or [1, N]) goes row by row, one [1, K] call each with the row's own bias row, however many rows come
+    (a [1, N] too: a decode step's one row cannot tell a broadcast bias from its own row of a prefill's [R, N])."""
+    if bias.dim() == 2 and bias.shape[0] in (1, a.shape[0]):  # (other row counts: torch.addmm's own error below)
         out = torch.empty(a.shape[0], b.shape[1], dtype=torch.result_type(a, b), device=a.device)
         for r in range(a.shape[0]):
             out[r:r + 1] = torch.addmm(bias[r:r + 1] if bias.shape[0] > 1 else bias, a[r:r + 1], b, beta=beta,

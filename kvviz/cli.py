@@ -22,10 +22,24 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"kvviz: error: {message}\n")
 
 
+def version_line() -> str:
+    """`kvviz --version`: the versions that decide what a run computes; an untested transformers said here."""
+    import torch
+
+    from . import __version__
+    from .models.compat import TRANSFORMERS_VERSION, range_warning
+
+    line = f"kvviz {__version__} (torch {torch.__version__}, transformers {TRANSFORMERS_VERSION})"
+    return line + ("\n" + range_warning() if range_warning() is not None else "")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import views
 
     parser = _Parser(prog="python -m kvviz", description="Where does a KV cache change a model's numbers, and why?")
+    parser.add_argument("--version", action="store_true",
+                        help="kvviz's, torch's and transformers' versions (and whether kvviz was tested on this "
+                             "transformers)")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     seen = set()
     for view in views.all_views():  # one subcommand per view folder (the cache folder: two views); a view without
@@ -180,13 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.version:
+        print(version_line())
+        return 0
     if not args.command:
         parser.print_help()
         return 2
-    from .models.compat import range_warning  # said by the CLI when it runs, not by importing kvviz
-
-    if range_warning() is not None:
-        print(range_warning(), file=sys.stderr)
     try:
         with ctrl_c_stops():
             return _run(args)
@@ -212,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("KVVIZ_DEBUG"):
             raise
         first = first_line(e)
-        print(f"kvviz: unexpected error ({type(e).__name__}): {first} - a bug in kvviz or in the model's own code; "
-              f"KVVIZ_DEBUG=1 shows the traceback", file=sys.stderr)
+        from .models.compat import untested_note  # an untested transformers is the likelier cause: said here, once
+
+        print(f"kvviz: unexpected error ({type(e).__name__}): {first} - a bug in kvviz or in the model's own code"
+              f"{untested_note()}; KVVIZ_DEBUG=1 shows the traceback", file=sys.stderr)
         return 3

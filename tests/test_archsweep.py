@@ -2,6 +2,7 @@
 its own config class runs the cache-safety card in float64 and the invariant proof, and the rows agree with
 docs/architectures.json/.md (the committed table): same verdict, same failing checks, same proof."""
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,6 @@ TABLE = ROOT / "docs" / "architectures.json"
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
-    _for_this_version()  # before the sweep: on a transformers the table does not describe, nothing to compare
     # two worker processes (`python -m kvviz.io.archsweep`, the sweep's --jobs path): half the wall time on 2 cores
     return {r.model_type: r for r in archsweep.sweep(list(archsweep.CI_SUBSET), timeout=None,
                                                         workdir=tmp_path_factory.mktemp("arch"), jobs=2)}
@@ -26,27 +26,10 @@ def _table():
     return {r["model_type"]: r for r in json.loads(TABLE.read_text())["rows"]}
 
 
-def _made_for() -> str:
-    """The newest transformers the table's rows were made with (the version the table is for)."""
-    from kvviz.models.compat import _vtuple
+def _locked_transformers() -> str:
+    import re
 
-    return max((r["transformers"] for r in _table().values()), key=_vtuple)
-
-
-def _for_this_version():
-    """The table is checked against the transformers it was made for. A newer installed release fails in one line
-    (new types, changed behaviour: regenerate the table); an older one still in the tested range is not what the
-    table describes."""
-    import transformers
-
-    from kvviz.models.compat import _vtuple
-
-    made, have = _made_for(), transformers.__version__
-    if _vtuple(have) > _vtuple(made):
-        pytest.fail(f"docs/architectures.json was made with transformers {made}, {have} is installed: regenerate it "
-                    f"(make arch-sweep, or --only the new types)")
-    if _vtuple(have) < _vtuple(made):
-        pytest.skip(f"docs/architectures.json describes transformers {made}; {have} is installed")
+    return re.search(r"^transformers==(\S+)$", (ROOT / "requirements.lock").read_text(), re.M).group(1)
 
 
 def test_every_row_says_which_transformers_made_it():
@@ -56,20 +39,53 @@ def test_every_row_says_which_transformers_made_it():
     assert meta["transformers"] == archsweep.table_version(list(table.values()))
     md = (ROOT / "docs" / "architectures.md").read_text()
     assert f"transformers {meta['transformers']}" in md
+    for r in table.values():  # each row names its version in the markdown table too
+        assert f"| {r['model_type']} | {r['status']} |" in md and md.count(f"| {r['transformers']} |") >= 1
 
 
 def test_the_subset_is_large_and_every_type_has_a_row():
-    _for_this_version()
+    """The table is per release: each row names the transformers it was measured on. Types the installed release
+    has and the table has not measured yet are listed (`make arch-sweep-new` measures them), not failed - but the
+    locked release (what `make run` installs) is covered whole."""
+    import transformers
+
     assert len(archsweep.CI_SUBSET) >= 20
     table = _table()
-    assert set(table) == set(archsweep.model_types())  # a row for every installed causal-LM type
+    have = archsweep.model_types()
+    unmeasured = archsweep.unmeasured_types(TABLE)
+    assert unmeasured == sorted(set(have) - set(table))
+    if unmeasured:
+        warnings.warn(f"docs/architectures.json has no row yet for {len(unmeasured)} model type(s) of transformers "
+                      f"{transformers.__version__}: {', '.join(unmeasured)} (make arch-sweep-new)")
+    if transformers.__version__ == _locked_transformers():
+        assert not unmeasured, f"the locked transformers' types without a row: {unmeasured} (make arch-sweep-new)"
     md = (ROOT / "docs" / "architectures.md").read_text()
-    for t in archsweep.model_types():
+    for t in set(have) - set(unmeasured):
         assert f"| {t} |" in md
 
 
+def test_only_new_sweeps_the_types_without_a_row(tmp_path):
+    """`sweep-architectures --only-new`: the installed types the table has no row for, and nothing when it has all."""
+    import argparse
+
+    table = json.loads(TABLE.read_text())
+    gone = [r["model_type"] for r in table["rows"] if r["model_type"] in ("gpt2", "llama")]
+    table["rows"] = [r for r in table["rows"] if r["model_type"] not in gone]
+    (tmp_path / "architectures.json").write_text(json.dumps(table))
+    assert set(gone) <= set(archsweep.unmeasured_types(tmp_path / "architectures.json"))
+    ap = argparse.ArgumentParser()
+    archsweep.add_parser(ap.add_subparsers())
+    args = ap.parse_args(["sweep-architectures", "--only-new", "--out", str(tmp_path), "--json"])
+    assert archsweep.selected_types(args) == archsweep.unmeasured_types(tmp_path / "architectures.json")
+    with pytest.raises(KvvizError, match="--only-new and --only"):
+        archsweep.selected_types(ap.parse_args(["sweep-architectures", "--only-new", "--only", "gpt2"]))
+    complete = ap.parse_args(["sweep-architectures", "--only-new"])  # the committed table: nothing (or the new) to run
+    assert archsweep.selected_types(complete) == archsweep.unmeasured_types(TABLE)
+
+
 def test_subset_runs_and_matches_the_table(rows):
-    _for_this_version()
+    """The installed release against the table's rows (measured on the release each names): a verdict that moved
+    between releases fails here, naming the type."""
     table = _table()
     assert all(rows[t].status != "cannot run" for t in archsweep.CI_SUBSET), \
         [(t, rows[t].reason) for t in archsweep.CI_SUBSET if rows[t].status == "cannot run"]

@@ -84,6 +84,60 @@ def test_tested_range_and_its_warning():
 
 # importing kvviz outside the tested range is silent; the CLI and the loaded model say it: tests/test_imports.py
 
+_NEWER = "5.99.0"  # newer than any TESTED_MAX: the day after an upstream release
+_FAKED_CLI = ("import sys, kvviz.models.compat as c; c.TRANSFORMERS_VERSION = sys.argv[1]; from kvviz.cli import main; "
+              "raise SystemExit(main(sys.argv[2:]))")
+
+
+def _cli_faked(version: str, *argv: str):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", _FAKED_CLI, version, *argv], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+
+
+def test_the_bad_input_contract_holds_on_an_untested_transformers():
+    """One line and a non-zero exit for bad input on any transformers: a newer release than the tested range (faked
+    in a real process) adds no line of its own before the answer (issue 51: 60 tests failed on 5.25 that way)."""
+    assert not compat.in_tested_range(_NEWER)
+    for argv, code in ((["split", "--model", "tiny:llama", "--prompt", ""], 2),  # the issue's command
+                       (["split", "--model", "tiny:llama", "--prompt", "", "--split", "3", "--quiet"], 1),
+                       (["split", "--model", "tiny:llama", "--prompt", "x", "--split", "abc"], 2)):
+        p = _cli_faked(_NEWER, *argv)
+        assert p.returncode == code, (argv, p.returncode, p.stderr)
+        lines = p.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("kvviz: error:"), (argv, p.stderr)
+        assert _NEWER not in p.stderr and p.stdout == ""  # a typo is not about the version
+
+
+def test_the_untested_version_is_said_where_it_helps(capsys, monkeypatch):
+    """`kvviz --version`, the result's environment block (JSON and HTML) and an unexpected failure's one line name
+    an untested transformers; in the tested range they say nothing of it."""
+    from kvviz.cli import main, version_line
+    from kvviz.core.environment import environment
+
+    p = _cli_faked(_NEWER, "--version")
+    assert p.returncode == 0 and p.stdout.splitlines()[0].startswith("kvviz ")
+    assert f"transformers {_NEWER}" in p.stdout and compat.range_warning(_NEWER) in p.stdout
+    assert compat.TRANSFORMERS_VERSION in version_line() and (compat.range_warning() is None) == \
+        (len(version_line().splitlines()) == 1)
+    monkeypatch.setattr(compat, "TRANSFORMERS_VERSION", _NEWER)
+    env = environment()
+    assert env["transformers_tested"].startswith(compat.tested_range()) and "outside it" in env["transformers_tested"]
+    from kvviz import views
+
+    real = views.get("split").cli_module()
+    monkeypatch.setattr(real, "command", lambda args: (_ for _ in ()).throw(ValueError("moved upstream")))
+    monkeypatch.delenv("KVVIZ_DEBUG", raising=False)
+    code = main(["split", "--model", "tiny:llama", "--prompt", "Hello there", "--split", "3", "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 3 and len(err) == 1
+    assert err[0].startswith("kvviz: unexpected error (ValueError): moved upstream")
+    assert f"(transformers {_NEWER} is outside kvviz's tested range {compat.tested_range()})" in err[0]
+    monkeypatch.setattr(compat, "TRANSFORMERS_VERSION", compat.TESTED_MAX)
+    assert "outside" not in environment()["transformers_tested"] and compat.untested_note() == ""
+
 
 # ------------------------------------------------------------------------------------------------------------------
 # Output capturing

@@ -30,7 +30,7 @@ def test_import_kvviz_prints_nothing():
     assert r.stdout == "" and r.stderr == "", (r.stdout[-2000:], r.stderr[-2000:])
 
 
-def test_outside_the_tested_range_import_is_silent_and_the_cli_and_the_model_say_it_in_one_line():
+def test_outside_the_tested_range_import_is_silent_and_the_model_says_it_in_one_line():
     code = ("import transformers; transformers.__version__ = '5.99.0'\n"
             "import kvviz; print('imported', flush=True)\n"
             "lm = kvviz.load_model('tiny:llama', 'float32', 'cpu')\n"
@@ -44,8 +44,9 @@ def test_outside_the_tested_range_import_is_silent_and_the_cli_and_the_model_say
     assert before == "" and "outside the tested range" not in before
     notes = [ln for ln in r.stdout.splitlines() if ln.startswith("notes:")]
     assert len(notes) == 1 and "5.99.0" in notes[0] and compat.TESTED_MIN in notes[0], r.stdout[-2000:]
-    lines = [ln for ln in r.stderr.splitlines() if "outside the tested range" in ln]
-    assert len(lines) == 1 and "5.99.0" in lines[0] and compat.TESTED_MAX in lines[0], r.stderr[-2000:]
+    # the CLI adds no line of its own before a run's answer (kvviz --version and a failed run's line say it:
+    # tests/test_compat.py::test_the_untested_version_is_said_where_it_helps)
+    assert "outside the tested range" not in r.stderr, r.stderr[-2000:]
     assert "memory plan: split on tiny:llama" in r.stdout
 
 

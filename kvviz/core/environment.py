@@ -56,12 +56,15 @@ def environment(device: str | torch.device | None = None) -> dict:
     import transformers
 
     from .. import __version__
+    from ..models import compat
 
     return {
         "kvviz": __version__,
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
+        "transformers_tested": compat.tested_range() + ("" if compat.in_tested_range() else
+                                                 " (this transformers is outside it: views may fail or differ)"),
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "device": str(device) if device is not None else None,

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..models import compat
+from .errors import KvvizError
 from .float64 import PROBE_SLAB, _GROUPED
 
 _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm, torch.mm,
@@ -1179,41 +1180,89 @@ _ROUTED = frozenset({F.linear, torch.addmm, *_MATMULS, *_GROUPED, torch.logsumex
 # forward's terms otherwise than a cached rest's; the recurrence computes token t from the state after t-1 alone.
 _SCANS = (("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"),  # Qwen3-Next, Qwen3.5, OLMo-hybrid
           ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention"))  # Kimi-Linear, Bailing-hybrid
+# The signatures kvviz was written for (transformers 5.23-5.25: the same names in every module that defines them). A
+# scan is swapped only when both of its functions still have exactly these named parameters; otherwise the models
+# of that module are refused a proof in one line (the call kvviz would make could mean something else).
+_SCAN_PARAMS = {
+    "torch_chunk_gated_delta_rule": ("query", "key", "value", "g", "beta", "chunk_size", "initial_state",
+                                     "output_final_state", "use_qk_l2norm_in_kernel"),
+    "torch_recurrent_gated_delta_rule": ("query", "key", "value", "g", "beta", "initial_state", "output_final_state",
+                                         "use_qk_l2norm_in_kernel"),
+    "chunk_kimi_delta_attention": ("query", "key", "value", "g", "beta", "chunk_size", "initial_state",
+                                   "output_final_state", "use_qk_l2norm_in_kernel"),
+    "recurrent_kimi_delta_attention": ("query", "key", "value", "g", "beta", "initial_state", "output_final_state",
+                                       "use_qk_l2norm_in_kernel"),
+}
 _SWAPPED: dict = {}  # (module name, function name) -> the original function
+_REFUSED: dict = {}  # module name -> why invariant mode cannot prove its models (a scan's signature changed)
 _SWAP_LOCK = threading.Lock()
+
+
+def _named_parameters(f) -> tuple[str, ...]:
+    """The named parameters of the plain function under f's decorators (no *args / **kwargs)."""
+    params = inspect.signature(compat.plain_function(f)).parameters.values()
+    return tuple(p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+
+
+def scan_change(name: str, f) -> str | None:
+    """None when f (a scan named `name`) has the signature kvviz binds to; else one phrase saying what changed."""
+    want = _SCAN_PARAMS[name]
+    try:
+        have = _named_parameters(f)
+    except (TypeError, ValueError) as e:  # no signature to read (a builtin, a C extension)
+        return f"{name} changed (its signature cannot be read: {e})"
+    if have == want:
+        return None
+    return f"{name} changed (it takes {', '.join(have) or 'nothing by name'}; kvviz knows {', '.join(want)})"
 
 
 def _swap_scans() -> None:
     """Route each loaded transformers modeling module's chunked scan to its recurrence while invariant mode is on in
-    the calling thread (elsewhere the wrapper calls the original: other threads and normal runs are unchanged)."""
+    the calling thread (elsewhere the wrapper calls the original: other threads and normal runs are unchanged). A
+    module whose scan signatures are not the known ones is left as it is and recorded in _REFUSED."""
     with _SWAP_LOCK:
         for name, mod in compat.transformers_model_modules():
             for chunked, recurrent in _SCANS:
                 orig, rec = getattr(mod, chunked, None), getattr(mod, recurrent, None)
-                if orig is None or rec is None or (name, chunked) in _SWAPPED:
+                if orig is None or rec is None or (name, chunked) in _SWAPPED or name in _REFUSED:
+                    continue
+                change = scan_change(chunked, orig) or scan_change(recurrent, rec)
+                if change is not None:
+                    _REFUSED[name] = change
                     continue
                 _SWAPPED[(name, chunked)] = orig
                 setattr(mod, chunked, _scan_wrapper(orig, rec))
 
 
-def _scan_wrapper(orig, rec):
-    sig = inspect.signature(orig)
-    takes = inspect.signature(rec).parameters
+def refuse_unproven(model) -> None:
+    """One line (KvvizError) when the model runs modeling code whose scan invariant mode could not swap: the proof
+    would be a chunked scan's, not the recurrence's, and a gap could not be told from rounding."""
+    _swap_scans()
+    mods = {type(m).__module__ for m in model.modules()}
+    why = next((_REFUSED[m] for m in sorted(mods) if m in _REFUSED), None)
+    if why is not None:
+        mtype = getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
+        raise KvvizError(f"invariant mode cannot prove {mtype} on transformers {compat.TRANSFORMERS_VERSION}: {why}")
 
-    @functools.wraps(orig)
+
+def _scan_wrapper(orig, rec):
+    sig = inspect.signature(compat.plain_function(orig))  # bound by name: the decorated objects take (*args, **kwargs)
+    takes = inspect.signature(compat.plain_function(rec)).parameters
+    passes_rest = any(p.kind is p.VAR_KEYWORD for p in takes.values())
+
+    @functools.wraps(compat.plain_function(orig))
     def scan(*args, **kwargs):
         if not active():
             return orig(*args, **kwargs)
-        bound = sig.bind(*args, **kwargs)  # by name: the recurrence has no chunk size, and other positions
+        bound = sig.bind(*args, **kwargs)
         bound.apply_defaults()
-        named = {k: v for k, v in bound.arguments.items() if k != "chunk_size"}
-        extra = {}
-        for k, v in named.items():
+        call = {}
+        for k, v in bound.arguments.items():
             if sig.parameters[k].kind is inspect.Parameter.VAR_KEYWORD:
-                extra.update(v)
-            elif k in takes:
-                extra[k] = v
-        return rec(**extra)
+                call.update(v if passes_rest else {x: y for x, y in v.items() if x in takes})
+            elif k in takes:  # the recurrence has no chunk size
+                call[k] = v
+        return rec(**call)
 
     scan.kvviz_recurrence = rec
     return scan
@@ -1244,7 +1293,10 @@ def _invariant_run(sdpa_as_eager: bool):
 
 
 def _run_context(settings, lm):
-    return _invariant_run(settings.sdpa_as_eager) if settings.invariant else None
+    if not settings.invariant:
+        return None
+    refuse_unproven(lm.model)
+    return _invariant_run(settings.sdpa_as_eager)
 
 
 def register() -> None:

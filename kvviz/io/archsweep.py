@@ -484,6 +484,8 @@ def add_parser(sub) -> None:
                         "each, the cache-safety card in float64 and the invariant proof -> docs/architectures.md")
     ap.add_argument("--only", default=None, help="comma-separated model types to (re)run; their rows replace the "
                     "old ones in the output")
+    ap.add_argument("--only-new", action="store_true", help="only the installed transformers' types the table has "
+                    "no row for yet (a new release's new types); their rows are added to it")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per model type (default 120)")
     ap.add_argument("--note", default=None, help="how and where the sweep ran (machine load), for the table's "
@@ -497,10 +499,31 @@ def out_path_json(args) -> Path:
     return Path("/nonexistent") if args.out == "-" else Path(args.out) / "architectures.json"
 
 
-def cli(args) -> int:
+def unmeasured_types(table: Path) -> list[str]:
+    """The installed transformers' causal-LM types that the table (architectures.json) has no row for."""
+    rows = json.loads(table.read_text())["rows"] if table.exists() else []
+    return sorted(set(model_types()) - {r["model_type"] for r in rows})
+
+
+def selected_types(args) -> list[str] | None:
+    """The types a `sweep-architectures` call runs (None: every type)."""
+    if getattr(args, "only_new", False):
+        if args.only is not None:
+            raise KvvizError("--only-new and --only choose the types two ways: give one of them")
+        return unmeasured_types(Path(args.out if args.out != "-" else "docs") / "architectures.json")
     types = [t.strip() for t in args.only.split(",") if t.strip()] if args.only else None
     if args.only is not None and not types:
         raise KvvizError("--only needs at least one model type")
+    return types
+
+
+def cli(args) -> int:
+    types = selected_types(args)
+    if types == [] and getattr(args, "only_new", False):
+        import transformers
+
+        print(f"every causal-LM type of transformers {transformers.__version__} has a row: nothing new to sweep")
+        return 0
     if args.timeout is not None and args.timeout <= 0:
         raise KvvizError(f"--timeout must be a positive number of seconds, not {args.timeout:g}")
     jobs = getattr(args, "jobs", 1) or 1

@@ -246,6 +246,12 @@ _SPECIAL = {
     "mamba2": lambda d: {"num_heads": 8, "head_dim": 16, "expand": 2},
     "falcon_h1": lambda d: {"mamba_d_ssm": 128, "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_expand": 2},
     "zaya": lambda d: {"num_experts_per_tok": 1},
+    # Kolibri 1.1 (transformers 5.25): a sliding layer and an indexed-attention layer whose indexer picks 8 of the
+    # prompt's tokens in pools of 16 (compressed by 4), index heads within one key head's query group
+    "kolibri1_1": lambda d: {"layer_types": ["sliding_attention", "indexed_attention"], "index_layers": [1],
+                             "kv_source_layers": [0, 1], "index_num_heads": HEADS // KV_HEADS, "index_topk": 8,
+                             "index_pool_size": 16, "index_compression": 4, "index_num_local_tokens": 4,
+                             "index_num_sink_tokens": 1, "mlp_only_layers": [0], "mlp_only_intermediate_size": FFN},
     "dbrx": lambda d: {"d_model": HIDDEN, "n_heads": HEADS, "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 4,
                                                                          "moe_top_k": 2},
                        "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}},

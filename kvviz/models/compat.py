@@ -18,7 +18,9 @@ Entries:
 - the attention kernel a loaded model runs (`config._attn_implementation`);
 - an op's qualified name (`_qualified_op_name`); torch's grouped matmul before it was public (`torch._grouped_mm`)
   is float64.py's own `compat_grouped_mm_functions` (float64.py is copied into repro scripts);
-- the model modules transformers has imported (`sys.modules["transformers.models.*"]`), for invariant mode's scans;
+- the model modules transformers has imported (`sys.modules["transformers.models.*"]`), for invariant mode's scans,
+  and the plain function under a kernel decorator (`plain_function`: `__wrapped__`, the `kernels` package's `Func`
+  module), whose signature invariant mode binds to;
 - optimum-quanto's compiled extension handle (`Extension._lib`);
 - Streamlit's script-run requests (`ScriptRequests._state`, `_rerun_data`): has the page asked this run to stop;
 - hqq's `Quantizer`, which `transformers.cache_utils` imports as it loads when hqq is installed (`HQQQuantizer`):
@@ -47,7 +49,7 @@ from ..core.errors import KvvizError
 TRANSFORMERS_VERSION = transformers.__version__
 # the range the suite passed on (requirements.lock and `make test-latest`); pyproject.toml declares the same
 TESTED_MIN = "5.23.0"
-TESTED_MAX = "5.24.0"
+TESTED_MAX = "5.25.0"
 
 
 def _vtuple(v: str) -> tuple[int, ...]:
@@ -67,13 +69,27 @@ def transformers_at_least(*version: int) -> bool:
     return _vtuple(TRANSFORMERS_VERSION)[:len(version)] >= tuple(version)
 
 
-def in_tested_range(version: str = TRANSFORMERS_VERSION) -> bool:
-    v = _vtuple(version)[:3]
+def in_tested_range(version: str | None = None) -> bool:
+    v = _vtuple(version or TRANSFORMERS_VERSION)[:3]
     return _vtuple(TESTED_MIN) <= v <= _vtuple(TESTED_MAX)
 
 
-def range_warning(version: str = TRANSFORMERS_VERSION) -> str | None:
+def tested_range() -> str:
+    return f"{TESTED_MIN} to {TESTED_MAX}"
+
+
+def untested_note(version: str | None = None) -> str:
+    """A clause for a line that is already being printed (a run that failed unexpectedly): empty in the tested range.
+    The untested version is never a line of its own before a run's answer: one line per answer, on any version."""
+    version = version or TRANSFORMERS_VERSION
+    if in_tested_range(version):
+        return ""
+    return f" (transformers {version} is outside kvviz's tested range {tested_range()})"
+
+
+def range_warning(version: str | None = None) -> str | None:
     """One line when the installed transformers is outside the tested range, else None."""
+    version = version or TRANSFORMERS_VERSION
     if in_tested_range(version):
         return None
     return (f"kvviz: transformers {version} is outside the tested range {TESTED_MIN} to {TESTED_MAX}; "
@@ -540,6 +556,21 @@ def transformers_model_modules():
     """(name, module) of every transformers model module imported so far (the modeling code kvviz may wrap)."""
     return [(name, mod) for name, mod in list(sys.modules.items())
             if name.startswith("transformers.models.") and mod is not None]
+
+
+def plain_function(f):
+    """The Python function under transformers' kernel decorators, whose signature is the one a caller binds to:
+    `functools.wraps` chains (`__wrapped__`) and, with the `kernels` package installed (transformers >= 5.25
+    requires it), the `nn.Module` its `use_kernel_forward_from_hub` makes of a function (`Func`, whose
+    `forward(*args, **kwargs)` calls the function it closes over as `func`). Anything else: returned as it is."""
+    for _ in range(8):  # decorators nest a few deep at most
+        f = inspect.unwrap(f)
+        forward = getattr(type(f), "forward", None) if isinstance(f, torch.nn.Module) else None
+        inner = inspect.getclosurevars(forward).nonlocals.get("func") if inspect.isfunction(forward) else None
+        if not callable(inner):
+            return f
+        f = inner
+    return f
 
 
 def extension_lib(ext):

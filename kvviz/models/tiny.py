@@ -72,6 +72,8 @@ TINY_SWEEP: dict[str, str] = {
     "qwen4_exp": "qwen4_exp_text",  # hyper-connections flattened into the width: hidden states [B, T, S × H]
     "qwen3_next": "qwen3_next",  # gated DeltaNet layers: a causal conv1d over cached states + new tokens, a chunked
     # scan anchored at each call's first token, a silu on a sliced conv output - invariant mode left 6.7e-16
+    "kimi_linear": "kimi_linear",  # Kimi delta attention: its chunked scan, decorated by transformers 5.25's kernel
+    # hub wrapper (an nn.Module taking *args, **kwargs), raised a TypeError when invariant mode called its recurrence
 }
 TIE_TOKENS = ("a", "b")
 TIE_DELTA = 2.0 ** -12  # exact in float32, below half an ulp of 1.0 in float16 (2^-11) and bfloat16 (2^-8)

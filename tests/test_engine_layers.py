@@ -237,9 +237,8 @@ def _rejudge(res):
     from kvviz.views.engine_layers.run import _judge, combine
 
     res.layers_verdict, why = _judge(res.a, res.b, res.gaps, res.first_differing, res.first_beyond,
-                                     res.first_divergence, res.layer_labels, np.asarray(res.bound), "float32"
-                                     if res.settings["dtype"] == "float32" else res.settings["dtype"], res.own,
-                                     res.settings.get("pair", "warm"), "vLLM")
+                                     res.first_divergence, res.layer_labels, np.asarray(res.bound),
+                                     res.settings["dtype"], res.own, res.settings.get("pair", "warm"), "vLLM")
     res.verdict, res.explanation = combine(res.layers_verdict, why, res.prompts, res.parting_line())
     return res
 
@@ -314,17 +313,18 @@ def _out(prompt: str, verdict: str, fd=None) -> dict:
 
 
 def _judged(pair_rel, a_rel, b_rel, prompts, fd=None, eps=2.0 ** -23):
-    """A float32 warm-vs-cold result judged by the view's own code from per-layer relative gaps ([rows] or
-    [rows, positions]): A vs B, and each side vs float64, as the worker's reductions give them."""
+    """A float32 warm-vs-cold result judged by the view's own code from per-layer relative gaps (one a hidden state,
+    the same at every position): A vs B on the 2 positions both computed, each side vs float64 on its own (cold 4,
+    warm 2: 32 tokens from the cache), as the worker's reductions give them."""
     from kvviz.views.engine_layers.run import EngineLayersResult, Side, _first_row
 
     bound = np.asarray(BOUND32)
 
-    def metrics(rel):
-        rel = np.asarray(rel, dtype=float).reshape(4, -1)
+    def metrics(rel, positions):  # a row's gap at every position the comparison holds
+        rel = np.repeat(np.asarray(rel, dtype=float).reshape(4, 1), positions, axis=1)
         return {"relative": rel, "max_abs": rel * 3.0, "eps_units": rel / eps}
 
-    ra, rb, gaps = metrics(a_rel), metrics(b_rel), metrics(pair_rel)
+    ra, rb, gaps = metrics(a_rel, 4), metrics(b_rel, 2), metrics(pair_rel, 2)
     a = Side("cold", [1, 2, 3], 0, [0, 1, 2, 3], ra, _first_row(ra["relative"], bound), 0.5)
     b = Side("warm", [1, 2, 3 if fd is None else 4], 32, [2, 3], rb, _first_row(rb["relative"], bound), 0.4)
     res = EngineLayersResult({"model": "tiny", "dtype": "float32", "device": "cpu", "prompt": "x y", "pair": "warm"},
@@ -361,13 +361,31 @@ def test_runs_that_differ_with_a_side_a_few_percent_past_the_bound_are_undecided
     pair = [0.0, 1e-7, 1e-6, 5e-6]
     res = _judged(pair, [1e-7, 2e-6, 9e-6, 2.0e-5], [1e-7, 2e-6, 9e-6, 2.55e-5],
                   [_out("x y", "identical"), _out("z", "precision", fd=3)])
-    assert res.first_differing == 1 and res.first_beyond is None and res.b.first_logic == 3 and res.a.first_logic is None
+    assert res.first_differing == 1 and res.first_beyond is None
+    assert res.b.first_logic == 3 and res.a.first_logic is None
     verdict, text = _agrees(res)
     assert verdict == "undecided" == res.layers_verdict
     assert "warm passes the rounding bound of the float64 reference at layer 3 + final norm" in text
     assert "1.03× it" in text and "beyond the rounding bound, not decided" in text
     assert "What decides it:" in text and "logic" not in text.lower()
     assert res.parting_line().endswith("identical: 1, precision: 1)")
+
+
+@pytest.mark.app
+def test_open_result_page_draws_undecided_amber_and_identical_green_never_red(monkeypatch):
+    """Reopened on the app's Open a result page (its verdict box: pages.common.verdict_style): the undecided result
+    is a warning box, the issue's bit-for-bit-equal one a success box; neither is an error box."""
+    from conftest import open_result_page
+    from kvviz.io.export import export_json
+
+    undecided = _judged([0.0, 1e-7, 1e-6, 5e-6], [1e-7, 2e-6, 9e-6, 2.0e-5], [1e-7, 2e-6, 9e-6, 2.55e-5],
+                        [_out("x y", "identical")])
+    side = [1e-7, 2e-6, 9e-6, 2.65e-5]
+    identical = _judged([0.0] * 4, side, side, [_out("x y", "identical")])
+    for res, box in ((undecided, "warning"), (identical, "success")):
+        at = open_result_page(monkeypatch, export_json(res).encode(), "kvviz-engine_layers.json")
+        assert not at.error, [e.value for e in at.error]
+        assert any(e.value.startswith(f"**Verdict: {res.verdict}.**") for e in getattr(at, box)), res.verdict
 
 
 def test_a_stale_buffer_is_still_logic_and_rounding_is_still_precision():

@@ -534,8 +534,8 @@ def deciding_step(pair: str, engine: str, dtype: str, b: Side) -> str:
                f"a bound measured on {engine}'s own {dtype} kernels rather than torch's (this one is {C_OWN}× kvviz's "
                f"own {dtype} run), or ")
     replay = (f"kvviz replaying {b.label}'s path in float64 here (`kvviz split --prompt \"<prefix + prompt>\" "
-              f"--split {b.cached_tokens} --dtype float64`: the {b.cached_tokens} cached tokens first, the rest through "
-              "the cache, judged by kvviz's one verdict rule)" if pair == "warm" and b.cached_tokens else
+              f"--split {b.cached_tokens} --dtype float64`: the {b.cached_tokens} cached tokens first, the rest "
+              "through the cache, judged by kvviz's one verdict rule)" if pair == "warm" and b.cached_tokens else
               f"kvviz replaying {b.label}'s path in float64 here")
     return f"What decides it: {tighter}{replay}."
 

@@ -253,7 +253,8 @@ def verdict_and_chart(ratio=(2, 3)):
     return st.container(), st.container()
 
 
-VERDICT_STYLE = {"identical": st.success, "precision": st.info, "logic": st.error}
+# undecided: amber, never logic's red (a heuristic bound passed, nothing that survives precision)
+VERDICT_STYLE = {"identical": st.success, "precision": st.info, "undecided": st.warning, "logic": st.error}
 
 
 # Verdict words of views that are not precision/logic verdicts, by the class they read as (Open a result, reports)

@@ -25,7 +25,8 @@ choice, lm = page("Engine layers",
                   "captures every decoder "
                   "layer's hidden state of both runs and compares them layer × token, and each run is compared with "
                   "kvviz's float64 reference on its own tokens: within rounding of it at every layer is precision, "
-                  "the first layer beyond is named (logic).")
+                  "the first layer beyond is named; bit for bit equal runs are identical, and logic needs the runs "
+                  "to differ beyond rounding too (else: undecided, and what decides it).")
 with controls(expanded=True):
     prompt = st.text_area("Prompt", "Rain fell on the quiet town, and the streets shone like polished glass.",
                           key="engine_layers_prompt", height=70)

@@ -219,16 +219,55 @@ def _result():
     ref = {k: np.abs(v) + 1e-5 for k, v in gaps.items()}
     a = Side("cold", [1, 2, 3], 0, [0, 1, 2, 3], {k: np.hstack([v, v]) for k, v in ref.items()}, None, 0.5)
     b = Side("warm", [1, 2, 4], 32, [2, 3], ref, None, 0.4)
-    return EngineLayersResult({"model": "tiny", "dtype": "bfloat16", "device": "cpu", "prompt": "x y", "pair": "warm"},
-                              {"name": "vllm", "version": "0.32.0", "settings": {}}, ["x", " y", "!", "?", "."],
-                              [7, 8, 1, 2, 3], 2, labels, a, b, [2, 3], gaps, [0.0, 1e-4, 1e-4, 1e-3],
-                              [2 ** -4, 1.6e-3, 1.6e-3, 1.6e-2], 2, None, 2, "precision", "explained", 1.0, [],
-                              [{"prompt": "x y", "tokens": {"cold": [1, 2, 3], "warm": [1, 2, 4]}, "distinct": 2,
-                                "first_divergence": 2, "margin": 0.01, "verdict": "precision", "explanation": "",
-                                "distance": {"cold": 0.1, "warm": 0.2}, "rounding": {"cold": 1.0, "warm": 1.0}},
-                               {"prompt": "z", "tokens": {"cold": [5], "warm": [5]}, "distinct": 1,
-                                "first_divergence": None, "margin": None, "verdict": "identical", "explanation": "",
-                                "distance": {"cold": 0.1, "warm": 0.1}, "rounding": {"cold": 1.0, "warm": 1.0}}])
+    res = EngineLayersResult({"model": "tiny", "dtype": "bfloat16", "device": "cpu", "prompt": "x y", "pair": "warm"},
+                             {"name": "vllm", "version": "0.32.0", "settings": {}}, ["x", " y", "!", "?", "."],
+                             [7, 8, 1, 2, 3], 2, labels, a, b, [2, 3], gaps, [0.0, 1e-4, 1e-4, 1e-3],
+                             [2 ** -4, 1.6e-3, 1.6e-3, 1.6e-2], 2, None, 2, "precision", "explained", 1.0, [],
+                             [{"prompt": "x y", "tokens": {"cold": [1, 2, 3], "warm": [1, 2, 4]}, "distinct": 2,
+                               "first_divergence": 2, "margin": 0.01, "verdict": "precision", "explanation": "",
+                               "distance": {"cold": 0.1, "warm": 0.2}, "rounding": {"cold": 1.0, "warm": 1.0}},
+                              {"prompt": "z", "tokens": {"cold": [5], "warm": [5]}, "distinct": 1,
+                               "first_divergence": None, "margin": None, "verdict": "identical", "explanation": "",
+                               "distance": {"cold": 0.1, "warm": 0.1}, "rounding": {"cold": 1.0, "warm": 1.0}}])
+    return _rejudge(res)
+
+
+def _rejudge(res):
+    """The result's verdict and explanation from its numbers, by the view's own judge and combine (as its run)."""
+    from kvviz.views.engine_layers.run import _judge, combine
+
+    res.layers_verdict, why = _judge(res.a, res.b, res.gaps, res.first_differing, res.first_beyond,
+                                     res.first_divergence, res.layer_labels, np.asarray(res.bound),
+                                     res.settings["dtype"], res.own, res.settings.get("pair", "warm"), "vLLM")
+    res.verdict, res.explanation = combine(res.layers_verdict, why, res.prompts, res.parting_line())
+    return res
+
+
+def _agrees(res) -> tuple[str, str]:
+    """The verdict box (the page's and the HTML report's: report.verdict), the summary line under it (parting_line,
+    the per-prompt verdicts at the outputs) and the CLI tell one story: the box's verdict is the worst of the layers'
+    verdict and every output verdict, the summary line names what its counts compare and stands in the box's text,
+    and no count is worse than the box. Returns the box (verdict, text)."""
+    from collections import Counter
+
+    from kvviz.core.verdict import severity, worst
+    from kvviz.views.engine_layers import cli, report
+
+    verdict, text = report.verdict(res)
+    outs = [p["verdict"] for p in res.prompts]
+    assert verdict == worst([res.layers_verdict, *outs]), (verdict, res.layers_verdict, outs)
+    assert all(severity(v) >= severity(verdict) for v in outs)
+    assert f"Layers (the captured prompt): {res.layers_verdict}." in text
+    line = res.parting_line()
+    if res.prompts:
+        assert "verdicts at the outputs" in line and line in text
+        for v, c in Counter(outs).items():
+            assert f"{v}: {c}" in line
+    if verdict != "logic":  # no red word anywhere in the story
+        assert "logic" not in line and "rounding cannot explain" not in text and "cannot flip" not in text
+    printed = cli.summary_text(res)
+    assert f"verdict: {verdict}. {res.explanation}" in printed and line in printed
+    return verdict, text
 
 
 def test_export_reopen_and_html_round_trip():
@@ -236,7 +275,9 @@ def test_export_reopen_and_html_round_trip():
     from kvviz.views.engine_layers.figures import layers_frame, main, prompts_frame
 
     res = _result()
+    assert _agrees(res)[0] == "precision" and res.layers_verdict == "precision"
     back = open_result(export_json(res)).result
+    assert back.layers_verdict == "precision" and _agrees(back) == _agrees(res)
     assert type(back).__name__ == "EngineLayersResult"
     assert back.first_differing == 2 and back.row_label(back.first_differing) == "layer 2"
     assert np.array_equal(back.gaps["relative"], res.gaps["relative"])
@@ -253,6 +294,166 @@ def test_export_reopen_and_html_round_trip():
     html = html_report(back)
     assert "kvviz — engine" in html.lower() or "engine layers" in html.lower()
     assert json.loads(export_json(back))["kvviz_result"]["view"] == "engine_layers"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The verdict (issue 53 item 2): logic only from evidence that survives precision; the box and the summary agree
+
+LABELS4 = ["embeddings", "layer 1", "layer 2", "layer 3 + final norm"]
+# float32, 4 hidden states: kvviz's own float32 run's relative gap from float64 per row, and the bound 16x it
+OWN32 = [0.0, 2.5e-7, 7.5e-7, 1.55e-6]
+BOUND32 = [2 ** 4 * 2.0 ** -24, 4e-6, 1.2e-5, 2.48e-5]
+
+
+def _out(prompt: str, verdict: str, fd=None) -> dict:
+    return {"prompt": prompt, "tokens": {"cold": [1, 2, 3], "warm": [1, 2, 3 if fd is None else 4]},
+            "distinct": 1 if fd is None else 2, "first_divergence": fd, "margin": None if fd is None else 0.01,
+            "verdict": verdict, "explanation": f"{prompt}'s outputs: {verdict}", "distance": {"cold": 0.1, "warm": 0.1},
+            "rounding": {"cold": 1.0, "warm": 1.0}}
+
+
+def _judged(pair_rel, a_rel, b_rel, prompts, fd=None, eps=2.0 ** -23):
+    """A float32 warm-vs-cold result judged by the view's own code from per-layer relative gaps (one a hidden state,
+    the same at every position): A vs B on the 2 positions both computed, each side vs float64 on its own (cold 4,
+    warm 2: 32 tokens from the cache), as the worker's reductions give them."""
+    from kvviz.views.engine_layers.run import EngineLayersResult, Side, _first_row
+
+    bound = np.asarray(BOUND32)
+
+    def metrics(rel, positions):  # a row's gap at every position the comparison holds
+        rel = np.repeat(np.asarray(rel, dtype=float).reshape(4, 1), positions, axis=1)
+        return {"relative": rel, "max_abs": rel * 3.0, "eps_units": rel / eps}
+
+    ra, rb, gaps = metrics(a_rel, 4), metrics(b_rel, 2), metrics(pair_rel, 2)
+    a = Side("cold", [1, 2, 3], 0, [0, 1, 2, 3], ra, _first_row(ra["relative"], bound), 0.5)
+    b = Side("warm", [1, 2, 3 if fd is None else 4], 32, [2, 3], rb, _first_row(rb["relative"], bound), 0.4)
+    res = EngineLayersResult({"model": "tiny", "dtype": "float32", "device": "cpu", "prompt": "x y", "pair": "warm"},
+                             {"name": "vllm", "version": "0.32.0", "settings": {}}, ["x", " y", "!", "?", "."],
+                             [7, 8, 1, 2, 3], 2, LABELS4, a, b, [2, 3], gaps, OWN32, BOUND32,
+                             _first_row(gaps["max_abs"], None), _first_row(gaps["relative"], bound), fd, "", "", 1.0,
+                             [], prompts)
+    return _rejudge(res)
+
+
+def test_bit_for_bit_equal_runs_are_identical_even_with_a_side_past_the_bound():
+    """The issue's case: vLLM float32, cold and warm bit for bit equal, one side 7 % past the heuristic bound against
+    float64 at the last layer (2.65e-05 against 2.48e-05). The cache changed nothing: identical, not logic; the
+    float64 excess is named as another comparison (the kernels both runs share), not decided, with what decides it;
+    the box and the summary line ("identical: 1") agree."""
+    side = [1e-7, 2e-6, 9e-6, 2.65e-5]
+    res = _judged([0.0] * 4, side, side, [_out("x y", "identical")])
+    assert res.first_differing is None and res.a.first_logic == 3 and res.b.first_logic == 3
+    verdict, text = _agrees(res)
+    assert verdict == "identical" and res.layers_verdict == "identical"
+    assert "bit for bit equal at every layer - the prefix cache changed nothing" in text
+    assert "cold passes the rounding bound of the float64 reference at layer 3 + final norm" in text
+    assert "2.65e-05 against a bound of 2.48e-05, 1.07× it" in text
+    assert "not decided, and no verdict on the prefix cache" in text
+    assert "What decides it: a bound measured on vLLM's own float32 kernels" in text
+    assert "kvviz split --prompt" in text and "--split 32 --dtype float64" in text
+    assert "logic" not in text.lower()
+    assert res.parting_line().endswith("identical: 1)")
+
+
+def test_runs_that_differ_with_a_side_a_few_percent_past_the_bound_are_undecided_never_logic():
+    """Cold and warm differ, within the bound of each other at every layer, and the warm side is 3 % past the bound
+    against float64: beyond the rounding bound, not decided (undecided: amber, not red), the deciding step named."""
+    pair = [0.0, 1e-7, 1e-6, 5e-6]
+    res = _judged(pair, [1e-7, 2e-6, 9e-6, 2.0e-5], [1e-7, 2e-6, 9e-6, 2.55e-5],
+                  [_out("x y", "identical"), _out("z", "precision", fd=3)])
+    assert res.first_differing == 1 and res.first_beyond is None
+    assert res.b.first_logic == 3 and res.a.first_logic is None
+    verdict, text = _agrees(res)
+    assert verdict == "undecided" == res.layers_verdict
+    assert "warm passes the rounding bound of the float64 reference at layer 3 + final norm" in text
+    assert "1.03× it" in text and "beyond the rounding bound, not decided" in text
+    assert "What decides it:" in text and "logic" not in text.lower()
+    assert res.parting_line().endswith("identical: 1, precision: 1)")
+
+
+@pytest.mark.app
+def test_open_result_page_draws_undecided_amber_and_identical_green_never_red(monkeypatch):
+    """Reopened on the app's Open a result page (its verdict box: pages.common.verdict_style): the undecided result
+    is a warning box, the issue's bit-for-bit-equal one a success box; neither is an error box."""
+    from conftest import open_result_page
+    from kvviz.io.export import export_json
+
+    undecided = _judged([0.0, 1e-7, 1e-6, 5e-6], [1e-7, 2e-6, 9e-6, 2.0e-5], [1e-7, 2e-6, 9e-6, 2.55e-5],
+                        [_out("x y", "identical")])
+    side = [1e-7, 2e-6, 9e-6, 2.65e-5]
+    identical = _judged([0.0] * 4, side, side, [_out("x y", "identical")])
+    for res, box in ((undecided, "warning"), (identical, "success")):
+        at = open_result_page(monkeypatch, export_json(res).encode(), "kvviz-engine_layers.json")
+        assert not at.error, [e.value for e in at.error]
+        assert any(e.value.startswith(f"**Verdict: {res.verdict}.**") for e in getattr(at, box)), res.verdict
+
+
+def test_a_stale_buffer_is_still_logic_and_rounding_is_still_precision():
+    """Logic where it is earned: the warm run leaves cold from layer 2 by half the value's size (a stale or misplaced
+    row) and leaves the bound of float64 there too; cold stays within it. Both within the bound: precision."""
+    res = _judged([0.0, 0.0, 0.5, 0.8], [1e-7, 2e-6, 9e-6, 2e-5], [1e-7, 2e-6, 0.5, 0.8],
+                  [_out("x y", "identical"), _out("z", "identical")])
+    verdict, text = _agrees(res)
+    assert verdict == "logic" == res.layers_verdict and res.first_beyond == 2 and res.b.first_logic == 2
+    assert "they differ beyond the rounding bound from layer 2, and warm passes the rounding bound" in text
+    assert "rounding cannot explain it" in text
+    ok = _judged([0.0, 1e-7, 1e-6, 5e-6], [1e-7, 2e-6, 9e-6, 2e-5], [1e-7, 2e-6, 8e-6, 2.2e-5],
+                 [_out("x y", "identical")])
+    assert _agrees(ok)[0] == "precision" and "within rounding of the float64 reference at every layer" in ok.explanation
+
+
+def test_an_output_verdict_worse_than_the_layers_leads_the_box():
+    """Identical layers on the captured prompt, but another prompt's outputs are logic (a margin rounding cannot
+    cross): the box says logic, from the outputs, naming the prompt; an undecided output over identical layers makes
+    the box undecided."""
+    same = [1e-7, 2e-6, 9e-6, 2e-5]
+    res = _judged([0.0] * 4, same, same, [_out("x y", "identical"), _out("other prompt", "logic", fd=1)])
+    verdict, text = _agrees(res)
+    assert verdict == "logic" and res.layers_verdict == "identical"
+    assert res.explanation.startswith("Outputs: logic on 'other prompt': other prompt's outputs: logic")
+    assert text.startswith(res.summary_line() + ". Outputs: logic")
+    res = _judged([0.0] * 4, same, same, [_out("x y", "identical"), _out("q", "undecided")])
+    assert _agrees(res)[0] == "undecided" and res.explanation.startswith("Outputs: undecided on 'q'")
+
+
+def test_outputs_past_the_rounding_distance_are_undecided_unless_bit_for_bit_the_same():
+    """The outputs' rule (the Serving view's judge with far_verdict="undecided"), through _output_rows on tiny:llama
+    float32: both sides' top-5 log-probs 0.01 nats above kvviz's float64 reference (far past the rounding distance,
+    16x kvviz's own float32 gap) and bit for bit the same on both sides: identical (nothing changed at the outputs);
+    the warm side 0.02 nats instead: undecided, with what decides it - never logic. The Serving view's default rule
+    still says logic."""
+    import kvviz
+    from kvviz.core.execution import DEFAULT_SETTINGS, Executor
+    from kvviz.engines.verdict import judge, path_distance, reference_logprobs, rounding_scale
+    from kvviz.views.engine_layers.run import _output_rows
+
+    from conftest import DEVICE
+
+    lm = kvviz.load_model("tiny:llama", "float32", DEVICE)
+    ex64, ex_own = Executor(lm.reference(), DEFAULT_SETTINGS), Executor(lm, DEFAULT_SETTINGS)
+    ids = lm.tokenizer("Hello world")["input_ids"]
+    ref = reference_logprobs(ex64, ids, [5, 6, 7])
+    toks = [int(ref[t].argmax()) for t in range(3)]
+    ref = reference_logprobs(ex64, ids, toks)  # the greedy path: each step's top token is the one taken next
+
+    def side(shift):
+        top = [[(int(i), float(ref[t, i]) + shift) for i in ref[t].topk(5).indices] for t in range(3)]
+        return {"tokens": toks, "top": top, "chosen": [s[0][1] for s in top]}
+
+    prompts = [("Hello world", ids, ids, [])]
+    (row,) = _output_rows(lm, prompts, {"A0": side(0.01), "B0": side(0.01)}, ex64, ex_own, "float32", "cold", "warm")
+    assert row["distance"]["cold"] == pytest.approx(0.01) and row["rounding"]["cold"] < 1e-3
+    assert row["verdict"] == "identical" and "bit for bit: nothing changed at the outputs" in row["explanation"]
+    (row,) = _output_rows(lm, prompts, {"A0": side(0.01), "B0": side(0.02)}, ex64, ex_own, "float32", "cold", "warm")
+    assert row["verdict"] == "undecided" and "beyond the rounding bound - not decided" in row["explanation"]
+    assert "What decides it:" in row["explanation"] and "logic" not in row["explanation"]
+    far = path_distance(ref, side(0.02)["top"], side(0.02)["chosen"], rounding_scale("float32"))
+    assert judge({"warm": far}, None, None, 0.0)[0] == "logic"  # the Serving view's rule, unchanged
+    bad = dict(far, chose_top=False)  # evidence that survives precision stays logic under the outputs' rule
+    assert judge({"warm": bad}, None, None, 0.0, far_verdict="undecided")[0] == "logic"
+    # a parting margin beyond 2x what the engine's own distance from float64 reached: rounding cannot flip it
+    assert judge({"warm": far}, 1, 1.0, far["rounding"], far_verdict="undecided")[0] == "logic"
+    assert judge({"warm": far}, 1, 0.03, far["rounding"], far_verdict="undecided")[0] == "undecided"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -297,6 +498,7 @@ def test_vllm_warm_vs_cold_bfloat16_layer_by_layer_within_rounding():
     else:
         assert res.first_differing > 0 and res.verdict == "precision"
         assert res.row_label(res.first_differing) in res.explanation
+    _agrees(res)
     back = open_result(export_json(res)).result
     assert back.first_differing == res.first_differing and back.verdict == res.verdict
 
@@ -317,6 +519,7 @@ def test_vllm_batch_vs_alone_and_tensor_parallel_3_float32():
                                                   others=2))
     for res in (batch, tp):
         assert res.verdict in ("identical", "precision"), res.explanation
+        _agrees(res)
         assert res.a.positions == list(range(res.prompt_len + 5))
         for side in (res.a, res.b):
             assert side.first_logic is None
@@ -373,6 +576,7 @@ def test_llamacpp_warm_vs_cold_layer_by_layer_through_the_eval_callback():
         assert 0 < float(worst.max()) < 0.25 and (worst <= np.asarray(res.bound)).all()
         assert float(side.reference["relative"][0].max()) < 1e-6  # the embeddings: a dequantized lookup
     assert res.verdict in ("identical", "precision") and res.settings["engine_dtype"].startswith("llama.cpp")
+    _agrees(res)
     back = open_result(export_json(res)).result
     assert back.first_differing == res.first_differing and back.verdict == res.verdict
     assert "llama.cpp" in html_report(back)
@@ -447,6 +651,7 @@ def test_the_page_runs_llamacpp_on_the_default_model_and_draws_the_verdict_heatm
     (res,) = at.session_state["_results_engine_layers"].values()
     assert res.engine["name"] == "llama.cpp" and res.labels == ("cold", "warm")
     assert res.verdict in ("identical", "precision")
+    _agrees(res)
     assert any(f"Verdict: {res.verdict}" in t for t in alerts(at).split(" | ")), alerts(at)
     charts = at.get("plotly_chart")
     assert len(charts) == 4

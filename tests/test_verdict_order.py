@@ -11,14 +11,17 @@ WORDS = {v.value for v in Verdict}
 
 
 def test_worst_takes_verdicts_or_words_and_skips_the_rest():
-    assert list(SEVERITY) == [Verdict.LOGIC, Verdict.NONDETERMINISTIC, Verdict.PRECISION, Verdict.LOSSY,
-                              Verdict.IDENTICAL]
+    assert list(SEVERITY) == [Verdict.LOGIC, Verdict.UNDECIDED, Verdict.NONDETERMINISTIC, Verdict.PRECISION,
+                              Verdict.LOSSY, Verdict.IDENTICAL]
     assert set(SEVERITY) == set(Verdict)  # every verdict has its place
     assert worst(["identical", "precision", "identical"]) is Verdict.PRECISION
     assert worst([Verdict.PRECISION, "logic", "identical"]) is Verdict.LOGIC
     assert worst(["lossy", "precision"]) is Verdict.PRECISION
     assert worst(["lossy", "identical"]) is Verdict.LOSSY
     assert worst(["precision", "nondeterministic"]) is Verdict.NONDETERMINISTIC
+    # not decided (a heuristic bound passed) hides under no milder word, and never becomes logic
+    assert worst(["identical", "undecided", "precision"]) is Verdict.UNDECIDED
+    assert worst(["undecided", "logic"]) is Verdict.LOGIC
     assert worst(v for v in ("identical", "cannot run", None, "reference")) is Verdict.IDENTICAL
     assert worst([]) is None and worst(["cannot run"]) is None
     assert worst([], default=Verdict.IDENTICAL) is Verdict.IDENTICAL
@@ -35,6 +38,7 @@ def test_the_pages_verdict_style_reads_a_summary_as_its_worst_class():
     assert verdict_style("precision") == "precision"
     assert verdict_style("identical: 3, precision: 1") == "precision"
     assert verdict_style("precision: 2, logic: 1") == "logic"
+    assert verdict_style("undecided") == "undecided" and verdict_style("identical: 1, undecided: 1") == "undecided"
     assert verdict_style("unsafe") == "logic" and verdict_style("same model") == "identical"
     assert verdict_style("see the table") is None
 

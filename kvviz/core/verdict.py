@@ -33,13 +33,18 @@ class Verdict(StrEnum):
     IDENTICAL = "identical"
     PRECISION = "precision"
     LOGIC = "logic"
+    # beyond a heuristic rounding bound with nothing that survives precision to call it logic (an engine's kernels
+    # judged against a bound measured on torch's): not decided, and the sentence names the step that decides it
+    UNDECIDED = "undecided"
     LOSSY = "lossy"  # a quantized cache or quantized weights: different numbers by design
     NONDETERMINISTIC = "nondeterministic"  # repeats of the same run differ (the backends matrix)
 
 
-# Worst first: the one place the verdicts' order is written. A logic error outranks repeats that differ, which outrank
-# rounding, which outranks a lossy-by-design difference, which outranks bit for bit identical.
-SEVERITY = (Verdict.LOGIC, Verdict.NONDETERMINISTIC, Verdict.PRECISION, Verdict.LOSSY, Verdict.IDENTICAL)
+# Worst first: the one place the verdicts' order is written. A logic error outranks a gap not decided (it may be one),
+# which outranks repeats that differ, which outrank rounding, which outranks a lossy-by-design difference, which
+# outranks bit for bit identical.
+SEVERITY = (Verdict.LOGIC, Verdict.UNDECIDED, Verdict.NONDETERMINISTIC, Verdict.PRECISION, Verdict.LOSSY,
+            Verdict.IDENTICAL)
 _RANK = {v: i for i, v in enumerate(SEVERITY)}
 
 
@@ -103,6 +108,7 @@ def label(verdict: str, proved: bool | None = None) -> str:
 _HEADLINES = {
     Verdict.IDENTICAL: "Bit for bit the same both ways.",
     Verdict.LOGIC: "The two paths compute different things: a gap float64 does not close.",
+    Verdict.UNDECIDED: "Beyond the rounding bound, but not decided: not shown to be a bug.",
     Verdict.LOSSY: "Different numbers by design (a quantized cache or weights).",
     Verdict.NONDETERMINISTIC: "Repeats of the very same run differ.",
 }

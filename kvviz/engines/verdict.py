@@ -19,7 +19,10 @@ A verdict per prompt where its paths part:
              parting step within it too (a near tie that rounding can flip);
   logic      a path farther from the reference than rounding explains (uniform logits, a stale buffer, a wrong
              position), or a parting step whose margin rounding cannot cross, or an engine choosing a token it
-             does not rank first.
+             does not rank first;
+  undecided  (the Engine layers view's outputs, judge(far_verdict="undecided")) a path farther than the rounding
+             distance with none of logic's other evidence: that distance is 16× torch's rounding, and an engine's
+             kernels may round more - not decided, never logic.
 """
 from __future__ import annotations
 
@@ -91,8 +94,13 @@ def margin_at(ref: torch.Tensor, t: int) -> float:
     return float(top2[0] - top2[1])
 
 
-def judge(paths: dict[str, dict], parting_step: int | None, margin: float | None, rounding: float) -> tuple[str, str]:
-    """paths: label -> path_distance(...). Returns (verdict, explanation)."""
+def judge(paths: dict[str, dict], parting_step: int | None, margin: float | None, rounding: float,
+          far_verdict: str = "logic", decides: str = "") -> tuple[str, str]:
+    """paths: label -> path_distance(...). Returns (verdict, explanation).
+    far_verdict: what a path farther from float64 than the rounding distance alone is ("logic", the Serving view's
+    rule; "undecided" where the distance is a heuristic bound the engine's kernels may pass by rounding - then the
+    rules that survive precision, a choice the engine did not rank first and a margin rounding cannot cross, come
+    first). decides: the sentence naming what would decide an undecided verdict."""
     far = {k: v for k, v in paths.items() if v["distance"] > v["rounding"]}
     bad_pick = [k for k, v in paths.items() if not v["chose_top"]]
     uniform = [k for k, v in paths.items() if v["uniform"]]
@@ -102,9 +110,13 @@ def judge(paths: dict[str, dict], parting_step: int | None, margin: float | None
                          f"its logits carry nothing of the model - a missing or zero weight, not rounding. {dist}.")
     if far:
         k, v = max(far.items(), key=lambda kv: kv[1]["distance"] / kv[1]["rounding"])
-        return "logic", (f"{k} is {v['distance']:.3g} nats from the float64 reference at step {v['step']} on its own "
-                         f"tokens, {v['distance'] / v['rounding']:.0f}× the engine's rounding distance "
-                         f"({v['rounding']:.2g}): rounding cannot explain it (a stale buffer, a wrong position). {dist}.")
+        if far_verdict == "logic":
+            return "logic", (f"{k} is {v['distance']:.3g} nats from the float64 reference at step {v['step']} on its "
+                             f"own tokens, {v['distance'] / v['rounding']:.0f}× the engine's rounding distance "
+                             f"({v['rounding']:.2g}): rounding cannot explain it (a stale buffer, a wrong position). "
+                             f"{dist}.")
+        # the engine's kernels round more than the heuristic distance says: a margin is judged against what they did
+        rounding = max(rounding, max(x["distance"] for x in far.values()))
     if bad_pick:
         return "logic", f"{', '.join(bad_pick)}: the engine chose a token it did not rank first. {dist}."
     if parting_step is not None and margin is not None and margin > 2 * rounding:
@@ -114,6 +126,14 @@ def judge(paths: dict[str, dict], parting_step: int | None, margin: float | None
              f" They part at step {parting_step}" + ("." if margin is None else
                                                      f", where the reference's top-2 margin is {margin:.3g} nats "
                                                      f"(within rounding: a near tie)."))
+    if far:
+        how = (f"{C_OWN}× kvviz's own run in the engine's dtype" if v.get("own") is not None
+               else "K · u for the engine's format")
+        return "undecided", (f"{k} is {v['distance']:.3g} nats from the float64 reference at step {v['step']} on its "
+                             f"own tokens, {v['distance'] / v['rounding']:.3g}× the rounding distance "
+                             f"({v['rounding']:.2g}, {how}): beyond the rounding bound - not decided, the engine's "
+                             f"kernels may round more than torch's." + (f" {decides}" if decides else "")
+                             + f"{where} {dist}.")
     return "precision", f"every path is within the engine's rounding distance of the float64 reference.{where} {dist}."
 
 

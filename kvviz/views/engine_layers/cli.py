@@ -59,7 +59,7 @@ def summary_text(res) -> str:
              f"{b}: {len(res.b.tokens)} tokens, {res.b.cached_tokens} from the cache"]
     lines.append(res.parting_line())
     for p in res.prompts:
-        if p["distinct"] > 1 or p["verdict"] == "logic":
+        if p["distinct"] > 1 or p["verdict"] in ("logic", "undecided"):
             lines.append(f"  {p['prompt'][:60]!r}: part at step {p['first_divergence']} — {p['verdict']}")
     lines += [f"note: {n}" for n in res.notes]
     return "\n".join(lines)

@@ -20,9 +20,15 @@ row: K_GROWTH["q8"] · u(q8) relative.
 
 Rounding, per layer: kvviz runs the same tokens in the engine's dtype (its own kernels, the same weights); that
 run's relative gap from float64 at a layer (max over tokens) is what this dtype's rounding does there, and the
-engine's rounding bound is C_OWN (16, the Serving view's constant) times it, never under 2^4 · u. A side within it at
-every layer is rounding; the first layer where a side leaves it is named, and the verdict is logic. Between the two
+engine's rounding bound is C_OWN (16, the Serving view's constant) times it, never under 2^4 · u. Between the two
 runs: the first layer where they differ at all (bit for bit), and the first where they differ beyond the bound.
+
+The verdict (_judge, issue 53): A and B bit for bit equal is identical - what the pair changes changed nothing -
+whatever each side's distance from float64 (that is about the kernels both runs share); both sides within the bound
+of float64 at every layer is precision; logic only where A and B differ beyond the bound AND a side leaves the bound
+of float64; a side past the bound without that is undecided (the bound is a heuristic on torch's kernels, an engine's
+may round more), never logic, and the sentence names the step that decides it. The verdict box is the worst of that
+and every prompt's verdict at its outputs (combine), each named by what it compares.
 """
 from __future__ import annotations
 
@@ -162,6 +168,8 @@ class EngineLayersResult:
     elapsed_s: float
     notes: list[str] = field(default_factory=list)
     prompts: list[dict] = field(default_factory=list)  # per prompt (the first is the captured one): its outputs
+    # the captured prompt's layers, A vs B (verdict: the worst of it and every prompt's at its outputs - combine())
+    layers_verdict: str | None = None
 
     @property
     def labels(self) -> tuple[str, str]:
@@ -189,7 +197,8 @@ class EngineLayersResult:
         counts = Counter(p["verdict"] for p in self.prompts)
         a, b = self.labels
         return (f"{len(parted)} of {len(self.prompts)} prompts give 2 distinct completions over {a} and {b}"
-                + (f" (verdicts: {', '.join(f'{v}: {c}' for v, c in sorted(counts.items()))})" if counts else ""))
+                + (f" (verdicts at the outputs, {a} vs {b} with each against float64 on its own tokens: "
+                   f"{', '.join(f'{v}: {c}' for v, c in sorted(counts.items()))})" if counts else ""))
 
     def engine_dtype(self) -> str:
         """What the engine computed in: llama.cpp's 8-bit activations × its GGUF's weights, else the model's dtype
@@ -437,7 +446,8 @@ def run_engine_layers(lm, cfg: EngineLayersConfig, progress: Progress | None = N
     labels = layer_labels(len(own))
     first_diff = _first_row(gaps["max_abs"], None)
     first_beyond = _first_row(gaps["relative"], bound)
-    verdict, why = _judge(side_a, side_b, gaps, first_diff, first_beyond, fd, labels, bound, dtype, own)
+    layers_verdict, layers_why = _judge(side_a, side_b, gaps, first_diff, first_beyond, fd, labels, bound, dtype,
+                                        own, cfg.pair, "llama.cpp" if llama else "vLLM")
     engine = {"name": cfg.engine, "version": infos[label_a].get("version"),
               "settings": {k: v.get("settings", {}) for k, v in infos.items()},
               "start_s": {k: v.get("start_s") for k, v in infos.items()}}
@@ -453,9 +463,11 @@ def run_engine_layers(lm, cfg: EngineLayersConfig, progress: Progress | None = N
     elif cfg.pair == "warm" and side_b.cached_tokens == 0:
         notes.append(f"the warm run took no tokens from the prefix cache (vLLM caches whole {VLLM_BLOCK}-token blocks: "
                      f"the prompt and its shared prefix must be longer than {VLLM_BLOCK} tokens)")
-    return EngineLayersResult({**run, **asdict(cfg)}, engine, tokens, full, len(ids), labels, side_a, side_b,
-                              list(ab["positions"]), gaps, own, bound.tolist(), first_diff, first_beyond, fd,
-                              verdict, why, time.perf_counter() - t0, notes, rows)
+    res = EngineLayersResult({**run, **asdict(cfg)}, engine, tokens, full, len(ids), labels, side_a, side_b,
+                             list(ab["positions"]), gaps, own, bound.tolist(), first_diff, first_beyond, fd,
+                             layers_verdict, layers_why, time.perf_counter() - t0, notes, rows, layers_verdict)
+    res.verdict, res.explanation = combine(layers_verdict, layers_why, rows, res.parting_line())
+    return res
 
 
 def own_ratio(side: Side, own) -> float | None:
@@ -490,8 +502,15 @@ def _output_rows(lm, prompts, outs, ex64, ex_own, dtype, label_a, label_b) -> li
             paths[label] = path_distance(ref, top, o.get("chosen", []), u, own)
         ref_a = refs[tuple(ta)][0]
         margin = margin_at(ref_a, fd) if fd is not None and fd < ref_a.shape[0] else None
-        verdict, why = judge(paths, fd, margin, paths[label_a]["rounding"])
-        if fd is None and verdict == "precision":
+        # past the rounding distance alone is not logic here: the distance is a heuristic, C_OWN× torch's rounding
+        decides = ("What decides it: a distance measured on the engine's own kernels, or kvviz replaying the path in "
+                   "float64 here.")
+        verdict, why = judge(paths, fd, margin, paths[label_a]["rounding"], far_verdict="undecided", decides=decides)
+        same = fd is None and oa.get("top") == ob.get("top")  # the same tokens and top log-probs, bit for bit
+        if fd is None and verdict == "precision" or same and verdict == "undecided":
+            if verdict == "undecided":
+                why = (f"{label_a} and {label_b} gave the same tokens and the same top log-probs bit for bit: nothing "
+                       f"changed at the outputs. Against float64 (another comparison): " + why)
             verdict = "identical"
         rows.append({"prompt": text, "tokens": {label_a: ta, label_b: tb}, "distinct": 1 if fd is None else 2,
                      "first_divergence": fd, "margin": margin, "verdict": verdict, "explanation": why,
@@ -500,7 +519,46 @@ def _output_rows(lm, prompts, outs, ex64, ex_own, dtype, label_a, label_b) -> li
     return rows
 
 
-def _judge(a: Side, b: Side, gaps, first_diff, first_beyond, fd, labels, bound, dtype, own) -> tuple[str, str]:
+WHAT_PAIR_CHANGES = {"warm": "the prefix cache", "batch": "batching", "tp": "tensor parallelism"}
+
+
+def _pair_of(a: Side, b: Side) -> str:
+    """The pair (warm, batch, tp) from its sides' labels."""
+    return next((k for k, (x, y) in PAIRS.items() if a.label == x and b.label == y),
+                "tp" if a.label.startswith("tp ") else "warm")
+
+
+def deciding_step(pair: str, engine: str, dtype: str, b: Side) -> str:
+    """The sentence that names what would decide a gap beyond the heuristic bound against float64."""
+    tighter = ("" if dtype == "q8" else
+               f"a bound measured on {engine}'s own {dtype} kernels rather than torch's (this one is {C_OWN}× kvviz's "
+               f"own {dtype} run), or ")
+    replay = (f"kvviz replaying {b.label}'s path in float64 here (`kvviz split --prompt \"<prefix + prompt>\" "
+              f"--split {b.cached_tokens} --dtype float64`: the {b.cached_tokens} cached tokens first, the rest "
+              "through the cache, judged by kvviz's one verdict rule)" if pair == "warm" and b.cached_tokens else
+              f"kvviz replaying {b.label}'s path in float64 here")
+    return f"What decides it: {tighter}{replay}."
+
+
+def _past_bound(s: Side, row: int, labels, bound, dtype) -> str:
+    gap = float(np.asarray(s.reference["relative"])[row].max())
+    what = "K · u for 8-bit activations" if dtype == "q8" else f"{C_OWN}× kvviz's own {dtype} run there"
+    return (f"{s.label} passes the rounding bound of the float64 reference at {labels[row]} (its relative gap "
+            f"{gap:.3g} against a bound of {bound[row]:.3g}, {gap / bound[row]:.3g}× it; the bound is {what})")
+
+
+def _judge(a: Side, b: Side, gaps, first_diff, first_beyond, fd, labels, bound, dtype, own, pair: str | None = None,
+           engine: str = "the engine") -> tuple[str, str]:
+    """The layers' verdict on the captured prompt, A vs B, by kvviz's one verdict rule as far as an engine allows:
+    identical when A and B agree bit for bit (kvviz.core.verdict.classify) - whatever each side's distance from
+    float64, which is about the kernels both runs share, not about what the pair changes; else precision when both
+    sides stay within the rounding bound of float64 at every layer; logic only where A and B differ beyond the bound
+    AND a side leaves the bound of float64 (evidence that survives precision); a side past the bound without that
+    is undecided, never logic, and the sentence names the step that decides it."""
+    from ...core.verdict import Verdict, classify
+
+    pair = pair or _pair_of(a, b)
+    changes = WHAT_PAIR_CHANGES.get(pair, "the pair")
     parts = []
     if fd is None:
         parts.append(f"{a.label} and {b.label} chose the same {len(a.tokens)} tokens")
@@ -511,9 +569,9 @@ def _judge(a: Side, b: Side, gaps, first_diff, first_beyond, fd, labels, bound, 
         parts.append(f"their hidden states are bit for bit equal at every layer on the {gaps['max_abs'].shape[1]} "
                      "positions both computed")
     else:
-        worst = float(gaps["eps_units"].max())
+        worst_eps = float(gaps["eps_units"].max())
         parts.append(f"they first differ at {labels[first_diff]} (largest relative gap "
-                     f"{float(gaps['relative'].max()):.3g}, {worst:.3g} × {dtype}'s ε)")
+                     f"{float(gaps['relative'].max()):.3g}, {worst_eps:.3g} × {dtype}'s ε)")
         parts.append("never beyond the rounding bound" if first_beyond is None else
                      f"first beyond the rounding bound at {labels[first_beyond]}")
     far = [(s, s.first_logic) for s in (a, b) if s.first_logic is not None]
@@ -523,22 +581,50 @@ def _judge(a: Side, b: Side, gaps, first_diff, first_beyond, fd, labels, bound, 
             worst_row = int(np.argmax((r.max(axis=1) / bound)))
             ratio = own_ratio(s, own)
             parts.append(f"{s.label} against float64: at most {float(r.max()):.3g} relative "
-                         f"({float(r.max(axis=1)[worst_row] / bound[worst_row]):.2g} of the bound at "
+                         f"({float(r.max(axis=1)[worst_row] / bound[worst_row]):.3g} of the bound at "
                          f"{labels[worst_row]}" + ("" if ratio is None else
                                                    f"; at most {ratio:.2g}× kvviz's own {dtype} run") + ")")
     text = "; ".join(parts) + "."
-    if far:
-        s, row = far[0]
-        return "logic", (f"{s.label} leaves the rounding bound of the float64 reference at {labels[row]} (its "
-                         f"relative gap {float(s.reference['relative'][row].max()):.3g} against a bound of "
-                         f"{bound[row]:.3g}, "
-                         + ("K · u for 8-bit activations" if dtype == "q8"
-                            else f"{C_OWN}× kvviz's own {dtype} run there")
-                         + "): rounding cannot explain it. " + text)
-    if first_diff is None and fd is None:
-        return "identical", text
-    return "precision", ("both runs stay within rounding of the float64 reference at every layer: the gap between "
-                         "them is the order of rounding, not a bug. " + text)
+    decides = deciding_step(pair, engine, dtype, b)
+    if classify(first_diff is None and fd is None, None) == Verdict.IDENTICAL:
+        why = (f"{a.label} vs {b.label}: bit for bit equal at every layer - {changes} changed nothing.")
+        if far:
+            s, row = far[0]
+            why += (f" Against float64 (another comparison: {engine}'s {dtype} kernels, which both runs share, not "
+                    f"{changes}): {_past_bound(s, row, labels, bound, dtype)} - beyond the rounding bound, not "
+                    f"decided, and no verdict on {changes}. {decides}")
+        return Verdict.IDENTICAL.value, why + " " + text
+    if not far:
+        return Verdict.PRECISION.value, (f"{a.label} vs {b.label}: both runs stay within rounding of the float64 "
+                                         "reference at every layer: the gap between them is the order of rounding, "
+                                         "not a bug. " + text)
+    s, row = far[0]
+    if first_beyond is not None:
+        return Verdict.LOGIC.value, (f"{a.label} vs {b.label}: they differ beyond the rounding bound from "
+                                     f"{labels[first_beyond]}, and {_past_bound(s, row, labels, bound, dtype)}: "
+                                     "rounding cannot explain it. " + text)
+    return Verdict.UNDECIDED.value, (f"{a.label} vs {b.label}: they differ, within the rounding bound of each other "
+                                     f"at every layer; against float64, {_past_bound(s, row, labels, bound, dtype)} "
+                                     f"- beyond the rounding bound, not decided (the engine's kernels may round "
+                                     f"more than torch's). {decides} " + text)
+
+
+def combine(layers_verdict: str, layers_why: str, prompts: list[dict], line: str) -> tuple[str, str]:
+    """The verdict box: the worst of the layers' verdict (the captured prompt, A vs B) and every prompt's verdict at
+    its outputs (kvviz.core.verdict.worst), each named by what it compares; line: the result's parting_line, the
+    summary the box and the page's table caption share."""
+    from ...core.verdict import severity, worst
+
+    outs = [p["verdict"] for p in prompts if p.get("verdict")]
+    verdict = worst([layers_verdict, *outs], default=layers_verdict)
+    text = f"Layers (the captured prompt): {layers_verdict}. {layers_why}"
+    if prompts:
+        text += f" Outputs: {line}."
+    out_worst = worst(outs)
+    if out_worst is not None and severity(out_worst) < severity(layers_verdict):
+        p = next(p for p in prompts if p["verdict"] == out_worst)
+        text = f"Outputs: {out_worst} on {p['prompt'][:60]!r}: {p['explanation']} " + text
+    return str(verdict), text
 
 
 # what its run cannot honour (kvviz.core.protocol.RunContext.running; the CLI refuses the matching flag)

@@ -60,12 +60,12 @@ with left:
                         if choice.invariant else " " + greedy_closest_call(res)))
         if not choice.invariant:
             # Where a real model meets a near tie depends on the machine's kernels, so the one click opens the
-            # constructed scenario that flips on every machine; a scenario is named on the page (its banner) and
+            # constructed scenario whose no-cache and cache paths part on every machine (tiny:flip in bfloat16); a scenario is named on the page (its banner) and
             # ends when you leave the page or pick another model - the sidebar is not switched for every page.
             from kvviz.teach.presets import PRESETS, preset_state
             from pages.state import start_scenario
 
-            tie = next(p for p in PRESETS if p.key == "tie")
+            tie = next(p for p in PRESETS if p.key == "flip")
             st.button("Show a near tie (flips on any machine)",
                       key="greedy_show_tie", icon=":material/visibility:", type="primary",
                       on_click=start_scenario, args=(tie, preset_state(tie)),
@@ -75,6 +75,10 @@ with left:
         first = min(parting, key=lambda p: p.first_divergence)
         show_verdict(first.verdict, first.explanation, first.proof, proof_in_explanation=first.proof_in_explanation,
                      proved=first.proved)
+    if choice.spec == "tiny:flip":  # the constructed cache flip: how it was built, in one sentence
+        from kvviz.models.tiny import FLIP_BUILT
+
+        st.caption(FLIP_BUILT)
     st.markdown(greedy_figures.texts_html(res), unsafe_allow_html=True)
     if res.settings.fast:
         st.caption("⚡ Fast preview: hollow markers are steps not settled (margin within the measured gap).")

@@ -95,13 +95,12 @@ elif step == 4:
     layer = int(c2.number_input("Layer (0: the middle layer with a gap entering it)", 0, 200, 0, key="lesson_layer"))
     options["layer"] = layer or None
 elif step == 6:
-    c1, c2, c3 = st.columns([3, 1, 1])
-    options["prompt"] = c1.text_input("Prompt", lesson.GREEDY_PROMPT, key="lesson_prompt6",
-                                      help="The default model's own text, cut just before a near tie it met on one "
-                                           "CPU in bfloat16. Where the two paths do not part on this machine, the "
-                                           "step says so and shows a constructed case that parts on every machine")
+    c1, c2 = st.columns([3, 1])
+    options["prompt"] = c1.text_input("Prompt", lesson.CONSTRUCTED_PROMPT, key="lesson_prompt6",
+                                      help=f"Fed to {lesson.CONSTRUCTED} in bfloat16, a tiny model built so that its "
+                                           "cached and no-cache paths part at step 1 on every machine, whatever "
+                                           "the prompt")
     options["n"] = int(c2.number_input("New tokens", 2, 64, 6, key="lesson_n6"))
-    options["dtype"] = c3.selectbox("dtype", LOW, index=2, key="lesson_dtype6")
 elif step == 7:
     options["dtype"] = st.selectbox("dtype", LOW, index=0, key="lesson_dtype7")
 elif step == 8:

@@ -246,7 +246,7 @@ def test_every_page_offers_its_exports():
 
 
 @pytest.mark.parametrize("key, expect", [
-    ("tie", "Verdict: precision"), ("padding", "Verdict: logic"), ("newonly", "Verdict: logic"),
+    ("tie", "Verdict: precision"), ("flip", "Verdict: precision"), ("padding", "Verdict: logic"), ("newonly", "Verdict: logic"),
     ("bidirectional", "Verdict: logic"), ("proof", "gap is exactly 0"),
 ])
 def test_home_presets_show_their_effect(key, expect):
@@ -257,6 +257,8 @@ def test_home_presets_show_their_effect(key, expect):
     assert expect in alerts(at)
     if key == "tie":  # the 16-bit tie flips "b" to "a" at the first step
         assert "'a'" in alerts(at) and "'b'" in alerts(at)
+    if key == "flip":  # no cache and the cache part at step 1: "a" against "b"
+        assert "At step 1 no cache (full forward each step) chose 'a'" in alerts(at)
 
 
 def test_home_presets_for_the_sweep_and_the_window():

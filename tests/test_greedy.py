@@ -1,4 +1,8 @@
 """Greedy paths on tiny models: exact paths equal naive loops bit for bit; fast previews; verdicts."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -6,7 +10,8 @@ import kvviz
 from kvviz.models.compat import cache_argument, output_cache
 from kvviz.core.errors import KvvizError
 from kvviz.views.greedy.run import PATHS, GreedyConfig, run_greedy
-from conftest import DEVICE
+from conftest import DEVICE, ROOT
+from test_lesson_student import AVX2
 from kvviz.core.execution import Executor
 
 PROMPT = "Once upon a time, there"
@@ -151,6 +156,47 @@ def test_constructed_16bit_tie_flip_is_precision(dtype, prompt):
     assert res.pair("no_cache", "cache").first_divergence is None
 
 
+FLIP_CHILD = "KVVIZ_FLIP_CHILD"
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_constructed_cache_flip_parts_no_cache_from_cache(threads):
+    """tiny:flip in bfloat16: every number exact but one double rounding in transformers' cached Mamba step, so no
+    cache writes "aaaaaa" and the cache "abbbbb" (parting at step 1) on every CPU path and thread count; float64
+    closes the gap (precision), the near-tie words come from the margins (2^-7) against the largest logit (8)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        lm = kvviz.load_model("tiny:flip", "bfloat16", DEVICE)
+        res = run_greedy(lm, GreedyConfig("Once upon a time", 6, paths=("no_cache", "cache", "float64")))
+    finally:
+        torch.set_num_threads(before)
+    assert res.paths["no_cache"].text == "aaaaaa" and res.paths["cache"].text == "abbbbb"
+    assert res.paths["float64"].text == "aaaaaa"
+    pair = res.pair("no_cache", "cache")
+    assert pair.first_divergence == 1 and (pair.a_token, pair.b_token) == ("a", "b")
+    assert res.paths["no_cache"].margins[1] == res.paths["cache"].margins[1] == 2.0 ** -7
+    assert pair.max_abs_logit[:2] == [0.0, 2.0 ** -6]  # the same prefill, then "b"'s logit -2^-7 against +2^-7
+    assert pair.verdict == "precision" and pair.float64_gap == 0.0
+    assert pair.near_tie is True and pair.logit_scale == 8.0 and "a near tie (under 1% of the largest logit, 8)" \
+        in pair.explanation
+    # invariant mode keeps the cached step's bfloat16 rounding: unproved, and never called logic
+    assert pair.proved is False and "not reduction order alone" in pair.proof and "logic" not in pair.proof
+
+
+@pytest.mark.skipif(bool(os.environ.get(FLIP_CHILD)), reason="the child process runs the test itself")
+@pytest.mark.skipif(os.environ.get("ATEN_CPU_CAPABILITY") == "avx2",
+                    reason="AVX2 is forced in this process: the test above runs on it (make test-any-cpu)")
+def test_constructed_cache_flip_parts_on_the_forced_avx2_path():
+    env = {**os.environ, **AVX2, FLIP_CHILD: "1"}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:randomly", "-p", "no:cacheprovider",
+                        str(ROOT / "tests" / "test_greedy.py"), "-k", "flip_parts_no_cache_from_cache"],
+                       env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+    assert "2 passed" in p.stdout
+
+
 def test_constructed_tie_does_not_flip_in_float32():
     lm = kvviz.load_model("tiny:tie", "float32", DEVICE)
     res = run_greedy(lm, GreedyConfig("Hello", 3, paths=("no_cache", "cache", "float64")))
@@ -206,10 +252,11 @@ def test_context_overflow_counts_new_tokens():
 
 @pytest.mark.app
 def test_the_near_tie_button_flips_on_any_machine_and_is_scoped_to_its_page():
-    """"Show a near tie" opens the constructed tie scenario (tiny:tie in bfloat16, where the 16-bit paths tie
-    exactly and float64 does not: it parts on every machine, whatever the kernels). The switch is named on the page
-    and ends when you leave it: the sidebar's dtype is not changed for every page."""
+    """"Show a near tie" opens the constructed cache flip (tiny:flip in bfloat16, where no cache and the cache part at
+    step 1 on every machine, whatever the kernels), with one sentence on how it was built. The switch is named on the
+    page and ends when you leave it: the sidebar's dtype is not changed for every page."""
     pytest.importorskip("streamlit")
+    from kvviz.models.tiny import FLIP_BUILT
     from pages.state import SIDEBAR_DEFAULTS
     from test_app import alerts, start
 
@@ -217,10 +264,13 @@ def test_the_near_tie_button_flips_on_any_machine_and_is_scoped_to_its_page():
     assert "paths chose the same" in alerts(at) and at.session_state["dtype"] == "float32"
     at.button(key="greedy_show_tie").click().run()
     assert not at.exception, at.exception
-    assert at.session_state["model_preset"] == "tiny:tie" and at.session_state["dtype"] == "bfloat16"
+    assert at.session_state["model_preset"] == "tiny:flip" and at.session_state["dtype"] == "bfloat16"
     text = alerts(at)
-    assert "Scenario: A word flips in 16-bit" in text and "Another page" in text  # said on the page
-    assert "Verdict: precision" in text and "near tie" in text  # it flipped: 16-bit "a" against float64's "b"
+    assert "Scenario: The cache changes a word" in text and "Another page" in text  # said on the page
+    assert "Verdict: precision" in text  # no cache and cache part: "a" against "b" at step 1, a near tie
+    assert ("At step 1 no cache (full forward each step) chose 'a' (id 67) and cache (the cache passed back each "
+            "step) chose 'b' (id 68)") in text and "a near tie" in text
+    assert FLIP_BUILT in [c.value for c in at.caption]  # how it was built, in one sentence
     assert at.text_area(key="greedy_prompt").value == "Once upon a time"
     at.switch_page("pages/glossary.py").run()  # leaving the page ends the scenario: the defaults come back
     assert not at.exception

@@ -100,17 +100,10 @@ def check_step(r: lesson.StepResult) -> None:
         assert f"part at step {t}" in r.reveal and f"{m:.3g}" in r.reveal and f"{g:.3g}" in r.reveal
         assert f"they part at step {t}" in title and d["dtype"] in title
         assert d["cache_token"] != d["no_cache_token"]
-        if d["constructed"]:  # said so, with the live run's own numbers
-            live = d["live"]
-            assert "(constructed)" in title and "built to happen on every machine" in r.reveal
-            assert f"chose the same {len(live['margins'])} tokens" in r.reveal
-            i = min(range(len(live["margins"])), key=live["margins"].__getitem__)
-            assert f"margin was {live['margins'][i]:.3g} at step {i}" in r.reveal
-            assert "stayed above the gap" not in r.reveal
-            if live["margins"][i] <= live["gaps"][i]:  # a margin within the gap that did not flip is explained
-                assert "never swapped" in r.reveal
-        else:
-            assert "Found on this machine" in r.reveal
+        # the same constructed case on every machine (tiny:flip in bfloat16), its near tie in words from the numbers
+        assert d["constructed"] and "(constructed)" in title and d["model"] in r.reveal
+        near = max(d["margins"][t], 0) <= 0.01 * d["logit_scale"]
+        assert ("a near tie" in r.reveal) == near and ("not a near tie" in r.reveal) == (not near)
         _zero_label_at_the_floor(fig, d["margins"] + d["gaps"])
     elif r.step == 7:
         m = d["max"]

@@ -102,7 +102,7 @@ CASES = {
     "dtypes": ("dtypes", {"dtypes_dtypes": ["bfloat16"]}, _dtypes, "dtypes_show_gap",
                {"dtypes_split": "half", "dtypes_mode": "step"}, True, None),
     "greedy": ("greedy", {"greedy_n": 3}, _greedy, "greedy_show_tie",  # a scenario: it ends when you leave the page
-               {"model_preset": "tiny:tie", "dtype": "bfloat16", "greedy_prompt": "Once upon a time", "greedy_n": 6},
+               {"model_preset": "tiny:flip", "dtype": "bfloat16", "greedy_prompt": "Once upon a time", "greedy_n": 6},
                False, None),
     "serving": ("serving", {"serving_runs": 1, "serving_tokens": 2, "serving_limit": 2}, _serving,
                 "serving_show_gap", {"dtype": "bfloat16"}, True, None),

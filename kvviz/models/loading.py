@@ -561,9 +561,12 @@ def _load(ms: ModelSpec, dt: torch.dtype, dev: torch.device, attn: str, trust_re
                        else f"{gguf.name}: {quant} GGUF weights, dequantized once and loaded as {dtype_name(dt)}")
     elif ms.kind == "tiny":
         folder = tiny_folder(ms.ref)
-        description = (f"tiny synthetic {ms.ref} (seeded random weights, byte-level tokenizer)" if ms.ref != "tie" else
+        description = (f"tiny synthetic {ms.ref} (seeded random weights, byte-level tokenizer)"
+                       if ms.ref not in ("tie", "flip") else
                        "tiny constructed near tie: a llama whose top two tokens 'a' and 'b' differ by 2^-12 of a "
-                       "weight, so 16-bit dtypes tie them exactly")
+                       "weight, so 16-bit dtypes tie them exactly" if ms.ref == "tie" else
+                       "tiny constructed cache flip: a Mamba whose cached step rounds its skip term to the model's "
+                       "dtype where the full forward keeps float32, so in bfloat16 'a' becomes 'b'")
     elif ms.kind == "folder":
         folder = Path(ms.ref)
         description = f"local model folder {folder.name}"

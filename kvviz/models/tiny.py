@@ -51,7 +51,11 @@ TINY_MODEL_TYPES: dict[str, str] = {"gemma3": "gemma3_text"}
 #        the logit v/2: summed in index order "b" wins (v); summed in two halves, as a split-K GEMM does when it
 #        sees several rows (kvviz/core/simkernel.py), float32 loses v under T·v and "a" wins. Used by the Serving view's
 #        test: alone (the head sees one row) vs in a batch (several rows) must part; in invariant mode never.
-TINY_CONSTRUCTED: dict[str, str] = {"tie": "llama", "split": "llama"}
+#   flip: a Mamba whose cached and no-cache greedy paths part at step 1 in bfloat16 on every machine, with transformers'
+#        own code and real kernels: the cached step (mamba_selective_state_update) rounds its skip term x·D to
+#        bfloat16 before multiplying by the gate, where the full scan keeps x·D·gate in float32 and rounds once. All
+#        other arithmetic is exact, so that one double rounding (580 vs 584) decides between "a" and "b" (_construct_flip).
+TINY_CONSTRUCTED: dict[str, str] = {"tie": "llama", "split": "llama", "flip": "mamba"}
 TINY_MODELS = TINY_ARCHS + tuple(TINY_CONSTRUCTED)
 
 # Sweep regressions: architectures where the architecture sweep (kvviz.io.archsweep) found a problem in kvviz, each
@@ -155,6 +159,55 @@ def _construct_split(model, tokenizer) -> None:
         head[b, 0], head[b, 32], head[b, 33] = SPLIT_T, -SPLIT_T, 1.0
 
 
+FLIP_TOKENS = ("a", "b")
+# how tiny:flip was built, in one sentence (the Greedy paths page and the lesson show it)
+FLIP_BUILT = ("tiny:flip is a 2-layer Mamba set by hand so that every number is exact but one: its cached step rounds "
+              "the skip term x·D to bfloat16 before the gate where the full forward keeps it in float32 "
+              "(transformers' own code), which makes 584 of 580 and tips “a” to “b”.")
+
+
+def _construct_flip(model, tokenizer) -> None:
+    """Every token embeds to 16 in residual dim 0 (0 elsewhere), so every position normalises to u = 8 there (bfloat16
+    snaps the norm's eps away). Layer 0's mixer, all else zero (x_proj 0: the SSM state and its output y stay 0):
+      channel 1: x = 3u = 24, gate z = 24, D = 129/128: full scan bf16(x·D·silu z) = bf16(580.5) = 580, cached step
+                 bf16(bf16(x·D)·silu z) = bf16(24.25·24) = bf16(582) = 584, both halfway cases rounded to even
+                 (silu(z) = z exactly for z >= 24);
+      channels 2, 3: x = z = 32, D = 580/1024 and 584/1024: exactly 580 and 584 on both paths.
+    out_proj writes 2^-8·(2·c1 - c2 - c3) into residual dim 1: -2^-6 from a full forward, +2^-6 from a cached step
+    (exact sums). lm_head: "a" reads nothing (logit 0), "b" reads dim 1 (logit ∓2^-7), every other token −dim 0 (≈ −8).
+    So the full forward picks "a" by 2^-7 and a cached step "b" by 2^-7. Layer 1 writes nothing."""
+    import torch
+
+    a, b = (tokenizer.convert_tokens_to_ids(t) for t in FLIP_TOKENS)
+    layers = model.backbone.layers
+    with torch.no_grad():
+        model.backbone.embeddings.weight.zero_()
+        model.backbone.embeddings.weight[:, 0] = 16.0
+        for layer in layers:
+            layer.norm.weight.fill_(1.0)
+            layer.mixer.out_proj.weight.zero_()
+        model.backbone.norm_f.weight.fill_(1.0)
+        m = layers[0].mixer
+        n = m.intermediate_size
+        m.in_proj.weight.zero_()
+        m.conv1d.weight.zero_()
+        if m.conv1d.bias is not None:
+            m.conv1d.bias.zero_()
+        m.x_proj.weight.zero_()
+        for c, (x, z, d) in {1: (3.0, 3.0, 129 / 128), 2: (4.0, 4.0, 580 / 1024), 3: (4.0, 4.0, 584 / 1024)}.items():
+            m.in_proj.weight[c, 0] = x  # u = 8: x = 24 or 32
+            m.in_proj.weight[n + c, 0] = z  # the gate, the same
+            m.conv1d.weight[c, 0, -1] = 1.0  # the conv passes the current token's x through
+            m.D[c] = d
+        m.out_proj.weight[1, 1], m.out_proj.weight[1, 2], m.out_proj.weight[1, 3] = 2.0 ** -7, -2.0 ** -8, -2.0 ** -8
+        head = model.lm_head.weight
+        head.zero_()
+        head[:, 0] = -1.0
+        head[a] = 0.0
+        head[b] = 0.0
+        head[b, 1] = 1.0
+
+
 def random_model(config, seed: int = TINY_SEED):
     """A causal LM of `config` with seeded random weights, larger than the default init so that logits have clear
     preferences (the tiny models and the architecture sweep build theirs this way)."""
@@ -182,10 +235,12 @@ def build_tiny(arch: str, folder: Path) -> Path:
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{arch}-", dir=folder.parent))
     try:
-        if arch in TINY_SWEEP:
+        if arch in TINY_SWEEP or TINY_CONSTRUCTED.get(arch) == "mamba":
             from .archconfig import tiny_arch_config
 
-            config = tiny_arch_config(TINY_SWEEP[arch])
+            config = tiny_arch_config(TINY_SWEEP.get(arch) or TINY_CONSTRUCTED[arch])
+            if arch == "flip":
+                config.tie_word_embeddings = False  # its lm_head is set by hand
         else:
             config = tiny_config(TINY_CONSTRUCTED.get(arch, arch))
         model = random_model(config, TINY_SEED)
@@ -194,6 +249,8 @@ def build_tiny(arch: str, folder: Path) -> Path:
             _construct_tie(model, tokenizer)
         if arch == "split":
             _construct_split(model, tokenizer)
+        if arch == "flip":
+            _construct_flip(model, tokenizer)
         model.save_pretrained(tmp)
         if getattr(model.config, "model_type", None) != config.model_type:
             config.save_pretrained(tmp)  # a class that keeps only its text sub-config saves that: write the type's own

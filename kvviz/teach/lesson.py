@@ -34,8 +34,8 @@ from ..core.metrics import hidden_divergence
 
 LESSON_PROMPT = "The capital of France is Paris, and the capital of Italy is"
 # The default model's own greedy text after "This is a ", cut just before a step where (on one 2-core x86 CPU, bfloat16)
-# its cached and no-cache paths met a near tie and parted. Machine-dependent: where they do not part, step 6 shows a
-# constructed case that parts on every machine (CONSTRUCTED) and says so.
+# its cached and no-cache paths met a near tie and parted. Machine-dependent, so step 6 decodes a constructed case that
+# parts on every machine (CONSTRUCTED) instead; kept for the one-click fixes' greedy settings.
 GREEDY_PROMPT = "This is a 100% chance of being correct.\n\nThis is a fundamental concept"
 SWEEP = ("float32", "float16", "bfloat16")  # the dtypes of the by-layer step
 Models = Callable[[str], LoadedModel]  # dtype name -> the lesson's model in that dtype ("float64": its reference)
@@ -520,8 +520,8 @@ def _greedy_run(lm: LoadedModel, prompt: str, n: int, fast: bool) -> dict:
             "parting": pair.first_divergence, "margins": nc.margins[:steps], "gaps": pair.max_abs_logit[:steps],
             "tokens": nc.tokens[:steps], "cache_tokens": ca.tokens[:steps], "no_cache_text": nc.text,
             "cache_text": ca.text, "no_cache_token": tok.get("no_cache"), "cache_token": tok.get("cache"),
-            "float64_gap": pair.float64_gap, "verdict": pair.verdict,
-            "settled": nc.settled[:steps] if nc.settled else None}
+            "float64_gap": pair.float64_gap, "verdict": pair.verdict, "near_tie": pair.near_tie,
+            "logit_scale": pair.logit_scale, "settled": nc.settled[:steps] if nc.settled else None}
 
 
 def _no_flip_words(d: dict) -> str:
@@ -544,59 +544,41 @@ def _no_flip_words(d: dict) -> str:
     return words + "At every step the margin was larger than the gap, so no rounding could flip the choice."
 
 
-CONSTRUCTED = "tiny:split"  # a tiny model whose top token depends on how many rows its head saw (kvviz/models/tiny.py)
+CONSTRUCTED = "tiny:flip"  # a tiny Mamba whose cached and no-cache greedy paths part in bfloat16 (kvviz/models/tiny.py)
 CONSTRUCTED_PROMPT = "Once upon a time"
 
 
 @_timed
-def step_greedy(lm: LoadedModel, prompt: str = GREEDY_PROMPT, n: int = 6, fast: bool = True) -> StepResult:
+def step_greedy(lm: LoadedModel, prompt: str = CONSTRUCTED_PROMPT, n: int = 6, fast: bool = False) -> StepResult:
     """Step 6: greedy decoding with and without cache; where they part, the top-2 margin there against the gap.
-    Where a near tie meets a rounding gap depends on the machine's kernels: when the sidebar's model does not part
-    here, the step shows the same mechanism built to happen on every machine (tiny:split under the simulated
-    split-K kernel of kvviz/core/simkernel.py) and says so."""
-    live = _greedy_run(lm, prompt, n, fast)
-    d, name = live, live["dtype"]
-    if live["parting"] is None:
-        from ..models.loading import load_model
-        from ..core.simkernel import split_k_kernel
+    Where a real model meets a near tie depends on the machine's kernels, so the step always decodes the constructed
+    tiny:flip in bfloat16 (on `lm`'s device): its paths part at step 1 on every machine, by one rounding that
+    transformers' own code makes in the cached step only. Every sentence's numbers come from the run."""
+    from ..models.loading import load_model
+    from ..models.tiny import FLIP_BUILT
 
-        lm_c = load_model(CONSTRUCTED, name if name in ("float32", "bfloat16") else "float32", lm.device)
-        with split_k_kernel():
-            d = _greedy_run(lm_c, CONSTRUCTED_PROMPT, max(2, int(n)), fast)
-        d["live"] = {k: live[k] for k in ("model", "dtype", "prompt", "n", "margins", "gaps", "no_cache_text")}
-    d["constructed"] = "live" in d
+    d = _greedy_run(load_model(CONSTRUCTED, "bfloat16", lm.device), prompt, max(2, int(n)), fast)
+    d["constructed"] = True
     t = d["parting"]
     if t is None:  # the construction parts at step 1 on every machine: only a broken build gets here
         answer, reveal = None, f"In {d['dtype']} the two paths chose the same {len(d['margins'])} tokens: " \
                                + _no_flip_words(d)
     else:
-        m, g = d["margins"][t], d["gaps"][t]
+        m, g, scale = d["margins"][t], d["gaps"][t], d["logit_scale"]
         answer = 1 if m <= g else 0
-        others = [d["margins"][i] for i in range(len(d["margins"])) if i != t]
-        reveal = ((f"On {live['model']} in {name}, on this machine, the two paths chose the same "
-                   f"{len(live['margins'])} tokens: " + _no_flip_words(live) + " Whether and where a near tie meets "
-                   "a rounding gap depends on the machine's kernels, so here is the same thing built to happen on "
-                   f"every machine: {CONSTRUCTED}, a tiny model whose token “b” has the logit v + T·v − T·v "
-                   "(T = 2^26), under a simulated matrix kernel that sums a block of rows in two halves and one row "
-                   "in one go (many real kernels choose their blocking by shape)"
-                   + (" - in float32, as float16's range ends below 2^26. " if d["dtype"] != name else ". ")
-                   if d["constructed"] else f"Found on this machine with {d['model']}. ")
-                  + f"In {d['dtype']} the paths part at step {t}: no cache chose {d['no_cache_token']!r}, the cache "
-                  f"{d['cache_token']!r}. The top-2 margin there was {m:.3g} and the two runs' logits differed by up "
-                  f"to {g:.3g}"
-                  + (": the margin was within the gap, a near tie." if m <= g else
-                     ": the margin exceeded the gap measured at this step (the runs' histories already differ).")
-                  + (f" At the steps before, margins were {min(others):.3g} or more." if others else "")
+        reveal = (f"On {d['model']} in {d['dtype']} the paths part at step {t}: no cache chose "
+                  f"{d['no_cache_token']!r}, the cache {d['cache_token']!r}. The top-2 margin there was {m:.3g} and "
+                  f"the two runs' logits differed by up to {g:.3g}: "
+                  + ("the margin was within the gap" if m <= g else "the margin was larger than the gap")
+                  + (f", a near tie (under 1% of the largest logit, {scale:.3g})." if d["near_tie"] else
+                     f", not a near tie (the largest logit was {scale:.3g}).")
                   + (f" Replayed in float64 on the same tokens the two differ by {d['float64_gap']:.3g}: "
                      f"{d['verdict']}." if d["float64_gap"] is not None else ""))
     explanation = (
-        "Greedy decoding takes the top logit at each step. A gap of a few ε in the logits changes nothing as long as "
-        "the best token leads the runner-up by more than the gap on those two tokens; only when the top two are "
-        "nearly tied - the margin smaller than the gap - can rounding flip the choice. From then on the two texts "
-        "are fed different tokens and part for good, so one last-bit difference becomes a different sentence. Near "
-        "ties are rare, but a long generation in a 16-bit dtype meets one sooner or later (in bfloat16 exact ties "
-        "are common: only 8 bits of mantissa). This is transformers#25420: 'greedy output differs with "
-        "past_key_values' - precision, not a bug.")
+        FLIP_BUILT + " Greedy decoding takes the top logit, so a last-bit difference changes the text only where the "
+        "top two are nearly tied, and from then on the two texts are fed different tokens and part for good. A real "
+        "model meets such a tie in a long 16-bit generation, where the gap comes from kernels that sum in another "
+        "order (transformers#25420: precision, not a bug).")
     return StepResult(6, TITLES[6], "When the cached and the no-cache greedy paths choose different tokens, what was "
                                     "the top-2 margin at that step?",
                       ["large: a confident choice, far above the gap between the runs",

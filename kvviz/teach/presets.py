@@ -23,6 +23,12 @@ PRESETS = (
            "chooses “a”. Precision, not logic - the float64 replay agrees.",
            "pages/greedy.py", "tiny:tie", "bfloat16",
            {"greedy_prompt": "Once upon a time", "greedy_n": 6, "greedy_paths": ["no_cache", "cache", "float64"]}),
+    Preset("flip", "The cache changes a word", "A tiny Mamba built so that one rounding decides between “a” and "
+           "“b”: its cached step rounds the skip term to bfloat16 before the gate, where the full forward keeps it "
+           "in float32 (transformers' own code). No cache writes “aaaaaa”, the cache “abbbbb”, on every machine; "
+           "float64 closes the gap (precision), invariant mode does not (not reduction order).",
+           "pages/greedy.py", "tiny:flip", "bfloat16",
+           {"greedy_prompt": "Once upon a time", "greedy_n": 6, "greedy_paths": ["no_cache", "cache", "float64"]}),
     Preset("padding", "Left padding without position ids", "The prompt is left-padded and the rest is fed through "
            "the cache without position ids: the model numbers the new tokens from the cache length, counting the "
            "pads. Logic: the gap stays in float64.",

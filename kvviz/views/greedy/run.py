@@ -171,6 +171,8 @@ class PairResult:
     proved: bool | None = None  # invariant mode: do the two paths agree bit for bit there? (None: not checked)
     proof: str | None = None
     parting: str | None = None  # the explanation's first part: the step, the two tokens, their margins, the logit gap
+    near_tie: bool | None = None  # at the parting step: both top-2 margins under NEAR_TIE_REL of the largest |logit|
+    logit_scale: float | None = None  # the largest |logit| of the two paths at the parting step
 
     @property
     def proof_in_explanation(self) -> bool:
@@ -344,6 +346,17 @@ def _compare(a: PathRun, b: PathRun, eps: float) -> PairResult:
                       hd["relative"].cpu().numpy(), same)
 
 
+NEAR_TIE_REL = 0.01  # a top-2 margin under 1% of the step's largest |logit| is a near tie
+
+
+def near_tie_words(margins: tuple[float, float], scale: float) -> tuple[bool, str]:
+    """Whether the top-2 margins at a parting step make a near tie, and the words that say so from the numbers:
+    both margins under NEAR_TIE_REL of the largest |logit| (`scale`) there."""
+    near = scale > 0 and max(margins) <= NEAR_TIE_REL * scale
+    return near, (f" - a near tie (under {NEAR_TIE_REL:.0%} of the largest logit, {scale:.3g})" if near else
+                  f" - not a near tie (the largest logit was {scale:.3g})")
+
+
 def _logic(path: GreedyPath, positions: str) -> Replay:
     """Which computation a path's logits come from, as far as exact arithmetic is concerned."""
     if path in _FULL_FORWARD:
@@ -374,12 +387,15 @@ def _explain(pair: PairResult, runs: dict[str, PathRun], lm: LoadedModel, cfg: G
     gap64 = float((la - lb).abs().max() / la.abs().max().clamp_min(1e-300))
     pair.float64_gap = gap64
     ma, mb = a.margins[t], b.margins[t]
+    scale = max(float(a.logits[t].double().abs().max()), float(b.logits[t].double().abs().max()))
+    pair.logit_scale = scale
+    pair.near_tie, qual = near_tie_words((ma, mb), scale)
     head = pair.parting = (f"At step {t} {PATH_LABELS[pair.a]} chose {name_a} and {PATH_LABELS[pair.b]} chose "
-                           f"{name_b}; their top-2 margins there were {ma:.3g} and {mb:.3g}, and the logits "
+                           f"{name_b}; their top-2 margins there were {ma:.3g} and {mb:.3g}{qual}, and the logits "
                            f"differed by up to {pair.max_abs_logit[t]:.3g}.")
     pair.verdict = classify(False, gap64)  # the tokens differ, so the bits do
     if pair.verdict == Verdict.PRECISION:
-        pair.explanation = _precision_explanation(head, gap64)
+        pair.explanation = _precision_explanation(head, gap64, near_tie=pair.near_tie)
     else:
         cause = ""
         if GreedyPath.USER_LOOP in (pair.a, pair.b) and cfg.left_pad:
@@ -392,11 +408,12 @@ def _explain(pair: PairResult, runs: dict[str, PathRun], lm: LoadedModel, cfg: G
 
 
 def _precision_explanation(parting: str, gap64: float, proved: bool | None = None,
-                           invariant_gap: float | None = None) -> str:
+                           invariant_gap: float | None = None, near_tie: bool | None = True) -> str:
     """A precision pair's explanation from its parts: where the paths part, then the float64 replay and its proof
-    (an unproved one never says "a near tie flipped by rounding")."""
+    (an unproved one never says "flipped by rounding"; "a near tie" only where the margins make one)."""
     return (parting + " Replayed in float64 on the same tokens: "
-            + ("" if proved is False else "a near tie flipped by rounding. ")
+            + ("" if proved is False else "a near tie flipped by rounding. " if near_tie else
+               "rounding flipped the choice. ")
             + precision_sentence(gap64, proved, invariant_gap))
 
 
@@ -542,14 +559,16 @@ def prove_pairs(lm: LoadedModel, cfg: GreedyConfig, settings: ExecSettings, inp:
             inv_gap = float((la - lb).abs().max())
             where = f"at step {t}" + (", where they part" if p.first_divergence is not None else ", the last")
             if p.verdict == Verdict.PRECISION and p.float64_gap is not None:  # the explanation carries its proof
-                p.explanation = _precision_explanation(p.parting, p.float64_gap, p.proved, inv_gap)
+                p.explanation = _precision_explanation(p.parting, p.float64_gap, p.proved, inv_gap, p.near_tie)
             if p.proved:
                 p.proof = (f"Precision — proved: replayed in invariant mode on the same {t} tokens (every row "
                            f"computed the same way whatever the shape), {p.a} and {p.b} give bit for bit the same "
                            f"logits {where}.")
             else:
                 p.proof = (f"In invariant mode {p.a} and {p.b} still differ {where} (by up to {inv_gap:.3g}): not "
-                           "reduction order - logic.")
+                           + ("reduction order alone (float64 closes the gap: precision of another kind, such as one "
+                              "path rounding an intermediate the other keeps wider)."
+                              if p.verdict == Verdict.PRECISION else "reduction order - logic."))
 
 
 def run_greedy(lm: LoadedModel, cfg: GreedyConfig, progress: Progress | None = None,

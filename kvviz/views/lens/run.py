@@ -125,7 +125,7 @@ class LensResult:
     vocab: dict  # token id (str) -> display text, for every id the matrices name
     main: LensPaths
     float64: LensPaths | None
-    path_tokens: dict  # {"full": [...], "cached": [...]}: each path's own next token (argmax of its logits) per position
+    path_tokens: dict  # {"full": [...], "cached": [...]}: each path's own next token (its logits' argmax) per position
     attention: dict  # at the first cached position: max_dp [layers, heads], moved_to [layers, heads] (key index)...
     verdict: str
     explanation: str
@@ -142,7 +142,8 @@ class LensResult:
         if d is None:
             return None
         r, j = d
-        out = {"row": r, "layer": self.layer_labels[r], "position": self.compared[j], "at": self.tokens[self.compared[j]]}
+        out = {"row": r, "layer": self.layer_labels[r], "position": self.compared[j],
+               "at": self.tokens[self.compared[j]]}
         for side in ("full", "cached"):
             p = getattr(self.main, side)
             out[side] = {"top1": self.token(p["top1"][r][j]), "top2": self.token(p["top2"][r][j]),
@@ -198,9 +199,17 @@ class Lens:
 
 
 def _top2(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    v, i = logits.topk(2, -1) if logits.shape[-1] > 1 else (torch.cat([logits, logits], -1),
-                                                           torch.zeros(*logits.shape[:-1], 2, dtype=torch.long))
-    return i[..., 0], i[..., 1], (v[..., 0].double() - v[..., 1].double())
+    """Top-1 as argmax takes it (the lowest id of a tie: the token the path itself would pick; topk may order a tie
+    otherwise), the runner-up (the best of the rest: a tie's next id, margin 0) and the margin between them."""
+    t1 = logits.argmax(-1, keepdim=True)
+    v1 = logits.gather(-1, t1)
+    if logits.shape[-1] < 2:
+        return t1[..., 0], t1[..., 0], torch.zeros_like(v1[..., 0], dtype=torch.float64)
+    rest = logits.scatter(-1, t1, float("-inf"))
+    t2 = rest.argmax(-1, keepdim=True)
+    v2 = logits.gather(-1, t2)
+    del rest
+    return t1[..., 0], t2[..., 0], (v1.double() - v2.double())[..., 0]
 
 
 class _LensSink:
@@ -291,30 +300,39 @@ class _AttentionRow(TorchFunctionMode):
 
     SOFTMAX = {torch.softmax, F.softmax, torch.Tensor.softmax, torch.nn.functional.softmax}
 
-    def __init__(self, row: int):
+    def __init__(self, row: int, heads: int | None = None):
         super().__init__()
-        self.row, self.rows, self.kinds = row, [], set()
+        self.row, self.heads, self.rows, self.kinds = row, heads, [], set()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         try:
             if func is F.scaled_dot_product_attention:
-                self.rows.append(_sdpa_row(self.row, *args, **kwargs))
+                self.rows.append(_sdpa_row(self.row, self.heads, *args, **kwargs))
                 self.kinds.add("sdpa")
             elif func in self.SOFTMAX and isinstance(out, torch.Tensor) and out.dim() == 4 and self.row < out.shape[-2]:
                 dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
                 if dim in (-1, 3):
-                    self.rows.append(out[0, :, self.row].detach().double())
+                    # a copy: a view (float64's .double() is one) kept every layer's [B, H, q, k] alive
+                    self.rows.append(out[0, :, self.row].to(torch.float64, copy=True))
                     self.kinds.add("eager")
         except (IndexError, RuntimeError, TypeError):  # a call of another shape: not an attention row
             pass
         return out
 
 
-def _sdpa_row(row, query, key, value=None, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+def _sdpa_row(row, heads, query, key, value=None, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
               enable_gqa=False, **_):
-    q = query[0, :, row].double()  # [Hq, D]
+    if heads and query.shape[1] != heads and query.shape[1] * query.shape[2] == heads and row == 0:
+        # one query token with grouped keys, packed as [B, kv heads, group, D] (transformers' pack_gqa): head
+        # g * group + r is row r of kv head g
+        q = query[0].reshape(heads, query.shape[-1]).double()
+        if attn_mask is not None and attn_mask.dim() == 4 and attn_mask.shape[1] > 1:
+            attn_mask = attn_mask.reshape(attn_mask.shape[0], heads, 1, attn_mask.shape[-1])
+        row = 0
+    else:
+        q = query[0, :, row].double()  # [Hq, D]
     k = key[0].double()  # [Hkv, S, D]
     if k.shape[0] != q.shape[0]:
         k = k.repeat_interleave(q.shape[0] // k.shape[0], 0)
@@ -376,7 +394,8 @@ def _run(lm, cfg: SplitConfig, settings: ExecSettings, progress, attention: bool
             raise KvvizError(f"{lm.name} returns no cache (a bidirectional model): there is no cached path to lens")
         progress(0.3, "Full forward without cache…")
         held = HeldRows(lambda h: h[0, a0:])
-        watch = _AttentionRow(a0) if attention else None
+        heads = getattr(lm.text_config, "num_attention_heads", None)
+        watch = _AttentionRow(a0, heads) if attention else None
         with (watch if watch is not None else contextlib.nullcontext()):
             full = ex.forward(inp.ids, inp.mask, inp.positions, use_cache=False, hidden=held, logits_to_keep=keep)
         rows_f = watch.rows if watch is not None else []
@@ -396,7 +415,7 @@ def _run(lm, cfg: SplitConfig, settings: ExecSettings, progress, attention: bool
                         hidden=hid)
         first = True
         while True:
-            watch = _AttentionRow(0) if attention and first else None
+            watch = _AttentionRow(0, heads) if attention and first else None
             with (watch if watch is not None else contextlib.nullcontext()):
                 got = next(steps, None)
             if got is None:

@@ -83,6 +83,9 @@ def page_calls(lm, spec: str):
     def check():
         return run("check")
 
+    def lens():  # the generic page: its config's defaults (pages/view.py), the Page's default prompt
+        return run("lens", prompt=D["lens"]["prompt"] if "lens" in D else views.get("lens").page.defaults["prompt"])
+
     def serving():
         from kvviz.core.prompts import builtin_prompts
 
@@ -92,7 +95,7 @@ def page_calls(lm, spec: str):
                    prompt_source="built-in set")
 
     # keyed by the view whose page makes the call (kvviz.views: View.page)
-    return {"split": split, "greedy": greedy, "dtypes": dtypes, "padding": padding, "reuse": reuse,
+    return {"lens": lens, "split": split, "greedy": greedy, "dtypes": dtypes, "padding": padding, "reuse": reuse,
             "loading_trap": trap, "matrix": matrix, "kv_reload": kv_cache, "quant": quant,
             "check": check, "serving": serving}
 

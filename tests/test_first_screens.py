@@ -129,7 +129,8 @@ def test_the_dtypes_page_says_why_and_its_one_click(monkeypatch):
 # Every page that runs a model on opening, with its default controls: the first verdict line shows a difference, or
 # says why there is none here (and the page then offers the click that shows one). The KV cache page checks a saved
 # cache bit for bit (equality is its point): it has no default difference.
-FIRST_SCREENS = ["split", "greedy", "dtypes", "padding", "reuse", "loading_trap", "quant", "check", "serving", "matrix"]
+FIRST_SCREENS = ["split", "greedy", "dtypes", "padding", "reuse", "loading_trap", "quant", "check", "serving", "matrix",
+                 "lens"]
 
 
 @pytest.mark.heavy

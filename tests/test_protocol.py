@@ -51,6 +51,7 @@ def _configs() -> dict:
         "serving": c["serving"]([PROMPT, "One, two, three,"], conditions=("alone", "batch"), runs=1,
                                 max_new_tokens=3, batch_size=2),
         "engine_layers": c["engine_layers"](PROMPT, max_new_tokens=2),
+        "lens": c["lens"](PROMPT, split=5),
         "serving_sweep": c["serving_sweep"](concurrency=(1, 2), lengths=(8,), prompts_per_cell=2, max_new_tokens=2,
                                             engine="transformers"),
     }

@@ -71,6 +71,7 @@ VIEW_FOLDERS = [
     "bisect",
     "serving",
     "engine_layers",
+    "lens",
 ]
 
 

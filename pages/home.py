@@ -1,3 +1,4 @@
+import re
 from pathlib import Path
 
 import streamlit as st
@@ -51,21 +52,34 @@ for i, p in enumerate(PRESETS):
                   help=f"Opens the page {title} with model {p.model} in {p.dtype} and this scenario's settings")
 
 with st.expander("Prepare the meeting: run scenarios ahead, show them at once", icon=":material/event_available:"):
-    st.caption("Runs the chosen scenarios now and keeps their results: **Open a result** then shows each at once "
-               "(no model runs during the meeting), and offers one HTML report with all of them.")
+    st.caption("Runs the chosen scenarios now and keeps their results, with your own runs added from any page: "
+               "**Open a result** then shows each at once (no model runs during the meeting), and offers one HTML "
+               "report with all of them.")
     from kvviz.teach.meeting import default_dir, prepare
+    from pages.exporting import MEETING_RUNS
 
     picked = st.multiselect("Scenarios", [p.key for p in PRESETS], default=["tie", "padding", "proof"],
                             format_func=lambda k: next(p.title for p in PRESETS if p.key == k), key="meeting_keys")
+    runs = st.session_state.get(MEETING_RUNS, [])  # this user's own runs ("Add to the meeting" beside a result)
+    st.markdown(f"**Your runs** ({len(runs)})")
+    if not runs:
+        st.caption("None yet: press **Add to the meeting** beside a result's downloads on any page to bundle that "
+                   "run (its model, prompt and settings) as it is now.")
+    for r in runs:
+        c1, c2 = st.columns([5, 1])
+        c1.markdown("- " + re.sub(r"([\\`*_\[\]<>#|~$])", r"\\\1", r["title"]))  # a path's _ and * as typed
+        c2.button("Remove", key=f"meeting_drop_{r['id']}", icon=":material/delete:",
+                  on_click=lambda i=r["id"]: st.session_state.__setitem__(
+                      MEETING_RUNS, [x for x in st.session_state.get(MEETING_RUNS, []) if x["id"] != i]))
     # The click is kept in state by its callback, so a rerun before this line (ensure_navigation) cannot lose it.
-    st.button("Prepare", key="meeting_run", icon=":material/play_arrow:", disabled=not picked,
+    st.button("Prepare", key="meeting_run", icon=":material/play_arrow:", disabled=not (picked or runs),
               on_click=st.session_state.__setitem__, args=("_meeting_asked", True))
-    if st.session_state.pop("_meeting_asked", False) and picked:
+    if st.session_state.pop("_meeting_asked", False) and (picked or runs):
         from pages.common import progress_bar, show_error
 
         try:
             with progress_bar("Preparing the meeting…") as report:
-                done = prepare(picked, default_dir(), progress=report)
+                done = prepare(picked, default_dir(), progress=report, runs=[r["json"] for r in runs])
         except Exception as e:  # noqa: BLE001
             show_error(e)
         else:

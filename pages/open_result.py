@@ -67,4 +67,4 @@ for table in tables:
     st.dataframe(table, width="stretch", hide_index=plain_index(table))
 with st.expander("Settings"):
     st.json(settings)
-exports(res, f"{opened.view}-reopened")
+exports(res, f"{opened.view}-reopened", saved=data)

@@ -621,6 +621,59 @@ def test_home_prepares_the_meeting_with_its_button():
     assert (out / "meeting.html").read_text().count("<section") == 2
 
 
+def test_a_run_with_my_folder_model_added_to_the_meeting_is_in_its_bundle(tmp_path):
+    """A presenter's own run (their folder model, prompt padding and position ids) on Split point, "Add to the
+    meeting", then Home's Prepare with no scenario: the bundle has that run as its own section, reopened from its
+    JSON (verdict, settings, model = the folder); Open a result lists it; Remove takes it off the list."""
+    import os
+    import re
+    import shutil
+    from pathlib import Path
+
+    from kvviz.io.export import open_result
+    from kvviz.models.loading import tiny_folder
+    from kvviz.teach.meeting import prepared
+
+    folder = tmp_path / "my_model"  # an underscore: shown as typed in the list (markdown would eat it)
+    shutil.copytree(tiny_folder("llama"), folder, ignore=shutil.ignore_patterns("kvviz-tiny.json"))
+    at = start("pages/split.py", model="other…", model_other=str(folder), split_pad=3, split_pos="omit")
+    assert "Verdict: logic" in alerts(at)
+    at.button(key="meeting_add_split").click().run()
+    assert not at.exception, at.exception
+    assert any("Added to the meeting (1 run)" in c.value for c in at.caption)
+    at.button(key="meeting_add_split").click().run()  # the same result twice is kept once
+    assert any("Already in the meeting (1 run)" in c.value for c in at.caption)
+
+    at.switch_page("pages/home.py").run()
+    assert not at.exception, at.exception
+    title = f"Split point: {folder} — logic"
+    listed = [m.value for m in at.markdown if m.value.startswith("- ")]
+    assert listed == ["- " + re.sub(r"([\\`*_\[\]<>#|~$])", r"\\\1", title)], listed
+    at.multiselect(key="meeting_keys").set_value([]).run()  # no scenario: only the run, no model loaded for it
+    at.button(key="meeting_run").click().run()
+    assert not at.exception, at.exception
+    assert "1 result(s) ready" in alerts(at) and "error" not in alerts(at).lower()
+
+    out = Path(os.environ["KVVIZ_CACHE"]) / "meeting"
+    html = (out / "meeting.html").read_text(encoding="utf-8")
+    sections = dict(re.findall(r'<section id="s\d+"><h1>(.*?)</h1>(.*?)</section>', html, re.S))
+    assert list(sections) == [title], list(sections)
+    body = sections[title]
+    assert "Verdict: logic." in body and "position ids were omitted" in body
+    assert "reopened from its saved result (JSON), not rerun" in body and "plotly" in body
+    assert f"<tr><th>model</th><td>{folder}</td></tr>" in body
+    assert "<tr><th>left_pad</th><td>3</td></tr>" in body and "<tr><th>position_ids</th><td>omit</td></tr>" in body
+    (name, path), = [(t, p) for t, p in prepared(out) if p.parent.name == "runs"]
+    again = open_result(path.read_bytes())
+    assert name == title and again.view == "split" and again.result.verdict == "logic"
+    assert again.result.settings.model == str(folder) and again.header["model_fingerprint"]
+
+    at.button(key="meeting_drop_1").click().run()
+    assert not at.exception and not at.session_state["_meeting_runs"]
+    assert not [m.value for m in at.markdown if m.value.startswith("- ")]
+    assert at.button(key="meeting_run").disabled  # nothing left to prepare
+
+
 def test_presenter_mode_headlines_the_verdict_from_its_proof_state():
     """Presenter mode shows the verdict in one sentence written from the result's verdict and proof state (the whole
     explanation one click away), on a split that parts in bfloat16 and is proved."""

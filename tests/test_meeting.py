@@ -87,3 +87,58 @@ def test_the_guide_counts_its_reports():
             and not line.startswith("| report")]
     words = {5: "five", 6: "six", 7: "seven"}
     assert f"made from {words[len(rows)]} public reports" in guide, len(rows)
+
+
+def _sections(html: str) -> dict[str, str]:
+    """The bundle's sections: title -> body."""
+    import re
+
+    return dict(re.findall(r'<section id="s\d+"><h1>(.*?)</h1>(.*?)</section>', html, re.S))
+
+
+def test_a_bundle_of_saved_runs_reopens_them_without_loading_a_model(tmp_path, monkeypatch):
+    """The presenter's own runs, as saved JSON (a file and a text), bundled with no scenario: no model is loaded or
+    run; each is its own section with its verdict and settings, kept in runs/ and listed by prepared()."""
+    import kvviz
+    from kvviz import views
+    from kvviz.io.export import export_json
+    from kvviz.models import loading
+    from conftest import DEVICE, PROMPT
+
+    lm = kvviz.load_model("tiny:llama", "float32", DEVICE)
+    res = kvviz.run_split(lm, kvviz.SplitConfig(PROMPT, 8, left_pad=2, position_ids="omit"))
+    assert res.verdict == "logic"
+    saved = tmp_path / "my-run.json"
+    saved.write_text(export_json(res), encoding="utf-8")
+
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded or run for a saved result")
+
+    monkeypatch.setattr(loading, "load_model", refuse)
+    monkeypatch.setattr(kvviz, "load_model", refuse)
+    monkeypatch.setattr(views.View, "runner", refuse)
+    out = tmp_path / "meeting"
+    paths = prepare([], out, runs=[saved, saved.read_text(encoding="utf-8")])
+    assert [p.relative_to(out).as_posix() for p in paths] == ["runs/1-split.json", "runs/2-split.json"]
+    titles = ["Split point: tiny:llama — logic", "Split point: tiny:llama — logic (2)"]
+    assert [t for t, _ in prepared(out)] == titles
+    again = open_result(prepared(out)[0][1].read_bytes()).result
+    assert (again.settings.model, again.settings.left_pad, again.settings.position_ids) == ("tiny:llama", 2, "omit")
+    html = (out / "meeting.html").read_text(encoding="utf-8")
+    sections = _sections(html)
+    assert list(sections) == titles and html.count("* plotly.js v") == 1
+    body = sections[titles[0]]
+    assert "Verdict: logic." in body and "reopened from its saved result (JSON), not rerun" in body
+    assert "<tr><th>model</th><td>tiny:llama</td></tr>" in body
+    assert "<tr><th>left_pad</th><td>2</td></tr>" in body and "<tr><th>position_ids</th><td>omit</td></tr>" in body
+    # a later Prepare without runs leaves none of these behind
+    prepare([], out)
+    assert prepared(out) == [] and not list((out / "runs").glob("*.json"))
+
+
+def test_a_saved_run_that_is_not_a_result_is_one_line(tmp_path):
+    with pytest.raises(KvvizError, match=r"^run 1 added to the meeting: this file is not JSON") as e:
+        prepare(["padding"], tmp_path, runs=[b"not json"])  # refused before any scenario runs
+    assert "\n" not in str(e.value) and not (tmp_path / "padding.json").exists()
+    with pytest.raises(KvvizError, match=r"^run 1 added to the meeting: this JSON is not a kvviz result"):
+        prepare([], tmp_path, runs=["{}"])

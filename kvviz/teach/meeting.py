@@ -1,11 +1,15 @@
 """Prepare the meeting: run a chosen list of one-click scenarios (kvviz.teach.presets) ahead of time and keep their results
 (JSON, the export format) in a folder, so that "Open a result" shows each at once during the meeting, and one HTML
-file bundles all their reports. Nothing here draws or imports Streamlit; the app, the CLI and a notebook call it."""
+file bundles all their reports. The presenter's own runs (their model, prompt, split: "Add to the meeting" beside a
+result's downloads) join them as their saved JSON, reopened for the bundle without loading or running a model.
+Nothing here draws or imports Streamlit; the app, the CLI and a notebook call it."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
+from typing import Sequence
 
 from ..core.errors import KvvizError
 from .presets import Preset, all_presets, by_key
@@ -36,9 +40,13 @@ def _setup_from_controls(p: Preset, device: str, view):
     return load_model(p.model, p.dtype, device), config, ExecSettings(invariant=p.invariant)
 
 
-def prepare(keys: list[str] | None, out_dir: "str | Path", device: str = "cpu", progress=None) -> list[Path]:
+def prepare(keys: list[str] | None, out_dir: "str | Path", device: str = "cpu", progress=None,
+            runs: "Sequence[str | bytes | os.PathLike]" = ()) -> list[Path]:
     """Run the scenarios `keys` (None: all) and write `<key>.json` (the export format, opened by open_result) and
-    `meeting.html` (every report, one after the other) into `out_dir`. Returns the JSON paths, in order."""
+    `meeting.html` (every report, one after the other) into `out_dir`. `runs`: results the presenter made and saved
+    (the JSON export: its text, or a path to the file), reopened as they were (no model is loaded or run for them)
+    and bundled after the scenarios, each as its own section, and kept in `out_dir/runs/` (see `prepared`).
+    Returns the JSON paths, in order (the scenarios', then the runs')."""
     from ..io.export import export_json, html_report
 
     known = by_key()
@@ -46,6 +54,10 @@ def prepare(keys: list[str] | None, out_dir: "str | Path", device: str = "cpu", 
     unknown = [k for k in keys if k not in known]
     if unknown:
         raise KvvizError(f"unknown scenario {', '.join(unknown)}; choose from {', '.join(known)}")
+    added = []  # all read before anything runs: a bad file fails first
+    for i, r in enumerate(runs):
+        title, opened, text = _reopen_run(r, i)
+        added.append((_unique(title, [a[0] for a in added]), opened, text))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths, reports = [], []
@@ -59,8 +71,84 @@ def prepare(keys: list[str] | None, out_dir: "str | Path", device: str = "cpu", 
         path.write_text(json.dumps(doc), encoding="utf-8")
         paths.append(path)
         reports.append((p.title, html_report(res)))
+    paths += _write_runs(added, out)
+    reports += [(title, added_report(opened)) for title, opened, _ in added]
     (out / "meeting.html").write_text(bundle(reports), encoding="utf-8")
     return paths
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The presenter's own runs ("Add to the meeting" beside a result's downloads): kept as their JSON export, reopened
+# from it for the bundle, never rerun.
+
+RUNS = "runs"  # their folder inside the meeting's folder: <i>-<view>.json and index.json (their titles, in order)
+
+
+def run_title(view: str, result) -> str:
+    """A run's name in the meeting: its page, its model and its verdict ("Split point: /models/my-llama — logic")."""
+    from .. import views
+
+    entry = views.get(view)
+    settings = getattr(result, "settings", None)
+    settings = settings if isinstance(settings, dict) else settings.to_dict() if settings is not None else {}
+    verdict, _ = entry.verdict_text(result)
+    verdict = str(getattr(verdict, "value", verdict))
+    model = settings.get("model") or getattr(result, "model", None) or "?"
+    return f"{entry.title}: {model}" + ("" if not verdict or verdict.startswith("see the") else f" — {verdict}")
+
+
+def _reopen_run(run, i: int):
+    """(title, opened result, JSON text) of a saved run; one line (KvvizError) when it is not a kvviz result."""
+    from ..io.export import open_result
+
+    data = Path(run).read_bytes() if isinstance(run, os.PathLike) else run
+    try:
+        opened = open_result(data)
+    except KvvizError as e:
+        raise KvvizError(f"run {i + 1} added to the meeting: {e}") from None
+    text = data.decode("utf-8") if isinstance(data, bytes) else data
+    return run_title(opened.view, opened.result), opened, text
+
+
+def _write_runs(added, out: Path) -> list[Path]:
+    """The runs' JSON, as saved, in out/runs/ (the runs of an earlier Prepare removed), with their titles."""
+    folder = out / RUNS
+    if folder.is_dir():
+        for old in folder.glob("*.json"):
+            old.unlink()
+    if not added:
+        return []
+    folder.mkdir(exist_ok=True)
+    paths, index = [], []
+    for i, (title, opened, text) in enumerate(added):
+        path = folder / f"{i + 1}-{opened.view}.json"
+        path.write_text(text, encoding="utf-8")
+        paths.append(path)
+        index.append({"title": title, "file": path.name})
+    (folder / "index.json").write_text(json.dumps(index), encoding="utf-8")
+    return paths
+
+
+def _unique(title: str, taken: list[str]) -> str:
+    """`title`, or `title (2)`, `title (3)`… when an earlier run has it (Open a result picks a run by its title)."""
+    n, out = 1, title
+    while out in taken:
+        n += 1
+        out = f"{title} ({n})"
+    return out
+
+
+def added_report(opened) -> str:
+    """The HTML report of a run reopened from its JSON (verdict, charts, tables, settings), saying where its
+    numbers come from and what differs from the machine this file is written on."""
+    import html
+
+    from ..io.export import html_report
+
+    note = ("Added to the meeting by the presenter: reopened from its saved result (JSON), not rerun."
+            + (" Computed elsewhere: " + "; ".join(opened.environment_differences[:6]) + "."
+               if opened.environment_differences else ""))
+    return html_report(opened.result).replace("<body>", f'<body><p class="added-run">{html.escape(note)}</p>', 1)
 
 
 def bundle(reports: list[tuple[str, str]]) -> str:
@@ -81,9 +169,17 @@ def bundle(reports: list[tuple[str, str]]) -> str:
 
 
 def prepared(out_dir: "str | Path") -> list[tuple[str, Path]]:
-    """(title, path) of the results prepared in `out_dir`, in scenario order."""
+    """(title, path) of the results prepared in `out_dir`: the scenarios, in scenario order, then the presenter's
+    own runs, in the order they were added."""
     out = Path(out_dir)
-    return [(p.title, out / f"{p.key}.json") for p in all_presets() if (out / f"{p.key}.json").is_file()]
+    got = [(p.title, out / f"{p.key}.json") for p in all_presets() if (out / f"{p.key}.json").is_file()]
+    index = out / RUNS / "index.json"
+    try:
+        runs = json.loads(index.read_text(encoding="utf-8")) if index.is_file() else []
+    except (OSError, ValueError):
+        runs = []
+    return got + [(r["title"], out / RUNS / r["file"]) for r in runs
+                  if isinstance(r, dict) and (out / RUNS / str(r.get("file"))).is_file()]
 
 
 def default_dir() -> Path:

@@ -15,9 +15,9 @@ from pages.runner import page_message, progress_bar, run_cached, show_error
 from pages.ab import ab_run, show_ab
 from pages.exporting import exports
 
-# Presenter mode's heatmap at most this tall: at 1280×720 it starts ~190 px down (tests/test_theme_browser.py measures
+# Presenter mode's heatmap at most this tall: at 1280×720 it starts ~250 px down (tests/test_theme_browser.py measures
 # that its last layer and its token axis are in the first screen)
-PRESENTER_HEATMAP_PX = 500
+PRESENTER_HEATMAP_PX = 450
 
 DEFAULT_PROMPT = DEFAULTS["split"]["prompt"]
 

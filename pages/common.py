@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import streamlit as st
 
 import kvviz
+from kvviz.core import theme
 from kvviz.core.execution import ExecSettings
 from kvviz.core.verdict import UNKNOWN, headline, worst
 from pages import ensure_navigation  # noqa: F401  (pages import it from here)
@@ -19,6 +20,10 @@ from pages.devices import devices_control, placement_caption, placement_kwargs
 from pages.runner import progress_bar, show_error
 from pages.state import (PREFIX_OF_PAGE, SIDEBAR_DEFAULTS, copy_link, fall_back_outside, reset_to_defaults, restore,
                          scenario_banner, sync_url)
+
+# Every chart the app draws takes kvviz's template (kvviz.core.theme): the palette, log axes and colour bars the HTML
+# report, the handout and the meeting bundle draw with (`import streamlit` had made Streamlit's placeholders the default)
+theme.use()
 
 PRESETS = ["default"] + [f"tiny:{a}" for a in kvviz.TINY_MODELS] + ["other…"]
 
@@ -258,8 +263,7 @@ VERDICT_STYLE = {"identical": st.success, "precision": st.info, "undecided": st.
 
 
 # Verdict words of views that are not precision/logic verdicts, by the class they read as (Open a result, reports)
-_VERDICT_CLASS = {"same model": "identical", "bitwise equal": "identical", "safe": "identical",
-                  "different models": "logic", "differs": "logic", "unsafe": "logic", "lossy": "precision"}
+_VERDICT_CLASS = theme.VERDICT_CLASS
 
 
 def verdict_style(verdict: str) -> str | None:

@@ -15,6 +15,10 @@ from pages.runner import page_message, progress_bar, run_cached, show_error
 from pages.ab import ab_run, show_ab
 from pages.exporting import exports
 
+# Presenter mode's heatmap at most this tall: at 1280×720 it starts ~250 px down (tests/test_theme_browser.py measures
+# that its last layer and its token axis are in the first screen)
+PRESENTER_HEATMAP_PX = 450
+
 DEFAULT_PROMPT = DEFAULTS["split"]["prompt"]
 
 choice, lm = page("Split point",
@@ -126,7 +130,10 @@ with right:
                           format_func=plotting.METRIC_TITLES.get,
                           help="; ".join(f"{plotting.METRIC_TITLES[k]}: {v}" for k, v in HIDDEN_METRICS.items()))
     log = v2.toggle("Log colours", True, key="split_log", help="Colour the gaps on a log scale")
-    chart_box.plotly_chart(split_figures.split_heatmap(res, metric, log), width="stretch", key="split_heatmap")
+    # presenter mode at 1280×720: the whole map (its last layer, its token axis) in the first screen
+    fit = PRESENTER_HEATMAP_PX if st.session_state.get("presenter") else None
+    chart_box.plotly_chart(split_figures.split_heatmap(res, metric, log, height=fit), width="stretch",
+                           key="split_heatmap")
 st.plotly_chart(split_figures.layer_lines(res, metric, log), width="stretch", key="split_lines")
 
 with st.expander("A/B: this view against one other setting, on one colour scale"):

@@ -8,6 +8,7 @@ import re
 import numpy as np
 import plotly.graph_objects as go
 
+from . import theme
 from .naming import hover_text
 
 METRIC_TITLES = {
@@ -32,13 +33,16 @@ def log_matrix(z: np.ndarray) -> np.ndarray:
     return out
 
 
-ZERO_COLOUR = "#b0bec5"  # exact zeros on log-scale maps: bitwise equal
+ZERO_COLOUR = theme.ZERO  # exact zeros on log-scale maps: bitwise equal
 
 
 def heatmap(z: np.ndarray, x_labels: list[str], y_labels: list[str], title: str, value_name: str,
-            log: bool = True, x_title: str = "token", zrange: tuple[float, float] | None = None) -> go.Figure:
+            log: bool = True, x_title: str = "token", zrange: tuple[float, float] | None = None,
+            height: int | None = None) -> go.Figure:
     """A layers × positions heatmap; hover shows token, layer and the exact value. On a log scale exact zeros
-    (bitwise equal) get their own colour and legend entry; an all-zero map says so and keeps its full axes."""
+    (bitwise equal) get their own colour and legend entry; an all-zero map says so and keeps its full axes.
+    height: the whole figure's height in px (presenter mode: the last layer and the token axis in the first screen);
+    its rows then share what is left, every k-th layer named (and the last) where 18 px a label do not fit."""
     z = np.asarray(z, dtype=float)
     zero = z == 0
     shown = log_matrix(z) if log else z
@@ -72,13 +76,21 @@ def heatmap(z: np.ndarray, x_labels: list[str], y_labels: list[str], title: str,
         title += " — bitwise identical: 0 everywhere"
     fig.update_layout(title=title, xaxis_title=x_title, yaxis_title="hidden state",
                       height=max(360, 16 * len(y_labels) + 160), margin=dict(l=10, r=10, t=60, b=10),
-                      plot_bgcolor="#f3f3f3", legend=dict(orientation="h", y=-0.25))
+                      plot_bgcolor=theme.MISSING, legend=dict(orientation="h", y=-0.25))
     step = max(1, math.ceil(len(x_labels) / 24))  # long prompts: thin the labels (at most 24)
     fig.update_xaxes(tickmode="array", tickvals=xs[::step], ticktext=x_labels[::step], tickangle=-45,
                      range=[-0.5, len(x_labels) - 0.5])
-    fig.update_yaxes(tickmode="array", tickvals=ys, ticktext=y_labels, autorange="reversed",
+    named = list(range(len(y_labels)))
+    if height is not None:  # the rows share what the title, legend and token axis leave: name what fits
+        rows_px = max(1, height - 200)  # ~title and legend above, angled token labels below
+        step = max(1, math.ceil(18 * len(y_labels) / rows_px))
+        named = named[::step] + ([named[-1]] if (len(named) - 1) % step else [])
+    fig.update_yaxes(tickmode="array", tickvals=named, ticktext=[y_labels[i] for i in named], autorange="reversed",
                      range=[len(y_labels) - 0.5, -0.5])
-    return fit_text(fig)
+    fit_text(fig)
+    if height is not None and fig.layout.height > height:  # a short map keeps its own height
+        fig.update_layout(height=height)
+    return fig
 
 
 def shared_range(za: np.ndarray, zb: np.ndarray, log: bool) -> tuple[float, float] | None:
@@ -93,9 +105,9 @@ def shared_range(za: np.ndarray, zb: np.ndarray, log: bool) -> tuple[float, floa
 def zero_floor(fig: go.Figure, floor: float, text: str) -> None:
     """The dotted "0" floor of a log axis with its label at the floor (plotly's add_hline annotation reads a log
     axis' y as an exponent and would put the label near 1)."""
-    fig.add_hline(y=floor, line_dash="dot", line_color="#888")
+    fig.add_hline(y=floor, line_dash="dot", line_color=theme.FLOOR)
     fig.add_annotation(x=1, xref="paper", y=float(np.log10(floor)), yref="y", text=text, showarrow=False,
-                       xanchor="right", yanchor="bottom", xshift=-8, font=dict(color="#888"))
+                       xanchor="right", yanchor="bottom", xshift=-8, font=dict(color=theme.FLOOR))
     # xshift: plotly places the right-anchored label by its width measured before the page's font loaded
 
 
@@ -103,7 +115,7 @@ def floor_zeros(values, floor: float) -> list[float]:
     return [v if v > 0 else floor for v in values]
 
 
-VERDICT_COLORS = {"identical": "#cfe8cf", "precision": "#cfe3fa", "logic": "#f8c9c4"}
+VERDICT_COLORS = theme.VERDICT_FILLS  # light fills of verdict grids
 
 
 def thin_x(fig: go.Figure, labels: list[str], most: int = 16) -> None:

@@ -20,6 +20,7 @@ from ..core.errors import KvvizError
 from ..core.execution import ExecSettings
 from .jsonout import dumps
 from ..core.numerics import describe as describe_numerics, differences as numerics_differences, numerics
+from ..core import theme
 from ..core.plotting import plain_index
 from .. import views
 
@@ -115,9 +116,9 @@ def main_figures(result) -> list:
 # every figure built in the app's process - the HTML report's, the meeting bundle's, the lesson handout's, not only
 # the page's - starts with that template, whose colours are placeholders (#000001..#000040) that only Streamlit's
 # frontend replaces. Written to a file they draw black lines, solid black bars, cut-off labels. A figure is written
-# with kvviz's own template instead: plotly's, the one the library draws with outside Streamlit.
+# with kvviz's own template instead (kvviz.core.theme: the one the app's charts take too).
 PLACEHOLDER_COLOUR = re.compile(r"#0000(?:0[1-9]|[1-3][0-9]|40)(?![0-9a-fA-F])", re.IGNORECASE)
-TEMPLATE = "plotly"
+TEMPLATE = theme.NAME
 
 
 def standalone_figure(fig):
@@ -125,10 +126,9 @@ def standalone_figure(fig):
     ValueError if a Streamlit placeholder colour is still in it (a colour taken from the app's template at build
     time would draw black). The figure on the page is left as it is."""
     import plotly.graph_objects as go
-    import plotly.io as pio
 
     out = go.Figure(fig)
-    out.layout.template = pio.templates[TEMPLATE]  # assigned, not merged: nothing of another template is kept
+    out.layout.template = theme.register()  # assigned, not merged: nothing of another template is kept
     left = sorted(set(PLACEHOLDER_COLOUR.findall(out.to_json())))
     if left:
         raise ValueError(f"this figure carries Streamlit's theme placeholder colours {', '.join(left)}: it was built "
@@ -159,6 +159,10 @@ def shown(v) -> str:
     return str(v)
 
 
+STYLE = (theme.PAGE_CSS + "th{text-align:left;padding-right:1em;vertical-align:top}td,th{font-size:14px}"
+         + theme.box_css(".verdict"))
+
+
 def html_report(result) -> str:
     """A self-contained HTML file: verdict, settings, environment, the main charts (plotly inlined: works offline)."""
     import html
@@ -180,14 +184,11 @@ def html_report(result) -> str:
     env_rows += (f"<tr><th>numerics</th><td>{html.escape(describe_numerics(numerics()))} (the settings that change "
                  "the last bits; the repro script sets them again)</td></tr>")
     body_text = text if entry.verdict_is_html else html.escape(text)
+    box = theme.box_class(verdict)  # the app's verdict box colours: logic red, precision blue, identical green
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>kvviz — {view}</title>
-<style>body{{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#111;
-background:#fff}}th{{text-align:left;padding-right:1em;vertical-align:top}}td,th{{font-size:14px}}
-.verdict{{padding:.8em 1em;border-radius:6px;background:#eef3fb;border:1px solid #9bb4dc}}
-@media (prefers-color-scheme: dark){{body{{background:#111;color:#eee}}.verdict{{background:#1c2a40;
-border-color:#4a6a9a}}}}</style></head><body>
+<style>{STYLE}</style></head><body>
 <h1>kvviz — {view}</h1>
-<div class="verdict"><b>Verdict: {html.escape(str(verdict))}.</b> {body_text}</div>
+<div class="verdict {box}"><b>Verdict: {html.escape(str(verdict))}.</b> {body_text}</div>
 {''.join(parts) if parts else '<p>(no chart for this view)</p>'}
 {tables}
 <h2>Settings</h2><table>{rows}</table>

@@ -88,18 +88,32 @@ def serving_why(res) -> tuple[str, str | None]:
     return why + "bfloat16 (ε = 2⁻⁷) makes near ties common.", "bfloat16"
 
 
+def grid_cells(cells: list[dict]) -> str:
+    """Grid cells named by the grid's own labels, row by row: 'row "alone": columns "cache, mask new-only" and
+    "cache, omitted + new-only"; row "in a batch": column "cache, positions omitted"' (a label has commas of its own:
+    each is quoted)."""
+    rows: dict[str, list[str]] = {}
+    for c in cells:
+        rows.setdefault(str(c["placement"]), []).append(f'"{c["scenario"]}"')
+
+    def listed(xs: list[str]) -> str:
+        return xs[0] if len(xs) == 1 else ", ".join(xs[:-1]) + " and " + xs[-1]
+
+    return "; ".join(f'row "{r}": column{"s" if len(cols) > 1 else ""} {listed(cols)}' for r, cols in rows.items())
+
+
 def padding_line(res) -> tuple[str, str]:
     """(verdict, explanation) of the padding grid: its worst cell and which scenarios give each verdict; an all-
     identical grid says why."""
-    by: dict[str, list[str]] = {}
+    by: dict[str, list[dict]] = {}
     for c in res.cells:
-        by.setdefault(str(c["verdict"]), []).append(f"{c['scenario']} ({c['placement']})")
+        by.setdefault(str(c["verdict"]), []).append(c)
     worst = worst_of(by, Verdict.IDENTICAL)
     n = len(res.cells)
     parts = []
     if "logic" in by:
-        parts.append(f"logic in {len(by['logic'])} of {n} cells - {', '.join(by['logic'])}: the gap stays in float64, "
-                     "the cached run computes another function")
+        parts.append(f"logic in {len(by['logic'])} of {n} cells ({grid_cells(by['logic'])}): the gap stays in "
+                     "float64, the cached run computes another function")
     if "precision" in by:
         parts.append(f"precision in {len(by['precision'])} (the gap closes in float64: rounding)")
     if "identical" in by:

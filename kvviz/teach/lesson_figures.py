@@ -8,9 +8,12 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from .lesson import STEPS, StepResult
+from ..core import theme
 from ..core.plotting import fit_text, zero_floor
+from ..core.theme import log_axis
 
-COLOURS = {"float64": "#7f7f7f", "float32": "#1f77b4", "float16": "#2ca02c", "bfloat16": "#d62728"}
+COLOURS = theme.DTYPE_COLOURS  # the Dtypes view's too
+LIGHT, HIGHLIGHT, BAND = "#9ecae1", theme.COLORWAY[2], theme.VERDICT_COLOURS["identical"]  # other layers, the one asked about, ×0.5-×2
 def floor_of(*series) -> float:
     """Where a figure draws exact zeros on its log axis (labelled "0"): a decade below its smallest value above 0,
     so the zero line sits just under the data, not 20 decades down."""
@@ -32,7 +35,7 @@ def _whole_ticks(fig: go.Figure, n: int, **where) -> None:
     fig.update_xaxes(tick0=0, dtick=max(1, math.ceil(n / 16)), **where)
 
 
-def log_hline(fig: go.Figure, y: float, text: str, colour: str = "#888", dash: str = "dot", above: bool = True,
+def log_hline(fig: go.Figure, y: float, text: str, colour: str = theme.FLOOR, dash: str = "dot", above: bool = True,
               x: float = 1.0) -> None:
     """A horizontal line on a log y axis with its label next to it: plotly places an annotation on a log axis at
     log10(y) (add_hline's own label lands at 10^y - at the top of the figure for a y of 1e-20)."""
@@ -51,7 +54,7 @@ def fig_float(r: StepResult) -> go.Figure:
     fig.add_trace(go.Scatter(x=[p[1] for p in pts], y=[0, 0, 0], mode="markers+text", text=[p[0] for p in pts],
                              textposition="top center", marker=dict(size=14, color=COLOURS[d["dtype"]]),
                              name=f"{d['dtype']} numbers", hovertemplate="%{x:.17g}<extra></extra>"), 1, 1)
-    fig.add_vline(x=d["value"], line_dash="dash", line_color="#888", row=1, col=1)
+    fig.add_vline(x=d["value"], line_dash="dash", line_color=theme.FLOOR, row=1, col=1)
     fig.add_annotation(x=d["value"], y=-0.6, text=f"your number {d['value']:.9g}", showarrow=False, row=1, col=1)
     fig.update_yaxes(visible=False, range=[-1, 1], row=1, col=1)
     names = list(d["dtypes"])
@@ -60,7 +63,8 @@ def fig_float(r: StepResult) -> go.Figure:
                          text=[f"{d['dtypes'][n]['ulp']:.3g}" for n in names], textposition="outside",
                          customdata=[d["dtypes"][n]["mantissa_bits"] for n in names],
                          hovertemplate="%{x}: ulp %{y:.4g}, %{customdata} bits of mantissa<extra></extra>"), 1, 2)
-    fig.update_yaxes(type="log", title="ulp (log)", row=1, col=2)
+    log_axis(fig, row=1, col=2)
+    fig.update_yaxes(title="ulp (log)", row=1, col=2)
     return _layout(fig, f"Step 1 · {r.title}: ε of {d['dtype']} = {d['eps']:.4g}")
 
 
@@ -77,7 +81,7 @@ def fig_sums(r: StepResult) -> go.Figure:
     xs = list(range(1, n + 1))
     step = max(1, n // 400)
     fig.add_trace(go.Scatter(x=xs[::step], y=[d["drift_value"] * i for i in xs[::step]], name="exact",
-                             line=dict(color="#888", dash="dash")), 1, 2)
+                             line=dict(color=theme.FLOOR, dash="dash")), 1, 2)
     for dt, run in d["drift"].items():
         fig.add_trace(go.Scatter(x=xs[::step], y=run[::step], name=dt, line=dict(color=COLOURS[dt])), 1, 2)
     fig.update_xaxes(title="additions", row=1, col=2)
@@ -102,12 +106,12 @@ def fig_one_layer(r: StepResult) -> go.Figure:
     d = r.data
     labels = d["labels"][1:]
     growth = d["growth"]
-    colours = ["#ff7f0e" if i + 1 == d["layer"] else "#9ecae1" for i in range(len(growth))]
+    colours = [HIGHLIGHT if i + 1 == d["layer"] else LIGHT for i in range(len(growth))]
     fig = make_subplots(rows=1, cols=2, column_widths=[0.35, 0.65],
                         subplot_titles=(f"layer {d['layer']}: the gap in and out",
                                         "growth factor of every layer (gap out ÷ gap in)"))
     fig.add_trace(go.Bar(x=["entering", "leaving"], y=[d["gap_in"], d["gap_out"]],
-                         marker_color=["#9ecae1", "#ff7f0e"], name="relative gap",
+                         marker_color=[LIGHT, HIGHLIGHT], name="relative gap",
                          text=[f"{d['gap_in']:.3g}", f"{d['gap_out']:.3g}"], textposition="outside"), 1, 1)
     fig.update_yaxes(title="relative gap", rangemode="tozero", row=1, col=1)  # linear: ×0.99 looks like ×0.99
     # growth factors as points on a log axis centred on ×1, with the answer's bands: a bar from the axis floor
@@ -115,15 +119,16 @@ def fig_one_layer(r: StepResult) -> go.Figure:
     known = [g for g in growth if g]
     reach = max([2.0] + [max(g, 1 / g) for g in known]) * 1.5
     fig.add_annotation(x=0, xref="x2 domain", y=math.log10(2), yref="y2", text="about the same (×0.5 to ×2)",
-                       showarrow=False, xanchor="left", yanchor="top", font=dict(color="#2ca02c"))
+                       showarrow=False, xanchor="left", yanchor="top", font=dict(color=BAND))
     fig.add_trace(go.Scatter(x=list(range(1, len(growth) + 1)), y=[g if g else None for g in growth],
                              mode="markers", marker=dict(color=colours, size=11), name="growth factor",
                              customdata=labels, hovertemplate="%{customdata}: ×%{y:.3g}<extra></extra>"), 1, 2)
-    fig.add_hline(y=1, line_dash="dot", line_color="#888", row=1, col=2)
-    fig.add_hrect(y0=0.5, y1=2, fillcolor="#2ca02c", opacity=0.08, line_width=0, row=1, col=2)  # after the points:
+    fig.add_hline(y=1, line_dash="dot", line_color=theme.FLOOR, row=1, col=2)
+    fig.add_hrect(y0=0.5, y1=2, fillcolor=BAND, opacity=0.08, line_width=0, row=1, col=2)  # after the points:
     # plotly skips a shape on a subplot that has no trace yet
+    ticks = [t for t in (0.01, 0.1, 0.5, 1, 2, 10, 100) if 1 / reach <= t <= reach]  # named: no "2 5" minor labels
     fig.update_yaxes(type="log", title="× (log, centred on ×1)", range=[-math.log10(reach), math.log10(reach)],
-                     row=1, col=2)
+                     tickmode="array", tickvals=ticks, ticktext=[f"×{t:g}" for t in ticks], row=1, col=2)
     fig.update_xaxes(title="layer", row=1, col=2)
     _whole_ticks(fig, len(growth), row=1, col=2)
     f = d["factor"]
@@ -154,7 +159,8 @@ def fig_layers(r: StepResult) -> go.Figure:
                              line=dict(color=COLOURS["float64"]), customdata=d["labels"],
                              hovertemplate="%{customdata}: %{y:.3g}<extra>float64</extra>"))
     zero_floor(fig, floor, "0 (bitwise equal)")
-    fig.update_yaxes(type="log", title="relative gap (log)", exponentformat="e")
+    log_axis(fig)
+    fig.update_yaxes(title="relative gap (log)")
     fig.update_xaxes(title="hidden state (0 = embeddings)")
     _whole_ticks(fig, len(x))
     return _layout(fig, f"Step 5 · {r.title}", height=480)
@@ -165,17 +171,18 @@ def fig_greedy(r: StepResult) -> go.Figure:
     x = list(range(len(d["margins"])))
     floor = floor_of(d["margins"], d["gaps"])
     fig = go.Figure()
-    fig.add_trace(go.Bar(x=x, y=_floor(d["margins"], floor), name="top-2 margin (no-cache path)", marker_color="#9ecae1",
+    fig.add_trace(go.Bar(x=x, y=_floor(d["margins"], floor), name="top-2 margin (no-cache path)", marker_color=LIGHT,
                          customdata=[repr(t) for t in d["tokens"]], hovertemplate="step %{x}: %{customdata}, margin %{y:.3g}"
                                                                "<extra></extra>"))
     fig.add_trace(go.Scatter(x=x, y=_floor(d["gaps"], floor), name="largest |Δ logit| between the paths",
-                             mode="lines+markers", line=dict(color="#d62728")))
+                             mode="lines+markers", line=dict(color=theme.MARK)))
     if d["parting"] is not None:
-        fig.add_vline(x=d["parting"], line_dash="dash", line_color="#d62728",
+        fig.add_vline(x=d["parting"], line_dash="dash", line_color=theme.MARK,
                       annotation_text=f"they part at step {d['parting']}", annotation_position="top right",
                       annotation_yanchor="top")  # inside the plot: above it is the legend's row
     zero_floor(fig, floor, "0 (an exact tie, or no gap)")
-    fig.update_yaxes(type="log", title="logit units (log)", exponentformat="e")
+    log_axis(fig)
+    fig.update_yaxes(title="logit units (log)")
     fig.update_xaxes(title="step")
     _whole_ticks(fig, len(x))
     head = (f"they part at step {d['parting']}" if d["parting"] is not None else
@@ -189,13 +196,14 @@ def fig_referee(r: StepResult) -> go.Figure:
     x = list(range(len(d["labels"])))
     floor = floor_of(d["normal"], d["float64"], d["invariant"])
     fig = go.Figure()
-    for key, name, colour in (("normal", f"{d['dtype']}, normal run", COLOURS.get(d["dtype"], "#1f77b4")),
+    for key, name, colour in (("normal", f"{d['dtype']}, normal run", COLOURS.get(d["dtype"], theme.COLORWAY[0])),
                               ("float64", "float64, same scenario", COLOURS["float64"]),
-                              ("invariant", f"{d['dtype']}, invariant mode", "#9467bd")):
+                              ("invariant", f"{d['dtype']}, invariant mode", theme.COLORWAY[3])):
         fig.add_trace(go.Scatter(x=x, y=_floor(d[key], floor), name=name, mode="lines+markers", line=dict(color=colour),
                                  customdata=d["labels"], hovertemplate="%{customdata}: %{y:.3g}<extra></extra>"))
     zero_floor(fig, floor, "0 (bitwise equal)")
-    fig.update_yaxes(type="log", title="relative gap, cached vs full (log)", exponentformat="e")
+    log_axis(fig)
+    fig.update_yaxes(title="relative gap, cached vs full (log)")
     fig.update_xaxes(title="hidden state (0 = embeddings)")
     _whole_ticks(fig, len(x))
     m = d["max"]
@@ -214,7 +222,8 @@ def fig_bug(r: StepResult) -> go.Figure:
                              textposition="outside"))
     zero_floor(fig, floor, "0 (bitwise equal)")
     fig.update_layout(barmode="group")
-    fig.update_yaxes(type="log", title="largest relative gap (log)", exponentformat="e")
+    log_axis(fig)
+    fig.update_yaxes(title="largest relative gap (log)")
     return _layout(fig, f"Step 8 · {d['left_pad']} pad tokens: the bug's gap stays in float64")
 
 
@@ -226,9 +235,34 @@ def figure(r: StepResult) -> go.Figure:
     return FIGURES[r.step](r)
 
 
-def handout_html(results: list[StepResult], model: str = "") -> str:
+def exercises_html(runs: dict | None = None) -> str:
+    """The lesson's "Find the bug" exercises (kvviz.teach.exercises) for the handout: each one's story and question,
+    the answer behind a reveal. `runs` (exercise key -> ExerciseRun, where they were run): the measured gaps and
+    kvviz's verdict in the verdict's colour (the app's box: logic red, precision blue)."""
+    from .exercises import EXERCISES
+
+    out = []
+    for ex in EXERCISES:
+        run = (runs or {}).get(ex.key)
+        measured = ""
+        if run is not None:
+            f64 = run.float64_gap
+            measured = (f'<div class="verdict {theme.box_class(run.verdict)}"><b>Verdict: {html.escape(run.verdict)}.'
+                        f"</b> In {html.escape(ex.dtype)} the largest relative gap is {run.gap:.3g}; rerun in float64 "
+                        f"it is {'0' if not f64 else f'{f64:.3g}'}.</div>")
+        out.append(f"""<section class="exercise" id="exercise-{ex.key}"><h3>{html.escape(ex.title)}</h3>
+<div class="q"><b>Bug or rounding?</b> {html.escape(ex.story)} <i>Answer: precision (rounding) or logic (a bug).</i></div>
+<details><summary>Reveal the answer</summary>{measured}<p>{html.escape(ex.hidden)}</p></details></section>""")
+    return ('<h2 id="exercises">Exercises: find the bug</h2><p>Each exercise is a cached-vs-full comparison whose '
+            "settings are hidden. Decide, then open the answer (in the app, the Lesson's last step runs them).</p>"
+            + "".join(out))
+
+
+def handout_html(results: list[StepResult], model: str = "", exercise_runs: dict | None = None) -> str:
     """The whole lesson as one self-contained HTML file (plotly inlined once: it opens offline): each step's
-    question, its choices, the answer with the measured numbers, the figure and the explanation."""
+    question, its choices, the answer with the measured numbers, the figure and the explanation; then the exercises
+    (exercises_html; `exercise_runs`: their measured gaps and verdicts, where they were run). Drawn in kvviz's theme:
+    the app's colours, fonts and verdict boxes."""
     from ..io.export import figure_html  # kvviz's template, whatever the process default (the app's is Streamlit's)
 
     parts = []
@@ -243,13 +277,18 @@ def handout_html(results: list[StepResult], model: str = "") -> str:
     missing = [s for s in STEPS if s not in {r.step for r in results}]
     note = (f"<p><i>Steps not computed in this handout: {', '.join(map(str, missing))}.</i></p>" if missing else "")
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>kvviz lesson: rounding or a bug?</title>
-<style>body{{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#111;
-background:#fff;line-height:1.45}}.q{{padding:.6em 1em;border-radius:6px;background:#eef3fb;border:1px solid #9bb4dc}}
-section.step{{margin-bottom:2.5em}}.why{{color:#333}}
-@media (prefers-color-scheme: dark){{body{{background:#111;color:#eee}}.q{{background:#1c2a40;border-color:#4a6a9a}}
-.why{{color:#ccc}}}}@media print{{details{{display:block}}}}</style></head><body>
+<style>{STYLE}</style></head><body>
 <h1>Rounding or a bug? A lesson in precision-error accumulation</h1>
 <p>Computed live by kvviz{(' on ' + html.escape(model)) if model else ''}. For each step: predict, then open the
 answer. The numbers are this machine's; another CPU or GPU sums in other orders and gets other last bits.</p>
 {note}{''.join(parts)}
+{exercises_html(exercise_runs)}
 </body></html>"""
+
+
+# The page, the question boxes (the app's information box: blue) and the verdict boxes: kvviz's theme
+STYLE = (theme.PAGE_CSS + theme.box_css(".verdict")
+         + f".q{{padding:.6em 1em;border-radius:8px;background:{theme.VERDICT_BOXES['precision'][0]};"
+           f"color:{theme.VERDICT_BOXES['precision'][1]}}}"
+         + "section.step{margin-bottom:2.5em}.why{opacity:.85}@media print{details{display:block}}"
+           "@media (prefers-color-scheme: dark){.q{background:#14304d;color:#dbeafb}}")

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
+from ...core import theme
+from ...core.theme import log_axis
 from ...core.plotting import zero_floor, floor_zeros, fit_text
 
 
@@ -14,7 +16,7 @@ def bisect_modules(res) -> go.Figure:
     floor = min(positive) / 10 if positive else 1e-20
     first = res.first.name if res.first else None
     fig = go.Figure(go.Bar(x=list(range(len(vals))), y=floor_zeros(vals, floor),
-                           marker_color=["#c0392b" if m.name == first else ("#b0bec5" if m.max_abs == 0 else "#1f77b4")
+                           marker_color=[theme.MARK if m.name == first else (theme.ZERO if m.max_abs == 0 else theme.COLORWAY[0])
                                          for m in res.modules],
                            customdata=[[m.name, m.kind, f"{m.max_abs:.3g}" if m.max_abs else "0 (bitwise equal)"]
                                        for m in res.modules],
@@ -24,7 +26,7 @@ def bisect_modules(res) -> go.Figure:
                                                                                if first else " — all equal"),
                       xaxis_title="module (in execution order)", yaxis_title="max |Δ|", height=360,
                       margin=dict(l=10, r=10, t=60, b=10))
-    fig.update_yaxes(type="log", exponentformat="power")
+    log_axis(fig)
     if any(v == 0 for v in vals):
         zero_floor(fig, floor, "0 (bitwise equal)")
     return fit_text(fig)

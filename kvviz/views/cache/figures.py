@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
+from ...core.theme import log_axis
 from ...core.plotting import fit_text
 
 
@@ -17,6 +18,6 @@ def cache_growth(rows: list[dict], log: bool = True) -> go.Figure:
     fig.update_layout(title="KV cache size against context length (batch 1)", xaxis_title="tokens in the cache",
                       yaxis_title="MiB", height=400, margin=dict(l=10, r=10, t=60, b=10))
     if log:
-        fig.update_yaxes(type="log", exponentformat="power")
+        log_axis(fig)
     return fit_text(fig)
 

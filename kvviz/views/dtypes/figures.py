@@ -6,10 +6,11 @@ import math
 import numpy as np
 import plotly.graph_objects as go
 
+from ...core.theme import DTYPE_COLOURS, log_axis
 from ...core.plotting import METRIC_TITLES, zero_floor, floor_zeros, thin_x, fit_text
 
 
-DTYPE_COLORS = {"float64": "#555555", "float32": "#1f77b4", "float16": "#ff7f0e", "bfloat16": "#2ca02c"}
+DTYPE_COLORS = DTYPE_COLOURS  # the theme's: the same in the lesson
 
 
 def _line(x: list, y, dtype: str, name: str, floor: float, dash: str | None = None) -> go.Scatter:
@@ -50,7 +51,7 @@ def dtype_curves(res, metric: str = "max_abs", how: str = "mean") -> go.Figure:
                             f"{res.settings.device} (float64 on {res.settings.float64_device})",
                       xaxis_title="hidden state", yaxis_title=what, height=420, margin=dict(l=10, r=10, t=60, b=10),
                       legend=dict(orientation="h", y=-0.35))
-    fig.update_yaxes(type="log", exponentformat="power")
+    log_axis(fig)
     if any(v == 0 for _, _, y in series for v in y):
         zero_floor(fig, floor, "0 (bitwise equal)")
     thin_x(fig, list(table.index))
@@ -75,7 +76,7 @@ def ab_dtype_curves(res_a, res_b, label_a: str, label_b: str, metric: str = "max
         fd.add_trace(_line(list(ta.index), diff, d, d, min(diff[diff > 0] / 10, default=1e-20)))
     fd.update_layout(title=f"|B − A| of {METRIC_TITLES.get(metric, metric)} per layer", height=380,
                      margin=dict(l=10, r=10, t=60, b=10), legend=dict(orientation="h", y=-0.35))
-    fd.update_yaxes(type="log", exponentformat="power")
+    log_axis(fd)
     thin_x(fd, list(ta.index))
     return fit_text(fa), fit_text(fb), fit_text(fd)
 

@@ -6,6 +6,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
+from ...core.theme import log_axis
 from ...core.plotting import METRIC_TITLES, floor_zeros, heatmap, shared_range, short, thin_x, zero_floor, fit_text
 from .run import METRICS, EngineLayersResult
 
@@ -67,7 +68,7 @@ def layer_lines(res: EngineLayersResult, log: bool = True) -> go.Figure:
                       xaxis_title="hidden state", yaxis_title="relative gap", height=380,
                       margin=dict(l=10, r=10, t=60, b=10), legend=dict(orientation="h", y=-0.35))
     if log:
-        fig.update_yaxes(type="log", exponentformat="power")
+        log_axis(fig)
         if any((vals == 0).any() for _, vals, _ in rows):
             zero_floor(fig, floor, "0 (bitwise equal)")
     thin_x(fig, list(res.layer_labels))

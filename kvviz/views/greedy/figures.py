@@ -5,8 +5,12 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
+from ...core import theme
+from ...core.theme import MARK, log_axis
 from ...core.plotting import short, heatmap, shared_range, fit_text, zero_floor
 from .run import GreedyPath
+
+PARTED = theme.VERDICT_FILLS["logic"]  # a token where the texts part
 
 
 def primary_pair(res, a: GreedyPath = GreedyPath.NO_CACHE, b: GreedyPath = GreedyPath.CACHE):
@@ -40,15 +44,15 @@ def greedy_margins(res) -> go.Figure:
                           "<extra>" + p.name + "</extra>"))
     for pr in res.pairs:
         if pr.first_divergence is not None:
-            fig.add_vline(x=pr.first_divergence, line_dash="dot", line_color="#c0392b")
+            fig.add_vline(x=pr.first_divergence, line_dash="dot", line_color=MARK)
     t = first_parting(res)
     if t is not None:
         fig.add_annotation(x=t, y=1, yref="paper", yanchor="top", text=f"first parting: step {t}", showarrow=False,
-                           font=dict(color="#c0392b"), xanchor="left")  # inside the plot: the legend is above it
+                           font=dict(color=MARK), xanchor="left")  # inside the plot: the legend is above it
     fig.update_layout(title=f"Top-2 margin per step — {res.settings.dtype} on {res.settings.device}",
                       xaxis_title="step", yaxis_title="top-1 − top-2 logit", height=380,
                       margin=dict(l=10, r=10, t=60, b=10), legend=dict(orientation="h", y=-0.3))
-    fig.update_yaxes(type="log", exponentformat="power")
+    log_axis(fig)
     if any(m == 0 for p in res.paths.values() for m in p.margins):
         zero_floor(fig, floor, "× margin 0 (a tie), drawn at this floor")
     return fit_text(fig)
@@ -64,9 +68,9 @@ def greedy_heatmap(res, pair=None, log: bool = True) -> go.Figure:
              f"{res.settings.device}")
     fig = heatmap(pair.hidden_relative, labels, res.layer_labels, title, "relative gap", log, x_title="step")
     if pair.first_divergence is not None:
-        fig.add_vline(x=pair.first_divergence - 0.5, line_color="#c0392b", line_width=2)
+        fig.add_vline(x=pair.first_divergence - 0.5, line_color=MARK, line_width=2)
         fig.add_annotation(x=pair.first_divergence, y=1, yref="paper", yanchor="top", xanchor="left",
-                           showarrow=False, text="paths part", font=dict(color="#c0392b"),
+                           showarrow=False, text="paths part", font=dict(color=MARK),
                            bgcolor="rgba(255,255,255,0.85)")  # inside the plot: the legend row is above it
     return fig
 
@@ -96,7 +100,7 @@ def ab_greedy_heatmaps(res_a, res_b, label_a: str, label_b: str, log: bool = Tru
                  "|B − A|", log, x_title="step")
     for f, p in ((fa, pa), (fb, pb)):
         if p.first_divergence is not None and p.first_divergence < n:
-            f.add_vline(x=p.first_divergence - 0.5, line_color="#c0392b", line_width=2)
+            f.add_vline(x=p.first_divergence - 0.5, line_color=MARK, line_width=2)
     return fa, fb, fd
 
 
@@ -113,7 +117,7 @@ def greedy_reference_gap(res) -> go.Figure | None:
     fig.update_layout(title="Distance from the float64 reference: is the cache path further from the truth?",
                       xaxis_title="step", yaxis_title="max |Δ logit| vs float64", height=360,
                       margin=dict(l=10, r=10, t=60, b=10), legend=dict(orientation="h", y=-0.3))
-    fig.update_yaxes(type="log", exponentformat="power")
+    log_axis(fig)
     return fit_text(fig)
 
 
@@ -166,9 +170,9 @@ def texts_html(res) -> str:
         for i, tok in enumerate(p.tokens):
             text = html.escape(tok).replace("\n", "⏎<br>")
             if i in marks[p.name]:
-                line = "border-bottom:2px solid #c0392b;" if i == first else ""
+                line = f"border-bottom:2px solid {MARK};" if i == first else ""
                 title = html.escape(f"step {i}: parts from {', '.join(marks[p.name][i])}")
-                parts.append(f'<span title="{title}" style="background:#f8c9c4;color:#111;{line}">{text}</span>')
+                parts.append(f'<span title="{title}" style="background:{PARTED};color:#111;{line}">{text}</span>')
             else:
                 parts.append(text)
         cols.append(f'<div style="flex:1 1 0;min-width:180px"><b>{html.escape(p.label)}</b>'

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pandas as pd
 import plotly.graph_objects as go
 
+from ...core.theme import MARK, log_axis
 from ...core.plotting import zero_floor, floor_zeros, fit_text
 
 
@@ -16,12 +17,12 @@ def loading_trap_steps(res) -> go.Figure:
     if positive and len(positive) < len(res.max_abs_logit):
         zero_floor(fig, floor, "0 (identical)")
     if res.first_divergence is not None:
-        fig.add_vline(x=res.first_divergence, line_dash="dash", line_color="#c0392b")
+        fig.add_vline(x=res.first_divergence, line_dash="dash", line_color=MARK)
         fig.add_annotation(x=res.first_divergence, y=1, yref="paper", showarrow=False, xanchor="left",
-                           text=f"texts part at step {res.first_divergence}", font=dict(color="#c0392b"))
+                           text=f"texts part at step {res.first_divergence}", font=dict(color=MARK))
     fig.update_layout(title="from_pretrained(dtype) vs float32 + .to(dtype): max |Δ logit| per step",
                       xaxis_title="step", yaxis_title="max |Δ logit|", height=360, margin=dict(l=10, r=10, t=60, b=10))
-    fig.update_yaxes(type="log", exponentformat="power")
+    log_axis(fig)
     return fit_text(fig)
 
 

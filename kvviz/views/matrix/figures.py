@@ -4,11 +4,12 @@ from __future__ import annotations
 import numpy as np
 import plotly.graph_objects as go
 
-from ...core.plotting import fit_text
+from ...core.theme import VERDICT_COLOURS, MARK, log_axis
+from ...core.plotting import fit_text, zero_floor
 
 
-MATRIX_COLOURS = {"identical": "#2e7d32", "precision": "#1565c0", "logic": "#c62828", "nondeterministic": "#ef6c00",
-                  "lossy": "#6a1b9a", "error": "#9e9e9e"}
+MATRIX_COLOURS = {v: VERDICT_COLOURS[v] for v in ("identical", "precision", "logic", "nondeterministic", "lossy",
+                                                   "error")}  # the theme's, in the grid's order
 
 
 def matrix_grid(res) -> go.Figure:
@@ -55,10 +56,12 @@ def matrix_cell_steps(cell) -> go.Figure:
     fig.add_trace(go.Scatter(x=steps, y=[v if v > 0 else floor for v in cell.step_kl], mode="lines+markers",
                              name="KL(reference ‖ cell)", line=dict(dash="dot")))
     if cell.first_divergence is not None:
-        fig.add_vline(x=cell.first_divergence, line_color="#c0392b", annotation_text="parts here")
+        fig.add_vline(x=cell.first_divergence, line_color=MARK, annotation_text="parts here")
     fig.update_layout(title=f"{cell.label} vs the eager no-cache reference", xaxis_title="step",
                       height=340, margin=dict(l=10, r=10, t=60, b=10), legend=dict(orientation="h", y=-0.3))
-    fig.update_yaxes(type="log", exponentformat="power")
+    log_axis(fig)
+    if any(v == 0 for v in cell.step_max_abs_logit + cell.step_kl):
+        zero_floor(fig, floor, "0 (identical), drawn at this floor")
     return fit_text(fig)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 import pandas as pd
 import plotly.graph_objects as go
 
+from ...core import theme
+from ...core.theme import MARK, log_axis
 from ...core.plotting import zero_floor, floor_zeros, thin_x, fit_text
 
 
@@ -25,16 +27,16 @@ def quant_steps(res) -> go.Figure:
     if positive and len(positive) < len(res.kl):
         zero_floor(fig, floor, "0 (identical)")
     if res.agreement < res.steps:
-        fig.add_vline(x=res.agreement, line_dash="dash", line_color="#c0392b")
+        fig.add_vline(x=res.agreement, line_dash="dash", line_color=MARK)
         fig.add_annotation(x=res.agreement, y=1, yref="paper", showarrow=False, xanchor="left",
-                           text=f"greedy texts part at step {res.agreement}", font=dict(color="#c0392b"))
-        fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", line=dict(dash="dash", color="#c0392b"),
+                           text=f"greedy texts part at step {res.agreement}", font=dict(color=MARK))
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", line=dict(dash="dash", color=MARK),
                                  name="free-running greedy texts part"))
     fig.update_layout(title=f"KL(unquantized ‖ {res.label}) per step — {res.settings.dtype} on {res.settings.device}",
                       xaxis_title="decoding step (teacher forced on the unquantized tokens)",
                       yaxis_title="KL (nats)", height=380, margin=dict(l=10, r=10, t=60, b=10),
                       legend=dict(orientation="h", y=-0.3))
-    fig.update_yaxes(type="log", exponentformat="power")
+    log_axis(fig)
     return fit_text(fig)
 
 
@@ -44,13 +46,13 @@ def quant_layers(res) -> go.Figure:
     floor = min(positive) / 10 if positive else 1e-12
     fig = go.Figure(go.Bar(
         x=res.layers, y=floor_zeros(res.layer_relative, floor), name="max relative gap",
-        marker_color=["#b0bec5" if r == 0 else "#8e44ad" for r in res.layer_relative],
+        marker_color=[theme.ZERO if r == 0 else theme.COLORWAY[3] for r in res.layer_relative],
         customdata=[[f"{r:.3g}" if r > 0 else "0 (identical)", f"{a:.3g}"]
                     for r, a in zip(res.layer_relative, res.layer_max_abs)],
         hovertemplate="%{x}<br>relative %{customdata[0]}<br>max |Δ| %{customdata[1]}<extra></extra>"))
     fig.update_layout(title=f"Largest hidden-state gap per layer over the steps — {res.label}",
                       yaxis_title="max |Δ| / max |unquantized|", height=360, margin=dict(l=10, r=10, t=60, b=10))
-    fig.update_yaxes(type="log", exponentformat="power")
+    log_axis(fig)
     thin_x(fig, list(res.layers))
     return fit_text(fig)
 

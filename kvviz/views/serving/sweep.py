@@ -26,14 +26,14 @@ from ...core.errors import KvvizError
 from ...engines import ANSWER_LIMIT_S
 from ...core.memory import Workload
 from ...core.inputs import encode
+from ...core import theme
 from ...core.protocol import DEFAULT_CONTEXT, no_progress, RunContext
 from .run import WORKER_ENGINES, ServeConfig, ServeResult, _study, check_engine
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32)
 LENGTHS = (16, 64, 256, 1024)
 PROMPTS_PER_CELL = 4
-VERDICT_COLOURS = {"identical": "#2e7d32", "precision": "#f9a825", "logic": "#c62828", "not finished": "#5d4037",
-                   "not run": "#bdbdbd"}
+VERDICT_COLOURS = {v: theme.VERDICT_COLOURS[v] for v in ("identical", "precision", "logic", "not finished", "not run")}
 
 
 @dataclass

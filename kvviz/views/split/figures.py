@@ -7,6 +7,7 @@ import plotly.graph_objects as go
 
 from ...core.metrics import HIDDEN_METRICS
 from .run import SplitResult
+from ...core.theme import log_axis
 from ...core.plotting import METRIC_TITLES, short, heatmap, shared_range, zero_floor, floor_zeros, thin_x, fit_text
 
 
@@ -20,11 +21,12 @@ def _position_labels(metric: str, *results: SplitResult) -> list[str]:
     return [f"{i}: {short(results[0].tokens[i])}" for i in results[0].compared]
 
 
-def split_heatmap(res: SplitResult, metric: str = "relative", log: bool = True) -> go.Figure:
+def split_heatmap(res: SplitResult, metric: str = "relative", log: bool = True, height: int | None = None) -> go.Figure:
+    """Layers × compared positions; height: the figure's height in px (presenter mode fits it to the first screen)."""
     labels = _position_labels(metric, res)
     title = (f"{METRIC_TITLES[metric]}: cached vs full forward — {res.settings.dtype} on "
              f"{res.settings.device}, split {res.settings.split} ({res.settings.mode})")
-    return heatmap(res.main.hidden[metric], labels, res.layer_labels, title, METRIC_TITLES[metric], log)
+    return heatmap(res.main.hidden[metric], labels, res.layer_labels, title, METRIC_TITLES[metric], log, height=height)
 
 
 def ab_heatmaps(res_a: SplitResult, res_b: SplitResult, label_a: str, label_b: str, metric: str = "relative",
@@ -68,7 +70,7 @@ def layer_lines(res: SplitResult, metric: str = "relative", log: bool = True) ->
                       xaxis_title="hidden state", yaxis_title=METRIC_TITLES[metric] + unit, height=380,
                       margin=dict(l=10, r=10, t=60, b=10), legend=dict(orientation="h", y=-0.35))
     if log:
-        fig.update_yaxes(type="log", exponentformat="power")
+        log_axis(fig)
         if any((np.asarray(m) == 0).any() for m, _ in series):
             zero_floor(fig, floor, "0 (bitwise equal)")
     thin_x(fig, list(x))

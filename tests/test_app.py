@@ -323,7 +323,7 @@ def test_every_view_page_is_at_its_views_name_and_its_older_urls_are_kept():
     at.run()
     registered = {info["url_pathname"]: info.get("script_path", "") for info in at._registered_pages.values()}
     pages = [v.page for v in views.all_views() if v.page]
-    assert len(pages) == 12
+    assert len(pages) == 13  # the twelve views and the logit lens (generic page)
     for page in pages:
         assert Path(registered[page.url_path]) == ROOT / "pages" / f"{page.stem}.py", page.url_path
         for old in page.url_aliases:

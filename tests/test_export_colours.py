@@ -128,9 +128,12 @@ def test_an_exported_report_draws_coloured_lines_offline(split_result, tmp_path,
 
     fixed = tmp_path / "report.html"
     fixed.write_text(html_report(split_result), encoding="utf-8")
-    before = tmp_path / "placeholders.html"  # the layer lines as the app's process built them, written as they are
-    before.write_text(pio.to_html(main_figures(split_result)[1], include_plotlyjs=True, full_html=True),
-                      encoding="utf-8")
+    before = tmp_path / "placeholders.html"  # the layer lines drawn black on plotly's plain template, as the report
+    # drew them before it carried kvviz's colours: the control that the pixel count tells black lines from coloured
+    control = go.Figure(main_figures(split_result)[1])
+    control.update_layout(template="none")
+    control.update_traces(line_color="#000000", marker_color="#000000")
+    before.write_text(pio.to_html(control, include_plotlyjs=True, full_html=True), encoding="utf-8")
     blocked = []
     with browser() as b:
         ctx = b.new_context(viewport={"width": 1200, "height": 900})
@@ -152,4 +155,4 @@ def test_an_exported_report_draws_coloured_lines_offline(split_result, tmp_path,
     fixed_c, before_c = counts["fixed"], counts["before"]
     assert fixed_c["blue"] > 300 and fixed_c["red"] > 100, fixed_c  # the worst line blue, the float64 rerun orange
     assert fixed_c["black"] < 0.002 * fixed_c["total"], fixed_c  # text is plotly's slate, not black
-    assert before_c["black"] > 300 and before_c["blue"] == 0, before_c  # the placeholders drew black lines
+    assert before_c["black"] > 300 and before_c["blue"] == 0, before_c  # black lines are counted as black

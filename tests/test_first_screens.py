@@ -79,8 +79,8 @@ def test_greedy_default_says_why_no_parting_and_one_click_shows_a_tie():
     assert "Why nothing here" in text and "closest call was step" in text
     at.button(key="greedy_show_tie").click().run()
     assert not at.exception
-    # the constructed tie scenario (it flips on any machine), named on the page: see tests/test_greedy.py
-    assert at.session_state["model_preset"] == "tiny:tie" and at.session_state["dtype"] == "bfloat16"
+    # the constructed cache flip (no cache and cache part on any machine), named on the page: see tests/test_greedy.py
+    assert at.session_state["model_preset"] == "tiny:flip" and at.session_state["dtype"] == "bfloat16"
     assert at.text_area(key="greedy_prompt").value == "Once upon a time" and "Verdict: precision" in alerts(at)
 
 

@@ -147,7 +147,11 @@ def test_every_figure_and_the_offline_handout(models):
     for r in results:
         assert f'id="lesson-step-{r.step}"' in page and r.explanation[:40] in page
     assert "Steps not computed in this handout: 4, 5, 6, 7" in page
-    assert "<details open" not in page and page.count("<details>") == 4  # answers hidden until revealed
+    from kvviz.teach.exercises import EXERCISES
+
+    # answers hidden until revealed: one per step, one per exercise (the handout carries the exercises)
+    assert "<details open" not in page and page.count("<details>") == 4 + len(EXERCISES)
+    assert page.count('class="exercise"') == len(EXERCISES) and 'id="exercises"' in page
     # offline: plotly inlined once, no script or resource fetched from the network
     assert page.count("<script type=\"text/javascript\">/**") + page.count("plotly.js v") >= 1
     assert not re.search(r"<script[^>]*\bsrc=", page)

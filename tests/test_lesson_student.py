@@ -139,7 +139,9 @@ def walk(models, dtype: str) -> list[lesson.StepResult]:
 def check_handout(results) -> None:
     page = handout_html(results, "tiny:llama")
     assert "<details open" not in page  # every answer hidden until revealed
-    assert page.count("<details>") == len(results)
+    from kvviz.teach.exercises import EXERCISES
+
+    assert page.count("<details>") == len(results) + len(EXERCISES)  # and one per exercise
     outside = re.sub(r"<details>.*?</details>", "", page, flags=re.S)
     assert "Answer:" not in outside and "Why." not in outside
     for r in results:

@@ -251,7 +251,7 @@ def exercises_html(runs: dict | None = None) -> str:
                         f"</b> In {html.escape(ex.dtype)} the largest relative gap is {run.gap:.3g}; rerun in float64 "
                         f"it is {'0' if not f64 else f'{f64:.3g}'}.</div>")
         out.append(f"""<section class="exercise" id="exercise-{ex.key}"><h3>{html.escape(ex.title)}</h3>
-<div class="q"><b>Bug or rounding?</b> {html.escape(ex.story)} <i>Answer: precision (rounding) or logic (a bug).</i></div>
+<div class="q"><b>Bug or rounding?</b> {html.escape(ex.story)} <i>Choose: precision (rounding) or logic (a bug).</i></div>
 <details><summary>Reveal the answer</summary>{measured}<p>{html.escape(ex.hidden)}</p></details></section>""")
     return ('<h2 id="exercises">Exercises: find the bug</h2><p>Each exercise is a cached-vs-full comparison whose '
             "settings are hidden. Decide, then open the answer (in the app, the Lesson's last step runs them).</p>"

@@ -950,7 +950,26 @@ def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, vie
     elif invariant or (uses_ref and proves):  # the proof's kernel probes (above)
         if not invariant:
             if_unproved = dict(cache=cache, activations=acts)
-        acts = max(acts, run_only + invariant_probe_bytes(shape, BYTES[dt]))
+        probe = invariant_probe_bytes(shape, BYTES[dt])
+        if prof.compared_after_split and not prof.bisector and not prof.many_prompts and not prof.batch_texts:
+            # Split point's invariant-mode run (the proof's rerun, or the run itself in invariant mode) probes the
+            # head's kernels in its first forward: the prefix, one row of logits (kvviz.views.split.run._run), before
+            # the full forward's logits exist; its later forwards hold what the run holds (run_only). The proof runs
+            # after the float64 rerun, which has freed its float64 cache and the streamed reference's slices by
+            # then: those parts of the plan are not held beside the probes (a twin or kept upcast weights stay)
+            probing = probe + working_bytes(shape, BYTES[dt], tokens, batch, attention, device) + \
+                batch * shape.vocab * BYTES[dt]
+            if invariant and if_identical is not None:  # identical in invariant mode: no rerun, the probes stay
+                if_identical["activations"] = max(if_identical["activations"], probing)
+            if not invariant and uses_ref:
+                f64_cache = cache - cache_bytes(shape, dt, tokens, batch, False)
+                released = ref if strategy == "streamed" and not stream_keep_bytes(shape.params) else 0
+                probing -= min(probing, f64_cache + released)
+            acts = max(acts, run_only, probing)
+        else:
+            if invariant and if_identical is not None:  # identical in invariant mode: no rerun, the probes stay
+                if_identical["activations"] = max(if_identical["activations"], run_only + probe)
+            acts = max(acts, run_only + probe)
     kept = 8 * (shape.layers + 1) * tokens * batch * 8  # per-layer, per-position metrics, a few of them
 
     def _loading(acts: int, ref: int, cache: int) -> int:  # the activations, at least what the loads add

@@ -722,5 +722,6 @@ def test_the_split_proofs_kernel_probes_are_a_phase_of_their_own_not_beside_the_
     f64_cache = memory.cache_bytes(shape, "bfloat16", T, 1, True) - memory.cache_bytes(shape, "bfloat16", T, 1, False)
     assert plan.reference == "twin" and plan.cache == memory.cache_bytes(shape, "bfloat16", T, 1, True)
     assert plan.activations == max(plan.if_unproved["activations"], run_only, probing - f64_cache)
+    assert any(n.startswith("phases one after another") for n in plan.notes)  # the plan says so
     peak = max(p[2] for p in phases)
     assert plan.total >= peak, (plan.parts(), peak)

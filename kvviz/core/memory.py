@@ -978,6 +978,8 @@ def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, vie
                 released = ref if strategy == "streamed" and not stream_keep_bytes(shape.params) else 0
                 probing -= min(probing, f64_cache + released)
             acts = max(acts, run_only, probing)
+            notes.append("phases one after another: the run, " + ("" if invariant else "its float64 rerun, ") +
+                         "the invariant-mode kernel probes (their own forward); the largest is planned, not the sum")
         else:
             if invariant and if_identical is not None:  # identical in invariant mode: no rerun, the probes stay
                 if_identical["activations"] = max(if_identical["activations"], run_only + probe)

@@ -392,3 +392,37 @@ def test_a_peak_within_measurement_noise_of_its_plan_says_nothing():
     assert plan.over_plan() is None
     plan.measured_peak = allowed + over_plan_slack(allowed) + 1
     assert plan.over_plan() is not None and "over its plan" in plan.over_plan()
+
+
+def test_greedy_without_a_float64_path_plans_its_reference_only_where_a_parting_builds_it():
+    """Greedy paths without the float64 path builds its float64 reference only to replay a parting for its verdict
+    (GreedyResult.reference_ran): the plan before the run counts it; after a run where no two paths parted `settle`
+    drops the reference, its cache and its phase (the default model's float32 greedy run of 256 tokens, nothing
+    parted: planned 2.78 GiB with the twin for a 1.05 GiB peak, 1.35 GiB settled). With the float64 path the
+    reference always runs: nothing to drop."""
+    from kvviz.models.loading import load_model
+    from kvviz.views.greedy.run import DEFAULT_PATHS, GreedyConfig, run_greedy
+
+    w = memory.Workload(texts=("Hello world",), new_tokens=4, paths=DEFAULT_PATHS)
+    before = memory.plan_workload("tiny:llama", "float32", "cpu", "greedy", w)
+    assert "float64" not in DEFAULT_PATHS and before.if_identical is not None and before.reference_bytes > 0
+    kept = memory.plan_workload("tiny:llama", "float32", "cpu", "greedy", w).settle(
+        SimpleNamespace(reference_ran=True, proof_s=1.0))
+    assert kept.total == before.total and kept.reference == before.reference
+    after = memory.plan_workload("tiny:llama", "float32", "cpu", "greedy", w).settle(
+        SimpleNamespace(reference_ran=False, proof_s=None))
+    assert after.reference == "not run" and after.reference_bytes == 0 and after.total < before.total
+    assert after.cache < before.cache and any("no two paths parted" in n for n in after.notes)
+    shape = memory.model_shape("tiny:llama")
+    assert after.activations >= memory.activation_bytes(shape, "float32", before.tokens, 1, "greedy", False,
+                                                        steps=4, reference_decodes=False)
+    with_f64 = memory.plan_workload("tiny:llama", "float32", "cpu", "greedy",
+                                    memory.Workload(texts=("Hello world",), new_tokens=4,
+                                                    paths=("cache", "float64")))
+    assert with_f64.if_identical is None
+    # the flag is what the run did: the reference is built exactly where two paths part (or a float64 path runs)
+    lm = load_model("tiny:llama", "float32", "cpu")
+    for paths in (DEFAULT_PATHS, ("cache", "float64")):
+        res = run_greedy(lm, GreedyConfig("Hello world", 4, paths=paths), prove=False)
+        parted = any(p.first_divergence is not None for p in res.pairs)
+        assert res.reference_ran == (parted or "float64" in paths), (paths, parted)

@@ -642,3 +642,86 @@ def test_the_float64_phase_holds_no_forward_beside_the_comparison_where_freed_bl
     assert kept.activations - freed.activations == work + 2 * n * V * 8 + temps - max(work + n * V * 8,
                                                                                       2 * n * V * 8 + temps)
     assert freed.total < kept.total
+
+
+# Split point's phases one at a time in a fresh process (`kvviz.views.split.run.run_split`'s progress lines): the
+# process's peak RSS is reset at each line (memory.reset_peak) and read before the next, so each phase's peak is
+# measured above what the process held when it began. The model: tiny:gemma3's config with a 131072-token vocabulary
+# (the kernel probes of the proof's first invariant-mode forward then dominate the run, as they do on Gemma 3 270M),
+# written as a folder and loaded through the folder route.
+_SPLIT_PHASES = r"""
+import json, sys
+from kvviz.core import memory
+from kvviz.core.inputs import SplitConfig
+from kvviz.models.loading import load_model
+from kvviz.views.split.run import run_split
+
+folder, prompt, split = sys.argv[1], sys.argv[2], int(sys.argv[3])
+lm = load_model(folder, "bfloat16", "cpu")
+phases, state = [], {"name": "loaded", "base": memory.reset_peak("cpu")}
+
+def mark(_, name):
+    phases.append((state["name"], state["base"], memory.measured_peak("cpu")))
+    state.update(name=name, base=memory.reset_peak("cpu"))
+
+res = run_split(lm, SplitConfig(prompt=prompt, split=split), progress=mark)
+mark(1.0, "end")
+print(json.dumps({"phases": phases, "float64": res.float64 is not None, "proof_s": res.proof_s}))
+"""
+
+
+def test_the_split_proofs_kernel_probes_are_a_phase_of_their_own_not_beside_the_run(tmp_path):
+    """The invariant-mode proof of a Split point verdict runs after the run and its float64 rerun: its first forward
+    (the prefix, one row of logits) probes the head's kernels (memory.invariant_probe_bytes) before the full forward's
+    logits exist. The plan counted the probes on top of the run's whole phase (run_only + probes: the real Gemma 3
+    270M GGUF's bfloat16 split at 721 tokens planned 3.41 GB for a 2.24 GB peak, 1.52x) and beside the float64 rerun's
+    cache and the streamed reference's slices, freed by then; it now counts the probing forward as a phase of its own
+    (plan_shape). Measured phase by phase on a 131072-token vocabulary: the proof's prefix forward holds at most
+    the planned probing phase and more than half of it, and the whole proof no more than the larger of the run and
+    the probes; the plan bounds the run's peak."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from test_memory import _child_env
+
+    from kvviz.models.tiny import byte_tokenizer, random_model, tiny_config
+
+    vocab = 131072
+    config = tiny_config("gemma3")
+    config.vocab_size = vocab
+    folder = tmp_path / "gemma3-131k"
+    random_model(config).save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    prompt, split = "Hello world, caching is fun! 123 " * 3, 92  # 8 compared positions: the probes dominate
+    r = subprocess.run([sys.executable, "-c", _SPLIT_PHASES, str(folder), prompt, str(split)], capture_output=True,
+                       text=True, cwd=ROOT, timeout=600, env=_child_env())
+    assert r.returncode == 0, r.stderr[-800:]
+    got = json.loads(r.stdout.splitlines()[-1])
+    assert got["float64"] and got["proof_s"] is not None  # the bfloat16 run parted: float64 rerun, then the proof
+    phases = [(name, peak - base, peak) for name, base, peak in got["phases"]]
+    proof = [p for p in phases if p[0].startswith("invariant proof")]
+    prefix = next(p for p in proof if "Prefix forward" in p[0])
+
+    shape = model_shape(str(folder))
+    assert shape.vocab == vocab
+    plan = plan_workload(str(folder), "bfloat16", "cpu", "split", Workload(texts=(prompt,), split=split))
+    T, n = plan.tokens, plan.tokens - split
+    probe = memory.invariant_probe_bytes(shape, 2)
+    probing = probe + working_bytes(shape, 2, T) + shape.vocab * 2
+    run_only = memory.activation_bytes(shape, "bfloat16", T, 1, "split", False, n)
+    assert probe > 3 * run_only  # the probes dominate, as on Gemma 3 270M
+    # the probing forward: at most its planned phase and more than half of it (the BLAS's and the allocator's
+    # buffers, PROBE_FIXED, move it by tens of MiB between processes)
+    assert 0.5 * probing < prefix[1] <= probing, (prefix, probing)
+    # the whole proof: the larger of the run's phases and the probing forward, never their sum
+    assert max(p[1] for p in proof) <= max(run_only, probing) < run_only + probe
+    # the plan: the float64 rerun's phase or the probes, whichever is larger; the probes without the float64 cache
+    # (freed after the rerun) but beside the twin (it stays loaded); at least the peak
+    f64_cache = memory.cache_bytes(shape, "bfloat16", T, 1, True) - memory.cache_bytes(shape, "bfloat16", T, 1, False)
+    assert plan.reference == "twin" and plan.cache == memory.cache_bytes(shape, "bfloat16", T, 1, True)
+    assert plan.activations == max(plan.if_unproved["activations"], run_only, probing - f64_cache)
+    assert any(n.startswith("phases one after another") for n in plan.notes)  # the plan says so
+    peak = max(p[2] for p in phases)
+    assert plan.total >= peak, (plan.parts(), peak)

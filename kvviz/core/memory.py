@@ -39,6 +39,10 @@ TWIN_MAX_BYTES = int(1.5 * GB)  # a full float64 twin up to this size is kept wh
 # 0.18-0.45 GB measured (docs/benchmarks.md). RUNTIME_BYTES where the process's size cannot be read.
 RUNTIME_BYTES = int(0.8 * GB)
 RUNTIME_GROWTH = int(0.5 * GB)
+# Of RUNTIME_GROWTH, what the process has grown by while the model loads (before any forward, the run's arenas and
+# thread pools): measured 0.10 GiB (Gemma 3 270M's float32 checkpoint loaded in bfloat16: VmHWM 1.84 GiB = 0.24 at
+# import + 1.0 read + 0.5 converted + 0.10) and 0.14 GiB (the default model, 1.13 GiB in bfloat16)
+LOAD_GROWTH = int(0.25 * GB)
 # cuBLAS and cuBLASLt workspaces on a GPU (32 MiB each on Hopper), taken from torch's caching allocator
 CUDA_RUNTIME_BYTES = 64 * 1024 ** 2
 # the tokenizer's tables (tokenizers' vocabulary, merges and caches), resident on the CPU: about 10 times its files
@@ -384,12 +388,15 @@ class MemoryPlan:
         """After the run: a run that reruns in float64 only where its cached path differs from the full forward
         (`if_identical`) and whose result has no float64 rerun (`result.float64` is None: the paths were bit for
         bit equal) is planned without that phase."""
-        if self.if_identical is not None and result is not None and getattr(result, "float64", True) is None:
+        if self.if_identical is not None and result is not None and (
+                getattr(result, "float64", True) is None or getattr(result, "reference_ran", True) is False):
             for part, value in self.if_identical.items():
                 setattr(self, part, value)
             self.if_identical = None
-            self.notes.append("no float64 rerun: " + ("no prompt parted from its reference" if
-                                                      profile(self.view).engine_calls else
+            prof = profile(self.view)
+            self.notes.append("no float64 rerun: " + ("no prompt parted from its reference" if prof.engine_calls else
+                                                      "no two paths parted, so none was replayed in float64"
+                                                      if prof.decoded_runs else
                                                       "the cached path equalled the full forward bit for bit"))
         elif self.if_unproved is not None and result is not None and getattr(result, "proof_s", 0) is None and \
                 not getattr(getattr(getattr(result, "settings", None), "execution", None), "invariant", False):
@@ -935,6 +942,11 @@ def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, vie
     if prof.cache_copies:  # its caches one phase at a time: the run's, then the float64 reference's
         per = 2 * shape.layers * shape.kv_heads * shape.head_dim * tokens * batch
         cache = prof.cache_copies * per * max(BYTES[dt], 8 if uses_ref else 0)
+        if uses_ref and prof.decoded_runs and not reference_decodes:
+            # Greedy paths without a float64 path builds its float64 reference only to replay a parting for its
+            # verdict (kvviz.views.greedy.run: GreedyResult.reference_ran); `settle` drops it after a run without one
+            if_identical = dict(reference="not run", reference_bytes=0, cache=prof.cache_copies * per * BYTES[dt],
+                                activations=run_only)
     if engine is not None:  # a paged engine's calls, one at a time; the float64 reference only where a prompt parts
         def study(f64: bool, proof: bool) -> tuple[int, int]:
             return paged_study_bytes(shape, dt, tokens, steps, engine.calls, engine.replays, engine.page_size, f64,
@@ -950,11 +962,37 @@ def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, vie
     elif invariant or (uses_ref and proves):  # the proof's kernel probes (above)
         if not invariant:
             if_unproved = dict(cache=cache, activations=acts)
-        acts = max(acts, run_only + invariant_probe_bytes(shape, BYTES[dt]))
+        probe = invariant_probe_bytes(shape, BYTES[dt])
+        if prof.compared_after_split and not prof.bisector and not prof.many_prompts and not prof.batch_texts:
+            # Split point's invariant-mode run (the proof's rerun, or the run itself in invariant mode) probes the
+            # head's kernels in its first forward: the prefix, one row of logits (kvviz.views.split.run._run), before
+            # the full forward's logits exist; its later forwards hold what the run holds (run_only). The proof runs
+            # after the float64 rerun, which has freed its float64 cache and the streamed reference's slices by
+            # then: those parts of the plan are not held beside the probes (a twin or kept upcast weights stay)
+            probing = probe + working_bytes(shape, BYTES[dt], tokens, batch, attention, device) + \
+                batch * shape.vocab * BYTES[dt]
+            if invariant and if_identical is not None:  # identical in invariant mode: no rerun, the probes stay
+                if_identical["activations"] = max(if_identical["activations"], probing)
+            if not invariant and uses_ref:
+                f64_cache = cache - cache_bytes(shape, dt, tokens, batch, False)
+                released = ref if strategy == "streamed" and not stream_keep_bytes(shape.params) else 0
+                probing -= min(probing, f64_cache + released)
+            acts = max(acts, run_only, probing)
+            notes.append("phases one after another: the run, " + ("" if invariant else "its float64 rerun, ") +
+                         "the invariant-mode kernel probes (their own forward); the largest is planned, not the sum")
+        else:
+            if invariant and if_identical is not None:  # identical in invariant mode: no rerun, the probes stay
+                if_identical["activations"] = max(if_identical["activations"], run_only + probe)
+            acts = max(acts, run_only + probe)
     kept = 8 * (shape.layers + 1) * tokens * batch * 8  # per-layer, per-position metrics, a few of them
 
+    # the model's own load comes first, before the run has grown the process by all of RUNTIME_GROWTH (the float64
+    # twin loads later, after the run: its phase keeps the whole runtime)
+    early = RUNTIME_GROWTH - LOAD_GROWTH if device.startswith("cpu") and _PROCESS_AT_IMPORT is not None else 0
+
     def _loading(acts: int, ref: int, cache: int) -> int:  # the activations, at least what the loads add
-        return max(acts, load - ref - cache - kept, (read - cache - kept) if strategy == "twin" and ref else 0)
+        return max(acts, load - early - ref - cache - kept,
+                   (read - cache - kept) if strategy == "twin" and ref else 0)
 
     acts = _loading(acts, ref, cache)
     if if_identical is not None:

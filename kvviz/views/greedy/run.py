@@ -197,6 +197,9 @@ class GreedyResult:
     notes: list[str]
     elapsed_s: float
     proof_s: float | None = None  # seconds the parting steps' invariant-mode replay took (None: no replay)
+    # whether the float64 reference was built (a float64 path, or a parting replayed for its verdict): the memory
+    # plan drops the reference after a run without it (kvviz.core.memory.MemoryPlan.settle)
+    reference_ran: bool = True
 
     def pair(self, a: str, b: str) -> PairResult:
         for p in self.pairs:
@@ -607,7 +610,7 @@ def run_greedy(lm: LoadedModel, cfg: GreedyConfig, progress: Progress | None = N
     return GreedyResult(settings=GreedySettings.of(cfg, RunInfo.of(lm, settings)), model=lm.summary(),
                         prompt_tokens=inp.token_texts, layer_labels=layer_labels(runs[names[0]].hidden.shape[1]),
                         paths=_path_results(lm, runs, names), pairs=pairs, notes=_notes(lm, cfg, runs),
-                        elapsed_s=time.perf_counter() - t_start, proof_s=proof_s)
+                        elapsed_s=time.perf_counter() - t_start, proof_s=proof_s, reference_ran=f64._ex is not None)
 
 
 def run(lm: LoadedModel, config: GreedyConfig, ctx: RunContext = DEFAULT_CONTEXT) -> GreedyResult:

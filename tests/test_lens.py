@@ -202,3 +202,47 @@ def test_the_page_runs_and_every_control_is_pressed():
     assert any("Verdict: logic" in e.value for e in list(at.info) + list(at.error) + list(at.warning))
     at.number_input(key="lens_split").set_value(0).run()
     assert not at.exception and any("split 0 is outside the prompt" in e.value for e in at.error)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("dtype, threads, kw", [("bfloat16", 1, dict(BUG, mode="step")), ("float64", 2, BUG),
+                                                ("float32", 1, dict())])
+def test_the_repro_script_reproduces_the_largest_lens_gap_bit_for_bit(dtype, threads, kw, tmp_path):
+    """The lens's standalone script (torch + transformers only) makes kvviz's calls - the prefix forward, the full
+    forward's hidden states, the rest through the cache (chunk or step) - and puts each hidden state of both paths
+    through the final norm and head on the same rows: its last line is the result's largest |Δ lens logit| exactly,
+    run with the other thread count and other CPU kernels asked in its environment."""
+    import subprocess
+    import sys
+
+    from kvviz.io.repro import key_figure, repro_script
+    from test_export import numerics_line, other_caller_env, torch_threads
+
+    with torch_threads(threads):
+        lm, res = lens_of("tiny:llama", dtype, **kw)
+        text = repro_script(res, lm, "lens_repro.py")
+    assert "import kvviz" not in text and "from kvviz" not in text
+    (tmp_path / "lens_repro.py").write_text(text)
+    out = subprocess.run([sys.executable, "lens_repro.py"], capture_output=True, text=True, timeout=300,
+                         env=other_caller_env(threads), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-800:]
+    assert numerics_line(threads) in out.stdout and "note:" not in out.stdout
+    assert out.stdout.strip().splitlines()[-1] == f"max |Δ logits| = {key_figure(res)!r}"
+    depth = res.decision["row"] if res.decision else None
+    assert f"decision depth (first hidden state where the lens top-1 differ): {depth} " in out.stdout
+    if kw:  # the left-padding bug: a logic gap, far from zero in any dtype
+        assert key_figure(res) > 1e-2
+
+
+def test_the_repro_refuses_what_it_cannot_rebuild():
+    from kvviz.core.errors import KvvizError
+    from kvviz.core.execution import ExecSettings
+    from kvviz.io.export import export_json, open_result
+    from kvviz.io.repro import repro_script
+
+    lm = load_model("tiny:llama", "float32", "cpu")
+    res = run_lens(lm, LensConfig(prompt=PROMPT, split=5), settings=ExecSettings(invariant=True))
+    with pytest.raises(KvvizError, match="invariant"):
+        repro_script(res, lm)
+    with pytest.raises(KvvizError, match="invariant"):  # reopened from its JSON: the settings a dict
+        repro_script(open_result(export_json(res)).result, lm)

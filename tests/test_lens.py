@@ -246,3 +246,25 @@ def test_the_repro_refuses_what_it_cannot_rebuild():
         repro_script(res, lm)
     with pytest.raises(KvvizError, match="invariant"):  # reopened from its JSON: the settings a dict
         repro_script(open_result(export_json(res)).result, lm)
+
+
+def test_the_meeting_scenario_prepares_with_its_effect(tmp_path):
+    """The view's one-click scenario (its entry's `scenarios`, listed on Home): Prepare the meeting runs it through
+    the view's run with its controls as the config's fields; reopened from its JSON, it names the decision depth
+    (layer 1: the left-padding bug, logic on any machine) and the head that moved."""
+    from kvviz import views
+    from kvviz.io.export import open_result
+    from kvviz.teach.meeting import prepare, prepared
+    from kvviz.teach.presets import by_key
+
+    p = by_key()["lens_padding"]
+    assert p in views.get("lens").scenarios and p.page == "pages/lens.py"
+    prepare(["lens_padding"], tmp_path)
+    [(title, path)] = prepared(tmp_path)
+    opened = open_result(path.read_bytes())
+    r = opened.result
+    assert title == p.title and opened.view == "lens" and r.verdict == "logic"
+    assert (r.settings["left_pad"], r.settings["position_ids"], r.settings["split"]) == (3, "omit", 5)
+    assert r.settings["dtype"] == "bfloat16" and r.decision["layer"] == "layer 1"
+    assert "decision depth" in r.explanation and most_moved(r)["max_dp"] > 1e-2
+    assert "<section" in (tmp_path / "meeting.html").read_text()

@@ -8,6 +8,7 @@ one line in kvviz/views/__init__.py; its subcommand (`python -m kvviz lens`) and
 its config."""
 from .. import MemoryProfile, Page, View
 from ...core.prompts import CAPITALS
+from ...teach.presets import Preset
 from .run import LensConfig, LensResult, run_lens  # noqa: F401  (the view's library API)
 
 # memory: the split's working set - the full forward's compared rows held per layer, two paths' compared rows of one
@@ -17,4 +18,14 @@ VIEW = View("lens", "Logit lens", "LensResult", reopen="report:reopen", figures=
             verdict="report:verdict", tables="figures:tables", repro="repro", config="run:LensConfig", run="run:run",
             refuses="run:REFUSES",
             page=Page("lens", "Investigate", ":material/visibility:", defaults={"prompt": CAPITALS}),
-            memory=MemoryProfile(forwards=2, compared_after_split=True))
+            memory=MemoryProfile(forwards=2, compared_after_split=True),
+            scenarios=(Preset(
+                "lens_padding", "Where the padding bug takes over, layer by layer",
+                "The logit lens of both paths with the classic left-padding bug (3 pads, the rest through the cache "
+                "without position ids): the embeddings agree, and already after layer 1 the cached path ranks another "
+                "token first - the decision depth - with both paths' margins there, and the attention head that "
+                "moved most at the first cached position. Logic: the gap stays in float64.",
+                "pages/lens.py", "tiny:llama", "bfloat16",
+                {"lens_prompt": "The capital of France is Paris and the capital of Spain is", "lens_split": 5,
+                 "lens_mode": "chunk", "lens_left_pad": 3, "lens_position_ids": "omit",
+                 "lens_attention_mask": "full"}),))

@@ -268,3 +268,21 @@ def test_the_meeting_scenario_prepares_with_its_effect(tmp_path):
     assert r.settings["dtype"] == "bfloat16" and r.decision["layer"] == "layer 1"
     assert "decision depth" in r.explanation and most_moved(r)["max_dp"] > 1e-2
     assert "<section" in (tmp_path / "meeting.html").read_text()
+
+
+def test_where_the_paths_own_tokens_part_the_verdict_says_from_which_layer():
+    """The left-padding bug in float64: the paths' own next tokens part at some position; the view names it, both
+    tokens with their margins, and the layer from which the lens top-1 differ at every later layer there."""
+    lm, res = lens_of("tiny:llama", "float64", **BUG)
+    part = res.parting
+    j = next(k for k, (a, b) in enumerate(zip(res.path_tokens["full"], res.path_tokens["cached"])) if a != b)
+    assert part["position"] == res.compared[j]
+    f, c = np.array(res.main.full["top1"])[:, j], np.array(res.main.cached["top1"])[:, j]
+    r = part["from_row"]
+    assert (f[r:] != c[r:]).all() and (r == 0 or f[r - 1] == c[r - 1])
+    assert part["full"]["token"] == res.token(res.path_tokens["full"][j]) != part["cached"]["token"]
+    assert part["cached"]["margin"] == res.main.cached["margin"][-1][j]
+    assert f"first part at position {part['position']}" in res.explanation
+    assert f"differ from {part['from_layer']} on" in res.explanation
+    _, same = lens_of("tiny:llama", "float64")
+    assert same.parting is None and "part at" not in same.explanation

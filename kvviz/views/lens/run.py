@@ -150,9 +150,31 @@ class LensResult:
                          "margin": float(p["margin"][r][j])}
         return out
 
+    @property
+    def parting(self) -> dict | None:
+        """Where the two paths' own next tokens (each path's logits' argmax) first differ: the position, both tokens
+        with their last-layer margins, and the layer from which the two lens top-1 differ at every later layer of
+        that position (`from_row`, `from_layer`). None where the paths predict the same tokens."""
+        f_tok, c_tok = self.path_tokens["full"], self.path_tokens["cached"]
+        j = next((k for k, (a, b) in enumerate(zip(f_tok, c_tok)) if a != b), None)
+        if j is None:
+            return None
+        f, c = np.array(self.main.full["top1"])[:, j], np.array(self.main.cached["top1"])[:, j]
+        r = len(f)
+        while r > 0 and f[r - 1] != c[r - 1]:
+            r -= 1
+        out = {"position": self.compared[j], "at": self.tokens[self.compared[j]], "from_row": r,
+               "from_layer": self.layer_labels[r] if r < len(f) else None}  # None: the last layer's lens agrees (head_gap)
+        for side, tok in (("full", f_tok[j]), ("cached", c_tok[j])):
+            p = getattr(self.main, side)
+            out[side] = {"token": self.token(tok), "top2": self.token(p["top2"][-1][j]),
+                         "margin": float(p["margin"][-1][j])}
+        return out
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["decision"] = self.decision
+        d["parting"] = self.parting
         return d
 
 
@@ -400,9 +422,8 @@ def _run(lm, cfg: SplitConfig, settings: ExecSettings, progress, attention: bool
             full = ex.forward(inp.ids, inp.mask, inp.positions, use_cache=False, hidden=held, logits_to_keep=keep)
         rows_f = watch.rows if watch is not None else []
         kinds = set(watch.kinds) if watch is not None else set()
-        full_logits = full.logits[0, -n:]
-        full_tok = full_logits.argmax(-1).cpu()
-        del full
+        full_tok = full.logits[0, -n:].argmax(-1).cpu()
+        del full  # its logits [n, vocab] freed before the cached path (a view of them kept them alive)
         sink = _LensSink(lens, held, n)
         rest = inp.ids[:, a0:]
         mask_of = (lambda s, e: cached_mask(cfg.attention_mask, inp, a0 + s, a0 + e))
@@ -522,6 +543,16 @@ def verdict_for(res: LensResult) -> tuple[str, str]:
             return f"'{p['top1']}' by {p['margin']:.3g} over '{p['top2']}'"
         where = (f"the two paths' top-1 first differ at {dec['layer']} (decision depth), position {dec['position']} "
                  f"('{dec['at']}'): the full forward's lens says {says(f)}, the cached path's {says(c)}")
+    part = res.parting
+    if part is not None:
+        pf, pc = part["full"], part["cached"]
+
+        def own(p: dict) -> str:
+            how = f"tied with '{p['top2']}'" if p["margin"] == 0 else f"by {p['margin']:.3g} over '{p['top2']}'"
+            return f"'{p['token']}' ({how})"
+        where += (f". The paths' own next tokens first part at position {part['position']} ('{part['at']}'): the "
+                  f"full forward {own(pf)}, the cached path {own(pc)}" + (
+                      f"; there the lens top-1 differ from {part['from_layer']} on" if part["from_layer"] else ""))
     moved = most_moved(res)
     head = (f" At the first cached position the attention of layer {moved['layer']} head {moved['head']} moved most "
             f"(max |Δp| {moved['max_dp']:.3g}, most towards '{moved['to_token']}')." if moved else "")

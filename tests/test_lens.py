@@ -286,3 +286,47 @@ def test_where_the_paths_own_tokens_part_the_verdict_says_from_which_layer():
     assert f"differ from {part['from_layer']} on" in res.explanation
     _, same = lens_of("tiny:llama", "float64")
     assert same.parting is None and "part at" not in same.explanation
+
+
+@pytest.mark.slow
+def test_on_the_default_model_the_lens_at_a_greedy_parting_step_shows_both_paths_tokens():
+    """The default model (SmolLM2-135M) in bfloat16: Greedy paths decodes the prompt with and without the cache; if
+    they part (on the machine this was written on, CAPITALS parts at step 20: no cache ' the' in an exact tie with
+    ' it', the cache ' it' by 0.125 - see docs/views.md), the lens of the tokens both loops saw, the prompt cached and
+    the rest token by token, names the decision depth with both margins there, and where the paths' own tokens part.
+
+    What holds on any CPU, and is asserted: the lens's cached path makes the greedy cached loop's very calls (the
+    prompt's prefill, then one token a forward), so its last-layer top-1 are that loop's tokens at every step; the
+    lens's full forward is the no-cache loop's forward at the parting step, so the paths part at the last position
+    (at earlier positions that full forward is not the loop's: the loop's step t saw t tokens, the lens's forward all
+    of them - in bfloat16 another shape may round a near tie otherwise, and did here at an earlier position).
+    Why slow, not a tier test: whether and where the loops part is a near tie decided by the CPU's bfloat16 kernels
+    (another CPU may not part within 24 tokens: skipped there), and the full path's token at the parting step is
+    read through the head over the compared rows where the loop's head saw every row - equal here, but a head over
+    another number of rows may round one tie differently on another CPU's kernels."""
+    from kvviz.core.inputs import encode
+    from kvviz.core.prompts import CAPITALS
+    from kvviz.views.greedy.run import GreedyConfig, run_greedy
+
+    lm = load_model("default", "bfloat16", "cpu")
+    g = run_greedy(lm, GreedyConfig(CAPITALS, max_new_tokens=24, paths=("no_cache", "cache")), prove=False)
+    a, b = g.paths["no_cache"].token_ids, g.paths["cache"].token_ids
+    k = next((t for t, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if k is None or k == 0:
+        pytest.skip("the no-cache and cached loops do not part within 24 tokens on this CPU")
+    prompt_ids = encode(lm, CAPITALS)
+    text = CAPITALS + lm.tokenizer.decode(a[:k])
+    assert encode(lm, text) == prompt_ids + a[:k]  # the text both loops saw, as the lens reads it
+    res = run_lens(lm, LensConfig(prompt=text, split=len(prompt_ids), mode="step"))
+    assert res.main.head_gap == 0 and res.verdict == "precision"
+    assert res.path_tokens["cached"] == b[1:k + 1] == res.main.cached["top1"][-1]
+    assert res.path_tokens["full"][-1] == a[k] == res.main.full["top1"][-1][-1]
+    # the paths part at the last position; the lens's own full path may part earlier: its full forward covers every
+    # token the loops saw, where the no-cache loop's step t saw only the first t (other shapes, other rounding)
+    assert res.path_tokens["full"][-1] != res.path_tokens["cached"][-1] and res.parting is not None
+    dec = res.decision
+    assert dec is not None and dec["layer"] in res.explanation and "decision depth" in res.explanation
+    j = res.compared.index(dec["position"])
+    for side in ("full", "cached"):
+        assert dec[side]["margin"] == getattr(res.main, side)["margin"][dec["row"]][j]
+    assert f"first part at position {part['position']}" in res.explanation

@@ -80,6 +80,12 @@ def test_in_bfloat16_where_the_paths_part_the_view_names_the_depth_and_margin():
     step - but whether it parts depends on the kernels' summation order, so no test asserts it.)"""
     lm, res = lens_of("tiny:llama", "bfloat16", **BUG)
     assert res.verdict == "logic" and res.float64 is not None and res.float64.dtype == "float64"
+    # the float64 rerun: only the last hidden state through the lens (the head a layer is the lens's cost), every
+    # hidden state's gap - the logic stays there from layer 1 on, far beyond rounding
+    f64 = res.float64
+    assert f64.lensed == "last" and set(np.array(f64.full["top1"])[:-1].ravel()) == {-1}
+    assert max(f64.hidden[1]) > 1e-3
+    assert "In float64 they still first differ at layer 1." in res.explanation
     dec = res.decision
     assert dec is not None
     f, c = np.array(res.main.full["top1"]), np.array(res.main.cached["top1"])

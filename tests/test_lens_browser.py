@@ -27,7 +27,7 @@ def test_the_lens_page_names_the_decision_depth_after_its_controls_are_pressed(s
         assert page.locator("h1", has_text="Logit lens").count() == 1
         assert page.get_by_text("Verdict:").count() >= 1
         page.get_by_text("Settings: prompt and controls").click()
-        pad = page.get_by_label("Left pad")
+        pad = page.get_by_role("spinbutton", name="Left pad")
         pad.fill("3")
         pad.press("Enter")
         wait_idle(page)
@@ -45,7 +45,7 @@ def test_the_lens_page_names_the_decision_depth_after_its_controls_are_pressed(s
         assert page.get_by_text("decision depth").count() >= 1
         page.screenshot(path=str(artifacts / "lens-padding-bug.png"), full_page=True)
         click_until(page, page.get_by_text("step", exact=True).first,
-                    lambda: page.get_by_label("step").is_checked())
+                    lambda: page.get_by_label("step", exact=True).is_checked())
         wait_idle(page)
         figures_drawn(page)
         no_exception(page)

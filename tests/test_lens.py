@@ -329,7 +329,8 @@ def test_on_the_default_model_the_lens_at_a_greedy_parting_step_shows_both_paths
     assert res.path_tokens["full"][-1] == a[k] == res.main.full["top1"][-1][-1]
     # the paths part at the last position; the lens's own full path may part earlier: its full forward covers every
     # token the loops saw, where the no-cache loop's step t saw only the first t (other shapes, other rounding)
-    assert res.path_tokens["full"][-1] != res.path_tokens["cached"][-1] and res.parting is not None
+    part = res.parting
+    assert res.path_tokens["full"][-1] != res.path_tokens["cached"][-1] and part is not None
     dec = res.decision
     assert dec is not None and dec["layer"] in res.explanation and "decision depth" in res.explanation
     j = res.compared.index(dec["position"])

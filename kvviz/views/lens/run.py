@@ -37,7 +37,7 @@ from ...core.dtypes import dtype_name
 from ...core.errors import KvvizError
 from ...core.execution import ExecSettings, Executor, RunInfo, has_cache
 from ...core.inputs import SplitConfig, build_inputs, cached_mask, check_split
-from ...core.metrics import logits_rows
+from ...core.metrics import LOGITS_CHUNK_BYTES, logits_rows
 from ...core.naming import layer_labels
 from ...core.prompts import CAPITALS
 from ...core.protocol import DEFAULT_CONTEXT, RunContext, no_progress
@@ -278,26 +278,37 @@ class _LensSink:
             if not normed and self.lensed != "every":
                 self.filled[i, cols] = True
                 return
-            lf, lc = self.lens(ref, normed), self.lens(got, normed)
-            for name, lg in (("f", lf), ("c", lc)):
-                t1, t2, m = _top2(lg)
-                self.out[f"{name}_top1"][i, cols] = t1.double().cpu()
-                self.out[f"{name}_top2"][i, cols] = t2.double().cpu()
-                self.out[f"{name}_margin"][i, cols] = m.cpu()
-            step = logits_rows(lf)
-            for a in range(0, lf.shape[0], step):  # a chunk of positions at a time in float64
-                r, g = lf[a:a + step].double(), lc[a:a + step].double()
-                lr, lgs = torch.log_softmax(r, -1), torch.log_softmax(g, -1)
-                c = slice(s + a, s + a + r.shape[0])
-                self.out["kl"][i, c] = (lr.exp() * (lr - lgs)).sum(-1).clamp_min(0.0).cpu()
-                self.out["max_abs"][i, c] = (g - r).abs().amax(-1).cpu()
-                self.out["ref_max"][i, c] = r.abs().amax(-1).cpu()
-                del r, g, lr, lgs
+            # the float64 verdict rerun (lensed "last"): the lens a chunk of rows at a time ([rows, vocab] float64
+            # of both paths and argmax's copy, not [compared, vocab] each); the run's own lens in one block (its
+            # head over the very rows the repro script takes)
+            width = getattr(self.lens.head, "out_features", None) or 1
+            block = ref.shape[0] if self.lensed == "every" else max(1, LOGITS_CHUNK_BYTES // (8 * width))
+            for b in range(0, ref.shape[0], block):
+                self._reduce(i, ref[b:b + block], got[b:b + block], s + b, normed)
             self.filled[i, cols] = True
-            if normed:
-                self.last_rows["full"].append(lf.argmax(-1).cpu())
-                self.last_rows["cached"].append(lc.argmax(-1).cpu())
         return sink
+
+    def _reduce(self, i: int, ref: torch.Tensor, got: torch.Tensor, s: int, normed: bool) -> None:
+        """Rows s.. of hidden state i of both paths through the lens, reduced to top-2, margins, KL and gaps."""
+        cols = slice(s, s + ref.shape[0])
+        lf, lc = self.lens(ref, normed), self.lens(got, normed)
+        for name, lg in (("f", lf), ("c", lc)):
+            t1, t2, m = _top2(lg)
+            self.out[f"{name}_top1"][i, cols] = t1.double().cpu()
+            self.out[f"{name}_top2"][i, cols] = t2.double().cpu()
+            self.out[f"{name}_margin"][i, cols] = m.cpu()
+        step = logits_rows(lf)
+        for a in range(0, lf.shape[0], step):  # a chunk of positions at a time in float64
+            r, g = lf[a:a + step].double(), lc[a:a + step].double()
+            lr, lgs = torch.log_softmax(r, -1), torch.log_softmax(g, -1)
+            c = slice(s + a, s + a + r.shape[0])
+            self.out["kl"][i, c] = (lr.exp() * (lr - lgs)).sum(-1).clamp_min(0.0).cpu()
+            self.out["max_abs"][i, c] = (g - r).abs().amax(-1).cpu()
+            self.out["ref_max"][i, c] = r.abs().amax(-1).cpu()
+            del r, g, lr, lgs
+        if normed:
+            self.last_rows["full"].append(lf.argmax(-1).cpu())
+            self.last_rows["cached"].append(lc.argmax(-1).cpu())
 
     def stepping(self, select):
         j, last = -1, None

@@ -22,7 +22,7 @@ class _Records(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-@pytest.mark.parametrize("preset", ["tie", "padding", "proof"])
+@pytest.mark.parametrize("preset", ["tie", "padding", "proof", "lens_padding"])
 def test_a_scenario_opens_without_the_widget_state_warning(monkeypatch, preset):
     from streamlit.elements.lib import policies
 

@@ -80,6 +80,12 @@ def test_in_bfloat16_where_the_paths_part_the_view_names_the_depth_and_margin():
     step - but whether it parts depends on the kernels' summation order, so no test asserts it.)"""
     lm, res = lens_of("tiny:llama", "bfloat16", **BUG)
     assert res.verdict == "logic" and res.float64 is not None and res.float64.dtype == "float64"
+    # the float64 rerun: only the last hidden state through the lens (the head a layer is the lens's cost), every
+    # hidden state's gap - the logic stays there from layer 1 on, far beyond rounding
+    f64 = res.float64
+    assert f64.lensed == "last" and set(np.array(f64.full["top1"])[:-1].ravel()) == {-1}
+    assert max(f64.hidden[1]) > 1e-3
+    assert "In float64 they still first differ at layer 1." in res.explanation
     dec = res.decision
     assert dec is not None
     f, c = np.array(res.main.full["top1"]), np.array(res.main.cached["top1"])
@@ -202,3 +208,132 @@ def test_the_page_runs_and_every_control_is_pressed():
     assert any("Verdict: logic" in e.value for e in list(at.info) + list(at.error) + list(at.warning))
     at.number_input(key="lens_split").set_value(0).run()
     assert not at.exception and any("split 0 is outside the prompt" in e.value for e in at.error)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("dtype, threads, kw", [("bfloat16", 1, dict(BUG, mode="step")), ("float64", 2, BUG),
+                                                ("float32", 1, dict())])
+def test_the_repro_script_reproduces_the_largest_lens_gap_bit_for_bit(dtype, threads, kw, tmp_path):
+    """The lens's standalone script (torch + transformers only) makes kvviz's calls - the prefix forward, the full
+    forward's hidden states, the rest through the cache (chunk or step) - and puts each hidden state of both paths
+    through the final norm and head on the same rows: its last line is the result's largest |Δ lens logit| exactly,
+    run with the other thread count and other CPU kernels asked in its environment."""
+    import subprocess
+    import sys
+
+    from kvviz.io.repro import key_figure, repro_script
+    from test_export import numerics_line, other_caller_env, torch_threads
+
+    with torch_threads(threads):
+        lm, res = lens_of("tiny:llama", dtype, **kw)
+        text = repro_script(res, lm, "lens_repro.py")
+    assert "import kvviz" not in text and "from kvviz" not in text
+    (tmp_path / "lens_repro.py").write_text(text)
+    out = subprocess.run([sys.executable, "lens_repro.py"], capture_output=True, text=True, timeout=300,
+                         env=other_caller_env(threads), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-800:]
+    assert numerics_line(threads) in out.stdout and "note:" not in out.stdout
+    assert out.stdout.strip().splitlines()[-1] == f"max |Δ logits| = {key_figure(res)!r}"
+    depth = res.decision["row"] if res.decision else None
+    assert f"decision depth (first hidden state where the lens top-1 differ): {depth} " in out.stdout
+    if kw:  # the left-padding bug: a logic gap, far from zero in any dtype
+        assert key_figure(res) > 1e-2
+
+
+def test_the_repro_refuses_what_it_cannot_rebuild():
+    from kvviz.core.errors import KvvizError
+    from kvviz.core.execution import ExecSettings
+    from kvviz.io.export import export_json, open_result
+    from kvviz.io.repro import repro_script
+
+    lm = load_model("tiny:llama", "float32", "cpu")
+    res = run_lens(lm, LensConfig(prompt=PROMPT, split=5), settings=ExecSettings(invariant=True))
+    with pytest.raises(KvvizError, match="invariant"):
+        repro_script(res, lm)
+    with pytest.raises(KvvizError, match="invariant"):  # reopened from its JSON: the settings a dict
+        repro_script(open_result(export_json(res)).result, lm)
+
+
+def test_the_meeting_scenario_prepares_with_its_effect(tmp_path):
+    """The view's one-click scenario (its entry's `scenarios`, listed on Home): Prepare the meeting runs it through
+    the view's run with its controls as the config's fields; reopened from its JSON, it names the decision depth
+    (layer 1: the left-padding bug, logic on any machine) and the head that moved."""
+    from kvviz import views
+    from kvviz.io.export import open_result
+    from kvviz.teach.meeting import prepare, prepared
+    from kvviz.teach.presets import by_key
+
+    p = by_key()["lens_padding"]
+    assert p in views.get("lens").scenarios and p.page == "pages/lens.py"
+    prepare(["lens_padding"], tmp_path)
+    [(title, path)] = prepared(tmp_path)
+    opened = open_result(path.read_bytes())
+    r = opened.result
+    assert title == p.title and opened.view == "lens" and r.verdict == "logic"
+    assert (r.settings["left_pad"], r.settings["position_ids"], r.settings["split"]) == (3, "omit", 5)
+    assert r.settings["dtype"] == "bfloat16" and r.decision["layer"] == "layer 1"
+    assert "decision depth" in r.explanation and most_moved(r)["max_dp"] > 1e-2
+    assert "<section" in (tmp_path / "meeting.html").read_text()
+
+
+def test_where_the_paths_own_tokens_part_the_verdict_says_from_which_layer():
+    """The left-padding bug in float64: the paths' own next tokens part at some position; the view names it, both
+    tokens with their margins, and the layer from which the lens top-1 differ at every later layer there."""
+    lm, res = lens_of("tiny:llama", "float64", **BUG)
+    part = res.parting
+    j = next(k for k, (a, b) in enumerate(zip(res.path_tokens["full"], res.path_tokens["cached"])) if a != b)
+    assert part["position"] == res.compared[j]
+    f, c = np.array(res.main.full["top1"])[:, j], np.array(res.main.cached["top1"])[:, j]
+    r = part["from_row"]
+    assert (f[r:] != c[r:]).all() and (r == 0 or f[r - 1] == c[r - 1])
+    assert part["full"]["token"] == res.token(res.path_tokens["full"][j]) != part["cached"]["token"]
+    assert part["cached"]["margin"] == res.main.cached["margin"][-1][j]
+    assert f"first part at position {part['position']}" in res.explanation
+    assert f"differ from {part['from_layer']} on" in res.explanation
+    _, same = lens_of("tiny:llama", "float64")
+    assert same.parting is None and "part at" not in same.explanation
+
+
+@pytest.mark.slow
+def test_on_the_default_model_the_lens_at_a_greedy_parting_step_shows_both_paths_tokens():
+    """The default model (SmolLM2-135M) in bfloat16: Greedy paths decodes the prompt with and without the cache; if
+    they part (on the machine this was written on, CAPITALS parts at step 20: no cache ' the' in an exact tie with
+    ' it', the cache ' it' by 0.125 - see docs/views.md), the lens of the tokens both loops saw, the prompt cached and
+    the rest token by token, names the decision depth with both margins there, and where the paths' own tokens part.
+
+    What holds on any CPU, and is asserted: the lens's cached path makes the greedy cached loop's very calls (the
+    prompt's prefill, then one token a forward), so its last-layer top-1 are that loop's tokens at every step; the
+    lens's full forward is the no-cache loop's forward at the parting step, so the paths part at the last position
+    (at earlier positions that full forward is not the loop's: the loop's step t saw t tokens, the lens's forward all
+    of them - in bfloat16 another shape may round a near tie otherwise, and did here at an earlier position).
+    Why slow, not a tier test: whether and where the loops part is a near tie decided by the CPU's bfloat16 kernels
+    (another CPU may not part within 24 tokens: skipped there), and the full path's token at the parting step is
+    read through the head over the compared rows where the loop's head saw every row - equal here, but a head over
+    another number of rows may round one tie differently on another CPU's kernels."""
+    from kvviz.core.inputs import encode
+    from kvviz.core.prompts import CAPITALS
+    from kvviz.views.greedy.run import GreedyConfig, run_greedy
+
+    lm = load_model("default", "bfloat16", "cpu")
+    g = run_greedy(lm, GreedyConfig(CAPITALS, max_new_tokens=24, paths=("no_cache", "cache")), prove=False)
+    a, b = g.paths["no_cache"].token_ids, g.paths["cache"].token_ids
+    k = next((t for t, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if k is None or k == 0:
+        pytest.skip("the no-cache and cached loops do not part within 24 tokens on this CPU")
+    prompt_ids = encode(lm, CAPITALS)
+    text = CAPITALS + lm.tokenizer.decode(a[:k])
+    assert encode(lm, text) == prompt_ids + a[:k]  # the text both loops saw, as the lens reads it
+    res = run_lens(lm, LensConfig(prompt=text, split=len(prompt_ids), mode="step"))
+    assert res.main.head_gap == 0 and res.verdict == "precision"
+    assert res.path_tokens["cached"] == b[1:k + 1] == res.main.cached["top1"][-1]
+    assert res.path_tokens["full"][-1] == a[k] == res.main.full["top1"][-1][-1]
+    # the paths part at the last position; the lens's own full path may part earlier: its full forward covers every
+    # token the loops saw, where the no-cache loop's step t saw only the first t (other shapes, other rounding)
+    part = res.parting
+    assert res.path_tokens["full"][-1] != res.path_tokens["cached"][-1] and part is not None
+    dec = res.decision
+    assert dec is not None and dec["layer"] in res.explanation and "decision depth" in res.explanation
+    j = res.compared.index(dec["position"])
+    for side in ("full", "cached"):
+        assert dec[side]["margin"] == getattr(res.main, side)["margin"][dec["row"]][j]
+    assert f"first part at position {part['position']}" in res.explanation

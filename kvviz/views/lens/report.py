@@ -12,7 +12,7 @@ def _paths(d: dict | None) -> LensPaths | None:
 
 def reopen(d: dict) -> LensResult:
     names = {f.name for f in fields(LensResult)}
-    kw = {k: v for k, v in d.items() if k in names}  # `decision` is derived
+    kw = {k: v for k, v in d.items() if k in names}  # `decision`, `parting` are derived
     same = kw.get("float64") is not None and kw["float64"] == kw["main"]
     kw["main"] = _paths(kw["main"])
     kw["float64"] = kw["main"] if same else _paths(kw.get("float64"))

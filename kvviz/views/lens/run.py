@@ -16,8 +16,10 @@ weight to. Eager attention's probabilities are read as its softmax returns them;
 (float64) from the very query, keys and mask the kernel is given - an observer: the kernel's own result is returned
 unchanged.
 
-Verdict: `identical` (every layer's hidden state bit for bit), else the same scenario in float64 (the lens logits'
-relative gap): `precision` where it closes, `logic` where it stays (kvviz.core.verdict.classify).
+Verdict: `identical` (every layer's hidden state bit for bit), else the same scenario in float64 (every hidden state's
+relative gap and the final logits'): `precision` where it closes, `logic` where it stays (kvviz.core.verdict.classify).
+The float64 rerun puts only the last hidden state through the lens: the head over every layer is most of the lens's
+cost (the head is a fifth of SmolLM2-135M's weights, run once a layer a path), and the verdict needs none of it.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ from ...core.dtypes import dtype_name
 from ...core.errors import KvvizError
 from ...core.execution import ExecSettings, Executor, RunInfo, has_cache
 from ...core.inputs import SplitConfig, build_inputs, cached_mask, check_split
-from ...core.metrics import logits_rows
+from ...core.metrics import LOGITS_CHUNK_BYTES, logits_rows
 from ...core.naming import layer_labels
 from ...core.prompts import CAPITALS
 from ...core.protocol import DEFAULT_CONTEXT, RunContext, no_progress
@@ -96,6 +98,9 @@ class LensPaths:
     max_abs: float  # the largest |Δ lens logit|
     head_gap: float  # (path, position) pairs where the last hidden state's lens top-1 is not the model's own next
     # token (argmax of its logits): 0 expected (the lens is the model's own final norm and head)
+    lensed: str = "every"  # "every" hidden state through the lens; "last": only the last one (the float64 verdict
+    # run: the head over every layer is most of the lens's cost, and the verdict needs the hidden states' gap and the
+    # final logits' only); the other rows' top1/top2 are -1, their KL and lens gaps 0
 
     @property
     def max_relative(self) -> float:
@@ -105,6 +110,8 @@ class LensPaths:
         """(hidden-state row, position index) of the first layer where the two top-1 differ (the leftmost position
         of that layer); None where they agree at every layer."""
         differ = np.array(self.full["top1"]) != np.array(self.cached["top1"])
+        if self.lensed == "last":
+            differ[:-1] = False
         rows = np.nonzero(differ.any(axis=1))[0]
         if not len(rows):
             return None
@@ -150,9 +157,31 @@ class LensResult:
                          "margin": float(p["margin"][r][j])}
         return out
 
+    @property
+    def parting(self) -> dict | None:
+        """Where the two paths' own next tokens (each path's logits' argmax) first differ: the position, both tokens
+        with their last-layer margins, and the layer from which the two lens top-1 differ at every later layer of
+        that position (`from_row`, `from_layer`). None where the paths predict the same tokens."""
+        f_tok, c_tok = self.path_tokens["full"], self.path_tokens["cached"]
+        j = next((k for k, (a, b) in enumerate(zip(f_tok, c_tok)) if a != b), None)
+        if j is None:
+            return None
+        f, c = np.array(self.main.full["top1"])[:, j], np.array(self.main.cached["top1"])[:, j]
+        r = len(f)
+        while r > 0 and f[r - 1] != c[r - 1]:
+            r -= 1
+        out = {"position": self.compared[j], "at": self.tokens[self.compared[j]], "from_row": r,
+               "from_layer": self.layer_labels[r] if r < len(f) else None}  # None: the last layer's lens agrees (head_gap)
+        for side, tok in (("full", f_tok[j]), ("cached", c_tok[j])):
+            p = getattr(self.main, side)
+            out[side] = {"token": self.token(tok), "top2": self.token(p["top2"][-1][j]),
+                         "margin": float(p["margin"][-1][j])}
+        return out
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["decision"] = self.decision
+        d["parting"] = self.parting
         return d
 
 
@@ -216,12 +245,15 @@ class _LensSink:
     """The cached path's sink: each hidden state, as it comes, against the held full forward's same rows, through
     the lens; only the reduced [hidden states, positions] numbers are kept."""
 
-    def __init__(self, lens: Lens, held: HeldRows, n: int):
-        self.lens, self.held, self.n = lens, held, n
+    def __init__(self, lens: Lens, held: HeldRows, n: int, lensed: str = "every"):
+        self.lens, self.held, self.n, self.lensed = lens, held, n, lensed
         self.L = len(held)
         self.out = {k: torch.zeros(self.L, n, dtype=torch.float64) for k in
                     ("f_top1", "f_top2", "f_margin", "c_top1", "c_top2", "c_margin", "kl", "max_abs", "ref_max",
                      "h_abs", "h_max")}
+        if lensed != "every":
+            for k in ("f_top1", "f_top2", "c_top1", "c_top2"):
+                self.out[k].fill_(-1)
         self.filled = torch.zeros(self.L, n, dtype=torch.bool)
         self.bitwise = True
         self.last_rows: dict[str, list] = {"full": [], "cached": []}  # the last layer's lens top-1 per forward
@@ -243,26 +275,40 @@ class _LensSink:
             self.out["h_abs"][i, cols] = (got.double() - ref.double()).abs().amax(-1).cpu()
             self.out["h_max"][i, cols] = ref.double().abs().amax(-1).cpu()
             normed = i == self.L - 1  # transformers' last hidden state is after the final norm
-            lf, lc = self.lens(ref, normed), self.lens(got, normed)
-            for name, lg in (("f", lf), ("c", lc)):
-                t1, t2, m = _top2(lg)
-                self.out[f"{name}_top1"][i, cols] = t1.double().cpu()
-                self.out[f"{name}_top2"][i, cols] = t2.double().cpu()
-                self.out[f"{name}_margin"][i, cols] = m.cpu()
-            step = logits_rows(lf)
-            for a in range(0, lf.shape[0], step):  # a chunk of positions at a time in float64
-                r, g = lf[a:a + step].double(), lc[a:a + step].double()
-                lr, lgs = torch.log_softmax(r, -1), torch.log_softmax(g, -1)
-                c = slice(s + a, s + a + r.shape[0])
-                self.out["kl"][i, c] = (lr.exp() * (lr - lgs)).sum(-1).clamp_min(0.0).cpu()
-                self.out["max_abs"][i, c] = (g - r).abs().amax(-1).cpu()
-                self.out["ref_max"][i, c] = r.abs().amax(-1).cpu()
-                del r, g, lr, lgs
+            if not normed and self.lensed != "every":
+                self.filled[i, cols] = True
+                return
+            # the float64 verdict rerun (lensed "last"): the lens a chunk of rows at a time ([rows, vocab] float64
+            # of both paths and argmax's copy, not [compared, vocab] each); the run's own lens in one block (its
+            # head over the very rows the repro script takes)
+            width = getattr(self.lens.head, "out_features", None) or 1
+            block = ref.shape[0] if self.lensed == "every" else max(1, LOGITS_CHUNK_BYTES // (8 * width))
+            for b in range(0, ref.shape[0], block):
+                self._reduce(i, ref[b:b + block], got[b:b + block], s + b, normed)
             self.filled[i, cols] = True
-            if normed:
-                self.last_rows["full"].append(lf.argmax(-1).cpu())
-                self.last_rows["cached"].append(lc.argmax(-1).cpu())
         return sink
+
+    def _reduce(self, i: int, ref: torch.Tensor, got: torch.Tensor, s: int, normed: bool) -> None:
+        """Rows s.. of hidden state i of both paths through the lens, reduced to top-2, margins, KL and gaps."""
+        cols = slice(s, s + ref.shape[0])
+        lf, lc = self.lens(ref, normed), self.lens(got, normed)
+        for name, lg in (("f", lf), ("c", lc)):
+            t1, t2, m = _top2(lg)
+            self.out[f"{name}_top1"][i, cols] = t1.double().cpu()
+            self.out[f"{name}_top2"][i, cols] = t2.double().cpu()
+            self.out[f"{name}_margin"][i, cols] = m.cpu()
+        step = logits_rows(lf)
+        for a in range(0, lf.shape[0], step):  # a chunk of positions at a time in float64
+            r, g = lf[a:a + step].double(), lc[a:a + step].double()
+            lr, lgs = torch.log_softmax(r, -1), torch.log_softmax(g, -1)
+            c = slice(s + a, s + a + r.shape[0])
+            self.out["kl"][i, c] = (lr.exp() * (lr - lgs)).sum(-1).clamp_min(0.0).cpu()
+            self.out["max_abs"][i, c] = (g - r).abs().amax(-1).cpu()
+            self.out["ref_max"][i, c] = r.abs().amax(-1).cpu()
+            del r, g, lr, lgs
+        if normed:
+            self.last_rows["full"].append(lf.argmax(-1).cpu())
+            self.last_rows["cached"].append(lc.argmax(-1).cpu())
 
     def stepping(self, select):
         j, last = -1, None
@@ -287,7 +333,7 @@ class _LensSink:
         return LensPaths(dtype, {"top1": ids(o["f_top1"]), "top2": ids(o["f_top2"]), "margin": o["f_margin"].tolist()},
                          {"top1": ids(o["c_top1"]), "top2": ids(o["c_top2"]), "margin": o["c_margin"].tolist()},
                          o["kl"].tolist(), rel.tolist(), hidden.tolist(), self.bitwise, float(o["max_abs"].max()),
-                         head_gap)
+                         head_gap, self.lensed)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -376,7 +422,7 @@ def _attention_moved(full: list, cached: list, a0: int, n_rest: int, pad: int, t
 # The run
 
 
-def _run(lm, cfg: SplitConfig, settings: ExecSettings, progress, attention: bool):
+def _run(lm, cfg: SplitConfig, settings: ExecSettings, progress, attention: bool, lensed: str = "every"):
     inp = build_inputs(lm, cfg.prompt, cfg.left_pad)
     check_split(inp.n_tokens, cfg.split)
     a0 = inp.pad + cfg.split
@@ -400,10 +446,9 @@ def _run(lm, cfg: SplitConfig, settings: ExecSettings, progress, attention: bool
             full = ex.forward(inp.ids, inp.mask, inp.positions, use_cache=False, hidden=held, logits_to_keep=keep)
         rows_f = watch.rows if watch is not None else []
         kinds = set(watch.kinds) if watch is not None else set()
-        full_logits = full.logits[0, -n:]
-        full_tok = full_logits.argmax(-1).cpu()
-        del full
-        sink = _LensSink(lens, held, n)
+        full_tok = full.logits[0, -n:].argmax(-1).cpu()
+        del full  # its logits [n, vocab] freed before the cached path (a view of them kept them alive)
+        sink = _LensSink(lens, held, n, lensed)
         rest = inp.ids[:, a0:]
         mask_of = (lambda s, e: cached_mask(cfg.attention_mask, inp, a0 + s, a0 + e))
         positions_of = (lambda s, e: inp.positions[:, a0 + s:a0 + e]) if cfg.position_ids == "auto" else None
@@ -456,7 +501,7 @@ def run_lens(lm, cfg: LensConfig, progress=None, settings: ExecSettings | None =
             progress(0.5, "float64: the same scenario for the verdict…")
             ref = reference or lm.reference()
             _, f64, _, _, _ = _run(ref, sc, settings.with_(compile="off"),
-                                   lambda f, m: progress(0.5 + 0.5 * f, f"float64: {m}"), False)
+                                   lambda f, m: progress(0.5 + 0.5 * f, f"float64: {m}"), False, lensed="last")
     if main.head_gap:
         notes.append(f"The lens of the last hidden state gave another top-1 than the model's own logits at "
                      f"{int(main.head_gap)} (path, position) pairs: this model's head does more than final norm + "
@@ -466,7 +511,7 @@ def run_lens(lm, cfg: LensConfig, progress=None, settings: ExecSettings | None =
         if p is not None:
             for side in (p.full, p.cached):
                 for k in ("top1", "top2"):
-                    vocab_ids.update(int(i) for row in side[k] for i in row)
+                    vocab_ids.update(int(i) for row in side[k] for i in row if i >= 0)
     vocab_ids.update(path_tokens["full"] + path_tokens["cached"])
     vocab = {str(i): display_text(lm.tokenizer, [i]) for i in sorted(vocab_ids)}
     attention = {"position": sc.split, "token": inp.token_texts[sc.split], "kernels": kinds}
@@ -507,10 +552,15 @@ def verdict_for(res: LensResult) -> tuple[str, str]:
     if main.bitwise:
         return Verdict.IDENTICAL.value, ("Identical, bit for bit: every layer's hidden state of the cached path is "
                                          "the full forward's, so the lens agrees at every layer and position.")
-    gap64 = f64.max_relative if f64 is not None else None
+    # float64: every hidden state's relative gap and the lens logits' (every layer's where the run was float64, the
+    # final logits' in the float64 rerun)
+    gap64 = max(f64.max_relative, float(np.max(f64.hidden)) if len(f64.hidden) else 0.0) if f64 is not None else None
     v = classify(False, gap64)
     dec = res.decision
-    d64 = f64.depth() if f64 is not None else None
+    d64 = None
+    if f64 is not None:
+        beyond = np.nonzero((np.array(f64.hidden) > FLOAT64_CLOSED_REL).any(axis=1))[0] if len(f64.hidden) else []
+        d64 = (int(beyond[0]), 0) if len(beyond) else f64.depth()
     if dec is None:
         where = (f"the two paths' lens top-1 agree at every layer and position (largest KL "
                  f"{max(max(r) for r in main.kl):.3g})")
@@ -522,18 +572,29 @@ def verdict_for(res: LensResult) -> tuple[str, str]:
             return f"'{p['top1']}' by {p['margin']:.3g} over '{p['top2']}'"
         where = (f"the two paths' top-1 first differ at {dec['layer']} (decision depth), position {dec['position']} "
                  f"('{dec['at']}'): the full forward's lens says {says(f)}, the cached path's {says(c)}")
+    part = res.parting
+    if part is not None:
+        pf, pc = part["full"], part["cached"]
+
+        def own(p: dict) -> str:
+            how = f"tied with '{p['top2']}'" if p["margin"] == 0 else f"by {p['margin']:.3g} over '{p['top2']}'"
+            return f"'{p['token']}' ({how})"
+        where += (f". The paths' own next tokens first part at position {part['position']} ('{part['at']}'): the "
+                  f"full forward {own(pf)}, the cached path {own(pc)}" + (
+                      f"; there the lens top-1 differ from {part['from_layer']} on" if part["from_layer"] else ""))
     moved = most_moved(res)
     head = (f" At the first cached position the attention of layer {moved['layer']} head {moved['head']} moved most "
             f"(max |Δp| {moved['max_dp']:.3g}, most towards '{moved['to_token']}')." if moved else "")
     if v == Verdict.PRECISION:
-        return v.value, (f"Precision: in {main.dtype} {where}. Rerun in float64 the lens logits differ by at most "
-                         f"{gap64:.3g} of their size (≤ {FLOAT64_CLOSED_REL:g}): rounding, not a bug." + head)
+        return v.value, (f"Precision: in {main.dtype} {where}. Rerun in float64 the hidden states and the "
+                         f"logits differ by at most {gap64:.3g} of their size (≤ {FLOAT64_CLOSED_REL:g}): rounding, "
+                         "not a bug." + head)
     if d64 is not None and f64 is not main:
         again = f" In float64 they still first differ at {res.layer_labels[d64[0]]}."
     else:
         again = ""
-    return v.value, (f"Logic: in {main.dtype} {where}; the lens logits still differ by {gap64:.3g} of their size in "
-                     f"float64, where rounding could explain at most ~1e-12.{again}" + head)
+    return v.value, (f"Logic: in {main.dtype} {where}; the hidden states and the logits still differ by {gap64:.3g} "
+                     f"of their size in float64, where rounding could explain at most ~1e-12.{again}" + head)
 
 
 def run(lm, config: LensConfig, ctx: RunContext = DEFAULT_CONTEXT) -> LensResult:

@@ -477,6 +477,11 @@ class _Float64:
             self._ex = Executor(lm64, self.settings, max_len=self.inp.total + self.cfg.max_new_tokens)
         return self._ex
 
+    @property
+    def built(self) -> bool:
+        """Was the float64 side ever needed (its model loaded)?"""
+        return self._ex is not None
+
 
 def _decode_paths(lm: LoadedModel, cfg: GreedyConfig, settings: ExecSettings, inp: PromptInputs, f64: _Float64,
                   progress: Progress) -> dict[str, PathRun]:
@@ -610,7 +615,7 @@ def run_greedy(lm: LoadedModel, cfg: GreedyConfig, progress: Progress | None = N
     return GreedyResult(settings=GreedySettings.of(cfg, RunInfo.of(lm, settings)), model=lm.summary(),
                         prompt_tokens=inp.token_texts, layer_labels=layer_labels(runs[names[0]].hidden.shape[1]),
                         paths=_path_results(lm, runs, names), pairs=pairs, notes=_notes(lm, cfg, runs),
-                        elapsed_s=time.perf_counter() - t_start, proof_s=proof_s, reference_ran=f64._ex is not None)
+                        elapsed_s=time.perf_counter() - t_start, proof_s=proof_s, reference_ran=f64.built)
 
 
 def run(lm: LoadedModel, config: GreedyConfig, ctx: RunContext = DEFAULT_CONTEXT) -> GreedyResult:

@@ -2,19 +2,7 @@
 depend on rounding). A preset is the sidebar model and dtype, the page, and that page's controls."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-
-@dataclass(frozen=True)
-class Preset:
-    key: str
-    title: str
-    what: str
-    page: str
-    model: str
-    dtype: str
-    controls: dict = field(default_factory=dict)
-    invariant: bool = False
+from ..views import Preset  # noqa: F401 - the scenario type lives beside View (a view's entry declares its own)
 
 
 PRESETS = (

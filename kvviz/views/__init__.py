@@ -19,7 +19,7 @@ A view is a scenario kvviz can run and show (split, greedy, …). Its folder hol
                       a preset's controls are the config's fields
 A view with a Page entry and no page script pages/<folder>.py gets the generic page (pages/view.py: its config's
 fields as controls, its run through the protocol, its verdict, figures, tables and downloads); its own one-click
-scenarios go in its entry (`scenarios`: kvviz.teach.presets.Preset), listed on Home and run by Prepare the meeting.
+scenarios go in its entry (`scenarios`: kvviz.views.Preset, also kvviz.teach.presets.Preset), listed on Home and run by Prepare the meeting.
 tests/test_toy_view.py adds a view that way, in a temporary package, with no other edit. (A link to its page opened
 as a fresh server's first request needs pages/<folder>.py running the generic page: docs/example_view/pages/.)
 
@@ -73,6 +73,21 @@ VIEW_FOLDERS = [
     "engine_layers",
     "lens",
 ]
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A one-click scenario for teaching (kvviz.teach.presets): the sidebar's model and dtype, the page, and that
+    page's controls. Defined here so that a view's entry can declare its own (View(scenarios=...)) without importing
+    teach, which sits above the views."""
+    key: str
+    title: str
+    what: str
+    page: str
+    model: str
+    dtype: str
+    controls: dict = field(default_factory=dict)
+    invariant: bool = False
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,8 @@ This folder is the whole view: run.py (config, run, result), figures.py, report.
 (its standalone script). Registered by
 one line in kvviz/views/__init__.py; its subcommand (`python -m kvviz lens`) and page (the generic one) come from
 its config."""
-from .. import MemoryProfile, Page, View
+from .. import MemoryProfile, Page, Preset, View
 from ...core.prompts import CAPITALS
-from ...teach.presets import Preset
 from .run import LensConfig, LensResult, run_lens  # noqa: F401  (the view's library API)
 
 # memory: the split's working set - the full forward's compared rows held per layer, two paths' compared rows of one

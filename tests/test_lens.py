@@ -337,3 +337,43 @@ def test_on_the_default_model_the_lens_at_a_greedy_parting_step_shows_both_paths
     for side in ("full", "cached"):
         assert dec[side]["margin"] == getattr(res.main, side)["margin"][dec["row"]][j]
     assert f"first part at position {part['position']}" in res.explanation
+
+
+def test_top2_from_one_topk_pass_is_argmax_with_its_tie_rule():
+    """_top2 (one topk pass; rows with a tie among their three best go through _top2_slow) gives the very ids and
+    margins of argmax, the runner-up by argmax over the rest (lowest id of a tie), in float64."""
+    from kvviz.views.lens.run import _top2, _top2_slow
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(6, 64, generator=g) * 4).to(torch.bfloat16)  # bfloat16: ties are common enough
+    x[0, [3, 40]] = 50.0  # a tie for the top: ids 3 and 40, margin 0
+    x[1, 7], x[1, [20, 9]] = 60.0, 55.0  # a tie for the runner-up: 9 (the lower id) over 20
+    x[2, 5] = float("nan")  # argmax takes a NaN as the maximum
+    x[3, [10, 11, 12]] = 70.0  # a three-way tie
+    for name, t in (("ids 1", 0), ("ids 2", 1)):
+        assert torch.equal(_top2(x)[t], _top2_slow(x)[t]), name
+    assert torch.allclose(_top2(x)[2], _top2_slow(x)[2], rtol=0, atol=0, equal_nan=True)  # NaN's row: NaN
+    t1, t2, m = _top2(x)
+    assert t1[:4].tolist() == [3, 7, 5, 10] and t2[0] == 40 and t2[1] == 9 and t2[3] == 11
+    assert m[0] == 0.0 and m[1] == 5.0 and m[3] == 0.0
+    assert torch.equal(t1, x.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_max_abs_from_a_float32_pass_is_float64s_bit_for_bit(dtype):
+    """The lens's max |Δ lens logit| per row from a float32 pass and float64 only at its candidates: the very
+    float64 number (the repro script's), also where float32's difference rounds (float32 inputs far apart in
+    exponent) and where a row has an infinity or a NaN."""
+    from kvviz.views.lens.run import _max_abs_exact
+
+    g = torch.Generator().manual_seed(1)
+    a = (torch.randn(5, 300, generator=g) * 8).to(dtype)
+    b = (a.float() + torch.randn(5, 300, generator=g) * 0.1).to(dtype)
+    a[0, 17], b[0, 17] = 1.0 + 2.0 ** -7, -(2.0 ** 20) * (1 + 2.0 ** -7)  # float32 rounds 2^20 (1+2^-7) + 1 + 2^-7
+    a[1, 2], b[1, 2] = 3.0, float("inf")
+    b[2, 9] = float("nan")
+    want = (b.double() - a.double()).abs().amax(-1)
+    got = _max_abs_exact(a, b)
+    assert torch.equal(got[[0, 3, 4]], want[[0, 3, 4]])
+    assert got[0] == 2.0 ** 20 * (1 + 2.0 ** -7) + 1 + 2.0 ** -7
+    assert got[1] == float("inf") and torch.isnan(got[2])

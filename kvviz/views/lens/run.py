@@ -227,7 +227,7 @@ class Lens:
         return logits
 
 
-def _top2(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _top2_slow(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Top-1 as argmax takes it (the lowest id of a tie: the token the path itself would pick; topk may order a tie
     otherwise), the runner-up (the best of the rest: a tie's next id, margin 0) and the margin between them."""
     t1 = logits.argmax(-1, keepdim=True)
@@ -239,6 +239,49 @@ def _top2(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     v2 = logits.gather(-1, t2)
     del rest
     return t1[..., 0], t2[..., 0], (v1.double() - v2.double())[..., 0]
+
+
+def _top2(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """_top2_slow's numbers from one topk(3) pass: where a row's three best values are strictly ordered, the top-1
+    and the runner-up are unique, so topk's ids are argmax's; rows with a tie among them (or a NaN) go through
+    _top2_slow (its lowest-id tie rule)."""
+    if logits.dim() != 2 or logits.shape[-1] < 4:
+        return _top2_slow(logits)
+    v, t = logits.topk(3, -1)
+    clear = (v[:, 0] > v[:, 1]) & (v[:, 1] > v[:, 2])
+    t1, t2 = t[:, 0].clone(), t[:, 1].clone()
+    margin = v[:, 0].double() - v[:, 1].double()
+    if not bool(clear.all()):
+        tie = torch.nonzero(~clear)[:, 0]
+        a, b, m = _top2_slow(logits[tie])
+        t1[tie], t2[tie], margin[tie] = a, b, m
+    return t1, t2, margin
+
+
+def _max_abs_exact(lf: torch.Tensor, lc: torch.Tensor) -> torch.Tensor:
+    """Per row, max |lc - lf| exactly as float64 computes it (the repro script's number, bit for bit), from a
+    float32 pass: float32's |Δ| of each element is within a relative 2^-24 of the exact one (one rounding: both
+    inputs are exact in float32), so the exact maximum is among the elements within 2^-22 of float32's maximum;
+    those few are recomputed in float64. Rows whose float32 maximum is not finite: float64 whole."""
+    d = (lc.float() - lf.float()).abs_()
+    m = d.amax(-1)
+    out = torch.zeros(lf.shape[0], dtype=torch.float64, device=lf.device)
+    fin = torch.isfinite(m)
+    cand = (d >= (m * (1 - 2.0 ** -22)).unsqueeze(-1)) & fin.unsqueeze(-1)
+    del d
+    r, c = torch.nonzero(cand, as_tuple=True)
+    exact = (lc[r, c].double() - lf[r, c].double()).abs()
+    out.scatter_reduce_(0, r, exact, "amax", include_self=True)
+    if not bool(fin.all()):
+        bad = torch.nonzero(~fin)[:, 0]
+        out[bad] = (lc[bad].double() - lf[bad].double()).abs().amax(-1)
+    return out
+
+
+def _kl64(r: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """KL(softmax(r) || softmax(g)) per row in float64 (the reference way)."""
+    lr, lg = torch.log_softmax(r.double(), -1), torch.log_softmax(g.double(), -1)
+    return (lr.exp() * (lr - lg)).sum(-1).clamp_min(0.0)
 
 
 class _LensSink:
@@ -289,26 +332,43 @@ class _LensSink:
         return sink
 
     def _reduce(self, i: int, ref: torch.Tensor, got: torch.Tensor, s: int, normed: bool) -> None:
-        """Rows s.. of hidden state i of both paths through the lens, reduced to top-2, margins, KL and gaps."""
+        """Rows s.. of hidden state i of both paths through the lens, reduced to top-2, margins, KL and gaps.
+
+        Rows whose hidden states are equal bit for bit have the same lens (KL 0, no gap): the cached path's head
+        runs only where some row differs, the KL (float64, a chunk of rows at a time) and the gap only on the rows
+        that differ; the top-2 from one topk pass (_top2); max |Δ| from a float32 pass (_max_abs_exact: float64's
+        number, bit for bit)."""
         cols = slice(s, s + ref.shape[0])
-        lf, lc = self.lens(ref, normed), self.lens(got, normed)
-        for name, lg in (("f", lf), ("c", lc)):
-            t1, t2, m = _top2(lg)
+        differ = (got != ref).any(-1) if got.dim() == 2 else torch.ones(ref.shape[0], dtype=torch.bool)
+        any_differ = bool(differ.any())
+        lf = self.lens(ref, normed)
+        lc = self.lens(got, normed) if any_differ else lf
+        t1f, t2f, mf = _top2(lf)
+        t1c, t2c, mc = _top2(lc) if any_differ else (t1f, t2f, mf)
+        for name, (t1, t2, m) in (("f", (t1f, t2f, mf)), ("c", (t1c, t2c, mc))):
             self.out[f"{name}_top1"][i, cols] = t1.double().cpu()
             self.out[f"{name}_top2"][i, cols] = t2.double().cpu()
             self.out[f"{name}_margin"][i, cols] = m.cpu()
-        step = logits_rows(lf)
-        for a in range(0, lf.shape[0], step):  # a chunk of positions at a time in float64
-            r, g = lf[a:a + step].double(), lc[a:a + step].double()
-            lr, lgs = torch.log_softmax(r, -1), torch.log_softmax(g, -1)
-            c = slice(s + a, s + a + r.shape[0])
-            self.out["kl"][i, c] = (lr.exp() * (lr - lgs)).sum(-1).clamp_min(0.0).cpu()
-            self.out["max_abs"][i, c] = (g - r).abs().amax(-1).cpu()
-            self.out["ref_max"][i, c] = r.abs().amax(-1).cpu()
-            del r, g, lr, lgs
+        self.out["ref_max"][i, cols] = lf.abs().amax(-1).double().cpu()
+        if any_differ:
+            rows = torch.nonzero(differ.to(lf.device))[:, 0]
+            kl = torch.zeros(len(rows), dtype=torch.float64)
+            gap = torch.zeros(len(rows), dtype=torch.float64)
+            exact32 = lf.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            step = logits_rows(lf)
+            for a in range(0, len(rows), step):  # a chunk of the differing rows at a time in float64
+                idx = rows[a:a + step]
+                r, g = lf[idx], lc[idx]
+                kl[a:a + len(idx)] = _kl64(r, g).cpu()
+                gap[a:a + len(idx)] = (_max_abs_exact(r, g) if exact32 else
+                                       (g.double() - r.double()).abs().amax(-1)).cpu()
+                del r, g
+            at = rows.cpu() + s
+            self.out["kl"][i, at] = kl
+            self.out["max_abs"][i, at] = gap
         if normed:
-            self.last_rows["full"].append(lf.argmax(-1).cpu())
-            self.last_rows["cached"].append(lc.argmax(-1).cpu())
+            self.last_rows["full"].append(t1f.cpu())  # _top2's top-1 is argmax's (its lowest-id tie rule)
+            self.last_rows["cached"].append(t1c.cpu())
 
     def stepping(self, select):
         j, last = -1, None

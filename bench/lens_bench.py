@@ -1,9 +1,10 @@
 """Benchmark: the logit lens view's cost and memory at real sizes.
 
-    python bench/lens_bench.py speed [--lengths 64,256,1024] [--repeats 2]
+    python bench/lens_bench.py speed [--lengths 64,256,1024] [--repeats 2] [--dtype bfloat16]
         the lens against the split view on the same prompt, in the same process, on the default model (SmolLM2-135M,
         bfloat16): wall time of each run (both with the float64 reference rerun, the split without its invariant-mode
-        proof, which the lens refuses), best of `repeats`, and the ratio lens / split per prompt length.
+        proof, which the lens refuses), the median of `repeats` (interleaved), the ratio lens / split per prompt
+        length, both verdicts and the 1-minute load average before and after each repeat. --dtype float32 likewise.
     python bench/lens_bench.py memory [--tokens 4096] [--root /tmp/lens_bench]
         `python -m kvviz lens` at ~`tokens` prompt tokens (the last `compared` through the cache) on the default model and on a Gemma-3-shaped
         random model with its 262144-token vocabulary (4 layers, built once as safetensors under --root), each a child
@@ -18,6 +19,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -45,29 +47,34 @@ def prompt_of(lm_or_tokenizer, tokens: int) -> str:
     return SENTENCE * max(1, tokens // per)
 
 
-def speed(lengths: list[int], repeats: int) -> dict:
+def speed(lengths: list[int], repeats: int, dtype: str = "bfloat16") -> dict:
     import torch
 
     from kvviz.models.loading import load_model
     from kvviz.views.lens.run import LensConfig, run_lens
     from kvviz.views.split.run import SplitConfig, run_split
 
-    lm = load_model("default", "bfloat16", "cpu")
+    lm = load_model("default", dtype, "cpu")
     ref = lm.reference()
-    out = {"threads": torch.get_num_threads(), "model": lm.name, "rows": []}
+    out = {"threads": torch.get_num_threads(), "model": lm.name, "dtype": dtype, "rows": []}
     for n in lengths:
         prompt = prompt_of(lm, n)
         ids = lm.tokenizer(prompt)["input_ids"]
         split = len(ids) // 2
         times = {"split": [], "lens": []}
+        load = [os.getloadavg()[0]]
         for _ in range(repeats):  # interleaved: a load change on the shared machine hits both
             t = time.perf_counter()
-            run_split(lm, SplitConfig(prompt, split), prove=False, reference=ref)
+            s_res = run_split(lm, SplitConfig(prompt, split), prove=False, reference=ref)
             times["split"].append(time.perf_counter() - t)
             t = time.perf_counter()
-            run_lens(lm, LensConfig(prompt=prompt, split=split), reference=ref)
+            l_res = run_lens(lm, LensConfig(prompt=prompt, split=split), reference=ref)
             times["lens"].append(time.perf_counter() - t)
-        row = {"tokens": len(ids), "split": split, "split_s": min(times["split"]), "lens_s": min(times["lens"])}
+            load.append(os.getloadavg()[0])
+        row = {"tokens": len(ids), "split": split, "split_s": statistics.median(times["split"]),
+               "lens_s": statistics.median(times["lens"]), "split_all": times["split"], "lens_all": times["lens"],
+               "split_verdict": s_res.verdict, "lens_verdict": l_res.verdict, "lens_bitwise": l_res.main.bitwise,
+               "load_1min": load}
         row["ratio"] = row["lens_s"] / row["split_s"]
         out["rows"].append(row)
         print(json.dumps(row), flush=True)
@@ -118,6 +125,7 @@ def main() -> None:
     s = sub.add_parser("speed")
     s.add_argument("--lengths", default="64,256,1024")
     s.add_argument("--repeats", type=int, default=2)
+    s.add_argument("--dtype", default="bfloat16")
     m = sub.add_parser("memory")
     m.add_argument("--tokens", type=int, default=4096)
     m.add_argument("--root", type=Path, default=Path("/tmp/lens_bench"))
@@ -126,7 +134,7 @@ def main() -> None:
     a = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if a.what == "speed":
-        print(json.dumps(speed([int(x) for x in a.lengths.split(",")], a.repeats), indent=1))
+        print(json.dumps(speed([int(x) for x in a.lengths.split(",")], a.repeats, a.dtype), indent=1))
     else:
         print(json.dumps(memory(a.tokens, a.root, a.compared, a.models.split(",")), indent=1))
 

@@ -136,6 +136,31 @@ def test_step6_parts_on_every_machine(models, dtype):
         assert len(re.findall(r"[.!?](?:\s|$)", text)) <= 3, text
 
 
+def test_step6_the_logit_lens_of_the_flip_names_where_it_is_decided(models):
+    """Step 6 runs the lens view (through the run protocol) on the parting step of tiny:flip: the prompt cached, the
+    agreed token "a" through the cache. Its first layer's mixer makes the flip (the skip term rounded in the cached
+    step only), so the decision depth is layer 1 of 2, both paths' lens margins there are one bfloat16 step of 8
+    (2^-7) the opposite way, and they stay apart to the output; said in one sentence from those numbers, drawn as
+    the figure's second panel with the depth marked."""
+    r = lesson.step_greedy(models("float32"), "Hello", 6)
+    v = r.data["lens"]
+    assert v["labels"] == ["layer 1", "layer 2", "layer 2 + final norm"] and v["n_layers"] == 2
+    assert v["depth"] == 0 and v["apart_from"] == 0 and v["verdict"] == "precision"
+    assert v["full"]["top1"] == ["a"] * 3 and v["cached"]["top1"] == ["b"] * 3
+    assert v["full"]["top2"] == ["b"] * 3 and v["cached"]["top2"] == ["a"] * 3
+    assert v["full"]["margin"] == [2.0 ** -7] * 3 and v["cached"]["margin"] == [2.0 ** -7] * 3
+    assert all(k > 0 for k in v["kl"])
+    # the lens's last layer is the model's own choice at the parting step (greedy's tokens)
+    assert (v["full"]["top1"][-1], v["cached"]["top1"][-1]) == (r.data["no_cache_token"], r.data["cache_token"])
+    assert ("decides it at layer 1 of 2: there the full forward already ranks 'a' 0.00781 over 'b' and the cached "
+            "path 'b' 0.00781 over 'a', and they stay apart to the output.") in r.reveal
+    fig = figure(r)
+    lens = [t for t in fig.data if t.xaxis == "x2"]
+    assert [list(t.y) for t in lens] == [[2.0 ** -7] * 3] * 2 and [list(t.text) for t in lens] == [["a"] * 3,
+                                                                                                  ["b"] * 3]
+    assert any(a.text == "decided at layer 1" for a in fig.layout.annotations)
+
+
 def test_every_figure_and_the_offline_handout(models):
     results = [lesson.run_step(1, models), lesson.run_step(2, models, n=200),
                lesson.run_step(3, models, prompt=PROMPT), lesson.run_step(8, models, prompt=PROMPT)]

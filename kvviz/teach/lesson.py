@@ -548,6 +548,52 @@ CONSTRUCTED = "tiny:flip"  # a tiny Mamba whose cached and no-cache greedy paths
 CONSTRUCTED_PROMPT = "Once upon a time"
 
 
+def _flip_lens(lm: LoadedModel, prompt: str, d: dict) -> dict | None:
+    """The logit lens (the lens view, through the run protocol) of the step where the two greedy paths part: the
+    prompt prefilled into the cache, the agreed tokens after it one per forward, as greedy's cached path ran them.
+    At the parting position, per hidden state: each path's lens top-1, runner-up and margin; the decision depth (the
+    first layer whose top-1 differ) and the last layer from which they differ to the output. None where the agreed
+    tokens do not re-tokenise to the same ids (the scenario would not be the decoded one)."""
+    from ..core.protocol import RunContext
+    from ..views import get
+    from ..views.lens.run import LensConfig
+
+    t = d["parting"]
+    text = prompt + "".join(d["tokens"][:t])
+    n_prompt = len(lm.tokenizer(prompt)["input_ids"])
+    if t < 1 or len(lm.tokenizer(text)["input_ids"]) != n_prompt + t:
+        return None
+    res = get("lens").runner()(lm, LensConfig(prompt=text, split=n_prompt, mode="step"), RunContext())
+    j = len(res.compared) - 1  # the parting position: the last one
+    side = {k: {"top1": [res.token(r[j]) for r in getattr(res.main, k)["top1"]],
+                "top2": [res.token(r[j]) for r in getattr(res.main, k)["top2"]],
+                "margin": [float(r[j]) for r in getattr(res.main, k)["margin"]]} for k in ("full", "cached")}
+    differ = [a != b for a, b in zip(side["full"]["top1"], side["cached"]["top1"])]
+    depth = differ.index(True) if any(differ) else None
+    stays = len(differ)
+    while stays > 0 and differ[stays - 1]:
+        stays -= 1
+    return {"labels": res.layer_labels, "n_layers": lm.n_layers, "position": res.compared[j], **side,
+            "kl": [float(r[j]) for r in res.main.kl], "depth": depth, "apart_from": stays if stays < len(differ)
+            else None, "verdict": res.verdict}
+
+
+def _lens_words(v: dict) -> str:
+    """One sentence on the lens of the parting step, from its numbers."""
+    k = v["depth"]
+    if k is None:
+        return (" The logit lens of that step (each layer's hidden state through the final norm and head) ranks the "
+                "same token first on both paths at every layer: only the model's own head parts them.")
+    f, c = ({key: v[s][key][k] for key in ("top1", "top2", "margin")} for s in ("full", "cached"))
+    later = ("and they stay apart to the output" if v["apart_from"] == k else
+             f"then agree again and part for good from {v['labels'][v['apart_from']]}"
+             if v["apart_from"] is not None else "and they agree again at the output")
+    return (f" The logit lens of that step (each layer's hidden state through the final norm and head) decides it at "
+            f"{v['labels'][k]} of {v['n_layers']}: there the full forward already ranks {f['top1']!r} "
+            f"{f['margin']:.3g} over {f['top2']!r} and the cached path {c['top1']!r} {c['margin']:.3g} over "
+            f"{c['top2']!r}, {later}.")
+
+
 @_timed
 def step_greedy(lm: LoadedModel, prompt: str = CONSTRUCTED_PROMPT, n: int = 6, fast: bool = False) -> StepResult:
     """Step 6: greedy decoding with and without cache; where they part, the top-2 margin there against the gap.
@@ -557,8 +603,10 @@ def step_greedy(lm: LoadedModel, prompt: str = CONSTRUCTED_PROMPT, n: int = 6, f
     from ..models.loading import load_model
     from ..models.tiny import FLIP_BUILT
 
-    d = _greedy_run(load_model(CONSTRUCTED, "bfloat16", lm.device), prompt, max(2, int(n)), fast)
+    flip = load_model(CONSTRUCTED, "bfloat16", lm.device)
+    d = _greedy_run(flip, prompt, max(2, int(n)), fast)
     d["constructed"] = True
+    d["lens"] = _flip_lens(flip, prompt, d) if d["parting"] is not None else None
     t = d["parting"]
     if t is None:  # the construction parts at step 1 on every machine: only a broken build gets here
         answer, reveal = None, f"In {d['dtype']} the two paths chose the same {len(d['margins'])} tokens: " \
@@ -570,10 +618,11 @@ def step_greedy(lm: LoadedModel, prompt: str = CONSTRUCTED_PROMPT, n: int = 6, f
                   f"{d['no_cache_token']!r}, the cache {d['cache_token']!r}. The top-2 margin there was {m:.3g} and "
                   f"the two runs' logits differed by up to {g:.3g}: "
                   + ("the margin was within the gap" if m <= g else "the margin was larger than the gap")
-                  + (f", a near tie (under 1% of the largest logit, {scale:.3g})." if d["near_tie"] else
-                     f", not a near tie (the largest logit was {scale:.3g}).")
-                  + (f" Replayed in float64 on the same tokens the two differ by {d['float64_gap']:.3g}: "
-                     f"{d['verdict']}." if d["float64_gap"] is not None else ""))
+                  + (f", a near tie (under 1% of the largest logit, {scale:.3g})" if d["near_tie"] else
+                     f", not a near tie (the largest logit was {scale:.3g})")
+                  + (f"; replayed in float64 on the same tokens the two differ by {d['float64_gap']:.3g}: "
+                     f"{d['verdict']}" if d["float64_gap"] is not None else "") + "."
+                  + (_lens_words(d["lens"]) if d["lens"] else ""))
     explanation = (
         FLIP_BUILT + " Greedy decoding takes the top logit, so a last-bit difference changes the text only where the "
         "top two are nearly tied, and from then on the two texts are fed different tokens and part for good. A real "

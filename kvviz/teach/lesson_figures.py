@@ -166,11 +166,29 @@ def fig_layers(r: StepResult) -> go.Figure:
     return _layout(fig, f"Step 5 · {r.title}", height=480)
 
 
+def _lens_panel(fig: go.Figure, v: dict, step: int) -> None:
+    """Step 6's right panel: the logit lens of the parting step - each path's top-1 margin over its runner-up per
+    hidden state, its top-1 written on the marker, the decision depth marked."""
+    for side, dash, colour in (("full", "solid", LIGHT), ("cached", "dash", theme.MARK)):
+        p = v[side]
+        fig.add_trace(go.Scatter(x=v["labels"], y=p["margin"], name=f"lens top-1 margin, {side} path",
+                                 mode="lines+markers+text", line=dict(dash=dash, color=colour), text=p["top1"],
+                                 textposition="top center" if side == "full" else "bottom center",
+                                 customdata=p["top2"], hovertemplate="%{x}: %{text} by %{y:.3g} over %{customdata}"
+                                 f"<extra>{side}</extra>"), row=1, col=2)
+    if v["depth"] is not None:
+        fig.add_vline(x=v["depth"], line_dash="dot", line_color=theme.MARK, row=1, col=2,
+                      annotation_text=f"decided at {v['labels'][v['depth']]}", annotation_position="top left")
+    fig.update_yaxes(title="top-1 margin (logits)", type="linear", rangemode="tozero", row=1, col=2)
+    fig.update_xaxes(title=f"hidden state (lens at step {step})", row=1, col=2)
+
+
 def fig_greedy(r: StepResult) -> go.Figure:
     d = r.data
     x = list(range(len(d["margins"])))
     floor = floor_of(d["margins"], d["gaps"])
-    fig = go.Figure()
+    lens = d.get("lens")
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.6, 0.4], horizontal_spacing=0.12) if lens else go.Figure()
     fig.add_trace(go.Bar(x=x, y=_floor(d["margins"], floor), name="top-2 margin (no-cache path)", marker_color=LIGHT,
                          customdata=[repr(t) for t in d["tokens"]], hovertemplate="step %{x}: %{customdata}, margin %{y:.3g}"
                                                                "<extra></extra>"))
@@ -185,6 +203,8 @@ def fig_greedy(r: StepResult) -> go.Figure:
     fig.update_yaxes(title="logit units (log)")
     fig.update_xaxes(title="step")
     _whole_ticks(fig, len(x))
+    if lens:
+        _lens_panel(fig, lens, d["parting"])
     head = (f"they part at step {d['parting']}" if d["parting"] is not None else
             f"no parting in {len(x)} steps")
     where = f"{d['model']} (constructed)" if d.get("constructed") else d.get("model", "")

@@ -38,7 +38,7 @@ from ...core.errors import KvvizError
 from ...core.execution import ExecSettings, Executor, RunInfo, has_cache
 from ...core.inputs import SplitConfig, build_inputs, cached_mask, check_split
 from ...core.metrics import LOGITS_CHUNK_BYTES, logits_rows
-from ...core.naming import layer_labels
+from ...core.naming import FINAL_NORM, layer_label, layer_labels
 from ...core.prompts import CAPITALS
 from ...core.protocol import DEFAULT_CONTEXT, RunContext, no_progress
 from ...core.streaming import HeldRows
@@ -48,6 +48,9 @@ from ...models.compat import output_cache, takes_logits_to_keep
 
 # what the lens keeps per path: [hidden states, positions] each
 PATH_KEYS = ("top1", "top2", "margin")
+# model types whose output_hidden_states tuple has no embeddings row: one entry after each block, the last after the
+# final norm (transformers' Mamba, FalconMamba and RWKV loops append after the block)
+AFTER_BLOCKS = ("mamba", "falcon_mamba", "rwkv")
 NORM_NAMES = ("norm", "ln_f", "final_layernorm", "final_layer_norm", "norm_f", "final_norm")
 
 
@@ -219,6 +222,10 @@ class Lens:
 
     def __call__(self, h: torch.Tensor, normed: bool) -> torch.Tensor:
         x = h if normed or self.norm is None else self.norm(h)
+        w = getattr(self.head, "weight", None)
+        if isinstance(w, torch.Tensor) and x.dtype != w.dtype and x.is_floating_point():
+            x = x.to(w.dtype)  # a residual kept in float32 (Mamba's residual_in_fp32): the head takes its own dtype,
+            # as the model's own head call casts it
         logits = self.head(x)
         if self.scale is not None:
             logits = logits * self.scale
@@ -541,6 +548,14 @@ def _run(lm, cfg: SplitConfig, settings: ExecSettings, progress, attention: bool
     return inp, paths, {"full": full_tok.tolist(), "cached": cached_tok.tolist()}, moved, sorted(kinds)
 
 
+def lens_labels(lm, n: int) -> list[str]:
+    """The rows' labels: embeddings, layer 1..N (the last after the final norm); for AFTER_BLOCKS models layer 1..N
+    and the final norm's output."""
+    if getattr(lm.model.config, "model_type", "") in AFTER_BLOCKS and n > 1:
+        return [layer_label(k) for k in range(1, n)] + [layer_label(n - 1) + FINAL_NORM]
+    return layer_labels(n)
+
+
 REFUSES = {"prove": "the lens has no invariant-mode proof rerun (run Split point for the proof)"}
 
 
@@ -585,7 +600,7 @@ def run_lens(lm, cfg: LensConfig, progress=None, settings: ExecSettings | None =
                                  "attention calls in order")
     res = LensResult(settings={**RunInfo.of(lm, settings).to_dict(), **asdict(sc)}, model=lm.summary(),
                      tokens=inp.token_texts, compared=list(range(sc.split, inp.n_tokens)),
-                     layer_labels=layer_labels(len(main.kl)), vocab=vocab, main=main, float64=f64,
+                     layer_labels=lens_labels(lm, len(main.kl)), vocab=vocab, main=main, float64=f64,
                      path_tokens=path_tokens, attention=attention, verdict="", explanation="", notes=notes,
                      elapsed_s=0.0)
     res.verdict, res.explanation = verdict_for(res)

@@ -356,11 +356,11 @@ class _LensSink:
             self.out[f"{name}_top1"][i, cols] = t1.double().cpu()
             self.out[f"{name}_top2"][i, cols] = t2.double().cpu()
             self.out[f"{name}_margin"][i, cols] = m.cpu()
-        self.out["ref_max"][i, cols] = lf.abs().amax(-1).double().cpu()
-        if any_differ:
+        if any_differ:  # (an equal row's relative lens gap is 0 whatever its size: its max |lens logit| is not taken)
             rows = torch.nonzero(differ.to(lf.device))[:, 0]
             kl = torch.zeros(len(rows), dtype=torch.float64)
             gap = torch.zeros(len(rows), dtype=torch.float64)
+            size = torch.zeros(len(rows), dtype=torch.float64)
             exact32 = lf.dtype in (torch.bfloat16, torch.float16, torch.float32)
             step = logits_rows(lf)
             for a in range(0, len(rows), step):  # a chunk of the differing rows at a time in float64
@@ -369,10 +369,12 @@ class _LensSink:
                 kl[a:a + len(idx)] = _kl64(r, g).cpu()
                 gap[a:a + len(idx)] = (_max_abs_exact(r, g) if exact32 else
                                        (g.double() - r.double()).abs().amax(-1)).cpu()
+                size[a:a + len(idx)] = r.abs().amax(-1).double().cpu()
                 del r, g
             at = rows.cpu() + s
             self.out["kl"][i, at] = kl
             self.out["max_abs"][i, at] = gap
+            self.out["ref_max"][i, at] = size
         if normed:
             self.last_rows["full"].append(t1f.cpu())  # _top2's top-1 is argmax's (its lowest-id tie rule)
             self.last_rows["cached"].append(t1c.cpu())

@@ -24,7 +24,7 @@ from ...core.inputs import MODES, PromptInputs, SplitConfig, build_inputs, cache
 from ...core.text import display_text
 from ...core.execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings, cache_layers, has_cache
 from ...models.loading import LoadedModel
-from ...core.protocol import DEFAULT_CONTEXT, no_progress, RunContext
+from ...core.protocol import DEFAULT_CONTEXT, no_progress, Progress, RunContext
 from ...core.naming import layer_labels
 from ...core.memory import REFERENCE_LOGITS_BYTES, fits_beside  # float64 logits over REFERENCE_LOGITS_BYTES: in chunks
 from ...core.metrics import HIDDEN_METRICS as HIDDEN_METRIC_LABELS
@@ -33,7 +33,6 @@ from ...core.streaming import HeldRows, LayerGaps
 from ...core.verdict import Finding, Prove, Verdict, amplification, classify, layers_prefix, precision_sentence
 
 
-Progress = Callable[[float, str], None]
 
 
 @dataclass(frozen=True)
@@ -490,7 +489,7 @@ def run_split(lm: LoadedModel, cfg: SplitConfig, progress: Progress | None = Non
     settings without compile. prove: also run the scenario in invariant mode (default: when the verdict is
     precision), so a precision verdict comes with its proof (the gap is exactly 0 there)."""
     progress = progress or no_progress
-    settings = (settings or DEFAULT_SETTINGS).validate()
+    settings = settings or DEFAULT_SETTINGS  # validated once, by its RunContext
     t0 = time.perf_counter()
     cfg.validate()
     inp = build_inputs(lm, cfg.prompt, cfg.left_pad)

@@ -26,6 +26,7 @@ def test_each_view_s_own_formula_is_declared_in_its_folder():
     kinds = {v.name: type(v.memory) for v in views.all_views()}
     assert kinds["padding"] is PaddingMemory and kinds["bisect"] is BisectMemory
     assert kinds["serving"] is ServingMemory and kinds["check"] is CheckMemory
+    assert memory.activation_bytes(SHAPE, "bfloat16", 600, 1, "check", False) == 0  # only its float64 reference runs
     assert kinds["greedy"] is kinds["reuse"] is memory.Decoding and kinds["split"] is memory.MemoryProfile
     # the plan's activations are the view's own formula (1 GiB-class numbers, not a default)
     grid = batch_grid_bytes(SHAPE, "bfloat16", 600, 4, 20, True)
@@ -39,7 +40,8 @@ def test_each_view_s_own_formula_is_declared_in_its_folder():
         n.id for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Name)}
     assert not names & {"batch_texts", "engine_calls", "bisector", "past_window", "batch_grid_bytes", "bisect_bytes"}
     fields = {f.name for f in dataclasses.fields(memory.MemoryProfile)}
-    assert not fields & {"batch_texts", "engine_calls", "bisector", "past_window", "decoded_runs", "cache_copies"}
+    assert not fields & {"batch_texts", "engine_calls", "bisector", "past_window", "decoded_runs", "cache_copies",
+                         "stepwise_reference"}
 
 
 def test_a_view_s_own_profile_drives_the_plan(monkeypatch):

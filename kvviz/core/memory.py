@@ -469,7 +469,6 @@ class MemoryProfile:
     streamed_hidden: bool = True  # hidden states handed over layer by layer (kvviz.core.streaming)
     reference: bool = True  # runs the float64 reference (below float64)
     float64_only: bool = False  # every run is on the float64 reference (the model in its dtype does not run)
-    stepwise_reference: bool = False  # the reference compares token by token (its logits a chunk of rows at a time)
     batch: int = 1  # rows in a batch
     batch_from_workload: bool = False  # the batch and token count are the run's own (the cache sizes)
     compared_after_split: bool = False  # compares only the positions after the split point
@@ -644,7 +643,7 @@ def forward_bytes(prof: MemoryProfile, shape: ModelShape, dtype: str, tokens: in
                   compared: int | None = None, attention: str = "sdpa", device: str = "cpu") -> int:
     """activation_bytes of a view that runs forwards and compares them (the default MemoryProfile.activations)."""
     b = BYTES[dtype]
-    T, B, H, L, V = tokens, batch, shape.hidden, shape.layers, shape.vocab
+    T, B, V = tokens, batch, shape.vocab
     n = max(1, min(compared or T, T))
 
     def temps(width: int) -> int:  # one chunk of the comparison's float64 temporaries
@@ -654,14 +653,10 @@ def forward_bytes(prof: MemoryProfile, shape: ModelShape, dtype: str, tokens: in
         return working_bytes(shape, width, T, B, attention, device)
 
     def hidden(width: int) -> int:
-        if prof.streamed_hidden:
-            return B * n * (L + 1) * H * width + 2 * B * T * H * width
-        return prof.forwards * B * T * (L + 1) * H * width
+        return hidden_bytes(prof, shape, width, T, B, n)
 
     logits64 = 2 * B * n * V * 8
-    if prof.stepwise_reference:  # the window check compares token by token (kvviz.views.split.run._ChunkedLogits)
-        ref = working(8) + stepwise_reference_bytes(shape, T, n, B) + hidden(8)
-    elif device.startswith("cpu") and gives_freed_memory_back():
+    if device.startswith("cpu") and gives_freed_memory_back():
         # the second path's forward beside the first path's logits, then the comparison (no forward's working set
         # left by then: a long float64 forward's freed blocks are given back between its layers,
         # kvviz.core.float64.released_between_layers)
@@ -679,6 +674,15 @@ def forward_bytes(prof: MemoryProfile, shape: ModelShape, dtype: str, tokens: in
     if not reference:
         return int(run)
     return int(max(run, ref))
+
+
+def hidden_bytes(prof: MemoryProfile, shape: ModelShape, width: int, tokens: int, batch: int, compared: int) -> int:
+    """The hidden states a run keeps: one path's compared rows and two layers where they are reduced layer by layer
+    (streamed_hidden), else every layer of its forwards."""
+    T, B, H, L = tokens, batch, shape.hidden, shape.layers
+    if prof.streamed_hidden:
+        return B * compared * (L + 1) * H * width + 2 * B * T * H * width
+    return prof.forwards * B * T * (L + 1) * H * width
 
 
 def stepwise_reference_bytes(shape: ModelShape, tokens: int, compared: int, batch: int = 1) -> int:

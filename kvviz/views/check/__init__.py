@@ -10,4 +10,4 @@ VIEW = View("check", "Is my model cache-safe?", "CheckCard", "report:reopen", No
             tables="figures:tables", repro="repro", cli="cli",
             page=Page("check", "Start", ":material/verified_user:", url_aliases=("cache_safety",)),
             config="run:CheckConfig", run="run:run", refuses="run:REFUSES",
-            memory=CheckMemory(forwards=2, float64_only=True, stepwise_reference=True, weight_copies=True))
+            memory=CheckMemory(forwards=2, float64_only=True, weight_copies=True))

@@ -858,8 +858,8 @@ def paged_study_bytes(shape: ModelShape, dtype: str, tokens: int, steps: int | N
                       calls: tuple[tuple[int, int], ...], replays: tuple[tuple[int, int], ...], page_size: int,
                       reference: bool, attention: str = "sdpa", device: str = "cpu",
                       proof: bool = False) -> tuple[int, int]:
-    """(cache, activations) of a study through a paged engine (MemoryProfile.engine_calls): the largest of its
-    phases, one at a time (each engine call makes and destroys its own engine):
+    """(cache, activations) of a study through a paged engine (the calls its view declares: MemoryProfile.engine): the
+    largest of its phases, one at a time (each engine call makes and destroys its own engine):
 
     * kvviz's reference of each prompt: greedy without cache, a full forward a step (decoding_bytes, one run);
     * each engine call (requests, requests in flight) in the run's dtype (paged_call_bytes);

@@ -61,7 +61,8 @@ class Capture:
         """fn(name, module, args[, kwargs]) before each of `names` runs (a forward pre-hook)."""
         try:
             for key, mod in named(self.model, names):
-                self.handles.append(mod.register_forward_pre_hook(functools.partial(fn, key), with_kwargs=with_kwargs))
+                hook = functools.partial(fn, key)
+                self.handles.append(mod.register_forward_pre_hook(hook, with_kwargs=with_kwargs))
         except BaseException:
             self.remove()
             raise
@@ -73,7 +74,8 @@ class Capture:
         kw = {"always_call": True} if always_call else {}
         try:
             for key, mod in named(self.model, names):
-                self.handles.append(mod.register_forward_hook(functools.partial(fn, key), with_kwargs=with_kwargs, **kw))
+                hook = functools.partial(fn, key)
+                self.handles.append(mod.register_forward_hook(hook, with_kwargs=with_kwargs, **kw))
         except BaseException:
             self.remove()
             raise

@@ -1,10 +1,11 @@
 """Page: is my model cache-safe? The battery of float64 checks, one line of evidence each."""
 import streamlit as st
 
-from kvviz.views.check.run import CheckConfig, run_check
+from kvviz import views
+from kvviz.views.check.run import CheckConfig
 from kvviz.views.quant.run import KV_CHOICES, WEIGHT_CHOICES
 from pages.common import controls, page
-from pages.runner import progress_bar, run_cached, show_error
+from pages.runner import run_view, show_error
 from pages.exporting import exports
 
 choice, lm = page("Is my model cache-safe?",
@@ -18,15 +19,8 @@ with controls():
                                 "the unquantized model.")
     kv = c2.selectbox("Check with a quantized KV cache", KV_CHOICES, key="check_kv")
 
-
-def compute():
-    with progress_bar("Running the checks…") as report:
-        return run_check(lm, progress=report, weights=weights, kv=kv)
-
-
 try:
-    card = run_cached("check", {"model": choice.key_without("invariant"), "weights": weights, "kv": kv}, compute,
-                      CheckConfig(weights=weights, kv=kv).workload())
+    card = run_view(views.get("check"), lm, CheckConfig(weights=weights, kv=kv), label="Running the checks…")
 except Exception as e:  # noqa: BLE001
     show_error(e)
     st.stop()

@@ -485,3 +485,95 @@ def run_cached(name: str, key_parts: dict, compute, workload=None):
     if over:  # the plan was wrong for this run: said on the page below the verdict (pages.common.show_notes)
         st.session_state.setdefault("_notes_after_verdict", []).append(over)
     return result
+
+
+def _value_key(value) -> object:
+    """A config's value as a cache key's part: its fields (dataclasses.asdict), bytes by their digest (an uploaded
+    cache is not written into the key)."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = {f.name: _value_key(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return value
+    if isinstance(value, (bytes, bytearray)):
+        return "sha256:" + hashlib.sha256(value).hexdigest()
+    if isinstance(value, dict):
+        return {str(k): _value_key(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_value_key(v) for v in value]
+    return value
+
+
+def _model_key(lm, ignores: tuple[str, ...]) -> dict:
+    """The model a run runs on, as its cache key names it: the sidebar's choice less what the run ignores (a view that
+    loads its own dtypes ignores the sidebar's dtype), and the loaded model's own dtype and attention (an A/B's B
+    model differs from the sidebar's there)."""
+    choice = st.session_state.get("model_choice")
+    key = {"choice": None if choice is None else choice.key_without("invariant", *ignores)}
+    if lm is not None:
+        key.update({"dtype": None if "dtype" in ignores else str(lm.dtype),
+                    "attn": None if "attn" in ignores else lm.attn_implementation})
+    return key
+
+
+def run_view(view, lm, config, *, settings=None, prove=None, name: str | None = None, label: str | None = None,
+             ignores: tuple[str, ...] = ()):
+    """THE way a page runs a view (kvviz.views.View): `view.runner()(lm, config, ctx)` once per distinct value of
+    (model, config, settings, prove) in this session, with the page's progress bar, its Stop (the run's cancel
+    token) and the memory plan of the config's workload (kvviz.io.clirun.config_workload, as its subcommand plans it;
+    a proof turned off plans none), shown first and refusing a run that cannot fit.
+
+    settings: the run's ExecSettings (default: the sidebar's); a view whose run refuses invariant mode (its REFUSES)
+    runs without it, as its page always did (the page says so where it matters). prove: the context's (None: the
+    automatic proof; False: none). name: the run's name (default: the view's first run name; an A/B's B side is
+    "<name>_ab"). label: the progress bar's first line. ignores: sidebar fields the run does not depend on ("dtype",
+    "attn")."""
+    import dataclasses
+
+    from kvviz.core.protocol import RunContext
+    from kvviz.io.clirun import config_workload
+
+    choice = st.session_state.get("model_choice")
+    settings = settings if settings is not None else (choice.settings if choice is not None else None)
+    if settings is not None and settings.invariant and "invariant" in view.refusals():
+        settings = settings.with_(invariant=False)
+    work = config_workload(config)
+    if prove is False:
+        work = dataclasses.replace(work, prove=False)
+    key = {"model": _model_key(lm, ignores), "cfg": _value_key(config), "settings": _value_key(settings),
+           "prove": prove}
+
+    def compute():
+        with progress_bar(label or f"{view.title}…") as report:
+            ctx = RunContext(**({"settings": settings} if settings is not None else {}), prove=prove,
+                             progress=report, token=cancel.current())
+            return view.runner()(lm, config, ctx)
+
+    return run_cached(name or view.run_names()[0], key, compute, work)
+
+
+def run_task(name: str, value, compute, *, ignores: tuple[str, ...] = ()):
+    """A page's computation that is not a view's run (a Lesson step, an exercise, the cache's download): compute()
+    once per distinct `value` (a config dataclass or plain data) on the sidebar's model less `ignores`, with Stop
+    and, for a value with a `workload()`, its memory plan as a view's config has it."""
+    from kvviz.io.clirun import config_workload
+
+    work = config_workload(value) if callable(getattr(value, "workload", None)) else None
+    return run_cached(name, {"model": _model_key(None, ignores), "value": _value_key(value)}, compute, work)
+
+
+def run_button(name: str, value, label: str, *, auto: bool = False, ignores: tuple[str, ...] = (), **button) -> bool:
+    """A long run's button (the matrix, the sweep, an engine's run): drawn with `label` and `button`'s keywords
+    (its widget key among them); True once it was pressed for this `value` on this model (a run's config), or at once
+    when `auto`. The press is marked in the button's callback: the app may rerun the script before the page reads a
+    button's value. forget_button(name) after a failed run: the next rerun does not start it again."""
+    mark = repr({"model": _model_key(None, ignores), "value": _value_key(value)})
+    asked = st.session_state.setdefault("_run_asked", {})
+    if auto:
+        asked[name] = mark
+    st.button(label, on_click=asked.__setitem__, args=(name, mark), **button)
+    return asked.get(name) == mark
+
+
+def forget_button(name: str) -> None:
+    st.session_state.get("_run_asked", {}).pop(name, None)

@@ -1,16 +1,15 @@
 """Page: the Serving view - prompts under serving conditions (alone, in a continuous batch, prefix warm), R runs;
 and where determinism ends: a sweep of requests in flight × prompt length through the same engine (on its button)."""
-import dataclasses
-
 import streamlit as st
 
+from kvviz import views
 from kvviz.io.clirun import split_list
 from kvviz.core.errors import KvvizError
 from kvviz.views.serving import figures as serving_figures, report as serving_report, run as serving, sweep
 from kvviz.engines.serving import ENGINES, engine_status
 from kvviz.teach.firstscreen import serving_why
 from pages.common import controls, page, prompt_set, show_verdict
-from pages.runner import progress_bar, run_cached, show_error
+from pages.runner import forget_button, run_button, run_view, show_error
 from pages.defaults import DEFAULTS
 from pages.exporting import exports
 
@@ -50,19 +49,10 @@ cfg = serving.ServeConfig(prompts=list(prompts), shared_prefix=prefix, condition
                           max_new_tokens=int(new_tokens), batch_size=int(batch), seed=int(seed), engine=engine,
                           page_size=int(page_size) if pages else None, prompt_source=source)
 
-
-def compute():
-    with progress_bar(f"Running {len(prompts)} prompt(s) × {len(conditions)} condition(s) × {int(runs)} runs…") \
-            as report:
-        return serving.run_serving(lm, cfg, progress=report, settings=choice.settings)
-
-
 try:
     cfg.validate()
-    res = run_cached("serving", {"model": choice.key, "prompts": prompts, "prefix": prefix, "conditions": conditions,
-                                 "runs": int(runs), "n": int(new_tokens), "batch": int(batch), "engine": engine,
-                                 "page": int(page_size) if pages else None, "seed": int(seed)}, compute,
-                     cfg.workload())
+    res = run_view(views.get("serving"), lm, cfg, label=f"Running {len(prompts)} prompt(s) × {len(conditions)} "
+                   f"condition(s) × {int(runs)} runs…")
 except Exception as e:  # noqa: BLE001
     show_error(e)
     st.stop()
@@ -137,30 +127,23 @@ try:
 except Exception as e:  # noqa: BLE001 - a bad grid: one line, the controls stay
     show_error(e)
     st.stop()
-skey = {"model": choice.key, "cfg": dataclasses.asdict(scfg)}
-# the grid last asked for (set by the button's callback: the app may rerun the script before the page reads it)
-st.button("Run the sweep", key="serving_sweep_run", type="primary", icon=":material/play_arrow:",
-          on_click=lambda k=repr(skey): st.session_state.__setitem__("_serving_sweep_ran", k),
-          help="Starts the engine (vLLM: in its own environment, a minute or more on a CPU) and runs the grid")
-if st.session_state.get("_serving_sweep_ran") != repr(skey):
+if not run_button("serving_sweep", scfg, "Run the sweep", key="serving_sweep_run", type="primary",
+                  icon=":material/play_arrow:",
+                  help="Starts the engine (vLLM: in its own environment, a minute or more on a CPU) and runs the grid"):
     st.info(f"Choose the grid and press **Run the sweep**: {len(scfg.concurrency) * len(scfg.lengths)} cells of "
             f"{int(per_cell)} prompts through {engine}.")
     st.stop()
-
-
-def sweep_compute():
-    with progress_bar(f"Sweeping {len(scfg.concurrency)} × {len(scfg.lengths)} cells through {engine}…") as report:
-        return sweep.run_sweep(lm, dataclasses.replace(scfg), progress=report, settings=choice.settings)
 
 
 where = st.empty()  # the button is far below the progress bar: say where it is while the sweep runs
 where.info("Sweeping: its progress, the time left and **Stop** are at the top of the page.",
            icon=":material/arrow_upward:")
 try:
-    sres = run_cached("serving_sweep", skey, sweep_compute, scfg.workload())  # once per grid: a rerun shows the stored result
+    sres = run_view(views.get("serving_sweep"), lm, scfg,  # once per grid: a rerun shows the stored result
+                    label=f"Sweeping {len(scfg.concurrency)} × {len(scfg.lengths)} cells through {engine}…")
 except Exception as e:  # noqa: BLE001
     where.empty()  # before st.stop(): the `finally` below runs after it, too late to clear the pointer
-    st.session_state.pop("_serving_sweep_ran", None)  # a failed sweep is not started again by the next rerun
+    forget_button("serving_sweep")  # a failed sweep is not started again by the next rerun
     show_error(e)
     st.stop()
 finally:  # also when the run stops the script (Stop: the next run says how far it got)

@@ -4,6 +4,7 @@ import streamlit as st
 from pages.defaults import DEFAULTS
 
 import kvviz
+from kvviz import views
 from kvviz.core import plotting
 from kvviz.views.split import figures as split_figures
 from kvviz.core.inputs import MASK_MODES, POSITION_MODES, encode
@@ -11,7 +12,7 @@ from kvviz.core.metrics import HIDDEN_METRICS
 from kvviz.teach.firstscreen import rounding_away_note, split_identical_why
 from pages.common import controls, page, show_verdict, token_strip, verdict_and_chart
 from pages.state import linked_slider_box
-from pages.runner import page_message, progress_bar, run_cached, show_error
+from pages.runner import page_message, run_view, show_error
 from pages.ab import ab_run, show_ab
 from pages.exporting import exports
 
@@ -65,16 +66,9 @@ with controls():
 
 cfg = kvviz.SplitConfig(prompt=prompt, split=int(split), mode=mode, left_pad=int(left_pad), position_ids=pos_mode,
                         attention_mask=mask_mode)
-work = cfg.workload()  # what it holds: its memory plan
-
-
-def compute():
-    with progress_bar("Comparing…") as report:
-        return kvviz.run_split(lm, cfg, progress=report, settings=choice.settings)
-
-
+VIEW = views.get("split")
 try:
-    res = run_cached("split", {"model": choice.key, "cfg": cfg.__dict__}, compute, work)
+    res = run_view(VIEW, lm, cfg, label="Comparing…")
 except Exception as e:  # noqa: BLE001 - one line, the app keeps working
     show_error(e)
     st.stop()
@@ -96,9 +90,8 @@ with left:  # tiles: the unit in each label (absolute, relative to |x|, in ε, p
     tiles = []
     if choice.invariant:  # the proof alone reads "identical": the normal run's gap goes beside it
         try:
-            normal = run_cached("split_normal", {"model": choice.key, "cfg": cfg.__dict__},
-                                lambda: kvviz.run_split(lm, cfg, settings=choice.settings.with_(invariant=False),
-                                                        prove=False), work)
+            normal = run_view(VIEW, lm, cfg, settings=choice.settings.with_(invariant=False), prove=False,
+                              name="split_normal", label="The same scenario with invariant mode off…")
         except Exception as e:  # noqa: BLE001
             show_error(e)
         else:
@@ -137,11 +130,8 @@ with right:
 st.plotly_chart(split_figures.layer_lines(res, metric, log), width="stretch", key="split_lines")
 
 with st.expander("A/B: this view against one other setting, on one colour scale"):
-    b = ab_run("split", "split", choice, lm, {"feed mode": [m for m in ("chunk", "step") if m != mode]},
-               "Runs the model once more with B's setting", {"model": choice.key, "cfg": cfg.__dict__},
-               lambda what, other, lm_b, settings_b, report: kvviz.run_split(
-                   lm_b, kvviz.SplitConfig(**{**cfg.__dict__, "mode": other}) if what == "feed mode" else cfg,
-                   progress=report, settings=settings_b), own_a={"feed mode": mode}, workload=work)
+    b = ab_run(VIEW, choice, lm, cfg, {"feed mode": ("mode", [m for m in ("chunk", "step") if m != mode])},
+               "Runs the model once more with B's setting")
     if b is not None:
         show_ab(split_figures.ab_heatmaps(res, b.result, f"{b.label_a}: {res.verdict}", f"{b.label_b}: {b.result.verdict}",
                                     metric, log), "split",
@@ -165,12 +155,11 @@ with st.expander("Where does it start? (bisector)", expanded=st.session_state.ge
     st.button("Find the first differing module", key="split_bisect",
               on_click=lambda k=bisect_key: st.session_state.__setitem__("split_bisect_for", k))
     if st.session_state.get("split_bisect_for") == bisect_key:
-        from kvviz.views.bisect.run import run_bisect
+        from kvviz.views.bisect.run import BisectConfig
         from kvviz.core.naming import module_row
 
         try:
-            b = run_cached("bisect", {"model": choice.key, "cfg": cfg.__dict__},
-                           lambda: run_bisect(lm, cfg, choice.settings), work)
+            b = run_view(views.get("bisect"), lm, BisectConfig(**cfg.__dict__), label="Bisecting…")
         except Exception as e:  # noqa: BLE001
             show_error(e)
         else:

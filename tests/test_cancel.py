@@ -301,8 +301,10 @@ def test_a_long_run_is_announced_and_can_skip_its_proof(monkeypatch):
     model = ("tiny:llama", "float32", "auto")
     monkeypatch.setitem(runner._PACE, (model, "split"), {"tokens": 10, "run_s": 60.0, "proof_s": 240.0})
     calls = []
-    real = kvviz.run_split
-    monkeypatch.setattr(kvviz, "run_split", lambda *a, **k: calls.append(1) or real(*a, **k))
+    import kvviz.views.split.run as split_run  # the split view's run (the page runs it through run_view)
+
+    real = split_run.run_split
+    monkeypatch.setattr(split_run, "run_split", lambda *a, **k: calls.append(1) or real(*a, **k))
     at = start("pages/split.py", model="tiny:llama")
     said = alerts(at)
     assert "This run will take about" in said and "for the invariant proof after it" in said, said

@@ -5,7 +5,9 @@ import streamlit as st
 from kvviz import views
 from kvviz.io.clirun import split_list
 from kvviz.core.errors import KvvizError
-from kvviz.views.serving import figures as serving_figures, report as serving_report, run as serving, sweep
+from kvviz.views.serving import figures as serving_figures, report as serving_report
+from kvviz.views.serving.run import CONDITION_LABELS, CONDITIONS, ServeConfig
+from kvviz.views.serving.sweep import PROMPTS_PER_CELL, SweepConfig, figure as sweep_figure, frame as sweep_frame
 from kvviz.engines.serving import ENGINES, engine_status
 from kvviz.teach.firstscreen import serving_why
 from pages.common import controls, page, prompt_set, show_verdict
@@ -29,8 +31,8 @@ with controls():
     prefix = st.text_input("Shared prefix (put before every prompt; warmed for 'prefix warm')", "",
                            key="serving_prefix")
     c1, c2, c3, c4 = st.columns(4)
-    conditions = c1.multiselect("Conditions", list(serving.CONDITIONS), default=list(serving.CONDITIONS),
-                                key="serving_conditions", format_func=serving.CONDITION_LABELS.get)
+    conditions = c1.multiselect("Conditions", list(CONDITIONS), default=list(CONDITIONS),
+                                key="serving_conditions", format_func=CONDITION_LABELS.get)
     runs = c2.number_input("Runs (R)", 1, 50, SV["runs"], key="serving_runs")
     new_tokens = c3.number_input("New tokens", 1, 128, SV["n"], key="serving_tokens")
     batch = c4.number_input("Batch size k", 2, 16, SV["batch"], key="serving_batch")
@@ -45,7 +47,7 @@ with controls():
         st.info(why)
         st.stop()
 
-cfg = serving.ServeConfig(prompts=list(prompts), shared_prefix=prefix, conditions=tuple(conditions), runs=int(runs),
+cfg = ServeConfig(prompts=list(prompts), shared_prefix=prefix, conditions=tuple(conditions), runs=int(runs),
                           max_new_tokens=int(new_tokens), batch_size=int(batch), seed=int(seed), engine=engine,
                           page_size=int(page_size) if pages else None, prompt_source=source)
 
@@ -85,7 +87,7 @@ with st.expander("Completions of one prompt, run by run"):
     st.text(f"reference: {p.reference_text!r}")
     for c in p.texts:
         for r, t in enumerate(p.texts[c]):
-            st.text(f"{serving.CONDITION_LABELS[c]}, run {r + 1}: {t!r}")
+            st.text(f"{CONDITION_LABELS[c]}, run {r + 1}: {t!r}")
 if choice.invariant:
     st.info(":material/lock: Invariant mode is on: every condition (the engine's own thread too) computes each row the same way "
             "whatever comes with it, so each prompt must give exactly one completion everywhere.")
@@ -108,7 +110,7 @@ conc_text = c1.text_input("Requests in flight", "1,2,4,8", key="serving_sweep_co
                           help="Comma-separated, 1 to 64: one column each")
 lengths_text = c2.text_input("Prompt lengths (tokens)", "16,64,256", key="serving_sweep_lengths",
                              help="Comma-separated, 1 to 8192: one row each; prompts are cut from the built-in set")
-per_cell = c3.number_input("Prompts a cell", 1, 64, sweep.PROMPTS_PER_CELL, key="serving_sweep_prompts")
+per_cell = c3.number_input("Prompts a cell", 1, 64, PROMPTS_PER_CELL, key="serving_sweep_prompts")
 budget = c4.number_input("Time budget (s; 0: none)", 0.0, 86400.0, 600.0, step=60.0, key="serving_sweep_budget",
                          help="The sweep stops between cells once this is spent; the cells left are listed as not run")
 cell_limit = c5.number_input("Cell limit (s; 0: none)", 0.0, 86400.0, 0.0, step=60.0, key="serving_sweep_cell_limit",
@@ -120,7 +122,7 @@ try:
     except ValueError:
         raise KvvizError("requests in flight and prompt lengths take comma-separated whole numbers, like 1,4,16") \
             from None
-    scfg = sweep.SweepConfig(concurrency=conc, lengths=lengths, prompts_per_cell=int(per_cell),
+    scfg = SweepConfig(concurrency=conc, lengths=lengths, prompts_per_cell=int(per_cell),
                              max_new_tokens=int(new_tokens), runs=int(runs), seed=int(seed), engine=engine,
                              budget_s=float(budget) or None, cell_limit_s=float(cell_limit) or None)
     scfg.validate()
@@ -148,10 +150,10 @@ except Exception as e:  # noqa: BLE001
     st.stop()
 finally:  # also when the run stops the script (Stop: the next run says how far it got)
     where.empty()
-sverdict, stext = sweep.verdict(sres)
+sverdict, stext = views.get("serving_sweep").verdict_text(sres)
 show_verdict(sverdict, stext)
-st.plotly_chart(sweep.figure(sres), width="stretch", key="serving_sweep_map")
-st.dataframe(sweep.frame(sres), hide_index=True, width="stretch")
+st.plotly_chart(sweep_figure(sres), width="stretch", key="serving_sweep_map")
+st.dataframe(sweep_frame(sres), hide_index=True, width="stretch")
 for note in sres.notes:
     st.caption(note)
 exports(sres, "serving_sweep", lm)

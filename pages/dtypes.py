@@ -9,7 +9,7 @@ from kvviz import views
 from kvviz.views.dtypes.run import DtypesConfig
 from kvviz.teach.firstscreen import dtypes_line
 from pages.common import controls, page, prompt_set, show_verdict, verdict_and_chart
-from pages.runner import run_view, show_error
+from pages.runner import run_or_stop
 from pages.ab import ab_run, show_ab
 from pages.exporting import exports
 
@@ -30,12 +30,8 @@ with controls():
 
 VIEW = views.get("dtypes")
 cfg = DtypesConfig(tuple(prompts), tuple(dtypes), split, mode)
-try:  # the sidebar's model, whatever its dtype: the sweep runs its twins in each dtype
-    res = run_view(VIEW, lm, cfg, ignores=("dtype",), label=f"Running {len(prompts)} prompt(s) × {len(dtypes) + 1} "
-                   "dtypes…")
-except Exception as e:  # noqa: BLE001
-    show_error(e)
-    st.stop()
+res = run_or_stop(VIEW, lm, cfg, ignores=("dtype",), label=f"Running {len(prompts)} prompt(s) × {len(dtypes) + 1} "
+               "dtypes…")  # the sidebar's model, whatever its dtype: the sweep runs its twins in each dtype
 
 left, right = verdict_and_chart((1, 2))
 with left:

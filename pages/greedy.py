@@ -10,7 +10,7 @@ from kvviz.views.greedy.run import DEFAULT_PATHS, MAX_NEW_TOKENS, PATH_LABELS, P
 from kvviz.core.inputs import POSITION_MODES
 from kvviz.teach.firstscreen import greedy_closest_call
 from pages.common import controls, page, show_verdict, verdict_and_chart
-from pages.runner import run_view, show_error
+from pages.runner import run_or_stop
 from pages.ab import ab_run, show_ab
 from pages.exporting import exports
 
@@ -39,11 +39,7 @@ with controls():
 cfg = GreedyConfig(prompt=prompt, max_new_tokens=int(n_new), left_pad=int(left_pad), position_ids=pos_mode,
                    paths=tuple(paths), fast=fast, stop_at_divergence=stop)
 VIEW = views.get("greedy")
-try:
-    res = run_view(VIEW, lm, cfg, label="Decoding…")
-except Exception as e:  # noqa: BLE001
-    show_error(e)
-    st.stop()
+res = run_or_stop(VIEW, lm, cfg, label="Decoding…")
 
 parting = [p for p in res.pairs if p.first_divergence is not None]
 left, right = verdict_and_chart((1, 1))

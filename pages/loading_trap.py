@@ -5,10 +5,9 @@ from pages.defaults import DEFAULTS
 
 from kvviz.views.loading_trap import figures as loading_trap_figures
 
-from kvviz import views
 from kvviz.views.loading_trap.run import LoadingTrapConfig
 from pages.common import controls, page, show_verdict, verdict_and_chart
-from pages.runner import run_view, show_error
+from pages.runner import run_or_stop
 from pages.exporting import exports
 
 choice, lm = page("Loading trap",
@@ -22,12 +21,8 @@ with controls():
     dtype = c2.radio("16-bit dtype", ["bfloat16", "float16"], horizontal=True, key="loading_trap_dtype")
 
 
-try:  # its two loadings are its own: the sidebar's dtype is not one of its inputs
-    res = run_view(views.get("loading_trap"), lm, LoadingTrapConfig(prompt, int(n), dtype), ignores=("dtype",),
-                   label="Decoding with both models…")
-except Exception as e:  # noqa: BLE001
-    show_error(e)
-    st.stop()
+res = run_or_stop("loading_trap", lm, LoadingTrapConfig(prompt, int(n), dtype), ignores=("dtype",),
+               label="Decoding with both models…")  # its two loadings are its own: the sidebar's dtype is not one of its inputs
 left, right = verdict_and_chart()
 with left:
     show_verdict({"different models": "logic", "same model": "identical"}.get(res.verdict, res.verdict),

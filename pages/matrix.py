@@ -5,12 +5,11 @@ from pages.defaults import DEFAULTS
 
 from kvviz.views.matrix import figures as matrix_figures
 from kvviz.core.backends import CACHE_KINDS, COMPILE_MODES
-from kvviz import views
 from kvviz.views.matrix.run import MatrixConfig, sliding_window_config
 from kvviz.teach.firstscreen import matrix_why
 from kvviz.core.verdict import worst as worst_of
 from pages.common import controls, page, show_verdict
-from pages.runner import page_message, run_button, run_view, show_error
+from pages.runner import page_message, run_button, run_or_stop
 from pages.exporting import exports
 
 FLAG_SETS = {"none": (), "tf32": ("tf32",), "deterministic": ("deterministic",),
@@ -72,11 +71,8 @@ if not run_button("matrix", cfg, "Run the matrix", auto=st.session_state.pop("_m
     st.info("Pick the axes and press **Run the matrix**.")
     st.stop()
 
-try:  # its attentions are its own axis: the sidebar's is not one of its inputs
-    res = run_view(views.get("matrix"), lm, cfg, ignores=("attn",), label="Running the cells…")
-except Exception as e:  # noqa: BLE001
-    show_error(e)
-    st.stop()
+# its attentions are its own axis: the sidebar's is not one of its inputs
+res = run_or_stop("matrix", lm, cfg, ignores=("attn",), label="Running the cells…")
 
 counts = {}
 for c in res.cells:

@@ -8,7 +8,7 @@ from kvviz import views
 from kvviz.views.padding.run import PaddingConfig
 from kvviz.teach.firstscreen import padding_line
 from pages.common import controls, page, show_verdict
-from pages.runner import run_view, show_error
+from pages.runner import run_or_stop
 from pages.ab import ab_run, show_ab
 from pages.exporting import exports
 
@@ -29,11 +29,7 @@ with controls():
 VIEW = views.get("padding")
 cfg = PaddingConfig(prompt, int(split) or None, int(left_pad))
 proof = None if prove else False  # the context's prove: the automatic proof, or none (its memory plan with it)
-try:
-    res = run_view(VIEW, lm, cfg, prove=proof, label="Running the grid…")
-except Exception as e:  # noqa: BLE001
-    show_error(e)
-    st.stop()
+res = run_or_stop(VIEW, lm, cfg, prove=proof, label="Running the grid…")
 
 show_verdict(*padding_line(res))  # the grid's worst cell, in words, before the grid
 value = st.radio("Number in the cells", ["hidden_relative", "logits_relative"], horizontal=True, key="padding_value",

@@ -4,10 +4,9 @@ import streamlit as st
 from pages.defaults import DEFAULTS
 
 from kvviz.views.quant import figures as quant_figures
-from kvviz import views
 from kvviz.views.quant.run import DEFAULT_RESIDUAL, KV_CHOICES, WEIGHT_CHOICES, package_available, QuantConfig
 from pages.common import controls, page, show_verdict, verdict_and_chart
-from pages.runner import run_view, show_error
+from pages.runner import run_or_stop
 from pages.exporting import exports
 
 choice, lm = page("Quantized cache & weights",
@@ -43,11 +42,7 @@ with controls():
 
 cfg = QuantConfig(prompt, kv=kv, residual_length=int(residual), weights=weights, max_new_tokens=int(n))
 
-try:
-    res = run_view(views.get("quant"), lm, cfg, label=f"Comparing {cfg.label or 'nothing'} with the unquantized run…")
-except Exception as e:  # noqa: BLE001
-    show_error(e)
-    st.stop()
+res = run_or_stop("quant", lm, cfg, label=f"Comparing {cfg.label or 'nothing'} with the unquantized run…")
 
 left, right = verdict_and_chart()
 with left:

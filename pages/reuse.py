@@ -8,7 +8,7 @@ from kvviz.core.verdict import Verdict, worst as worst_of
 from kvviz import views
 from kvviz.views.reuse.run import REUSE_STRATEGIES, ReuseConfig
 from pages.common import controls, page, show_verdict
-from pages.runner import run_view, show_error
+from pages.runner import run_or_stop
 from pages.ab import ab_run
 from pages.exporting import exports
 
@@ -30,11 +30,7 @@ merged = [c.replace("\\n", "\n") for c in conts.splitlines() if c.strip()]
 VIEW = views.get("reuse")
 cfg = ReuseConfig(prefix, tuple(merged), int(n))
 proof = None if prove else False  # the context's prove: the automatic proof, or none (its memory plan with it)
-try:
-    res = run_view(VIEW, lm, cfg, prove=proof, label="Decoding…")
-except Exception as e:  # noqa: BLE001
-    show_error(e)
-    st.stop()
+res = run_or_stop(VIEW, lm, cfg, prove=proof, label="Decoding…")
 
 ways = [r for r in res.runs if r["strategy"] != "fresh"]
 worst = worst_of((r["verdict"] for r in ways), Verdict.IDENTICAL)

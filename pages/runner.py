@@ -518,7 +518,7 @@ def _model_key(lm, ignores: tuple[str, ...]) -> dict:
 
 def run_view(view, lm, config, *, settings=None, prove=None, name: str | None = None, label: str | None = None,
              ignores: tuple[str, ...] = ()):
-    """THE way a page runs a view (kvviz.views.View): `view.runner()(lm, config, ctx)` once per distinct value of
+    """THE way a page runs a view (a kvviz.views.View or its name): `view.runner()(lm, config, ctx)` once per distinct value of
     (model, config, settings, prove) in this session, with the page's progress bar, its Stop (the run's cancel
     token) and the memory plan of the config's workload (kvviz.io.clirun.config_workload, as its subcommand plans it;
     a proof turned off plans none), shown first and refusing a run that cannot fit.
@@ -530,9 +530,11 @@ def run_view(view, lm, config, *, settings=None, prove=None, name: str | None = 
     "attn")."""
     import dataclasses
 
+    from kvviz import views
     from kvviz.core.protocol import RunContext
     from kvviz.io.clirun import config_workload
 
+    view = views.get(view) if isinstance(view, str) else view
     choice = st.session_state.get("model_choice")
     settings = settings if settings is not None else (choice.settings if choice is not None else None)
     if settings is not None and settings.invariant and "invariant" in view.refusals():
@@ -550,6 +552,15 @@ def run_view(view, lm, config, *, settings=None, prove=None, name: str | None = 
             return view.runner()(lm, config, ctx)
 
     return run_cached(name or view.run_names()[0], key, compute, work)
+
+
+def run_or_stop(view, lm, config, **run):
+    """run_view for a page's main result: a failure is one line (show_error) and the page stops there."""
+    try:
+        return run_view(view, lm, config, **run)
+    except Exception as e:  # noqa: BLE001 - one line, the app keeps working
+        show_error(e)
+        st.stop()
 
 
 def run_task(name: str, value, compute, *, ignores: tuple[str, ...] = ()):

@@ -10,9 +10,9 @@ from kvviz.views.split import figures as split_figures
 from kvviz.core.inputs import MASK_MODES, POSITION_MODES, encode
 from kvviz.core.metrics import HIDDEN_METRICS
 from kvviz.teach.firstscreen import rounding_away_note, split_identical_why
-from pages.common import controls, page, show_verdict, token_strip, verdict_and_chart
+from pages.common import controls, page, show_verdict, verdict_and_chart
 from pages.state import linked_slider_box
-from pages.runner import page_message, run_view, show_error
+from pages.runner import page_message, run_or_stop, run_view, show_error
 from pages.ab import ab_run, show_ab
 from pages.exporting import exports
 
@@ -50,7 +50,7 @@ with controls():
         else:
             split = 1
             st.caption("Split point k = 1 (the only one for a 2-token prompt)")
-        st.markdown(token_strip(tokens, split), unsafe_allow_html=True)
+        st.markdown(split_figures.token_strip(tokens, split), unsafe_allow_html=True)
         st.caption(f"{n} tokens: {split} cached (blue), {n - split} fed after the cache and compared.")
     with c2:
         mode = st.radio("Feed the rest", ["chunk", "step"], horizontal=True, key="split_mode",
@@ -67,11 +67,7 @@ with controls():
 cfg = kvviz.SplitConfig(prompt=prompt, split=int(split), mode=mode, left_pad=int(left_pad), position_ids=pos_mode,
                         attention_mask=mask_mode)
 VIEW = views.get("split")
-try:
-    res = run_view(VIEW, lm, cfg, label="Comparing…")
-except Exception as e:  # noqa: BLE001 - one line, the app keeps working
-    show_error(e)
-    st.stop()
+res = run_or_stop(VIEW, lm, cfg, label="Comparing…")
 
 left, right = verdict_and_chart()
 with left:
@@ -159,7 +155,7 @@ with st.expander("Where does it start? (bisector)", expanded=st.session_state.ge
         from kvviz.core.naming import module_row
 
         try:
-            b = run_view(views.get("bisect"), lm, BisectConfig(**cfg.__dict__), label="Bisecting…")
+            b = run_view("bisect", lm, BisectConfig(**cfg.__dict__), label="Bisecting…")
         except Exception as e:  # noqa: BLE001
             show_error(e)
         else:

@@ -15,7 +15,7 @@ from kvviz import views
 from kvviz.core.protocol import config_fields, config_from
 from pages.common import VERDICT_STYLE, controls, page, show_notes, show_verdict, verdict_and_chart, verdict_style
 from pages.exporting import exports
-from pages.runner import run_view, show_error
+from pages.runner import run_or_stop, show_error
 
 view = views.for_page(st.session_state.get("_page", ""))
 cls = view.config_type()
@@ -57,11 +57,7 @@ except Exception as e:  # noqa: BLE001 - a bad control value: one line, the cont
     show_error(e)
     st.stop()
 
-try:
-    res = run_view(view, lm, cfg)
-except Exception as e:  # noqa: BLE001
-    show_error(e)
-    st.stop()
+res = run_or_stop(view, lm, cfg)
 verdict, text = view.verdict_text(res)
 
 

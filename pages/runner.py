@@ -424,19 +424,14 @@ def _announce_long_run(name: str, key: str, model, plan) -> None:
     st.stop()
 
 
-@contextlib.contextmanager
-def _proof_choice(name: str, key: str):
-    """The automatic invariant proof off for this run when the user chose "Run without the proof"."""
-    if st.session_state.get("_long_ok", {}).get(name) != (key, "no proof"):
-        yield
-        return
-    from kvviz.views.split.run import AUTO_PROOF
+def _proof_skipped(name: str, key_parts: dict) -> bool:
+    """The user chose "Run without the proof" for this run (its inputs) when it was announced as long: its context's
+    auto_proof is then False (kvviz.core.protocol.RunContext)."""
+    return st.session_state.get("_long_ok", {}).get(name) == (_key_of(key_parts), "no proof")
 
-    reset = AUTO_PROOF.set(False)
-    try:
-        yield
-    finally:
-        AUTO_PROOF.reset(reset)
+
+def _key_of(key_parts: dict) -> str:
+    return hashlib.sha256(json.dumps(key_parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def run_cached(name: str, key_parts: dict, compute, workload=None):
@@ -446,7 +441,7 @@ def run_cached(name: str, key_parts: dict, compute, workload=None):
     (Stop, a closed tab, a changed control): it ends at its next checkpoint (kvviz.core.cancel), frees the model, and the
     next script run says how far it got."""
     store = st.session_state.setdefault(f"_results_{name}", {})
-    key = hashlib.sha256(json.dumps(key_parts, sort_keys=True, default=str).encode()).hexdigest()
+    key = _key_of(key_parts)
     plan = _memory_plan(name, workload, key not in store)
     if key not in store:
         ss = st.session_state
@@ -471,7 +466,7 @@ def run_cached(name: str, key_parts: dict, compute, workload=None):
         token = cancel.Token(_page_probe())
         t0 = time.perf_counter()
         try:
-            with _holding(name, token), cancel.scope(token), _proof_choice(name, key):
+            with _holding(name, token), cancel.scope(token):
                 result = _measured(compute, plan)
         except cancel.Cancelled:
             st.stop()  # the next script run (already started by the click) says what was done
@@ -542,16 +537,17 @@ def run_view(view, lm, config, *, settings=None, prove=None, name: str | None = 
     work = config_workload(config)
     if prove is False:
         work = dataclasses.replace(work, prove=False)
+    name = name or view.run_names()[0]
     key = {"model": _model_key(lm, ignores), "cfg": _value_key(config), "settings": _value_key(settings),
            "prove": prove}
 
     def compute():
         with progress_bar(label or f"{view.title}…") as report:
             ctx = RunContext(**({"settings": settings} if settings is not None else {}), prove=prove,
-                             progress=report, token=cancel.current())
+                             progress=report, token=cancel.current(), auto_proof=not _proof_skipped(name, key))
             return view.runner()(lm, config, ctx)
 
-    return run_cached(name or view.run_names()[0], key, compute, work)
+    return run_cached(name, key, compute, work)
 
 
 def run_or_stop(view, lm, config, **run):

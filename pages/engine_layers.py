@@ -60,8 +60,9 @@ with controls(expanded=True):
 label = ENGINE_LABELS[engine]
 if not run_button("engine_layers", cfg, f"Run inside {label}", key="engine_layers_run", type="primary",
                   icon=":material/play_arrow:",
-                  help=f"Starts {label} in its own environment (" + ("seconds to a minute on a CPU)" if llama else
-                                                                     "a minute or more on a CPU; tensor parallel starts two)")):
+                  help=f"Starts {label} in its own environment (" + (
+                      "seconds to a minute on a CPU)" if llama else
+                      "a minute or more on a CPU; tensor parallel starts two)")):
     st.info(f"Choose the pair and press **Run inside {label}**: the engine starts in its own process, so a run "
             f"takes {'a minute or so' if llama else 'minutes'} on a CPU.")
     st.stop()

@@ -20,9 +20,9 @@ with controls():
     n = c1.number_input("New tokens", 1, 256, DEFAULTS["loading_trap"]["n"], key="loading_trap_n")
     dtype = c2.radio("16-bit dtype", ["bfloat16", "float16"], horizontal=True, key="loading_trap_dtype")
 
-
+# its two loadings are its own: the sidebar's dtype is not one of its inputs
 res = run_or_stop("loading_trap", lm, LoadingTrapConfig(prompt, int(n), dtype), ignores=("dtype",),
-               label="Decoding with both models…")  # its two loadings are its own: the sidebar's dtype is not one of its inputs
+                  label="Decoding with both models…")
 left, right = verdict_and_chart()
 with left:
     show_verdict({"different models": "logic", "same model": "identical"}.get(res.verdict, res.verdict),

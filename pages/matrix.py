@@ -66,8 +66,9 @@ default_cfg = MatrixConfig(prompt=D["prompt"], max_new_tokens=D["n"], attentions
                            caches=tuple(D["cache"]), compiles=("off",), flag_sets=((),), repeats=D["repeats"],
                            invariant=choice.invariant)
 # a scenario's axes and the page's default axes (seconds) run at once; other axes wait for the click (can be long)
+# the matrix is long: it runs on the click (views reuse it)
 if not run_button("matrix", cfg, "Run the matrix", auto=st.session_state.pop("_mx_autorun", False) or cfg == default_cfg,
-                  ignores=("attn",), type="primary", key="matrix_run"):  # the matrix is long: it runs on the click, views reuse it
+                  ignores=("attn",), type="primary", key="matrix_run"):
     st.info("Pick the axes and press **Run the matrix**.")
     st.stop()
 

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import dataclasses
 import hashlib
 import json
-import contextvars
 import threading
 import time
 
 import streamlit as st
 
+from kvviz import views
 from kvviz.core import cancel
+from kvviz.core.protocol import RunContext
+from kvviz.io.clirun import config_workload
 from kvviz.models.compat import script_request_state
 from kvviz.core.errors import OUT_OF_MEMORY_HINT, KvvizError, first_line, free_memory, is_out_of_memory
 
@@ -194,8 +198,6 @@ def _memory_plan(name: str, work, fresh: bool):
     (kvviz.core.memory.Workload, from the page's config); a run that cannot fit is refused in one line naming what to
     lower, before it starts (nothing is loaded to make the plan)."""
     from pages.memory_plan import blocks_run, show_plan
-
-    from kvviz import views
 
     choice = st.session_state.get("model_choice")
     view = views.for_run(name)
@@ -485,8 +487,6 @@ def run_cached(name: str, key_parts: dict, compute, workload=None):
 def _value_key(value) -> object:
     """A config's value as a cache key's part: its fields (dataclasses.asdict), bytes by their digest (an uploaded
     cache is not written into the key)."""
-    import dataclasses
-
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         value = {f.name: _value_key(getattr(value, f.name)) for f in dataclasses.fields(value)}
         return value
@@ -513,22 +513,16 @@ def _model_key(lm, ignores: tuple[str, ...]) -> dict:
 
 def run_view(view, lm, config, *, settings=None, prove=None, name: str | None = None, label: str | None = None,
              ignores: tuple[str, ...] = ()):
-    """THE way a page runs a view (a kvviz.views.View or its name): `view.runner()(lm, config, ctx)` once per distinct value of
-    (model, config, settings, prove) in this session, with the page's progress bar, its Stop (the run's cancel
-    token) and the memory plan of the config's workload (kvviz.io.clirun.config_workload, as its subcommand plans it;
-    a proof turned off plans none), shown first and refusing a run that cannot fit.
+    """THE way a page runs a view (a kvviz.views.View or its name): `view.runner()(lm, config, ctx)` once per
+    distinct value of (model, config, settings, prove) in this session, with the page's progress bar and its Stop
+    (the context's cancel token), and the memory plan of the config's workload (kvviz.io.clirun.config_workload, as
+    its subcommand plans it; a proof turned off plans none) shown first, refusing a run that cannot fit.
 
     settings: the run's ExecSettings (default: the sidebar's); a view whose run refuses invariant mode (its REFUSES)
     runs without it, as its page always did (the page says so where it matters). prove: the context's (None: the
-    automatic proof; False: none). name: the run's name (default: the view's first run name; an A/B's B side is
-    "<name>_ab"). label: the progress bar's first line. ignores: sidebar fields the run does not depend on ("dtype",
-    "attn")."""
-    import dataclasses
-
-    from kvviz import views
-    from kvviz.core.protocol import RunContext
-    from kvviz.io.clirun import config_workload
-
+    automatic proof, which "Run without the proof" of a run announced as long turns off - the context's auto_proof;
+    False: none). name: the run's name (default: the view's first run name; an A/B's B side is "<name>_ab"). label:
+    the progress bar's first line. ignores: sidebar fields the run does not depend on ("dtype", "attn")."""
     view = views.get(view) if isinstance(view, str) else view
     choice = st.session_state.get("model_choice")
     settings = settings if settings is not None else (choice.settings if choice is not None else None)
@@ -563,8 +557,6 @@ def run_task(name: str, value, compute, *, ignores: tuple[str, ...] = ()):
     """A page's computation that is not a view's run (a Lesson step, an exercise, the cache's download): compute()
     once per distinct `value` (a config dataclass or plain data) on the sidebar's model less `ignores`, with Stop
     and, for a value with a `workload()`, its memory plan as a view's config has it."""
-    from kvviz.io.clirun import config_workload
-
     work = config_workload(value) if callable(getattr(value, "workload", None)) else None
     return run_cached(name, {"model": _model_key(None, ignores), "value": _value_key(value)}, compute, work)
 

@@ -82,33 +82,14 @@ with left:
 if not res.main.has_cache:
     st.stop()
 with left:  # tiles: the unit in each label (absolute, relative to |x|, in ε, positions)
-    f64 = res.float64
-    tiles = []
+    normal = None
     if choice.invariant:  # the proof alone reads "identical": the normal run's gap goes beside it
         try:
             normal = run_view(VIEW, lm, cfg, settings=choice.settings.with_(invariant=False), prove=False,
                               name="split_normal", label="The same scenario with invariant mode off…")
         except Exception as e:  # noqa: BLE001
             show_error(e)
-        else:
-            tiles += [("max |Δ|, normal run (absolute)", f"{normal.main.max_abs:.3g}",
-                       "The same scenario with invariant mode off: the gap the proof removes"),
-                      ("max |Δ|, invariant mode (absolute)", f"{res.main.max_abs:.3g}",
-                       "This run: every row computed the same way whatever the shape")]
-    elif res.invariant is not None:
-        tiles += [("max |Δ|, normal run (absolute)", f"{res.main.max_abs:.3g}",
-                   "The largest absolute gap of a hidden state, in the model's own units"),
-                  ("max |Δ|, invariant mode (absolute)", f"{res.invariant.max_abs:.3g}",
-                   "The same scenario with every row computed the same way whatever the shape")]
-    tiles += [("largest relative gap (÷ |x|)", f"{res.main.max_relative:.3g}",
-               "max |Δ| / max |x| of a hidden state: 1e-7 is a seven-digit agreement"),
-              (f"in units of ε ({res.settings.dtype})",
-               f"{res.main.max_relative / kvviz.machine_eps(lm.dtype):.3g} ε",
-               f"The relative gap in units of {res.settings.dtype}'s machine epsilon"),
-              ("float64 rerun (÷ |x|)", "—" if f64 is None else f"{f64.max_relative:.3g}",
-               "The same scenario in float64: the evidence for the verdict"),
-              ("next token agrees (positions)",
-               f"{int(res.main.logits['argmax_agree'].sum())}/{len(res.compared)}", None)]
+    tiles = split_figures.tiles(res, kvviz.machine_eps(lm.dtype), normal)
     cols = st.columns(2 if st.session_state.get("presenter") else 3)
     for i, (label, value, help_text) in enumerate(tiles):
         cols[i % len(cols)].metric(label, value, help=help_text)

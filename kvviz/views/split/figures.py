@@ -142,3 +142,29 @@ def token_strip(tokens: list[str], split: int | None = None, highlight: int | No
     if hi < len(tokens):
         chips.append(hidden.format(n=len(tokens) - hi))
     return "".join(chips)
+
+
+def tiles(res, eps: float, normal=None) -> list[tuple[str, str, str | None]]:
+    """The page's number tiles beside the verdict, (label, value, tooltip), each label naming its unit (absolute,
+    relative to |x|, in ε of the model's dtype - `eps` -, positions). normal: in invariant mode, the same scenario's
+    normal run (its gap beside the proof's); else a run that also ran in invariant mode shows both gaps."""
+    out = []
+    if normal is not None:
+        out += [("max |Δ|, normal run (absolute)", f"{normal.main.max_abs:.3g}",
+                 "The same scenario with invariant mode off: the gap the proof removes"),
+                ("max |Δ|, invariant mode (absolute)", f"{res.main.max_abs:.3g}",
+                 "This run: every row computed the same way whatever the shape")]
+    elif res.invariant is not None and not res.settings.execution.invariant:
+        out += [("max |Δ|, normal run (absolute)", f"{res.main.max_abs:.3g}",
+                 "The largest absolute gap of a hidden state, in the model's own units"),
+                ("max |Δ|, invariant mode (absolute)", f"{res.invariant.max_abs:.3g}",
+                 "The same scenario with every row computed the same way whatever the shape")]
+    f64 = res.float64
+    return out + [("largest relative gap (÷ |x|)", f"{res.main.max_relative:.3g}",
+                   "max |Δ| / max |x| of a hidden state: 1e-7 is a seven-digit agreement"),
+                  (f"in units of ε ({res.settings.dtype})", f"{res.main.max_relative / eps:.3g} ε",
+                   f"The relative gap in units of {res.settings.dtype}'s machine epsilon"),
+                  ("float64 rerun (÷ |x|)", "—" if f64 is None else f"{f64.max_relative:.3g}",
+                   "The same scenario in float64: the evidence for the verdict"),
+                  ("next token agrees (positions)",
+                   f"{int(res.main.logits['argmax_agree'].sum())}/{len(res.compared)}", None)]

@@ -3,8 +3,7 @@ import streamlit as st
 
 from pages.defaults import DEFAULTS
 
-from kvviz.views.reuse import figures as reuse_figures
-from kvviz.core.verdict import Verdict, worst as worst_of
+from kvviz.views.reuse import figures as reuse_figures, report as reuse_report
 from kvviz import views
 from kvviz.views.reuse.run import REUSE_STRATEGIES, ReuseConfig
 from pages.common import controls, page, show_verdict
@@ -32,17 +31,7 @@ cfg = ReuseConfig(prefix, tuple(merged), int(n))
 proof = None if prove else False  # the context's prove: the automatic proof, or none (its memory plan with it)
 res = run_or_stop(VIEW, lm, cfg, prove=proof, label="Decoding…")
 
-ways = [r for r in res.runs if r["strategy"] != "fresh"]
-worst = worst_of((r["verdict"] for r in ways), Verdict.IDENTICAL)
-bad = sorted({r["strategy"] for r in ways if r["verdict"] == worst})
-show_verdict(worst, {"logic": f"Logic: {' and '.join(bad)} compute{'s' if len(bad) == 1 else ''} something else "
-                              "than a fresh prefill (the gap stays in float64)"
-                              + (": the reused cache still holds the earlier continuations' tokens. Deep-copy the "
-                                 "prefix cache for every continuation." if bad == ["reused"] else "."),
-                     "precision": f"Precision: {' and '.join(bad)} differ from a fresh prefill only by rounding (the "
-                                  "gap closes in float64); the reuse logic is right.",
-                     "identical": "Identical: every way of reusing the prefix gives the fresh run's numbers bit for "
-                                  "bit."}[worst])
+show_verdict(*reuse_report.worst_way(res))
 for i, cont in enumerate(res.settings.continuations):
     st.markdown(f"**Continuation {i + 1}**")
     st.text(cont)

@@ -9,7 +9,8 @@ from kvviz.views.greedy.run import (DEFAULT_PATHS, MAX_NEW_TOKENS, PATH_LABELS, 
 from kvviz.core.inputs import POSITION_MODES
 from kvviz.teach.firstscreen import greedy_closest_call
 from pages.common import controls, page, show_verdict, verdict_and_chart
-from pages.runner import progress_bar, run_cached, show_error
+from kvviz import views
+from pages.runner import progress_bar, run_cached, run_context, show_error
 from pages.ab import ab_run, show_ab
 from pages.exporting import exports
 
@@ -42,11 +43,11 @@ key = {"model": choice.key, "cfg": cfg.__dict__}
 
 def compute():
     with progress_bar("Decoding…") as report:
-        return run_greedy(lm, cfg, progress=report, settings=choice.settings)
+        return views.get("greedy").runner()(lm, cfg, run_context(choice.settings, report))
 
 
 try:
-    res = run_cached("greedy", key, compute, cfg.workload())
+    res = run_cached("greedy", key, compute, cfg.workload(), lm=lm)
 except Exception as e:  # noqa: BLE001
     show_error(e)
     st.stop()

@@ -11,7 +11,8 @@ from kvviz.core.metrics import HIDDEN_METRICS
 from kvviz.teach.firstscreen import rounding_away_note, split_identical_why
 from pages.common import controls, page, show_verdict, token_strip, verdict_and_chart
 from pages.state import linked_slider_box
-from pages.runner import page_message, progress_bar, run_cached, show_error
+from kvviz import views
+from pages.runner import page_message, progress_bar, run_cached, run_context, show_error
 from pages.ab import ab_run, show_ab
 from pages.exporting import exports
 
@@ -70,11 +71,11 @@ work = cfg.workload()  # what it holds: its memory plan
 
 def compute():
     with progress_bar("Comparing…") as report:
-        return kvviz.run_split(lm, cfg, progress=report, settings=choice.settings)
+        return views.get("split").runner()(lm, cfg, run_context(choice.settings, report))
 
 
 try:
-    res = run_cached("split", {"model": choice.key, "cfg": cfg.__dict__}, compute, work)
+    res = run_cached("split", {"model": choice.key, "cfg": cfg.__dict__}, compute, work, lm=lm)
 except Exception as e:  # noqa: BLE001 - one line, the app keeps working
     show_error(e)
     st.stop()

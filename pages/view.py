@@ -13,10 +13,10 @@ import streamlit as st
 
 from kvviz import views
 from kvviz.io.clirun import config_workload
-from kvviz.core.protocol import RunContext, config_fields, config_from
+from kvviz.core.protocol import config_fields, config_from
 from pages.common import VERDICT_STYLE, controls, page, show_notes, show_verdict, verdict_and_chart, verdict_style
 from pages.exporting import exports
-from pages.runner import progress_bar, run_cached, show_error
+from pages.runner import progress_bar, run_cached, run_context, show_error
 
 view = views.for_page(st.session_state.get("_page", ""))
 cls = view.config_type()
@@ -61,12 +61,12 @@ except Exception as e:  # noqa: BLE001 - a bad control value: one line, the cont
 
 def compute():
     with progress_bar(f"{view.title}…") as report:
-        return view.runner()(lm, cfg, RunContext(settings=choice.settings, progress=report))
+        return view.runner()(lm, cfg, run_context(choice.settings, report))
 
 
 try:
     work = config_workload(cfg)  # its memory plan: as its subcommand plans it
-    res = run_cached(view.run_names()[0], {"model": choice.key, "cfg": dataclasses.asdict(cfg)}, compute, work)
+    res = run_cached(view.run_names()[0], {"model": choice.key, "cfg": dataclasses.asdict(cfg)}, compute, work, lm=lm)
 except Exception as e:  # noqa: BLE001
     show_error(e)
     st.stop()

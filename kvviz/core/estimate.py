@@ -26,6 +26,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .dtypes import resolve_device
 from .inputs import Workload
 
 CALIBRATION_LENGTHS = (1, 64, 256)  # tokens: the call's fixed cost, then two lengths for the linear and quadratic part
@@ -167,20 +168,23 @@ class Pace:
 
 
 def fit(points: list[tuple[int, float]]) -> tuple[float, float, float]:
-    """(c0, a, b) through three (n, seconds) points, none negative (noise at short lengths can make one so: it is then
-    dropped and the others refit)."""
+    """(c0, a, b) of t = c0 + a·n + b·n² through three (n, seconds) points, none negative: where noise at short
+    lengths makes one so, it is set to 0 and the others refit through the longer points."""
     (n1, t1), (n2, t2), (n3, t3) = sorted(points)[:3]
-    c0 = max(0.0, t1 - 0.0)  # n1 tokens: nearly all fixed cost
-    # the rest through the two longer points: t - c0 = a n + b n^2
-    y2, y3 = max(t2 - c0, 0.0), max(t3 - c0, 0.0)
-    det = n2 * n3 * n3 - n3 * n2 * n2
-    b = (n2 * y3 - n3 * y2) / det if det else 0.0
-    a = (y2 - b * n2 * n2) / n2
-    if b < 0:
-        b, a = 0.0, y3 / n3
-    if a < 0:
-        a, b = 0.0, y3 / (n3 * n3)
-    return c0, a, b
+    # divided differences: exact through the three points
+    d12, d23 = (t2 - t1) / (n2 - n1), (t3 - t2) / (n3 - n2)
+    b = (d23 - d12) / (n3 - n1)
+    a = d12 - b * (n1 + n2)
+    c0 = t1 - a * n1 - b * n1 * n1
+    if b < 0:  # no quadratic part measured: a line through the first and last point
+        b = 0.0
+        a = (t3 - t1) / (n3 - n1)
+        c0 = t1 - a * n1
+    if a < 0:  # no linear part measured: c0 + b n² through the first and last point
+        a = 0.0
+        b = max(0.0, (t3 - t1) / (n3 * n3 - n1 * n1))
+        c0 = t1 - b * n1 * n1
+    return max(0.0, c0), a, b
 
 
 def fit2(points: list[tuple[int, float]], c0: float) -> tuple[float, float, float]:
@@ -197,6 +201,11 @@ def key_of(spec, dtype, device, threads: int | None = None) -> str:
 
     ms = parse_spec(spec)
     dt = str(dtype).replace("torch.", "")
+    if isinstance(device, str) or device is None:
+        try:
+            device = resolve_device(device)
+        except Exception:  # noqa: BLE001 - a device this machine lacks: the run says so in its own line
+            pass
     dev = str(getattr(device, "type", device) or "cpu")
     return f"{ms.kind}:{ms.ref}|{dt}|{dev}|threads={threads or torch.get_num_threads()}"
 

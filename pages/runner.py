@@ -118,7 +118,7 @@ class _Ticker:
         self.t0 = self.t_report = clock()
         self.frac, self.msg = 0.0, ""
         self.phase_name, self.phase_start, self.fresh_phase = "", (0.0, 0.0), False
-        self.phases = PhaseClock(clock)  # each phase's measured seconds (the estimate store is refined by them)
+        self.phases = PhaseClock(clock, self.t0)  # each phase's measured seconds (the estimate store is refined by them)
         self.lock = threading.Lock()
 
     def _msg(self) -> str:

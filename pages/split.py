@@ -11,7 +11,6 @@ from kvviz.core.metrics import HIDDEN_METRICS
 from kvviz.teach.firstscreen import rounding_away_note, split_identical_why
 from pages.common import controls, page, show_verdict, token_strip, verdict_and_chart
 from pages.state import linked_slider_box
-from kvviz import views
 from pages.runner import page_message, progress_bar, run_cached, run_context, show_error
 from pages.ab import ab_run, show_ab
 from pages.exporting import exports
@@ -71,7 +70,9 @@ work = cfg.workload()  # what it holds: its memory plan
 
 def compute():
     with progress_bar("Comparing…") as report:
-        return views.get("split").runner()(lm, cfg, run_context(choice.settings, report))
+        ctx = run_context(choice.settings, report)  # the estimate, the proof choice, the phases named to the bar
+        return kvviz.run_split(lm, cfg, progress=report, settings=ctx.settings, auto_proof=ctx.auto_proof,
+                               estimate=ctx.estimate, on_phase=ctx.on_phase)
 
 
 try:

@@ -298,7 +298,6 @@ def test_a_long_run_is_announced_and_can_skip_its_proof(monkeypatch, tmp_path):
     (the run and its proof apart) and waits; 'Run without the proof' runs it with no invariant rerun (the run's
     context has auto_proof False), and the finished run refines the stored pace."""
     from kvviz.core import estimate
-    from kvviz.views.split import run as split_run
     from test_app import alerts, start
 
     monkeypatch.setattr(estimate, "store_path", lambda: tmp_path / "estimates.json")  # this test's store only
@@ -306,8 +305,8 @@ def test_a_long_run_is_announced_and_can_skip_its_proof(monkeypatch, tmp_path):
     # a slow machine's pace, as calibration would have stored it: 100 s a forward, 10 ms a token, 0.1 ms a token²
     estimate.save_pace(key, estimate.Pace(100.0, 0.01, 1e-4, inv=(100.0, 0.05, 1e-3)))
     calls = []
-    real = split_run.run_split
-    monkeypatch.setattr(split_run, "run_split", lambda *a, **k: calls.append(k.get("auto_proof")) or real(*a, **k))
+    real = kvviz.run_split
+    monkeypatch.setattr(kvviz, "run_split", lambda *a, **k: calls.append(k.get("auto_proof")) or real(*a, **k))
     at = start("pages/split.py", model="tiny:llama")
     said = alerts(at)
     assert "This run will take about" in said and "for the invariant proof" in said, said

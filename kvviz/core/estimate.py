@@ -30,7 +30,7 @@ from .dtypes import resolve_device
 from .inputs import Workload
 
 CALIBRATION_LENGTHS = (1, 64, 256)  # tokens: the call's fixed cost, then two lengths for the linear and quadratic part
-INVARIANT_LENGTHS = (16, 64)  # invariant mode's fixed-order kernels are slow: two short lengths
+INVARIANT_LENGTHS = (8, 32)  # invariant mode's fixed-order kernels are slow: two short lengths
 STORE_NAME = "estimates.json"
 PHASES = ("load", "run", "float64", "proof")  # a run's phases, in their order (RunContext.on_phase names them)
 # Before a run has refined it, what a float64 rerun costs against the run in its own dtype (CPU float64 matmuls run
@@ -416,9 +416,9 @@ class PhaseClock:
     """Times a run's phases as it names them (RunContext.on_phase): measured() -> seconds by phase name. clock:
     time.perf_counter (a test's fake clock)."""
 
-    def __init__(self, clock=time.perf_counter):
+    def __init__(self, clock=time.perf_counter, t0: float | None = None):
         self.clock = clock
-        self.t0 = clock()
+        self.t0 = clock() if t0 is None else t0
         self.marks: list[tuple[str, float]] = []
 
     def __call__(self, name: str) -> None:

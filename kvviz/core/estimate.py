@@ -259,12 +259,14 @@ def save_pace(key: str, pace: Pace) -> None:
 
 
 def _timed(fn, repeat: int = 1) -> float:
-    best = math.inf
+    """The median of `repeat` timed calls: a run meets the machine as it is (the best of a few, on a shared machine,
+    priced every later call at its luckiest)."""
+    times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
 
 
 def calibrate(lm, invariant: bool = False, clock_forward=None) -> Pace:
@@ -285,7 +287,8 @@ def calibrate(lm, invariant: bool = False, clock_forward=None) -> Pace:
 
 
 def _time_forward(lm, n: int, invariant: bool) -> float:
-    """Seconds of one forward of n tokens (no cache, no hidden states), the best of a few for a short one."""
+    """Seconds of one forward of n tokens (no cache, hidden states kept as the views keep them), the median of a
+    few for a short one."""
     import torch
 
     from .execution import DEFAULT_SETTINGS, Executor

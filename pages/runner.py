@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import dataclasses
 import hashlib
 import json
-import contextvars
 import threading
 import time
 
 import streamlit as st
 
+from kvviz import views
 from kvviz.core import cancel, estimate
 from kvviz.core.estimate import PhaseClock
 from kvviz.core.protocol import RunContext
+from kvviz.io.clirun import config_workload
 from kvviz.models.compat import script_request_state
 from kvviz.core.errors import OUT_OF_MEMORY_HINT, KvvizError, first_line, free_memory, is_out_of_memory
 
@@ -232,8 +235,6 @@ def _memory_plan(name: str, work, fresh: bool):
     (kvviz.core.memory.Workload, from the page's config); a run that cannot fit is refused in one line naming what to
     lower, before it starts (nothing is loaded to make the plan)."""
     from pages.memory_plan import blocks_run, show_plan
-
-    from kvviz import views
 
     choice = st.session_state.get("model_choice")
     view = views.for_run(name)
@@ -468,6 +469,10 @@ def run_context(settings, report) -> RunContext:
                       estimate=run.get("estimate"), on_phase=ticker.phase if ticker is not None else None)
 
 
+def _key_of(key_parts: dict) -> str:
+    return hashlib.sha256(json.dumps(key_parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
 def _finish_timings(lm, name: str, entry: dict, result, elapsed: float) -> None:
     """The result carries the estimate it started with and the seconds it took; the measured phases refine the
     pace (kvviz.core.estimate.record) for the next run."""
@@ -491,7 +496,7 @@ def run_cached(name: str, key_parts: dict, compute, workload=None, lm=None):
     (Stop, a closed tab, a changed control): it ends at its next checkpoint (kvviz.core.cancel), frees the model, and the
     next script run says how far it got."""
     store = st.session_state.setdefault(f"_results_{name}", {})
-    key = hashlib.sha256(json.dumps(key_parts, sort_keys=True, default=str).encode()).hexdigest()
+    key = _key_of(key_parts)
     plan = _memory_plan(name, workload, key not in store)
     if key not in store:
         ss = st.session_state
@@ -532,3 +537,98 @@ def run_cached(name: str, key_parts: dict, compute, workload=None, lm=None):
     if over:  # the plan was wrong for this run: said on the page below the verdict (pages.common.show_notes)
         st.session_state.setdefault("_notes_after_verdict", []).append(over)
     return result
+
+
+def _value_key(value) -> object:
+    """A config's value as a cache key's part: its fields (dataclasses.asdict), bytes by their digest (an uploaded
+    cache is not written into the key)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = {f.name: _value_key(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return value
+    if isinstance(value, (bytes, bytearray)):
+        return "sha256:" + hashlib.sha256(value).hexdigest()
+    if isinstance(value, dict):
+        return {str(k): _value_key(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_value_key(v) for v in value]
+    return value
+
+
+def _model_key(lm, ignores: tuple[str, ...]) -> dict:
+    """The model a run runs on, as its cache key names it: the sidebar's choice less what the run ignores (a view that
+    loads its own dtypes ignores the sidebar's dtype), and the loaded model's own dtype and attention (an A/B's B
+    model differs from the sidebar's there)."""
+    choice = st.session_state.get("model_choice")
+    key = {"choice": None if choice is None else choice.key_without("invariant", *ignores)}
+    if lm is not None:
+        key.update({"dtype": None if "dtype" in ignores else str(lm.dtype),
+                    "attn": None if "attn" in ignores else lm.attn_implementation})
+    return key
+
+
+def run_view(view, lm, config, *, settings=None, prove=None, name: str | None = None, label: str | None = None,
+             ignores: tuple[str, ...] = ()):
+    """THE way a page runs a view (a kvviz.views.View or its name): `view.runner()(lm, config, ctx)` once per
+    distinct value of (model, config, settings, prove) in this session, with the page's progress bar and its Stop
+    (the context's cancel token), and the memory plan of the config's workload (kvviz.io.clirun.config_workload, as
+    its subcommand plans it; a proof turned off plans none) shown first, refusing a run that cannot fit.
+
+    settings: the run's ExecSettings (default: the sidebar's); a view whose run refuses invariant mode (its REFUSES)
+    runs without it, as its page always did (the page says so where it matters). prove: the context's (None: the
+    automatic proof, which "Run without the proof" of a run announced as long turns off - the context's auto_proof;
+    False: none). name: the run's name (default: the view's first run name; an A/B's B side is "<name>_ab"). label:
+    the progress bar's first line. ignores: sidebar fields the run does not depend on ("dtype", "attn")."""
+    view = views.get(view) if isinstance(view, str) else view
+    choice = st.session_state.get("model_choice")
+    settings = settings if settings is not None else (choice.settings if choice is not None else None)
+    if settings is not None and settings.invariant and "invariant" in view.refusals():
+        settings = settings.with_(invariant=False)
+    work = config_workload(config)
+    if prove is False:
+        work = dataclasses.replace(work, prove=False)
+    name = name or view.run_names()[0]
+    key = {"model": _model_key(lm, ignores), "cfg": _value_key(config), "settings": _value_key(settings),
+           "prove": prove}
+
+    def compute():
+        with progress_bar(label or f"{view.title}…") as report:
+            # the proof choice, the estimate and the phases named to the progress line (run_context)
+            ctx = dataclasses.replace(run_context(settings if settings is not None else RunContext().settings,
+                                                  report), prove=prove, token=cancel.current())
+            return view.runner()(lm, config, ctx)
+
+    return run_cached(name, key, compute, work, lm=lm)
+
+
+def run_or_stop(view, lm, config, **run):
+    """run_view for a page's main result: a failure is one line (show_error) and the page stops there."""
+    try:
+        return run_view(view, lm, config, **run)
+    except Exception as e:  # noqa: BLE001 - one line, the app keeps working
+        show_error(e)
+        st.stop()
+
+
+def run_task(name: str, value, compute, *, ignores: tuple[str, ...] = ()):
+    """A page's computation that is not a view's run (a Lesson step, an exercise, the cache's download): compute()
+    once per distinct `value` (a config dataclass or plain data) on the sidebar's model less `ignores`, with Stop
+    and, for a value with a `workload()`, its memory plan as a view's config has it."""
+    work = config_workload(value) if callable(getattr(value, "workload", None)) else None
+    return run_cached(name, {"model": _model_key(None, ignores), "value": _value_key(value)}, compute, work)
+
+
+def run_button(name: str, value, label: str, *, auto: bool = False, ignores: tuple[str, ...] = (), **button) -> bool:
+    """A long run's button (the matrix, the sweep, an engine's run): drawn with `label` and `button`'s keywords
+    (its widget key among them); True once it was pressed for this `value` on this model (a run's config), or at once
+    when `auto`. The press is marked in the button's callback: the app may rerun the script before the page reads a
+    button's value. forget_button(name) after a failed run: the next rerun does not start it again."""
+    mark = repr({"model": _model_key(None, ignores), "value": _value_key(value)})
+    asked = st.session_state.setdefault("_run_asked", {})
+    if auto:
+        asked[name] = mark
+    st.button(label, on_click=asked.__setitem__, args=(name, mark), **button)
+    return asked.get(name) == mark
+
+
+def forget_button(name: str) -> None:
+    st.session_state.get("_run_asked", {}).pop(name, None)

@@ -305,8 +305,10 @@ def test_a_long_run_is_announced_and_can_skip_its_proof(monkeypatch, tmp_path):
     # a slow machine's pace, as calibration would have stored it: 100 s a forward, 10 ms a token, 0.1 ms a token²
     estimate.save_pace(key, estimate.Pace(100.0, 0.01, 1e-4, inv=(100.0, 0.05, 1e-3)))
     calls = []
-    real = kvviz.run_split
-    monkeypatch.setattr(kvviz, "run_split", lambda *a, **k: calls.append(k.get("auto_proof")) or real(*a, **k))
+    import kvviz.views.split.run as split_run  # the split view's run (the page runs it through run_view)
+
+    real = split_run.run_split
+    monkeypatch.setattr(split_run, "run_split", lambda *a, **k: calls.append(k.get("auto_proof")) or real(*a, **k))
     at = start("pages/split.py", model="tiny:llama")
     said = alerts(at)
     assert "This run will take about" in said and "for the invariant proof" in said, said

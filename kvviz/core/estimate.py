@@ -26,10 +26,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .dtypes import resolve_device
 from .inputs import Workload
 
 CALIBRATION_LENGTHS = (1, 64, 256)  # tokens: the call's fixed cost, then two lengths for the linear and quadratic part
-INVARIANT_LENGTHS = (16, 64)  # invariant mode's fixed-order kernels are slow: two short lengths
+INVARIANT_LENGTHS = (8, 32)  # invariant mode's fixed-order kernels are slow: two short lengths
 STORE_NAME = "estimates.json"
 PHASES = ("load", "run", "float64", "proof")  # a run's phases, in their order (RunContext.on_phase names them)
 # Before a run has refined it, what a float64 rerun costs against the run in its own dtype (CPU float64 matmuls run
@@ -167,20 +168,23 @@ class Pace:
 
 
 def fit(points: list[tuple[int, float]]) -> tuple[float, float, float]:
-    """(c0, a, b) through three (n, seconds) points, none negative (noise at short lengths can make one so: it is then
-    dropped and the others refit)."""
+    """(c0, a, b) of t = c0 + a·n + b·n² through three (n, seconds) points, none negative: where noise at short
+    lengths makes one so, it is set to 0 and the others refit through the longer points."""
     (n1, t1), (n2, t2), (n3, t3) = sorted(points)[:3]
-    c0 = max(0.0, t1 - 0.0)  # n1 tokens: nearly all fixed cost
-    # the rest through the two longer points: t - c0 = a n + b n^2
-    y2, y3 = max(t2 - c0, 0.0), max(t3 - c0, 0.0)
-    det = n2 * n3 * n3 - n3 * n2 * n2
-    b = (n2 * y3 - n3 * y2) / det if det else 0.0
-    a = (y2 - b * n2 * n2) / n2
-    if b < 0:
-        b, a = 0.0, y3 / n3
-    if a < 0:
-        a, b = 0.0, y3 / (n3 * n3)
-    return c0, a, b
+    # divided differences: exact through the three points
+    d12, d23 = (t2 - t1) / (n2 - n1), (t3 - t2) / (n3 - n2)
+    b = (d23 - d12) / (n3 - n1)
+    a = d12 - b * (n1 + n2)
+    c0 = t1 - a * n1 - b * n1 * n1
+    if b < 0:  # no quadratic part measured: a line through the first and last point
+        b = 0.0
+        a = (t3 - t1) / (n3 - n1)
+        c0 = t1 - a * n1
+    if a < 0:  # no linear part measured: c0 + b n² through the first and last point
+        a = 0.0
+        b = max(0.0, (t3 - t1) / (n3 * n3 - n1 * n1))
+        c0 = t1 - b * n1 * n1
+    return max(0.0, c0), a, b
 
 
 def fit2(points: list[tuple[int, float]], c0: float) -> tuple[float, float, float]:
@@ -197,6 +201,11 @@ def key_of(spec, dtype, device, threads: int | None = None) -> str:
 
     ms = parse_spec(spec)
     dt = str(dtype).replace("torch.", "")
+    if isinstance(device, str) or device is None:
+        try:
+            device = resolve_device(device)
+        except Exception:  # noqa: BLE001 - a device this machine lacks: the run says so in its own line
+            pass
     dev = str(getattr(device, "type", device) or "cpu")
     return f"{ms.kind}:{ms.ref}|{dt}|{dev}|threads={threads or torch.get_num_threads()}"
 
@@ -250,12 +259,14 @@ def save_pace(key: str, pace: Pace) -> None:
 
 
 def _timed(fn, repeat: int = 1) -> float:
-    best = math.inf
+    """The median of `repeat` timed calls: a run meets the machine as it is (the best of a few, on a shared machine,
+    priced every later call at its luckiest)."""
+    times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
 
 
 def calibrate(lm, invariant: bool = False, clock_forward=None) -> Pace:
@@ -276,7 +287,8 @@ def calibrate(lm, invariant: bool = False, clock_forward=None) -> Pace:
 
 
 def _time_forward(lm, n: int, invariant: bool) -> float:
-    """Seconds of one forward of n tokens (no cache, no hidden states), the best of a few for a short one."""
+    """Seconds of one forward of n tokens (no cache, hidden states kept as the views keep them), the median of a
+    few for a short one."""
     import torch
 
     from .execution import DEFAULT_SETTINGS, Executor
@@ -287,8 +299,8 @@ def _time_forward(lm, n: int, invariant: bool) -> float:
     ids = (torch.arange(n, dtype=torch.long).reshape(1, n) * 7919 + 3) % max(2, vocab - 1)
     ex = Executor(lm, DEFAULT_SETTINGS.with_(invariant=invariant, compile="off"))
     with ex.session():
-        ex.forward(ids[:, : min(n, 8)], use_cache=False, hidden=False)  # warm up (first-call allocations)
-        return _timed(lambda: ex.forward(ids, use_cache=False, hidden=False), repeat=3 if n <= 64 else 1)
+        ex.forward(ids[:, : min(n, 8)], use_cache=False)  # warm up (first-call allocations)
+        return _timed(lambda: ex.forward(ids, use_cache=False), repeat=3 if n <= 64 else 1)  # as views run: hidden states kept
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -407,9 +419,9 @@ class PhaseClock:
     """Times a run's phases as it names them (RunContext.on_phase): measured() -> seconds by phase name. clock:
     time.perf_counter (a test's fake clock)."""
 
-    def __init__(self, clock=time.perf_counter):
+    def __init__(self, clock=time.perf_counter, t0: float | None = None):
         self.clock = clock
-        self.t0 = clock()
+        self.t0 = clock() if t0 is None else t0
         self.marks: list[tuple[str, float]] = []
 
     def __call__(self, name: str) -> None:

@@ -25,6 +25,7 @@ from ...core.protocol import DEFAULT_CONTEXT, RunContext
 from ...core.metrics import max_abs_gap
 from ...core.naming import module_label
 from ...core.verdict import Finding
+from ...core.estimate import Timed
 
 _KINDS = (  # (pattern on the module's own name, kind) - first match wins
     (r"(embed_tokens|wte|wpe|embed_in|word_embeddings|position_embeddings|embeddings)$", "embedding"),
@@ -97,7 +98,7 @@ class BisectSettings(Settings):
 
 
 @dataclass
-class BisectResult:
+class BisectResult(Timed):
     settings: BisectSettings
     first: ModuleGap | None  # the first module whose output differs (None: nothing differs)
     modules: list[ModuleGap] = field(default_factory=list)  # every compared module, in execution order

@@ -19,6 +19,7 @@ from ...models import loading
 from ...models.loading import LoadedModel, ModelSpec
 from ...core.protocol import DEFAULT_CONTEXT, no_progress, Progress, RunContext
 from ...core.verdict import Prove
+from ...core.estimate import Timed
 from ... import views
 
 VERDICTS = ("identical", "precision", "logic")
@@ -45,7 +46,7 @@ class DtypesSettings(RunSettings):
 
 
 @dataclass
-class DtypesResult:
+class DtypesResult(Timed):
     settings: DtypesSettings
     model: dict
     dtypes: list[str]

@@ -31,6 +31,7 @@ from ...models.loading import LoadedModel
 from ...core.protocol import DEFAULT_CONTEXT, no_progress, Progress, RunContext
 from ...core.verdict import Verdict, classify
 from ...core.text import display_text
+from ...core.estimate import Timed
 
 WINDOW_LONG_PROMPT = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, lit the great lamp, and "
                       "wrote the weather in a leather log that his grandfather had started sixty years before.")
@@ -125,7 +126,7 @@ class MatrixSettings(Settings):
 
 
 @dataclass
-class MatrixResult:
+class MatrixResult(Timed):
     settings: MatrixSettings
     environment: dict
     reference: dict

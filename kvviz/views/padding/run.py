@@ -20,6 +20,7 @@ from ...models.loading import LoadedModel
 from ...core.protocol import DEFAULT_CONTEXT, no_progress, Progress, RunContext
 from ...core.streaming import HeldRows, LayerGaps
 from ...core.verdict import Prove, Verdict, classify
+from ...core.estimate import Timed
 
 
 PLACEMENTS = ("alone", "left-padded", "in a batch")
@@ -56,7 +57,7 @@ class PaddingSettings(RunSettings):
 
 
 @dataclass
-class PaddingResult:
+class PaddingResult(Timed):
     settings: PaddingSettings
     model: dict
     tokens: list[str]

@@ -47,6 +47,7 @@ from ...core.protocol import DEFAULT_CONTEXT, no_progress, Progress, RunContext
 from ...core.metrics import hidden_divergence, logits_divergence
 from ...core.naming import layer_labels
 from ...core.text import display_tokens
+from ...core.estimate import Timed
 
 
 KV_BACKENDS = {"quanto": (2, 4), "hqq": (2, 4, 8), "fp8": ()}
@@ -273,7 +274,7 @@ class QuantSettings(RunSettings):
 
 
 @dataclass
-class QuantResult:
+class QuantResult(Timed):
     settings: QuantSettings
     label: str
     verdict: str  # lossy | identical

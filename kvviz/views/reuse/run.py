@@ -21,6 +21,7 @@ from ...core.inputs import Workload, encode, token_texts
 from ...models.loading import LoadedModel
 from ...core.protocol import DEFAULT_CONTEXT, no_progress, Progress, RunContext
 from ...core.verdict import Prove, Verdict, classify
+from ...core.estimate import Timed
 
 REFERENCE = "fresh"
 REUSE_STRATEGIES = {
@@ -39,7 +40,7 @@ class ReuseSettings(RunSettings):
 
 
 @dataclass
-class ReuseResult:
+class ReuseResult(Timed):
     settings: ReuseSettings
     model: dict
     prefix_tokens: list[str]

@@ -37,6 +37,7 @@ from ...core.replay import Replay, no_cache_tokens, replay_step
 from ...models.loading import LoadedModel
 from ...core.protocol import DEFAULT_CONTEXT, no_progress, Progress, RunContext
 from ...core.verdict import Prove, Verdict, classify
+from ...core.estimate import Timed
 
 CONDITIONS = ("alone", "batch", "warm")
 WORKER_ENGINES = ("vllm", "llama.cpp")  # engines judged against the float64 reference by their log-probs
@@ -187,7 +188,7 @@ class ConditionStats:
 
 
 @dataclass
-class ServeResult:
+class ServeResult(Timed):
     settings: ServeSettings
     model: dict
     engine: dict

@@ -48,9 +48,10 @@ def prompt_of(lm_or_tokenizer, tokens: int) -> str:
 def speed(lengths: list[int], repeats: int) -> dict:
     import torch
 
+    import kvviz
     from kvviz.models.loading import load_model
-    from kvviz.views.lens.run import LensConfig, run_lens
-    from kvviz.views.split.run import SplitConfig, run_split
+    from kvviz.views.lens.run import LensConfig
+    from kvviz.views.split.run import SplitConfig
 
     lm = load_model("default", "bfloat16", "cpu")
     ref = lm.reference()
@@ -62,10 +63,10 @@ def speed(lengths: list[int], repeats: int) -> dict:
         times = {"split": [], "lens": []}
         for _ in range(repeats):  # interleaved: a load change on the shared machine hits both
             t = time.perf_counter()
-            run_split(lm, SplitConfig(prompt, split), prove=False, reference=ref)
+            kvviz.run("split", lm, SplitConfig(prompt, split), kvviz.RunContext(prove=False, reference=ref))
             times["split"].append(time.perf_counter() - t)
             t = time.perf_counter()
-            run_lens(lm, LensConfig(prompt=prompt, split=split), reference=ref)
+            kvviz.run("lens", lm, LensConfig(prompt=prompt, split=split), kvviz.RunContext(reference=ref))
             times["lens"].append(time.perf_counter() - t)
         row = {"tokens": len(ids), "split": split, "split_s": min(times["split"]), "lens_s": min(times["lens"])}
         row["ratio"] = row["lens_s"] / row["split_s"]

@@ -137,7 +137,8 @@ def reference_timing(model: str = "default", repeats: int = 2) -> dict:
     (same process, same inputs, best of `repeats`)."""
     import torch
 
-    from kvviz.views.greedy.run import GreedyConfig, run_greedy
+    import kvviz
+    from kvviz.views.greedy.run import GreedyConfig
     from kvviz.core.inputs import build_inputs
     from kvviz.models.loading import load_model
     from kvviz.views.split.run import SplitConfig, _run
@@ -155,7 +156,8 @@ def reference_timing(model: str = "default", repeats: int = 2) -> dict:
         g = []
         for _ in range(repeats):
             t = time.perf_counter()
-            run_greedy(lm, GreedyConfig(SPLIT_PROMPT, 16, paths=("cache", "float64")), reference=ref, prove=False)
+            kvviz.run("greedy", lm, GreedyConfig(SPLIT_PROMPT, 16, paths=("cache", "float64")),
+                      kvviz.RunContext(prove=False, reference=ref))
             g.append(time.perf_counter() - t)
         out[name] = {"split_s": min(best), "greedy_s": min(g)}
     out["split_ratio"] = out["streamed"]["split_s"] / out["twin"]["split_s"]

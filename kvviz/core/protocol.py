@@ -12,7 +12,11 @@ composes another (the cache-safety card: split, padding, reuse, quant) does the 
             mode when the run finds one and the view has a proof; True always where it has one; False never;
   progress  callable(fraction, text) or None: fractions that only grow, the last one 1.0 once the run is done;
   token     a kvviz.core.cancel.Token: the run checks it at its checkpoints and raises kvviz.core.cancel.Cancelled once it is
-            cancelled (a token cancelled before the run stops it before its first forward).
+            cancelled (a token cancelled before the run stops it before its first forward);
+  reference the float64 model its verdict compares with, already loaded (the Lesson's, a bench's); None (the
+            default): the model's own, `lm.reference()`. A view with no float64 reference ignores it;
+  float64_run  the same view's run of the same config in float64, already made: a view that runs another once per
+            dtype (dtypes runs split) passes it on, so float64 runs once; None: the run makes its own.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from typing import Callable, Iterator
 from . import cancel
 from .execution import DEFAULT_SETTINGS, ExecSettings
 from .verdict import Prove
+from ..models.loading import LoadedModel
 
 Progress = Callable[[float, str], None]
 
@@ -37,6 +42,8 @@ class RunContext:
     prove: Prove = None
     progress: Progress | None = None
     token: cancel.Token | None = None
+    reference: LoadedModel | None = None  # a float64 model
+    float64_run: object | None = None  # the same view's result in float64 (split's SplitResult for dtypes)
 
     @contextlib.contextmanager
     def running(self, refuses: "dict[str, str] | None" = None) -> Iterator[Progress]:

@@ -3,8 +3,9 @@
 This folder is the whole view: run.py (config, run, result), figures.py, report.py (reopen, verdict), cli.py.
 Registered by one line in kvviz/views/__init__.py."""
 from .. import MemoryProfile, View
-from .run import BisectResult, run_bisect
+from . import cli, figures, report, run
+from .run import BisectResult
 
-VIEW = View("bisect", "Bisector", "BisectResult", "report:reopen", "figures:main", "report:verdict", cli="cli",
-            config="run:BisectConfig", run="run:run", refuses="run:REFUSES",
+VIEW = View("bisect", "Bisector", "BisectResult", report.reopen, figures.main, report.verdict, cli=cli,
+            config=run.BisectConfig, run=run.run, refuses=run.REFUSES,
             memory=MemoryProfile(forwards=2, reference=False, bisector=True, compared_after_split=True))

@@ -1,7 +1,8 @@
 """`python -m kvviz serving` (or `serve-study`): serving conditions (alone, continuous batch, warm prefix) x R runs."""
 from __future__ import annotations
 
-from ...io.clirun import FlagRefused, Outcome, load, model_args, progress_to_stderr, repro_arg, settings, split_list
+from ... import views
+from ...io.clirun import FlagRefused, Outcome, context, load, model_args, repro_arg, split_list
 
 
 HELP = ("serving conditions (alone, continuous batch, warm prefix) × R runs: "
@@ -63,7 +64,7 @@ def _refuse_the_others(args) -> None:
 
 def command(args) -> Outcome:
     from ...engines.serving import check_engine
-    from .run import ServeConfig, load_prompt_set, run_serving
+    from .run import ServeConfig, load_prompt_set
 
     _refuse_the_others(args)
     if not args.server:
@@ -79,8 +80,7 @@ def command(args) -> Outcome:
     cfg.validate()
     args.workload = cfg.workload()  # its memory plan: what the config holds, as the Serving page plans it
     lm = load(args)
-    res = run_serving(lm, cfg, progress=progress_to_stderr(args.quiet), settings=settings(args),
-                      prove=not args.no_proof)
+    res = views.run("serving", lm, cfg, context(args))  # --no-proof: prove=False (None proves as True does here)
     return Outcome(res, lm, lambda: summary(res))
 
 
@@ -92,7 +92,7 @@ def summary(res) -> str:
 
 def sweep_command(args) -> Outcome:
     from ...core.errors import KvvizError
-    from .sweep import SweepConfig, run_sweep, summary_text
+    from .sweep import SweepConfig, summary_text
 
     if getattr(args, "repro", None):  # said before the sweep runs, not after it
         raise FlagRefused("--repro does nothing for `serving --sweep` (no repro script rebuilds a sweep; it has its "
@@ -109,5 +109,5 @@ def sweep_command(args) -> Outcome:
     # at a time, and on transformers' engine (pages in this process) the largest batch of the grid
     args.plan_view, args.workload = "serving_sweep", cfg.workload()
     lm = load(args)
-    res = run_sweep(lm, cfg, progress=progress_to_stderr(args.quiet), settings=settings(args))
+    res = views.run("serving_sweep", lm, cfg, context(args))
     return Outcome(res, lm, lambda: summary_text(res), payload=res.to_dict)  # --json-out / --html: its own view's

@@ -630,4 +630,4 @@ def summary_text(res: ServeResult) -> str:
 def run(lm: LoadedModel, config: ServeConfig, ctx: RunContext = DEFAULT_CONTEXT) -> ServeResult:
     """The view's run (kvviz.core.protocol: one signature for every view)."""
     with ctx.running() as progress:
-        return run_serving(lm, config, progress, settings=ctx.settings, prove=ctx.prove)
+        return run_serving(lm, config, progress, settings=ctx.settings, reference=ctx.reference, prove=ctx.prove)

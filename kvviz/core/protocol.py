@@ -1,8 +1,9 @@
 """One run signature for every view: `run(lm, config, ctx: RunContext) -> Result`.
 
 A view's entry (kvviz.views.View) names its `config` class (a typed dataclass with `validate()`) and its `run`
-function; the CLI, the benches and Prepare the meeting call `view.runner()(lm, config, ctx)`, and a view that
-composes another (the cache-safety card: split, padding, reuse, quant) does the same through the registry.
+function; everything outside a view's folder runs it through `kvviz.views.run(view, lm, config, ctx)` (the pages'
+runner, the CLI, the Lesson, the exercises, Prepare the meeting, the architecture sweep, bench/), and a view that
+composes another (the cache-safety card: split, padding, reuse, quant; dtypes: split) does the same.
 
 `RunContext` carries what is not the scenario itself:
   settings  how the model runs (kvviz.core.execution.ExecSettings: device placement, attention, cache kind, invariant

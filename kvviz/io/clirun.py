@@ -206,7 +206,7 @@ def view_arguments(view) -> Callable:
     def command(args) -> Outcome:
         cfg = config_from(view.config_type(), vars(args))
         lm = load(args)
-        res = view.runner()(lm, cfg, context(args))
+        res = views.run(view, lm, cfg, context(args))
 
         def summary() -> str:
             verdict, text = view.verdict_text(res)

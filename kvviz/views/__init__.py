@@ -3,7 +3,7 @@
 A view is a scenario kvviz can run and show (split, greedy, …). Its folder holds everything about it:
 
     kvviz/views/<name>/
-        __init__.py   its View entry (below) and its library API (config, run function, result)
+        __init__.py   its View entry (below), naming its own modules' pieces, and its library API (config, result)
         run.py        config, run, result (the computation, through kvviz.core.execution); its `run(lm, config, ctx)`
                       is the one signature every view has (kvviz.core.protocol), named in its entry (config=, run=)
         figures.py    pure result -> figures/tables; `main(result)`: the charts of its HTML report and Open a

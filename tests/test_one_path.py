@@ -130,7 +130,7 @@ def test_the_registry_names_objects_not_strings():
     assert found == [], found
     for v in views.all_views():
         assert callable(v.reopen) and callable(v.run) and isinstance(v.config, type), v.name
-        assert v.runner() is v.run and v.config_type() is v.config
+        assert getattr(v.runner(), "__wrapped__", v.runner()) is v.run and v.config_type() is v.config
     assert not hasattr(views.View, "resolve")  # nothing is looked up by name any more
     assert views.get("split").run.__module__ == "kvviz.views.split.run"
     assert views.get("serving_sweep").config.__name__ == "SweepConfig"

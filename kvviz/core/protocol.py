@@ -17,7 +17,15 @@ composes another (the cache-safety card: split, padding, reuse, quant; dtypes: s
   reference the float64 model its verdict compares with, already loaded (the Lesson's, a bench's); None (the
             default): the model's own, `lm.reference()`. A view with no float64 reference ignores it;
   float64_run  the same view's run of the same config in float64, already made: a view that runs another once per
-            dtype (dtypes runs split) passes it on, so float64 runs once; None: the run makes its own.
+            dtype (dtypes runs split) passes it on, so float64 runs once; None: the run makes its own;
+  auto_proof  False: no automatic invariant proof after the run (the app's "Run without the proof" for a long run;
+            `prove=True` still proves);
+  estimate  the run's time estimate (kvviz.core.estimate.Estimate) made before it started: the progress bar's share of
+            each phase comes from it, and the result's timings carry its total (`estimate_s`);
+  on_phase  callable(name) or None: told the name of each phase of the run as it starts ("run", "float64", "proof":
+            kvviz.core.estimate.PHASES), a value - never parsed back from a progress message.
+No run writes module state: what one run measures reaches the next only through the estimate store
+(kvviz.core.estimate.record), never a global another user's run reads mid-run.
 """
 from __future__ import annotations
 
@@ -26,6 +34,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from . import cancel
+from .estimate import Estimate
 from .execution import DEFAULT_SETTINGS, ExecSettings
 from .verdict import Prove
 from ..models.loading import LoadedModel
@@ -45,6 +54,14 @@ class RunContext:
     token: cancel.Token | None = None
     reference: LoadedModel | None = None  # a float64 model
     float64_run: object | None = None  # the same view's result in float64 (split's SplitResult for dtypes)
+    auto_proof: bool = True
+    estimate: Estimate | None = None
+    on_phase: Callable[[str], None] | None = None
+
+    def phase(self, name: str) -> None:
+        """Say that the run's phase `name` starts (to whoever watches: on_phase)."""
+        if self.on_phase is not None:
+            self.on_phase(name)
 
     @contextlib.contextmanager
     def running(self, refuses: "dict[str, str] | None" = None) -> Iterator[Progress]:

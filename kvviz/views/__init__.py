@@ -54,12 +54,15 @@ run already made) travels in the context (kvviz.core.protocol.RunContext).
 """
 from __future__ import annotations
 
+import functools
 import importlib
+import time
 from dataclasses import dataclass, field, replace
 from types import ModuleType
 from typing import Callable
 
 from ..core.errors import KvvizError
+from ..core.estimate import Timed, Timings
 from ..core.protocol import DEFAULT_CONTEXT, RunContext
 from ..core.memory import MemoryProfile  # noqa: F401 - a view's entry names it (from .. import MemoryProfile)
 
@@ -164,8 +167,10 @@ class View:
         return dict(self.refuses or {})
 
     def runner(self) -> Callable:
-        """The view's `run(lm, config, ctx: kvviz.core.protocol.RunContext) -> result` (kvviz.views.run calls it)."""
-        return self.run
+        """The view's `run(lm, config, ctx: kvviz.core.protocol.RunContext) -> result` (kvviz.views.run calls it),
+        timed: its result carries the estimate the run started with (ctx.estimate) and the seconds it took
+        (kvviz.core.estimate.Timings)."""
+        return _timed(self.run)
 
     def repro_module(self):
         return self.repro
@@ -175,6 +180,19 @@ class View:
 
     def run_names(self) -> tuple[str, ...]:
         return self.runs or (self.name,)
+
+
+def _timed(run: Callable) -> Callable:
+    @functools.wraps(run)
+    def timed(lm, config, ctx=DEFAULT_CONTEXT):
+        t0 = time.perf_counter()
+        result = run(lm, config, ctx)
+        if isinstance(result, Timed):
+            est = ctx.estimate.total_s if ctx.estimate is not None else None
+            result.timed(Timings(est, time.perf_counter() - t0))
+        return result
+
+    return timed
 
 
 _VIEWS: dict[str, View] = {}

@@ -38,6 +38,7 @@ from ...core.replay import Replay, no_cache_tokens, replay_step
 from ...models.loading import LoadedModel
 from ...core.protocol import DEFAULT_CONTEXT, no_progress, RunContext
 from ...core.verdict import Prove, Verdict, classify
+from ...core.estimate import Timed
 
 CONDITIONS = ("alone", "batch", "warm")
 WORKER_ENGINES = ("vllm", "llama.cpp")  # engines judged against the float64 reference by their log-probs
@@ -189,7 +190,7 @@ class ConditionStats:
 
 
 @dataclass
-class ServeResult:
+class ServeResult(Timed):
     settings: ServeSettings
     model: dict
     engine: dict

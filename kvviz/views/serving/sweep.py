@@ -178,7 +178,7 @@ def run_sweep(lm, cfg: SweepConfig, progress=None, settings=None, reference=None
 
     progress = progress or no_progress
     cfg.validate()
-    settings = (settings or DEFAULT_SETTINGS).validate()
+    settings = settings or DEFAULT_SETTINGS  # validated once, by its RunContext
     limit = cfg.cell_limit_s
     if cfg.server:
         from .server import ServerEngine, _timeout

@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..core.dtypes import dtype_name
 from ..core.errors import KvvizError
+from .verdict import UNIT_ROUNDOFF
 
 ANSWER_LIMIT_S = 900.0  # the most seconds a worker may take for one answer, unless its caller gives another
 
@@ -89,7 +91,6 @@ class Engine:
     served = False  # the user's running server (--server URL), not an engine kvviz starts
     pages_here = False  # its paged KV cache lives in kvviz's process: --page-size honoured, counted by the memory plan
     tensor_parallel = False  # honours tensor_parallel_size
-    invariant = True  # can run in kvviz's invariant mode here (else check_settings refuses it in one line)
     judged_by_logprobs = True  # judged against float64 by its log-probs on each path (else the parting step is
     #                            replayed in float64 on its full score rows and proved in invariant mode)
     repro = False  # a repro script (torch + transformers) remakes its calls plainly
@@ -114,9 +115,6 @@ class Engine:
     @classmethod
     def layer_dtype(cls, lm) -> str:
         """The format the engine computes the model's layers in (its rounding), or one line where it cannot."""
-        from ..core.dtypes import dtype_name
-        from .verdict import UNIT_ROUNDOFF
-
         dtype = dtype_name(lm.dtype)
         if dtype not in UNIT_ROUNDOFF:
             raise KvvizError(f"{cls.label or cls.name} runs float32, bfloat16 or float16, not {dtype}")

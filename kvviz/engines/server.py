@@ -78,7 +78,6 @@ class ServerEngine(Engine):
 
     name, label = "server", "the server"
     served = True
-    invariant = False
     toggles = TOGGLES
 
     @classmethod

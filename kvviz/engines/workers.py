@@ -11,9 +11,8 @@ tokens and the time; `info()` gives the engine's name, version, dtype and settin
   batch = k requests per `generate`, the cache emptied first; warm = the cache emptied, the warmer, then the
   prompt (its full blocks come from the cache). Deterministic mode (kvviz's invariant mode) = VLLM_BATCH_INVARIANT=1,
   refused in one line on a CPU (vLLM's batch-invariant kernels are Triton kernels for CUDA/ROCm).
-* vLLM where it is importable in kvviz's own environment (a GPU machine): offline `vllm.LLM(...)` in this process
-  (VllmEngine), with `enable_prefix_caching` on/off, `VLLM_BATCH_INVARIANT` on/off and `tensor_parallel_size`; its
-  layer capture still runs in its worker.
+* vLLM where it is importable in kvviz's own environment (a GPU machine) runs in this process instead
+  (kvviz.engines.serving.VllmEngine); layer capture runs in its worker all the same.
 * llama.cpp (llama-cpp-python on the GGUF file itself): alone = the context emptied before the prompt
   (cache_prompt=false); warm = the warmer, then the prompt reusing the longest common prefix of the context, at
   least its last prompt token evaluated again (what llama-server's cache_prompt / slot reuse does); batch = k
@@ -22,7 +21,6 @@ tokens and the time; `info()` gives the engine's name, version, dtype and settin
 """
 from __future__ import annotations
 
-import gc as _gc
 import os
 import time
 from pathlib import Path
@@ -31,7 +29,7 @@ import torch
 
 from ..core.errors import KvvizError
 from .base import ANSWER_LIMIT_S, Engine, EngineRun, LayerCapture, Request, RequestOut
-from .serving import vllm_available
+from .serving import VllmEngine, VllmFacts, vllm_available
 
 TOP_K = 5
 VLLM_BLOCK = 32
@@ -163,122 +161,20 @@ def _groups(requests: list[Request], max_in_flight: int, prefix_sharing: bool, s
     return groups + [([r], not (prefix_sharing and j % 2 == 1)) for j, r in enumerate(pending)]
 
 
-class VllmFacts(Engine):
-    """What vLLM is, in this process or in its worker."""
-
-    name, label = "vllm", "vLLM"
-    tensor_parallel = True
-    capture_pairs = ("warm", "batch", "tp")
-    cache_block = 32  # the CPU backend's smallest block (kvviz.engines.workers.VLLM_BLOCK)
-    toggles = ("enable_prefix_caching on/off", "VLLM_BATCH_INVARIANT on/off", "tensor_parallel_size (Ray for several "
-               "nodes, as vLLM documents)")
-
-    @classmethod
-    def status(cls) -> str | None:
-        from . import engine_python, how_to_get
-
-        return None if vllm_available() or engine_python(cls.name) is not None else how_to_get(cls.name)
-
-    @classmethod
-    def open(cls, *, page_size=None, tensor_parallel_size=1, max_in_flight=1, timeout_s=ANSWER_LIMIT_S, **_):
-        """vLLM in this process where it is importable, else its worker (kvviz.engines.workers)."""
-        if vllm_available():
-            return VllmEngine(tensor_parallel_size)
-        eng = VllmWorkerEngine(tensor_parallel_size, max_in_flight)
-        eng.timeout_s = timeout_s
-        return eng
-
-
-class VllmEngine(VllmFacts):
-    """Offline vllm.LLM over the model's folder. Toggles: prefix caching on/off (`prefix_sharing`), batch-invariant
-    kernels (VLLM_BATCH_INVARIANT, on in kvviz's invariant mode; set for the run and restored after it),
-    tensor_parallel_size, max_num_seqs (requests in flight). One LLM at a time: a run with other toggles shuts the
-    previous one down first (each takes most of the GPU's memory), and `close()` frees the last. Margins are read
-    from the top-2 logprobs (a logprob gap is the logit gap). Tested with a stand-in `vllm` module
-    (tests/test_serving.py); run on a GPU machine for real figures."""
-
-    def __init__(self, tensor_parallel_size: int = 1):
-        self.tp = tensor_parallel_size
-        self._llm = None
-        self._key = None
-
-    def _engine(self, lm, key):
-        from ..core.dtypes import dtype_name
-
-        if self._key != key:
-            self.close()
-            from vllm import LLM
-
-            prefix_sharing, max_in_flight, _ = key
-            self._llm = LLM(model=lm.source, dtype=dtype_name(lm.dtype), enable_prefix_caching=prefix_sharing,
-                            tensor_parallel_size=self.tp, max_num_seqs=max_in_flight, enforce_eager=True)
-            self._key = key
-        return self._llm
-
-    def capture(self, lm, **options):
-        """Layer capture runs in vLLM's worker (its extension class), also where vLLM is importable here."""
-        return VllmWorkerEngine(self.tp).capture(lm, **options)
-
-    def close(self) -> None:
-        llm, self._llm, self._key = self._llm, None, None
-        if llm is None:
-            return
-        for path in ("llm_engine.engine_core.shutdown", "llm_engine.shutdown"):
-            obj = llm
-            try:
-                for part in path.split("."):
-                    obj = getattr(obj, part)
-            except AttributeError:
-                continue
-            obj()
-            break
-        del llm
-        _gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-
-    def generate(self, lm, requests: list[Request], *, max_in_flight: int, prefix_sharing: bool,
-                 sequential_keys: set[str] | None = None, invariant: bool = False) -> EngineRun:
-        if lm.dtype == torch.float64:
-            raise KvvizError("vLLM has no float64 mode")
-        saved = os.environ.get("VLLM_BATCH_INVARIANT")
-        os.environ["VLLM_BATCH_INVARIANT"] = "1" if invariant else "0"
-        try:
-            from vllm import SamplingParams
-
-            llm = self._engine(lm, (prefix_sharing, max_in_flight, invariant))
-            seq = sequential_keys or set()
-            outs: dict[str, RequestOut] = {}
-            t0 = time.perf_counter()
-            groups = [[r for r in requests if r.key not in seq]] + [[r] for r in requests if r.key in seq]
-            for group in groups:
-                if not group:
-                    continue
-                res = llm.generate([{"prompt_token_ids": r.ids} for r in group],
-                                   [SamplingParams(temperature=0.0, max_tokens=r.max_new_tokens, ignore_eos=True,
-                                                   logprobs=5) for r in group])
-                for r, o in zip(group, res):
-                    c = o.outputs[0]
-                    toks = [int(t) for t in c.token_ids]
-                    top = [sorted(((int(i), float(getattr(v, "logprob", v))) for i, v in step.items()),
-                                  key=lambda x: -x[1]) for step in (c.logprobs or [])]
-                    chosen = [dict(s).get(t) for t, s in zip(toks, top)]
-                    outs[r.key] = RequestOut(toks, _logprob_margins(c.logprobs),
-                                             cached_tokens=int(getattr(o, "num_cached_tokens", 0) or 0),
-                                             logprobs=top, chosen=chosen)
-            return EngineRun(outs, time.perf_counter() - t0, sum(len(o.tokens) for o in outs.values()))
-        finally:
-            if saved is None:
-                os.environ.pop("VLLM_BATCH_INVARIANT", None)
-            else:
-                os.environ["VLLM_BATCH_INVARIANT"] = saved
-
-
 class VllmWorkerEngine(VllmFacts, WorkerEngine):
     def __init__(self, tensor_parallel_size: int = 1, max_in_flight: int = 1):
         super().__init__()
         self.tp = tensor_parallel_size
         self.min_seqs = max_in_flight  # the most requests in flight its runs will ask for: one start serves them all
+
+    @classmethod
+    def open(cls, *, page_size=None, tensor_parallel_size=1, max_in_flight=1, timeout_s=ANSWER_LIMIT_S, **_):
+        """vLLM in this process where it is importable (kvviz.engines.serving.VllmEngine), else its worker."""
+        if vllm_available():
+            return VllmEngine(tensor_parallel_size)
+        eng = cls(tensor_parallel_size, max_in_flight)
+        eng.timeout_s = timeout_s
+        return eng
 
     @classmethod
     def check_settings(cls, settings) -> None:
@@ -394,13 +290,3 @@ def gguf_of(lm) -> tuple[str, str | None]:
                          "GGUF), not a folder or a hub id")
     return src, info.get("quantization")
 
-
-def _logprob_margins(steps) -> list[float]:
-    """Top-2 gap of each step's logprobs ({token id: Logprob(logprob=…)} per step); [] when vLLM gave none."""
-    out = []
-    for step in steps or []:
-        vals = sorted((float(getattr(v, "logprob", v)) for v in step.values()), reverse=True)
-        if len(vals) < 2:
-            return []
-        out.append(vals[0] - vals[1])
-    return out

@@ -310,7 +310,9 @@ def run_engine_layers(lm, cfg: EngineLayersConfig, progress: Progress | None = N
     lm64 = lm.reference()
     ex64 = Executor(lm64, settings.with_(invariant=False))
     ex_own = None if kind.quantized else Executor(lm, settings.with_(invariant=False))
-    cap = _capture_pair(kind.open(), lm, cfg, ids=ids, prompts=prompts, labels=(label_a, label_b), tp_b=tp_b,
+    # the registry's class itself (not open(): vLLM importable here would run in this process, and its layers are
+    # captured in its worker all the same)
+    cap = _capture_pair(kind(), lm, cfg, ids=ids, prompts=prompts, labels=(label_a, label_b), tp_b=tp_b,
                         ex64=ex64, ex_own=ex_own, dtype=dtype, eps=eps, progress=progress)
     progress(0.9, "every prompt's two completions against the float64 reference")
     rows = _output_rows(lm, prompts, cap.outs, ex64, ex_own, dtype, label_a, label_b)

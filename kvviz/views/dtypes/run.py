@@ -20,6 +20,7 @@ from ...models import loading
 from ...models.loading import LoadedModel, ModelSpec
 from ...core.protocol import DEFAULT_CONTEXT, no_progress, RunContext
 from ...core.verdict import Prove
+from ...core.estimate import Timed
 from ... import views
 
 Progress = Callable[[float, str], None]
@@ -47,7 +48,7 @@ class DtypesSettings(RunSettings):
 
 
 @dataclass
-class DtypesResult:
+class DtypesResult(Timed):
     settings: DtypesSettings
     model: dict
     dtypes: list[str]

@@ -51,6 +51,7 @@ from ...core.inputs import check_context, encode
 from ...core.metrics import first_divergence, hidden_divergence
 from ...core.naming import layer_labels
 from ...core.text import display_tokens
+from ...core.estimate import Timed
 from ...core.verdict import Verdict, classify_bounded, severity, worst
 from ...engines import registry
 from ...engines.base import Engine
@@ -146,7 +147,7 @@ class Side:
 
 
 @dataclass
-class EngineLayersResult:
+class EngineLayersResult(Timed):
     settings: dict  # the run (model, dtype, device) and the config
     engine: dict  # name, version, settings (per side where the sides ran on two engines)
     tokens: list[str]  # the prompt's tokens and side A's, as text (labels)

@@ -37,6 +37,7 @@ from ...core.naming import layer_labels
 from ...core.replay import Replay, replay_step, top2
 from ...core.streaming import HeldRows
 from ...core.verdict import Prove, Verdict, classify, precision_sentence
+from ...core.estimate import Timed
 
 
 class GreedyPath(StrEnum):
@@ -92,8 +93,12 @@ class GreedyConfig:
 
     def workload(self) -> Workload:
         """What the run holds, for its memory plan (as the CLI's arguments give it)."""
+        paths = set(self.paths)  # its time estimate: each path prefills the prompt and decodes the new tokens,
+        full = paths & set(_FULL_FORWARD) if not self.fast else set()  # no_cache and float64 rerunning the
         return Workload(texts=(self.prompt,), new_tokens=int(self.max_new_tokens), left_pad=int(self.left_pad),
-                        paths=tuple(str(p) for p in self.paths))
+                        paths=tuple(str(p) for p in self.paths), forwards=float(len(paths) + int(self.fast)),
+                        decode_paths=len(paths - full - {GreedyPath.FLOAT64}), full_paths=len(full - {GreedyPath.FLOAT64}),
+                        float64_paths=int(GreedyPath.FLOAT64 in full))  # whole sequence each step (not in fast mode)
 
 
 @dataclass(frozen=True)
@@ -187,7 +192,7 @@ class PairResult:
 
 
 @dataclass
-class GreedyResult:
+class GreedyResult(Timed):
     settings: GreedySettings
     model: dict
     prompt_tokens: list[str]

@@ -31,6 +31,7 @@ from ...models.loading import LoadedModel
 from ...core.protocol import DEFAULT_CONTEXT, no_progress, RunContext
 from ...core.verdict import Verdict, classify
 from ...core.text import display_text
+from ...core.estimate import Timed
 
 Progress = Callable[[float, str], None]
 WINDOW_LONG_PROMPT = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, lit the great lamp, and "
@@ -126,7 +127,7 @@ class MatrixSettings(Settings):
 
 
 @dataclass
-class MatrixResult:
+class MatrixResult(Timed):
     settings: MatrixSettings
     environment: dict
     reference: dict

@@ -21,6 +21,7 @@ from ...models.loading import LoadedModel
 from ...core.protocol import DEFAULT_CONTEXT, no_progress, RunContext
 from ...core.streaming import HeldRows, LayerGaps
 from ...core.verdict import Prove, Verdict, classify
+from ...core.estimate import Timed
 
 Progress = Callable[[float, str], None]
 
@@ -58,7 +59,7 @@ class PaddingSettings(RunSettings):
 
 
 @dataclass
-class PaddingResult:
+class PaddingResult(Timed):
     settings: PaddingSettings
     model: dict
     tokens: list[str]

@@ -47,6 +47,7 @@ from ...core.protocol import DEFAULT_CONTEXT, no_progress, RunContext
 from ...core.metrics import hidden_divergence, logits_divergence
 from ...core.naming import layer_labels
 from ...core.text import display_tokens
+from ...core.estimate import Timed
 
 Progress = Callable[[float, str], None]
 
@@ -282,7 +283,7 @@ class QuantSettings(RunSettings):
 
 
 @dataclass
-class QuantResult:
+class QuantResult(Timed):
     settings: QuantSettings
     label: str
     verdict: str  # lossy | identical

@@ -22,6 +22,7 @@ from ...core.inputs import Workload, encode, token_texts
 from ...models.loading import LoadedModel
 from ...core.protocol import DEFAULT_CONTEXT, no_progress, RunContext
 from ...core.verdict import Prove, Verdict, classify
+from ...core.estimate import Timed
 
 Progress = Callable[[float, str], None]
 REFERENCE = "fresh"
@@ -41,7 +42,7 @@ class ReuseSettings(RunSettings):
 
 
 @dataclass
-class ReuseResult:
+class ReuseResult(Timed):
     settings: ReuseSettings
     model: dict
     prefix_tokens: list[str]

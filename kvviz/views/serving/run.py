@@ -40,6 +40,7 @@ from ...core.replay import Replay, no_cache_tokens, replay_step
 from ...models.loading import LoadedModel
 from ...core.protocol import DEFAULT_CONTEXT, no_progress, RunContext
 from ...core.verdict import Prove, Verdict, classify
+from ...core.estimate import Timed
 from ...engines.verdict import engine_verdicts
 
 CONDITIONS = ("alone", "batch", "warm")
@@ -193,7 +194,7 @@ class ConditionStats:
 
 
 @dataclass
-class ServeResult:
+class ServeResult(Timed):
     settings: ServeSettings
     model: dict
     engine: dict

@@ -28,6 +28,7 @@ from ...core.memory import Workload
 from ...core.inputs import encode
 from ...core import theme
 from ...core.protocol import DEFAULT_CONTEXT, no_progress, RunContext
+from ...core.estimate import Timed
 from . import run as study_run
 from .run import ServeConfig, ServeResult
 
@@ -88,7 +89,7 @@ class Cell:
 
 
 @dataclass
-class SweepResult:
+class SweepResult(Timed):
     config: dict
     model: dict
     engine: dict

@@ -227,7 +227,7 @@ def run_bisect(lm: LoadedModel, cfg: SplitConfig, settings: ExecSettings | None 
     ops, also trace both runs op by op (a TorchFunctionMode) and name the first torch op whose output differs.
     progress(fraction, message) is called before each of the runs (an invariant-mode bisect of a long prompt on a
     real model takes minutes: it must never look like a run that ended silently)."""
-    settings = (settings or DEFAULT_SETTINGS).validate()
+    settings = settings or DEFAULT_SETTINGS  # validated once, by its RunContext
     cfg.validate()
     say = progress or (lambda frac, msg: None)
     mode = "invariant mode" if settings.invariant else "normal mode"

@@ -38,7 +38,6 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -46,7 +45,7 @@ import torch
 from ...core.errors import KvvizError
 from ...core.memory import Workload
 from ...core.execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo
-from ...core.protocol import DEFAULT_CONTEXT, no_progress, RunContext
+from ...core.protocol import DEFAULT_CONTEXT, no_progress, Progress, RunContext
 from ...core.inputs import check_context, encode
 from ...core.metrics import first_divergence, hidden_divergence
 from ...core.naming import layer_labels
@@ -64,7 +63,6 @@ METRICS = ("relative", "eps_units", "max_abs")
 MAX_NEW_TOKENS = 64
 QUANTIZED_BOUND = K_GROWTH["q8"] * UNIT_ROUNDOFF["q8"]  # relative, every row: 8-bit activations (kvviz cannot run them)
 
-Progress = Callable[[float, str], None]
 
 
 @dataclass
@@ -291,7 +289,7 @@ def run_engine_layers(lm, cfg: EngineLayersConfig, progress: Progress | None = N
                       settings: ExecSettings | None = None) -> EngineLayersResult:
     """Run the pair (module docstring) and judge it. The engine runs the model's folder in the model's dtype."""
     progress = progress or no_progress
-    settings = (settings or DEFAULT_SETTINGS).validate()
+    settings = settings or DEFAULT_SETTINGS  # validated once, by its RunContext
     if settings.invariant:
         raise KvvizError("vLLM's deterministic mode (VLLM_BATCH_INVARIANT=1) needs its CUDA/ROCm kernels; the "
                          "engine-layers view runs the engine as it serves: rerun without --invariant")

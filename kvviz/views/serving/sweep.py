@@ -180,7 +180,7 @@ def run_sweep(lm, cfg: SweepConfig, progress=None, settings=None, reference=None
 
     progress = progress or no_progress
     cfg.validate()
-    settings = (settings or DEFAULT_SETTINGS).validate()
+    settings = settings or DEFAULT_SETTINGS  # validated once, by its RunContext
     limit = cfg.cell_limit_s
     if cfg.server:
         from ...engines.server import _timeout

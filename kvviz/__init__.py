@@ -23,20 +23,17 @@ from .models.loading import (ATTN_CHOICES, DEFAULT_SPEC, LoadedModel, ModelSpec,
 from .models.loading import register_reference as _register_reference
 from .models.tiny import TINY_ARCHS, TINY_MODELS
 from .views import memory_profile as _memory_profile
-from .views.bisect.run import run_bisect as _run_bisect
 from .views.split.run import MODES, SplitConfig, SplitResult, run_split
-from .views.split.run import register_bisector as _register_bisector
 
 # Registration, explicit and in one place (no module registers anything by being imported): the cache kinds,
 # precision flags and torch.compile (backends) and invariant mode's run context on the execution seam, the float64
 # reference behind LoadedModel.reference() (loading never imports kvviz.core.reference), the views' memory profiles
-# behind the memory plan (kvviz.core never imports the views), and the bisector that names where an unproved
-# precision verdict starts (split never imports the bisector, which imports split).
+# behind the memory plan (kvviz.core never imports the views). (The bisector that names where an unproved precision
+# verdict starts is reached through the view registry: kvviz.views.get("bisect").)
 _backends.register()
 _invariant.register()
 _register_reference(_reference.reference_model)
 _memory.register_profiles(_memory_profile)
-_register_bisector(_run_bisect)
 
 __all__ = [
     "ATTN_CHOICES", "DEFAULT_SPEC", "DTYPE_NAMES", "ExecSettings", "Executor", "KvvizError", "LoadedModel", "MODES",

@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from .io.clirun import FlagRefused, Outcome, PlanShown, ctrl_c_stops, view_arguments
+from .io.clirun import FlagRefused, Outcome, PlanShown, ctrl_c_stops, finish_timings, view_arguments
 from .core.errors import OUT_OF_MEMORY_HINT, KvvizError, first_line, free_memory, is_out_of_memory
 
 
@@ -132,6 +132,7 @@ def _command_name(args) -> str:
 def _run(args) -> int:
     _refuse_flags(args)
     out: Outcome = args.handler(args)
+    finish_timings(args, out.result)  # the estimate it started with, the seconds it took (JSON: both)
     if out.exportable:
         _exports(args, out.result, out.lm)
     if out.printed:

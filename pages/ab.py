@@ -1,14 +1,15 @@
 """The A/B row every view shares: change one setting, run B, draw A and B on one scale with |B − A| below."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import streamlit as st
 
 import kvviz
 from kvviz.core.execution import ExecSettings
-from pages.runner import progress_bar, run_cached, show_error
+from pages.runner import run_view, show_error
 
 if TYPE_CHECKING:
     from pages.common import ModelChoice
@@ -25,29 +26,28 @@ class BRun:
     label_b: str
 
 
-def ab_run(prefix: str, name: str, choice: "ModelChoice", lm, scenario: dict[str, list[str]], help_text: str,
-           key_parts: dict, run: Callable, own_a: dict | None = None, exclude: tuple[str, ...] = (),
-           workload=None) -> BRun | None:
-    """The whole A/B row of a page: the controls (ab_controls), then B's run - run(what, other, lm_b, settings_b,
-    report) - once per distinct inputs with progress and Stop (run_cached "<name>_ab", planned as A's `workload`),
-    errors in one line. own_a:
-    A's value of the view's own scenario settings. None until "Run B" is on, or when B failed (the error is shown)."""
-    ab = ab_controls(prefix, choice, lm, scenario, help_text, exclude)
+def ab_run(view, choice: "ModelChoice", lm, cfg, scenario: dict[str, tuple[str, list[str]]], help_text: str,
+           exclude: tuple[str, ...] = (), **run) -> BRun | None:
+    """The whole A/B row of a view's page: the controls (ab_controls), then B's run through the one runner
+    (pages.runner.run_view, run "<view's run>_ab": once per distinct inputs, with progress, Stop and A's memory plan),
+    errors in one line. scenario: the view's own settings B may change, {label: (config field, B's choices)}: B
+    runs `cfg` with that field replaced. run: run_view's keywords (prove, ignores). None until "Run B" is on, or when
+    B failed (the error is shown)."""
+    ab = ab_controls(view.page.prefix.removesuffix("_"), choice, lm, {k: v for k, (_, v) in scenario.items()},
+                     help_text, exclude)
     if ab is None:
         return None
     what, other, lm_b, settings_b = ab
-
-    def compute():
-        with progress_bar(f"B: {what} = {other}…") as report:
-            return run(what, other, lm_b, settings_b, report)
-
+    cfg_b = dataclasses.replace(cfg, **{scenario[what][0]: other}) if what in scenario else cfg
     try:
-        res_b = run_cached(f"{name}_ab", {**key_parts, "ab": [what, other]}, compute, workload)
+        res_b = run_view(view, lm_b, cfg_b, settings=settings_b, name=f"{view.run_names()[0]}_ab",
+                         label=f"B: {what} = {other}…", **run)
     except Exception as e:  # noqa: BLE001 - one line, the page goes on
         show_error(e)
         return None
     label_a = {"dtype": choice.dtype, "attention": lm.attn_implementation if lm is not None else choice.attn,
-               "invariant mode": "on" if choice.invariant else "off", **(own_a or {})}[what]
+               "invariant mode": "on" if choice.invariant else "off",
+               **{k: str(getattr(cfg, f)) for k, (f, _) in scenario.items()}}[what]
     return BRun(what, other, res_b, f"{what} = {label_a}", f"{what} = {other}")
 
 
@@ -66,10 +66,6 @@ def ab_controls(prefix: str, choice: "ModelChoice", lm, scenario: dict[str, list
     if not a3.toggle("Run B", False, key=f"{prefix}_ab_on", help=help_text) or other is None:
         return None
     lm_b, settings_b = lm, choice.settings
-    if lm is None:  # the view loads its own models (the dtype sweep): B's attention is passed to it
-        if what == "invariant mode":
-            settings_b = ExecSettings(invariant=other == "on")
-        return what, other, None, settings_b
     try:  # B's model may not load here (e.g. flash_attention_2 on a CPU): one line, the page goes on
         if what == "dtype":
             lm_b = lm.twin(other)

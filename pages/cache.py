@@ -4,10 +4,11 @@ import streamlit as st
 from pages.defaults import DEFAULTS
 
 from kvviz.views.cache import figures as cache_figures
-from kvviz.views.cache.size import KVShape, SizeConfig, growth, known_configs, known_table, size_report
-from kvviz.views.cache.run import ReloadConfig, continue_and_compare, load_cache, save_cache_bytes
+from kvviz.views.cache.size import KVShape, SizeConfig, growth, known_configs, known_table
+from kvviz import views
+from kvviz.views.cache.run import ReloadConfig, save_cache_bytes
 from pages.common import page
-from pages.runner import run_cached, show_error
+from pages.runner import run_task, run_view, show_error
 from pages.exporting import exports
 
 choice, lm = page("KV cache",
@@ -17,8 +18,7 @@ t1, t2 = st.tabs(["Save, load, continue", "Size"])
 with t1:
     prompt = st.text_area("Prompt to cache", DEFAULTS["cache"]["prompt"], key="cache_prompt", height=70)
     try:
-        data, meta = run_cached("kv_save", {"model": choice.key, "prompt": prompt},
-                                lambda: save_cache_bytes(lm, prompt), ReloadConfig(prompt=prompt).workload())
+        data, meta = run_task("kv_save", ReloadConfig(prompt=prompt), lambda: save_cache_bytes(lm, prompt))
         st.download_button(f"Download the cache ({meta['n_tokens']} tokens, {len(data) / 1024:.0f} KiB)", data,
                            file_name="kvviz-cache.safetensors", mime="application/octet-stream", key="cache_download")
     except Exception as e:  # noqa: BLE001
@@ -27,9 +27,8 @@ with t1:
     cont = st.text_input("Continue with", " Paris, and the capital of Italy is", key="cache_cont")
     if up is not None:
         try:
-            res = run_cached("kv_load", {"model": choice.key, "file": up.file_id, "cont": cont},
-                             lambda: continue_and_compare(lm, load_cache(lm, up.getvalue()), cont),
-                             ReloadConfig(continuation=cont, source=up.getvalue()).workload())
+            res = run_view(views.get("kv_reload"), lm, ReloadConfig(continuation=cont, source=up.getvalue()),
+                           name="kv_load", label="Reloading the cache and continuing…")
         except Exception as e:  # noqa: BLE001
             show_error(e)
         else:
@@ -47,10 +46,8 @@ with t2:
     tokens = c1.number_input("Tokens", 1, 1_000_000, DEFAULTS["cache"]["tokens"], key="cache_tokens")
     batch = c2.number_input("Batch", 1, 1024, 1, key="cache_batch")
     try:
-        rep = run_cached("kv_size", {"model": choice.key, "tokens": int(tokens), "batch": int(batch)},
-                         lambda: size_report(lm, int(tokens), int(batch),
-                                             measure=lm.max_positions is None or int(tokens) <= lm.max_positions),
-                         SizeConfig(int(tokens), int(batch)).workload())
+        rep = run_view(views.get("kv_size"), lm, SizeConfig(int(tokens), int(batch), measure=lm.max_positions is None
+                                                            or int(tokens) <= lm.max_positions), label="Sizing…")
     except Exception as e:  # noqa: BLE001
         show_error(e)
         st.stop()

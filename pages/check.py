@@ -1,10 +1,10 @@
 """Page: is my model cache-safe? The battery of float64 checks, one line of evidence each."""
 import streamlit as st
 
-from kvviz.views.check.run import CheckConfig, run_check
+from kvviz.views.check.run import CheckConfig
 from kvviz.views.quant.run import KV_CHOICES, WEIGHT_CHOICES
 from pages.common import controls, page
-from pages.runner import progress_bar, run_cached, show_error
+from pages.runner import run_or_stop
 from pages.exporting import exports
 
 choice, lm = page("Is my model cache-safe?",
@@ -18,18 +18,7 @@ with controls():
                                 "the unquantized model.")
     kv = c2.selectbox("Check with a quantized KV cache", KV_CHOICES, key="check_kv")
 
-
-def compute():
-    with progress_bar("Running the checks…") as report:
-        return run_check(lm, progress=report, weights=weights, kv=kv)
-
-
-try:
-    card = run_cached("check", {"model": choice.key_without("invariant"), "weights": weights, "kv": kv}, compute,
-                      CheckConfig(weights=weights, kv=kv).workload())
-except Exception as e:  # noqa: BLE001
-    show_error(e)
-    st.stop()
+card = run_or_stop("check", lm, CheckConfig(weights=weights, kv=kv), label="Running the checks…")
 {"safe": st.success, "lossy": st.warning, "unsafe": st.error}[card.overall](
     f"**{card.overall.upper()}** — {card.summary}")
 # plain text in an HTML table: it wraps long evidence (a canvas table cut it off) and needs no emoji glyphs

@@ -301,35 +301,6 @@ def show_notes() -> None:
         st.warning(note, icon=":material/memory:")
 
 
-def token_strip(tokens: list[str], split: int | None = None, highlight: int | None = None, window: int = 64) -> str:
-    """Tokens as HTML chips: the cached ones (before `split`) shaded blue, one token highlighted in red. Every chip
-    sets its own text and background colours, so it reads the same in light and dark themes. Beyond `window` tokens
-    only those around the split are drawn, with a count of the hidden ones."""
-    import html
-
-    chips = []
-    centre = split if split is not None else 0
-    lo = max(0, min(centre - window // 2, len(tokens) - window)) if len(tokens) > window else 0
-    hi = min(len(tokens), lo + window) if len(tokens) > window else len(tokens)
-    hidden = ('<span style="color:#111;background:#fff3c4;border:1px dashed #b08800;border-radius:4px;'
-              'padding:1px 4px;margin:1px;display:inline-block;font-family:monospace">… {n} tokens …</span>')
-    if lo > 0:
-        chips.append(hidden.format(n=lo))
-    for i, t in enumerate(tokens[lo:hi], start=lo):
-        text = html.escape(t.replace("\n", "⏎")) or "∅"
-        if highlight is not None and i == highlight:
-            style = "background:#f8c9c4;border:1px solid #c0392b"
-        elif split is not None and i < split:
-            style = "background:#cfe3fa;border:1px solid #4a90d9"
-        else:
-            style = "background:#f0f0f0;border:1px solid #bbb"
-        chips.append(f'<span title="token {i}" style="{style};color:#111;border-radius:4px;padding:1px 3px;'
-                     f'margin:1px;display:inline-block;font-family:monospace;white-space:pre">{text}</span>')
-    if hi < len(tokens):
-        chips.append(hidden.format(n=len(tokens) - hi))
-    return "".join(chips)
-
-
 def prompt_set(prefix: str, sources: list[str], prompt: str, categories: list[str] | None, limit: int,
                height: int = 80) -> tuple[str, list[str]]:
     """The prompt-set control of the views that run many prompts (Dtypes, Serving): one prompt, the built-in set by

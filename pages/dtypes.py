@@ -5,17 +5,17 @@ from pages.defaults import DEFAULTS
 
 import kvviz
 from kvviz.views.dtypes import figures as dtypes_figures
-from kvviz.views.dtypes.run import DtypesConfig, run_dtypes
+from kvviz import views
+from kvviz.views.dtypes.run import DtypesConfig
 from kvviz.teach.firstscreen import dtypes_line
 from pages.common import controls, page, prompt_set, show_verdict, verdict_and_chart
-from pages.runner import progress_bar, run_cached, show_error
+from pages.runner import run_or_stop
 from pages.ab import ab_run, show_ab
 from pages.exporting import exports
 
-choice, _ = page("Dtypes side by side",
+choice, lm = page("Dtypes side by side",
                  "How fast does the cached-vs-full gap grow across layers in float16, bfloat16 and float32, raw and in "
-                 "units of each dtype's machine epsilon? float64 is the reference every verdict is checked against.",
-                 needs_model=False)
+                 "units of each dtype's machine epsilon? float64 is the reference every verdict is checked against.")
 
 with controls():
     source, prompts = prompt_set("dtypes", ["one prompt", "built-in set", "upload a file"], DEFAULTS["dtypes"]["prompt"],
@@ -28,21 +28,10 @@ with controls():
                          format_func={"last": "all but the last token cached", "half": "half cached"}.get)
     mode = c3.radio("Feed the rest", ["chunk", "step"], horizontal=True, key="dtypes_mode")
 
-work = DtypesConfig(tuple(prompts), tuple(dtypes), split, mode).workload()  # its memory plan
-
-
-def compute():
-    with progress_bar(f"Running {len(prompts)} prompt(s) × {len(dtypes) + 1} dtypes…") as report:
-        return run_dtypes(choice.model_spec, prompts, dtypes, choice.device, choice.attn, split=split, mode=mode,
-                          trust_remote_code=choice.trust_remote_code, progress=report, settings=choice.settings)
-
-
-try:
-    res = run_cached("dtypes", {"model": choice.key_without("dtype"), "prompts": prompts, "dtypes": dtypes, "split": split,
-                                "mode": mode}, compute, work)
-except Exception as e:  # noqa: BLE001
-    show_error(e)
-    st.stop()
+VIEW = views.get("dtypes")
+cfg = DtypesConfig(tuple(prompts), tuple(dtypes), split, mode)
+res = run_or_stop(VIEW, lm, cfg, ignores=("dtype",), label=f"Running {len(prompts)} prompt(s) × {len(dtypes) + 1} "
+               "dtypes…")  # the sidebar's model, whatever its dtype: the sweep runs its twins in each dtype
 
 left, right = verdict_and_chart((1, 2))
 with left:
@@ -65,14 +54,8 @@ with right:
 st.subheader(f"Layers × dtypes ({how} over {len(res.prompts)} prompt{'s' if len(res.prompts) != 1 else ''})")
 st.dataframe(res.stat(metric, how).style.format("{:.3g}"), width="stretch")
 with st.expander("A/B: this sweep against one other setting, on one scale"):
-    b = ab_run("dtypes", "dtypes", choice, None, {"feed mode": [m for m in ("chunk", "step") if m != mode]},
-               "Runs the sweep once more with B's setting",
-               {"model": choice.key_without("dtype"), "prompts": prompts, "dtypes": dtypes, "split": split, "mode": mode},
-               lambda what, other, _, settings_b, report: run_dtypes(
-                   choice.model_spec, prompts, dtypes, choice.device, other if what == "attention" else choice.attn,
-                   split=split, mode=other if what == "feed mode" else mode,
-                   trust_remote_code=choice.trust_remote_code, progress=report, settings=settings_b),
-               own_a={"feed mode": mode}, exclude=("dtype",), workload=work)
+    b = ab_run(VIEW, choice, lm, cfg, {"feed mode": ("mode", [m for m in ("chunk", "step") if m != mode])},
+               "Runs the sweep once more with B's setting", exclude=("dtype",), ignores=("dtype",))
     if b is not None:
         show_ab(dtypes_figures.ab_dtype_curves(res, b.result, b.label_a, b.label_b, metric, how), "dtypes",
                 "Both charts on one y range; the third is |B − A| per dtype and layer.")

@@ -1,20 +1,18 @@
 """Page: inside the engine - two runs of one prompt through vLLM (warm vs cold, batch vs alone, tensor parallel 1 vs
 N) or llama.cpp (warm vs cold, on the GGUF itself) compared hidden state by hidden state in the engine's worker, each
 against the float64 reference. An engine run takes minutes, so it starts on the button, not on the first screen."""
-import dataclasses
-
 import streamlit as st
 
 from kvviz.core.errors import KvvizError
 from kvviz.core.plotting import METRIC_TITLES
 from kvviz.views.engine_layers import figures as el_figures, report as el_report
-from kvviz.views.engine_layers.run import ENGINES, PAIRS, EngineLayersConfig, run
-from kvviz.core.protocol import RunContext
+from kvviz import views
+from kvviz.views.engine_layers.run import ENGINES, PAIRS, EngineLayersConfig
 from kvviz.engines.serving import engine_status
 from kvviz.engines.workers import gguf_of
 from pages.common import controls, page, show_verdict
 from pages.exporting import exports
-from pages.runner import progress_bar, run_cached, show_error
+from pages.runner import forget_button, run_button, run_view, show_error
 
 ENGINE_LABELS = {"vllm": "vLLM", "llama.cpp": "llama.cpp"}
 PAIR_LABELS = {"warm": "cold vs warm prefix", "batch": "alone vs batch", "tp": "tensor parallel 1 vs N"}
@@ -59,29 +57,20 @@ with controls(expanded=True):
         st.info(why)
         st.stop()
 
-key = {"model": choice.key, "cfg": dataclasses.asdict(cfg)}
-ran = st.session_state.setdefault("_engine_layers_ran", [])  # the settings asked for (the button) or already run
 label = ENGINE_LABELS[engine]
-# the button marks its settings in its callback: the app may rerun the script before the page reads a button's value
-st.button(f"Run inside {label}", key="engine_layers_run", type="primary", icon=":material/play_arrow:",
-          on_click=lambda k=key: ran.append(k) if k not in ran else None,
-          help=f"Starts {label} in its own environment (" + ("seconds to a minute on a CPU)" if llama else
-                                                             "a minute or more on a CPU; tensor parallel starts two)"))
-if key not in ran:
+if not run_button("engine_layers", cfg, f"Run inside {label}", key="engine_layers_run", type="primary",
+                  icon=":material/play_arrow:",
+                  help=f"Starts {label} in its own environment (" + (
+                      "seconds to a minute on a CPU)" if llama else
+                      "a minute or more on a CPU; tensor parallel starts two)")):
     st.info(f"Choose the pair and press **Run inside {label}**: the engine starts in its own process, so a run "
             f"takes {'a minute or so' if llama else 'minutes'} on a CPU.")
     st.stop()
 
-
-def compute():
-    with progress_bar(f"Running the prompt twice inside {label}…") as report:
-        return run(lm, cfg, RunContext(settings=choice.settings, progress=report))
-
-
-try:
-    res = run_cached("engine_layers", key, compute, cfg.workload())  # once per settings: a rerun shows the stored result
+try:  # once per settings: a rerun shows the stored result
+    res = run_view(views.get("engine_layers"), lm, cfg, label=f"Running the prompt twice inside {label}…")
 except Exception as e:  # noqa: BLE001
-    ran.remove(key)  # a failed run is not retried on every rerun: the button asks again
+    forget_button("engine_layers")  # a failed run is not retried on every rerun: the button asks again
     show_error(e)
     st.stop()
 

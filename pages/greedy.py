@@ -1,15 +1,16 @@
 """Page: greedy decoding with and without cache, where the paths part and why."""
 import streamlit as st
 
+from kvviz import views
+
 from pages.defaults import DEFAULTS
 
 from kvviz.views.greedy import figures as greedy_figures
-from kvviz.views.greedy.run import (DEFAULT_PATHS, MAX_NEW_TOKENS, PATH_LABELS, PATHS, GreedyConfig, GreedyPath,
-                                    run_greedy)
+from kvviz.views.greedy.run import DEFAULT_PATHS, MAX_NEW_TOKENS, PATH_LABELS, PATHS, GreedyConfig, GreedyPath
 from kvviz.core.inputs import POSITION_MODES
 from kvviz.teach.firstscreen import greedy_closest_call
 from pages.common import controls, page, show_verdict, verdict_and_chart
-from pages.runner import progress_bar, run_cached, show_error
+from pages.runner import run_or_stop
 from pages.ab import ab_run, show_ab
 from pages.exporting import exports
 
@@ -37,19 +38,8 @@ with controls():
 
 cfg = GreedyConfig(prompt=prompt, max_new_tokens=int(n_new), left_pad=int(left_pad), position_ids=pos_mode,
                    paths=tuple(paths), fast=fast, stop_at_divergence=stop)
-key = {"model": choice.key, "cfg": cfg.__dict__}
-
-
-def compute():
-    with progress_bar("Decoding…") as report:
-        return run_greedy(lm, cfg, progress=report, settings=choice.settings)
-
-
-try:
-    res = run_cached("greedy", key, compute, cfg.workload())
-except Exception as e:  # noqa: BLE001
-    show_error(e)
-    st.stop()
+VIEW = views.get("greedy")
+res = run_or_stop(VIEW, lm, cfg, label="Decoding…")
 
 parting = [p for p in res.pairs if p.first_divergence is not None]
 left, right = verdict_and_chart((1, 1))
@@ -95,13 +85,8 @@ with st.expander("A/B: this decoding against one other setting, on one colour sc
         st.info("A/B compares the no-cache and cache paths under two settings: choose both paths above to use it.")
         b = None
     else:
-        b = ab_run("greedy", "greedy", choice, lm,
-                   {"position ids (cache path)": [m for m in POSITION_MODES if m != pos_mode]},
-                   "Decodes once more with B's setting", key,
-                   lambda what, other, lm_b, settings_b, report: run_greedy(
-                       lm_b, GreedyConfig(**{**cfg.__dict__, "position_ids": other}) if what.startswith("position")
-                       else cfg, progress=report, settings=settings_b),
-                   own_a={"position ids (cache path)": pos_mode}, workload=cfg.workload())
+        b = ab_run(VIEW, choice, lm, cfg, {"position ids (cache path)": (
+            "position_ids", [m for m in POSITION_MODES if m != pos_mode])}, "Decodes once more with B's setting")
     if b is not None:
         def parting_of(r):
             p = r.pair(GreedyPath.NO_CACHE, GreedyPath.CACHE)

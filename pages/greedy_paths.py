@@ -1,6 +1,5 @@
-"""The Greedy paths page's older URL (/greedy_paths). A fresh Streamlit server looks its very first request up among
-the pages/ file names before app.py runs; this file answers that lookup, then app.py sends the link on to
-/greedy with its settings."""
-from pages.common import ensure_navigation
+"""/greedy_paths, an older URL: a fresh server looks its first request up among pages/ file names; this file hands it
+to app.py, which sends the link on to /greedy with its settings."""
+from pages import ensure_navigation
 
 ensure_navigation()

@@ -6,7 +6,7 @@ from kvviz.teach import lesson
 from kvviz.core.dtypes import DTYPE_NAMES
 from kvviz.teach.lesson_figures import figure, handout_html
 from pages.common import page
-from pages.runner import progress_bar, run_cached, show_error
+from pages.runner import progress_bar, run_task, show_error
 
 SHORT = {1: "1 · Floats", 2: "2 · Sums", 3: "3 · One row", 4: "4 · One layer", 5: "5 · All layers",
          6: "6 · A word flips", 7: "7 · The referee", 8: "8 · A bug", 9: "Exercises: find the bug"}
@@ -52,7 +52,7 @@ def exercises_page() -> None:
             return run_exercise(key, models())
 
     try:
-        run = run_cached(f"lesson_ex_{key}", {"model": choice.key_without("dtype", "invariant"), "ex": key}, compute)
+        run = run_task(f"lesson_ex_{key}", key, compute, ignores=("dtype",))
     except Exception as e:  # noqa: BLE001
         show_error(e)
         return
@@ -116,8 +116,7 @@ def compute(step: int, options: dict):
 
 
 def result_of(step: int, options: dict):
-    return run_cached(f"lesson{step}", {"model": choice.key_without("dtype", "invariant"), "step": step,
-                                        "options": options}, lambda: compute(step, options))
+    return run_task(f"lesson{step}", (step, options), lambda: compute(step, options), ignores=("dtype",))
 
 
 try:
@@ -171,9 +170,8 @@ if ss.pop("_lesson_make_handout", False):
             for k in lesson.STEPS:
                 report((k - 1) / len(lesson.STEPS), f"Step {k} of {len(lesson.STEPS)}…")
                 opts = options if k == step else {}
-                done.append(run_cached(f"lesson{k}", {"model": choice.key_without("dtype", "invariant"), "step": k,
-                                                      "options": opts},
-                                       lambda k=k, opts=opts: lesson.run_step(k, models(), **dict(opts))))
+                done.append(run_task(f"lesson{k}", (k, opts), lambda k=k, opts=opts: lesson.run_step(
+                    k, models(), **dict(opts)), ignores=("dtype",)))
         ss["_lesson_handout"] = handout_html(done, choice.spec)
     except Exception as e:  # noqa: BLE001
         show_error(e)

@@ -5,9 +5,9 @@ from pages.defaults import DEFAULTS
 
 from kvviz.views.loading_trap import figures as loading_trap_figures
 
-from kvviz.views.loading_trap.run import LoadingTrapConfig, run_loading_trap
+from kvviz.views.loading_trap.run import LoadingTrapConfig
 from pages.common import controls, page, show_verdict, verdict_and_chart
-from pages.runner import progress_bar, run_cached, show_error
+from pages.runner import run_or_stop
 from pages.exporting import exports
 
 choice, lm = page("Loading trap",
@@ -20,18 +20,9 @@ with controls():
     n = c1.number_input("New tokens", 1, 256, DEFAULTS["loading_trap"]["n"], key="loading_trap_n")
     dtype = c2.radio("16-bit dtype", ["bfloat16", "float16"], horizontal=True, key="loading_trap_dtype")
 
-
-def compute():
-    with progress_bar("Decoding with both models…"):
-        return run_loading_trap(lm, prompt, int(n), dtype)
-
-
-try:
-    res = run_cached("trap", {"model": choice.key_without("dtype"), "prompt": prompt, "n": int(n), "dtype": dtype},
-                     compute, LoadingTrapConfig(prompt, int(n), dtype).workload())
-except Exception as e:  # noqa: BLE001
-    show_error(e)
-    st.stop()
+# its two loadings are its own: the sidebar's dtype is not one of its inputs
+res = run_or_stop("loading_trap", lm, LoadingTrapConfig(prompt, int(n), dtype), ignores=("dtype",),
+                  label="Decoding with both models…")
 left, right = verdict_and_chart()
 with left:
     show_verdict({"different models": "logic", "same model": "identical"}.get(res.verdict, res.verdict),

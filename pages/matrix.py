@@ -5,11 +5,11 @@ from pages.defaults import DEFAULTS
 
 from kvviz.views.matrix import figures as matrix_figures
 from kvviz.core.backends import CACHE_KINDS, COMPILE_MODES
-from kvviz.views.matrix.run import MatrixConfig, run_matrix, sliding_window_config
+from kvviz.views.matrix.run import MatrixConfig, sliding_window_config
 from kvviz.teach.firstscreen import matrix_why
 from kvviz.core.verdict import worst as worst_of
 from pages.common import controls, page, show_verdict
-from pages.runner import page_message, progress_bar, run_cached, show_error
+from pages.runner import page_message, run_button, run_or_stop
 from pages.exporting import exports
 
 FLAG_SETS = {"none": (), "tf32": ("tf32",), "deterministic": ("deterministic",),
@@ -61,31 +61,19 @@ with controls():
                        left_pad=int(left_pad), position_ids=pos,
                        batch_with=tuple(t for t in batch.splitlines() if t.strip()), invariant=choice.invariant)
 st.caption(f"{len(cfg.cells())} cells × {int(repeats)} repeats, each {int(n)} tokens.")
-key = {"model": choice.key_without("attn"), "cfg": repr(cfg)}
 D = DEFAULTS["matrix"]
 default_cfg = MatrixConfig(prompt=D["prompt"], max_new_tokens=D["n"], attentions=tuple(D["attn"]),
                            caches=tuple(D["cache"]), compiles=("off",), flag_sets=((),), repeats=D["repeats"],
                            invariant=choice.invariant)
 # a scenario's axes and the page's default axes (seconds) run at once; other axes wait for the click (can be long)
-if st.session_state.pop("_mx_autorun", False) or cfg == default_cfg:
-    st.session_state["matrix_ran"] = repr(key)
-st.button("Run the matrix", type="primary", key="matrix_run",
-          on_click=lambda k=repr(key): st.session_state.__setitem__("matrix_ran", k))
-if st.session_state.get("matrix_ran") != repr(key):  # the matrix is long: it runs on the click, views reuse it
+# the matrix is long: it runs on the click (views reuse it)
+if not run_button("matrix", cfg, "Run the matrix", auto=st.session_state.pop("_mx_autorun", False) or cfg == default_cfg,
+                  ignores=("attn",), type="primary", key="matrix_run"):
     st.info("Pick the axes and press **Run the matrix**.")
     st.stop()
 
-
-def compute():
-    with progress_bar("Running the cells…") as report:
-        return run_matrix(lm, cfg, trust_remote_code=choice.trust_remote_code, progress=report)
-
-
-try:
-    res = run_cached("matrix", key, compute, cfg.workload())
-except Exception as e:  # noqa: BLE001
-    show_error(e)
-    st.stop()
+# its attentions are its own axis: the sidebar's is not one of its inputs
+res = run_or_stop("matrix", lm, cfg, ignores=("attn",), label="Running the cells…")
 
 counts = {}
 for c in res.cells:

@@ -1,15 +1,14 @@
 """Page: the same prompt alone, left-padded and in a batch, with cache settings right and wrong."""
-import dataclasses
-
 import streamlit as st
 
 from pages.defaults import DEFAULTS
 
 from kvviz.views.padding import figures as padding_figures
-from kvviz.views.padding.run import PaddingConfig, run_padding
+from kvviz import views
+from kvviz.views.padding.run import PaddingConfig
 from kvviz.teach.firstscreen import padding_line
 from pages.common import controls, page, show_verdict
-from pages.runner import progress_bar, run_cached, show_error
+from pages.runner import run_or_stop
 from pages.ab import ab_run, show_ab
 from pages.exporting import exports
 
@@ -27,23 +26,10 @@ with controls():
                       DEFAULTS["padding"]["prove"], key="padding_prove",
                       help="Off by default so the grid comes quickly; the float64 rerun decides every verdict anyway.")
 
-# its memory plan (the proof's phase only with the proof on)
-work = dataclasses.replace(PaddingConfig(prompt, int(split) or None, int(left_pad)).workload(), prove=bool(prove))
-
-
-def compute():
-    with progress_bar("Running the grid…") as report:
-        return run_padding(lm, prompt, int(split) or None, int(left_pad), progress=report,
-                           settings=choice.settings, prove=bool(prove))
-
-
-try:
-    res = run_cached("padding", {"model": choice.key, "prompt": prompt, "pad": int(left_pad), "split": int(split),
-                                 "prove": bool(prove)},
-                     compute, work)
-except Exception as e:  # noqa: BLE001
-    show_error(e)
-    st.stop()
+VIEW = views.get("padding")
+cfg = PaddingConfig(prompt, int(split) or None, int(left_pad))
+proof = None if prove else False  # the context's prove: the automatic proof, or none (its memory plan with it)
+res = run_or_stop(VIEW, lm, cfg, prove=proof, label="Running the grid…")
 
 show_verdict(*padding_line(res))  # the grid's worst cell, in words, before the grid
 value = st.radio("Number in the cells", ["hidden_relative", "logits_relative"], horizontal=True, key="padding_value",
@@ -62,11 +48,7 @@ for c in res.cells:  # a cell the model's own forward cannot run: its one-line r
     if c.get("reason"):
         st.caption(f"**{c['placement']} / {c['scenario']}** — {c['reason']}")
 with st.expander("A/B: this grid against one other setting, on one colour scale"):
-    b = ab_run("padding", "padding", choice, lm, {}, "Runs the grid once more with B's setting",
-               {"model": choice.key, "prompt": prompt, "pad": int(left_pad), "split": int(split)},
-               lambda what, other, lm_b, settings_b, report: run_padding(
-                   lm_b, prompt, int(split) or None, int(left_pad), progress=report, settings=settings_b),
-               workload=work)
+    b = ab_run(VIEW, choice, lm, cfg, {}, "Runs the grid once more with B's setting", prove=proof)
     if b is not None:
         show_ab(padding_figures.ab_padding_grids(res, b.result, b.label_a, b.label_b, value), "padding",
                 "The cells' relative gaps (log₁₀) on one colour scale; exact zeros are written 0 and left grey; the "

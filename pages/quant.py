@@ -4,9 +4,9 @@ import streamlit as st
 from pages.defaults import DEFAULTS
 
 from kvviz.views.quant import figures as quant_figures
-from kvviz.views.quant.run import DEFAULT_RESIDUAL, KV_CHOICES, WEIGHT_CHOICES, package_available, run_quant, QuantConfig
+from kvviz.views.quant.run import DEFAULT_RESIDUAL, KV_CHOICES, WEIGHT_CHOICES, package_available, QuantConfig
 from pages.common import controls, page, show_verdict, verdict_and_chart
-from pages.runner import progress_bar, run_cached, show_error
+from pages.runner import run_or_stop
 from pages.exporting import exports
 
 choice, lm = page("Quantized cache & weights",
@@ -42,19 +42,7 @@ with controls():
 
 cfg = QuantConfig(prompt, kv=kv, residual_length=int(residual), weights=weights, max_new_tokens=int(n))
 
-
-def compute():
-    with progress_bar(f"Comparing {cfg.label or 'nothing'} with the unquantized run…") as report:
-        return run_quant(lm, cfg, progress=report)
-
-
-try:
-    res = run_cached("quant", {"model": choice.key_without("invariant"), "prompt": prompt, "kv": kv,
-                               "residual": int(residual), "weights": weights, "n": int(n)}, compute,
-                     cfg.workload())
-except Exception as e:  # noqa: BLE001
-    show_error(e)
-    st.stop()
+res = run_or_stop("quant", lm, cfg, label=f"Comparing {cfg.label or 'nothing'} with the unquantized run…")
 
 left, right = verdict_and_chart()
 with left:

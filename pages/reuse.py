@@ -1,15 +1,13 @@
 """Page: one prompt cache reused for several continuations ."""
-import dataclasses
-
 import streamlit as st
 
 from pages.defaults import DEFAULTS
 
-from kvviz.views.reuse import figures as reuse_figures
-from kvviz.core.verdict import Verdict, worst as worst_of
-from kvviz.views.reuse.run import REUSE_STRATEGIES, ReuseConfig, run_reuse
+from kvviz.views.reuse import figures as reuse_figures, report as reuse_report
+from kvviz import views
+from kvviz.views.reuse.run import REUSE_STRATEGIES, ReuseConfig
 from pages.common import controls, page, show_verdict
-from pages.runner import progress_bar, run_cached, show_error
+from pages.runner import run_or_stop
 from pages.ab import ab_run
 from pages.exporting import exports
 
@@ -28,34 +26,12 @@ with controls():
     prove = st.toggle("Prove precision gaps (rerun in invariant mode; slower)", DEFAULTS["reuse"]["prove"],
                       key="reuse_prove", help="Off by default so the texts come quickly; float64 decides the verdicts.")
 merged = [c.replace("\\n", "\n") for c in conts.splitlines() if c.strip()]
-# its memory plan (the proof's phase only with the proof on)
-work = dataclasses.replace(ReuseConfig(prefix, tuple(merged), int(n)).workload(), prove=bool(prove))
+VIEW = views.get("reuse")
+cfg = ReuseConfig(prefix, tuple(merged), int(n))
+proof = None if prove else False  # the context's prove: the automatic proof, or none (its memory plan with it)
+res = run_or_stop(VIEW, lm, cfg, prove=proof, label="Decoding…")
 
-
-def compute():
-    with progress_bar("Decoding…") as report:
-        return run_reuse(lm, prefix, merged, int(n), progress=report, settings=choice.settings,
-                         prove=bool(prove) and None)
-
-
-try:
-    res = run_cached("reuse", {"model": choice.key, "prefix": prefix, "conts": merged, "n": int(n),
-                               "prove": bool(prove)}, compute, work)
-except Exception as e:  # noqa: BLE001
-    show_error(e)
-    st.stop()
-
-ways = [r for r in res.runs if r["strategy"] != "fresh"]
-worst = worst_of((r["verdict"] for r in ways), Verdict.IDENTICAL)
-bad = sorted({r["strategy"] for r in ways if r["verdict"] == worst})
-show_verdict(worst, {"logic": f"Logic: {' and '.join(bad)} compute{'s' if len(bad) == 1 else ''} something else "
-                              "than a fresh prefill (the gap stays in float64)"
-                              + (": the reused cache still holds the earlier continuations' tokens. Deep-copy the "
-                                 "prefix cache for every continuation." if bad == ["reused"] else "."),
-                     "precision": f"Precision: {' and '.join(bad)} differ from a fresh prefill only by rounding (the "
-                                  "gap closes in float64); the reuse logic is right.",
-                     "identical": "Identical: every way of reusing the prefix gives the fresh run's numbers bit for "
-                                  "bit."}[worst])
+show_verdict(*reuse_report.worst_way(res))
 for i, cont in enumerate(res.settings.continuations):
     st.markdown(f"**Continuation {i + 1}**")
     st.text(cont)
@@ -74,11 +50,7 @@ for i, cont in enumerate(res.settings.continuations):
         col.text(run["text"])
         col.caption(desc)
 with st.expander("A/B: these continuations under one other setting"):
-    b = ab_run("reuse", "reuse", choice, lm, {}, "Decodes once more with B's setting",
-               {"model": choice.key, "prefix": prefix, "conts": merged, "n": int(n)},
-               lambda what, other, lm_b, settings_b, report: run_reuse(lm_b, prefix, merged, int(n), progress=report,
-                                                                       settings=settings_b),
-               workload=work)
+    b = ab_run(VIEW, choice, lm, cfg, {}, "Decodes once more with B's setting", prove=proof)
     if b is not None:
         st.dataframe(reuse_figures.ab_reuse_frame(res, b.result), hide_index=True, width="stretch")
         st.caption("Each way of reusing the prefix under A and B: verdict, the largest relative logit gap to a "

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import dataclasses
 import hashlib
 import json
-import contextvars
 import threading
 import time
 
 import streamlit as st
 
-from kvviz.core import cancel
+from kvviz import views
+from kvviz.core import cancel, estimate
+from kvviz.core.estimate import PhaseClock
+from kvviz.core.protocol import RunContext
+from kvviz.io.clirun import config_workload
 from kvviz.models.compat import script_request_state
 from kvviz.core.errors import OUT_OF_MEMORY_HINT, KvvizError, first_line, free_memory, is_out_of_memory
 
@@ -73,16 +78,19 @@ def _request_stop() -> None:
 
 
 def progress_text(frac: float, msg: str, elapsed: float, since: float = 0.0,
-                  phase: tuple[float, float] | None = None) -> str:
+                  phase: tuple[float, float] | None = None, left: float | None = None) -> str:
     """The progress line: `msg` and the time left, estimated from the measured pace (elapsed / fraction done at the
     last report) less the time since that report; past the estimate it says so and counts, never a stale "about 9 s
     left". since: seconds since the last report (a step that takes long reports nothing meanwhile). phase: (fraction,
     seconds) where the current phase began ("invariant proof: …" after the normal run): once the phase has a pace of
-    its own, the time left is re-measured from it (a proof ten times slower than the run before it says so)."""
+    its own, the time left is re-measured from it (a proof ten times slower than the run before it says so). left:
+    the time left as the run's estimate says it (Ticker.left: the current phase's pace and the phases to come)."""
     if "left" in msg or frac >= 1:
         return msg
     at = elapsed - since  # the last report
-    if phase is not None and frac - phase[0] > 0.005 and at - phase[1] > 0.5:
+    if left is not None:
+        pass
+    elif phase is not None and frac - phase[0] > 0.005 and at - phase[1] > 0.5:
         left = (at - phase[1]) / (frac - phase[0]) * (1 - frac) - since
     elif frac <= 0.02 or at <= 0.5:  # no pace measured yet
         return f"{msg} — {elapsed:.0f} s so far" if elapsed >= 3 else msg
@@ -100,21 +108,20 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
-def _phase_of(msg: str) -> str:
-    """A message's phase: the words before its first colon ("invariant proof", "float64"), "" for the main run."""
-    head, colon, _ = msg.partition(": ")
-    return head if colon and len(head) <= 24 else ""
-
-
 class _Ticker:
     """Redraws the progress line every second from the last report and the clock (a run reports only between its
-    steps), with the layer the run is at (where()) and each phase's own pace."""
+    steps), with the layer the run is at (where()) and each phase's own pace. The run names its phases as values
+    (`phase(name)`: RunContext.on_phase), never in its messages. With the run's estimate (kvviz.core.estimate) the
+    time left is the current phase's (its measured pace once it has one, else its estimate less the time it has
+    run) plus the estimates of the phases still to come; at a phase change it moves to the next phase's estimate."""
 
-    def __init__(self, draw, clock, where=None):
+    def __init__(self, draw, clock, where=None, estimate=None):
         self.draw, self.clock, self.where = draw, clock, where or (lambda: "")
+        self.estimate = estimate
         self.t0 = self.t_report = clock()
         self.frac, self.msg = 0.0, ""
-        self.phase, self.phase_start = "", (0.0, 0.0)
+        self.phase_name, self.phase_start, self.fresh_phase = "", (0.0, 0.0), False
+        self.phases = PhaseClock(clock, self.t0)  # each phase's measured seconds (the estimate store is refined by them)
         self.lock = threading.Lock()
 
     def _msg(self) -> str:
@@ -123,19 +130,50 @@ class _Ticker:
         where = self.where()
         return f"{self.msg.rstrip('…')} ({where})…" if where and where not in self.msg else self.msg
 
+    def phase(self, name: str) -> None:
+        """The run's phase `name` starts now; its start on the bar is the fraction of its first report."""
+        with self.lock:
+            self.phases(name)
+            self.phase_name, self.phase_start = name, (self.frac, self.clock() - self.t0)
+            self.fresh_phase = True
+            if self.msg:
+                self._draw(self.clock())
+
+    def left(self, now: float) -> float | None:
+        """Seconds left by the estimate: None without one (the pace of the bar then says it)."""
+        est = self.estimate
+        if est is None or est.run_s <= 0:
+            return None
+        name = self.phase_name or (est.names()[0] if est.names() else "run")
+        name = name if name in est.names() else "run"
+        f0, t_phase = self.phase_start
+        in_phase = now - self.t0 - t_phase
+        end = est.bar().get(name, (0.0, 1.0))[1]
+        at = self.t_report - self.t0
+        if self.frac - f0 > 0.005 and at - t_phase > 0.5:  # the phase's own pace, measured
+            current = (at - t_phase) / (self.frac - f0) * max(0.0, end - self.frac) - (now - self.t_report)
+        else:
+            current = est.seconds(name) - in_phase
+        return max(0.0, current) + est.after(name)
+
+    def _draw(self, now: float) -> None:
+        self.draw(self.frac, progress_text(self.frac, self.msg, now - self.t0, now - self.t_report,
+                                           self.phase_start, self.left(now)))
+
     def report(self, frac: float, msg: str) -> None:
         with self.lock:
             self.frac, self.msg, self.t_report = min(max(float(frac), 0.0), 1.0), msg, self.clock()
-            if _phase_of(msg) != self.phase:
-                self.phase, self.phase_start = _phase_of(msg), (self.frac, self.t_report - self.t0)
-            self.draw(self.frac, progress_text(self.frac, msg, self.t_report - self.t0, 0.0, self.phase_start))
+            if self.fresh_phase:  # the phase's first report: where it starts on the bar
+                self.phase_start, self.fresh_phase = (self.frac, self.phase_start[1]), False
+            self.draw(self.frac, progress_text(self.frac, msg, self.t_report - self.t0, 0.0, self.phase_start,
+                                               self.left(self.t_report)))
 
     def tick(self) -> None:
         with self.lock:
             if self.msg:
                 now = self.clock()
                 self.draw(self.frac, progress_text(self.frac, self._msg(), now - self.t0, now - self.t_report,
-                                                   self.phase_start))
+                                                   self.phase_start, self.left(now)))
 
 
 @contextlib.contextmanager
@@ -155,7 +193,10 @@ def progress_bar(label: str):
                   help="Stop this run; the page keeps its controls and you can start it again")
     token, run = cancel.current(), _RUN.get()
     ticker = _Ticker(lambda f, text: bar.progress(f, text=text), time.perf_counter,
-                     (lambda: token.where) if token is not None else None)
+                     (lambda: token.where) if token is not None else None,
+                     run.get("estimate") if run is not None else None)
+    if run is not None:
+        run["ticker"] = ticker  # the run's context names its phases to it (run_context)
     stop = threading.Event()
 
     def report(frac: float, msg: str) -> None:
@@ -194,8 +235,6 @@ def _memory_plan(name: str, work, fresh: bool):
     (kvviz.core.memory.Workload, from the page's config); a run that cannot fit is refused in one line naming what to
     lower, before it starts (nothing is loaded to make the plan)."""
     from pages.memory_plan import blocks_run, show_plan
-
-    from kvviz import views
 
     choice = st.session_state.get("model_choice")
     view = views.for_run(name)
@@ -370,83 +409,94 @@ def _stop_earlier_runs(session: str) -> dict | None:
     return mine[-1]
 
 
-LONG_RUN_S = 120.0  # a run the last pace says will take longer than this is announced first, with its proof's share
-# (model, run name) -> the last finished run's pace: {"tokens", "run_s" (without the proof), "proof_s"}
-_PACE: dict[tuple, dict] = {}
+LONG_RUN_S = 120.0  # a run its estimate says will take longer than this is announced first, with its proof's share
 
 
-def run_estimate(model, name: str, tokens: int | None) -> tuple[float, float, dict] | None:
-    """(seconds of the run, seconds of its automatic invariant proof, the measured run it scales) for a run of
-    `tokens` tokens, from the last finished run of `name` on `model` in this server, scaled by tokens; None when
-    nothing was measured yet."""
-    pace = _PACE.get((model, name))
-    if not pace or not tokens or not pace.get("tokens"):
+def run_estimate(lm, name: str, work) -> "Estimate | None":
+    """The estimate of run `name` (a view's run name) of workload `work` (kvviz.core.inputs.Workload) on the loaded
+    model `lm`, from this machine's measured pace (kvviz.core.estimate: measured on first use - a few short forwards,
+    said while it works - and kept); None without a model or a workload, or where it cannot be made."""
+    from kvviz import views
+
+    view = views.for_run(name)
+    if lm is None or work is None or view is None:
         return None
-    scale = tokens / pace["tokens"]
-    return pace["run_s"] * scale, pace["proof_s"] * scale, pace
+    choice = st.session_state.get("model_choice")
+    invariant = bool(getattr(choice, "invariant", False))
+    try:
+        if estimate.load_pace(estimate.key_of_model(lm)) is None:
+            with st.spinner("Measuring this machine's pace for this model (once: a few short forwards)…"):
+                return estimate.for_model(lm, work, estimate.tokens_of(lm, work), view.name, invariant)
+        return estimate.for_model(lm, work, estimate.tokens_of(lm, work), view.name, invariant)
+    except (KvvizError, OSError, ValueError, RuntimeError):
+        return None
 
 
-def _record_pace(model, name: str, plan, elapsed: float, result) -> None:
-    tokens = getattr(plan, "tokens", None)
-    if model is None or not tokens:
-        return
-    proof_s = getattr(result, "proof_s", None) or 0.0
-    from kvviz.views.split.run import SplitResult
-
-    _PACE[(model, name)] = {"tokens": int(tokens), "run_s": max(0.0, elapsed - proof_s), "proof_s": proof_s,
-                            "skippable": isinstance(result, SplitResult)}  # its proof is split's automatic one
-
-
-def _announce_long_run(name: str, key: str, model, plan) -> None:
-    """Before a run the measured pace says is long: how long (the run and its proof apart) and buttons to run it as
-    it is or without the automatic invariant proof; the page stops here until one is clicked."""
+def announce_long_run(name: str, key: str, est) -> None:
+    """Before a run its estimate says is long (the first one too: the estimate is measured, not the last run's):
+    how long, the run and its proof apart, and buttons to run it as it is or without the automatic invariant proof
+    (the run's context then has auto_proof False); the page stops here until one is clicked."""
     ss = st.session_state
-    est = run_estimate(model, name, getattr(plan, "tokens", None))
     chosen = ss.setdefault("_long_ok", {})
-    if est is None or sum(est[:2]) <= LONG_RUN_S or chosen.get(name, ("", ""))[0] == key:
+    if est is None or est.run_s <= LONG_RUN_S or chosen.get(name, ("", ""))[0] == key:
         return
-    run_s, proof_s, pace = est
-    proof = (f", {_duration(run_s)} for the run and {_duration(proof_s)} for the invariant proof after it"
-             if proof_s >= 1 else "")
-    st.warning(f"This run will take about {_duration(run_s + proof_s)} on this machine{proof}: the pace of the "
-               f"last one ({pace['tokens']} tokens in {_duration(pace['run_s'] + pace['proof_s'])}) for "
-               f"{plan.tokens} tokens. The progress bar says each phase as it goes; Stop ends it at once.",
+    proof_s = est.seconds("proof")
+    without = est.without("proof", "load")
+    parts = ", ".join(f"{estimate.duration(p.seconds)} for the {estimate.PHASE_WORDS.get(p.name, p.name)}"
+                      for p in est.phases if p.name != "load" and p.seconds >= 1)
+    st.warning(f"This run will take about {estimate.duration(est.run_s)} on this machine ({parts}): "
+               f"{est.basis}. The progress bar says each phase as it goes; Stop ends it at once.",
                icon=":material/schedule:")
-    skip = proof_s >= 1 and pace.get("skippable", True)
+    skip = proof_s >= 1
     cols = st.columns(2 if skip else 1)
-    cols[0].button(f"Run it (about {_duration(run_s + proof_s)})", key=f"_long_run_{name}", type="primary",
+    cols[0].button(f"Run it (about {estimate.duration(est.run_s)})", key=f"_long_run_{name}", type="primary",
                    on_click=chosen.__setitem__, args=(name, (key, "full")))
     if skip:
-        cols[1].button(f"Run without the proof (about {_duration(run_s)})", key=f"_long_noproof_{name}",
-                       on_click=chosen.__setitem__, args=(name, (key, "no proof")),
+        cols[1].button(f"Run without the proof (about {estimate.duration(without.run_s)})",
+                       key=f"_long_noproof_{name}", on_click=chosen.__setitem__, args=(name, (key, "no proof")),
                        help="The verdict stays (the float64 rerun decides it); a precision verdict then says it is "
                             "not proved. Turn on invariant mode in the sidebar for a proof in one run.")
     st.stop()
 
 
-@contextlib.contextmanager
-def _proof_choice(name: str, key: str):
-    """The automatic invariant proof off for this run when the user chose "Run without the proof"."""
-    if st.session_state.get("_long_ok", {}).get(name) != (key, "no proof"):
-        yield
-        return
-    from kvviz.views.split.run import AUTO_PROOF
-
-    reset = AUTO_PROOF.set(False)
-    try:
-        yield
-    finally:
-        AUTO_PROOF.reset(reset)
+def run_context(settings, report) -> RunContext:
+    """The context of the page's run now working (inside run_cached and progress_bar): its settings and progress,
+    the user's proof choice (auto_proof False after "Run without the proof"), its estimate, and the progress line
+    told each phase as the run names it."""
+    run = _RUN.get() or {}
+    ticker = run.get("ticker")
+    return RunContext(settings=settings, progress=report, auto_proof=run.get("auto_proof", True),
+                      estimate=run.get("estimate"), on_phase=ticker.phase if ticker is not None else None)
 
 
-def run_cached(name: str, key_parts: dict, compute, workload=None):
+def _key_of(key_parts: dict) -> str:
+    return hashlib.sha256(json.dumps(key_parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _finish_timings(lm, name: str, entry: dict, result, elapsed: float) -> None:
+    """The result carries the estimate it started with and the seconds it took; the measured phases refine the
+    pace (kvviz.core.estimate.record) for the next run."""
+    from kvviz import views
+
+    est, ticker = entry.get("estimate"), entry.get("ticker")
+    measured = ticker.phases.measured() if ticker is not None else {"run": elapsed}
+    if isinstance(result, estimate.Timed) and result.timings is None:
+        result.timed(estimate.Timings(est.total_s if est is not None else None, elapsed, measured))
+    view = views.for_run(name)
+    if est is not None and lm is not None and view is not None:
+        estimate.record(estimate.key_of_model(lm), view.name, est, measured)
+
+
+def run_cached(name: str, key_parts: dict, compute, workload=None, lm=None):
     """Run `compute()` once per distinct inputs (`key_parts`) in this session; view-only reruns reuse the stored
     result. The run's memory plan (of `workload`, a kvviz.core.memory.Workload: required for a run whose view plans
-    its memory) is shown first, and a run that cannot fit is refused before it starts. The run can be stopped
+    its memory) is shown first, and a run that cannot fit is refused before it starts; with the loaded model `lm`
+    its time is estimated (run_estimate) and a long run announced first (announce_long_run); compute() builds its
+    context with run_context (the estimate, the proof choice, the phases). The run can be stopped
     (Stop, a closed tab, a changed control): it ends at its next checkpoint (kvviz.core.cancel), frees the model, and the
     next script run says how far it got."""
     store = st.session_state.setdefault(f"_results_{name}", {})
-    key = hashlib.sha256(json.dumps(key_parts, sort_keys=True, default=str).encode()).hexdigest()
+    key = _key_of(key_parts)
     plan = _memory_plan(name, workload, key not in store)
     if key not in store:
         ss = st.session_state
@@ -464,20 +514,22 @@ def run_cached(name: str, key_parts: dict, compute, workload=None):
             st.button("Run again", key=f"_run_again_{name}", on_click=lambda: stopped.pop(name, None))
             st.stop()
         stopped.pop(f"{name}:line", None)
-        model = _model_of_session()
-        _announce_long_run(name, key, model, plan)
+        est = run_estimate(lm, name, workload)
+        announce_long_run(name, key, est)
         if len(store) >= 8:
             store.pop(next(iter(store)))
         token = cancel.Token(_page_probe())
         t0 = time.perf_counter()
         try:
-            with _holding(name, token), cancel.scope(token), _proof_choice(name, key):
+            with _holding(name, token) as entry, cancel.scope(token):
+                entry["estimate"] = est
+                entry["auto_proof"] = st.session_state.get("_long_ok", {}).get(name) != (key, "no proof")
                 result = _measured(compute, plan)
         except cancel.Cancelled:
             st.stop()  # the next script run (already started by the click) says what was done
         if token.cancelled:  # stopped after its last checkpoint: a result of a stopped run is not kept
             st.stop()
-        _record_pace(model, name, plan, time.perf_counter() - t0, result)
+        _finish_timings(lm, name, entry, result, time.perf_counter() - t0)
         store[key] = result
     result = store[key]
     plan = getattr(result, "memory_plan", None)
@@ -485,3 +537,98 @@ def run_cached(name: str, key_parts: dict, compute, workload=None):
     if over:  # the plan was wrong for this run: said on the page below the verdict (pages.common.show_notes)
         st.session_state.setdefault("_notes_after_verdict", []).append(over)
     return result
+
+
+def _value_key(value) -> object:
+    """A config's value as a cache key's part: its fields (dataclasses.asdict), bytes by their digest (an uploaded
+    cache is not written into the key)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = {f.name: _value_key(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return value
+    if isinstance(value, (bytes, bytearray)):
+        return "sha256:" + hashlib.sha256(value).hexdigest()
+    if isinstance(value, dict):
+        return {str(k): _value_key(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_value_key(v) for v in value]
+    return value
+
+
+def _model_key(lm, ignores: tuple[str, ...]) -> dict:
+    """The model a run runs on, as its cache key names it: the sidebar's choice less what the run ignores (a view that
+    loads its own dtypes ignores the sidebar's dtype), and the loaded model's own dtype and attention (an A/B's B
+    model differs from the sidebar's there)."""
+    choice = st.session_state.get("model_choice")
+    key = {"choice": None if choice is None else choice.key_without("invariant", *ignores)}
+    if lm is not None:
+        key.update({"dtype": None if "dtype" in ignores else str(lm.dtype),
+                    "attn": None if "attn" in ignores else lm.attn_implementation})
+    return key
+
+
+def run_view(view, lm, config, *, settings=None, prove=None, name: str | None = None, label: str | None = None,
+             ignores: tuple[str, ...] = ()):
+    """THE way a page runs a view (a kvviz.views.View or its name): `view.runner()(lm, config, ctx)` once per
+    distinct value of (model, config, settings, prove) in this session, with the page's progress bar and its Stop
+    (the context's cancel token), and the memory plan of the config's workload (kvviz.io.clirun.config_workload, as
+    its subcommand plans it; a proof turned off plans none) shown first, refusing a run that cannot fit.
+
+    settings: the run's ExecSettings (default: the sidebar's); a view whose run refuses invariant mode (its REFUSES)
+    runs without it, as its page always did (the page says so where it matters). prove: the context's (None: the
+    automatic proof, which "Run without the proof" of a run announced as long turns off - the context's auto_proof;
+    False: none). name: the run's name (default: the view's first run name; an A/B's B side is "<name>_ab"). label:
+    the progress bar's first line. ignores: sidebar fields the run does not depend on ("dtype", "attn")."""
+    view = views.get(view) if isinstance(view, str) else view
+    choice = st.session_state.get("model_choice")
+    settings = settings if settings is not None else (choice.settings if choice is not None else None)
+    if settings is not None and settings.invariant and "invariant" in view.refusals():
+        settings = settings.with_(invariant=False)
+    work = config_workload(config)
+    if prove is False:
+        work = dataclasses.replace(work, prove=False)
+    name = name or view.run_names()[0]
+    key = {"model": _model_key(lm, ignores), "cfg": _value_key(config), "settings": _value_key(settings),
+           "prove": prove}
+
+    def compute():
+        with progress_bar(label or f"{view.title}…") as report:
+            # the proof choice, the estimate and the phases named to the progress line (run_context)
+            ctx = dataclasses.replace(run_context(settings if settings is not None else RunContext().settings,
+                                                  report), prove=prove, token=cancel.current())
+            return view.runner()(lm, config, ctx)
+
+    return run_cached(name, key, compute, work, lm=lm)
+
+
+def run_or_stop(view, lm, config, **run):
+    """run_view for a page's main result: a failure is one line (show_error) and the page stops there."""
+    try:
+        return run_view(view, lm, config, **run)
+    except Exception as e:  # noqa: BLE001 - one line, the app keeps working
+        show_error(e)
+        st.stop()
+
+
+def run_task(name: str, value, compute, *, ignores: tuple[str, ...] = ()):
+    """A page's computation that is not a view's run (a Lesson step, an exercise, the cache's download): compute()
+    once per distinct `value` (a config dataclass or plain data) on the sidebar's model less `ignores`, with Stop
+    and, for a value with a `workload()`, its memory plan as a view's config has it."""
+    work = config_workload(value) if callable(getattr(value, "workload", None)) else None
+    return run_cached(name, {"model": _model_key(None, ignores), "value": _value_key(value)}, compute, work)
+
+
+def run_button(name: str, value, label: str, *, auto: bool = False, ignores: tuple[str, ...] = (), **button) -> bool:
+    """A long run's button (the matrix, the sweep, an engine's run): drawn with `label` and `button`'s keywords
+    (its widget key among them); True once it was pressed for this `value` on this model (a run's config), or at once
+    when `auto`. The press is marked in the button's callback: the app may rerun the script before the page reads a
+    button's value. forget_button(name) after a failed run: the next rerun does not start it again."""
+    mark = repr({"model": _model_key(None, ignores), "value": _value_key(value)})
+    asked = st.session_state.setdefault("_run_asked", {})
+    if auto:
+        asked[name] = mark
+    st.button(label, on_click=asked.__setitem__, args=(name, mark), **button)
+    return asked.get(name) == mark
+
+
+def forget_button(name: str) -> None:
+    st.session_state.get("_run_asked", {}).pop(name, None)

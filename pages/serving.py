@@ -1,16 +1,17 @@
 """Page: the Serving view - prompts under serving conditions (alone, in a continuous batch, prefix warm), R runs;
 and where determinism ends: a sweep of requests in flight × prompt length through the same engine (on its button)."""
-import dataclasses
-
 import streamlit as st
 
+from kvviz import views
 from kvviz.io.clirun import split_list
 from kvviz.core.errors import KvvizError
-from kvviz.views.serving import figures as serving_figures, report as serving_report, run as serving, sweep
+from kvviz.views.serving import figures as serving_figures, report as serving_report
+from kvviz.views.serving.run import CONDITION_LABELS, CONDITIONS, ServeConfig
+from kvviz.views.serving.sweep import PROMPTS_PER_CELL, SweepConfig, figure as sweep_figure, frame as sweep_frame
 from kvviz.engines.serving import ENGINES, engine_status
 from kvviz.teach.firstscreen import serving_why
 from pages.common import controls, page, prompt_set, show_verdict
-from pages.runner import progress_bar, run_cached, show_error
+from pages.runner import forget_button, run_button, run_view, show_error
 from pages.defaults import DEFAULTS
 from pages.exporting import exports
 
@@ -30,8 +31,8 @@ with controls():
     prefix = st.text_input("Shared prefix (put before every prompt; warmed for 'prefix warm')", "",
                            key="serving_prefix")
     c1, c2, c3, c4 = st.columns(4)
-    conditions = c1.multiselect("Conditions", list(serving.CONDITIONS), default=list(serving.CONDITIONS),
-                                key="serving_conditions", format_func=serving.CONDITION_LABELS.get)
+    conditions = c1.multiselect("Conditions", list(CONDITIONS), default=list(CONDITIONS),
+                                key="serving_conditions", format_func=CONDITION_LABELS.get)
     runs = c2.number_input("Runs (R)", 1, 50, SV["runs"], key="serving_runs")
     new_tokens = c3.number_input("New tokens", 1, 128, SV["n"], key="serving_tokens")
     batch = c4.number_input("Batch size k", 2, 16, SV["batch"], key="serving_batch")
@@ -46,23 +47,14 @@ with controls():
         st.info(why)
         st.stop()
 
-cfg = serving.ServeConfig(prompts=list(prompts), shared_prefix=prefix, conditions=tuple(conditions), runs=int(runs),
+cfg = ServeConfig(prompts=list(prompts), shared_prefix=prefix, conditions=tuple(conditions), runs=int(runs),
                           max_new_tokens=int(new_tokens), batch_size=int(batch), seed=int(seed), engine=engine,
                           page_size=int(page_size) if pages else None, prompt_source=source)
 
-
-def compute():
-    with progress_bar(f"Running {len(prompts)} prompt(s) × {len(conditions)} condition(s) × {int(runs)} runs…") \
-            as report:
-        return serving.run_serving(lm, cfg, progress=report, settings=choice.settings)
-
-
 try:
     cfg.validate()
-    res = run_cached("serving", {"model": choice.key, "prompts": prompts, "prefix": prefix, "conditions": conditions,
-                                 "runs": int(runs), "n": int(new_tokens), "batch": int(batch), "engine": engine,
-                                 "page": int(page_size) if pages else None, "seed": int(seed)}, compute,
-                     cfg.workload())
+    res = run_view(views.get("serving"), lm, cfg, label=f"Running {len(prompts)} prompt(s) × {len(conditions)} "
+                   f"condition(s) × {int(runs)} runs…")
 except Exception as e:  # noqa: BLE001
     show_error(e)
     st.stop()
@@ -95,7 +87,7 @@ with st.expander("Completions of one prompt, run by run"):
     st.text(f"reference: {p.reference_text!r}")
     for c in p.texts:
         for r, t in enumerate(p.texts[c]):
-            st.text(f"{serving.CONDITION_LABELS[c]}, run {r + 1}: {t!r}")
+            st.text(f"{CONDITION_LABELS[c]}, run {r + 1}: {t!r}")
 if choice.invariant:
     st.info(":material/lock: Invariant mode is on: every condition (the engine's own thread too) computes each row the same way "
             "whatever comes with it, so each prompt must give exactly one completion everywhere.")
@@ -118,7 +110,7 @@ conc_text = c1.text_input("Requests in flight", "1,2,4,8", key="serving_sweep_co
                           help="Comma-separated, 1 to 64: one column each")
 lengths_text = c2.text_input("Prompt lengths (tokens)", "16,64,256", key="serving_sweep_lengths",
                              help="Comma-separated, 1 to 8192: one row each; prompts are cut from the built-in set")
-per_cell = c3.number_input("Prompts a cell", 1, 64, sweep.PROMPTS_PER_CELL, key="serving_sweep_prompts")
+per_cell = c3.number_input("Prompts a cell", 1, 64, PROMPTS_PER_CELL, key="serving_sweep_prompts")
 budget = c4.number_input("Time budget (s; 0: none)", 0.0, 86400.0, 600.0, step=60.0, key="serving_sweep_budget",
                          help="The sweep stops between cells once this is spent; the cells left are listed as not run")
 cell_limit = c5.number_input("Cell limit (s; 0: none)", 0.0, 86400.0, 0.0, step=60.0, key="serving_sweep_cell_limit",
@@ -130,45 +122,38 @@ try:
     except ValueError:
         raise KvvizError("requests in flight and prompt lengths take comma-separated whole numbers, like 1,4,16") \
             from None
-    scfg = sweep.SweepConfig(concurrency=conc, lengths=lengths, prompts_per_cell=int(per_cell),
+    scfg = SweepConfig(concurrency=conc, lengths=lengths, prompts_per_cell=int(per_cell),
                              max_new_tokens=int(new_tokens), runs=int(runs), seed=int(seed), engine=engine,
                              budget_s=float(budget) or None, cell_limit_s=float(cell_limit) or None)
     scfg.validate()
 except Exception as e:  # noqa: BLE001 - a bad grid: one line, the controls stay
     show_error(e)
     st.stop()
-skey = {"model": choice.key, "cfg": dataclasses.asdict(scfg)}
-# the grid last asked for (set by the button's callback: the app may rerun the script before the page reads it)
-st.button("Run the sweep", key="serving_sweep_run", type="primary", icon=":material/play_arrow:",
-          on_click=lambda k=repr(skey): st.session_state.__setitem__("_serving_sweep_ran", k),
-          help="Starts the engine (vLLM: in its own environment, a minute or more on a CPU) and runs the grid")
-if st.session_state.get("_serving_sweep_ran") != repr(skey):
+if not run_button("serving_sweep", scfg, "Run the sweep", key="serving_sweep_run", type="primary",
+                  icon=":material/play_arrow:",
+                  help="Starts the engine (vLLM: in its own environment, a minute or more on a CPU) and runs the grid"):
     st.info(f"Choose the grid and press **Run the sweep**: {len(scfg.concurrency) * len(scfg.lengths)} cells of "
             f"{int(per_cell)} prompts through {engine}.")
     st.stop()
-
-
-def sweep_compute():
-    with progress_bar(f"Sweeping {len(scfg.concurrency)} × {len(scfg.lengths)} cells through {engine}…") as report:
-        return sweep.run_sweep(lm, dataclasses.replace(scfg), progress=report, settings=choice.settings)
 
 
 where = st.empty()  # the button is far below the progress bar: say where it is while the sweep runs
 where.info("Sweeping: its progress, the time left and **Stop** are at the top of the page.",
            icon=":material/arrow_upward:")
 try:
-    sres = run_cached("serving_sweep", skey, sweep_compute, scfg.workload())  # once per grid: a rerun shows the stored result
+    sres = run_view(views.get("serving_sweep"), lm, scfg,  # once per grid: a rerun shows the stored result
+                    label=f"Sweeping {len(scfg.concurrency)} × {len(scfg.lengths)} cells through {engine}…")
 except Exception as e:  # noqa: BLE001
     where.empty()  # before st.stop(): the `finally` below runs after it, too late to clear the pointer
-    st.session_state.pop("_serving_sweep_ran", None)  # a failed sweep is not started again by the next rerun
+    forget_button("serving_sweep")  # a failed sweep is not started again by the next rerun
     show_error(e)
     st.stop()
 finally:  # also when the run stops the script (Stop: the next run says how far it got)
     where.empty()
-sverdict, stext = sweep.verdict(sres)
+sverdict, stext = views.get("serving_sweep").verdict_text(sres)
 show_verdict(sverdict, stext)
-st.plotly_chart(sweep.figure(sres), width="stretch", key="serving_sweep_map")
-st.dataframe(sweep.frame(sres), hide_index=True, width="stretch")
+st.plotly_chart(sweep_figure(sres), width="stretch", key="serving_sweep_map")
+st.dataframe(sweep_frame(sres), hide_index=True, width="stretch")
 for note in sres.notes:
     st.caption(note)
 exports(sres, "serving_sweep", lm)

@@ -4,14 +4,15 @@ import streamlit as st
 from pages.defaults import DEFAULTS
 
 import kvviz
+from kvviz import views
 from kvviz.core import plotting
 from kvviz.views.split import figures as split_figures
 from kvviz.core.inputs import MASK_MODES, POSITION_MODES, encode
 from kvviz.core.metrics import HIDDEN_METRICS
 from kvviz.teach.firstscreen import rounding_away_note, split_identical_why
-from pages.common import controls, page, show_verdict, token_strip, verdict_and_chart
+from pages.common import controls, page, show_verdict, verdict_and_chart
 from pages.state import linked_slider_box
-from pages.runner import page_message, progress_bar, run_cached, show_error
+from pages.runner import page_message, run_or_stop, run_view, show_error
 from pages.ab import ab_run, show_ab
 from pages.exporting import exports
 
@@ -49,7 +50,7 @@ with controls():
         else:
             split = 1
             st.caption("Split point k = 1 (the only one for a 2-token prompt)")
-        st.markdown(token_strip(tokens, split), unsafe_allow_html=True)
+        st.markdown(split_figures.token_strip(tokens, split), unsafe_allow_html=True)
         st.caption(f"{n} tokens: {split} cached (blue), {n - split} fed after the cache and compared.")
     with c2:
         mode = st.radio("Feed the rest", ["chunk", "step"], horizontal=True, key="split_mode",
@@ -65,19 +66,8 @@ with controls():
 
 cfg = kvviz.SplitConfig(prompt=prompt, split=int(split), mode=mode, left_pad=int(left_pad), position_ids=pos_mode,
                         attention_mask=mask_mode)
-work = cfg.workload()  # what it holds: its memory plan
-
-
-def compute():
-    with progress_bar("Comparing…") as report:
-        return kvviz.run_split(lm, cfg, progress=report, settings=choice.settings)
-
-
-try:
-    res = run_cached("split", {"model": choice.key, "cfg": cfg.__dict__}, compute, work)
-except Exception as e:  # noqa: BLE001 - one line, the app keeps working
-    show_error(e)
-    st.stop()
+VIEW = views.get("split")
+res = run_or_stop(VIEW, lm, cfg, label="Comparing…")
 
 left, right = verdict_and_chart()
 with left:
@@ -92,34 +82,14 @@ with left:
 if not res.main.has_cache:
     st.stop()
 with left:  # tiles: the unit in each label (absolute, relative to |x|, in ε, positions)
-    f64 = res.float64
-    tiles = []
+    normal = None
     if choice.invariant:  # the proof alone reads "identical": the normal run's gap goes beside it
         try:
-            normal = run_cached("split_normal", {"model": choice.key, "cfg": cfg.__dict__},
-                                lambda: kvviz.run_split(lm, cfg, settings=choice.settings.with_(invariant=False),
-                                                        prove=False), work)
+            normal = run_view(VIEW, lm, cfg, settings=choice.settings.with_(invariant=False), prove=False,
+                              name="split_normal", label="The same scenario with invariant mode off…")
         except Exception as e:  # noqa: BLE001
             show_error(e)
-        else:
-            tiles += [("max |Δ|, normal run (absolute)", f"{normal.main.max_abs:.3g}",
-                       "The same scenario with invariant mode off: the gap the proof removes"),
-                      ("max |Δ|, invariant mode (absolute)", f"{res.main.max_abs:.3g}",
-                       "This run: every row computed the same way whatever the shape")]
-    elif res.invariant is not None:
-        tiles += [("max |Δ|, normal run (absolute)", f"{res.main.max_abs:.3g}",
-                   "The largest absolute gap of a hidden state, in the model's own units"),
-                  ("max |Δ|, invariant mode (absolute)", f"{res.invariant.max_abs:.3g}",
-                   "The same scenario with every row computed the same way whatever the shape")]
-    tiles += [("largest relative gap (÷ |x|)", f"{res.main.max_relative:.3g}",
-               "max |Δ| / max |x| of a hidden state: 1e-7 is a seven-digit agreement"),
-              (f"in units of ε ({res.settings.dtype})",
-               f"{res.main.max_relative / kvviz.machine_eps(lm.dtype):.3g} ε",
-               f"The relative gap in units of {res.settings.dtype}'s machine epsilon"),
-              ("float64 rerun (÷ |x|)", "—" if f64 is None else f"{f64.max_relative:.3g}",
-               "The same scenario in float64: the evidence for the verdict"),
-              ("next token agrees (positions)",
-               f"{int(res.main.logits['argmax_agree'].sum())}/{len(res.compared)}", None)]
+    tiles = split_figures.tiles(res, kvviz.machine_eps(lm.dtype), normal)
     cols = st.columns(2 if st.session_state.get("presenter") else 3)
     for i, (label, value, help_text) in enumerate(tiles):
         cols[i % len(cols)].metric(label, value, help=help_text)
@@ -137,11 +107,8 @@ with right:
 st.plotly_chart(split_figures.layer_lines(res, metric, log), width="stretch", key="split_lines")
 
 with st.expander("A/B: this view against one other setting, on one colour scale"):
-    b = ab_run("split", "split", choice, lm, {"feed mode": [m for m in ("chunk", "step") if m != mode]},
-               "Runs the model once more with B's setting", {"model": choice.key, "cfg": cfg.__dict__},
-               lambda what, other, lm_b, settings_b, report: kvviz.run_split(
-                   lm_b, kvviz.SplitConfig(**{**cfg.__dict__, "mode": other}) if what == "feed mode" else cfg,
-                   progress=report, settings=settings_b), own_a={"feed mode": mode}, workload=work)
+    b = ab_run(VIEW, choice, lm, cfg, {"feed mode": ("mode", [m for m in ("chunk", "step") if m != mode])},
+               "Runs the model once more with B's setting")
     if b is not None:
         show_ab(split_figures.ab_heatmaps(res, b.result, f"{b.label_a}: {res.verdict}", f"{b.label_b}: {b.result.verdict}",
                                     metric, log), "split",
@@ -165,12 +132,11 @@ with st.expander("Where does it start? (bisector)", expanded=st.session_state.ge
     st.button("Find the first differing module", key="split_bisect",
               on_click=lambda k=bisect_key: st.session_state.__setitem__("split_bisect_for", k))
     if st.session_state.get("split_bisect_for") == bisect_key:
-        from kvviz.views.bisect.run import run_bisect
+        from kvviz.views.bisect.run import BisectConfig
         from kvviz.core.naming import module_row
 
         try:
-            b = run_cached("bisect", {"model": choice.key, "cfg": cfg.__dict__},
-                           lambda: run_bisect(lm, cfg, choice.settings), work)
+            b = run_view("bisect", lm, BisectConfig(**cfg.__dict__), label="Bisecting…")
         except Exception as e:  # noqa: BLE001
             show_error(e)
         else:

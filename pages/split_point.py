@@ -1,6 +1,5 @@
-"""The Split point page's older URL (/split_point). A fresh Streamlit server looks its very first request up among
-the pages/ file names before app.py runs; this file answers that lookup, then app.py sends the link on to
-/split with its settings."""
-from pages.common import ensure_navigation
+"""/split_point, an older URL: a fresh server looks its first request up among pages/ file names; this file hands it
+to app.py, which sends the link on to /split with its settings."""
+from pages import ensure_navigation
 
 ensure_navigation()

@@ -12,11 +12,10 @@ import dataclasses
 import streamlit as st
 
 from kvviz import views
-from kvviz.io.clirun import config_workload
-from kvviz.core.protocol import RunContext, config_fields, config_from
+from kvviz.core.protocol import config_fields, config_from
 from pages.common import VERDICT_STYLE, controls, page, show_notes, show_verdict, verdict_and_chart, verdict_style
 from pages.exporting import exports
-from pages.runner import progress_bar, run_cached, show_error
+from pages.runner import run_or_stop, show_error
 
 view = views.for_page(st.session_state.get("_page", ""))
 cls = view.config_type()
@@ -58,18 +57,7 @@ except Exception as e:  # noqa: BLE001 - a bad control value: one line, the cont
     show_error(e)
     st.stop()
 
-
-def compute():
-    with progress_bar(f"{view.title}…") as report:
-        return view.runner()(lm, cfg, RunContext(settings=choice.settings, progress=report))
-
-
-try:
-    work = config_workload(cfg)  # its memory plan: as its subcommand plans it
-    res = run_cached(view.run_names()[0], {"model": choice.key, "cfg": dataclasses.asdict(cfg)}, compute, work)
-except Exception as e:  # noqa: BLE001
-    show_error(e)
-    st.stop()
+res = run_or_stop(view, lm, cfg)
 verdict, text = view.verdict_text(res)
 
 

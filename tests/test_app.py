@@ -31,7 +31,9 @@ def count_calls(monkeypatch, module, name: str) -> list:
 
 @pytest.fixture
 def count_runs(monkeypatch):
-    return count_calls(monkeypatch, kvviz, "run_split")
+    import kvviz.views.split.run as split_run  # the split view's run (the page runs it through pages.runner.run_view)
+
+    return count_calls(monkeypatch, split_run, "run_split")
 
 
 def test_home_page_runs():

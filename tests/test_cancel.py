@@ -281,6 +281,7 @@ def test_each_phase_of_the_bar_gets_its_own_pace():
     t.report(0.25, "Rest through the cache, token 40…")
     assert drawn[-1][1] == "Rest through the cache, token 40… — about 30 s left"
     now[0] = 12.0
+    t.phase("proof")  # the run names its phase as a value (RunContext.on_phase), not in its message
     t.report(0.5, "invariant proof: Full forward without cache…")  # a new phase: no pace of its own yet
     now[0] = 40.0
     where[0] = "layer 3 of 4"
@@ -292,30 +293,36 @@ def test_each_phase_of_the_bar_gets_its_own_pace():
 
 
 @pytest.mark.app
-def test_a_long_run_is_announced_and_can_skip_its_proof(monkeypatch):
-    """A run the last pace says is long: the page says how long (the run and its proof apart) and waits; 'Run without
-    the proof' runs it with no invariant rerun."""
-    from pages import runner
+def test_a_long_run_is_announced_and_can_skip_its_proof(monkeypatch, tmp_path):
+    """A run its estimate says is long (kvviz.core.estimate, from this machine's stored pace): the page says how long
+    (the run and its proof apart) and waits; 'Run without the proof' runs it with no invariant rerun (the run's
+    context has auto_proof False), and the finished run refines the stored pace."""
+    from kvviz.core import estimate
     from test_app import alerts, start
 
-    model = ("tiny:llama", "float32", "auto")
-    monkeypatch.setitem(runner._PACE, (model, "split"), {"tokens": 10, "run_s": 60.0, "proof_s": 240.0})
+    monkeypatch.setattr(estimate, "store_path", lambda: tmp_path / "estimates.json")  # this test's store only
+    key = estimate.key_of("tiny:llama", "float32", "cpu")
+    # a slow machine's pace, as calibration would have stored it: 100 s a forward, 10 ms a token, 0.1 ms a token²
+    estimate.save_pace(key, estimate.Pace(100.0, 0.01, 1e-4, inv=(100.0, 0.05, 1e-3)))
     calls = []
-    real = kvviz.run_split
-    monkeypatch.setattr(kvviz, "run_split", lambda *a, **k: calls.append(1) or real(*a, **k))
+    import kvviz.views.split.run as split_run  # the split view's run (the page runs it through run_view)
+
+    real = split_run.run_split
+    monkeypatch.setattr(split_run, "run_split", lambda *a, **k: calls.append(k.get("auto_proof")) or real(*a, **k))
     at = start("pages/split.py", model="tiny:llama")
     said = alerts(at)
-    assert "This run will take about" in said and "for the invariant proof after it" in said, said
+    assert "This run will take about" in said and "for the invariant proof" in said, said
+    assert "from this machine's measured pace" in said, said
     assert not calls and "Verdict:" not in said
     at.button(key="_long_noproof_split").click().run()
     assert not at.exception, at.exception
-    assert calls and "Verdict:" in alerts(at)
+    assert calls == [False] and "Verdict:" in alerts(at)
     (result,) = at.session_state["_results_split"].values()
     assert result.invariant is None and result.proof_s is None  # no proof was run
+    assert result.timings.estimate_s > 120 and result.timings.elapsed_s > 0  # the estimate it started with
     full = real(kvviz.load_model("tiny:llama", "float32", "auto"), result.settings.config)
     assert full.verdict == result.verdict and full.proof_s is not None  # the same run proves itself by default
-    pace = runner._PACE[(model, "split")]
-    assert pace["proof_s"] == 0.0 and pace["tokens"] > 10  # re-measured by this run
+    assert set(estimate.load_pace(key).fix["split"]) >= {"run"}  # re-measured by this run
 
 
 def test_in_invariant_mode_every_torch_call_is_a_checkpoint():

@@ -64,8 +64,11 @@ def test_the_split_page_shows_why_and_its_one_click(monkeypatch):
 
     import kvviz
 
-    real = kvviz.run_split
-    monkeypatch.setattr(kvviz, "run_split", lambda *a, **k: dataclasses.replace(real(*a, **k), verdict="identical"))
+    import kvviz.views.split.run as split_run  # the split view's run (the page runs it through run_view)
+
+    real = split_run.run_split
+    monkeypatch.setattr(split_run, "run_split", lambda *a, **k: dataclasses.replace(real(*a, **k),
+                                                                                     verdict="identical"))
     at = start("pages/split.py", model="tiny:llama")
     assert "Verdict: identical" in alerts(at) and "Why nothing here" in alerts(at)
     at.button(key="split_show_gap").click().run()

@@ -292,7 +292,7 @@ def test_a_split_runs_its_bisector_only_where_it_fits_beside_the_model(monkeypat
 
     calls = []
     found = SimpleNamespace(finding=lambda: "found")
-    monkeypatch.setattr(split, "_bisector", lambda *a: calls.append(a) or found)
+    monkeypatch.setattr(split, "_registry_bisector", lambda *a: calls.append(a) or found)
     monkeypatch.setattr(memory, "free_bytes", lambda device: (free, "a test limit"))
     lm = load_model("tiny:gemma3", "float32", "cpu")
     first = split._bisect_first(lm, split.SplitConfig("Hello world, caching is fun!", split=4), DEFAULT_SETTINGS)

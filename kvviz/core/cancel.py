@@ -18,6 +18,10 @@ from typing import Callable, Iterator
 
 from .capture import Capture
 
+# A run's progress callback, (fraction, text): the one definition (kvviz.core.protocol re-exports it; kvviz/models
+# imports it from here, below the protocol). It sits beside cancellation because every report is a checkpoint.
+Progress = Callable[[float, str], None]
+
 
 class Cancelled(BaseException):
     """The run was stopped (its token was cancelled); raised at the run's next checkpoint."""

@@ -1,7 +1,7 @@
 """Turning a prompt into model inputs: tokens, left padding, attention mask and position ids."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -120,12 +120,26 @@ class Workload:
     weights: str = "none"  # weight quantization ("none": the model as loaded)
     paths: tuple[str, ...] = ()  # the paths a decoding view runs (greedy; empty: its defaults)
     attention: str = "auto"  # the attention implementation the run asks for (its score workspace: score_bytes)
-    # a study through a paged engine (MemoryProfile.engine_calls; its prompts are `texts`, each with its prefix, and
-    # its requests in flight `batch`): the conditions it runs (empty: every one the profile names) and the tokens a
-    # cache page holds (None: PAGE_SIZE; 0: no paged engine in this process - vLLM, llama.cpp, a server)
+    # a study through a paged engine (kvviz.views.serving.memory.ServingMemory; its prompts are `texts`, each with
+    # its prefix, and its requests in flight `batch`): the conditions it runs (empty: every one the profile names)
+    # and the tokens a cache page holds (None: PAGE_SIZE; 0: no paged engine in this process - vLLM, llama.cpp, a
+    # server)
     conditions: tuple[str, ...] = ()
     page_size: int | None = None
     prove: bool = True  # the run may prove a precision verdict in invariant mode (False: --no-proof, a proof toggled off)
+    # what the run computes, for its time estimate (kvviz.core.estimate): full forwards over the input; decoding
+    # paths that step through a cache (`decode_paths`) or rerun the whole sequence each step (`full_paths`, in float64:
+    # `float64_paths`), each for the new tokens - or, with `steps_after_split`, for the input's tokens after the
+    # split; `float64_rerun`: the run may be rerun in float64 for its verdict; `proves`: a precision verdict may be
+    # proved by an invariant-mode rerun (as `prove` allows). Not compared: the memory plan's workload is the same
+    # whoever describes it (the CLI reads it off its arguments)
+    forwards: float = field(default=1.0, compare=False)
+    decode_paths: int = field(default=0, compare=False)
+    full_paths: int = field(default=0, compare=False)
+    float64_paths: int = field(default=0, compare=False)
+    steps_after_split: bool = field(default=False, compare=False)
+    float64_rerun: bool = field(default=False, compare=False)
+    proves: bool = field(default=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -149,8 +163,12 @@ class SplitConfig:
 
     def workload(self) -> Workload:
         """What the run holds, for its memory plan: the prompt, its left padding, the positions after the split."""
-        return Workload(texts=(self.prompt,), left_pad=int(self.left_pad), split=self.split)
-
+        # its time estimate: chunk feeds the full forward, the prefix and the rest in about two forwards' time; step
+        # feeds the rest token by token through the cache; a gap is rerun in float64 and a precision verdict proved
+        step = self.mode == "step"
+        return Workload(texts=(self.prompt,), left_pad=int(self.left_pad), split=self.split,
+                        forwards=1.5 if step else 2.0, decode_paths=int(step), steps_after_split=step,
+                        float64_rerun=True, proves=True)
 
 def check_split(n_tokens: int, split: int) -> None:
     if n_tokens < 2:

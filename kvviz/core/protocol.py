@@ -6,13 +6,21 @@ composes another (the cache-safety card: split, padding, reuse, quant) does the 
 
 `RunContext` carries what is not the scenario itself:
   settings  how the model runs (kvviz.core.execution.ExecSettings: device placement, attention, cache kind, invariant
-            mode, ...); a view with axes of its own (matrix) or no model forward of its own settings reads only
-            what applies;
+            mode, ...), validated when the context is made (one line for a bad one); a view with axes of its own
+            (matrix) or no model forward of its own settings reads only what applies;
   prove     one meaning everywhere (kvviz.core.verdict.Prove): None (the default) proves a precision verdict in invariant
             mode when the run finds one and the view has a proof; True always where it has one; False never;
   progress  callable(fraction, text) or None: fractions that only grow, the last one 1.0 once the run is done;
   token     a kvviz.core.cancel.Token: the run checks it at its checkpoints and raises kvviz.core.cancel.Cancelled once it is
             cancelled (a token cancelled before the run stops it before its first forward).
+  auto_proof  False: no automatic invariant proof after the run (the app's "Run without the proof" for a long run;
+            `prove=True` still proves);
+  estimate  the run's time estimate (kvviz.core.estimate.Estimate) made before it started: the progress bar's share of
+            each phase comes from it, and the result's timings carry its total (`estimate_s`);
+  on_phase  callable(name) or None: told the name of each phase of the run as it starts ("run", "float64", "proof":
+            kvviz.core.estimate.PHASES), a value - never parsed back from a progress message.
+No run writes module state: what one run measures reaches the next only through the estimate store
+(kvviz.core.estimate.record), never a global another user's run reads mid-run.
 """
 from __future__ import annotations
 
@@ -21,10 +29,10 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from . import cancel
+from .estimate import Estimate
 from .execution import DEFAULT_SETTINGS, ExecSettings
+from .cancel import Progress  # noqa: F401 - the one definition; views import it from here
 from .verdict import Prove
-
-Progress = Callable[[float, str], None]
 
 
 def no_progress(fraction: float, text: str = "") -> None:
@@ -37,6 +45,19 @@ class RunContext:
     prove: Prove = None
     progress: Progress | None = None
     token: cancel.Token | None = None
+    auto_proof: bool = True
+    estimate: Estimate | None = None
+    on_phase: Callable[[str], None] | None = None
+
+    def phase(self, name: str) -> None:
+        """Say that the run's phase `name` starts (to whoever watches: on_phase)."""
+        if self.on_phase is not None:
+            self.on_phase(name)
+
+    def __post_init__(self) -> None:
+        """The settings are validated here, once, where a run's context is made (before any model loads): a bad
+        cache kind or flag is one line (KvvizError), and the views' runs take them as given."""
+        object.__setattr__(self, "settings", (self.settings or DEFAULT_SETTINGS).validate())
 
     @contextlib.contextmanager
     def running(self, refuses: "dict[str, str] | None" = None) -> Iterator[Progress]:

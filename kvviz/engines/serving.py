@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import contextlib
 import gc as _gc
-import importlib.util
 import time
 from dataclasses import dataclass, field
 
 import torch
 from torch.overrides import _get_current_function_mode_stack
 
-from ..core import cancel
+from ..core import cancel, optional
 from ..models import compat
 from ..core.errors import KvvizError, first_line
 from ..core.memory import PAGE_SIZE, paged_batch_tokens, paged_blocks
@@ -54,7 +53,7 @@ _STOP_WAIT_S = 60.0  # how long stop() waits for the engine's thread before dest
 
 
 def vllm_available() -> bool:
-    return importlib.util.find_spec("vllm") is not None
+    return optional.available("vllm")
 
 
 def engine_status(name: str) -> str | None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from .. import views
-from ..core import memory
+from ..core import estimate, memory
 from ..core.dtypes import DTYPE_NAMES
 from ..core.errors import KvvizError
 from ..models.loading import ATTN_CHOICES
@@ -142,6 +142,7 @@ def plan_gate(args) -> None:
         if plan is None:
             raise KvvizError("no memory plan for this input; run it without --plan to see what is wrong")
         print("\n".join(plan.lines()))
+        print(plan_estimate_line(args, plan))
         raise PlanShown
     args.memory_plan = check_fits(plan) if plan is not None else None
 
@@ -150,8 +151,63 @@ def load(args):
     from ..models.loading import load_model
 
     plan_gate(args)
-    return load_model(spec(args), args.dtype, args.device, args.attn, trust_remote_code=args.trust_remote_code,
-                            progress=progress_to_stderr(args.quiet), **placement(args))
+    lm = load_model(spec(args), args.dtype, args.device, args.attn, trust_remote_code=args.trust_remote_code,
+                    progress=progress_to_stderr(args.quiet), **placement(args))
+    args.estimate, args.loaded_model = run_estimate(args, lm), lm
+    return lm
+
+
+# The run's time estimate (kvviz.core.estimate): --plan prints it beside the memory plan (from this machine's stored
+# pace, else a first guess); a run makes it once the model is loaded (calibrating the pace on first use), its
+# context carries it, its result and JSON the estimate it started with (`estimate_s`) beside `elapsed_s`.
+
+
+def _view_name(args) -> str:
+    sub = getattr(args, "cache_command", None)
+    return getattr(args, "plan_view", None) or views.for_command(args.command + (f" {sub}" if sub else "")).name
+
+
+def plan_estimate_line(args, plan) -> str:
+    """--plan's time line: the estimate before loading."""
+    w = workload_of_args(args)
+    try:
+        est = estimate.for_plan(spec(args), args.dtype, args.device, w, max(1, plan.tokens - int(w.new_tokens or 0)),
+                                _view_name(args), invariant=bool(getattr(args, "invariant", False)),
+                                params=plan.weights // max(1, _dtype_bytes(args.dtype)), load_bytes=plan.weights)
+    except (KvvizError, OSError, ValueError):
+        return "time: no estimate for this input"
+    return f"time: {est.line()}"
+
+
+def _dtype_bytes(dtype: str) -> int:
+    return {"float64": 8, "float32": 4}.get(str(dtype), 2)
+
+
+def run_estimate(args, lm):
+    """The run's estimate on the loaded model (calibrating this machine's pace for it on first use, said on
+    stderr); None where the input has no workload to estimate (the run then says what is wrong)."""
+    try:
+        w = workload_of_args(args)
+        if estimate.load_pace(estimate.key_of_model(lm)) is None and not args.quiet:
+            print("kvviz: measuring this machine's pace for this model (once: a few short forwards)…", file=sys.stderr)
+        return estimate.for_model(lm, w, estimate.tokens_of(lm, w), _view_name(args),
+                                  invariant=bool(getattr(args, "invariant", False)))
+    except (memory.NoPlan, KvvizError, OSError, ValueError):
+        return None
+
+
+def finish_timings(args, result) -> None:
+    """After the run: its result carries the estimate it started with and the seconds it took, and the pace is
+    refined by the phases it measured (kvviz.core.estimate.record)."""
+    clock = getattr(args, "phase_clock", None)
+    if clock is None or not isinstance(result, estimate.Timed):
+        return
+    est = getattr(args, "estimate", None)
+    measured = clock.measured()
+    result.timed(estimate.Timings(est.total_s if est is not None else None, sum(measured.values()), measured))
+    lm = getattr(args, "loaded_model", None)
+    if est is not None and lm is not None:
+        estimate.record(estimate.key_of_model(lm), _view_name(args), est, measured)
 
 
 def placement(args) -> dict:
@@ -184,7 +240,9 @@ def context(args):
     """A view's run context (kvviz.core.protocol.RunContext) from the common options: settings, --no-proof, progress."""
     from ..core.protocol import RunContext
 
-    return RunContext(settings(args), prove(args), progress_to_stderr(args.quiet))
+    args.phase_clock = estimate.PhaseClock()  # the run starts now: its phases timed as it names them
+    return RunContext(settings(args), prove(args), progress_to_stderr(args.quiet),
+                      estimate=getattr(args, "estimate", None), on_phase=args.phase_clock)
 
 
 def split_list(text: str) -> tuple[str, ...]:

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..core.environment import compare_environments, environment
 from ..core.errors import KvvizError
+from ..core.estimate import Timed, Timings
 from ..core.execution import ExecSettings
 from .jsonout import dumps
 from ..core.numerics import describe as describe_numerics, differences as numerics_differences, numerics
@@ -35,6 +36,11 @@ def _device(result) -> str | None:
 def result_dict(result) -> dict:
     """The result's own dict, and its memory plan beside it when the run had one (kvviz.core.memory.attach)."""
     d = result.to_dict()
+    if isinstance(result, Timed):  # the estimate the run started with, beside the seconds it took
+        t = result.timings_dict()
+        d["estimate_s"] = t["estimate_s"]
+        if d.get("elapsed_s") is None:
+            d["elapsed_s"] = t["elapsed_s"]
     plan = getattr(result, "memory_plan", None)
     if plan is not None:
         d["memory_plan"] = plan.to_dict()
@@ -77,6 +83,10 @@ def open_result(data: "str | bytes") -> OpenedResult:
         head["memory_plan"] = plan
     try:
         result = views.get(view).rebuild(d)
+        if isinstance(result, Timed) and ("estimate_s" in d or "elapsed_s" in d):
+            est, took = d.get("estimate_s"), d.get("elapsed_s")
+            result.timed(Timings(float(est) if isinstance(est, (int, float)) else None,
+                                 float(took) if isinstance(took, (int, float)) else 0.0))
     except (KeyError, TypeError, ValueError, IndexError) as e:
         raise KvvizError(f"this {view} result is incomplete or damaged ({type(e).__name__}: "
                          f"{str(e).splitlines()[0][:120]})") from None

@@ -48,12 +48,16 @@ the meeting and the app's navigation and state iterate this registry; nothing co
 """
 from __future__ import annotations
 
+import functools
 import importlib
+import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from ..core.errors import KvvizError
-from ..core.memory import MemoryProfile  # noqa: F401 - a view's entry names it (from .. import MemoryProfile)
+from ..core.estimate import Timed, Timings
+from ..core.protocol import DEFAULT_CONTEXT
+from ..core.memory import Decoding, MemoryProfile  # noqa: F401 - a view's entry names them (from .. import MemoryProfile)
 
 # The registry: one line a view folder (kvviz.views.<folder>, or a full dotted package name for a view kept
 # elsewhere). Order = the order of the CLI's subcommands and of the pages within a section of the app's navigation.
@@ -169,8 +173,9 @@ class View:
         return dict(self.resolve(self.refuses) or {})
 
     def runner(self) -> Callable:
-        """The view's `run(lm, config, ctx: kvviz.core.protocol.RunContext) -> result`."""
-        return self.resolve(self.run)
+        """The view's `run(lm, config, ctx: kvviz.core.protocol.RunContext) -> result`, timed: its result carries
+        the estimate the run started with (ctx.estimate) and the seconds it took (kvviz.core.estimate.Timings)."""
+        return _timed(self.resolve(self.run))
 
     def repro_module(self):
         return self.resolve(self.repro)
@@ -180,6 +185,19 @@ class View:
 
     def run_names(self) -> tuple[str, ...]:
         return self.runs or (self.name,)
+
+
+def _timed(run: Callable) -> Callable:
+    @functools.wraps(run)
+    def timed(lm, config, ctx=DEFAULT_CONTEXT):
+        t0 = time.perf_counter()
+        result = run(lm, config, ctx)
+        if isinstance(result, Timed):
+            est = ctx.estimate.total_s if ctx.estimate is not None else None
+            result.timed(Timings(est, time.perf_counter() - t0))
+        return result
+
+    return timed
 
 
 _VIEWS: dict[str, View] = {}

@@ -25,6 +25,7 @@ from ...core.protocol import DEFAULT_CONTEXT, RunContext
 from ...core.metrics import max_abs_gap
 from ...core.naming import module_label
 from ...core.verdict import Finding
+from ...core.estimate import Timed
 
 _KINDS = (  # (pattern on the module's own name, kind) - first match wins
     (r"(embed_tokens|wte|wpe|embed_in|word_embeddings|position_embeddings|embeddings)$", "embedding"),
@@ -97,7 +98,7 @@ class BisectSettings(Settings):
 
 
 @dataclass
-class BisectResult:
+class BisectResult(Timed):
     settings: BisectSettings
     first: ModuleGap | None  # the first module whose output differs (None: nothing differs)
     modules: list[ModuleGap] = field(default_factory=list)  # every compared module, in execution order
@@ -226,7 +227,7 @@ def run_bisect(lm: LoadedModel, cfg: SplitConfig, settings: ExecSettings | None 
     ops, also trace both runs op by op (a TorchFunctionMode) and name the first torch op whose output differs.
     progress(fraction, message) is called before each of the runs (an invariant-mode bisect of a long prompt on a
     real model takes minutes: it must never look like a run that ended silently)."""
-    settings = (settings or DEFAULT_SETTINGS).validate()
+    settings = settings or DEFAULT_SETTINGS  # validated once, by its RunContext
     cfg.validate()
     say = progress or (lambda frac, msg: None)
     mode = "invariant mode" if settings.invariant else "normal mode"

@@ -26,6 +26,7 @@ from ...core.inputs import check_context, encode
 from ...models.loading import LoadedModel
 from ...core.protocol import DEFAULT_CONTEXT, RunContext
 from ...core.streaming import HeldRows, LayerGaps
+from ...core.estimate import Timed
 
 FORMAT = "kvviz-kv-cache/1"
 
@@ -194,7 +195,7 @@ def load_cache(lm: LoadedModel, source) -> LoadedCache:
 
 
 @dataclass
-class ContinueResult:
+class ContinueResult(Timed):
     bitwise_equal: bool
     max_abs_logits: float
     max_abs_hidden: float

@@ -21,6 +21,7 @@ from ...core.inputs import Workload
 from ...core.execution import Executor, cache_layers
 from ...models.loading import LoadedModel
 from ...core.protocol import DEFAULT_CONTEXT, RunContext
+from ...core.estimate import Timed
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "data" / "configs"
 BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
@@ -126,7 +127,7 @@ def measured_bytes(lm: LoadedModel, tokens: int, batch: int = 1) -> int:
 
 
 @dataclass
-class SizeReport:
+class SizeReport(Timed):
     model: str
     tokens: int
     batch: int

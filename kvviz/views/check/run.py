@@ -25,6 +25,7 @@ from ...models.loading import LoadedModel
 from ...core.protocol import DEFAULT_CONTEXT, no_progress, RunContext
 from ... import views
 from ...core.verdict import Verdict, classify
+from ...core.estimate import Timed
 
 PROMPT = ("The museum guard knew every painting in the building, but he had a favourite one hanging in the far "
           "corner of the east wing.")
@@ -53,7 +54,7 @@ class CheckSettings(Settings):
 
 
 @dataclass
-class CheckCard:
+class CheckCard(Timed):
     model: str
     overall: str
     checks: list[Check]

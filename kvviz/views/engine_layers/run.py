@@ -38,7 +38,6 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -46,11 +45,12 @@ import torch
 from ...core.errors import KvvizError
 from ...core.memory import Workload
 from ...core.execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo
-from ...core.protocol import DEFAULT_CONTEXT, no_progress, RunContext
+from ...core.protocol import DEFAULT_CONTEXT, no_progress, Progress, RunContext
 from ...core.inputs import check_context, encode
 from ...core.metrics import first_divergence, hidden_divergence
 from ...core.naming import layer_labels
 from ...core.text import display_tokens
+from ...core.estimate import Timed
 from ...engines.verdict import C_OWN, K_GROWTH, UNIT_ROUNDOFF
 
 PAIRS = {"warm": ("cold", "warm"), "batch": ("alone", "batch"), "tp": ("tp 1", "tp N")}
@@ -64,7 +64,6 @@ LLAMACPP_REFUSED = ("llama.cpp layer capture compares warm with cold only: a bat
                     "compare llama.cpp batches at their outputs with `kvviz serving --engine llama.cpp`")
 LLAMACPP_BOUND = K_GROWTH["q8"] * UNIT_ROUNDOFF["q8"]  # relative, every row: 8-bit activations (kvviz cannot run them)
 
-Progress = Callable[[float, str], None]
 
 
 @dataclass
@@ -147,7 +146,7 @@ class Side:
 
 
 @dataclass
-class EngineLayersResult:
+class EngineLayersResult(Timed):
     settings: dict  # the run (model, dtype, device) and the config
     engine: dict  # name, version, settings (per side where the sides ran on two engines)
     tokens: list[str]  # the prompt's tokens and side A's, as text (labels)
@@ -336,7 +335,7 @@ def run_engine_layers(lm, cfg: EngineLayersConfig, progress: Progress | None = N
     from ...core.dtypes import dtype_name
 
     progress = progress or no_progress
-    settings = (settings or DEFAULT_SETTINGS).validate()
+    settings = settings or DEFAULT_SETTINGS  # validated once, by its RunContext
     if settings.invariant:
         raise KvvizError("vLLM's deterministic mode (VLLM_BATCH_INVARIANT=1) needs its CUDA/ROCm kernels; the "
                          "engine-layers view runs the engine as it serves: rerun without --invariant")

@@ -30,13 +30,14 @@ from ...core.memory import Workload
 from ...core.inputs import POSITION_MODES, PromptInputs, build_inputs, check_mode, pad_token_id, positions_from_mask
 from ...core.execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings, StepPolicy
 from ...models.loading import LoadedModel
-from ...core.protocol import DEFAULT_CONTEXT, no_progress, RunContext
+from ...core.protocol import DEFAULT_CONTEXT, no_progress, Progress, RunContext
 from ...core.metrics import first_divergence, hidden_divergence
 from ...core.text import display_tokens
 from ...core.naming import layer_labels
 from ...core.replay import Replay, replay_step, top2
 from ...core.streaming import HeldRows
 from ...core.verdict import Prove, Verdict, classify, precision_sentence
+from ...core.estimate import Timed
 
 
 class GreedyPath(StrEnum):
@@ -63,7 +64,6 @@ PATH_LABELS = {
 # Run cheap paths first so that `stop_at_divergence` can cut the expensive ones short.
 _RUN_ORDER = (GreedyPath.CACHE, GreedyPath.GENERATE, GreedyPath.USER_LOOP, GreedyPath.NO_CACHE, GreedyPath.FLOAT64)
 
-Progress = Callable[[float, str], None]
 
 
 @dataclass(frozen=True)
@@ -92,8 +92,12 @@ class GreedyConfig:
 
     def workload(self) -> Workload:
         """What the run holds, for its memory plan (as the CLI's arguments give it)."""
+        paths = set(self.paths)  # its time estimate: each path prefills the prompt and decodes the new tokens,
+        full = paths & set(_FULL_FORWARD) if not self.fast else set()  # no_cache and float64 rerunning the
         return Workload(texts=(self.prompt,), new_tokens=int(self.max_new_tokens), left_pad=int(self.left_pad),
-                        paths=tuple(str(p) for p in self.paths))
+                        paths=tuple(str(p) for p in self.paths), forwards=float(len(paths) + int(self.fast)),
+                        decode_paths=len(paths - full - {GreedyPath.FLOAT64}), full_paths=len(full - {GreedyPath.FLOAT64}),
+                        float64_paths=int(GreedyPath.FLOAT64 in full))  # whole sequence each step (not in fast mode)
 
 
 @dataclass(frozen=True)
@@ -187,7 +191,7 @@ class PairResult:
 
 
 @dataclass
-class GreedyResult:
+class GreedyResult(Timed):
     settings: GreedySettings
     model: dict
     prompt_tokens: list[str]
@@ -589,7 +593,7 @@ def run_greedy(lm: LoadedModel, cfg: GreedyConfig, progress: Progress | None = N
     prove: rerun the same-dtype paths in invariant mode and mark each pair proved or not (default: when a pair
     parts with a precision verdict)."""
     progress = progress or no_progress
-    settings = (settings or DEFAULT_SETTINGS).validate()
+    settings = settings or DEFAULT_SETTINGS  # validated once, by its RunContext
     t_start = time.perf_counter()
     cfg.validate()
     inp = build_inputs(lm, cfg.prompt, cfg.left_pad, extra_tokens=cfg.max_new_tokens)

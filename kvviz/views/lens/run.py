@@ -44,6 +44,7 @@ from ...core.protocol import DEFAULT_CONTEXT, RunContext, no_progress
 from ...core.streaming import HeldRows
 from ...core.text import display_text
 from ...core.verdict import FLOAT64_CLOSED_REL, Verdict, classify
+from ...core.estimate import Timed
 from ...models.compat import output_cache, takes_logits_to_keep
 
 # what the lens keeps per path: [hidden states, positions] each
@@ -123,7 +124,7 @@ class LensPaths:
 
 
 @dataclass
-class LensResult:
+class LensResult(Timed):
     settings: dict
     model: dict
     tokens: list  # the prompt's tokens (display text)
@@ -487,7 +488,7 @@ REFUSES = {"prove": "the lens has no invariant-mode proof rerun (run Split point
 def run_lens(lm, cfg: LensConfig, progress=None, settings: ExecSettings | None = None,
              reference=None) -> LensResult:
     progress = progress or no_progress
-    settings = (settings or ExecSettings()).validate()
+    settings = settings or ExecSettings()  # validated once, by its RunContext
     t0 = time.perf_counter()
     cfg.validate()
     sc = cfg.scenario

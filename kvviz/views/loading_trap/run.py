@@ -21,6 +21,7 @@ from ...core.metrics import first_divergence
 from ...core.inputs import Workload, build_inputs
 from ...models.loading import LoadedModel
 from ...core.protocol import DEFAULT_CONTEXT, RunContext
+from ...core.estimate import Timed
 
 
 @dataclass
@@ -41,7 +42,7 @@ class LoadingTrapSettings(Settings):
 
 
 @dataclass
-class LoadingTrapResult:
+class LoadingTrapResult(Timed):
     settings: LoadingTrapSettings
     buffers: list[BufferDiff]
     loaded_tokens: list[int]

@@ -26,7 +26,6 @@ import random
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
-from typing import Callable
 
 from ...engines.serving import ENGINES, MIN_PAGE, Request, check_engine, engine_status, make_engine
 from ...core.memory import PAGE_SIZE, Workload
@@ -36,8 +35,9 @@ from ...core.execution import COMPILE_OFF, DEFAULT_CACHE, DEFAULT_SETTINGS, Exec
 from ...core.inputs import build_inputs, encode
 from ...core.replay import Replay, no_cache_tokens, replay_step
 from ...models.loading import LoadedModel
-from ...core.protocol import DEFAULT_CONTEXT, no_progress, RunContext
+from ...core.protocol import DEFAULT_CONTEXT, no_progress, Progress, RunContext
 from ...core.verdict import Prove, Verdict, classify
+from ...core.estimate import Timed
 
 CONDITIONS = ("alone", "batch", "warm")
 WORKER_ENGINES = ("vllm", "llama.cpp")  # engines judged against the float64 reference by their log-probs
@@ -57,7 +57,6 @@ DEFAULT_LIMIT = 20
 # while the request is still running, so a 1-token request (finished by its prefill) would leave nothing cached.
 WARMER_TOKENS = 2
 
-Progress = Callable[[float, str], None]
 
 
 @dataclass(frozen=True)
@@ -189,7 +188,7 @@ class ConditionStats:
 
 
 @dataclass
-class ServeResult:
+class ServeResult(Timed):
     settings: ServeSettings
     model: dict
     engine: dict
@@ -350,7 +349,7 @@ def run_serving(lm: LoadedModel, cfg: ServeConfig, progress: Progress | None = N
     the float64 model for the verdicts (lm.reference() when needed); prove (None or True; False: never): rerun
     parting conditions in invariant mode (not needed when the study already runs in it)."""
     progress = progress or no_progress
-    settings = (settings or DEFAULT_SETTINGS).validate()
+    settings = settings or DEFAULT_SETTINGS  # validated once, by its RunContext
     if settings.compile != COMPILE_OFF or settings.cache != DEFAULT_CACHE:
         raise KvvizError("the Serving view runs the engine's own paged cache without compile; leave the cache kind "
                          "and compile at their defaults")

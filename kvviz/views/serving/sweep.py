@@ -28,6 +28,7 @@ from ...core.memory import Workload
 from ...core.inputs import encode
 from ...core import theme
 from ...core.protocol import DEFAULT_CONTEXT, no_progress, RunContext
+from ...core.estimate import Timed
 from .run import WORKER_ENGINES, ServeConfig, ServeResult, _study, check_engine
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32)
@@ -86,7 +87,7 @@ class Cell:
 
 
 @dataclass
-class SweepResult:
+class SweepResult(Timed):
     config: dict
     model: dict
     engine: dict
@@ -177,7 +178,7 @@ def run_sweep(lm, cfg: SweepConfig, progress=None, settings=None, reference=None
 
     progress = progress or no_progress
     cfg.validate()
-    settings = (settings or DEFAULT_SETTINGS).validate()
+    settings = settings or DEFAULT_SETTINGS  # validated once, by its RunContext
     limit = cfg.cell_limit_s
     if cfg.server:
         from .server import ServerEngine, _timeout

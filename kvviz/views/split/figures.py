@@ -1,6 +1,8 @@
 """The split view's figures and tables: pure functions of its result (no model runs here)."""
 from __future__ import annotations
 
+import html
+
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
@@ -113,3 +115,56 @@ def main(result) -> list:
 
 def tables(result) -> list:
     return [logits_frame(result)] if result.main.has_cache else []
+
+
+def token_strip(tokens: list[str], split: int | None = None, highlight: int | None = None, window: int = 64) -> str:
+    """Tokens as HTML chips: the cached ones (before `split`) shaded blue, one token highlighted in red. Every chip
+    sets its own text and background colours, so it reads the same in light and dark themes. Beyond `window` tokens
+    only those around the split are drawn, with a count of the hidden ones."""
+    chips = []
+    centre = split if split is not None else 0
+    lo = max(0, min(centre - window // 2, len(tokens) - window)) if len(tokens) > window else 0
+    hi = min(len(tokens), lo + window) if len(tokens) > window else len(tokens)
+    hidden = ('<span style="color:#111;background:#fff3c4;border:1px dashed #b08800;border-radius:4px;'
+              'padding:1px 4px;margin:1px;display:inline-block;font-family:monospace">… {n} tokens …</span>')
+    if lo > 0:
+        chips.append(hidden.format(n=lo))
+    for i, t in enumerate(tokens[lo:hi], start=lo):
+        text = html.escape(t.replace("\n", "⏎")) or "∅"
+        if highlight is not None and i == highlight:
+            style = "background:#f8c9c4;border:1px solid #c0392b"
+        elif split is not None and i < split:
+            style = "background:#cfe3fa;border:1px solid #4a90d9"
+        else:
+            style = "background:#f0f0f0;border:1px solid #bbb"
+        chips.append(f'<span title="token {i}" style="{style};color:#111;border-radius:4px;padding:1px 3px;'
+                     f'margin:1px;display:inline-block;font-family:monospace;white-space:pre">{text}</span>')
+    if hi < len(tokens):
+        chips.append(hidden.format(n=len(tokens) - hi))
+    return "".join(chips)
+
+
+def tiles(res, eps: float, normal=None) -> list[tuple[str, str, str | None]]:
+    """The page's number tiles beside the verdict, (label, value, tooltip), each label naming its unit (absolute,
+    relative to |x|, in ε of the model's dtype - `eps` -, positions). normal: in invariant mode, the same scenario's
+    normal run (its gap beside the proof's); else a run that also ran in invariant mode shows both gaps."""
+    out = []
+    if normal is not None:
+        out += [("max |Δ|, normal run (absolute)", f"{normal.main.max_abs:.3g}",
+                 "The same scenario with invariant mode off: the gap the proof removes"),
+                ("max |Δ|, invariant mode (absolute)", f"{res.main.max_abs:.3g}",
+                 "This run: every row computed the same way whatever the shape")]
+    elif res.invariant is not None and not res.settings.execution.invariant:
+        out += [("max |Δ|, normal run (absolute)", f"{res.main.max_abs:.3g}",
+                 "The largest absolute gap of a hidden state, in the model's own units"),
+                ("max |Δ|, invariant mode (absolute)", f"{res.invariant.max_abs:.3g}",
+                 "The same scenario with every row computed the same way whatever the shape")]
+    f64 = res.float64
+    return out + [("largest relative gap (÷ |x|)", f"{res.main.max_relative:.3g}",
+                   "max |Δ| / max |x| of a hidden state: 1e-7 is a seven-digit agreement"),
+                  (f"in units of ε ({res.settings.dtype})", f"{res.main.max_relative / eps:.3g} ε",
+                   f"The relative gap in units of {res.settings.dtype}'s machine epsilon"),
+                  ("float64 rerun (÷ |x|)", "—" if f64 is None else f"{f64.max_relative:.3g}",
+                   "The same scenario in float64: the evidence for the verdict"),
+                  ("next token agrees (positions)",
+                   f"{int(res.main.logits['argmax_agree'].sum())}/{len(res.compared)}", None)]

@@ -10,7 +10,6 @@ float64) or `logic` (it stays in float64, or the model returns no cache at all).
 """
 from __future__ import annotations
 
-import contextvars
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -24,16 +23,16 @@ from ...core.inputs import MODES, PromptInputs, SplitConfig, build_inputs, cache
 from ...core.text import display_text
 from ...core.execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings, cache_layers, has_cache
 from ...models.loading import LoadedModel
-from ...core.protocol import DEFAULT_CONTEXT, no_progress, RunContext
+from ...core.protocol import DEFAULT_CONTEXT, no_progress, Progress, RunContext
+from ...core.estimate import Estimate
+from ... import views
 from ...core.naming import layer_labels
 from ...core.memory import REFERENCE_LOGITS_BYTES, fits_beside  # float64 logits over REFERENCE_LOGITS_BYTES: in chunks
 from ...core.metrics import HIDDEN_METRICS as HIDDEN_METRIC_LABELS
 from ...core.metrics import describe_table, logits_divergence, logits_rows, tensor_diff
 from ...core.streaming import HeldRows, LayerGaps
 from ...core.verdict import Finding, Prove, Verdict, amplification, classify, layers_prefix, precision_sentence
-
-
-Progress = Callable[[float, str], None]
+from ...core.estimate import Timed
 
 
 @dataclass(frozen=True)
@@ -101,7 +100,7 @@ class Comparison:
 
 
 @dataclass
-class SplitResult:
+class SplitResult(Timed):
     settings: SplitSettings
     model: dict
     tokens: list[str]
@@ -441,65 +440,66 @@ def proof_line(verdict: str, main: Comparison, inv: Comparison, settings: ExecSe
             f"order alone" + (" — logic." if verdict == Verdict.LOGIC else " — the precision verdict is unproved."))
 
 
-_bisector: Callable | None = None  # kvviz.views.bisect.run.run_bisect, registered by kvviz/__init__.py
+def _registry_bisector(lm: LoadedModel, cfg: SplitConfig, settings: ExecSettings):
+    """The bisector reached through the registry (split never imports the bisect view, which imports split)."""
+    return views.get("bisect").runner()(lm, cfg, RunContext(settings=settings))
 
 
-def register_bisector(run_bisect: Callable | None) -> None:
-    """Give a failed proof's explanation the bisector (kvviz/__init__.py registers it; split never imports the
-    bisector, which imports split). None: no bisector."""
-    global _bisector
-    _bisector = run_bisect
-
-
-def _bisect_first(lm: LoadedModel, cfg: SplitConfig, settings: ExecSettings) -> Finding | None:
+def _bisect_first(lm: LoadedModel, cfg: SplitConfig, settings: ExecSettings,
+                  bisector: Callable | None = None) -> Finding | None:
     """What the bisector finds first for this scenario, typed (a failed proof's explanation names it); None if
-    nothing differs at module level, no bisector is registered, or it fails."""
-    if _bisector is None:
-        return None
+    nothing differs at module level or it fails. bisector(lm, cfg, settings) -> BisectResult: the registry's bisect
+    view where not given."""
     try:
         inp = build_inputs(lm, cfg.prompt, cfg.left_pad)
         if not fits_beside(lm, "bisect", inp.total, inp.total - inp.pad - cfg.split):
             return None  # not planned with the split (its proof holds as a rule): run only where it fits now
-        res = _bisector(lm, cfg, settings)
+        res = (bisector or _registry_bisector)(lm, cfg, settings)
     except Exception:  # noqa: BLE001 - an explanation aid only
         return None
     return res.finding()
 
 
-# The automatic phases' costs, each as a multiple of the normal run's time, re-measured by every run (the invariant
-# proof of a long prompt costs ten normal runs or more); the progress bar gives each phase its share of the bar.
-PHASE_COST = {"float64": 1.0, "proof": 2.0}
-# False: no automatic invariant proof after the normal run (the app's "run without the proof" for a long run)
-AUTO_PROOF: contextvars.ContextVar[bool] = contextvars.ContextVar("kvviz_auto_proof", default=True)
+# Where the bar's phases end without an estimate (each automatic phase as a multiple of the normal run's time)
+DEFAULT_PHASE_COST = {"run": 1.0, "float64": 1.0, "proof": 2.0}
 
 
-def _phase_ends(proof: bool) -> tuple[float, float]:
-    """Where the normal run and the float64 rerun end on the bar (the proof takes the rest)."""
-    total = 1.0 + PHASE_COST["float64"] + (PHASE_COST["proof"] if proof else 0.0)
-    return 1.0 / total, (1.0 + PHASE_COST["float64"]) / total
+def _phase_ends(proof: bool, estimate: Estimate | None = None) -> tuple[float, float]:
+    """Where the normal run and the float64 rerun end on the bar (the proof takes the rest): from the run's estimate
+    (each phase's share of its seconds), else DEFAULT_PHASE_COST."""
+    cost = dict(DEFAULT_PHASE_COST)
+    if estimate is not None and estimate.seconds("run") > 0:
+        cost = {k: estimate.seconds(k) or (v * estimate.seconds("run")) for k, v in cost.items()}
+    total = cost["run"] + cost["float64"] + (cost["proof"] if proof else 0.0)
+    return cost["run"] / total, (cost["run"] + cost["float64"]) / total
 
 
 def run_split(lm: LoadedModel, cfg: SplitConfig, progress: Progress | None = None,
               reference: LoadedModel | None = None, float64_comparison: Comparison | None = None,
-              settings: ExecSettings | None = None, prove: Prove = None) -> SplitResult:
+              settings: ExecSettings | None = None, prove: Prove = None, auto_proof: bool = True,
+              estimate: Estimate | None = None, on_phase: Callable[[str], None] | None = None,
+              bisector: Callable | None = None) -> SplitResult:
     """Compare the full forward with the cached path for `cfg`; rerun in float64 for the verdict if needed.
 
     reference: the float64 model to use for the verdict (lm.reference() when not given);
     float64_comparison: the same scenario already run in float64 (the dtype sweep runs it once for all dtypes);
     settings: how the model runs (cache kind, compile, flags, invariant mode); the float64 rerun uses the same
     settings without compile. prove: also run the scenario in invariant mode (default: when the verdict is
-    precision), so a precision verdict comes with its proof (the gap is exactly 0 there)."""
+    precision), so a precision verdict comes with its proof (the gap is exactly 0 there). auto_proof: False, no
+    automatic proof (prove=True still proves); estimate: the run's time estimate (each phase's share of the bar);
+    on_phase(name): told as each phase starts ("run", "float64", "proof"); bisector: what names a failed proof's
+    first differing module (the registry's bisect view where not given)."""
     progress = progress or no_progress
-    settings = (settings or DEFAULT_SETTINGS).validate()
+    settings = settings or DEFAULT_SETTINGS  # validated once, by its RunContext
     t0 = time.perf_counter()
     cfg.validate()
     inp = build_inputs(lm, cfg.prompt, cfg.left_pad)
     check_split(inp.n_tokens, cfg.split)
-    # the bar's share of each phase from their measured costs (PHASE_COST), the automatic proof included
-    auto_proof = not settings.invariant and prove is not False and AUTO_PROOF.get()
-    ends = _phase_ends(auto_proof)
+    # the bar's share of each phase from the run's estimate, the automatic proof included
+    phase = on_phase or (lambda name: None)
+    ends = _phase_ends(not settings.invariant and prove is not False and auto_proof, estimate)
+    phase("run")
     main = _run(lm, cfg, inp, lambda f, m: progress(ends[0] * f, m), settings)
-    main_s = time.perf_counter() - t0
     f64 = None
     if main.has_cache and not main.identical:
         if lm.dtype == torch.float64:
@@ -507,13 +507,12 @@ def run_split(lm: LoadedModel, cfg: SplitConfig, progress: Progress | None = Non
         elif float64_comparison is not None:
             f64 = float64_comparison
         else:
+            phase("float64")
             progress(ends[0], "float64: rerunning the same scenario for the verdict…")
-            t64 = time.perf_counter()
             ref_lm = reference or lm.reference()
             f64 = _run(ref_lm, cfg, build_inputs(ref_lm, cfg.prompt, cfg.left_pad),
                        lambda f, m: progress(ends[0] + (ends[1] - ends[0]) * f, f"float64: {m}"),
                        settings.with_(compile="off"))
-            PHASE_COST["float64"] = (time.perf_counter() - t64) / max(main_s, 1e-3)
     verdict, explanation = verdict_for(cfg, main, f64, prefix=layers_prefix(lm.model))
     if settings.lossy and verdict in (Verdict.PRECISION, Verdict.LOGIC) and not np.isfinite(main.max_abs):
         verdict, explanation = "lossy", (
@@ -527,18 +526,19 @@ def run_split(lm: LoadedModel, cfg: SplitConfig, progress: Progress | None = Non
             f"positions). Not rounding of the usual kind and not a logic error: measure whether it matters.")
     inv, proof, proof_s = None, None, None
     if main.has_cache and (settings.invariant or (prove if prove is not None else verdict == Verdict.PRECISION
-                                                  and AUTO_PROOF.get())):
+                                                  and auto_proof)):
         inv = main if settings.invariant else None
         if inv is None:
+            phase("proof")
             progress(ends[1], "invariant proof: rerunning in invariant mode…")
             t_proof = time.perf_counter()
             inv = _run(lm, cfg, inp, lambda f, m: progress(ends[1] + (1 - ends[1]) * f, f"invariant proof: {m}"),
                        settings.with_(invariant=True, compile="off"))
             proof_s = time.perf_counter() - t_proof
-            PHASE_COST["proof"] = proof_s / max(main_s, 1e-3)
         proof = proof_line(verdict, main, inv, settings)
         if verdict == Verdict.PRECISION and not settings.lossy:
-            first = None if inv.identical else _bisect_first(lm, cfg, settings.with_(invariant=True, compile="off"))
+            first = None if inv.identical else _bisect_first(lm, cfg, settings.with_(invariant=True, compile="off"),
+                                                             bisector)
             verdict, explanation = verdict_for(cfg, main, f64, inv.identical, inv, first, layers_prefix(lm.model))
     progress(1.0, "Done")
     return SplitResult(settings=SplitSettings.of(cfg, RunInfo.of(lm, settings)), model=lm.summary(),
@@ -551,4 +551,5 @@ def run_split(lm: LoadedModel, cfg: SplitConfig, progress: Progress | None = Non
 def run(lm: LoadedModel, config: SplitConfig, ctx: RunContext = DEFAULT_CONTEXT) -> SplitResult:
     """The view's run (kvviz.core.protocol: one signature for every view)."""
     with ctx.running() as progress:
-        return run_split(lm, config, progress, settings=ctx.settings, prove=ctx.prove)
+        return run_split(lm, config, progress, settings=ctx.settings, prove=ctx.prove, auto_proof=ctx.auto_proof,
+                         estimate=ctx.estimate, on_phase=ctx.on_phase)

@@ -481,7 +481,7 @@ def serving_phases(model: str, dtype: str, tokens: int, phases: list[str], promp
     from kvviz.core.execution import DEFAULT_SETTINGS, Executor
     from kvviz.core.inputs import build_inputs, encode
     from kvviz.core.replay import Replay, replay_step
-    from kvviz.engines.serving import Request, make_engine
+    from kvviz.engines.serving import Request, TransformersEngine
     from kvviz.models.loading import load_model
     from kvviz.views.serving.run import _engine_run, _reference
 
@@ -492,7 +492,7 @@ def serving_phases(model: str, dtype: str, tokens: int, phases: list[str], promp
     shape, b = memory.model_shape(__import__("kvviz.models.loading", fromlist=["parse_spec"]).parse_spec(model)), \
         memory.BYTES[dtype]
     T = max(len(i) for i in ids) + new_tokens
-    eng, ex = make_engine("transformers", memory.PAGE_SIZE), Executor(lm, DEFAULT_SETTINGS)
+    eng, ex = TransformersEngine(memory.PAGE_SIZE), Executor(lm, DEFAULT_SETTINGS)
     k = min(batch, prompts)
     lm64 = ex64 = None
     for ph in phases:

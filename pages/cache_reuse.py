@@ -1,3 +1,5 @@
-"""/cache_reuse, an older URL of /reuse: a fresh server looks its first request up among the pages/ file names;
-this file hands it to app.py (pages/__init__.py, on import), which sends it on to /reuse with its settings."""
-import pages  # noqa: F401
+"""/cache_reuse, an older URL: a fresh server looks its first request up among pages/ file names; this file hands it
+to app.py, which sends the link on to /reuse with its settings."""
+from pages import ensure_navigation
+
+ensure_navigation()

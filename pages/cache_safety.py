@@ -1,3 +1,5 @@
-"""/cache_safety, an older URL of /check: a fresh server looks its first request up among the pages/ file names;
-this file hands it to app.py (pages/__init__.py, on import), which sends it on to /check with its settings."""
-import pages  # noqa: F401
+"""/cache_safety, an older URL: a fresh server looks its first request up among pages/ file names; this file hands it
+to app.py, which sends the link on to /check with its settings."""
+from pages import ensure_navigation
+
+ensure_navigation()

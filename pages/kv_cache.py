@@ -1,3 +1,5 @@
-"""/kv_cache, an older URL of /cache: a fresh server looks its first request up among the pages/ file names;
-this file hands it to app.py (pages/__init__.py, on import), which sends it on to /cache with its settings."""
-import pages  # noqa: F401
+"""/kv_cache, an older URL: a fresh server looks its first request up among pages/ file names; this file hands it
+to app.py, which sends the link on to /cache with its settings."""
+from pages import ensure_navigation
+
+ensure_navigation()

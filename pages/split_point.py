@@ -1,3 +1,5 @@
-"""/split_point, an older URL of /split: a fresh server looks its first request up among the pages/ file names;
-this file hands it to app.py (pages/__init__.py, on import), which sends it on to /split with its settings."""
-import pages  # noqa: F401
+"""/split_point, an older URL: a fresh server looks its first request up among pages/ file names; this file hands it
+to app.py, which sends the link on to /split with its settings."""
+from pages import ensure_navigation
+
+ensure_navigation()

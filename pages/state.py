@@ -73,7 +73,8 @@ def _key_pattern(node: ast.expr) -> str | None:
 # read-only only with selections on; their keys are not settings either way.)
 READ_ONLY_WIDGETS = frozenset({"button", "download_button", "form_submit_button", "link_button", "menu_button",
                                "file_uploader", "camera_input", "audio_input", "chat_input", "data_editor",
-                               "plotly_chart", "dataframe", "altair_chart", "vega_lite_chart", "pydeck_chart"})
+                               "plotly_chart", "dataframe", "altair_chart", "vega_lite_chart", "pydeck_chart",
+                               "run_button"})  # pages.runner.run_button: a long run's st.button, its key= passed on
 
 
 def _widget_calls():

@@ -85,8 +85,7 @@ def test_bitsandbytes_weights_say_what_they_need(llama, monkeypatch):
     if llama.device.type != "cuda":
         with pytest.raises(KvvizError, match="bitsandbytes, which needs a CUDA GPU; this run is on cpu"):
             run_quant(llama, QuantConfig(PROMPT, kv="none", weights="bnb-nf4"))
-    monkeypatch.setattr(quant.importlib, "import_module",
-                        lambda name: (_ for _ in ()).throw(ImportError(name)))
+    monkeypatch.setattr(quant.optional, "importable", lambda name: False)  # bitsandbytes missing or broken
     fake = type("LM", (), {"device": torch.device("cuda", 0), "name": "m"})()
     with pytest.raises(KvvizError, match="need the package bitsandbytes"):
         quant._need_bnb(fake, "bnb-int8")

@@ -16,6 +16,12 @@ import threading
 import time
 from typing import Callable, Iterator
 
+from .capture import Capture
+
+# A run's progress callback, (fraction, text): the one definition (kvviz.core.protocol re-exports it; kvviz/models
+# imports it from here, below the protocol). It sits beside cancellation because every report is a checkpoint.
+Progress = Callable[[float, str], None]
+
 
 class Cancelled(BaseException):
     """The run was stopped (its token was cancelled); raised at the run's next checkpoint."""
@@ -109,19 +115,12 @@ def layer_checks(layers) -> Iterator[None]:
     if token is None or layers is None:
         yield
         return
-    handles = []
     n = len(layers)
-    try:
-        for i, layer in enumerate(layers):
-            where = f"layer {i + 1} of {n}"
-            handles.append(layer.register_forward_pre_hook(lambda *_, w=where: token.check(w)))
-            for sub in layer.modules():
-                if sub is not layer:
-                    handles.append(sub.register_forward_pre_hook(lambda *_: token.check()))
+    with Capture() as cap:
+        cap.on_input([(f"layer {i + 1} of {n}", layer) for i, layer in enumerate(layers)],
+                     lambda where, *_: token.check(where))
+        cap.on_input([sub for layer in layers for sub in layer.modules() if sub is not layer], lambda *_: token.check())
         yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 @contextlib.contextmanager

@@ -15,6 +15,8 @@ import functools
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .capture import Capture
+
 REFERENCE_CHUNK_BYTES = 128 * 1024 ** 2  # a float64 weight larger than this is applied in slices (kvviz.core.memory plans it)
 # invariant mode's kernel probes build their data in float64 a slab at a time, at most this many numbers (the weight's
 # copy in its own dtype is the probe's one full-size tensor: a float64 copy of an 8B model's head would be 4 GiB);
@@ -212,15 +214,10 @@ def released_between_layers(layers):
         yield
         return
 
-    def pre(_module, args, kwargs, _output=None):
+    def pre(_name, _module, args, kwargs, _output=None):
         x = args[0] if args else kwargs.get("hidden_states")
         if isinstance(x, torch.Tensor) and x.numel() * x.element_size() >= RELEASE_MIN_BYTES:
             release_freed_memory()
 
-    handles = [layer.register_forward_pre_hook(pre, with_kwargs=True) for layer in layers]
-    handles.append(layers[len(layers) - 1].register_forward_hook(pre, with_kwargs=True))
-    try:
+    with Capture().on_input(layers, pre, with_kwargs=True).on_output([layers[len(layers) - 1]], pre, with_kwargs=True):
         yield
-    finally:
-        for h in handles:
-            h.remove()

@@ -120,9 +120,10 @@ class Workload:
     weights: str = "none"  # weight quantization ("none": the model as loaded)
     paths: tuple[str, ...] = ()  # the paths a decoding view runs (greedy; empty: its defaults)
     attention: str = "auto"  # the attention implementation the run asks for (its score workspace: score_bytes)
-    # a study through a paged engine (MemoryProfile.engine_calls; its prompts are `texts`, each with its prefix, and
-    # its requests in flight `batch`): the conditions it runs (empty: every one the profile names) and the tokens a
-    # cache page holds (None: PAGE_SIZE; 0: no paged engine in this process - vLLM, llama.cpp, a server)
+    # a study through a paged engine (kvviz.views.serving.memory.ServingMemory; its prompts are `texts`, each with
+    # its prefix, and its requests in flight `batch`): the conditions it runs (empty: every one the profile names)
+    # and the tokens a cache page holds (None: PAGE_SIZE; 0: no paged engine in this process - vLLM, llama.cpp, a
+    # server)
     conditions: tuple[str, ...] = ()
     page_size: int | None = None
     prove: bool = True  # the run may prove a precision verdict in invariant mode (False: --no-proof, a proof toggled off)

@@ -25,6 +25,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -393,11 +394,7 @@ class MemoryPlan:
             for part, value in self.if_identical.items():
                 setattr(self, part, value)
             self.if_identical = None
-            prof = profile(self.view)
-            self.notes.append("no float64 rerun: " + ("no prompt parted from its reference" if prof.engine_calls else
-                                                      "no two paths parted, so none was replayed in float64"
-                                                      if prof.decoded_runs else
-                                                      "the cached path equalled the full forward bit for bit"))
+            self.notes.append("no float64 rerun: " + profile(self.view).no_rerun)
         elif self.if_unproved is not None and result is not None and getattr(result, "proof_s", 0) is None and \
                 not getattr(getattr(getattr(result, "settings", None), "execution", None), "invariant", False):
             for part, value in self.if_unproved.items():  # --no-proof: the probes' transient never came
@@ -462,40 +459,117 @@ def reference_bytes(shape: ModelShape, dtype: str, strategy: str) -> int:
 
 @dataclass(frozen=True)
 class MemoryProfile:
-    """What kvviz.core.memory counts for a run of the view, besides the weights (see kvviz.core.memory.activation_bytes)."""
+    """What kvviz.core.memory counts for a run of a view besides the weights: the generic traits of its forwards (the
+    fields), and the view's own knowledge where it holds something of its own. A view declares its profile in its
+    entry (View(memory=...)); a view whose runs hold more than a forward and its reference subclasses this class in
+    its own folder (kvviz/views/<view>/memory.py: Padding and batching's batch grid, Serving's engine calls, the
+    bisector's record, the card's window) and overrides the methods below; this module keeps the arithmetic
+    (working_bytes, cache_bytes, decoding_bytes, paged_study_bytes, ...) and the plan (plan_workload, plan_shape)."""
     forwards: int = 1  # forwards' worth of (all hidden states + logits) kept when hidden states are not streamed
     streamed_hidden: bool = True  # hidden states handed over layer by layer (kvviz.core.streaming)
     reference: bool = True  # runs the float64 reference (below float64)
-    bisector: bool = False  # runs the bisector in the run's own dtype (a split whose proof fails runs it only
-    # where it fits beside the loaded model: kvviz.core.memory.fits_beside)
     float64_only: bool = False  # every run is on the float64 reference (the model in its dtype does not run)
-    stepwise_reference: bool = False  # the reference compares token by token (its logits a chunk of rows at a time)
-    batch: int = 1  # rows in a batch (padding: the padded, the unpadded and a neighbour)
+    batch: int = 1  # rows in a batch
     batch_from_workload: bool = False  # the batch and token count are the run's own (the cache sizes)
     compared_after_split: bool = False  # compares only the positions after the split point
-    past_window: bool = False  # runs past the model's sliding window (at least 2 windows + 4 tokens, 64)
     weight_copies: bool = False  # quantizing weights deep-copies the model first
     many_prompts: bool = False  # runs a set of prompts (fewer prompts is a way to fit)
     # proves a precision verdict by rerunning in invariant mode, whose first forward probes the kernels
     # (invariant_probe_bytes): never declared, derived by the registry (kvviz.views.memory_profile) from the view's
     # float64 reference and its run's refusals (a view that runs the reference and does not refuse "prove")
     proves: bool = False
-    # decodes token by token (kvviz.core.loops.decode): one forward's logits (every position's) at a time, each step's
-    # last row kept; `decoded_runs` runs' rows are kept at once (greedy: its default paths, or the paths a run names;
-    # reuse: its ways per continuation)
-    decoded_runs: int = 0
+
+    # why a settled plan has no float64 rerun (MemoryPlan.settle)
+    no_rerun: ClassVar[str] = "the cached path equalled the full forward bit for bit"
+
+    @property
+    def float64_run_is_reference(self) -> bool:
+        """A float64 run is its own reference: it computes only the compared positions' logits (Split point)."""
+        return self.compared_after_split
+
+    @property
+    def reruns_where_parted(self) -> bool:
+        """It reruns in float64 only where its cached path is not bit for bit the full forward
+        (kvviz.views.split.run.run_split: `main.has_cache and not main.identical`): the plan counts the rerun, and
+        `settle` drops it after a run that had none."""
+        return self.compared_after_split and not self.many_prompts
+
+    @property
+    def probes_in_first_forward(self) -> bool:
+        """Its invariant-mode run probes the head's kernels in its first forward (Split point's: the prefix, one row
+        of logits), before the full forward's logits exist: the probes are a phase of their own."""
+        return self.reruns_where_parted
+
+    @property
+    def streamed_head_apart(self) -> bool:
+        """The streamed reference's slices (the head's) are held after the last layer's working set was freed: the
+        float64 phase holds the larger of them, not both."""
+        return True
+
+    def sizes(self, spec, w: Workload, tokens: int, batch: int, compared: int | None) -> tuple[int, int, int | None]:
+        """The workload's longest sequence, batch and compared positions as this view runs them (plan_workload)."""
+        return tokens, batch, compared
+
+    def decoding(self, w: Workload) -> tuple[int | None, bool | None, int | None]:
+        """(tokens each run decodes, whether the float64 reference decodes too, the decoding runs) of a view that
+        decodes token by token (Decoding); all None for one that does not."""
+        return None, None, None
+
+    def engine(self, w: Workload) -> "PagedCalls | None":
+        """The calls to a paged engine in kvviz's process of a study (paged_study_bytes); None: no such engine."""
+        return None
+
+    def caches(self, shape: "ModelShape", dtype: str, tokens: int, batch: int, reference: bool,
+               reference_decodes: bool, run_only: int) -> "tuple[int, dict | None] | None":
+        """(KV cache, the plan's parts where no float64 rerun came) of a view that holds its caches its own way;
+        None: the run's cache and a spare copy, in its dtype and in float64 (cache_bytes)."""
+        return None
+
+    def activations(self, shape: "ModelShape", dtype: str, tokens: int, batch: int, reference: bool,
+                    compared: int | None = None, steps: int | None = None, reference_decodes: bool = True,
+                    runs: int | None = None, attention: str = "sdpa", device: str = "cpu") -> int:
+        """The most its run holds at once besides weights and caches (activation_bytes); by default one forward at a
+        time and what it keeps of its forwards (forward_bytes)."""
+        return forward_bytes(self, shape, dtype, tokens, batch, reference, compared, attention, device)
+
+
+@dataclass(frozen=True)
+class Decoding(MemoryProfile):
+    """A view that decodes token by token (kvviz.core.loops.decode): one forward's logits (every position's) at a
+    time, each step's last row kept; `decoded_runs` runs' rows are kept at once (greedy: its default paths, or the
+    paths a run names; reuse: its ways per continuation). decoding_bytes."""
+    decoded_runs: int = 1
     # the float64 reference decodes (a full forward a step) only when the run's paths include this one; otherwise
     # it replays single steps, the last position's logits only (greedy); None: it decodes like the run (reuse)
     reference_decodes_with: str | None = None
-    batch_texts: tuple[str, ...] = ()  # texts that join the prompt in a batch, each made longer than it (padding)
     # KV caches of the longest sequence held at once, the run's and the float64 reference's never together (greedy:
     # one path's; reuse: the prefix's, the shared one and a continuation's); 0: the run's and a spare copy, in both
     cache_copies: int = 0
-    # runs its prompts through a paged serving engine in kvviz's process (transformers' continuous batching,
-    # kvviz.engines.serving), one engine per call: per condition (its name, the engine requests one call holds per
-    # prompt, whether they run in batches of the workload's batch); each call's paged cache, attention mask and batch
-    # forward are counted (paged_call_bytes). The float64 reference replays one prompt's call where a prompt parted
-    engine_calls: tuple[tuple[str, int, bool], ...] = ()
+
+    no_rerun: ClassVar[str] = "no two paths parted, so none was replayed in float64"
+
+    def decoding(self, w: Workload) -> tuple[int | None, bool | None, int | None]:
+        steps = max(1, int(w.new_tokens or 0)) * max(1, len(w.continuations))  # every continuation's (reuse)
+        reference_decodes = self.reference_decodes_with is None or self.reference_decodes_with in w.paths
+        return steps, reference_decodes, (len(set(w.paths)) if w.paths else None)
+
+    def caches(self, shape, dtype, tokens, batch, reference, reference_decodes, run_only):
+        if not self.cache_copies:
+            return None
+        # its caches one phase at a time: the run's, then the float64 reference's
+        per = 2 * shape.layers * shape.kv_heads * shape.head_dim * tokens * batch
+        cache = self.cache_copies * per * max(BYTES[dtype], 8 if reference else 0)
+        if_identical = None
+        if reference and not reference_decodes:
+            # Greedy paths without a float64 path builds its float64 reference only to replay a parting for its
+            # verdict (kvviz.views.greedy.run: GreedyResult.reference_ran); `settle` drops it after a run without one
+            if_identical = dict(reference="not run", reference_bytes=0, cache=self.cache_copies * per * BYTES[dtype],
+                                activations=run_only)
+        return cache, if_identical
+
+    def activations(self, shape, dtype, tokens, batch, reference, compared=None, steps=None, reference_decodes=True,
+                    runs=None, attention="sdpa", device="cpu") -> int:
+        return decoding_bytes(shape, dtype, tokens, runs or self.decoded_runs, steps, reference, reference_decodes)
 
 
 def _twin_or_streamed(params: int, free: int | None, others: int = 0) -> str:
@@ -554,19 +628,22 @@ def activation_bytes(shape: ModelShape, dtype: str, tokens: int, batch: int, vie
       card's window check), stepwise_reference_bytes; the streamed reference's weight slices are in
       `reference_bytes`.
 
-    Views that decode (greedy, reuse) and the padding grid hold less: decoding_bytes and batch_grid_bytes.
+    A view that holds its own (decoding views, the padding grid, the bisector) says so in its profile
+    (MemoryProfile.activations: decoding_bytes, kvviz/views/padding/memory.py, kvviz/views/bisect/memory.py).
 
     compared: positions compared (split: the tokens after the split point); None: every token. steps: tokens each
     decoding run decodes (None: every token, a bound); reference_decodes: the float64 reference decodes too (greedy's
     float64 path) rather than replaying single steps; runs: the decoding runs (greedy's paths; None: the view's
     default). attention, device: the attention kernel's score workspace (score_bytes; Split point's phases)."""
-    prof = profile(view)
-    if prof.decoded_runs:
-        return decoding_bytes(shape, dtype, tokens, runs or prof.decoded_runs, steps, reference, reference_decodes)
-    if prof.batch_texts:
-        return batch_grid_bytes(shape, dtype, tokens, batch, compared, reference)
+    return profile(view).activations(shape, dtype, tokens, batch, reference, compared, steps, reference_decodes, runs,
+                                     attention, device)
+
+
+def forward_bytes(prof: MemoryProfile, shape: ModelShape, dtype: str, tokens: int, batch: int, reference: bool,
+                  compared: int | None = None, attention: str = "sdpa", device: str = "cpu") -> int:
+    """activation_bytes of a view that runs forwards and compares them (the default MemoryProfile.activations)."""
     b = BYTES[dtype]
-    T, B, H, L, V = tokens, batch, shape.hidden, shape.layers, shape.vocab
+    T, B, V = tokens, batch, shape.vocab
     n = max(1, min(compared or T, T))
 
     def temps(width: int) -> int:  # one chunk of the comparison's float64 temporaries
@@ -576,14 +653,10 @@ def activation_bytes(shape: ModelShape, dtype: str, tokens: int, batch: int, vie
         return working_bytes(shape, width, T, B, attention, device)
 
     def hidden(width: int) -> int:
-        if prof.streamed_hidden:
-            return B * n * (L + 1) * H * width + 2 * B * T * H * width
-        return prof.forwards * B * T * (L + 1) * H * width
+        return hidden_bytes(prof, shape, width, T, B, n)
 
     logits64 = 2 * B * n * V * 8
-    if prof.stepwise_reference:  # the window check compares token by token (kvviz.views.split.run._ChunkedLogits)
-        ref = working(8) + stepwise_reference_bytes(shape, T, n, B) + hidden(8)
-    elif device.startswith("cpu") and gives_freed_memory_back():
+    if device.startswith("cpu") and gives_freed_memory_back():
         # the second path's forward beside the first path's logits, then the comparison (no forward's working set
         # left by then: a long float64 forward's freed blocks are given back between its layers,
         # kvviz.core.float64.released_between_layers)
@@ -591,18 +664,25 @@ def activation_bytes(shape: ModelShape, dtype: str, tokens: int, batch: int, vie
     else:  # CUDA's caching allocator keeps a forward's freed blocks reserved, and an allocator that cannot give them
         # back (not glibc) keeps them in the process: a forward's working set stays beside the comparison
         ref = working(8) + logits64 + temps(8) + hidden(8)
-    if dtype == "float64" and prof.compared_after_split and not prof.bisector:
+    if dtype == "float64" and prof.float64_run_is_reference:
         run = ref  # a float64 run is its own reference: only the compared positions' logits (kvviz.views.split.run)
     else:  # the full forward (its working set, every position's logits, the compared rows copied out of them),
         # then the comparison (no forward's working set left by then)
         run = max(working(b) + B * T * V * b + B * n * V * b, 2 * B * n * V * b + temps(b)) + hidden(b)
-    if prof.bisector:  # the bisect view
-        run = max(run, bisect_bytes(shape, b, T, n, B))
     if prof.float64_only:  # every run of the view is on the float64 reference (a float64 run: the model itself)
         return int(ref) if reference or dtype == "float64" else 0
     if not reference:
         return int(run)
     return int(max(run, ref))
+
+
+def hidden_bytes(prof: MemoryProfile, shape: ModelShape, width: int, tokens: int, batch: int, compared: int) -> int:
+    """The hidden states a run keeps: one path's compared rows and two layers where they are reduced layer by layer
+    (streamed_hidden), else every layer of its forwards."""
+    T, B, H, L = tokens, batch, shape.hidden, shape.layers
+    if prof.streamed_hidden:
+        return B * compared * (L + 1) * H * width + 2 * B * T * H * width
+    return prof.forwards * B * T * (L + 1) * H * width
 
 
 def stepwise_reference_bytes(shape: ModelShape, tokens: int, compared: int, batch: int = 1) -> int:
@@ -688,49 +768,6 @@ def decoding_bytes(shape: ModelShape, dtype: str, tokens: int, runs: int, steps:
     full = T if reference_decodes else 1
     ref = rows * (b + 8) + working_bytes(shape, 8, T) + full * V * 8 + head_slice_bytes(shape, full)
     return int(max(decoding, comparing, ref))
-
-
-def batch_grid_bytes(shape: ModelShape, dtype: str, width: int, batch: int, compared: int | None,
-                     reference: bool) -> int:
-    """The padding grid (kvviz.views.padding.run): the prompt alone without cache (every position's logits in the
-    run's dtype, its compared rows kept; float64 computes only those), then each scenario over a batch of `batch`
-    rows `width` wide: without cache every row's logits (float64: the compared positions only), with cache the
-    compared positions of every row; the target's compared rows copied out, then compared with the reference's in
-    float64 (both upcast, the difference and its absolute value)."""
-    b, W, B, V = BYTES[dtype], width, batch, shape.vocab
-    n = max(1, min(compared or W, W))
-
-    def phases(w: int) -> int:
-        rows = n if w == 8 else W  # float64 computes only the compared positions' logits
-        sliced = head_slice_bytes if w == 8 else (lambda shape, rows: 0)  # the streamed reference's head
-
-        # each forward: its working set and logits (a big head's slice beside them), then its rows copied out
-        alone = max(working_bytes(shape, w, W) + rows * V * w + sliced(shape, rows), rows * V * w + n * V * w)
-        scenario = n * V * w + n * (shape.layers + 1) * shape.hidden * w + max(  # beside the reference's rows
-            working_bytes(shape, w, W, B) + B * rows * V * w + sliced(shape, B * rows),
-            B * rows * V * w + n * V * w)
-        cell = 2 * n * V * w + (2 if w == 8 else 3) * n * V * 8  # an upcast of a float64 tensor is itself
-        return max(alone, scenario, cell)
-
-    run = phases(b)
-    if not reference:
-        return int(run)
-    return int(max(run, phases(8)))
-
-
-def bisect_bytes(shape: ModelShape, width: int, tokens: int, compared: int, batch: int = 1) -> int:
-    """The bisector (kvviz.views.bisect.run): one full forward's working set and logits over every position, plus
-    what it records of the compared positions - the outputs and inputs of every module of a layer (norms,
-    projections, attention, MLP parts), then, in its op trace, the output of every op (the same tensors and the
-    attention scores against every key; at least float32: a 16-bit model computes its norms, softmaxes and rotary
-    embeddings in float32, and the trace records those outputs as they are), and the head's logits rows in both."""
-    T, B, H, L, V, n = tokens, batch, shape.hidden, shape.layers, shape.vocab, compared
-    q, kv, inter = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.intermediate
-    modules = 2 * (10 * H + 2 * q + 2 * kv + 4 * inter)
-    ops = 12 * H + 6 * inter + 3 * q + 3 * kv + 3 * shape.heads * T
-    working = working_bytes(shape, width, T, B)  # sdpa on the CPU: one score tensor, at least float32
-    return int(working + B * T * V * width + B * n * (L * modules * width + L * ops * max(width, 4)
-                                                      + (2 * V + 8 * H) * width))
 
 
 def fits_beside(lm, view: str, tokens: int, compared: int | None = None) -> bool:
@@ -821,8 +858,8 @@ def paged_study_bytes(shape: ModelShape, dtype: str, tokens: int, steps: int | N
                       calls: tuple[tuple[int, int], ...], replays: tuple[tuple[int, int], ...], page_size: int,
                       reference: bool, attention: str = "sdpa", device: str = "cpu",
                       proof: bool = False) -> tuple[int, int]:
-    """(cache, activations) of a study through a paged engine (MemoryProfile.engine_calls): the largest of its
-    phases, one at a time (each engine call makes and destroys its own engine):
+    """(cache, activations) of a study through a paged engine (the calls its view declares: MemoryProfile.engine): the
+    largest of its phases, one at a time (each engine call makes and destroys its own engine):
 
     * kvviz's reference of each prompt: greedy without cache, a full forward a step (decoding_bytes, one run);
     * each engine call (requests, requests in flight) in the run's dtype (paged_call_bytes);
@@ -911,7 +948,7 @@ def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, vie
     if not uses_ref:
         strategy = "none"
     ref = reference_bytes(shape, dt, strategy) if uses_ref else 0
-    if strategy == "streamed" and not stream_keep_bytes(shape.params) and not prof.batch_texts:
+    if strategy == "streamed" and not stream_keep_bytes(shape.params) and prof.streamed_head_apart:
         # the streamed reference's slices (the head's, the largest) are held while it applies that one operation,
         # after the last layer's working set was freed: the two are never held at once, so the float64 phase holds
         # the larger of them, not both (the padding grid's phases are not built on one working set: left as is)
@@ -933,20 +970,15 @@ def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, vie
     if_identical = if_unproved = None
     run_only = activation_bytes(shape, dt, tokens, batch, view, False, compared, steps, reference_decodes, runs,
                                 attention, device)  # the activations without the float64 reference
-    if uses_ref and prof.compared_after_split and not prof.bisector and not prof.many_prompts:
+    if uses_ref and prof.reruns_where_parted:
         # Split point reruns in float64 only where the cached path is not bit for bit the full forward
         # (kvviz.views.split.run.run_split: `main.has_cache and not main.identical`); known only once the run
         # compared them, so the plan counts the rerun and `settle` drops it after a run that had none
         if_identical = dict(reference="not run", reference_bytes=0, cache=cache_bytes(shape, dt, tokens, batch, False),
                             activations=run_only)
-    if prof.cache_copies:  # its caches one phase at a time: the run's, then the float64 reference's
-        per = 2 * shape.layers * shape.kv_heads * shape.head_dim * tokens * batch
-        cache = prof.cache_copies * per * max(BYTES[dt], 8 if uses_ref else 0)
-        if uses_ref and prof.decoded_runs and not reference_decodes:
-            # Greedy paths without a float64 path builds its float64 reference only to replay a parting for its
-            # verdict (kvviz.views.greedy.run: GreedyResult.reference_ran); `settle` drops it after a run without one
-            if_identical = dict(reference="not run", reference_bytes=0, cache=prof.cache_copies * per * BYTES[dt],
-                                activations=run_only)
+    own = prof.caches(shape, dt, tokens, batch, uses_ref, reference_decodes, run_only)
+    if own is not None:  # the view holds its caches its own way (a decoding view: one phase at a time)
+        cache, if_identical = own
     if engine is not None:  # a paged engine's calls, one at a time; the float64 reference only where a prompt parts
         def study(f64: bool, proof: bool) -> tuple[int, int]:
             return paged_study_bytes(shape, dt, tokens, steps, engine.calls, engine.replays, engine.page_size, f64,
@@ -963,7 +995,7 @@ def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, vie
         if not invariant:
             if_unproved = dict(cache=cache, activations=acts)
         probe = invariant_probe_bytes(shape, BYTES[dt])
-        if prof.compared_after_split and not prof.bisector and not prof.many_prompts and not prof.batch_texts:
+        if prof.probes_in_first_forward:
             # Split point's invariant-mode run (the proof's rerun, or the run itself in invariant mode) probes the
             # head's kernels in its first forward: the prefix, one row of logits (kvviz.views.split.run._run), before
             # the full forward's logits exist; its later forwards hold what the run holds (run_only). The proof runs
@@ -1083,25 +1115,6 @@ class PagedCalls:
     page_size: int
 
 
-def paged_calls(prof: "MemoryProfile", w: Workload) -> PagedCalls | None:
-    """The engine calls of a study (prof.engine_calls) as the workload runs it; None where the view runs no paged
-    engine in this process."""
-    if not prof.engine_calls or w.page_size == 0:
-        return None
-    n, k = max(1, len(w.texts)), max(1, int(w.batch or 1))
-    calls, replays = [], []
-    for name, per_prompt, batched in prof.engine_calls:
-        if w.conditions and name not in w.conditions:
-            continue
-        if batched:  # the prompts cut into batches of k, the last filled up with neighbours
-            calls.append((-(-n // k) * k, k))
-            replays.append((k, k))
-        else:
-            calls.append((per_prompt * n, 1))
-            replays.append((per_prompt, 1))
-    return PagedCalls(tuple(calls), tuple(replays), int(w.page_size or PAGE_SIZE)) if calls else None
-
-
 def plan_workload(spec, dtype: str, device, view: str, w: Workload, invariant: bool = False) -> MemoryPlan:
     """The one memory-plan builder: the CLI (kvviz.io.clirun.plan_for_args) and the pages (pages/memory_plan.py) both
     call it. invariant: the run is in invariant mode (the sidebar's toggle, --invariant); a workload that will not
@@ -1117,31 +1130,19 @@ def plan_workload(spec, dtype: str, device, view: str, w: Workload, invariant: b
     if prof.batch_from_workload:
         tokens = int(w.tokens) if w.tokens else tokens
         batch = int(w.batch or 1)
-    if prof.past_window:  # the card's own prompts, past the sliding window when there is one
-        sh = model_shape(spec)
-        tokens = max(tokens, 2 * int((sh.sliding_window if sh else 0) or 0) + 4, 64)
     compared = tokens - int(w.split) if prof.compared_after_split and isinstance(w.split, int) and \
         not isinstance(w.split, bool) and w.split > 0 else None
-    if prof.batch_texts:  # the batch is as wide as its longest row: each batch-mate made longer than the prompt
-        prompt = tokens - int(w.left_pad or 0) - int(w.new_tokens or 0)
-        # the prompt's positions after the split, half of them where none is named (its padding is not compared)
-        compared = max(1, prompt - (min(int(w.split), prompt - 1) if compared is not None else max(1, prompt // 2)))
-        for text in prof.batch_texts:
-            c = tokens_of_text(spec, text)
-            tokens = max(tokens, c + max(c - 1, 0) * (prompt // max(1, c - 1) + 1))
+    tokens, batch, compared = prof.sizes(spec, w, tokens, batch, compared)  # as the view runs them
     copies = int(prof.weight_copies and str(w.weights or "none") != "none")
     if w.dtypes:
         dtype = w.dtypes[0]
-    steps = reference_decodes = None
-    if prof.decoded_runs:  # each run decodes the new tokens; greedy's float64 reference decodes only as a path
-        steps = max(1, int(w.new_tokens or 0)) * max(1, len(w.continuations))  # every continuation's (reuse)
-        reference_decodes = prof.reference_decodes_with is None or prof.reference_decodes_with in w.paths
-    engine = paged_calls(prof, w)
+    steps, reference_decodes, runs = prof.decoding(w)  # a view that decodes: each run decodes the new tokens
+    engine = prof.engine(w)
     if engine is not None:  # each request decodes the new tokens
         steps = max(1, int(w.new_tokens or 0))
     return plan_run(spec, dtype, device, view, max(tokens, 1), batch, w.dtypes, compared=compared, copies=copies,
                     steps=steps, reference_decodes=reference_decodes is not False,
-                    runs=len(set(w.paths)) if prof.decoded_runs and w.paths else None,
+                    runs=runs,
                     attention=attention_kernel(w.attention), engine=engine, invariant=bool(invariant),
                     prove=bool(w.prove))
 

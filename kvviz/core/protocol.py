@@ -6,8 +6,8 @@ composes another (the cache-safety card: split, padding, reuse, quant) does the 
 
 `RunContext` carries what is not the scenario itself:
   settings  how the model runs (kvviz.core.execution.ExecSettings: device placement, attention, cache kind, invariant
-            mode, ...); a view with axes of its own (matrix) or no model forward of its own settings reads only
-            what applies;
+            mode, ...), validated when the context is made (one line for a bad one); a view with axes of its own
+            (matrix) or no model forward of its own settings reads only what applies;
   prove     one meaning everywhere (kvviz.core.verdict.Prove): None (the default) proves a precision verdict in invariant
             mode when the run finds one and the view has a proof; True always where it has one; False never;
   progress  callable(fraction, text) or None: fractions that only grow, the last one 1.0 once the run is done;
@@ -31,9 +31,8 @@ from typing import Callable, Iterator
 from . import cancel
 from .estimate import Estimate
 from .execution import DEFAULT_SETTINGS, ExecSettings
+from .cancel import Progress  # noqa: F401 - the one definition; views import it from here
 from .verdict import Prove
-
-Progress = Callable[[float, str], None]
 
 
 def no_progress(fraction: float, text: str = "") -> None:
@@ -54,6 +53,11 @@ class RunContext:
         """Say that the run's phase `name` starts (to whoever watches: on_phase)."""
         if self.on_phase is not None:
             self.on_phase(name)
+
+    def __post_init__(self) -> None:
+        """The settings are validated here, once, where a run's context is made (before any model loads): a bad
+        cache kind or flag is one line (KvvizError), and the views' runs take them as given."""
+        object.__setattr__(self, "settings", (self.settings or DEFAULT_SETTINGS).validate())
 
     @contextlib.contextmanager
     def running(self, refuses: "dict[str, str] | None" = None) -> Iterator[Progress]:

@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from .capture import capture
 from .dtypes import check_attention_dtype, exact_in
 from .errors import KvvizError
 from .float64 import head_slice_rows, keep64, sliced_linear64
@@ -411,22 +412,18 @@ def streamed_float64(lm):
     lock (Executor.session does)."""
     model = lm.model
 
-    def enter(module, args, kwargs=None):
+    def enter(_name, module, args):
         _STATE.forward = getattr(_STATE, "forward", 0) + 1
 
-    def leave(module, args, output, kwargs=None):
+    def leave(_name, module, args, output):
         _STATE.forward = max(0, getattr(_STATE, "forward", 0) - 1)
 
     mode = StreamedFloat64(lm, lm.stream64)
     saved = getattr(_STATE, "forward", 0)
-    h1 = model.register_forward_pre_hook(enter)
-    h2 = model.register_forward_hook(leave, always_call=True)
     try:
-        with mode:
+        with capture(model, "", on_input=enter, on_output=leave, always_call=True), mode:
             yield
     finally:
-        h1.remove()
-        h2.remove()
         mode.close()
         _STATE.forward = saved
 

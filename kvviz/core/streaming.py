@@ -26,6 +26,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from .capture import Capture
 from .errors import KvvizError
 
 from ..models.compat import OUTPUT_COLLECTOR as _COLLECTOR  # None where this transformers has none: reduced after the forward
@@ -51,7 +52,7 @@ class _Stream:
         self.delivered.add(i)
         self.sink(i, t)
 
-    def hook(self, module, args, output) -> None:
+    def hook(self, _name, module, args, output) -> None:
         coll = _COLLECTOR.get() if _COLLECTOR is not None else None
         hs = coll.get("hidden_states") if isinstance(coll, dict) else None
         if not isinstance(hs, list):
@@ -70,17 +71,11 @@ def hidden_hooks(model, sink: Sink, hooks: bool = True) -> Iterator[_Stream]:
     to `sink(index, tensor)` and is dropped from the running forward's record. The hooks are removed on exit,
     also on error. hooks=False: nothing is attached (the caller delivers from the output)."""
     stream = _Stream(sink)
-    handles = []
-    try:
-        layers = decoder_layers(model) if hooks and _COLLECTOR is not None else None
-        if layers:
-            install_output_recorder(model)  # the recorder's hooks first: each layer records, then the stream drains
-        for layer in layers or ():
-            handles.append(layer.register_forward_hook(stream.hook))
+    layers = decoder_layers(model) if hooks and _COLLECTOR is not None else None
+    if layers:
+        install_output_recorder(model)  # the recorder's hooks first: each layer records, then the stream drains
+    with Capture().on_output(layers or (), stream.hook):
         yield stream
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def reduced_call(model, call: Callable[[], object], sink: Sink, hooks: bool = True):

@@ -34,7 +34,8 @@ and rounded to the model's dtype, which is the value the next layer's fused norm
 and stores the sum in the model's dtype). Positions taken from the prefix cache never pass through the model, so a
 warm request has states for its uncached tokens only. The states stay in vLLM's worker process (the engine core's,
 rank 0's under tensor parallelism); only the per layer x token reductions come back as JSON. Hooks are removed
-when no tag is set (capture off costs nothing).
+when no tag is set (capture off costs nothing). The hooks go through kvviz's one capture module (kvviz/core/capture.py,
+the same file loaded by its path: it imports neither kvviz nor torch).
 """
 import os
 import time
@@ -42,6 +43,22 @@ import time
 from worker_loop import serve  # beside this file (a worker runs without kvviz)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+CAPTURE_PY = os.path.join(HERE, os.pardir, "core", "capture.py")  # kvviz's one capture module, torch and kvviz free
+
+
+def _load_capture():
+    """kvviz/core/capture.py loaded by its path (the same file kvviz's own hooks go through, not a copy), as a module
+    of its own: importing it as part of kvviz would import kvviz, which this environment does not have."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("kvviz_capture", CAPTURE_PY)
+    mod = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+capture = _load_capture()
 
 
 def thread_binding(tp, cores=None):
@@ -74,7 +91,8 @@ class LayerCapture:
     def _kvviz_state(self):
         st = getattr(self, "_kvviz", None)
         if st is None:
-            st = self._kvviz = {"tag": None, "handles": [], "store": {}, "rows": None, "pos": None, "map": None}
+            st = self._kvviz = {"tag": None, "handles": capture.Capture(), "store": {}, "rows": None, "pos": None,
+                                "map": None}
         return st
 
     def _kvviz_parts(self):
@@ -93,9 +111,7 @@ class LayerCapture:
         st = self._kvviz_state()
         st["tag"] = tag
         if tag is None:
-            for h in st["handles"]:
-                h.remove()
-            st["handles"] = []
+            st["handles"].remove()
             return None
         st["store"].setdefault(tag, {})
         if st["handles"]:
@@ -110,7 +126,7 @@ class LayerCapture:
         model, layers, norm = self._kvviz_parts()
         n = len(layers)
 
-        def begin(module, args, kwargs):
+        def begin(_name, module, args, kwargs):
             pos = kwargs.get("positions", args[1] if len(args) > 1 else None)
             st["pos"] = pos.detach().reshape(-1).to("cpu", torch.long).clone()
             st["rows"] = [None] * (n + 1)
@@ -118,21 +134,19 @@ class LayerCapture:
             k = runner.input_batch.num_reqs
             st["map"] = (list(runner.input_batch.req_ids[:k]), runner.query_start_loc.np[: k + 1].tolist())
 
-        def embeddings(module, args, kwargs):
+        def embeddings(_name, module, args, kwargs):
             x = kwargs.get("hidden_states", args[1] if len(args) > 1 else None)
             st["rows"][0] = x.detach().clone()
 
-        def after(i):
-            def hook(module, args, out):
-                if i < n - 1:  # the stream the next layer's fused norm reads: mlp output + residual
-                    h, r = out
-                    st["rows"][i + 1] = (h.float() + r.float()).to(h.dtype)
-            return hook
+        def after(i, module, args, out):
+            if i < n - 1:  # the stream the next layer's fused norm reads: mlp output + residual
+                h, r = out
+                st["rows"][i + 1] = (h.float() + r.float()).to(h.dtype)
 
-        def normed(module, args, out):
+        def normed(_name, module, args, out):
             st["rows"][n] = (out[0] if isinstance(out, tuple) else out).detach().clone()
 
-        def end(module, args, kwargs, out):
+        def end(_name, module, args, kwargs, out):
             rows, pos, (ids, qsl) = st["rows"], st["pos"], st["map"]
             st["rows"] = None
             if st["tag"] is None or any(r is None for r in rows):
@@ -146,12 +160,9 @@ class LayerCapture:
                     e["pos"].append(pos[a:b])
                     e["rows"].append(stack[:, a:b].clone())
 
-        hs = st["handles"]
-        hs.append(model.register_forward_pre_hook(begin, with_kwargs=True))
-        hs.append(layers[0].register_forward_pre_hook(embeddings, with_kwargs=True))
-        hs.extend(layer.register_forward_hook(after(i)) for i, layer in enumerate(layers))
-        hs.append(norm.register_forward_hook(normed))
-        hs.append(model.register_forward_hook(end, with_kwargs=True))
+        cap = st["handles"]  # kept across calls: removed when the tag is set to None
+        cap.on_input([model], begin, with_kwargs=True).on_input([layers[0]], embeddings, with_kwargs=True)
+        cap.on_output(enumerate(layers), after).on_output([norm], normed).on_output([model], end, with_kwargs=True)
         return None
 
     def _kvviz_states(self, tag, rid):

@@ -484,11 +484,12 @@ def defer_hqq_import() -> bool:
     gets a stand-in for `Quantizer` (_DeferredHQQQuantizer); hqq's module stays unimported, so a later
     `import hqq.core.quantize` is the real one. Nothing is done when cache_utils or hqq's module is already imported
     or hqq is not installed. True when cache_utils holds the stand-in. Called once by kvviz/__init__.py."""
-    import importlib.util
     import types
 
+    from ..core import optional
+
     name = "hqq.core.quantize"
-    if "transformers.cache_utils" in sys.modules or name in sys.modules or importlib.util.find_spec("hqq") is None:
+    if "transformers.cache_utils" in sys.modules or name in sys.modules or not optional.available("hqq"):
         return False
     stand_in = types.ModuleType(name)
     stand_in.Quantizer = _DeferredHQQQuantizer()

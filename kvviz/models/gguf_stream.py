@@ -20,15 +20,14 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
 
+from ..core.cancel import Progress
+
 INDEX_NAME = "model.safetensors.index.json"
 SHARD_BYTES = 2 * 1024 ** 3  # like transformers' own shards: a 7B float32 model is ~14 files
-
-Progress = Callable[[float, str], None]
 
 
 class NotStreamable(Exception):

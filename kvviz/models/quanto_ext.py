@@ -37,12 +37,11 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable
 
 from .compat import extension_lib, set_extension_lib
+from ..core.cancel import Progress
 from ..core.errors import KvvizError
 
-Progress = Callable[[float, str], None]
 
 CPP, CUDA = "quanto_cpp", "quanto_cuda"
 STALE_GRACE_S = 3.0  # a lock nobody holds, younger than this, may be a builder between close() and remove()

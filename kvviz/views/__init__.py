@@ -57,7 +57,7 @@ from typing import Callable
 from ..core.errors import KvvizError
 from ..core.estimate import Timed, Timings
 from ..core.protocol import DEFAULT_CONTEXT
-from ..core.memory import MemoryProfile  # noqa: F401 - a view's entry names it (from .. import MemoryProfile)
+from ..core.memory import Decoding, MemoryProfile  # noqa: F401 - a view's entry names them (from .. import MemoryProfile)
 
 # The registry: one line a view folder (kvviz.views.<folder>, or a full dotted package name for a view kept
 # elsewhere). Order = the order of the CLI's subcommands and of the pages within a section of the app's navigation.

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field, fields
 import torch
 
 from ...models.compat import output_cache, takes_logits_to_keep
+from ...core.capture import Capture
 from ...core.errors import KvvizError
 from ...core.execution import DEFAULT_SETTINGS, ExecSettings, Executor, Settings, has_cache
 from ...core.inputs import SplitConfig, build_inputs, cached_mask, check_split
@@ -142,12 +143,10 @@ class _Recorder:
         self.outputs: dict[str, tuple[int, torch.Tensor] | None] = {}  # full: name -> (seq axis, compared rows)
         self.inputs: dict[str, tuple[int, torch.Tensor] | None] = {}
         self.acc: dict[str, dict] = {}  # cached: name -> the gap so far
-        self.handles: list = []
+        self._capture = Capture(model)
 
     def __enter__(self):
-        for name, mod in self.model.named_modules():
-            if name:
-                self.handles.append(mod.register_forward_hook(self._hook(name)))
+        self._capture.on_output([(name, mod) for name, mod in self.model.named_modules() if name], self._hook)
         return self
 
     def _rows(self, t: torch.Tensor | None) -> tuple[int, torch.Tensor] | None:
@@ -156,40 +155,38 @@ class _Recorder:
         sl, dim = _seq_slice(t, self.total, self.a0, self.n)
         return None if sl is None else (dim, sl.detach().clone())
 
-    def _hook(self, name):
-        def hook(mod, args, out):
-            t = _first_tensor(out)
-            if t is None or t.dim() < 2:
-                return
-            x = args[0] if args and isinstance(args[0], torch.Tensor) else None
-            if self.ref is None:
-                if name not in self.outputs:  # only a module's first call is compared
-                    self.order.append(name)
-                    self.outputs[name] = self._rows(t)
-                    self.inputs[name] = self._rows(x)
-                return
-            e = self.acc.setdefault(name, {"off": 0, "max_abs": 0.0, "ref_max": 0.0, "ok": True, "in_off": 0,
-                                           "in_ok": True, "in_differs": False})
-            want = self.ref.outputs.get(name)
-            if want is None or not e["ok"]:
-                e["ok"] = False
-                return
-            part = _part(want, t, e["off"])
-            if part is None:
-                e["ok"] = False
-                return
-            got = t.detach()
-            gap, size = max_abs_gap(part, got)  # in float64 chunks: the head's output is rows × vocabulary
-            e["max_abs"], e["ref_max"] = max(e["max_abs"], gap), max(e["ref_max"], size)
-            e["off"] += got.shape[want[0]]
-            wx = self.ref.inputs.get(name)
-            xpart = _part(wx, x, e["in_off"]) if wx is not None and x is not None else None
-            if xpart is None:
-                e["in_ok"] = False
-            elif e["in_ok"]:
-                e["in_differs"] = e["in_differs"] or not torch.equal(x.detach(), xpart)
-                e["in_off"] += x.shape[wx[0]]
-        return hook
+    def _hook(self, name, mod, args, out):
+        t = _first_tensor(out)
+        if t is None or t.dim() < 2:
+            return
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if self.ref is None:
+            if name not in self.outputs:  # only a module's first call is compared
+                self.order.append(name)
+                self.outputs[name] = self._rows(t)
+                self.inputs[name] = self._rows(x)
+            return
+        e = self.acc.setdefault(name, {"off": 0, "max_abs": 0.0, "ref_max": 0.0, "ok": True, "in_off": 0,
+                                       "in_ok": True, "in_differs": False})
+        want = self.ref.outputs.get(name)
+        if want is None or not e["ok"]:
+            e["ok"] = False
+            return
+        part = _part(want, t, e["off"])
+        if part is None:
+            e["ok"] = False
+            return
+        got = t.detach()
+        gap, size = max_abs_gap(part, got)  # in float64 chunks: the head's output is rows × vocabulary
+        e["max_abs"], e["ref_max"] = max(e["max_abs"], gap), max(e["ref_max"], size)
+        e["off"] += got.shape[want[0]]
+        wx = self.ref.inputs.get(name)
+        xpart = _part(wx, x, e["in_off"]) if wx is not None and x is not None else None
+        if xpart is None:
+            e["in_ok"] = False
+        elif e["in_ok"]:
+            e["in_differs"] = e["in_differs"] or not torch.equal(x.detach(), xpart)
+            e["in_off"] += x.shape[wx[0]]
 
     def gap(self, name: str) -> tuple[float, float, bool] | None:
         """Cached run: (max |Δ|, relative, input differs) of `name` over every compared position, or None where
@@ -203,8 +200,7 @@ class _Recorder:
         return mx, mx / max(e["ref_max"], torch.finfo(torch.float64).tiny), differs
 
     def __exit__(self, *exc):
-        for h in self.handles:
-            h.remove()
+        self._capture.remove()
 
 
 def _part(want: tuple[int, torch.Tensor], t: torch.Tensor, off: int) -> torch.Tensor | None:
@@ -231,7 +227,7 @@ def run_bisect(lm: LoadedModel, cfg: SplitConfig, settings: ExecSettings | None 
     ops, also trace both runs op by op (a TorchFunctionMode) and name the first torch op whose output differs.
     progress(fraction, message) is called before each of the runs (an invariant-mode bisect of a long prompt on a
     real model takes minutes: it must never look like a run that ended silently)."""
-    settings = (settings or DEFAULT_SETTINGS).validate()
+    settings = settings or DEFAULT_SETTINGS  # validated once, by its RunContext
     cfg.validate()
     say = progress or (lambda frac, msg: None)
     mode = "invariant mode" if settings.invariant else "normal mode"
@@ -369,7 +365,7 @@ class _OpTrace:
         self.compare = compare_with is not None
         self.first: OpGap | None = None
         self.compared = 0
-        self.handles = []
+        self._capture = Capture(model)
         trace = self
 
         class Mode(TorchFunctionMode):
@@ -384,28 +380,26 @@ class _OpTrace:
         self.mode = Mode()
 
     def __enter__(self):
-        for name, mod in self.model.named_modules():
-            self.handles.append(mod.register_forward_pre_hook(self._pre(name)))
-            self.handles.append(mod.register_forward_hook(self._post()))
-        self.mode.__enter__()
+        modules = list(self.model.named_modules())  # the model itself too (name "")
+        self._capture.on_input(modules, self._pre).on_output(modules, self._post)
+        try:
+            self.mode.__enter__()
+        except BaseException:
+            self._capture.remove()
+            raise
         return self
 
     def __exit__(self, *exc):
         self.mode.__exit__(*exc)
-        for h in self.handles:
-            h.remove()
+        self._capture.remove()
 
-    def _pre(self, name):
-        def hook(mod, args):
-            self.stack.append(name)
-            self.calls[name] = self.calls.get(name, 0) + 1
-        return hook
+    def _pre(self, name, mod, args):
+        self.stack.append(name)
+        self.calls[name] = self.calls.get(name, 0) + 1
 
-    def _post(self):
-        def hook(mod, args, out):
-            if self.stack:
-                self.stack.pop()
-        return hook
+    def _post(self, name, mod, args, out):
+        if self.stack:
+            self.stack.pop()
 
     def on_op(self, func, args, out):
         name = getattr(func, "__name__", None) or str(func)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 import pandas as pd
@@ -18,12 +17,11 @@ from ...core.execution import DEFAULT_SETTINGS, ExecSettings, RunSettings
 from ...core.inputs import MODES, SplitConfig, Workload, check_mode, encode, split_point, validate_prompt
 from ...models import loading
 from ...models.loading import LoadedModel, ModelSpec
-from ...core.protocol import DEFAULT_CONTEXT, no_progress, RunContext
+from ...core.protocol import DEFAULT_CONTEXT, no_progress, Progress, RunContext
 from ...core.verdict import Prove
 from ...core.estimate import Timed
 from ... import views
 
-Progress = Callable[[float, str], None]
 VERDICTS = ("identical", "precision", "logic")
 REFERENCE = "reference"  # the float64 column's verdict: it is the yardstick, not a result
 
@@ -124,7 +122,7 @@ def run_dtypes(model: "LoadedModel | ModelSpec | str", prompts: list[str], dtype
     trust_remote_code are then taken from it) or a spec. prove: each precision verdict also runs in invariant mode
     (default: for a single prompt)."""
     progress = progress or no_progress
-    settings = (settings or DEFAULT_SETTINGS).validate()
+    settings = settings or DEFAULT_SETTINGS  # validated once, by its RunContext
     t0 = time.perf_counter()
     if not prompts:
         raise KvvizError("no prompts to run")

@@ -3,7 +3,7 @@ why.
 
 This folder is the whole view: run.py (config, run, result), figures.py, report.py (reopen, verdict), repro.py, cli.py.
 Registered by one line in kvviz/views/__init__.py."""
-from .. import MemoryProfile, Page, View
+from .. import Decoding, Page, View
 from .run import DEFAULT_PATHS, GreedyConfig, GreedyResult, run_greedy
 
 VIEW = View("greedy", "Greedy paths", "GreedyResult", "report:reopen", "figures:main", "report:verdict",
@@ -11,5 +11,5 @@ VIEW = View("greedy", "Greedy paths", "GreedyResult", "report:reopen", "figures:
             page=Page("greedy", "Investigate", ":material/call_split:",
                       defaults={"prompt": "This is a ", "n": 12}, url_aliases=("greedy_paths",)),
             config="run:GreedyConfig", run="run:run",
-            memory=MemoryProfile(decoded_runs=len(DEFAULT_PATHS), reference_decodes_with="float64", cache_copies=1),
+            memory=Decoding(decoded_runs=len(DEFAULT_PATHS), reference_decodes_with="float64", cache_copies=1),
             scenario="scenario:setup")

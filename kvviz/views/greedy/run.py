@@ -30,7 +30,7 @@ from ...core.memory import Workload
 from ...core.inputs import POSITION_MODES, PromptInputs, build_inputs, check_mode, pad_token_id, positions_from_mask
 from ...core.execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings, StepPolicy
 from ...models.loading import LoadedModel
-from ...core.protocol import DEFAULT_CONTEXT, no_progress, RunContext
+from ...core.protocol import DEFAULT_CONTEXT, no_progress, Progress, RunContext
 from ...core.metrics import first_divergence, hidden_divergence
 from ...core.text import display_tokens
 from ...core.naming import layer_labels
@@ -64,7 +64,6 @@ PATH_LABELS = {
 # Run cheap paths first so that `stop_at_divergence` can cut the expensive ones short.
 _RUN_ORDER = (GreedyPath.CACHE, GreedyPath.GENERATE, GreedyPath.USER_LOOP, GreedyPath.NO_CACHE, GreedyPath.FLOAT64)
 
-Progress = Callable[[float, str], None]
 
 
 @dataclass(frozen=True)
@@ -594,7 +593,7 @@ def run_greedy(lm: LoadedModel, cfg: GreedyConfig, progress: Progress | None = N
     prove: rerun the same-dtype paths in invariant mode and mark each pair proved or not (default: when a pair
     parts with a precision verdict)."""
     progress = progress or no_progress
-    settings = (settings or DEFAULT_SETTINGS).validate()
+    settings = settings or DEFAULT_SETTINGS  # validated once, by its RunContext
     t_start = time.perf_counter()
     cfg.validate()
     inp = build_inputs(lm, cfg.prompt, cfg.left_pad, extra_tokens=cfg.max_new_tokens)

@@ -488,7 +488,7 @@ REFUSES = {"prove": "the lens has no invariant-mode proof rerun (run Split point
 def run_lens(lm, cfg: LensConfig, progress=None, settings: ExecSettings | None = None,
              reference=None) -> LensResult:
     progress = progress or no_progress
-    settings = (settings or ExecSettings()).validate()
+    settings = settings or ExecSettings()  # validated once, by its RunContext
     t0 = time.perf_counter()
     cfg.validate()
     sc = cfg.scenario

@@ -28,12 +28,11 @@ from ...core.metrics import first_divergence
 from ...core.inputs import POSITION_MODES, PromptInputs, check_mode, encode, left_pad_rows, pad_token_id, positions_from_mask
 from ...models import loading
 from ...models.loading import LoadedModel
-from ...core.protocol import DEFAULT_CONTEXT, no_progress, RunContext
+from ...core.protocol import DEFAULT_CONTEXT, no_progress, Progress, RunContext
 from ...core.verdict import Verdict, classify
 from ...core.text import display_text
 from ...core.estimate import Timed
 
-Progress = Callable[[float, str], None]
 WINDOW_LONG_PROMPT = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, lit the great lamp, and "
                       "wrote the weather in a leather log that his grandfather had started sixty years before.")
 WINDOW_SHORT_PROMPT = "Hi there"

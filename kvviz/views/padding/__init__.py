@@ -3,8 +3,9 @@ precision or logic per cell.
 
 This folder is the whole view: run.py (config, run, result), figures.py, report.py (reopen, verdict), repro.py, cli.py.
 Registered by one line in kvviz/views/__init__.py."""
-from .. import MemoryProfile, Page, View
+from .. import Page, View
 from ...core.prompts import CAPITALS
+from .memory import PaddingMemory
 from .run import DEFAULT_COMPANIONS, PaddingResult, run_padding
 
 VIEW = View("padding", "Padding and batching", "PaddingResult", "report:reopen", "figures:main", "report:verdict",
@@ -12,5 +13,5 @@ VIEW = View("padding", "Padding and batching", "PaddingResult", "report:reopen",
             page=Page("padding", "Classic traps", ":material/grid_on:", link_prefix="pad_",
                       defaults={"prompt": CAPITALS, "left_pad": 4, "prove": False}, url_aliases=("padding_lab",)),
             config="run:PaddingConfig", run="run:run",
-            memory=MemoryProfile(batch=1 + len(DEFAULT_COMPANIONS), batch_texts=DEFAULT_COMPANIONS,
+            memory=PaddingMemory(batch=1 + len(DEFAULT_COMPANIONS), batch_texts=DEFAULT_COMPANIONS,
                                  compared_after_split=True))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 import pandas as pd
 import torch
@@ -18,12 +17,11 @@ from ...core.execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo,
 from ...core.inputs import (Workload, check_split, encode, left_pad_rows, positions_from_mask, split_point, token_texts,
                       validate_prompt)
 from ...models.loading import LoadedModel
-from ...core.protocol import DEFAULT_CONTEXT, no_progress, RunContext
+from ...core.protocol import DEFAULT_CONTEXT, no_progress, Progress, RunContext
 from ...core.streaming import HeldRows, LayerGaps
 from ...core.verdict import Prove, Verdict, classify
 from ...core.estimate import Timed
 
-Progress = Callable[[float, str], None]
 
 PLACEMENTS = ("alone", "left-padded", "in a batch")
 SCENARIOS = (  # (label, use cache, position ids, attention mask)
@@ -187,7 +185,7 @@ def run_padding(lm: LoadedModel, prompt: str, split: int | None = None, left_pad
     only: the (placement, scenario) cells to run (None: all); the cache-safety card needs one, and a model that
     builds its positions or alibi from the mask (OPT, BLOOM) cannot run the new-only-mask scenarios at all."""
     progress = progress or no_progress
-    settings = (settings or DEFAULT_SETTINGS).validate()
+    settings = settings or DEFAULT_SETTINGS  # validated once, by its RunContext
     _check_left_pad(left_pad)
     ids = encode(lm, prompt)
     k = split_point(len(ids), "half" if split is None else split)

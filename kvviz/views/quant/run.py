@@ -27,7 +27,6 @@ with a one-line message naming the package or the choices.
 from __future__ import annotations
 
 import copy
-import importlib
 import math
 import threading
 import time
@@ -39,17 +38,17 @@ import numpy as np
 import torch
 
 from ...core.backends import kv_group_size, quantized_cache  # noqa: F401 - kv_group_size: part of this module's API
+from ...core import optional
 from ...core.errors import KvvizError, first_line
 from ...core.execution import DEFAULT_SETTINGS, Executor, RunInfo, RunSettings, StepPolicy
 from ...core.inputs import PromptInputs, Workload, build_inputs
 from ...models.loading import LoadedModel
-from ...core.protocol import DEFAULT_CONTEXT, no_progress, RunContext
+from ...core.protocol import DEFAULT_CONTEXT, no_progress, Progress, RunContext
 from ...core.metrics import hidden_divergence, logits_divergence
 from ...core.naming import layer_labels
 from ...core.text import display_tokens
 from ...core.estimate import Timed
 
-Progress = Callable[[float, str], None]
 
 KV_BACKENDS = {"quanto": (2, 4), "hqq": (2, 4, 8), "fp8": ()}
 KV_CHOICES = ("none", "fp8", "quanto:int4", "quanto:int2", "hqq:int4", "hqq:int2", "hqq:int8")
@@ -61,13 +60,7 @@ MAX_NEW_TOKENS = 256
 
 def package_available(backend: str) -> bool:
     """Whether the package behind a backend imports here (fp8 needs none)."""
-    if backend not in PACKAGES:
-        return True
-    try:
-        importlib.import_module(PACKAGES[backend][0])
-        return True
-    except Exception:  # noqa: BLE001 - missing, or broken against this torch
-        return False
+    return backend not in PACKAGES or optional.importable(PACKAGES[backend][0])  # missing or broken: False
 
 
 def _need(backend: str, what: str) -> None:
@@ -195,11 +188,9 @@ def _need_bnb(lm: LoadedModel, scheme: str) -> None:
     if lm.device.type != "cuda":
         raise KvvizError(f"{scheme} weights use bitsandbytes, which needs a CUDA GPU; this run is on "
                          f"{lm.device.type}: pick int8 or int4 (optimum-quanto) instead")
-    try:
-        importlib.import_module("bitsandbytes")
-    except Exception:  # noqa: BLE001
+    if not optional.importable("bitsandbytes"):
         raise KvvizError(f"{scheme} weights need the package bitsandbytes, which is not installed here "
-                         f"(pip install bitsandbytes)") from None
+                         f"(pip install bitsandbytes)")
 
 
 def _bnb_weights(lm: LoadedModel, scheme: str, progress: Progress) -> LoadedModel:

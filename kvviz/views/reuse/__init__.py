@@ -2,7 +2,7 @@
 
 This folder is the whole view: run.py (config, run, result), figures.py, report.py (reopen, verdict), repro.py, cli.py.
 Registered by one line in kvviz/views/__init__.py."""
-from .. import MemoryProfile, Page, View
+from .. import Decoding, Page, View
 from .run import REUSE_STRATEGIES, ReuseResult, run_reuse
 
 VIEW = View("reuse", "Prompt-cache reuse", "ReuseResult", "report:reopen", None, "report:verdict",
@@ -12,4 +12,4 @@ VIEW = View("reuse", "Prompt-cache reuse", "ReuseResult", "report:reopen", None,
                       "continuations": ["Q: What is the capital of France?\nA:", "Q: What colour is the sky?\nA:"],
                       "n": 8, "prove": False}, url_aliases=("cache_reuse",)),
             config="run:ReuseConfig", run="run:run",
-            memory=MemoryProfile(decoded_runs=len(REUSE_STRATEGIES), cache_copies=3))
+            memory=Decoding(decoded_runs=len(REUSE_STRATEGIES), cache_copies=3))

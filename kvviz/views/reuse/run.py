@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 import pandas as pd
 import torch
@@ -20,11 +19,10 @@ from ...core.execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo,
 from ...core.metrics import first_divergence
 from ...core.inputs import Workload, encode, token_texts
 from ...models.loading import LoadedModel
-from ...core.protocol import DEFAULT_CONTEXT, no_progress, RunContext
+from ...core.protocol import DEFAULT_CONTEXT, no_progress, Progress, RunContext
 from ...core.verdict import Prove, Verdict, classify
 from ...core.estimate import Timed
 
-Progress = Callable[[float, str], None]
 REFERENCE = "fresh"
 REUSE_STRATEGIES = {
     "fresh": "no prefix cache: prefix + continuation prefilled afresh (the reference)",
@@ -125,7 +123,7 @@ def run_reuse(lm: LoadedModel, prefix: str, continuations: list[str], max_new_to
     prove: rerun in invariant mode and mark each way `proved` (bit for bit the fresh run there) - by default when a
     way is "precision". ways: a subset of fresh/deepcopy/reused to run (fresh, the reference, always runs)."""
     progress = progress or no_progress
-    settings = (settings or DEFAULT_SETTINGS).validate()
+    settings = settings or DEFAULT_SETTINGS  # validated once, by its RunContext
     conts, prefix_ids, cont_ids = check_inputs(lm, prefix, continuations, max_new_tokens)
     progress(0.1, f"Decoding {len(conts)} continuation(s) three ways…")
     bad = [w for w in ways if w not in REUSE_STRATEGIES]

@@ -6,6 +6,7 @@ This folder is the whole view: run.py (config, run, result), figures.py, report.
 sweep.py the sweep's config, run, result, figure, table, reopen and verdict.
 Registered by one line in kvviz/views/__init__.py."""
 from .. import MemoryProfile, Page, View
+from .memory import ServingMemory
 from .run import ServeConfig, ServeResult, run_serving
 from .sweep import SweepConfig, SweepResult, run_sweep
 
@@ -16,7 +17,7 @@ VIEW = View("serving", "Serving", "ServeResult", "report:reopen", "figures:main"
             config="run:ServeConfig", run="run:run",
             # transformers' engine, one per call (run._requests): alone holds every prompt, batch every batch of k
             # (the last filled up), warm a warmer and its prompt for each; vLLM and llama.cpp hold their own
-            memory=MemoryProfile(engine_calls=(("alone", 1, False), ("batch", 1, True), ("warm", 2, False))))
+            memory=ServingMemory(engine_calls=(("alone", 1, False), ("batch", 1, True), ("warm", 2, False))))
 # The sweep: its own result type (its JSON export's `view`), reopened, drawn and judged through the registry like
 # any view; run by `serving --sweep` and by the Serving page's "Where determinism ends" section (its run there is
 # "serving_sweep"). kvviz's process holds the float64 reference of one prompt at a time (and, on transformers'

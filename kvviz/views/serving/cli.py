@@ -1,6 +1,7 @@
 """`python -m kvviz serving` (or `serve-study`): serving conditions (alone, continuous batch, warm prefix) x R runs."""
 from __future__ import annotations
 
+from ...engines import registry
 from ...io.clirun import FlagRefused, Outcome, load, model_args, progress_to_stderr, repro_arg, settings, split_list
 
 
@@ -29,7 +30,7 @@ def add_arguments(vp) -> None:
     vp.add_argument("--max-new-tokens", type=int, default=16)
     vp.add_argument("--batch-size", type=int, default=STUDY_ONLY["batch_size"], help="k: requests in flight in the batch condition")
     vp.add_argument("--seed", type=int, default=0, help="seed of the batch draws")
-    vp.add_argument("--engine", default="transformers", choices=("transformers", "vllm", "llama.cpp"),
+    vp.add_argument("--engine", default=registry.default(), choices=registry.names(),
                     help="transformers (in kvviz), vllm or llama.cpp (their own environments: `make engines`)")
     vp.add_argument("--page-size", type=int, default=STUDY_ONLY["page_size"],
                     help="tokens per cache page (prefix sharing is per page; transformers engine only, default 8)")
@@ -62,12 +63,11 @@ def _refuse_the_others(args) -> None:
 
 
 def command(args) -> Outcome:
-    from ...engines.serving import check_engine
     from .run import ServeConfig, load_prompt_set, run_serving
 
     _refuse_the_others(args)
     if not args.server:
-        check_engine(args.engine)  # one line where vLLM is asked for and absent, before anything loads
+        registry.check(args.engine)  # one line where vLLM is asked for and absent, before anything loads
     if args.sweep:
         return sweep_command(args)
     prompts, source = load_prompt_set(args.prompts, args.prompt, args.limit)

@@ -23,7 +23,7 @@ from ...core.inputs import MODES, PromptInputs, SplitConfig, build_inputs, cache
 from ...core.text import display_text
 from ...core.execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo, RunSettings, cache_layers, has_cache
 from ...models.loading import LoadedModel
-from ...core.protocol import DEFAULT_CONTEXT, no_progress, RunContext
+from ...core.protocol import DEFAULT_CONTEXT, no_progress, Progress, RunContext
 from ...core.estimate import Estimate
 from ... import views
 from ...core.naming import layer_labels
@@ -33,9 +33,6 @@ from ...core.metrics import describe_table, logits_divergence, logits_rows, tens
 from ...core.streaming import HeldRows, LayerGaps
 from ...core.verdict import Finding, Prove, Verdict, amplification, classify, layers_prefix, precision_sentence
 from ...core.estimate import Timed
-
-
-Progress = Callable[[float, str], None]
 
 
 @dataclass(frozen=True)
@@ -493,7 +490,7 @@ def run_split(lm: LoadedModel, cfg: SplitConfig, progress: Progress | None = Non
     on_phase(name): told as each phase starts ("run", "float64", "proof"); bisector: what names a failed proof's
     first differing module (the registry's bisect view where not given)."""
     progress = progress or no_progress
-    settings = (settings or DEFAULT_SETTINGS).validate()
+    settings = settings or DEFAULT_SETTINGS  # validated once, by its RunContext
     t0 = time.perf_counter()
     cfg.validate()
     inp = build_inputs(lm, cfg.prompt, cfg.left_pad)

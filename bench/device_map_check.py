@@ -59,7 +59,7 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     import kvviz
-    from kvviz.views.greedy.run import GreedyConfig, run_greedy
+    from kvviz.views.greedy.run import GreedyConfig
     from kvviz.models.placement import placement_summary
 
     plain = kvviz.load_model(args.model, args.dtype, args.device)
@@ -70,12 +70,13 @@ def main() -> int:
     spread = kvviz.load_model(args.model, args.dtype, args.device, placement="auto", max_memory=budget)
     out = {"model": args.model, "dtype": args.dtype, "device": str(plain.device), "weights_bytes": weights,
            "max_memory": budget, "placement": placement_summary(spread), "checks": {}}
+    no_proof = kvviz.RunContext(prove=False)
     runs = {
-        "split": lambda lm: kvviz.run_split(lm, kvviz.SplitConfig(PROMPT, 6), prove=False),
-        "split_logic": lambda lm: kvviz.run_split(lm, kvviz.SplitConfig(PROMPT, 6, left_pad=2, position_ids="omit"),
-                                                  prove=False),
-        "greedy_float64": lambda lm: run_greedy(lm, GreedyConfig(PROMPT, 4, paths=("no_cache", "cache", "float64")),
-                                                prove=False),
+        "split": lambda lm: kvviz.run("split", lm, kvviz.SplitConfig(PROMPT, 6), no_proof),
+        "split_logic": lambda lm: kvviz.run("split", lm, kvviz.SplitConfig(PROMPT, 6, left_pad=2, position_ids="omit"),
+                                            no_proof),
+        "greedy_float64": lambda lm: kvviz.run("greedy", lm, GreedyConfig(PROMPT, 4, paths=("no_cache", "cache",
+                                                                                           "float64")), no_proof),
     }
     ok = True
     for name, run in runs.items():

@@ -36,15 +36,15 @@ import kvviz  # noqa: E402
 from kvviz.engines import engine_python  # noqa: E402
 from kvviz.core.inputs import encode  # noqa: E402
 from kvviz.core.prompts import load_prompts  # noqa: E402
-from kvviz.engines.workers import make_worker_engine  # noqa: E402
-from kvviz.engines.serving import Request  # noqa: E402
+from kvviz.engines import registry  # noqa: E402
+from kvviz.engines.base import Request  # noqa: E402
 
 
 def bench(name: str, n_prompts: int = 8, new_tokens: int = 16) -> dict:
     lm = kvviz.load_model("default", "float32", "cpu")
     prompts = load_prompts("builtin", n_prompts)
     ids = [encode(lm, p) for p in prompts]
-    engine = make_worker_engine(name)
+    engine = registry.open_engine(name)
     try:
         t0 = time.perf_counter()
         engine.run(lm, [Request("warmup", ids[0], 2)], max_in_flight=1, prefix_sharing=False)
@@ -167,31 +167,38 @@ def bench_capture_llamacpp(lengths=(32, 256), n_prompts: int = 4, new_tokens: in
     return out
 
 
+def _capture_llamacpp() -> None:
+    if engine_python("llama.cpp") is None:
+        print("llama.cpp: not built (make engines)")
+        return
+
+    def show(r, length):
+        for k in ("cpu", "inside", "wall"):
+            t = r["lengths"][length][k]
+            print(f"llama.cpp layer capture, {r['requests']} requests of {length} tokens + {r['new_tokens']} new, "
+                  f"{r['threads']} thread(s), {k}: plain {t['plain']:.2f} s, callback off {t['off']:.2f} s "
+                  f"({t['off'] / t['plain']:.3f}x), capture on {t['on']:.2f} s ({t['on'] / t['plain']:.3f}x)",
+                  flush=True)
+
+    bench_capture_llamacpp(report=show)
+
+
+def _capture_vllm() -> None:
+    r = bench_capture()
+    for k in ("inside", "wall"):
+        t = r[k]
+        print(f"vLLM layer capture, {r['requests']} requests x {r['new_tokens']} tokens ({r['dtype']}), {k}: plain "
+              f"{t['plain']:.2f} s, extension off {t['off']:.2f} s ({t['off'] / t['plain']:.3f}x), capture on "
+              f"{t['on']:.2f} s ({t['on'] / t['plain']:.3f}x)")
+
+
+CAPTURE = {"vllm": _capture_vllm, "llama.cpp": _capture_llamacpp}  # `capture [engine]` (vLLM by default)
+
 if __name__ == "__main__":
-    if sys.argv[1:] == ["capture", "llama.cpp"]:
-        if engine_python("llama.cpp") is None:
-            print("llama.cpp: not built (make engines)")
-            sys.exit(0)
-
-        def show(r, length):
-            for k in ("cpu", "inside", "wall"):
-                t = r["lengths"][length][k]
-                print(f"llama.cpp layer capture, {r['requests']} requests of {length} tokens + {r['new_tokens']} new, "
-                      f"{r['threads']} thread(s), {k}: plain {t['plain']:.2f} s, callback off {t['off']:.2f} s "
-                      f"({t['off'] / t['plain']:.3f}x), capture on {t['on']:.2f} s ({t['on'] / t['plain']:.3f}x)",
-                      flush=True)
-
-        bench_capture_llamacpp(report=show)
+    if sys.argv[1:2] == ["capture"] and len(sys.argv) <= 3:
+        CAPTURE[sys.argv[2] if len(sys.argv) == 3 else "vllm"]()
         sys.exit(0)
-    if sys.argv[1:] in (["capture"], ["capture", "vllm"]):
-        r = bench_capture()
-        for k in ("inside", "wall"):
-            t = r[k]
-            print(f"vLLM layer capture, {r['requests']} requests x {r['new_tokens']} tokens ({r['dtype']}), {k}: plain "
-                  f"{t['plain']:.2f} s, extension off {t['off']:.2f} s ({t['off'] / t['plain']:.3f}x), capture on "
-                  f"{t['on']:.2f} s ({t['on'] / t['plain']:.3f}x)")
-        sys.exit(0)
-    names = sys.argv[1:] or ["vllm", "llama.cpp"]
+    names = sys.argv[1:] or list(registry.capturing())
     for n in names:
         if engine_python(n) is None:
             print(f"{n}: not built (make engines)")

@@ -154,11 +154,12 @@ def write_table(rows: list, header: str) -> None:
     text = path.read_text(encoding="utf-8")
     start = "<!-- estimate_bench -->"
     table = [start, "", header, "",
-             "| view | model | dtype | tokens | estimate s | actual s | ratio | run |",
-             "|---|---|---|---:|---:|---:|---:|---|"]
+             "| view | model | dtype | tokens | estimate s | actual s | ratio | phases: estimate / actual s | run |",
+             "|---|---|---|---:|---:|---:|---:|---|---|"]
     for r in rows:
         table.append(f"| {r['view']} | {r['model']} | {r['dtype']} | {r['tokens']} | {r['estimate_s']:.1f} | "
-                     f"{r['actual_s']:.1f} | {r['ratio']:.2f} | {r['note']} (load {r['loadavg']:.1f}) |")
+                     f"{r['actual_s']:.1f} | {r['ratio']:.2f} | {fmt(r['phases_estimate'])} / "
+                     f"{fmt(r['phases_actual'])} | {r['note']} (load {r['loadavg']:.1f}) |")
     table += ["", "<!-- /estimate_bench -->"]
     block = "\n".join(table)
     if start in text:
@@ -175,11 +176,20 @@ def main(argv=None) -> int:
     ap.add_argument("--sets", default="defaults,long", help="defaults (every view's page default), long")
     ap.add_argument("--views", default="", help="the defaults set's views (default: all)")
     ap.add_argument("--dtype", default="float32", help="the defaults set's dtype")
+    ap.add_argument("--split-tokens", default="1024,3680", help="the long split's prompt lengths")
+    ap.add_argument("--greedy-tokens", type=int, default=1024, help="the long greedy's new tokens")
+    ap.add_argument("--long-dtype", default="bfloat16")
     ap.add_argument("--json", default="")
     ap.add_argument("--write", action="store_true", help="record the table in docs/benchmarks.md")
+    ap.add_argument("--table-from", default="", help="comma-separated --json files: write their rows, run nothing")
     a = ap.parse_args(argv)
     import torch
 
+    if a.table_from:
+        docs = [json.loads(Path(f).read_text()) for f in a.table_from.split(",") if f]
+        write_table([r for d in docs for r in d["rows"]], "Machines: " + "; ".join(d["machine"] for d in docs)
+                    + ". Ratio = actual / estimate (goal 0.5-2).")
+        return 0
     store = Path(tempfile.mkdtemp(prefix="kvviz-estimate-bench-")) / "estimates.json"
     estimate.store_path = lambda: store  # calibrated afresh; no run refines the next
     sets = [s for s in a.sets.split(",") if s]
@@ -191,9 +201,10 @@ def main(argv=None) -> int:
     if "defaults" in sets:
         defaults(rows, a.model, a.dtype, [n for n in a.views.split(",") if n])
     if "long" in sets:
-        long_split(rows, a.model, "bfloat16", 1024, prove=True)
-        long_split(rows, a.model, "bfloat16", 3680, prove=False)
-        long_greedy(rows, folder_model(a.model), "bfloat16", 1024, "4-layer folder model")
+        for i, n in enumerate(int(x) for x in a.split_tokens.split(",") if x):
+            long_split(rows, a.model, a.long_dtype, n, prove=i == 0)  # the longest without its proof (issue 53)
+        if a.greedy_tokens:
+            long_greedy(rows, folder_model(a.model), a.long_dtype, a.greedy_tokens, "4-layer folder model")
     print(f"total {time.perf_counter() - t0:.0f} s", flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps({"machine": head, "rows": rows}, indent=2))

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 import kvviz  # noqa: E402
 from kvviz.models.compat import cache_argument, output_cache  # noqa: E402
-from kvviz.views.greedy.run import GreedyConfig, run_greedy  # noqa: E402
+from kvviz.views.greedy.run import GreedyConfig  # noqa: E402
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived an old fisherman who every morning"
 
@@ -96,11 +96,12 @@ def main() -> int:
         exact_cfg = GreedyConfig(PROMPT, args.tokens, paths=paths)
         fast_cfg = GreedyConfig(PROMPT, args.tokens, paths=paths, fast=True)
         naive_s, exact_s, fast_s = [], [], []
-        run_greedy(lm, GreedyConfig(PROMPT, 2, paths=paths))  # warm-up
+        kvviz.run("greedy", lm, GreedyConfig(PROMPT, 2, paths=paths))  # warm-up
         for r in range(args.repeats):
             # interleaved, and in alternating order, so drifts in machine speed hit all three alike
             jobs = [("naive", lambda: naive_script(lm.model, lm.tokenizer, PROMPT, args.tokens)),
-                    ("exact", lambda: run_greedy(lm, exact_cfg)), ("fast", lambda: run_greedy(lm, fast_cfg))]
+                    ("exact", lambda: kvviz.run("greedy", lm, exact_cfg)),
+                    ("fast", lambda: kvviz.run("greedy", lm, fast_cfg))]
             for name, job in (jobs if r % 2 == 0 else jobs[::-1]):
                 t, out = timed(job)
                 {"naive": naive_s, "exact": exact_s, "fast": fast_s}[name].append(t)

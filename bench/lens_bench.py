@@ -50,9 +50,10 @@ def prompt_of(lm_or_tokenizer, tokens: int) -> str:
 def speed(lengths: list[int], repeats: int, dtype: str = "bfloat16") -> dict:
     import torch
 
+    import kvviz
     from kvviz.models.loading import load_model
-    from kvviz.views.lens.run import LensConfig, run_lens
-    from kvviz.views.split.run import SplitConfig, run_split
+    from kvviz.views.lens.run import LensConfig
+    from kvviz.views.split.run import SplitConfig
 
     lm = load_model("default", dtype, "cpu")
     ref = lm.reference()
@@ -65,10 +66,10 @@ def speed(lengths: list[int], repeats: int, dtype: str = "bfloat16") -> dict:
         load = [os.getloadavg()[0]]
         for _ in range(repeats):  # interleaved: a load change on the shared machine hits both
             t = time.perf_counter()
-            s_res = run_split(lm, SplitConfig(prompt, split), prove=False, reference=ref)
+            s_res = kvviz.run("split", lm, SplitConfig(prompt, split), kvviz.RunContext(prove=False, reference=ref))
             times["split"].append(time.perf_counter() - t)
             t = time.perf_counter()
-            l_res = run_lens(lm, LensConfig(prompt=prompt, split=split), reference=ref)
+            l_res = kvviz.run("lens", lm, LensConfig(prompt=prompt, split=split), kvviz.RunContext(reference=ref))
             times["lens"].append(time.perf_counter() - t)
             load.append(os.getloadavg()[0])
         row = {"tokens": len(ids), "split": split, "split_s": statistics.median(times["split"]),

@@ -137,7 +137,8 @@ def reference_timing(model: str = "default", repeats: int = 2) -> dict:
     (same process, same inputs, best of `repeats`)."""
     import torch
 
-    from kvviz.views.greedy.run import GreedyConfig, run_greedy
+    import kvviz
+    from kvviz.views.greedy.run import GreedyConfig
     from kvviz.core.inputs import build_inputs
     from kvviz.models.loading import load_model
     from kvviz.views.split.run import SplitConfig, _run
@@ -155,7 +156,8 @@ def reference_timing(model: str = "default", repeats: int = 2) -> dict:
         g = []
         for _ in range(repeats):
             t = time.perf_counter()
-            run_greedy(lm, GreedyConfig(SPLIT_PROMPT, 16, paths=("cache", "float64")), reference=ref, prove=False)
+            kvviz.run("greedy", lm, GreedyConfig(SPLIT_PROMPT, 16, paths=("cache", "float64")),
+                      kvviz.RunContext(prove=False, reference=ref))
             g.append(time.perf_counter() - t)
         out[name] = {"split_s": min(best), "greedy_s": min(g)}
     out["split_ratio"] = out["streamed"]["split_s"] / out["twin"]["split_s"]
@@ -481,7 +483,7 @@ def serving_phases(model: str, dtype: str, tokens: int, phases: list[str], promp
     from kvviz.core.execution import DEFAULT_SETTINGS, Executor
     from kvviz.core.inputs import build_inputs, encode
     from kvviz.core.replay import Replay, replay_step
-    from kvviz.engines.serving import Request, make_engine
+    from kvviz.engines.serving import Request, TransformersEngine
     from kvviz.models.loading import load_model
     from kvviz.views.serving.run import _engine_run, _reference
 
@@ -492,7 +494,7 @@ def serving_phases(model: str, dtype: str, tokens: int, phases: list[str], promp
     shape, b = memory.model_shape(__import__("kvviz.models.loading", fromlist=["parse_spec"]).parse_spec(model)), \
         memory.BYTES[dtype]
     T = max(len(i) for i in ids) + new_tokens
-    eng, ex = make_engine("transformers", memory.PAGE_SIZE), Executor(lm, DEFAULT_SETTINGS)
+    eng, ex = TransformersEngine(memory.PAGE_SIZE), Executor(lm, DEFAULT_SETTINGS)
     k = min(batch, prompts)
     lm64 = ex64 = None
     for ph in phases:

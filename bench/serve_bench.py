@@ -1,6 +1,6 @@
 """Benchmark: the Serving study's engine runs against the same continuous-batching calls made plainly.
 
-The study (kvviz.views.serving.run.run_serving) makes, per condition and run, one call of transformers' continuous-batching
+The study (the serving view's run: kvviz.run("serving", ...)) makes, per condition and run, one call of transformers' continuous-batching
 engine, reading each step's scores at the engine's argmax (top-2 margins), with the caller's torch function modes
 in the engine's thread, then counts distinct completions. The plain way makes the same calls itself:
 `model.generate_batch(...)` for `alone` (one request in flight) and `batch` (k in flight, the study's shuffled
@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 import kvviz  # noqa: E402
 from kvviz.core.inputs import encode  # noqa: E402
-from kvviz.views.serving.run import ServeConfig, load_prompt_set, plan_batches, run_serving  # noqa: E402
+from kvviz.views.serving.run import ServeConfig, load_prompt_set, plan_batches  # noqa: E402
 
 
 def _cb_config(per_batch: int, sharing: bool, longest: int, n_requests: int, page: int):
@@ -111,7 +111,8 @@ def main() -> int:
         for what in order:
             if what == "study":
                 t = time.perf_counter()
-                res = run_serving(lm, ServeConfig(prompts=list(prompts), **cfg), prove=False)
+                res = kvviz.run("serving", lm, ServeConfig(prompts=list(prompts), **cfg),
+                                kvviz.RunContext(prove=False))
                 total = time.perf_counter() - t
                 engine = sum(c.seconds for k, c in res.conditions.items() if k != "reference")
                 row.update(study_engine_s=engine, study_analysis_s=res.analysis_s,

@@ -24,7 +24,7 @@ t0 = time.perf_counter()
 {first}
 import kvviz
 lm = kvviz.load_model("tiny:llama", "float32", "cpu")
-kvviz.run_split(lm, kvviz.SplitConfig(prompt="The capital of France is Paris", split=3))
+kvviz.run("split", lm, kvviz.SplitConfig(prompt="The capital of France is Paris", split=3))
 print("hqq imported:", "hqq.core.quantize" in sys.modules, file=sys.stderr)
 """
 WAYS = {"hqq at cache_utils' import": "import transformers.cache_utils",

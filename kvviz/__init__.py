@@ -4,12 +4,14 @@ Usable from a notebook:
 
     import kvviz
     lm = kvviz.load_model("default", dtype="bfloat16")
-    res = kvviz.run_split(lm, kvviz.SplitConfig(prompt="The capital of France is", split=3))
+    res = kvviz.run("split", lm, kvviz.SplitConfig(prompt="The capital of France is", split=3))
     res.verdict, res.explanation
     from kvviz.views.split import figures
     figures.split_heatmap(res, metric="relative")
 
-Every view is a folder under kvviz/views/ (run, figures, report, repro, cli); see docs/architecture.md.
+Every view is a folder under kvviz/views/ (run, figures, report, repro, cli), run through one protocol:
+`kvviz.run(view, lm, config, ctx=None)` (kvviz.views.run; ctx a kvviz.RunContext: settings, prove, progress...); see
+docs/architecture.md.
 """
 from .models.compat import defer_hqq_import as _defer_hqq_import
 
@@ -22,8 +24,10 @@ from .models.loading import (ATTN_CHOICES, DEFAULT_SPEC, LoadedModel, ModelSpec,
                              parse_spec)
 from .models.loading import register_reference as _register_reference
 from .models.tiny import TINY_ARCHS, TINY_MODELS
+from .core.protocol import RunContext
 from .views import memory_profile as _memory_profile
-from .views.split.run import MODES, SplitConfig, SplitResult, run_split
+from .views import run
+from .views.split.run import MODES, SplitConfig, SplitResult
 
 # Registration, explicit and in one place (no module registers anything by being imported): the cache kinds,
 # precision flags and torch.compile (backends) and invariant mode's run context on the execution seam, the float64
@@ -35,9 +39,18 @@ _invariant.register()
 _register_reference(_reference.reference_model)
 _memory.register_profiles(_memory_profile)
 
+
+def run_split(lm: LoadedModel, cfg: SplitConfig, progress=None, reference: LoadedModel | None = None,
+              settings: ExecSettings | None = None, prove=None) -> SplitResult:
+    """Split point through the protocol (kvviz.run("split", lm, cfg, RunContext(...))), kept for notebooks that call
+    it by this name: the same arguments as the context's fields."""
+    return run("split", lm, cfg, RunContext(settings=settings or ExecSettings(), prove=prove, progress=progress,
+                                            reference=reference))
+
+
 __all__ = [
     "ATTN_CHOICES", "DEFAULT_SPEC", "DTYPE_NAMES", "ExecSettings", "Executor", "KvvizError", "LoadedModel", "MODES",
-    "ModelSpec", "SplitConfig", "SplitResult", "TINY_ARCHS", "TINY_MODELS", "cache_dir", "clear_cache", "load_model",
-    "machine_eps", "parse_dtype", "parse_spec", "resolve_device", "run_split",
+    "ModelSpec", "RunContext", "SplitConfig", "SplitResult", "TINY_ARCHS", "TINY_MODELS", "cache_dir", "clear_cache", "load_model",
+    "machine_eps", "parse_dtype", "parse_spec", "resolve_device", "run", "run_split",
 ]
 __version__ = "0.1.0"

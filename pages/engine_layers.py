@@ -8,7 +8,7 @@ from kvviz.core.plotting import METRIC_TITLES
 from kvviz.views.engine_layers import figures as el_figures, report as el_report
 from kvviz import views
 from kvviz.views.engine_layers.run import ENGINES, PAIRS, EngineLayersConfig
-from kvviz.engines.serving import engine_status
+from kvviz.engines import registry
 from kvviz.engines.workers import gguf_of
 from pages.common import controls, page, show_verdict
 from pages.exporting import exports
@@ -35,7 +35,7 @@ with controls(expanded=True):
     engine = c0.selectbox("Engine", ENGINES, key="engine_layers_engine", format_func=ENGINE_LABELS.get,
                           help="vLLM runs the model's weights in the sidebar's dtype; llama.cpp runs the GGUF file "
                                "itself (8-bit activations), warm vs cold only")
-    llama = engine == "llama.cpp"
+    llama = registry.get(engine).quantized  # llama.cpp: the GGUF itself, warm vs cold only
     pair = c1.selectbox("Pair", list(PAIRS), key="engine_layers_pair",
                         format_func=lambda p: PAIR_LABELS[p] + (" (vLLM only)" if llama and p != "warm" else ""))
     n = c2.number_input("New tokens", 1, 64, 16, key="engine_layers_n")
@@ -52,7 +52,7 @@ with controls(expanded=True):
     except KvvizError as e:
         show_error(e)
         st.stop()
-    why = engine_status(engine)
+    why = registry.status(engine)
     if why:
         st.info(why)
         st.stop()

@@ -8,7 +8,7 @@ from kvviz.core.errors import KvvizError
 from kvviz.views.serving import figures as serving_figures, report as serving_report
 from kvviz.views.serving.run import CONDITION_LABELS, CONDITIONS, ServeConfig
 from kvviz.views.serving.sweep import PROMPTS_PER_CELL, SweepConfig, figure as sweep_figure, frame as sweep_frame
-from kvviz.engines.serving import ENGINES, engine_status
+from kvviz.engines import registry
 from kvviz.teach.firstscreen import serving_why
 from pages.common import controls, page, prompt_set, show_verdict
 from pages.runner import forget_button, run_button, run_view, show_error
@@ -37,12 +37,12 @@ with controls():
     new_tokens = c3.number_input("New tokens", 1, 128, SV["n"], key="serving_tokens")
     batch = c4.number_input("Batch size k", 2, 16, SV["batch"], key="serving_batch")
     c1, c2, c3 = st.columns(3)
-    engine = c1.selectbox("Engine", ENGINES, key="serving_engine")
-    pages = engine == "transformers"  # vLLM's blocks and llama.cpp's cache are not kvviz's to set
+    engine = c1.selectbox("Engine", registry.names(), key="serving_engine")
+    pages = registry.get(engine).pages_here  # vLLM's blocks and llama.cpp's cache are not kvviz's to set
     page_size = c2.number_input("Page size (tokens)", 4, 256, 8, key="serving_page", disabled=not pages,
                                 help=None if pages else "transformers' continuous batching only")
     seed = c3.number_input("Seed of the batch draws", 0, 10_000, 0, key="serving_seed")
-    why = engine_status(engine)
+    why = registry.status(engine)
     if why:
         st.info(why)
         st.stop()

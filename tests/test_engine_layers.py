@@ -592,7 +592,9 @@ def test_the_page_offers_llamacpp_with_its_one_pair_and_says_what_it_refuses_in_
     engine whose environment is not built is one line naming `make engines`, and the page keeps working."""
     from test_app import start
 
-    from kvviz.views.engine_layers.run import LLAMACPP_REFUSED
+    from kvviz.engines.workers import LlamaCppEngine
+
+    LLAMACPP_REFUSED = LlamaCppEngine.capture_refused
 
     at = start("pages/engine_layers.py", model="tiny:llama")
     at.selectbox(key="engine_layers_engine").select("llama.cpp").run()

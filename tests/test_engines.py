@@ -282,12 +282,12 @@ def test_llamacpp_cell_past_its_limit_kills_the_worker_and_the_next_cell_starts_
     from kvviz.core.inputs import encode
     from conftest import record_worker_clients
     from kvviz.engines.serving import Request
-    from kvviz.engines.workers import make_worker_engine
+    from kvviz.engines.workers import LlamaCppEngine
     from kvviz.views.serving.sweep import _cell_limit, _CellLimit
 
     clients = record_worker_clients(monkeypatch)
     lm = kvviz.load_model("default", "float32", "cpu")
-    engine = make_worker_engine("llama.cpp", 1, 1, timeout_s=1200.0)
+    engine = LlamaCppEngine.open(timeout_s=1200.0)
     req = [Request("p0", encode(lm, "The capital of France is"), 2)]
     try:
         with pytest.raises(_CellLimit):

@@ -2,6 +2,7 @@
 import ast
 import io
 import tokenize
+import types
 from argparse import Namespace
 from pathlib import Path
 
@@ -11,6 +12,18 @@ from kvviz import views
 from kvviz.core.errors import KvvizError
 
 from conftest import ROOT
+
+# Stand-ins for the pieces a scratch entry names (the registry takes objects, never "module:function" strings)
+_reopen = dict
+_CLI = types.SimpleNamespace(HELP="a scratch subcommand", add_arguments=lambda p: None, command=lambda args: None)
+
+
+class _Config:
+    pass
+
+
+def _run(lm, config, ctx=None):
+    return None
 
 # The modules that iterate the registry instead of keeping per-view tables (kvviz/views/<view>/ and the registry
 # itself may name views). kvviz/teach/presets.py is left out: its scenario keys ("padding") are no view's.
@@ -81,20 +94,20 @@ def test_no_view_is_named_outside_its_folder_and_the_registry():
 
 def test_a_view_without_a_memory_profile_is_refused():
     with pytest.raises(KvvizError, match="no memory profile"):
-        views.register(views.View("nameless", "Nameless", "NamelessResult", "report:reopen"))
+        views.register(views.View("nameless", "Nameless", "NamelessResult", _reopen))
     assert "nameless" not in views.names()
 
 
 def test_a_view_that_declares_it_proves_is_refused(scratch_registry):
     with pytest.raises(KvvizError, match=r"declares MemoryProfile\(proves=True\): whether its run proves is derived"):
-        views.register(views.View("declared", "Declared", "DeclaredResult", "report:reopen",
-                                  memory=views.MemoryProfile(proves=True), config="run:C", run="run:run"))
+        views.register(views.View("declared", "Declared", "DeclaredResult", _reopen,
+                                  memory=views.MemoryProfile(proves=True), config=_Config, run=_run))
     assert "declared" not in views._VIEWS
 
 
 def test_a_view_without_a_config_and_run_is_refused(scratch_registry):
     with pytest.raises(KvvizError, match="names no config class and run"):
-        views.register(views.View("runless", "Runless", "RunlessResult", "report:reopen",
+        views.register(views.View("runless", "Runless", "RunlessResult", _reopen,
                                   memory=views.MemoryProfile()))
     assert "runless" not in views._VIEWS
 
@@ -146,8 +159,8 @@ def test_page_defaults_live_in_the_view_entries():
 def test_a_page_prefix_other_than_its_folders_is_refused():
     from kvviz.views import MemoryProfile, Page, View, register
 
-    v = View("some_view", "Some view", "SomeResult", "report:reopen", page=Page("some_page", "Investigate", "", prefix="sv_"),
-             memory=MemoryProfile(), config="run:C", run="run:run")
+    v = View("some_view", "Some view", "SomeResult", _reopen, page=Page("some_page", "Investigate", "", prefix="sv_"),
+             memory=MemoryProfile(), config=_Config, run=_run)
     with pytest.raises(KvvizError, match="take the prefix of its folder, 'somewhere_'"):
         register(v, "kvviz.views.somewhere")
 
@@ -272,8 +285,8 @@ def test_an_older_subcommand_runs_the_same_view(capsys, tmp_path):
 
 def _entry(**kw):
     page = kw.pop("page", None)
-    return views.View("some_view", "Some view", "SomeResult", "report:reopen", memory=views.MemoryProfile(),
-                      page=page, config="run:SomeConfig", run="run:run", **kw)
+    return views.View("some_view", "Some view", "SomeResult", _reopen, memory=views.MemoryProfile(),
+                      page=page, config=_Config, run=_run, **kw)
 
 
 @pytest.fixture
@@ -283,10 +296,10 @@ def scratch_registry(monkeypatch):
 
 
 @pytest.mark.parametrize("kw, match", [
-    ({"cli": "cli", "command": "some-other"}, "its subcommand is 'some-view'.*command_aliases"),
-    ({"cli": "cli", "command": "some_view"}, "its subcommand is 'some-view'"),
-    ({"cli": "cli", "command_aliases": ("split",)}, "'split' is already view 'split'"),
-    ({"cli": "cli", "command_aliases": ("serve-study",)}, "'serve-study' is already view 'serving'"),
+    ({"cli": _CLI, "command": "some-other"}, "its subcommand is 'some-view'.*command_aliases"),
+    ({"cli": _CLI, "command": "some_view"}, "its subcommand is 'some-view'"),
+    ({"cli": _CLI, "command_aliases": ("split",)}, "'split' is already view 'split'"),
+    ({"cli": _CLI, "command_aliases": ("serve-study",)}, "'serve-study' is already view 'serving'"),
     ({"command": "some-other"}, "its subcommand is 'some-view'"),  # no cli.py: the one made from its config
     ({"page": views.Page("some_page", "Investigate", "")}, r"pages/some_view\.py \(its folder\), not pages/some_page\.py"),
     ({"page": views.Page("some_page", "Investigate", "", url_aliases=("some_page",))}, "not pages/some_page.py"),
@@ -302,20 +315,20 @@ def test_an_entry_declaring_another_name_than_the_derived_is_refused(scratch_reg
 
 
 def test_older_names_are_accepted_as_aliases(scratch_registry):
-    v = views.register(_entry(cli="cli", command_aliases=("some-older",),
+    v = views.register(_entry(cli=_CLI, command_aliases=("some-older",),
                               page=views.Page("some_view", "Investigate", "", url_aliases=("some_page",))),
                        "kvviz.views.some_view")
     assert v.command == "some-view" and v.page.url_path == "some_view" and v.page.prefix == "some_view_"
     assert views.for_command("some-older") is v and views.page_url_aliases()["some_page"] == "some_view"
-    shared = views.register(views.View("some_part", "Part", "PartResult", "report:reopen", cli="cli",
+    shared = views.register(views.View("some_part", "Part", "PartResult", _reopen, cli=_CLI,
                                        command="some-view part", memory=views.MemoryProfile(),
-                                       config="run:C", run="run:run"),
+                                       config=_Config, run=_run),
                             "kvviz.views.some_view")  # a second view of the folder: its subcommand and a word
     assert views.for_command("some-view part") is shared
     with pytest.raises(KvvizError, match="'some-view' and a word of its own"):
-        views.register(views.View("other_part", "Part", "PartResult", "report:reopen", cli="cli",
-                                  command="other part", memory=views.MemoryProfile(), config="run:C",
-                                  run="run:run"), "kvviz.views.some_view")
+        views.register(views.View("other_part", "Part", "PartResult", _reopen, cli=_CLI,
+                                  command="other part", memory=views.MemoryProfile(), config=_Config,
+                                  run=_run), "kvviz.views.some_view")
 
 
 def test_a_folders_one_view_takes_the_folders_name(tmp_path, monkeypatch):

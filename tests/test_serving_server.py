@@ -25,7 +25,7 @@ from kvviz.engines import engine_python
 from kvviz.core.errors import KvvizError
 from kvviz.io.export import export_json, open_result
 from kvviz.views.serving.run import ServeConfig, run_serving, summary_text
-from kvviz.views.serving.server import ServerEngine, normalize_url
+from kvviz.engines.server import ServerEngine, normalize_url
 
 
 class _FakeVllm(BaseHTTPRequestHandler):

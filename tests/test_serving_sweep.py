@@ -94,15 +94,15 @@ def test_bad_grid_one_line_and_budget_stops_between_cells():
 
 
 def _stalling_study(monkeypatch, stall: dict):
-    """The sweep's `_study`, except for the cells in `stall` (c, length) -> how they end: "hang" waits at kvviz's
+    """The sweep's study (kvviz.views.serving.run.study), except for the cells in `stall` (c, length) -> how they end: "hang" waits at kvviz's
     checkpoints for ever (as a worker that gives no answer: only a limit or Stop ends it), a string raises that
     line as the engine's KvvizError (as a worker past its own limit does)."""
     import time as time_
 
     from kvviz.core import cancel
-    from kvviz.views.serving import sweep as sweep_mod
+    from kvviz.views.serving import run as study_mod
 
-    real, calls = sweep_mod._study, []
+    real, calls = study_mod.study, []
 
     def study(lm, scfg, *a, **k):
         n = int(scfg.prompt_source.split(":")[1])
@@ -117,7 +117,7 @@ def _stalling_study(monkeypatch, stall: dict):
             raise KvvizError(how)
         return real(lm, scfg, *a, **k)
 
-    monkeypatch.setattr(sweep_mod, "_study", study)
+    monkeypatch.setattr(study_mod, "study", study)
     return calls
 
 
@@ -313,12 +313,12 @@ def test_cli_sweep_writes_json_and_html_and_open_reopens_it(tmp_path, capsys):
 
 def test_a_stopped_sweep_stops_between_cells_and_closes_its_engine(monkeypatch):
     from kvviz.core import cancel
-    from kvviz.engines import serving as engines
+    from kvviz.engines import registry as engines
     from kvviz.core.protocol import RunContext
     from kvviz.views.serving.sweep import run
 
     made = []
-    real = engines.make_engine
+    real = engines.open_engine
 
     def recording(*a, **k):
         made.append(real(*a, **k))
@@ -332,7 +332,7 @@ def test_a_stopped_sweep_stops_between_cells_and_closes_its_engine(monkeypatch):
         made[-1].close = close
         return made[-1]
 
-    monkeypatch.setattr(engines, "make_engine", recording)
+    monkeypatch.setattr(engines, "open_engine", recording)
     lm = kvviz.load_model("tiny:llama", "float32", "cpu")
     token, seen = cancel.Token(), []
 
@@ -531,9 +531,9 @@ def test_a_row_of_cells_computes_each_prompts_reference_once(monkeypatch):
     shared = run_sweep(lm, SweepConfig(**cfg))
     assert len(calls) == 2 * 2 and len(set(calls)) == 4  # 2 rows x 2 prompts, not x 3 cells
     calls.clear()
-    real_study = serving_run._study
-    monkeypatch.setattr("kvviz.views.serving.sweep._study",
-                        lambda *a: real_study(*a[:-1], None))  # every cell on its own: no memo
+    real_study = serving_run.study
+    monkeypatch.setattr(serving_run, "study",
+                        lambda *a, **k: real_study(*a, **{**k, "memo": None}))  # every cell on its own: no memo
     alone = run_sweep(lm, SweepConfig(**cfg))
     assert len(calls) == 2 * 2 * 3
     keep = ("concurrency", "length", "prompt_tokens", "distinct", "parting_alone", "parting_reference",
@@ -553,7 +553,7 @@ def test_vllm_starts_once_for_the_grid_with_room_for_its_largest_cell(monkeypatc
 
     if vllm_available():  # vLLM importable in kvviz's own environment: the in-process engine runs instead
         pytest.skip("vLLM runs in this process here")
-    eng = workers.make_worker_engine("vllm", 1, 16)  # as run_sweep makes it for a grid up to 16 in flight
+    eng = workers.VllmWorkerEngine.open(max_in_flight=16)  # as run_sweep makes it for a grid up to 16 in flight
     started = []
     monkeypatch.setattr(eng, "_start", lambda key, **kw: started.append((key, kw["max_num_seqs"])))
     monkeypatch.setattr(eng, "_generate", lambda groups: [len(g) for g, _ in groups])

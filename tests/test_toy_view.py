@@ -20,8 +20,10 @@ TOY = {
         from kvviz.teach.presets import Preset
         from kvviz.views import MemoryProfile, Page, View
 
-        VIEW = View("toy", "Toy gap", "ToyResult", "report:reopen", "report:figures", "report:verdict",
-                    tables="report:tables", config="run:ToyConfig", run="run:run",
+        from . import report, run
+
+        VIEW = View("toy", "Toy gap", "ToyResult", report.reopen, report.figures, report.verdict,
+                    tables=report.tables, config=run.ToyConfig, run=run.run,
                     page=Page("toy", "Investigate", ":material/toys:", defaults={"split": 3}),
                     memory=MemoryProfile(reference=False),
                     scenarios=(Preset("toy_demo", "The toy's gap", "A toy scenario.", "pages/toy.py", "tiny:llama",

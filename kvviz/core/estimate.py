@@ -117,7 +117,7 @@ class Timings:
     """What a run was estimated to take and what it took (seconds); a Result carries it (`Timed.timings`) and every
     JSON export writes both (`estimate_s`, `elapsed_s`)."""
     estimate_s: float | None
-    elapsed_s: float
+    elapsed_s: float | None
     phases: dict = field(default_factory=dict)  # measured seconds by phase name (the run's own report)
 
     def to_dict(self) -> dict:

@@ -1,8 +1,9 @@
 """One run signature for every view: `run(lm, config, ctx: RunContext) -> Result`.
 
 A view's entry (kvviz.views.View) names its `config` class (a typed dataclass with `validate()`) and its `run`
-function; the CLI, the benches and Prepare the meeting call `view.runner()(lm, config, ctx)`, and a view that
-composes another (the cache-safety card: split, padding, reuse, quant) does the same through the registry.
+function; everything outside a view's folder runs it through `kvviz.views.run(view, lm, config, ctx)` (the pages'
+runner, the CLI, the Lesson, the exercises, Prepare the meeting, the architecture sweep, bench/), and a view that
+composes another (the cache-safety card: split, padding, reuse, quant; dtypes: split) does the same.
 
 `RunContext` carries what is not the scenario itself:
   settings  how the model runs (kvviz.core.execution.ExecSettings: device placement, attention, cache kind, invariant
@@ -12,7 +13,11 @@ composes another (the cache-safety card: split, padding, reuse, quant) does the 
             mode when the run finds one and the view has a proof; True always where it has one; False never;
   progress  callable(fraction, text) or None: fractions that only grow, the last one 1.0 once the run is done;
   token     a kvviz.core.cancel.Token: the run checks it at its checkpoints and raises kvviz.core.cancel.Cancelled once it is
-            cancelled (a token cancelled before the run stops it before its first forward).
+            cancelled (a token cancelled before the run stops it before its first forward);
+  reference the float64 model its verdict compares with, already loaded (the Lesson's, a bench's); None (the
+            default): the model's own, `lm.reference()`. A view with no float64 reference ignores it;
+  float64_run  the same view's run of the same config in float64, already made: a view that runs another once per
+            dtype (dtypes runs split) passes it on, so float64 runs once; None: the run makes its own;
   auto_proof  False: no automatic invariant proof after the run (the app's "Run without the proof" for a long run;
             `prove=True` still proves);
   estimate  the run's time estimate (kvviz.core.estimate.Estimate) made before it started: the progress bar's share of
@@ -33,6 +38,7 @@ from .estimate import Estimate
 from .execution import DEFAULT_SETTINGS, ExecSettings
 from .cancel import Progress  # noqa: F401 - the one definition; views import it from here
 from .verdict import Prove
+from ..models.loading import LoadedModel
 
 
 def no_progress(fraction: float, text: str = "") -> None:
@@ -45,6 +51,8 @@ class RunContext:
     prove: Prove = None
     progress: Progress | None = None
     token: cancel.Token | None = None
+    reference: LoadedModel | None = None  # a float64 model
+    float64_run: object | None = None  # the same view's result in float64 (split's SplitResult for dtypes)
     auto_proof: bool = True
     estimate: Estimate | None = None
     on_phase: Callable[[str], None] | None = None

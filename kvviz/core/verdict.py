@@ -3,7 +3,14 @@ the cache-safety card, the backends matrix, the architecture sweep), so a verdic
 
 The rule: `identical` when the bits agree; else rerun the very same scenario in float64 and judge the gap relative
 to the size of the values it is a gap in (max |Δ| / max |value|): a gap that closes to float64 rounding
-(<= FLOAT64_CLOSED_REL) is `precision`, a gap that stays is `logic`.
+(<= FLOAT64_CLOSED_REL) is `precision`, a gap that stays is `logic` (`classify`).
+
+Where kvviz cannot rerun the scenario in float64 - an engine's own kernels (vLLM, llama.cpp, a server), judged by
+kvviz.engines.verdict and the Engine layers view against a rounding bound measured on torch's kernels - the same
+words by the same rule as far as the evidence goes (`classify_bounded`): `identical` when the bits agree; `logic`
+only on evidence that survives precision (a gap beyond the bound that float64 does not close on either side, a token
+the engine did not rank first, uniform log-probs, a margin rounding cannot cross); `undecided` past the heuristic
+bound without such evidence (never logic: an engine's kernels may round more than torch's); else `precision`.
 
 The proof of a precision verdict is the invariant-mode rerun (kvviz.core.invariant): a gap of exactly 0 there proves that
 reduction order alone made the gap. The words:
@@ -96,6 +103,17 @@ def classify(bitwise_equal: bool, float64_gap: float | None) -> Verdict:
     if float64_gap is None or not math.isfinite(float64_gap):
         return Verdict.LOGIC
     return Verdict.PRECISION if float64_gap <= FLOAT64_CLOSED_REL else Verdict.LOGIC
+
+
+def classify_bounded(bitwise_equal: bool, past_bound: bool, survives: bool) -> Verdict:
+    """The rule where kvviz judges against a heuristic rounding bound instead of a float64 rerun (module
+    docstring): identical when the bits agree; logic when evidence survives precision; undecided past the bound
+    without it; else precision."""
+    if bitwise_equal:
+        return Verdict.IDENTICAL
+    if survives:
+        return Verdict.LOGIC
+    return Verdict.UNDECIDED if past_bound else Verdict.PRECISION
 
 
 def label(verdict: str, proved: bool | None = None) -> str:

@@ -18,13 +18,11 @@ from collections import deque
 from pathlib import Path
 
 from ..core.errors import KvvizError
+from .base import ANSWER_LIMIT_S
 
 HERE = Path(__file__).resolve().parent
 # engine name -> (environment folder, worker script, the module the environment must import)
 WORKERS = {"vllm": ("vllm", "vllm_worker.py", "vllm"), "llama.cpp": ("llamacpp", "llamacpp_worker.py", "llama_cpp")}
-
-
-ANSWER_LIMIT_S = 900.0  # the most seconds a worker may take for one answer, unless its caller gives another
 
 
 def engines_root() -> Path:

@@ -17,16 +17,15 @@ it can toggle.
   it reads each step's scores where the engine samples from them (top-2 margin per request; the full row where asked).
   While a run holds the model's lock the engine may switch the model's attention to `paged|eager`; it is switched
   back when the run ends, also on error.
-* `vllm` (where it is importable, GPU): offline `vllm.LLM(...)` with `enable_prefix_caching` on/off,
-  `VLLM_BATCH_INVARIANT` on/off and `tensor_parallel_size`. Where it is absent `engine_status("vllm")` says so in
-  one line and nothing else needs it.
+* `vllm` where it is importable here (a GPU machine): offline `vllm.LLM(...)` in this process (VllmEngine) with
+  `enable_prefix_caching` on/off, `VLLM_BATCH_INVARIANT` on/off and `tensor_parallel_size`; elsewhere vLLM (and
+  llama.cpp) run in their workers (kvviz/engines/workers.py), which also capture their layers.
 """
 from __future__ import annotations
 
 import contextlib
 import gc as _gc
 import time
-from dataclasses import dataclass, field
 
 import torch
 from torch.overrides import _get_current_function_mode_stack
@@ -35,18 +34,8 @@ from ..core import cancel, optional
 from ..models import compat
 from ..core.errors import KvvizError, first_line
 from ..core.memory import PAGE_SIZE, paged_batch_tokens, paged_blocks
+from .base import Engine, EngineRun, Request, RequestOut
 
-ENGINES = ("transformers", "vllm", "llama.cpp")
-ENGINE_TOGGLES = {
-    "transformers": ("max_requests_per_batch (1 = alone, k = batches of k)", "allow_block_sharing (prefix sharing: "
-                     "warm vs cold)", "page_size (prefix sharing works in whole pages)",
-                     "attention: the model's sdpa, or eager as paged|eager", "CUDA graphs / compile / async: off"),
-    "vllm": ("enable_prefix_caching on/off", "VLLM_BATCH_INVARIANT on/off", "tensor_parallel_size (Ray for several "
-             "nodes, as vLLM documents)"),
-    "llama.cpp": ("the context emptied before a prompt (cache_prompt=false) or its common prefix reused "
-                  "(prompt cache / slot reuse)", "batch neighbours: k sequences in one context with a unified KV buffer "
-                  "(parallel slots), one llama_batch per step"),
-}
 MIN_PAGE = 4
 _TIMEOUT_S = 600.0
 _STOP_WAIT_S = 60.0  # how long stop() waits for the engine's thread before destroy() joins it
@@ -54,52 +43,6 @@ _STOP_WAIT_S = 60.0  # how long stop() waits for the engine's thread before dest
 
 def vllm_available() -> bool:
     return optional.available("vllm")
-
-
-def engine_status(name: str) -> str | None:
-    """None when the engine can run here, else one line saying why not (and how to get it)."""
-    from . import engine_python, how_to_get
-
-    if name not in ENGINES:
-        return f"unknown engine '{name}'; choose one of {', '.join(ENGINES)}"
-    if name == "vllm" and not vllm_available() and engine_python("vllm") is None:
-        return how_to_get("vllm")
-    if name == "llama.cpp" and engine_python("llama.cpp") is None:
-        return how_to_get("llama.cpp")
-    return None
-
-
-def check_engine(name: str) -> None:
-    msg = engine_status(name)
-    if msg is not None:
-        raise KvvizError(msg)
-
-
-@dataclass
-class Request:
-    """One request: its token ids, how many new tokens, and whether kvviz keeps its full score rows."""
-
-    key: str
-    ids: list[int]
-    max_new_tokens: int
-    keep_scores: bool = False
-
-
-@dataclass
-class RequestOut:
-    tokens: list[int]
-    margins: list[float]  # top-2 margin of the engine's scores at each step (empty when not captured)
-    scores: list[torch.Tensor] = field(default_factory=list, repr=False)  # full rows, float64 (keep_scores only)
-    cached_tokens: int = 0  # prompt tokens taken from the cache (prefix sharing) instead of being computed
-    logprobs: list = field(default_factory=list, repr=False)  # per step: [(token id, log-prob)] top-k, best first
-    chosen: list = field(default_factory=list, repr=False)  # per step: the chosen token's log-prob (worker engines)
-
-
-@dataclass
-class EngineRun:
-    outputs: dict[str, RequestOut]
-    seconds: float
-    new_tokens: int
 
 
 class _Capture:
@@ -138,20 +81,46 @@ def _thread_modes() -> list:
         return []
 
 
-class TransformersEngine:
+class TransformersEngine(Engine):
     """transformers' continuous batching, one manager per call (see the module docstring)."""
 
-    name = "transformers"
+    name = label = "transformers"
+    default = True
+    pages_here = True
+    judged_by_logprobs = False
+    repro = True
+    toggles = ("max_requests_per_batch (1 = alone, k = batches of k)", "allow_block_sharing (prefix sharing: "
+               "warm vs cold)", "page_size (prefix sharing works in whole pages)",
+               "attention: the model's sdpa, or eager as paged|eager", "CUDA graphs / compile / async: off")
 
     def __init__(self, page_size: int = PAGE_SIZE):
         if not isinstance(page_size, int) or page_size < MIN_PAGE:
             raise KvvizError(f"the page size must be a whole number, {MIN_PAGE} or more, not {page_size!r}")
         self.page_size = page_size
 
+    @classmethod
+    def open(cls, *, page_size=None, tensor_parallel_size=1, **_) -> "TransformersEngine":
+        if tensor_parallel_size != 1:
+            raise KvvizError("tensor_parallel_size applies to the vLLM engine only (transformers' continuous "
+                             "batching runs the model on one device)")
+        return cls(PAGE_SIZE if page_size is None else page_size)
+
+    def info(self) -> dict:
+        import transformers
+
+        return {**super().info(), "version": transformers.__version__}
+
+    def notes(self) -> list[str]:
+        from . import engine_python
+
+        if vllm_available() or engine_python("vllm") is not None:
+            return []
+        return ["vLLM is not installed here; the transformers engine ran (`make engines` builds vLLM)"]
+
     def close(self) -> None:
         """Nothing to free: each run makes and destroys its own manager."""
 
-    def run(self, lm, requests: list[Request], *, max_in_flight: int, prefix_sharing: bool,
+    def generate(self, lm, requests: list[Request], *, max_in_flight: int, prefix_sharing: bool,
             sequential_keys: set[str] | None = None, invariant: bool = False) -> EngineRun:
         """Run `requests` through one engine instance (call inside the Executor's session: the model's lock and
         run contexts). max_in_flight: requests per batch. sequential_keys: requests that are submitted only after
@@ -275,25 +244,30 @@ def _collect(manager, keys: set[str], results: dict, failure: list, capture: _Ca
             waiting.discard(res.request_id)
 
 
-def make_engine(name: str, page_size: int = PAGE_SIZE, tensor_parallel_size: int = 1):
-    check_engine(name)
-    if name == "transformers":
-        if tensor_parallel_size != 1:
-            raise KvvizError("tensor_parallel_size applies to the vLLM engine only (transformers' continuous "
-                             "batching runs the model on one device)")
-        return TransformersEngine(page_size)
-    return VllmEngine(tensor_parallel_size)
+class VllmFacts(Engine):
+    """What vLLM is, in this process or in its worker."""
+
+    name, label = "vllm", "vLLM"
+    tensor_parallel = True
+    capture_pairs = ("warm", "batch", "tp")
+    cache_block = 32  # the CPU backend's smallest block (kvviz.engines.workers.VLLM_BLOCK)
+    toggles = ("enable_prefix_caching on/off", "VLLM_BATCH_INVARIANT on/off", "tensor_parallel_size (Ray for several "
+               "nodes, as vLLM documents)")
+
+    @classmethod
+    def status(cls) -> str | None:
+        from . import engine_python, how_to_get
+
+        return None if vllm_available() or engine_python(cls.name) is not None else how_to_get(cls.name)
 
 
-class VllmEngine:
+class VllmEngine(VllmFacts):
     """Offline vllm.LLM over the model's folder. Toggles: prefix caching on/off (`prefix_sharing`), batch-invariant
     kernels (VLLM_BATCH_INVARIANT, on in kvviz's invariant mode; set for the run and restored after it),
     tensor_parallel_size, max_num_seqs (requests in flight). One LLM at a time: a run with other toggles shuts the
     previous one down first (each takes most of the GPU's memory), and `close()` frees the last. Margins are read
     from the top-2 logprobs (a logprob gap is the logit gap). Tested with a stand-in `vllm` module
     (tests/test_serving.py); run on a GPU machine for real figures."""
-
-    name = "vllm"
 
     def __init__(self, tensor_parallel_size: int = 1):
         self.tp = tensor_parallel_size
@@ -331,10 +305,8 @@ class VllmEngine:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-    def run(self, lm, requests: list[Request], *, max_in_flight: int, prefix_sharing: bool,
-            sequential_keys: set[str] | None = None, invariant: bool = False) -> EngineRun:
-        import os
-
+    def generate(self, lm, requests: list[Request], *, max_in_flight: int, prefix_sharing: bool,
+                 sequential_keys: set[str] | None = None, invariant: bool = False) -> EngineRun:
         if lm.dtype == torch.float64:
             raise KvvizError("vLLM has no float64 mode")
         saved = os.environ.get("VLLM_BATCH_INVARIANT")

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import torch
 
+from ..core.verdict import Verdict, classify_bounded
+
 K_GROWTH = {"float": 2 ** 4, "q8": 2 ** 7}
 C_OWN = 16
 UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11, "q8": 2.0 ** -8}
@@ -96,45 +98,58 @@ def margin_at(ref: torch.Tensor, t: int) -> float:
 
 def judge(paths: dict[str, dict], parting_step: int | None, margin: float | None, rounding: float,
           far_verdict: str = "logic", decides: str = "") -> tuple[str, str]:
-    """paths: label -> path_distance(...). Returns (verdict, explanation).
+    """paths: label -> path_distance(...). Returns (verdict, explanation), the verdict by kvviz's one rule
+    (kvviz.core.verdict.classify_bounded): logic on evidence that survives precision, undecided past the rounding
+    distance without it, else precision.
     far_verdict: what a path farther from float64 than the rounding distance alone is ("logic", the Serving view's
-    rule; "undecided" where the distance is a heuristic bound the engine's kernels may pass by rounding - then the
-    rules that survive precision, a choice the engine did not rank first and a margin rounding cannot cross, come
-    first). decides: the sentence naming what would decide an undecided verdict."""
+    rule: that distance counts as evidence; "undecided" where the distance is a heuristic bound the engine's kernels
+    may pass by rounding - then the rules that survive precision, a choice the engine did not rank first and a margin
+    rounding cannot cross, come first). decides: the sentence naming what would decide an undecided verdict."""
     far = {k: v for k, v in paths.items() if v["distance"] > v["rounding"]}
-    bad_pick = [k for k, v in paths.items() if not v["chose_top"]]
-    uniform = [k for k, v in paths.items() if v["uniform"]]
     dist = "; ".join(f"{k}: {v['distance']:.3g} nats (rounding {v['rounding']:.2g})" for k, v in paths.items())
-    if uniform:
-        return "logic", (f"{', '.join(uniform)}: the engine's top log-probs are uniform (every token equally likely): "
-                         f"its logits carry nothing of the model - a missing or zero weight, not rounding. {dist}.")
     if far:
         k, v = max(far.items(), key=lambda kv: kv[1]["distance"] / kv[1]["rounding"])
-        if far_verdict == "logic":
-            return "logic", (f"{k} is {v['distance']:.3g} nats from the float64 reference at step {v['step']} on its "
-                             f"own tokens, {v['distance'] / v['rounding']:.0f}× the engine's rounding distance "
-                             f"({v['rounding']:.2g}): rounding cannot explain it (a stale buffer, a wrong position). "
-                             f"{dist}.")
-        # the engine's kernels round more than the heuristic distance says: a margin is judged against what they did
-        rounding = max(rounding, max(x["distance"] for x in far.values()))
-    if bad_pick:
-        return "logic", f"{', '.join(bad_pick)}: the engine chose a token it did not rank first. {dist}."
-    if parting_step is not None and margin is not None and margin > 2 * rounding:
-        return "logic", (f"the paths part at step {parting_step} where the reference's top-2 margin is {margin:.3g} "
-                         f"nats, beyond 2× the rounding distance ({rounding:.2g}): rounding cannot flip it. {dist}.")
+        if far_verdict != Verdict.LOGIC:
+            # the engine's kernels round more than the heuristic distance says: a margin is judged against what they did
+            rounding = max(rounding, max(x["distance"] for x in far.values()))
+    evidence = _surviving(paths, far, far_verdict, parting_step, margin, rounding, dist)
+    verdict = classify_bounded(False, past_bound=bool(far), survives=evidence is not None)
+    if verdict == Verdict.LOGIC:
+        return verdict.value, evidence
     where = ("" if parting_step is None else
              f" They part at step {parting_step}" + ("." if margin is None else
                                                      f", where the reference's top-2 margin is {margin:.3g} nats "
                                                      f"(within rounding: a near tie)."))
-    if far:
+    if verdict == Verdict.UNDECIDED:
         how = (f"{C_OWN}× kvviz's own run in the engine's dtype" if v.get("own") is not None
                else "K · u for the engine's format")
-        return "undecided", (f"{k} is {v['distance']:.3g} nats from the float64 reference at step {v['step']} on its "
-                             f"own tokens, {v['distance'] / v['rounding']:.3g}× the rounding distance "
-                             f"({v['rounding']:.2g}, {how}): beyond the rounding bound - not decided, the engine's "
-                             f"kernels may round more than torch's." + (f" {decides}" if decides else "")
-                             + f"{where} {dist}.")
-    return "precision", f"every path is within the engine's rounding distance of the float64 reference.{where} {dist}."
+        return verdict.value, (f"{k} is {v['distance']:.3g} nats from the float64 reference at step {v['step']} on "
+                               f"its own tokens, {v['distance'] / v['rounding']:.3g}× the rounding distance "
+                               f"({v['rounding']:.2g}, {how}): beyond the rounding bound - not decided, the engine's "
+                               f"kernels may round more than torch's." + (f" {decides}" if decides else "")
+                               + f"{where} {dist}.")
+    return verdict.value, (f"every path is within the engine's rounding distance of the float64 reference.{where} "
+                           f"{dist}.")
+
+
+def _surviving(paths, far, far_verdict, parting_step, margin, rounding, dist) -> str | None:
+    """The first evidence that survives precision, as its sentence (None: none)."""
+    uniform = [k for k, v in paths.items() if v["uniform"]]
+    if uniform:
+        return (f"{', '.join(uniform)}: the engine's top log-probs are uniform (every token equally likely): its "
+                f"logits carry nothing of the model - a missing or zero weight, not rounding. {dist}.")
+    if far and far_verdict == Verdict.LOGIC:
+        k, v = max(far.items(), key=lambda kv: kv[1]["distance"] / kv[1]["rounding"])
+        return (f"{k} is {v['distance']:.3g} nats from the float64 reference at step {v['step']} on its own tokens, "
+                f"{v['distance'] / v['rounding']:.0f}× the engine's rounding distance ({v['rounding']:.2g}): "
+                f"rounding cannot explain it (a stale buffer, a wrong position). {dist}.")
+    bad_pick = [k for k, v in paths.items() if not v["chose_top"]]
+    if bad_pick:
+        return f"{', '.join(bad_pick)}: the engine chose a token it did not rank first. {dist}."
+    if parting_step is not None and margin is not None and margin > 2 * rounding:
+        return (f"the paths part at step {parting_step} where the reference's top-2 margin is {margin:.3g} nats, "
+                f"beyond 2× the rounding distance ({rounding:.2g}): rounding cannot flip it. {dist}.")
+    return None
 
 
 def engine_verdicts(prompts, lm, lm64, settings, engine, ids, completions, logps, memo: dict | None = None) -> None:
@@ -146,7 +161,7 @@ def engine_verdicts(prompts, lm, lm64, settings, engine, ids, completions, logps
     from ..core.execution import Executor
 
     ex64 = Executor(lm64, settings.with_(invariant=False))
-    dtype = (engine.info().get("dtype") if hasattr(engine, "info") else None) or dtype_name(lm.dtype)
+    dtype = engine.info().get("dtype") or dtype_name(lm.dtype)
     u = rounding_scale(dtype)
     # the engine's float format, run by kvviz on the same weights: its gap from float64 measures the rounding
     ex_own = Executor(lm, settings.with_(invariant=False)) if float_format(dtype) == dtype_name(lm.dtype) else None
@@ -178,8 +193,8 @@ def engine_verdicts(prompts, lm, lm64, settings, engine, ids, completions, logps
         t = p.first_divergence
         if t is None:
             verdict, why = judge(paths, None, None, 0.0)
-            if verdict == "logic":  # the same tokens as the reference, but not the same numbers
-                p.verdict, p.explanation = "logic", "The tokens agree with kvviz's reference, but " + why
+            if verdict == Verdict.LOGIC:  # the same tokens as the reference, but not the same numbers
+                p.verdict, p.explanation = Verdict.LOGIC.value, "The tokens agree with kvviz's reference, but " + why
             continue
         parted = completions[p.condition][i][p.run]
         ref = refs.get(tuple(parted))

@@ -122,11 +122,13 @@ def build_arch(model_type: str, folder: Path) -> dict:
 def _proof(lm64) -> tuple[str, float | None]:
     """Invariant mode, float64: cached vs full, the rest in one chunk, on the sweep's prompt (past the window of 8
     where the type has one). "0" or the first op that breaks it."""
+    from .. import views
     from ..core.execution import ExecSettings
-    from ..views.split.run import SplitConfig, run_split
+    from ..core.protocol import RunContext
+    from ..views import split
 
-    cfg = SplitConfig(PROMPT, split=len(lm64.tokenizer(PROMPT)["input_ids"]) // 2, mode="chunk")
-    res = run_split(lm64, cfg, settings=ExecSettings(invariant=True))
+    cfg = split.SplitConfig(PROMPT, split=len(lm64.tokenizer(PROMPT)["input_ids"]) // 2, mode="chunk")
+    res = views.run(split.VIEW, lm64, cfg, RunContext(settings=ExecSettings(invariant=True)))
     if not res.main.has_cache:
         return "n/a (no cache)", None
     if not res.main.identical:
@@ -136,10 +138,13 @@ def _proof(lm64) -> tuple[str, float | None]:
 
 def _first_op(lm64, cfg) -> str:
     try:
-        from ..views.bisect.run import made_inside, run_bisect
+        from .. import views
         from ..core.execution import ExecSettings
+        from ..core.protocol import RunContext
+        from ..views import bisect
+        from ..views.bisect.run import made_inside
 
-        res = run_bisect(lm64, cfg, ExecSettings(invariant=True))
+        res = views.run(bisect.VIEW, lm64, cfg, RunContext(settings=ExecSettings(invariant=True)))
         op = getattr(res, "first_op", None)
         if op is not None:
             made = ""
@@ -157,8 +162,9 @@ def run_arch(model_type: str, workdir: Path, timeout: float | None = 120) -> Arc
     """Build, load and check one model type; never raises."""
     import torch
 
-    from ..views.check import run as check_mod
+    from .. import views
     from ..models.loading import clear_cache, load_model
+    from ..views import check
 
     t0 = time.perf_counter()
     row = ArchRow(model_type, "cannot run")
@@ -185,7 +191,8 @@ def run_arch(model_type: str, workdir: Path, timeout: float | None = 120) -> Arc
             recurrent = _recurrent_state(lm.model)
             if recurrent:
                 row.config["cache"] = recurrent
-            card = check_mod.run_check(lm, prompt=PROMPT, reuse_prefix=REUSE[0], reuse_questions=REUSE[1])
+            card = views.run(check.VIEW, lm, check.CheckConfig(prompt=PROMPT, reuse_prefix=REUSE[0],
+                                                               reuse_questions=tuple(REUSE[1])))
             row.checks = [{"name": c.name, "status": c.status, "figure": c.figure, "evidence": c.evidence}
                           for c in card.checks]
             failed = [c for c in card.checks if c.status == "fail"]

@@ -19,6 +19,7 @@ from .. import views
 from ..core import estimate, memory
 from ..core.dtypes import DTYPE_NAMES
 from ..core.errors import KvvizError
+from ..engines import registry
 from ..models.loading import ATTN_CHOICES
 
 
@@ -264,7 +265,7 @@ def view_arguments(view) -> Callable:
     def command(args) -> Outcome:
         cfg = config_from(view.config_type(), vars(args))
         lm = load(args)
-        res = view.runner()(lm, cfg, context(args))
+        res = views.run(view, lm, cfg, context(args))
 
         def summary() -> str:
             verdict, text = view.verdict_text(res)
@@ -297,7 +298,7 @@ def workload_of_args(args) -> memory.Workload:
     dtypes = getattr(args, "dtypes", None)
     split = getattr(args, "split", None)
     paths = getattr(args, "paths", None)
-    engine = getattr(args, "engine", "transformers")
+    engine = registry.facts(getattr(args, "engine", None) or registry.default())
     conditions = getattr(args, "conditions", None)
     return memory.Workload(texts=texts, continuations=tuple(getattr(args, "continuation", None) or ()),
                           new_tokens=int(getattr(args, "max_new_tokens", 0) or 0),
@@ -305,7 +306,7 @@ def workload_of_args(args) -> memory.Workload:
                           batch=getattr(args, "batch", None) or getattr(args, "batch_size", None),
                           conditions=split_list(conditions) if isinstance(conditions, str) else (),
                           # transformers' paged engine runs in this process; vLLM, llama.cpp, a server in theirs
-                          page_size=getattr(args, "page_size", None) if engine == "transformers"
+                          page_size=getattr(args, "page_size", None) if engine.pages_here
                           and not getattr(args, "server", None) else 0,
                           dtypes=tuple(d.strip() for d in dtypes.split(",") if d.strip()) if isinstance(dtypes, str)
                           else (),

@@ -36,6 +36,7 @@ def _device(result) -> str | None:
 def result_dict(result) -> dict:
     """The result's own dict, and its memory plan beside it when the run had one (kvviz.core.memory.attach)."""
     d = result.to_dict()
+    d.pop("timings", None)  # a to_dict made by dataclasses.asdict carries the field: written as the two numbers
     if isinstance(result, Timed):  # the estimate the run started with, beside the seconds it took
         t = result.timings_dict()
         d["estimate_s"] = t["estimate_s"]
@@ -82,11 +83,19 @@ def open_result(data: "str | bytes") -> OpenedResult:
     if plan is not None:
         head["memory_plan"] = plan
     try:
-        result = views.get(view).rebuild(d)
-        if isinstance(result, Timed) and ("estimate_s" in d or "elapsed_s" in d):
-            est, took = d.get("estimate_s"), d.get("elapsed_s")
-            result.timed(Timings(float(est) if isinstance(est, (int, float)) else None,
-                                 float(took) if isinstance(took, (int, float)) else 0.0))
+        d.pop("timings", None)
+        est, took = d.pop("estimate_s", None), d.get("elapsed_s")
+        try:
+            result = views.get(view).rebuild(d)
+        except TypeError as e:  # a result type without elapsed_s of its own: the export wrote the run's beside it
+            if "elapsed_s" not in str(e):
+                raise
+            d.pop("elapsed_s", None)
+            result = views.get(view).rebuild(d)
+        number = (int, float)
+        if isinstance(result, Timed) and (isinstance(est, number) or isinstance(took, number)):
+            result.timed(Timings(float(est) if isinstance(est, number) else None,
+                                 float(took) if isinstance(took, number) else None))
     except (KeyError, TypeError, ValueError, IndexError) as e:
         raise KvvizError(f"this {view} result is incomplete or damaged ({type(e).__name__}: "
                          f"{str(e).splitlines()[0][:120]})") from None
@@ -99,7 +108,7 @@ def open_result(data: "str | bytes") -> OpenedResult:
 
 
 def typed(cls, d: dict, **conv):
-    names = {f.name for f in fields(cls)}
+    names = {f.name for f in fields(cls)} - {"timings"}  # a run's timings: set by open_result from its two numbers
     kw = {k: v for k, v in d.items() if k in names}
     kw.update({k: f(kw[k]) for k, f in conv.items() if k in kw})
     if "execution" in names:

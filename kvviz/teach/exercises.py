@@ -95,8 +95,10 @@ def run_exercise(key: str, models: Models, prompt: str | None = None) -> Exercis
     its prompt (a tiny model's tokenizer makes other gaps)."""
     from dataclasses import replace
 
+    from .. import views
     from ..core.inputs import encode
-    from ..views.split.run import run_split
+    from ..core.protocol import RunContext
+    from ..views import split
 
     ex = BY_KEY.get(key)
     if ex is None:
@@ -105,4 +107,4 @@ def run_exercise(key: str, models: Models, prompt: str | None = None) -> Exercis
         ex = replace(ex, prompt=prompt)
     lm = models(ex.dtype)
     n = len(encode(lm, ex.prompt))
-    return ExerciseRun(ex, run_split(lm, ex.config(n), reference=models("float64"), prove=False))
+    return ExerciseRun(ex, views.run(split.VIEW, lm, ex.config(n), RunContext(prove=False, reference=models("float64"))))

@@ -24,6 +24,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from .. import views
 from ..models.compat import output_cache
 from ..core.dtypes import DTYPES, dtype_name, machine_eps, parse_dtype
 from ..core.errors import KvvizError
@@ -31,6 +32,7 @@ from ..core.execution import ExecSettings, Executor
 from ..core.inputs import build_inputs
 from ..models.loading import LoadedModel
 from ..core.metrics import hidden_divergence
+from ..core.protocol import RunContext
 
 LESSON_PROMPT = "The capital of France is Paris, and the capital of Italy is"
 # The default model's own greedy text after "This is a ", cut just before a step where (on one 2-core x86 CPU, bfloat16)
@@ -508,10 +510,10 @@ def step_layers(models: Models, prompt: str = LESSON_PROMPT, n_rest: int = 2,
 
 def _greedy_run(lm: LoadedModel, prompt: str, n: int, fast: bool) -> dict:
     """Greedy with and without cache, stopped where they part: the numbers step 6 draws."""
-    from ..views.greedy.run import GreedyConfig, run_greedy
+    from ..views import greedy
 
-    res = run_greedy(lm, GreedyConfig(prompt, int(n), paths=("cache", "no_cache"), fast=fast,
-                                      stop_at_divergence=True), prove=False)
+    res = views.run(greedy.VIEW, lm, greedy.GreedyConfig(prompt, int(n), paths=("cache", "no_cache"), fast=fast,
+                                                         stop_at_divergence=True), RunContext(prove=False))
     pair = res.pairs[0]
     nc, ca = res.paths["no_cache"], res.paths["cache"]
     steps = min(len(nc.margins), len(pair.max_abs_logit))

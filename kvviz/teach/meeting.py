@@ -22,9 +22,9 @@ def run_scenario(p: Preset, device: str = "cpu", progress=None):
     from ..core.protocol import RunContext
 
     view = views.for_page(Path(p.page).stem)
-    setup = view.resolve(view.scenario)
+    setup = view.scenario
     lm, config, settings = setup(p, device) if setup else _setup_from_controls(p, device, view)
-    return view.runner()(lm, config, RunContext(settings=settings, progress=progress))
+    return views.run(view, lm, config, RunContext(settings=settings, progress=progress))
 
 
 def _setup_from_controls(p: Preset, device: str, view):

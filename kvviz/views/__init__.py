@@ -3,7 +3,7 @@
 A view is a scenario kvviz can run and show (split, greedy, …). Its folder holds everything about it:
 
     kvviz/views/<name>/
-        __init__.py   its View entry (below) and its library API (config, run function, result)
+        __init__.py   its View entry (below), naming its own modules' pieces, and its library API (config, result)
         run.py        config, run, result (the computation, through kvviz.core.execution); its `run(lm, config, ctx)`
                       is the one signature every view has (kvviz.core.protocol), named in its entry (config=, run=)
         figures.py    pure result -> figures/tables; `main(result)`: the charts of its HTML report and Open a
@@ -43,8 +43,14 @@ saved link).
 
 The export (JSON, reopen, HTML), the repro scripts, the CLI's subcommands and `open`, the memory plan, Prepare
 the meeting and the app's navigation and state iterate this registry; nothing compares view names. Adding a view is its folder plus one line in VIEW_FOLDERS
-(docs/architecture.md shows a small example). Entries name their pieces relative to their folder
-("report:reopen"), resolved on first use, so the registry imports no view until one is asked for.
+(docs/architecture.md shows a small example). An entry names its pieces themselves - functions, classes, modules
+(`reopen=report.reopen`, `run=run.run`, `config=run.SplitConfig`, `cli=cli`): its __init__ imports its own modules,
+so a tool's go-to-definition follows them; the registry imports the folders on first use (`_ensure`).
+
+One path: code outside a view's folder runs the view only through the protocol, `kvviz.views.run(name_or_view, lm,
+config, ctx=None)` (its entry's `run(lm, config, ctx)`); a folder's own `run_<x>` function is private to it. What a
+run needs beyond its config (settings, proof, progress, cancellation, a float64 reference already loaded, a float64
+run already made) travels in the context (kvviz.core.protocol.RunContext).
 """
 from __future__ import annotations
 
@@ -52,11 +58,12 @@ import functools
 import importlib
 import time
 from dataclasses import dataclass, field, replace
+from types import ModuleType
 from typing import Callable
 
 from ..core.errors import KvvizError
 from ..core.estimate import Timed, Timings
-from ..core.protocol import DEFAULT_CONTEXT
+from ..core.protocol import DEFAULT_CONTEXT, RunContext
 from ..core.memory import Decoding, MemoryProfile  # noqa: F401 - a view's entry names them (from .. import MemoryProfile)
 
 # The registry: one line a view folder (kvviz.views.<folder>, or a full dotted package name for a view kept
@@ -115,73 +122,61 @@ class View:
     name: str  # the `view` of its JSON export
     title: str  # as the pages call it
     result_type: str  # the class name of its result
-    reopen: "str | Callable[[dict], object]"  # JSON dict (header removed) -> the result
-    figures: "str | Callable[[object], list] | None" = None  # result -> its main figures (pure)
-    verdict: "str | Callable[[object], tuple[str, str]] | None" = None  # result -> (verdict, one paragraph)
+    reopen: Callable[[dict], object]  # JSON dict (header removed) -> the result: report.reopen
+    figures: Callable[[object], list] | None = None  # result -> its main figures (pure): figures.main
+    verdict: Callable[[object], tuple[str, str]] | None = None  # result -> (verdict, one paragraph): report.verdict
     verdict_is_html: bool = False  # the paragraph is an HTML table (dtypes, padding, reuse)
-    tables: "str | Callable[[object], list] | None" = None  # result -> its tables (pandas DataFrames), pure
-    repro: "str | None" = None  # module with check/script/key_figure: a standalone repro script exists
-    cli: "str | None" = None  # module with HELP/add_arguments/command: its CLI subcommand
+    tables: Callable[[object], list] | None = None  # result -> its tables (pandas DataFrames), pure: figures.tables
+    repro: ModuleType | None = None  # its repro module (check/script/key_figure): a standalone repro script exists
+    cli: ModuleType | None = None  # its cli module (HELP/add_arguments/command): its CLI subcommand
     command: str | None = None  # its CLI subcommand as typed, derived from its folder by register() ("loading-trap";
     # a folder of several views declares "<folder command> <word>": "cache load")
     command_aliases: tuple[str, ...] = ()  # older subcommands that still run the view (argparse aliases)
     page: Page | None = None  # its page in the app
     memory: MemoryProfile | None = None  # what its memory plan counts (required: register() refuses a view without)
     runs: tuple[str, ...] = ()  # the names its page's runs have in pages/runner.run_cached (default: its name)
-    scenario: "str | Callable | None" = None  # "scenario:setup": setup(preset, device) -> (lm, config, settings)
+    scenario: Callable | None = None  # scenario.setup: setup(preset, device) -> (lm, config, settings)
     # (default: the preset's model, its controls as the config's fields, invariant mode as the preset says)
     scenarios: tuple = ()  # one-click scenarios of its own (kvviz.teach.presets.Preset), beside kvviz.teach.presets.PRESETS
     # the protocol (kvviz.core.protocol): its typed, validated config class and its `run(lm, config, ctx) -> result`
-    config: "str | type | None" = None  # "run:SplitConfig"
-    refuses: "str | dict | None" = None  # "run:REFUSES": what its run cannot honour and why (kvviz.core.protocol.REFUSABLE):
+    config: type | None = None  # run.SplitConfig
+    refuses: dict | None = None  # run.REFUSES: what its run cannot honour and why (kvviz.core.protocol.REFUSABLE):
     # its run refuses such a context in one line, its subcommand the matching flag
-    run: "str | Callable | None" = None  # "run:run"
+    run: Callable | None = None  # run.run
     package: str = field(default="", compare=False)  # the folder's package, set by register()
 
-    def resolve(self, ref):
-        """A "module:function" (relative to the view's folder, or absolute) or a module name -> the object."""
-        if ref is None or callable(ref):
-            return ref
-        module, _, name = ref.partition(":")
-        if self.package and not module.startswith("kvviz."):
-            module = f"{self.package}.{module}"
-        mod = importlib.import_module(module)
-        return getattr(mod, name) if name else mod
-
     def rebuild(self, d: dict):
-        return self.resolve(self.reopen)(d)
+        return self.reopen(d)
 
     def main_figures(self, result) -> list:
-        fn = self.resolve(self.figures)
-        return list(fn(result)) if fn else []
+        return list(self.figures(result)) if self.figures else []
 
     def main_tables(self, result) -> list:
-        fn = self.resolve(self.tables)
-        return list(fn(result)) if fn else []
+        return list(self.tables(result)) if self.tables else []
 
     def verdict_text(self, result) -> tuple[str, str]:
-        fn = self.resolve(self.verdict)
-        if fn is None:
+        if self.verdict is None:
             return getattr(result, "verdict", ""), getattr(result, "explanation", "")
-        return fn(result)
+        return self.verdict(result)
 
     def config_type(self) -> type:
-        return self.resolve(self.config)
+        return self.config
 
     def refusals(self) -> dict:
         """What its run cannot honour, and why ({"invariant": why, "prove": why}; empty: it honours both)."""
-        return dict(self.resolve(self.refuses) or {})
+        return dict(self.refuses or {})
 
     def runner(self) -> Callable:
-        """The view's `run(lm, config, ctx: kvviz.core.protocol.RunContext) -> result`, timed: its result carries
-        the estimate the run started with (ctx.estimate) and the seconds it took (kvviz.core.estimate.Timings)."""
-        return _timed(self.resolve(self.run))
+        """The view's `run(lm, config, ctx: kvviz.core.protocol.RunContext) -> result` (kvviz.views.run calls it),
+        timed: its result carries the estimate the run started with (ctx.estimate) and the seconds it took
+        (kvviz.core.estimate.Timings)."""
+        return _timed(self.run)
 
     def repro_module(self):
-        return self.resolve(self.repro)
+        return self.repro
 
     def cli_module(self):
-        return self.resolve(self.cli)
+        return self.cli
 
     def run_names(self) -> tuple[str, ...]:
         return self.runs or (self.name,)
@@ -219,8 +214,13 @@ def register(view: View, package: str = "") -> View:
         raise KvvizError(f"view {view.name!r} declares MemoryProfile(proves=True): whether its run proves is derived "
                          "from its entry (the float64 reference, and `refuses` without 'prove')")
     if not (view.config and view.run):
-        raise KvvizError(f"view {view.name!r} names no config class and run (View(config='run:<Config>', "
-                         "run='run:run')): every view runs through one protocol (kvviz.core.protocol)")
+        raise KvvizError(f"view {view.name!r} names no config class and run (View(config=run.<Config>, "
+                         "run=run.run)): every view runs through one protocol (kvviz.core.protocol)")
+    named = [f for f in ("reopen", "figures", "verdict", "tables", "repro", "cli", "scenario", "config", "refuses",
+                         "run") if isinstance(getattr(view, f), str)]
+    if named:
+        raise KvvizError(f"view {view.name!r} names its {named[0]} by a string ({getattr(view, named[0])!r}): an entry "
+                         "names the function, class or module itself (its __init__ imports its own modules)")
     folder = (package or view.package or view.name).rsplit(".", 1)[-1]
     command = None
     if view.cli or (view.config and view.run and view.name == folder):  # no cli.py: one made from its config
@@ -290,6 +290,15 @@ def add_folder(folder: str) -> tuple[View, ...]:
             raise KvvizError(f"the view of the folder {own!r} is named {entries[0].name!r}: a view takes its "
                              "folder's name (its JSON `view`, subcommand, page and settings prefix derive from it)")
     return tuple(register(v, package) for v in entries)
+
+
+def run(view: "str | View", lm, config, ctx: RunContext | None = None):
+    """Run a view through the protocol: its entry's `run(lm, config, ctx)` (kvviz.core.protocol), `view` its name
+    or its entry, `ctx` the run's context (default: kvviz.core.protocol.DEFAULT_CONTEXT). The one way code outside a
+    view's folder runs it: the pages' runner, the CLI, the Lesson, the exercises, Prepare the meeting, the
+    architecture sweep, bench/ and scripts/ (tests/test_one_path.py checks it)."""
+    v = get(view) if isinstance(view, str) else view
+    return v.runner()(lm, config, DEFAULT_CONTEXT if ctx is None else ctx)
 
 
 def get(name: str) -> View:

@@ -67,7 +67,7 @@ class CheckCard(Timed):
 
 def _compose(view: str, lm: LoadedModel, config, progress=None):
     """Another view's run, through the registry (kvviz.core.protocol): the card judges in float64, no invariant rerun."""
-    return views.get(view).runner()(lm, config, RunContext(prove=False, progress=progress))
+    return views.run(view, lm, config, RunContext(prove=False, progress=progress))
 
 
 def _split_config(prompt: str, **kw):

@@ -1,8 +1,8 @@
 """`python -m kvviz dtypes`: the split comparison in several dtypes over one prompt or a prompt set."""
 from __future__ import annotations
 
-from ...io.clirun import (Outcome, load, model_args, placement, plan_gate, progress_to_stderr, prove, repro_arg,
-                       settings, spec)
+from ... import views
+from ...io.clirun import Outcome, context, load, model_args, plan_gate, repro_arg
 from ...core.errors import KvvizError
 
 
@@ -25,7 +25,7 @@ def add_arguments(dp) -> None:
 
 def command(args) -> Outcome:
     from ...core.prompts import load_prompts
-    from .run import DtypesConfig, run_dtypes
+    from .run import DtypesConfig
 
     if args.split not in ("last", "half"):
         try:
@@ -36,14 +36,14 @@ def command(args) -> Outcome:
             raise KvvizError(f"--split must be 1 or more, not {args.split}")
     prompts = [args.prompt] if args.prompt is not None else load_prompts(args.prompts, args.limit)
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-    args.workload = DtypesConfig(tuple(prompts), tuple(dtypes), args.split, args.mode).workload()  # as its page plans
+    cfg = DtypesConfig(tuple(prompts), tuple(dtypes), args.split, args.mode)
+    args.workload = cfg.workload()  # as its page plans
     plan_gate(args)
-    res = run_dtypes(load(args) if placement(args) else spec(args), prompts, dtypes, args.device, args.attn,
-                     split=args.split, mode=args.mode, trust_remote_code=args.trust_remote_code,
-                     progress=progress_to_stderr(args.quiet), settings=settings(args), prove=prove(args))
+    lm = load(args)  # each dtype is its twin (from the same cache), float64 its reference
+    res = views.run("dtypes", lm, cfg, context(args))
 
     # the export's model (fingerprint, repro script): the run's own float64 reference, already built by the sweep
-    lm64 = load(args).reference()
+    lm64 = lm.reference()
 
     def summary() -> str:
         return "\n".join([

@@ -133,9 +133,8 @@ def run_dtypes(model: "LoadedModel | ModelSpec | str", prompts: list[str], dtype
     skipped = [d for d in names if not supports_dtype(models[d].device, parse_dtype(d))]
     out = _Collector(names)
     single: dict = {}
-    # the split view composed through the registry; its library run (not the protocol's) takes the float64
-    # comparison already measured, so float64 runs once per prompt for every dtype
-    run_split = views.get("split").resolve("run:run_split")
+    # the split view composed through the protocol; the float64 run already made travels in its context
+    # (float64_run), so float64 runs once per prompt for every dtype
     kept_prompts: list[str] = []
     labels: list[str] = []
     prove_each = None if prove or (prove is None and len(prompts) == 1) else False  # None: each precision verdict
@@ -146,14 +145,14 @@ def run_dtypes(model: "LoadedModel | ModelSpec | str", prompts: list[str], dtype
         if n < 2:
             continue  # a one-token prompt has nothing to split
         cfg = SplitConfig(prompt=prompt, split=split_point(n, split), mode=mode)
-        f64_res = run_split(lm64, cfg, settings=settings, prove=False)
+        f64_res = views.run("split", lm64, cfg, RunContext(settings=settings, prove=False))
         if not f64_res.main.has_cache:
             raise KvvizError(f"{lm64.name} returns no cache (a bidirectional model): nothing to compare per dtype")
         kept_prompts.append(prompt)
         labels = f64_res.layer_labels
         for d in names:
-            res = f64_res if d == "float64" else run_split(models[d], cfg, float64_comparison=f64_res.main,
-                                                          prove=prove_each, settings=settings)
+            res = f64_res if d == "float64" else views.run(
+                "split", models[d], cfg, RunContext(settings=settings, prove=prove_each, float64_run=f64_res))
             out.add(d, res, reference=d == "float64")
             if len(prompts) == 1:
                 single[d] = res

@@ -5,11 +5,12 @@ layer where they differ beyond rounding, named.
 This folder is the whole view: run.py (config, run, result), figures.py, report.py (reopen, verdict), cli.py.
 Registered by one line in kvviz/views/__init__.py."""
 from .. import MemoryProfile, Page, View
+from . import cli, figures, report, run
 from .run import EngineLayersConfig, EngineLayersResult, run_engine_layers  # noqa: F401  (the library API)
 
 # memory: kvviz runs two no-cache forwards of the prompt (the float64 reference and its own run in the engine's
 # dtype), every hidden state kept (they go to the worker as a file); the engine's memory is its own process's
-VIEW = View("engine_layers", "Engine layers", "EngineLayersResult", "report:reopen", "figures:main", "report:verdict",
-            tables="figures:tables", cli="cli", page=Page("engine_layers", "Engine", ":material/layers:", starts_engine=True),
-            config="run:EngineLayersConfig", run="run:run", refuses="run:REFUSES",
+VIEW = View("engine_layers", "Engine layers", "EngineLayersResult", report.reopen, figures.main, report.verdict,
+            tables=figures.tables, cli=cli, page=Page("engine_layers", "Engine", ":material/layers:", starts_engine=True),
+            config=run.EngineLayersConfig, run=run.run, refuses=run.REFUSES,
             memory=MemoryProfile(forwards=3, streamed_hidden=False))

@@ -2,6 +2,7 @@
 parallel 1 vs N) compared layer by layer inside the engine, each against the float64 reference."""
 from __future__ import annotations
 
+from ...engines import registry
 from ...io.clirun import Outcome, context, load, model_args
 
 HELP = ("inside the engine: warm vs cold, batch vs alone or tensor parallel 1 vs N in vLLM, layer × token, each "
@@ -21,7 +22,7 @@ def add_arguments(vp) -> None:
     vp.add_argument("--others", type=int, default=0,
                     help="also run this many built-in prompts on both sides, compared at their outputs (distinct "
                          "completions per prompt, where they part, the verdict against the float64 reference)")
-    vp.add_argument("--engine", default="vllm", choices=("vllm", "llama.cpp"),
+    vp.add_argument("--engine", default=registry.capturing()[0], choices=registry.capturing(),
                     help="vllm or llama.cpp (their own environments: `make engines`; llama.cpp: the warm pair only, "
                          "on the GGUF itself)")
     vp.add_argument("--tensor-parallel-size", type=int, default=3,
@@ -36,7 +37,6 @@ def add_arguments(vp) -> None:
 
 def command(args) -> Outcome:
     from .run import EngineLayersConfig, run
-    from ...engines.serving import check_engine
 
     cfg = EngineLayersConfig(prompt=args.prompt, pair=args.pair, prefix=args.prefix,
                              max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, others=args.others,
@@ -44,7 +44,7 @@ def command(args) -> Outcome:
                              pipeline_parallel_size=args.pipeline_parallel_size,
                              distributed_executor_backend=args.distributed_executor_backend, engine=args.engine)
     cfg.validate()  # one line before anything loads (llama.cpp, pipeline parallel, bad sizes)
-    check_engine(cfg.engine)
+    registry.check(cfg.engine)
     args.workload = cfg.workload()  # its memory plan: what the config holds, as the Engine layers page plans it
     lm = load(args)
     res = run(lm, cfg, context(args))

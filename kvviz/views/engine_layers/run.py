@@ -51,18 +51,17 @@ from ...core.metrics import first_divergence, hidden_divergence
 from ...core.naming import layer_labels
 from ...core.text import display_tokens
 from ...core.estimate import Timed
-from ...engines.verdict import C_OWN, K_GROWTH, UNIT_ROUNDOFF
+from ...core.verdict import Verdict, classify_bounded, severity, worst
+from ...engines import registry
+from ...engines.base import Engine
+from ...engines.verdict import C_OWN, K_GROWTH, UNIT_ROUNDOFF, judge, margin_at, path_distance, reference_logprobs, \
+    rounding_scale
 
 PAIRS = {"warm": ("cold", "warm"), "batch": ("alone", "batch"), "tp": ("tp 1", "tp N")}
-ENGINES = ("vllm", "llama.cpp")
+ENGINES = registry.capturing()  # the engines that capture layers (kvviz.engines.registry; the page's choices)
 METRICS = ("relative", "eps_units", "max_abs")
-VLLM_BLOCK = 32
-TOP_K = 5  # log-probs per step, for the output-level verdict (the Serving view's)
 MAX_NEW_TOKENS = 64
-LLAMACPP_REFUSED = ("llama.cpp layer capture compares warm with cold only: a batch's ubatches interleave its "
-                    "sequences' rows in the eval callback, and llama.cpp has no tensor parallelism on a CPU; "
-                    "compare llama.cpp batches at their outputs with `kvviz serving --engine llama.cpp`")
-LLAMACPP_BOUND = K_GROWTH["q8"] * UNIT_ROUNDOFF["q8"]  # relative, every row: 8-bit activations (kvviz cannot run them)
+QUANTIZED_BOUND = K_GROWTH["q8"] * UNIT_ROUNDOFF["q8"]  # relative, every row: 8-bit activations (kvviz cannot run them)
 
 
 
@@ -77,15 +76,15 @@ class EngineLayersConfig:
     tensor_parallel_size: int = 3  # "tp": TP 1 against this; "warm"/"batch": the engine's TP size is 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # mp | ray | uni | external_launcher (vLLM's), None: its default
-    engine: str = "vllm"
+    engine: str = ENGINES[0]
 
     def validate(self) -> None:
-        if self.engine not in ENGINES:
-            raise KvvizError(f"unknown engine '{self.engine}'; choose one of {', '.join(ENGINES)}")
+        if self.engine not in registry.capturing():
+            raise KvvizError(f"unknown engine '{self.engine}'; choose one of {', '.join(registry.capturing())}")
         if self.pair not in PAIRS:
             raise KvvizError(f"unknown pair '{self.pair}'; choose one of {', '.join(PAIRS)}")
-        if self.engine == "llama.cpp" and self.pair != "warm":
-            raise KvvizError(LLAMACPP_REFUSED)
+        if self.pair not in registry.get(self.engine).capture_pairs:
+            raise KvvizError(registry.get(self.engine).capture_refused)
         if not isinstance(self.prompt, str) or not self.prompt.strip():
             raise KvvizError("the prompt is empty; type some text to compare")
         for name, lo, hi in (("max_new_tokens", 1, MAX_NEW_TOKENS), ("batch_size", 2, 64), ("others", 0, 100),
@@ -212,47 +211,6 @@ class EngineLayersResult(Timed):
                 f"{self.row_label(self.first_beyond)}")
 
 
-# --------------------------------------------------------------------------------------------------------------
-# The engine
-
-
-class _Engine:
-    """One vLLM or llama.cpp worker with layer capture on."""
-
-    def __init__(self, lm, cfg: EngineLayersConfig, tp: int, seqs: int):
-        from ...engines import WorkerClient
-        from ...engines.workers import _cpu_only, gguf_of
-
-        timeout = float(os.environ.get("KVVIZ_ENGINE_TIMEOUT", 1800))
-        if cfg.engine == "llama.cpp":
-            self.client = WorkerClient("llama.cpp", timeout_s=timeout)
-            fields = dict(model=gguf_of(lm)[0], n_ctx=2048, seed=0,
-                          threads=int(os.environ.get("KVVIZ_ENGINE_THREADS", 2)), capture=True)
-        else:
-            env = {"VLLM_BATCH_INVARIANT": "0"}
-            if _cpu_only():  # (TP > 1 on a CPU: the worker binds each rank's threads to a core, vllm_worker.py)
-                env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
-            self.client = WorkerClient("vllm", env=env, timeout_s=timeout)
-            fields = dict(model=lm.source, dtype=str(lm.dtype).removeprefix("torch."), prefix_caching=True,
-                          max_num_seqs=seqs, block_size=VLLM_BLOCK, tensor_parallel_size=tp,
-                          pipeline_parallel_size=cfg.pipeline_parallel_size,
-                          distributed_executor_backend=cfg.distributed_executor_backend or None,
-                          gpu_memory_utilization=0.3 if _cpu_only() else None, capture=True)
-        try:
-            reply = self.client.call("start", **fields)
-        except BaseException:
-            self.client.close()
-            raise
-        self.info = {"name": cfg.engine, "version": reply.get("version"), "settings": reply.get("settings", {}),
-                     "start_s": float(reply.get("seconds", 0.0))}
-
-    def generate(self, groups: list[dict]) -> dict:
-        return self.client.call("generate", groups=groups, logprobs=TOP_K)["outputs"]
-
-    def close(self) -> None:
-        self.client.close()
-
-
 def _req(key: str, ids: list[int], n: int, salt: str | None = None) -> dict:
     return {"key": key, "ids": list(map(int, ids)), "max_new_tokens": n, "salt": salt}
 
@@ -330,143 +288,164 @@ def _first_row(m: np.ndarray, bound: np.ndarray | None) -> int | None:
 def run_engine_layers(lm, cfg: EngineLayersConfig, progress: Progress | None = None,
                       settings: ExecSettings | None = None) -> EngineLayersResult:
     """Run the pair (module docstring) and judge it. The engine runs the model's folder in the model's dtype."""
-    from ...engines.serving import check_engine
-    from ...engines.workers import check_vllm_dtype
-    from ...core.dtypes import dtype_name
-
     progress = progress or no_progress
     settings = settings or DEFAULT_SETTINGS  # validated once, by its RunContext
     if settings.invariant:
         raise KvvizError("vLLM's deterministic mode (VLLM_BATCH_INVARIANT=1) needs its CUDA/ROCm kernels; the "
                          "engine-layers view runs the engine as it serves: rerun without --invariant")
     cfg.validate()
-    check_engine(cfg.engine)
-    llama = cfg.engine == "llama.cpp"
-    if llama:
-        from ...engines.workers import gguf_of
-
-        gguf_of(lm)  # one line unless the model came from a GGUF file
-        dtype = "q8"  # llama.cpp's kernels: 8-bit activations on the GGUF's weights
-    else:
-        check_vllm_dtype(lm)
-        dtype = dtype_name(lm.dtype)
-        if dtype not in UNIT_ROUNDOFF:
-            raise KvvizError(f"vLLM runs float32, bfloat16 or float16, not {dtype}")
-        if not Path(str(lm.source)).is_dir():
-            raise KvvizError("vLLM runs a model folder: load 'default', a .gguf (kvviz converts it) or a local folder")
+    kind = registry.check(cfg.engine)
+    dtype = kind.layer_dtype(lm)  # one line where the engine cannot run this model (its format: its rounding)
     tp_b = cfg.tensor_parallel_size if cfg.pair == "tp" else 1
     check_parallel(lm, tp_b)
     t0 = time.perf_counter()
     ids = encode(lm, cfg.prefix + cfg.prompt)
     check_context(lm, ids, extra_tokens=cfg.max_new_tokens)
-    n = cfg.max_new_tokens
-    eps = 2 * UNIT_ROUNDOFF["q8"] if llama else float(torch.finfo(lm.dtype).eps)
+    eps = 2 * UNIT_ROUNDOFF["q8"] if kind.quantized else float(torch.finfo(lm.dtype).eps)
     label_a, label_b = PAIRS[cfg.pair]
     if cfg.pair == "tp":
         label_a, label_b = "tp 1", f"tp {tp_b}"
     prompts = _prompts(lm, cfg, ids)
+    lm64 = lm.reference()
+    ex64 = Executor(lm64, settings.with_(invariant=False))
+    ex_own = None if kind.quantized else Executor(lm, settings.with_(invariant=False))
+    # the registry's class itself (not open(): vLLM importable here would run in this process, and its layers are
+    # captured in its worker all the same)
+    cap = _capture_pair(kind(), lm, cfg, ids=ids, prompts=prompts, labels=(label_a, label_b), tp_b=tp_b,
+                        ex64=ex64, ex_own=ex_own, dtype=dtype, eps=eps, progress=progress)
+    progress(0.9, "every prompt's two completions against the float64 reference")
+    rows = _output_rows(lm, prompts, cap.outs, ex64, ex_own, dtype, label_a, label_b)
+    gaps = _matrices(cap.ab)
+    out_a, out_b = cap.outs["A0"], cap.outs["B0"]
+    side_a = Side(label_a, cap.toks_a, int(out_a.get("cached_tokens", 0)), cap.pos_a, cap.ref_a,
+                  _first_row(cap.ref_a["relative"], cap.bound), float(out_a.get("seconds", 0.0)))
+    side_b = Side(label_b, cap.toks_b, int(out_b.get("cached_tokens", 0)), cap.pos_b, cap.ref_b,
+                  _first_row(cap.ref_b["relative"], cap.bound), float(out_b.get("seconds", 0.0)))
+    labels = layer_labels(len(cap.own))
+    first_diff = _first_row(gaps["max_abs"], None)
+    first_beyond = _first_row(gaps["relative"], cap.bound)
+    fd = first_divergence(cap.toks_a, cap.toks_b)
+    layers_verdict, layers_why = _judge(side_a, side_b, gaps, first_diff, first_beyond, fd, labels, cap.bound, dtype,
+                                        cap.own, cfg.pair, kind.label)
+    engine = {"name": cfg.engine, "version": cap.infos[label_a].get("version"),
+              "settings": {k: v.get("settings", {}) for k, v in cap.infos.items()},
+              "start_s": {k: v.get("start_s") for k, v in cap.infos.items()}}
+    run = RunInfo.of(lm, settings).to_dict()
+    if kind.engine_dtype(lm) is not None:
+        run["engine_dtype"] = kind.engine_dtype(lm)
+    full = ids + cap.toks_a
+    tokens = display_tokens(lm.tokenizer, full)
+    notes = []
+    if kind.quantized:
+        notes.append(f"{kind.label}'s 8-bit activations are not a format kvviz runs: the rounding bound is "
+                     f"{QUANTIZED_BOUND:g} relative at every layer (the Serving view's K · u for them), and ε is 2^-7")
+    elif cfg.pair == "warm" and side_b.cached_tokens == 0 and kind.cache_block:
+        notes.append(f"the warm run took no tokens from the prefix cache ({kind.label} caches whole "
+                     f"{kind.cache_block}-token blocks: the prompt and its shared prefix must be longer than "
+                     f"{kind.cache_block} tokens)")
+    res = EngineLayersResult({**run, **asdict(cfg)}, engine, tokens, full, len(ids), labels, side_a, side_b,
+                             list(cap.ab["positions"]), gaps, cap.own, cap.bound.tolist(), first_diff, first_beyond,
+                             fd, layers_verdict, layers_why, time.perf_counter() - t0, notes, rows, layers_verdict)
+    res.verdict, res.explanation = combine(layers_verdict, layers_why, rows, res.parting_line())
+    return res
+
+
+@dataclass
+class _Captured:
+    """What the engine's capture gave: every request's outputs, side A's and B's tokens, each side's gaps from the
+    float64 reference and its positions, A against B, kvviz's own run's gap per row and the bound, the engines'
+    infos per side."""
+    outs: dict
+    toks_a: list[int]
+    toks_b: list[int]
+    ref_a: dict
+    ref_b: dict
+    pos_a: list[int]
+    pos_b: list[int]
+    ab: dict
+    own: list[float]
+    bound: np.ndarray
+    infos: dict
+
+
+def _capture_pair(engine: Engine, lm, cfg: EngineLayersConfig, *, ids, prompts, labels, tp_b, ex64, ex_own, dtype,
+                  eps, progress) -> _Captured:
+    """Both sides of the pair through the engine with layer capture on (a tp pair: two engines, one after the
+    other), and their states reduced against each other and against kvviz's float64 reference."""
+    label_a, label_b = labels
+    n = cfg.max_new_tokens
+    quantized = ex_own is None
 
     def side_groups(side: str) -> list[dict]:  # every prompt's submissions on one side of the pair
         return [g for k, (_, q_ids, warmer, neigh) in enumerate(prompts)
                 for g in _side_groups(cfg.pair, side, k, q_ids, n, warmer, neigh)]
 
-    engines, infos = [], {}
+    def start(tp: int):
+        return engine.capture(lm, tensor_parallel_size=tp, max_num_seqs=max(8, cfg.batch_size),
+                              pipeline_parallel_size=cfg.pipeline_parallel_size,
+                              distributed_executor_backend=cfg.distributed_executor_backend)
+
+    sessions, infos = [], {}
     tmp = tempfile.mkdtemp(prefix="kvviz-engine-layers-")
     try:
-        lm64 = lm.reference()
-        ex64 = Executor(lm64, settings.with_(invariant=False))
-        ex_own = Executor(lm, settings.with_(invariant=False))
-        seqs = max(8, cfg.batch_size)
-        progress(0.05, "starting llama.cpp" if llama else "starting vLLM (tensor parallel 1)")
-        eng = _Engine(lm, cfg, 1, seqs)
-        engines.append(eng)
-        infos[label_a] = eng.info
+        progress(0.05, f"starting {engine.label}" + (" (tensor parallel 1)" if engine.tensor_parallel else ""))
+        cap = start(1)
+        sessions.append(cap)
+        infos[label_a] = cap.info
         groups = side_groups("A") + ([] if cfg.pair == "tp" else side_groups("B"))
         progress(0.3, f"{label_a}{'' if cfg.pair == 'tp' else ' and ' + label_b}: {len(prompts)} prompt(s)")
-        outs = eng.generate(groups)
-        out_a = outs["A0"]
-        toks_a = [int(t) for t in out_a["tokens"]]
-        progress(0.45, "kvviz's float64 reference" + ("" if llama else " and its own run in the engine's dtype")
+        outs = cap.generate(groups)
+        toks_a = [int(t) for t in outs["A0"]["tokens"]]
+        progress(0.45, "kvviz's float64 reference" + ("" if quantized else " and its own run in the engine's dtype")
                  + " on A's tokens")
         full_a = ids + toks_a[:-1]
-        ref_a = _states64(lm64, ex64, full_a)
-        if llama:  # kvviz has no 8-bit-activation run: the q8 bound at every row
+        ref_a = _states64(ex64.lm, ex64, full_a)
+        if quantized:  # kvviz has no 8-bit-activation run: the q8 bound at every row
             own = [0.0] * len(ref_a)
-            bound = np.full(len(ref_a), LLAMACPP_BOUND)
+            bound = np.full(len(ref_a), QUANTIZED_BOUND)
         else:
             own_a = _states64(lm, ex_own, full_a)
             own = [float(hidden_divergence(r, o.to(r.device), eps)["relative"].max()) for r, o in zip(ref_a, own_a)]
             del own_a
             floor = K_GROWTH["float"] * UNIT_ROUNDOFF[dtype]
             bound = np.maximum(C_OWN * np.asarray(own), floor)
-        path_a = _write_reference(ref_a, tmp, "ref_a", llama)
+        path_a = _write_reference(ref_a, tmp, "ref_a", engine.reference_npz)
         del ref_a
-        side_a_ref = _matrices(eng.client.call("layer_gaps", a=["A", "A0"], file=path_a, eps=eps))
-        pos_a = eng.client.call("captured", tag="A", key="A0")["positions"]
+        side_a_ref = _matrices(cap.gaps(("A", "A0"), file=path_a, eps=eps))
+        pos_a = cap.positions("A", "A0")
         if cfg.pair == "tp":
             path_states_a = str(Path(tmp) / "states_a.safetensors")
-            eng.client.call("save_states", tag="A", key="A0", path=path_states_a)
-            eng.close()
-            engines.remove(eng)
-            progress(0.55, f"starting vLLM with tensor parallel {tp_b}")
-            eng = _Engine(lm, cfg, tp_b, seqs)
-            engines.append(eng)
-            infos[label_b] = eng.info
+            cap.save_states("A", "A0", path_states_a)
+            cap.close()
+            sessions.remove(cap)
+            progress(0.55, f"starting {engine.label} with tensor parallel {tp_b}")
+            cap = start(tp_b)
+            sessions.append(cap)
+            infos[label_b] = cap.info
             progress(0.7, f"tensor parallel {tp_b}: {len(prompts)} prompt(s)")
-            outs.update(eng.generate(side_groups("B")))
-        out_b = outs["B0"]
-        toks_b = [int(t) for t in out_b["tokens"]]
+            outs.update(cap.generate(side_groups("B")))
+        toks_b = [int(t) for t in outs["B0"]["tokens"]]
         fd = first_divergence(toks_a, toks_b)
         upto = None if fd is None else len(ids) + fd
         progress(0.8, "A against B, layer by layer")
         if cfg.pair == "tp":
-            ab = eng.client.call("layer_gaps", a=["B", "B0"], file=path_states_a, upto=upto, eps=eps)
+            ab = cap.gaps(("B", "B0"), file=path_states_a, upto=upto, eps=eps)
         else:
-            ab = eng.client.call("layer_gaps", a=["B", "B0"], b=["A", "A0"], upto=upto, eps=eps)
+            ab = cap.gaps(("B", "B0"), ("A", "A0"), upto=upto, eps=eps)
         full_b = ids + toks_b[:-1]
-        ref_b = _states64(lm64, ex64, full_b) if full_b != full_a else None
-        path_b = path_a if ref_b is None else _write_reference(ref_b, tmp, "ref_b", llama)
+        ref_b = _states64(ex64.lm, ex64, full_b) if full_b != full_a else None
+        path_b = path_a if ref_b is None else _write_reference(ref_b, tmp, "ref_b", engine.reference_npz)
         del ref_b
-        side_b_ref = _matrices(eng.client.call("layer_gaps", a=["B", "B0"], file=path_b, eps=eps))
-        pos_b = eng.client.call("captured", tag="B", key="B0")["positions"]
+        side_b_ref = _matrices(cap.gaps(("B", "B0"), file=path_b, eps=eps))
+        pos_b = cap.positions("B", "B0")
     finally:
-        for e in engines:
-            e.close()
+        for c in sessions:
+            c.close()
+        engine.close()
         for f in Path(tmp).glob("*"):
             f.unlink()
         os.rmdir(tmp)
-    progress(0.9, "every prompt's two completions against the float64 reference")
-    rows = _output_rows(lm, prompts, outs, ex64, None if llama else ex_own, dtype, label_a, label_b)
-    gaps = _matrices(ab)
-    side_a = Side(label_a, toks_a, int(out_a.get("cached_tokens", 0)), pos_a, side_a_ref,
-                  _first_row(side_a_ref["relative"], bound), float(out_a.get("seconds", 0.0)))
-    side_b = Side(label_b, toks_b, int(out_b.get("cached_tokens", 0)), pos_b, side_b_ref,
-                  _first_row(side_b_ref["relative"], bound), float(out_b.get("seconds", 0.0)))
-    labels = layer_labels(len(own))
-    first_diff = _first_row(gaps["max_abs"], None)
-    first_beyond = _first_row(gaps["relative"], bound)
-    layers_verdict, layers_why = _judge(side_a, side_b, gaps, first_diff, first_beyond, fd, labels, bound, dtype,
-                                        own, cfg.pair, "llama.cpp" if llama else "vLLM")
-    engine = {"name": cfg.engine, "version": infos[label_a].get("version"),
-              "settings": {k: v.get("settings", {}) for k, v in infos.items()},
-              "start_s": {k: v.get("start_s") for k, v in infos.items()}}
-    run = RunInfo.of(lm, settings).to_dict()
-    if llama:
-        run["engine_dtype"] = f"llama.cpp: 8-bit activations × {gguf_of(lm)[1] or 'GGUF'} weights"
-    full = ids + toks_a
-    tokens = display_tokens(lm.tokenizer, full)
-    notes = []
-    if llama:
-        notes.append(f"llama.cpp's 8-bit activations are not a format kvviz runs: the rounding bound is "
-                     f"{LLAMACPP_BOUND:g} relative at every layer (the Serving view's K · u for them), and ε is 2^-7")
-    elif cfg.pair == "warm" and side_b.cached_tokens == 0:
-        notes.append(f"the warm run took no tokens from the prefix cache (vLLM caches whole {VLLM_BLOCK}-token blocks: "
-                     f"the prompt and its shared prefix must be longer than {VLLM_BLOCK} tokens)")
-    res = EngineLayersResult({**run, **asdict(cfg)}, engine, tokens, full, len(ids), labels, side_a, side_b,
-                             list(ab["positions"]), gaps, own, bound.tolist(), first_diff, first_beyond, fd,
-                             layers_verdict, layers_why, time.perf_counter() - t0, notes, rows, layers_verdict)
-    res.verdict, res.explanation = combine(layers_verdict, layers_why, rows, res.parting_line())
-    return res
+    return _Captured(outs, toks_a, toks_b, side_a_ref, side_b_ref, pos_a, pos_b, ab, own, bound, infos)
 
 
 def own_ratio(side: Side, own) -> float | None:
@@ -483,8 +462,6 @@ def _output_rows(lm, prompts, outs, ex64, ex_own, dtype, label_a, label_b) -> li
     """Per prompt, the two sides at their outputs: tokens, distinct completions, the step where they part and the
     Serving view's verdict (each side's top-5 log-probs against the float64 reference on its own tokens; a parting
     step's reference margin against the rounding distance)."""
-    from ...engines.verdict import judge, margin_at, path_distance, reference_logprobs, rounding_scale
-
     u = rounding_scale(dtype)
     rows = []
     for k, (text, q_ids, _, _) in enumerate(prompts):
@@ -506,11 +483,11 @@ def _output_rows(lm, prompts, outs, ex64, ex_own, dtype, label_a, label_b) -> li
                    "float64 here.")
         verdict, why = judge(paths, fd, margin, paths[label_a]["rounding"], far_verdict="undecided", decides=decides)
         same = fd is None and oa.get("top") == ob.get("top")  # the same tokens and top log-probs, bit for bit
-        if fd is None and verdict == "precision" or same and verdict == "undecided":
-            if verdict == "undecided":
+        if fd is None and verdict == Verdict.PRECISION or same and verdict == Verdict.UNDECIDED:
+            if verdict == Verdict.UNDECIDED:
                 why = (f"{label_a} and {label_b} gave the same tokens and the same top log-probs bit for bit: nothing "
                        f"changed at the outputs. Against float64 (another comparison): " + why)
-            verdict = "identical"
+            verdict = Verdict.IDENTICAL.value
         rows.append({"prompt": text, "tokens": {label_a: ta, label_b: tb}, "distinct": 1 if fd is None else 2,
                      "first_divergence": fd, "margin": margin, "verdict": verdict, "explanation": why,
                      "distance": {k2: float(v["distance"]) for k2, v in paths.items()},
@@ -553,9 +530,8 @@ def _judge(a: Side, b: Side, gaps, first_diff, first_beyond, fd, labels, bound, 
     float64, which is about the kernels both runs share, not about what the pair changes; else precision when both
     sides stay within the rounding bound of float64 at every layer; logic only where A and B differ beyond the bound
     AND a side leaves the bound of float64 (evidence that survives precision); a side past the bound without that
-    is undecided, never logic, and the sentence names the step that decides it."""
-    from ...core.verdict import Verdict, classify
-
+    is undecided, never logic, and the sentence names the step that decides it (kvviz.core.verdict.classify_bounded:
+    the evidence that survives precision is a gap beyond the bound between A and B with a side past float64's)."""
     pair = pair or _pair_of(a, b)
     changes = WHAT_PAIR_CHANGES.get(pair, "the pair")
     parts = []
@@ -585,7 +561,9 @@ def _judge(a: Side, b: Side, gaps, first_diff, first_beyond, fd, labels, bound, 
                                                    f"; at most {ratio:.2g}× kvviz's own {dtype} run") + ")")
     text = "; ".join(parts) + "."
     decides = deciding_step(pair, engine, dtype, b)
-    if classify(first_diff is None and fd is None, None) == Verdict.IDENTICAL:
+    verdict = classify_bounded(first_diff is None and fd is None, past_bound=bool(far),
+                               survives=bool(far) and first_beyond is not None)
+    if verdict == Verdict.IDENTICAL:
         why = (f"{a.label} vs {b.label}: bit for bit equal at every layer - {changes} changed nothing.")
         if far:
             s, row = far[0]
@@ -593,12 +571,12 @@ def _judge(a: Side, b: Side, gaps, first_diff, first_beyond, fd, labels, bound, 
                     f"{changes}): {_past_bound(s, row, labels, bound, dtype)} - beyond the rounding bound, not "
                     f"decided, and no verdict on {changes}. {decides}")
         return Verdict.IDENTICAL.value, why + " " + text
-    if not far:
+    if verdict == Verdict.PRECISION:
         return Verdict.PRECISION.value, (f"{a.label} vs {b.label}: both runs stay within rounding of the float64 "
                                          "reference at every layer: the gap between them is the order of rounding, "
                                          "not a bug. " + text)
     s, row = far[0]
-    if first_beyond is not None:
+    if verdict == Verdict.LOGIC:
         return Verdict.LOGIC.value, (f"{a.label} vs {b.label}: they differ beyond the rounding bound from "
                                      f"{labels[first_beyond]}, and {_past_bound(s, row, labels, bound, dtype)}: "
                                      "rounding cannot explain it. " + text)
@@ -612,8 +590,6 @@ def combine(layers_verdict: str, layers_why: str, prompts: list[dict], line: str
     """The verdict box: the worst of the layers' verdict (the captured prompt, A vs B) and every prompt's verdict at
     its outputs (kvviz.core.verdict.worst), each named by what it compares; line: the result's parting_line, the
     summary the box and the page's table caption share."""
-    from ...core.verdict import severity, worst
-
     outs = [p["verdict"] for p in prompts if p.get("verdict")]
     verdict = worst([layers_verdict, *outs], default=layers_verdict)
     text = f"Layers (the captured prompt): {layers_verdict}. {layers_why}"

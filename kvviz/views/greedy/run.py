@@ -625,4 +625,4 @@ def run_greedy(lm: LoadedModel, cfg: GreedyConfig, progress: Progress | None = N
 def run(lm: LoadedModel, config: GreedyConfig, ctx: RunContext = DEFAULT_CONTEXT) -> GreedyResult:
     """The view's run (kvviz.core.protocol: one signature for every view)."""
     with ctx.running() as progress:
-        return run_greedy(lm, config, progress, settings=ctx.settings, prove=ctx.prove)
+        return run_greedy(lm, config, progress, reference=ctx.reference, settings=ctx.settings, prove=ctx.prove)

@@ -7,15 +7,16 @@ This folder is the whole view: run.py (config, run, result), figures.py, report.
 one line in kvviz/views/__init__.py; its subcommand (`python -m kvviz lens`) and page (the generic one) come from
 its config."""
 from .. import MemoryProfile, Page, Preset, View
+from . import figures, report, repro, run
 from ...core.prompts import CAPITALS
-from .run import LensConfig, LensResult, run_lens  # noqa: F401  (the view's library API)
+from .run import LensConfig, LensResult  # noqa: F401  (the view's library API)
 
 # memory: the split's working set - the full forward's compared rows held per layer, two paths' compared rows of one
 # layer's lens logits (as split holds the two paths' logits) and their float64 comparison a chunk at a time; the
 # float64 reference reruns the scenario; no invariant-mode proof (refused)
-VIEW = View("lens", "Logit lens", "LensResult", reopen="report:reopen", figures="figures:main",
-            verdict="report:verdict", tables="figures:tables", repro="repro", config="run:LensConfig", run="run:run",
-            refuses="run:REFUSES",
+VIEW = View("lens", "Logit lens", "LensResult", reopen=report.reopen, figures=figures.main,
+            verdict=report.verdict, tables=figures.tables, repro=repro, config=run.LensConfig, run=run.run,
+            refuses=run.REFUSES,
             page=Page("lens", "Investigate", ":material/visibility:", defaults={"prompt": CAPITALS}),
             memory=MemoryProfile(forwards=2, compared_after_split=True),
             scenarios=(Preset(

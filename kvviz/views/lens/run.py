@@ -678,4 +678,4 @@ def verdict_for(res: LensResult) -> tuple[str, str]:
 def run(lm, config: LensConfig, ctx: RunContext = DEFAULT_CONTEXT) -> LensResult:
     """The view's run (kvviz.core.protocol)."""
     with ctx.running(REFUSES) as progress:
-        return run_lens(lm, config, progress, settings=ctx.settings)
+        return run_lens(lm, config, progress, settings=ctx.settings, reference=ctx.reference)

@@ -1,7 +1,9 @@
 """`python -m kvviz serving` (or `serve-study`): serving conditions (alone, continuous batch, warm prefix) x R runs."""
 from __future__ import annotations
 
-from ...io.clirun import FlagRefused, Outcome, load, model_args, progress_to_stderr, repro_arg, settings, split_list
+from ... import views
+from ...engines import registry
+from ...io.clirun import FlagRefused, Outcome, context, load, model_args, repro_arg, split_list
 
 
 HELP = ("serving conditions (alone, continuous batch, warm prefix) × R runs: "
@@ -29,7 +31,7 @@ def add_arguments(vp) -> None:
     vp.add_argument("--max-new-tokens", type=int, default=16)
     vp.add_argument("--batch-size", type=int, default=STUDY_ONLY["batch_size"], help="k: requests in flight in the batch condition")
     vp.add_argument("--seed", type=int, default=0, help="seed of the batch draws")
-    vp.add_argument("--engine", default="transformers", choices=("transformers", "vllm", "llama.cpp"),
+    vp.add_argument("--engine", default=registry.default(), choices=registry.names(),
                     help="transformers (in kvviz), vllm or llama.cpp (their own environments: `make engines`)")
     vp.add_argument("--page-size", type=int, default=STUDY_ONLY["page_size"],
                     help="tokens per cache page (prefix sharing is per page; transformers engine only, default 8)")
@@ -62,12 +64,11 @@ def _refuse_the_others(args) -> None:
 
 
 def command(args) -> Outcome:
-    from ...engines.serving import check_engine
-    from .run import ServeConfig, load_prompt_set, run_serving
+    from .run import ServeConfig, load_prompt_set
 
     _refuse_the_others(args)
     if not args.server:
-        check_engine(args.engine)  # one line where vLLM is asked for and absent, before anything loads
+        registry.check(args.engine)  # one line where vLLM is asked for and absent, before anything loads
     if args.sweep:
         return sweep_command(args)
     prompts, source = load_prompt_set(args.prompts, args.prompt, args.limit)
@@ -79,8 +80,7 @@ def command(args) -> Outcome:
     cfg.validate()
     args.workload = cfg.workload()  # its memory plan: what the config holds, as the Serving page plans it
     lm = load(args)
-    res = run_serving(lm, cfg, progress=progress_to_stderr(args.quiet), settings=settings(args),
-                      prove=not args.no_proof)
+    res = views.run("serving", lm, cfg, context(args))  # --no-proof: prove=False (None proves as True does here)
     return Outcome(res, lm, lambda: summary(res))
 
 
@@ -92,7 +92,7 @@ def summary(res) -> str:
 
 def sweep_command(args) -> Outcome:
     from ...core.errors import KvvizError
-    from .sweep import SweepConfig, run_sweep, summary_text
+    from .sweep import SweepConfig, summary_text
 
     if getattr(args, "repro", None):  # said before the sweep runs, not after it
         raise FlagRefused("--repro does nothing for `serving --sweep` (no repro script rebuilds a sweep; it has its "
@@ -109,5 +109,5 @@ def sweep_command(args) -> Outcome:
     # at a time, and on transformers' engine (pages in this process) the largest batch of the grid
     args.plan_view, args.workload = "serving_sweep", cfg.workload()
     lm = load(args)
-    res = run_sweep(lm, cfg, progress=progress_to_stderr(args.quiet), settings=settings(args))
+    res = views.run("serving_sweep", lm, cfg, context(args))
     return Outcome(res, lm, lambda: summary_text(res), payload=res.to_dict)  # --json-out / --html: its own view's

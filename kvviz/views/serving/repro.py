@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ...core.errors import KvvizError
+from ...engines import registry
 from ...io.repro import NO_FLOAT64, float64_mode, header, require_plain
 from .run import encode
 
@@ -103,8 +104,8 @@ print("prompts with 1 distinct completion =", hist.get(1, 0))
 
 def check(result) -> None:
     require_plain(result)
-    if result.settings.engine != "transformers":
-        raise KvvizError("repro scripts are written for the transformers engine")
+    if not registry.facts(result.settings.engine).repro:
+        raise KvvizError(f"repro scripts are written for the {registry.default()} engine")
 
 
 def script(res, lm, name: str) -> str:

@@ -27,7 +27,9 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 
-from ...engines.serving import ENGINES, MIN_PAGE, Request, check_engine, engine_status, make_engine
+from ...engines import registry
+from ...engines.base import Engine, Request
+from ...engines.serving import MIN_PAGE
 from ...core.memory import PAGE_SIZE, Workload
 from ...core.errors import KvvizError
 from ...core.metrics import first_divergence
@@ -38,9 +40,9 @@ from ...models.loading import LoadedModel
 from ...core.protocol import DEFAULT_CONTEXT, no_progress, Progress, RunContext
 from ...core.verdict import Prove, Verdict, classify
 from ...core.estimate import Timed
+from ...engines.verdict import engine_verdicts
 
 CONDITIONS = ("alone", "batch", "warm")
-WORKER_ENGINES = ("vllm", "llama.cpp")  # engines judged against the float64 reference by their log-probs
 CONDITION_LABELS = {
     "reference": "alone, no cache (reference)",
     "alone": "alone, with cache (cold)",
@@ -61,8 +63,9 @@ WARMER_TOKENS = 2
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """A study's settings, normalised when made (a server's engine is "server"; each condition once, in order; the
-    transformers engine's page size where none is named) and checked by `validate()`, which changes nothing."""
+    """A study's settings, normalised when made (with a server URL the default engine becomes the server; each
+    condition once, in order; the page size where the engine keeps its pages here and none is named) and checked by
+    `validate()`, which changes nothing."""
     prompts: list[str]
     shared_prefix: str = ""
     conditions: tuple[str, ...] = CONDITIONS
@@ -70,18 +73,18 @@ class ServeConfig:
     max_new_tokens: int = 16
     batch_size: int = 4
     seed: int = 0
-    engine: str = "transformers"
+    engine: str = registry.default()
     page_size: int | None = None  # transformers' continuous batching only (None: PAGE_SIZE there)
     prompt_source: str = ""
     tensor_parallel_size: int = 1  # the vLLM engine only
     server: str | None = None  # an OpenAI-compatible server's URL (server.py): the engine is the user's server
 
     def __post_init__(self):
-        if self.server and self.engine == "transformers":  # the default engine: the user's server runs instead
-            object.__setattr__(self, "engine", "server")
+        if self.server and registry.facts(self.engine).default:  # the user's server runs instead
+            object.__setattr__(self, "engine", registry.served())
         if isinstance(self.conditions, (list, tuple)):
             object.__setattr__(self, "conditions", tuple(dict.fromkeys(self.conditions)))
-        if self.page_size is None and self.engine == "transformers":
+        if self.page_size is None and registry.facts(self.engine).pages_here:
             object.__setattr__(self, "page_size", PAGE_SIZE)
 
     def workload(self) -> Workload:
@@ -89,11 +92,12 @@ class ServeConfig:
         flight, the conditions, and transformers' pages (0: vLLM, llama.cpp or a server hold theirs elsewhere)."""
         return Workload(texts=tuple(self.shared_prefix + p for p in self.prompts), new_tokens=int(self.max_new_tokens),
                         batch=int(self.batch_size), conditions=tuple(self.conditions),
-                        page_size=self.page_size if self.engine == "transformers" else 0)
+                        page_size=self.page_size if registry.facts(self.engine).pages_here else 0)
 
     def validate(self) -> None:
+        engine = registry.facts(self.engine)
         if self.server:
-            if self.engine != "server" or self.page_size is not None or self.tensor_parallel_size != 1:
+            if not engine.served or self.page_size is not None or self.tensor_parallel_size != 1:
                 raise KvvizError("--server judges the user's running server: leave --engine, --page-size and "
                                  "--tensor-parallel-size out (they are the server's own settings)")
         if not isinstance(self.prompts, list) or not self.prompts:
@@ -109,17 +113,17 @@ class ServeConfig:
             raise KvvizError(f"unknown condition '{bad[0]}'; choose from {', '.join(CONDITIONS)}")
         if not conds:
             raise KvvizError("choose at least one condition")
-        if self.engine not in ENGINES and not self.server:
-            raise KvvizError(f"unknown engine '{self.engine}'; choose one of {', '.join(ENGINES)}")
+        if not self.server:
+            registry.get(self.engine)  # one line: an unknown engine
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise KvvizError(f"tensor_parallel_size must be a whole number, 1 or more, not {tp!r}")
-        if self.page_size is not None and self.engine != "transformers":
+        if self.page_size is not None and not engine.pages_here:
             raise KvvizError(PAGE_REFUSED)
         if self.page_size is not None and (isinstance(self.page_size, bool) or not isinstance(self.page_size, int)
                                            or self.page_size < MIN_PAGE):
             raise KvvizError(f"the page size must be a whole number, {MIN_PAGE} or more, not {self.page_size!r}")
-        if tp != 1 and self.engine != "vllm":
+        if tp != 1 and not engine.tensor_parallel:
             raise KvvizError("tensor_parallel_size applies to the vLLM engine only (transformers' continuous "
                              "batching runs the model on one device)")
         if not isinstance(self.shared_prefix, str):
@@ -138,7 +142,7 @@ class ServeSettings(RunSettings):
     max_new_tokens: int = 0
     batch_size: int = 0
     seed: int = 0
-    engine: str = "transformers"
+    engine: str = registry.default()
     page_size: int | None = PAGE_SIZE  # None: an engine without pages set by kvviz (vLLM, llama.cpp)
     tensor_parallel_size: int = 1
 
@@ -223,7 +227,7 @@ class ServeResult(Timed):
         """The float64 evidence: each parting prompt's float64 gap (transformers' engine) or every prompt judged
         against the float64 reference (vLLM, llama.cpp, a server); None where the float64 reference never ran (no
         prompt parted: kvviz.core.memory.MemoryPlan.settle plans the run without it)."""
-        if self.settings.engine in WORKER_ENGINES or self.settings.engine == "server":
+        if registry.facts(self.settings.engine).judged_by_logprobs:
             return [p.engine_paths for p in self.prompts]
         parting = [p.float64_gap for p in self.prompts if p.first_divergence is not None]
         return parting or None
@@ -336,10 +340,10 @@ def _reference(ex: Executor, lm: LoadedModel, text: str, n: int) -> tuple[list[i
         return no_cache_tokens(ex, inp, n)
 
 
-def _engine_run(engine, ex: Executor, reqs, per_batch, sharing, seq):
+def _engine_run(engine: Engine, ex: Executor, reqs, per_batch, sharing, seq):
     with ex.session():
-        return engine.run(ex.lm, reqs, max_in_flight=per_batch, prefix_sharing=sharing, sequential_keys=seq,
-                          invariant=ex.settings.invariant)
+        return engine.generate(ex.lm, reqs, max_in_flight=per_batch, prefix_sharing=sharing, sequential_keys=seq,
+                               invariant=ex.settings.invariant)
 
 
 def run_serving(lm: LoadedModel, cfg: ServeConfig, progress: Progress | None = None,
@@ -354,86 +358,138 @@ def run_serving(lm: LoadedModel, cfg: ServeConfig, progress: Progress | None = N
         raise KvvizError("the Serving view runs the engine's own paged cache without compile; leave the cache kind "
                          "and compile at their defaults")
     cfg.validate()
-    if cfg.server:
-        from .server import ServerEngine
-
-        engine = ServerEngine(cfg.server)
-        if settings.invariant:
-            engine.run(lm, [], max_in_flight=1, prefix_sharing=False, invariant=True)  # its one-line refusal
-        progress(0.0, f"Probing the server at {engine.url}…")
-        engine.probe(lm, settings)  # one line: unreachable, or not the local weights
-        return _study(lm, cfg, engine, settings, reference, prove, progress, time.perf_counter())
-    check_engine(cfg.engine)
-    from ...engines.workers import check_settings, make_worker_engine
-
-    check_settings(cfg.engine, settings)  # what a worker engine cannot honour here (a no-op for the others)
+    kind = registry.check(cfg.engine)
+    kind.check_settings(settings)  # what the engine cannot honour here, in one line before anything runs
     t_start = time.perf_counter()
-    engine = make_worker_engine(cfg.engine, cfg.tensor_parallel_size) or make_engine(cfg.engine, cfg.page_size,
-                                                                                     cfg.tensor_parallel_size)
+    engine = registry.open_engine(cfg.engine, page_size=cfg.page_size, tensor_parallel_size=cfg.tensor_parallel_size,
+                                  url=cfg.server)
     try:
-        return _study(lm, cfg, engine, settings, reference, prove, progress, t_start)
+        if kind.served:
+            progress(0.0, f"Probing the server at {engine.url}…")
+            engine.probe(lm, settings)  # one line: unreachable, or not the local weights
+            t_start = time.perf_counter()
+        return study(lm, cfg, engine, settings=settings, reference=reference, prove=prove, progress=progress,
+                     started=t_start)
     finally:
         engine.close()  # vLLM: free the GPU the last LLM holds
 
 
-def _study(lm, cfg, engine, settings, reference, prove, progress, t_start, memo: dict | None = None) -> ServeResult:
-    """The study on an open engine. memo: what a sweep's cells share (the same prompts recur in every cell of a
-    row): each prompt's no-cache reference decode and each token path's float64 (and own-format) log-probs, computed
-    once for the whole sweep (the same settings, the same model: the same numbers)."""
+@dataclass
+class _Prepared:
+    """A study's inputs: the texts (prefix + prompt), their token ids, the prefix's ids, the batch plan."""
+    texts: list[str]
+    ids: list[list[int]]
+    prefix_ids: list[int] | None
+    plan: dict
+
+
+@dataclass
+class _EngineRuns:
+    """Every counted request's outputs, per condition and prompt (one entry per run), and the conditions' stats."""
+    completions: dict[str, list[list[list[int]]]]
+    margins: dict[str, list[list[list[float]]]]
+    logps: dict[str, list[list[tuple]]]
+    stats: dict[str, ConditionStats]
+
+
+def study(lm: LoadedModel, cfg: ServeConfig, engine: Engine, *, settings: ExecSettings,
+          reference: LoadedModel | None = None, prove: Prove = None, progress: Progress = no_progress,
+          started: float | None = None, memo: dict | None = None) -> ServeResult:
+    """The study on an open engine (run_serving opens and closes it; a sweep keeps one open for its grid). memo:
+    what a sweep's cells share (the same prompts recur in every cell of a row): each prompt's no-cache reference
+    decode and each token path's float64 (and own-format) log-probs, computed once for the whole sweep (the same
+    settings, the same model: the same numbers)."""
+    t_start = time.perf_counter() if started is None else started
+    prep = _prepare(lm, cfg)
+    ex = Executor(lm, settings)
+    total = len(prep.ids) + len(cfg.conditions) * cfg.runs
+    refs, ref_stats = _references(ex, lm, prep.texts, n=cfg.max_new_tokens, memo=memo if memo is not None else {},
+                                  progress=lambda done, what: progress(0.8 * done / total, what))
+    runs = _run_conditions(engine, ex, cfg=cfg, prep=prep, done=len(prep.ids),
+                           progress=lambda done, what: progress(0.8 * done / total, what))
+    runs.stats = {"reference": ref_stats, **runs.stats}
+    t_an = time.perf_counter()
+    results = _compare(lm, cfg, refs=refs, runs=runs)
+    analysis_s = time.perf_counter() - t_an
+    proof_s = _verdicts(lm, cfg, engine, results, prep=prep, runs=runs, settings=settings, reference=reference,
+                        prove=prove, progress=progress, memo=memo)
+    notes = list(lm.warnings)
+    if settings.invariant:
+        notes.append("invariant mode: every condition, the engine's own thread included, ran in it")
+    notes += engine.notes()
+    progress(1.0, "Done")
+    own = {f.name: getattr(cfg, f.name) for f in fields(ServeSettings)
+           if f.name not in RunSettings.__dataclass_fields__}  # the study's own settings, named as in its config
+    return ServeResult(settings=ServeSettings.from_run(RunInfo.of(lm, settings), **own), model=lm.summary(),
+                       engine={"page_size": cfg.page_size, **engine.info()}, prompts=results, conditions=runs.stats,
+                       notes=notes, elapsed_s=time.perf_counter() - t_start, analysis_s=analysis_s,
+                       batches=prep.plan, proof_s=proof_s)
+
+
+def _prepare(lm: LoadedModel, cfg: ServeConfig) -> _Prepared:
     texts = [cfg.shared_prefix + p for p in cfg.prompts]
     ids = [encode(lm, t) for t in texts]
     for t in texts:  # length checks, one line each
         build_inputs(lm, t, 0, extra_tokens=cfg.max_new_tokens)
     prefix_ids = encode(lm, cfg.shared_prefix) if cfg.shared_prefix else None
-    n, N = cfg.max_new_tokens, len(ids)
-    plan = plan_batches(N, cfg.batch_size, cfg.runs, cfg.seed) if "batch" in cfg.conditions else {}
-    ex = Executor(lm, settings)
-    total = N + len(cfg.conditions) * cfg.runs
-    done = 0
+    plan = plan_batches(len(ids), cfg.batch_size, cfg.runs, cfg.seed) if "batch" in cfg.conditions else {}
+    return _Prepared(texts, ids, prefix_ids, plan)
 
-    refs: list[tuple[list[int], list[float]]] = []
-    seen = memo if memo is not None else {}
+
+def _references(ex: Executor, lm: LoadedModel, texts: list[str], *, n: int, memo: dict,
+                progress: Callable[[int, str], None]) -> tuple[list[tuple[list[int], list[float]]], ConditionStats]:
+    """Each prompt's no-cache reference decode (tokens, top-2 margins), from the memo where it is there."""
+    refs = []
     t0 = time.perf_counter()
     for i, t in enumerate(texts):
-        progress(0.8 * done / total, f"reference (no cache): prompt {i + 1}/{N}")
+        progress(i, f"reference (no cache): prompt {i + 1}/{len(texts)}")
         key = ("no-cache reference", t, n)
-        if key not in seen:
-            seen[key] = _reference(ex, lm, t, n)
-        refs.append(seen[key])
-        done += 1
-    stats = {"reference": ConditionStats("reference", CONDITION_LABELS["reference"], 1, N * n,
-                                         time.perf_counter() - t0, 0)}
-    completions: dict[str, list[list[list[int]]]] = {c: [[] for _ in range(N)] for c in cfg.conditions}
-    margins: dict[str, list[list[list[float]]]] = {c: [[] for _ in range(N)] for c in cfg.conditions}
-    logps: dict[str, list[list[tuple]]] = {c: [[] for _ in range(N)] for c in cfg.conditions}
+        if key not in memo:
+            memo[key] = _reference(ex, lm, t, n)
+        refs.append(memo[key])
+    return refs, ConditionStats("reference", CONDITION_LABELS["reference"], 1, len(texts) * n,
+                                time.perf_counter() - t0, 0)
+
+
+def _run_conditions(engine: Engine, ex: Executor, *, cfg: ServeConfig, prep: _Prepared, done: int,
+                    progress: Callable[[int, str], None]) -> _EngineRuns:
+    """Every condition, cfg.runs times, through the engine."""
+    N, n = len(prep.ids), cfg.max_new_tokens
+    runs = _EngineRuns({c: [[] for _ in range(N)] for c in cfg.conditions},
+                       {c: [[] for _ in range(N)] for c in cfg.conditions},
+                       {c: [[] for _ in range(N)] for c in cfg.conditions}, {})
     for cond in cfg.conditions:
         secs, new, cached, ptoks = 0.0, 0, 0, 0
         for r in range(cfg.runs):
-            progress(0.8 * done / total, f"{CONDITION_LABELS[cond]}: run {r + 1}/{cfg.runs}")
-            reqs, per_batch, sharing, seq, counted = _requests(cond, ids, n, r, plan, prefix_ids)
+            progress(done, f"{CONDITION_LABELS[cond]}: run {r + 1}/{cfg.runs}")
+            reqs, per_batch, sharing, seq, counted = _requests(cond, prep.ids, n, r, prep.plan, prep.prefix_ids)
             out = _engine_run(engine, ex, reqs, per_batch, sharing, seq)
             secs += out.seconds
             new += out.new_tokens
             for key, i in counted.items():
-                completions[cond][i].append(out.outputs[key].tokens)
-                margins[cond][i].append(out.outputs[key].margins)
-                logps[cond][i].append((out.outputs[key].logprobs, out.outputs[key].chosen))
-                cached += out.outputs[key].cached_tokens
-                ptoks += len(ids[i])
+                o = out.outputs[key]
+                runs.completions[cond][i].append(o.tokens)
+                runs.margins[cond][i].append(o.margins)
+                runs.logps[cond][i].append((o.logprobs, o.chosen))
+                cached += o.cached_tokens
+                ptoks += len(prep.ids[i])
             done += 1
-        stats[cond] = ConditionStats(cond, CONDITION_LABELS[cond], cfg.runs, new, secs, 0, cached, ptoks)
+        runs.stats[cond] = ConditionStats(cond, CONDITION_LABELS[cond], cfg.runs, new, secs, 0, cached, ptoks)
+    return runs
 
-    t_an = time.perf_counter()
+
+def _compare(lm: LoadedModel, cfg: ServeConfig, *, refs, runs: _EngineRuns) -> list[PromptResult]:
+    """Per prompt: its distinct completions, the first run that parts from the reference, the margins there, whether
+    warm differs from cold (and each condition's count of parting prompts)."""
     tok = lm.tokenizer
     results: list[PromptResult] = []
-    for i in range(N):
-        ref, ref_m = refs[i]
-        comp = {c: completions[c][i] for c in cfg.conditions}
-        distinct = {c: len({tuple(x) for x in comp[c]}) for c in cfg.conditions}
+    for i, (ref, ref_m) in enumerate(refs):
+        comp = {c: runs.completions[c][i] for c in cfg.conditions}
         every = {tuple(ref)} | {tuple(x) for c in cfg.conditions for x in comp[c]}
         pr = PromptResult(index=i, prompt=cfg.prompts[i], reference=ref, reference_text=tok.decode(ref),
                           reference_margins=ref_m, completions=comp,
-                          texts={c: [tok.decode(x) for x in comp[c]] for c in cfg.conditions}, distinct=distinct,
+                          texts={c: [tok.decode(x) for x in comp[c]] for c in cfg.conditions},
+                          distinct={c: len({tuple(x) for x in comp[c]}) for c in cfg.conditions},
                           distinct_all=len(every))
         best = None
         for c in cfg.conditions:
@@ -442,7 +498,7 @@ def _study(lm, cfg, engine, settings, reference, prove, progress, t_start, memo:
                 if d is not None and (best is None or d < best[0]):
                     best = (d, c, r)
             if any(x != ref for x in comp[c]):
-                stats[c].parting_prompts += 1
+                runs.stats[c].parting_prompts += 1
         if best is not None:
             d, c, r = best
             pr.first_divergence, pr.condition, pr.run = d, c, r
@@ -450,59 +506,42 @@ def _study(lm, cfg, engine, settings, reference, prove, progress, t_start, memo:
             # a run shorter than the reference ended there (a server without ignore_eos stops on its end token)
             pr.run_token = tok.decode([comp[c][r][d]]) if d < len(comp[c][r]) else "(end of sequence)"
             pr.margin = ref_m[d]
-            rm = margins[c][i][r]
+            rm = runs.margins[c][i][r]
             pr.run_margin = rm[d] if d < len(rm) else None
         if "warm" in cfg.conditions and "alone" in cfg.conditions:
             cold = {tuple(x) for x in comp["alone"]}
             pr.warm_differs = any(tuple(x) not in cold for x in comp["warm"])
         results.append(pr)
-    analysis_s = time.perf_counter() - t_an
+    return results
 
+
+def _verdicts(lm: LoadedModel, cfg: ServeConfig, engine: Engine, results: list[PromptResult], *, prep: _Prepared,
+              runs: _EngineRuns, settings: ExecSettings, reference: LoadedModel | None, prove: Prove,
+              progress: Progress, memo: dict | None) -> float | None:
+    """The verdicts: an engine judged by its log-probs against the float64 reference on every path; else each first
+    divergence replayed in float64 and, unless prove is False, proved in invariant mode. Returns the proof's
+    seconds (None: no proof ran)."""
     parting = [p for p in results if p.first_divergence is not None]
-    proof_s = None
-    if cfg.engine in WORKER_ENGINES or cfg.server:
+    if engine.judged_by_logprobs:
         progress(0.85, "Comparing the engine's log-probs with the float64 reference on each path…")
-        from ...engines.verdict import engine_verdicts
-
-        engine_verdicts(results, lm, reference or lm.reference(), settings, engine, ids, completions, logps, memo)
-    elif parting:
-        progress(0.85, f"Replaying {len(parting)} first divergences in float64 for the verdicts…")
-        lm64 = reference or lm.reference()
-        ex64 = Executor(lm64, settings.with_(invariant=False))
-        for p in parting:
-            _explain(p, lm, lm64, ex64, engine, ids, n, plan, prefix_ids, cfg)
-        if prove is not False and not settings.invariant:
-            progress(0.93, "Rerunning the parting conditions in invariant mode for the proof…")
-            t_proof = time.perf_counter()
-            exi = Executor(lm, settings.with_(invariant=True))
-            for p in parting:
-                _prove(p, lm, exi, engine, texts, ids, n, plan, prefix_ids)
-            proof_s = time.perf_counter() - t_proof
-    notes = list(lm.warnings)
-    if settings.invariant:
-        notes.append("invariant mode: every condition, the engine's own thread included, ran in it")
-    if cfg.engine == "transformers" and engine_status("vllm") is not None:
-        notes.append("vLLM is not installed here; the transformers engine ran (`make engines` builds vLLM)")
-    progress(1.0, "Done")
-    own = {f.name: getattr(cfg, f.name) for f in fields(ServeSettings)
-           if f.name not in RunSettings.__dataclass_fields__}  # the study's own settings, named as in its config
-    return ServeResult(settings=ServeSettings.from_run(RunInfo.of(lm, settings), **own),
-                       model=lm.summary(), engine={**engine_info(cfg.engine, cfg.page_size),
-                                                   **(engine.info() if hasattr(engine, "info") else {})},
-                       prompts=results,
-                       conditions=stats, notes=notes, elapsed_s=time.perf_counter() - t_start,
-                       analysis_s=analysis_s, batches=plan, proof_s=proof_s)
-
-
-def engine_info(name: str, page_size: int) -> dict:
-    from ...engines.serving import ENGINE_TOGGLES
-
-    info = {"name": name, "toggles": list(ENGINE_TOGGLES.get(name, ())), "page_size": page_size}
-    if name == "transformers":
-        import transformers
-
-        info["version"] = transformers.__version__
-    return info
+        engine_verdicts(results, lm, reference or lm.reference(), settings, engine, prep.ids, runs.completions,
+                        runs.logps, memo)
+        return None
+    if not parting:
+        return None
+    progress(0.85, f"Replaying {len(parting)} first divergences in float64 for the verdicts…")
+    lm64 = reference or lm.reference()
+    ex64 = Executor(lm64, settings.with_(invariant=False))
+    for p in parting:
+        _explain(p, lm, lm64, ex64, engine, prep.ids, cfg.max_new_tokens, prep.plan, prep.prefix_ids, cfg)
+    if prove is False or settings.invariant:
+        return None
+    progress(0.93, "Rerunning the parting conditions in invariant mode for the proof…")
+    t_proof = time.perf_counter()
+    exi = Executor(lm, settings.with_(invariant=True))
+    for p in parting:
+        _prove(p, lm, exi, engine, prep.texts, prep.ids, cfg.max_new_tokens, prep.plan, prep.prefix_ids)
+    return time.perf_counter() - t_proof
 
 
 def _explain(p: PromptResult, lm, lm64, ex64: Executor, engine, ids, n, plan, prefix_ids, cfg) -> None:
@@ -629,4 +668,4 @@ def summary_text(res: ServeResult) -> str:
 def run(lm: LoadedModel, config: ServeConfig, ctx: RunContext = DEFAULT_CONTEXT) -> ServeResult:
     """The view's run (kvviz.core.protocol: one signature for every view)."""
     with ctx.running() as progress:
-        return run_serving(lm, config, progress, settings=ctx.settings, prove=ctx.prove)
+        return run_serving(lm, config, progress, settings=ctx.settings, reference=ctx.reference, prove=ctx.prove)

@@ -3,7 +3,7 @@
 Per cell (c requests in flight, prompts of about L tokens, built deterministically from one text): the serving
 study's own conditions - each prompt alone (the cache, cold) and, for c > 1, in a continuous batch of c (the prompts
 with seeded random neighbours filling the batch up to c) - through one engine kept open for the whole grid, judged by
-the serving study's code (`run._study`: distinct completions, first divergence, top-2 margins, the verdict against
+the serving study's code (`run.study`: distinct completions, first divergence, top-2 margins, the verdict against
 kvviz's float64 reference). The cell reads: distinct completions per prompt, the share of prompts whose batched
 output parts from the same prompt run alone, the earliest first divergence and the reference's top-2 margin there,
 and the cell's verdict (logic if any prompt's is, else precision if any parted, else identical).
@@ -23,13 +23,14 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 from ...core.errors import KvvizError
-from ...engines import ANSWER_LIMIT_S
+from ...engines import ANSWER_LIMIT_S, registry
 from ...core.memory import Workload
 from ...core.inputs import encode
 from ...core import theme
 from ...core.protocol import DEFAULT_CONTEXT, no_progress, RunContext
 from ...core.estimate import Timed
-from .run import WORKER_ENGINES, ServeConfig, ServeResult, _study, check_engine
+from . import run as study_run
+from .run import ServeConfig, ServeResult
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32)
 LENGTHS = (16, 64, 256, 1024)
@@ -55,7 +56,8 @@ class SweepConfig:
         """What kvviz's process holds, for the memory plan: one prompt's float64 reference at a time (the longest
         prompt and its new tokens) and, on transformers' engine (its pages in this process), the largest batch."""
         return Workload(tokens=max(self.lengths) + int(self.max_new_tokens),
-                        batch=max(self.concurrency) if self.engine == "transformers" and not self.server else 1)
+                        batch=max(self.concurrency) if registry.facts(self.engine).pages_here and not self.server
+                        else 1)
 
     def validate(self) -> None:
         for name, vals, lo, hi in (("concurrency", self.concurrency, 1, 64), ("lengths", self.lengths, 1, 8192)):
@@ -181,29 +183,26 @@ def run_sweep(lm, cfg: SweepConfig, progress=None, settings=None, reference=None
     settings = settings or DEFAULT_SETTINGS  # validated once, by its RunContext
     limit = cfg.cell_limit_s
     if cfg.server:
-        from .server import ServerEngine, _timeout
+        from ...engines.server import _timeout
 
-        engine = ServerEngine(cfg.server)
+        engine = registry.open_engine(registry.served(), url=cfg.server)
         engine.probe(lm, settings)
-        cfg.engine = "server"
+        cfg.engine = engine.name
         if limit is not None:  # a request in flight is not a checkpoint: it waits at most the cell limit
             engine.timeout_s = min(_timeout(), limit)
     else:
-        from ...engines.serving import make_engine
-        from ...engines.workers import check_settings, make_worker_engine
-
-        check_engine(cfg.engine)
-        check_settings(cfg.engine, settings)
+        registry.check(cfg.engine).check_settings(settings)
         # vLLM starts once for the grid, with room for its largest cell (no restart between cells); its worker
-        # waits for an answer at least as long as the cell limit (kvviz's checkpoint stops it at the limit)
-        engine = make_worker_engine(cfg.engine, 1, max(cfg.concurrency),
-                                    timeout_s=max(ANSWER_LIMIT_S, (limit or 0) + 60)) or make_engine(cfg.engine, 8, 1)
+        # waits for an answer at least as long as the cell limit (kvviz's checkpoint stops it at the limit);
+        # transformers' pages: 8 tokens
+        engine = registry.open_engine(cfg.engine, page_size=8, max_in_flight=max(cfg.concurrency),
+                                      timeout_s=max(ANSWER_LIMIT_S, (limit or 0) + 60))
     t0 = time.perf_counter()
     grid = [(c, n) for n in cfg.lengths for c in cfg.concurrency]
     cells, skipped, unfinished, info = [], [], [], {}
     failed: list[tuple[int, int]] = []  # the cells started and not finished
     try:  # the engine (vLLM's worker process) is ended however the sweep ends: done, failed or stopped
-        ref = reference or lm.reference() if (cfg.engine in WORKER_ENGINES or cfg.server) else reference
+        ref = reference or lm.reference() if engine.judged_by_logprobs else reference
         text = cfg.text or source_text()
         memo: dict = {}  # each prompt's reference and each token path's scores, once for the whole grid
         for k, (c, n) in enumerate(grid):
@@ -219,13 +218,14 @@ def run_sweep(lm, cfg: SweepConfig, progress=None, settings=None, reference=None
             prompts = build_prompts(lm, text, n, cfg.prompts_per_cell)
             scfg = ServeConfig(prompts=prompts, conditions=("alone",) if c == 1 else ("alone", "batch"),
                                runs=cfg.runs, max_new_tokens=cfg.max_new_tokens, batch_size=max(c, 2),
-                               seed=cfg.seed, engine="transformers" if cfg.server else cfg.engine,
+                               seed=cfg.seed, engine=cfg.engine,
                                server=cfg.server, prompt_source=f"sweep:{n}")
             scfg.validate()
             tc = time.perf_counter()
             try:
                 with _cell_limit(limit):
-                    res = _study(lm, scfg, engine, settings, ref, False, no_progress, tc, memo)
+                    res = study_run.study(lm, scfg, engine, settings=settings, reference=ref, prove=False,
+                                          started=tc, memo=memo)
             except (KvvizError, _CellLimit) as e:  # this cell only: the engine starts again for the next one
                 why = f"passed the cell limit ({limit:g} s)" if isinstance(e, _CellLimit) else str(e)
                 unfinished.append([c, n, f"{why} after {time.perf_counter() - tc:.0f} s"])

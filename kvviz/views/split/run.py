@@ -551,5 +551,7 @@ def run_split(lm: LoadedModel, cfg: SplitConfig, progress: Progress | None = Non
 def run(lm: LoadedModel, config: SplitConfig, ctx: RunContext = DEFAULT_CONTEXT) -> SplitResult:
     """The view's run (kvviz.core.protocol: one signature for every view)."""
     with ctx.running() as progress:
-        return run_split(lm, config, progress, settings=ctx.settings, prove=ctx.prove, auto_proof=ctx.auto_proof,
-                         estimate=ctx.estimate, on_phase=ctx.on_phase)
+        f64 = ctx.float64_run.main if ctx.float64_run is not None else None  # a composing view's float64 run
+        return run_split(lm, config, progress, reference=ctx.reference, float64_comparison=f64,
+                         settings=ctx.settings, prove=ctx.prove, auto_proof=ctx.auto_proof, estimate=ctx.estimate,
+                         on_phase=ctx.on_phase)

@@ -33,8 +33,8 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-from ...core.errors import KvvizError
-from ...engines.serving import EngineRun, Request, RequestOut
+from ..core.errors import KvvizError
+from .base import Engine, EngineRun, Request, RequestOut
 
 TOP_K = 5
 PROBE_TEXT = "The capital of France is"
@@ -69,10 +69,25 @@ class _Refused(Exception):
         self.code = code
 
 
-class ServerEngine:
-    """An OpenAI-compatible completions server behind the Serving view's `run(lm, requests, …) -> EngineRun`."""
+INVARIANT_REFUSED = ("invariant mode is a setting of the server, which kvviz does not start: rerun without "
+                     "--invariant (start vLLM with VLLM_BATCH_INVARIANT=1 for its deterministic mode)")
 
-    name = "server"
+
+class ServerEngine(Engine):
+    """An OpenAI-compatible completions server behind the engine interface's `generate(lm, requests, …)`."""
+
+    name, label = "server", "the server"
+    served = True
+    toggles = TOGGLES
+
+    @classmethod
+    def open(cls, *, url=None, **_) -> "ServerEngine":
+        return cls(url)
+
+    @classmethod
+    def check_settings(cls, settings) -> None:
+        if settings.invariant:
+            raise KvvizError(INVARIANT_REFUSED)
 
     def __init__(self, url: str):
         self.url = normalize_url(url)
@@ -208,7 +223,7 @@ class ServerEngine:
         """Nothing to free: the server is the user's."""
 
     def info(self) -> dict:
-        return {"name": "server", "url": self.url, "served_model": self.model_id, "version": self.version,
+        return {"name": self.name, "url": self.url, "served_model": self.model_id, "version": self.version,
                 "dtype": self.dtype, "token_ids": self.token_ids,
                 "prompts": "text (the server takes no token ids; each checked to give the same tokens)"
                 if self.text_prompts else "token ids", "stopped_early": self.stopped_early, "top_k": TOP_K, "probe_gap": self.probe_gap,
@@ -217,10 +232,10 @@ class ServerEngine:
     def probe(self, lm, settings) -> None:
         """Refuse in one line when the server cannot be reached or does not serve the local weights: a short greedy
         completion of PROBE_TEXT, its log-probs against the local model's on the same tokens."""
-        from ...core.dtypes import dtype_name
-        from ...core.execution import Executor
-        from ...core.inputs import encode
-        from ...engines.verdict import reference_logprobs
+        from ..core.dtypes import dtype_name
+        from ..core.execution import Executor
+        from ..core.inputs import encode
+        from .verdict import reference_logprobs
 
         self.dtype = dtype_name(lm.dtype)  # the local weights' dtype: name the one the server runs with --dtype
         try:
@@ -245,11 +260,10 @@ class ServerEngine:
                              f"prompt {PROBE_TEXT!r} its log-probs differ from the local model's by {gap:.3g} nats "
                              f"(more than {PROBE_NATS} - far beyond rounding)")
 
-    def run(self, lm, requests: list[Request], *, max_in_flight: int, prefix_sharing: bool,
-            sequential_keys: set[str] | None = None, invariant: bool = False) -> EngineRun:
+    def generate(self, lm, requests: list[Request], *, max_in_flight: int, prefix_sharing: bool,
+                 sequential_keys: set[str] | None = None, invariant: bool = False) -> EngineRun:
         if invariant:
-            raise KvvizError("invariant mode is a setting of the server, which kvviz does not start: rerun without "
-                             "--invariant (start vLLM with VLLM_BATCH_INVARIANT=1 for its deterministic mode)")
+            raise KvvizError(INVARIANT_REFUSED)
         if not requests:
             return EngineRun({}, 0.0, 0)
         tok, seq, stamp = lm.tokenizer, sequential_keys or set(), time.time_ns()

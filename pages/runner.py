@@ -412,7 +412,7 @@ def _stop_earlier_runs(session: str) -> dict | None:
 LONG_RUN_S = 120.0  # a run its estimate says will take longer than this is announced first, with its proof's share
 
 
-def run_estimate(lm, name: str, work) -> "Estimate | None":
+def run_estimate(lm, name: str, work) -> "estimate.Estimate | None":
     """The estimate of run `name` (a view's run name) of workload `work` (kvviz.core.inputs.Workload) on the loaded
     model `lm`, from this machine's measured pace (kvviz.core.estimate: measured on first use - a few short forwards,
     said while it works - and kept); None without a model or a workload, or where it cannot be made."""

@@ -20,7 +20,7 @@ from conftest import DEVICE
 PROMPT = "Hello world, caching is fun! 123"
 # keys of a result's dict that say how it ran (device, placement, time), not what it computed
 _HOW = {"settings", "model", "seconds", "elapsed", "environment", "float64_device", "device", "placement",
-        "timings", "time", "elapsed_s", "proof_s", "notes", "warnings", "seconds_per_token",
+        "timings", "time", "elapsed_s", "estimate_s", "proof_s", "notes", "warnings", "seconds_per_token",
         "memory_plan"}  # the plan (free memory, measured peak) describes the machine, not the numbers
 
 

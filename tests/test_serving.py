@@ -3,6 +3,7 @@
 Machine-independent by construction: invariant mode must give exactly one completion per prompt everywhere, and
 `tiny:split` under the simulated split-K kernel (kvviz/core/simkernel.py) must part exactly where its construction
 says (the head sees one row: "b"; several rows: "a") - and never in invariant mode."""
+import functools
 import json
 import os
 import subprocess
@@ -344,6 +345,11 @@ def _stand_in_vllm(monkeypatch, lm, parting_prompt: int | None = None):
     mod.__spec__ = importlib.machinery.ModuleSpec("vllm", None)
     mod.LLM, mod.SamplingParams = LLM, SamplingParams
     monkeypatch.setitem(sys.modules, "vllm", mod)
+    # kvviz probes optional packages once a process (kvviz.core.optional): this test's probes go to a fresh cache,
+    # and the process's own (which may say "no vLLM") comes back with the rest at teardown
+    from kvviz.core import optional
+
+    monkeypatch.setattr(optional, "available", functools.cache(optional.available.__wrapped__))
     return log
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import gc as _gc
+import os
 import time
 
 import torch

@@ -201,11 +201,16 @@ def float64_mode() -> str:
     """kvviz's own KeepFloat64 mode (kvviz/core/float64.py), copied into the script so it needs no kvviz."""
     import inspect
 
-    from ..core import float64
+    from ..core import capture, float64
 
-    src = inspect.getsource(float64)
-    body = src.split('"""', 2)[2].replace("from __future__ import annotations\n", "")
-    if "from ." in body:
+    def body(module) -> str:
+        return inspect.getsource(module).split('"""', 2)[2].replace("from __future__ import annotations\n", "")
+
+    # float64.py releases layers through kvviz's one capture module (core/capture.py, standard library only): the
+    # script carries a copy of that module first, and float64's import of it goes
+    own = body(float64).replace("from .capture import Capture\n", "")
+    if "from ." in own or "from ." in body(capture):
         raise KvvizError("kvviz/core/float64.py imports another kvviz module: the repro script cannot copy it")
-    return ("\n# kvviz keeps float64 models in float64 (transformers' float32 'upcasts' would round): its mode, "
-            "a copy of float64.py in the kvviz package\n" + body)
+    return ("\n# kvviz's one capture module (hooks removed on exit), a copy of capture.py in the kvviz package\n"
+            + body(capture) + "\n# kvviz keeps float64 models in float64 (transformers' float32 'upcasts' would round): "
+            "its mode, a copy of float64.py in the kvviz package\n" + own)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import random
 import time
+from typing import Callable
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 

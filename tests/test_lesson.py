@@ -143,7 +143,7 @@ def test_step6_the_logit_lens_of_the_flip_names_where_it_is_decided(models):
     (2^-7) the opposite way, and they stay apart to the output; said in one sentence from those numbers, drawn as
     the figure's second panel with the depth marked."""
     r = lesson.step_greedy(models("float32"), "Hello", 6)
-    v = r.data["lens"]
+    v = r.data["flip_lens"]
     assert v["labels"] == ["layer 1", "layer 2", "layer 2 + final norm"] and v["n_layers"] == 2
     assert v["depth"] == 0 and v["apart_from"] == 0 and v["verdict"] == "precision"
     assert v["full"]["top1"] == ["a"] * 3 and v["cached"]["top1"] == ["b"] * 3

@@ -556,8 +556,7 @@ def _flip_lens(lm: LoadedModel, prompt: str, d: dict) -> dict | None:
     At the parting position, per hidden state: each path's lens top-1, runner-up and margin; the decision depth (the
     first layer whose top-1 differ) and the last layer from which they differ to the output. None where the agreed
     tokens do not re-tokenise to the same ids (the scenario would not be the decoded one)."""
-    from ..core.protocol import RunContext
-    from ..views import get
+    from ..views import lens
     from ..views.lens.run import LensConfig
 
     t = d["parting"]
@@ -565,7 +564,7 @@ def _flip_lens(lm: LoadedModel, prompt: str, d: dict) -> dict | None:
     n_prompt = len(lm.tokenizer(prompt)["input_ids"])
     if t < 1 or len(lm.tokenizer(text)["input_ids"]) != n_prompt + t:
         return None
-    res = get("lens").runner()(lm, LensConfig(prompt=text, split=n_prompt, mode="step"), RunContext())
+    res = views.run(lens.VIEW, lm, LensConfig(prompt=text, split=n_prompt, mode="step"), RunContext())
     j = len(res.compared) - 1  # the parting position: the last one
     side = {k: {"top1": [res.token(r[j]) for r in getattr(res.main, k)["top1"]],
                 "top2": [res.token(r[j]) for r in getattr(res.main, k)["top2"]],
@@ -608,7 +607,7 @@ def step_greedy(lm: LoadedModel, prompt: str = CONSTRUCTED_PROMPT, n: int = 6, f
     flip = load_model(CONSTRUCTED, "bfloat16", lm.device)
     d = _greedy_run(flip, prompt, max(2, int(n)), fast)
     d["constructed"] = True
-    d["lens"] = _flip_lens(flip, prompt, d) if d["parting"] is not None else None
+    d["flip_lens"] = _flip_lens(flip, prompt, d) if d["parting"] is not None else None
     t = d["parting"]
     if t is None:  # the construction parts at step 1 on every machine: only a broken build gets here
         answer, reveal = None, f"In {d['dtype']} the two paths chose the same {len(d['margins'])} tokens: " \
@@ -624,7 +623,7 @@ def step_greedy(lm: LoadedModel, prompt: str = CONSTRUCTED_PROMPT, n: int = 6, f
                      f", not a near tie (the largest logit was {scale:.3g})")
                   + (f"; replayed in float64 on the same tokens the two differ by {d['float64_gap']:.3g}: "
                      f"{d['verdict']}" if d["float64_gap"] is not None else "") + "."
-                  + (_lens_words(d["lens"]) if d["lens"] else ""))
+                  + (_lens_words(d["flip_lens"]) if d["flip_lens"] else ""))
     explanation = (
         FLIP_BUILT + " Greedy decoding takes the top logit, so a last-bit difference changes the text only where the "
         "top two are nearly tied, and from then on the two texts are fed different tokens and part for good. A real "

@@ -187,7 +187,7 @@ def fig_greedy(r: StepResult) -> go.Figure:
     d = r.data
     x = list(range(len(d["margins"])))
     floor = floor_of(d["margins"], d["gaps"])
-    lens = d.get("lens")
+    lens = d.get("flip_lens")
     fig = make_subplots(rows=1, cols=2, column_widths=[0.6, 0.4], horizontal_spacing=0.12) if lens else go.Figure()
     fig.add_trace(go.Bar(x=x, y=_floor(d["margins"], floor), name="top-2 margin (no-cache path)", marker_color=LIGHT,
                          customdata=[repr(t) for t in d["tokens"]], hovertemplate="step %{x}: %{customdata}, margin %{y:.3g}"

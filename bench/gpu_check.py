@@ -27,10 +27,10 @@ APP_TESTS = ("tests/test_app.py", "tests/test_browser.py", "tests/test_streamlit
 def run_tests(extra: list[str], workers: int = 0) -> dict:
     """pytest -m 'not browser' with KVVIZ_TEST_DEVICE=auto; counts and the failing tests from its JUnit XML.
     workers > 0: that many pytest-xdist processes sharing the GPU (the suite takes over 10 min serially there)."""
-    import importlib.util
+    from kvviz.core import optional
 
     xml = Path(tempfile.mkdtemp()) / "junit.xml"
-    par = ["-n", str(workers)] if workers > 0 and importlib.util.find_spec("xdist") else []
+    par = ["-n", str(workers)] if workers > 0 and optional.available("xdist") else []
     if workers > 0 and not par:
         print(f"gpu-check: --workers {workers} needs pytest-xdist, which is not installed here: one process",
               file=sys.stderr, flush=True)

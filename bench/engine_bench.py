@@ -47,13 +47,13 @@ def bench(name: str, n_prompts: int = 8, new_tokens: int = 16) -> dict:
     engine = registry.open_engine(name)
     try:
         t0 = time.perf_counter()
-        engine.run(lm, [Request("warmup", ids[0], 2)], max_in_flight=1, prefix_sharing=False)
+        engine.generate(lm, [Request("warmup", ids[0], 2)], max_in_flight=1, prefix_sharing=False)
         start = time.perf_counter() - t0
         walls, inside = [], []
         for rep in range(2):
             for i, x in enumerate(ids):
                 t0 = time.perf_counter()
-                out = engine.run(lm, [Request(f"p{i}", x, new_tokens)], max_in_flight=1, prefix_sharing=False)
+                out = engine.generate(lm, [Request(f"p{i}", x, new_tokens)], max_in_flight=1, prefix_sharing=False)
                 walls.append(time.perf_counter() - t0)
                 inside.append(out.seconds)
         info = engine.info()

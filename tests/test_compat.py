@@ -205,7 +205,7 @@ def test_the_serving_engine_runs_through_the_hooks():
     lm = kvviz.load_model("tiny:llama", "float32", DEVICE)
     eng = TransformersEngine()
     with lm.lock, torch.inference_mode():
-        run = eng.run(lm, [Request("a", [5, 6, 7, 8, 9, 10, 11, 12], 3), Request("b", [5, 6, 7, 8, 9, 10, 13], 3)],
+        run = eng.generate(lm, [Request("a", [5, 6, 7, 8, 9, 10, 11, 12], 3), Request("b", [5, 6, 7, 8, 9, 10, 13], 3)],
                       max_in_flight=2, prefix_sharing=True)
     assert set(run.outputs) == {"a", "b"} and all(len(o.tokens) == 3 for o in run.outputs.values())
     # margins come from the sampler hook: one per generated token
@@ -349,7 +349,7 @@ def test_a_failure_in_the_engine_thread_reaches_the_caller_as_one_line(monkeypat
     monkeypatch.setattr(engines, "_entered", Broken)
     lm = kvviz.load_model("tiny:llama", "float32", DEVICE)
     with pytest.raises(KvvizError) as err, lm.lock, torch.inference_mode():
-        TransformersEngine().run(lm, [Request("a", [5, 6, 7, 8], 2)], max_in_flight=1, prefix_sharing=False)
+        TransformersEngine().generate(lm, [Request("a", [5, 6, 7, 8], 2)], max_in_flight=1, prefix_sharing=False)
     msg = str(err.value)
     assert "\n" not in msg and f"transformers {V}" in msg and "TypeError" in msg, msg
 

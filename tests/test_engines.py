@@ -292,11 +292,11 @@ def test_llamacpp_cell_past_its_limit_kills_the_worker_and_the_next_cell_starts_
     try:
         with pytest.raises(_CellLimit):
             with _cell_limit(0.001):
-                engine.run(lm, req, max_in_flight=1, prefix_sharing=False)
+                engine.generate(lm, req, max_in_flight=1, prefix_sharing=False)
         assert len(clients) == 1 and clients[0].timeout_s == 1200.0
         assert clients[0].proc.wait(timeout=30) is not None  # killed, not left running
         engine.close()
-        out = engine.run(lm, req, max_in_flight=1, prefix_sharing=False)
+        out = engine.generate(lm, req, max_in_flight=1, prefix_sharing=False)
         assert len(clients) == 2 and len(out.outputs["p0"].tokens) == 2
     finally:
         engine.close()

@@ -447,7 +447,7 @@ def test_the_engine_wait_ends_on_a_stall_not_on_a_long_run_that_keeps_stepping(m
 
     monkeypatch.setattr(engines._Capture, "record", slow)
     with Executor(lm).session():
-        out = engines.TransformersEngine().run(lm, reqs, max_in_flight=1, prefix_sharing=False)
+        out = engines.TransformersEngine().generate(lm, reqs, max_in_flight=1, prefix_sharing=False)
     assert len(out.outputs["a"].tokens) == 6 and out.seconds > 2.0
     delays = iter([0.1, 3.0])  # the second step stalls past the limit
 
@@ -458,7 +458,7 @@ def test_the_engine_wait_ends_on_a_stall_not_on_a_long_run_that_keeps_stepping(m
     monkeypatch.setattr(engines._Capture, "record", stalling)
     with pytest.raises(KvvizError, match="gave no result and took no step for 1 s"):
         with Executor(lm).session():
-            engines.TransformersEngine().run(lm, reqs, max_in_flight=1, prefix_sharing=False)
+            engines.TransformersEngine().generate(lm, reqs, max_in_flight=1, prefix_sharing=False)
 
 
 def test_an_engine_given_up_on_mid_step_ends_without_a_traceback(monkeypatch, capfd):
@@ -485,7 +485,7 @@ def test_an_engine_given_up_on_mid_step_ends_without_a_traceback(monkeypatch, ca
     capfd.readouterr()
     with pytest.raises(KvvizError, match="took no step for 0 s|took no step for 1 s"):
         with Executor(lm).session():
-            engines.TransformersEngine().run(lm, reqs, max_in_flight=1, prefix_sharing=False)
+            engines.TransformersEngine().generate(lm, reqs, max_in_flight=1, prefix_sharing=False)
     time.sleep(0.5)
     out, err = capfd.readouterr()
     assert "Traceback" not in out + err and "Error in generation loop" not in out + err, err[-2000:]

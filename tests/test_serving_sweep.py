@@ -563,6 +563,6 @@ def test_vllm_starts_once_for_the_grid_with_room_for_its_largest_cell(monkeypatc
 
     reqs = [Request(key=f"r{i}", ids=[1, 2, 3], max_new_tokens=2) for i in range(4)]
     for in_flight in (1, 4, 16, 1):
-        eng.run(lm, reqs, max_in_flight=in_flight, prefix_sharing=False)
+        eng.generate(lm, reqs, max_in_flight=in_flight, prefix_sharing=False)
     assert {k for k, _ in started} == {started[0][0]} and {s for _, s in started} == {16}
     assert workers.VllmWorkerEngine(1).min_seqs == 1  # the study's engine: sized by each run, as before

@@ -138,10 +138,6 @@ class Engine:
                  sequential_keys: set[str] | None = None, invariant: bool = False) -> EngineRun:
         raise NotImplementedError
 
-    def run(self, lm, requests: list[Request], **kw) -> EngineRun:
-        """generate's older name."""
-        return self.generate(lm, requests, **kw)
-
     def capture(self, lm, *, tensor_parallel_size: int = 1, max_num_seqs: int = 8, pipeline_parallel_size: int = 1,
                 distributed_executor_backend: str | None = None) -> LayerCapture:
         raise KvvizError(f"{self.label or self.name} captures no layers")

@@ -100,6 +100,40 @@ def test_each_finished_run_refines_its_views_phases(store):
     assert estimate.load_pace(key).fix["split"]["run"] == pytest.approx((2 * 4) ** 0.5)  # geometric mean 2 and 4
 
 
+def test_runs_estimated_before_another_was_recorded_do_not_compound(store):
+    """Four runs estimated at once (0.2 s each, before any finished), each measured at 0.4 s: the correction is 2,
+    not 2, 4, 8, 16 (CI once saw 1,000x after four browser sessions at once: each record divided by a correction its
+    estimate had not used)."""
+    key = "tiny:llama|float32|cpu|threads=1"
+    estimate.save_pace(key, Pace(0.0, 1e-3, 0.0))
+    w = Workload(texts=(PROMPT,), forwards=2.0)
+    ests = [estimate.estimate(estimate.load_pace(key), w, 100, view="split") for _ in range(4)]
+    for est in ests:
+        estimate.record(key, "split", est, {"run": 0.4})
+    assert estimate.load_pace(key).fix["split"]["run"] == pytest.approx(2.0)
+    assert estimate.estimate(estimate.load_pace(key), w, 100, view="split").seconds("run") == pytest.approx(0.4)
+
+
+def test_a_run_that_shared_the_model_with_another_does_not_refine_the_pace(store, monkeypatch):
+    """pages/runner: a run marked as overlapped (it waited for the model or ran beside another run on it) is timed
+    on its result but never recorded; a run alone is."""
+    from types import SimpleNamespace
+
+    from pages import runner
+
+    key = "tiny:llama|float32|cpu|threads=1"
+    estimate.save_pace(key, Pace(0.0, 1e-3, 0.0))
+    monkeypatch.setattr(estimate, "key_of_model", lambda lm: key)
+    est = estimate.estimate(estimate.load_pace(key), Workload(texts=(PROMPT,), forwards=2.0), 100, view="split")
+    lm = SimpleNamespace()
+    shared = Estimate(est.phases, fix=est.fix)
+    result = SimpleNamespace()
+    runner._finish_timings(lm, "split", {"estimate": shared, "overlapped": True}, result, 40.0)
+    assert estimate.load_pace(key).fix == {}
+    runner._finish_timings(lm, "split", {"estimate": est}, result, 0.4)
+    assert estimate.load_pace(key).fix["split"]["run"] == pytest.approx(2.0)
+
+
 def test_time_left_moves_to_the_next_phases_estimate_at_a_phase_change():
     """Fake clock: a run of three phases estimated 10 s, 20 s and 30 s. Before any pace, the line says the estimate;
     at the float64 phase it says that phase's estimate plus the proof's; in the proof, the proof's own pace."""

@@ -53,6 +53,7 @@ class Estimate:
     phases: tuple[Phase, ...]
     measured: bool = True
     basis: str = ""
+    fix: dict = field(default_factory=dict, compare=False)  # the per-phase corrections (Pace.fix) it was made with
 
     @property
     def total_s(self) -> float:
@@ -70,7 +71,7 @@ class Estimate:
         return tuple(p.name for p in self.phases)
 
     def without(self, *names: str) -> "Estimate":
-        return Estimate(tuple(p for p in self.phases if p.name not in names), self.measured, self.basis)
+        return Estimate(tuple(p for p in self.phases if p.name not in names), self.measured, self.basis, self.fix)
 
     def bar(self) -> dict[str, tuple[float, float]]:
         """Each run phase's span of the progress bar (start, end), in proportion to its estimate (loading is before
@@ -330,7 +331,8 @@ def estimate(pace: Pace | None, w: Workload, tokens: int, *, view: str = "", dty
     phases = []
     if load_s:
         phases.append(Phase("load", float(load_s)))
-    fix = pace.fix.get(view, {}) if view else {}
+    fix = dict(pace.fix.get(view, {})) if view else {}
+    fix.setdefault("proof", 1.0 if pace.inv is not None else 3.0)
     run = work_seconds(pace, w, tokens, invariant) * fix.get("run", 1.0)
     phases.append(Phase("run", run))
     f64_factor = FLOAT64_PRIOR.get(str(dtype).replace("torch.", ""), 2.0)
@@ -343,14 +345,17 @@ def estimate(pace: Pace | None, w: Workload, tokens: int, *, view: str = "", dty
         phases.append(Phase("float64", base * f64_factor * fix.get("float64", 1.0)))
     if w.prove and w.proves and not invariant:
         inv = work_seconds(pace, w, tokens, invariant=pace.inv is not None)
-        phases.append(Phase("proof", inv * fix.get("proof", 1.0 if pace.inv is not None else 3.0)))
+        phases.append(Phase("proof", inv * fix["proof"]))
     basis = "from this machine's measured pace" if measured else "not measured on this machine yet (a first guess)"
-    return Estimate(tuple(phases), measured, basis)
+    return Estimate(tuple(phases), measured, basis, fix)
 
 
 def record(key: str, view: str, est: Estimate, measured: dict[str, float]) -> None:
-    """Refine the pace by a finished run: per phase, measured/estimated (the geometric mean with what was kept), so
-    the next run of `view` on this model starts from what this one did. measured: seconds by phase name."""
+    """Refine the pace by a finished run: per phase, measured against the uncorrected estimate (the estimate's own
+    corrections, `Estimate.fix`, taken out: another run may have refined the store since this one started), kept as
+    the geometric mean with what the store holds, so the next run of `view` on this model starts from what this one
+    did. measured: seconds by phase name. A run that waited for another or shared the machine with another run on the
+    model must not be recorded (the caller knows: pages/runner)."""
     pace = load_pace(key)
     if pace is None:
         return
@@ -362,9 +367,9 @@ def record(key: str, view: str, est: Estimate, measured: dict[str, float]) -> No
         if p.name == "load":
             pace.load_s = float(got)
             continue
-        old = fix.get(p.name, 1.0)
-        ratio = got / (p.seconds / old)  # against the unrefined estimate
-        fix[p.name] = math.sqrt(old * ratio) if p.name in fix else ratio
+        used = est.fix.get(p.name, 1.0) or 1.0
+        ratio = got / (p.seconds / used)  # against the uncorrected estimate
+        fix[p.name] = math.sqrt(fix[p.name] * ratio) if p.name in fix else ratio
     pace.fix[view] = fix
     save_pace(key, pace)
 

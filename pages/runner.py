@@ -346,9 +346,8 @@ def _holding(name: str, token: cancel.Token | None = None):
              "token": token, "done": threading.Event(), "frac": 0.0, "msg": "",
              "thread": threading.get_ident()}
     with _RUNNING_LOCK:
-        for r in _RUNNING.values():  # runs sharing the model (and the machine) with this one: their times are not
-            if r["model"] == model:  # this machine's pace, so neither refines the estimates (_finish_timings)
-                r["overlapped"] = entry["overlapped"] = True
+        for r in (r for r in _RUNNING.values() if r["model"] == model):  # sharing the model: no pace (_finish_timings)
+            r["overlapped"] = entry["overlapped"] = True
         _RUNNING[id(entry)] = entry
     reset = _RUN.set(entry)
     try:
@@ -477,11 +476,7 @@ def _key_of(key_parts: dict) -> str:
 
 
 def _finish_timings(lm, name: str, entry: dict, result, elapsed: float) -> None:
-    """The result carries the estimate it started with and the seconds it took; the measured phases refine the
-    pace (kvviz.core.estimate.record) for the next run - unless another run on the model overlapped it (it waited
-    for the model or shared the cores: four sessions at once once taught the pace a split takes 1,000x longer)."""
-    from kvviz import views
-
+    """The result carries its estimate and seconds; they refine the pace unless another run overlapped it."""
     est, ticker = entry.get("estimate"), entry.get("ticker")
     measured = ticker.phases.measured() if ticker is not None else {"run": elapsed}
     if isinstance(result, estimate.Timed) and result.timings is None:

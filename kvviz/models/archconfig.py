@@ -7,6 +7,8 @@ Pure config code: transformers only.
 """
 from __future__ import annotations
 
+import transformers
+
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS, WINDOW, VOCAB = 64, 4, 2, 16, 96, 2, 8, 260
 
 # config attribute -> tiny value (applied when the config class has that attribute)
@@ -190,9 +192,7 @@ def _small_rope(rp: dict) -> dict:
 
 def tiny_arch_config(model_type: str, **extra):
     """The tiny config of `model_type`, from its own config class."""
-    from transformers import CONFIG_MAPPING
-
-    cls = CONFIG_MAPPING[model_type]
+    cls = transformers.CONFIG_MAPPING[model_type]
     defaults = cls().to_dict()
     kwargs = _shrink_dict(defaults, defaults)
     if model_type in _SPECIAL:

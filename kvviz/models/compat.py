@@ -38,12 +38,16 @@ import logging
 import os
 import sys
 import threading
+import types
 import warnings
 from typing import Iterator
 
+import gguf
 import torch
 import transformers
+from transformers.utils import logging as hf_logging
 
+from ..core import cancel, optional
 from ..core.errors import KvvizError
 
 TRANSFORMERS_VERSION = transformers.__version__
@@ -435,10 +439,6 @@ def gguf_read_once() -> Iterator[None]:
     `get_gguf_hf_weights_map`). Both are read-only once built.
     One block at a time in a process (the patch is global): another conversion waits, and a stopped run stops
     waiting (kvviz.core.cancel)."""
-    import gguf
-
-    from ..core import cancel
-
     with cancel.acquire(_GGUF_ONCE):
         reader_cls, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
         readers: dict = {}
@@ -484,10 +484,6 @@ def defer_hqq_import() -> bool:
     gets a stand-in for `Quantizer` (_DeferredHQQQuantizer); hqq's module stays unimported, so a later
     `import hqq.core.quantize` is the real one. Nothing is done when cache_utils or hqq's module is already imported
     or hqq is not installed. True when cache_utils holds the stand-in. Called once by kvviz/__init__.py."""
-    import types
-
-    from ..core import optional
-
     name = "hqq.core.quantize"
     if "transformers.cache_utils" in sys.modules or name in sys.modules or not optional.available("hqq"):
         return False
@@ -517,8 +513,6 @@ def gguf_utils():
 
 def quiet_transformers(verbosity: bool = True) -> None:
     """No per-tensor progress bars from transformers (kvviz reports its own progress); errors only, if asked."""
-    from transformers.utils import logging as hf_logging
-
     hf_logging.disable_progress_bar()
     if verbosity:
         hf_logging.set_verbosity_error()

@@ -23,8 +23,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import gguf
+from gguf import dequantize
+import transformers
 
 from ..core.cancel import Progress
+from .compat import checkpoint_renamer, gguf_utils
 
 INDEX_NAME = "model.safetensors.index.json"
 SHARD_BYTES = 2 * 1024 ** 3  # like transformers' own shards: a 7B float32 model is ~14 files
@@ -107,10 +111,8 @@ class ShardWriter:
 
 def _meta_model(config):
     """The model's skeleton on the meta device (no memory): its parameter names and which of them are tied."""
-    from transformers import AutoModelForCausalLM
-
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
 def stream_gguf(path: Path, folder: Path, config, progress: Progress, shard_bytes: int = SHARD_BYTES) -> dict:
@@ -118,12 +120,9 @@ def stream_gguf(path: Path, folder: Path, config, progress: Progress, shard_byte
 
     `config` is the model config transformers reads from the GGUF's metadata. Raises NotStreamable where the
     result could differ from transformers' whole-model conversion. Returns a small summary."""
-    from gguf import GGUFReader, dequantize
-    from .compat import checkpoint_renamer, gguf_utils
-
     mg, is_gguf_arch_supported = gguf_utils()
 
-    reader = GGUFReader(str(path))
+    reader = gguf.GGUFReader(str(path))  # the module's attribute: compat.gguf_read_once replaces it
     arch = mg.read_field(reader, "general.architecture")[0]
     if is_gguf_arch_supported(arch):
         raise NotStreamable(f"transformers loads {arch} GGUFs through its own conversion path")

@@ -23,16 +23,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import gguf
 import torch
+import transformers
+from safetensors.torch import save_file
 
 from . import compat
 from ..core.dtypes import check_attention_dtype, dtype_name, float64_device, parse_dtype, resolve_device, supports_dtype
-from ..core.errors import KvvizError, first_line
+from ..core.errors import OUT_OF_MEMORY_HINT, KvvizError, first_line, free_memory, is_out_of_memory
 from ..core.float64 import keep_float64
 from ..core import optional
 from ..core.cancel import Progress
 from .placement import ONE, Placement, check_placement, input_device, max_memory_for, parse_placement
 from .tiny import TINY_MODELS, TINY_SWEEP, TINY_VERSION, build_tiny
+from .gguf_stream import NotStreamable, _meta_model, stream_gguf, tied_names
 
 
 DEFAULT_SPEC = "default"
@@ -140,9 +144,7 @@ def gguf_quantization(path: Path) -> str:
     type of its weight matrices other than the embeddings and the output head (which files often keep wider:
     a Q4_K_M SmolLM2 holds more Q8_0 elements in its embedding than Q4_K in all its layers), else the file name."""
     try:
-        from gguf import GGUFReader
-
-        reader = GGUFReader(str(path))
+        reader = gguf.GGUFReader(str(path))  # the module's attribute: compat.gguf_read_once replaces it
         field = reader.fields.get("general.file_type")
         file_type = int(field.parts[field.data[0]][0]) if field is not None and field.data else None
         label = gguf_quant_label(file_type, {t.name: (t.tensor_type.name, int(t.n_elements)) for t in reader.tensors
@@ -189,9 +191,7 @@ def gguf_quant_label(file_type: int | None, tensors: dict[str, tuple[str, int]])
     the most common type (by elements) of the weight matrices other than token_embd/output; None if neither."""
     if file_type is not None:
         try:
-            from gguf import LlamaFileType
-
-            name = LlamaFileType(file_type).name
+            name = gguf.LlamaFileType(file_type).name
             if name != "GUESSED":
                 return {"ALL_F32": "F32"}.get(name, name.removeprefix("MOSTLY_"))
         except (ImportError, ValueError):
@@ -252,8 +252,6 @@ def convert_gguf(path: Path, progress: Progress = _noop) -> Path:
             _write(tmp)
 
     def _write(tmp: Path) -> None:
-        from .gguf_stream import NotStreamable, stream_gguf
-
         compat.quiet_transformers()
         progress(0.02, f"Dequantizing {path.name} tensor by tensor (first use only)…")
         config, tok = _read_gguf_header(path)
@@ -278,13 +276,11 @@ def convert_gguf(path: Path, progress: Progress = _noop) -> Path:
 
 def _read_gguf_header(path: Path):
     """The config and tokenizer transformers reads from a GGUF's metadata (no tensor is dequantized)."""
-    from transformers import AutoConfig, AutoTokenizer
-
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-            tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+            tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     except KvvizError:
         raise
     except Exception as e:  # noqa: BLE001 - any parse failure means an unreadable file
@@ -294,8 +290,6 @@ def _read_gguf_header(path: Path):
 
 def _saved_config(config):
     """The config as the whole-model conversion saves it (what from_pretrained(dtype=float32) sets on it)."""
-    from .gguf_stream import _meta_model
-
     cfg = copy.deepcopy(config)
     if hasattr(cfg, "quantization_config"):
         del cfg.quantization_config
@@ -314,16 +308,11 @@ def _checkpoint_config(model):
 def _convert_whole(path: Path, tmp: Path, progress: Progress):
     """transformers' own conversion: the whole file dequantized to a float32 model in memory, saved as one file.
     Returns the config to save."""
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
-
-    from .gguf_stream import tied_names
-
     progress(0.05, f"Dequantizing {path.name} as a whole model (first use only)…")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+            model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     except KvvizError:
         raise
     except Exception as e:  # noqa: BLE001 - any parse failure means an unreadable file
@@ -631,8 +620,6 @@ def _quiet_accelerate(on: bool):
 
 
 def _load_folder(where, ms: ModelSpec, dt: torch.dtype, attn: str, trust_remote_code: bool, dispatch: dict | None = None):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     compat.quiet_transformers()
 
     kwargs: dict = dict(trust_remote_code=bool(trust_remote_code))
@@ -640,14 +627,14 @@ def _load_folder(where, ms: ModelSpec, dt: torch.dtype, attn: str, trust_remote_
         kwargs["local_files_only"] = True  # a local folder never falls back to the hub
     else:
         try:
-            AutoConfig.from_pretrained(where, local_files_only=True, trust_remote_code=bool(trust_remote_code))
+            transformers.AutoConfig.from_pretrained(where, local_files_only=True, trust_remote_code=bool(trust_remote_code))
             kwargs["local_files_only"] = True
         except Exception:  # noqa: BLE001 - not cached locally
             if not hub_reachable():
                 raise KvvizError(f"'{ms.ref}' is not in the local Hugging Face cache and the hub cannot be reached "
                                  f"(no network); download it on a connected machine or give a local folder") from None
     try:
-        config = AutoConfig.from_pretrained(where, **kwargs)
+        config = transformers.AutoConfig.from_pretrained(where, **kwargs)
     except KvvizError:
         raise
     except Exception as e:  # noqa: BLE001
@@ -658,7 +645,7 @@ def _load_folder(where, ms: ModelSpec, dt: torch.dtype, attn: str, trust_remote_
     try:
         with warnings.catch_warnings(), _quiet_accelerate(bool(dispatch)):
             warnings.simplefilter("ignore")
-            model = AutoModelForCausalLM.from_pretrained(where, config=config, **model_kwargs)
+            model = transformers.AutoModelForCausalLM.from_pretrained(where, config=config, **model_kwargs)
     except ValueError as e:
         msg = first_line(e)
         if "Unrecognized configuration class" in msg or "AutoModelForCausalLM" in msg:
@@ -672,8 +659,6 @@ def _load_folder(where, ms: ModelSpec, dt: torch.dtype, attn: str, trust_remote_
     except KvvizError:
         raise
     except Exception as e:  # noqa: BLE001 - OSError, SafetensorError, RuntimeError…: a missing or damaged file
-        from ..core.errors import OUT_OF_MEMORY_HINT, free_memory, is_out_of_memory
-
         if is_out_of_memory(e):  # an allocation failure is not a damaged file
             free_memory(e)
             raise KvvizError(f"not enough memory to load {ms.ref} as {dtype_name(dt)}: {OUT_OF_MEMORY_HINT} "
@@ -681,7 +666,7 @@ def _load_folder(where, ms: ModelSpec, dt: torch.dtype, attn: str, trust_remote_
         raise KvvizError(f"could not load the weights of {ms.ref} (missing or damaged file?): "
                          f"{first_line(e)}") from None
     try:
-        tok = AutoTokenizer.from_pretrained(where, **kwargs)
+        tok = transformers.AutoTokenizer.from_pretrained(where, **kwargs)
     except Exception as e:  # noqa: BLE001
         raise KvvizError(f"could not load the tokenizer of {ms.ref}: {first_line(e)}") from None
     return model, tok

@@ -38,6 +38,9 @@ import sys
 import threading
 import time
 
+import torch
+from torch.utils.cpp_extension import LIB_EXT
+
 from .compat import extension_lib, set_extension_lib
 from ..core.cancel import Progress
 from ..core.errors import KvvizError
@@ -75,8 +78,6 @@ def build_timeout(name: str) -> float:
 def unpack(packed, bits: int):
     """quanto's `quanto::unpack` in PyTorch: the same masks and shifts as its C++ kernel (unpack.cpp) and its own
     default implementation (optimum/quanto/library/unpack.py), so the same bytes."""
-    import torch
-
     if packed.dtype != torch.uint8:
         raise ValueError(f"Unsupported data type: {packed.dtype}")
     if bits not in (2, 4):
@@ -106,8 +107,6 @@ def _extension(name: str):
 def prepare(device=None, progress: Progress | None = None) -> str | None:
     """Make optimum-quanto ready for a run on `device` without a silent wait; returns a note of what it did (None
     when there was nothing to do). Raises KvvizError with one line when a build is locked or too slow."""
-    import torch
-
     device = torch.device(device or "cpu")
     names = [CPP] + ([CUDA] if device.type == "cuda" else [])
     notes = []
@@ -226,8 +225,6 @@ def wait_for_lock(ext, limit: float, progress: Progress | None = None) -> None:
 
 
 def _built_file(ext) -> str:
-    from torch.utils.cpp_extension import LIB_EXT
-
     return os.path.join(ext.build_directory, f"{ext.name}{LIB_EXT}")
 
 

@@ -11,6 +11,14 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+import transformers
+from transformers import PreTrainedTokenizerFast
+
+from .archconfig import tiny_arch_config
+from .compat import quiet_transformers
+
 # Bump when configs or the tokenizer change, so stale folders in the cache are rebuilt.
 TINY_VERSION = 2
 TINY_SEED = 1234
@@ -87,9 +95,6 @@ PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 
 def byte_tokenizer():
     """A byte-level tokenizer built in code (no download): 256 byte tokens plus pad/bos/eos."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
     byte_chars = pre_tokenizers.ByteLevel.alphabet()
     vocab = {PAD: 0, BOS: 1, EOS: 2}
     for ch in sorted(byte_chars):
@@ -102,14 +107,12 @@ def byte_tokenizer():
 
 
 def tiny_config(arch: str):
-    from transformers import AutoConfig
-
     if arch not in TINY_CONFIGS:
         raise KeyError(arch)
     kwargs = dict(TINY_CONFIGS[arch])
     kwargs.setdefault("pad_token_id", 0)
     kwargs.update(bos_token_id=1, eos_token_id=2)
-    return AutoConfig.for_model(TINY_MODEL_TYPES.get(arch, arch), **kwargs)
+    return transformers.AutoConfig.for_model(TINY_MODEL_TYPES.get(arch, arch), **kwargs)
 
 
 def _carry(model, dims, value: float) -> None:
@@ -127,8 +130,6 @@ def _construct_tie(model, tokenizer) -> None:
     """Residual dimension 0 carries a constant C through every layer, so after the final norm h[0] ≈ C / rms > 0 at
     every position. lm_head reads only that dimension for "a" (weight 1) and "b" (weight 1 + 2^-12); every other
     token does not read it."""
-    import torch
-
     a, b = (tokenizer.convert_tokens_to_ids(t) for t in TIE_TOKENS)
     with torch.no_grad():
         _carry(model, (0,), 16.0)
@@ -147,8 +148,6 @@ SPLIT_T = 2.0 ** 26
 def _construct_split(model, tokenizer) -> None:
     """Dims 0, 32 and 33 carry the same constant through every layer, so after the final norm they hold one value
     v > 0. lm_head: "a" reads v/2 from dim 33; "b" reads +T·v (dim 0), −T·v (dim 32) and v (dim 33)."""
-    import torch
-
     a, b = (tokenizer.convert_tokens_to_ids(t) for t in SPLIT_TOKENS)
     with torch.no_grad():
         _carry(model, SPLIT_DIMS, 64.0)
@@ -176,8 +175,6 @@ def _construct_flip(model, tokenizer) -> None:
     out_proj writes 2^-8·(2·c1 - c2 - c3) into residual dim 1: -2^-6 from a full forward, +2^-6 from a cached step
     (exact sums). lm_head: "a" reads nothing (logit 0), "b" reads dim 1 (logit ∓2^-7), every other token −dim 0 (≈ −8).
     So the full forward picks "a" by 2^-7 and a cached step "b" by 2^-7. Layer 1 writes nothing."""
-    import torch
-
     a, b = (tokenizer.convert_tokens_to_ids(t) for t in FLIP_TOKENS)
     layers = model.backbone.layers
     with torch.no_grad():
@@ -211,12 +208,9 @@ def _construct_flip(model, tokenizer) -> None:
 def random_model(config, seed: int = TINY_SEED):
     """A causal LM of `config` with seeded random weights, larger than the default init so that logits have clear
     preferences (the tiny models and the architecture sweep build theirs this way)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if p.ndim >= 2:
@@ -229,15 +223,12 @@ def build_tiny(arch: str, folder: Path) -> Path:
     folder = Path(folder)
     if (folder / "kvviz-tiny.json").exists():
         return folder
-    from .compat import quiet_transformers
 
     quiet_transformers(verbosity=False)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{arch}-", dir=folder.parent))
     try:
         if arch in TINY_SWEEP or TINY_CONSTRUCTED.get(arch) == "mamba":
-            from .archconfig import tiny_arch_config
-
             config = tiny_arch_config(TINY_SWEEP.get(arch) or TINY_CONSTRUCTED[arch])
             if arch == "flip":
                 config.tie_word_embeddings = False  # its lm_head is set by hand

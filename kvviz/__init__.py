@@ -13,6 +13,8 @@ Every view is a folder under kvviz/views/ (run, figures, report, repro, cli), ru
 `kvviz.run(view, lm, config, ctx=None)` (kvviz.views.run; ctx a kvviz.RunContext: settings, prove, progress...); see
 docs/architecture.md.
 """
+__version__ = "0.1.0"  # first: kvviz.core.environment reads it while this module is still importing
+
 from .models.compat import defer_hqq_import as _defer_hqq_import
 
 _defer_hqq_import()  # first: before anything imports transformers.cache_utils (see compat)
@@ -53,4 +55,3 @@ __all__ = [
     "ModelSpec", "RunContext", "SplitConfig", "SplitResult", "TINY_ARCHS", "TINY_MODELS", "cache_dir", "clear_cache", "load_model",
     "machine_eps", "parse_dtype", "parse_spec", "resolve_device", "run", "run_split",
 ]
-__version__ = "0.1.0"

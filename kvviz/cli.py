@@ -12,9 +12,17 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
+
+import torch
 
 from .io.clirun import FlagRefused, Outcome, PlanShown, ctrl_c_stops, finish_timings, view_arguments
 from .core.errors import OUT_OF_MEMORY_HINT, KvvizError, first_line, free_memory, is_out_of_memory
+from .core.protocol import REFUSABLE_FLAGS
+from .io.archsweep import add_parser as _archsweep_parser, cli
+from .io.export import export_json, html_report, open_result
+from .models.compat import TRANSFORMERS_VERSION, range_warning
+from . import __version__, views
 
 
 class _Parser(argparse.ArgumentParser):
@@ -24,18 +32,11 @@ class _Parser(argparse.ArgumentParser):
 
 def version_line() -> str:
     """`kvviz --version`: the versions that decide what a run computes; an untested transformers said here."""
-    import torch
-
-    from . import __version__
-    from .models.compat import TRANSFORMERS_VERSION, range_warning
-
     line = f"kvviz {__version__} (torch {torch.__version__}, transformers {TRANSFORMERS_VERSION})"
     return line + ("\n" + range_warning() if range_warning() is not None else "")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import views
-
     parser = _Parser(prog="python -m kvviz", description="Where does a KV cache change a model's numbers, and why?")
     parser.add_argument("--version", action="store_true",
                         help="kvviz's, torch's and transformers' versions (and whether kvviz was tested on this "
@@ -56,7 +57,6 @@ def build_parser() -> argparse.ArgumentParser:
     op.add_argument("--html", default=None, help="also write its self-contained HTML report to this file")
     op.add_argument("--quiet", action="store_true", help="no 'written:' line on stderr")
     op.set_defaults(handler=cmd_open)
-    from .io.archsweep import add_parser as _archsweep_parser  # every causal-LM architecture transformers ships
 
     _archsweep_parser(sub)
     sub.choices["sweep-architectures"].set_defaults(handler=cmd_sweep_architectures)
@@ -65,10 +65,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _exports(args, res, lm=None) -> None:
     """--json-out, --html and --repro (every view but bisect): written after the run; a message on stderr each."""
-    from pathlib import Path
-
-    from .io.export import export_json, html_report
-
     if getattr(args, "memory_plan", None) is not None:
         from .core.memory import attach
 
@@ -106,9 +102,6 @@ _FLAG = {"invariant": "--invariant", "no_proof": "--no-proof", "json_out": "--js
 def refused_flags(command: str, not_honoured: dict | None) -> dict[str, str]:
     """The common flags (argparse dests) a subcommand refuses, and why: those its view's run refuses (View.refuses:
     --invariant, --no-proof) and those its parser names (`not_honoured`, e.g. --json-out; its reason first)."""
-    from . import views
-    from .core.protocol import REFUSABLE_FLAGS
-
     try:
         view = views.for_command(command)
     except KvvizError:  # open, sweep-architectures: no view
@@ -155,11 +148,6 @@ def _run(args) -> int:
 
 
 def cmd_open(args) -> Outcome:
-    from pathlib import Path
-
-    from . import views
-    from .io.export import open_result
-
     p = Path(args.file)
     if not p.is_file():
         raise KvvizError(f"no such file: {p}")
@@ -185,8 +173,6 @@ def cmd_open(args) -> Outcome:
 
 
 def cmd_sweep_architectures(args) -> Outcome:
-    from .io.archsweep import cli
-
     cli(args)  # a long sweep prints each row as it finishes, then its totals (or the JSON)
     return Outcome(None, exportable=False, printed=True)
 

@@ -28,14 +28,18 @@ import functools
 import math
 import threading
 from typing import Callable
+import os
+import shutil
 
 import torch
+from transformers import DynamicCache, QuantizedCache, StaticCache
 
 from .errors import KvvizError
 from .execution import (CacheKind, ExecSettings, register_cache_kind, register_compiler, register_run_context,
                         register_settings_check)
 from .flags import SDPA_BACKENDS, precision_flags
 from ..models.loading import LoadedModel
+from ..models.quanto_ext import prepare
 
 CACHE_KINDS = (CacheKind.DYNAMIC, CacheKind.STATIC, CacheKind.OFFLOADED, CacheKind.OFFLOADED_STATIC,
                CacheKind.QUANTIZED)  # what the backends page offers
@@ -55,16 +59,12 @@ def _needs_gpu(lm: LoadedModel) -> None:
 
 
 def _static(lm: LoadedModel, batch: int, max_len: int, offloading: bool = False):
-    from transformers import StaticCache
-
     if offloading:
         _needs_gpu(lm)
     return StaticCache(config=lm.config, max_cache_len=max_len, offloading=offloading)
 
 
 def _offloaded(lm: LoadedModel, batch: int, max_len: int):
-    from transformers import DynamicCache
-
     _needs_gpu(lm)
     return DynamicCache(config=lm.config, offloading=True)
 
@@ -72,15 +72,11 @@ def _offloaded(lm: LoadedModel, batch: int, max_len: int):
 def quantized_cache(lm: LoadedModel, backend: str = "fp8", nbits: int | None = None,
                     residual_length: int | None = None, q_group_size: int | None = None):
     """transformers' QuantizedCache with `backend` (fp8 needs no package; quanto and hqq need theirs)."""
-    from transformers import QuantizedCache
-
     if backend not in QUANT_BACKENDS:
         raise KvvizError(f"unknown quantized-cache backend '{backend}'; choose one of {', '.join(QUANT_BACKENDS)}")
     kwargs = {} if backend == "fp8" else {k: v for k, v in (("nbits", nbits), ("residual_length", residual_length),
                                                             ("q_group_size", q_group_size)) if v is not None}
     if backend == "quanto":
-        from ..models.quanto_ext import prepare
-
         prepare(lm.device)  # quanto's compiled unpack: never a silent wait on its build lock (kvviz/models/quanto_ext.py)
     try:
         return QuantizedCache(backend=backend, config=lm.config, **kwargs)
@@ -126,8 +122,6 @@ def check_flags(settings: ExecSettings) -> None:
 
 def _run_wait_limit() -> float:
     """KVVIZ_RUN_WAIT_TIMEOUT: how long a run waits for the runs ahead of it to release the precision flags."""
-    import os
-
     try:
         value = float(os.environ.get("KVVIZ_RUN_WAIT_TIMEOUT", "600"))
     except ValueError:
@@ -225,8 +219,6 @@ def _compiler(lm: LoadedModel, mode: str) -> Callable:
 
 def compiler_works() -> tuple[bool, str]:
     """Can torch.compile build kernels here (a C++ compiler on CPU)? (ok, one-line reason)."""
-    import shutil
-
     if torch.cuda.is_available():
         return True, "CUDA"
     cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")

@@ -16,6 +16,8 @@ import threading
 import time
 from typing import Callable, Iterator
 
+from torch.overrides import TorchFunctionMode
+
 from .capture import Capture
 
 # A run's progress callback, (fraction, text): the one definition (kvviz.core.protocol re-exports it; kvviz/models
@@ -132,7 +134,6 @@ def op_checks() -> Iterator[None]:
     if token is None:
         yield
         return
-    from torch.overrides import TorchFunctionMode
 
     class OpChecks(TorchFunctionMode):
         calls = 0

@@ -7,6 +7,10 @@ from __future__ import annotations
 import platform
 
 import torch
+import transformers
+
+from ..models import compat
+from .. import __version__
 
 
 def precision_flags() -> dict:
@@ -53,11 +57,6 @@ def device_name(device: str | torch.device | None = None) -> str:
 
 def environment(device: str | torch.device | None = None) -> dict:
     """kvviz, torch, transformers, CUDA/cuDNN versions, the device's name and the precision flags."""
-    import transformers
-
-    from .. import __version__
-    from ..models import compat
-
     return {
         "kvviz": __version__,
         "python": platform.python_version(),

@@ -1,5 +1,10 @@
 """The one exception kvviz raises for anything a user can fix: its message is a single clear line."""
 
+import gc
+import traceback
+
+import torch
+
 
 class KvvizError(Exception):
     """A problem with the user's input or environment, with a one-line message meant for people."""
@@ -40,17 +45,9 @@ def is_out_of_memory(e: BaseException) -> bool:
 def free_memory(error: BaseException | None = None) -> None:
     """Give memory back after an out-of-memory error, so the next run can start clean. The error's traceback holds
     the failed run's frames (and their tensors): clear them first."""
-    import gc
-    import traceback
-
     if error is not None and error.__traceback__ is not None:
         traceback.clear_frames(error.__traceback__)
 
     gc.collect()
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    except ImportError:  # pragma: no cover
-        pass
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

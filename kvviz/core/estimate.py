@@ -26,8 +26,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
+
 from .dtypes import resolve_device
 from .inputs import Workload
+from .execution import DEFAULT_SETTINGS, Executor
+from ..models.loading import cache_dir, parse_spec
 
 CALIBRATION_LENGTHS = (1, 64, 256)  # tokens: the call's fixed cost, then two lengths for the linear and quadratic part
 INVARIANT_LENGTHS = (8, 32)  # invariant mode's fixed-order kernels are slow: two short lengths
@@ -196,10 +200,6 @@ def fit2(points: list[tuple[int, float]], c0: float) -> tuple[float, float, floa
 
 def key_of(spec, dtype, device, threads: int | None = None) -> str:
     """The store's key: the model (its kind and reference: one shape), dtype, device and thread count."""
-    import torch
-
-    from ..models.loading import parse_spec
-
     ms = parse_spec(spec)
     dt = str(dtype).replace("torch.", "")
     if isinstance(device, str) or device is None:
@@ -216,8 +216,6 @@ def key_of_model(lm) -> str:
 
 
 def store_path() -> Path:
-    from ..models.loading import cache_dir
-
     return cache_dir() / STORE_NAME
 
 
@@ -290,10 +288,6 @@ def calibrate(lm, invariant: bool = False, clock_forward=None) -> Pace:
 def _time_forward(lm, n: int, invariant: bool) -> float:
     """Seconds of one forward of n tokens (no cache, hidden states kept as the views keep them), the median of a
     few for a short one."""
-    import torch
-
-    from .execution import DEFAULT_SETTINGS, Executor
-
     limit = getattr(lm.config, "max_position_embeddings", None) or 4096
     n = max(1, min(int(n), int(limit)))
     vocab = int(getattr(lm.config, "vocab_size", 100) or 100)

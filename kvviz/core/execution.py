@@ -27,12 +27,17 @@ from enum import StrEnum
 from typing import Callable, ContextManager, Iterator
 
 import torch
+from transformers import GenerationConfig
 
 from . import cancel, loops
 from ..models import compat
 from .errors import KvvizError
 from ..models.loading import LoadedModel
 from .loops import StepPolicy
+from .dtypes import dtype_name
+from .float64 import released_between_layers
+from .reference import streamed_float64
+from .streaming import HeldRows, decoder_layers, reduced_call, reduced_generate
 
 
 class CacheKind(StrEnum):
@@ -216,16 +221,11 @@ class Executor:
                 if cm is not None:
                     stack.enter_context(cm)
             if self.lm.stream64 is not None:  # a streamed float64 reference: innermost, as the twin's own forward
-                from .reference import streamed_float64
-
                 stack.enter_context(streamed_float64(self.lm))
             if self.settings.compile == COMPILE_OFF:  # a checkpoint at every layer while a run can be stopped
-                from .streaming import decoder_layers
-
                 stack.enter_context(cancel.layer_checks(decoder_layers(self.lm.model)))
-                if self.lm.dtype == torch.float64 and self.lm.device.type == "cpu":  # a long float64 forward's
-                    from .float64 import released_between_layers  # freed blocks go back between its layers
-
+                if self.lm.dtype == torch.float64 and self.lm.device.type == "cpu":  # a long float64 forward's freed
+                    # blocks go back between its layers
                     stack.enter_context(released_between_layers(decoder_layers(self.lm.model)))
             yield self
 
@@ -280,8 +280,6 @@ class Executor:
         self.forwards += 1
         b, t = ids.shape[0], ids.shape[-1]
         if sink is not None:
-            from .streaming import reduced_call
-
             width = getattr(self.lm.config, "hidden_size", None)
             # compiled forwards get no hooks of ours: their hidden states are reduced when the forward returns
             out = reduced_call(self.model, lambda: self._callable()(**kwargs),
@@ -302,8 +300,6 @@ class Executor:
         """model.generate(do_sample=False) for exactly max_new_tokens (EOS does not stop it), under the settings'
         cache kind; transformers' own compile of the decode step is left off unless compile is asked for.
         hidden: each step's hidden states, the last position of each layer only ([B, 1, H] per layer)."""
-        from transformers import GenerationConfig
-
         gc = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=max_new_tokens, min_new_tokens=0,
                               eos_token_id=[], pad_token_id=pad_token_id, output_logits=logits,
                               output_hidden_states=hidden, return_dict_in_generate=True, use_cache=True)
@@ -316,8 +312,6 @@ class Executor:
         kwargs.update(extra)
         self.forwards += max_new_tokens
         if hidden:  # each step's hidden states: only their last positions are kept, as they are produced
-            from .streaming import reduced_generate
-
             return reduced_generate(self.model, lambda: self.model.generate(**kwargs),
                                     hooks=self.settings.compile == COMPILE_OFF and _STREAM_HIDDEN.get())
         return self.model.generate(**kwargs)
@@ -335,8 +329,6 @@ class Executor:
         """A caller for decoding, which reads only the last position of each hidden state: each layer's last
         position is kept as the forward produces it (kvviz.core.streaming) and the output's hidden_states are those
         rows [B, 1, H], so a no-cache step never holds every layer × every position."""
-        from .streaming import HeldRows
-
         plain = self._caller(fresh_cache)
 
         def call(ids, mask, positions, past, use_cache=True, hidden=True):
@@ -503,7 +495,5 @@ class RunInfo(RunSettings):
 
     @classmethod
     def of(cls, lm: LoadedModel, settings: ExecSettings | None = None) -> "RunInfo":
-        from .dtypes import dtype_name
-
         return cls(model=lm.name, spec_kind=lm.spec.kind, dtype=dtype_name(lm.dtype), device=str(lm.device),
                    attention=lm.attn_implementation, execution=settings or DEFAULT_SETTINGS)

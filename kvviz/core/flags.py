@@ -5,6 +5,7 @@ Keep this module to torch and contextlib only."""
 import contextlib
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 SDPA_BACKENDS = {"math": "MATH", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
                  "cudnn": "CUDNN_ATTENTION"}
@@ -51,8 +52,6 @@ def precision_flags(flags):
                 torch.use_deterministic_algorithms(True, warn_only=True)
                 torch.backends.cudnn.deterministic = True
             elif flag.startswith("sdpa="):
-                from torch.nn.attention import SDPBackend, sdpa_kernel
-
                 stack.enter_context(sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[flag.split("=", 1)[1]])))
         yield
     finally:

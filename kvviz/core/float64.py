@@ -10,6 +10,7 @@ computation stays float64 end to end (the same maths, the precision the referenc
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 
 import torch
@@ -185,8 +186,6 @@ RELEASE_MIN_BYTES = 4 * 1024 ** 2
 def _malloc_trim():
     """glibc's malloc_trim, or None where there is none."""
     try:
-        import ctypes
-
         return ctypes.CDLL("libc.so.6").malloc_trim
     except (OSError, AttributeError):  # not glibc (macOS, Windows, musl): nothing to give back this way
         return None

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import KvvizError
+from .text import display_tokens
 
 MAX_PROMPT_CHARS = 100_000
 POSITION_MODES = ("auto", "omit")
@@ -46,8 +47,6 @@ def pad_token_id(tokenizer) -> int:
 
 def token_texts(tokenizer, ids: list[int]) -> list[str]:
     """One display string per token; multi-byte characters split over several tokens are shown whole."""
-    from .text import display_tokens
-
     return display_tokens(tokenizer, ids)
 
 

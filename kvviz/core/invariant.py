@@ -50,6 +50,7 @@ from torch.overrides import TorchFunctionMode
 from ..models import compat
 from .errors import KvvizError
 from .float64 import PROBE_SLAB, _GROUPED
+from .execution import register_run_context
 
 _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm, torch.mm,
             torch.Tensor.mm}
@@ -1301,6 +1302,4 @@ def _run_context(settings, lm):
 
 def register() -> None:
     """Add invariant mode's run context to the execution seam; kvviz/__init__.py calls it once (idempotent)."""
-    from .execution import register_run_context
-
     register_run_context(_run_context)

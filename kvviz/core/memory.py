@@ -27,11 +27,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
+import gguf
 import torch
+import transformers
+from huggingface_hub import snapshot_download
 
 from .errors import KvvizError
 from .inputs import MAX_PROMPT_CHARS, Workload  # noqa: F401 - Workload is part of this module's API
 from .float64 import PROBE_SLAB, REFERENCE_CHUNK_BYTES, gives_freed_memory_back
+from .dtypes import dtype_name, exact_in, parse_dtype, resolve_device
+from .metrics import LOGITS_CHUNK_BYTES
+from ..models.loading import converted_gguf_folder, default_gguf_path, parse_spec, tiny_folder
 
 GB = 1024 ** 3
 TWIN_MAX_BYTES = int(1.5 * GB)  # a full float64 twin up to this size is kept when memory allows (it runs faster)
@@ -129,9 +135,7 @@ def shape_of_folder(folder: Path) -> ModelShape | None:
 
 
 def _shape_of_gguf(path: Path) -> ModelShape:
-    from gguf import GGUFReader
-
-    r = GGUFReader(str(path))
+    r = gguf.GGUFReader(str(path))
     arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
 
     def num(key, default=0):
@@ -152,8 +156,6 @@ def _shape_of_gguf(path: Path) -> ModelShape:
 
 def model_shape(spec) -> ModelShape | None:
     """The shape of the model a spec names, from its files only (None: a hub model not in the local cache)."""
-    from ..models.loading import converted_gguf_folder, default_gguf_path, parse_spec, tiny_folder
-
     ms = parse_spec(spec)
     try:
         if ms.kind == "tiny":
@@ -167,8 +169,6 @@ def model_shape(spec) -> ModelShape | None:
                 return shape_of_folder(converted)
             return _shape_of_gguf(path)
         # a hub id: only what is already in the local cache
-        from huggingface_hub import snapshot_download
-
         return shape_of_folder(Path(snapshot_download(ms.ref, local_files_only=True)))
     except Exception:  # noqa: BLE001 - unreadable files, a hub model not cached: loading reports them in its own words
         return None
@@ -451,7 +451,6 @@ def reference_bytes(shape: ModelShape, dtype: str, strategy: str) -> int:
     biggest = min(8 * shape.largest, REFERENCE_CHUNK_BYTES + 8 * max(shape.hidden, 1) * 2)
     read = min(shape.largest, REFERENCE_CHUNK_BYTES // 8 + max(shape.hidden, 1)) * BYTES.get(
         shape.checkpoint_dtype or dtype, 4)
-    from .dtypes import exact_in, parse_dtype
 
     lossy = shape.checkpoint_dtype and not exact_in(parse_dtype(shape.checkpoint_dtype), parse_dtype(dtype))
     return biggest + (read if lossy else 0)
@@ -605,8 +604,6 @@ LOGITS_TEMPORARIES = 7
 def comparison_temporaries(width: int, rows_bytes: int) -> int:
     """The float64 temporaries of logits_divergence over logits of `width` bytes per number whose compared rows take
     `rows_bytes` in float64: one chunk of LOGITS_CHUNK_BYTES at a time (or all the rows where they are less)."""
-    from .metrics import LOGITS_CHUNK_BYTES
-
     return (LOGITS_TEMPORARIES - (2 if width == 8 else 0)) * min(LOGITS_CHUNK_BYTES, rows_bytes)
 # float64 full-forward logits over this are computed a chunk of rows at a time (kvviz.views.split.run uses REFERENCE_LOGITS_BYTES)
 REFERENCE_LOGITS_BYTES = 128 * 1024 ** 2
@@ -773,8 +770,6 @@ def decoding_bytes(shape: ModelShape, dtype: str, tokens: int, runs: int, steps:
 def fits_beside(lm, view: str, tokens: int, compared: int | None = None) -> bool:
     """Whether a run of `view` on the loaded model `lm` fits in what is free now, beside the model (an optional step
     of another run, e.g. the bisector a split runs where its proof fails: it runs only where it fits)."""
-    from .dtypes import dtype_name
-
     cfg = lm.model.config.get_text_config().to_dict()
     sizes = [p.numel() for p in lm.model.parameters()]
     shape = ModelShape.from_config(cfg, sum(sizes), max(sizes))
@@ -900,9 +895,6 @@ def plan_run(spec, dtype: str, device, view: str, tokens: int = 32, batch: int =
     (weight quantization deep-copies the model before quantizing it). steps, reference_decodes, runs: a decoding
     view's (activation_bytes). engine: a study's paged engine calls (paged_study_bytes). invariant: the run is in
     invariant mode throughout (its first forward probes the kernels: plan_shape)."""
-    from .dtypes import resolve_device
-    from ..models.loading import parse_spec
-
     ms = parse_spec(spec)
     dev = device if isinstance(device, torch.device) else resolve_device(device)
     free, src = free_bytes(dev)
@@ -923,8 +915,6 @@ def plan_shape(shape: ModelShape | None, name: str, dtype: str, device: str, vie
     default; `prove` False, --no-proof: never), and a run in invariant mode (`invariant`) runs so throughout: the first
     invariant-mode forward probes the kernels of each weight's shape (invariant_probe_bytes), a phase of the run in
     its own dtype. The proof's phase is dropped from the plan after a run that ran none (`settle`)."""
-    from .dtypes import dtype_name, parse_dtype
-
     dt = dtype_name(parse_dtype(dtype))
     notes = []
     runtime = (process_runtime_bytes() if device.startswith("cpu") else CUDA_RUNTIME_BYTES if device.startswith("cuda")
@@ -1097,9 +1087,7 @@ def tokens_of_text(spec, text: str) -> int:
     folder = Path(shape.source) if shape is not None and shape.source else None
     if folder is not None and folder.is_dir():
         try:
-            from transformers import AutoTokenizer
-
-            tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+            tok = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
             return len(tok(text)["input_ids"])
         except Exception:  # noqa: BLE001 - fall back to the bound
             pass

@@ -32,6 +32,9 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from typing import Callable, Iterator
+import argparse
+import dataclasses
+import typing
 
 from . import cancel
 from .estimate import Estimate
@@ -39,6 +42,7 @@ from .execution import DEFAULT_SETTINGS, ExecSettings
 from .cancel import Progress  # noqa: F401 - the one definition; views import it from here
 from .verdict import Prove
 from ..models.loading import LoadedModel
+from .errors import KvvizError
 
 
 def no_progress(fraction: float, text: str = "") -> None:
@@ -73,8 +77,6 @@ class RunContext:
         progress callback whose fractions never go back, and reporting 1.0 when the run returns. `refuses`: what
         the run cannot honour, and why (the view's REFUSES: "invariant" - invariant mode, "prove" - a proof
         rerun): asked for in this context, the run is refused in one line before it starts, never ignored."""
-        from .errors import KvvizError
-
         for what, why in (refuses or {}).items():
             if (what == "invariant" and self.settings.invariant) or (what == "prove" and self.prove is True):
                 raise KvvizError(f"{REFUSABLE[what]} does nothing for this run ({why})")
@@ -111,9 +113,6 @@ class ConfigField:
 
 def config_fields(cls) -> list[ConfigField]:
     """The fields of a view's config dataclass (every field needs a default: a page starts from them)."""
-    import dataclasses
-    import typing
-
     hints = typing.get_type_hints(cls)
     out = []
     for f in dataclasses.fields(cls):
@@ -141,8 +140,6 @@ def config_fields(cls) -> list[ConfigField]:
 def config_from(cls, values: dict):
     """The config from `values` (a page's controls, the CLI's arguments: unknown keys ignored, missing ones take the
     field's default), validated (KvvizError in one line for a bad value)."""
-    from .errors import KvvizError
-
     kw = {}
     for f in config_fields(cls):
         if f.name not in values or values[f.name] is None:
@@ -164,8 +161,6 @@ def config_from(cls, values: dict):
 
 def add_config_arguments(parser, cls) -> None:
     """One option per config field: `--max-new-tokens 8`, `--mode step`, `--dtypes a,b`, a bool as a switch."""
-    import argparse
-
     for f in config_fields(cls):
         flag = "--" + f.name.replace("_", "-")
         if f.kind == "bool":

@@ -42,11 +42,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+import transformers
+from accelerate import init_empty_weights
+from safetensors import safe_open
 
 from .capture import capture
 from .dtypes import check_attention_dtype, exact_in
 from .errors import KvvizError
 from .float64 import head_slice_rows, keep64, sliced_linear64
+from .dtypes import supports_dtype
+from .memory import choose_reference, stream_keep_bytes
 
 STRATEGIES = ("auto", "twin", "streamed")
 ENV_STRATEGY = "KVVIZ_REFERENCE"
@@ -84,8 +89,6 @@ def reference_model(lm, strategy: str | None = None):
     if strategy not in STRATEGIES:
         raise KvvizError(f"unknown float64 reference strategy '{strategy}'; choose one of {', '.join(STRATEGIES)}")
     if strategy == "auto":
-        from .memory import choose_reference  # noqa: PLC0415
-
         strategy = choose_reference(lm)
     if strategy == "streamed" and can_stream(lm):
         try:
@@ -98,8 +101,6 @@ def reference_model(lm, strategy: str | None = None):
 def can_stream(lm) -> bool:
     """The streamed reference runs on the model's own device, which must have float64 (not MPS), and on plain
     floating-point weights (not quantized ones)."""
-    from .dtypes import supports_dtype
-
     if is_streamed(lm) or not supports_dtype(lm.device, torch.float64):
         return False
     if not getattr(lm, "inference_mode", True):
@@ -133,16 +134,13 @@ def streamed_reference(lm):
 def _skeleton_buffers(lm) -> dict[str, torch.Tensor]:
     """The buffers a float64 twin would hold (computed at load in its dtype), from a skeleton: parameters on the
     meta device, buffers real. Only those that differ from the loaded ones' values or dtype are kept."""
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
-
     loaded = dict(lm.model.named_buffers())
     if not loaded:
         return {}
     cfg = copy.deepcopy(lm.model.config)
     with init_empty_weights(include_buffers=False):
-        skel = AutoModelForCausalLM.from_config(cfg, dtype=torch.float64,
-                                                trust_remote_code=bool(getattr(lm, "trust_remote_code", False)))
+        skel = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float64,
+                                                             trust_remote_code=bool(getattr(lm, "trust_remote_code", False)))
     out = {}
     for name, b in skel.named_buffers():
         mine = loaded.get(name)
@@ -175,8 +173,6 @@ class CannotStream(KvvizError):
 def _renamed(p: torch.Tensor, index: dict, used: set) -> str | None:
     """The checkpoint key of a parameter transformers renamed on load (e.g. GPT-NeoX's embed_out -> lm_head): the
     one unclaimed tensor of the same shape whose values, in the loaded dtype, are the parameter's."""
-    from safetensors import safe_open
-
     hits = []
     for key, (file, _) in index.items():
         if key in used:
@@ -192,8 +188,6 @@ def _renamed(p: torch.Tensor, index: dict, used: set) -> str | None:
 
 
 def _stream_plan(lm) -> StreamPlan:
-    from .memory import stream_keep_bytes
-
     # a dispatched model (accelerate's offload hooks) swaps its weights in and out each forward: nothing is kept
     dispatched = bool(getattr(lm.model, "hf_device_map", None))
     plan = StreamPlan(buffers=_skeleton_buffers(lm),

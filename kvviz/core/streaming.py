@@ -31,6 +31,7 @@ from .errors import KvvizError
 
 from ..models.compat import OUTPUT_COLLECTOR as _COLLECTOR  # None where this transformers has none: reduced after the forward
 from ..models.compat import install_output_recorder
+from .metrics import hidden_divergence
 
 Sink = Callable[[int, torch.Tensor], None]  # (index in hidden_states, the tensor [B, T, H])
 
@@ -174,8 +175,6 @@ class LayerGaps:
 
     def __init__(self, held: HeldRows, eps: float, label: str = "the cached run", free: bool = False,
                  equal: bool = False):
-        from .metrics import hidden_divergence
-
         self._div = hidden_divergence
         self.held, self.eps, self.label, self.free = held, eps, label, free
         self.track_equal, self.equal = equal, True

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 
+from ..models.compat import byte_level_table
+
 REPLACEMENT = "\ufffd"
 CONTINUATION = "·"
 _MAX_RUN = 8  # a UTF-8 character is at most 4 bytes; allow a little slack for merged pieces
@@ -45,8 +47,6 @@ def display_text(tokenizer, ids: list[int]) -> str:
 
 
 def _byte_table() -> dict[str, int]:
-    from ..models.compat import byte_level_table
-
     return byte_level_table()
 
 

@@ -18,6 +18,8 @@ import math
 import plotly.graph_objects as go
 import plotly.io as pio
 
+from .verdict import worst
+
 NAME = "kvviz"
 
 # The page's colours (Streamlit's light theme): background, text, grid lines, font.
@@ -58,8 +60,6 @@ VERDICT_CLASS = {"same model": "identical", "bitwise equal": "identical", "safe"
 def box_class(verdict) -> str:
     """The verdict box a verdict word reads as: identical, precision, logic, or other (information / warning). A
     summary such as "logic: 1, precision: 3" reads as its worst class."""
-    from .verdict import worst
-
     v = VERDICT_CLASS.get(str(verdict), str(verdict))
     if v in ("identical", "precision", "logic"):
         return v

@@ -26,7 +26,10 @@ import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+import torch
+
 from .naming import layer_label as _row_label, layer_module as _row_module
+from .naming import module_label
 
 FLOAT64_CLOSED_REL = 1e-9  # float64 rounding gives ~1e-15 relative; a logic error gives far more than this
 FLOAT64_EPS = 2.0 ** -52
@@ -87,8 +90,6 @@ class Finding:
 
     def describe(self) -> str:
         """ "layer 2 (model.layers.1.self_attn), attention output: max |Δ| 0.0123 (0.001 of its size)" """
-        from .naming import module_label
-
         what = ("the attention computation itself (scores, softmax, weighted sum - not a module of its own)"
                 if self.kind.startswith("attention weights") else self.kind)
         return (f"{module_label(self.module)}, {what}: max |Δ| {self.max_abs:.3g} ({self.relative:.3g} of its "
@@ -198,8 +199,6 @@ def amplification(per_layer_rel: "list[float]", module_prefix: str = "model.laye
 def layers_prefix(model) -> str:
     """The module path of a model's decoder layers ("model.layers", "transformer.h", …): the longest ModuleList of
     blocks."""
-    import torch
-
     best, size = "model.layers", 0
     for name, mod in model.named_modules():
         if isinstance(mod, torch.nn.ModuleList) and len(mod) > size and name.rsplit(".", 1)[-1] in (

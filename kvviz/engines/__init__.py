@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ..core.errors import KvvizError
 from .base import ANSWER_LIMIT_S
+from ..core import cancel
 
 HERE = Path(__file__).resolve().parent
 # engine name -> (environment folder, worker script, the module the environment must import)
@@ -118,8 +119,6 @@ class WorkerClient:
 
     def _stop_if_cancelled(self) -> None:
         """A stopped run (kvviz.core.cancel) kills its worker at once: it may be in the middle of a long request."""
-        from ..core import cancel
-
         try:
             cancel.check()
         except cancel.Cancelled:

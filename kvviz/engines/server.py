@@ -35,6 +35,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ..core.errors import KvvizError
 from .base import Engine, EngineRun, Request, RequestOut
+from .verdict import reference_logprobs
+from ..core.dtypes import dtype_name
+from ..core.execution import Executor
+from ..core.inputs import encode
 
 TOP_K = 5
 PROBE_TEXT = "The capital of France is"
@@ -232,11 +236,6 @@ class ServerEngine(Engine):
     def probe(self, lm, settings) -> None:
         """Refuse in one line when the server cannot be reached or does not serve the local weights: a short greedy
         completion of PROBE_TEXT, its log-probs against the local model's on the same tokens."""
-        from ..core.dtypes import dtype_name
-        from ..core.execution import Executor
-        from ..core.inputs import encode
-        from .verdict import reference_logprobs
-
         self.dtype = dtype_name(lm.dtype)  # the local weights' dtype: name the one the server runs with --dtype
         try:
             self.version = self._call("/version").get("version")

@@ -30,12 +30,16 @@ import time
 
 import torch
 from torch.overrides import _get_current_function_mode_stack
+import transformers
+from transformers import GenerationConfig
 
 from ..core import cancel, optional
 from ..models import compat
 from ..core.errors import KvvizError, first_line
 from ..core.memory import PAGE_SIZE, paged_batch_tokens, paged_blocks
 from .base import Engine, EngineRun, Request, RequestOut
+from . import engine_python, how_to_get
+from ..core.dtypes import dtype_name
 
 MIN_PAGE = 4
 _TIMEOUT_S = 600.0
@@ -107,13 +111,9 @@ class TransformersEngine(Engine):
         return cls(PAGE_SIZE if page_size is None else page_size)
 
     def info(self) -> dict:
-        import transformers
-
         return {**super().info(), "version": transformers.__version__}
 
     def notes(self) -> list[str]:
-        from . import engine_python
-
         if vllm_available() or engine_python("vllm") is not None:
             return []
         return ["vLLM is not installed here; the transformers engine ran (`make engines` builds vLLM)"]
@@ -127,7 +127,6 @@ class TransformersEngine(Engine):
         run contexts). max_in_flight: requests per batch. sequential_keys: requests that are submitted only after
         every earlier request has finished (a warmer and its target), so their batches are exactly planned. invariant:
         nothing to set here - invariant mode reaches the engine's thread as the caller's torch function modes."""
-        from transformers import GenerationConfig
         ContinuousBatchingConfig, WorkloadHints = compat.continuous_batching_config_classes()
 
         if not requests:
@@ -257,8 +256,6 @@ class VllmFacts(Engine):
 
     @classmethod
     def status(cls) -> str | None:
-        from . import engine_python, how_to_get
-
         return None if vllm_available() or engine_python(cls.name) is not None else how_to_get(cls.name)
 
 
@@ -276,8 +273,6 @@ class VllmEngine(VllmFacts):
         self._key = None
 
     def _engine(self, lm, key):
-        from ..core.dtypes import dtype_name
-
         if self._key != key:
             self.close()
             from vllm import LLM

@@ -29,6 +29,8 @@ from __future__ import annotations
 import torch
 
 from ..core.verdict import Verdict, classify_bounded
+from ..core.dtypes import dtype_name
+from ..core.execution import Executor
 
 K_GROWTH = {"float": 2 ** 4, "q8": 2 ** 7}
 C_OWN = 16
@@ -157,9 +159,6 @@ def engine_verdicts(prompts, lm, lm64, settings, engine, ids, completions, logps
     its paths part from kvviz's reference, or where a path is farther from float64 than rounding explains even
     though the tokens agree (a bug that has not flipped a token yet). memo: a dict kept across calls on the same
     models (a sweep's cells) - a token path scored once is not scored again."""
-    from ..core.dtypes import dtype_name
-    from ..core.execution import Executor
-
     ex64 = Executor(lm64, settings.with_(invariant=False))
     dtype = engine.info().get("dtype") or dtype_name(lm.dtype)
     u = rounding_scale(dtype)

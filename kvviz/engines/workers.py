@@ -24,12 +24,15 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+import json
 
 import torch
 
 from ..core.errors import KvvizError
 from .base import ANSWER_LIMIT_S, Engine, EngineRun, LayerCapture, Request, RequestOut
 from .serving import VllmEngine, VllmFacts, vllm_available
+from . import WorkerClient, engine_python, how_to_get
+from ..core.dtypes import dtype_name
 
 TOP_K = 5
 VLLM_BLOCK = 32
@@ -59,8 +62,6 @@ class WorkerEngine(Engine):
 
     @classmethod
     def status(cls) -> str | None:
-        from . import engine_python, how_to_get
-
         return None if engine_python(cls.name) is not None else how_to_get(cls.name)
 
     def close(self) -> None:
@@ -73,8 +74,6 @@ class WorkerEngine(Engine):
                 "start_s": self.start_s, "top_k": TOP_K}
 
     def _start(self, key, **fields) -> None:
-        from . import WorkerClient
-
         if self._key == key and self._client is not None:
             return
         self.close()
@@ -96,8 +95,6 @@ class WorkerEngine(Engine):
         raise NotImplementedError
 
     def capture(self, lm, **options) -> "WorkerCapture":
-        from . import WorkerClient
-
         env, fields = self._capture_start(lm, **options)
         client = WorkerClient(self.name, env=env, timeout_s=float(os.environ.get("KVVIZ_ENGINE_TIMEOUT", 1800)))
         try:
@@ -208,8 +205,6 @@ class VllmWorkerEngine(VllmFacts, WorkerEngine):
 
     def generate(self, lm, requests: list[Request], *, max_in_flight: int, prefix_sharing: bool,
                  sequential_keys: set[str] | None = None, invariant: bool = False) -> EngineRun:
-        from ..core.dtypes import dtype_name
-
         if not requests:
             return EngineRun({}, 0.0, 0)
         check_vllm_dtype(lm)
@@ -277,8 +272,6 @@ def check_vllm_dtype(lm) -> None:
 def gguf_of(lm) -> tuple[str, str | None]:
     """The GGUF file the model was converted from (llama.cpp runs the file itself) and its quantization, else one
     line."""
-    import json
-
     meta = Path(lm.source) / "kvviz.json"
     try:
         info = json.loads(meta.read_text())

@@ -22,10 +22,26 @@ import traceback
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+import argparse
+import re
+import subprocess
+import sys
+import threading
+
+import torch
+import transformers
 
 from ..models.archconfig import (FFN, HEAD_DIM, HEADS, HIDDEN, KV_HEADS, LAYERS, VOCAB, WINDOW,  # noqa: F401 (re-exported)
                          tiny_arch_config)
 from ..core.errors import KvvizError, first_line
+from ..core import cancel
+from ..core.execution import DEFAULT_SETTINGS, ExecSettings, Executor
+from ..core.protocol import RunContext
+from ..models.compat import causal_lm_type_names, state_argument
+from ..models.loading import clear_cache, load_model
+from ..models.tiny import byte_tokenizer, random_model
+from ..views import check, split
+from .. import views
 
 SEED = 1234
 PROMPT = "The guard knew each one."  # 25 byte tokens: past the window of 8 (2 x 8 + 4)
@@ -54,8 +70,6 @@ class ArchRow:
 
 
 def _transformers_version() -> str:
-    import transformers
-
     return transformers.__version__
 
 
@@ -67,8 +81,6 @@ def table_version(rows: list[dict]) -> str:
 
 
 def model_types() -> list[str]:
-    from ..models.compat import causal_lm_type_names
-
     return causal_lm_type_names()
 
 
@@ -100,8 +112,6 @@ def _one_line(e: BaseException) -> str:
 
 def build_arch(model_type: str, folder: Path) -> dict:
     """Write the tiny random `model_type` model with the byte tokenizer to `folder`; return a summary of it."""
-    from ..models.tiny import byte_tokenizer, random_model
-
     config = tiny_arch_config(model_type)
     model = random_model(config, SEED)
     model.save_pretrained(folder)
@@ -122,11 +132,6 @@ def build_arch(model_type: str, folder: Path) -> dict:
 def _proof(lm64) -> tuple[str, float | None]:
     """Invariant mode, float64: cached vs full, the rest in one chunk, on the sweep's prompt (past the window of 8
     where the type has one). "0" or the first op that breaks it."""
-    from .. import views
-    from ..core.execution import ExecSettings
-    from ..core.protocol import RunContext
-    from ..views import split
-
     cfg = split.SplitConfig(PROMPT, split=len(lm64.tokenizer(PROMPT)["input_ids"]) // 2, mode="chunk")
     res = views.run(split.VIEW, lm64, cfg, RunContext(settings=ExecSettings(invariant=True)))
     if not res.main.has_cache:
@@ -160,12 +165,6 @@ def _first_op(lm64, cfg) -> str:
 
 def run_arch(model_type: str, workdir: Path, timeout: float | None = 120) -> ArchRow:
     """Build, load and check one model type; never raises."""
-    import torch
-
-    from .. import views
-    from ..models.loading import clear_cache, load_model
-    from ..views import check
-
     t0 = time.perf_counter()
     row = ArchRow(model_type, "cannot run")
     folder = Path(workdir) / model_type
@@ -232,10 +231,6 @@ def run_arch(model_type: str, workdir: Path, timeout: float | None = 120) -> Arc
 def cache_path_raises(lm) -> bool:
     """A model whose cached forward raises while the same forward without a cache runs: the model cannot use its
     cache (a logic failure of the model, proved by the two calls), not a failure of the sweep."""
-    import torch
-
-    from ..core.execution import DEFAULT_SETTINGS, Executor
-
     ex = Executor(lm, DEFAULT_SETTINGS)
     ids = torch.arange(1, 9, device=lm.device).unsqueeze(0) % max(2, int(getattr(lm.config, "vocab_size", 2) or 2))
     try:
@@ -253,8 +248,6 @@ def cache_path_raises(lm) -> bool:
 
 def _recurrent_state(model) -> str | None:
     """What a state-space / recurrent model's cache holds (None for a key/value cache model)."""
-    from ..models.compat import state_argument
-
     arg = state_argument(model)
     if arg is None:
         return None
@@ -265,8 +258,6 @@ def _build_failure(model_type: str, e: BaseException) -> str:
     """One line: why the tiny model could not be built. A package the model needs that is not installed, or
     transformers' own causal-LM class failing on the type's own config, is 'not buildable here' (outside the
     percentage); anything else is the sweep's config builder failing, which counts against it."""
-    import re
-
     text = str(e)
     pkg = re.search(r"requires the (\w[\w-]*) library", text)
     if pkg or isinstance(e, ImportError):
@@ -340,12 +331,6 @@ WORKER_SLACK_S = 60.0  # a worker's start (torch, transformers) on top of its ty
 
 
 def _sweep_parallel(types, timeout, progress, workdir, jobs) -> list[ArchRow]:
-    import subprocess
-    import sys
-    import threading
-
-    from ..core import cancel
-
     groups = [types[i::jobs] for i in range(min(jobs, len(types)))]
     done: dict[str, ArchRow] = {}
     lock = threading.Lock()
@@ -403,8 +388,6 @@ def _sweep_parallel(types, timeout, progress, workdir, jobs) -> list[ArchRow]:
 def _worker(argv: list[str]) -> int:
     """`python -m kvviz.io.archsweep [--timeout S] [--workdir D] TYPE...`: one JSON row per line (the parallel sweep's
     worker)."""
-    import argparse
-
     ap = argparse.ArgumentParser(prog="python -m kvviz.io.archsweep")
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--workdir", default=None)

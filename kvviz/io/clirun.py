@@ -21,6 +21,12 @@ from ..core.dtypes import DTYPE_NAMES
 from ..core.errors import KvvizError
 from ..engines import registry
 from ..models.loading import ATTN_CHOICES
+from ..core.execution import ExecSettings
+from ..core.memory import check_fits
+from ..core.prompts import load_prompts
+from ..core.protocol import RunContext, add_config_arguments, config_from
+from ..models.loading import load_model, parse_spec
+from ..models.placement import parse_placement
 
 
 @dataclass
@@ -116,8 +122,6 @@ def repro_arg(p: argparse.ArgumentParser, what: str = "") -> None:
 
 def spec(args):
     """The model spec, parsed once from --model and carried whole from here on."""
-    from ..models.loading import parse_spec
-
     if not hasattr(args, "spec"):
         args.spec = parse_spec(args.model)
     return args.spec
@@ -125,8 +129,6 @@ def spec(args):
 
 def settings(args):
     """How the model runs (kvviz.core.execution.ExecSettings), from the common options."""
-    from ..core.execution import ExecSettings
-
     return ExecSettings(invariant=bool(getattr(args, "invariant", False))).validate()
 
 
@@ -136,7 +138,6 @@ def plan_gate(args) -> None:
     the input itself is wrong there is no plan: the run then reports that in its own line."""
     if getattr(args, "memory_plan", None) is not None:
         return
-    from ..core.memory import check_fits
 
     plan = plan_or_none(args)
     if args.plan:
@@ -149,8 +150,6 @@ def plan_gate(args) -> None:
 
 
 def load(args):
-    from ..models.loading import load_model
-
     plan_gate(args)
     lm = load_model(spec(args), args.dtype, args.device, args.attn, trust_remote_code=args.trust_remote_code,
                     progress=progress_to_stderr(args.quiet), **placement(args))
@@ -214,8 +213,6 @@ def finish_timings(args, result) -> None:
 def placement(args) -> dict:
     """load_model's placement arguments from --devices/--max-memory (checked in one line; {} for one device). A
     subcommand that cannot run on a dispatched model says why in its parser defaults (`not_dispatched`)."""
-    from ..models.placement import parse_placement
-
     place = parse_placement(getattr(args, "devices", "one"), getattr(args, "max_memory", None))
     if not place.dispatched:
         return {}
@@ -239,8 +236,6 @@ def prove(args):
 
 def context(args):
     """A view's run context (kvviz.core.protocol.RunContext) from the common options: settings, --no-proof, progress."""
-    from ..core.protocol import RunContext
-
     args.phase_clock = estimate.PhaseClock()  # the run starts now: its phases timed as it names them
     return RunContext(settings(args), prove(args), progress_to_stderr(args.quiet),
                       estimate=getattr(args, "estimate", None), on_phase=args.phase_clock)
@@ -253,8 +248,6 @@ def split_list(text: str) -> tuple[str, ...]:
 def view_arguments(view) -> Callable:
     """The subcommand of a view without a cli.py of its own: the common model options, one option per field of its
     config (kvviz.core.protocol.config_fields), --repro where it has a repro script; its run through the protocol."""
-    from ..core.protocol import add_config_arguments, config_from
-
     def add_arguments(p: argparse.ArgumentParser) -> None:
         model_args(p)
         add_config_arguments(p, view.config_type())
@@ -330,8 +323,6 @@ def config_workload(cfg) -> memory.Workload:
 def _prompt_set(args) -> list[str]:
     """The prompts of --prompts/--limit as the run loads them (none to plan where they cannot be read: the run says
     why in its own line)."""
-    from ..core.prompts import load_prompts
-
     try:
         return load_prompts(getattr(args, "prompts", None) or "builtin", getattr(args, "limit", None))
     except (KvvizError, OSError, ValueError):

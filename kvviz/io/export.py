@@ -12,8 +12,12 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, fields
+import enum
+import html
 
 import numpy as np
+import plotly.graph_objects as go
+import plotly.io as pio
 
 from ..core.environment import compare_environments, environment
 from ..core.errors import KvvizError
@@ -144,8 +148,6 @@ def standalone_figure(fig):
     """A copy of `fig` to write outside the app: kvviz's own template (whatever the process default is), and
     ValueError if a Streamlit placeholder colour is still in it (a colour taken from the app's template at build
     time would draw black). The figure on the page is left as it is."""
-    import plotly.graph_objects as go
-
     out = go.Figure(fig)
     out.layout.template = theme.register()  # assigned, not merged: nothing of another template is kept
     left = sorted(set(PLACEHOLDER_COLOUR.findall(out.to_json())))
@@ -158,15 +160,11 @@ def standalone_figure(fig):
 def figure_html(fig, include_plotlyjs: bool, div_id: str | None = None) -> str:
     """One figure as an HTML fragment for a file (report, meeting bundle, handout): standalone_figure's colours and
     layout; plotly.js inlined where include_plotlyjs (the file then opens offline)."""
-    import plotly.io as pio
-
     return pio.to_html(standalone_figure(fig), include_plotlyjs=include_plotlyjs, full_html=False, div_id=div_id)
 
 
 def shown(v) -> str:
     """A setting's value for people: an enum as its word, a missing value as "not set", a sequence joined."""
-    import enum
-
     if v is None:
         return "not set"
     if isinstance(v, enum.Enum):
@@ -184,8 +182,6 @@ STYLE = (theme.PAGE_CSS + "th{text-align:left;padding-right:1em;vertical-align:t
 
 def html_report(result) -> str:
     """A self-contained HTML file: verdict, settings, environment, the main charts (plotly inlined: works offline)."""
-    import html
-
     entry = views.of(result)
     view = entry.name
     verdict, text = entry.verdict_text(result)

@@ -28,9 +28,15 @@ cache objects in the same order), so the numbers agree to the last bit, not just
 """
 from __future__ import annotations
 
+import importlib
+import inspect
+
 from .. import views
 from ..core.errors import KvvizError
 from ..models.loading import LoadedModel
+from ..core import capture, float64
+from ..core.numerics import numerics, script_prelude
+from ..models import compat
 
 
 def repro_views() -> tuple[str, ...]:
@@ -168,9 +174,6 @@ def header(title: str, **head) -> str:
     """The script's first lines. User text (a model path such as C:\\Users\\..., a prompt) goes only into comments
     with its line breaks removed, or into string literals through repr(): no spec can break the script's syntax."""
     one_line = {k: (" ".join(str(v).splitlines()) if k in ("title", "model", "name") else v) for k, v in head.items()}
-    from ..models import compat
-
-    from ..core.numerics import numerics, script_prelude
 
     return HEADER.format(title=" ".join(title.splitlines()), loops=loops_source(), compat=compat.script_source(),
                          cache_kw=compat.cache_argument_name(), prelude=script_prelude(numerics()), **one_line)
@@ -185,9 +188,6 @@ def loops_source() -> str:
 def module_body(name: str) -> str:
     """A torch-only kvviz module's source without its docstring and its imports (the script has them), to copy into
     a script: the script then runs the library's own code (kvviz.core.loops, kvviz.core.flags)."""
-    import importlib
-    import inspect
-
     src = inspect.getsource(importlib.import_module(f"kvviz.{name}")).split('"""', 2)[2]
     # its kvviz imports dropped too: the script defines its own copies of what they bring (output_cache)
     return "\n".join(line for line in src.splitlines()
@@ -199,10 +199,6 @@ NO_FLOAT64 = "\n\ndef keep_float64(model):  # not needed here\n    pass\n"
 
 def float64_mode() -> str:
     """kvviz's own KeepFloat64 mode (kvviz/core/float64.py), copied into the script so it needs no kvviz."""
-    import inspect
-
-    from ..core import capture, float64
-
     def body(module) -> str:
         return inspect.getsource(module).split('"""', 2)[2].replace("from __future__ import annotations\n", "")
 

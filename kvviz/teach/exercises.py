@@ -5,9 +5,15 @@ then names what was hidden. No Streamlit here."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from dataclasses import replace
 
 from ..core.errors import KvvizError
 from .lesson import LESSON_PROMPT, Models
+from ..core.inputs import encode
+from ..core.protocol import RunContext
+from ..views import split
+from ..views.split.run import SplitConfig
+from .. import views
 
 
 @dataclass(frozen=True)
@@ -25,8 +31,6 @@ class Exercise:
     hidden: str  # what was really done, told after the answer
 
     def config(self, n_tokens: int):
-        from ..views.split.run import SplitConfig
-
         return SplitConfig(prompt=self.prompt, split=max(1, n_tokens - self.rest), mode=self.mode,
                            left_pad=self.left_pad, position_ids=self.position_ids, attention_mask=self.attention_mask)
 
@@ -93,13 +97,6 @@ class ExerciseRun:
 def run_exercise(key: str, models: Models, prompt: str | None = None) -> ExerciseRun:
     """Run the exercise `key` on the lesson's models (its dtype, and float64 for the evidence); `prompt` replaces
     its prompt (a tiny model's tokenizer makes other gaps)."""
-    from dataclasses import replace
-
-    from .. import views
-    from ..core.inputs import encode
-    from ..core.protocol import RunContext
-    from ..views import split
-
     ex = BY_KEY.get(key)
     if ex is None:
         raise KvvizError(f"unknown exercise {key!r}; choose one of {', '.join(BY_KEY)}")

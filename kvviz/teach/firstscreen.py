@@ -3,7 +3,10 @@ page's default run shows a difference or says in its verdict line why there is n
 words out; the pages turn a fix into their one-click button."""
 from __future__ import annotations
 
+import numpy as np
+
 from ..core.verdict import Verdict, worst as worst_of
+from ..core.naming import layer_label, module_index
 
 
 def split_identical_why(res, invariant: bool = False) -> tuple[str, str | None]:
@@ -129,10 +132,6 @@ def rounding_away_note(hidden_max_abs, first_module: str | None) -> str:
     """Where the bisector's first differing module lies before the heatmap's first differing row (or no row differs):
     one paragraph on why - its difference rounded away in the residual sum. hidden_max_abs: [hidden states,
     positions] (row 0 the embeddings, row k the output of decoder layer k-1); "" when they agree or nothing differs."""
-    import numpy as np
-
-    from ..core.naming import layer_label, module_index
-
     if first_module is None:
         return ""
     rows = np.flatnonzero(np.asarray(hidden_max_abs).max(axis=-1) > 0)

@@ -33,6 +33,12 @@ from ..core.inputs import build_inputs
 from ..models.loading import LoadedModel
 from ..core.metrics import hidden_divergence
 from ..core.protocol import RunContext
+from ..core.naming import layer_labels
+from ..models.compat import takes_logits_to_keep
+from ..models.loading import load_model
+from ..models.tiny import FLIP_BUILT
+from ..views import greedy, lens
+from ..views.lens.run import LensConfig
 
 LESSON_PROMPT = "The capital of France is Paris, and the capital of Italy is"
 # The default model's own greedy text after "This is a ", cut just before a step where (on one 2-core x86 CPU, bfloat16)
@@ -386,8 +392,6 @@ def cached_vs_full(lm: LoadedModel, prompt: str = LESSON_PROMPT, n_rest: int = 2
 
 def _cached_vs_full(lm: LoadedModel, prompt: str, n_rest: int, left_pad: int, positions: str,
                     invariant: bool) -> Gaps:
-    from ..models.compat import takes_logits_to_keep
-
     inp = build_inputs(lm, prompt, left_pad)
     if inp.n_tokens < n_rest + 1:
         raise KvvizError(f"the prompt needs more than {n_rest} tokens (it has {inp.n_tokens})")
@@ -414,7 +418,6 @@ def _cached_vs_full(lm: LoadedModel, prompt: str, n_rest: int, left_pad: int, po
     got = torch.stack(got_h, 1)
     hd = hidden_divergence(ref, got, machine_eps(lm.dtype))
     dl = (torch.stack(got_l) - ref_logits).abs()
-    from ..core.naming import layer_labels
 
     return Gaps(dtype_name(lm.dtype), layer_labels(ref.shape[0]), hd["relative"].amax(-1).cpu().tolist(),
                 float(hd["max_abs"].max()), float(dl.max() / ref_logits.abs().max()), ref.cpu())
@@ -510,8 +513,6 @@ def step_layers(models: Models, prompt: str = LESSON_PROMPT, n_rest: int = 2,
 
 def _greedy_run(lm: LoadedModel, prompt: str, n: int, fast: bool) -> dict:
     """Greedy with and without cache, stopped where they part: the numbers step 6 draws."""
-    from ..views import greedy
-
     res = views.run(greedy.VIEW, lm, greedy.GreedyConfig(prompt, int(n), paths=("cache", "no_cache"), fast=fast,
                                                          stop_at_divergence=True), RunContext(prove=False))
     pair = res.pairs[0]
@@ -556,9 +557,6 @@ def _flip_lens(lm: LoadedModel, prompt: str, d: dict) -> dict | None:
     At the parting position, per hidden state: each path's lens top-1, runner-up and margin; the decision depth (the
     first layer whose top-1 differ) and the last layer from which they differ to the output. None where the agreed
     tokens do not re-tokenise to the same ids (the scenario would not be the decoded one)."""
-    from ..views import lens
-    from ..views.lens.run import LensConfig
-
     t = d["parting"]
     text = prompt + "".join(d["tokens"][:t])
     n_prompt = len(lm.tokenizer(prompt)["input_ids"])
@@ -601,9 +599,6 @@ def step_greedy(lm: LoadedModel, prompt: str = CONSTRUCTED_PROMPT, n: int = 6, f
     Where a real model meets a near tie depends on the machine's kernels, so the step always decodes the constructed
     tiny:flip in bfloat16 (on `lm`'s device): its paths part at step 1 on every machine, by one rounding that
     transformers' own code makes in the cached step only. Every sentence's numbers come from the run."""
-    from ..models.loading import load_model
-    from ..models.tiny import FLIP_BUILT
-
     flip = load_model(CONSTRUCTED, "bfloat16", lm.device)
     d = _greedy_run(flip, prompt, max(2, int(n)), fast)
     d["constructed"] = True
@@ -720,8 +715,6 @@ def model_loader(spec="default", device: str = "cpu", attn: str = "auto", trust_
                  progress: Callable[[float, str], None] | None = None) -> Models:
     """dtype -> the lesson's model in that dtype (loaded once each, kvviz's model cache); "float64": the float32
     model's float64 reference."""
-    from ..models.loading import load_model
-
     def get(dtype: str) -> LoadedModel:
         if dtype == "float64":
             return get("float32").reference()

@@ -11,6 +11,8 @@ from .lesson import STEPS, StepResult
 from ..core import theme
 from ..core.plotting import fit_text, zero_floor
 from ..core.theme import log_axis
+from .exercises import EXERCISES
+from ..io.export import figure_html
 
 COLOURS = theme.DTYPE_COLOURS  # the Dtypes view's too
 LIGHT, HIGHLIGHT, BAND = "#9ecae1", theme.COLORWAY[2], theme.VERDICT_COLOURS["identical"]  # other layers, the one asked about, ×0.5-×2
@@ -259,8 +261,6 @@ def exercises_html(runs: dict | None = None) -> str:
     """The lesson's "Find the bug" exercises (kvviz.teach.exercises) for the handout: each one's story and question,
     the answer behind a reveal. `runs` (exercise key -> ExerciseRun, where they were run): the measured gaps and
     kvviz's verdict in the verdict's colour (the app's box: logic red, precision blue)."""
-    from .exercises import EXERCISES
-
     out = []
     for ex in EXERCISES:
         run = (runs or {}).get(ex.key)
@@ -283,8 +283,6 @@ def handout_html(results: list[StepResult], model: str = "", exercise_runs: dict
     question, its choices, the answer with the measured numbers, the figure and the explanation; then the exercises
     (exercises_html; `exercise_runs`: their measured gaps and verdicts, where they were run). Drawn in kvviz's theme:
     the app's colours, fonts and verdict boxes."""
-    from ..io.export import figure_html  # kvviz's template, whatever the process default (the app's is Streamlit's)
-
     parts = []
     for i, r in enumerate(sorted(results, key=lambda r: r.step)):
         choices = "".join(f"<li>{html.escape(c)}</li>" for c in r.choices)

@@ -10,17 +10,20 @@ import os
 import re
 from pathlib import Path
 from typing import Sequence
+import html
 
 from ..core.errors import KvvizError
 from .presets import Preset, all_presets, by_key
+from ..core.execution import ExecSettings
+from ..core.protocol import RunContext, config_from
+from ..io.export import export_json, html_report, open_result
+from ..models.loading import cache_dir, load_model
+from .. import views
 
 def run_scenario(p: Preset, device: str = "cpu", progress=None):
     """The result a scenario's page computes with the scenario's settings (defaults for the rest): the `scenario`
     hook of the view whose page it is gives the model, config and settings; the view's run (kvviz.core.protocol) runs
     them."""
-    from .. import views
-    from ..core.protocol import RunContext
-
     view = views.for_page(Path(p.page).stem)
     setup = view.scenario
     lm, config, settings = setup(p, device) if setup else _setup_from_controls(p, device, view)
@@ -30,10 +33,6 @@ def run_scenario(p: Preset, device: str = "cpu", progress=None):
 def _setup_from_controls(p: Preset, device: str, view):
     """A view without a scenario hook: the preset's model and dtype, its controls (`<folder>_<field>`) as the
     config's fields (defaults for the rest), invariant mode as the preset says."""
-    from ..core.execution import ExecSettings
-    from ..models.loading import load_model
-    from ..core.protocol import config_from
-
     prefix = view.page.prefix if view.page else ""
     values = {k.removeprefix(prefix): v for k, v in p.controls.items() if k.startswith(prefix)}
     config = config_from(view.config_type(), values)
@@ -47,8 +46,6 @@ def prepare(keys: list[str] | None, out_dir: "str | Path", device: str = "cpu", 
     (the JSON export: its text, or a path to the file), reopened as they were (no model is loaded or run for them)
     and bundled after the scenarios, each as its own section, and kept in `out_dir/runs/` (see `prepared`).
     Returns the JSON paths, in order (the scenarios', then the runs')."""
-    from ..io.export import export_json, html_report
-
     known = by_key()
     keys = list(known) if keys is None else keys
     unknown = [k for k in keys if k not in known]
@@ -86,8 +83,6 @@ RUNS = "runs"  # their folder inside the meeting's folder: <i>-<view>.json and i
 
 def run_title(view: str, result) -> str:
     """A run's name in the meeting: its page, its model and its verdict ("Split point: /models/my-llama — logic")."""
-    from .. import views
-
     entry = views.get(view)
     settings = getattr(result, "settings", None)
     settings = settings if isinstance(settings, dict) else settings.to_dict() if settings is not None else {}
@@ -99,8 +94,6 @@ def run_title(view: str, result) -> str:
 
 def _reopen_run(run, i: int):
     """(title, opened result, JSON text) of a saved run; one line (KvvizError) when it is not a kvviz result."""
-    from ..io.export import open_result
-
     data = Path(run).read_bytes() if isinstance(run, os.PathLike) else run
     try:
         opened = open_result(data)
@@ -141,10 +134,6 @@ def _unique(title: str, taken: list[str]) -> str:
 def added_report(opened) -> str:
     """The HTML report of a run reopened from its JSON (verdict, charts, tables, settings), saying where its
     numbers come from and what differs from the machine this file is written on."""
-    import html
-
-    from ..io.export import html_report
-
     note = ("Added to the meeting by the presenter: reopened from its saved result (JSON), not rerun."
             + (" Computed elsewhere: " + "; ".join(opened.environment_differences[:6]) + "."
                if opened.environment_differences else ""))
@@ -153,8 +142,6 @@ def added_report(opened) -> str:
 
 def bundle(reports: list[tuple[str, str]]) -> str:
     """Several html_report pages in one file: a table of contents, then each report's body (plotly inlined once)."""
-    import html
-
     bodies = []
     for i, (title, page) in enumerate(reports):
         body = re.search(r"<body>(.*)</body>", page, re.S)
@@ -184,6 +171,4 @@ def prepared(out_dir: "str | Path") -> list[tuple[str, Path]]:
 
 def default_dir() -> Path:
     """Where the app keeps the meeting's results: <kvviz cache>/meeting."""
-    from ..models.loading import cache_dir
-
     return cache_dir() / "meeting"

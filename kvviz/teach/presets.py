@@ -3,6 +3,7 @@ depend on rounding). A preset is the sidebar model and dtype, the page, and that
 from __future__ import annotations
 
 from ..views import Preset  # noqa: F401 - the scenario type lives beside View (a view's entry declares its own)
+from .. import views
 
 
 PRESETS = (
@@ -47,8 +48,6 @@ BY_KEY = {p.key: p for p in PRESETS}
 
 def all_presets() -> tuple[Preset, ...]:
     """PRESETS and the scenarios views declare in their registry entry (View(scenarios=...))."""
-    from .. import views
-
     return PRESETS + tuple(p for v in views.all_views() for p in v.scenarios)
 
 

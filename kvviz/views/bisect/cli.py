@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from ...io.clirun import Outcome, context, load, model_args
 from ...core.inputs import MASK_MODES, POSITION_MODES
+from .run import BisectConfig, run
+from ...core.naming import module_label
 
 
 HELP = ("name the first module whose output differs between the cached run and the "
@@ -22,9 +24,6 @@ def add_arguments(bp) -> None:
 
 
 def command(args) -> Outcome:
-    from ...core.naming import module_label
-    from .run import BisectConfig, run
-
     cfg = BisectConfig(prompt=args.prompt, split=args.split, mode=args.mode, left_pad=args.left_pad,
                       position_ids=args.position_ids, attention_mask=args.attention_mask)
     cfg.validate()

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 from ...io.export import typed
+from .run import BisectResult, BisectSettings, ModuleGap, OpGap
+from ...core.naming import module_label
 
 
 def reopen(d: dict):
-    from .run import BisectResult, BisectSettings, ModuleGap, OpGap
-
     return BisectResult(settings=typed(BisectSettings, d["settings"]), first=ModuleGap(**d["first"]) if d.get("first") else None,
                         modules=[ModuleGap(**m) for m in d.get("modules", [])], explanation=d.get("explanation", ""),
                         first_op=OpGap(**d["first_op"]) if d.get("first_op") else None,
@@ -14,6 +14,5 @@ def reopen(d: dict):
 
 
 def verdict(result) -> tuple[str, str]:
-    from ...core.naming import module_label
     return (("first difference: " + module_label(result.first.name)) if result.first else "no difference",
             result.explanation)

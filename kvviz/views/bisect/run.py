@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from ...models.compat import output_cache, takes_logits_to_keep
 from ...core.capture import Capture
@@ -355,8 +356,6 @@ class _OpTrace:
     "compare"): compares each output with the full run's on the fly and keeps the first that differs."""
 
     def __init__(self, model, total: int, a0: int, n: int, compare_with: dict | None = None):
-        from torch.overrides import TorchFunctionMode
-
         self.model, self.total, self.a0, self.n = model, total, a0, n
         self.stack: list[str] = []
         self.calls: dict[str, int] = {}

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from ...io.clirun import Outcome, context, load, model_args
 from ...core.errors import KvvizError
+from .run import ReloadConfig, save_cache
 
 
 HELP = "the KV cache as an object: save, load (continue and compare), size"
@@ -37,8 +38,6 @@ def command(args) -> Outcome:
 
 
 def save(args) -> Outcome:
-    from .run import ReloadConfig, save_cache
-
     args.workload = ReloadConfig(prompt=args.prompt).workload()  # the prompt's cache, as its page plans it
     lm = load(args)
     meta = save_cache(lm, args.prompt, args.out)

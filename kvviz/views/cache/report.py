@@ -1,15 +1,14 @@
 """The cache view's report: its result rebuilt from a JSON export (no model runs) and its verdict line."""
 from __future__ import annotations
 
-def reopen_reload(d: dict):
-    from .run import ContinueResult
+from .run import ContinueResult
+from .size import SizeReport
 
+def reopen_reload(d: dict):
     return ContinueResult(**d)
 
 
 def reopen_size(d: dict):
-    from .size import SizeReport
-
     return SizeReport(**d)
 
 

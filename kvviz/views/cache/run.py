@@ -12,8 +12,12 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+import tempfile
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load, load_file, save_file
+from transformers import DynamicCache
 
 from ... import __version__
 from ...models.compat import fill_cache_layer, output_cache
@@ -46,8 +50,6 @@ def prefill(lm: LoadedModel, token_ids: list[int]):
 
 def save_cache(lm: LoadedModel, prompt: str, path: str | Path) -> dict:
     """Compute the cache of `prompt` and write it to `path` (safetensors). Returns the metadata written."""
-    from safetensors.torch import save_file
-
     ids = encode(lm, prompt)
     check_context(lm, ids)
     cache = prefill(lm, ids)
@@ -76,8 +78,6 @@ def save_cache(lm: LoadedModel, prompt: str, path: str | Path) -> dict:
 
 def save_cache_bytes(lm: LoadedModel, prompt: str) -> tuple[bytes, dict]:
     """The same as save_cache, as bytes (for a download button)."""
-    import tempfile
-
     with tempfile.TemporaryDirectory() as d:
         p = Path(d) / "cache.safetensors"
         meta = save_cache(lm, prompt, p)
@@ -96,9 +96,6 @@ class LoadedCache:
 
 
 def _read(path_or_bytes) -> tuple[dict, dict[str, torch.Tensor]]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load, load_file
-
     try:
         if isinstance(path_or_bytes, (bytes, bytearray)):
             tensors = load(bytes(path_or_bytes))
@@ -167,8 +164,6 @@ def _check_tensors(lm: LoadedModel, meta: dict, tensors: dict) -> list[int]:
 
 def _build(lm: LoadedModel, meta: dict, tensors: dict, n_tokens: int):
     """A cache object of the model's own kind with the saved layers in place (built whole, then returned)."""
-    from transformers import DynamicCache
-
     cache = DynamicCache(config=lm.config)
     if len(cache.layers) != lm.n_layers:
         raise KvvizError(f"this model's cache has {len(cache.layers)} layers, the file {lm.n_layers}")

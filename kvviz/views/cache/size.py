@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+import pandas as pd
+from transformers import DynamicCache
 
 from ...models.compat import output_cache
 from ...core.dtypes import DTYPE_NAMES, parse_dtype
@@ -56,8 +58,6 @@ class KVShape:
     @classmethod
     def from_model(cls, lm: LoadedModel) -> "KVShape":
         """From the loaded model; sliding layers as transformers' own cache builds them for this config."""
-        from transformers import DynamicCache
-
         cfg = lm.config.get_text_config(decoder=True).to_dict()
         shape = cls.from_dict(lm.name, cfg)
         layers = DynamicCache(config=lm.config).layers
@@ -164,8 +164,6 @@ def size_report(lm: LoadedModel, tokens: int, batch: int = 1, measure: bool = Tr
 def known_table(tokens: int = 4096, dtype: str | None = None):
     """The shipped configurations: bytes per token and the cache at `tokens` tokens (in their usual dtype, or
     `dtype`)."""
-    import pandas as pd
-
     rows = []
     for s in known_configs():
         d = dtype or s.dtype

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ...io.clirun import Outcome, context, load, model_args, repro_arg
+from .run import CheckConfig, run
 
 
 HELP = "is this model cache-safe? a battery of float64 checks"
@@ -19,8 +20,6 @@ def add_arguments(kp) -> None:
 
 
 def command(args) -> Outcome:
-    from .run import CheckConfig, run
-
     config = CheckConfig(weights=args.weights, kv=args.kv).validate()  # bad names fail before any model loads
     args.workload = config.workload()  # its memory plan: what the config holds, as its page plans it
     lm = load(args)

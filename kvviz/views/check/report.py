@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 from ...io.export import typed
+from .run import Check, CheckCard, CheckSettings
 
 
 def reopen(d: dict):
-    from .run import Check, CheckCard, CheckSettings
-
     return CheckCard(**{**d, "checks": [Check(**c) for c in d["checks"]], "settings": typed(CheckSettings, d["settings"])})
 
 

@@ -26,6 +26,7 @@ from ...core.protocol import DEFAULT_CONTEXT, no_progress, RunContext
 from ... import views
 from ...core.verdict import Verdict, classify
 from ...core.estimate import Timed
+from ...core.dtypes import dtype_name
 
 PROMPT = ("The museum guard knew every painting in the building, but he had a favourite one hanging in the far "
           "corner of the east wing.")
@@ -220,7 +221,6 @@ def run_check(lm: LoadedModel, progress=None, weights: str = "none", kv: str = "
                          + "; ".join(c.evidence for c in quant_checks) + ".",
                 "unsafe": "Unsafe: " + "; ".join(f"{c.name} — {c.evidence}" for c in failed) + "."}[overall])
     progress(1.0, "Done")
-    from ...core.dtypes import dtype_name
 
     return CheckCard(model=lm.name, overall=overall, checks=checks, summary=summary,
                      settings=CheckSettings(model=lm.name, dtype=dtype_name(lm.dtype), device=str(lm.device),

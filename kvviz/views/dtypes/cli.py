@@ -4,6 +4,8 @@ from __future__ import annotations
 from ... import views
 from ...io.clirun import Outcome, context, load, model_args, plan_gate, repro_arg
 from ...core.errors import KvvizError
+from .run import DtypesConfig
+from ...core.prompts import load_prompts
 
 
 HELP = "the split comparison in several dtypes, over one prompt or a prompt set"
@@ -24,9 +26,6 @@ def add_arguments(dp) -> None:
 
 
 def command(args) -> Outcome:
-    from ...core.prompts import load_prompts
-    from .run import DtypesConfig
-
     if args.split not in ("last", "half"):
         try:
             args.split = int(args.split)

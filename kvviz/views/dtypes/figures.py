@@ -5,6 +5,7 @@ import math
 
 import numpy as np
 import plotly.graph_objects as go
+import torch as _torch
 
 from ...core.theme import DTYPE_COLOURS, log_axis
 from ...core.plotting import METRIC_TITLES, zero_floor, floor_zeros, thin_x, fit_text
@@ -25,8 +26,6 @@ def dtype_curves(res, metric: str = "max_abs", how: str = "mean") -> go.Figure:
     """Per-layer curves, one per dtype, on one log-scale chart (mean or max over the prompt set). In ε units every
     dtype is in its own ε, except the float64 reference: it is drawn in the finest compared dtype's ε (so it cannot
     look worse than the dtypes it checks) and says so. Exact zeros sit on a labelled "0" floor."""
-    import torch as _torch
-
     table = res.stat(metric, how)
     series = []
     others = [d for d in res.dtypes if d != "float64"]

@@ -4,11 +4,10 @@ from __future__ import annotations
 import numpy as np
 
 from ...io.export import typed
+from .run import DtypesResult, DtypesSettings
 
 
 def reopen(d: dict):
-    from .run import DtypesResult, DtypesSettings
-
     per_prompt = {m: {k: np.array(v, dtype=float) for k, v in by.items()} for m, by in d["per_prompt"].items()}
     return DtypesResult(settings=typed(DtypesSettings, d["settings"], skipped_dtypes=tuple), model=d["model"],
                         dtypes=d["dtypes"], prompts=d["prompts"], layer_labels=d["layer_labels"],

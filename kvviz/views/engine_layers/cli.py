@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ...engines import registry
 from ...io.clirun import Outcome, context, load, model_args
+from .run import EngineLayersConfig, run
 
 HELP = ("inside the engine: warm vs cold, batch vs alone or tensor parallel 1 vs N in vLLM, layer × token, each "
         "against the float64 reference; the first layer beyond rounding named")
@@ -36,8 +37,6 @@ def add_arguments(vp) -> None:
 
 
 def command(args) -> Outcome:
-    from .run import EngineLayersConfig, run
-
     cfg = EngineLayersConfig(prompt=args.prompt, pair=args.pair, prefix=args.prefix,
                              max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, others=args.others,
                              tensor_parallel_size=args.tensor_parallel_size,

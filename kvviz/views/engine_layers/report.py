@@ -1,10 +1,10 @@
 """The engine-layers view's report: its result rebuilt from a JSON export (no engine runs) and its verdict line."""
 from __future__ import annotations
 
+from .run import EngineLayersResult
+
 
 def reopen(d: dict):
-    from .run import EngineLayersResult
-
     return EngineLayersResult.from_dict(d)
 
 

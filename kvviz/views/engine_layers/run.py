@@ -41,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import save_file
 
 from ...core.errors import KvvizError
 from ...core.memory import Workload
@@ -56,6 +57,7 @@ from ...engines import registry
 from ...engines.base import Engine
 from ...engines.verdict import C_OWN, K_GROWTH, UNIT_ROUNDOFF, judge, margin_at, path_distance, reference_logprobs, \
     rounding_scale
+from ...core.prompts import load_prompts
 
 PAIRS = {"warm": ("cold", "warm"), "batch": ("alone", "batch"), "tp": ("tp 1", "tp N")}
 ENGINES = registry.capturing()  # the engines that capture layers (kvviz.engines.registry; the page's choices)
@@ -218,8 +220,6 @@ def _req(key: str, ids: list[int], n: int, salt: str | None = None) -> dict:
 def _prompts(lm, cfg: EngineLayersConfig, ids: list[int]) -> list[tuple[str, list[int], list[int], list[list[int]]]]:
     """(text, ids, warmer, batch neighbours) of the prompt and of cfg.others built-in prompts (compared at their outputs):
     the warmer is the shared prefix (or the identical prompt); the neighbours the next k-1 built-in prompts."""
-    from ...core.prompts import load_prompts
-
     pool = [q for q in load_prompts("builtin") if q != cfg.prompt]
     texts = [cfg.prompt] + pool[: cfg.others]
     every = [ids] + [encode(lm, cfg.prefix + q) for q in texts[1:]]
@@ -265,7 +265,6 @@ def _write_reference(states: list[torch.Tensor], folder: str, name: str, npz: bo
         path = str(Path(folder) / f"{name}.npz")
         np.savez(path, hidden=hidden.numpy(), positions=np.arange(hidden.shape[1]))
         return path
-    from safetensors.torch import save_file
 
     path = str(Path(folder) / f"{name}.safetensors")
     save_file({"hidden": hidden, "positions": torch.arange(states[0].shape[0])}, path)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from ...io.clirun import Outcome, context, load, model_args, nonnegative_pad, repro_arg
 from ...core.inputs import POSITION_MODES
+from .run import GreedyConfig, run
 
 
 HELP = "greedy decoding with and without cache: where the paths part and why"
@@ -24,8 +25,6 @@ def add_arguments(gp) -> None:
 
 
 def command(args) -> Outcome:
-    from .run import GreedyConfig, run
-
     nonnegative_pad(args)
     paths = tuple(p.strip() for p in args.paths.split(",") if p.strip())
     cfg = GreedyConfig(prompt=args.prompt, max_new_tokens=args.max_new_tokens, left_pad=args.left_pad,

@@ -1,6 +1,8 @@
 """The greedy view's figures and tables: pure functions of its result (no model runs here)."""
 from __future__ import annotations
 
+import html
+
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
@@ -156,8 +158,6 @@ def greedy_pairs_frame(res) -> pd.DataFrame:
 def texts_html(res) -> str:
     """The paths' continuations side by side. Every token where a path parts from another is shaded red (hover:
     from which path); the first parting of all is also underlined."""
-    import html
-
     first = first_parting(res)
     marks: dict[str, dict[int, list[str]]] = {name: {} for name in res.paths}
     for pr in res.pairs:

@@ -5,11 +5,10 @@ import numpy as np
 
 from ...io.export import typed
 from ...core.verdict import Verdict
+from .run import GreedyPath, GreedyResult, GreedySettings, PairResult, PathResult
 
 
 def reopen(d: dict):
-    from .run import GreedyPath, GreedyResult, GreedySettings, PairResult, PathResult
-
     paths = {GreedyPath(k): typed(PathResult, v, name=GreedyPath) for k, v in d["paths"].items()}
     pairs = [PairResult(**{**p, "a": GreedyPath(p["a"]), "b": GreedyPath(p["b"]),
                            "hidden_relative": np.array(p["hidden_relative"], dtype=float)}) for p in d["pairs"]]

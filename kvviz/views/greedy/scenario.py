@@ -1,14 +1,13 @@
 """A one-click scenario of the Greedy paths page, run ahead (kvviz.teach.meeting)."""
 from __future__ import annotations
 
+from .run import DEFAULT_PATHS, GreedyConfig
+from ...core.execution import ExecSettings
+from ...models.loading import load_model
+
 
 def setup(preset, device: str = "cpu"):
     """(model, config, settings) of the scenario: kvviz.teach.meeting runs them through the view's run."""
-    from ...core.execution import ExecSettings
-    from ...models.loading import load_model
-
-    from .run import DEFAULT_PATHS, GreedyConfig
-
     c = preset.controls
     lm = load_model(preset.model, preset.dtype, device)
     cfg = GreedyConfig(prompt=c.get("greedy_prompt", "This is a "), max_new_tokens=int(c.get("greedy_n", 24)),

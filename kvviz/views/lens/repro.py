@@ -8,6 +8,7 @@ from types import SimpleNamespace
 from ...core.errors import KvvizError
 from ...core.execution import ExecSettings
 from ...io.repro import float64_mode, header, NO_FLOAT64
+from .run import NORM_NAMES
 
 TEMPLATE = '''
 DTYPE = torch.{dtype}
@@ -97,8 +98,6 @@ def check(result) -> None:
 
 
 def script(result, lm, name: str) -> str:
-    from .run import NORM_NAMES
-
     s = _settings(result)
     title = f"logit lens of {s.model} at split {s.split} ({s.mode}), {s.dtype} on {s.device}"
     body = TEMPLATE.format(dtype=s.dtype, prompt=s.prompt, split=s.split, left_pad=s.left_pad, mode=s.mode,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ...io.clirun import Outcome, context, load, model_args, repro_arg
+from .run import LoadingTrapConfig, run
 
 
 HELP = "from_pretrained(dtype=16-bit) vs float32 + .to(16-bit): two models"
@@ -18,8 +19,6 @@ def add_arguments(tp) -> None:
 
 
 def command(args) -> Outcome:
-    from .run import LoadingTrapConfig, run
-
     cfg = LoadingTrapConfig(args.prompt, args.max_new_tokens, args.cast_dtype).validate()
     args.workload = cfg.workload()  # its memory plan: what the config holds, as its page plans it
     lm = load(args)

@@ -2,10 +2,9 @@
 from __future__ import annotations
 
 from ...io.export import typed
+from .run import BufferDiff, LoadingTrapResult, LoadingTrapSettings
 
 
 def reopen(d: dict):
-    from .run import BufferDiff, LoadingTrapResult, LoadingTrapSettings
-
     return LoadingTrapResult(**{**d, "buffers": [BufferDiff(**b) for b in d["buffers"]],
                                 "settings": typed(LoadingTrapSettings, d["settings"])})

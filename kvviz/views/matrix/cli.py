@@ -6,6 +6,7 @@ from dataclasses import replace
 from ...io.clirun import Outcome, context, load, model_args, repro_arg, split_list
 from ...core.errors import KvvizError
 from ...core.inputs import POSITION_MODES
+from .run import MatrixConfig, run, sliding_window_config
 
 
 HELP = "attention × cache kind × compile × precision flags, repeated: which settings change greedy decoding, and how"
@@ -35,8 +36,6 @@ def add_arguments(mp) -> None:
 
 
 def command(args) -> Outcome:
-    from .run import MatrixConfig, run, sliding_window_config
-
     flag_sets = tuple(() if f.strip() in ("", "none") else split_list(f) for f in (args.flags or ["none"]))
     if args.preset == "sliding-window":
         lm = load(args)

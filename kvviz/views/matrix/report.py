@@ -4,11 +4,10 @@ from __future__ import annotations
 from collections import Counter
 
 from ...io.export import typed
+from .run import Cell, MatrixResult, MatrixSettings
 
 
 def reopen(d: dict):
-    from .run import Cell, MatrixResult, MatrixSettings
-
     return MatrixResult(settings=typed(MatrixSettings, d["settings"], batch_with=tuple, attentions=tuple, caches=tuple,
                                        compiles=tuple, flag_sets=lambda f: tuple(tuple(x) for x in f)), environment=d["environment"], reference=d["reference"],
                         cells=[typed(Cell, c) for c in d["cells"]], elapsed_s=d.get("elapsed_s", 0.0))

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
 import torch
+import pandas as pd
 
 from ...core.dtypes import dtype_name
 from ...core.environment import environment
@@ -32,6 +33,7 @@ from ...core.protocol import DEFAULT_CONTEXT, no_progress, Progress, RunContext
 from ...core.verdict import Verdict, classify
 from ...core.text import display_text
 from ...core.estimate import Timed
+from ...core.backends import compile_stats
 
 WINDOW_LONG_PROMPT = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, lit the great lamp, and "
                       "wrote the weather in a leather log that his grandfather had started sixty years before.")
@@ -138,8 +140,6 @@ class MatrixResult(Timed):
                 "cells": [asdict(c) for c in self.cells], "elapsed_s": self.elapsed_s}
 
     def grid(self, value: str = "verdict"):
-        import pandas as pd
-
         rows = [{"attention": c.attention, "setting": c.setting,
                  "value": (c.error and "error") if c.error else getattr(c, value)} for c in self.cells]
         return pd.DataFrame(rows).pivot(index="setting", columns="attention", values="value")
@@ -240,8 +240,6 @@ class _Runner:
 
 
 def _run_cell(runner: _Runner, cell: Cell, ref: tuple, n: int, progress: Callable[[str], None]) -> None:
-    from ...core.backends import compile_stats
-
     cfg = runner.cfg
     settings = ExecSettings(cache=cell.cache, compile=cell.compile, flags=tuple(cell.flags),
                             invariant=runner.cfg.invariant, sdpa_as_eager=runner.cfg.invariant)

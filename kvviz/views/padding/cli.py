@@ -1,7 +1,10 @@
 """`python -m kvviz padding`: alone / left-padded / in a batch x cache settings - precision or logic per cell."""
 from __future__ import annotations
 
+import pandas as pd
+
 from ...io.clirun import Outcome, context, load, model_args, nonnegative_pad, repro_arg
+from .run import PaddingConfig, run
 
 
 HELP = "alone / left-padded / in a batch × cache settings: precision or logic"
@@ -18,8 +21,6 @@ def add_arguments(pp) -> None:
 
 
 def command(args) -> Outcome:
-    from .run import PaddingConfig, run
-
     nonnegative_pad(args)
     cfg = PaddingConfig(args.prompt, args.split, args.left_pad).validate()
     args.workload = cfg.workload()  # its memory plan: what the config holds, as its page plans it
@@ -27,8 +28,6 @@ def command(args) -> Outcome:
     res = run(lm, cfg, context(args))
 
     def summary() -> str:
-        import pandas as pd
-
         with pd.option_context("display.width", 200, "display.max_columns", 20):
             return (f"{res.settings.dtype} on {res.settings.device}; prompt split at {res.settings.split}; "
                     f"left pad {res.settings.left_pad}\n\nverdicts:\n" + res.grid().to_string()

@@ -5,13 +5,12 @@ import numpy as np
 import plotly.graph_objects as go
 
 from ...core.plotting import ZERO_COLOUR, shared_range, VERDICT_COLORS, fit_text
+from .run import SCENARIOS
 
 
 def padding_grid(res, value: str = "hidden_relative") -> go.Figure:
     """Placements × scenarios: each cell coloured by its verdict, with the gap written in it (placements that do
     not apply - "left-padded" with no padding - are left out)."""
-    from .run import SCENARIOS
-
     verdicts = res.grid("verdict")
     vals = res.grid(value)
     f64 = res.grid("float64_relative")
@@ -48,8 +47,6 @@ def ab_padding_grids(res_a, res_b, label_a: str, label_b: str, value: str = "hid
                      ) -> tuple[go.Figure, go.Figure, go.Figure]:
     """A/B for the padding grid: log10 of each cell's relative gap on ONE colour scale for both, the verdict
     written in the cell, and |B − A|. Exact zeros (bitwise equal) are written "0" and left uncoloured."""
-    from .run import SCENARIOS
-
     rows = [p for p in res_a.placements if p in res_b.placements]
     cols = [s[0] for s in SCENARIOS]
     za, zb = (r.grid(value).loc[rows, cols].to_numpy(dtype=float) for r in (res_a, res_b))

@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 from ...io.export import typed
+from .run import PaddingResult, PaddingSettings
 
 
 def reopen(d: dict):
-    from .run import PaddingResult, PaddingSettings
-
     return PaddingResult(settings=typed(PaddingSettings, d["settings"], companions=tuple), model=d["model"],
                          tokens=d["tokens"], compared=d["compared"], cells=d["cells"], proof_s=d.get("proof_s"))
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ...io.clirun import Outcome, context, load, model_args, repro_arg
+from .run import QuantConfig, run
 
 
 HELP = ("a quantized KV cache and/or quantized weights against the unquantized run: "
@@ -22,8 +23,6 @@ def add_arguments(qp) -> None:
 
 
 def command(args) -> Outcome:
-    from .run import QuantConfig, run
-
     cfg = QuantConfig(args.prompt, kv=args.kv, residual_length=args.residual, weights=args.weights,
                       max_new_tokens=args.max_new_tokens)
     cfg.validate()

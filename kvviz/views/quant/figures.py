@@ -7,6 +7,7 @@ import plotly.graph_objects as go
 from ...core import theme
 from ...core.theme import MARK, log_axis
 from ...core.plotting import zero_floor, floor_zeros, thin_x, fit_text
+from ...core.text import fmt_number
 
 
 def quant_steps(res) -> go.Figure:
@@ -58,8 +59,6 @@ def quant_layers(res) -> go.Figure:
 
 
 def quant_frame(res) -> pd.DataFrame:
-    from ...core.text import fmt_number
-
     n = res.steps
     return pd.DataFrame({
         "step": list(range(n)),

@@ -48,6 +48,7 @@ from ...core.metrics import hidden_divergence, logits_divergence
 from ...core.naming import layer_labels
 from ...core.text import display_tokens
 from ...core.estimate import Timed
+from ...models.quanto_ext import prepare
 
 
 KV_BACKENDS = {"quanto": (2, 4), "hqq": (2, 4, 8), "fp8": ()}
@@ -123,8 +124,6 @@ def quantize_weights(lm: LoadedModel, scheme: str, progress: Progress | None = N
     if scheme.startswith("bnb-"):
         return _keep(key, _bnb_weights(lm, scheme, progress))
     from optimum.quanto import freeze, qint4, qint8, quantize
-
-    from ...models.quanto_ext import prepare
 
     prepare(lm.device, progress)  # no silent wait on quanto's extension build (kvviz/models/quanto_ext.py)
     progress(0.05, f"Copying the model to quantize its weights to {scheme}…")

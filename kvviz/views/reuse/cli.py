@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ...io.clirun import Outcome, context, load, model_args, repro_arg
+from .run import ReuseConfig, run
 
 
 HELP = "a prompt cache reused for several continuations: fresh, deep copy, reused"
@@ -18,8 +19,6 @@ def add_arguments(rp) -> None:
 
 
 def command(args) -> Outcome:
-    from .run import ReuseConfig, run
-
     cfg = ReuseConfig(args.prefix, tuple(args.continuation), args.max_new_tokens)
     args.workload = cfg.workload()  # its memory plan: what the config holds, as its page plans it
     lm = load(args)

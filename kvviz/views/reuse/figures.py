@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import pandas as pd
 
+from ...core.text import fmt_number
+
 
 def ab_reuse_frame(res_a, res_b) -> pd.DataFrame:
     """A/B for prompt-cache reuse: per continuation and way, A's and B's verdict, gap to fresh and text."""
-    from ...core.text import fmt_number
-
     b = {(r["index"], r["strategy"]): r for r in res_b.runs}
     rows = []
     for r in res_a.runs:

@@ -3,11 +3,10 @@ from __future__ import annotations
 
 from ...core.verdict import Verdict, worst
 from ...io.export import typed
+from .run import ReuseResult, ReuseSettings
 
 
 def reopen(d: dict):
-    from .run import ReuseResult, ReuseSettings
-
     return ReuseResult(settings=typed(ReuseSettings, d["settings"], continuations=tuple), model=d["model"],
                        prefix_tokens=d["prefix_tokens"], runs=d["runs"])
 

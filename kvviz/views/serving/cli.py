@@ -4,6 +4,8 @@ from __future__ import annotations
 from ... import views
 from ...engines import registry
 from ...io.clirun import FlagRefused, Outcome, context, load, model_args, repro_arg, split_list
+from .run import ServeConfig, load_prompt_set
+from ...core.errors import KvvizError
 
 
 HELP = ("serving conditions (alone, continuous batch, warm prefix) × R runs: "
@@ -64,8 +66,6 @@ def _refuse_the_others(args) -> None:
 
 
 def command(args) -> Outcome:
-    from .run import ServeConfig, load_prompt_set
-
     _refuse_the_others(args)
     if not args.server:
         registry.check(args.engine)  # one line where vLLM is asked for and absent, before anything loads
@@ -91,7 +91,6 @@ def summary(res) -> str:
 
 
 def sweep_command(args) -> Outcome:
-    from ...core.errors import KvvizError
     from .sweep import SweepConfig, summary_text
 
     if getattr(args, "repro", None):  # said before the sweep runs, not after it

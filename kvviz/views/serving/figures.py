@@ -1,14 +1,16 @@
 """The serving view's charts and table: pure functions of its result (the page, the HTML report and a notebook draw the same)."""
 from __future__ import annotations
 
+import pandas as pd
+import plotly.graph_objects as go
+
 from ...core.plotting import fit_text
 from .run import CONDITION_LABELS, ServeResult
+from ...core.text import fmt_number
 
 
 def histogram_figure(res: ServeResult):
     """The TML-style chart: how many prompts gave 1, 2, 3… distinct completions, per condition and overall."""
-    import plotly.graph_objects as go
-
     fig = go.Figure()
     top = max([res.settings.runs + 1] + list(res.histogram))
     xs = list(range(1, top + 1))
@@ -24,8 +26,6 @@ def histogram_figure(res: ServeResult):
 
 def divergence_figure(res: ServeResult):
     """Where the first divergence falls, and the reference's top-2 margin there (a near tie or not)."""
-    import plotly.graph_objects as go
-
     parting = [p for p in res.prompts if p.first_divergence is not None]
     fig = go.Figure()
     for verdict in sorted({p.verdict or "?" for p in parting}):
@@ -39,8 +39,6 @@ def divergence_figure(res: ServeResult):
 
 
 def throughput_figure(res: ServeResult):
-    import plotly.graph_objects as go
-
     cs = list(res.conditions.values())
     fig = go.Figure(go.Bar(x=[c.label for c in cs], y=[c.tokens_per_s for c in cs]))
     fig.update_layout(title="Tokens per second per condition", yaxis_title="new tokens / s", height=320)
@@ -56,10 +54,6 @@ def main(res: ServeResult) -> list:
 
 def prompt_frame(res: ServeResult):
     """One row per prompt: distinct counts, first divergence, margins, verdict, proof."""
-    import pandas as pd
-
-    from ...core.text import fmt_number
-
     rows = []
     for p in res.prompts:
         row = {"#": p.index, "prompt": p.prompt[:60], "distinct (all)": p.distinct_all}

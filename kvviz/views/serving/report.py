@@ -1,9 +1,9 @@
 """The serving view's report: its result rebuilt from a JSON export (no model runs) and its verdict line."""
 from __future__ import annotations
 
-def reopen(d: dict):
-    from .run import ServeResult
+from .run import ServeResult
 
+def reopen(d: dict):
     return ServeResult.from_dict(d)
 
 

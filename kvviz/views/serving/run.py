@@ -42,6 +42,7 @@ from ...core.protocol import DEFAULT_CONTEXT, no_progress, Progress, RunContext
 from ...core.verdict import Prove, Verdict, classify
 from ...core.estimate import Timed
 from ...engines.verdict import engine_verdicts
+from ...core.prompts import load_prompts
 
 CONDITIONS = ("alone", "batch", "warm")
 CONDITION_LABELS = {
@@ -603,8 +604,6 @@ def _prove(p: PromptResult, lm, exi: Executor, engine, texts, ids, n, plan, pref
 def load_prompt_set(source: str | None = None, prompt: str | None = None, limit: int | None = DEFAULT_LIMIT
                     ) -> tuple[list[str], str]:
     """The prompts of a study: one prompt, or a set ('builtin', 'builtin:<category>', a .txt/.jsonl file)."""
-    from ...core.prompts import load_prompts
-
     if prompt is not None:
         if not prompt.strip():
             raise KvvizError("the prompt is empty; type some text to compare")

@@ -22,6 +22,9 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
+import pandas as pd
+import plotly.graph_objects as go
+
 from ...core.errors import KvvizError
 from ...engines import ANSWER_LIMIT_S, registry
 from ...core.memory import Workload
@@ -31,6 +34,10 @@ from ...core.protocol import DEFAULT_CONTEXT, no_progress, RunContext
 from ...core.estimate import Timed
 from . import run as study_run
 from .run import ServeConfig, ServeResult
+from ...core import cancel
+from ...core.execution import DEFAULT_SETTINGS
+from ...core.prompts import load_prompts
+from ...core.text import fmt_number
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32)
 LENGTHS = (16, 64, 256, 1024)
@@ -126,8 +133,6 @@ class SweepResult(Timed):
 
 
 def source_text() -> str:
-    from ...core.prompts import load_prompts
-
     return "\n".join(load_prompts("builtin"))
 
 
@@ -175,9 +180,6 @@ def run(lm, config: SweepConfig, ctx: RunContext = DEFAULT_CONTEXT) -> SweepResu
 
 def run_sweep(lm, cfg: SweepConfig, progress=None, settings=None, reference=None) -> SweepResult:
     """The grid, cell by cell through one engine (see the module docstring)."""
-    from ...core import cancel
-    from ...core.execution import DEFAULT_SETTINGS
-
     progress = progress or no_progress
     cfg.validate()
     settings = settings or DEFAULT_SETTINGS  # validated once, by its RunContext
@@ -268,8 +270,6 @@ def _cell_limit(limit: float | None):
     """The cell's own stop signal inside the run's: cancelled when the run is (Stop: Cancelled goes on up) or when
     `limit` seconds have passed (then _CellLimit: this cell is not finished, the sweep goes on). Checked at kvviz's
     checkpoints: every second of an engine worker's wait (which kills the worker), every layer in this process."""
-    from ...core import cancel
-
     if limit is None:
         yield
         return
@@ -319,8 +319,6 @@ def summary_text(res: SweepResult) -> str:
 def figure(res: SweepResult):
     """The grid: requests in flight (x) × prompt length (y), each cell coloured by its verdict (explicit colours)
     with the share of prompts whose batched output parts from the same prompt alone as its text."""
-    import plotly.graph_objects as go
-
     gone = {(c, n) for c, n, _ in res.unfinished}
     cs = sorted({x.concurrency for x in res.cells} | {c for c, _ in res.skipped} | {c for c, _ in gone})
     ns = sorted({x.length for x in res.cells} | {n for _, n in res.skipped} | {n for _, n in gone})
@@ -355,10 +353,6 @@ def figures(res: SweepResult) -> list:
 
 def frame(res: SweepResult):
     """One row per cell, in the grid's order; the cells the time budget left out, as not run."""
-    import pandas as pd
-
-    from ...core.text import fmt_number
-
     rows = [{"in flight": x.concurrency, "prompt tokens": x.length, "verdict": x.verdict,
              "part from alone": "—" if x.parting_alone is None else f"{x.parting_alone:.0%}",
              "part from reference": f"{x.parting_reference:.0%}",

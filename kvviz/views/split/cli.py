@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from ...io.clirun import Outcome, context, load, model_args, nonnegative_pad, repro_arg
 from ...core.inputs import MASK_MODES, POSITION_MODES
+from .run import SplitConfig, run
 
 
 HELP = "full forward vs prefix cached + rest through the cache (past_key_values before transformers 5.24)"
@@ -22,8 +23,6 @@ def add_arguments(sp) -> None:
 
 
 def command(args) -> Outcome:
-    from .run import SplitConfig, run
-
     nonnegative_pad(args)
     cfg = SplitConfig(prompt=args.prompt, split=args.split, mode=args.mode, left_pad=args.left_pad,
                       position_ids=args.position_ids, attention_mask=args.attention_mask)

@@ -6,6 +6,7 @@ import html
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
+import torch as _torch
 
 from ...core.metrics import HIDDEN_METRICS
 from .run import SplitResult
@@ -56,7 +57,6 @@ def layer_lines(res: SplitResult, metric: str = "relative", log: bool = True) ->
     runs = [(res.main, "")]
     if res.float64 is not None and res.float64 is not res.main:
         runs.append((res.float64, " (float64 rerun)"))
-    import torch as _torch
 
     eps_run = _torch.finfo(getattr(_torch, res.settings.dtype)).eps
     series = [(c.hidden["relative"] / eps_run if metric == "eps_units" else c.hidden[metric], suffix)

@@ -4,11 +4,10 @@ from __future__ import annotations
 import numpy as np
 
 from ...io.export import typed, arrays
+from .run import Comparison, SplitResult, SplitSettings
 
 
 def comparison(d: dict | None):
-    from .run import Comparison
-
     if d is None:
         return None
     c = Comparison(dtype=d["dtype"], device=d["device"], attention=d["attention"], has_cache=d["has_cache"],
@@ -22,8 +21,6 @@ def comparison(d: dict | None):
 
 
 def reopen(d: dict):
-    from .run import SplitResult, SplitSettings
-
     return SplitResult(settings=typed(SplitSettings, d["settings"]), model=d["model"], tokens=d["tokens"],
                        token_ids=d["token_ids"], compared=d["compared_positions"], layer_labels=d["layer_labels"],
                        main=comparison(d["result"]), float64=comparison(d.get("float64_evidence")),

@@ -2,15 +2,14 @@
 its defaults for the rest."""
 from __future__ import annotations
 
+from .run import SplitConfig
+from ...core.execution import ExecSettings
+from ...core.inputs import encode
+from ...models.loading import load_model
+
 
 def setup(preset, device: str = "cpu"):
     """(model, config, settings) of the scenario: kvviz.teach.meeting runs them through the view's run."""
-    from ...core.execution import ExecSettings
-    from ...core.inputs import encode
-    from ...models.loading import load_model
-
-    from .run import SplitConfig
-
     c = preset.controls
     lm = load_model(preset.model, preset.dtype, device)
     prompt = c.get("split_prompt", "The capital of France is Paris, and the capital of Italy is")

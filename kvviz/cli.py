@@ -18,10 +18,14 @@ import torch
 
 from .io.clirun import FlagRefused, Outcome, PlanShown, ctrl_c_stops, finish_timings, view_arguments
 from .core.errors import OUT_OF_MEMORY_HINT, KvvizError, first_line, free_memory, is_out_of_memory
+from .core.fingerprint import fingerprint
+from .core.memory import attach
 from .core.protocol import REFUSABLE_FLAGS
 from .io.archsweep import add_parser as _archsweep_parser, cli
-from .io.export import export_json, html_report, open_result
-from .models.compat import TRANSFORMERS_VERSION, range_warning
+from .io.export import export_json, html_report, open_result, result_dict
+from .io.jsonout import dumps
+from .io.repro import repro_script
+from .models.compat import TRANSFORMERS_VERSION, range_warning, untested_note
 from . import __version__, views
 
 
@@ -66,21 +70,15 @@ def build_parser() -> argparse.ArgumentParser:
 def _exports(args, res, lm=None) -> None:
     """--json-out, --html and --repro (every view but bisect): written after the run; a message on stderr each."""
     if getattr(args, "memory_plan", None) is not None:
-        from .core.memory import attach
-
         attach(res, args.memory_plan)  # every JSON result carries the plan, with the measured peak
     fp = None
     if lm is not None:
-        from .core.fingerprint import fingerprint
-
         fp = fingerprint(lm)
     for flag, make in (("json_out", lambda: export_json(res, fp)), ("html", lambda: html_report(res))):
         target = getattr(args, flag, None)
         if target:
             _write(Path(target), make(), args)
     if getattr(args, "repro", None):
-        from .io.repro import repro_script
-
         _write(Path(args.repro), repro_script(res, lm, Path(args.repro).name), args)
 
 
@@ -133,9 +131,6 @@ def _run(args) -> int:
     plan = getattr(out.result, "memory_plan", None)
     over = plan.over_plan() if plan is not None else None  # a wrong plan is said, not only measured
     if getattr(args, "json", False):
-        from .io.export import result_dict
-        from .io.jsonout import dumps
-
         print(dumps(out.payload() if out.payload else result_dict(out.result)))
         if over:
             print(f"kvviz: {over}", file=sys.stderr)
@@ -166,8 +161,6 @@ def cmd_open(args) -> Outcome:
                                              "differs from here — " + "; ".join(opened.environment_differences))
 
     if args.html:
-        from .io.export import html_report
-
         _write(Path(args.html), html_report(res), args)
     return Outcome(res, summary=summary, exportable=False, payload=lambda: json.loads(p.read_text(encoding="utf-8")))
 
@@ -211,9 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         if os.environ.get("KVVIZ_DEBUG"):
             raise
-        first = first_line(e)
-        from .models.compat import untested_note  # an untested transformers is the likelier cause: said here, once
-
+        first = first_line(e)  # an untested transformers is the likelier cause: said here, once (untested_note)
         print(f"kvviz: unexpected error ({type(e).__name__}): {first} - a bug in kvviz or in the model's own code"
               f"{untested_note()}; KVVIZ_DEBUG=1 shows the traceback", file=sys.stderr)
         return 3

@@ -30,6 +30,7 @@ import threading
 from typing import Callable
 import os
 import shutil
+import sys
 
 import torch
 from transformers import DynamicCache, QuantizedCache, StaticCache
@@ -192,10 +193,10 @@ _COMPILE_LOCK = threading.Lock()
 
 def compile_stats() -> dict:
     """What dynamo has compiled so far in this process (frames, graphs, recompiles): take differences."""
-    try:
-        from torch._dynamo.utils import counters
-    except ImportError:  # pragma: no cover
+    utils = sys.modules.get("torch._dynamo.utils")  # not imported: nothing compiled yet (its import takes seconds)
+    if utils is None:
         return {"frames": 0, "graphs": 0, "recompiles": 0}
+    counters = utils.counters
     stats = counters.get("stats", {})
     return {"frames": int(stats.get("unique_graphs", 0)), "graphs": int(stats.get("calls_captured", 0)),
             "recompiles": int(sum(counters.get("recompiles", {}).values()))}

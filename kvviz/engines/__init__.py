@@ -8,6 +8,7 @@ its stdin, reads one JSON reply a line from its stdout, and stops it; nothing is
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -47,8 +48,6 @@ def how_to_get(name: str) -> str:
 def _die_with_parent() -> None:
     """In the worker, before it runs (Linux): SIGKILL when kvviz's process dies, so no worker outlives a study."""
     try:
-        import ctypes
-
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass

@@ -36,6 +36,7 @@ from transformers import GenerationConfig
 from ..core import cancel, optional
 from ..models import compat
 from ..core.errors import KvvizError, first_line
+from ..core.float64 import KeepFloat64
 from ..core.memory import PAGE_SIZE, paged_batch_tokens, paged_blocks
 from .base import Engine, EngineRun, Request, RequestOut
 from . import engine_python, how_to_get
@@ -146,7 +147,6 @@ class TransformersEngine(Engine):
         original_attn = compat.attention_implementation(model)
         modes = _thread_modes()
         if lm.dtype == torch.float64:  # the engine casts its logits with .float(): keep float64 a float64 run
-            from ..core.float64 import KeepFloat64
 
             modes.append(KeepFloat64())
         margins: dict[str, list[float]] = {}

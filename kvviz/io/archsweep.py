@@ -38,9 +38,11 @@ from ..core import cancel
 from ..core.execution import DEFAULT_SETTINGS, ExecSettings, Executor
 from ..core.protocol import RunContext
 from ..models.compat import causal_lm_type_names, state_argument
-from ..models.loading import clear_cache, load_model
+from ..models import loading
+from ..models.loading import clear_cache
 from ..models.tiny import byte_tokenizer, random_model
-from ..views import check, split
+from ..views import bisect, check, split
+from ..views.bisect.run import made_inside
 from .. import views
 
 SEED = 1234
@@ -143,12 +145,6 @@ def _proof(lm64) -> tuple[str, float | None]:
 
 def _first_op(lm64, cfg) -> str:
     try:
-        from .. import views
-        from ..core.execution import ExecSettings
-        from ..core.protocol import RunContext
-        from ..views import bisect
-        from ..views.bisect.run import made_inside
-
         res = views.run(bisect.VIEW, lm64, cfg, RunContext(settings=ExecSettings(invariant=True)))
         op = getattr(res, "first_op", None)
         if op is not None:
@@ -179,7 +175,7 @@ def run_arch(model_type: str, workdir: Path, timeout: float | None = 120) -> Arc
                 row.reason = _cache_api_reason(model_type, e) or _build_failure(model_type, e)
                 return row
             try:
-                lm = load_model(str(folder), dtype="float64", device="cpu")
+                lm = loading.load_model(str(folder), dtype="float64", device="cpu")
             except Exception as e:  # noqa: BLE001
                 row.reason = "cannot load: " + _one_line(e)
                 return row
@@ -510,8 +506,6 @@ def selected_types(args) -> list[str] | None:
 def cli(args) -> int:
     types = selected_types(args)
     if types == [] and getattr(args, "only_new", False):
-        import transformers
-
         print(f"every causal-LM type of transformers {transformers.__version__} has a row: nothing new to sweep")
         return 0
     if args.timeout is not None and args.timeout <= 0:

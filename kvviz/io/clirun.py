@@ -25,7 +25,8 @@ from ..core.execution import ExecSettings
 from ..core.memory import check_fits
 from ..core.prompts import load_prompts
 from ..core.protocol import RunContext, add_config_arguments, config_from
-from ..models.loading import load_model, parse_spec
+from ..models import loading
+from ..models.loading import parse_spec
 from ..models.placement import parse_placement
 
 
@@ -151,7 +152,7 @@ def plan_gate(args) -> None:
 
 def load(args):
     plan_gate(args)
-    lm = load_model(spec(args), args.dtype, args.device, args.attn, trust_remote_code=args.trust_remote_code,
+    lm = loading.load_model(spec(args), args.dtype, args.device, args.attn, trust_remote_code=args.trust_remote_code,
                     progress=progress_to_stderr(args.quiet), **placement(args))
     args.estimate, args.loaded_model = run_estimate(args, lm), lm
     return lm

@@ -35,7 +35,7 @@ from ..core.metrics import hidden_divergence
 from ..core.protocol import RunContext
 from ..core.naming import layer_labels
 from ..models.compat import takes_logits_to_keep
-from ..models.loading import load_model
+from ..models import loading
 from ..models.tiny import FLIP_BUILT
 from ..views import greedy, lens
 from ..views.lens.run import LensConfig
@@ -599,7 +599,7 @@ def step_greedy(lm: LoadedModel, prompt: str = CONSTRUCTED_PROMPT, n: int = 6, f
     Where a real model meets a near tie depends on the machine's kernels, so the step always decodes the constructed
     tiny:flip in bfloat16 (on `lm`'s device): its paths part at step 1 on every machine, by one rounding that
     transformers' own code makes in the cached step only. Every sentence's numbers come from the run."""
-    flip = load_model(CONSTRUCTED, "bfloat16", lm.device)
+    flip = loading.load_model(CONSTRUCTED, "bfloat16", lm.device)
     d = _greedy_run(flip, prompt, max(2, int(n)), fast)
     d["constructed"] = True
     d["flip_lens"] = _flip_lens(flip, prompt, d) if d["parting"] is not None else None
@@ -718,7 +718,7 @@ def model_loader(spec="default", device: str = "cpu", attn: str = "auto", trust_
     def get(dtype: str) -> LoadedModel:
         if dtype == "float64":
             return get("float32").reference()
-        return load_model(spec, dtype, device, attn, trust_remote_code=trust_remote_code, progress=progress)
+        return loading.load_model(spec, dtype, device, attn, trust_remote_code=trust_remote_code, progress=progress)
     return get
 
 

@@ -17,7 +17,8 @@ from .presets import Preset, all_presets, by_key
 from ..core.execution import ExecSettings
 from ..core.protocol import RunContext, config_from
 from ..io.export import export_json, html_report, open_result
-from ..models.loading import cache_dir, load_model
+from ..models import loading
+from ..models.loading import cache_dir
 from .. import views
 
 def run_scenario(p: Preset, device: str = "cpu", progress=None):
@@ -36,7 +37,7 @@ def _setup_from_controls(p: Preset, device: str, view):
     prefix = view.page.prefix if view.page else ""
     values = {k.removeprefix(prefix): v for k, v in p.controls.items() if k.startswith(prefix)}
     config = config_from(view.config_type(), values)
-    return load_model(p.model, p.dtype, device), config, ExecSettings(invariant=p.invariant)
+    return loading.load_model(p.model, p.dtype, device), config, ExecSettings(invariant=p.invariant)
 
 
 def prepare(keys: list[str] | None, out_dir: "str | Path", device: str = "cpu", progress=None,

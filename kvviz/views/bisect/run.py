@@ -9,6 +9,7 @@ first creeps in.
 """
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
@@ -249,7 +250,6 @@ def run_bisect(lm: LoadedModel, cfg: SplitConfig, settings: ExecSettings | None 
         with _Recorder(lm.model, inp.total, a0, n) as full:
             ex.forward(inp.ids, inp.mask, inp.positions, hidden=False)
         if ops:  # the cache is grown by the cached run: keep a copy for the op trace
-            import copy
 
             past_for_ops = copy.deepcopy(past)
         say(0.4, f"Rest through the cache ({n} tokens, {cfg.mode}), every module compared as it comes…")

@@ -4,6 +4,9 @@ from __future__ import annotations
 from ...io.clirun import Outcome, context, load, model_args
 from ...core.errors import KvvizError
 from .run import ReloadConfig, save_cache
+from .run import run as run_reload
+from .size import SizeConfig
+from .size import run as run_size
 
 
 HELP = "the KV cache as an object: save, load (continue and compare), size"
@@ -48,12 +51,10 @@ def save(args) -> Outcome:
 
 
 def reload(args) -> Outcome:
-    from .run import ReloadConfig, run
-
     cfg = ReloadConfig(continuation=args.cont, source=args.file)
     args.workload = cfg.workload()  # its memory plan: the saved cache's tokens + the continuation, as its page plans it
     lm = load(args)
-    res = run(lm, cfg, context(args))
+    res = run_reload(lm, cfg, context(args))
     return Outcome(res, lm, lambda: (
         f"reloaded {res.n_cached} cached tokens, continued with {len(res.continuation_tokens)}: bitwise equal to "
         f"a fresh cache: {res.bitwise_equal} (largest gap: logits {res.max_abs_logits:.3g}, hidden "
@@ -61,12 +62,10 @@ def reload(args) -> Outcome:
 
 
 def size(args) -> Outcome:
-    from .size import SizeConfig, run
-
     cfg = SizeConfig(args.tokens, args.batch, measure=not args.no_measure).validate()
     args.workload = cfg.workload()  # its memory plan: what the config holds, as its page plans it
     lm = load(args)
-    rep = run(lm, cfg, context(args))
+    rep = run_size(lm, cfg, context(args))
     return Outcome(rep, lm, lambda: (
         f"{rep.model} in {rep.dtype}: {rep.per_token_bytes:,} bytes per token; {args.tokens} tokens × batch "
         f"{args.batch}: formula {rep.formula_bytes:,} bytes, measured "

@@ -5,7 +5,7 @@ from __future__ import annotations
 from .run import DtypesConfig
 from ...core.execution import DEFAULT_SETTINGS
 from ...core.prompts import builtin_prompts
-from ...models.loading import load_model
+from ...models import loading
 
 
 def setup(preset, device: str = "cpu"):
@@ -14,4 +14,4 @@ def setup(preset, device: str = "cpu"):
     prompts = tuple(r["prompt"] for r in builtin_prompts())[: int(preset.controls.get("dtypes_limit", 8))]
     cfg = DtypesConfig(prompts, ("float32", "float16", "bfloat16"), split=preset.controls.get("dtypes_split", "last"),
                        mode=preset.controls.get("dtypes_mode", "chunk"))
-    return load_model(preset.model, "float32", device), cfg, DEFAULT_SETTINGS
+    return loading.load_model(preset.model, "float32", device), cfg, DEFAULT_SETTINGS

@@ -21,7 +21,7 @@ import pandas as pd
 
 from ...core.dtypes import dtype_name
 from ...core.environment import environment
-from ...core.errors import KvvizError, first_line, is_out_of_memory
+from ...core.errors import KvvizError, first_line, free_memory, is_out_of_memory
 from ...core.memory import Workload
 from ...core.execution import CacheKind, ExecSettings, Executor, Settings, StepPolicy
 from ...core.replay import Replay, replay_step
@@ -309,8 +309,6 @@ def run_matrix(spec, prompt_or_cfg: "str | MatrixConfig", dtype="float32", devic
             _run_cell(runner, cell, ref, n, report)
         except Exception as e:  # noqa: BLE001 - a cell that cannot run becomes an error cell; the grid goes on
             if is_out_of_memory(e):
-                from ...core.errors import free_memory
-
                 free_memory(e)
             cell.error = first_line(e) if isinstance(e, KvvizError) else first_line(e, 300, typed=True)
     progress(1.0, "Done")

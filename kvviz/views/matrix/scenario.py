@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from .run import sliding_window_config
 from ...core.execution import DEFAULT_SETTINGS
-from ...models.loading import load_model
+from ...models import loading
 
 
 def setup(preset, device: str = "cpu"):
     """(model, config, settings) of the scenario: kvviz.teach.meeting runs them through the view's run."""
-    lm = load_model(preset.model, preset.dtype, device)
+    lm = loading.load_model(preset.model, preset.dtype, device)
     return lm, sliding_window_config(lm), DEFAULT_SETTINGS

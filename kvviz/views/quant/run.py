@@ -36,6 +36,8 @@ from typing import Callable
 
 import numpy as np
 import torch
+import transformers
+from transformers import BitsAndBytesConfig
 
 from ...core.backends import kv_group_size, quantized_cache  # noqa: F401 - kv_group_size: part of this module's API
 from ...core import optional
@@ -194,8 +196,6 @@ def _need_bnb(lm: LoadedModel, scheme: str) -> None:
 
 def _bnb_weights(lm: LoadedModel, scheme: str, progress: Progress) -> LoadedModel:
     """The model's own files loaded again with a BitsAndBytesConfig (CUDA only): 8-bit or 4-bit NF4 weights."""
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
     progress(0.1, f"Loading {lm.name} again with bitsandbytes {scheme[4:]} weights…")
     qc = (BitsAndBytesConfig(load_in_8bit=True) if scheme == "bnb-int8" else
           BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=lm.dtype))
@@ -204,7 +204,7 @@ def _bnb_weights(lm: LoadedModel, scheme: str, progress: Progress) -> LoadedMode
     if lm.attn_requested != "auto":
         kw["attn_implementation"] = lm.attn_requested
     try:
-        model = AutoModelForCausalLM.from_pretrained(lm.source, **kw).eval()
+        model = transformers.AutoModelForCausalLM.from_pretrained(lm.source, **kw).eval()
     except Exception as e:  # noqa: BLE001 - bitsandbytes' own limits
         raise KvvizError(f"bitsandbytes could not load {lm.name} as {scheme}: {first_line(e, 200)}") from None
     note = f"{scheme} weights: the model's files reloaded with bitsandbytes ({scheme[4:]}) on {lm.device}"
@@ -334,8 +334,6 @@ def run_quant(lm: LoadedModel, cfg: QuantConfig, progress: Progress | None = Non
     backend, _ = parse_kv(cfg.kv)
     if backend == "quanto" or cfg.weights.strip().lower() in ("int8", "int4"):
         if package_available("quanto"):
-            from ...models.quanto_ext import prepare
-
             prepare(lm.device, lambda f, m: progress(0.0, m))  # a build's wait says so, bounded
     check_feasible(lm, cfg.kv, cfg.weights)
     t0 = time.perf_counter()

@@ -4,7 +4,9 @@ from __future__ import annotations
 from ... import views
 from ...engines import registry
 from ...io.clirun import FlagRefused, Outcome, context, load, model_args, repro_arg, split_list
-from .run import ServeConfig, load_prompt_set
+from .run import ServeConfig, load_prompt_set, summary_text
+from .sweep import SweepConfig
+from .sweep import summary_text as sweep_summary_text
 from ...core.errors import KvvizError
 
 
@@ -85,14 +87,10 @@ def command(args) -> Outcome:
 
 
 def summary(res) -> str:
-    from .run import summary_text
-
     return summary_text(res)
 
 
 def sweep_command(args) -> Outcome:
-    from .sweep import SweepConfig, summary_text
-
     if getattr(args, "repro", None):  # said before the sweep runs, not after it
         raise FlagRefused("--repro does nothing for `serving --sweep` (no repro script rebuilds a sweep; it has its "
                          "--json-out and --html exports); leave it out")
@@ -109,4 +107,4 @@ def sweep_command(args) -> Outcome:
     args.plan_view, args.workload = "serving_sweep", cfg.workload()
     lm = load(args)
     res = views.run("serving_sweep", lm, cfg, context(args))
-    return Outcome(res, lm, lambda: summary_text(res), payload=res.to_dict)  # --json-out / --html: its own view's
+    return Outcome(res, lm, lambda: sweep_summary_text(res), payload=res.to_dict)  # --json-out / --html: its own view's

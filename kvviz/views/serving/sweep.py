@@ -26,6 +26,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from ...core.errors import KvvizError
+from ...engines.server import _timeout
 from ...engines import ANSWER_LIMIT_S, registry
 from ...core.memory import Workload
 from ...core.inputs import encode
@@ -185,8 +186,6 @@ def run_sweep(lm, cfg: SweepConfig, progress=None, settings=None, reference=None
     settings = settings or DEFAULT_SETTINGS  # validated once, by its RunContext
     limit = cfg.cell_limit_s
     if cfg.server:
-        from ...engines.server import _timeout
-
         engine = registry.open_engine(registry.served(), url=cfg.server)
         engine.probe(lm, settings)
         cfg.engine = engine.name

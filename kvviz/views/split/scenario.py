@@ -5,13 +5,13 @@ from __future__ import annotations
 from .run import SplitConfig
 from ...core.execution import ExecSettings
 from ...core.inputs import encode
-from ...models.loading import load_model
+from ...models import loading
 
 
 def setup(preset, device: str = "cpu"):
     """(model, config, settings) of the scenario: kvviz.teach.meeting runs them through the view's run."""
     c = preset.controls
-    lm = load_model(preset.model, preset.dtype, device)
+    lm = loading.load_model(preset.model, preset.dtype, device)
     prompt = c.get("split_prompt", "The capital of France is Paris, and the capital of Italy is")
     n = len(encode(lm, prompt))
     cfg = SplitConfig(prompt=prompt, split=int(c.get("split_k", min(max(1, n // 2), n - 1))),

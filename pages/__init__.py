@@ -3,6 +3,12 @@ request — run as a plain pages/ app when it is a deep link such as /split (see
 app.py here, before the page's own imports (seconds of torch and transformers) keep Streamlit's raw list of pages/
 file names on screen."""
 import streamlit as st
+from streamlit.runtime.scriptrunner import get_script_run_ctx
+
+try:
+    from streamlit.runtime.pages_manager import PagesManager
+except ImportError:  # pragma: no cover - other Streamlit versions
+    PagesManager = None
 
 # Streamlit's plain pages/ navigation (a flat list of file names, no section headers) is never shown; app.py's
 # sectioned one is. A style-only st.html takes no room on the page.
@@ -15,9 +21,7 @@ def ensure_navigation() -> None:
     pages/ on its own, without app.py) when that request is a deep link such as /split, because a pages/
     folder exists. app.py's st.navigation switches that off for good; here we switch it off and rerun so the
     page always runs inside app.py, with the shared sidebar."""
-    try:
-        from streamlit.runtime.pages_manager import PagesManager
-    except ImportError:  # pragma: no cover - other Streamlit versions
+    if PagesManager is None:  # other Streamlit versions
         return
     if PagesManager.uses_pages_directory or "model_choice" not in st.session_state:
         PagesManager.uses_pages_directory = False
@@ -25,11 +29,7 @@ def ensure_navigation() -> None:
 
 
 def _in_a_plain_pages_run() -> bool:
-    from streamlit.runtime.scriptrunner import get_script_run_ctx
-
-    try:
-        from streamlit.runtime.pages_manager import PagesManager
-    except ImportError:  # pragma: no cover - other Streamlit versions
+    if PagesManager is None:  # other Streamlit versions
         return False
     return bool(PagesManager.uses_pages_directory) and get_script_run_ctx(suppress_warning=True) is not None
 

@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import streamlit as st
 
@@ -15,11 +16,15 @@ import kvviz
 from kvviz.core import theme
 from kvviz.core.execution import ExecSettings
 from kvviz.core.verdict import UNKNOWN, headline, worst
+from kvviz import views
+from kvviz.core.prompts import builtin_prompts, parse_prompts
 from pages import ensure_navigation  # noqa: F401  (pages import it from here)
 from pages.devices import devices_control, placement_caption, placement_kwargs
 from pages.runner import progress_bar, show_error
 from pages.state import (PREFIX_OF_PAGE, SIDEBAR_DEFAULTS, copy_link, fall_back_outside, reset_to_defaults, restore,
                          scenario_banner, sync_url)
+from pages.devices import CHOICES as DEVICES_CHOICES
+from pages.runner import page_message
 
 # Every chart the app draws takes kvviz's template (kvviz.core.theme): the palette, log axes and colour bars the HTML
 # report, the handout and the meeting bundle draw with (`import streamlit` had made Streamlit's placeholders the default)
@@ -70,7 +75,6 @@ def sidebar() -> ModelChoice:
     ss = st.session_state
     for k, v in SIDEBAR_DEFAULTS.items():
         ss.setdefault(k, v)
-    from pages.devices import CHOICES as DEVICES_CHOICES
 
     fall_back_outside({"model_preset": PRESETS, "dtype": kvviz.DTYPE_NAMES, "device": DEVICES,
                        "attn": kvviz.ATTN_CHOICES, "devices": list(DEVICES_CHOICES)})
@@ -154,8 +158,6 @@ SECTIONS = ("Lesson", "Start", "Investigate", "Classic traps", "Engine", "Refere
 
 
 def _nav() -> dict[str, list[tuple[str, str, str]]]:
-    from kvviz import views
-
     by_section: dict[str, list] = {s: [] for s in SECTIONS}
     for v in views.all_views():
         if v.page is not None:
@@ -178,8 +180,6 @@ PAGE_TITLES = {stem: title for items in NAV.values() for stem, title, _ in items
 
 
 def _urls() -> tuple[dict[str, str], dict[str, str]]:
-    from kvviz import views
-
     return views.page_urls(), views.page_url_aliases()
 
 
@@ -191,8 +191,6 @@ PAGE_URLS, OLD_URLS = _urls()  # page stem -> URL path; older URL path -> page s
 def nav_page(stem: str):
     """The st.Page of a navigation entry: its script pages/<stem>.py, or, for a view without a page script of its
     own, the generic page (pages/view.py: its config's fields as controls) at the view's URL."""
-    from pathlib import Path
-
     own = Path(__file__).parent / f"{stem}.py"
     return st.Page(f"pages/{stem if own.is_file() else 'view'}.py", title=PAGE_TITLES[stem],
                    icon=next(i for items in NAV.values() for s, _, i in items if s == stem),
@@ -306,9 +304,6 @@ def prompt_set(prefix: str, sources: list[str], prompt: str, categories: list[st
     """The prompt-set control of the views that run many prompts (Dtypes, Serving): one prompt, the built-in set by
     category (`categories` ticked; None: all) or an uploaded .txt/.jsonl file, the first `limit` by default. Keys
     <prefix>_source, _prompt, _cats, _limit, _upload, _up_limit. A bad file is one line and the page stops."""
-    from kvviz.core.prompts import builtin_prompts, parse_prompts
-    from pages.runner import page_message
-
     source = st.radio("Prompts", sources, horizontal=True, key=f"{prefix}_source")
     try:
         if source == "one prompt":

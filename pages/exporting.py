@@ -5,6 +5,11 @@ from __future__ import annotations
 import streamlit as st
 
 from kvviz.core.errors import KvvizError
+from kvviz import views
+from kvviz.core.fingerprint import fingerprint
+from kvviz.io.export import export_json, html_report
+from kvviz.io.repro import check_reproducible, repro_script, repro_views
+from kvviz.teach.meeting import run_title
 
 # This user's runs added to the meeting: [{"id", "title", "json"}] in their own session state (never shared between
 # users), listed on Home's "Prepare the meeting", which bundles them (kvviz.teach.meeting.prepare's `runs`).
@@ -15,10 +20,6 @@ def add_to_meeting(res, lm, name: str, saved: "str | bytes | None" = None) -> No
     """The button's callback: the result's JSON export (as "Result (JSON)" downloads it; `saved`: the file a reopened
     result came from, its environment kept) and its title, appended to this session's meeting runs; the same result
     twice is kept once."""
-    from kvviz import views
-    from kvviz.io.export import export_json
-    from kvviz.teach.meeting import run_title
-
     ss = st.session_state
     runs = ss.setdefault(MEETING_RUNS, [])
     if saved is not None:
@@ -34,8 +35,6 @@ def add_to_meeting(res, lm, name: str, saved: "str | bytes | None" = None) -> No
 
 
 def _fingerprint(lm):
-    from kvviz.core.fingerprint import fingerprint
-
     return fingerprint(lm) if lm is not None else None
 
 
@@ -43,8 +42,6 @@ def exports(res, name: str, lm=None, saved: "str | bytes | None" = None) -> None
     """Every page's downloads: the result as JSON (with the environment), a self-contained HTML report and (split,
     greedy, dtypes, padding, reuse) a standalone repro script. Built on click only, so views stay cheap. Beside them,
     "Add to the meeting" (add_to_meeting; `saved`: the JSON a reopened result was read from)."""
-    from kvviz.io.export import export_json, html_report
-
     cols = st.columns(4)
 
     def as_json() -> str:  # the model fingerprint (hashes the vocabulary) only when the download is asked for
@@ -55,8 +52,6 @@ def exports(res, name: str, lm=None, saved: "str | bytes | None" = None) -> None
     cols[1].download_button("Report (HTML)", lambda: html_report(res), file_name=f"kvviz-{name}.html",
                             mime="text/html", key=f"dl_html_{name}", on_click="ignore")
     if lm is not None:
-        from kvviz.io.repro import check_reproducible, repro_script, repro_views
-
         try:
             why = None if name in repro_views() and check_reproducible(res) else "not for this view"
         except KvvizError as e:

@@ -5,6 +5,8 @@ import streamlit as st
 from kvviz.teach import lesson
 from kvviz.core.dtypes import DTYPE_NAMES
 from kvviz.teach.lesson_figures import figure, handout_html
+from kvviz.teach.exercises import ANSWERS, BY_KEY, run_exercise
+from kvviz.views.split.figures import split_heatmap
 from pages.common import page
 from pages.runner import progress_bar, run_task, show_error
 
@@ -36,9 +38,6 @@ step = next(k for k, v in SHORT.items() if v == ss["lesson_step"])
 def exercises_page() -> None:
     """Find the bug: a scenario with its settings hidden; the gap, the float64 rerun on request, the student's
     verdict checked against kvviz's, then what was hidden."""
-    from kvviz.teach.exercises import ANSWERS, BY_KEY, run_exercise
-    from kvviz.views.split.figures import split_heatmap
-
     st.subheader("Exercises: find the bug")
     st.caption("Each exercise runs a cached-vs-full comparison whose settings are hidden. Look at the gap, rerun it "
                "in float64 if you like, and decide: precision (rounding) or logic (a bug). Steps 7 and 8 show how.")

@@ -5,12 +5,15 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import gc
 import hashlib
 import json
 import threading
 import time
 
 import streamlit as st
+from streamlit import config, runtime
+from streamlit.runtime.scriptrunner import add_script_run_ctx, get_script_run_ctx
 
 from kvviz import views
 from kvviz.core import cancel, estimate
@@ -19,6 +22,8 @@ from kvviz.core.protocol import RunContext
 from kvviz.io.clirun import config_workload
 from kvviz.models.compat import script_request_state
 from kvviz.core.errors import OUT_OF_MEMORY_HINT, KvvizError, first_line, free_memory, is_out_of_memory
+from kvviz.core.memory import reset_peak
+from pages.memory_plan import blocks_run, show_plan
 
 _FREEZE_LOCK = threading.Lock()
 _FROZEN_WITH: set[str] | None = None  # the sessions seen by the last gc.freeze (None: nothing frozen yet)
@@ -33,9 +38,6 @@ def freeze_what_lives() -> str:
     "froze", "refroze", "kept" or "off" (under AppTest - a stand-in Runtime -, without a session, or with the
     option off)."""
     global _FROZEN_WITH
-    import gc
-
-    from streamlit import config, runtime
 
     session = _session_id()
     if not session or not runtime.exists() or not config.get_option("runner.postScriptGC"):
@@ -182,8 +184,6 @@ def progress_bar(label: str):
     estimate (redrawn every second, also between reports, with the layer the run is at) and a Stop button; removed
     when done. Inside `run_cached` Stop ends the run at its next checkpoint (a report, a model call, a layer:
     kvviz.core.cancel) and `run_cached` then says how far it got instead of starting it again."""
-    from streamlit.runtime.scriptrunner import add_script_run_ctx, get_script_run_ctx
-
     slot = st.session_state.get("_top_slot")
     box = slot if slot is not None else st.empty()
     with box.container():
@@ -234,8 +234,6 @@ def _memory_plan(name: str, work, fresh: bool):
     """The run's memory plan beside the result (a caption, the full plan on hover) for its typed workload
     (kvviz.core.memory.Workload, from the page's config); a run that cannot fit is refused in one line naming what to
     lower, before it starts (nothing is loaded to make the plan)."""
-    from pages.memory_plan import blocks_run, show_plan
-
     choice = st.session_state.get("model_choice")
     view = views.for_run(name)
     if view is None or choice is None:
@@ -253,8 +251,6 @@ def _memory_plan(name: str, work, fresh: bool):
 def _measured(compute, plan):
     """compute(), with the run's own peak measured against its plan (kvviz.core.memory.reset_peak: the server ran other
     work before) and the plan attached to the result (its JSON export carries it)."""
-    from kvviz.core.memory import reset_peak
-
     baseline = reset_peak(plan.device) if plan is not None else None
     result = compute()
     if baseline is not None:
@@ -278,8 +274,6 @@ STOP_WAIT_S = 15.0  # how long the page after a Stop waits for the stopped run t
 
 
 def _session_id() -> str:
-    from streamlit.runtime.scriptrunner import get_script_run_ctx
-
     ctx = get_script_run_ctx()
     return ctx.session_id if ctx is not None else ""
 
@@ -288,8 +282,6 @@ def _page_probe():
     """A test the run's checkpoints poll: has this script run been asked to stop or rerun (Stop, another control, a
     closed tab: Streamlit stops this script run and, with fast reruns, starts the next one at once while this one
     would go on computing)? None outside a Streamlit script run."""
-    from streamlit.runtime.scriptrunner import get_script_run_ctx
-
     ctx = get_script_run_ctx()
     requests = getattr(ctx, "script_requests", None)
     if requests is None:
@@ -333,7 +325,7 @@ def _holding(name: str, token: cancel.Token | None = None):
     """Register this session's run on its model while it works, and show the line above while another run holds
     the model (left as a caption after the run: it waited). Yields the run's entry; a run stopped by its token is
     kept for the next script run of this session (stopped_line)."""
-    from pages.common import PAGE_TITLES
+    from pages.common import PAGE_TITLES  # pages.common imports this module at its top: a cycle if it were here
 
     model, session = _model_of_session(), _session_id()
     others = others_on_model(model, session) if model is not None else []
@@ -418,8 +410,6 @@ def run_estimate(lm, name: str, work) -> "estimate.Estimate | None":
     """The estimate of run `name` (a view's run name) of workload `work` (kvviz.core.inputs.Workload) on the loaded
     model `lm`, from this machine's measured pace (kvviz.core.estimate: measured on first use - a few short forwards,
     said while it works - and kept); None without a model or a workload, or where it cannot be made."""
-    from kvviz import views
-
     view = views.for_run(name)
     if lm is None or work is None or view is None:
         return None

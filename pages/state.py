@@ -7,6 +7,7 @@ import functools
 import json
 import re
 from pathlib import Path
+from urllib.parse import quote
 
 import streamlit as st
 
@@ -206,7 +207,6 @@ def copy_link() -> None:
     with st.popover("Copy link", icon=":material/link:"):
         url = getattr(st.context, "url", "") or ""
         query = "&".join(f"{k}={v}" for k, v in st.query_params.items())
-        from urllib.parse import quote
 
         st.caption("This address opens this page with these settings (it runs once, then as usual):")
         st.code(url.split("?")[0] + ("?" + "&".join(f"{k}={quote(v)}" for k, v in st.query_params.items())
@@ -223,8 +223,6 @@ CONTROL_NAMES = {"split_pad": "left padding", "split_pos": "position ids", "spli
 
 def start_scenario(preset, state: dict) -> None:
     """Home's callback: set the scenario's sidebar values and page controls, and remember them as the scenario's."""
-    from pathlib import Path
-
     ss = st.session_state
     sidebar_part = {k: v for k, v in state.items() if k in ("model_preset", "dtype", "invariant")}
     ss.update(sidebar_part)

@@ -156,6 +156,97 @@ def test_pages_are_at_most_2000_lines():
     assert total <= PAGES_MAX_LINES, f"pages/ is {total} lines (at most {PAGES_MAX_LINES}); the longest: {longest}"
 
 
+# ---- the import picture: function-local imports ------------------------------------------------------------------
+# Issue 52: at most 60 function-local imports in kvviz/ and pages/, each of an allowed kind. Everything else is
+# imported at the top of its module (kvviz's own modules: the import graph has no cycle, tests/test_architecture.py).
+
+LOCAL_IMPORTS_MAX = 60
+# optional packages (not in pyproject's dependencies): imported where used, after kvviz.core.optional said they are
+# there (the one probe; importing vLLM or hqq costs seconds, and a broken one must not break `import kvviz`)
+OPTIONAL_PACKAGES = {"vllm", "llama_cpp", "optimum", "hqq"}
+# files run by an engine's own interpreter (its venv, without kvviz: loaded by path, never imported by kvviz)
+ENGINE_VENV_FILES = {"kvviz/engines/vllm_worker.py", "kvviz/engines/llamacpp_worker.py", "kvviz/engines/worker_loop.py",
+                     "kvviz/core/capture.py"}
+# the rest, each with its reason: (file, the imported module's first part) -> why it stays inside a function
+LOCAL_IMPORT_EXCEPTIONS = {
+    ("kvviz/models/compat.py", "transformers"): "transformers internals whose place changes between versions "
+    "(each behind ImportError, the compat seam's job), and transformers.cache_utils, which must load after "
+    "defer_hqq_import",
+    ("kvviz/core/memory.py", "resource"): "POSIX only: absent on Windows, and tests hide it after kvviz is imported",
+    ("pages/runner.py", "pages"): "pages.common imports pages.runner at its top: PAGE_TITLES read back is a cycle",
+}
+
+
+def local_imports(tree: ast.Module) -> list[ast.stmt]:
+    """Every import statement inside a function body (nested functions, if/try/with blocks included)."""
+    found = []
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for stmt in fn.body:
+                found += [n for n in ast.walk(stmt) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    return list({id(n): n for n in found}.values())  # a nested function's imports counted once
+
+
+def _first_part(node) -> str:
+    if isinstance(node, ast.ImportFrom):
+        return "." if node.level else node.module.split(".")[0]
+    return node.names[0].name.split(".")[0]
+
+
+def _local_import_kinds() -> tuple[int, list[str]]:
+    count, wrong = 0, []
+    for path in sorted(KVVIZ.rglob("*.py")) + PAGES:  # PAGES: pages/*.py, its __init__ included
+        rel = path.relative_to(ROOT).as_posix()
+        for node in local_imports(_tree(path)):
+            count += 1
+            part = _first_part(node)
+            if not (part in OPTIONAL_PACKAGES or rel in ENGINE_VENV_FILES or (rel, part) in LOCAL_IMPORT_EXCEPTIONS):
+                wrong.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    return count, wrong
+
+
+def test_the_local_import_finder_sees_every_spelling():
+    tree = ast.parse(textwrap.dedent("""
+        import os
+        def f():
+            import json
+            if True:
+                from . import views
+            try:
+                from pathlib import Path
+            except ImportError:
+                pass
+            def g():
+                import torch as t
+            return g
+        class C:
+            def m(self):
+                from x.y import z
+        """))
+    assert sorted(ast.unparse(n) for n in local_imports(tree)) == [
+        "from . import views", "from pathlib import Path", "from x.y import z", "import json", "import torch as t"]
+
+
+def test_function_local_imports_are_few_and_each_of_an_allowed_kind():
+    count, wrong = _local_import_kinds()
+    assert not wrong, "import these at the top of their module (or say why not in LOCAL_IMPORT_EXCEPTIONS):\n" + \
+        "\n".join(wrong)
+    assert count <= LOCAL_IMPORTS_MAX, f"{count} function-local imports in kvviz/ and pages/ (at most {LOCAL_IMPORTS_MAX})"
+
+
+def test_each_optional_package_is_probed_by_kvviz_core_optional():
+    """The optional packages imported inside functions are the ones kvviz.core.optional is asked about."""
+    probed = set()
+    for path in KVVIZ.rglob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        if "optional." in text:
+            probed |= {m.split(".")[0] for m in re.findall(r'"([a-z_][a-z0-9_.]*)"', text)}
+    assert OPTIONAL_PACKAGES - {"llama_cpp"} <= probed  # llama_cpp: imported only in its worker, in its own venv
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    required = re.search(r"^dependencies = \[(.*?)\]", pyproject, re.S | re.M).group(1)
+    assert not any(f'"{p}' in required for p in OPTIONAL_PACKAGES)
+
+
 # ---- item 3: one engine interface ----------------------------------------------------------------------------------
 
 REGISTRY = ROOT / "kvviz" / "engines" / "registry.py"

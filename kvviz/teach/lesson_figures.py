@@ -12,7 +12,7 @@ from ..core import theme
 from ..core.plotting import fit_text, zero_floor
 from ..core.theme import log_axis
 from .exercises import EXERCISES
-from ..io.export import figure_html
+from ..io.export import figure_html  # kvviz's template, whatever the process default (the app's is Streamlit's)
 
 COLOURS = theme.DTYPE_COLOURS  # the Dtypes view's too
 LIGHT, HIGHLIGHT, BAND = "#9ecae1", theme.COLORWAY[2], theme.VERDICT_COLOURS["identical"]  # other layers, the one asked about, ×0.5-×2

@@ -536,7 +536,9 @@ def _capture_pair(engine: Engine, lm, cfg: EngineLayersConfig, *, ids, prompts, 
             progress(0.82, "each side's hidden states for the logit lens")
             try:
                 saved = _save_sides(engine, cap, tmp, path_states_a if cfg.pair == "tp" else None)
-            except KvvizError as e:  # never a fake lens: one line on the result says why it is absent
+            except NotImplementedError:  # never a fake lens: one line on the result says why it is absent
+                absent = f"{engine.label}'s layer capture cannot save its hidden states"
+            except KvvizError as e:
                 absent = f"{engine.label} did not give its hidden states ({e})"
         finally:
             for c in sessions:

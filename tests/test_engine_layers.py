@@ -242,6 +242,28 @@ def test_the_decision_depth_is_the_first_layer_where_the_two_sides_top1_differ(t
     assert back.lens == lens and back.decision == dec and back.lens_line() == line
 
 
+def test_the_memory_plan_counts_the_lens_phase():
+    """The view's own profile (views/engine_layers/memory.py): the larger of its forwards' phase and the lens phase -
+    both sides' states in float32, one chunk of positions' lens logits of both sides and the KL's float64
+    temporaries over that chunk (a chunk of 64 MiB of float64: 65 positions of Llama-3.2-1B's 128,256 entries)."""
+    from kvviz.core import memory
+    from kvviz.core.lens import lens_chunk
+    from kvviz.views.engine_layers.memory import EngineLayersMemory, lens_bytes
+
+    shape = memory.KNOWN_SHAPES["Llama-3.2-1B"]
+    prof = memory.profile("engine_layers")
+    assert type(prof) is EngineLayersMemory and prof.forwards == 3 and not prof.streamed_hidden
+    assert lens_chunk(shape.vocab) == 65
+    states = 2 * 17 * 4096 * 2048 * 4
+    assert lens_bytes(shape, "bfloat16", 4096) == states + 2 * 65 * shape.vocab * 2 + 7 * 65 * shape.vocab * 8
+    assert lens_bytes(shape, "float32", 10) == 2 * 17 * 10 * 2048 * 4 + 2 * 10 * shape.vocab * 4 + \
+        7 * 10 * shape.vocab * 8
+    for tokens in (64, 4096):
+        forwards = memory.forward_bytes(prof, shape, "bfloat16", tokens, 1, True)
+        assert memory.activation_bytes(shape, "bfloat16", tokens, 1, "engine_layers", True) == max(
+            forwards, lens_bytes(shape, "bfloat16", tokens))
+
+
 @pytest.mark.app
 def test_a_result_with_the_lens_reopens_on_the_open_page_with_its_map(monkeypatch, tmp_path):
     """The Open a result page draws a reopened Engine layers result with its lens: the lens map beside the others,

@@ -689,6 +689,7 @@ def test_vllm_batch_vs_alone_and_tensor_parallel_3_float32():
     for res in (batch, tp):
         assert res.verdict in ("identical", "precision"), res.explanation
         _agrees(res)
+        _lens_agrees(res)  # tp: side A's states saved from the first engine, B's from the second
         assert res.a.positions == list(range(res.prompt_len + 5))
         for side in (res.a, res.b):
             assert side.first_logic is None

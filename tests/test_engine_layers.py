@@ -238,6 +238,9 @@ def test_the_decision_depth_is_the_first_layer_where_the_two_sides_top1_differ(t
     assert "decision depth layer 2" in fig.layout.title.text and len(cells) == 1
     assert cells[0].x == (j - 1,) and cells[0].y == (2,) and "→" in cells[0].text[0]
     assert lens_frame(res)["positions where top-1 differs"].tolist() == [0, 0, 1] + [0] * (len(lens.kl) - 3)
+    from kvviz.views.engine_layers import cli
+
+    assert f"logit lens: decision depth layer 2 at position {j}" in cli.summary_text(res)
     back = open_result(export_json(res)).result
     assert back.lens == lens and back.decision == dec and back.lens_line() == line
 

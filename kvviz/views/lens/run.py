@@ -41,7 +41,7 @@ from ...core.metrics import LOGITS_CHUNK_BYTES, logits_rows
 from ...core.lens import NORM_NAMES, Lens, first_difference  # noqa: F401  (NORM_NAMES: the repro script's)
 from ...core.lens import kl64 as _kl64, max_abs_exact as _max_abs_exact, top2 as _top2  # noqa: F401
 from ...core.lens import top2_slow as _top2_slow  # noqa: F401  (tests/test_lens.py's names)
-from ...core.naming import AFTER_BLOCKS, layer_labels, model_type  # noqa: F401  (AFTER_BLOCKS: once here)
+from ...core.naming import layer_labels, model_type
 from ...core.prompts import CAPITALS
 from ...core.protocol import DEFAULT_CONTEXT, RunContext, no_progress
 from ...core.streaming import HeldRows
@@ -449,7 +449,7 @@ def _run(lm, cfg: SplitConfig, settings: ExecSettings, progress, attention: bool
 
 def lens_labels(lm, n: int) -> list[str]:
     """The rows' labels (kvviz.core.naming.layer_labels): embeddings, layer 1..N (the last after the final norm); for
-    AFTER_BLOCKS models layer 1..N and the final norm's output."""
+    state-space models (naming.AFTER_BLOCKS) layer 1..N and the final norm's output."""
     return layer_labels(n, model_type(lm))
 
 

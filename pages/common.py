@@ -267,12 +267,10 @@ _VERDICT_CLASS = theme.VERDICT_CLASS
 
 
 def verdict_style(verdict: str) -> str | None:
-    """The verdict class a view's verdict word reads as (None: neither: shown as information). A summary such as
-    "logic: 1, precision: 3" reads as its worst class."""
-    v = _VERDICT_CLASS.get(verdict, verdict)
-    if v in VERDICT_STYLE:
-        return v
-    return worst(w for w in VERDICT_STYLE if w in str(v))
+    """The verdict class a view's verdict word reads as (None: neither: shown as information); a tally of several
+    (kvviz.core.verdict.Tally) reads as the worst it carries."""
+    v = getattr(verdict, "verdict", None) or _VERDICT_CLASS.get(verdict, verdict)
+    return v if v in VERDICT_STYLE else None
 
 
 def show_verdict(verdict: str, explanation: str, proof: str | None = None, style: str | None = None,

@@ -456,6 +456,9 @@ def test_a_toy_engine_runs_the_engine_layers_pair_with_its_verdict(toy):
     assert res.a.first_logic is None and res.b.first_logic is None
     assert res.layers_verdict == "identical" and res.verdict == "identical"
     assert res.prompts[0]["verdict"] == "identical"
+    # the toy's capture saves no states: the logit lens is absent, and the result says why in one line
+    assert res.lens is None and res.lens_absent == "toy's layer capture cannot save its hidden states"
+    assert f"No logit lens: {res.lens_absent}." in res.explanation
 
 
 # --- Callers (issue 52 items 1 and 2): outside a view's own folder, kvviz/, bench/ and scripts/ run a view only

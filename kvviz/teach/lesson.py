@@ -33,7 +33,7 @@ from ..core.inputs import build_inputs
 from ..models.loading import LoadedModel
 from ..core.metrics import hidden_divergence
 from ..core.protocol import RunContext
-from ..core.naming import layer_labels
+from ..core.naming import layer_labels, model_type
 from ..models.compat import takes_logits_to_keep
 from ..models import loading
 from ..models.tiny import FLIP_BUILT
@@ -419,7 +419,8 @@ def _cached_vs_full(lm: LoadedModel, prompt: str, n_rest: int, left_pad: int, po
     hd = hidden_divergence(ref, got, machine_eps(lm.dtype))
     dl = (torch.stack(got_l) - ref_logits).abs()
 
-    return Gaps(dtype_name(lm.dtype), layer_labels(ref.shape[0]), hd["relative"].amax(-1).cpu().tolist(),
+    labels = layer_labels(ref.shape[0], model_type(lm))
+    return Gaps(dtype_name(lm.dtype), labels, hd["relative"].amax(-1).cpu().tolist(),
                 float(hd["max_abs"].max()), float(dl.max() / ref_logits.abs().max()), ref.cpu())
 
 

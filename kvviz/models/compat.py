@@ -42,7 +42,6 @@ import types
 import warnings
 from typing import Iterator
 
-import gguf
 import torch
 import transformers
 from transformers.utils import logging as hf_logging
@@ -439,6 +438,8 @@ def gguf_read_once() -> Iterator[None]:
     `get_gguf_hf_weights_map`). Both are read-only once built.
     One block at a time in a process (the patch is global): another conversion waits, and a stopped run stops
     waiting (kvviz.core.cancel)."""
+    import gguf  # here, not at the top: 0.35-0.5 s of `import kvviz`'s ~4 s, and only GGUF files need it
+
     with cancel.acquire(_GGUF_ONCE):
         reader_cls, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
         readers: dict = {}

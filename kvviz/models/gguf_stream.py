@@ -23,8 +23,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import gguf
-from gguf import dequantize
 import transformers
 
 from ..core.cancel import Progress
@@ -120,6 +118,8 @@ def stream_gguf(path: Path, folder: Path, config, progress: Progress, shard_byte
 
     `config` is the model config transformers reads from the GGUF's metadata. Raises NotStreamable where the
     result could differ from transformers' whole-model conversion. Returns a small summary."""
+    import gguf  # here, not at the top: 0.35-0.5 s of `import kvviz`'s ~4 s, and only GGUF files need it
+
     mg, is_gguf_arch_supported = gguf_utils()
 
     reader = gguf.GGUFReader(str(path))  # the module's attribute: compat.gguf_read_once replaces it
@@ -146,7 +146,7 @@ def stream_gguf(path: Path, folder: Path, config, progress: Progress, shard_byte
     extra: dict = {"tensors": {}}
     for i, t in enumerate(tensors):
         progress(i / len(tensors), f"tensor {i + 1}/{len(tensors)} ({t.name})")
-        weights = dequantize(t.data, t.tensor_type)
+        weights = gguf.dequantize(t.data, t.tensor_type)
         result = processor.process(weights=weights, name=t.name, tensor_key_mapping=mapping,
                                    parsed_parameters=extra)
         for name, tensor in extra["tensors"].items():  # gpt2 hands its output head over whole, under its own name

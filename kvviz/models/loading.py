@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import gguf
 import torch
 import transformers
 from safetensors.torch import save_file
@@ -144,6 +143,8 @@ def gguf_quantization(path: Path) -> str:
     type of its weight matrices other than the embeddings and the output head (which files often keep wider:
     a Q4_K_M SmolLM2 holds more Q8_0 elements in its embedding than Q4_K in all its layers), else the file name."""
     try:
+        import gguf  # here, not at the top: 0.35-0.5 s of `import kvviz`'s ~4 s, and only GGUF files need it
+
         reader = gguf.GGUFReader(str(path))  # the module's attribute: compat.gguf_read_once replaces it
         field = reader.fields.get("general.file_type")
         file_type = int(field.parts[field.data[0]][0]) if field is not None and field.data else None
@@ -191,6 +192,8 @@ def gguf_quant_label(file_type: int | None, tensors: dict[str, tuple[str, int]])
     the most common type (by elements) of the weight matrices other than token_embd/output; None if neither."""
     if file_type is not None:
         try:
+            import gguf  # here, not at the top: 0.35-0.5 s of `import kvviz`'s ~4 s, and only GGUF files need it
+
             name = gguf.LlamaFileType(file_type).name
             if name != "GUESSED":
                 return {"ALL_F32": "F32"}.get(name, name.removeprefix("MOSTLY_"))

@@ -5,6 +5,7 @@ pages/runner.py (the run wrapper: progress, Stop, memory plan, errors), pages/ab
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,14 +53,10 @@ class ModelChoice:
         return json.dumps({f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in fields},
                           sort_keys=True)
 
-    @property
+    @functools.cached_property  # not a field: the key and equality ignore it
     def model_spec(self) -> kvviz.ModelSpec:
         """The typed model, parsed once (kvviz.parse_spec) and then carried whole to the library."""
-        parsed = self.__dict__.get("_spec")
-        if parsed is None:
-            parsed = kvviz.parse_spec(self.spec)
-            object.__setattr__(self, "_spec", parsed)  # not a field: the key and equality ignore it
-        return parsed
+        return kvviz.parse_spec(self.spec)
 
     @property
     def settings(self) -> ExecSettings:

@@ -70,10 +70,6 @@ def show_error(e: BaseException) -> None:
         st.error(f"Unexpected error ({type(e).__name__}): {first_line(e)}", icon="⚠️")
 
 
-def _request_stop() -> None:
-    st.session_state["_stop_requested"] = True
-
-
 def progress_text(frac: float, msg: str, elapsed: float, since: float = 0.0,
                   phase: tuple[float, float] | None = None, left: float | None = None) -> str:
     """The progress line: `msg` and the time left, from the measured pace at the last report (`since` seconds ago)
@@ -90,15 +86,11 @@ def progress_text(frac: float, msg: str, elapsed: float, since: float = 0.0,
     elif left is None:
         left = at / frac * (1 - frac) - since
     if left >= 1:
-        return f"{msg} — about {_duration(left)} left"
+        return f"{msg} — about {estimate.duration(left)} left"
     if since >= 3:
         return (f"{msg} — taking longer than the pace so far said: {since:.0f} s on this part, {elapsed:.0f} s in "
                 "all")
     return f"{msg} — almost done"
-
-
-def _duration(seconds: float) -> str:
-    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
 class _Ticker:
@@ -174,7 +166,8 @@ def progress_bar(label: str):
     with box.container():
         bar = st.progress(0.0, text=label)
         n = st.session_state["_stop_seq"] = st.session_state.get("_stop_seq", 0) + 1
-        st.button("Stop", key=f"_stop_button_{n}", on_click=_request_stop, icon=":material/stop_circle:",
+        st.button("Stop", key=f"_stop_button_{n}", on_click=st.session_state.update,
+                  kwargs={"_stop_requested": True}, icon=":material/stop_circle:",
                   help="Stop this run; the page keeps its controls and you can start it again")
     token, run = cancel.current(), _RUN.get()
     ticker = _Ticker(lambda f, text: bar.progress(f, text=text), time.perf_counter,
@@ -354,14 +347,14 @@ def stopped_line(entry: dict | None) -> str:
             "start this run again.")
 
 
-def _stop_earlier_runs(session: str) -> dict | None:
+def _stop_earlier_runs(session: str) -> None:
     """Cancel this session's runs still working (a Stop or a changed control ended their script run) and wait, with
-    a line, until they freed the model (STOP_WAIT_S at most). Returns the last one's entry."""
+    a line, until they freed the model (STOP_WAIT_S at most)."""
     with _RUNNING_LOCK:
         mine = [r for r in _RUNNING.values() if r["session"] == session and not r["done"].is_set()
                 and r.get("thread") != threading.get_ident()]  # not a run this one is part of
     if not mine:
-        return None
+        return
     note = st.empty()
     note.info(f"Stopping the run that was working ({mine[-1]['what']})…", icon=":material/stop_circle:")
     t0 = time.time()
@@ -376,7 +369,6 @@ def _stop_earlier_runs(session: str) -> dict | None:
     if late:
         st.warning(f"The stopped run ({late[-1]['what']}) is still finishing its current step after "
                    f"{STOP_WAIT_S:.0f} s; this run waits for the model until it ends.", icon=":material/hourglass_top:")
-    return mine[-1]
 
 
 LONG_RUN_S = 120.0  # a run its estimate says will take longer than this is announced first, with its proof's share
@@ -434,10 +426,6 @@ def run_context(settings, report) -> RunContext:
                       estimate=run.get("estimate"), on_phase=ticker.phase if ticker is not None else None)
 
 
-def _key_of(key_parts: dict) -> str:
-    return hashlib.sha256(json.dumps(key_parts, sort_keys=True, default=str).encode()).hexdigest()
-
-
 def _finish_timings(lm, name: str, entry: dict, result, elapsed: float) -> None:
     """The result carries its estimate and seconds; they refine the pace unless another run overlapped it."""
     est, ticker = entry.get("estimate"), entry.get("ticker")
@@ -455,7 +443,7 @@ def run_cached(name: str, key_parts: dict, compute, workload=None, lm=None):
     and, with the loaded model `lm`, the estimate (a long run is announced first). Stop, a closed tab or a changed
     control ends the run at its next checkpoint; the next script run says how far it got."""
     store = st.session_state.setdefault(f"_results_{name}", {})
-    key = _key_of(key_parts)
+    key = hashlib.sha256(json.dumps(key_parts, sort_keys=True, default=str).encode()).hexdigest()
     plan = _memory_plan(name, workload, key not in store)
     if key not in store:
         ss = st.session_state

@@ -26,14 +26,6 @@ PAGE_PREFIXES = tuple(PREFIX_OF_PAGE.values())
 LINK_PREFIXES = _views.link_prefixes()  # other prefixes a saved link may carry -> the controls' own
 
 
-def link_key(key: str) -> str:
-    """A saved link's parameter name -> the control it sets (a link made with another prefix still opens)."""
-    for other, own in LINK_PREFIXES.items():
-        if key.startswith(other):
-            return own + key[len(other):]
-    return key
-
-
 SIDEBAR_KEYS = tuple(SIDEBAR_DEFAULTS)
 
 
@@ -123,7 +115,8 @@ def remember() -> None:
         ss["_url_read"] = True
         bad = []
         for k, v in st.query_params.items():
-            k = link_key(k)
+            # the control it sets: a link made with another prefix still opens
+            k = next((own + k[len(other):] for other, own in LINK_PREFIXES.items() if k.startswith(other)), k)
             if not _persistable(k) or k == "trust_remote_code":  # a link never turns remote code on
                 continue
             try:

@@ -70,6 +70,10 @@ def show_error(e: BaseException) -> None:
         st.error(f"Unexpected error ({type(e).__name__}): {first_line(e)}", icon="⚠️")
 
 
+def _request_stop() -> None:
+    st.session_state["_stop_requested"] = True
+
+
 def progress_text(frac: float, msg: str, elapsed: float, since: float = 0.0,
                   phase: tuple[float, float] | None = None, left: float | None = None) -> str:
     """The progress line: `msg` and the time left, from the measured pace at the last report (`since` seconds ago)
@@ -166,8 +170,7 @@ def progress_bar(label: str):
     with box.container():
         bar = st.progress(0.0, text=label)
         n = st.session_state["_stop_seq"] = st.session_state.get("_stop_seq", 0) + 1
-        st.button("Stop", key=f"_stop_button_{n}", on_click=st.session_state.update,
-                  kwargs={"_stop_requested": True}, icon=":material/stop_circle:",
+        st.button("Stop", key=f"_stop_button_{n}", on_click=_request_stop, icon=":material/stop_circle:",
                   help="Stop this run; the page keeps its controls and you can start it again")
     token, run = cancel.current(), _RUN.get()
     ticker = _Ticker(lambda f, text: bar.progress(f, text=text), time.perf_counter,

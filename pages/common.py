@@ -16,7 +16,7 @@ import kvviz
 from kvviz import views
 from kvviz.core import theme
 from kvviz.core.execution import ExecSettings
-from kvviz.core.verdict import UNKNOWN, headline, worst
+from kvviz.core.verdict import UNKNOWN, headline
 from pages import ensure_navigation  # noqa: F401  (pages import it from here)
 from pages.devices import devices_control, placement_caption, placement_kwargs
 from pages.runner import page_message, progress_bar, show_error
@@ -248,12 +248,10 @@ VERDICT_STYLE = {"identical": st.success, "precision": st.info, "undecided": st.
 
 
 def verdict_style(verdict: str) -> str | None:
-    """The verdict class a view's verdict word reads as (theme.VERDICT_CLASS; None: shown as information). A summary
-    such as "logic: 1, precision: 3" reads as its worst class."""
-    v = theme.VERDICT_CLASS.get(verdict, verdict)
-    if v in VERDICT_STYLE:
-        return v
-    return worst(w for w in VERDICT_STYLE if w in str(v))
+    """The verdict class a view's verdict word reads as (theme.VERDICT_CLASS; None: shown as information); a tally
+    of several (kvviz.core.verdict.Tally) reads as the worst it carries."""
+    v = getattr(verdict, "verdict", None) or theme.VERDICT_CLASS.get(verdict, verdict)
+    return v if v in VERDICT_STYLE else None
 
 
 def show_verdict(verdict: str, explanation: str, proof: str | None = None, style: str | None = None,

@@ -70,11 +70,17 @@ show_verdict(verdict, text)
 metric = st.radio("Measure", ["relative", "eps_units", "max_abs"], horizontal=True, key="engine_layers_metric",
                   format_func=METRIC_TITLES.get)
 st.plotly_chart(el_figures.pair_heatmap(res, metric), width="stretch", key="engine_layers_pair_map")
+if (lens_map := el_figures.lens_heatmap(res)) is not None:  # the logit lens of both sides
+    st.plotly_chart(lens_map, width="stretch", key="engine_layers_lens_map")
+elif res.lens_absent:
+    st.caption(f"No logit lens: {res.lens_absent}.")
 st.plotly_chart(el_figures.layer_lines(res), width="stretch", key="engine_layers_lines")
 fa, fb = el_figures.reference_heatmaps(res, metric)
 st.plotly_chart(fa, width="stretch", key="engine_layers_ref_a")
 st.plotly_chart(fb, width="stretch", key="engine_layers_ref_b")
 st.dataframe(el_figures.layers_frame(res), hide_index=True, width="stretch")
+if res.lens is not None:
+    st.dataframe(el_figures.lens_frame(res), hide_index=True, width="stretch")
 if res.prompts:
     st.caption(res.parting_line())
     st.dataframe(el_figures.prompts_frame(res), hide_index=True, width="stretch")

@@ -294,8 +294,6 @@ def held_line(run: dict, now: float | None = None) -> str:
 def _holding(name: str, token: cancel.Token | None = None):
     """Register this run on its model while it works, with held_line while another run holds the model (a caption
     after it: it waited). Yields the run's entry; a stopped run's is kept for the next script run (stopped_line)."""
-    from pages.common import PAGE_TITLES
-
     choice, session = st.session_state.get("model_choice"), _session_id()
     model = None if choice is None else (choice.spec, choice.dtype, choice.device)  # one loaded model, one lock
     with _RUNNING_LOCK:  # other sessions' (tabs', users') runs on it, oldest first
@@ -304,7 +302,7 @@ def _holding(name: str, token: cancel.Token | None = None):
     note = st.empty()
     if others:
         note.info(held_line(others[0]), icon=":material/hourglass_top:")
-    page_name = PAGE_TITLES.get(st.session_state.get("_page", ""), "")
+    page_name = st.session_state.get("_page_title", "")  # app.py names the page's title
     what = f"{page_name} ({name})" if page_name and page_name.lower() != name.lower() else (page_name or name)
     entry = {"model": model, "session": session, "what": what, "started": time.time(), "name": name,
              "token": token, "done": threading.Event(), "frac": 0.0, "msg": "",

@@ -86,7 +86,11 @@ class LensConfig:
         return self
 
     def workload(self):
-        return self.scenario.workload()
+        """The split scenario's (its forwards, the float64 rerun where the paths differ), with the lens: every hidden
+        state of both paths through the head at each compared position; no proof (REFUSES)."""
+        from dataclasses import replace
+
+        return replace(self.scenario.workload(), proves=False, lens=2.0)
 
 
 @dataclass
@@ -563,7 +567,7 @@ REFUSES = {"prove": "the lens has no invariant-mode proof rerun (run Split point
 
 
 def run_lens(lm, cfg: LensConfig, progress=None, settings: ExecSettings | None = None,
-             reference=None) -> LensResult:
+             reference=None, on_phase=None) -> LensResult:
     progress = progress or no_progress
     settings = settings or ExecSettings()  # validated once, by its RunContext
     t0 = time.perf_counter()
@@ -576,6 +580,8 @@ def run_lens(lm, cfg: LensConfig, progress=None, settings: ExecSettings | None =
         if lm.dtype == torch.float64:
             f64 = main
         else:
+            if on_phase is not None:  # the run's phases, as its estimate names them (RunContext.on_phase)
+                on_phase("float64")
             progress(0.5, "float64: the same scenario for the verdict…")
             ref = reference or lm.reference()
             _, f64, _, _, _ = _run(ref, sc, settings.with_(compile="off"),
@@ -678,4 +684,4 @@ def verdict_for(res: LensResult) -> tuple[str, str]:
 def run(lm, config: LensConfig, ctx: RunContext = DEFAULT_CONTEXT) -> LensResult:
     """The view's run (kvviz.core.protocol)."""
     with ctx.running(REFUSES) as progress:
-        return run_lens(lm, config, progress, settings=ctx.settings, reference=ctx.reference)
+        return run_lens(lm, config, progress, settings=ctx.settings, reference=ctx.reference, on_phase=ctx.on_phase)

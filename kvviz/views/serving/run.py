@@ -91,9 +91,17 @@ class ServeConfig:
     def workload(self) -> Workload:
         """What kvviz's process holds, for the memory plan: each prompt after the shared prefix, the requests in
         flight, the conditions, and transformers' pages (0: vLLM, llama.cpp or a server hold theirs elsewhere)."""
+        # its time estimate: each prompt's no-cache reference decode (the whole sequence each step); then per
+        # condition and run every prompt through the engine (a prefill and its decode steps; batches filled up to
+        # the batch size; warm: a warming request first)
+        n, k = len(self.prompts), max(1, int(self.batch_size))
+        per_run = {"alone": n, "batch": -(-n // k) * k, "warm": n}
+        requests = int(self.runs) * sum(per_run.get(c, n) for c in self.conditions)
+        warmers = int(self.runs) * n if "warm" in self.conditions else 0
         return Workload(texts=tuple(self.shared_prefix + p for p in self.prompts), new_tokens=int(self.max_new_tokens),
                         batch=int(self.batch_size), conditions=tuple(self.conditions),
-                        page_size=self.page_size if registry.facts(self.engine).pages_here else 0)
+                        page_size=self.page_size if registry.facts(self.engine).pages_here else 0,
+                        forwards=float(n + requests + warmers), full_paths=n, decode_paths=requests)
 
     def validate(self) -> None:
         engine = registry.facts(self.engine)

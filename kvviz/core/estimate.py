@@ -34,7 +34,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .dtypes import resolve_device
+import torch
+
+from .dtypes import DTYPE_NAMES, dtype_name, parse_dtype, resolve_device, supports_dtype
 from .inputs import Workload
 
 CALIBRATION_LENGTHS = (1, 64, 256)  # tokens: the call's fixed cost, then two lengths for the linear and quadratic part
@@ -195,8 +197,8 @@ class Pace:
     measured). `load_s`: the last load's seconds. `fix`: per view and phase, measured/estimated of the last runs.
     Measured beside them (measure_extras; 0 / empty / None: not measured): `params` (the model's parameters),
     `layers` (its hidden states: embeddings + one per layer), `rates` (a forward in each dtype against one in the
-    model's own, from a matmul of its hidden size), `head` (seconds of one row through its head and a float64
-    log-softmax: a logit lens), `load_gb_s` (seconds a GB of its weights took to load), `copy_gb_s` (seconds to
+    model's own, from a matmul of its hidden size), `head0` and `head` (seconds of a call through its head and a
+    float64 log-softmax - a logit lens - and of each row in it: a call reads the whole head), `load_gb_s` (seconds a GB of its weights took to load), `copy_gb_s` (seconds to
     copy a GB of its weights in memory into another dtype, read and written counted)."""
     c0: float
     a: float
@@ -208,6 +210,7 @@ class Pace:
     layers: int = 0
     rates: dict = field(default_factory=dict)
     head: float | None = None
+    head0: float | None = None
     load_gb_s: float | None = None
     copy_gb_s: float | None = None
 
@@ -303,7 +306,8 @@ def load_pace(key: str) -> Pace | None:
             return None if d.get(name) is None else float(d[name])
         return Pace(float(d["c0"]), float(d["a"]), float(d["b"]), tuple(map(float, inv)) if inv else None,
                     d.get("load_s"), dict(d.get("fix") or {}), int(d.get("params") or 0), int(d.get("layers") or 0),
-                    {str(k): float(v) for k, v in (d.get("rates") or {}).items()}, opt("head"), opt("load_gb_s"),
+                    {str(k): float(v) for k, v in (d.get("rates") or {}).items()}, opt("head"), opt("head0"),
+                    opt("load_gb_s"),
                     opt("copy_gb_s"))
     except (KeyError, TypeError, ValueError, AttributeError):
         return None
@@ -349,10 +353,6 @@ def calibrate(lm, invariant: bool = False, clock_forward=None, extras=None) -> P
 
 
 def _bytes(dtype) -> int:
-    import torch
-
-    from .dtypes import parse_dtype
-
     return torch.empty((), dtype=parse_dtype(str(dtype).replace("torch.", ""))).element_size()
 
 
@@ -360,10 +360,6 @@ def measure_extras(lm) -> dict:
     """What a run costs besides its forwards, measured on this model here: Pace's params, layers, rates, head,
     load_gb_s and copy_gb_s (each a fraction of a second: one matmul per dtype, 32 rows through the head, up to
     64 MB of the weights copied)."""
-    import torch
-
-    from .dtypes import DTYPE_NAMES, dtype_name, parse_dtype, supports_dtype
-
     model, dev = lm.model, lm.device
     params = sum(p.numel() for p in model.parameters())
     own = dtype_name(lm.dtype)
@@ -372,29 +368,41 @@ def measure_extras(lm) -> dict:
     hidden = int(getattr(cfg, "hidden_size", 0) or getattr(cfg, "d_model", 0) or 512)
     rates, times = {}, {}
     with torch.inference_mode():
+        mats = {}
         for name in DTYPE_NAMES:
             dt = parse_dtype(name)
             if not supports_dtype(dev, dt):
                 continue
             try:
-                x = torch.randn(128, hidden, device=dev).to(dt)
+                x = torch.randn(256, hidden, device=dev).to(dt)
                 w = torch.randn(hidden, 4 * hidden, device=dev).to(dt)
                 x @ w  # warm up
-                times[name] = _timed(lambda: x @ w, repeat=3)
+                mats[name] = (x, w)
             except RuntimeError:  # a dtype this device cannot multiply: priced by the prior
                 continue
+        # the dtypes in turn, five rounds, each dtype's median: a shared machine's load falls on all of them alike
+        for _ in range(5):
+            for name, (x, w) in mats.items():
+                times.setdefault(name, []).append(_timed(lambda: x @ w))
+        times = {d: sorted(t)[len(t) // 2] for d, t in times.items()}
         base = times.get(own)
         if base:
             rates = {d: t / base for d, t in times.items()}
-        head = None
+        head = head0 = None
         out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         weight = getattr(out, "weight", None)
         if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.device.type != "meta" \
                 and weight.is_floating_point():
             rows = torch.randn(32, weight.shape[1], device=weight.device).to(weight.dtype)
-            try:
+            try:  # a call reads the whole head (its fixed part), then each row: 1 and 32 rows, in turn
                 torch.log_softmax((rows @ weight.T).double(), -1)  # warm up
-                head = _timed(lambda: torch.log_softmax((rows @ weight.T).double(), -1), repeat=3) / 32
+                t1, t32 = [], []
+                for _ in range(3):
+                    t1.append(_timed(lambda: torch.log_softmax((rows[:1] @ weight.T).double(), -1)))
+                    t32.append(_timed(lambda: torch.log_softmax((rows @ weight.T).double(), -1)))
+                t1, t32 = sorted(t1)[1], sorted(t32)[1]
+                per_row = max(0.0, t32 - t1) / 31
+                head, head0 = per_row, max(0.0, t1 - per_row)
             except RuntimeError:  # a head that is not a plain matrix (quantized): no lens price
                 head = None
         moved, t_copy = 0, 0.0
@@ -412,7 +420,7 @@ def measure_extras(lm) -> dict:
         layers = int(lm.n_layers) + 1
     except (AttributeError, TypeError, ValueError):
         layers = 0
-    return {"params": int(params), "layers": layers, "rates": rates, "head": head,
+    return {"params": int(params), "layers": layers, "rates": rates, "head": head, "head0": head0,
             "load_gb_s": load_s / gb if load_s and gb > 0 else None,
             "copy_gb_s": t_copy / (moved / 1e9) if moved else None}
 
@@ -464,6 +472,13 @@ def rate(pace: Pace, dtype: str, own: str) -> float:
     return FLOAT64_PRIOR.get(own, 2.0) / FLOAT64_PRIOR.get(dtype, 2.0)
 
 
+def scaled(pace: Pace, r: float) -> Pace:
+    """The pace in a dtype `r` times as slow as the model's own: its per-token parts scaled, the call's fixed cost
+    (Python, hooks) as it is."""
+    inv = (pace.inv[0], pace.inv[1] * r, pace.inv[2] * r) if pace.inv else None
+    return Pace(pace.c0, pace.a * r, pace.b * r, inv)
+
+
 def copy_seconds(pace: Pace, copy: str, own: str) -> float:
     """Loading the model again as `copy` ("float64", "bfloat16", "@eager", "float64@eager"): its size in that dtype
     at the model's own measured load rate (0 where nothing was measured)."""
@@ -501,11 +516,11 @@ def estimate(pace: Pace | None, w: Workload, tokens: int, *, view: str = "", dty
     fix.setdefault("proof", 1.0 if pace.inv is not None else 3.0)
     n = max(1, int(tokens))
     dtypes = [str(d).replace("torch.", "") for d in w.run_dtypes]
-    in_dtypes = sum(rate(pace, d, own) for d in dtypes) if dtypes else 1.0
-    run = work_seconds(pace, w, tokens, invariant) * in_dtypes
-    if w.lens and pace.head and pace.layers:
+    run = sum(work_seconds(scaled(pace, rate(pace, d, own)), w, tokens, invariant) for d in dtypes) if dtypes \
+        else work_seconds(pace, w, tokens, invariant)
+    if w.lens and pace.head is not None and pace.layers:
         compared = max(1, n - int(w.split)) if isinstance(w.split, int) and not isinstance(w.split, bool) else n
-        run += w.lens * pace.layers * compared * pace.head
+        run += w.lens * pace.layers * ((pace.head0 or 0.0) + compared * pace.head)
     twin = 0.0  # the float64 twin, loaded when the float64 rerun starts
     maybe64 = bool(w.float64_rerun and not w.float64_certain)
     for c in dict.fromkeys(w.copies):
@@ -518,17 +533,18 @@ def estimate(pace: Pace | None, w: Workload, tokens: int, *, view: str = "", dty
             run += copy_seconds(pace, c, own)
     run += sum(cast_seconds(pace, d, own) for d in w.casts)
     phases.append(Phase("run", run * fix.get("run", 1.0)))
-    f64_rate = rate(pace, "float64", own)
+    p64 = scaled(pace, rate(pace, "float64", own))
     if w.float64_paths and w.new_tokens:
-        f64 = w.float64_paths * sum(pace.forward(n + i) for i in range(int(w.new_tokens))) * f64_rate
+        f64 = w.float64_paths * sum(p64.forward(n + i) for i in range(int(w.new_tokens)))
         phases.append(Phase("float64", f64 * fix.get("float64", 1.0)))
     elif (w.float64_rerun or w.float64_certain) and own != "float64":
-        base = work_seconds(pace, w, tokens)
-        phases.append(Phase("float64", (base * f64_rate + twin) * fix.get("float64", 1.0), maybe=maybe64))
+        phases.append(Phase("float64", (work_seconds(p64, w, tokens) + twin) * fix.get("float64", 1.0),
+                            maybe=maybe64))
     if w.prove and w.proves and not invariant:
-        inv = work_seconds(pace, w, tokens, invariant=pace.inv is not None)
-        proved = sum(rate(pace, d, own) for d in dtypes if d != "float64") if dtypes else 1.0
-        phases.append(Phase("proof", inv * proved * fix["proof"], maybe=True))
+        inv = sum(work_seconds(scaled(pace, rate(pace, d, own)), w, tokens, invariant=pace.inv is not None)
+                  for d in dtypes if d != "float64") if dtypes else \
+            work_seconds(pace, w, tokens, invariant=pace.inv is not None)
+        phases.append(Phase("proof", inv * fix["proof"], maybe=True))
     basis = "from this machine's measured pace" if measured else "not measured on this machine yet (a first guess)"
     return Estimate(tuple(phases), measured, basis, fix)
 

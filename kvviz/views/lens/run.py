@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import ClassVar, Literal
 
 import numpy as np
@@ -87,9 +87,8 @@ class LensConfig:
 
     def workload(self):
         """The split scenario's (its forwards, the float64 rerun where the paths differ), with the lens: every hidden
-        state of both paths through the head at each compared position; no proof (REFUSES)."""
-        from dataclasses import replace
-
+        state's compared positions through the head, of both paths (two head calls: _LensSink._reduce); no proof
+        (REFUSES)."""
         return replace(self.scenario.workload(), proves=False, lens=2.0)
 
 

@@ -33,6 +33,7 @@ from kvviz.core import estimate  # noqa: E402
 from kvviz.core.protocol import DEFAULT_CONTEXT  # noqa: E402
 from kvviz.io.clirun import config_workload  # noqa: E402
 
+FRESH = False  # --fresh-each: a fresh calibration before every row (else once, at the first row, for all)
 RATIO = ("Ratio = actual / the estimate of the phases that ran (goal 0.5-2): its certain phases, and those that run "
          "only where the paths differ (the float64 rerun, the invariant proof: marked ? in the phases) where they "
          "ran; \"up to\" counts them all.")
@@ -58,6 +59,9 @@ def estimated_runs(rows: list, model: str, dtype: str, note: str = ""):
             if ctx.prove is False:
                 w = dataclasses.replace(w, prove=False)
             tokens = estimate.tokens_of(lm, w)
+            if FRESH:  # calibrated just before this run (a loaded machine's share moves between rows)
+                path = Path(tempfile.mkdtemp(prefix="kvviz-estimate-bench-")) / "estimates.json"
+                estimate.store_path = lambda: path
             t_cal = time.perf_counter()
             est = estimate.for_model(lm, w, tokens, self.name, invariant=ctx.settings.invariant)
             cal_s = time.perf_counter() - t_cal
@@ -189,9 +193,14 @@ def main(argv=None) -> int:
     ap.add_argument("--long-dtype", default="bfloat16")
     ap.add_argument("--json", default="")
     ap.add_argument("--write", action="store_true", help="record the table in docs/benchmarks.md")
+    ap.add_argument("--fresh-each", action="store_true",
+                    help="calibrate afresh before every row (on a loaded machine: the load the run meets)")
     ap.add_argument("--table-from", default="", help="comma-separated --json files: write their rows, run nothing")
     a = ap.parse_args(argv)
     import torch
+
+    global FRESH
+    FRESH = a.fresh_each
 
     if a.table_from:
         docs = [json.loads(Path(f).read_text()) for f in a.table_from.split(",") if f]
@@ -202,7 +211,7 @@ def main(argv=None) -> int:
     estimate.store_path = lambda: store  # calibrated afresh; no run refines the next
     sets = [s for s in a.sets.split(",") if s]
     head = (f"torch threads {torch.get_num_threads()}, cpus {os.cpu_count()}, nice {os.nice(0)}, load average at "
-            f"start {os.getloadavg()[0]:.1f}")
+            f"start {os.getloadavg()[0]:.1f}" + (", calibrated afresh before each row" if FRESH else ""))
     print(head, flush=True)
     rows: list = []
     t0 = time.perf_counter()

@@ -274,8 +274,9 @@ def test_each_views_workload_declares_what_its_run_computes():
     assert (c.run_dtypes, c.copies, c.forwards) == (("float64",), ("float64",), 20.0)
 
     s = cfg("serving", prompts=["a b", "c d e", "f", "g h", "i"], runs=3, max_new_tokens=8, batch_size=4).workload()
-    # 3 runs of: alone 5 requests, batch 2 batches of 4 (3 fill-ups), warm 5 (+ 5 warmers); 5 references
-    assert (s.full_paths, s.decode_paths, s.forwards) == (5, 3 * (5 + 8 + 5), 5 + 54 + 15.0)
+    # 3 runs of: alone 5 requests one at a time, batch 2 batches of 4 (3 fill-ups), warm 5 (+ 5 warmers' prefills);
+    # 5 no-cache references
+    assert (s.full_paths, s.decode_paths, s.forwards) == (5, 3 * (5 + 2 + 5), 5 + 3 * (5 + 2 + 10.0))
 
     lens = cfg("lens").workload()
     assert (lens.lens, lens.proves, lens.float64_rerun) == (2.0, False, True)  # the lens refuses the proof

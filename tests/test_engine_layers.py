@@ -156,6 +156,176 @@ def test_worker_gaps_against_another_capture_and_a_reference_file(monkeypatch, t
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# The logit lens of both sides (issue 54.3) on saved states: the unit logic on a tiny model's own hidden states (the
+# engines' runs: _lens_agrees in the real-engine tests below)
+
+
+def _tiny_states(tmp_path):
+    """tiny:llama's hidden states of one prompt (transformers' output_hidden_states: embeddings, layers, the last
+    after the final norm) saved as vLLM's worker saves them, its own logits' argmax and the model."""
+    from safetensors.torch import save_file
+
+    import kvviz
+
+    lm = kvviz.load_model("tiny:llama", "float32", "cpu")
+    ids = lm.tokenizer("The capital of France is Paris", return_tensors="pt").input_ids
+    with torch.inference_mode():
+        out = lm.model(ids, output_hidden_states=True)
+    hidden = torch.stack([h[0] for h in out.hidden_states]).contiguous()
+    path = str(tmp_path / "a.safetensors")
+    save_file({"hidden": hidden, "positions": torch.arange(hidden.shape[1])}, path)
+    return lm, hidden, path, out.logits[0]
+
+
+def test_the_lens_of_two_equal_sides_agrees_everywhere_and_its_last_row_is_the_models_own_token(tmp_path):
+    """Both sides the same saved states: the same top-1, runner-up and margin, KL exactly 0, no decision depth; the
+    last row (the final norm's output: only the head) gives the model's own next token at every position, so the
+    check against the generated tokens finds no gap."""
+    from kvviz.views.engine_layers.run import engine_lens
+
+    lm, hidden, path, logits = _tiny_states(tmp_path)
+    own = logits.argmax(-1).tolist()
+    rows, T = hidden.shape[:2]
+    prompt_len = 4
+    gen = own[prompt_len - 1:]
+    lens = engine_lens(lm, path, path, list(range(T)), prompt_len, {"cold": gen, "warm": gen})
+    assert lens.depth() is None and np.asarray(lens.kl).shape == (rows, T) and np.max(lens.kl) == 0
+    assert lens.a == lens.b and lens.head_gap == {"cold": 0, "warm": 0} and lens.checked == T - prompt_len + 1
+    assert lens.a["top1"][-1] == own  # the model's own argmax, at every position
+    assert all(m >= 0 for row in lens.a["margin"] for m in row)
+    v = logits.topk(2, -1).values.double()  # the last row's margins: the model's own logits' (its head, that row)
+    assert lens.a["margin"][-1] == pytest.approx((v[:, 0] - v[:, 1]).tolist(), rel=1e-5, abs=1e-6)
+
+
+def test_the_decision_depth_is_the_first_layer_where_the_two_sides_top1_differ(tmp_path):
+    """Side B's hidden state at layer 2, one position, replaced by another position's whose lens top-1 differs (as
+    a wrong row would be), read from llama.cpp's .npz format: the decision depth is layer 2 at that position, the
+    KL is positive there and exactly 0 wherever the two sides' states are equal; the result's sentence, figure,
+    table and export carry it."""
+    from kvviz.core.lens import Lens
+    from kvviz.io.export import export_json, open_result
+    from kvviz.views.engine_layers.figures import lens_frame, lens_heatmap
+    from kvviz.views.engine_layers.run import engine_lens
+
+    lm, hidden, path, logits = _tiny_states(tmp_path)
+    own = logits.argmax(-1).tolist()
+    T = hidden.shape[1]
+    with torch.inference_mode():
+        top1 = Lens.of(lm.model)(hidden[2], normed=False).argmax(-1).tolist()
+    j = 5
+    k = next(i for i in range(T) if top1[i] != top1[j])
+    b = hidden.clone()
+    b[2, j] = hidden[2, k]
+    with open(tmp_path / "b.npz", "wb") as f:
+        np.savez(f, hidden=b.numpy(), positions=np.arange(T))
+    positions = list(range(1, T))  # the positions both computed (a warm side: from position 1)
+    lens = engine_lens(lm, path, str(tmp_path / "b.npz"), positions, 4, {"cold": own[3:], "warm": own[3:]})
+    assert lens.depth() == (2, j - 1)
+    kl = np.asarray(lens.kl)
+    assert kl[2, j - 1] > 0 and kl.sum() == kl[2, j - 1]  # only that cell's states differ
+    assert lens.a["top1"][2][j - 1] == top1[j] and lens.b["top1"][2][j - 1] == top1[k]
+    res = _result()
+    res.layer_labels = ["embeddings"] + [f"layer {i}" for i in range(1, len(lens.kl) - 1)] + ["last + final norm"]
+    res.tokens = [lm.tokenizer.decode([t]) for t in range(T + 1)]
+    res.lens = lens
+    dec = res.decision
+    assert dec["row"] == 2 and dec["layer"] == "layer 2" and dec["position"] == j
+    assert dec["a"]["top1"] == lens.token(top1[j]) and dec["b"]["top1"] == lens.token(top1[k])
+    line = res.lens_line()
+    assert f"cold and warm's top-1 first differ at layer 2 (decision depth), position {j}" in line
+    fig = lens_heatmap(res)
+    cells = [t for t in fig.data if t.type == "scatter" and t.mode == "text"]  # the differing top-1 tokens written in their cells
+    assert "decision depth layer 2" in fig.layout.title.text and len(cells) == 1
+    assert cells[0].x == (j - 1,) and cells[0].y == (2,) and "→" in cells[0].text[0]
+    assert lens_frame(res)["positions where top-1 differs"].tolist() == [0, 0, 1] + [0] * (len(lens.kl) - 3)
+    from kvviz.views.engine_layers import cli
+
+    assert f"logit lens: decision depth layer 2 at position {j}" in cli.summary_text(res)
+    back = open_result(export_json(res)).result
+    assert back.lens == lens and back.decision == dec and back.lens_line() == line
+
+
+def test_the_memory_plan_counts_the_lens_phase():
+    """The view's own profile (views/engine_layers/memory.py): the larger of its forwards' phase and the lens phase -
+    both sides' states in float32, one chunk of positions' lens logits of both sides and the KL's float64
+    temporaries over that chunk (a chunk of 64 MiB of float64: 65 positions of Llama-3.2-1B's 128,256 entries)."""
+    from kvviz.core import memory
+    from kvviz.core.lens import lens_chunk
+    from kvviz.views.engine_layers.memory import EngineLayersMemory, lens_bytes
+
+    shape = memory.KNOWN_SHAPES["Llama-3.2-1B"]
+    prof = memory.profile("engine_layers")
+    assert type(prof) is EngineLayersMemory and prof.forwards == 3 and not prof.streamed_hidden
+    assert lens_chunk(shape.vocab) == 65
+    states = 2 * 17 * 4096 * 2048 * 4
+    assert lens_bytes(shape, "bfloat16", 4096) == states + 2 * 65 * shape.vocab * 2 + 7 * 65 * shape.vocab * 8
+    assert lens_bytes(shape, "float32", 10) == 2 * 17 * 10 * 2048 * 4 + 2 * 10 * shape.vocab * 4 + \
+        7 * 10 * shape.vocab * 8
+    for tokens in (64, 4096):
+        forwards = memory.forward_bytes(prof, shape, "bfloat16", tokens, 1, True)
+        assert memory.activation_bytes(shape, "bfloat16", tokens, 1, "engine_layers", True) == max(
+            forwards, lens_bytes(shape, "bfloat16", tokens))
+
+
+@pytest.mark.app
+def test_a_result_with_the_lens_reopens_on_the_open_page_with_its_map(monkeypatch, tmp_path):
+    """The Open a result page draws a reopened Engine layers result with its lens: the lens map beside the others,
+    no error."""
+    from conftest import open_result_page
+    from kvviz.io.export import export_json
+    from kvviz.views.engine_layers.run import EngineLens
+
+    res = _result()
+    top = {"top1": [[5, 5], [5, 5], [5, 6], [7, 6]], "top2": [[6, 6], [6, 6], [6, 5], [6, 7]],
+           "margin": [[1.0, 1.0], [0.5, 0.5], [0.25, 0.125], [2.0, 1.5]]}
+    other = {**top, "top1": [[5, 5], [5, 5], [5, 5], [7, 7]]}
+    res.lens = EngineLens([2, 3], top, other, [[0, 0], [0, 1e-3], [0, 2e-3], [0, 4e-2]],
+                          {"5": " a", "6": " b", "7": " c"}, {"cold": 0, "warm": 0}, 2)
+    assert res.decision["layer"] == "layer 2" and res.decision["position"] == 3
+    at = open_result_page(monkeypatch, export_json(res).encode(), "kvviz-engine_layers.json")
+    assert not at.error and not at.exception, [e.value for e in at.error]
+    titles = [json.loads(c.proto.spec)["layout"]["title"]["text"] for c in at.get("plotly_chart")]
+    assert len(titles) == 5 and any("Logit lens inside vllm" in t and "decision depth layer 2" in t for t in titles)
+
+
+def test_llamacpp_worker_saves_a_sides_states_as_npz_without_pickle(monkeypatch, tmp_path):
+    """llama.cpp's save_states op (no engine: its store as the eval callback fills it) writes the side's rows and
+    positions as the .npz kvviz reads one hidden state at a time."""
+    import contextlib
+
+    from kvviz.views.engine_layers.run import SavedStates
+
+    monkeypatch.syspath_prepend(str(ENGINES_DIR))
+    import llamacpp_worker
+
+    w = llamacpp_worker.Worker()
+    rows = np.arange(3 * 4 * 5, dtype=np.float32).reshape(3, 4, 5)
+    w.store = {"B": {"B0": (rows, [7, 8, 9, 10])}}
+    assert "save_states" in w.OPS
+    assert w.save_states({"tag": "B", "key": "B0", "path": str(tmp_path / "b.npz")}) == {}
+    with contextlib.ExitStack() as stack:
+        s = SavedStates(str(tmp_path / "b.npz"), stack)
+        assert s.n_rows == 3 and s.positions == [7, 8, 9, 10]
+        assert s.row(1, [9, 10]).tolist() == rows[1, 2:].tolist()
+        with pytest.raises(KvvizError, match="no position 3"):
+            s.row(0, [3])
+
+
+def test_without_the_engines_states_the_lens_is_absent_and_says_why():
+    """No fake lens: absent, one line on the result (the sentence, the CLI summary), no lens figure."""
+    from kvviz.io.export import export_json, open_result
+    from kvviz.views.engine_layers import cli
+    from kvviz.views.engine_layers.figures import main
+
+    res = _result()
+    res.lens_absent = "llama.cpp did not give its hidden states (llama.cpp: unknown op)"
+    assert res.lens_line() == f"No logit lens: {res.lens_absent}."
+    assert f"logit lens: absent ({res.lens_absent})" in cli.summary_text(res)
+    back = open_result(export_json(res)).result
+    assert back.lens is None and back.lens_absent == res.lens_absent and len(main(back)) == 4
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Refusals, each one line and before any engine starts
 
 
@@ -499,8 +669,10 @@ def test_vllm_warm_vs_cold_bfloat16_layer_by_layer_within_rounding():
         assert res.first_differing > 0 and res.verdict == "precision"
         assert res.row_label(res.first_differing) in res.explanation
     _agrees(res)
+    _lens_agrees(res)
     back = open_result(export_json(res)).result
     assert back.first_differing == res.first_differing and back.verdict == res.verdict
+    assert back.lens == res.lens and back.decision == res.decision
 
 
 @pytest.mark.slow
@@ -520,6 +692,7 @@ def test_vllm_batch_vs_alone_and_tensor_parallel_3_float32():
     for res in (batch, tp):
         assert res.verdict in ("identical", "precision"), res.explanation
         _agrees(res)
+        _lens_agrees(res)  # tp: side A's states saved from the first engine, B's from the second
         assert res.a.positions == list(range(res.prompt_len + 5))
         for side in (res.a, res.b):
             assert side.first_logic is None
@@ -577,9 +750,52 @@ def test_llamacpp_warm_vs_cold_layer_by_layer_through_the_eval_callback():
         assert float(side.reference["relative"][0].max()) < 1e-6  # the embeddings: a dequantized lookup
     assert res.verdict in ("identical", "precision") and res.settings["engine_dtype"].startswith("llama.cpp")
     _agrees(res)
+    _lens_agrees(res)
     back = open_result(export_json(res)).result
     assert back.first_differing == res.first_differing and back.verdict == res.verdict
+    assert back.lens == res.lens
     assert "llama.cpp" in html_report(back)
+
+
+def _lens_agrees(res) -> None:
+    """The logit lens of both sides on a real engine run: on the positions A and B both computed, every hidden state
+    A and B hold bit for bit equal has the same lens on both sides (top-1, runner-up, margin; KL exactly 0), so the
+    decision depth is never above the first differing layer (none where they are equal everywhere: "agree at every
+    layer"); the last row's lens top-1 is each side's own generated token at every generated position (the local
+    head on the engine's final-norm output: the norm is not applied twice); the figure and the table carry it."""
+    from kvviz.views.engine_layers.figures import lens_frame, main
+
+    lens = res.lens
+    assert lens is not None and res.lens_absent is None
+    assert lens.positions == res.positions and len(lens.kl) == len(res.layer_labels)
+    equal = np.asarray(res.gaps["max_abs"]) == 0  # [rows, positions]: bit for bit equal hidden states
+    kl = np.asarray(lens.kl)
+    for k in ("top1", "top2", "margin"):
+        assert (np.asarray(lens.a[k])[equal] == np.asarray(lens.b[k])[equal]).all(), k
+    assert (kl[equal] == 0).all() and (kl >= 0).all()
+    generated = [(j, p - res.prompt_len + 1) for j, p in enumerate(res.positions) if p >= res.prompt_len - 1]
+    assert lens.checked == len(generated) > 0
+    # the engine's head and the local one round apart: a top-1 may differ only at a near tie, a margin within two
+    # units in the last place of a bfloat16 logit in [16, 32) (0.25; the default model's logits are under 32)
+    misses = {}
+    for label, side, toks in ((res.a.label, lens.a, res.a.tokens), (res.b.label, lens.b, res.b.tokens)):
+        last, margin = np.asarray(side["top1"])[-1], np.asarray(side["margin"])[-1]
+        miss = [j for j, g in generated if last[j] != toks[g]]
+        assert all(margin[j] <= 0.25 for j in miss), (label, [(j, margin[j]) for j in miss])
+        misses[label] = len(miss)
+    assert lens.head_gap == misses
+    dec = res.decision
+    if res.first_differing is None:
+        assert dec is None and kl.max() == 0
+        assert "top-1 agree at every layer and position" in res.explanation
+    elif dec is not None:
+        assert dec["row"] >= res.first_differing and f"first differ at {dec['layer']} (decision depth)" in \
+            res.explanation
+    assert "Logit lens" in res.explanation
+    figs = main(res)
+    assert len(figs) == 5 and list(figs[4].data[0].z.shape) == [len(res.layer_labels), len(res.positions)]
+    assert lens_frame(res)["positions where top-1 differs"].sum() == int((np.asarray(lens.a["top1"]) !=
+                                                                         np.asarray(lens.b["top1"])).sum())
 
 
 def _run_button(at) -> list:
@@ -656,12 +872,18 @@ def test_the_page_runs_llamacpp_on_the_default_model_and_draws_the_verdict_heatm
     _agrees(res)
     assert any(f"Verdict: {res.verdict}" in t for t in alerts(at).split(" | ")), alerts(at)
     charts = at.get("plotly_chart")
-    assert len(charts) == 4
+    assert len(charts) == 5  # the pair's map, the logit lens of both sides, the layer lines, each side's map
     pair_map = json.loads(charts[0].proto.spec)
     assert "inside llama.cpp" in pair_map["layout"]["title"]["text"]
     assert len(pair_map["data"][0]["y"]) == 31  # embeddings, 29 layers' residuals, the last layer + final norm
+    lens_map = json.loads(charts[1].proto.spec)
+    assert lens_map["layout"]["title"]["text"].startswith("Logit lens inside llama.cpp")
+    assert len(lens_map["data"][0]["y"]) == 31 and len(lens_map["data"][0]["x"]) == len(res.positions)
     table = at.dataframe[0].value
     assert len(table) == 31 and table.iloc[0, 0] == "embeddings"
+    lens_table = at.dataframe[1].value  # the lens per layer
+    assert len(lens_table) == 31 and lens_table["positions where top-1 differs"].sum() == int(
+        (np.asarray(res.lens.a["top1"]) != np.asarray(res.lens.b["top1"])).sum())
     at.radio(key="engine_layers_metric").set_value("eps_units").run()  # a view change: no second engine run
     assert not at.exception and len(at.session_state["_results_engine_layers"]) == 1
     assert json.loads(at.get("plotly_chart")[0].proto.spec)["layout"]["title"]["text"].startswith(METRIC_TITLES["eps_units"])

@@ -31,6 +31,28 @@ def test_the_rule():
     assert hover_text("embeddings") == "embeddings"
 
 
+def test_a_state_space_model_has_no_embeddings_row():
+    """Mamba-style models (transformers' Mamba, FalconMamba, RWKV) return the hidden state after each block and the
+    final norm's output last, no embeddings: rows "layer 1" .. "layer N", "layer N + final norm" - in naming's rule,
+    Split point's heatmap rows and the lens's labels alike; a decoder model keeps "embeddings" first."""
+    from kvviz.core.naming import model_type
+    from kvviz.views.lens.run import lens_labels
+
+    assert layer_labels(4, "mamba") == ["layer 1", "layer 2", "layer 3", "layer 3 + final norm"]
+    assert layer_labels(4, "llama") == layer_labels(4) == ["embeddings", "layer 1", "layer 2", "layer 3 + final norm"]
+    lm = kvviz.load_model("tiny:mamba", "float32", DEVICE)
+    assert model_type(lm) == "mamba"
+    out = lm.model(**lm.tokenizer(PROMPT, return_tensors="pt").to(DEVICE), output_hidden_states=True)
+    n = len(out.hidden_states)
+    assert n == lm.n_layers + 1  # one after each block and the final norm's: no embeddings row
+    labels = layer_labels(n, model_type(lm))
+    assert labels[0] == "layer 1" and labels[-2] == f"layer {lm.n_layers}" and \
+        labels[-1] == f"layer {lm.n_layers} + final norm"
+    assert lens_labels(lm, n) == labels
+    res = run_split(lm, SplitConfig(PROMPT, 3))
+    assert res.layer_labels == labels and "embeddings" not in res.layer_labels  # (tiny:llama's: tests/test_split.py)
+
+
 def test_bisector_and_heatmap_name_the_same_layer():
     """A gap injected inside model.layers.1 (cached run only): the heatmap's first non-zero row and the
     bisector's text both say "layer 2"; the hover shows model.layers.1."""

@@ -157,7 +157,10 @@ def test_the_html_reports_logic_verdict_box_is_red(results):
     assert "#eef3fb" not in page  # the old blue box every verdict had
     # precision and identical keep the app's blue and green
     assert theme.box_class("precision") == "precision" and theme.box_class("identical") == "identical"
-    assert theme.box_class("logic: 1, precision: 3") == "logic" and theme.box_class("see the grid") == "other"
+    from kvviz.core.verdict import Tally
+
+    assert theme.box_class(Tally({"logic": 1, "precision": 3})) == "logic" and theme.box_class("see the grid") == "other"
+    assert theme.box_class("logic: 1, precision: 3") == "other"  # a plain line is never searched for a verdict word
     assert theme.box_class("unsafe") == "logic" and theme.box_class("safe") == "identical"
 
 

@@ -35,10 +35,15 @@ def test_worst_takes_verdicts_or_words_and_skips_the_rest():
 def test_the_pages_verdict_style_reads_a_summary_as_its_worst_class():
     from pages.common import verdict_style
 
+    from kvviz.core.verdict import Tally
+
     assert verdict_style("precision") == "precision"
-    assert verdict_style("identical: 3, precision: 1") == "precision"
-    assert verdict_style("precision: 2, logic: 1") == "logic"
-    assert verdict_style("undecided") == "undecided" and verdict_style("identical: 1, undecided: 1") == "undecided"
+    assert verdict_style(Tally({"identical": 3, "precision": 1})) == "precision"
+    assert verdict_style(Tally({"precision": 2, "logic": 1})) == "logic"
+    assert verdict_style("undecided") == "undecided" and verdict_style(Tally({"identical": 1, "undecided": 1})) == "undecided"
+    assert Tally({"precision": 2, "logic": 1}) == "logic: 1, precision: 2"  # prints and exports as its text
+    # issue 52.2: no generated text is searched for a verdict word: a plain line that names one is information
+    assert verdict_style("logic: 1, precision: 3") is None and verdict_style("see the precision table") is None
     assert verdict_style("unsafe") == "logic" and verdict_style("same model") == "identical"
     assert verdict_style("see the table") is None
 

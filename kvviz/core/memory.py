@@ -37,9 +37,10 @@ GB = 1024 ** 3
 TWIN_MAX_BYTES = int(1.5 * GB)  # a full float64 twin up to this size is kept when memory allows (it runs faster)
 # The process itself on the CPU: what it held when this module was imported (measured), plus RUNTIME_GROWTH for what
 # a run adds besides the parts the plan models (model code, tokenizer library, allocator arenas and thread pools):
-# 0.18-0.45 GB measured (docs/benchmarks.md). RUNTIME_BYTES where the process's size cannot be read.
+# 0.18-0.45 GB measured (docs/benchmarks.md): the largest of them (0.5 GiB planned the default model's float32
+# greedy 1.28x its peak). RUNTIME_BYTES where the process's size cannot be read.
 RUNTIME_BYTES = int(0.8 * GB)
-RUNTIME_GROWTH = int(0.5 * GB)
+RUNTIME_GROWTH = int(0.45 * GB)
 # Of RUNTIME_GROWTH, what the process has grown by while the model loads (before any forward, the run's arenas and
 # thread pools): measured 0.10 GiB (Gemma 3 270M's float32 checkpoint loaded in bfloat16: VmHWM 1.84 GiB = 0.24 at
 # import + 1.0 read + 0.5 converted + 0.10) and 0.14 GiB (the default model, 1.13 GiB in bfloat16)

@@ -6,6 +6,10 @@ row k >= 1 is "layer k" = the OUTPUT of the decoder layer module with index k-1 
 are 1-based; module paths keep the model's own 0-based indices and are shown beside the label or on hover, e.g.
 "layer 2 (model.layers.1.self_attn)". The last hidden state of a transformers model is taken after the final norm,
 so its label says so.
+
+State-space models (transformers' Mamba, FalconMamba, RWKV: AFTER_BLOCKS) return no embeddings row: their loops
+append the hidden state after each block, and the final norm's output last. Their rows are "layer 1" .. "layer N"
+and "layer N + final norm" (layer_labels with the model's type).
 """
 from __future__ import annotations
 
@@ -14,6 +18,10 @@ import re
 EMBEDDINGS = "embeddings"
 FINAL_NORM = " + final norm"
 DEFAULT_BASE = "model.layers"  # Llama-style path; other families name it differently (verdict.layers_prefix)
+
+# model types whose output_hidden_states tuple has no embeddings row: one entry after each block, the last after the
+# final norm (transformers' Mamba, FalconMamba and RWKV loops append after the block)
+AFTER_BLOCKS = ("mamba", "falcon_mamba", "rwkv")
 
 _INDEX = re.compile(r"(?:^|\.)(?:layers|h|layer|blocks)\.(\d+)(?:\.|$)")
 
@@ -25,13 +33,24 @@ def layer_label(k: int) -> str:
     return EMBEDDINGS if k == 0 else f"layer {k}"
 
 
-def layer_labels(n_hidden: int) -> list[str]:
+def layer_labels(n_hidden: int, model_type: str = "") -> list[str]:
     """The labels of all `n_hidden` hidden states (embeddings + one per decoder layer; the last after the final
-    norm, as transformers returns it)."""
+    norm, as transformers returns it). A state-space model (model_type in AFTER_BLOCKS) has no embeddings row: layer
+    1 .. N after its blocks, then layer N + final norm."""
+    if model_type in AFTER_BLOCKS and n_hidden > 1:
+        return [layer_label(k) for k in range(1, n_hidden)] + [layer_label(n_hidden - 1) + FINAL_NORM]
     labels = [layer_label(k) for k in range(n_hidden)]
     if n_hidden > 1:
         labels[-1] += FINAL_NORM
     return labels
+
+
+def model_type(lm) -> str:
+    """A loaded model's type as its config names it ("llama", "mamba", ...; "" where it has none): what
+    layer_labels needs to name its rows."""
+    model = getattr(lm, "model", lm)
+    cfg = getattr(model, "config", None)
+    return str(getattr(cfg, "model_type", "") or "")
 
 
 def label_of_module_index(index: int) -> str:

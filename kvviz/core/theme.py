@@ -57,14 +57,10 @@ VERDICT_CLASS = {"same model": "identical", "bitwise equal": "identical", "safe"
 
 def box_class(verdict) -> str:
     """The verdict box a verdict word reads as: identical, precision, logic, or other (information / warning). A
-    summary such as "logic: 1, precision: 3" reads as its worst class."""
-    from .verdict import worst
-
-    v = VERDICT_CLASS.get(str(verdict), str(verdict))
-    if v in ("identical", "precision", "logic"):
-        return v
-    found = worst(w for w in ("identical", "precision", "logic") if w in v)
-    return str(found) if found is not None else "other"
+    tally of several verdicts (kvviz.core.verdict.Tally: "logic: 1, precision: 3") reads as its worst, which it
+    carries typed; no text is searched for a verdict word."""
+    v = getattr(verdict, "verdict", None) or VERDICT_CLASS.get(str(verdict), str(verdict))
+    return str(v) if v in ("identical", "precision", "logic") else "other"
 
 
 def box_css(selector: str = ".verdict") -> str:

@@ -67,6 +67,18 @@ def worst(verdicts, default: Verdict | None = None) -> Verdict | None:
     return min(known, key=_RANK.__getitem__) if known else default
 
 
+class Tally(str):
+    """A verdict line counting several verdicts ("logic: 1, precision: 3"): a str as before (it prints and exports as
+    its text), with the worst of them typed beside it (`verdict`): what its box takes its colour from. Never parsed
+    back from its text."""
+    verdict: Verdict | None
+
+    def __new__(cls, counts: dict) -> "Tally":
+        self = super().__new__(cls, ", ".join(f"{v}: {n}" for v, n in sorted(counts.items())))
+        self.verdict = worst(counts)
+        return self
+
+
 # Whether a run proves a precision verdict in invariant mode: True (always), False (never), None (when its verdict is
 # precision - the default of the views that decide it themselves). One type for every view's `prove`.
 Prove = bool | None

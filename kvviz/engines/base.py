@@ -73,8 +73,9 @@ class LayerCapture:
         raise NotImplementedError
 
     def save_states(self, tag: str, key: str, path: str) -> None:
-        """The side's states as safetensors: "hidden" [R, T, H], "positions" [T] (kvviz applies what it likes to
-        them: the lens's final norm and head, for one)."""
+        """The side's states as safetensors (.npz where the engine's reference_npz): "hidden" [R, T, H],
+        "positions" [T] (kvviz applies what it likes to them: the logit lens's final norm and head, for one). An
+        engine that cannot leaves this unimplemented: Engine layers then says in one line why its lens is absent."""
         raise NotImplementedError
 
     def close(self) -> None:

@@ -19,7 +19,9 @@ functions, bound here with ctypes from the libggml llama-cpp-python loads (it de
 the embeddings, the residual after layers 0 … L-2 and the final norm (transformers' output_hidden_states), at the
 positions it evaluated; logits_all is on while it runs so the last layer keeps every row (off for other requests). One-sequence groups only (a batch's
 ubatches interleave sequences). Ops on them, as vllm_worker.py's: "layer_gaps" (a side against another or against an
-.npz reference {"hidden": [R, T, H], "positions"}) and "captured".
+.npz reference {"hidden": [R, T, H], "positions"}), "captured", and "save_states" {"tag", "key", "path"}: the side's
+states written as that same .npz (float32 "hidden" [R, T, H], "positions" [T]; numpy's format, no pickle) for the
+logit lens kvviz runs on them.
 Greedy: the argmax of the logits llama.cpp computed for the last token; log-probs are log_softmax of those logits.
 """
 import time
@@ -53,7 +55,7 @@ class Worker:
         self._cap, self._cap_error, self.store = None, None, {}
         self.captures = False  # started with layer capture (the eval callback, the scores of every token)
 
-    OPS = ("layer_gaps", "captured")
+    OPS = ("layer_gaps", "captured", "save_states")
 
     def _bind_ggml(self):
         import ctypes
@@ -125,6 +127,14 @@ class Worker:
     def captured(self, msg):
         rows, pos = self._states(msg["tag"], msg["key"])
         return {"positions": pos, "rows": int(rows.shape[0]), "hidden": int(rows.shape[2])}
+
+    def save_states(self, msg):
+        import numpy as np
+
+        rows, pos = self._states(msg["tag"], msg["key"])
+        with open(str(msg["path"]), "wb") as f:  # a file object: np.savez would add .npz to a path without it
+            np.savez(f, hidden=np.ascontiguousarray(rows, dtype=np.float32), positions=np.asarray(pos, dtype=np.int64))
+        return {}
 
     def layer_gaps(self, msg):
         """Side a against side b or an .npz reference, on the positions both hold (below upto); b is the reference

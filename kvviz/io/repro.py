@@ -28,7 +28,12 @@ cache objects in the same order), so the numbers agree to the last bit, not just
 """
 from __future__ import annotations
 
+import ast
+import importlib
+import inspect
+
 from .. import views
+from ..core import capture, float64
 from ..core.errors import KvvizError
 from ..models.loading import LoadedModel
 
@@ -182,16 +187,28 @@ def loops_source() -> str:
             + module_body("core.loops"))
 
 
+def source_body(module) -> tuple[str, list[str]]:
+    """A module's source, as parsed (ast), without its docstring, `from __future__` and its relative imports: the
+    code a script can carry. Returns (source, the relative imports left out, e.g. ".capture")."""
+    src = inspect.getsource(module)
+    lines, cut, relative = src.splitlines(keepends=True), set(), []
+    for i, node in enumerate(ast.parse(src).body):
+        doc = i == 0 and isinstance(node, ast.Expr) and isinstance(getattr(node, "value", None), ast.Constant)
+        future = isinstance(node, ast.ImportFrom) and node.module == "__future__"
+        rel = isinstance(node, ast.ImportFrom) and node.level > 0
+        if rel:
+            relative.append("." * node.level + (node.module or ""))
+        if doc or future or rel:
+            cut.update(range(node.lineno - 1, node.end_lineno))
+    return "".join(line for k, line in enumerate(lines) if k not in cut), relative
+
+
 def module_body(name: str) -> str:
     """A torch-only kvviz module's source without its docstring and its imports (the script has them), to copy into
-    a script: the script then runs the library's own code (kvviz.core.loops, kvviz.core.flags)."""
-    import importlib
-    import inspect
-
-    src = inspect.getsource(importlib.import_module(f"kvviz.{name}")).split('"""', 2)[2]
-    # its kvviz imports dropped too: the script defines its own copies of what they bring (output_cache)
-    return "\n".join(line for line in src.splitlines()
-                     if line not in ("import torch", "import contextlib") and not line.startswith("from ."))
+    a script: the script then runs the library's own code (kvviz.core.loops, kvviz.core.flags). Its kvviz imports are
+    dropped too: the script defines its own copies of what they bring (output_cache)."""
+    src, _ = source_body(importlib.import_module(f"kvviz.{name}"))
+    return "\n" + "\n".join(line for line in src.splitlines() if line not in ("import torch", "import contextlib"))
 
 
 NO_FLOAT64 = "\n\ndef keep_float64(model):  # not needed here\n    pass\n"
@@ -199,18 +216,12 @@ NO_FLOAT64 = "\n\ndef keep_float64(model):  # not needed here\n    pass\n"
 
 def float64_mode() -> str:
     """kvviz's own KeepFloat64 mode (kvviz/core/float64.py), copied into the script so it needs no kvviz."""
-    import inspect
-
-    from ..core import capture, float64
-
-    def body(module) -> str:
-        return inspect.getsource(module).split('"""', 2)[2].replace("from __future__ import annotations\n", "")
-
     # float64.py releases layers through kvviz's one capture module (core/capture.py, standard library only): the
     # script carries a copy of that module first, and float64's import of it goes
-    own = body(float64).replace("from .capture import Capture\n", "")
-    if "from ." in own or "from ." in body(capture):
+    own, rel = source_body(float64)
+    cap, rel_cap = source_body(capture)
+    if rel != [".capture"] or rel_cap:
         raise KvvizError("kvviz/core/float64.py imports another kvviz module: the repro script cannot copy it")
     return ("\n# kvviz's one capture module (hooks removed on exit), a copy of capture.py in the kvviz package\n"
-            + body(capture) + "\n# kvviz keeps float64 models in float64 (transformers' float32 'upcasts' would round): "
+            + cap + "\n# kvviz keeps float64 models in float64 (transformers' float32 'upcasts' would round): "
             "its mode, a copy of float64.py in the kvviz package\n" + own)

@@ -414,9 +414,10 @@ def _cached_vs_full(lm: LoadedModel, prompt: str, n_rest: int, left_pad: int, po
     got = torch.stack(got_h, 1)
     hd = hidden_divergence(ref, got, machine_eps(lm.dtype))
     dl = (torch.stack(got_l) - ref_logits).abs()
-    from ..core.naming import layer_labels
+    from ..core.naming import layer_labels, model_type
 
-    return Gaps(dtype_name(lm.dtype), layer_labels(ref.shape[0]), hd["relative"].amax(-1).cpu().tolist(),
+    labels = layer_labels(ref.shape[0], model_type(lm))
+    return Gaps(dtype_name(lm.dtype), labels, hd["relative"].amax(-1).cpu().tolist(),
                 float(hd["max_abs"].max()), float(dl.max() / ref_logits.abs().max()), ref.cpu())
 
 

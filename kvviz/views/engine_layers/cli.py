@@ -58,6 +58,12 @@ def summary_text(res) -> str:
              f"{a}: {len(res.a.tokens)} tokens, {res.a.cached_tokens} prompt tokens from the cache; "
              f"{b}: {len(res.b.tokens)} tokens, {res.b.cached_tokens} from the cache"]
     lines.append(res.parting_line())
+    dec = res.decision
+    if res.lens is not None:
+        lines.append(f"logit lens: decision depth {dec['layer']} at position {dec['position']}" if dec else
+                     f"logit lens: top-1 agrees at every layer (largest KL {res.lens.max_kl:.3g})")
+    elif res.lens_absent:
+        lines.append(f"logit lens: absent ({res.lens_absent})")
     for p in res.prompts:
         if p["distinct"] > 1 or p["verdict"] in ("logic", "undecided"):
             lines.append(f"  {p['prompt'][:60]!r}: part at step {p['first_divergence']} — {p['verdict']}")

@@ -94,9 +94,52 @@ def prompts_frame(res: EngineLayersResult) -> pd.DataFrame:
                           "verdict": p["verdict"]} for p in res.prompts])
 
 
+def lens_heatmap(res: EngineLayersResult) -> go.Figure | None:
+    """The logit lens of both sides (the Logit lens view's map): KL(A ‖ B) of the two sides' lens distributions per
+    layer and position, the tokens written in the cells where their top-1 differ (A's → B's); None without a lens."""
+    lens = res.lens
+    if lens is None:
+        return None
+    a, b = res.labels
+    dec = res.decision
+    title = (f"Logit lens inside {res.engine.get('name')}: KL({a} ‖ {b}) per layer"
+             + (f" — decision depth {dec['layer']}" if dec else " — top-1 agrees at every layer"))
+    fig = heatmap(np.asarray(lens.kl, dtype=float), _labels(res, lens.positions), res.layer_labels, title, "KL")
+    ta, tb = np.asarray(lens.a["top1"]), np.asarray(lens.b["top1"])
+    ys, xs = np.nonzero(ta != tb)
+    if len(ys):
+        differs = f"top-1 differs ({a} → {b})"
+        text = [f"{short(lens.token(ta[y, x]), 6)}→{short(lens.token(tb[y, x]), 6)}" for y, x in zip(ys, xs)]
+        fig.add_trace(go.Scatter(x=xs.tolist(), y=ys.tolist(), mode="text", text=text, name=differs,
+                                 textfont=dict(color="#d32f2f", size=11), showlegend=True,
+                                 hovertemplate="%{text}<extra>" + differs + "</extra>"))
+    return fig
+
+
+def lens_frame(res: EngineLayersResult) -> pd.DataFrame:
+    """Per hidden state: where the two sides' lens top-1 differ (count, the first position) and the largest KL, with
+    each side's top-1 and margin there (at the largest KL where they agree)."""
+    lens = res.lens
+    a, b = res.labels
+    rows = []
+    for r, label in enumerate(res.layer_labels):
+        differ = [j for j in range(len(lens.positions)) if lens.a["top1"][r][j] != lens.b["top1"][r][j]]
+        j = differ[0] if differ else int(np.argmax(lens.kl[r])) if len(lens.kl[r]) else None
+        row = {"hidden state": label, "positions where top-1 differs": len(differ),
+               "max KL": float(max(lens.kl[r])) if len(lens.kl[r]) else 0.0}
+        if j is not None:
+            row.update({"position": lens.positions[j],
+                        f"{a} top-1": lens.token(lens.a["top1"][r][j]), f"{a} margin": float(lens.a["margin"][r][j]),
+                        f"{b} top-1": lens.token(lens.b["top1"][r][j]), f"{b} margin": float(lens.b["margin"][r][j])})
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
 def main(result) -> list:
-    return [pair_heatmap(result), *reference_heatmaps(result), layer_lines(result)]
+    lens = lens_heatmap(result)
+    return [pair_heatmap(result), *reference_heatmaps(result), layer_lines(result)] + ([lens] if lens else [])
 
 
 def tables(result) -> list:
-    return [layers_frame(result)] + ([prompts_frame(result)] if result.prompts else [])
+    return ([layers_frame(result)] + ([prompts_frame(result)] if result.prompts else [])
+            + ([lens_frame(result)] if result.lens is not None else []))

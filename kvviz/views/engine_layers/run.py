@@ -23,6 +23,15 @@ run's relative gap from float64 at a layer (max over tokens) is what this dtype'
 engine's rounding bound is C_OWN (16, the Serving view's constant) times it, never under 2^4 · u. Between the two
 runs: the first layer where they differ at all (bit for bit), and the first where they differ beyond the bound.
 
+The logit lens of both sides (issue 54.3): each side's captured states are saved by the engine's worker (vLLM:
+safetensors in the model's dtype; llama.cpp: .npz in float32) and read here one hidden state at a time; each row goes
+through the LOCAL model's final norm and head (kvviz.core.lens, the Logit lens view's arithmetic; the last row is
+already the final norm's output, so only the head) a chunk of positions at a time, reduced at once to each side's
+top-1, runner-up and margin and the KL between the two sides' lens distributions, on the positions A and B both
+computed with the same inputs. The decision depth is the first hidden state where the two sides' top-1 differ. The
+last row's top-1 is checked against each side's own generated tokens (head_gap: 0 where the local head reproduces the
+engine's). The lens informs; it does not change the verdict.
+
 The verdict (_judge, issue 53): A and B bit for bit equal is identical - what the pair changes changed nothing -
 whatever each side's distance from float64 (that is about the kernels both runs share); both sides within the bound
 of float64 at every layer is precision; logic only where A and B differ beyond the bound AND a side leaves the bound
@@ -32,6 +41,7 @@ and every prompt's verdict at its outputs (combine), each named by what it compa
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
@@ -48,8 +58,9 @@ from ...core.execution import DEFAULT_SETTINGS, ExecSettings, Executor, RunInfo
 from ...core.protocol import DEFAULT_CONTEXT, no_progress, Progress, RunContext
 from ...core.inputs import check_context, encode
 from ...core.metrics import first_divergence, hidden_divergence
+from ...core.lens import Lens, first_difference, lens_pair
 from ...core.naming import layer_labels
-from ...core.text import display_tokens
+from ...core.text import display_text, display_tokens
 from ...core.estimate import Timed
 from ...core.verdict import Verdict, classify_bounded, severity, worst
 from ...engines import registry
@@ -145,6 +156,34 @@ class Side:
 
 
 @dataclass
+class EngineLens:
+    """The logit lens of both sides: each side's captured hidden states through the local model's final norm and
+    head, [rows, positions] on the positions A and B both computed with the same inputs (the result's `positions`)."""
+    positions: list[int]
+    a: dict  # top1, top2 (token ids), margin (top-1 minus runner-up logit)
+    b: dict
+    kl: list  # KL(A || B) of the two lens distributions
+    vocab: dict  # token id (str) -> display text, for every id the matrices name
+    head_gap: dict  # side label -> generated positions where the last row's lens top-1 is not the engine's own token
+    checked: int  # the generated positions that check covers (per side)
+
+    def depth(self) -> tuple[int, int] | None:
+        """(row, position index) of the first hidden state where the two sides' top-1 differ; None: they agree."""
+        return first_difference(self.a["top1"], self.b["top1"])
+
+    def token(self, i: int) -> str:
+        return self.vocab.get(str(int(i)), f"#{int(i)}")
+
+    @property
+    def max_kl(self) -> float:
+        return float(np.max(self.kl)) if np.size(self.kl) else 0.0
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EngineLens":
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+
+@dataclass
 class EngineLayersResult(Timed):
     settings: dict  # the run (model, dtype, device) and the config
     engine: dict  # name, version, settings (per side where the sides ran on two engines)
@@ -168,10 +207,55 @@ class EngineLayersResult(Timed):
     prompts: list[dict] = field(default_factory=list)  # per prompt (the first is the captured one): its outputs
     # the captured prompt's layers, A vs B (verdict: the worst of it and every prompt's at its outputs - combine())
     layers_verdict: str | None = None
+    lens: EngineLens | None = None  # the logit lens of both sides (None: absent, lens_absent says why)
+    lens_absent: str | None = None
 
     @property
     def labels(self) -> tuple[str, str]:
         return self.a.label, self.b.label
+
+    @property
+    def decision(self) -> dict | None:
+        """The lens's decision depth: the hidden state and position where the two sides' top-1 first differ, and
+        each side's top-1, runner-up and margin there (keys "a" and "b", each with its label)."""
+        lens = self.lens
+        d = lens.depth() if lens is not None else None
+        if d is None:
+            return None
+        r, j = d
+        p = lens.positions[j]
+        out = {"row": r, "layer": self.layer_labels[r], "position": p,
+               "at": self.tokens[p] if p < len(self.tokens) else str(p)}
+        for side, label in (("a", self.a.label), ("b", self.b.label)):
+            s = getattr(lens, side)
+            out[side] = {"label": label, "top1": lens.token(s["top1"][r][j]), "top2": lens.token(s["top2"][r][j]),
+                         "margin": float(s["margin"][r][j])}
+        return out
+
+    def lens_line(self) -> str:
+        """The lens's sentence in the verdict text, from its numbers: the decision depth or that the two sides'
+        top-1 agree at every layer; why it is absent where it is."""
+        a, b = self.labels
+        if self.lens is None:
+            return f"No logit lens: {self.lens_absent}." if self.lens_absent else ""
+        what = "Logit lens (the local model's final norm and head on each side's captured states): "
+        dec = self.decision
+        if dec is None:
+            text = (f"{what}the two sides' top-1 agree at every layer and position (largest KL "
+                    f"{self.lens.max_kl:.3g}).")
+        else:
+            def says(s: dict) -> str:
+                if s["margin"] == 0:
+                    return f"'{s['top1']}' tied with '{s['top2']}'"
+                return f"'{s['top1']}' by {s['margin']:.3g} over '{s['top2']}'"
+            text = (f"{what}{a} and {b}'s top-1 first differ at {dec['layer']} (decision depth), position "
+                    f"{dec['position']} ('{dec['at']}'): {a} says {says(dec['a'])}, {b} {says(dec['b'])}.")
+        gaps = {k: v for k, v in self.lens.head_gap.items() if v}
+        if gaps:
+            text += (" The last layer's lens top-1 is not the engine's own next token at "
+                     + ", ".join(f"{v} of {self.lens.checked} generated positions of {k}" for k, v in gaps.items())
+                     + " (the engine's head rounds differently from the local model's).")
+        return text
 
     def row_label(self, row: int | None) -> str:
         return "none" if row is None else self.layer_labels[row]
@@ -180,6 +264,7 @@ class EngineLayersResult(Timed):
         d = asdict(self)
         d["a"], d["b"] = self.a.to_dict(), self.b.to_dict()
         d["gaps"] = {k: np.asarray(v).tolist() for k, v in self.gaps.items()}
+        d["decision"] = self.decision
         return d
 
     @classmethod
@@ -187,6 +272,8 @@ class EngineLayersResult(Timed):
         d = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
         d["a"], d["b"] = Side.from_dict(d["a"]), Side.from_dict(d["b"])
         d["gaps"] = {k: np.asarray(v, dtype=float) for k, v in d["gaps"].items()}
+        if d.get("lens") is not None:
+            d["lens"] = EngineLens.from_dict(d["lens"])
         return cls(**d)
 
     def parting_line(self) -> str:
@@ -345,7 +432,11 @@ def run_engine_layers(lm, cfg: EngineLayersConfig, progress: Progress | None = N
                      f"{kind.cache_block} tokens)")
     res = EngineLayersResult({**run, **asdict(cfg)}, engine, tokens, full, len(ids), labels, side_a, side_b,
                              list(cap.ab["positions"]), gaps, cap.own, cap.bound.tolist(), first_diff, first_beyond,
-                             fd, layers_verdict, layers_why, time.perf_counter() - t0, notes, rows, layers_verdict)
+                             fd, layers_verdict, layers_why, time.perf_counter() - t0, notes, rows, layers_verdict,
+                             cap.lens, cap.lens_absent)
+    lens_line = res.lens_line()
+    if lens_line:  # the lens informs the layers' story; it does not change the verdict
+        layers_why = f"{layers_why} {lens_line}"
     res.verdict, res.explanation = combine(layers_verdict, layers_why, rows, res.parting_line())
     return res
 
@@ -366,6 +457,8 @@ class _Captured:
     own: list[float]
     bound: np.ndarray
     infos: dict
+    lens: EngineLens | None = None
+    lens_absent: str | None = None
 
 
 def _capture_pair(engine: Engine, lm, cfg: EngineLayersConfig, *, ids, prompts, labels, tp_b, ex64, ex_own, dtype,
@@ -387,65 +480,146 @@ def _capture_pair(engine: Engine, lm, cfg: EngineLayersConfig, *, ids, prompts, 
 
     sessions, infos = [], {}
     tmp = tempfile.mkdtemp(prefix="kvviz-engine-layers-")
+    lens, absent, saved = None, None, None
     try:
-        progress(0.05, f"starting {engine.label}" + (" (tensor parallel 1)" if engine.tensor_parallel else ""))
-        cap = start(1)
-        sessions.append(cap)
-        infos[label_a] = cap.info
-        groups = side_groups("A") + ([] if cfg.pair == "tp" else side_groups("B"))
-        progress(0.3, f"{label_a}{'' if cfg.pair == 'tp' else ' and ' + label_b}: {len(prompts)} prompt(s)")
-        outs = cap.generate(groups)
-        toks_a = [int(t) for t in outs["A0"]["tokens"]]
-        progress(0.45, "kvviz's float64 reference" + ("" if quantized else " and its own run in the engine's dtype")
-                 + " on A's tokens")
-        full_a = ids + toks_a[:-1]
-        ref_a = _states64(ex64.lm, ex64, full_a)
-        if quantized:  # kvviz has no 8-bit-activation run: the q8 bound at every row
-            own = [0.0] * len(ref_a)
-            bound = np.full(len(ref_a), QUANTIZED_BOUND)
-        else:
-            own_a = _states64(lm, ex_own, full_a)
-            own = [float(hidden_divergence(r, o.to(r.device), eps)["relative"].max()) for r, o in zip(ref_a, own_a)]
-            del own_a
-            floor = K_GROWTH["float"] * UNIT_ROUNDOFF[dtype]
-            bound = np.maximum(C_OWN * np.asarray(own), floor)
-        path_a = _write_reference(ref_a, tmp, "ref_a", engine.reference_npz)
-        del ref_a
-        side_a_ref = _matrices(cap.gaps(("A", "A0"), file=path_a, eps=eps))
-        pos_a = cap.positions("A", "A0")
-        if cfg.pair == "tp":
-            path_states_a = str(Path(tmp) / "states_a.safetensors")
-            cap.save_states("A", "A0", path_states_a)
-            cap.close()
-            sessions.remove(cap)
-            progress(0.55, f"starting {engine.label} with tensor parallel {tp_b}")
-            cap = start(tp_b)
+        try:
+            progress(0.05, f"starting {engine.label}" + (" (tensor parallel 1)" if engine.tensor_parallel else ""))
+            cap = start(1)
             sessions.append(cap)
-            infos[label_b] = cap.info
-            progress(0.7, f"tensor parallel {tp_b}: {len(prompts)} prompt(s)")
-            outs.update(cap.generate(side_groups("B")))
-        toks_b = [int(t) for t in outs["B0"]["tokens"]]
-        fd = first_divergence(toks_a, toks_b)
-        upto = None if fd is None else len(ids) + fd
-        progress(0.8, "A against B, layer by layer")
-        if cfg.pair == "tp":
-            ab = cap.gaps(("B", "B0"), file=path_states_a, upto=upto, eps=eps)
-        else:
-            ab = cap.gaps(("B", "B0"), ("A", "A0"), upto=upto, eps=eps)
-        full_b = ids + toks_b[:-1]
-        ref_b = _states64(ex64.lm, ex64, full_b) if full_b != full_a else None
-        path_b = path_a if ref_b is None else _write_reference(ref_b, tmp, "ref_b", engine.reference_npz)
-        del ref_b
-        side_b_ref = _matrices(cap.gaps(("B", "B0"), file=path_b, eps=eps))
-        pos_b = cap.positions("B", "B0")
+            infos[label_a] = cap.info
+            groups = side_groups("A") + ([] if cfg.pair == "tp" else side_groups("B"))
+            progress(0.3, f"{label_a}{'' if cfg.pair == 'tp' else ' and ' + label_b}: {len(prompts)} prompt(s)")
+            outs = cap.generate(groups)
+            toks_a = [int(t) for t in outs["A0"]["tokens"]]
+            progress(0.45, "kvviz's float64 reference" + ("" if quantized else " and its own run in the engine's dtype")
+                     + " on A's tokens")
+            full_a = ids + toks_a[:-1]
+            ref_a = _states64(ex64.lm, ex64, full_a)
+            if quantized:  # kvviz has no 8-bit-activation run: the q8 bound at every row
+                own = [0.0] * len(ref_a)
+                bound = np.full(len(ref_a), QUANTIZED_BOUND)
+            else:
+                own_a = _states64(lm, ex_own, full_a)
+                own = [float(hidden_divergence(r, o.to(r.device), eps)["relative"].max()) for r, o in zip(ref_a, own_a)]
+                del own_a
+                floor = K_GROWTH["float"] * UNIT_ROUNDOFF[dtype]
+                bound = np.maximum(C_OWN * np.asarray(own), floor)
+            path_a = _write_reference(ref_a, tmp, "ref_a", engine.reference_npz)
+            del ref_a
+            side_a_ref = _matrices(cap.gaps(("A", "A0"), file=path_a, eps=eps))
+            pos_a = cap.positions("A", "A0")
+            if cfg.pair == "tp":
+                path_states_a = str(Path(tmp) / "states_a.safetensors")
+                cap.save_states("A", "A0", path_states_a)
+                cap.close()
+                sessions.remove(cap)
+                progress(0.55, f"starting {engine.label} with tensor parallel {tp_b}")
+                cap = start(tp_b)
+                sessions.append(cap)
+                infos[label_b] = cap.info
+                progress(0.7, f"tensor parallel {tp_b}: {len(prompts)} prompt(s)")
+                outs.update(cap.generate(side_groups("B")))
+            toks_b = [int(t) for t in outs["B0"]["tokens"]]
+            fd = first_divergence(toks_a, toks_b)
+            upto = None if fd is None else len(ids) + fd
+            progress(0.8, "A against B, layer by layer")
+            if cfg.pair == "tp":
+                ab = cap.gaps(("B", "B0"), file=path_states_a, upto=upto, eps=eps)
+            else:
+                ab = cap.gaps(("B", "B0"), ("A", "A0"), upto=upto, eps=eps)
+            full_b = ids + toks_b[:-1]
+            ref_b = _states64(ex64.lm, ex64, full_b) if full_b != full_a else None
+            path_b = path_a if ref_b is None else _write_reference(ref_b, tmp, "ref_b", engine.reference_npz)
+            del ref_b
+            side_b_ref = _matrices(cap.gaps(("B", "B0"), file=path_b, eps=eps))
+            pos_b = cap.positions("B", "B0")
+            progress(0.82, "each side's hidden states for the logit lens")
+            try:
+                saved = _save_sides(engine, cap, tmp, path_states_a if cfg.pair == "tp" else None)
+            except NotImplementedError:  # never a fake lens: one line on the result says why it is absent
+                absent = f"{engine.label}'s layer capture cannot save its hidden states"
+            except KvvizError as e:
+                absent = f"{engine.label} did not give its hidden states ({e})"
+        finally:
+            for c in sessions:
+                c.close()
+            engine.close()
+        if saved is not None:  # the engine is closed: its memory is given back before the lens runs here
+            progress(0.85, "the logit lens of both sides, layer by layer")
+            lens = engine_lens(lm, *saved, list(ab["positions"]), len(ids), {label_a: toks_a, label_b: toks_b})
     finally:
-        for c in sessions:
-            c.close()
-        engine.close()
         for f in Path(tmp).glob("*"):
             f.unlink()
         os.rmdir(tmp)
-    return _Captured(outs, toks_a, toks_b, side_a_ref, side_b_ref, pos_a, pos_b, ab, own, bound, infos)
+    return _Captured(outs, toks_a, toks_b, side_a_ref, side_b_ref, pos_a, pos_b, ab, own, bound, infos, lens, absent)
+
+
+def _save_sides(engine: Engine, cap, folder: str, states_a: str | None) -> tuple[str, str]:
+    """Both sides' captured states written by the engine's worker (states_a: side A's, already written from the
+    first engine of a tp pair): safetensors for vLLM, .npz for llama.cpp."""
+    suffix = ".npz" if engine.reference_npz else ".safetensors"
+    if states_a is None:
+        states_a = str(Path(folder) / f"lens_a{suffix}")
+        cap.save_states("A", "A0", states_a)
+    states_b = str(Path(folder) / f"lens_b{suffix}")
+    cap.save_states("B", "B0", states_b)
+    return states_a, states_b
+
+
+class SavedStates:
+    """One side's saved hidden states ("hidden" [R, T, H], "positions" [T]), read one hidden state at a time:
+    safetensors (vLLM's worker) by slices of the open file; .npz (llama.cpp's, float32, no pickle) loaded once - a
+    side's states, no larger than the float64 reference this view already holds."""
+
+    def __init__(self, path: str, stack: contextlib.ExitStack):
+        if path.endswith(".npz"):
+            with np.load(path, allow_pickle=False) as f:
+                self._rows, pos = f["hidden"], f["positions"]
+            self.n_rows = int(self._rows.shape[0])
+        else:
+            from safetensors import safe_open
+
+            f = stack.enter_context(safe_open(path, framework="pt"))
+            self._rows = f.get_slice("hidden")
+            self.n_rows = int(self._rows.get_shape()[0])
+            pos = f.get_tensor("positions").numpy() if "positions" in f.keys() else \
+                np.arange(self._rows.get_shape()[1])
+        self.positions = [int(p) for p in pos]
+
+    def row(self, r: int, positions: list[int]) -> torch.Tensor:
+        at = {p: j for j, p in enumerate(self.positions)}
+        missing = [p for p in positions if p not in at]
+        if missing:
+            raise KvvizError(f"the saved hidden states have no position {missing[0]}")
+        x = self._rows[r:r + 1]
+        x = (torch.from_numpy(np.asarray(x)) if isinstance(x, np.ndarray) else x)[0]
+        return x[[at[p] for p in positions]]
+
+
+def engine_lens(lm, path_a: str, path_b: str, positions: list[int], prompt_len: int, tokens: dict) -> EngineLens:
+    """The logit lens of two sides' saved hidden states on `positions` (kvviz.core.lens.lens_pair): each row through
+    the local model's final norm and head (the last row only through the head: it is the final norm's output), in
+    the model's dtype on its device. tokens: side label -> the engine's generated tokens; the last row's top-1 at a
+    generated position (prompt_len - 1 on) is checked against them (head_gap)."""
+    lens = Lens.of(lm.model)
+    with contextlib.ExitStack() as stack, torch.inference_mode():
+        sa, sb = SavedStates(path_a, stack), SavedStates(path_b, stack)
+        if sa.n_rows != sb.n_rows:
+            raise KvvizError(f"{sa.n_rows} saved hidden states on one side against {sb.n_rows} on the other")
+
+        def row_of(r: int):
+            return (sa.row(r, positions).to(lm.device, lm.dtype), sb.row(r, positions).to(lm.device, lm.dtype))
+
+        pair = lens_pair(lens, row_of, sa.n_rows, len(positions))
+    head_gap, checked = {}, 0
+    for (label, toks), side in zip(tokens.items(), (pair.a, pair.b)):
+        last = side["top1"][-1]
+        at = [(j, p - (prompt_len - 1)) for j, p in enumerate(positions) if 0 <= p - (prompt_len - 1) < len(toks)]
+        head_gap[label] = sum(int(last[j] != toks[g]) for j, g in at)
+        checked = len(at)
+    ids = {int(i) for s in (pair.a, pair.b) for k in ("top1", "top2") for row in s[k] for i in row}
+    vocab = {str(i): display_text(lm.tokenizer, [i]) for i in sorted(ids)}
+    return EngineLens(list(positions), pair.a, pair.b, pair.kl, vocab, head_gap, checked)
 
 
 def own_ratio(side: Side, own) -> float | None:

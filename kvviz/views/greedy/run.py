@@ -33,7 +33,7 @@ from ...models.loading import LoadedModel
 from ...core.protocol import DEFAULT_CONTEXT, no_progress, Progress, RunContext
 from ...core.metrics import first_divergence, hidden_divergence
 from ...core.text import display_tokens
-from ...core.naming import layer_labels
+from ...core.naming import layer_labels, model_type
 from ...core.replay import Replay, replay_step, top2
 from ...core.streaming import HeldRows
 from ...core.verdict import Prove, Verdict, classify, precision_sentence
@@ -617,8 +617,9 @@ def run_greedy(lm: LoadedModel, cfg: GreedyConfig, progress: Progress | None = N
         prove_pairs(lm, cfg, settings, inp, pairs, progress, runs)
         proof_s = time.perf_counter() - t_proof
     progress(1.0, "Done")
+    labels = layer_labels(runs[names[0]].hidden.shape[1], model_type(lm))
     return GreedyResult(settings=GreedySettings.of(cfg, RunInfo.of(lm, settings)), model=lm.summary(),
-                        prompt_tokens=inp.token_texts, layer_labels=layer_labels(runs[names[0]].hidden.shape[1]),
+                        prompt_tokens=inp.token_texts, layer_labels=labels,
                         paths=_path_results(lm, runs, names), pairs=pairs, notes=_notes(lm, cfg, runs),
                         elapsed_s=time.perf_counter() - t_start, proof_s=proof_s, reference_ran=f64.built)
 

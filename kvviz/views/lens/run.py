@@ -38,7 +38,10 @@ from ...core.errors import KvvizError
 from ...core.execution import ExecSettings, Executor, RunInfo, has_cache
 from ...core.inputs import SplitConfig, build_inputs, cached_mask, check_split
 from ...core.metrics import LOGITS_CHUNK_BYTES, logits_rows
-from ...core.naming import FINAL_NORM, layer_label, layer_labels
+from ...core.lens import NORM_NAMES, Lens, first_difference  # noqa: F401  (NORM_NAMES: the repro script's)
+from ...core.lens import kl64 as _kl64, max_abs_exact as _max_abs_exact, top2 as _top2  # noqa: F401
+from ...core.lens import top2_slow as _top2_slow  # noqa: F401  (tests/test_lens.py's names)
+from ...core.naming import layer_labels, model_type
 from ...core.prompts import CAPITALS
 from ...core.protocol import DEFAULT_CONTEXT, RunContext, no_progress
 from ...core.streaming import HeldRows
@@ -49,10 +52,6 @@ from ...models.compat import output_cache, takes_logits_to_keep
 
 # what the lens keeps per path: [hidden states, positions] each
 PATH_KEYS = ("top1", "top2", "margin")
-# model types whose output_hidden_states tuple has no embeddings row: one entry after each block, the last after the
-# final norm (transformers' Mamba, FalconMamba and RWKV loops append after the block)
-AFTER_BLOCKS = ("mamba", "falcon_mamba", "rwkv")
-NORM_NAMES = ("norm", "ln_f", "final_layernorm", "final_layer_norm", "norm_f", "final_norm")
 
 
 @dataclass(frozen=True)
@@ -116,14 +115,10 @@ class LensPaths:
     def depth(self) -> tuple[int, int] | None:
         """(hidden-state row, position index) of the first layer where the two top-1 differ (the leftmost position
         of that layer); None where they agree at every layer."""
-        differ = np.array(self.full["top1"]) != np.array(self.cached["top1"])
-        if self.lensed == "last":
-            differ[:-1] = False
-        rows = np.nonzero(differ.any(axis=1))[0]
-        if not len(rows):
-            return None
-        r = int(rows[0])
-        return r, int(np.nonzero(differ[r])[0][0])
+        f, c = np.array(self.full["top1"]), np.array(self.cached["top1"])
+        skip = len(f) - 1 if self.lensed == "last" and len(f) else 0  # only the last row went through the lens
+        d = first_difference(f[skip:], c[skip:])
+        return None if d is None else (d[0] + skip, d[1])
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -193,106 +188,7 @@ class LensResult(Timed):
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# The lens: a hidden state through the model's final norm and head
-
-
-@dataclass
-class Lens:
-    norm: torch.nn.Module | None  # None: the model has no final norm
-    head: torch.nn.Module
-    softcap: float | None
-    scale: float | None
-
-    @classmethod
-    def of(cls, model) -> "Lens":
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        if head is None:
-            raise KvvizError(f"{type(model).__name__} has no output head (lm_head): the lens needs a causal LM")
-        base = None
-        for get in (lambda: model.get_decoder(), lambda: model.base_model, lambda: model.model):
-            try:
-                base = get()
-            except (AttributeError, TypeError, NotImplementedError):
-                continue
-            if base is not None and base is not model:
-                break
-        norm = next((getattr(base, n) for n in NORM_NAMES if isinstance(getattr(base, n, None), torch.nn.Module)),
-                    None) if base is not None else None
-        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        cap = getattr(cfg, "final_logit_softcapping", None)
-        scale = getattr(cfg, "logit_scale", None)
-        return cls(norm, head, float(cap) if cap else None, float(scale) if isinstance(scale, (int, float))
-                   and not isinstance(scale, bool) and scale != 1 else None)
-
-    def __call__(self, h: torch.Tensor, normed: bool) -> torch.Tensor:
-        x = h if normed or self.norm is None else self.norm(h)
-        w = getattr(self.head, "weight", None)
-        if isinstance(w, torch.Tensor) and x.dtype != w.dtype and x.is_floating_point():
-            x = x.to(w.dtype)  # a residual kept in float32 (Mamba's residual_in_fp32): the head takes its own dtype,
-            # as the model's own head call casts it
-        logits = self.head(x)
-        if self.scale is not None:
-            logits = logits * self.scale
-        if self.softcap is not None:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
-
-
-def _top2_slow(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Top-1 as argmax takes it (the lowest id of a tie: the token the path itself would pick; topk may order a tie
-    otherwise), the runner-up (the best of the rest: a tie's next id, margin 0) and the margin between them."""
-    t1 = logits.argmax(-1, keepdim=True)
-    v1 = logits.gather(-1, t1)
-    if logits.shape[-1] < 2:
-        return t1[..., 0], t1[..., 0], torch.zeros_like(v1[..., 0], dtype=torch.float64)
-    rest = logits.scatter(-1, t1, float("-inf"))
-    t2 = rest.argmax(-1, keepdim=True)
-    v2 = logits.gather(-1, t2)
-    del rest
-    return t1[..., 0], t2[..., 0], (v1.double() - v2.double())[..., 0]
-
-
-def _top2(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """_top2_slow's numbers from one topk(3) pass: where a row's three best values are strictly ordered, the top-1
-    and the runner-up are unique, so topk's ids are argmax's; rows with a tie among them (or a NaN) go through
-    _top2_slow (its lowest-id tie rule)."""
-    if logits.dim() != 2 or logits.shape[-1] < 4:
-        return _top2_slow(logits)
-    v, t = logits.topk(3, -1)
-    clear = (v[:, 0] > v[:, 1]) & (v[:, 1] > v[:, 2])
-    t1, t2 = t[:, 0].clone(), t[:, 1].clone()
-    margin = v[:, 0].double() - v[:, 1].double()
-    if not bool(clear.all()):
-        tie = torch.nonzero(~clear)[:, 0]
-        a, b, m = _top2_slow(logits[tie])
-        t1[tie], t2[tie], margin[tie] = a, b, m
-    return t1, t2, margin
-
-
-def _max_abs_exact(lf: torch.Tensor, lc: torch.Tensor) -> torch.Tensor:
-    """Per row, max |lc - lf| exactly as float64 computes it (the repro script's number, bit for bit), from a
-    float32 pass: float32's |Δ| of each element is within a relative 2^-24 of the exact one (one rounding: both
-    inputs are exact in float32), so the exact maximum is among the elements within 2^-22 of float32's maximum;
-    those few are recomputed in float64. Rows whose float32 maximum is not finite: float64 whole."""
-    d = (lc.float() - lf.float()).abs_()
-    m = d.amax(-1)
-    out = torch.zeros(lf.shape[0], dtype=torch.float64, device=lf.device)
-    fin = torch.isfinite(m)
-    cand = (d >= (m * (1 - 2.0 ** -22)).unsqueeze(-1)) & fin.unsqueeze(-1)
-    del d
-    r, c = torch.nonzero(cand, as_tuple=True)
-    exact = (lc[r, c].double() - lf[r, c].double()).abs()
-    out.scatter_reduce_(0, r, exact, "amax", include_self=True)
-    if not bool(fin.all()):
-        bad = torch.nonzero(~fin)[:, 0]
-        out[bad] = (lc[bad].double() - lf[bad].double()).abs().amax(-1)
-    return out
-
-
-def _kl64(r: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """KL(softmax(r) || softmax(g)) per row in float64 (the reference way)."""
-    lr, lg = torch.log_softmax(r.double(), -1), torch.log_softmax(g.double(), -1)
-    return (lr.exp() * (lr - lg)).sum(-1).clamp_min(0.0)
+# The lens of both paths, streamed (the lens itself: kvviz.core.lens)
 
 
 class _LensSink:
@@ -555,11 +451,9 @@ def _run(lm, cfg: SplitConfig, settings: ExecSettings, progress, attention: bool
 
 
 def lens_labels(lm, n: int) -> list[str]:
-    """The rows' labels: embeddings, layer 1..N (the last after the final norm); for AFTER_BLOCKS models layer 1..N
-    and the final norm's output."""
-    if getattr(lm.model.config, "model_type", "") in AFTER_BLOCKS and n > 1:
-        return [layer_label(k) for k in range(1, n)] + [layer_label(n - 1) + FINAL_NORM]
-    return layer_labels(n)
+    """The rows' labels (kvviz.core.naming.layer_labels): embeddings, layer 1..N (the last after the final norm); for
+    state-space models (naming.AFTER_BLOCKS) layer 1..N and the final norm's output."""
+    return layer_labels(n, model_type(lm))
 
 
 REFUSES = {"prove": "the lens has no invariant-mode proof rerun (run Split point for the proof)"}

@@ -45,7 +45,7 @@ from ...core.inputs import PromptInputs, Workload, build_inputs
 from ...models.loading import LoadedModel
 from ...core.protocol import DEFAULT_CONTEXT, no_progress, Progress, RunContext
 from ...core.metrics import hidden_divergence, logits_divergence
-from ...core.naming import layer_labels
+from ...core.naming import layer_labels, model_type
 from ...core.text import display_tokens
 from ...core.estimate import Timed
 
@@ -384,8 +384,8 @@ def run_quant(lm: LoadedModel, cfg: QuantConfig, progress: Progress | None = Non
         settings=QuantSettings.of(cfg, RunInfo.of(lm)), label=cfg.label, verdict="identical" if bitwise else "lossy",
         explanation="", reference_tokens=display_tokens(tok, ref_tokens), quantized_tokens=display_tokens(tok, q_tokens),
         reference_text=tok.decode(ref_tokens), quantized_text=tok.decode(q_tokens), agreement=agreement, steps=n,
-        kl=kl, logits_max_abs=lmax, argmax_agree=agree, layers=layer_labels(ref_hidden.shape[1]),
-        layer_max_abs=layer_abs, layer_relative=layer_rel, bitwise_equal=bitwise, notes=notes,
+        kl=kl, logits_max_abs=lmax, argmax_agree=agree,
+        layers=layer_labels(ref_hidden.shape[1], model_type(lm)), layer_max_abs=layer_abs, layer_relative=layer_rel, bitwise_equal=bitwise, notes=notes,
         seconds=time.perf_counter() - t0)
     res.explanation = explain(res)
     progress(1.0, "Done")

@@ -26,7 +26,7 @@ from ...models.loading import LoadedModel
 from ...core.protocol import DEFAULT_CONTEXT, no_progress, Progress, RunContext
 from ...core.estimate import Estimate
 from ... import views
-from ...core.naming import layer_labels
+from ...core.naming import layer_labels, model_type
 from ...core.memory import REFERENCE_LOGITS_BYTES, fits_beside  # float64 logits over REFERENCE_LOGITS_BYTES: in chunks
 from ...core.metrics import HIDDEN_METRICS as HIDDEN_METRIC_LABELS
 from ...core.metrics import describe_table, logits_divergence, logits_rows, tensor_diff
@@ -543,9 +543,9 @@ def run_split(lm: LoadedModel, cfg: SplitConfig, progress: Progress | None = Non
     progress(1.0, "Done")
     return SplitResult(settings=SplitSettings.of(cfg, RunInfo.of(lm, settings)), model=lm.summary(),
                        tokens=inp.token_texts, token_ids=inp.token_ids, compared=list(range(cfg.split, inp.n_tokens)),
-                       layer_labels=layer_labels(lm.n_layers + 1), main=main, float64=f64, verdict=verdict,
-                       explanation=explanation, notes=list(lm.warnings), elapsed_s=time.perf_counter() - t0,
-                       invariant=inv, proof=proof, proof_s=proof_s)
+                       layer_labels=layer_labels(lm.n_layers + 1, model_type(lm)), main=main, float64=f64,
+                       verdict=verdict, explanation=explanation, notes=list(lm.warnings),
+                       elapsed_s=time.perf_counter() - t0, invariant=inv, proof=proof, proof_s=proof_s)
 
 
 def run(lm: LoadedModel, config: SplitConfig, ctx: RunContext = DEFAULT_CONTEXT) -> SplitResult:

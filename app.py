@@ -47,6 +47,7 @@ st.session_state.pop("_msg_slot", None)
 st.session_state["_stop_seq"] = 0  # the Stop buttons of this run's progress bars
 remember()  # page controls survive page switches and come from a link
 st.session_state["_page"] = STEM.get(nav.url_path, "")  # the page this run draws (pages.common.page reads it)
+st.session_state["_page_title"] = nav.title if nav.url_path in STEM else ""  # its title (a run names it to others)
 scenario_guard(st.session_state["_page"])  # leaving a one-click scenario brings the defaults back
 st.session_state["model_choice"] = sidebar()
 try:

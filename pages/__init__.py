@@ -1,7 +1,6 @@
 """kvviz's pages (app.py lists them). Every page script imports this package first, so a fresh server's very first
-request — run as a plain pages/ app when it is a deep link such as /split (see ensure_navigation) — is handed to
-app.py here, before the page's own imports (seconds of torch and transformers) keep Streamlit's raw list of pages/
-file names on screen."""
+request (a deep link such as /split runs as a plain pages/ app: ensure_navigation) is handed to app.py here, before
+the page's own imports (seconds) keep Streamlit's raw list of pages/ file names on screen."""
 import streamlit as st
 from streamlit.runtime.scriptrunner import get_script_run_ctx
 
@@ -17,10 +16,9 @@ HIDE_RAW_NAV = ('<style>[data-testid="stSidebarNav"]:not(:has([data-testid="stNa
 
 
 def ensure_navigation() -> None:
-    """Call first in every page. Streamlit runs a fresh server's very first request as a plain pages/ app (a script from
-    pages/ on its own, without app.py) when that request is a deep link such as /split, because a pages/
-    folder exists. app.py's st.navigation switches that off for good; here we switch it off and rerun so the
-    page always runs inside app.py, with the shared sidebar."""
+    """Call first in every page. Streamlit runs a fresh server's very first request, when it is a deep link such as
+    /split, as a plain pages/ app (the script on its own, without app.py); app.py's st.navigation switches that off
+    for good. Here it is switched off and the page reruns inside app.py, with the shared sidebar."""
     if PagesManager is None:  # other Streamlit versions
         return
     if PagesManager.uses_pages_directory or "model_choice" not in st.session_state:

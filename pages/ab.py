@@ -28,18 +28,30 @@ class BRun:
 
 def ab_run(view, choice: "ModelChoice", lm, cfg, scenario: dict[str, tuple[str, list[str]]], help_text: str,
            exclude: tuple[str, ...] = (), **run) -> BRun | None:
-    """The whole A/B row of a view's page: the controls (ab_controls), then B's run through the one runner
-    (pages.runner.run_view, run "<view's run>_ab": once per distinct inputs, with progress, Stop and A's memory plan),
-    errors in one line. scenario: the view's own settings B may change, {label: (config field, B's choices)}: B
-    runs `cfg` with that field replaced. run: run_view's keywords (prove, ignores). None until "Run B" is on, or when
-    B failed (the error is shown)."""
-    ab = ab_controls(view.page.prefix.removesuffix("_"), choice, lm, {k: v for k, (_, v) in scenario.items()},
-                     help_text, exclude)
-    if ab is None:
+    """The whole A/B row of a view's page: which setting to change (dtype, attention, invariant mode, and the view's
+    own `scenario` settings, {label: (config field, B's choices)}: B runs `cfg` with that field replaced) and B's
+    value, then B's run through the one runner (run "<view's run>_ab"; `run`: run_view's keywords). None until "Run
+    B" is on, or when B failed (the error is shown in one line)."""
+    ab = {"dtype": [d for d in kvviz.DTYPE_NAMES if d != choice.dtype],
+          "attention": [a for a in kvviz.ATTN_CHOICES if a not in ("auto", choice.attn)],
+          "invariant mode": ["off" if choice.invariant else "on"], **{k: v for k, (_, v) in scenario.items()}}
+    ab = {k: v for k, v in ab.items() if k not in exclude}
+    prefix = view.page.prefix.removesuffix("_")
+    a1, a2, a3 = st.columns([2, 2, 1])
+    what = a1.selectbox("Change", list(ab), key=f"{prefix}_ab_what")
+    other = a2.selectbox("B", ab[what], key=f"{prefix}_ab_{what.split()[0]}")
+    if not a3.toggle("Run B", False, key=f"{prefix}_ab_on", help=help_text) or other is None:
         return None
-    what, other, lm_b, settings_b = ab
+    lm_b, settings_b = lm, choice.settings
+    if what == "invariant mode":
+        settings_b = ExecSettings(invariant=other == "on")
     cfg_b = dataclasses.replace(cfg, **{scenario[what][0]: other}) if what in scenario else cfg
-    try:
+    try:  # B's model may not load here (e.g. flash_attention_2 on a CPU): one line, the page goes on
+        if what == "dtype":
+            lm_b = lm.twin(other)
+        elif what == "attention":
+            lm_b = kvviz.load_model(choice.model_spec, choice.dtype, choice.device, other,
+                                    trust_remote_code=choice.trust_remote_code)
         res_b = run_view(view, lm_b, cfg_b, settings=settings_b, name=f"{view.run_names()[0]}_ab",
                          label=f"B: {what} = {other}…", **run)
     except Exception as e:  # noqa: BLE001 - one line, the page goes on
@@ -49,35 +61,6 @@ def ab_run(view, choice: "ModelChoice", lm, cfg, scenario: dict[str, tuple[str, 
                "invariant mode": "on" if choice.invariant else "off",
                **{k: str(getattr(cfg, f)) for k, (f, _) in scenario.items()}}[what]
     return BRun(what, other, res_b, f"{what} = {label_a}", f"{what} = {other}")
-
-
-def ab_controls(prefix: str, choice: "ModelChoice", lm, scenario: dict[str, list[str]], help_text: str,
-                exclude: tuple[str, ...] = ()):
-    """The A/B row every view shares: which setting to change (dtype, attention, invariant mode, plus the view's own
-    `scenario` settings) and B's value. Returns None until "Run B" is on, else (what, other, lm_b, settings_b):
-    the model and execution settings B runs with (for a scenario setting, the caller changes its own config)."""
-    AB = {"dtype": [d for d in kvviz.DTYPE_NAMES if d != choice.dtype],
-          "attention": [a for a in kvviz.ATTN_CHOICES if a not in ("auto", choice.attn)],
-          "invariant mode": ["off" if choice.invariant else "on"], **scenario}
-    AB = {k: v for k, v in AB.items() if k not in exclude}
-    a1, a2, a3 = st.columns([2, 2, 1])
-    what = a1.selectbox("Change", list(AB), key=f"{prefix}_ab_what")
-    other = a2.selectbox("B", AB[what], key=f"{prefix}_ab_{what.split()[0]}")
-    if not a3.toggle("Run B", False, key=f"{prefix}_ab_on", help=help_text) or other is None:
-        return None
-    lm_b, settings_b = lm, choice.settings
-    try:  # B's model may not load here (e.g. flash_attention_2 on a CPU): one line, the page goes on
-        if what == "dtype":
-            lm_b = lm.twin(other)
-        elif what == "attention":
-            lm_b = kvviz.load_model(choice.model_spec, choice.dtype, choice.device, other,
-                                    trust_remote_code=choice.trust_remote_code)
-    except Exception as e:  # noqa: BLE001
-        show_error(e)
-        return None
-    if what == "invariant mode":
-        settings_b = ExecSettings(invariant=other == "on")
-    return what, other, lm_b, settings_b
 
 
 def show_ab(figs, prefix: str, caption: str, texts: tuple[str, str] | None = None, side_by_side: bool = True) -> None:

@@ -1,14 +1,13 @@
 """Page: the KV cache as an object - save it, reload it, continue and compare; how big it is."""
 import streamlit as st
 
-from pages.defaults import DEFAULTS
-
-from kvviz.views.cache import figures as cache_figures
-from kvviz.views.cache.size import KVShape, SizeConfig, growth, known_configs, known_table
 from kvviz import views
+from kvviz.views.cache import figures as cache_figures
 from kvviz.views.cache.run import ReloadConfig, save_cache_bytes
+from kvviz.views.cache.size import KVShape, SizeConfig, growth, known_configs, known_table
 from pages.common import page
-from pages.runner import run_task, run_view, show_error
+from pages.defaults import DEFAULTS
+from pages.runner import run_or_stop, run_task, run_view, show_error
 from pages.exporting import exports
 
 choice, lm = page("KV cache",
@@ -45,12 +44,8 @@ with t2:
     c1, c2 = st.columns(2)
     tokens = c1.number_input("Tokens", 1, 1_000_000, DEFAULTS["cache"]["tokens"], key="cache_tokens")
     batch = c2.number_input("Batch", 1, 1024, 1, key="cache_batch")
-    try:
-        rep = run_view(views.get("kv_size"), lm, SizeConfig(int(tokens), int(batch), measure=lm.max_positions is None
-                                                            or int(tokens) <= lm.max_positions), label="Sizing…")
-    except Exception as e:  # noqa: BLE001
-        show_error(e)
-        st.stop()
+    rep = run_or_stop("kv_size", lm, SizeConfig(int(tokens), int(batch), measure=lm.max_positions is None
+                                                or int(tokens) <= lm.max_positions), label="Sizing…")
     m1, m2, m3 = st.columns(3)
     m1.metric("per token", f"{rep.per_token_bytes:,} B")
     m2.metric("formula", f"{rep.formula_bytes / 2 ** 20:.3g} MiB")

@@ -4,8 +4,8 @@ itself: app.py lists the pages explicitly. Beside it, by job: pages/state.py (st
 pages/runner.py (the run wrapper: progress, Stop, memory plan, errors), pages/ab.py (A/B), pages/exporting.py."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,18 +13,17 @@ from pathlib import Path
 import streamlit as st
 
 import kvviz
+from kvviz import views
 from kvviz.core import theme
 from kvviz.core.execution import ExecSettings
-from kvviz.core.verdict import UNKNOWN, headline, worst
-from kvviz import views
+from kvviz.core.verdict import UNKNOWN, headline
 from kvviz.core.prompts import builtin_prompts, parse_prompts
 from pages import ensure_navigation  # noqa: F401  (pages import it from here)
 from pages.devices import devices_control, placement_caption, placement_kwargs
-from pages.runner import progress_bar, show_error
+from pages.runner import page_message, progress_bar, show_error
 from pages.state import (PREFIX_OF_PAGE, SIDEBAR_DEFAULTS, copy_link, fall_back_outside, reset_to_defaults, restore,
                          scenario_banner, sync_url)
 from pages.devices import CHOICES as DEVICES_CHOICES
-from pages.runner import page_message
 
 # Every chart the app draws takes kvviz's template (kvviz.core.theme): the palette, log axes and colour bars the HTML
 # report, the handout and the meeting bundle draw with (`import streamlit` had made Streamlit's placeholders the default)
@@ -52,18 +51,14 @@ class ModelChoice:
         return self.key_without()
 
     def key_without(self, *fields: str) -> str:
-        """The result-cache key of a page that ignores some sidebar fields (e.g. the dtype sweep ignores dtype)."""
+        """The key of a run that ignores some sidebar fields (the dtype sweep ignores dtype)."""
         return json.dumps({f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in fields},
                           sort_keys=True)
 
-    @property
+    @functools.cached_property  # not a field: the key and equality ignore it
     def model_spec(self) -> kvviz.ModelSpec:
         """The typed model, parsed once (kvviz.parse_spec) and then carried whole to the library."""
-        parsed = self.__dict__.get("_spec")
-        if parsed is None:
-            parsed = kvviz.parse_spec(self.spec)
-            object.__setattr__(self, "_spec", parsed)  # not a field: the key and equality ignore it
-        return parsed
+        return kvviz.parse_spec(self.spec)
 
     @property
     def settings(self) -> ExecSettings:
@@ -118,8 +113,7 @@ def load(choice: ModelChoice) -> kvviz.LoadedModel | None:
                                   trust_remote_code=choice.trust_remote_code, progress=report,
                                   **placement_kwargs(choice.devices, choice.max_memory))
     except Exception as e:  # noqa: BLE001 - every failure becomes one line
-        slot = st.session_state.get("_msg_slot")
-        with slot.container() if slot is not None else contextlib.nullcontext():
+        with page_message():
             show_error(e)
         return None
     with st.sidebar:
@@ -144,9 +138,8 @@ PRESENTER_CSS = """<style>
 </style>"""
 
 
-# Every page: file stem, title, icon, in the sections of the navigation (app.py draws it; Home's cards name them).
-# A view's page comes from the view registry (its `page`: stem, section, icon; its title); the pages that are not
-# views are listed here. Adding a view with a page: its folder names the page, and the page script is pages/<stem>.py.
+# Every page: file stem, title, icon, by section of the navigation (app.py draws it). A view's page comes from the
+# view registry (its `page`: stem, section, icon; its title); the pages that are not views are listed here.
 _OTHER_PAGES = {
     "Lesson": [("lesson", "Lesson: rounding or a bug?", ":material/school:")],
     "Start": [("home", "About kvviz", ":material/home:"), None,
@@ -179,13 +172,9 @@ NAV = _nav()
 PAGE_TITLES = {stem: title for items in NAV.values() for stem, title, _ in items}
 
 
-def _urls() -> tuple[dict[str, str], dict[str, str]]:
-    return views.page_urls(), views.page_url_aliases()
-
-
 # A view's page is at its view's name (the folder: /split), whatever its script's file name; an older URL of it
 # (its Page(url_aliases=...): /split_point) is a hidden page that app.py sends on to the page's own URL.
-PAGE_URLS, OLD_URLS = _urls()  # page stem -> URL path; older URL path -> page stem
+PAGE_URLS, OLD_URLS = views.page_urls(), views.page_url_aliases()  # stem -> URL path; older URL path -> stem
 
 
 def nav_page(stem: str):
@@ -206,8 +195,8 @@ NORMAL_CSS = """<style>
 
 
 def page(title: str, caption: str, needs_model: bool = True):
-    """Every page's start: run inside app.py, title and caption, the sidebar's choice and (if needed) its model.
-    Stops the page with a message when the model cannot be loaded."""
+    """Every page's start: title and caption, the sidebar's choice and (if needed) its model; stops the page with a
+    message when the model cannot be loaded."""
     ensure_navigation()
     name = st.session_state.get("_page", "")  # app.py names the page it runs
     prefix = PREFIX_OF_PAGE.get(name)
@@ -243,9 +232,8 @@ def page(title: str, caption: str, needs_model: bool = True):
 
 
 def controls(expanded: bool = False):
-    """Where a page draws its controls: an expander (collapsed unless the page has nothing to show before its
-    controls are set), so that after a run the verdict and the start of the main chart share the first screen at
-    1280×720, in normal as in presenter mode. A scenario's settings are named above it (scenario_banner)."""
+    """Where a page draws its controls: an expander (collapsed unless the page shows nothing before they are set),
+    so that after a run the verdict and the main chart share the first screen at 1280×720."""
     return st.expander("Settings: prompt and controls", expanded=expanded, icon=":material/tune:")
 
 
@@ -260,23 +248,18 @@ def verdict_and_chart(ratio=(2, 3)):
 VERDICT_STYLE = {"identical": st.success, "precision": st.info, "undecided": st.warning, "logic": st.error}
 
 
-# Verdict words of views that are not precision/logic verdicts, by the class they read as (Open a result, reports)
-_VERDICT_CLASS = theme.VERDICT_CLASS
-
-
 def verdict_style(verdict: str) -> str | None:
-    """The verdict class a view's verdict word reads as (None: neither: shown as information); a tally of several
-    (kvviz.core.verdict.Tally) reads as the worst it carries."""
-    v = getattr(verdict, "verdict", None) or _VERDICT_CLASS.get(verdict, verdict)
+    """The verdict class a view's verdict word reads as (theme.VERDICT_CLASS; None: shown as information); a tally
+    of several (kvviz.core.verdict.Tally) reads as the worst it carries."""
+    v = getattr(verdict, "verdict", None) or theme.VERDICT_CLASS.get(verdict, verdict)
     return v if v in VERDICT_STYLE else None
 
 
 def show_verdict(verdict: str, explanation: str, proof: str | None = None, style: str | None = None,
                  proof_in_explanation: bool = False, proved=UNKNOWN) -> None:
-    """The verdict box; style: the class whose colour it takes (default: the verdict itself; "info": neutral);
-    proof_in_explanation: the result says its explanation already states what the proof found (a precision verdict's
-    proof state), so the proof line is not repeated below it; proved: the proof's state (True, False, None: not run)
-    where the page knows it, for presenter mode's headline."""
+    """The verdict box; style: the class whose colour it takes (default: the verdict; "info": neutral);
+    proof_in_explanation: the explanation already says what the proof found (no proof line below it); proved: the
+    proof's state (True, False, None: not run), for presenter mode's headline."""
     box = {**VERDICT_STYLE, "info": st.info}.get(style or verdict, st.warning)
     if st.session_state.get("presenter"):  # for a room: the headline, the whole text one click away
         box(f"**Verdict: {verdict}.** {headline(verdict, proved)}")
@@ -291,17 +274,16 @@ def show_verdict(verdict: str, explanation: str, proof: str | None = None, style
 
 
 def show_notes() -> None:
-    """The run's side notes (e.g. its memory peak went over its plan), below the verdict: the first screen stays the
-    verdict and the chart. Pages without a verdict box get them at their end (app.py)."""
+    """The run's side notes (its memory peak went over its plan) below the verdict; pages without a verdict box get
+    them at their end (app.py)."""
     for note in st.session_state.pop("_notes_after_verdict", None) or ():
         st.warning(note, icon=":material/memory:")
 
 
 def prompt_set(prefix: str, sources: list[str], prompt: str, categories: list[str] | None, limit: int,
                height: int = 80) -> tuple[str, list[str]]:
-    """The prompt-set control of the views that run many prompts (Dtypes, Serving): one prompt, the built-in set by
-    category (`categories` ticked; None: all) or an uploaded .txt/.jsonl file, the first `limit` by default. Keys
-    <prefix>_source, _prompt, _cats, _limit, _upload, _up_limit. A bad file is one line and the page stops."""
+    """The prompts of Dtypes and Serving: one prompt, the built-in set by category (`categories` ticked; None: all) or
+    an uploaded .txt/.jsonl file, the first `limit` by default. A bad file is one line and the page stops."""
     source = st.radio("Prompts", sources, horizontal=True, key=f"{prefix}_source")
     try:
         if source == "one prompt":
@@ -328,3 +310,10 @@ def prompt_set(prefix: str, sources: list[str], prompt: str, categories: list[st
         with page_message():
             show_error(e)
         st.stop()
+
+
+def side_by_side(*texts: tuple[str, str]) -> None:
+    """Texts in columns, each under its (markdown) title."""
+    for col, (title, text) in zip(st.columns(len(texts)), texts):
+        col.markdown(title)
+        col.text(text)

@@ -1,10 +1,5 @@
-"""The "Devices" sidebar control: one device, or the layers spread by accelerate (GPUs, CPU RAM, disk).
-
-Wiring (pages/common.py): call `devices_control()` inside `sidebar()` after the Device selectbox and keep its two
-strings in ModelChoice (fields `devices: str = "one"`, `max_memory: str = ""`: plain strings, so they join the
-ModelChoice key and a new placement loads a new model); in `load()` pass `**placement_kwargs(choice.devices,
-choice.max_memory)` to `kvviz.load_model`, and call `placement_caption(lm)` under the "Loaded:" caption.
-"""
+"""The "Devices" sidebar control: one device, or the layers spread by accelerate (GPUs, CPU RAM, disk). Its two
+strings are ModelChoice fields (plain strings: a new placement is a new key, so it loads a new model)."""
 from __future__ import annotations
 
 import streamlit as st

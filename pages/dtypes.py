@@ -1,16 +1,15 @@
 """Page: the split comparison in several dtypes at once, for one prompt or over a prompt set."""
 import streamlit as st
 
-from pages.defaults import DEFAULTS
-
 import kvviz
-from kvviz.views.dtypes import figures as dtypes_figures
 from kvviz import views
+from kvviz.views.dtypes import figures as dtypes_figures
 from kvviz.views.dtypes.run import DtypesConfig
 from kvviz.teach.firstscreen import dtypes_line
 from pages.common import controls, page, prompt_set, show_verdict, verdict_and_chart
 from pages.runner import run_or_stop
 from pages.ab import ab_run, show_ab
+from pages.defaults import DEFAULTS
 from pages.exporting import exports
 
 choice, lm = page("Dtypes side by side",
@@ -18,9 +17,8 @@ choice, lm = page("Dtypes side by side",
                  "units of each dtype's machine epsilon? float64 is the reference every verdict is checked against.")
 
 with controls():
-    source, prompts = prompt_set("dtypes", ["one prompt", "built-in set", "upload a file"], DEFAULTS["dtypes"]["prompt"],
-                                 None, 20)
-
+    source, prompts = prompt_set("dtypes", ["one prompt", "built-in set", "upload a file"],
+                                 DEFAULTS["dtypes"]["prompt"], None, 20)
     c1, c2, c3 = st.columns(3)
     dtypes = c1.multiselect("Dtypes (float64 always runs)", ["float32", "float16", "bfloat16"],
                             default=list(DEFAULTS["dtypes"]["dtypes"]), key="dtypes_dtypes")
@@ -62,12 +60,12 @@ with st.expander("A/B: this sweep against one other setting, on one scale"):
 checked = [(d, x) for d, xs in res.proved.items() for x in xs if x is not None]
 if checked:
     ok = sum(1 for _, x in checked if x)
-    st.success(f":material/lock: Precision — proved for {ok} of {len(checked)} precision verdicts: in invariant mode (every row "
-               "computed the same way whatever the shape) the cached run equals the full forward bit for bit.")
+    st.success(f":material/lock: Precision — proved for {ok} of {len(checked)} precision verdicts: in invariant "
+               "mode (every row computed the same way whatever the shape) the cached run equals the full forward bit "
+               "for bit.")
 st.caption(f"Device: {res.settings.device}; float64 reference on {res.settings.float64_device}. On a CPU some "
            "16-bit kernels compute in float32 and round once at the end, unlike GPU kernels, so 16-bit gaps here can "
-           "be smaller (or exactly zero) where a GPU shows them. Computed in "
-           f"{res.elapsed_s:.1f} s.")
+           f"be smaller (or exactly zero) where a GPU shows them. Computed in {res.elapsed_s:.1f} s.")
 try:  # the sweep's own float64 model (loaded already): its source and tokenizer build the repro script
     lm64 = kvviz.load_model(choice.model_spec, "float64", res.settings.float64_device, choice.attn,
                             trust_remote_code=choice.trust_remote_code)

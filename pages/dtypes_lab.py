@@ -1,5 +1,4 @@
-"""/dtypes_lab, an older URL: a fresh server looks its first request up among pages/ file names; this file hands it
-to app.py, which sends the link on to /dtypes with its settings."""
+"""Older URL /dtypes_lab: a fresh server's first request is handed to app.py, sent on to /dtypes with its settings."""
 from pages import ensure_navigation
 
 ensure_navigation()

@@ -6,13 +6,12 @@ import streamlit as st
 from kvviz.core.errors import KvvizError
 from kvviz.core.plotting import METRIC_TITLES
 from kvviz.views.engine_layers import figures as el_figures, report as el_report
-from kvviz import views
 from kvviz.views.engine_layers.run import ENGINES, PAIRS, EngineLayersConfig
 from kvviz.engines import registry
 from kvviz.engines.workers import gguf_of
 from pages.common import controls, page, show_verdict
 from pages.exporting import exports
-from pages.runner import forget_button, run_button, run_view, show_error
+from pages.runner import run_button, run_or_stop, show_error
 
 ENGINE_LABELS = {"vllm": "vLLM", "llama.cpp": "llama.cpp"}
 PAIR_LABELS = {"warm": "cold vs warm prefix", "batch": "alone vs batch", "tp": "tensor parallel 1 vs N"}
@@ -58,21 +57,13 @@ with controls(expanded=True):
         st.stop()
 
 label = ENGINE_LABELS[engine]
-if not run_button("engine_layers", cfg, f"Run inside {label}", key="engine_layers_run", type="primary",
-                  icon=":material/play_arrow:",
-                  help=f"Starts {label} in its own environment (" + (
-                      "seconds to a minute on a CPU)" if llama else
-                      "a minute or more on a CPU; tensor parallel starts two)")):
-    st.info(f"Choose the pair and press **Run inside {label}**: the engine starts in its own process, so a run "
-            f"takes {'a minute or so' if llama else 'minutes'} on a CPU.")
-    st.stop()
-
-try:  # once per settings: a rerun shows the stored result
-    res = run_view(views.get("engine_layers"), lm, cfg, label=f"Running the prompt twice inside {label}…")
-except Exception as e:  # noqa: BLE001
-    forget_button("engine_layers")  # a failed run is not retried on every rerun: the button asks again
-    show_error(e)
-    st.stop()
+run_button("engine_layers", cfg, f"Run inside {label}", f"Choose the pair and press **Run inside {label}**: the "
+           f"engine starts in its own process, so a run takes {'a minute or so' if llama else 'minutes'} on a CPU.",
+           key="engine_layers_run", type="primary", icon=":material/play_arrow:",
+           help=f"Starts {label} in its own environment (" + (
+               "seconds to a minute on a CPU)" if llama else "a minute or more on a CPU; tensor parallel starts two)"))
+# once per settings: a rerun shows the stored result
+res = run_or_stop("engine_layers", lm, cfg, button="engine_layers", label=f"Running the prompt twice inside {label}…")
 
 verdict, text = el_report.verdict(res)
 show_verdict(verdict, text)

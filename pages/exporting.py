@@ -17,15 +17,12 @@ MEETING_RUNS = "_meeting_runs"
 
 
 def add_to_meeting(res, lm, name: str, saved: "str | bytes | None" = None) -> None:
-    """The button's callback: the result's JSON export (as "Result (JSON)" downloads it; `saved`: the file a reopened
-    result came from, its environment kept) and its title, appended to this session's meeting runs; the same result
-    twice is kept once."""
+    """The button's callback: the result's JSON export (`saved`: the file a reopened result came from) and its title,
+    appended to this session's meeting runs once."""
     ss = st.session_state
     runs = ss.setdefault(MEETING_RUNS, [])
-    if saved is not None:
-        text = saved.decode("utf-8") if isinstance(saved, bytes) else saved
-    else:
-        text = export_json(res, _fingerprint(lm))
+    text = (export_json(res, _fingerprint(lm)) if saved is None
+            else saved.decode("utf-8") if isinstance(saved, bytes) else saved)
     if any(r["json"] == text for r in runs):
         ss["_meeting_added"] = (name, "already")
         return
@@ -39,9 +36,8 @@ def _fingerprint(lm):
 
 
 def exports(res, name: str, lm=None, saved: "str | bytes | None" = None) -> None:
-    """Every page's downloads: the result as JSON (with the environment), a self-contained HTML report and (split,
-    greedy, dtypes, padding, reuse) a standalone repro script. Built on click only, so views stay cheap. Beside them,
-    "Add to the meeting" (add_to_meeting; `saved`: the JSON a reopened result was read from)."""
+    """Every page's downloads, built on click only: the result as JSON (with the environment), an HTML report and, for
+    a view that has one, a repro script; beside them "Add to the meeting" (`saved`: a reopened result's JSON)."""
     cols = st.columns(4)
 
     def as_json() -> str:  # the model fingerprint (hashes the vocabulary) only when the download is asked for

@@ -2,9 +2,7 @@
 import streamlit as st
 
 from kvviz import views
-
 from pages.defaults import DEFAULTS
-
 from kvviz.views.greedy import figures as greedy_figures
 from kvviz.views.greedy.run import DEFAULT_PATHS, MAX_NEW_TOKENS, PATH_LABELS, PATHS, GreedyConfig, GreedyPath
 from kvviz.core.inputs import POSITION_MODES
@@ -28,8 +26,7 @@ with controls():
     n_new = c1.number_input("New tokens", 1, MAX_NEW_TOKENS, key="greedy_n")
     left_pad = c2.number_input("Left padding", 0, 64, 0, key="greedy_pad")
     pos_mode = c3.radio("Position ids (cache path)", POSITION_MODES, horizontal=True, key="greedy_pos")
-    paths = st.multiselect("Paths", PATHS, key="greedy_paths",
-                           format_func=PATH_LABELS.get)
+    paths = st.multiselect("Paths", PATHS, key="greedy_paths", format_func=PATH_LABELS.get)
     o1, o2 = st.columns(2)
     fast = o1.toggle("Fast preview (teacher-forced no-cache path)", False, key="greedy_fast",
                      help="One full forward over the cache path's tokens gives every step's no-cache logits; own "
@@ -49,18 +46,16 @@ with left:
                      + (" Invariant mode is on: the paths' logits agree bit for bit wherever their logic is the same."
                         if choice.invariant else " " + greedy_closest_call(res)))
         if not choice.invariant:
-            # Where a real model meets a near tie depends on the machine's kernels, so the one click opens the
-            # constructed scenario whose no-cache and cache paths part on every machine (tiny:flip in bfloat16); a scenario is named on the page (its banner) and
-            # ends when you leave the page or pick another model - the sidebar is not switched for every page.
+            # Where a real model meets a near tie depends on the machine's kernels: the one click opens the
+            # constructed scenario whose paths part on every machine (tiny:flip in bfloat16), for this page only
             from kvviz.teach.presets import PRESETS, preset_state
             from pages.state import start_scenario
 
             tie = next(p for p in PRESETS if p.key == "flip")
-            st.button("Show a near tie (flips on any machine)",
-                      key="greedy_show_tie", icon=":material/visibility:", type="primary",
-                      on_click=start_scenario, args=(tie, preset_state(tie)),
-                      help=f"A scenario: {tie.model} in {tie.dtype}. {tie.what} Used on this page only: another page, another model or Reset to defaults "
-                           "brings back the defaults.")
+            st.button("Show a near tie (flips on any machine)", key="greedy_show_tie", icon=":material/visibility:",
+                      type="primary", on_click=start_scenario, args=(tie, preset_state(tie)),
+                      help=f"A scenario: {tie.model} in {tie.dtype}. {tie.what} Used on this page only: another "
+                           "page, another model or Reset to defaults brings back the defaults.")
     else:
         first = min(parting, key=lambda p: p.first_divergence)
         show_verdict(first.verdict, first.explanation, first.proof, proof_in_explanation=first.proof_in_explanation,
@@ -81,9 +76,9 @@ log = st.toggle("Log colours", True, key="greedy_log", help="Colour the gaps on 
 st.plotly_chart(greedy_figures.greedy_heatmap(res, res.pairs[pair_names.index(sel)], log), width="stretch",
                 key="greedy_heatmap")
 with st.expander("A/B: this decoding against one other setting, on one colour scale"):
+    b = None
     if not {GreedyPath.NO_CACHE, GreedyPath.CACHE} <= set(res.paths):
         st.info("A/B compares the no-cache and cache paths under two settings: choose both paths above to use it.")
-        b = None
     else:
         b = ab_run(VIEW, choice, lm, cfg, {"position ids (cache path)": (
             "position_ids", [m for m in POSITION_MODES if m != pos_mode])}, "Decodes once more with B's setting")

@@ -1,5 +1,4 @@
-"""/greedy_paths, an older URL: a fresh server looks its first request up among pages/ file names; this file hands it
-to app.py, which sends the link on to /greedy with its settings."""
+"""Older URL /greedy_paths: a fresh server's first request is handed to app.py, sent on to /greedy with its settings."""
 from pages import ensure_navigation
 
 ensure_navigation()

@@ -1,7 +1,5 @@
-"""The Logit lens view's page in the app (pages/lens.py): the generic page, pages/view.py - its config's fields as
-controls, its run, verdict, chart and downloads. A file named as the view's URL, because a fresh Streamlit server looks
-its very first request up among the pages/ file names before app.py runs: without one, a link to /lens opened on
-a fresh server answered "Page not found" (a reload worked)."""
+"""The Logit lens view's page: the generic page, pages/view.py. A file named as the view's URL, because a fresh
+server looks its very first request up among the pages/ file names before app.py runs ("Page not found" without)."""
 import runpy
 from pathlib import Path
 

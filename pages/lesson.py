@@ -45,6 +45,7 @@ def exercises_page() -> None:
                    key="lesson_ex")
     ex = BY_KEY[key]
     st.markdown(f"**{ex.title}.** {ex.story}")
+
     def compute():
         with progress_bar(f"{ex.title}: running the scenario…") as report:
             report(0.05, f"{ex.title}: running the scenario and its float64 rerun (a few seconds)…")
@@ -108,18 +109,14 @@ elif step == 8:
     options["dtype"] = c2.selectbox("dtype", LOW, index=0, key="lesson_dtype8")
 
 
-def compute(step: int, options: dict):
+def compute():
     with progress_bar(f"Step {step}: computing…") as report:
         report(0.05, f"Step {step}: loading the model and computing (a few seconds)…")
-        return lesson.run_step(step, models(), **dict(options))
-
-
-def result_of(step: int, options: dict):
-    return run_task(f"lesson{step}", (step, options), lambda: compute(step, options), ignores=("dtype",))
+        return lesson.run_step(step, models(), **options)
 
 
 try:
-    res = result_of(step, options)
+    res = run_task(f"lesson{step}", (step, options), compute, ignores=("dtype",))
 except Exception as e:  # noqa: BLE001 - one line, the page keeps working
     show_error(e)
     st.stop()
@@ -170,7 +167,7 @@ if ss.pop("_lesson_make_handout", False):
                 report((k - 1) / len(lesson.STEPS), f"Step {k} of {len(lesson.STEPS)}…")
                 opts = options if k == step else {}
                 done.append(run_task(f"lesson{k}", (k, opts), lambda k=k, opts=opts: lesson.run_step(
-                    k, models(), **dict(opts)), ignores=("dtype",)))
+                    k, models(), **opts), ignores=("dtype",)))
         ss["_lesson_handout"] = handout_html(done, choice.spec)
     except Exception as e:  # noqa: BLE001
         show_error(e)

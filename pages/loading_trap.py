@@ -2,11 +2,9 @@
 import streamlit as st
 
 from pages.defaults import DEFAULTS
-
 from kvviz.views.loading_trap import figures as loading_trap_figures
-
 from kvviz.views.loading_trap.run import LoadingTrapConfig
-from pages.common import controls, page, show_verdict, verdict_and_chart
+from pages.common import controls, page, show_verdict, side_by_side, verdict_and_chart
 from pages.runner import run_or_stop
 from pages.exporting import exports
 
@@ -29,11 +27,8 @@ with left:
                  res.explanation)
 with right:
     st.plotly_chart(loading_trap_figures.loading_trap_steps(res), width="stretch", key="loading_trap_chart")
-a, b = st.columns(2)
-a.markdown(f"**from_pretrained(dtype={dtype})**")
-a.text(res.loaded_text)
-b.markdown(f"**float32, then .to({dtype})**")
-b.text(res.cast_text)
+side_by_side((f"**from_pretrained(dtype={dtype})**", res.loaded_text),
+             (f"**float32, then .to({dtype})**", res.cast_text))
 if res.buffers:
     st.dataframe([{"buffer": x.name, "from_pretrained": x.loaded_dtype, ".to()": x.cast_dtype, "max |Δ|": x.max_abs}
                   for x in res.buffers], hide_index=True, width="stretch")

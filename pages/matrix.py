@@ -1,14 +1,15 @@
 """Page: attention × cache kind × compile × precision flags, repeated."""
+import collections
+
 import streamlit as st
 
 from pages.defaults import DEFAULTS
-
 from kvviz.views.matrix import figures as matrix_figures
 from kvviz.core.backends import CACHE_KINDS, COMPILE_MODES
 from kvviz.views.matrix.run import MatrixConfig, sliding_window_config
 from kvviz.teach.firstscreen import matrix_why
 from kvviz.core.verdict import worst as worst_of
-from pages.common import controls, page, show_verdict
+from pages.common import controls, page, show_verdict, side_by_side
 from pages.runner import page_message, run_button, run_or_stop
 from pages.exporting import exports
 
@@ -41,8 +42,7 @@ with controls():
     if st.session_state.get("matrix_preset_error"):
         with page_message():
             st.error(st.session_state["matrix_preset_error"], icon="⚠️")
-    prompt = st.text_area("Prompt (row 0)", DEFAULTS["matrix"]["prompt"],
-                          key="matrix_prompt", height=70)
+    prompt = st.text_area("Prompt (row 0)", DEFAULTS["matrix"]["prompt"], key="matrix_prompt", height=70)
     batch = st.text_area("Batch it with (one prompt a line; empty: alone)", "", key="matrix_batch", height=60)
     c1, c2, c3, c4 = st.columns(4)
     n = c1.number_input("New tokens", 1, 256, DEFAULTS["matrix"]["n"], key="matrix_n")
@@ -66,18 +66,13 @@ default_cfg = MatrixConfig(prompt=D["prompt"], max_new_tokens=D["n"], attentions
                            caches=tuple(D["cache"]), compiles=("off",), flag_sets=((),), repeats=D["repeats"],
                            invariant=choice.invariant)
 # a scenario's axes and the page's default axes (seconds) run at once; other axes wait for the click (can be long)
-# the matrix is long: it runs on the click (views reuse it)
-if not run_button("matrix", cfg, "Run the matrix", auto=st.session_state.pop("_mx_autorun", False) or cfg == default_cfg,
-                  ignores=("attn",), type="primary", key="matrix_run"):
-    st.info("Pick the axes and press **Run the matrix**.")
-    st.stop()
+run_button("matrix", cfg, "Run the matrix", "Pick the axes and press **Run the matrix**.", ignores=("attn",),
+           auto=st.session_state.pop("_mx_autorun", False) or cfg == default_cfg, type="primary", key="matrix_run")
 
 # its attentions are its own axis: the sidebar's is not one of its inputs
 res = run_or_stop("matrix", lm, cfg, ignores=("attn",), label="Running the cells…")
 
-counts = {}
-for c in res.cells:
-    counts[c.verdict or "could not run"] = counts.get(c.verdict or "could not run", 0) + 1
+counts = collections.Counter(c.verdict or "could not run" for c in res.cells)
 worst = worst_of(counts) or "could not run"
 why, fix = matrix_why(res, choice.invariant)  # an identical first screen says why, with one click
 show_verdict(worst, f"The worst of {len(res.cells)} cells against the no-cache eager reference — "
@@ -96,11 +91,7 @@ if cell.error:
     st.warning(f"This combination cannot run here: {cell.error}")
 else:
     st.plotly_chart(matrix_figures.matrix_cell_steps(cell), width="stretch", key="matrix_steps")
-    t1, t2 = st.columns(2)
-    t1.markdown("**This cell**")
-    t1.text(cell.text)
-    t2.markdown("**Reference**")
-    t2.text(res.reference["text"])
+    side_by_side(("**This cell**", cell.text), ("**Reference**", res.reference["text"]))
 env = res.environment
 st.caption(f"torch {env['torch']}, transformers {env['transformers']}, {env['device_name']}; computed in "
            f"{res.elapsed_s:.1f} s.")

@@ -1,13 +1,6 @@
-"""The memory plan beside a page's Run button (not a page of its own: app.py's navigation does not list it).
-
-    from pages.memory_plan import show_plan
-    plan = show_plan(choice, view, cfg.workload())  # the run's config: what it holds
-    run = st.button("Run", disabled=blocks_run(plan))
-
-One caption: the estimate against what is free (the full plan on hover); a run that cannot fit gets one error
-line naming what to lower, and `blocks_run(plan)` is True so the page can disable its Run button. Nothing is
-loaded to make the plan (kvviz.core.memory reads the model's files only).
-"""
+"""The memory plan of a page's run, drawn by pages.runner (not a page: app.py's navigation does not list it): one
+caption, the estimate against what is free (the full plan on hover), or one error line naming what to lower. Nothing
+is loaded to make the plan (kvviz.core.memory reads the model's files only)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -18,8 +11,7 @@ from kvviz.core.memory import GB, MemoryPlan, Workload, plan_workload
 
 
 def plan_for(choice, view: str, workload: Workload) -> MemoryPlan:
-    """The plan of a page's run from the sidebar choice (kvviz's ModelChoice: spec, dtype, device, attention): the
-    same builder as the CLI's (kvviz.core.memory.plan_workload)."""
+    """The plan of a page's run from the sidebar's ModelChoice, by the CLI's builder (plan_workload)."""
     if workload.attention == "auto" and getattr(choice, "attn", None):  # the sidebar's attention implementation
         workload = replace(workload, attention=str(choice.attn))
     return plan_workload(choice.spec, choice.dtype, choice.device, view, workload,
@@ -42,7 +34,3 @@ def show_plan(choice, view: str, workload: Workload) -> MemoryPlan | None:
         st.error("Cannot run: " + plan.refusal(), icon=":material/memory:")
     return plan
 
-
-def blocks_run(plan: MemoryPlan | None) -> bool:
-    """True when the plan says the run cannot fit (disable the Run button)."""
-    return plan is not None and not plan.fits

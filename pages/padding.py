@@ -1,24 +1,22 @@
 """Page: the same prompt alone, left-padded and in a batch, with cache settings right and wrong."""
 import streamlit as st
 
-from pages.defaults import DEFAULTS
-
-from kvviz.views.padding import figures as padding_figures
 from kvviz import views
+from kvviz.views.padding import figures as padding_figures
 from kvviz.views.padding.run import PaddingConfig
 from kvviz.teach.firstscreen import padding_line
 from pages.common import controls, page, show_verdict
 from pages.runner import run_or_stop
 from pages.ab import ab_run, show_ab
+from pages.defaults import DEFAULTS
 from pages.exporting import exports
 
 choice, lm = page("Padding and batching",
-                  "Why does left padding or batching change the output? Every cell is the prompt's hidden states compared "
-                  "with the prompt alone, without cache and without padding; the colour is the verdict from rerunning that "
-                  "very cell in float64.")
+                  "Why does left padding or batching change the output? Every cell is the prompt's hidden states "
+                  "compared with the prompt alone, without cache and without padding; the colour is the verdict from "
+                  "rerunning that very cell in float64.")
 with controls():
-    prompt = st.text_area("Prompt", DEFAULTS["padding"]["prompt"], key="padding_prompt",
-                             height=80)
+    prompt = st.text_area("Prompt", DEFAULTS["padding"]["prompt"], key="padding_prompt", height=80)
     c1, c2 = st.columns(2)
     left_pad = c1.number_input("Left padding (pad tokens)", 0, 64, DEFAULTS["padding"]["left_pad"], key="padding_pad")
     split = c2.number_input("Split point (0 = half the prompt)", 0, 4096, 0, key="padding_split")
@@ -56,10 +54,11 @@ with st.expander("A/B: this grid against one other setting, on one colour scale"
 proved = [c for c in res.cells if c["proved"] is not None]
 if proved:
     n_ok = sum(c["proved"] for c in proved)
-    st.success(f":material/lock: Precision — proved for {n_ok} of {len(proved)} precision cells: in invariant mode (every row "
-               "computed the same way whatever the shape) their gap is exactly 0.")
+    st.success(f":material/lock: Precision — proved for {n_ok} of {len(proved)} precision cells: in invariant mode "
+               "(every row computed the same way whatever the shape) their gap is exactly 0.")
 if choice.invariant:
-    st.info(":material/lock: Invariant mode is on: cells whose logic is right are bit for bit the prompt alone; the rest is logic.")
+    st.info(":material/lock: Invariant mode is on: cells whose logic is right are bit for bit the prompt alone; the "
+            "rest is logic.")
 st.caption(f"Split at token {res.settings.split} of {len(res.tokens)}; {res.settings.dtype} on "
            f"{res.settings.device}; batch companions of {res.settings.companions} tokens.")
 exports(res, "padding", lm)

@@ -2,10 +2,9 @@
 import streamlit as st
 
 from pages.defaults import DEFAULTS
-
 from kvviz.views.quant import figures as quant_figures
 from kvviz.views.quant.run import DEFAULT_RESIDUAL, KV_CHOICES, WEIGHT_CHOICES, package_available, QuantConfig
-from pages.common import controls, page, show_verdict, verdict_and_chart
+from pages.common import controls, page, show_verdict, side_by_side, verdict_and_chart
 from pages.runner import run_or_stop
 from pages.exporting import exports
 
@@ -23,8 +22,7 @@ def _kv_label(kv: str) -> str:
 
 
 with controls():
-    prompt = st.text_area("Prompt", DEFAULTS["quant"]["prompt"],
-                          key="quant_prompt", height=70)
+    prompt = st.text_area("Prompt", DEFAULTS["quant"]["prompt"], key="quant_prompt", height=70)
     c1, c2, c3, c4 = st.columns(4)
     kv = c1.selectbox("Quantized KV cache", KV_CHOICES, index=KV_CHOICES.index(DEFAULTS["quant"]["kv"]), key="quant_kv",
                       format_func=_kv_label,
@@ -53,11 +51,8 @@ with left:
 with right:
     st.plotly_chart(quant_figures.quant_steps(res), width="stretch", key="quant_steps_chart")
 st.plotly_chart(quant_figures.quant_layers(res), width="stretch", key="quant_layers_chart")
-a, b = st.columns(2)
-a.markdown("**Unquantized** (dynamic cache)")
-a.text(res.reference_text)
-b.markdown(f"**Quantized** ({res.label})")
-b.text(res.quantized_text)
+side_by_side(("**Unquantized** (dynamic cache)", res.reference_text),
+             (f"**Quantized** ({res.label})", res.quantized_text))
 with st.expander("Step by step"):
     st.dataframe(quant_figures.quant_frame(res), hide_index=True, width="stretch")
 for note in res.notes:

@@ -1,14 +1,13 @@
-"""Page: one prompt cache reused for several continuations ."""
+"""Page: one prompt cache reused for several continuations."""
 import streamlit as st
 
-from pages.defaults import DEFAULTS
-
-from kvviz.views.reuse import figures as reuse_figures, report as reuse_report
 from kvviz import views
+from kvviz.views.reuse import figures as reuse_figures, report as reuse_report
 from kvviz.views.reuse.run import REUSE_STRATEGIES, ReuseConfig
 from pages.common import controls, page, show_verdict
 from pages.runner import run_or_stop
 from pages.ab import ab_run
+from pages.defaults import DEFAULTS
 from pages.exporting import exports
 
 choice, lm = page("Prompt-cache reuse",
@@ -17,11 +16,10 @@ choice, lm = page("Prompt-cache reuse",
                   "continuation grew it - the common bug), against **fresh** (no prefix cache: the reference). "
                   "Greedy texts side by side, where they part from fresh, and why.")
 with controls():
-    prefix = st.text_area("Shared prefix", DEFAULTS["reuse"]["prefix"],
-                             key="reuse_prefix", height=70)
+    prefix = st.text_area("Shared prefix", DEFAULTS["reuse"]["prefix"], key="reuse_prefix", height=70)
     conts = st.text_area("Continuations (one a line; write \\n for a line break)",
-                            "\n".join(c.replace("\n", "\\n") for c in DEFAULTS["reuse"]["continuations"]),
-                            key="reuse_conts", height=110)
+                         "\n".join(c.replace("\n", "\\n") for c in DEFAULTS["reuse"]["continuations"]),
+                         key="reuse_conts", height=110)
     n = st.number_input("New tokens per continuation", 1, 256, DEFAULTS["reuse"]["n"], key="reuse_n")
     prove = st.toggle("Prove precision gaps (rerun in invariant mode; slower)", DEFAULTS["reuse"]["prove"],
                       key="reuse_prove", help="Off by default so the texts come quickly; float64 decides the verdicts.")

@@ -23,20 +23,17 @@ from kvviz.io.clirun import config_workload
 from kvviz.models.compat import script_request_state
 from kvviz.core.errors import OUT_OF_MEMORY_HINT, KvvizError, first_line, free_memory, is_out_of_memory
 from kvviz.core.memory import reset_peak
-from pages.memory_plan import blocks_run, show_plan
+from pages.memory_plan import show_plan
 
 _FREEZE_LOCK = threading.Lock()
 _FROZEN_WITH: set[str] | None = None  # the sessions seen by the last gc.freeze (None: nothing frozen yet)
 
 
 def freeze_what_lives() -> str:
-    """Streamlit collects garbage fully after every script run (runner.postScriptGC, gc.collect(2)); in the app server
-    that walk over torch's, transformers' and kvviz's objects took 0.15 s of each rerun. At the first script run the
-    objects alive are frozen (gc.freeze: no collection walks them). Frozen with them is the state of every session
-    alive then, so that is tracked: once any session seen so far has closed, the next script run unfreezes, collects
-    (a closed tab's state and results are freed one run late, never kept) and freezes again. Returns what it did:
-    "froze", "refroze", "kept" or "off" (under AppTest - a stand-in Runtime -, without a session, or with the
-    option off)."""
+    """Streamlit's full collection after every script run walked torch's, transformers' and kvviz's objects (0.15 s
+    a rerun): the objects alive at the first run are frozen (gc.freeze), with every session's state then; once one of
+    those sessions has closed, the next run unfreezes, collects (a closed tab's results are freed one run late) and
+    freezes again. Returns "froze", "refroze", "kept" or "off" (AppTest's stand-in Runtime, no session, option off)."""
     global _FROZEN_WITH
 
     session = _session_id()
@@ -81,41 +78,32 @@ def _request_stop() -> None:
 
 def progress_text(frac: float, msg: str, elapsed: float, since: float = 0.0,
                   phase: tuple[float, float] | None = None, left: float | None = None) -> str:
-    """The progress line: `msg` and the time left, estimated from the measured pace (elapsed / fraction done at the
-    last report) less the time since that report; past the estimate it says so and counts, never a stale "about 9 s
-    left". since: seconds since the last report (a step that takes long reports nothing meanwhile). phase: (fraction,
-    seconds) where the current phase began ("invariant proof: …" after the normal run): once the phase has a pace of
-    its own, the time left is re-measured from it (a proof ten times slower than the run before it says so). left:
-    the time left as the run's estimate says it (Ticker.left: the current phase's pace and the phases to come)."""
+    """The progress line: `msg` and the time left, from the measured pace at the last report (`since` seconds ago)
+    less the time since; past the estimate it says so and counts, never a stale "about 9 s left". phase: (fraction,
+    seconds) where the current phase began: once it has a pace of its own the time left is measured from it. left:
+    the time left as the run's estimate says it (_Ticker.left)."""
     if "left" in msg or frac >= 1:
         return msg
     at = elapsed - since  # the last report
-    if left is not None:
-        pass
-    elif phase is not None and frac - phase[0] > 0.005 and at - phase[1] > 0.5:
+    if left is None and phase is not None and frac - phase[0] > 0.005 and at - phase[1] > 0.5:
         left = (at - phase[1]) / (frac - phase[0]) * (1 - frac) - since
-    elif frac <= 0.02 or at <= 0.5:  # no pace measured yet
+    elif left is None and (frac <= 0.02 or at <= 0.5):  # no pace measured yet
         return f"{msg} — {elapsed:.0f} s so far" if elapsed >= 3 else msg
-    else:
+    elif left is None:
         left = at / frac * (1 - frac) - since
     if left >= 1:
-        return f"{msg} — about {_duration(left)} left"
+        return f"{msg} — about {estimate.duration(left)} left"
     if since >= 3:
         return (f"{msg} — taking longer than the pace so far said: {since:.0f} s on this part, {elapsed:.0f} s in "
                 "all")
     return f"{msg} — almost done"
 
 
-def _duration(seconds: float) -> str:
-    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
-
-
 class _Ticker:
-    """Redraws the progress line every second from the last report and the clock (a run reports only between its
-    steps), with the layer the run is at (where()) and each phase's own pace. The run names its phases as values
-    (`phase(name)`: RunContext.on_phase), never in its messages. With the run's estimate (kvviz.core.estimate) the
-    time left is the current phase's (its measured pace once it has one, else its estimate less the time it has
-    run) plus the estimates of the phases still to come; at a phase change it moves to the next phase's estimate."""
+    """Redraws the progress line every second (a run reports only between its steps), with the layer the run is at
+    (where()) and each phase's own pace; the run names its phases as values (`phase(name)`: RunContext.on_phase).
+    With the run's estimate the time left is the current phase's (its measured pace once it has one, else its
+    estimate less the time it has run) plus the estimates of the phases still to come."""
 
     def __init__(self, draw, clock, where=None, estimate=None):
         self.draw, self.clock, self.where = draw, clock, where or (lambda: "")
@@ -125,12 +113,6 @@ class _Ticker:
         self.phase_name, self.phase_start, self.fresh_phase = "", (0.0, 0.0), False
         self.phases = PhaseClock(clock, self.t0)  # each phase's measured seconds (the estimate store is refined by them)
         self.lock = threading.Lock()
-
-    def _msg(self) -> str:
-        """The last report's message, with the layer the run is at now (kvviz.core.cancel's checkpoints) while a step
-        reports nothing else: "invariant proof: Full forward without cache (layer 12 of 30)"."""
-        where = self.where()
-        return f"{self.msg.rstrip('…')} ({where})…" if where and where not in self.msg else self.msg
 
     def phase(self, name: str) -> None:
         """The run's phase `name` starts now; its start on the bar is the fraction of its first report."""
@@ -158,8 +140,8 @@ class _Ticker:
             current = est.seconds(name) - in_phase
         return max(0.0, current) + est.after(name)
 
-    def _draw(self, now: float) -> None:
-        self.draw(self.frac, progress_text(self.frac, self.msg, now - self.t0, now - self.t_report,
+    def _draw(self, now: float, msg: str = "") -> None:
+        self.draw(self.frac, progress_text(self.frac, msg or self.msg, now - self.t0, now - self.t_report,
                                            self.phase_start, self.left(now)))
 
     def report(self, frac: float, msg: str) -> None:
@@ -167,23 +149,22 @@ class _Ticker:
             self.frac, self.msg, self.t_report = min(max(float(frac), 0.0), 1.0), msg, self.clock()
             if self.fresh_phase:  # the phase's first report: where it starts on the bar
                 self.phase_start, self.fresh_phase = (self.frac, self.phase_start[1]), False
-            self.draw(self.frac, progress_text(self.frac, msg, self.t_report - self.t0, 0.0, self.phase_start,
-                                               self.left(self.t_report)))
+            self._draw(self.t_report)
 
     def tick(self) -> None:
+        """Between reports: the last message with the layer the run is at now ("… (layer 12 of 30)")."""
         with self.lock:
             if self.msg:
-                now = self.clock()
-                self.draw(self.frac, progress_text(self.frac, self._msg(), now - self.t0, now - self.t_report,
-                                                   self.phase_start, self.left(now)))
+                where = self.where()
+                self._draw(self.clock(), f"{self.msg.rstrip('…')} ({where})…" if where and where not in self.msg
+                           else self.msg)
 
 
 @contextlib.contextmanager
 def progress_bar(label: str):
-    """Yields a progress callback (fraction, message) drawn as a progress bar at the top of the page, with a time-left
-    estimate (redrawn every second, also between reports, with the layer the run is at) and a Stop button; removed
-    when done. Inside `run_cached` Stop ends the run at its next checkpoint (a report, a model call, a layer:
-    kvviz.core.cancel) and `run_cached` then says how far it got instead of starting it again."""
+    """Yields a progress callback (fraction, message) drawn as a bar at the top of the page with the time left
+    (_Ticker) and a Stop button; removed when done. Inside `run_cached` Stop ends the run at its next checkpoint
+    (kvviz.core.cancel) and the next script run says how far it got."""
     slot = st.session_state.get("_top_slot")
     box = slot if slot is not None else st.empty()
     with box.container():
@@ -231,9 +212,8 @@ def progress_bar(label: str):
 
 
 def _memory_plan(name: str, work, fresh: bool):
-    """The run's memory plan beside the result (a caption, the full plan on hover) for its typed workload
-    (kvviz.core.memory.Workload, from the page's config); a run that cannot fit is refused in one line naming what to
-    lower, before it starts (nothing is loaded to make the plan)."""
+    """The run's memory plan in the sidebar (pages.memory_plan.show_plan) for its workload; a fresh run that cannot
+    fit is refused in one line naming what to lower, before it starts."""
     choice = st.session_state.get("model_choice")
     view = views.for_run(name)
     if view is None or choice is None:
@@ -242,15 +222,15 @@ def _memory_plan(name: str, work, fresh: bool):
         raise TypeError(f"run_cached({name!r}): the {view.name} view plans its memory; pass workload=")
     with st.sidebar:  # beside the run's settings; the page's first screen stays the verdict and the chart
         plan = show_plan(choice, view.name, work)
-    if fresh and blocks_run(plan):
+    if fresh and plan is not None and not plan.fits:
         st.error("Cannot run: " + plan.refusal(), icon=":material/memory:")
         st.stop()
     return plan
 
 
 def _measured(compute, plan):
-    """compute(), with the run's own peak measured against its plan (kvviz.core.memory.reset_peak: the server ran other
-    work before) and the plan attached to the result (its JSON export carries it)."""
+    """compute(), its own peak measured against its plan (reset_peak: the server ran other work before), the plan
+    attached to the result (its JSON export carries it)."""
     baseline = reset_peak(plan.device) if plan is not None else None
     result = compute()
     if baseline is not None:
@@ -263,9 +243,8 @@ def _measured(compute, plan):
     return result
 
 
-# The runs working right now in this server process, any session: a run on one model waits for the model's lock
-# while another holds it, and says so (what holds it, since when) instead of a silent wait. Each entry carries the
-# run's cancel token (kvviz.core.cancel), its last progress report and an event set when it has ended (the lock freed).
+# The runs working now in this server process, any session: a run waiting for another's model says so (held_line).
+# Each entry: its cancel token, its last progress report, an event set when it has ended.
 _RUNNING: dict[int, dict] = {}
 _RUNNING_LOCK = threading.Lock()
 _STOPPED: dict[tuple[str, str], dict] = {}  # (session, run name) -> the last stopped run's entry, read by the rerun
@@ -279,9 +258,8 @@ def _session_id() -> str:
 
 
 def _page_probe():
-    """A test the run's checkpoints poll: has this script run been asked to stop or rerun (Stop, another control, a
-    closed tab: Streamlit stops this script run and, with fast reruns, starts the next one at once while this one
-    would go on computing)? None outside a Streamlit script run."""
+    """What the run's checkpoints poll: has this script run been asked to stop or rerun (Stop, another control, a
+    closed tab; with fast reruns the next one starts at once)? None outside a script run."""
     ctx = get_script_run_ctx()
     requests = getattr(ctx, "script_requests", None)
     if requests is None:
@@ -289,27 +267,11 @@ def _page_probe():
 
     def asked() -> bool:
         state, data = script_request_state(requests)
-        if state == "STOP":
-            return True
-        if state != "RERUN":
-            return False
-        if getattr(data, "fragment_id", None) and not getattr(data, "is_fragment_scoped_rerun", False):
-            return False  # a fragment's rerun waits for this run: it does not interrupt it
-        return True
+        # a fragment's rerun waits for this run: it does not interrupt it
+        fragment = getattr(data, "fragment_id", None) and not getattr(data, "is_fragment_scoped_rerun", False)
+        return state == "STOP" or (state == "RERUN" and not fragment)
 
     return asked
-
-
-def _model_of_session():
-    choice = st.session_state.get("model_choice")
-    return None if choice is None else (choice.spec, choice.dtype, choice.device)  # one loaded model, one lock
-
-
-def others_on_model(model, session: str) -> list[dict]:
-    """The runs of other sessions (tabs, users) working on `model` ((spec, dtype, device)) now, oldest first."""
-    with _RUNNING_LOCK:
-        return sorted((r for r in _RUNNING.values() if r["model"] == model and r["session"] != session),
-                      key=lambda r: r["started"])
 
 
 def held_line(run: dict, now: float | None = None) -> str:
@@ -322,17 +284,17 @@ def held_line(run: dict, now: float | None = None) -> str:
 
 @contextlib.contextmanager
 def _holding(name: str, token: cancel.Token | None = None):
-    """Register this session's run on its model while it works, and show the line above while another run holds
-    the model (left as a caption after the run: it waited). Yields the run's entry; a run stopped by its token is
-    kept for the next script run of this session (stopped_line)."""
-    from pages.common import PAGE_TITLES  # pages.common imports this module at its top: a cycle if it were here
-
-    model, session = _model_of_session(), _session_id()
-    others = others_on_model(model, session) if model is not None else []
+    """Register this run on its model while it works, with held_line while another run holds the model (a caption
+    after it: it waited). Yields the run's entry; a stopped run's is kept for the next script run (stopped_line)."""
+    choice, session = st.session_state.get("model_choice"), _session_id()
+    model = None if choice is None else (choice.spec, choice.dtype, choice.device)  # one loaded model, one lock
+    with _RUNNING_LOCK:  # other sessions' (tabs', users') runs on it, oldest first
+        others = sorted((r for r in _RUNNING.values() if model is not None and r["model"] == model
+                         and r["session"] != session), key=lambda r: r["started"])
     note = st.empty()
     if others:
         note.info(held_line(others[0]), icon=":material/hourglass_top:")
-    page_name = PAGE_TITLES.get(st.session_state.get("_page", ""), "")
+    page_name = st.session_state.get("_page_title", "")  # app.py names the page's title
     what = f"{page_name} ({name})" if page_name and page_name.lower() != name.lower() else (page_name or name)
     entry = {"model": model, "session": session, "what": what, "started": time.time(), "name": name,
              "token": token, "done": threading.Event(), "frac": 0.0, "msg": "",
@@ -355,8 +317,8 @@ def _holding(name: str, token: cancel.Token | None = None):
                     _STOPPED.pop(next(iter(_STOPPED)))
         entry["done"].set()
         if others:
-            note.caption(":material/hourglass_top: " + held_line(others[0]).replace("this one starts when it ends", "this one waited "
-                                                                "for it"))
+            note.caption(":material/hourglass_top: " + held_line(others[0]).replace("this one starts when it ends",
+                                                                                    "this one waited for it"))
 
 
 def stopped_line(entry: dict | None) -> str:
@@ -378,14 +340,14 @@ def stopped_line(entry: dict | None) -> str:
             "start this run again.")
 
 
-def _stop_earlier_runs(session: str) -> dict | None:
-    """This session's runs still working (a Stop or a changed control interrupted their script run): cancel them and
-    wait, with a line, until they have freed the model (STOP_WAIT_S at most). Returns the last one's entry."""
+def _stop_earlier_runs(session: str) -> None:
+    """Cancel this session's runs still working (a Stop or a changed control ended their script run) and wait, with
+    a line, until they freed the model (STOP_WAIT_S at most)."""
     with _RUNNING_LOCK:
         mine = [r for r in _RUNNING.values() if r["session"] == session and not r["done"].is_set()
                 and r.get("thread") != threading.get_ident()]  # not a run this one is part of
     if not mine:
-        return None
+        return
     note = st.empty()
     note.info(f"Stopping the run that was working ({mine[-1]['what']})…", icon=":material/stop_circle:")
     t0 = time.time()
@@ -400,51 +362,52 @@ def _stop_earlier_runs(session: str) -> dict | None:
     if late:
         st.warning(f"The stopped run ({late[-1]['what']}) is still finishing its current step after "
                    f"{STOP_WAIT_S:.0f} s; this run waits for the model until it ends.", icon=":material/hourglass_top:")
-    return mine[-1]
 
 
 LONG_RUN_S = 120.0  # a run its estimate says will take longer than this is announced first, with its proof's share
 
 
 def run_estimate(lm, name: str, work) -> "estimate.Estimate | None":
-    """The estimate of run `name` (a view's run name) of workload `work` (kvviz.core.inputs.Workload) on the loaded
-    model `lm`, from this machine's measured pace (kvviz.core.estimate: measured on first use - a few short forwards,
-    said while it works - and kept); None without a model or a workload, or where it cannot be made."""
+    """The estimate of run `name` of workload `work` on `lm` from this machine's pace (kvviz.core.estimate: measured
+    on first use, a few short forwards, and kept); None without a model or a workload, or where it cannot be made."""
     view = views.for_run(name)
     if lm is None or work is None or view is None:
         return None
     choice = st.session_state.get("model_choice")
     invariant = bool(getattr(choice, "invariant", False))
     try:
-        if estimate.load_pace(estimate.key_of_model(lm)) is None:
-            with st.spinner("Measuring this machine's pace for this model (once: a few short forwards)…"):
-                return estimate.for_model(lm, work, estimate.tokens_of(lm, work), view.name, invariant)
-        return estimate.for_model(lm, work, estimate.tokens_of(lm, work), view.name, invariant)
+        measured = estimate.load_pace(estimate.key_of_model(lm)) is not None
+        with contextlib.nullcontext() if measured else st.spinner(
+                "Measuring this machine's pace for this model (once: a few short forwards)…"):
+            return estimate.for_model(lm, work, estimate.tokens_of(lm, work), view.name, invariant)
     except (KvvizError, OSError, ValueError, RuntimeError):
         return None
 
 
 def announce_long_run(name: str, key: str, est) -> None:
-    """Before a run its estimate says is long (the first one too: the estimate is measured, not the last run's):
-    how long, the run and its proof apart, and buttons to run it as it is or without the automatic invariant proof
-    (the run's context then has auto_proof False); the page stops here until one is clicked."""
+    """Before a run its estimate says is long: how long, run and proof apart, and buttons to run it as it is or
+    without the automatic invariant proof (auto_proof False); the page stops here until one is clicked."""
     ss = st.session_state
     chosen = ss.setdefault("_long_ok", {})
     if est is None or est.run_s <= LONG_RUN_S or chosen.get(name, ("", ""))[0] == key:
         return
     proof_s = est.seconds("proof")
     without = est.without("proof", "load")
-    parts = ", ".join(f"{estimate.duration(p.seconds)} for the {estimate.PHASE_WORDS.get(p.name, p.name)}"
-                      for p in est.phases if p.name != "load" and p.seconds >= 1)
-    st.warning(f"This run will take about {estimate.duration(est.run_s)} on this machine ({parts}): "
-               f"{est.basis}. The progress bar says each phase as it goes; Stop ends it at once.",
-               icon=":material/schedule:")
+
+    def parts(maybe: bool) -> str:
+        return ", ".join(f"{estimate.duration(p.seconds)} for the {estimate.PHASE_WORDS.get(p.name, p.name)}"
+                         for p in est.phases if p.name != "load" and p.seconds >= 1 and p.maybe == maybe)
+    sure, maybe = parts(False), parts(True)  # the phases that run whatever the numbers; those only where they differ
+    upto = f", up to {estimate.duration(est.run_s)} if the paths differ" if "up to" in est.about(load=False) else ""
+    st.warning(f"This run will take about {estimate.duration(est.without('load').certain_s)} on this machine{upto} "
+               f"({sure}{'; if they differ, ' + maybe if maybe else ''}): {est.basis}. The progress bar says each "
+               "phase as it goes; Stop ends it at once.", icon=":material/schedule:")
     skip = proof_s >= 1
     cols = st.columns(2 if skip else 1)
-    cols[0].button(f"Run it (about {estimate.duration(est.run_s)})", key=f"_long_run_{name}", type="primary",
+    cols[0].button(f"Run it ({est.about(load=False)})", key=f"_long_run_{name}", type="primary",
                    on_click=chosen.__setitem__, args=(name, (key, "full")))
     if skip:
-        cols[1].button(f"Run without the proof (about {estimate.duration(without.run_s)})",
+        cols[1].button(f"Run without the proof ({without.about(load=False)})",
                        key=f"_long_noproof_{name}", on_click=chosen.__setitem__, args=(name, (key, "no proof")),
                        help="The verdict stays (the float64 rerun decides it); a precision verdict then says it is "
                             "not proved. Turn on invariant mode in the sidebar for a proof in one run.")
@@ -452,17 +415,12 @@ def announce_long_run(name: str, key: str, est) -> None:
 
 
 def run_context(settings, report) -> RunContext:
-    """The context of the page's run now working (inside run_cached and progress_bar): its settings and progress,
-    the user's proof choice (auto_proof False after "Run without the proof"), its estimate, and the progress line
-    told each phase as the run names it."""
+    """The context of the page's run now working (inside run_cached and progress_bar): settings, progress, the
+    user's proof choice, its estimate, and the progress line told each phase the run names."""
     run = _RUN.get() or {}
     ticker = run.get("ticker")
     return RunContext(settings=settings, progress=report, auto_proof=run.get("auto_proof", True),
                       estimate=run.get("estimate"), on_phase=ticker.phase if ticker is not None else None)
-
-
-def _key_of(key_parts: dict) -> str:
-    return hashlib.sha256(json.dumps(key_parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def _finish_timings(lm, name: str, entry: dict, result, elapsed: float) -> None:
@@ -477,15 +435,12 @@ def _finish_timings(lm, name: str, entry: dict, result, elapsed: float) -> None:
 
 
 def run_cached(name: str, key_parts: dict, compute, workload=None, lm=None):
-    """Run `compute()` once per distinct inputs (`key_parts`) in this session; view-only reruns reuse the stored
-    result. The run's memory plan (of `workload`, a kvviz.core.memory.Workload: required for a run whose view plans
-    its memory) is shown first, and a run that cannot fit is refused before it starts; with the loaded model `lm`
-    its time is estimated (run_estimate) and a long run announced first (announce_long_run); compute() builds its
-    context with run_context (the estimate, the proof choice, the phases). The run can be stopped
-    (Stop, a closed tab, a changed control): it ends at its next checkpoint (kvviz.core.cancel), frees the model, and the
-    next script run says how far it got."""
+    """Run `compute()` once per distinct inputs (`key_parts`) in this session; view-only reruns reuse the result.
+    First the memory plan of `workload` (required for a view that plans its memory; a run that cannot fit is refused)
+    and, with the loaded model `lm`, the estimate (a long run is announced first). Stop, a closed tab or a changed
+    control ends the run at its next checkpoint; the next script run says how far it got."""
     store = st.session_state.setdefault(f"_results_{name}", {})
-    key = _key_of(key_parts)
+    key = hashlib.sha256(json.dumps(key_parts, sort_keys=True, default=str).encode()).hexdigest()
     plan = _memory_plan(name, workload, key not in store)
     if key not in store:
         ss = st.session_state
@@ -529,11 +484,9 @@ def run_cached(name: str, key_parts: dict, compute, workload=None, lm=None):
 
 
 def _value_key(value) -> object:
-    """A config's value as a cache key's part: its fields (dataclasses.asdict), bytes by their digest (an uploaded
-    cache is not written into the key)."""
+    """A config's value as a cache key's part: its fields, bytes by their digest (an uploaded cache)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        value = {f.name: _value_key(getattr(value, f.name)) for f in dataclasses.fields(value)}
-        return value
+        return {f.name: _value_key(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, (bytes, bytearray)):
         return "sha256:" + hashlib.sha256(value).hexdigest()
     if isinstance(value, dict):
@@ -544,9 +497,8 @@ def _value_key(value) -> object:
 
 
 def _model_key(lm, ignores: tuple[str, ...]) -> dict:
-    """The model a run runs on, as its cache key names it: the sidebar's choice less what the run ignores (a view that
-    loads its own dtypes ignores the sidebar's dtype), and the loaded model's own dtype and attention (an A/B's B
-    model differs from the sidebar's there)."""
+    """The model in a run's cache key: the sidebar's choice less what the run ignores (dtypes loads its own), and the
+    loaded model's own dtype and attention (an A/B's B model differs from the sidebar's)."""
     choice = st.session_state.get("model_choice")
     key = {"choice": None if choice is None else choice.key_without("invariant", *ignores)}
     if lm is not None:
@@ -557,16 +509,13 @@ def _model_key(lm, ignores: tuple[str, ...]) -> dict:
 
 def run_view(view, lm, config, *, settings=None, prove=None, name: str | None = None, label: str | None = None,
              ignores: tuple[str, ...] = ()):
-    """THE way a page runs a view (a kvviz.views.View or its name): `view.runner()(lm, config, ctx)` once per
-    distinct value of (model, config, settings, prove) in this session, with the page's progress bar and its Stop
-    (the context's cancel token), and the memory plan of the config's workload (kvviz.io.clirun.config_workload, as
-    its subcommand plans it; a proof turned off plans none) shown first, refusing a run that cannot fit.
+    """THE way a page runs a view (a View or its name): `view.runner()(lm, config, ctx)` through run_cached, once per
+    (model, config, settings, prove), with the memory plan of the config's workload (as its subcommand plans it).
 
-    settings: the run's ExecSettings (default: the sidebar's); a view whose run refuses invariant mode (its REFUSES)
-    runs without it, as its page always did (the page says so where it matters). prove: the context's (None: the
-    automatic proof, which "Run without the proof" of a run announced as long turns off - the context's auto_proof;
-    False: none). name: the run's name (default: the view's first run name; an A/B's B side is "<name>_ab"). label:
-    the progress bar's first line. ignores: sidebar fields the run does not depend on ("dtype", "attn")."""
+    settings: default the sidebar's (without invariant mode for a view that refuses it). prove: the context's (None:
+    the automatic proof; False: none, and no proof in the plan). name: the run's name (default: the view's first;
+    an A/B's B side is "<name>_ab"). label: the progress bar's first line. ignores: sidebar fields the run does not
+    depend on ("dtype", "attn")."""
     view = views.get(view) if isinstance(view, str) else view
     choice = st.session_state.get("model_choice")
     settings = settings if settings is not None else (choice.settings if choice is not None else None)
@@ -589,34 +538,38 @@ def run_view(view, lm, config, *, settings=None, prove=None, name: str | None = 
     return run_cached(name, key, compute, work, lm=lm)
 
 
-def run_or_stop(view, lm, config, **run):
-    """run_view for a page's main result: a failure is one line (show_error) and the page stops there."""
+def run_or_stop(view, lm, config, *, button: str | None = None, **run):
+    """run_view for a page's main result: a failure is one line (show_error) and the page stops there; the run
+    button `button` (run_button's name) is then forgotten, so the next rerun does not start it again."""
     try:
         return run_view(view, lm, config, **run)
     except Exception as e:  # noqa: BLE001 - one line, the app keeps working
+        if button:
+            forget_button(button)
         show_error(e)
         st.stop()
 
 
 def run_task(name: str, value, compute, *, ignores: tuple[str, ...] = ()):
     """A page's computation that is not a view's run (a Lesson step, an exercise, the cache's download): compute()
-    once per distinct `value` (a config dataclass or plain data) on the sidebar's model less `ignores`, with Stop
-    and, for a value with a `workload()`, its memory plan as a view's config has it."""
+    once per `value` on the sidebar's model less `ignores`, with Stop and, for a value with a `workload()`, its plan."""
     work = config_workload(value) if callable(getattr(value, "workload", None)) else None
     return run_cached(name, {"model": _model_key(None, ignores), "value": _value_key(value)}, compute, work)
 
 
-def run_button(name: str, value, label: str, *, auto: bool = False, ignores: tuple[str, ...] = (), **button) -> bool:
-    """A long run's button (the matrix, the sweep, an engine's run): drawn with `label` and `button`'s keywords
-    (its widget key among them); True once it was pressed for this `value` on this model (a run's config), or at once
-    when `auto`. The press is marked in the button's callback: the app may rerun the script before the page reads a
-    button's value. forget_button(name) after a failed run: the next rerun does not start it again."""
+def run_button(name: str, value, label: str, waiting: str, *, auto: bool = False, ignores: tuple[str, ...] = (),
+               **button) -> None:
+    """A long run's button (st.button's keywords, its key among them): the page goes on once it was pressed for this
+    `value` on this model, or at once when `auto`; until then it says `waiting` and stops. Marked in its callback (the
+    app may rerun before the page reads a button's value); forget_button(name) after a failed run."""
     mark = repr({"model": _model_key(None, ignores), "value": _value_key(value)})
     asked = st.session_state.setdefault("_run_asked", {})
     if auto:
         asked[name] = mark
     st.button(label, on_click=asked.__setitem__, args=(name, mark), **button)
-    return asked.get(name) == mark
+    if asked.get(name) != mark:
+        st.info(waiting)
+        st.stop()
 
 
 def forget_button(name: str) -> None:

@@ -11,7 +11,7 @@ from kvviz.views.serving.sweep import PROMPTS_PER_CELL, SweepConfig, figure as s
 from kvviz.engines import registry
 from kvviz.teach.firstscreen import serving_why
 from pages.common import controls, page, prompt_set, show_verdict
-from pages.runner import forget_button, run_button, run_view, show_error
+from pages.runner import forget_button, run_button, run_or_stop, run_view, show_error
 from pages.defaults import DEFAULTS
 from pages.exporting import exports
 
@@ -48,16 +48,15 @@ with controls():
         st.stop()
 
 cfg = ServeConfig(prompts=list(prompts), shared_prefix=prefix, conditions=tuple(conditions), runs=int(runs),
-                          max_new_tokens=int(new_tokens), batch_size=int(batch), seed=int(seed), engine=engine,
-                          page_size=int(page_size) if pages else None, prompt_source=source)
-
+                  max_new_tokens=int(new_tokens), batch_size=int(batch), seed=int(seed), engine=engine,
+                  page_size=int(page_size) if pages else None, prompt_source=source)
 try:
     cfg.validate()
-    res = run_view(views.get("serving"), lm, cfg, label=f"Running {len(prompts)} prompt(s) × {len(conditions)} "
-                   f"condition(s) × {int(runs)} runs…")
-except Exception as e:  # noqa: BLE001
+except Exception as e:  # noqa: BLE001 - one line, the controls stay
     show_error(e)
     st.stop()
+res = run_or_stop("serving", lm, cfg, label=f"Running {len(prompts)} prompt(s) × {len(conditions)} condition(s) × "
+                  f"{int(runs)} runs…")
 
 verdict, text = serving_report.verdict(res)
 parting = [p for p in res.prompts if p.first_divergence is not None]
@@ -89,8 +88,8 @@ with st.expander("Completions of one prompt, run by run"):
         for r, t in enumerate(p.texts[c]):
             st.text(f"{CONDITION_LABELS[c]}, run {r + 1}: {t!r}")
 if choice.invariant:
-    st.info(":material/lock: Invariant mode is on: every condition (the engine's own thread too) computes each row the same way "
-            "whatever comes with it, so each prompt must give exactly one completion everywhere.")
+    st.info(":material/lock: Invariant mode is on: every condition (the engine's own thread too) computes each row "
+            "the same way whatever comes with it, so each prompt must give exactly one completion everywhere.")
 st.caption(f"Engine {res.engine['name']} {res.engine.get('version', '')}; toggles: "
            + "; ".join(res.engine["toggles"]) + f". {res.settings.dtype} on {res.settings.device}.")
 exports(res, "serving", lm)
@@ -123,19 +122,16 @@ try:
         raise KvvizError("requests in flight and prompt lengths take comma-separated whole numbers, like 1,4,16") \
             from None
     scfg = SweepConfig(concurrency=conc, lengths=lengths, prompts_per_cell=int(per_cell),
-                             max_new_tokens=int(new_tokens), runs=int(runs), seed=int(seed), engine=engine,
-                             budget_s=float(budget) or None, cell_limit_s=float(cell_limit) or None)
+                       max_new_tokens=int(new_tokens), runs=int(runs), seed=int(seed), engine=engine,
+                       budget_s=float(budget) or None, cell_limit_s=float(cell_limit) or None)
     scfg.validate()
 except Exception as e:  # noqa: BLE001 - a bad grid: one line, the controls stay
     show_error(e)
     st.stop()
-if not run_button("serving_sweep", scfg, "Run the sweep", key="serving_sweep_run", type="primary",
-                  icon=":material/play_arrow:",
-                  help="Starts the engine (vLLM: in its own environment, a minute or more on a CPU) and runs the grid"):
-    st.info(f"Choose the grid and press **Run the sweep**: {len(scfg.concurrency) * len(scfg.lengths)} cells of "
-            f"{int(per_cell)} prompts through {engine}.")
-    st.stop()
-
+run_button("serving_sweep", scfg, "Run the sweep", f"Choose the grid and press **Run the sweep**: "
+           f"{len(scfg.concurrency) * len(scfg.lengths)} cells of {int(per_cell)} prompts through {engine}.",
+           key="serving_sweep_run", type="primary", icon=":material/play_arrow:",
+           help="Starts the engine (vLLM: in its own environment, a minute or more on a CPU) and runs the grid")
 
 where = st.empty()  # the button is far below the progress bar: say where it is while the sweep runs
 where.info("Sweeping: its progress, the time left and **Stop** are at the top of the page.",

@@ -1,8 +1,6 @@
 """Page: prefix → cache → rest, compared with one full forward."""
 import streamlit as st
 
-from pages.defaults import DEFAULTS
-
 import kvviz
 from kvviz import views
 from kvviz.core import plotting
@@ -11,6 +9,7 @@ from kvviz.core.inputs import MASK_MODES, POSITION_MODES, encode
 from kvviz.core.metrics import HIDDEN_METRICS
 from kvviz.teach.firstscreen import rounding_away_note, split_identical_why
 from pages.common import controls, page, show_verdict, verdict_and_chart
+from pages.defaults import DEFAULTS
 from pages.state import linked_slider_box
 from pages.runner import page_message, run_or_stop, run_view, show_error
 from pages.ab import ab_run, show_ab
@@ -20,14 +19,13 @@ from pages.exporting import exports
 # that its last layer and its token axis are in the first screen)
 PRESENTER_HEATMAP_PX = 450
 
-DEFAULT_PROMPT = DEFAULTS["split"]["prompt"]
-
 choice, lm = page("Split point",
                   "Feed tokens [0, k) and cache them, then feed the rest through the cache (`cache` — "
-                  "`past_key_values` before transformers 5.24); compare every hidden state, the logits and the keys/values with one full forward without cache.")
+                  "`past_key_values` before transformers 5.24); compare every hidden state, the logits and the "
+                  "keys/values with one full forward without cache.")
 
 with controls():
-    prompt = st.text_area("Prompt", DEFAULT_PROMPT, key="split_prompt", height=90)
+    prompt = st.text_area("Prompt", DEFAULTS["split"]["prompt"], key="split_prompt", height=90)
     try:
         ids = encode(lm, prompt)
     except kvviz.KvvizError as e:
@@ -35,18 +33,16 @@ with controls():
             show_error(e)
         st.stop()
     tokens = [lm.tokenizer.decode([i]) for i in ids]
-    n = len(tokens)
-    if n < 2:
+    if (n := len(tokens)) < 2:
         with page_message():
             st.warning("The prompt is a single token; a split needs at least 2 tokens.")
         st.stop()
 
     c1, c2 = st.columns([3, 2])
     with c1:
-        default_split = min(max(1, n // 2), n - 1)
         if n - 1 > 1:
             split = linked_slider_box("split_k", "Split point k: tokens before k go to the cache", 1, n - 1,
-                                      default_split, "k", help="Type k exactly (long prompts)")
+                                      min(max(1, n // 2), n - 1), "k", help="Type k exactly (long prompts)")
         else:
             split = 1
             st.caption("Split point k = 1 (the only one for a 2-token prompt)")
@@ -58,8 +54,9 @@ with controls():
         st.session_state.setdefault("split_pad", 0)  # a scenario sets it: no widget default as well
         left_pad = st.number_input("Left padding (pad tokens before the prompt)", 0, 64, key="split_pad")
         pos_mode = st.radio("Position ids for the rest", POSITION_MODES, horizontal=True, key="split_pos",
-                            help="auto: derived from the attention mask, as generate() does. omit: let the model count "
-                                 "from the cache length (wrong when the prompt is left-padded: the pads get counted; see docs/guide.md).")
+                            help="auto: derived from the attention mask, as generate() does. omit: let the model "
+                                 "count from the cache length (wrong when the prompt is left-padded: the pads get "
+                                 "counted; see docs/guide.md).")
         mask_mode = st.radio("Attention mask for the rest", MASK_MODES, horizontal=True, key="split_mask",
                              help="full: past + new tokens (correct). new-only: only the new tokens, a common mistake "
                                   "that transformers accepts silently.")
@@ -110,8 +107,8 @@ with st.expander("A/B: this view against one other setting, on one colour scale"
     b = ab_run(VIEW, choice, lm, cfg, {"feed mode": ("mode", [m for m in ("chunk", "step") if m != mode])},
                "Runs the model once more with B's setting")
     if b is not None:
-        show_ab(split_figures.ab_heatmaps(res, b.result, f"{b.label_a}: {res.verdict}", f"{b.label_b}: {b.result.verdict}",
-                                    metric, log), "split",
+        show_ab(split_figures.ab_heatmaps(res, b.result, f"{b.label_a}: {res.verdict}",
+                                          f"{b.label_b}: {b.result.verdict}", metric, log), "split",
                 f"A largest |Δ| {res.main.max_abs:.4g}, B {b.result.main.max_abs:.4g}. Same colour scale on both "
                 "maps; the third map is their difference.")
 
@@ -144,8 +141,7 @@ with st.expander("Where does it start? (bisector)", expanded=st.session_state.ge
             away = rounding_away_note(res.main.hidden["max_abs"], b.first.name if b.first else None)
             if away:
                 st.info(away, icon=":material/info:")
-            st.dataframe([{"layer": module_row(g.name), "module": g.name, "kind": g.kind,
-                           "max |Δ|": g.max_abs}
+            st.dataframe([{"layer": module_row(g.name), "module": g.name, "kind": g.kind, "max |Δ|": g.max_abs}
                           for g in b.modules], hide_index=True, width="stretch")
 for note in res.notes:
     st.caption(f"ℹ️ {note}")

@@ -18,25 +18,16 @@ SIDEBAR_DEFAULTS = {"model_preset": "default", "model_other": "", "dtype": "floa
                     "devices": "one device", "max_memory": ""}
 
 
-# Page controls persist across page switches and live in the URL. Streamlit forgets the state of widgets that a run
-# did not draw, so app.py stashes every page control at the start of each run (`remember`), and a page restores its
-# own before drawing them (`restore`). The URL carries the sidebar and the current page's controls as JSON values.
-# The prefixes and their pages come from the view registry (each view's Page(prefix=...)).
+# Page controls persist across page switches and live in the URL. Streamlit forgets the state of widgets a run did
+# not draw, so app.py stashes every page control at the start of each run (`remember`) and a page restores its own
+# before drawing them (`restore`). The URL carries the sidebar and the page's controls as JSON values. The prefixes
+# come from the view registry (each view's Page(prefix=...)).
 PREFIX_OF_PAGE = _views.page_prefixes()
 PAGE_PREFIXES = tuple(PREFIX_OF_PAGE.values())
 LINK_PREFIXES = _views.link_prefixes()  # other prefixes a saved link may carry -> the controls' own
 
 
-def link_key(key: str) -> str:
-    """A saved link's parameter name -> the control it sets (a link made with another prefix still opens)."""
-    for other, own in LINK_PREFIXES.items():
-        if key.startswith(other):
-            return own + key[len(other):]
-    return key
-
-
-SIDEBAR_KEYS = ("model_preset", "model_other", "dtype", "device", "attn", "trust_remote_code", "invariant",
-                "presenter", "devices", "max_memory")
+SIDEBAR_KEYS = tuple(SIDEBAR_DEFAULTS)
 
 
 # Keys that are not settings although they carry a page's prefix: the linked slider and box of split's k (split_k
@@ -49,9 +40,9 @@ def _persistable(key: str) -> bool:
         and not key.startswith(("dl_", "_")) and not is_read_only(key)
 
 
-# What a control holds, by the widget that draws it. A link's value of another kind (split_pad="abc", presenter="x",
-# split_prompt=42) would make Streamlit raise when the page draws the widget; it is refused like unreadable JSON.
-# selectbox and radio are not listed: Streamlit itself puts a value outside their options back to the default.
+# What a control holds, by its widget: a link's value of another kind (split_pad="abc") would make Streamlit raise
+# when the page draws the widget, so it is refused like unreadable JSON. (A selectbox or radio puts a value outside
+# its options back to the default itself.)
 _KIND_OF_WIDGET = {"number_input": "number", "slider": "number", "text_area": "text", "text_input": "text",
                    "toggle": "bool", "checkbox": "bool", "multiselect": "list"}
 _FITS = {"number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
@@ -68,10 +59,8 @@ def _key_pattern(node: ast.expr) -> str | None:
     return None
 
 
-# Widgets whose key Streamlit makes read-only: a value assigned to it through st.session_state makes the widget
-# raise StreamlitValueAssignmentNotAllowedError when it is drawn ("st.session_state['dtypes_show_gap'] is read-only"),
-# so such a key is never a setting - never stashed, never in a link, never restored. (Charts and dataframes are
-# read-only only with selections on; their keys are not settings either way.)
+# Widgets whose key Streamlit makes read-only (a value assigned through st.session_state makes the widget raise
+# StreamlitValueAssignmentNotAllowedError): never a setting - never stashed, in a link or restored.
 READ_ONLY_WIDGETS = frozenset({"button", "download_button", "form_submit_button", "link_button", "menu_button",
                                "file_uploader", "camera_input", "audio_input", "chat_input", "data_editor",
                                "plotly_chart", "dataframe", "altair_chart", "vega_lite_chart", "pydeck_chart",
@@ -91,8 +80,7 @@ def _widget_calls():
 
 @functools.cache
 def control_kinds() -> tuple[tuple[re.Pattern, str], ...]:
-    """(key pattern, kind) of every widget in app.py and pages/*.py whose value has one kind: read off the calls in
-    the code, so a new control is covered without a list to keep."""
+    """(key pattern, kind) of every widget in app.py and pages/*.py whose value has one kind, read off the code."""
     found = []
     for name, key, _, _ in _widget_calls():
         kind = _KIND_OF_WIDGET.get(name)
@@ -104,15 +92,13 @@ def control_kinds() -> tuple[tuple[re.Pattern, str], ...]:
 
 @functools.cache
 def read_only_keys() -> tuple[re.Pattern, ...]:
-    """The key patterns of every read-only widget (READ_ONLY_WIDGETS) in app.py and pages/*.py, read off the code: a
-    new button is covered without a list to keep. tests/test_one_click_fixes.py checks each such key is readable
-    here (a literal or an f-string)."""
+    """The key patterns of every read-only widget in app.py and pages/*.py, read off the code (a literal or an
+    f-string: tests/test_one_click_fixes.py checks each)."""
     return tuple(re.compile(p) for name, key, _, _ in _widget_calls()
                  if name in READ_ONLY_WIDGETS and key is not None and (p := _key_pattern(key)))
 
 
 def is_read_only(key: str) -> bool:
-    """Whether `key` is a read-only widget's (a button's...): the app never assigns it through session state."""
     return any(p.fullmatch(key) for p in read_only_keys())
 
 
@@ -130,7 +116,8 @@ def remember() -> None:
         ss["_url_read"] = True
         bad = []
         for k, v in st.query_params.items():
-            k = link_key(k)
+            # the control it sets: a link made with another prefix still opens
+            k = next((own + k[len(other):] for other, own in LINK_PREFIXES.items() if k.startswith(other)), k)
             if not _persistable(k) or k == "trust_remote_code":  # a link never turns remote code on
                 continue
             try:
@@ -166,8 +153,8 @@ def link_defaults_note(keys: list[str]) -> None:
 
 
 def fall_back_outside(choices: dict[str, list]) -> None:
-    """A sidebar choice (from a link) that is not among its options goes back to its default, and the note says so;
-    left to the widget, Streamlit would show its first option instead (dtype float8 became float64)."""
+    """A sidebar choice (from a link) not among its options goes back to its default, and the note says so (the
+    widget would show its first option: dtype float8 became float64)."""
     ss = st.session_state
     odd = [k for k, options in choices.items() if k in ss and ss[k] not in options]
     for k in odd:
@@ -205,17 +192,14 @@ def sync_url(prefix: str) -> None:
 
 def copy_link() -> None:
     with st.popover("Copy link", icon=":material/link:"):
-        url = getattr(st.context, "url", "") or ""
-        query = "&".join(f"{k}={v}" for k, v in st.query_params.items())
-
+        url = (getattr(st.context, "url", "") or "").split("?")[0]
+        query = "&".join(f"{k}={quote(v)}" for k, v in st.query_params.items())
         st.caption("This address opens this page with these settings (it runs once, then as usual):")
-        st.code(url.split("?")[0] + ("?" + "&".join(f"{k}={quote(v)}" for k, v in st.query_params.items())
-                                     if query else ""), language=None)
+        st.code(url + ("?" + query if query else ""), language=None)
 
 
-# One-click scenarios (Home). A scenario's settings are marked on its page and hold while you stay there with its
-# model; going to another page, picking another model or "Reset to defaults" brings the defaults back (the settings
-# you set yourself on other pages stay).
+# One-click scenarios (Home): marked on their page, they hold while you stay there with their model; another page,
+# another model or "Reset to defaults" brings the defaults back (your own settings on other pages stay).
 CONTROL_NAMES = {"split_pad": "left padding", "split_pos": "position ids", "split_mask": "attention mask",
                  "split_mode": "feed", "greedy_prompt": "prompt", "greedy_n": "new tokens", "greedy_paths": "paths",
                  "dtypes_source": "prompts", "dtypes_limit": "prompt count", "_mx_preset": "the sliding-window preset"}
@@ -242,37 +226,31 @@ def scenario_guard(current_page: str) -> None:
         leave_scenario(keep_model=other_model)
 
 
-def leave_scenario(keep_model: bool = False) -> None:
-    """The scenario's page controls and the sidebar values it set go back to their defaults."""
+def _to_defaults(prefix: str | None, keys=(), sidebar=()) -> None:
+    """Controls starting with `prefix` and `keys` dropped (their widgets' defaults come back), `sidebar` reset."""
     ss = st.session_state
-    sc = ss.pop("_scenario", None)
-    if not sc:
-        return
     stash = ss.setdefault("_stash", {})
-    prefix = PREFIX_OF_PAGE.get(sc["page"])
     for k in list(ss.keys()) + list(stash.keys()):
-        if (prefix and k.startswith(prefix)) or k in sc["controls"]:
+        if (prefix and k.startswith(prefix)) or k in keys:
             ss.pop(k, None)
             stash.pop(k, None)
-    for k in sc["sidebar"]:
-        if k == "model_preset" and keep_model:
-            continue
+    for k in sidebar:
         ss[k] = stash[k] = SIDEBAR_DEFAULTS[k]
-    ss.pop("_pending_controls", None)
+
+
+def leave_scenario(keep_model: bool = False) -> None:
+    """The scenario's page controls and the sidebar values it set go back to their defaults."""
+    sc = st.session_state.pop("_scenario", None)
+    if sc:
+        _to_defaults(PREFIX_OF_PAGE.get(sc["page"]), sc["controls"],
+                     [k for k in sc["sidebar"] if not (k == "model_preset" and keep_model)])
+        st.session_state.pop("_pending_controls", None)
 
 
 def reset_to_defaults(prefix: str | None) -> None:
     """The "Reset to defaults" button (a callback: it runs before any widget is drawn)."""
-    ss = st.session_state
     leave_scenario()
-    stash = ss.setdefault("_stash", {})
-    if prefix:
-        for k in list(ss.keys()) + list(stash.keys()):
-            if k.startswith(prefix):
-                ss.pop(k, None)
-                stash.pop(k, None)
-    for k in ("dtype", "device", "attn", "invariant"):
-        ss[k] = stash[k] = SIDEBAR_DEFAULTS[k]
+    _to_defaults(prefix, sidebar=("dtype", "device", "attn", "invariant"))
 
 
 def scenario_banner(page_name: str) -> None:
@@ -290,9 +268,8 @@ def scenario_banner(page_name: str) -> None:
 
 
 def linked_slider_box(key: str, label: str, lo: int, hi: int, default: int, box_label: str, help: str = "") -> int:
-    """A slider and a number box for one integer with ONE source of truth, `key` (a plain session value that the
-    stash and the URL carry): both widgets are set from it before they are drawn and write it back when moved, so
-    they never disagree, also after a run that stopped before drawing them (a failed load)."""
+    """A slider and a number box for one integer with ONE source of truth, `key` (a plain session value the stash and
+    the URL carry): both are set from it before they are drawn and write it back when moved, so they never disagree."""
     ss = st.session_state
     value = ss.get(key, default)
     try:

@@ -4,9 +4,8 @@ controls (kvviz.core.protocol.config_fields, a field's `help` metadata their too
 figures and tables come from its registry entry; its downloads are every page's.
 
 Give such a view pages/<folder>.py, the three lines of docs/example_view/pages/next_token.py that run this page: a
-fresh Streamlit server looks its very first request's URL up among the pages/ file names before app.py runs, so a
-link to /<folder> with no file of that name answered "Page not found" there (app.py's navigation, from the second
-request on, serves this page at the view's URL with or without the file)."""
+fresh server looks its very first request's URL up among the pages/ file names before app.py runs ("Page not found"
+without one; from the second request on app.py's navigation serves the view's URL with or without the file)."""
 import dataclasses
 
 import streamlit as st

@@ -32,6 +32,12 @@ def test_no_import_cycles_in_the_library():
     assert not {"core.backends", "views.quant", "core.invariant"} & graph["core.execution"]  # extensions register themselves
 
 
+def test_no_import_cycles_among_the_pages():
+    """Issue 52: no circle anywhere, pages included (pages/common <-> pages/runner was one: runner now reads the
+    page's title from the session, which app.py sets)."""
+    assert _graph.cycles(_graph.import_graph(ROOT / "pages")) == []
+
+
 def test_the_graph_counts_every_kind_of_import(tmp_path):
     """Function-local, relative and absolute imports are all arrows (a hidden `from .. import views` inside a core
     function is an upward arrow like any other), and the layer check finds one."""

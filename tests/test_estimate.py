@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+from dataclasses import replace
 import subprocess
 import sys
 from pathlib import Path
@@ -224,6 +225,147 @@ def test_plan_prints_the_estimate_beside_the_memory_plan(store, capsys):
     assert main(args) == 0
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("time:"))
-    # two forwards of 100 s, the float64 rerun at twice that, the proof (invariant mode unmeasured: 3x the run)
-    assert line.startswith("time: about 20 min (run 3 min, float64 rerun 7 min, invariant proof 10 min)"), line
+    # two forwards of 100 s (a call's fixed cost), the float64 rerun the same (a dtype's rate scales the per-token
+    # part, none here), the proof (invariant mode unmeasured: 3x the run); the last two only where the paths differ:
+    # quoted apart
+    assert line.startswith("time: about 3 min, up to 17 min if the paths differ (run 3 min; if they differ: float64 "
+                           "rerun 3 min, invariant proof 10 min)"), line
     assert "from this machine's measured pace" in line
+
+
+def test_each_views_workload_declares_what_its_run_computes():
+    """What each view's run does, counted from its run.py, is declared in its workload (kvviz.core.estimate never
+    compares view names): its forwards and decode steps, the dtypes it runs in, the copies of the model it loads or
+    casts, the float64 rerun (certain or only where the paths differ), the lens."""
+    from kvviz import views
+    from kvviz.views.greedy.run import DEFAULT_PATHS
+
+    def cfg(name, *a, **k):
+        return views.get(name).config_type()(*a, **k)
+
+    d = cfg("dtypes", (PROMPT,), ("float32", "float16", "bfloat16")).workload()
+    assert d.run_dtypes == ("float64", "float32", "float16", "bfloat16") == d.copies  # three dtypes + float64
+    assert (d.forwards, d.proves, d.float64_rerun) == (2.0, True, False)
+    two = cfg("dtypes", (PROMPT, PROMPT + " again"), ("bfloat16",)).workload()
+    assert (two.run_dtypes, two.forwards, two.proves) == (("float64", "bfloat16"), 4.0, False)
+
+    p = cfg("padding", PROMPT, None, 4).workload()  # 5 scenarios in 3 placements (2 batch-mates: 3 rows) + reference
+    assert (p.forwards, p.float64_certain, p.copies, p.proves) == (26.0, True, ("float64",), True)
+    assert cfg("padding", PROMPT, None, 0).workload().forwards == 21.0  # no left-padded placement
+    assert cfg("padding", PROMPT, left_pad=2, only=(("in a batch", "cache"),)).workload().forwards == 4.0
+
+    r = cfg("reuse", "You are kind.\n", ("Q: one?", "Q: two?"), 8).workload()  # fresh, deepcopy, reused
+    assert (r.forwards, r.decode_paths, r.new_tokens, r.float64_certain) == (4.0, 6, 8, True)
+    assert cfg("reuse", "P", ("Q",), 3, ways=("deepcopy",)).workload().decode_paths == 2  # + fresh, the reference
+
+    t = cfg("loading_trap", "This is a ", 12, "bfloat16").workload()
+    assert (t.run_dtypes, t.copies, t.casts, t.full_paths, t.forwards) == \
+        (("bfloat16",), ("bfloat16", "float32"), ("bfloat16",), 2, 2.0)
+
+    m = cfg("matrix", prompt=PROMPT, max_new_tokens=8).workload()  # 2 attentions x 2 caches x 2 repeats
+    assert (m.forwards, m.decode_paths, m.full_paths, m.float64_paths) == (10.0, 8, 1, 1)
+    assert m.copies == ("@eager", "@sdpa", "float64@eager")
+
+    q = cfg("quant", PROMPT, kv="quanto:int4", max_new_tokens=24).workload()
+    assert (q.forwards, q.decode_paths, q.casts) == (3.0, 3, ())
+    assert cfg("quant", PROMPT, kv="none", weights="int8").workload().casts == ("int8",)
+
+    c = cfg("check").workload()
+    assert (c.run_dtypes, c.copies, c.forwards) == (("float64",), ("float64",), 20.0)
+
+    s = cfg("serving", prompts=["a b", "c d e", "f", "g h", "i"], runs=3, max_new_tokens=8, batch_size=4).workload()
+    # 3 runs of: alone 5 requests one at a time, batch 2 batches of 4 (3 fill-ups), warm 5 (+ 5 warmers' prefills);
+    # 5 no-cache references
+    assert (s.full_paths, s.decode_paths, s.forwards) == (5, 3 * (5 + 2 + 5), 5 + 3 * (5 + 2 + 10.0))
+
+    lens = cfg("lens").workload()
+    assert (lens.lens, lens.proves, lens.float64_rerun) == (2.0, False, True)  # the lens refuses the proof
+    g = GreedyConfig(prompt=PROMPT, paths=tuple(DEFAULT_PATHS)).workload()
+    assert g.copies == (("float64",) if "float64" in map(str, DEFAULT_PATHS) else ())
+
+
+def test_the_workloads_extra_costs_are_priced_from_the_measured_pace():
+    """Each dtype at its measured rate, every copy not loaded yet at the model's own load rate for its size, casts
+    at the copy rate, the lens per hidden state and compared position; a copy already loaded costs nothing."""
+    pace = Pace(0.0, 1e-3, 0.0, params=10**9, layers=5, rates={"float32": 1.0, "float64": 2.5, "float16": 4.0,
+                                                                "bfloat16": 3.0}, head=1e-3, load_gb_s=2.0,
+                copy_gb_s=0.5)
+    w = Workload(texts=(PROMPT,), forwards=2.0, run_dtypes=("float64", "float32", "bfloat16"),
+                 copies=("float64", "bfloat16"))
+    est = estimate.estimate(pace, w, 100, dtype="float32")
+    work = 2 * 100 * 1e-3  # two forwards of 100 tokens
+    assert est.seconds("run") == pytest.approx(work * (2.5 + 1 + 3) + 2.0 * (8 + 2))  # + 8 GB and 2 GB loaded
+    loaded = estimate.estimate(pace, w, 100, dtype="float32", loaded=lambda c: c == "float64")
+    assert loaded.seconds("run") == pytest.approx(work * 6.5 + 2.0 * 2)
+    # in a bfloat16 model the rates are taken against bfloat16's
+    assert estimate.rate(pace, "float64", "bfloat16") == pytest.approx(2.5 / 3)
+    # a cast copy: a deep copy in the model's dtype (read + write) and the cast (read + write), at 0.5 s a GB
+    cast = estimate.estimate(pace, Workload(texts=(PROMPT,), forwards=0.0, casts=("bfloat16",)), 100)
+    assert cast.seconds("run") == pytest.approx(0.5 * (3 * 4 + 2))
+    # the lens: 2 head calls x 5 hidden states, each 20 ms (reading the head) + 96 compared positions (100 tokens
+    # split at 4) x 1 ms
+    lens = estimate.estimate(replace(pace, head0=0.02), Workload(texts=(PROMPT,), forwards=0.0, split=4, lens=2.0),
+                             100)
+    assert lens.seconds("run") == pytest.approx(2 * 5 * (0.02 + 96 * 1e-3))
+    # a split's float64 twin loads when its float64 rerun starts: in that "may happen" phase, not the run's
+    split = estimate.estimate(pace, SplitConfig(prompt=PROMPT, split=3).workload(), 100, dtype="float32")
+    assert split.seconds("run") == pytest.approx(work)
+    assert split.seconds("float64") == pytest.approx(work * 2.5 + 2.0 * 8)
+    # the padding grid's float64 rerun always runs (certain); its proof only where a cell is precision
+    pad = estimate.estimate(pace, Workload(texts=(PROMPT,), forwards=2.0, float64_certain=True, copies=("float64",),
+                                           proves=True), 100)
+    assert [(p.name, p.maybe) for p in pad.phases] == [("run", False), ("float64", False), ("proof", True)]
+    assert pad.seconds("run") == pytest.approx(work + 16.0)
+
+
+def test_may_happen_phases_are_quoted_apart_and_a_run_is_compared_with_what_ran():
+    """A split's float64 rerun and proof run only where the paths differ: the line says the certain part and the most
+    it can take; a run that came out bit for bit equal is compared with its run phase only."""
+    est = Estimate((Phase("run", 4.0), Phase("float64", 3.0, maybe=True), Phase("proof", 3.0, maybe=True)),
+                   basis="from this machine's measured pace")
+    assert (est.certain_s, est.total_s) == (4.0, 10.0)
+    assert est.line() == ("about 4 s, up to 10 s if the paths differ (run 4 s; if they differ: float64 rerun 3 s, "
+                          "invariant proof 3 s), from this machine's measured pace")
+    assert est.ran_s({"run": 3.9}) == 4.0 and est.ran_s({"run": 3.0, "float64": 2.0}) == 7.0
+    assert est.to_dict()["certain_s"] == 4.0 and est.to_dict()["maybe"] == ["float64", "proof"]
+    sure = Estimate((Phase("run", 4.0), Phase("float64", 3.0)))
+    assert sure.line() == "about 7 s (run 4 s, float64 rerun 3 s)" and sure.ran_s({}) == 7.0
+
+
+def test_calibration_measures_the_extras_once_on_the_model_itself(store):
+    """params, hidden states, each dtype's rate against the model's own (its own: 1), the head, the model's own
+    load per GB (LoadedModel.load_s) and the copy rate: measured with the forwards, kept, read back."""
+    lm = kvviz.load_model("tiny:llama", "float32", "cpu")
+    extras = estimate.measure_extras(lm)
+    assert extras["params"] == sum(p.numel() for p in lm.model.parameters())
+    assert extras["layers"] == lm.n_layers + 1 and extras["rates"]["float32"] == 1.0
+    assert set(extras["rates"]) == {"float64", "float32", "float16", "bfloat16"}
+    assert extras["head"] >= 0 and extras["head0"] >= 0 and extras["copy_gb_s"] > 0
+    assert lm.load_s > 0 and extras["load_gb_s"] == pytest.approx(lm.load_s / (extras["params"] * 4 / 1e9))
+    fake = dict(extras, rates={"float32": 1.0, "float64": 2.0}, head=1e-4)
+    pace = estimate.calibrate(lm, clock_forward=lambda n, inv: 0.01 + 1e-4 * n, extras=lambda m: fake)
+    assert (pace.params, pace.layers, pace.rates, pace.head) == (fake["params"], fake["layers"], fake["rates"], 1e-4)
+    again = estimate.load_pace(estimate.key_of_model(lm))
+    assert again == pace  # kept as JSON and read back whole
+
+
+def test_a_copy_loaded_already_is_known_before_the_run(store):
+    """LoadedModel.has_copy: the model in another dtype or attention is loaded (twin() would return it from the
+    cache) or not - the estimate prices only the copies still to load."""
+    from kvviz.models import loading
+
+    loading.clear_cache()
+    lm = kvviz.load_model("tiny:llama", "float32", "cpu")
+    assert lm.has_copy() and not lm.has_copy("float64") and not lm.has_copy(None, "eager")
+    lm.twin("float64")
+    assert lm.has_copy("float64")
+    kvviz.load_model("tiny:llama", "float32", "cpu", "eager")
+    assert lm.has_copy(None, "eager")
+    w = Workload(texts=(PROMPT,), copies=("float64", "@eager", "bfloat16"))
+    missing = []
+    estimate.for_model(lm, w, 8).phases  # noqa: B018 - its calibration
+    pace = estimate.calibrate(lm)
+    est = estimate.estimate(pace, w, 8, loaded=lambda c: (missing.append(c), lm.has_copy(
+        c.partition("@")[0] or None, c.partition("@")[2] or None))[1])
+    assert missing == ["float64", "@eager", "bfloat16"]
+    assert est.seconds("run") == pytest.approx(pace.forward(8) + estimate.copy_seconds(pace, "bfloat16", "float32"))

@@ -14,7 +14,15 @@ one scaled) and, where a proof may run, two forwards in invariant mode. The pace
 cache dir (`estimates.json`; no pickle) and refined by every finished run: each phase's measured seconds against its
 estimate give that view's correction for the phase (`record`), so the next run of the view starts from what the last
 one did. What the run computes comes from its typed workload (kvviz.core.inputs.Workload: forwards, decode steps,
-full-sequence steps, float64 paths, the float64 rerun, the proof) - never from a view's name.
+full-sequence steps, float64 paths, the float64 rerun, the proof, the dtypes its work runs in, the model copies it
+loads or casts, the hidden states it puts through a logit lens) - never from a view's name. Calibration measures,
+besides the forwards, what those cost on this model here (`measure_extras`): each dtype's matmul pace against the
+model's own, one row through the model's head, an in-memory copy of its weights, and its own load (LoadedModel.load_s)
+per GB - a float64 twin or another dtype's copy is priced from the model's own size at that rate.
+
+Phases that run only when the paths differ (the float64 rerun of a split, the invariant proof) are "may happen"
+(`Phase.maybe`): the estimate quotes the certain part and the possible part apart ("about 4 s, up to 10 s if the
+paths differ"), and a run is compared with the phases that actually ran (`Estimate.ran_s`).
 """
 from __future__ import annotations
 
@@ -28,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from .dtypes import resolve_device
+from .dtypes import DTYPE_NAMES, dtype_name, parse_dtype, resolve_device, supports_dtype
 from .inputs import Workload
 from .execution import DEFAULT_SETTINGS, Executor
 from ..models.loading import cache_dir, parse_spec
@@ -48,6 +56,7 @@ _LOCK = threading.Lock()
 class Phase:
     name: str  # "load", "run", "float64", "proof"
     seconds: float
+    maybe: bool = False  # runs only where the paths differ (a split's float64 rerun, the invariant proof)
 
 
 @dataclass(frozen=True)
@@ -61,7 +70,26 @@ class Estimate:
 
     @property
     def total_s(self) -> float:
+        """Every phase, the "may happen" ones included: the most the run should take."""
         return sum(p.seconds for p in self.phases)
+
+    @property
+    def certain_s(self) -> float:
+        """The phases that run whatever the numbers (without the "may happen" ones)."""
+        return sum(p.seconds for p in self.phases if not p.maybe)
+
+    def ran_s(self, ran) -> float:
+        """The estimate of the phases that actually ran: the certain ones and the "may happen" ones named in `ran`
+        (a run's measured phases) - what a run's seconds are compared with."""
+        return sum(p.seconds for p in self.phases if not p.maybe or p.name in ran)
+
+    def about(self, load: bool = True) -> str:
+        """"about 4 s" or "about 4 s, up to 10 s if the paths differ" (load: loading counted)."""
+        ph = [p for p in self.phases if load or p.name != "load"]
+        certain, upper = sum(p.seconds for p in ph if not p.maybe), sum(p.seconds for p in ph)
+        if any(p.maybe for p in ph) and duration(upper) != duration(certain):
+            return f"about {duration(certain)}, up to {duration(upper)} if the paths differ"
+        return f"about {duration(upper)}"
 
     @property
     def run_s(self) -> float:
@@ -99,15 +127,28 @@ class Estimate:
         return sum(p.seconds for p in self.phases if p.name != "load" and names.index(p.name) > names.index(name))
 
     def to_dict(self) -> dict:
-        return {"estimate_s": self.total_s, "phases": {p.name: p.seconds for p in self.phases},
-                "measured": self.measured, "basis": self.basis}
+        return {"estimate_s": self.total_s, "certain_s": self.certain_s,
+                "phases": {p.name: p.seconds for p in self.phases},
+                "maybe": [p.name for p in self.phases if p.maybe], "measured": self.measured, "basis": self.basis}
+
+    def parts(self, load: bool = True) -> str:
+        """"run 40 s; if they differ: float64 rerun 1 min, invariant proof 1 min" (phases under half a second left
+        out; "" for a run of one phase)."""
+        ph = [p for p in self.phases if load or p.name != "load"]
+        if len(ph) < 2:
+            return ""
+
+        def words(group) -> str:
+            return ", ".join(f"{PHASE_WORDS.get(p.name, p.name)} {duration(p.seconds)}" for p in group
+                             if p.seconds >= 0.5)
+        sure, maybe = words(p for p in ph if not p.maybe), words(p for p in ph if p.maybe)
+        return "; ".join(x for x in (sure, f"if they differ: {maybe}" if maybe else "") if x)
 
     def line(self) -> str:
-        """One line: "about 3 min (run 40 s, float64 rerun 1 min, proof 1 min), from this machine's measured pace"."""
-        parts = ", ".join(f"{PHASE_WORDS.get(p.name, p.name)} {duration(p.seconds)}" for p in self.phases
-                          if p.seconds >= 0.5)
-        return f"about {duration(self.total_s)}" + (f" ({parts})" if parts and len(self.phases) > 1 else "") + \
-            (f", {self.basis}" if self.basis else "")
+        """One line: "about 40 s, up to 3 min if the paths differ (run 40 s; if they differ: float64 rerun 1 min,
+        invariant proof 1 min), from this machine's measured pace"."""
+        parts = self.parts()
+        return self.about() + (f" ({parts})" if parts else "") + (f", {self.basis}" if self.basis else "")
 
 
 PHASE_WORDS = {"load": "loading", "run": "run", "float64": "float64 rerun", "proof": "invariant proof"}
@@ -155,13 +196,25 @@ class Timed:
 class Pace:
     """Seconds for one forward of n tokens: c0 + a·n + b·n² (c0: the call's fixed cost, b: attention's quadratic
     part); one cached decode step at context n: c0 + a + 2·b·n. `inv`: the same three for invariant mode (None: not
-    measured). `load_s`: the last load's seconds. `fix`: per view and phase, measured/estimated of the last runs."""
+    measured). `load_s`: the last load's seconds. `fix`: per view and phase, measured/estimated of the last runs.
+    Measured beside them (measure_extras; 0 / empty / None: not measured): `params` (the model's parameters),
+    `layers` (its hidden states: embeddings + one per layer), `rates` (a forward in each dtype against one in the
+    model's own, from a matmul of its hidden size), `head0` and `head` (seconds of a call through its head and a
+    float64 log-softmax - a logit lens - and of each row in it: a call reads the whole head), `load_gb_s` (seconds a GB of its weights took to load), `copy_gb_s` (seconds to
+    copy a GB of its weights in memory into another dtype, read and written counted)."""
     c0: float
     a: float
     b: float
     inv: tuple[float, float, float] | None = None
     load_s: float | None = None
     fix: dict = field(default_factory=dict)
+    params: int = 0
+    layers: int = 0
+    rates: dict = field(default_factory=dict)
+    head: float | None = None
+    head0: float | None = None
+    load_gb_s: float | None = None
+    copy_gb_s: float | None = None
 
     def forward(self, n: float, invariant: bool = False) -> float:
         c0, a, b = self.inv if invariant and self.inv else (self.c0, self.a, self.b)
@@ -244,9 +297,15 @@ def load_pace(key: str) -> Pace | None:
         return None
     try:
         inv = d.get("inv")
+
+        def opt(name):
+            return None if d.get(name) is None else float(d[name])
         return Pace(float(d["c0"]), float(d["a"]), float(d["b"]), tuple(map(float, inv)) if inv else None,
-                    d.get("load_s"), dict(d.get("fix") or {}))
-    except (KeyError, TypeError, ValueError):
+                    d.get("load_s"), dict(d.get("fix") or {}), int(d.get("params") or 0), int(d.get("layers") or 0),
+                    {str(k): float(v) for k, v in (d.get("rates") or {}).items()}, opt("head"), opt("head0"),
+                    opt("load_gb_s"),
+                    opt("copy_gb_s"))
+    except (KeyError, TypeError, ValueError, AttributeError):
         return None
 
 
@@ -268,21 +327,98 @@ def _timed(fn, repeat: int = 1) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def calibrate(lm, invariant: bool = False, clock_forward=None) -> Pace:
+def calibrate(lm, invariant: bool = False, clock_forward=None, extras=None) -> Pace:
     """The pace of `lm` on this machine, measured now (or read from the store when measured before; invariant mode
-    measured too when asked and not yet). clock_forward(n, invariant) -> seconds replaces the timed forward (tests)."""
+    measured too when asked and not yet). clock_forward(n, invariant) -> seconds replaces the timed forward, and
+    extras(lm) -> dict (measure_extras' fields) the timed extras (tests)."""
     key = key_of_model(lm)
     pace = load_pace(key)
-    if pace is not None and (not invariant or pace.inv is not None):
+    if pace is not None and (not invariant or pace.inv is not None) and pace.params:
         return pace
     timed = clock_forward or (lambda n, inv: _time_forward(lm, n, inv))
     if pace is None:
         points = [(n, timed(n, False)) for n in CALIBRATION_LENGTHS]
         pace = Pace(*fit(points))
-    if invariant:
+    if invariant and pace.inv is None:
         pace.inv = fit2([(n, timed(n, True)) for n in INVARIANT_LENGTHS], pace.c0)
+    if not pace.params:
+        for k, v in (extras or measure_extras)(lm).items():
+            setattr(pace, k, v)
     save_pace(key, pace)
     return pace
+
+
+def _bytes(dtype) -> int:
+    return torch.empty((), dtype=parse_dtype(str(dtype).replace("torch.", ""))).element_size()
+
+
+def measure_extras(lm) -> dict:
+    """What a run costs besides its forwards, measured on this model here: Pace's params, layers, rates, head,
+    load_gb_s and copy_gb_s (each a fraction of a second: one matmul per dtype, 32 rows through the head, up to
+    64 MB of the weights copied)."""
+    model, dev = lm.model, lm.device
+    params = sum(p.numel() for p in model.parameters())
+    own = dtype_name(lm.dtype)
+    gb = params * _bytes(own) / 1e9
+    cfg = getattr(lm, "text_config", None) or model.config
+    hidden = int(getattr(cfg, "hidden_size", 0) or getattr(cfg, "d_model", 0) or 512)
+    rates, times = {}, {}
+    with torch.inference_mode():
+        mats = {}
+        for name in DTYPE_NAMES:
+            dt = parse_dtype(name)
+            if not supports_dtype(dev, dt):
+                continue
+            try:
+                x = torch.randn(256, hidden, device=dev).to(dt)
+                w = torch.randn(hidden, 4 * hidden, device=dev).to(dt)
+                x @ w  # warm up
+                mats[name] = (x, w)
+            except RuntimeError:  # a dtype this device cannot multiply: priced by the prior
+                continue
+        # the dtypes in turn, five rounds, each dtype's median: a shared machine's load falls on all of them alike
+        for _ in range(5):
+            for name, (x, w) in mats.items():
+                times.setdefault(name, []).append(_timed(lambda: x @ w))
+        times = {d: sorted(t)[len(t) // 2] for d, t in times.items()}
+        base = times.get(own)
+        if base:
+            rates = {d: t / base for d, t in times.items()}
+        head = head0 = None
+        out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        weight = getattr(out, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.device.type != "meta" \
+                and weight.is_floating_point():
+            rows = torch.randn(32, weight.shape[1], device=weight.device).to(weight.dtype)
+            try:  # a call reads the whole head (its fixed part), then each row: 1 and 32 rows, in turn
+                torch.log_softmax((rows @ weight.T).double(), -1)  # warm up
+                t1, t32 = [], []
+                for _ in range(3):
+                    t1.append(_timed(lambda: torch.log_softmax((rows[:1] @ weight.T).double(), -1)))
+                    t32.append(_timed(lambda: torch.log_softmax((rows @ weight.T).double(), -1)))
+                t1, t32 = sorted(t1)[1], sorted(t32)[1]
+                per_row = max(0.0, t32 - t1) / 31
+                head, head0 = per_row, max(0.0, t1 - per_row)
+            except RuntimeError:  # a head that is not a plain matrix (quantized): no lens price
+                head = None
+        moved, t_copy = 0, 0.0
+        for p in model.parameters():
+            if p.device.type == "meta":
+                continue
+            t0 = time.perf_counter()
+            p.detach().to(torch.float64, copy=True)
+            t_copy += time.perf_counter() - t0
+            moved += p.numel() * (p.element_size() + 8)
+            if moved > 64e6:
+                break
+    load_s = getattr(lm, "load_s", None)
+    try:
+        layers = int(lm.n_layers) + 1
+    except (AttributeError, TypeError, ValueError):
+        layers = 0
+    return {"params": int(params), "layers": layers, "rates": rates, "head": head, "head0": head0,
+            "load_gb_s": load_s / gb if load_s and gb > 0 else None,
+            "copy_gb_s": t_copy / (moved / 1e9) if moved else None}
 
 
 def _time_forward(lm, n: int, invariant: bool) -> float:
@@ -316,30 +452,91 @@ def work_seconds(pace: Pace, w: Workload, tokens: int, invariant: bool = False) 
     return s
 
 
+def rate(pace: Pace, dtype: str, own: str) -> float:
+    """A forward in `dtype` against one in the model's own dtype `own`: measured (Pace.rates), else the prior."""
+    dtype, own = str(dtype).replace("torch.", ""), str(own).replace("torch.", "")
+    if dtype == own:
+        return 1.0
+    if dtype in pace.rates and own in pace.rates:
+        return pace.rates[dtype] / (pace.rates[own] or 1.0)
+    if dtype == "float64":
+        return FLOAT64_PRIOR.get(own, 2.0)
+    return FLOAT64_PRIOR.get(own, 2.0) / FLOAT64_PRIOR.get(dtype, 2.0)
+
+
+def scaled(pace: Pace, r: float) -> Pace:
+    """The pace in a dtype `r` times as slow as the model's own: its per-token parts scaled, the call's fixed cost
+    (Python, hooks) as it is."""
+    inv = (pace.inv[0], pace.inv[1] * r, pace.inv[2] * r) if pace.inv else None
+    return Pace(pace.c0, pace.a * r, pace.b * r, inv)
+
+
+def copy_seconds(pace: Pace, copy: str, own: str) -> float:
+    """Loading the model again as `copy` ("float64", "bfloat16", "@eager", "float64@eager"): its size in that dtype
+    at the model's own measured load rate (0 where nothing was measured)."""
+    dtype = copy.split("@")[0] or own
+    if not pace.params or not pace.load_gb_s:
+        return 0.0
+    return pace.load_gb_s * pace.params * _bytes(dtype) / 1e9
+
+
+def cast_seconds(pace: Pace, dtype: str, own: str) -> float:
+    """An in-memory copy of the weights cast to `dtype` (a deep copy in the model's dtype, then .to(dtype); a
+    quantized copy is priced as one in the model's dtype) at the measured copy rate."""
+    if not pace.params or not pace.copy_gb_s:
+        return 0.0
+    try:
+        d = _bytes(dtype)
+    except Exception:  # noqa: BLE001 - "int8", "int4": a quantized copy, read from the model's own dtype
+        d = _bytes(own)
+    return pace.copy_gb_s * pace.params * (3 * _bytes(own) + d) / 1e9
+
+
 def estimate(pace: Pace | None, w: Workload, tokens: int, *, view: str = "", dtype: str = "float32",
-             invariant: bool = False, load_s: float | None = None, measured: bool = True) -> Estimate:
+             invariant: bool = False, load_s: float | None = None, measured: bool = True,
+             loaded=None) -> Estimate:
     """The phases of a run of workload `w` over `tokens` input tokens at `pace` (the run's, float64 rerun's and
-    proof's), each corrected by what the last runs of `view` measured against their estimates (Pace.fix)."""
+    proof's), each corrected by what the last runs of `view` measured against their estimates (Pace.fix).
+    loaded(copy) -> bool: whether a copy the workload names is loaded already (None: none is)."""
     if pace is None:
         raise ValueError("no pace: calibrate first (kvviz.core.estimate.calibrate) or use prior()")
+    own = str(dtype).replace("torch.", "")
     phases = []
     if load_s:
         phases.append(Phase("load", float(load_s)))
     fix = dict(pace.fix.get(view, {})) if view else {}
     fix.setdefault("proof", 1.0 if pace.inv is not None else 3.0)
-    run = work_seconds(pace, w, tokens, invariant) * fix.get("run", 1.0)
-    phases.append(Phase("run", run))
-    f64_factor = FLOAT64_PRIOR.get(str(dtype).replace("torch.", ""), 2.0)
+    n = max(1, int(tokens))
+    dtypes = [str(d).replace("torch.", "") for d in w.run_dtypes]
+    run = sum(work_seconds(scaled(pace, rate(pace, d, own)), w, tokens, invariant) for d in dtypes) if dtypes \
+        else work_seconds(pace, w, tokens, invariant)
+    if w.lens and pace.head is not None and pace.layers:
+        compared = max(1, n - int(w.split)) if isinstance(w.split, int) and not isinstance(w.split, bool) else n
+        run += w.lens * pace.layers * ((pace.head0 or 0.0) + compared * pace.head)
+    twin = 0.0  # the float64 twin, loaded when the float64 rerun starts
+    maybe64 = bool(w.float64_rerun and not w.float64_certain)
+    for c in dict.fromkeys(w.copies):
+        d = c.split("@")[0] or own
+        if (d == own and "@" not in c) or (loaded is not None and loaded(c)):
+            continue
+        if c == "float64" and maybe64:
+            twin += copy_seconds(pace, c, own)
+        else:
+            run += copy_seconds(pace, c, own)
+    run += sum(cast_seconds(pace, d, own) for d in w.casts)
+    phases.append(Phase("run", run * fix.get("run", 1.0)))
+    p64 = scaled(pace, rate(pace, "float64", own))
     if w.float64_paths and w.new_tokens:
-        n = max(1, int(tokens))
-        f64 = w.float64_paths * sum(pace.forward(n + i) for i in range(int(w.new_tokens))) * f64_factor
+        f64 = w.float64_paths * sum(p64.forward(n + i) for i in range(int(w.new_tokens)))
         phases.append(Phase("float64", f64 * fix.get("float64", 1.0)))
-    elif w.float64_rerun and str(dtype).replace("torch.", "") != "float64":
-        base = work_seconds(pace, w, tokens)
-        phases.append(Phase("float64", base * f64_factor * fix.get("float64", 1.0)))
+    elif (w.float64_rerun or w.float64_certain) and own != "float64":
+        phases.append(Phase("float64", (work_seconds(p64, w, tokens) + twin) * fix.get("float64", 1.0),
+                            maybe=maybe64))
     if w.prove and w.proves and not invariant:
-        inv = work_seconds(pace, w, tokens, invariant=pace.inv is not None)
-        phases.append(Phase("proof", inv * fix["proof"]))
+        inv = sum(work_seconds(scaled(pace, rate(pace, d, own)), w, tokens, invariant=pace.inv is not None)
+                  for d in dtypes if d != "float64") if dtypes else \
+            work_seconds(pace, w, tokens, invariant=pace.inv is not None)
+        phases.append(Phase("proof", inv * fix["proof"], maybe=True))
     basis = "from this machine's measured pace" if measured else "not measured on this machine yet (a first guess)"
     return Estimate(tuple(phases), measured, basis, fix)
 
@@ -373,7 +570,7 @@ def prior(w: Workload, tokens: int, params: int, *, dtype: str = "float32", inva
     """An estimate before anything was measured for this model here (the CLI's --plan of a first run): a forward
     as 2 flops per parameter per token at 5 Gflop/s, loading at LOAD_PRIOR_S_PER_GB. Said as a first guess."""
     a = 2.0 * max(params, 1) / 5e9
-    pace = Pace(0.01, a, 0.0)
+    pace = Pace(0.01, a, 0.0, params=int(params or 0), load_gb_s=LOAD_PRIOR_S_PER_GB)
     load = load_bytes / 1e9 * LOAD_PRIOR_S_PER_GB if load_bytes else None
     return estimate(pace, w, tokens, dtype=dtype, invariant=invariant, load_s=load, measured=False)
 
@@ -382,7 +579,14 @@ def for_model(lm, w: Workload, tokens: int, view: str = "", invariant: bool = Fa
     """The estimate for a run on the loaded model `lm` (calibrated now where this machine has not measured it)."""
     proof = bool(w.prove and w.proves and not invariant)
     pace = calibrate(lm, invariant=proof)
-    return estimate(pace, w, tokens, view=view, dtype=str(lm.dtype), invariant=invariant)
+
+    def loaded(copy: str) -> bool:  # a twin or another attention's copy loaded already costs nothing
+        dtype, _, attention = copy.partition("@")
+        try:
+            return lm.has_copy(dtype or None, attention or None)
+        except Exception:  # noqa: BLE001 - a copy this model cannot have (a dtype its device lacks): not loaded
+            return False
+    return estimate(pace, w, tokens, view=view, dtype=str(lm.dtype), invariant=invariant, loaded=loaded)
 
 
 def for_plan(spec, dtype: str, device, w: Workload, tokens: int, view: str = "", invariant: bool = False,

@@ -139,6 +139,19 @@ class Workload:
     steps_after_split: bool = field(default=False, compare=False)
     float64_rerun: bool = field(default=False, compare=False)
     proves: bool = field(default=False, compare=False)
+    # more of what the run computes (the estimate prices each from this machine's calibration; none names a view):
+    # `float64_certain`: the float64 rerun always runs (its numbers are every verdict's yardstick), not only when the
+    # paths differ; `run_dtypes`: the dtypes the run's own work is done in, once each (empty: the model's own), each
+    # at that dtype's measured pace; `copies`: the model loaded again - "float64" (the float64 twin), "bfloat16", or
+    # "@eager" / "float64@eager" (another attention implementation) - each priced, where it is not loaded yet, at
+    # the model's own measured load rate for its size in that dtype; `casts`: in-memory copies of the weights made
+    # by the run (a deep copy `.to(dtype)`, a quantized copy), at the measured copy rate; `lens`: hidden states put
+    # through the model's final norm and head (a logit lens), per hidden state of the model and compared position
+    float64_certain: bool = field(default=False, compare=False)
+    run_dtypes: tuple[str, ...] = field(default=(), compare=False)
+    copies: tuple[str, ...] = field(default=(), compare=False)
+    casts: tuple[str, ...] = field(default=(), compare=False)
+    lens: float = field(default=0.0, compare=False)
 
 
 @dataclass(frozen=True)
@@ -167,7 +180,7 @@ class SplitConfig:
         step = self.mode == "step"
         return Workload(texts=(self.prompt,), left_pad=int(self.left_pad), split=self.split,
                         forwards=1.5 if step else 2.0, decode_paths=int(step), steps_after_split=step,
-                        float64_rerun=True, proves=True)
+                        float64_rerun=True, proves=True, copies=("float64",))
 
 def check_split(n_tokens: int, split: int) -> None:
     if n_tokens < 2:

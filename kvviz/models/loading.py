@@ -17,6 +17,7 @@ import shutil
 import socket
 import tempfile
 import threading
+import time
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -380,6 +381,7 @@ class LoadedModel:
     stream64: object = None  # set on a streamed float64 reference (kvviz.core.reference): this model run in float64
     placement: Placement = ONE  # one device, or layers spread by accelerate (kvviz.models.placement); part of the cache key
     asked_device: "torch.device | None" = None  # a dispatched model's device as asked (`device`: where inputs go)
+    load_s: float | None = None  # seconds its weights took to load (from the folder, to its device; kvviz.core.estimate)
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     @property
@@ -402,6 +404,20 @@ class LoadedModel:
             dev = self.requested_device
         return load_model(self.spec, dt, dev, self.attn_requested, trust_remote_code=self.trust_remote_code,
                           placement=self.placement)
+
+    def has_copy(self, dtype=None, attention: str | None = None) -> bool:
+        """Whether this model in `dtype` (None: its own) with `attention` (None: its own request) is loaded already:
+        twin() / load_model would return it from the cache (a run's time estimate: kvviz.core.estimate)."""
+        dt = self.dtype if dtype is None else parse_dtype(dtype)
+        attn = self.attn_requested if attention is None else attention
+        if dt == self.dtype and attn == self.attn_requested:
+            return True
+        dev = float64_device(self.device) if dt == torch.float64 else self.device
+        if self.placement.dispatched:
+            dev = self.requested_device
+        key = (self.spec.key, dtype_name(dt), str(dev), attn, bool(self.trust_remote_code), self.placement.key)
+        with _CACHE_LOCK:
+            return key in _CACHE
 
     @property
     def requested_device(self) -> torch.device:
@@ -569,6 +585,7 @@ def _load(ms: ModelSpec, dt: torch.dtype, dev: torch.device, attn: str, trust_re
     if trust_remote_code:
         notes.append("trust_remote_code is on: this model's own Python code from its folder or repo will run")
     progress(0.5, f"Loading weights as {dtype_name(dt)}…")
+    t_load = time.perf_counter()
     dispatch = _dispatch_kwargs(place, dev, key) if place.dispatched else {}
     model, tok = _load_folder(folder if folder is not None else ms.ref, ms, dt, attn, trust_remote_code, dispatch)
     if dt == torch.float64:
@@ -588,13 +605,14 @@ def _load(ms: ModelSpec, dt: torch.dtype, dev: torch.device, attn: str, trust_re
             raise KvvizError(f"could not move the model to {dev}: {first_line(e)}") from None
     model.eval()
     model.requires_grad_(False)
+    load_s = time.perf_counter() - t_load
     if tok.pad_token_id is None:
         notes.append("the tokenizer has no pad token: kvviz pads with the EOS token (masked out)")
     progress(1.0, "Model ready")
     return LoadedModel(spec=ms, model=model, tokenizer=tok, dtype=dt,
                        device=dev, attn_requested=attn, attn_implementation=compat.attention_implementation(model),
                        description=description, source=source, trust_remote_code=bool(trust_remote_code),
-                       warnings=notes, placement=place, asked_device=requested)
+                       warnings=notes, placement=place, asked_device=requested, load_s=load_s)
 
 
 def _dispatch_kwargs(place: Placement, dev: torch.device, key: tuple) -> dict:

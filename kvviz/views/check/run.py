@@ -249,7 +249,13 @@ class CheckConfig:
     def workload(self) -> Workload:
         """What the run holds, for its memory plan: a quantized copy of the weights; its prompts, past the sliding
         window, are the memory profile's."""
-        return Workload(weights=str(self.weights or "none"))
+        # its time estimate: the battery in float64 (its float64 twin): five splits (two forwards each; the token by
+        # token one about one and a half and its steps), one padded batch of three rows, the reuse check's prefills
+        # and decode steps - about twenty forwards - and the quantized run where it checks one
+        quant = str(self.weights or "none") != "none" or str(self.kv or "none") != "none"
+        return Workload(weights=str(self.weights or "none"), forwards=20.0 + (3.0 if quant else 0.0),
+                        run_dtypes=("float64",), copies=("float64",),
+                        casts=(str(self.weights),) if str(self.weights or "none") != "none" else ())
 
 
 # what its run cannot honour (kvviz.core.protocol.RunContext.running; the CLI refuses the matching flag)

@@ -116,7 +116,7 @@ class _Collector:
 def run_dtypes(model: "LoadedModel | ModelSpec | str", prompts: list[str], dtypes=DTYPE_NAMES, device="auto",
                attn: str | None = None, split: int | str = "last", mode: str = "chunk",
                trust_remote_code: bool = False, progress: Progress | None = None,
-               settings: ExecSettings | None = None, prove: Prove = None) -> DtypesResult:
+               settings: ExecSettings | None = None, prove: Prove = None, on_phase=None) -> DtypesResult:
     """The split comparison for several dtypes over a set of prompts; float64 runs once per prompt and serves as
     every dtype's verdict evidence. `model`: a loaded model (any dtype: its twins are used; device, attn and
     trust_remote_code are then taken from it) or a spec. prove: each precision verdict also runs in invariant mode
@@ -152,7 +152,8 @@ def run_dtypes(model: "LoadedModel | ModelSpec | str", prompts: list[str], dtype
         labels = f64_res.layer_labels
         for d in names:
             res = f64_res if d == "float64" else views.run(
-                "split", models[d], cfg, RunContext(settings=settings, prove=prove_each, float64_run=f64_res))
+                "split", models[d], cfg, RunContext(settings=settings, prove=prove_each, float64_run=f64_res,
+                                                    on_phase=on_phase))  # its proofs: the run's proof phase
             out.add(d, res, reference=d == "float64")
             if len(prompts) == 1:
                 single[d] = res
@@ -195,8 +196,13 @@ class DtypesConfig:
 
     def workload(self) -> Workload:
         """What the run holds, for its memory plan: each prompt (the longest counts) in each dtype beside float64."""
+        # its time estimate: per prompt the split (two forwards in chunk mode, about one and a half in step mode) in
+        # float64 and in each dtype, each a copy of the model; a single prompt's precision verdicts proved
+        names = tuple(dict.fromkeys(["float64"] + [str(d) for d in self.dtypes]))
         return Workload(texts=tuple(self.prompts), dtypes=tuple(self.dtypes),
-                        split=self.split if isinstance(self.split, int) and not isinstance(self.split, bool) else None)
+                        split=self.split if isinstance(self.split, int) and not isinstance(self.split, bool) else None,
+                        forwards=(1.5 if self.mode == "step" else 2.0) * len(self.prompts), run_dtypes=names,
+                        copies=names, proves=len(self.prompts) == 1)
 
 
 def run(lm: LoadedModel, config: DtypesConfig, ctx: RunContext = DEFAULT_CONTEXT) -> DtypesResult:
@@ -204,4 +210,4 @@ def run(lm: LoadedModel, config: DtypesConfig, ctx: RunContext = DEFAULT_CONTEXT
     config.validate()
     with ctx.running() as progress:
         return run_dtypes(lm, list(config.prompts), config.dtypes, split=config.split, mode=config.mode,
-                          progress=progress, settings=ctx.settings, prove=ctx.prove)
+                          progress=progress, settings=ctx.settings, prove=ctx.prove, on_phase=ctx.on_phase)

@@ -97,7 +97,8 @@ class GreedyConfig:
         return Workload(texts=(self.prompt,), new_tokens=int(self.max_new_tokens), left_pad=int(self.left_pad),
                         paths=tuple(str(p) for p in self.paths), forwards=float(len(paths) + int(self.fast)),
                         decode_paths=len(paths - full - {GreedyPath.FLOAT64}), full_paths=len(full - {GreedyPath.FLOAT64}),
-                        float64_paths=int(GreedyPath.FLOAT64 in full))  # whole sequence each step (not in fast mode)
+                        float64_paths=int(GreedyPath.FLOAT64 in full),  # whole sequence each step (not in fast mode)
+                        copies=("float64",) if GreedyPath.FLOAT64 in paths else ())
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import ClassVar, Literal
 
 import numpy as np
@@ -85,7 +85,10 @@ class LensConfig:
         return self
 
     def workload(self):
-        return self.scenario.workload()
+        """The split scenario's (its forwards, the float64 rerun where the paths differ), with the lens: every hidden
+        state's compared positions through the head, of both paths (two head calls: _LensSink._reduce); no proof
+        (REFUSES)."""
+        return replace(self.scenario.workload(), proves=False, lens=2.0)
 
 
 @dataclass
@@ -457,7 +460,7 @@ REFUSES = {"prove": "the lens has no invariant-mode proof rerun (run Split point
 
 
 def run_lens(lm, cfg: LensConfig, progress=None, settings: ExecSettings | None = None,
-             reference=None) -> LensResult:
+             reference=None, on_phase=None) -> LensResult:
     progress = progress or no_progress
     settings = settings or ExecSettings()  # validated once, by its RunContext
     t0 = time.perf_counter()
@@ -470,6 +473,8 @@ def run_lens(lm, cfg: LensConfig, progress=None, settings: ExecSettings | None =
         if lm.dtype == torch.float64:
             f64 = main
         else:
+            if on_phase is not None:  # the run's phases, as its estimate names them (RunContext.on_phase)
+                on_phase("float64")
             progress(0.5, "float64: the same scenario for the verdict…")
             ref = reference or lm.reference()
             _, f64, _, _, _ = _run(ref, sc, settings.with_(compile="off"),
@@ -572,4 +577,4 @@ def verdict_for(res: LensResult) -> tuple[str, str]:
 def run(lm, config: LensConfig, ctx: RunContext = DEFAULT_CONTEXT) -> LensResult:
     """The view's run (kvviz.core.protocol)."""
     with ctx.running(REFUSES) as progress:
-        return run_lens(lm, config, progress, settings=ctx.settings, reference=ctx.reference)
+        return run_lens(lm, config, progress, settings=ctx.settings, reference=ctx.reference, on_phase=ctx.on_phase)

@@ -73,8 +73,14 @@ class MatrixConfig:
     def workload(self) -> Workload:
         """What the run holds, for its memory plan: the prompt and its batch-mates in one batch (as wide as the
         longest), the new tokens, the largest attention."""
+        # its time estimate: the reference (eager, no cache: the whole sequence each step; and the same in float64),
+        # then each cell `repeats` times through its cache, every row of the batch; the model loaded once per
+        # attention implementation, and its eager float64 twin
+        rows, runs = 1 + len(self.batch_with), len(self.cells()) * int(self.repeats)
         return Workload(texts=(self.prompt, *self.batch_with), new_tokens=int(self.max_new_tokens),
-                        left_pad=int(self.left_pad), batch=1 + len(self.batch_with), attention=",".join(self.attentions))
+                        left_pad=int(self.left_pad), batch=rows, attention=",".join(self.attentions),
+                        forwards=float(rows * (runs + 2)), decode_paths=rows * runs, full_paths=rows,
+                        float64_paths=rows, copies=tuple(dict.fromkeys(("@eager", *(f"@{a}" for a in self.attentions), "float64@eager"))))
 
 
 @dataclass

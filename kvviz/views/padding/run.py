@@ -247,7 +247,15 @@ class PaddingConfig:
     def workload(self) -> Workload:
         """What the run holds, for its memory plan: the prompt, its left padding, the split (None: half the prompt);
         its batch-mates are the view's memory profile's."""
-        return Workload(texts=(self.prompt,), left_pad=int(self.left_pad), split=self.split)
+        # its time estimate: the reference forward, then each cell (a forward, or the prefix and the rest through the
+        # cache: about one) over the placement's rows (the prompt, and its batch-mates in a batch); the whole grid
+        # again in float64 (every cell's verdict), and in invariant mode where a cell is precision
+        rows = {"alone": 1, "left-padded": 1, "in a batch": 1 + len(self.companions or DEFAULT_COMPANIONS)}
+        cells = self.only if self.only is not None else [(p, s[0]) for p in _placements(int(self.left_pad))
+                                                         for s in SCENARIOS]
+        return Workload(texts=(self.prompt,), left_pad=int(self.left_pad), split=self.split,
+                        forwards=1.0 + sum(rows.get(p, 1) for p, _ in cells), float64_certain=True,
+                        copies=("float64",), proves=True)
 
 
 def run(lm: LoadedModel, config: PaddingConfig, ctx: RunContext = DEFAULT_CONTEXT) -> PaddingResult:

@@ -239,7 +239,11 @@ class QuantConfig:
 
     def workload(self) -> Workload:
         """What the run holds, for its memory plan: the prompt, the new tokens, a quantized copy of the weights."""
-        return Workload(texts=(self.prompt,), new_tokens=int(self.max_new_tokens), weights=str(self.weights))
+        # its time estimate: three decodes through a cache (the unquantized run, the quantized one teacher forced and
+        # free running), and a quantized copy of the weights where they are quantized
+        return Workload(texts=(self.prompt,), new_tokens=int(self.max_new_tokens), weights=str(self.weights),
+                        forwards=3.0, decode_paths=3,
+                        casts=(str(self.weights),) if str(self.weights or "none") != "none" else ())
 
     def check_feasible(self, lm: LoadedModel) -> None:
         """What can be known before any run (check_feasible): KvvizError with one line."""

@@ -186,8 +186,14 @@ class ReuseConfig:
 
     def workload(self) -> Workload:
         """What the run holds, for its memory plan: the prefix, its longest continuation, the new tokens of each."""
+        # its time estimate: the prefix's forward; per continuation the fresh prefill (prefix + continuation) and
+        # the other ways' short prefills (a continuation through the cached prefix: a quarter of a forward, about),
+        # each way decoding the new tokens; all again in float64, and in invariant mode where a way is precision
+        conts = len([c for c in self.continuations if c and c.strip()]) or 1
+        ways = len(set(self.ways) | {REFERENCE})
         return Workload(texts=(self.prefix,), continuations=tuple(self.continuations),
-                        new_tokens=int(self.max_new_tokens))
+                        new_tokens=int(self.max_new_tokens), forwards=1.0 + conts * (1 + 0.25 * (ways - 1)),
+                        decode_paths=conts * ways, float64_certain=True, copies=("float64",), proves=True)
 
 
 def run(lm: LoadedModel, config: ReuseConfig, ctx: RunContext = DEFAULT_CONTEXT) -> ReuseResult:

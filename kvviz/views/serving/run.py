@@ -92,9 +92,19 @@ class ServeConfig:
     def workload(self) -> Workload:
         """What kvviz's process holds, for the memory plan: each prompt after the shared prefix, the requests in
         flight, the conditions, and transformers' pages (0: vLLM, llama.cpp or a server hold theirs elsewhere)."""
+        # its time estimate: each prompt's no-cache reference decode (the whole sequence each step); then per
+        # condition and run the prompts through the engine: alone and warm one request at a time (a prefill and its
+        # decode steps; warm: a warming request's prefill first), batch k requests at a time (one prefill and one
+        # decode step for the batch: a batch's step on a CPU costs about one request's for a small batch)
+        n, k = len(self.prompts), max(1, int(self.batch_size))
+        steps = {"alone": n, "batch": -(-n // k), "warm": n}  # decode paths per run
+        prefills = {"alone": n, "batch": -(-n // k), "warm": 2 * n}
+        runs = int(self.runs)
         return Workload(texts=tuple(self.shared_prefix + p for p in self.prompts), new_tokens=int(self.max_new_tokens),
                         batch=int(self.batch_size), conditions=tuple(self.conditions),
-                        page_size=self.page_size if registry.facts(self.engine).pages_here else 0)
+                        page_size=self.page_size if registry.facts(self.engine).pages_here else 0,
+                        forwards=float(n + runs * sum(prefills.get(c, n) for c in self.conditions)), full_paths=n,
+                        decode_paths=runs * sum(steps.get(c, n) for c in self.conditions))
 
     def validate(self) -> None:
         engine = registry.facts(self.engine)

@@ -391,23 +391,21 @@ def announce_long_run(name: str, key: str, est) -> None:
     chosen = ss.setdefault("_long_ok", {})
     if est is None or est.run_s <= LONG_RUN_S or chosen.get(name, ("", ""))[0] == key:
         return
-    proof_s = est.seconds("proof")
-    without = est.without("proof", "load")
-
     def parts(maybe: bool) -> str:
         return ", ".join(f"{estimate.duration(p.seconds)} for the {estimate.PHASE_WORDS.get(p.name, p.name)}"
                          for p in est.phases if p.name != "load" and p.seconds >= 1 and p.maybe == maybe)
     sure, maybe = parts(False), parts(True)  # the phases that run whatever the numbers; those only where they differ
-    upto = f", up to {estimate.duration(est.run_s)} if the paths differ" if "up to" in est.about(load=False) else ""
-    st.warning(f"This run will take about {estimate.duration(est.without('load').certain_s)} on this machine{upto} "
+    certain, upper = (estimate.duration(s) for s in est.span(load=False))
+    upto = f", up to {upper} if the paths differ" if upper != certain else ""
+    st.warning(f"This run will take about {certain} on this machine{upto} "
                f"({sure}{'; if they differ, ' + maybe if maybe else ''}): {est.basis}. The progress bar says each "
                "phase as it goes; Stop ends it at once.", icon=":material/schedule:")
-    skip = proof_s >= 1
+    skip = est.seconds("proof") >= 1
     cols = st.columns(2 if skip else 1)
     cols[0].button(f"Run it ({est.about(load=False)})", key=f"_long_run_{name}", type="primary",
                    on_click=chosen.__setitem__, args=(name, (key, "full")))
     if skip:
-        cols[1].button(f"Run without the proof ({without.about(load=False)})",
+        cols[1].button(f"Run without the proof ({est.without('proof', 'load').about(load=False)})",
                        key=f"_long_noproof_{name}", on_click=chosen.__setitem__, args=(name, (key, "no proof")),
                        help="The verdict stays (the float64 rerun decides it); a precision verdict then says it is "
                             "not proved. Turn on invariant mode in the sidebar for a proof in one run.")

@@ -83,11 +83,16 @@ class Estimate:
         (a run's measured phases) - what a run's seconds are compared with."""
         return sum(p.seconds for p in self.phases if not p.maybe or p.name in ran)
 
+    def span(self, load: bool = True) -> tuple[float, float]:
+        """(seconds of the phases that run whatever the numbers, seconds with the may-happen ones too); load: loading
+        counted."""
+        ph = [p for p in self.phases if load or p.name != "load"]
+        return sum(p.seconds for p in ph if not p.maybe), sum(p.seconds for p in ph)
+
     def about(self, load: bool = True) -> str:
         """"about 4 s" or "about 4 s, up to 10 s if the paths differ" (load: loading counted)."""
-        ph = [p for p in self.phases if load or p.name != "load"]
-        certain, upper = sum(p.seconds for p in ph if not p.maybe), sum(p.seconds for p in ph)
-        if any(p.maybe for p in ph) and duration(upper) != duration(certain):
+        certain, upper = self.span(load)
+        if duration(upper) != duration(certain):
             return f"about {duration(certain)}, up to {duration(upper)} if the paths differ"
         return f"about {duration(upper)}"
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from .errors import KvvizError
-from .metrics import LOGITS_CHUNK_BYTES
+from . import metrics  # LOGITS_CHUNK_BYTES read at call time (tests and benches lower it)
 
 NORM_NAMES = ("norm", "ln_f", "final_layernorm", "final_layer_norm", "norm_f", "final_norm")
 
@@ -134,7 +134,7 @@ def first_difference(top1_a, top1_b) -> tuple[int, int] | None:
 def lens_chunk(vocab: int) -> int:
     """Positions per chunk of the lens of two sides: their lens logits and the KL's float64 temporaries of one chunk
     (LOGITS_CHUNK_BYTES of float64 each)."""
-    return max(1, LOGITS_CHUNK_BYTES // (8 * max(1, vocab)))
+    return max(1, metrics.LOGITS_CHUNK_BYTES // (8 * max(1, vocab)))
 
 
 @dataclass

@@ -35,7 +35,7 @@ from .errors import KvvizError
 from .inputs import MAX_PROMPT_CHARS, Workload  # noqa: F401 - Workload is part of this module's API
 from .float64 import PROBE_SLAB, REFERENCE_CHUNK_BYTES, gives_freed_memory_back
 from .dtypes import dtype_name, exact_in, parse_dtype, resolve_device
-from .metrics import LOGITS_CHUNK_BYTES
+from . import metrics  # LOGITS_CHUNK_BYTES read at call time (tests and benches lower it)
 from ..models.loading import converted_gguf_folder, default_gguf_path, parse_spec, tiny_folder
 
 GB = 1024 ** 3
@@ -606,7 +606,7 @@ LOGITS_TEMPORARIES = 7
 def comparison_temporaries(width: int, rows_bytes: int) -> int:
     """The float64 temporaries of logits_divergence over logits of `width` bytes per number whose compared rows take
     `rows_bytes` in float64: one chunk of LOGITS_CHUNK_BYTES at a time (or all the rows where they are less)."""
-    return (LOGITS_TEMPORARIES - (2 if width == 8 else 0)) * min(LOGITS_CHUNK_BYTES, rows_bytes)
+    return (LOGITS_TEMPORARIES - (2 if width == 8 else 0)) * min(metrics.LOGITS_CHUNK_BYTES, rows_bytes)
 # float64 full-forward logits over this are computed a chunk of rows at a time (kvviz.views.split.run uses REFERENCE_LOGITS_BYTES)
 REFERENCE_LOGITS_BYTES = 128 * 1024 ** 2
 

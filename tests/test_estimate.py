@@ -285,8 +285,8 @@ def test_each_views_workload_declares_what_its_run_computes():
 
 
 def test_the_workloads_extra_costs_are_priced_from_the_measured_pace():
-    """Each dtype at its measured rate, every copy not loaded yet at the model's own load rate for its size, casts
-    at the copy rate, the lens per hidden state and compared position; a copy already loaded costs nothing."""
+    """Each dtype at its measured rate, every copy not loaded yet and every cast at the copy rate (the checkpoint read
+    and written in the copy's dtype), the lens per hidden state and compared position; a copy already loaded costs nothing."""
     pace = Pace(0.0, 1e-3, 0.0, params=10**9, layers=5, rates={"float32": 1.0, "float64": 2.5, "float16": 4.0,
                                                                 "bfloat16": 3.0}, head=1e-3, load_gb_s=2.0,
                 copy_gb_s=0.5)
@@ -294,9 +294,9 @@ def test_the_workloads_extra_costs_are_priced_from_the_measured_pace():
                  copies=("float64", "bfloat16"))
     est = estimate.estimate(pace, w, 100, dtype="float32")
     work = 2 * 100 * 1e-3  # two forwards of 100 tokens
-    assert est.seconds("run") == pytest.approx(work * (2.5 + 1 + 3) + 2.0 * (8 + 2))  # + 8 GB and 2 GB loaded
+    assert est.seconds("run") == pytest.approx(work * (2.5 + 1 + 3) + 0.5 * (12 + 8) + 0.5 * (12 + 2))  # 2 copies
     loaded = estimate.estimate(pace, w, 100, dtype="float32", loaded=lambda c: c == "float64")
-    assert loaded.seconds("run") == pytest.approx(work * 6.5 + 2.0 * 2)
+    assert loaded.seconds("run") == pytest.approx(work * 6.5 + 0.5 * (12 + 2))
     # in a bfloat16 model the rates are taken against bfloat16's
     assert estimate.rate(pace, "float64", "bfloat16") == pytest.approx(2.5 / 3)
     # a cast copy: a deep copy in the model's dtype (read + write) and the cast (read + write), at 0.5 s a GB
@@ -310,12 +310,14 @@ def test_the_workloads_extra_costs_are_priced_from_the_measured_pace():
     # a split's float64 twin loads when its float64 rerun starts: in that "may happen" phase, not the run's
     split = estimate.estimate(pace, SplitConfig(prompt=PROMPT, split=3).workload(), 100, dtype="float32")
     assert split.seconds("run") == pytest.approx(work)
-    assert split.seconds("float64") == pytest.approx(work * 2.5 + 2.0 * 8)
+    assert split.seconds("float64") == pytest.approx(work * 2.5 + 0.5 * (12 + 8))
     # the padding grid's float64 rerun always runs (certain); its proof only where a cell is precision
     pad = estimate.estimate(pace, Workload(texts=(PROMPT,), forwards=2.0, float64_certain=True, copies=("float64",),
                                            proves=True), 100)
     assert [(p.name, p.maybe) for p in pad.phases] == [("run", False), ("float64", False), ("proof", True)]
-    assert pad.seconds("run") == pytest.approx(work + 16.0)
+    assert pad.seconds("run") == pytest.approx(work + 10.0)
+    # without a measured copy rate, a copy at the first load's rate for its size
+    assert estimate.copy_seconds(replace(pace, copy_gb_s=None), "float64", "float32") == pytest.approx(2.0 * 8)
 
 
 def test_may_happen_phases_are_quoted_apart_and_a_run_is_compared_with_what_ran():

@@ -477,9 +477,14 @@ def scaled(pace: Pace, r: float) -> Pace:
 
 
 def copy_seconds(pace: Pace, copy: str, own: str) -> float:
-    """Loading the model again as `copy` ("float64", "bfloat16", "@eager", "float64@eager"): its size in that dtype
-    at the model's own measured load rate (0 where nothing was measured)."""
+    """Loading the model again as `copy` ("float64", "bfloat16", "@eager", "float64@eager"): its checkpoint read again
+    (from the page cache) and written in that dtype, priced as that memory traffic at the measured copy rate (as a
+    cast: `cast_seconds`). Not at the first load's rate: the first load also imports the model's code and reads its
+    tokenizer, which priced the default model's float64 twin at 5x its 1.2 s (bench/estimate_bench.py, 2026-12-08).
+    The first load's rate where no copy rate was measured; 0 where nothing was."""
     dtype = copy.split("@")[0] or own
+    if pace.params and pace.copy_gb_s:
+        return cast_seconds(pace, dtype, own)
     if not pace.params or not pace.load_gb_s:
         return 0.0
     return pace.load_gb_s * pace.params * _bytes(dtype) / 1e9

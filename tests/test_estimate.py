@@ -260,7 +260,7 @@ def test_each_views_workload_declares_what_its_run_computes():
 
     t = cfg("loading_trap", "This is a ", 12, "bfloat16").workload()
     assert (t.run_dtypes, t.copies, t.casts, t.full_paths, t.forwards) == \
-        (("bfloat16",), ("bfloat16", "float32"), ("bfloat16",), 2, 2.0)
+        (("bfloat16",), ("bfloat16", "float32"), ("bfloat16",), 2, 0.0)  # the prompt's forward: each path's first step
 
     m = cfg("matrix", prompt=PROMPT, max_new_tokens=8).workload()  # 2 attentions x 2 caches x 2 repeats
     assert (m.forwards, m.decode_paths, m.full_paths, m.float64_paths) == (10.0, 8, 1, 1)

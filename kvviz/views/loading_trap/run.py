@@ -105,8 +105,9 @@ class LoadingTrapConfig:
     def workload(self) -> Workload:
         """What the run holds, for its memory plan: the prompt and the new tokens (its twins: the memory profile's)."""
         # its time estimate: the model loaded in the dtype, and in float32 copied and cast to it in memory; both
-        # decoded greedily without a cache (the whole sequence each step) in that dtype
-        return Workload(texts=(self.prompt,), new_tokens=int(self.max_new_tokens), forwards=2.0, full_paths=2,
+        # decoded greedily without a cache (the whole sequence each step, the prompt's forward the first step) in that
+        # dtype: no forward besides those steps
+        return Workload(texts=(self.prompt,), new_tokens=int(self.max_new_tokens), forwards=0.0, full_paths=2,
                         run_dtypes=(str(self.dtype),), copies=(str(self.dtype), "float32"), casts=(str(self.dtype),))
 
 

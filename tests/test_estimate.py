@@ -50,7 +50,10 @@ def test_calibration_is_kept_as_json_per_model_dtype_device_and_threads(store):
         return (0.5 if invariant else 0.01) + 1e-3 * n + 1e-5 * n * n
 
     pace = estimate.calibrate(lm, invariant=True, clock_forward=clock_forward)
-    assert timed == [(1, False), (64, False), (256, False), (8, True), (32, True)]
+    lengths = estimate.calibration_lengths(lm)  # 1, 256 and 1,024 tokens within the model's context
+    limit = lm.config.max_position_embeddings
+    assert lengths == [1, 256, min(1024, limit)] if limit > 256 else len(set(lengths)) == 3 and max(lengths) <= limit
+    assert timed == [(n, False) for n in lengths] + [(8, True), (32, True)]
     d = json.loads(store.read_text())
     (key,) = d
     assert key == estimate.key_of_model(lm) and key.startswith("tiny:llama|float32|cpu|threads=")

@@ -8,7 +8,7 @@ A run is costed phase by phase (`Estimate`: typed `Phase`s, name and seconds):
   proof     the invariant-mode rerun that proves a precision verdict
 
 The unit costs (`Pace`) are measured, never assumed: on first use for a model shape, dtype, device and thread count,
-`calibrate` times short forwards of the loaded model at three lengths (1, 64 and 256 tokens: the fixed cost of a
+`calibrate` times short forwards of the loaded model at three lengths (1, 256 and 1,024 tokens: the fixed cost of a
 call, the per-token cost and the quadratic part of attention - measured, so a long prompt is not priced as a short
 one scaled) and, where a proof may run, two forwards in invariant mode. The pace is kept in a JSON file in kvviz's
 cache dir (`estimates.json`; no pickle) and refined by every finished run: each phase's measured seconds against its
@@ -41,7 +41,10 @@ from .inputs import Workload
 from .execution import DEFAULT_SETTINGS, Executor
 from ..models.loading import cache_dir, parse_spec
 
-CALIBRATION_LENGTHS = (1, 64, 256)  # tokens: the call's fixed cost, then two lengths for the linear and quadratic part
+# tokens: the call's fixed cost, then two lengths for the linear and quadratic part (1,024, not 256: the quadratic part
+# measured at 64/256 tokens came out 0 or 3e-7 s/token^2 on two calibrations of one model, and a 3,680-token split
+# was priced 0.4x-1.6x its time; at 256/1,024 tokens it is stable within 30 %)
+CALIBRATION_LENGTHS = (1, 256, 1024)
 INVARIANT_LENGTHS = (8, 32)  # invariant mode's fixed-order kernels are slow: two short lengths
 STORE_NAME = "estimates.json"
 PHASES = ("load", "run", "float64", "proof")  # a run's phases, in their order (RunContext.on_phase names them)
@@ -342,7 +345,7 @@ def calibrate(lm, invariant: bool = False, clock_forward=None, extras=None) -> P
         return pace
     timed = clock_forward or (lambda n, inv: _time_forward(lm, n, inv))
     if pace is None:
-        points = [(n, timed(n, False)) for n in CALIBRATION_LENGTHS]
+        points = [(n, timed(n, False)) for n in calibration_lengths(lm)]
         pace = Pace(*fit(points))
     if invariant and pace.inv is None:
         pace.inv = fit2([(n, timed(n, True)) for n in INVARIANT_LENGTHS], pace.c0)
@@ -351,6 +354,13 @@ def calibrate(lm, invariant: bool = False, clock_forward=None, extras=None) -> P
             setattr(pace, k, v)
     save_pace(key, pace)
     return pace
+
+
+def calibration_lengths(lm) -> list[int]:
+    """CALIBRATION_LENGTHS within the model's context (three distinct lengths, fewer tokens for a short context)."""
+    limit = max(3, int(getattr(lm.config, "max_position_embeddings", None) or 4096))
+    ns = sorted({max(1, min(n, limit)) for n in CALIBRATION_LENGTHS})
+    return ns if len(ns) == 3 else [1, max(2, limit // 4), limit]
 
 
 def _bytes(dtype) -> int:

@@ -228,11 +228,11 @@ def test_plan_prints_the_estimate_beside_the_memory_plan(store, capsys):
     assert main(args) == 0
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("time:"))
-    # two forwards of 100 s (a call's fixed cost), the float64 rerun the same (a dtype's rate scales the per-token
-    # part, none here), the proof (invariant mode unmeasured: 3x the run); the last two only where the paths differ:
-    # quoted apart
-    assert line.startswith("time: about 3 min, up to 17 min if the paths differ (run 3 min; if they differ: float64 "
-                           "rerun 3 min, invariant proof 10 min)"), line
+    # three calls of 100 s (a call's fixed cost: the prefix, the rest through the cache, the full forward), the
+    # float64 rerun at float64's rate (2x float32's before it is measured: the fixed cost too), the proof (invariant
+    # mode unmeasured: 3x the run); the last two only where the paths differ: quoted apart
+    assert line.startswith("time: about 5 min, up to 30 min if the paths differ (run 5 min; if they differ: float64 "
+                           "rerun 10 min, invariant proof 15 min)"), line
     assert "from this machine's measured pace" in line
 
 

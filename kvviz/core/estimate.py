@@ -457,6 +457,8 @@ def work_seconds(pace: Pace, w: Workload, tokens: int, invariant: bool = False) 
     """Seconds of the view's own computation (its forwards and steps) at `tokens` input tokens."""
     n = max(1, int(tokens))
     s = float(w.forwards) * pace.forward(n, invariant)
+    if w.calls is not None and w.calls > w.forwards:  # the calls beyond the forwards: their fixed cost
+        s += (float(w.calls) - float(w.forwards)) * pace.forward(0, invariant)
     steps = int(w.new_tokens or 0)
     if w.steps_after_split and isinstance(w.split, int):
         steps = max(0, n - int(w.split))
@@ -480,10 +482,11 @@ def rate(pace: Pace, dtype: str, own: str) -> float:
 
 
 def scaled(pace: Pace, r: float) -> Pace:
-    """The pace in a dtype `r` times as slow as the model's own: its per-token parts scaled, the call's fixed cost
-    (Python, hooks) as it is."""
-    inv = (pace.inv[0], pace.inv[1] * r, pace.inv[2] * r) if pace.inv else None
-    return Pace(pace.c0, pace.a * r, pace.b * r, inv)
+    """The pace in a dtype `r` times as slow as the model's own, the call's fixed cost included: a short call's time
+    is mostly reading every weight once, which the dtype changes as it changes the matmuls (the split default's
+    float64 rerun took 2.5x the estimate that kept it: 2026-12-08)."""
+    inv = (pace.inv[0] * r, pace.inv[1] * r, pace.inv[2] * r) if pace.inv else None
+    return Pace(pace.c0 * r, pace.a * r, pace.b * r, inv)
 
 
 def copy_seconds(pace: Pace, copy: str, own: str) -> float:

@@ -133,6 +133,9 @@ class Workload:
     # proved by an invariant-mode rerun (as `prove` allows). Not compared: the memory plan's workload is the same
     # whoever describes it (the CLI reads it off its arguments)
     forwards: float = field(default=1.0, compare=False)
+    # model calls over those forwards' tokens where there are more (a prefix, the rest through the cache and the full
+    # forward: 3 calls, 2 forwards' tokens); each call pays the call's fixed cost (reading every weight once)
+    calls: float | None = field(default=None, compare=False)
     decode_paths: int = field(default=0, compare=False)
     full_paths: int = field(default=0, compare=False)
     float64_paths: int = field(default=0, compare=False)
@@ -179,7 +182,8 @@ class SplitConfig:
         # feeds the rest token by token through the cache; a gap is rerun in float64 and a precision verdict proved
         step = self.mode == "step"
         return Workload(texts=(self.prompt,), left_pad=int(self.left_pad), split=self.split,
-                        forwards=1.5 if step else 2.0, decode_paths=int(step), steps_after_split=step,
+                        forwards=1.5 if step else 2.0, calls=None if step else 3.0, decode_paths=int(step),
+                        steps_after_split=step,
                         float64_rerun=True, proves=True, copies=("float64",))
 
 def check_split(n_tokens: int, split: int) -> None:

@@ -37,7 +37,8 @@ from ...core.dtypes import dtype_name
 from ...core.errors import KvvizError
 from ...core.execution import ExecSettings, Executor, RunInfo, has_cache
 from ...core.inputs import SplitConfig, build_inputs, cached_mask, check_split
-from ...core.metrics import LOGITS_CHUNK_BYTES, logits_rows
+from ...core import metrics  # LOGITS_CHUNK_BYTES read at call time, as core.lens and core.memory read it
+from ...core.metrics import logits_rows
 from ...core.lens import NORM_NAMES, Lens, first_difference  # noqa: F401  (NORM_NAMES: the repro script's)
 from ...core.lens import kl64 as _kl64, max_abs_exact as _max_abs_exact, top2 as _top2  # noqa: F401
 from ...core.lens import top2_slow as _top2_slow  # noqa: F401  (tests/test_lens.py's names)
@@ -232,7 +233,7 @@ class _LensSink:
             # of both paths and argmax's copy, not [compared, vocab] each); the run's own lens in one block (its
             # head over the very rows the repro script takes)
             width = getattr(self.lens.head, "out_features", None) or 1
-            block = ref.shape[0] if self.lensed == "every" else max(1, LOGITS_CHUNK_BYTES // (8 * width))
+            block = ref.shape[0] if self.lensed == "every" else max(1, metrics.LOGITS_CHUNK_BYTES // (8 * width))
             for b in range(0, ref.shape[0], block):
                 self._reduce(i, ref[b:b + block], got[b:b + block], s + b, normed)
             self.filled[i, cols] = True
